@@ -1,0 +1,83 @@
+# A thin layer over CMake. The real build is CMakeLists.txt; these targets
+# only install dependencies, pick build directories and run things.
+#
+#   make            build (release with debug info) into build/release
+#   make test       install test dependencies, build, run every test, then
+#                   rebuild with ASan+UBSan and run the native tests again
+#   make demo       install dependencies, build, run the kernel demo
+#   make bench      run the benchmarks (JSON lines)
+#   make test-gpu   run the GPU tests, failing (not skipping) without a GPU
+#   make fuzz       build the libFuzzer targets with clang and run each briefly
+#   make format     clang-format every C/CUDA source
+
+BUILD      ?= build/release
+ASAN_BUILD ?= build/asan
+FUZZ_BUILD ?= build/fuzz
+CMAKE_ARGS ?=
+FUZZ_SECONDS ?= 60
+GENERATOR  := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
+CTEST      := ctest --output-on-failure --timeout 900
+
+.PHONY: all build deps test test-asan test-gpu demo bench fuzz format clean
+
+all: build
+
+# Configure once; later runs of cmake --build re-run CMake when needed.
+$(BUILD)/CMakeCache.txt:
+	cmake -S . -B $(BUILD) $(GENERATOR) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_ARGS)
+
+build: $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD)
+
+deps:
+	scripts/deps.sh test
+
+test:
+	scripts/deps.sh test
+	$(MAKE) build
+	cd $(BUILD) && $(CTEST)
+	$(MAKE) test-asan
+
+$(ASAN_BUILD)/CMakeCache.txt:
+	cmake -S . -B $(ASAN_BUILD) $(GENERATOR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DZEROD_SANITIZE=ON \
+	  -DZEROD_CUDA=OFF -DZEROD_BENCH=OFF $(CMAKE_ARGS)
+
+# The sanitizer build runs every native test; it leaves out the Python tests
+# (an instrumented library cannot be loaded into an uninstrumented Python).
+test-asan: $(ASAN_BUILD)/CMakeCache.txt
+	cmake --build $(ASAN_BUILD)
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(CTEST)
+
+test-gpu: build
+	cd $(BUILD) && ZEROD_REQUIRE_GPU=1 $(CTEST) -L gpu
+
+demo:
+	scripts/deps.sh demo
+	$(MAKE) build
+	scripts/demo.sh $(BUILD)
+
+bench: build
+	$(BUILD)/bench/bench_kernels
+	@if [ -x $(BUILD)/bench/bench_cuda ]; then $(BUILD)/bench/bench_cuda; fi
+
+$(FUZZ_BUILD)/CMakeCache.txt:
+	CC=clang cmake -S . -B $(FUZZ_BUILD) $(GENERATOR) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DZEROD_FUZZ=ON -DZEROD_CUDA=OFF -DZEROD_BENCH=OFF $(CMAKE_ARGS)
+
+fuzz:
+	scripts/deps.sh fuzz
+	$(MAKE) $(FUZZ_BUILD)/CMakeCache.txt
+	cmake --build $(FUZZ_BUILD)
+	@for f in $(FUZZ_BUILD)/tests/fuzz/fuzz_*; do \
+	  echo "== $$f ($(FUZZ_SECONDS) s)"; \
+	  mkdir -p $(FUZZ_BUILD)/corpus/$$(basename $$f); \
+	  $$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	    $(FUZZ_BUILD)/corpus/$$(basename $$f) || exit 1; \
+	done
+
+format:
+	clang-format -i $$(git ls-files '*.c' '*.h' '*.cu' '*.cc')
+
+clean:
+	rm -rf build

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Installs what zerod needs for a task, and only what is missing.
+#
+#   scripts/deps.sh build   compilers, CMake, Ninja, pkg-config
+#   scripts/deps.sh test    build + cmocka, and Debian's CPU-only PyTorch,
+#                           numpy and pytest for the torch parity tests
+#   scripts/deps.sh demo    same as build
+#   scripts/deps.sh bench   same as build
+#   scripts/deps.sh fuzz    build + clang and its libFuzzer runtime
+#
+# Idempotent: it asks dpkg what is installed, runs `apt-get update` only when
+# a missing package is unknown to apt's current lists, and installs nothing
+# when nothing is missing. The CUDA toolkit is not installed here: CUDA is
+# optional (ZEROD_CUDA=AUTO builds the GPU module where nvcc is found).
+# Python packages come from Debian, not PyPI: Debian's python3-torch is the
+# CPU-only build (about 0.3 GB with its dependencies), where PyPI's torch
+# wheel pulls several GB of CUDA libraries (see docs/decisions.md).
+set -euo pipefail
+
+task=${1:-build}
+packages=(build-essential cmake ninja-build pkg-config)
+case "$task" in
+build | demo | bench) ;;
+test) packages+=(libcmocka-dev python3 python3-torch python3-numpy python3-pytest) ;;
+fuzz) packages+=(libcmocka-dev clang libclang-rt-dev) ;;
+*)
+  echo "deps.sh: unknown task '$task' (build, test, demo, bench, fuzz)" >&2
+  exit 2
+  ;;
+esac
+# Everything except 'build' compiles the tests' libraries too.
+[ "$task" = build ] || packages+=(libcmocka-dev)
+
+missing=()
+for pkg in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$pkg")
+  fi
+done
+# De-duplicate (libcmocka-dev may be listed twice).
+if [ ${#missing[@]} -gt 0 ]; then
+  mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
+fi
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "deps: everything for '$task' is installed"
+  exit 0
+fi
+
+sudo=()
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then
+    sudo=(sudo)
+  else
+    echo "deps: missing packages: ${missing[*]}; run as root or install them with apt-get" >&2
+    exit 1
+  fi
+fi
+
+# Update the package lists only if apt does not know a candidate for one of
+# the missing packages (a fresh image often has no lists at all).
+for pkg in "${missing[@]}"; do
+  candidate=$(apt-cache policy "$pkg" 2>/dev/null | awk '/Candidate:/ {print $2}')
+  if [ -z "$candidate" ] || [ "$candidate" = "(none)" ]; then
+    echo "deps: apt-get update (no candidate for $pkg)"
+    "${sudo[@]}" apt-get update -qq
+    break
+  fi
+done
+
+echo "deps: installing ${missing[*]}"
+"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+  "${missing[@]}" >/dev/null
+echo "deps: done"

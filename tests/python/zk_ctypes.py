@@ -1,0 +1,84 @@
+"""ctypes view of the CPU kernel library (libzerod_kernels.so) for tests.
+
+Only what the tests call is declared. The library path comes from
+$ZEROD_KERNELS_LIB, which ctest sets to the library it just built.
+"""
+import ctypes
+import os
+
+import numpy as np
+
+F32, BF16, F16, NONE = 0, 1, 2, 3
+
+
+class AdamHparams(ctypes.Structure):
+    _fields_ = [
+        ("lr", ctypes.c_double),
+        ("beta1", ctypes.c_double),
+        ("beta2", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+        ("decoupled_weight_decay", ctypes.c_int),
+        ("step", ctypes.c_int64),
+        ("grad_scale", ctypes.c_double),
+    ]
+
+
+class SgdHparams(ctypes.Structure):
+    _fields_ = [
+        ("lr", ctypes.c_double),
+        ("momentum", ctypes.c_double),
+        ("dampening", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+        ("nesterov", ctypes.c_int),
+        ("step", ctypes.c_int64),
+        ("grad_scale", ctypes.c_double),
+    ]
+
+
+def _ptr(array):
+    if array is None:
+        return None
+    assert array.flags["C_CONTIGUOUS"]
+    return ctypes.c_void_p(array.ctypes.data)
+
+
+class Kernels:
+    def __init__(self, threads=2):
+        path = os.environ.get("ZEROD_KERNELS_LIB")
+        if not path:
+            raise RuntimeError("ZEROD_KERNELS_LIB is not set (run through ctest or make test)")
+        self.lib = ctypes.CDLL(path)
+        self.lib.zk_pool_create.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+        self.lib.zk_pool_destroy.argtypes = [ctypes.c_void_p]
+        self.lib.zk_adam_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(AdamHparams)] + [
+            ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        self.lib.zk_sgd_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(SgdHparams)] + [
+            ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        self.pool = ctypes.c_void_p()
+        rc = self.lib.zk_pool_create(threads, ctypes.byref(self.pool))
+        if rc != 0:
+            raise OSError(-rc, "zk_pool_create failed")
+
+    def close(self):
+        self.lib.zk_pool_destroy(self.pool)
+
+    def adam_step(self, hp, param, exp_avg, exp_avg_sq, grad, grad_dtype, working=None,
+                  working_dtype=NONE):
+        rc = self.lib.zk_adam_step(self.pool, ctypes.byref(hp), _ptr(param), _ptr(exp_avg),
+                                   _ptr(exp_avg_sq), _ptr(grad), grad_dtype, _ptr(working),
+                                   working_dtype, param.size)
+        if rc != 0:
+            raise OSError(-rc, "zk_adam_step failed")
+
+    def sgd_step(self, hp, param, momentum_buf, grad, grad_dtype, working=None,
+                 working_dtype=NONE):
+        rc = self.lib.zk_sgd_step(self.pool, ctypes.byref(hp), _ptr(param), _ptr(momentum_buf),
+                                  _ptr(grad), grad_dtype, _ptr(working), working_dtype,
+                                  param.size)
+        if rc != 0:
+            raise OSError(-rc, "zk_sgd_step failed")
+
+
+def empty(n, dtype=np.float32):
+    return np.empty(n, dtype=dtype)
