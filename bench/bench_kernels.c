@@ -16,19 +16,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "zk.h"
 #include "../kernels/cpu/internal.h"
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
 
 static void *alloc_pages(size_t bytes) {
   void *p = NULL;
@@ -195,17 +185,15 @@ static void median_pair(bench_ctx *c, bench_op op_a, bench_op op_b, int reps, do
   run_op(c, op_a); /* warm-up */
   run_op(c, op_b);
   for (int r = 0; r < reps; r++) {
-    double t0 = now_s();
+    double t0 = bench_now_s();
     run_op(c, op_a);
-    double t1 = now_s();
+    double t1 = bench_now_s();
     run_op(c, op_b);
     ta[r] = t1 - t0;
-    tb[r] = now_s() - t1;
+    tb[r] = bench_now_s() - t1;
   }
-  qsort(ta, (size_t)reps, sizeof ta[0], cmp_double);
-  qsort(tb, (size_t)reps, sizeof tb[0], cmp_double);
-  *t_a = ta[reps / 2];
-  *t_b = tb[reps / 2];
+  *t_a = bench_median(ta, reps);
+  *t_b = bench_median(tb, reps);
 }
 
 static void print_ratio(const char *bench, int threads, const char *metric, double value,

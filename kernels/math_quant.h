@@ -26,6 +26,21 @@ ZK_HD float zk_quant_scale(float lo, float hi, int qmax, int zero_point, int non
   return nonfinite ? zk_bits_f32(0x7fc00000u) : (float)(range / qmax);
 }
 
+/* Block statistics are reduced in the total order of the float bit
+ * patterns: the int32 key below has the same signed order as the floats
+ * (-0 below +0, NaNs beyond the infinities by sign). Integer min/max
+ * reductions vectorise on CPU and are order-independent on GPU, and both
+ * drivers pick the same minimum for every block, signed zeros included,
+ * which matters because the zero-point minimum is stored in the buffer. */
+ZK_HD int32_t zk_quant_order_key(uint32_t bits) {
+  int32_t s = (int32_t)bits;
+  return s ^ (int32_t)((uint32_t)(s >> 31) & 0x7fffffffu);
+}
+
+ZK_HD float zk_quant_key_to_f32(int32_t key) {
+  return zk_bits_f32((uint32_t)(key ^ (int32_t)((uint32_t)(key >> 31) & 0x7fffffffu)));
+}
+
 /* Reciprocal of the scale, or 0 for an all-zero (or constant) block and for
  * NaN scales, so that every code of such a block is 0 and no division by
  * zero happens in the element loop. */

@@ -153,7 +153,8 @@ typedef struct zk_qformat {
  *   uint8_t data[(numel * bits + 7) / 8];
  * with n_blocks = ceil(numel / block_numel). Symmetric data is two's
  * complement (int8 in [-127, 127], int4 in [-7, 7]); zero-point data is
- * unsigned ([0, 255] or [0, 15]). A block that holds Inf or NaN gets a NaN
+ * unsigned ([0, 255] or [0, 15]). The stored minimum is the block's least
+ * value in the order of fp32 bit patterns (-0 before +0). A block that holds Inf or NaN gets a NaN
  * scale, and dequantizes to NaN, so overflow survives compression.
  *
  * Error bound, per element of a block whose values lie in [lo, hi]

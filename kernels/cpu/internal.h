@@ -5,8 +5,9 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include "../zk.h"
+#include "../args.h"
 #include "../math_cast.h"
+#include "../zk.h"
 
 /* Arrays smaller than this run on the calling thread: waking the pool costs
  * more than the loop itself. */
@@ -70,10 +71,6 @@ ZK_ALWAYS_INLINE void zk_store_f32(void *restrict dst, zk_dtype dtype, size_t i,
   default:
     break;
   }
-}
-
-static inline int zk_is_float_dtype(zk_dtype dtype) {
-  return dtype == ZK_F32 || dtype == ZK_BF16 || dtype == ZK_F16;
 }
 
 #endif /* ZK_CPU_INTERNAL_H */

@@ -9,7 +9,7 @@
  */
 #include <errno.h>
 
-#include "../math_optim.h"
+#include "../args.h"
 #include "internal.h"
 
 /* ---- Adam / AdamW ------------------------------------------------------ */
@@ -76,23 +76,16 @@ static void adam_task(void *ctx, int task, int n_tasks) {
 int zk_adam_step(zk_pool *pool, const zk_adam_hparams *hp, float *param, float *exp_avg,
                  float *exp_avg_sq, const void *grad, zk_dtype grad_dtype, void *working,
                  zk_dtype working_dtype, size_t numel) {
-  if (hp == NULL || !zk_is_float_dtype(grad_dtype) ||
-      !(zk_is_float_dtype(working_dtype) || working_dtype == ZK_DTYPE_NONE))
-    return -EINVAL;
   adam_job job = {.param = param,
                   .exp_avg = exp_avg,
                   .exp_avg_sq = exp_avg_sq,
                   .grad = grad,
                   .working = working,
                   .numel = numel};
-  if (zk_adam_coef_init(&job.coef, hp->lr, hp->beta1, hp->beta2, hp->eps, hp->weight_decay,
-                        hp->decoupled_weight_decay, hp->step, hp->grad_scale) != 0)
-    return -EINVAL;
-  if (numel == 0)
-    return 0;
-  if (param == NULL || exp_avg == NULL || exp_avg_sq == NULL || grad == NULL ||
-      (working == NULL && working_dtype != ZK_DTYPE_NONE))
-    return -EINVAL;
+  int rc = zk_adam_prepare(hp, &job.coef, param, exp_avg, exp_avg_sq, grad, grad_dtype, working,
+                           working_dtype, numel);
+  if (rc != 0)
+    return rc == ZK_NOTHING_TO_DO ? 0 : rc;
   job.loop = adam_loops[grad_dtype][working_dtype];
   zk_pool_run(pool, zk_task_count(pool, numel), adam_task, &job);
   return 0;
@@ -162,22 +155,15 @@ static void sgd_task(void *ctx, int task, int n_tasks) {
 int zk_sgd_step(zk_pool *pool, const zk_sgd_hparams *hp, float *param, float *momentum_buf,
                 const void *grad, zk_dtype grad_dtype, void *working, zk_dtype working_dtype,
                 size_t numel) {
-  if (hp == NULL || !zk_is_float_dtype(grad_dtype) ||
-      !(zk_is_float_dtype(working_dtype) || working_dtype == ZK_DTYPE_NONE))
-    return -EINVAL;
   sgd_job job = {.param = param,
                  .momentum_buf = momentum_buf,
                  .grad = grad,
                  .working = working,
                  .numel = numel};
-  if (zk_sgd_coef_init(&job.coef, hp->lr, hp->momentum, hp->dampening, hp->weight_decay,
-                       hp->nesterov, hp->step, hp->grad_scale) != 0)
-    return -EINVAL;
-  if (numel == 0)
-    return 0;
-  if (param == NULL || grad == NULL || (job.coef.has_momentum && momentum_buf == NULL) ||
-      (working == NULL && working_dtype != ZK_DTYPE_NONE))
-    return -EINVAL;
+  int rc = zk_sgd_prepare(hp, &job.coef, param, momentum_buf, grad, grad_dtype, working,
+                          working_dtype, numel);
+  if (rc != 0)
+    return rc == ZK_NOTHING_TO_DO ? 0 : rc;
   job.loop = sgd_loops[grad_dtype][working_dtype];
   zk_pool_run(pool, zk_task_count(pool, numel), sgd_task, &job);
   return 0;

@@ -35,18 +35,6 @@ size_t zk_quant_bytes(const zk_qformat *fmt, size_t numel) {
 
 /* ---- block statistics -------------------------------------------------- */
 
-/* Maps a float's bits to an int32 whose signed order is the float order
- * (for everything but NaN), so min and max become integer reductions,
- * which vectorise, where float min/max with IEEE semantics do not. */
-static inline int32_t order_key(uint32_t bits) {
-  int32_t s = (int32_t)bits;
-  return s ^ (int32_t)((uint32_t)(s >> 31) & 0x7fffffffu);
-}
-
-static inline float key_to_float(int32_t key) {
-  return zk_bits_f32((uint32_t)(key ^ (int32_t)((uint32_t)(key >> 31) & 0x7fffffffu)));
-}
-
 typedef struct block_stats {
   float lo, hi;
   int nonfinite;
@@ -57,12 +45,12 @@ ZK_VECTOR_LOOP static block_stats block_scan(const float *restrict x, size_t n) 
   int bad = 0;
   for (size_t i = 0; i < n; i++) {
     uint32_t bits = zk_f32_bits(x[i]);
-    int32_t key = order_key(bits);
+    int32_t key = zk_quant_order_key(bits);
     lo = key < lo ? key : lo;
     hi = key > hi ? key : hi;
     bad |= (bits & 0x7f800000u) == 0x7f800000u;
   }
-  block_stats stats = {key_to_float(lo), key_to_float(hi), bad};
+  block_stats stats = {zk_quant_key_to_f32(lo), zk_quant_key_to_f32(hi), bad};
   return stats;
 }
 
@@ -136,10 +124,16 @@ static int quant_tasks(const zk_pool *pool, size_t numel, size_t n_blocks) {
   return (size_t)n_tasks > n_blocks ? (int)n_blocks : n_tasks;
 }
 
+/* The buffer size a call must pass: valid format, and numel small enough
+ * for the size to be computed (zk_quant_bytes returns 0 beyond that). */
+static int quant_size_ok(const zk_qformat *fmt, size_t numel, size_t bytes) {
+  size_t need = zk_quant_bytes(fmt, numel);
+  return zk_qformat_check(fmt) == 0 && bytes == need && (need > 0 || numel == 0);
+}
+
 int zk_quantize(zk_pool *pool, const zk_qformat *fmt, const float *x, size_t numel, void *out,
                 size_t out_bytes, int *nonfinite_out) {
-  if (zk_qformat_check(fmt) != 0 || out_bytes != zk_quant_bytes(fmt, numel) ||
-      (numel > 0 && (x == NULL || out == NULL)))
+  if (!quant_size_ok(fmt, numel, out_bytes) || (numel > 0 && (x == NULL || out == NULL)))
     return -EINVAL;
   if (nonfinite_out != NULL)
     *nonfinite_out = 0;
@@ -200,8 +194,7 @@ static void dequantize_task(void *ctx, int task, int n_tasks) {
 
 int zk_dequantize(zk_pool *pool, const zk_qformat *fmt, const void *in, size_t in_bytes, float *y,
                   size_t numel) {
-  if (zk_qformat_check(fmt) != 0 || in_bytes != zk_quant_bytes(fmt, numel) ||
-      (numel > 0 && (in == NULL || y == NULL)))
+  if (!quant_size_ok(fmt, numel, in_bytes) || (numel > 0 && (in == NULL || y == NULL)))
     return -EINVAL;
   if (numel == 0)
     return 0;

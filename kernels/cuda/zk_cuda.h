@@ -65,8 +65,8 @@ typedef struct zk_cuda_api {
   int (*sumsq)(void *stream, const void *x, zk_dtype dtype, size_t numel, double *sum_dev);
   int (*quantize)(void *stream, const zk_qformat *fmt, const float *x, size_t numel, void *out,
                   size_t out_bytes, int *nonfinite_dev);
-  int (*dequantize)(void *stream, const zk_qformat *fmt, const void *in, size_t in_bytes,
-                    float *y, size_t numel);
+  int (*dequantize)(void *stream, const zk_qformat *fmt, const void *in, size_t in_bytes, float *y,
+                    size_t numel);
 } zk_cuda_api;
 
 /* Exported by the module. Returns NULL if it cannot serve `version`. */

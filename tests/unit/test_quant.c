@@ -198,6 +198,10 @@ static void test_bad_formats_and_sizes_are_refused(void **state) {
   assert_int_equal(zk_quantize(NULL, &ok, x, 8, q, bytes - 1, NULL), -EINVAL);
   assert_int_equal(zk_dequantize(NULL, &ok, q, bytes + 1, y, 8), -EINVAL);
   assert_int_equal(zk_quant_bytes(&ok, SIZE_MAX), 0);
+  /* An element count whose size cannot be computed matches no buffer size,
+   * not even the 0 that zk_quant_bytes reports for it. */
+  assert_int_equal(zk_quantize(NULL, &ok, x, SIZE_MAX, q, 0, NULL), -EINVAL);
+  assert_int_equal(zk_dequantize(NULL, &ok, q, 0, y, SIZE_MAX / 8), -EINVAL);
   assert_int_equal(zk_quantize(NULL, &ok, x, 8, q, bytes, NULL), 0);
   assert_int_equal(zk_dequantize(NULL, &ok, q, bytes, y, 8), 0);
 }
