@@ -45,6 +45,9 @@ const char *zk_dtype_name(zk_dtype dtype);
  * gives each executor its own pool. */
 typedef struct zk_pool zk_pool;
 
+/* Most threads a pool may have; per-task result arrays are sized by it. */
+#define ZK_POOL_MAX_THREADS 256
+
 int zk_pool_create(int n_threads, zk_pool **pool_out);
 /* Joins the workers and frees the pool. Accepts NULL. */
 void zk_pool_destroy(zk_pool *pool);

@@ -39,7 +39,8 @@ static inline void zk_split(size_t numel, int task, int n_tasks, size_t *begin, 
   *end = e < numel ? e : numel;
 }
 
-/* How many tasks to split numel elements into. */
+/* How many tasks to split numel elements into: at most the pool's size,
+ * hence at most ZK_POOL_MAX_THREADS. */
 static inline int zk_task_count(const zk_pool *pool, size_t numel) {
   return numel < ZK_PARALLEL_MIN_NUMEL ? 1 : zk_pool_size(pool);
 }

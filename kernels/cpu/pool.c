@@ -14,8 +14,6 @@
 
 #include "../zk.h"
 
-#define ZK_POOL_MAX_THREADS 256
-
 struct zk_pool {
   int n_threads; /* including the caller */
   pthread_t *workers;

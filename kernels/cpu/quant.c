@@ -88,7 +88,7 @@ typedef struct quant_job {
   size_t numel, n_blocks;
   uint8_t *meta; /* scales, then mins (zero-point); unaligned access through memcpy */
   uint8_t *data;
-  int nonfinite[256];
+  int nonfinite[ZK_POOL_MAX_THREADS]; /* one flag per task */
 } quant_job;
 
 static void quantize_task(void *ctx, int task, int n_tasks) {
@@ -119,8 +119,6 @@ static void quantize_task(void *ctx, int task, int n_tasks) {
 
 static int quant_tasks(const zk_pool *pool, size_t numel, size_t n_blocks) {
   int n_tasks = zk_task_count(pool, numel);
-  if (n_tasks > 256)
-    n_tasks = 256;
   return (size_t)n_tasks > n_blocks ? (int)n_blocks : n_tasks;
 }
 

@@ -42,16 +42,13 @@ ZK_VECTOR_LOOP static int scale_loop(float *restrict x, float factor, size_t beg
   return bad;
 }
 
-/* Each task writes its own flag; they are OR-ed after the join. */
-#define ZK_MAX_TASKS 256
-
 typedef struct elementwise_job {
   acc_loop_fn acc_loop; /* NULL for scale */
   float *dst;
   const void *src;
   float factor;
   size_t numel;
-  int nonfinite[ZK_MAX_TASKS];
+  int nonfinite[ZK_POOL_MAX_THREADS]; /* one flag per task, OR-ed after the join */
 } elementwise_job;
 
 static void elementwise_task(void *ctx, int task, int n_tasks) {
@@ -66,8 +63,6 @@ static void elementwise_task(void *ctx, int task, int n_tasks) {
 
 static void elementwise_run(zk_pool *pool, elementwise_job *job, int *nonfinite_out) {
   int n_tasks = zk_task_count(pool, job->numel);
-  if (n_tasks > ZK_MAX_TASKS)
-    n_tasks = ZK_MAX_TASKS;
   for (int t = 0; t < n_tasks; t++)
     job->nonfinite[t] = 0;
   zk_pool_run(pool, n_tasks, elementwise_task, job);

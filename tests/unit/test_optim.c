@@ -22,7 +22,7 @@ typedef struct state_arrays {
   void *working;
 } state_arrays;
 
-static state_arrays make_state(test_rng *rng, size_t n, zk_dtype grad_dtype, double grad_std) {
+static state_arrays make_state(test_rng *rng, size_t n) {
   state_arrays s = {.n = n};
   s.param = xmalloc(n * sizeof(float));
   s.m = xmalloc(n * sizeof(float));
@@ -110,7 +110,7 @@ static void run_adam_case(int decoupled, zk_dtype grad_dtype, zk_dtype working_d
   test_rng rng = {1000 + (uint64_t)grad_dtype * 10 + (uint64_t)working_dtype};
   for (size_t si = 0; si < N_TEST_SIZES; si++) {
     size_t n = test_sizes[si];
-    state_arrays s = make_state(&rng, n, grad_dtype, 1e-2);
+    state_arrays s = make_state(&rng, n);
     float *p0 = xmalloc(n * sizeof(float)), *m0 = xmalloc(n * sizeof(float)),
           *v0 = xmalloc(n * sizeof(float));
     zk_adam_hparams hp = {.lr = 1e-3,
@@ -165,7 +165,7 @@ static void run_sgd_case(double momentum, double dampening, int nesterov, double
   test_rng rng = {77 + (uint64_t)nesterov};
   for (size_t si = 0; si < N_TEST_SIZES; si++) {
     size_t n = test_sizes[si];
-    state_arrays s = make_state(&rng, n, grad_dtype, 1e-1);
+    state_arrays s = make_state(&rng, n);
     float *p0 = xmalloc(n * sizeof(float)), *b0 = xmalloc(n * sizeof(float));
     zk_sgd_hparams hp = {.lr = 0.05,
                          .momentum = momentum,
@@ -219,7 +219,7 @@ static void test_sgd_variants_match_double_reference(void **state) {
 static void test_results_do_not_depend_on_thread_count(void **state) {
   const size_t n = 1000003;
   test_rng rng = {5};
-  state_arrays a = make_state(&rng, n, ZK_BF16, 1e-2), b = make_state(&rng, n, ZK_BF16, 1e-2);
+  state_arrays a = make_state(&rng, n), b = make_state(&rng, n);
   new_gradient(&rng, &a, ZK_BF16, 1e-2);
   memcpy(b.param, a.param, n * sizeof(float));
   memcpy(b.grad, a.grad, n * sizeof(uint16_t));
