@@ -9,20 +9,14 @@
 template <int S, int D>
 __global__ void __launch_bounds__(ZKC_THREADS)
     cast_kernel(void *__restrict__ dst, const void *__restrict__ src, size_t numel, int vec4) {
-  size_t thread = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  size_t n_threads = (size_t)gridDim.x * blockDim.x;
-  size_t scalar_begin = 0;
-  if (vec4) {
-    size_t n_groups = numel / 4;
-    for (size_t group = thread; group < n_groups; group += n_threads) {
-      float values[4];
-      zkc_load4<S>(src, group, values);
-      zkc_store4<D>(dst, group, values);
-    }
-    scalar_begin = n_groups * 4;
-  }
-  for (size_t i = scalar_begin + thread; i < numel; i += n_threads)
-    zkc_store<D>(dst, i, zkc_load<S>(src, i));
+  zkc_for_each(
+      numel, vec4,
+      [&](size_t group) {
+        float values[4];
+        zkc_load4<S>(src, group, values);
+        zkc_store4<D>(dst, group, values);
+      },
+      [&](size_t i) { zkc_store<D>(dst, i, zkc_load<S>(src, i)); });
 }
 
 typedef void (*cast_kernel_fn)(void *, const void *, size_t, int);

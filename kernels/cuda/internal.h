@@ -127,6 +127,27 @@ __device__ __forceinline__ void zkc_store4(void *dst, size_t group, const float 
 
 /* Whether an array of dtype can be read four elements at a time. NULL (an
  * absent array) does not stand in the way. */
+/* The traversal every element-wise kernel shares: a grid-stride loop over
+ * groups of four elements through group_fn (when vec4, i.e. every array is
+ * aligned for 16-byte fp32 and 8-byte 16-bit accesses), then over the
+ * elements the groups left over (all of them without vec4) through
+ * element_fn. Both see each element exactly once, in one thread. */
+template <typename GroupFn, typename ElementFn>
+__device__ __forceinline__ void zkc_for_each(size_t numel, int vec4, GroupFn group_fn,
+                                             ElementFn element_fn) {
+  size_t thread = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  size_t n_threads = (size_t)gridDim.x * blockDim.x;
+  size_t scalar_begin = 0;
+  if (vec4) {
+    size_t n_groups = numel / 4;
+    for (size_t group = thread; group < n_groups; group += n_threads)
+      group_fn(group);
+    scalar_begin = n_groups * 4;
+  }
+  for (size_t i = scalar_begin + thread; i < numel; i += n_threads)
+    element_fn(i);
+}
+
 static inline int zkc_vec4_ok(const void *ptr, zk_dtype dtype) {
   return ptr == NULL || zkc_aligned(ptr, dtype == ZK_F32 ? 16 : 8);
 }

@@ -20,35 +20,28 @@ __global__ void __launch_bounds__(ZKC_THREADS)
     adam_kernel(const __grid_constant__ zk_adam_coef coef, float *__restrict__ param,
                 float *__restrict__ exp_avg, float *__restrict__ exp_avg_sq,
                 const void *__restrict__ grad, void *__restrict__ working, size_t numel, int vec4) {
-  size_t thread = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  size_t n_threads = (size_t)gridDim.x * blockDim.x;
-  size_t scalar_begin = 0;
-  if (vec4) {
-    size_t n_groups = numel / 4;
-    for (size_t group = thread; group < n_groups; group += n_threads) {
-      float4 p4 = reinterpret_cast<float4 *>(param)[group];
-      float4 m4 = reinterpret_cast<float4 *>(exp_avg)[group];
-      float4 v4 = reinterpret_cast<float4 *>(exp_avg_sq)[group];
-      float p[4] = {p4.x, p4.y, p4.z, p4.w};
-      float m[4] = {m4.x, m4.y, m4.z, m4.w};
-      float v[4] = {v4.x, v4.y, v4.z, v4.w};
-      float g[4];
-      zkc_load4<G>(grad, group, g);
+  zkc_for_each(
+      numel, vec4,
+      [&](size_t group) {
+        float p[4], m[4], v[4], g[4];
+        zkc_load4<ZK_F32>(param, group, p);
+        zkc_load4<ZK_F32>(exp_avg, group, m);
+        zkc_load4<ZK_F32>(exp_avg_sq, group, v);
+        zkc_load4<G>(grad, group, g);
 #pragma unroll
-      for (int k = 0; k < 4; k++)
-        p[k] = zk_adam_update(&coef, p[k], &m[k], &v[k], g[k]);
-      reinterpret_cast<float4 *>(param)[group] = make_float4(p[0], p[1], p[2], p[3]);
-      reinterpret_cast<float4 *>(exp_avg)[group] = make_float4(m[0], m[1], m[2], m[3]);
-      reinterpret_cast<float4 *>(exp_avg_sq)[group] = make_float4(v[0], v[1], v[2], v[3]);
-      zkc_store4<W>(working, group, p);
-    }
-    scalar_begin = n_groups * 4;
-  }
-  for (size_t i = scalar_begin + thread; i < numel; i += n_threads) {
-    float p = zk_adam_update(&coef, param[i], &exp_avg[i], &exp_avg_sq[i], zkc_load<G>(grad, i));
-    param[i] = p;
-    zkc_store<W>(working, i, p);
-  }
+        for (int k = 0; k < 4; k++)
+          p[k] = zk_adam_update(&coef, p[k], &m[k], &v[k], g[k]);
+        zkc_store4<ZK_F32>(param, group, p);
+        zkc_store4<ZK_F32>(exp_avg, group, m);
+        zkc_store4<ZK_F32>(exp_avg_sq, group, v);
+        zkc_store4<W>(working, group, p);
+      },
+      [&](size_t i) {
+        float p =
+            zk_adam_update(&coef, param[i], &exp_avg[i], &exp_avg_sq[i], zkc_load<G>(grad, i));
+        param[i] = p;
+        zkc_store<W>(working, i, p);
+      });
 }
 
 typedef void (*adam_kernel_fn)(zk_adam_coef, float *, float *, float *, const void *, void *,
@@ -96,43 +89,30 @@ __global__ void __launch_bounds__(ZKC_THREADS)
     sgd_kernel(const __grid_constant__ zk_sgd_coef coef, float *__restrict__ param,
                float *__restrict__ momentum_buf, const void *__restrict__ grad,
                void *__restrict__ working, size_t numel, int vec4) {
-  size_t thread = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  size_t n_threads = (size_t)gridDim.x * blockDim.x;
-  size_t scalar_begin = 0;
-  if (vec4) {
-    size_t n_groups = numel / 4;
-    for (size_t group = thread; group < n_groups; group += n_threads) {
-      float4 p4 = reinterpret_cast<float4 *>(param)[group];
-      float p[4] = {p4.x, p4.y, p4.z, p4.w};
-      float buf[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (coef.has_momentum) {
-        float4 b4 = reinterpret_cast<float4 *>(momentum_buf)[group];
-        buf[0] = b4.x;
-        buf[1] = b4.y;
-        buf[2] = b4.z;
-        buf[3] = b4.w;
-      }
-      float g[4];
-      zkc_load4<G>(grad, group, g);
+  zkc_for_each(
+      numel, vec4,
+      [&](size_t group) {
+        float p[4], g[4], buf[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        zkc_load4<ZK_F32>(param, group, p);
+        if (coef.has_momentum)
+          zkc_load4<ZK_F32>(momentum_buf, group, buf);
+        zkc_load4<G>(grad, group, g);
 #pragma unroll
-      for (int k = 0; k < 4; k++)
-        p[k] = zk_sgd_update(&coef, p[k], &buf[k], g[k]);
-      reinterpret_cast<float4 *>(param)[group] = make_float4(p[0], p[1], p[2], p[3]);
-      if (coef.has_momentum)
-        reinterpret_cast<float4 *>(momentum_buf)[group] =
-            make_float4(buf[0], buf[1], buf[2], buf[3]);
-      zkc_store4<W>(working, group, p);
-    }
-    scalar_begin = n_groups * 4;
-  }
-  for (size_t i = scalar_begin + thread; i < numel; i += n_threads) {
-    float buf = coef.has_momentum ? momentum_buf[i] : 0.0f;
-    float p = zk_sgd_update(&coef, param[i], &buf, zkc_load<G>(grad, i));
-    param[i] = p;
-    if (coef.has_momentum)
-      momentum_buf[i] = buf;
-    zkc_store<W>(working, i, p);
-  }
+        for (int k = 0; k < 4; k++)
+          p[k] = zk_sgd_update(&coef, p[k], &buf[k], g[k]);
+        zkc_store4<ZK_F32>(param, group, p);
+        if (coef.has_momentum)
+          zkc_store4<ZK_F32>(momentum_buf, group, buf);
+        zkc_store4<W>(working, group, p);
+      },
+      [&](size_t i) {
+        float buf = coef.has_momentum ? momentum_buf[i] : 0.0f;
+        float p = zk_sgd_update(&coef, param[i], &buf, zkc_load<G>(grad, i));
+        param[i] = p;
+        if (coef.has_momentum)
+          momentum_buf[i] = buf;
+        zkc_store<W>(working, i, p);
+      });
 }
 
 typedef void (*sgd_kernel_fn)(zk_sgd_coef, float *, float *, const void *, void *, size_t, int);

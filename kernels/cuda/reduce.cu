@@ -13,33 +13,24 @@ template <int G>
 __global__ void __launch_bounds__(ZKC_THREADS)
     accumulate_kernel(float *__restrict__ acc, const void *__restrict__ src, size_t numel, int vec4,
                       int *nonfinite) {
-  size_t thread = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  size_t n_threads = (size_t)gridDim.x * blockDim.x;
-  size_t scalar_begin = 0;
   int bad = 0;
-  if (vec4) {
-    size_t n_groups = numel / 4;
-    for (size_t group = thread; group < n_groups; group += n_threads) {
-      float4 a4 = reinterpret_cast<float4 *>(acc)[group];
-      float a[4] = {a4.x, a4.y, a4.z, a4.w};
-      float g[4];
-      zkc_load4<G>(src, group, g);
-#pragma unroll
-      for (int k = 0; k < 4; k++) {
-        float sum = a[k] + g[k];
-        bad |= !zk_finite_f32(g[k]) | !zk_finite_f32(sum);
-        a[k] = sum;
-      }
-      reinterpret_cast<float4 *>(acc)[group] = make_float4(a[0], a[1], a[2], a[3]);
-    }
-    scalar_begin = n_groups * 4;
-  }
-  for (size_t i = scalar_begin + thread; i < numel; i += n_threads) {
-    float g = zkc_load<G>(src, i);
-    float sum = acc[i] + g;
+  auto add = [&](float &a, float g) {
+    float sum = a + g;
     bad |= !zk_finite_f32(g) | !zk_finite_f32(sum);
-    acc[i] = sum;
-  }
+    a = sum;
+  };
+  zkc_for_each(
+      numel, vec4,
+      [&](size_t group) {
+        float a[4], g[4];
+        zkc_load4<ZK_F32>(acc, group, a);
+        zkc_load4<G>(src, group, g);
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+          add(a[k], g[k]);
+        zkc_store4<ZK_F32>(acc, group, a);
+      },
+      [&](size_t i) { add(acc[i], zkc_load<G>(src, i)); });
   zkc_flag_nonfinite(nonfinite, bad);
 }
 
@@ -68,30 +59,23 @@ int zkc_accumulate(void *stream, float *acc, const void *src, zk_dtype src_dtype
 
 __global__ void __launch_bounds__(ZKC_THREADS)
     scale_kernel(float *__restrict__ x, float factor, size_t numel, int vec4, int *nonfinite) {
-  size_t thread = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  size_t n_threads = (size_t)gridDim.x * blockDim.x;
-  size_t scalar_begin = 0;
   int bad = 0;
-  if (vec4) {
-    size_t n_groups = numel / 4;
-    for (size_t group = thread; group < n_groups; group += n_threads) {
-      float4 v4 = reinterpret_cast<float4 *>(x)[group];
-      float v[4] = {v4.x, v4.y, v4.z, v4.w};
+  auto scale = [&](float &v) {
+    float y = v * factor;
+    bad |= !zk_finite_f32(v) | !zk_finite_f32(y);
+    v = y;
+  };
+  zkc_for_each(
+      numel, vec4,
+      [&](size_t group) {
+        float v[4];
+        zkc_load4<ZK_F32>(x, group, v);
 #pragma unroll
-      for (int k = 0; k < 4; k++) {
-        float y = v[k] * factor;
-        bad |= !zk_finite_f32(v[k]) | !zk_finite_f32(y);
-        v[k] = y;
-      }
-      reinterpret_cast<float4 *>(x)[group] = make_float4(v[0], v[1], v[2], v[3]);
-    }
-    scalar_begin = n_groups * 4;
-  }
-  for (size_t i = scalar_begin + thread; i < numel; i += n_threads) {
-    float y = x[i] * factor;
-    bad |= !zk_finite_f32(x[i]) | !zk_finite_f32(y);
-    x[i] = y;
-  }
+        for (int k = 0; k < 4; k++)
+          scale(v[k]);
+        zkc_store4<ZK_F32>(x, group, v);
+      },
+      [&](size_t i) { scale(x[i]); });
   zkc_flag_nonfinite(nonfinite, bad);
 }
 
