@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what zerod needs for a task, and only what is missing.
 #
-#   scripts/deps.sh build   compilers, CMake, Ninja, pkg-config
+#   scripts/deps.sh build   compilers, CMake, Ninja, pkg-config, and the libraries
+#                           the daemon links: libuv, protobuf-c, Gloo
 #   scripts/deps.sh test    build + cmocka, and Debian's CPU-only PyTorch,
 #                           numpy and pytest for the torch parity tests
 #   scripts/deps.sh demo    same as build
@@ -18,7 +19,8 @@
 set -euo pipefail
 
 task=${1:-build}
-packages=(build-essential cmake ninja-build pkg-config)
+packages=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
+  libgloo-dev)
 case "$task" in
 build | demo | bench) ;;
 test) packages+=(libcmocka-dev python3 python3-torch python3-numpy python3-pytest) ;;

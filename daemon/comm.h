@@ -1,0 +1,59 @@
+/* comm: the collectives between the ranks of one job.
+ *
+ * One communicator per (job, rank). All calls are blocking and are made
+ * from that rank's executor thread only; every rank of the job must issue
+ * the same calls in the same order. A call that does not complete within the
+ * communicator's timeout fails with -ETIMEDOUT (a dead or stuck peer is an
+ * error, not a hang); after any failure the communicator is broken and
+ * every later call fails fast with the same error until it is destroyed.
+ *
+ * Backends: comm_gloo.cc (CPU ranks, Gloo over TCP). A later issue adds
+ * NCCL behind the same table. Errors are negative errno values; the last
+ * error's text is kept per communicator (comm_last_error). */
+#ifndef ZEROD_COMM_H
+#define ZEROD_COMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "store.h"
+
+typedef struct comm comm;
+
+typedef enum comm_dtype { COMM_F32, COMM_F64, COMM_U8, COMM_I64 } comm_dtype;
+typedef enum comm_op { COMM_SUM, COMM_MAX, COMM_MIN } comm_op;
+
+typedef struct comm_options {
+  const char *prefix; /* namespace in the store, e.g. "job/7/epoch/1" */
+  int rank, world_size;
+  int timeout_ms;       /* per call, and for the rendezvous */
+  const char *hostname; /* address to listen on; NULL: 127.0.0.1 */
+} comm_options;
+
+/* Creates a Gloo communicator; blocks until all world_size ranks have
+ * called it with the same prefix (or the timeout). */
+int comm_gloo_create(const comm_options *options, store *st, comm **out, char *err,
+                     size_t err_bytes);
+
+/* recv holds world_size * bytes_per_rank; rank r's send lands at
+ * recv + r * bytes_per_rank. send may point there already (in place). */
+int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank);
+
+/* Sums world_size shards of fp32 element-wise: send holds
+ * world_size * shard_numel floats, recv receives this rank's shard (the sum
+ * of every rank's [rank * shard_numel, (rank+1) * shard_numel) slice),
+ * added in rank order, ((g0 + g1) + g2) + ..., so the result is the same
+ * bits as a sequential sum in one process. send is not modified. */
+int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_numel);
+
+/* In place. */
+int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op);
+int comm_broadcast(comm *c, void *buf, size_t bytes, int root);
+int comm_barrier(comm *c);
+
+int comm_rank(const comm *c);
+int comm_world_size(const comm *c);
+const char *comm_last_error(const comm *c);
+void comm_destroy(comm *c);
+
+#endif /* ZEROD_COMM_H */

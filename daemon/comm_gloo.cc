@@ -1,0 +1,776 @@
+/* comm_gloo.cc - the Gloo backend of comm.h: collectives between the CPU
+ * ranks of a job, over TCP.
+ *
+ * This file owns the only C++ in zerod. It adapts our C rendezvous store
+ * (store.h) to gloo::rendezvous::Store, builds one Gloo TCP device and one
+ * full-mesh context per communicator, and runs the collectives: Gloo's own
+ * all-gather, all-reduce, broadcast and barrier, and a reduce-scatter of
+ * ours written on Gloo's unbound buffers (this Gloo has no options-based
+ * reduce-scatter) that sums in rank order. Every C++ exception is caught at the extern "C" boundary
+ * and turned into a negative errno and a message kept in the communicator;
+ * after the first failure the communicator is broken and its connections are
+ * closed, so that peers fail fast instead of waiting out their timeouts and
+ * no late transfer can write into a buffer the caller has taken back.
+ *
+ * Gloo's behaviour this code relies on (Gloo 2022-05, TCP transport):
+ *  - A wait that times out throws gloo::IoException ("Timed out waiting ...")
+ *    and first closes every pair of the context, so a timed-out context is
+ *    dead but can be destroyed without blocking.
+ *  - A send is only put on the wire once the peer has posted the matching
+ *    receive, so a peer that stops calling shows up as a timeout on our side.
+ *  - Gloo writes with writev(2) without MSG_NOSIGNAL: the process must ignore
+ *    SIGPIPE, or a peer that dies mid-transfer kills the daemon. */
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/math.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/context.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+/* The C headers have no extern "C" guards of their own (the rest of zerod is
+ * C), so the linkage is given here. */
+extern "C" {
+#include "comm.h"
+#include "store.h"
+}
+
+namespace {
+
+using std::chrono::milliseconds;
+using steady_clock = std::chrono::steady_clock;
+
+/* Limits on the options, checked before anything is allocated. */
+constexpr int kMaxWorldSize = 65536;
+constexpr size_t kMaxPrefixBytes = 512;
+constexpr int kMaxTimeoutMs = 24 * 3600 * 1000;
+
+/* Our slots live under a prefix byte that Gloo's algorithms do not use
+ * (gloo/types.h takes 0x01..0x08). Reusing the
+ * same slots call after call is safe because calls on a communicator are
+ * sequential and Gloo matches sends to receives in order within a slot. */
+constexpr uint64_t kReduceScatterSlotBase = uint64_t{0x40} << 56;
+
+/* The connect phase of Gloo's rendezvous waits five times the context
+ * timeout; the context timeout is divided by this while connecting so that
+ * comm_gloo_create returns within about timeout_ms. */
+constexpr int kConnectTimeoutDivisor = 5;
+
+} // namespace
+
+/* The communicator. The C side sees it as opaque; it is allocated with new
+ * and freed by comm_destroy. The device is declared before the context so
+ * that the context (whose pairs point into the device) is destroyed first. */
+struct comm {
+  int rank = 0;
+  int world_size = 0;
+  int timeout_ms = 0;
+  std::shared_ptr<gloo::transport::Device> device;
+  std::shared_ptr<gloo::rendezvous::Context> context;
+  /* 0, or the negative errno of the failure that broke the communicator. */
+  int broken_error = 0;
+  char last_error[512] = {0};
+  /* Landing buffers of the reduce-scatter, grown on demand. */
+  std::unique_ptr<float[]> scratch;
+  size_t scratch_numel = 0;
+};
+
+namespace {
+
+/* ---- errors ------------------------------------------------------------- */
+
+/* The rank a failed wait was waiting for, when the algorithm tells us:
+ * Gloo's timeout messages say whether a send or a receive timed out, and in
+ * a ring those have one peer each. -1: not known. */
+struct PeerHint {
+  int recv_rank = -1;
+  int send_rank = -1;
+};
+
+/* Thrown by the store adapter; carries the errno and the key so that the
+ * rendezvous can say which rank never showed up. */
+struct StoreFailure : std::runtime_error {
+  StoreFailure(int store_error, const std::string &store_key, const std::string &what)
+      : std::runtime_error(what), error(store_error), key(store_key) {}
+  int error;
+  std::string key;
+};
+
+void format_into(char *buf, size_t buf_bytes, const char *fmt, va_list ap) {
+  if (buf == nullptr || buf_bytes == 0)
+    return;
+  vsnprintf(buf, buf_bytes, fmt, ap);
+}
+
+/* Closes every connection of a communicator that has failed. After a
+ * timeout Gloo has already done so; after any other failure this tells the
+ * peers at once (they see "connection closed") instead of letting them wait
+ * out their timeouts, and it guarantees that no transfer still queued can
+ * touch the caller's buffers once we have returned. */
+void close_connections(comm *c) noexcept {
+  try {
+    if (c->context)
+      c->context->closeConnections();
+  } catch (...) {
+    /* A context whose transport never came up has nothing to close. */
+  }
+}
+
+__attribute__((format(printf, 3, 4))) int break_comm(comm *c, int error, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  format_into(c->last_error, sizeof c->last_error, fmt, ap);
+  va_end(ap);
+  c->broken_error = error;
+  close_connections(c);
+  return error;
+}
+
+bool contains(const std::string &haystack, const char *needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+bool is_timeout_message(const std::string &what) {
+  return contains(what, "Timed out") || contains(what, "timeout") || contains(what, "Timeout");
+}
+
+/* Gloo's messages start with "[file:line] "; the caller does not need the
+ * source position of a library it did not write. */
+std::string strip_gloo_location(const std::string &what) {
+  if (!what.empty() && what[0] == '[') {
+    size_t end = what.find("] ");
+    if (end != std::string::npos)
+      return what.substr(end + 2);
+  }
+  return what;
+}
+
+/* Classifies a Gloo failure during a collective and breaks the communicator
+ * with a message that names the peer where the algorithm lets us. */
+int fail_from_gloo(comm *c, const char *op_name, const std::string &what, const PeerHint &hint,
+                   steady_clock::time_point started) {
+  const auto elapsed_ms =
+      std::chrono::duration_cast<milliseconds>(steady_clock::now() - started).count();
+  if (is_timeout_message(what) || elapsed_ms >= c->timeout_ms) {
+    int peer = -1;
+    if (contains(what, "recv operation"))
+      peer = hint.recv_rank;
+    else if (contains(what, "send operation"))
+      peer = hint.send_rank;
+    else if (hint.recv_rank == hint.send_rank)
+      peer = hint.recv_rank;
+    if (peer >= 0)
+      return break_comm(c, -ETIMEDOUT,
+                        "%s: timed out after %d ms waiting for rank %d (peer dead or not calling)",
+                        op_name, c->timeout_ms, peer);
+    return break_comm(c, -ETIMEDOUT,
+                      "%s: timed out after %d ms waiting for a peer (a rank is dead or not "
+                      "calling)",
+                      op_name, c->timeout_ms);
+  }
+  const std::string detail = strip_gloo_location(what);
+  if (contains(what, "closed") || contains(what, "reset"))
+    return break_comm(c, -ECONNRESET, "%s: connection to a peer lost (%s)", op_name,
+                      detail.c_str());
+  return break_comm(c, -EIO, "%s: transport error (%s)", op_name, detail.c_str());
+}
+
+/* Runs one collective: fails fast on a broken communicator, and turns every
+ * exception into an errno, so that none crosses into C. */
+template <typename Body> int run_collective(comm *c, const char *op_name, Body &&body) noexcept {
+  if (c->broken_error != 0)
+    return c->broken_error;
+  const auto started = steady_clock::now();
+  PeerHint hint;
+  try {
+    body(hint);
+    return 0;
+  } catch (const gloo::IoException &e) {
+    return fail_from_gloo(c, op_name, e.what(), hint, started);
+  } catch (const gloo::EnforceNotMet &e) {
+    /* Gloo's internal checks: a broken invariant, or an operation on a pair
+     * whose connection has already failed. */
+    return fail_from_gloo(c, op_name, e.what(), hint, started);
+  } catch (const std::bad_alloc &) {
+    return break_comm(c, -ENOMEM, "%s: out of memory", op_name);
+  } catch (const std::system_error &e) {
+    int error = e.code().value() > 0 ? -e.code().value() : -EIO;
+    return break_comm(c, error, "%s: %s", op_name, e.what());
+  } catch (const std::exception &e) {
+    return fail_from_gloo(c, op_name, e.what(), hint, started);
+  } catch (...) {
+    return break_comm(c, -EIO, "%s: unknown C++ exception", op_name);
+  }
+}
+
+/* ---- the store adapter -------------------------------------------------- */
+
+/* Presents our C store to Gloo's rendezvous, with every key under
+ * "<prefix>/" so that jobs and epochs sharing one store stay apart. Every
+ * wait is bounded by one deadline for the whole rendezvous, whatever timeout
+ * Gloo asks for, so that comm_gloo_create returns within about timeout_ms. */
+class StoreAdapter : public gloo::rendezvous::Store {
+public:
+  StoreAdapter(store *st, const std::string &prefix, steady_clock::time_point deadline)
+      : st_(st), prefix_(prefix + "/"), deadline_(deadline) {}
+
+  void set(const std::string &key, const std::vector<char> &data) override {
+    const std::string full_key = prefix_ + key;
+    int rc = st_->ops->set(st_, full_key.c_str(), data.data(), data.size());
+    if (rc < 0)
+      throw StoreFailure(rc, key, "store set of '" + full_key + "' failed: " + strerror(-rc));
+  }
+
+  /* Gloo reads some keys without waiting for them first (the ranks' host
+   * names), so get waits too. */
+  std::vector<char> get(const std::string &key) override {
+    return fetch(key, remaining_ms());
+  }
+
+  void wait(const std::vector<std::string> &keys) override {
+    wait(keys, milliseconds(remaining_ms()));
+  }
+
+  /* Gloo passes the context timeout, which is shortened while connecting
+   * (kConnectTimeoutDivisor); the rendezvous deadline is what bounds us. */
+  void wait(const std::vector<std::string> &keys, const milliseconds &) override {
+    for (const auto &key : keys)
+      fetch(key, remaining_ms());
+  }
+
+private:
+  int remaining_ms() const {
+    auto left = std::chrono::duration_cast<milliseconds>(deadline_ - steady_clock::now()).count();
+    /* Zero makes the C store only look, never wait without limit. */
+    return static_cast<int>(std::max<long long>(left, 0));
+  }
+
+  std::vector<char> fetch(const std::string &key, int timeout_ms) {
+    const std::string full_key = prefix_ + key;
+    void *value = nullptr;
+    size_t value_bytes = 0;
+    int rc = st_->ops->get(st_, full_key.c_str(), &value, &value_bytes, timeout_ms);
+    if (rc < 0)
+      throw StoreFailure(rc, key, "store get of '" + full_key + "' failed: " + strerror(-rc));
+    const char *bytes = static_cast<const char *>(value);
+    std::vector<char> data;
+    try {
+      data.assign(bytes, bytes + value_bytes);
+    } catch (...) {
+      free(value);
+      throw;
+    }
+    free(value);
+    return data;
+  }
+
+  store *st_;
+  std::string prefix_;
+  steady_clock::time_point deadline_;
+};
+
+/* Gloo's rendezvous keys are "rank_<r>" (host names) and "<r>" (pair
+ * addresses); both name the rank that writes them. -1 for any other key. */
+int rank_of_store_key(const std::string &key) {
+  const char *digits = key.c_str();
+  if (key.compare(0, 5, "rank_") == 0)
+    digits += 5;
+  if (*digits == '\0')
+    return -1;
+  char *end = nullptr;
+  long rank = strtol(digits, &end, 10);
+  if (*end != '\0' || rank < 0 || rank > kMaxWorldSize)
+    return -1;
+  return static_cast<int>(rank);
+}
+
+/* Gives access to the transport context's timeout, which Gloo's context
+ * copies from its own at connect time and never updates. */
+class ZerodContext : public gloo::rendezvous::Context {
+public:
+  using gloo::rendezvous::Context::Context;
+
+  void set_transport_timeout(milliseconds timeout) {
+    if (transportContext_)
+      transportContext_->setTimeout(timeout);
+  }
+};
+
+__attribute__((format(printf, 3, 4))) void create_error(char *err, size_t err_bytes,
+                                                        const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  format_into(err, err_bytes, fmt, ap);
+  va_end(ap);
+}
+
+int check_options(const comm_options *options, store *st, comm **out, char *err, size_t err_bytes) {
+  if (options == nullptr || st == nullptr || st->ops == nullptr || out == nullptr) {
+    create_error(err, err_bytes, "create: options, store and out must not be NULL");
+    return -EINVAL;
+  }
+  if (options->prefix == nullptr || options->prefix[0] == '\0' ||
+      strnlen(options->prefix, kMaxPrefixBytes + 1) > kMaxPrefixBytes) {
+    create_error(err, err_bytes, "create: prefix must be a non-empty string of at most %zu bytes",
+                 kMaxPrefixBytes);
+    return -EINVAL;
+  }
+  if (options->world_size < 1 || options->world_size > kMaxWorldSize) {
+    create_error(err, err_bytes, "create: world_size %d is outside [1, %d]", options->world_size,
+                 kMaxWorldSize);
+    return -EINVAL;
+  }
+  if (options->rank < 0 || options->rank >= options->world_size) {
+    create_error(err, err_bytes, "create: rank %d is outside [0, %d)", options->rank,
+                 options->world_size);
+    return -EINVAL;
+  }
+  if (options->timeout_ms < 1 || options->timeout_ms > kMaxTimeoutMs) {
+    create_error(err, err_bytes, "create: timeout_ms %d is outside [1, %d]", options->timeout_ms,
+                 kMaxTimeoutMs);
+    return -EINVAL;
+  }
+  return 0;
+}
+
+/* Connects the full mesh, then (after a barrier, when every rank has read
+ * every key) lets rank 0 delete the rendezvous keys so that a long-lived
+ * store does not grow by a few keys per job and epoch. */
+void connect_mesh(comm *c, const comm_options *options, store *st, const char *hostname) {
+  const auto deadline = steady_clock::now() + milliseconds(options->timeout_ms);
+  gloo::transport::tcp::attr attr;
+  attr.hostname = hostname;
+  try {
+    c->device = gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception &e) {
+    throw std::system_error(EADDRNOTAVAIL, std::generic_category(),
+                            std::string("cannot listen on ") + hostname + ": " +
+                                strip_gloo_location(e.what()));
+  }
+
+  auto context = std::make_shared<ZerodContext>(options->rank, options->world_size);
+  c->context = context;
+  const milliseconds timeout(options->timeout_ms);
+  context->setTimeout(std::max(milliseconds(1), timeout / kConnectTimeoutDivisor));
+  StoreAdapter adapter(st, options->prefix, deadline);
+  context->connectFullMesh(adapter, c->device);
+  context->setTimeout(timeout);
+  context->set_transport_timeout(timeout);
+
+  if (options->world_size > 1) {
+    gloo::BarrierOptions barrier_options(c->context);
+    barrier_options.setTimeout(timeout);
+    gloo::barrier(barrier_options);
+  }
+  if (options->rank == 0) {
+    /* Best effort: a failure only leaves a few stale keys behind. */
+    const std::string key_prefix = std::string(options->prefix) + "/";
+    (void)st->ops->delete_prefix(st, key_prefix.c_str());
+  }
+}
+
+/* ---- reduce-scatter ------------------------------------------------------- */
+
+void add_f32(float *dst, const float *a, const float *b, size_t numel) {
+  for (size_t i = 0; i < numel; i++)
+    dst[i] = a[i] + b[i];
+}
+
+milliseconds remaining_until(steady_clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<milliseconds>(deadline - steady_clock::now());
+  /* Never negative: -1 means "the context's default" to Gloo. */
+  return std::max(left, milliseconds(0));
+}
+
+/* A reduce-scatter whose sums are taken in rank order: chunk r of the
+ * result is ((g0 + g1) + g2) + ... in fp32 on every run, for every world
+ * size, exactly as a single process adding the ranks' gradients in order
+ * would (the training tests compare against such a reference bit for bit).
+ * A ring would add each chunk starting at a different rank.
+ *
+ * Every rank posts its W-1 outgoing chunks at once (chunk j to rank j), then
+ * receives chunk `rank` from the ranks in order 0, 1, ..., two transfers in
+ * flight (double buffering), and adds each into the running sum as it
+ * lands. Each rank sends and receives (W-1)/W of the buffer, the same
+ * volume as a ring, over W-1 connections at once. No deadlock: every send
+ * is posted before any receive is waited for. */
+void ordered_reduce_scatter_f32(comm *c, float *send, float *scratch, float *recv,
+                                size_t shard_numel, PeerHint &hint) {
+  const auto &context = c->context;
+  const int world = c->world_size;
+  const int rank = c->rank;
+  const auto deadline = steady_clock::now() + milliseconds(c->timeout_ms);
+  const size_t shard_bytes = shard_numel * sizeof(float);
+
+  auto send_buffer = context->createUnboundBuffer(send, shard_bytes * static_cast<size_t>(world));
+  for (int j = 0; j < world; j++)
+    if (j != rank)
+      send_buffer->send(j, kReduceScatterSlotBase, static_cast<size_t>(j) * shard_bytes,
+                        shard_bytes);
+
+  std::unique_ptr<gloo::transport::UnboundBuffer> landing[2] = {
+      context->createUnboundBuffer(scratch, shard_bytes),
+      context->createUnboundBuffer(scratch + shard_numel, shard_bytes)};
+  /* The remote ranks in the order their chunks are added. */
+  std::vector<int> peers;
+  for (int j = 0; j < world; j++)
+    if (j != rank)
+      peers.push_back(j);
+  size_t posted = 0;
+  auto post_next = [&]() {
+    if (posted < peers.size()) {
+      landing[posted % 2]->recv(peers[posted], kReduceScatterSlotBase);
+      posted++;
+    }
+  };
+  post_next();
+  post_next();
+
+  const float *own = send + static_cast<size_t>(rank) * shard_numel;
+  size_t received = 0;
+  for (int j = 0; j < world; j++) {
+    const float *chunk = own;
+    if (j != rank) {
+      hint.recv_rank = j;
+      landing[received % 2]->waitRecv(remaining_until(deadline));
+      chunk = scratch + (received % 2) * shard_numel;
+    }
+    if (j == 0)
+      memcpy(recv, chunk, shard_bytes);
+    else
+      add_f32(recv, recv, chunk, shard_numel);
+    if (j != rank) {
+      /* That landing buffer is free again: the next transfer may use it. */
+      received++;
+      post_next();
+    }
+  }
+  hint.recv_rank = -1;
+  for (size_t i = 0; i < peers.size(); i++)
+    send_buffer->waitSend(remaining_until(deadline));
+}
+
+/* ---- all-reduce ------------------------------------------------------------ */
+
+using ReduceFn = void (*)(void *, const void *, const void *, size_t);
+
+template <typename T> ReduceFn reduce_fn(comm_op op) {
+  switch (op) {
+  case COMM_SUM:
+    return static_cast<ReduceFn>(&gloo::sum<T>);
+  case COMM_MAX:
+    return static_cast<ReduceFn>(&gloo::max<T>);
+  case COMM_MIN:
+    return static_cast<ReduceFn>(&gloo::min<T>);
+  }
+  return nullptr;
+}
+
+template <typename T> void all_reduce_typed(comm *c, void *buf, size_t count, comm_op op) {
+  gloo::AllreduceOptions options(c->context);
+  options.setOutput(static_cast<T *>(buf), count);
+  options.setReduceFunction(reduce_fn<T>(op));
+  options.setTimeout(milliseconds(c->timeout_ms));
+  gloo::allreduce(options);
+}
+
+size_t dtype_bytes(comm_dtype dtype) {
+  switch (dtype) {
+  case COMM_F32:
+    return sizeof(float);
+  case COMM_F64:
+    return sizeof(double);
+  case COMM_U8:
+    return sizeof(uint8_t);
+  case COMM_I64:
+    return sizeof(int64_t);
+  }
+  return 0;
+}
+
+bool ranges_overlap(const void *a, size_t a_bytes, const void *b, size_t b_bytes) {
+  auto a_begin = reinterpret_cast<uintptr_t>(a), b_begin = reinterpret_cast<uintptr_t>(b);
+  return a_begin < b_begin + b_bytes && b_begin < a_begin + a_bytes;
+}
+
+} // namespace
+
+/* ---- the C interface -------------------------------------------------------- */
+
+extern "C" int comm_gloo_create(const comm_options *options, store *st, comm **out, char *err,
+                                size_t err_bytes) {
+  if (err != nullptr && err_bytes > 0)
+    err[0] = '\0';
+  int rc = check_options(options, st, out, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  *out = nullptr;
+
+  comm *c = new (std::nothrow) comm;
+  if (c == nullptr) {
+    create_error(err, err_bytes, "create: out of memory");
+    return -ENOMEM;
+  }
+  c->rank = options->rank;
+  c->world_size = options->world_size;
+  c->timeout_ms = options->timeout_ms;
+  const char *hostname = options->hostname != nullptr ? options->hostname : "127.0.0.1";
+
+  rc = 0;
+  try {
+    connect_mesh(c, options, st, hostname);
+  } catch (const StoreFailure &e) {
+    int peer = rank_of_store_key(e.key);
+    if (e.error == -ETIMEDOUT && peer >= 0)
+      create_error(err, err_bytes, "rendezvous: timed out after %d ms waiting for rank %d",
+                   options->timeout_ms, peer);
+    else if (e.error == -ETIMEDOUT)
+      create_error(err, err_bytes, "rendezvous: timed out after %d ms waiting for key '%s'",
+                   options->timeout_ms, e.key.c_str());
+    else
+      create_error(err, err_bytes, "rendezvous: %s", e.what());
+    rc = e.error;
+  } catch (const std::bad_alloc &) {
+    create_error(err, err_bytes, "create: out of memory");
+    rc = -ENOMEM;
+  } catch (const std::system_error &e) {
+    create_error(err, err_bytes, "create: %s", e.what());
+    rc = e.code().value() > 0 ? -e.code().value() : -EIO;
+  } catch (const std::exception &e) {
+    const std::string detail = strip_gloo_location(e.what());
+    if (is_timeout_message(e.what())) {
+      create_error(err, err_bytes, "rendezvous: timed out after %d ms connecting to peers (%s)",
+                   options->timeout_ms, detail.c_str());
+      rc = -ETIMEDOUT;
+    } else {
+      create_error(err, err_bytes, "rendezvous: %s", detail.c_str());
+      rc = -EIO;
+    }
+  } catch (...) {
+    create_error(err, err_bytes, "create: unknown C++ exception");
+    rc = -EIO;
+  }
+  if (rc != 0) {
+    comm_destroy(c);
+    return rc;
+  }
+  *out = c;
+  return 0;
+}
+
+extern "C" int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank) {
+  if (c == nullptr)
+    return -EINVAL;
+  if (c->broken_error != 0)
+    return c->broken_error;
+  if (bytes_per_rank == 0)
+    return 0;
+  if (send == nullptr || recv == nullptr)
+    return break_comm(c, -EINVAL, "all_gather: send and recv must not be NULL");
+  if (bytes_per_rank > SIZE_MAX / static_cast<size_t>(c->world_size))
+    return break_comm(c, -EOVERFLOW, "all_gather: %zu bytes per rank times %d ranks overflows",
+                      bytes_per_rank, c->world_size);
+  const size_t gathered_bytes = bytes_per_rank * static_cast<size_t>(c->world_size);
+  uint8_t *gathered = static_cast<uint8_t *>(recv);
+  uint8_t *own_slice = gathered + static_cast<size_t>(c->rank) * bytes_per_rank;
+  /* In place means send is our own slice of recv; a send that overlaps recv
+   * anywhere else would be overwritten by the peers' data while in use. */
+  const bool in_place = send == own_slice;
+  if (!in_place && ranges_overlap(send, bytes_per_rank, recv, gathered_bytes))
+    return break_comm(c, -EINVAL,
+                      "all_gather: send overlaps recv but is not this rank's slice (rank %d)",
+                      c->rank);
+
+  return run_collective(c, "all_gather", [&](PeerHint &hint) {
+    if (c->world_size == 1) {
+      if (!in_place)
+        memcpy(own_slice, send, bytes_per_rank);
+      return;
+    }
+    /* Gloo's all-gather is a ring: it receives from rank-1 and sends to
+     * rank+1. Without an input buffer it runs in place on the output. */
+    hint.recv_rank = (c->rank + c->world_size - 1) % c->world_size;
+    hint.send_rank = (c->rank + 1) % c->world_size;
+    gloo::AllgatherOptions options(c->context);
+    if (!in_place)
+      options.setInput(static_cast<uint8_t *>(const_cast<void *>(send)), bytes_per_rank);
+    options.setOutput(gathered, gathered_bytes);
+    options.setTimeout(milliseconds(c->timeout_ms));
+    gloo::allgather(options);
+  });
+}
+
+extern "C" int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_numel) {
+  if (c == nullptr)
+    return -EINVAL;
+  if (c->broken_error != 0)
+    return c->broken_error;
+  if (shard_numel == 0)
+    return 0;
+  if (send == nullptr || recv == nullptr)
+    return break_comm(c, -EINVAL, "reduce_scatter: send and recv must not be NULL");
+  const size_t world = static_cast<size_t>(c->world_size);
+  if (shard_numel > SIZE_MAX / sizeof(float) / world)
+    return break_comm(c, -EOVERFLOW,
+                      "reduce_scatter: %zu floats per shard times %zu ranks overflows", shard_numel,
+                      world);
+  const size_t shard_bytes = shard_numel * sizeof(float);
+  /* recv doubles as the receive scratch. A recv that is this rank's own
+   * shard of send (in place) cannot, since that shard is still an input
+   * until the last step, so it gets a scratch of its own; any other overlap
+   * would corrupt chunks still in flight. */
+  float *own_shard = send + static_cast<size_t>(c->rank) * shard_numel;
+  const bool in_place = recv == own_shard;
+  if (!in_place && ranges_overlap(send, shard_bytes * world, recv, shard_bytes))
+    return break_comm(c, -EINVAL,
+                      "reduce_scatter: recv overlaps send but is not this rank's shard (rank %d)",
+                      c->rank);
+
+  return run_collective(c, "reduce_scatter", [&](PeerHint &hint) {
+    if (c->world_size == 1) {
+      if (!in_place)
+        memcpy(recv, send, shard_bytes);
+      return;
+    }
+    /* Two landing buffers, kept between calls (a reduce runs per unit per
+     * step); an in-place call sums into a third and copies at the end,
+     * since its own chunk is still an input while the sum is built. */
+    const size_t need = shard_numel * (in_place ? 3 : 2);
+    if (c->scratch_numel < need) {
+      c->scratch.reset(new float[need]);
+      c->scratch_numel = need;
+    }
+    float *scratch = c->scratch.get();
+    if (in_place) {
+      float *sum = scratch + 2 * shard_numel;
+      ordered_reduce_scatter_f32(c, send, scratch, sum, shard_numel, hint);
+      memcpy(recv, sum, shard_bytes);
+    } else {
+      ordered_reduce_scatter_f32(c, send, scratch, recv, shard_numel, hint);
+    }
+  });
+}
+
+extern "C" int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op) {
+  if (c == nullptr)
+    return -EINVAL;
+  if (c->broken_error != 0)
+    return c->broken_error;
+  const size_t element_bytes = dtype_bytes(dtype);
+  if (element_bytes == 0)
+    return break_comm(c, -EINVAL, "all_reduce: unknown dtype %d", static_cast<int>(dtype));
+  if (op != COMM_SUM && op != COMM_MAX && op != COMM_MIN)
+    return break_comm(c, -EINVAL, "all_reduce: unknown op %d", static_cast<int>(op));
+  if (count == 0)
+    return 0;
+  if (buf == nullptr)
+    return break_comm(c, -EINVAL, "all_reduce: buf must not be NULL");
+  if (count > SIZE_MAX / element_bytes)
+    return break_comm(c, -EOVERFLOW, "all_reduce: %zu elements overflow", count);
+
+  return run_collective(c, "all_reduce", [&](PeerHint &) {
+    if (c->world_size == 1)
+      return;
+    switch (dtype) {
+    case COMM_F32:
+      all_reduce_typed<float>(c, buf, count, op);
+      break;
+    case COMM_F64:
+      all_reduce_typed<double>(c, buf, count, op);
+      break;
+    case COMM_U8:
+      all_reduce_typed<uint8_t>(c, buf, count, op);
+      break;
+    case COMM_I64:
+      all_reduce_typed<int64_t>(c, buf, count, op);
+      break;
+    }
+  });
+}
+
+extern "C" int comm_broadcast(comm *c, void *buf, size_t bytes, int root) {
+  if (c == nullptr)
+    return -EINVAL;
+  if (c->broken_error != 0)
+    return c->broken_error;
+  if (root < 0 || root >= c->world_size)
+    return break_comm(c, -EINVAL, "broadcast: root %d is outside [0, %d)", root, c->world_size);
+  if (bytes == 0)
+    return 0;
+  if (buf == nullptr)
+    return break_comm(c, -EINVAL, "broadcast: buf must not be NULL");
+
+  return run_collective(c, "broadcast", [&](PeerHint &hint) {
+    if (c->world_size == 1)
+      return;
+    /* Gloo broadcasts along a binomial tree; with two ranks the only peer
+     * is the other one. */
+    if (c->world_size == 2)
+      hint.recv_rank = hint.send_rank = 1 - c->rank;
+    gloo::BroadcastOptions options(c->context);
+    options.setOutput(static_cast<uint8_t *>(buf), bytes);
+    options.setRoot(root);
+    options.setTimeout(milliseconds(c->timeout_ms));
+    gloo::broadcast(options);
+  });
+}
+
+extern "C" int comm_barrier(comm *c) {
+  if (c == nullptr)
+    return -EINVAL;
+  return run_collective(c, "barrier", [&](PeerHint &hint) {
+    if (c->world_size == 1)
+      return;
+    if (c->world_size == 2)
+      hint.recv_rank = hint.send_rank = 1 - c->rank;
+    gloo::BarrierOptions options(c->context);
+    options.setTimeout(milliseconds(c->timeout_ms));
+    gloo::barrier(options);
+  });
+}
+
+extern "C" int comm_rank(const comm *c) {
+  return c != nullptr ? c->rank : -EINVAL;
+}
+
+extern "C" int comm_world_size(const comm *c) {
+  return c != nullptr ? c->world_size : -EINVAL;
+}
+
+extern "C" const char *comm_last_error(const comm *c) {
+  return c != nullptr ? c->last_error : "comm: NULL communicator";
+}
+
+/* Gloo's destructors close the sockets and join the device's event-loop
+ * thread (which wakes every 10 ms); none of them waits for a peer, so this
+ * returns promptly even after a timeout or a peer's death. */
+extern "C" void comm_destroy(comm *c) {
+  if (c == nullptr)
+    return;
+  try {
+    c->context.reset();
+    c->device.reset();
+  } catch (...) {
+    /* Destructors should not throw; if Gloo's does, the memory is lost
+     * rather than the process. */
+  }
+  delete c;
+}
