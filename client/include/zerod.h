@@ -1,0 +1,239 @@
+/* libzerod: the client library that training workers link.
+ *
+ * A worker connects to its node's zerod daemon over a Unix socket, attaches
+ * to a job as one local rank, registers the units (layers) of its model, and
+ * then, every step: gathers each unit's full parameters into shared memory
+ * (zd_gather), computes, releases them (zd_release), writes the unit's
+ * gradient into a gradient buffer (zd_grad_buffer) and hands it back
+ * (zd_reduce), and finally asks for an optimizer step (zd_step), which is a
+ * collective over all ranks of the job.
+ *
+ * Conventions (as in libuv and NCCL):
+ * - every call returns a zd_status: ZD_OK (0) or a negative code;
+ *   zd_strerror() names the code and zd_last_error() returns the detailed
+ *   message of the calling thread's last failed call (usually the daemon's);
+ * - handles are opaque; results go through out-parameters;
+ * - a zd_client is used by one thread at a time (calls on one client are
+ *   not synchronised); use one client per worker thread if needed;
+ * - every call is safe against a daemon that has gone away: it fails with
+ *   ZD_E_UNAVAILABLE instead of crashing or raising SIGPIPE;
+ * - memory returned in views (zd_view) belongs to the library and stays
+ *   valid until zd_close, but its contents only until the matching
+ *   zd_release (gathered) or zd_reduce (gradient).
+ */
+#ifndef ZEROD_H
+#define ZEROD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ZD_API __attribute__((visibility("default")))
+
+typedef enum zd_status {
+  ZD_OK = 0,
+  ZD_E_INVALID_ARGUMENT = -1,
+  ZD_E_NOT_FOUND = -2,
+  ZD_E_ALREADY_EXISTS = -3,
+  ZD_E_FAILED_PRECONDITION = -4,
+  ZD_E_RESOURCE_EXHAUSTED = -5,
+  ZD_E_PERMISSION_DENIED = -6,
+  ZD_E_UNAVAILABLE = -7, /* daemon not running, gone, or shutting down */
+  ZD_E_INTERNAL = -8,
+  ZD_E_ABORTED = -9,   /* the job failed (e.g. a peer rank timed out) */
+  ZD_E_PROTOCOL = -10, /* malformed frame; the connection is closed */
+  ZD_E_NOMEM = -11,
+  ZD_E_IO = -12, /* a system call failed; the message names it */
+} zd_status;
+
+typedef enum zd_dtype { ZD_F32 = 1, ZD_BF16 = 2, ZD_F16 = 3 } zd_dtype;
+
+typedef enum zd_optimizer { ZD_ADAMW = 1, ZD_ADAM = 2, ZD_SGD = 3 } zd_optimizer;
+
+typedef enum zd_init {
+  ZD_INIT_FROM_RANK0 = 1, /* rank 0 passes fp32 values, broadcast to all */
+  ZD_INIT_SEEDED_NORMAL = 2,
+  ZD_INIT_ZEROS = 3,
+} zd_init;
+
+/* Initialiser of an options struct: struct_size set, every other field
+ * zero (the default). Designated in C so that -Wextra does not warn about
+ * the fields left out. */
+#ifdef __cplusplus
+#define ZD_SIZED_INIT(type)                                                                        \
+  { sizeof(type) }
+#else
+#define ZD_SIZED_INIT(type)                                                                        \
+  { .struct_size = sizeof(type) }
+#endif
+
+typedef struct zd_client zd_client;
+typedef struct zd_job zd_job;
+
+/* Job configuration, used when zd_attach creates the job. Zero fields take
+ * the defaults of torch.optim. Initialise with ZD_JOB_CONFIG_INIT so that
+ * struct_size is set. */
+typedef struct zd_job_config {
+  size_t struct_size;
+  zd_optimizer optimizer; /* default AdamW */
+  double lr, beta1, beta2, eps;
+  double weight_decay; /* used when has_weight_decay, else the default */
+  int has_weight_decay;
+  double momentum, dampening;
+  int nesterov;
+  zd_dtype working_dtype;  /* F32 (default) or BF16 */
+  uint64_t max_live_bytes; /* 0: the daemon's default */
+  double max_grad_norm;    /* 0: no clipping */
+} zd_job_config;
+
+#define ZD_JOB_CONFIG_INIT ZD_SIZED_INIT(zd_job_config)
+
+typedef struct zd_attach_options {
+  size_t struct_size;
+  const char *job; /* job name */
+  unsigned local_rank;
+  const char *token; /* owner token; NULL or "" for none */
+  int read_only;
+  int create; /* create the job with `config` if it does not exist */
+  const zd_job_config *config;
+} zd_attach_options;
+
+#define ZD_ATTACH_OPTIONS_INIT ZD_SIZED_INIT(zd_attach_options)
+
+typedef struct zd_tensor_desc {
+  const char *name;
+  const uint64_t *shape;
+  unsigned ndim;
+  int frozen;
+} zd_tensor_desc;
+
+typedef struct zd_unit_desc {
+  size_t struct_size;
+  const char *name;
+  const zd_tensor_desc *tensors;
+  unsigned ntensors;
+  zd_init init;
+  uint64_t seed;
+  double init_std;
+  /* ZD_INIT_FROM_RANK0 on rank 0: the tensors' fp32 values back to back, in
+   * order (sum of numel floats). Ignored on other ranks. */
+  const float *init_values;
+} zd_unit_desc;
+
+#define ZD_UNIT_DESC_INIT ZD_SIZED_INIT(zd_unit_desc)
+
+typedef struct zd_tensor_view {
+  const char *name;
+  void *data; /* inside the unit's buffer */
+  const uint64_t *shape;
+  unsigned ndim;
+  uint64_t numel;
+  uint64_t offset; /* elements from the start of the flat buffer */
+} zd_tensor_view;
+
+/* A unit's gathered or gradient buffer, as the worker sees it. */
+typedef struct zd_view {
+  void *base;
+  size_t bytes;
+  zd_dtype dtype;
+  uint64_t version; /* gathered: the version the values come from */
+  unsigned ntensors;
+  const zd_tensor_view *tensors;
+} zd_view;
+
+typedef struct zd_step_options {
+  size_t struct_size;
+  int set_lr;
+  double lr;
+  int set_max_grad_norm;
+  double max_grad_norm;
+  double grad_scale; /* 0 or 1: none */
+} zd_step_options;
+
+#define ZD_STEP_OPTIONS_INIT ZD_SIZED_INIT(zd_step_options)
+
+typedef struct zd_step_result {
+  uint64_t step;
+  uint64_t version;
+  double grad_norm;
+  int skipped;
+} zd_step_result;
+
+typedef uint32_t zd_unit; /* unit id, from zd_register_unit */
+
+/* A pending asynchronous gather. */
+typedef struct zd_pending {
+  uint64_t request_id;
+  zd_unit unit;
+} zd_pending;
+
+/* The default socket path: $ZEROD_SOCKET, else ./.zerod/zerod.sock. */
+ZD_API const char *zd_default_socket(void);
+
+/* Connects to the daemon at socket_path (NULL: zd_default_socket()). */
+ZD_API zd_status zd_connect(const char *socket_path, zd_client **out);
+
+/* Detaches every job still attached (errors ignored), closes the
+ * connection, unmaps every buffer and frees the client and its jobs. After
+ * this no view, job or pending handle of the client may be used. Accepts
+ * NULL. */
+ZD_API void zd_close(zd_client *client);
+
+/* Attaches to a job (one attached job per connection: attach another job on
+ * another zd_connect). The zd_job belongs to the client and stays valid,
+ * even after zd_detach, until zd_close. options->config may be NULL (the
+ * defaults); it is only used when the job is created. */
+ZD_API zd_status zd_attach(zd_client *client, const zd_attach_options *options, zd_job **out);
+
+/* Global rank and world size of an attached job. */
+ZD_API unsigned zd_job_rank(const zd_job *job);
+ZD_API unsigned zd_job_world_size(const zd_job *job);
+ZD_API uint64_t zd_job_version(const zd_job *job);
+
+/* Registers a unit (a collective: every rank registers the same units in
+ * the same order). A layout that differs between ranks fails with
+ * ZD_E_INVALID_ARGUMENT naming the unit and the first differing tensor. */
+ZD_API zd_status zd_register_unit(zd_job *job, const zd_unit_desc *desc, zd_unit *out);
+
+/* Gathers a unit's full parameters (working precision). Collective.
+ * zd_gather_async only sends the request, so that the gather overlaps the
+ * caller's compute; each pending gather is waited for exactly once, and
+ * replies are matched by request id whatever order they come in. */
+ZD_API zd_status zd_gather(zd_job *job, zd_unit unit, zd_view *out);
+ZD_API zd_status zd_gather_async(zd_job *job, zd_unit unit, zd_pending *out);
+ZD_API zd_status zd_gather_wait(zd_job *job, const zd_pending *pending, zd_view *out);
+
+/* Releases a gathered unit. It costs one send and no round trip: the daemon
+ * answers only errors, and such an error is reported by the next call that
+ * waits for the daemon (its own effect has then happened), with a message
+ * naming the release. */
+ZD_API zd_status zd_release(zd_job *job, zd_unit unit);
+
+/* The unit's gradient buffer (zeroed by the caller as needed; working
+ * precision), valid until zd_reduce. */
+ZD_API zd_status zd_grad_buffer(zd_job *job, zd_unit unit, zd_view *out);
+
+/* Reduce-scatters the gradient buffer into the ranks' fp32 accumulators
+ * (several reduces before a step accumulate). Collective. */
+ZD_API zd_status zd_reduce(zd_job *job, zd_unit unit);
+
+/* Optimizer step over all units (collective). options may be NULL. */
+ZD_API zd_status zd_step(zd_job *job, const zd_step_options *options, zd_step_result *out);
+
+/* Detaches from the job; the handle stays allocated (calls on it fail with
+ * ZD_E_FAILED_PRECONDITION) until zd_close. */
+ZD_API zd_status zd_detach(zd_job *job);
+
+ZD_API const char *zd_strerror(zd_status status);
+
+/* The detailed message of this thread's last failed call ("" if none). */
+ZD_API const char *zd_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ZEROD_H */
