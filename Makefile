@@ -4,7 +4,8 @@
 #   make            build (release with debug info) into build/release
 #   make test       install test dependencies, build, run every test, then
 #                   rebuild with ASan+UBSan and run the native tests again
-#   make demo       install dependencies, build, run the kernel demo
+#   make demo       install dependencies, build, train the example MLP through a
+#                   standalone daemon with 2 ranks and 2 worker processes
 #   make bench      run the benchmarks (JSON lines)
 #   make test-gpu   run the GPU tests, failing (not skipping) without a GPU
 #   make fuzz       build the libFuzzer targets with clang and run each briefly
@@ -59,6 +60,9 @@ demo:
 
 bench: build
 	$(BUILD)/bench/bench_kernels
+	$(BUILD)/bench/bench_comm
+	$(BUILD)/bench/bench_ipc
+	scripts/bench_e2e.sh $(BUILD)
 	@if [ -x $(BUILD)/bench/bench_cuda ]; then $(BUILD)/bench/bench_cuda; fi
 
 $(FUZZ_BUILD)/CMakeCache.txt:

@@ -1,0 +1,58 @@
+/* The node daemon's process-wide state, owned by the loop thread. */
+#ifndef ZEROD_DAEMON_H
+#define ZEROD_DAEMON_H
+
+#include <limits.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <uv.h>
+
+#include "exec.h"
+#include "job.h"
+#include "store.h"
+
+typedef struct daemon_options {
+  char dir[PATH_MAX];         /* state directory (lock file, default socket) */
+  char socket_path[PATH_MAX]; /* IPC socket */
+  char socket_group[64];      /* "" : mode 0600; else mode 0660, this group */
+  int ranks;                  /* CPU ranks hosted by this daemon */
+  int threads_per_rank;
+  int collective_timeout_ms;
+  uint64_t max_live_bytes; /* default per-job gathered + gradient bytes per rank */
+  int max_sessions;
+} daemon_options;
+
+struct session;
+
+typedef struct daemon {
+  uv_loop_t *loop;
+  daemon_options options;
+  store *rendezvous;
+  job *jobs;
+  uint64_t next_job_id;
+
+  int listen_fd;
+  uv_poll_t listen_poll;
+  int lock_fd;
+  struct session *sessions;
+  int nsessions;
+  uint64_t next_session_id;
+
+  /* Ops finished by executors, drained by the loop (completion_async). */
+  pthread_mutex_t completion_mutex;
+  exec_op *completion_head, *completion_tail;
+  uv_async_t completion_async;
+
+  uv_signal_t sigint, sigterm;
+  uv_timer_t status_timer;
+  int stopping;
+} zdaemon; /* not "daemon": unistd.h declares daemon(3) */
+
+/* ipc.c */
+int ipc_listen(zdaemon *d, char *err, size_t err_bytes);
+void ipc_close_all(zdaemon *d, const char *reason);
+void ipc_complete(exec_op *op); /* executor thread */
+void ipc_drain_completions(zdaemon *d);
+
+#endif /* ZEROD_DAEMON_H */

@@ -1,0 +1,1359 @@
+/* Executors: the ordered per-(job, rank) queue, the shard state, the buffer
+ * pool and the handlers of every collective request (see exec.h). */
+#include "exec.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "frame.h"
+#include "log.h"
+
+static exec_settings settings = {.threads_per_rank = 1, .collective_timeout_ms = 60000};
+
+void exec_configure(const exec_settings *s) {
+  settings = *s;
+}
+
+exec_op *exec_op_new(op_kind kind, rank_state *rank) {
+  exec_op *op = calloc(1, sizeof *op);
+  if (op == NULL)
+    return NULL;
+  op->kind = kind;
+  op->rank = rank;
+  op->in_fd = -1;
+  op->reply_fd = -1;
+  return op;
+}
+
+void exec_op_free(exec_op *op) {
+  if (op == NULL)
+    return;
+  if (op->request != NULL)
+    protobuf_c_message_free_unpacked(op->request, NULL);
+  if (op->in_fd >= 0)
+    close(op->in_fd);
+  if (op->reply_fd >= 0)
+    close(op->reply_fd);
+  free(op->reply_frame);
+  free(op);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Replies                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static void op_reply(exec_op *op, uint16_t type, const ProtobufCMessage *msg) {
+  op->status = ZEROD__V1__STATUS__STATUS_OK;
+  if (op->session == NULL || (op->flags & ZD_FRAME_F_NO_REPLY)) {
+    if (op->reply_fd >= 0) {
+      close(op->reply_fd);
+      op->reply_fd = -1;
+    }
+    return;
+  }
+  unsigned nfds = op->reply_fd >= 0 ? 1 : 0;
+  if (zd_frame_encode(type, op->request_id, 0, nfds, msg, &op->reply_frame, &op->reply_bytes) !=
+      0) {
+    op->reply_frame = NULL;
+    op->status = ZEROD__V1__STATUS__STATUS_INTERNAL;
+  }
+}
+
+static void op_error(exec_op *op, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void op_error(exec_op *op, int status, const char *fmt, ...) {
+  char message[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(message, sizeof message, fmt, ap);
+  va_end(ap);
+  op->status = status;
+  if (op->reply_fd >= 0) {
+    close(op->reply_fd);
+    op->reply_fd = -1;
+  }
+  free(op->reply_frame);
+  op->reply_frame = NULL;
+  if (op->session == NULL)
+    return;
+  Zerod__V1__Error err = ZEROD__V1__ERROR__INIT;
+  err.status = (Zerod__V1__Status)status;
+  err.message = message;
+  if (zd_frame_encode(ZEROD__V1__MSG_TYPE__MSG_ERROR, op->request_id, 0, 0, &err.base,
+                      &op->reply_frame, &op->reply_bytes) != 0)
+    op->reply_frame = NULL;
+}
+
+static Zerod__V1__Dtype proto_dtype(zk_dtype d) {
+  switch (d) {
+  case ZK_F32:
+    return ZEROD__V1__DTYPE__DTYPE_F32;
+  case ZK_BF16:
+    return ZEROD__V1__DTYPE__DTYPE_BF16;
+  case ZK_F16:
+    return ZEROD__V1__DTYPE__DTYPE_F16;
+  default:
+    return ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED;
+  }
+}
+
+/* Checks the job's failure state; answers ABORTED and returns 1 if failed. */
+static int op_job_failed(rank_state *rs, exec_op *op) {
+  char reason[512];
+  if (!job_failed(rs->job, rs->generation, reason, sizeof reason) && rs->comm != NULL)
+    return 0;
+  if (rs->comm == NULL && !job_failed(rs->job, rs->generation, reason, sizeof reason))
+    snprintf(reason, sizeof reason, "rank %d has no communicator", rs->rank);
+  op_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "job '%s' failed: %s", rs->job->name, reason);
+  return 1;
+}
+
+/* A collective failed: the job is failed for every rank (the communicator is
+ * broken), and this op is answered with the reason. */
+static void op_comm_failed(rank_state *rs, exec_op *op, const char *what, int err) {
+  job_fail(rs->job, rs->generation, "rank %d: %s: %s", rs->rank, what,
+           rs->comm != NULL ? comm_last_error(rs->comm) : strerror(-err));
+  char reason[512] = "";
+  job_failed(rs->job, rs->generation, reason, sizeof reason);
+  LOG_ERRORF("collective failed", "job=%s rank=%d op=%s err=%d", rs->job->name, rs->rank, what,
+             err);
+  op_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "job '%s' failed: %s", rs->job->name, reason);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Buffer pool                                                              */
+/* ------------------------------------------------------------------------ */
+
+static size_t zk_size(zk_dtype d) {
+  return zk_dtype_size(d);
+}
+
+static void pool_drop(rank_state *rs, uint32_t slot) {
+  pool_buf *b = &rs->bufs[slot];
+  if (b->unit >= 0 && (uint64_t)b->unit < rs->nshards) {
+    shard *sh = &rs->shards[b->unit];
+    if (b->kind == BUF_GATHER && sh->gather_buf == (int64_t)slot)
+      sh->gather_buf = -1;
+  }
+  if (b->sent_session == rs->session_id && rs->session_id != 0) {
+    if (rs->ndropped == rs->dropped_cap) {
+      size_t cap = rs->dropped_cap ? rs->dropped_cap * 2 : 16;
+      uint32_t *grown = realloc(rs->dropped_ids, cap * sizeof *grown);
+      if (grown != NULL) {
+        rs->dropped_ids = grown;
+        rs->dropped_cap = cap;
+      }
+    }
+    if (rs->ndropped < rs->dropped_cap)
+      rs->dropped_ids[rs->ndropped++] = b->id;
+  }
+  rs->pool_bytes -= b->region.bytes;
+  shm_region_destroy(&b->region);
+  memset(b, 0, sizeof *b);
+  b->unit = -1;
+}
+
+static void buf_ref(rank_state *rs, pool_buf *b) {
+  if (b->refs++ == 0)
+    rs->live_bytes += b->region.bytes;
+  b->last_use = ++rs->tick;
+}
+
+static void buf_unref(rank_state *rs, pool_buf *b) {
+  if (b->refs > 0 && --b->refs == 0)
+    rs->live_bytes -= b->region.bytes;
+}
+
+static uint64_t page_round(uint64_t bytes) {
+  long page = sysconf(_SC_PAGESIZE);
+  uint64_t p = page > 0 ? (uint64_t)page : 4096;
+  return bytes == 0 ? p : (bytes + p - 1) / p * p;
+}
+
+/* Finds or makes a free buffer of `bytes` for `kind`. With `prefetch` it
+ * fails quietly instead of answering, and never lets the pool grow over the
+ * cap. Every decision here depends only on the pool's state, which is the
+ * same on every rank. Returns the slot or -1 (error in op unless prefetch). */
+static int64_t pool_acquire(rank_state *rs, exec_op *op, buf_kind kind, uint64_t bytes,
+                            const char *unit_name, int prefetch) {
+  const uint64_t cap = rs->job->config.max_live_bytes;
+  uint64_t need = page_round(bytes);
+  if (rs->live_bytes + need > cap) {
+    if (!prefetch)
+      op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+               "%s unit '%s' needs %" PRIu64 " bytes but %" PRIu64 " of the job's max_live_bytes "
+               "%" PRIu64 " are held; release units first",
+               kind == BUF_GATHER ? "gathering" : "a gradient buffer for", unit_name, need,
+               rs->live_bytes, cap);
+    return -1;
+  }
+  /* Reuse the least recently used free buffer that fits without wasting
+   * more than half of it. */
+  int64_t best = -1;
+  for (uint32_t i = 0; i < rs->nbufs; i++) {
+    pool_buf *b = &rs->bufs[i];
+    if (!b->in_use || b->refs > 0 || b->kind != kind || b->region.bytes < need ||
+        b->region.bytes > 2 * need)
+      continue;
+    if (prefetch && b->kind == BUF_GATHER && b->valid_version == rs->version)
+      continue; /* do not throw away a valid cache entry for a prefetch */
+    if (best < 0 || b->last_use < rs->bufs[best].last_use)
+      best = i;
+  }
+  if (best >= 0) {
+    pool_buf *b = &rs->bufs[best];
+    if (b->kind == BUF_GATHER && b->unit >= 0 && (uint64_t)b->unit < rs->nshards &&
+        rs->shards[b->unit].gather_buf == best)
+      rs->shards[b->unit].gather_buf = -1;
+    b->unit = -1;
+    b->valid_version = UINT64_MAX;
+    return best;
+  }
+  /* Evict free buffers, least recently used first, until the new one fits. */
+  while (rs->pool_bytes + need > cap) {
+    int64_t victim = -1;
+    for (uint32_t i = 0; i < rs->nbufs; i++) {
+      pool_buf *b = &rs->bufs[i];
+      if (!b->in_use || b->refs > 0)
+        continue;
+      if (prefetch && b->kind == BUF_GATHER && b->valid_version == rs->version)
+        continue;
+      if (victim < 0 || b->last_use < rs->bufs[victim].last_use)
+        victim = i;
+    }
+    if (victim < 0) {
+      if (!prefetch)
+        op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                 "unit '%s' needs %" PRIu64 " bytes; the pool is full (max_live_bytes %" PRIu64 ")",
+                 unit_name, need, cap);
+      return -1;
+    }
+    pool_drop(rs, (uint32_t)victim);
+  }
+  uint32_t slot = rs->nbufs;
+  for (uint32_t i = 0; i < rs->nbufs; i++)
+    if (!rs->bufs[i].in_use) {
+      slot = i;
+      break;
+    }
+  if (slot == rs->nbufs) {
+    pool_buf *grown = realloc(rs->bufs, (rs->nbufs + 1) * sizeof *grown);
+    if (grown == NULL) {
+      if (!prefetch)
+        op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+      return -1;
+    }
+    rs->bufs = grown;
+    memset(&rs->bufs[slot], 0, sizeof rs->bufs[slot]);
+    rs->nbufs++;
+  }
+  pool_buf *b = &rs->bufs[slot];
+  /* The name shows in /proc/<pid>/fd, which makes leaks easy to see. */
+  char name[96];
+  snprintf(name, sizeof name, "zerod-%.64s-r%d-%s", rs->job->name, rs->rank,
+           kind == BUF_GATHER ? "gather" : "grad");
+  int err = shm_region_create(&b->region, name, need);
+  if (err != 0) {
+    if (!prefetch)
+      op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+               "cannot create %" PRIu64 " bytes of shared memory for unit '%s': %s", need,
+               unit_name, strerror(-err));
+    return -1;
+  }
+  b->in_use = 1;
+  b->id = ++rs->next_buf_id;
+  b->kind = kind;
+  b->unit = -1;
+  b->valid_version = UINT64_MAX;
+  b->refs = 0;
+  b->sent_session = 0;
+  rs->pool_bytes += b->region.bytes;
+  return slot;
+}
+
+/* Sets up the descriptor to pass and the dropped-ids list for a reply. */
+static void reply_buffer_fd(rank_state *rs, exec_op *op, pool_buf *b) {
+  if (b->sent_session != op->session_id) {
+    op->reply_fd = dup(b->region.fd);
+    b->sent_session = op->session_id;
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Shards                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static void *zalloc(uint64_t bytes) {
+  uint64_t rounded = (bytes + 63) / 64 * 64;
+  void *p = aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  if (p != NULL)
+    memset(p, 0, rounded == 0 ? 64 : rounded);
+  return p;
+}
+
+static void shard_free(shard *sh) {
+  if (sh->working != (void *)sh->master)
+    free(sh->working);
+  free(sh->master);
+  free(sh->moment1);
+  free(sh->moment2);
+  free(sh->grad_acc);
+  free(sh->trainable);
+  free(sh->zero_ranges);
+  memset(sh, 0, sizeof *sh);
+  sh->gather_buf = -1;
+  sh->grad_buf = -1;
+}
+
+static int ranges_push(shard_range **ranges, unsigned *n, uint64_t begin, uint64_t end) {
+  if (begin >= end)
+    return 0;
+  if (*n > 0 && (*ranges)[*n - 1].end == begin) {
+    (*ranges)[*n - 1].end = end;
+    return 0;
+  }
+  shard_range *grown = realloc(*ranges, (*n + 1) * sizeof *grown);
+  if (grown == NULL)
+    return -ENOMEM;
+  grown[*n].begin = begin;
+  grown[*n].end = end;
+  *ranges = grown;
+  (*n)++;
+  return 0;
+}
+
+static int shard_create(rank_state *rs, const unit_layout *l) {
+  if (l->id >= rs->nshards) {
+    uint32_t cap = rs->nshards ? rs->nshards : 16;
+    while (cap <= l->id)
+      cap *= 2;
+    shard *grown = realloc(rs->shards, cap * sizeof *grown);
+    if (grown == NULL)
+      return -ENOMEM;
+    for (uint32_t i = rs->nshards; i < cap; i++) {
+      memset(&grown[i], 0, sizeof grown[i]);
+      grown[i].gather_buf = -1;
+      grown[i].grad_buf = -1;
+    }
+    rs->shards = grown;
+    rs->nshards = cap;
+  }
+  shard *sh = &rs->shards[l->id];
+  const job_config *c = &rs->job->config;
+  uint64_t n = l->shard_numel;
+  sh->master = zalloc(n * 4);
+  sh->grad_acc = zalloc(n * 4);
+  int need_m1 = c->optimizer != JOB_SGD || c->momentum != 0;
+  sh->moment1 = need_m1 ? zalloc(n * 4) : NULL;
+  sh->moment2 = c->optimizer != JOB_SGD ? zalloc(n * 4) : NULL;
+  sh->working =
+      c->working_dtype == ZK_F32 ? (void *)sh->master : zalloc(n * zk_size(c->working_dtype));
+  int err = 0;
+  if (sh->master == NULL || sh->grad_acc == NULL || (need_m1 && sh->moment1 == NULL) ||
+      (c->optimizer != JOB_SGD && sh->moment2 == NULL) || sh->working == NULL)
+    err = -ENOMEM;
+  /* Trainable ranges of this rank's shard, and the ranges of the whole flat
+   * buffer that hold no trainable tensor (gaps, padding, frozen tensors):
+   * gradients there are zeroed before a reduce. */
+  uint64_t lo = (uint64_t)rs->rank * n, hi = lo + n, cursor = 0;
+  for (unsigned t = 0; t < l->ntensors && err == 0; t++) {
+    const tensor_layout *tl = &l->tensors[t];
+    err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, cursor, tl->offset);
+    if (tl->frozen) {
+      if (err == 0)
+        err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, tl->offset, tl->offset + tl->numel);
+    } else {
+      uint64_t b = tl->offset > lo ? tl->offset : lo;
+      uint64_t e = tl->offset + tl->numel < hi ? tl->offset + tl->numel : hi;
+      if (b < e && err == 0)
+        err = ranges_push(&sh->trainable, &sh->ntrainable, b - lo, e - lo);
+    }
+    cursor = tl->offset + tl->numel;
+  }
+  if (err == 0)
+    err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, cursor, l->padded_numel);
+  if (err != 0) {
+    shard_free(sh);
+    return err;
+  }
+  sh->present = 1;
+  sh->gather_buf = -1;
+  sh->grad_buf = -1;
+  return 0;
+}
+
+static int grow_scratch(rank_state *rs, uint64_t numel, uint64_t shard_numel) {
+  if (numel > rs->scratch_numel) {
+    free(rs->scratch);
+    rs->scratch = zalloc(numel * 4);
+    rs->scratch_numel = rs->scratch != NULL ? numel : 0;
+    if (rs->scratch == NULL)
+      return -ENOMEM;
+  }
+  if (shard_numel > rs->shard_scratch_numel) {
+    free(rs->shard_scratch);
+    rs->shard_scratch = zalloc(shard_numel * 4);
+    rs->shard_scratch_numel = rs->shard_scratch != NULL ? shard_numel : 0;
+    if (rs->shard_scratch == NULL)
+      return -ENOMEM;
+  }
+  return 0;
+}
+
+/* A counter-based normal generator: value k of a unit depends only on the
+ * seed, the unit's name and k, so every rank computes its own slice and the
+ * result does not depend on the world size. */
+static uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+static float seeded_normal(uint64_t key, uint64_t index) {
+  uint64_t a = splitmix64(key ^ (index * 2 + 0) * 0xd1342543de82ef95ull);
+  uint64_t b = splitmix64(key ^ (index * 2 + 1) * 0xd1342543de82ef95ull);
+  double u1 = ((double)(a >> 11) + 1.0) / 9007199254740993.0; /* (0, 1] */
+  double u2 = (double)(b >> 11) / 9007199254740992.0;
+  return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+static uint64_t fnv1a(const char *s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (; *s != '\0'; s++)
+    h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
+  return h;
+}
+
+/* Casts the master shard into the working copy (bf16 working precision). */
+static void refresh_working(rank_state *rs, const unit_layout *l, shard *sh) {
+  if (sh->working != (void *)sh->master)
+    zk_cast(rs->pool, sh->working, rs->job->config.working_dtype, sh->master, ZK_F32,
+            l->shard_numel);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Gather order and prefetch                                                */
+/* ------------------------------------------------------------------------ */
+
+static void order_record(rank_state *rs, uint32_t unit_id) {
+  if (rs->order_complete || rs->order_len >= (1u << 20))
+    return;
+  if (rs->order_len == rs->order_cap) {
+    size_t cap = rs->order_cap ? rs->order_cap * 2 : 64;
+    uint32_t *grown = realloc(rs->order, cap * sizeof *grown);
+    if (grown == NULL)
+      return;
+    rs->order = grown;
+    rs->order_cap = cap;
+  }
+  rs->order[rs->order_len++] = unit_id;
+}
+
+/* The unit that followed unit_id in the recorded order, from the cursor on;
+ * -1 if there is none. */
+static int64_t order_next(rank_state *rs, uint32_t unit_id) {
+  if (!rs->order_complete || rs->order_len == 0)
+    return -1;
+  for (size_t k = 0; k < rs->order_len; k++) {
+    size_t pos = (rs->order_cursor + k) % rs->order_len;
+    if (rs->order[pos] == unit_id) {
+      rs->order_cursor = (pos + 1) % rs->order_len;
+      return rs->order[rs->order_cursor];
+    }
+  }
+  return -1;
+}
+
+/* Fills a gathered buffer with the unit's working copy of every rank. */
+static int fill_gathered(rank_state *rs, const unit_layout *l, shard *sh, pool_buf *b) {
+  size_t elem = zk_size(rs->job->config.working_dtype);
+  size_t shard_bytes = l->shard_numel * elem;
+  uint8_t *base = b->region.base;
+  uint8_t *mine = base + (size_t)rs->rank * shard_bytes;
+  memcpy(mine, sh->working, shard_bytes);
+  return comm_all_gather(rs->comm, mine, base, shard_bytes);
+}
+
+static void prefetch_unit(rank_state *rs, uint32_t unit_id) {
+  unit_layout *l = job_unit(rs->job, unit_id);
+  if (l == NULL || unit_id >= rs->nshards || !rs->shards[unit_id].present)
+    return;
+  shard *sh = &rs->shards[unit_id];
+  if (sh->gather_buf >= 0 && rs->bufs[sh->gather_buf].valid_version == rs->version)
+    return;
+  if (job_failed(rs->job, rs->generation, NULL, 0) || rs->comm == NULL)
+    return;
+  size_t bytes = l->padded_numel * zk_size(rs->job->config.working_dtype);
+  int64_t slot = pool_acquire(rs, NULL, BUF_GATHER, bytes, l->name, 1);
+  if (slot < 0)
+    return;
+  pool_buf *b = &rs->bufs[slot];
+  int err = fill_gathered(rs, l, sh, b);
+  if (err != 0) {
+    job_fail(rs->job, rs->generation, "rank %d: prefetch of unit '%s': %s", rs->rank, l->name,
+             comm_last_error(rs->comm));
+    return;
+  }
+  b->unit = unit_id;
+  b->valid_version = rs->version;
+  b->last_use = ++rs->tick;
+  sh->gather_buf = slot;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Handlers                                                                 */
+/* ------------------------------------------------------------------------ */
+
+static shard *lookup_shard(rank_state *rs, exec_op *op, uint32_t unit_id, unit_layout **out) {
+  unit_layout *l = job_unit(rs->job, unit_id);
+  if (l == NULL || unit_id >= rs->nshards || !rs->shards[unit_id].present) {
+    op_error(op, ZEROD__V1__STATUS__STATUS_NOT_FOUND, "unknown unit id %u (register it first)",
+             unit_id);
+    return NULL;
+  }
+  *out = l;
+  return &rs->shards[unit_id];
+}
+
+static void attach_dropped(rank_state *rs, uint32_t **ids, size_t *n) {
+  *ids = rs->dropped_ids;
+  *n = rs->ndropped;
+}
+
+/* Returns 1 if handled, 0 if it needs the executor (a cache miss inline). */
+static int handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *prefetch_next) {
+  Zerod__V1__GatherRequest *req = (Zerod__V1__GatherRequest *)op->request;
+  *prefetch_next = -1;
+  if (op_job_failed(rs, op))
+    return 1;
+  unit_layout *l;
+  shard *sh = lookup_shard(rs, op, req->unit_id, &l);
+  if (sh == NULL)
+    return 1;
+  if (sh->gather_held) {
+    op_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+             "unit '%s' is already gathered by this session; release it first", l->name);
+    return 1;
+  }
+  int hit = sh->gather_buf >= 0 && rs->bufs[sh->gather_buf].valid_version == rs->version;
+  if (!hit) {
+    if (inline_only)
+      return 0;
+    size_t bytes = l->padded_numel * zk_size(rs->job->config.working_dtype);
+    int64_t slot = pool_acquire(rs, op, BUF_GATHER, bytes, l->name, 0);
+    if (slot < 0)
+      return 1;
+    int err = fill_gathered(rs, l, sh, &rs->bufs[slot]);
+    if (err != 0) {
+      op_comm_failed(rs, op, "all_gather", err);
+      return 1;
+    }
+    rs->bufs[slot].unit = req->unit_id;
+    rs->bufs[slot].valid_version = rs->version;
+    sh->gather_buf = slot;
+  }
+  pool_buf *b = &rs->bufs[sh->gather_buf];
+  buf_ref(rs, b);
+  sh->gather_held = 1;
+  order_record(rs, req->unit_id);
+  reply_buffer_fd(rs, op, b);
+  Zerod__V1__GatherReply reply = ZEROD__V1__GATHER_REPLY__INIT;
+  reply.unit_id = req->unit_id;
+  reply.buffer_id = b->id;
+  reply.buffer_bytes = b->region.bytes;
+  reply.version = rs->version;
+  attach_dropped(rs, &reply.dropped_buffer_ids, &reply.n_dropped_buffer_ids);
+  op_reply(op, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, &reply.base);
+  if (op->reply_frame != NULL)
+    rs->ndropped = 0;
+  *prefetch_next = order_next(rs, req->unit_id);
+  return 1;
+}
+
+static void handle_release(rank_state *rs, exec_op *op) {
+  Zerod__V1__ReleaseRequest *req = (Zerod__V1__ReleaseRequest *)op->request;
+  unit_layout *l;
+  shard *sh = lookup_shard(rs, op, req->unit_id, &l);
+  if (sh == NULL)
+    return;
+  if (!sh->gather_held || sh->gather_buf < 0) {
+    op_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+             "release of unit '%s', which this session does not hold", l->name);
+    return;
+  }
+  buf_unref(rs, &rs->bufs[sh->gather_buf]);
+  sh->gather_held = 0;
+  Zerod__V1__ReleaseReply reply = ZEROD__V1__RELEASE_REPLY__INIT;
+  op_reply(op, ZEROD__V1__MSG_TYPE__MSG_RELEASE_REPLY, &reply.base);
+}
+
+static void handle_grad_buffer(rank_state *rs, exec_op *op) {
+  Zerod__V1__GradBufferRequest *req = (Zerod__V1__GradBufferRequest *)op->request;
+  if (op_job_failed(rs, op))
+    return;
+  unit_layout *l;
+  shard *sh = lookup_shard(rs, op, req->unit_id, &l);
+  if (sh == NULL)
+    return;
+  if (sh->grad_buf < 0) {
+    size_t bytes = l->padded_numel * zk_size(rs->job->config.working_dtype);
+    int64_t slot = pool_acquire(rs, op, BUF_GRAD, bytes, l->name, 0);
+    if (slot < 0)
+      return;
+    rs->bufs[slot].unit = req->unit_id;
+    buf_ref(rs, &rs->bufs[slot]);
+    sh->grad_buf = slot;
+  }
+  pool_buf *b = &rs->bufs[sh->grad_buf];
+  reply_buffer_fd(rs, op, b);
+  Zerod__V1__GradBufferReply reply = ZEROD__V1__GRAD_BUFFER_REPLY__INIT;
+  reply.unit_id = req->unit_id;
+  reply.buffer_id = b->id;
+  reply.buffer_bytes = b->region.bytes;
+  attach_dropped(rs, &reply.dropped_buffer_ids, &reply.n_dropped_buffer_ids);
+  op_reply(op, ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER_REPLY, &reply.base);
+  if (op->reply_frame != NULL)
+    rs->ndropped = 0;
+}
+
+static void handle_reduce(rank_state *rs, exec_op *op) {
+  Zerod__V1__ReduceRequest *req = (Zerod__V1__ReduceRequest *)op->request;
+  if (op_job_failed(rs, op))
+    return;
+  unit_layout *l;
+  shard *sh = lookup_shard(rs, op, req->unit_id, &l);
+  if (sh == NULL)
+    return;
+  if (sh->grad_buf < 0) {
+    op_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+             "reduce of unit '%s' without a gradient buffer (ask for it with grad_buffer first)",
+             l->name);
+    return;
+  }
+  pool_buf *b = &rs->bufs[sh->grad_buf];
+  if (grow_scratch(rs, rs->job->config.working_dtype == ZK_F32 ? 0 : l->padded_numel,
+                   l->shard_numel) != 0) {
+    op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory for reduce");
+    return;
+  }
+  /* fp32 gradients are reduced in the worker's buffer itself (its contents
+   * are undefined after the reduce, as documented); lower precisions are
+   * widened first so the sum is taken in fp32. */
+  float *send = b->region.base;
+  if (rs->job->config.working_dtype != ZK_F32) {
+    zk_cast(rs->pool, rs->scratch, ZK_F32, b->region.base, rs->job->config.working_dtype,
+            l->padded_numel);
+    send = rs->scratch;
+  }
+  for (unsigned k = 0; k < sh->nzero_ranges; k++)
+    memset(send + sh->zero_ranges[k].begin, 0,
+           (sh->zero_ranges[k].end - sh->zero_ranges[k].begin) * sizeof(float));
+  int err = comm_reduce_scatter_f32(rs->comm, send, rs->shard_scratch, l->shard_numel);
+  if (err != 0) {
+    op_comm_failed(rs, op, "reduce_scatter", err);
+    return;
+  }
+  zk_accumulate(rs->pool, sh->grad_acc, rs->shard_scratch, ZK_F32, l->shard_numel, NULL);
+  buf_unref(rs, b);
+  b->unit = -1;
+  sh->grad_buf = -1;
+  Zerod__V1__ReduceReply reply = ZEROD__V1__REDUCE_REPLY__INIT;
+  reply.unit_id = req->unit_id;
+  op_reply(op, ZEROD__V1__MSG_TYPE__MSG_REDUCE_REPLY, &reply.base);
+}
+
+static void handle_step(rank_state *rs, exec_op *op) {
+  Zerod__V1__StepRequest *req = (Zerod__V1__StepRequest *)op->request;
+  if (op_job_failed(rs, op))
+    return;
+  if ((req->set_lr && !(req->lr > 0 && isfinite(req->lr))) ||
+      (req->set_max_grad_norm && !(req->max_grad_norm >= 0)) ||
+      !(req->grad_scale >= 0 && isfinite(req->grad_scale))) {
+    op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+             "step: lr must be > 0, max_grad_norm >= 0 and grad_scale >= 0 and finite");
+    return;
+  }
+  if (req->set_lr)
+    rs->lr = req->lr;
+  if (req->set_max_grad_norm)
+    rs->max_grad_norm = req->max_grad_norm;
+  double grad_scale = req->grad_scale == 0 ? 1.0 : req->grad_scale;
+
+  /* The global norm: every rank's partial sum of squares over its shards
+   * (in unit order, each sum deterministic), all-reduced. */
+  double local_sumsq = 0;
+  for (uint32_t u = 0; u < rs->nshards; u++) {
+    shard *sh = &rs->shards[u];
+    if (!sh->present)
+      continue;
+    unit_layout *l = job_unit(rs->job, u);
+    double s = 0;
+    zk_sumsq(rs->pool, sh->grad_acc, ZK_F32, l->shard_numel, &s);
+    local_sumsq += s;
+  }
+  int err = comm_all_reduce(rs->comm, &local_sumsq, 1, COMM_F64, COMM_SUM);
+  if (err != 0) {
+    op_comm_failed(rs, op, "all_reduce (gradient norm)", err);
+    return;
+  }
+  double grad_norm = sqrt(local_sumsq) / grad_scale;
+  int skipped = !isfinite(local_sumsq);
+  if (!skipped) {
+    double coef = 1.0;
+    if (rs->max_grad_norm > 0) {
+      coef = rs->max_grad_norm / (grad_norm + 1e-6);
+      if (coef > 1.0)
+        coef = 1.0;
+    }
+    const job_config *c = &rs->job->config;
+    int64_t step_number = (int64_t)rs->step + 1;
+    for (uint32_t u = 0; u < rs->nshards; u++) {
+      shard *sh = &rs->shards[u];
+      if (!sh->present)
+        continue;
+      for (unsigned k = 0; k < sh->ntrainable; k++) {
+        uint64_t b = sh->trainable[k].begin, n = sh->trainable[k].end - b;
+        size_t welem = zk_size(c->working_dtype);
+        void *working =
+            sh->working == (void *)sh->master ? NULL : (uint8_t *)sh->working + b * welem;
+        zk_dtype wdtype = working != NULL ? c->working_dtype : ZK_DTYPE_NONE;
+        int rc;
+        if (c->optimizer == JOB_SGD) {
+          zk_sgd_hparams hp = {.lr = rs->lr,
+                               .momentum = c->momentum,
+                               .dampening = c->dampening,
+                               .weight_decay = c->weight_decay,
+                               .nesterov = c->nesterov,
+                               .step = step_number,
+                               .grad_scale = coef / grad_scale};
+          rc = zk_sgd_step(rs->pool, &hp, sh->master + b, sh->moment1 ? sh->moment1 + b : NULL,
+                           sh->grad_acc + b, ZK_F32, working, wdtype, n);
+        } else {
+          zk_adam_hparams hp = {.lr = rs->lr,
+                                .beta1 = c->beta1,
+                                .beta2 = c->beta2,
+                                .eps = c->eps,
+                                .weight_decay = c->weight_decay,
+                                .decoupled_weight_decay = c->optimizer == JOB_ADAMW,
+                                .step = step_number,
+                                .grad_scale = coef / grad_scale};
+          rc = zk_adam_step(rs->pool, &hp, sh->master + b, sh->moment1 + b, sh->moment2 + b,
+                            sh->grad_acc + b, ZK_F32, working, wdtype, n);
+        }
+        if (rc != 0) {
+          /* The hyper-parameters were checked at creation; a failure here
+           * would leave ranks inconsistent, so the job stops. */
+          job_fail(rs->job, rs->generation, "rank %d: optimizer step failed: %s", rs->rank,
+                   strerror(-rc));
+          op_error(op, ZEROD__V1__STATUS__STATUS_INTERNAL, "optimizer step failed: %s",
+                   strerror(-rc));
+          return;
+        }
+      }
+    }
+    rs->step++;
+    rs->version++;
+  }
+  for (uint32_t u = 0; u < rs->nshards; u++) {
+    shard *sh = &rs->shards[u];
+    if (sh->present)
+      memset(sh->grad_acc, 0, job_unit(rs->job, u)->shard_numel * sizeof(float));
+  }
+  rs->order_complete = 1;
+  Zerod__V1__StepReply reply = ZEROD__V1__STEP_REPLY__INIT;
+  reply.step = rs->step;
+  reply.version = rs->version;
+  reply.grad_norm = grad_norm;
+  reply.skipped = skipped;
+  op_reply(op, ZEROD__V1__MSG_TYPE__MSG_STEP_REPLY, &reply.base);
+}
+
+/* The first chunk index where two descriptors differ, or -1 if equal. */
+static int32_t descriptor_diff(const uint8_t *a, size_t a_bytes, const uint8_t *b, size_t b_bytes) {
+  size_t pa = 0, pb = 0;
+  for (int32_t chunk = 0;; chunk++) {
+    if (pa >= a_bytes && pb >= b_bytes)
+      return -1;
+    if (pa + 4 > a_bytes || pb + 4 > b_bytes)
+      return chunk;
+    uint32_t la = 0, lb = 0;
+    for (int i = 0; i < 4; i++) {
+      la |= (uint32_t)a[pa + (size_t)i] << (8 * i);
+      lb |= (uint32_t)b[pb + (size_t)i] << (8 * i);
+    }
+    if (la != lb || pa + 4 + la > a_bytes || pb + 4 + lb > b_bytes ||
+        memcmp(a + pa + 4, b + pb + 4, la) != 0)
+      return chunk;
+    pa += 4 + la;
+    pb += 4 + lb;
+  }
+}
+
+/* Describes tensor `index` of a layout for an error message. */
+static void describe_tensor(const unit_layout *l, int32_t index, char *out, size_t out_bytes) {
+  if (l == NULL || index < 0 || (unsigned)index >= l->ntensors) {
+    snprintf(out, out_bytes, "(none)");
+    return;
+  }
+  const tensor_layout *t = &l->tensors[index];
+  int n = snprintf(out, out_bytes, "'%s' shape [", t->name);
+  for (unsigned d = 0; d < t->ndim && n > 0 && (size_t)n < out_bytes; d++)
+    n += snprintf(out + n, out_bytes - (size_t)n, "%s%llu", d ? "," : "",
+                  (unsigned long long)t->shape[d]);
+  if (n > 0 && (size_t)n < out_bytes)
+    snprintf(out + n, out_bytes - (size_t)n, "]%s", t->frozen ? " frozen" : "");
+}
+
+static void handle_register(rank_state *rs, exec_op *op) {
+  Zerod__V1__RegisterUnitRequest *req = (Zerod__V1__RegisterUnitRequest *)op->request;
+  job *j = rs->job;
+  unit_layout *mine = NULL;
+  float *packed = NULL;
+  uint8_t *root_desc = NULL;
+  int root_desc_owned = 0;
+  int32_t *codes = NULL;
+  char err[512] = "";
+  if (op_job_failed(rs, op))
+    return;
+
+  /* 1. The local layout. A local failure still takes part in the
+   *    collectives below, so that the other ranks fail with it instead of
+   *    waiting for this one. */
+  unsigned nt = (unsigned)req->n_tensors;
+  const char **names = calloc(nt ? nt : 1, sizeof *names);
+  const uint64_t **shapes = calloc(nt ? nt : 1, sizeof *shapes);
+  unsigned *ndims = calloc(nt ? nt : 1, sizeof *ndims);
+  int *frozen = calloc(nt ? nt : 1, sizeof *frozen);
+  int local_rc = -ENOMEM;
+  int init = req->init == ZEROD__V1__INIT_MODE__INIT_UNSPECIFIED
+                 ? ZEROD__V1__INIT_MODE__INIT_FROM_RANK0
+                 : (int)req->init;
+  uint64_t init_tag =
+      (uint64_t)init ^
+      (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL ? (req->seed * 31) ^ fnv1a("std") : 0);
+  if (names != NULL && shapes != NULL && ndims != NULL && frozen != NULL) {
+    for (unsigned t = 0; t < nt; t++) {
+      names[t] = req->tensors[t]->name;
+      shapes[t] = req->tensors[t]->shape;
+      ndims[t] = (unsigned)req->tensors[t]->n_shape;
+      frozen[t] = req->tensors[t]->frozen;
+    }
+    local_rc = unit_layout_build(req->name, nt, names, shapes, ndims, frozen, j->world_size,
+                                 init_tag, &mine, err, sizeof err);
+  }
+  free(names);
+  free(shapes);
+  free(ndims);
+  free(frozen);
+  if (local_rc != 0 && err[0] == '\0')
+    snprintf(err, sizeof err, "%s", strerror(-local_rc));
+
+  /* 2. Rank 0 reads its initial values before anything is broadcast, so a
+   *    bad descriptor fails the registration on every rank alike. */
+  int32_t init_status = 0;
+  if (rs->rank == 0 && local_rc == 0 && init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0) {
+    if (op->in_fd < 0) {
+      init_status = -EINVAL;
+      snprintf(err, sizeof err,
+               "INIT_FROM_RANK0 needs rank 0's initial values (one memfd with %llu floats)",
+               (unsigned long long)mine->packed_numel);
+    } else {
+      packed = malloc(mine->packed_numel * sizeof(float) + 1);
+      init_status =
+          packed == NULL ? -ENOMEM : shm_read_fd(op->in_fd, packed, mine->packed_numel * 4);
+      if (init_status != 0)
+        snprintf(err, sizeof err, "reading rank 0's initial values (%llu bytes expected): %s",
+                 (unsigned long long)mine->packed_numel * 4,
+                 init_status == -EINVAL ? "file too short" : strerror(-init_status));
+    }
+  }
+
+  /* 3. Rank 0's descriptor to everyone; every rank compares it with its
+   *    own; the comparison results go to everyone. */
+  struct {
+    uint64_t desc_bytes;
+    int32_t layout_ok;
+    int32_t init_status;
+  } head = {0, 0, 0};
+  if (rs->rank == 0) {
+    head.layout_ok = local_rc == 0;
+    head.desc_bytes = local_rc == 0 ? mine->descriptor_bytes : 0;
+    head.init_status = init_status;
+  }
+  int rc = comm_broadcast(rs->comm, &head, sizeof head, 0);
+  if (rc == 0 && head.desc_bytes > (64u << 20))
+    rc = -EPROTO;
+  if (rc == 0 && head.desc_bytes > 0) {
+    root_desc_owned = rs->rank != 0;
+    root_desc = rs->rank == 0 ? mine->descriptor : malloc(head.desc_bytes);
+    rc = root_desc == NULL ? -ENOMEM : comm_broadcast(rs->comm, root_desc, head.desc_bytes, 0);
+  }
+  int32_t my_code = local_rc != 0 ? -2
+                                  : (head.desc_bytes > 0
+                                         ? descriptor_diff(mine->descriptor, mine->descriptor_bytes,
+                                                           root_desc, head.desc_bytes)
+                                         : -1);
+  codes = calloc((size_t)j->world_size, sizeof *codes);
+  if (rc == 0 && codes == NULL)
+    rc = -ENOMEM;
+  if (rc == 0) {
+    codes[rs->rank] = my_code;
+    rc = comm_all_gather(rs->comm, &codes[rs->rank], codes, sizeof *codes);
+  }
+  if (rc != 0) {
+    op_comm_failed(rs, op, "register (layout exchange)", rc);
+    goto done;
+  }
+  if (!head.layout_ok) {
+    op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name,
+             rs->rank == 0 ? err : "rank 0's layout is invalid");
+    goto done;
+  }
+  if (head.init_status != 0) {
+    op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name,
+             rs->rank == 0 ? err : "rank 0's initial values are unusable");
+    goto done;
+  }
+  for (int r = 0; r < j->world_size; r++) {
+    if (codes[r] == -1)
+      continue;
+    if (r == rs->rank && codes[r] == -2) {
+      op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name, err);
+    } else if (codes[r] == -2) {
+      op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "unit '%s': the layout registered on rank %d is invalid", req->name, r);
+    } else if (codes[r] == 0) {
+      op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "unit layouts differ between ranks: rank %d registered a different unit name, "
+               "tensor count or initialisation than rank 0 (this rank: unit '%s' with %u "
+               "tensors)",
+               r, req->name, nt);
+    } else {
+      char here[320];
+      describe_tensor(mine, codes[r] - 1, here, sizeof here);
+      op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "unit '%s': layouts differ between ranks at tensor #%d: rank %d differs from "
+               "rank 0 (this rank %d has %s)",
+               req->name, codes[r] - 1, r, rs->rank, here);
+    }
+    goto done;
+  }
+
+  /* 4. Publish (or find) the unit; create this rank's shard. */
+  int existed = 0, conflict = 0;
+  unit_layout *l = job_publish_unit(j, mine, &existed, &conflict);
+  if (l == NULL) {
+    op_error(op,
+             conflict ? ZEROD__V1__STATUS__STATUS_ALREADY_EXISTS
+                      : ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+             conflict ? "unit '%s' is already registered with a different layout"
+                      : "unit '%s': too many units (at most %d)",
+             req->name, JOB_MAX_UNITS);
+    goto done;
+  }
+  mine = NULL; /* freed by job_publish_unit if it existed, else owned by the job */
+  int fresh = l->id >= rs->nshards || !rs->shards[l->id].present;
+  if (fresh) {
+    rc = shard_create(rs, l);
+    if (rc == 0)
+      rc = grow_scratch(rs, init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0 ? l->padded_numel : 0, 0);
+    if (rc != 0) {
+      job_fail(j, rs->generation, "rank %d: out of memory for unit '%s'", rs->rank, l->name);
+      op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+               "out of memory for the shard of unit '%s' (%llu elements)", l->name,
+               (unsigned long long)l->shard_numel);
+      goto done;
+    }
+    shard *sh = &rs->shards[l->id];
+    uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
+    if (init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0) {
+      /* 5. Rank 0 lays its packed values out in the flat buffer and
+       *    broadcasts it; every rank keeps its slice. */
+      if (rs->rank == 0) {
+        memset(rs->scratch, 0, l->padded_numel * sizeof(float));
+        uint64_t at = 0;
+        for (unsigned t = 0; t < l->ntensors; t++) {
+          memcpy(rs->scratch + l->tensors[t].offset, packed + at,
+                 l->tensors[t].numel * sizeof(float));
+          at += l->tensors[t].numel;
+        }
+      }
+      rc = comm_broadcast(rs->comm, rs->scratch, l->padded_numel * sizeof(float), 0);
+      if (rc != 0) {
+        op_comm_failed(rs, op, "register (initial values)", rc);
+        goto done;
+      }
+      memcpy(sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
+    } else if (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL) {
+      uint64_t key = splitmix64(req->seed) ^ fnv1a(l->name);
+      for (unsigned t = 0; t < l->ntensors; t++) {
+        const tensor_layout *tl = &l->tensors[t];
+        uint64_t b = tl->offset > lo ? tl->offset : lo;
+        uint64_t e = tl->offset + tl->numel < lo + l->shard_numel ? tl->offset + tl->numel
+                                                                  : lo + l->shard_numel;
+        for (uint64_t k = b; k < e; k++)
+          sh->master[k - lo] = (float)req->init_std * seeded_normal(key, k);
+      }
+    }
+    refresh_working(rs, l, sh);
+  }
+  {
+    Zerod__V1__RegisterUnitReply reply = ZEROD__V1__REGISTER_UNIT_REPLY__INIT;
+    Zerod__V1__TensorPlacement *placements = calloc(l->ntensors, sizeof *placements);
+    Zerod__V1__TensorPlacement **ptrs = calloc(l->ntensors, sizeof *ptrs);
+    if (placements == NULL || ptrs == NULL) {
+      free(placements);
+      free(ptrs);
+      op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+      goto done;
+    }
+    for (unsigned t = 0; t < l->ntensors; t++) {
+      zerod__v1__tensor_placement__init(&placements[t]);
+      placements[t].name = l->tensors[t].name;
+      placements[t].n_shape = l->tensors[t].ndim;
+      placements[t].shape = l->tensors[t].shape;
+      placements[t].offset = l->tensors[t].offset;
+      placements[t].numel = l->tensors[t].numel;
+      ptrs[t] = &placements[t];
+    }
+    reply.unit_id = l->id;
+    reply.numel = l->numel;
+    reply.padded_numel = l->padded_numel;
+    reply.shard_numel = l->shard_numel;
+    reply.n_tensors = l->ntensors;
+    reply.tensors = ptrs;
+    reply.working_dtype = proto_dtype(j->config.working_dtype);
+    reply.grad_dtype = proto_dtype(j->config.working_dtype);
+    reply.existed = !fresh;
+    op_reply(op, ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT_REPLY, &reply.base);
+    free(placements);
+    free(ptrs);
+    LOG_DEBUGF("unit registered", "job=%s rank=%d unit=%u numel=%llu", j->name, rs->rank, l->id,
+               (unsigned long long)l->numel);
+  }
+done:
+  if (root_desc_owned)
+    free(root_desc);
+  unit_layout_free(mine);
+  free(packed);
+  free(codes);
+}
+
+static void handle_session_begin(rank_state *rs, exec_op *op) {
+  rs->session_id = op->session_id;
+  rs->ndropped = 0;
+  const job_config *c = &rs->job->config;
+  Zerod__V1__OptimizerConfig opt = ZEROD__V1__OPTIMIZER_CONFIG__INIT;
+  opt.kind = (Zerod__V1__OptimizerKind)c->optimizer;
+  opt.lr = rs->lr;
+  opt.beta1 = c->beta1;
+  opt.beta2 = c->beta2;
+  opt.eps = c->eps;
+  opt.weight_decay = c->weight_decay;
+  opt.has_weight_decay = 1;
+  opt.momentum = c->momentum;
+  opt.dampening = c->dampening;
+  opt.nesterov = c->nesterov;
+  Zerod__V1__JobConfig config = ZEROD__V1__JOB_CONFIG__INIT;
+  config.optimizer = &opt;
+  config.working_dtype = proto_dtype(c->working_dtype);
+  config.max_live_bytes = c->max_live_bytes;
+  config.max_grad_norm = rs->max_grad_norm;
+  Zerod__V1__AttachReply reply = ZEROD__V1__ATTACH_REPLY__INIT;
+  reply.job_id = rs->job->id;
+  reply.rank = (uint32_t)rs->rank;
+  reply.world_size = (uint32_t)rs->job->world_size;
+  reply.version = rs->version;
+  reply.config = &config;
+  reply.created = op->job_created;
+  op_reply(op, ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, &reply.base);
+}
+
+static void handle_session_end(rank_state *rs, exec_op *op) {
+  for (uint32_t u = 0; u < rs->nshards; u++) {
+    shard *sh = &rs->shards[u];
+    if (!sh->present)
+      continue;
+    if (sh->gather_held && sh->gather_buf >= 0)
+      buf_unref(rs, &rs->bufs[sh->gather_buf]);
+    sh->gather_held = 0;
+    if (sh->grad_buf >= 0) {
+      buf_unref(rs, &rs->bufs[sh->grad_buf]);
+      rs->bufs[sh->grad_buf].unit = -1;
+      sh->grad_buf = -1;
+    }
+  }
+  rs->ndropped = 0;
+  rs->session_id = 0;
+  /* A job that failed (e.g. its worker died) closes this rank's
+   * communicator, so peers blocked in a collective with this rank fail now
+   * rather than at their timeout. */
+  if (rs->comm != NULL && job_failed(rs->job, rs->generation, NULL, 0)) {
+    comm_destroy(rs->comm);
+    rs->comm = NULL;
+  }
+  if (op->session != NULL) {
+    Zerod__V1__DetachReply reply = ZEROD__V1__DETACH_REPLY__INIT;
+    op_reply(op, ZEROD__V1__MSG_TYPE__MSG_DETACH_REPLY, &reply.base);
+  }
+}
+
+/* Frees every buffer nobody holds and forgets every cached gather. All
+ * ranks trim at the same point of their op sequences (the loop queues it
+ * for every rank at once), so their later decisions still agree. */
+static void pool_trim(rank_state *rs) {
+  for (uint32_t i = 0; i < rs->nbufs; i++) {
+    if (!rs->bufs[i].in_use)
+      continue;
+    rs->bufs[i].valid_version = UINT64_MAX;
+    if (rs->bufs[i].refs == 0)
+      pool_drop(rs, i);
+  }
+}
+
+static void handle_comm_init(rank_state *rs, exec_op *op) {
+  if (rs->comm != NULL) {
+    comm_destroy(rs->comm);
+    rs->comm = NULL;
+  }
+  rs->generation = op->generation;
+  char prefix[128], err[512] = "";
+  snprintf(prefix, sizeof prefix, "job/%llu/gen/%u", (unsigned long long)rs->job->id,
+           rs->generation);
+  comm_options options = {.prefix = prefix,
+                          .rank = rs->rank,
+                          .world_size = rs->job->world_size,
+                          .timeout_ms = settings.collective_timeout_ms,
+                          .hostname = settings.comm_hostname};
+  int rc = comm_gloo_create(&options, settings.rendezvous, &rs->comm, err, sizeof err);
+  if (rc != 0) {
+    rs->comm = NULL;
+    job_fail(rs->job, rs->generation, "rank %d: communicator: %s", rs->rank, err);
+    LOG_ERRORF("communicator failed", "job=%s rank=%d generation=%u", rs->job->name, rs->rank,
+               rs->generation);
+    return;
+  }
+  /* After a reset the ranks' pools may differ (their last ops failed at
+   * different points); trimming them makes their next decisions agree
+   * again. The step counts must agree too. */
+  pool_trim(rs);
+  int64_t *steps = calloc((size_t)rs->job->world_size, sizeof *steps);
+  if (steps == NULL) {
+    job_fail(rs->job, rs->generation, "rank %d: out of memory", rs->rank);
+    return;
+  }
+  steps[rs->rank] = (int64_t)rs->step;
+  rc = comm_all_gather(rs->comm, &steps[rs->rank], steps, sizeof *steps);
+  for (int r = 0; rc == 0 && r < rs->job->world_size; r++)
+    if (steps[r] != steps[0]) {
+      job_fail(rs->job, rs->generation,
+               "ranks disagree on the step count (rank 0: %lld, rank %d: %lld)",
+               (long long)steps[0], r, (long long)steps[r]);
+      break;
+    }
+  if (rc != 0)
+    job_fail(rs->job, rs->generation, "rank %d: communicator check: %s", rs->rank,
+             comm_last_error(rs->comm));
+  free(steps);
+  LOG_DEBUGF("communicator ready", "job=%s rank=%d generation=%u", rs->job->name, rs->rank,
+             rs->generation);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The executor thread                                                      */
+/* ------------------------------------------------------------------------ */
+
+static void finish(exec_op *op) {
+  if (op->session != NULL)
+    settings.complete(op);
+  else
+    exec_op_free(op);
+}
+
+static void run_op(rank_state *rs, exec_op *op) {
+  int64_t next = -1;
+  switch (op->kind) {
+  case OP_COMM_INIT:
+    handle_comm_init(rs, op);
+    break;
+  case OP_SESSION_BEGIN:
+    handle_session_begin(rs, op);
+    break;
+  case OP_SESSION_END:
+    handle_session_end(rs, op);
+    break;
+  case OP_REGISTER:
+    handle_register(rs, op);
+    break;
+  case OP_GATHER:
+    handle_gather(rs, op, 0, &next);
+    break;
+  case OP_PREFETCH:
+    next = op->prefetch_unit;
+    break;
+  case OP_RELEASE:
+    handle_release(rs, op);
+    break;
+  case OP_GRAD_BUFFER:
+    handle_grad_buffer(rs, op);
+    break;
+  case OP_REDUCE:
+    handle_reduce(rs, op);
+    break;
+  case OP_STEP:
+    handle_step(rs, op);
+    break;
+  case OP_TRIM:
+    pool_trim(rs);
+    break;
+  case OP_STOP:
+    break;
+  }
+  /* The reply goes out before the prefetch starts: the worker computes on
+   * this unit while the next one is gathered. */
+  finish(op);
+  if (next >= 0)
+    prefetch_unit(rs, (uint32_t)next);
+}
+
+static void *exec_main(void *arg) {
+  rank_state *rs = arg;
+  for (;;) {
+    pthread_mutex_lock(&rs->queue_mutex);
+    while (rs->queue_head == NULL)
+      pthread_cond_wait(&rs->queue_cond, &rs->queue_mutex);
+    exec_op *op = rs->queue_head;
+    rs->queue_head = op->next;
+    if (rs->queue_head == NULL)
+      rs->queue_tail = NULL;
+    pthread_mutex_unlock(&rs->queue_mutex);
+    op->next = NULL;
+    if (op->kind == OP_STOP) {
+      /* Closing the communicator's connections wakes any peer rank blocked
+       * on this one at once, instead of at its timeout. */
+      if (rs->comm != NULL)
+        comm_destroy(rs->comm);
+      rs->comm = NULL;
+      exec_op_free(op);
+      atomic_fetch_sub(&rs->busy, 1);
+      return NULL;
+    }
+    run_op(rs, op);
+    atomic_fetch_sub(&rs->busy, 1);
+  }
+}
+
+int exec_rank_start(rank_state *rs) {
+  int rc = zk_pool_create(settings.threads_per_rank, &rs->pool);
+  if (rc != 0)
+    return rc;
+  rc = pthread_create(&rs->thread, NULL, exec_main, rs);
+  if (rc != 0)
+    return -rc;
+  rs->thread_started = 1;
+  return 0;
+}
+
+void exec_submit(exec_op *op) {
+  rank_state *rs = op->rank;
+  atomic_fetch_add(&rs->busy, 1);
+  pthread_mutex_lock(&rs->queue_mutex);
+  if (rs->queue_tail != NULL)
+    rs->queue_tail->next = op;
+  else
+    rs->queue_head = op;
+  rs->queue_tail = op;
+  pthread_cond_signal(&rs->queue_cond);
+  pthread_mutex_unlock(&rs->queue_mutex);
+}
+
+int exec_try_inline(exec_op *op) {
+  rank_state *rs = op->rank;
+  if (atomic_load(&rs->busy) != 0)
+    return 0;
+  int64_t next = -1;
+  switch (op->kind) {
+  case OP_GATHER:
+    if (!handle_gather(rs, op, 1, &next))
+      return 0;
+    break;
+  case OP_RELEASE:
+    handle_release(rs, op);
+    break;
+  case OP_GRAD_BUFFER:
+    handle_grad_buffer(rs, op);
+    break;
+  default:
+    return 0;
+  }
+  if (next >= 0) {
+    /* The executor is idle, so this prefetch runs right after the gather,
+     * exactly where the executor would have run it. */
+    exec_op *prefetch = exec_op_new(OP_PREFETCH, rs);
+    if (prefetch != NULL) {
+      prefetch->prefetch_unit = (uint32_t)next;
+      exec_submit(prefetch);
+    }
+  }
+  return 1;
+}
+
+void exec_rank_stop(rank_state *rs) {
+  if (!rs->thread_started)
+    return;
+  pthread_mutex_lock(&rs->queue_mutex);
+  exec_op *dropped = rs->queue_head;
+  rs->queue_head = rs->queue_tail = NULL;
+  pthread_mutex_unlock(&rs->queue_mutex);
+  while (dropped != NULL) {
+    exec_op *next = dropped->next;
+    dropped->next = NULL;
+    op_error(dropped, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "zerod is shutting down");
+    atomic_fetch_sub(&rs->busy, 1);
+    finish(dropped);
+    dropped = next;
+  }
+  exec_op *stop = exec_op_new(OP_STOP, rs);
+  if (stop != NULL)
+    exec_submit(stop);
+}
+
+void exec_rank_join(rank_state *rs) {
+  if (!rs->thread_started)
+    return;
+  pthread_join(rs->thread, NULL);
+  rs->thread_started = 0;
+}
+
+void exec_rank_free(rank_state *rs) {
+  if (rs->comm != NULL)
+    comm_destroy(rs->comm);
+  rs->comm = NULL;
+  for (uint32_t u = 0; u < rs->nshards; u++)
+    if (rs->shards[u].present)
+      shard_free(&rs->shards[u]);
+  free(rs->shards);
+  rs->shards = NULL;
+  for (uint32_t i = 0; i < rs->nbufs; i++)
+    if (rs->bufs[i].in_use)
+      shm_region_destroy(&rs->bufs[i].region);
+  free(rs->bufs);
+  rs->bufs = NULL;
+  free(rs->dropped_ids);
+  free(rs->scratch);
+  free(rs->shard_scratch);
+  free(rs->order);
+  rs->dropped_ids = NULL;
+  rs->scratch = rs->shard_scratch = NULL;
+  rs->order = NULL;
+  zk_pool_destroy(rs->pool);
+  rs->pool = NULL;
+}

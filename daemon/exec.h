@@ -1,0 +1,91 @@
+/* exec: one ordered executor per (job, rank) (ARCHITECTURE §4).
+ *
+ * The loop thread turns requests into exec_ops and submits them; the rank's
+ * executor thread runs them in submission order (kernels from kernels/ and
+ * the blocking collectives from comm.h), encodes the reply frame itself and
+ * hands the op back to the loop through the daemon's completion queue.
+ *
+ * Determinism: every rank of a job runs the same sequence of ops, so every
+ * decision that changes the collectives (cache hits, evictions, prefetches)
+ * is a function of that sequence and never of timing. Cheap ops that issue
+ * no collective (a gather served from cache, a release, a gradient buffer)
+ * may run on the loop thread instead — exec_try_inline — but only while the
+ * executor is idle (busy == 0), which orders them exactly as if queued. */
+#ifndef ZEROD_EXEC_H
+#define ZEROD_EXEC_H
+
+#include <protobuf-c/protobuf-c.h>
+#include <stdint.h>
+
+#include "job.h"
+
+typedef enum op_kind {
+  OP_COMM_INIT,     /* build the communicator (generation op->generation) */
+  OP_SESSION_BEGIN, /* a session attached to the rank (op->session_id) */
+  OP_SESSION_END,   /* it left: release everything it held */
+  OP_REGISTER,
+  OP_GATHER,
+  OP_PREFETCH, /* internal: prefetch after an inline gather */
+  OP_RELEASE,
+  OP_GRAD_BUFFER,
+  OP_REDUCE,
+  OP_STEP,
+  OP_TRIM, /* free unheld buffers (the job has no sessions) */
+  OP_STOP, /* destroy the communicator and exit the thread */
+} op_kind;
+
+typedef struct exec_op {
+  struct exec_op *next;
+  op_kind kind;
+  rank_state *rank;
+  struct session *session; /* reply target; NULL for internal ops */
+  uint64_t session_id;
+  uint64_t request_id;
+  uint8_t flags;
+  ProtobufCMessage *request; /* owned */
+  int in_fd;                 /* owned; -1 if none */
+  unsigned generation;
+  uint32_t prefetch_unit;
+  int job_created; /* OP_SESSION_BEGIN: the attach created the job */
+
+  /* Result, filled by the handler. */
+  int status;           /* Zerod__V1__Status */
+  uint8_t *reply_frame; /* encoded frame to send, or NULL */
+  size_t reply_bytes;
+  int reply_fd; /* dup'd descriptor to pass with the frame, or -1 */
+} exec_op;
+
+/* Called on the executor thread when an op is done (the daemon queues it
+ * for the loop). */
+typedef void (*exec_complete_fn)(exec_op *op);
+
+typedef struct exec_settings {
+  exec_complete_fn complete;
+  int threads_per_rank;
+  int collective_timeout_ms;
+  const char *comm_hostname;
+  store *rendezvous;
+} exec_settings;
+
+void exec_configure(const exec_settings *settings);
+
+exec_op *exec_op_new(op_kind kind, rank_state *rank);
+void exec_op_free(exec_op *op);
+
+/* Starts the rank's executor thread. Returns 0 or a negative errno. */
+int exec_rank_start(rank_state *rank);
+/* Queues op at the tail (loop thread). */
+void exec_submit(exec_op *op);
+/* Runs op on the calling (loop) thread if it needs no collective and the
+ * executor is idle; returns 1 if it ran (the reply is in op), 0 if the
+ * caller must submit it. May submit an OP_PREFETCH itself. */
+int exec_try_inline(exec_op *op);
+/* Drops queued ops (answering them UNAVAILABLE) and queues OP_STOP. Stop
+ * every rank of a job before joining any: a rank blocked in a collective
+ * wakes up when its peers close their communicators. */
+void exec_rank_stop(rank_state *rank);
+void exec_rank_join(rank_state *rank);
+/* Frees the executor-owned state (after stop). */
+void exec_rank_free(rank_state *rank);
+
+#endif /* ZEROD_EXEC_H */

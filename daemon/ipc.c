@@ -1,0 +1,831 @@
+/* ipc: the local socket, worker sessions and request dispatch (ARCHITECTURE
+ * §4 "IPC"; the protocol is docs/protocol.md).
+ *
+ * Everything here runs on the loop thread. A session is one worker
+ * connection, driven by a uv_poll_t with recvmsg/sendmsg so descriptors
+ * travel with SCM_RIGHTS. Requests become exec_ops for the attached rank's
+ * executor; replies come back through the completion queue. A session that
+ * sends a frame we cannot trust is answered once and closed; every other
+ * error is answered and the session goes on. A session's memory is freed
+ * only when it is closed and no op refers to it (refs == 0). */
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "frame.h"
+#include "log.h"
+
+/* Requests a session may have queued before it is told to wait. */
+#define SESSION_MAX_INFLIGHT 4096
+/* Reply bytes a session may leave unread before it is dropped. */
+#define SESSION_MAX_OUT_BYTES (64u << 20)
+/* Frames read per wakeup, so that one busy session cannot starve others. */
+#define SESSION_FRAMES_PER_WAKEUP 64
+
+typedef struct out_frame {
+  struct out_frame *next;
+  uint8_t *data;
+  size_t bytes, sent;
+  int fd; /* passed with the first byte; -1 if none */
+} out_frame;
+
+typedef struct session {
+  uv_poll_t poll;
+  zdaemon *daemon;
+  struct session *next, *prev;
+  uint64_t id;
+  int fd;
+  pid_t pid;
+  uid_t uid;
+  zd_frame_reader reader;
+
+  job *job; /* attached job, or NULL */
+  rank_state *rank;
+  int detaching;
+
+  int refs; /* 1 while open + 1 per op in flight */
+  int inflight;
+  int closing;
+  int poll_closed;
+  out_frame *out_head, *out_tail;
+  size_t out_bytes;
+  int poll_events; /* events the poll handle watches now */
+} session;
+
+static void session_close(session *s, const char *reason);
+static void session_update_poll(session *s);
+
+/* ------------------------------------------------------------------------ */
+/* Lifetime                                                                 */
+/* ------------------------------------------------------------------------ */
+
+static void session_free(session *s) {
+  zd_frame_reader_reset(&s->reader);
+  while (s->out_head != NULL) {
+    out_frame *f = s->out_head;
+    s->out_head = f->next;
+    if (f->fd >= 0)
+      close(f->fd);
+    free(f->data);
+    free(f);
+  }
+  free(s);
+}
+
+static void session_unref(session *s) {
+  if (--s->refs == 0 && s->poll_closed)
+    session_free(s);
+}
+
+static void on_poll_closed(uv_handle_t *handle) {
+  session *s = handle->data;
+  close(s->fd);
+  s->fd = -1;
+  s->poll_closed = 1;
+  session_unref(s); /* the open connection's reference */
+}
+
+/* ------------------------------------------------------------------------ */
+/* Output                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static int send_some(session *s, out_frame *f) {
+  while (f->sent < f->bytes) {
+    struct iovec iov = {.iov_base = f->data + f->sent, .iov_len = f->bytes - f->sent};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    union {
+      struct cmsghdr align;
+      char buf[CMSG_SPACE(sizeof(int))];
+    } control;
+    if (f->sent == 0 && f->fd >= 0) {
+      memset(&control, 0, sizeof control);
+      msg.msg_control = control.buf;
+      msg.msg_controllen = sizeof control.buf;
+      struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+      cmsg->cmsg_level = SOL_SOCKET;
+      cmsg->cmsg_type = SCM_RIGHTS;
+      cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+      memcpy(CMSG_DATA(cmsg), &f->fd, sizeof(int));
+    }
+    ssize_t n = sendmsg(s->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR)
+        continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK)
+        return 0;
+      return -errno;
+    }
+    if (f->sent == 0 && f->fd >= 0) {
+      close(f->fd);
+      f->fd = -1;
+    }
+    f->sent += (size_t)n;
+  }
+  return 1;
+}
+
+static void session_flush(session *s) {
+  while (s->out_head != NULL) {
+    out_frame *f = s->out_head;
+    int rc = send_some(s, f);
+    if (rc < 0) {
+      session_close(s, "send failed (worker gone)");
+      return;
+    }
+    if (rc == 0)
+      break;
+    s->out_head = f->next;
+    if (s->out_head == NULL)
+      s->out_tail = NULL;
+    s->out_bytes -= f->bytes;
+    free(f->data);
+    free(f);
+  }
+  session_update_poll(s);
+}
+
+/* Takes ownership of data and fd. */
+static void session_send(session *s, uint8_t *data, size_t bytes, int fd) {
+  if (s->closing) {
+    free(data);
+    if (fd >= 0)
+      close(fd);
+    return;
+  }
+  out_frame *f = calloc(1, sizeof *f);
+  if (f == NULL) {
+    free(data);
+    if (fd >= 0)
+      close(fd);
+    session_close(s, "out of memory");
+    return;
+  }
+  f->data = data;
+  f->bytes = bytes;
+  f->fd = fd;
+  if (s->out_tail != NULL)
+    s->out_tail->next = f;
+  else
+    s->out_head = f;
+  s->out_tail = f;
+  s->out_bytes += bytes;
+  if (s->out_bytes > SESSION_MAX_OUT_BYTES) {
+    session_close(s, "worker does not read its replies");
+    return;
+  }
+  session_flush(s);
+}
+
+static void send_message(session *s, uint16_t type, uint64_t request_id,
+                         const ProtobufCMessage *msg) {
+  uint8_t *frame;
+  size_t bytes;
+  if (zd_frame_encode(type, request_id, 0, 0, msg, &frame, &bytes) == 0)
+    session_send(s, frame, bytes, -1);
+}
+
+static void send_error(session *s, uint64_t request_id, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static void send_error(session *s, uint64_t request_id, int status, const char *fmt, ...) {
+  char message[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(message, sizeof message, fmt, ap);
+  va_end(ap);
+  Zerod__V1__Error err = ZEROD__V1__ERROR__INIT;
+  err.status = (Zerod__V1__Status)status;
+  err.message = message;
+  send_message(s, ZEROD__V1__MSG_TYPE__MSG_ERROR, request_id, &err.base);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Completions from executors                                               */
+/* ------------------------------------------------------------------------ */
+
+static zdaemon *completion_daemon;
+
+void ipc_complete(exec_op *op) {
+  zdaemon *d = completion_daemon;
+  pthread_mutex_lock(&d->completion_mutex);
+  op->next = NULL;
+  if (d->completion_tail != NULL)
+    d->completion_tail->next = op;
+  else
+    d->completion_head = op;
+  d->completion_tail = op;
+  pthread_mutex_unlock(&d->completion_mutex);
+  uv_async_send(&d->completion_async);
+}
+
+static void deliver(exec_op *op) {
+  session *s = op->session;
+  if (op->reply_frame != NULL && !s->closing) {
+    session_send(s, op->reply_frame, op->reply_bytes, op->reply_fd);
+    op->reply_frame = NULL;
+    op->reply_fd = -1;
+  }
+  s->inflight--;
+  if (op->kind == OP_SESSION_END && s->detaching)
+    session_close(s, NULL);
+  session_unref(s);
+  op->session = NULL;
+  exec_op_free(op);
+}
+
+void ipc_drain_completions(zdaemon *d) {
+  /* Take the whole queue at once: everything finished before this wakeup
+   * is handled now (uv_async_send coalesces wakeups). */
+  pthread_mutex_lock(&d->completion_mutex);
+  exec_op *op = d->completion_head;
+  d->completion_head = d->completion_tail = NULL;
+  pthread_mutex_unlock(&d->completion_mutex);
+  while (op != NULL) {
+    exec_op *next = op->next;
+    deliver(op);
+    op = next;
+  }
+}
+
+static void on_completion(uv_async_t *handle) {
+  ipc_drain_completions(handle->data);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Requests                                                                 */
+/* ------------------------------------------------------------------------ */
+
+static job *find_job(zdaemon *d, const char *name) {
+  for (job *j = d->jobs; j != NULL; j = j->next)
+    if (strcmp(j->name, name) == 0)
+      return j;
+  return NULL;
+}
+
+/* Constant-time comparison, so a token cannot be guessed byte by byte. */
+static int token_equal(const char *a, const char *b) {
+  size_t la = strlen(a), lb = strlen(b);
+  unsigned char diff = la != lb;
+  for (size_t i = 0; i < la && i < lb; i++)
+    diff |= (unsigned char)(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+static int config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *err,
+                             size_t err_bytes) {
+  memset(c, 0, sizeof *c);
+  c->working_dtype = ZK_F32;
+  if (pc == NULL)
+    return 0;
+  if (pc->optimizer != NULL) {
+    const Zerod__V1__OptimizerConfig *o = pc->optimizer;
+    c->optimizer = o->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED
+                       ? JOB_ADAMW
+                       : (job_optimizer)o->kind;
+    c->lr = o->lr;
+    c->beta1 = o->beta1;
+    c->beta2 = o->beta2;
+    c->eps = o->eps;
+    c->weight_decay =
+        o->has_weight_decay ? o->weight_decay : (c->optimizer == JOB_ADAMW ? 0.01 : 0.0);
+    c->momentum = o->momentum;
+    c->dampening = o->dampening;
+    c->nesterov = o->nesterov;
+  } else {
+    c->optimizer = JOB_ADAMW;
+    c->weight_decay = 0.01;
+  }
+  switch (pc->working_dtype) {
+  case ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED:
+  case ZEROD__V1__DTYPE__DTYPE_F32:
+    c->working_dtype = ZK_F32;
+    break;
+  case ZEROD__V1__DTYPE__DTYPE_BF16:
+    c->working_dtype = ZK_BF16;
+    break;
+  default:
+    snprintf(err, err_bytes, "working precision must be fp32 or bf16");
+    return -EINVAL;
+  }
+  c->max_live_bytes = pc->max_live_bytes;
+  c->max_grad_norm = pc->max_grad_norm;
+  return 0;
+}
+
+static void submit_or_inline(session *s, exec_op *op) {
+  s->refs++;
+  s->inflight++;
+  if (exec_try_inline(op)) {
+    if (op->reply_frame != NULL) {
+      session_send(s, op->reply_frame, op->reply_bytes, op->reply_fd);
+      op->reply_frame = NULL;
+      op->reply_fd = -1;
+    }
+    s->inflight--;
+    op->session = NULL;
+    exec_op_free(op);
+    session_unref(s);
+    return;
+  }
+  exec_submit(op);
+}
+
+static job *create_job(zdaemon *d, session *s, uint64_t request_id,
+                       const Zerod__V1__AttachRequest *req) {
+  job_config config;
+  char err[256] = "";
+  if (config_from_proto(req->config, &config, err, sizeof err) != 0 ||
+      job_config_finish(&config, d->options.max_live_bytes, err, sizeof err) != 0) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "job '%s': %s", req->job,
+               err);
+    return NULL;
+  }
+  job *j;
+  if (job_create(d, req->job, req->token, &config, d->options.ranks, ++d->next_job_id, &j) != 0) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    return NULL;
+  }
+  for (int r = 0; r < j->world_size; r++) {
+    int rc = exec_rank_start(&j->ranks[r]);
+    if (rc != 0) {
+      for (int k = 0; k < r; k++)
+        exec_rank_stop(&j->ranks[k]);
+      for (int k = 0; k < r; k++)
+        exec_rank_join(&j->ranks[k]);
+      job_destroy(j);
+      send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                 "cannot start the executors: %s", strerror(-rc));
+      return NULL;
+    }
+  }
+  for (int r = 0; r < j->world_size; r++) {
+    exec_op *init = exec_op_new(OP_COMM_INIT, &j->ranks[r]);
+    if (init == NULL) {
+      job_fail(j, 0, "out of memory");
+      continue;
+    }
+    init->generation = 0;
+    exec_submit(init);
+  }
+  j->next = d->jobs;
+  d->jobs = j;
+  static const char *const optimizer_names[] = {"", "adamw", "adam", "sgd"};
+  LOG_INFOF("job created",
+            "job=%s id=%llu ranks=%d optimizer=%s lr=%g working_dtype=%s max_live_bytes=%llu "
+            "max_grad_norm=%g",
+            j->name, (unsigned long long)j->id, j->world_size, optimizer_names[config.optimizer],
+            config.lr, zk_dtype_name(config.working_dtype),
+            (unsigned long long)config.max_live_bytes, config.max_grad_norm);
+  return j;
+}
+
+static void handle_attach(session *s, uint64_t request_id, Zerod__V1__AttachRequest *req) {
+  zdaemon *d = s->daemon;
+  if (req->protocol_version != 1) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "protocol version %u is not supported (this daemon speaks 1)",
+               req->protocol_version);
+    return;
+  }
+  if (req->mode == ZEROD__V1__ATTACH_MODE__ATTACH_READ_ONLY) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+               "read-only attachments are not supported by this daemon yet");
+    return;
+  }
+  if ((int)req->local_rank >= d->options.ranks) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "local rank %u does not exist: this daemon hosts %d rank(s) (0..%d)",
+               req->local_rank, d->options.ranks, d->options.ranks - 1);
+    return;
+  }
+  int created = 0;
+  job *j = find_job(d, req->job);
+  if (j == NULL) {
+    if (!req->create) {
+      send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
+                 "no job named '%s' (attach with create to make it)", req->job);
+      return;
+    }
+    j = create_job(d, s, request_id, req);
+    if (j == NULL)
+      return;
+    created = 1;
+  } else if (!token_equal(j->token, req->token)) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
+               "wrong token for job '%s'", req->job);
+    return;
+  }
+  char reason[512];
+  if (job_failed(j, j->generation, reason, sizeof reason)) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
+               "job '%s' failed: %s; it resets when all its workers have detached", j->name,
+               reason);
+    return;
+  }
+  rank_state *rs = &j->ranks[req->local_rank];
+  if (rs->session != NULL) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ALREADY_EXISTS,
+               "rank %u of job '%s' is already attached (worker pid %d)", req->local_rank, j->name,
+               (int)rs->session->pid);
+    return;
+  }
+  s->job = j;
+  s->rank = rs;
+  rs->session = s;
+  j->sessions++;
+  exec_op *op = exec_op_new(OP_SESSION_BEGIN, rs);
+  if (op == NULL) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    return;
+  }
+  op->session = s;
+  op->session_id = s->id;
+  op->request_id = request_id;
+  op->job_created = created;
+  submit_or_inline(s, op);
+  LOG_INFOF("worker attached", "job=%s rank=%d pid=%d uid=%d session=%llu", j->name, rs->rank,
+            (int)s->pid, (int)s->uid, (unsigned long long)s->id);
+}
+
+static op_kind kind_of(uint16_t type) {
+  switch (type) {
+  case ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT:
+    return OP_REGISTER;
+  case ZEROD__V1__MSG_TYPE__MSG_GATHER:
+    return OP_GATHER;
+  case ZEROD__V1__MSG_TYPE__MSG_RELEASE:
+    return OP_RELEASE;
+  case ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER:
+    return OP_GRAD_BUFFER;
+  case ZEROD__V1__MSG_TYPE__MSG_REDUCE:
+    return OP_REDUCE;
+  case ZEROD__V1__MSG_TYPE__MSG_STEP:
+    return OP_STEP;
+  default:
+    return OP_SESSION_END; /* DETACH */
+  }
+}
+
+static int is_request(uint16_t type) {
+  switch (type) {
+  case ZEROD__V1__MSG_TYPE__MSG_ATTACH:
+  case ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT:
+  case ZEROD__V1__MSG_TYPE__MSG_GATHER:
+  case ZEROD__V1__MSG_TYPE__MSG_RELEASE:
+  case ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER:
+  case ZEROD__V1__MSG_TYPE__MSG_REDUCE:
+  case ZEROD__V1__MSG_TYPE__MSG_STEP:
+  case ZEROD__V1__MSG_TYPE__MSG_DETACH:
+    return 1;
+  default:
+    return 0;
+  }
+}
+
+static void close_fds(int *fds, unsigned nfds) {
+  for (unsigned i = 0; i < nfds; i++)
+    if (fds[i] >= 0)
+      close(fds[i]);
+}
+
+/* Handles one complete frame; owns payload and fds. */
+static void dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int *fds,
+                     unsigned nfds) {
+  ProtobufCMessage *msg = NULL;
+  const char *why = NULL;
+  unsigned min_fds = 0, max_fds = 0;
+  if (!is_request(h->type)) {
+    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "message type %u is not a request this daemon accepts", h->type);
+    goto out;
+  }
+  if (h->request_id == 0) {
+    send_error(s, 0, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "request id 0 is reserved for notices");
+    goto out;
+  }
+  if (zd_msg_fd_range(h->type, &min_fds, &max_fds) != 0 || nfds < min_fds || nfds > max_fds) {
+    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "message type %u carries %u descriptor(s); %u..%u expected", h->type, nfds, min_fds,
+               max_fds);
+    goto out;
+  }
+  if (zd_msg_unpack(h->type, payload, h->payload_bytes, &msg, &why) != 0) {
+    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "malformed message (type %u): %s", h->type, why != NULL ? why : "does not decode");
+    goto out;
+  }
+  if (s->daemon->stopping) {
+    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "zerod is shutting down");
+    goto out;
+  }
+  if (h->type == ZEROD__V1__MSG_TYPE__MSG_ATTACH) {
+    if (s->job != NULL)
+      send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                 "this connection is already attached to job '%s'; one job per connection",
+                 s->job->name);
+    else
+      handle_attach(s, h->request_id, (Zerod__V1__AttachRequest *)msg);
+    goto out;
+  }
+  if (s->job == NULL) {
+    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+               "attach to a job first");
+    goto out;
+  }
+  if (s->detaching) {
+    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+               "the session is detaching");
+    goto out;
+  }
+  if (s->inflight >= SESSION_MAX_INFLIGHT) {
+    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+               "more than %d requests in flight", SESSION_MAX_INFLIGHT);
+    goto out;
+  }
+  exec_op *op = exec_op_new(kind_of(h->type), s->rank);
+  if (op == NULL) {
+    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    goto out;
+  }
+  op->session = s;
+  op->session_id = s->id;
+  op->request_id = h->request_id;
+  op->flags = h->flags;
+  op->request = msg;
+  msg = NULL;
+  if (nfds > 0) {
+    op->in_fd = fds[0];
+    fds[0] = -1;
+  }
+  if (op->kind == OP_SESSION_END) {
+    s->detaching = 1;
+    LOG_INFOF("worker detaching", "job=%s rank=%d pid=%d", s->job->name, s->rank->rank,
+              (int)s->pid);
+  }
+  submit_or_inline(s, op);
+out:
+  if (msg != NULL)
+    protobuf_c_message_free_unpacked(msg, NULL);
+  close_fds(fds, nfds);
+  free(payload);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Sessions                                                                 */
+/* ------------------------------------------------------------------------ */
+
+static void on_session_io(uv_poll_t *handle, int status, int events);
+
+static void session_update_poll(session *s) {
+  if (s->closing)
+    return;
+  int events = UV_READABLE;
+  if (s->out_head != NULL)
+    events |= UV_WRITABLE;
+  /* uv_poll_start re-registers the descriptor even when nothing changed,
+   * which costs an epoll_ctl per request: only call it on a change. */
+  if (events != s->poll_events) {
+    s->poll_events = events;
+    uv_poll_start(&s->poll, events, on_session_io);
+  }
+}
+
+static void on_session_io(uv_poll_t *handle, int status, int events) {
+  session *s = handle->data;
+  if (status < 0) {
+    session_close(s, uv_strerror(status));
+    return;
+  }
+  if (events & UV_WRITABLE)
+    session_flush(s);
+  if (s->closing || !(events & UV_READABLE))
+    return;
+  for (int n = 0; n < SESSION_FRAMES_PER_WAKEUP && !s->closing; n++) {
+    const char *why = NULL;
+    int rc = zd_frame_read(&s->reader, s->fd, &why);
+    if (rc == 0)
+      return;
+    if (rc == -ECONNRESET) {
+      session_close(s, s->job != NULL ? "disconnected without detaching" : NULL);
+      return;
+    }
+    if (rc < 0) {
+      /* The byte stream can no longer be trusted: answer once, close. */
+      LOG_WARNF("protocol error", "session=%llu pid=%d err=\"%s\"", (unsigned long long)s->id,
+                (int)s->pid, why != NULL ? why : strerror(-rc));
+      send_error(s, 0, ZEROD__V1__STATUS__STATUS_PROTOCOL, "protocol error: %s; closing",
+                 why != NULL ? why : strerror(-rc));
+      session_close(s, "protocol error");
+      return;
+    }
+    zd_frame_header header;
+    uint8_t *payload;
+    int fds[ZD_FRAME_MAX_FDS];
+    unsigned nfds;
+    zd_frame_reader_take(&s->reader, &header, &payload, fds, &nfds);
+    dispatch(s, &header, payload, fds, nfds);
+  }
+}
+
+/* Closes a session at once (reason NULL: a clean close). Its ops still in
+ * the executors finish; their replies are dropped. */
+static void session_close(session *s, const char *reason) {
+  if (s->closing)
+    return;
+  s->closing = 1;
+  zdaemon *d = s->daemon;
+  /* Push out what is already queued (an error explaining the close). */
+  if (s->out_head != NULL)
+    for (out_frame *f = s->out_head; f != NULL; f = f->next)
+      if (send_some(s, f) <= 0)
+        break;
+  if (s->job != NULL) {
+    job *j = s->job;
+    rank_state *rs = s->rank;
+    if (!s->detaching) {
+      LOG_WARNF("worker lost", "job=%s rank=%d pid=%d reason=\"%s\"", j->name, rs->rank,
+                (int)s->pid, reason != NULL ? reason : "closed");
+      if (j->sessions > 1)
+        job_fail(j, j->generation, "rank %d's worker (pid %d) disconnected without detaching",
+                 rs->rank, (int)s->pid);
+      exec_op *end = exec_op_new(OP_SESSION_END, rs);
+      if (end != NULL)
+        exec_submit(end);
+    } else {
+      LOG_INFOF("worker detached", "job=%s rank=%d pid=%d", j->name, rs->rank, (int)s->pid);
+    }
+    rs->session = NULL;
+    s->job = NULL;
+    if (--j->sessions == 0 && !d->stopping && !job_failed(j, j->generation, NULL, 0)) {
+      /* The job is idle: give its buffers back to the system. */
+      for (int r = 0; r < j->world_size; r++) {
+        exec_op *trim = exec_op_new(OP_TRIM, &j->ranks[r]);
+        if (trim != NULL)
+          exec_submit(trim);
+      }
+    } else if (j->sessions == 0 && !d->stopping) {
+      /* Nobody is attached to the failed job any more: build fresh
+       * communicators so new workers can resume from the kept state. */
+      j->generation++;
+      LOG_INFOF("job reset", "job=%s generation=%u", j->name, j->generation);
+      for (int r = 0; r < j->world_size; r++) {
+        exec_op *init = exec_op_new(OP_COMM_INIT, &j->ranks[r]);
+        if (init != NULL) {
+          init->generation = j->generation;
+          exec_submit(init);
+        }
+      }
+    }
+  } else if (reason != NULL) {
+    LOG_DEBUGF("connection closed", "session=%llu reason=\"%s\"", (unsigned long long)s->id,
+               reason);
+  }
+  if (s->prev != NULL)
+    s->prev->next = s->next;
+  else
+    d->sessions = s->next;
+  if (s->next != NULL)
+    s->next->prev = s->prev;
+  d->nsessions--;
+  uv_poll_stop(&s->poll);
+  uv_close((uv_handle_t *)&s->poll, on_poll_closed);
+}
+
+static void on_accept(uv_poll_t *handle, int status, int events) {
+  zdaemon *d = handle->data;
+  for (;;) {
+    int fd = accept4(d->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR)
+        continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK)
+        LOG_WARNF("accept failed", "err=\"%s\"", strerror(errno));
+      return;
+    }
+    if (d->stopping || d->nsessions >= d->options.max_sessions) {
+      LOG_WARNF("connection refused", "sessions=%d max=%d", d->nsessions, d->options.max_sessions);
+      close(fd);
+      continue;
+    }
+    session *s = calloc(1, sizeof *s);
+    if (s == NULL) {
+      close(fd);
+      continue;
+    }
+    s->daemon = d;
+    s->fd = fd;
+    s->id = ++d->next_session_id;
+    s->refs = 1;
+    zd_frame_reader_init(&s->reader);
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+      s->pid = cred.pid;
+      s->uid = cred.uid;
+    }
+    if (uv_poll_init(d->loop, &s->poll, fd) != 0) {
+      close(fd);
+      free(s);
+      continue;
+    }
+    s->poll.data = s;
+    s->next = d->sessions;
+    if (d->sessions != NULL)
+      d->sessions->prev = s;
+    d->sessions = s;
+    d->nsessions++;
+    s->poll_events = UV_READABLE;
+    uv_poll_start(&s->poll, UV_READABLE, on_session_io);
+    LOG_DEBUGF("connection", "session=%llu pid=%d uid=%d", (unsigned long long)s->id, (int)s->pid,
+               (int)s->uid);
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* The listening socket                                                     */
+/* ------------------------------------------------------------------------ */
+
+int ipc_listen(zdaemon *d, char *err, size_t err_bytes) {
+  completion_daemon = d;
+  pthread_mutex_init(&d->completion_mutex, NULL);
+  uv_async_init(d->loop, &d->completion_async, on_completion);
+  d->completion_async.data = d;
+
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  const char *path = d->options.socket_path;
+  if (strlen(path) >= sizeof addr.sun_path) {
+    snprintf(err, err_bytes, "socket path '%s' is longer than %zu bytes", path,
+             sizeof addr.sun_path - 1);
+    return -ENAMETOOLONG;
+  }
+  memcpy(addr.sun_path, path, strlen(path) + 1);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    snprintf(err, err_bytes, "socket: %s", strerror(errno));
+    return -errno;
+  }
+  /* A socket file left by a daemon that died is removed; the lock file in
+   * the state directory (main.c) guarantees no live daemon owns it. */
+  unlink(path);
+  /* Bind under a umask so the file never exists with looser permissions. */
+  mode_t old_umask = umask(d->options.socket_group[0] ? 0117 : 0177);
+  int rc = bind(fd, (struct sockaddr *)&addr, sizeof addr);
+  umask(old_umask);
+  if (rc != 0) {
+    int e = errno;
+    snprintf(err, err_bytes, "bind %s: %s", path, strerror(e));
+    close(fd);
+    return -e;
+  }
+  if (d->options.socket_group[0]) {
+    struct group *g = getgrnam(d->options.socket_group);
+    if (g == NULL || chown(path, (uid_t)-1, g->gr_gid) != 0 || chmod(path, 0660) != 0) {
+      snprintf(err, err_bytes, "socket group '%s': %s", d->options.socket_group,
+               g == NULL ? "no such group" : strerror(errno));
+      close(fd);
+      unlink(path);
+      return -EINVAL;
+    }
+  }
+  if (listen(fd, 128) != 0) {
+    int e = errno;
+    snprintf(err, err_bytes, "listen: %s", strerror(e));
+    close(fd);
+    unlink(path);
+    return -e;
+  }
+  d->listen_fd = fd;
+  uv_poll_init(d->loop, &d->listen_poll, fd);
+  d->listen_poll.data = d;
+  uv_poll_start(&d->listen_poll, UV_READABLE, on_accept);
+  return 0;
+}
+
+void ipc_close_all(zdaemon *d, const char *reason) {
+  if (d->listen_fd >= 0) {
+    uv_poll_stop(&d->listen_poll);
+    uv_close((uv_handle_t *)&d->listen_poll, NULL);
+    close(d->listen_fd);
+    d->listen_fd = -1;
+    unlink(d->options.socket_path);
+  }
+  while (d->sessions != NULL) {
+    session *s = d->sessions;
+    Zerod__V1__Notice notice = ZEROD__V1__NOTICE__INIT;
+    notice.status = ZEROD__V1__STATUS__STATUS_UNAVAILABLE;
+    notice.message = (char *)reason;
+    send_message(s, ZEROD__V1__MSG_TYPE__MSG_NOTICE, 0, &notice.base);
+    s->detaching = 1; /* told: not a lost worker */
+    session_close(s, NULL);
+  }
+}

@@ -1,0 +1,196 @@
+/* job: the data model of the node daemon (ARCHITECTURE §2).
+ *
+ * A job is a named training state: an optimizer and precision config, a
+ * world of ranks, and its units. A unit is an ordered list of tensors laid
+ * out back to back in one flat buffer (each tensor aligned), padded so that
+ * its length divides evenly by the world size; rank r owns the contiguous
+ * slice [r * shard_numel, (r + 1) * shard_numel).
+ *
+ * Ownership and threads: the job and its unit layouts are created on the
+ * loop thread or by executors under job->mutex and are immutable once
+ * published. Each rank_state (the per-rank shards, the buffer pool, the
+ * communicator) belongs to that rank's executor thread; the loop touches it
+ * only while the executor is idle (rank_state.busy == 0, see exec.h). */
+#ifndef ZEROD_JOB_H
+#define ZEROD_JOB_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "comm.h"
+#include "shm.h"
+#include "zk.h"
+
+#define JOB_MAX_UNITS 65536
+#define JOB_MAX_WORLD 64
+/* Tensors start at a multiple of this many elements (64 bytes of fp32), and
+ * shards are multiples of it, so every shard and tensor is vector aligned. */
+#define JOB_ALIGN_NUMEL 16
+
+struct session;
+struct exec_op;
+struct daemon;
+
+typedef enum job_optimizer { JOB_ADAMW = 1, JOB_ADAM = 2, JOB_SGD = 3 } job_optimizer;
+
+typedef struct job_config {
+  job_optimizer optimizer;
+  double lr, beta1, beta2, eps, weight_decay;
+  double momentum, dampening;
+  int nesterov;
+  zk_dtype working_dtype; /* ZK_F32 or ZK_BF16; gradient buffers use it too */
+  uint64_t max_live_bytes;
+  double max_grad_norm;
+} job_config;
+
+typedef struct tensor_layout {
+  char *name;
+  uint64_t shape[8];
+  unsigned ndim;
+  uint64_t numel;
+  uint64_t offset; /* elements from the start of the flat buffer */
+  int frozen;
+} tensor_layout;
+
+typedef struct unit_layout {
+  uint32_t id;
+  char *name;
+  unsigned ntensors;
+  tensor_layout *tensors;
+  uint64_t numel;        /* end of the last tensor */
+  uint64_t packed_numel; /* sum of the tensors' numel (initial values) */
+  uint64_t padded_numel; /* multiple of world * JOB_ALIGN_NUMEL */
+  uint64_t shard_numel;
+  uint8_t *descriptor; /* canonical bytes compared across ranks */
+  size_t descriptor_bytes;
+} unit_layout;
+
+/* A [begin, end) range of a shard, in shard elements. */
+typedef struct shard_range {
+  uint64_t begin, end;
+} shard_range;
+
+typedef enum buf_kind { BUF_GATHER, BUF_GRAD } buf_kind;
+
+/* One memfd region of a rank's pool. */
+typedef struct pool_buf {
+  uint32_t id; /* stable for the rank's life; the client caches by it */
+  shm_region region;
+  buf_kind kind;
+  int64_t unit;           /* unit it holds or -1 */
+  uint64_t valid_version; /* BUF_GATHER: version of its values; UINT64_MAX: none */
+  int refs;               /* > 0: live (held by the worker) */
+  uint64_t last_use;      /* LRU tick */
+  uint64_t sent_session;  /* session that already received the fd */
+  int in_use;             /* slot holds a region */
+} pool_buf;
+
+/* A rank's state for one unit. */
+typedef struct shard {
+  int present;
+  float *master;            /* fp32 master weights, shard_numel */
+  float *moment1, *moment2; /* Adam m, v; SGD momentum in moment1 */
+  float *grad_acc;          /* fp32 gradient accumulator */
+  void *working;            /* working copy; == master for fp32 */
+  shard_range *trainable;   /* ranges updated by the optimizer */
+  unsigned ntrainable;
+  shard_range *zero_ranges; /* full-buffer ranges zeroed before a reduce
+                               (alignment gaps, padding, frozen tensors) */
+  unsigned nzero_ranges;
+  int64_t gather_buf; /* pool index of the gathered buffer, or -1 */
+  int gather_held;    /* the worker holds it (between gather and release) */
+  int64_t grad_buf;   /* pool index of the gradient buffer held, or -1 */
+} shard;
+
+typedef struct rank_state {
+  struct job *job;
+  int rank;
+
+  /* Executor (exec.c). */
+  pthread_t thread;
+  int thread_started;
+  pthread_mutex_t queue_mutex;
+  pthread_cond_t queue_cond;
+  struct exec_op *queue_head, *queue_tail;
+  _Atomic int busy; /* ops submitted and not finished */
+
+  /* Executor-owned state. */
+  comm *comm;
+  unsigned generation; /* communicator generation (job resets) */
+  zk_pool *pool;
+  shard *shards;
+  uint32_t nshards; /* capacity, indexed by unit id */
+  pool_buf *bufs;
+  uint32_t nbufs;
+  uint32_t next_buf_id; /* ids are never reused: clients cache mappings by id */
+  uint64_t pool_bytes, live_bytes, tick;
+  uint32_t *dropped_ids; /* freed buffers the session still maps */
+  size_t ndropped, dropped_cap;
+  uint64_t session_id;
+  uint64_t step, version;
+  double lr, max_grad_norm;
+  float *scratch; /* fp32, scratch_numel: initial values, reduce input */
+  uint64_t scratch_numel;
+  float *shard_scratch; /* fp32, reduced shard */
+  uint64_t shard_scratch_numel;
+  uint32_t *order; /* gather order recorded before the first step */
+  size_t order_len, order_cap;
+  int order_complete;
+  size_t order_cursor;
+
+  /* Loop-owned. */
+  struct session *session; /* the attached read-write session */
+} rank_state;
+
+typedef struct job {
+  struct job *next;
+  struct daemon *daemon;
+  char *name;
+  uint64_t id;
+  char *token;
+  job_config config;
+  int world_size;
+  rank_state *ranks;
+
+  pthread_mutex_t mutex; /* units, failure state */
+  unit_layout **units;
+  uint32_t nunits, units_cap;
+  unsigned generation;    /* current communicator generation (loop writes) */
+  long failed_generation; /* -1, or the generation that failed */
+  char fail_reason[512];
+
+  int sessions; /* loop-owned: attached sessions */
+} job;
+
+/* Fills in torch.optim's defaults for zero fields; validates ranges.
+ * Returns 0 or -EINVAL with a message in err. */
+int job_config_finish(job_config *config, uint64_t default_max_live_bytes, char *err,
+                      size_t err_bytes);
+
+/* Creates a job with world_size ranks (executors not started). */
+int job_create(struct daemon *daemon, const char *name, const char *token, const job_config *config,
+               int world_size, uint64_t id, job **out);
+/* Frees a job whose executors have stopped. */
+void job_destroy(job *j);
+
+/* Builds a unit layout from names, shapes and flags; err on failure. */
+int unit_layout_build(const char *name, unsigned ntensors, const char *const *tensor_names,
+                      const uint64_t *const *shapes, const unsigned *ndims, const int *frozen,
+                      int world_size, uint64_t init_tag, unit_layout **out, char *err,
+                      size_t err_bytes);
+void unit_layout_free(unit_layout *layout);
+
+/* Marks the job failed in its current generation (first reason wins). */
+void job_fail(job *j, unsigned generation, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Returns 1 and copies the reason if the job failed in `generation`. */
+int job_failed(job *j, unsigned generation, char *reason, size_t reason_bytes);
+
+/* Finds or publishes a unit under the job's mutex. Returns the published
+ * layout (the caller's is freed if an equal one exists), or NULL with
+ * *conflict = 1 if the name exists with a different layout. */
+unit_layout *job_publish_unit(job *j, unit_layout *layout, int *existed, int *conflict);
+unit_layout *job_unit(job *j, uint32_t unit_id);
+
+#endif /* ZEROD_JOB_H */

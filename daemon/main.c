@@ -1,0 +1,366 @@
+/* zerod: command line, configuration and the process lifecycle.
+ *
+ * `zerod standalone` (or `zerod` with no command) runs one node daemon with
+ * N CPU ranks and its rendezvous in this process, with its socket and state
+ * in a local directory. Every flag has a ZEROD_* environment variable; a
+ * flag wins over the variable. */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "log.h"
+
+#define ZEROD_VERSION "0.1.0"
+
+static void usage(FILE *out) {
+  fprintf(out,
+          "usage: zerod [standalone] [options]\n"
+          "\n"
+          "Runs a zerod node daemon with its rendezvous in one process (standalone mode):\n"
+          "workers on this machine attach through a Unix socket and train through it.\n"
+          "\n"
+          "options (each also read from the environment variable shown):\n"
+          "  --ranks N               CPU ranks hosted by this daemon; every job has N ranks\n"
+          "                          [ZEROD_RANKS, default 1]\n"
+          "  --dir DIR               state directory: lock file and default socket\n"
+          "                          [ZEROD_DIR, default ./.zerod]\n"
+          "  --socket PATH           IPC socket path [ZEROD_SOCKET, default DIR/zerod.sock]\n"
+          "  --socket-group GROUP    make the socket mode 0660 owned by GROUP (default: 0600,\n"
+          "                          this user only) [ZEROD_SOCKET_GROUP]\n"
+          "  --threads-per-rank N    kernel threads per rank [ZEROD_THREADS_PER_RANK,\n"
+          "                          default: CPUs / ranks, at least 1]\n"
+          "  --collective-timeout S  seconds a collective waits for a peer rank before the\n"
+          "                          job fails [ZEROD_COLLECTIVE_TIMEOUT, default 60]\n"
+          "  --max-live-bytes SIZE   default per-job, per-rank budget of gathered and gradient\n"
+          "                          buffers, e.g. 512M, 4G [ZEROD_MAX_LIVE_BYTES, default 2G]\n"
+          "  --max-sessions N        most worker connections [ZEROD_MAX_SESSIONS, default 1024]\n"
+          "  --comm-host ADDR        address the ranks' Gloo connections use\n"
+          "                          [ZEROD_COMM_HOST, default 127.0.0.1]\n"
+          "  --log-level LEVEL       debug, info, warn or error [ZEROD_LOG_LEVEL, default info]\n"
+          "  --version               print the version and exit\n"
+          "  -h, --help              print this help and exit\n"
+          "\n"
+          "Logs go to stderr, one logfmt line per event. SIGINT or SIGTERM shut down cleanly:\n"
+          "workers are told, executors stopped, shared memory freed, the socket removed.\n");
+}
+
+static int parse_size(const char *s, uint64_t *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (errno != 0 || end == s || !(v > 0))
+    return -1;
+  double mult = 1;
+  switch (*end) {
+  case 'k':
+  case 'K':
+    mult = 1024.0, end++;
+    break;
+  case 'm':
+  case 'M':
+    mult = 1024.0 * 1024, end++;
+    break;
+  case 'g':
+  case 'G':
+    mult = 1024.0 * 1024 * 1024, end++;
+    break;
+  case 't':
+  case 'T':
+    mult = 1024.0 * 1024 * 1024 * 1024, end++;
+    break;
+  default:
+    break;
+  }
+  if (*end == 'i' || *end == 'B')
+    end++;
+  if (*end == 'B')
+    end++;
+  if (*end != '\0' || v * mult > 1e18)
+    return -1;
+  *out = (uint64_t)(v * mult);
+  return 0;
+}
+
+static int parse_int(const char *s, int lo, int hi, int *out) {
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (errno != 0 || end == s || *end != '\0' || v < lo || v > hi)
+    return -1;
+  *out = (int)v;
+  return 0;
+}
+
+enum {
+  OPT_RANKS = 1000,
+  OPT_DIR,
+  OPT_SOCKET,
+  OPT_SOCKET_GROUP,
+  OPT_THREADS,
+  OPT_TIMEOUT,
+  OPT_MAX_LIVE,
+  OPT_MAX_SESSIONS,
+  OPT_COMM_HOST,
+  OPT_LOG_LEVEL,
+  OPT_VERSION,
+};
+
+typedef struct raw_options {
+  const char *ranks, *dir, *socket, *socket_group, *threads, *timeout, *max_live, *max_sessions,
+      *comm_host, *log_level;
+} raw_options;
+
+static const char *env_or(const char *flag, const char *name) {
+  return flag != NULL ? flag : getenv(name);
+}
+
+static int bad_value(const char *flag, const char *value, const char *expected) {
+  fprintf(stderr, "zerod: invalid %s '%s' (%s)\n", flag, value, expected);
+  return 2;
+}
+
+static int mkdir_p(const char *path) {
+  char tmp[PATH_MAX];
+  snprintf(tmp, sizeof tmp, "%s", path);
+  for (char *p = tmp + 1; *p != '\0'; p++) {
+    if (*p != '/')
+      continue;
+    *p = '\0';
+    if (mkdir(tmp, 0700) != 0 && errno != EEXIST)
+      return -errno;
+    *p = '/';
+  }
+  if (mkdir(tmp, 0700) != 0 && errno != EEXIST)
+    return -errno;
+  return 0;
+}
+
+static zdaemon the_daemon;
+static char comm_host[256] = "127.0.0.1";
+
+static void shutdown_daemon(zdaemon *d, const char *why) {
+  if (d->stopping)
+    return;
+  d->stopping = 1;
+  LOG_INFOF("shutting down", "reason=%s", why);
+  char reason[128];
+  snprintf(reason, sizeof reason, "zerod is shutting down (%s)", why);
+  ipc_close_all(d, reason);
+  /* Stop every rank of every job before joining any (see exec.h). */
+  for (job *j = d->jobs; j != NULL; j = j->next)
+    for (int r = 0; r < j->world_size; r++)
+      exec_rank_stop(&j->ranks[r]);
+  for (job *j = d->jobs; j != NULL; j = j->next)
+    for (int r = 0; r < j->world_size; r++)
+      exec_rank_join(&j->ranks[r]);
+  ipc_drain_completions(d);
+  while (d->jobs != NULL) {
+    job *j = d->jobs;
+    d->jobs = j->next;
+    job_destroy(j);
+  }
+  uv_close((uv_handle_t *)&d->completion_async, NULL);
+  uv_close((uv_handle_t *)&d->sigint, NULL);
+  uv_close((uv_handle_t *)&d->sigterm, NULL);
+}
+
+static void on_signal(uv_signal_t *handle, int signum) {
+  shutdown_daemon(handle->data, signum == SIGINT ? "SIGINT" : "SIGTERM");
+}
+
+int main(int argc, char **argv) {
+  raw_options raw = {0};
+  static const struct option long_options[] = {
+      {"ranks", required_argument, NULL, OPT_RANKS},
+      {"dir", required_argument, NULL, OPT_DIR},
+      {"socket", required_argument, NULL, OPT_SOCKET},
+      {"socket-group", required_argument, NULL, OPT_SOCKET_GROUP},
+      {"threads-per-rank", required_argument, NULL, OPT_THREADS},
+      {"collective-timeout", required_argument, NULL, OPT_TIMEOUT},
+      {"max-live-bytes", required_argument, NULL, OPT_MAX_LIVE},
+      {"max-sessions", required_argument, NULL, OPT_MAX_SESSIONS},
+      {"comm-host", required_argument, NULL, OPT_COMM_HOST},
+      {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
+      {"version", no_argument, NULL, OPT_VERSION},
+      {"help", no_argument, NULL, 'h'},
+      {NULL, 0, NULL, 0},
+  };
+  int c;
+  while ((c = getopt_long(argc, argv, "h", long_options, NULL)) != -1) {
+    switch (c) {
+    case OPT_RANKS:
+      raw.ranks = optarg;
+      break;
+    case OPT_DIR:
+      raw.dir = optarg;
+      break;
+    case OPT_SOCKET:
+      raw.socket = optarg;
+      break;
+    case OPT_SOCKET_GROUP:
+      raw.socket_group = optarg;
+      break;
+    case OPT_THREADS:
+      raw.threads = optarg;
+      break;
+    case OPT_TIMEOUT:
+      raw.timeout = optarg;
+      break;
+    case OPT_MAX_LIVE:
+      raw.max_live = optarg;
+      break;
+    case OPT_MAX_SESSIONS:
+      raw.max_sessions = optarg;
+      break;
+    case OPT_COMM_HOST:
+      raw.comm_host = optarg;
+      break;
+    case OPT_LOG_LEVEL:
+      raw.log_level = optarg;
+      break;
+    case OPT_VERSION:
+      printf("zerod %s\n", ZEROD_VERSION);
+      return 0;
+    case 'h':
+      usage(stdout);
+      return 0;
+    default:
+      usage(stderr);
+      return 2;
+    }
+  }
+  if (optind < argc) {
+    if (strcmp(argv[optind], "standalone") != 0 || optind + 1 < argc) {
+      fprintf(stderr, "zerod: unknown command '%s' (this build runs 'standalone')\n", argv[optind]);
+      usage(stderr);
+      return 2;
+    }
+  }
+
+  zdaemon *d = &the_daemon;
+  daemon_options *o = &d->options;
+  d->listen_fd = -1;
+  d->lock_fd = -1;
+  const char *v;
+  o->ranks = 1;
+  if ((v = env_or(raw.ranks, "ZEROD_RANKS")) != NULL &&
+      parse_int(v, 1, JOB_MAX_WORLD, &o->ranks) != 0)
+    return bad_value("--ranks", v, "1..64");
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  o->threads_per_rank = cpus > o->ranks ? (int)(cpus / o->ranks) : 1;
+  if ((v = env_or(raw.threads, "ZEROD_THREADS_PER_RANK")) != NULL &&
+      parse_int(v, 1, ZK_POOL_MAX_THREADS, &o->threads_per_rank) != 0)
+    return bad_value("--threads-per-rank", v, "1..256");
+  int timeout_s = 60;
+  if ((v = env_or(raw.timeout, "ZEROD_COLLECTIVE_TIMEOUT")) != NULL &&
+      parse_int(v, 1, 86400, &timeout_s) != 0)
+    return bad_value("--collective-timeout", v, "seconds, 1..86400");
+  o->collective_timeout_ms = timeout_s * 1000;
+  o->max_live_bytes = (uint64_t)2 << 30;
+  if ((v = env_or(raw.max_live, "ZEROD_MAX_LIVE_BYTES")) != NULL &&
+      parse_size(v, &o->max_live_bytes) != 0)
+    return bad_value("--max-live-bytes", v, "a size such as 512M or 4G");
+  o->max_sessions = 1024;
+  if ((v = env_or(raw.max_sessions, "ZEROD_MAX_SESSIONS")) != NULL &&
+      parse_int(v, 1, 1 << 20, &o->max_sessions) != 0)
+    return bad_value("--max-sessions", v, "1..1048576");
+  if ((v = env_or(raw.log_level, "ZEROD_LOG_LEVEL")) != NULL) {
+    int level = log_parse_level(v);
+    if (level < 0)
+      return bad_value("--log-level", v, "debug, info, warn or error");
+    log_set_level((log_level)level);
+  }
+  if ((v = env_or(raw.comm_host, "ZEROD_COMM_HOST")) != NULL)
+    snprintf(comm_host, sizeof comm_host, "%s", v);
+  v = env_or(raw.dir, "ZEROD_DIR");
+  snprintf(o->dir, sizeof o->dir, "%s", v != NULL ? v : ".zerod");
+  v = env_or(raw.socket, "ZEROD_SOCKET");
+  if (v != NULL)
+    snprintf(o->socket_path, sizeof o->socket_path, "%s", v);
+  else {
+    size_t dir_len = strlen(o->dir);
+    if (dir_len + sizeof "/zerod.sock" > sizeof o->socket_path)
+      return bad_value("--dir", o->dir, "path too long");
+    memcpy(o->socket_path, o->dir, dir_len);
+    memcpy(o->socket_path + dir_len, "/zerod.sock", sizeof "/zerod.sock");
+  }
+  if ((v = env_or(raw.socket_group, "ZEROD_SOCKET_GROUP")) != NULL)
+    snprintf(o->socket_group, sizeof o->socket_group, "%s", v);
+
+  /* The state directory and its lock: one daemon per directory. */
+  int rc = mkdir_p(o->dir);
+  if (rc != 0) {
+    fprintf(stderr, "zerod: cannot create state directory %s: %s\n", o->dir, strerror(-rc));
+    return 1;
+  }
+  char lock_path[PATH_MAX + 16];
+  snprintf(lock_path, sizeof lock_path, "%s/zerod.lock", o->dir);
+  d->lock_fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (d->lock_fd < 0 || flock(d->lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    char other[32] = "";
+    if (d->lock_fd >= 0) {
+      ssize_t n = pread(d->lock_fd, other, sizeof other - 1, 0);
+      other[n > 0 ? n : 0] = '\0';
+      other[strcspn(other, "\n")] = '\0';
+    }
+    fprintf(stderr, "zerod: another zerod (pid %s) is using state directory %s\n",
+            other[0] ? other : "?", o->dir);
+    return 1;
+  }
+  if (ftruncate(d->lock_fd, 0) == 0) {
+    char pid[32];
+    int n = snprintf(pid, sizeof pid, "%d\n", (int)getpid());
+    ssize_t w = pwrite(d->lock_fd, pid, (size_t)n, 0);
+    (void)w;
+  }
+
+  signal(SIGPIPE, SIG_IGN);
+  d->loop = uv_default_loop();
+  rc = store_mem_create(&d->rendezvous);
+  if (rc != 0) {
+    fprintf(stderr, "zerod: rendezvous store: %s\n", strerror(-rc));
+    return 1;
+  }
+  exec_settings es = {.complete = ipc_complete,
+                      .threads_per_rank = o->threads_per_rank,
+                      .collective_timeout_ms = o->collective_timeout_ms,
+                      .comm_hostname = comm_host,
+                      .rendezvous = d->rendezvous};
+  exec_configure(&es);
+
+  char err[512] = "";
+  rc = ipc_listen(d, err, sizeof err);
+  if (rc != 0) {
+    fprintf(stderr, "zerod: %s\n", err);
+    return 1;
+  }
+  uv_signal_init(d->loop, &d->sigint);
+  uv_signal_init(d->loop, &d->sigterm);
+  d->sigint.data = d->sigterm.data = d;
+  uv_signal_start(&d->sigint, on_signal, SIGINT);
+  uv_signal_start(&d->sigterm, on_signal, SIGTERM);
+
+  LOG_INFOF("zerod ready",
+            "version=%s mode=standalone socket=%s ranks=%d threads_per_rank=%d "
+            "collective_timeout_s=%d max_live_bytes=%llu pid=%d",
+            ZEROD_VERSION, o->socket_path, o->ranks, o->threads_per_rank, timeout_s,
+            (unsigned long long)o->max_live_bytes, (int)getpid());
+  uv_run(d->loop, UV_RUN_DEFAULT);
+  rc = uv_loop_close(d->loop);
+  if (rc != 0)
+    LOG_WARNF("loop closed with open handles", "err=%s", uv_err_name(rc));
+  d->rendezvous->ops->destroy(d->rendezvous);
+  pthread_mutex_destroy(&d->completion_mutex);
+  unlink(lock_path);
+  close(d->lock_fd);
+  LOG_INFOF("stopped", NULL);
+  return 0;
+}

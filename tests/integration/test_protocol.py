@@ -1,0 +1,295 @@
+"""The daemon against malformed and out-of-state input, over a real socket.
+
+Every class of bad input gets an error reply or a closed session, never a
+crash: after each test the daemon still serves a well-behaved client, and
+it must stop cleanly (the fixture checks exit status and sanitizer logs).
+"""
+
+import mmap
+import os
+import socket
+import struct
+import threading
+
+import pytest
+
+import zdraw as z
+
+
+def attach(daemon, job="j", rank=0, **kw):
+    c = z.Conn(daemon.socket)
+    c.expect_ok(z.ATTACH, z.attach_request(job, rank, **kw))
+    return c
+
+
+def register(conn, name="u", tensors=(("w", (4, 8)),), init=z.INIT_ZEROS, **kw):
+    fields, _ = conn.expect_ok(z.REGISTER_UNIT, z.register_request(name, tensors, init, **kw))
+    return fields.get(1, [0])[0]
+
+
+def assert_error(reply, status, *fragments):
+    t, fields, fds = reply
+    assert t == z.ERROR, "expected an error, got message type %d" % t
+    assert z.status_of(fields) == status, z.message_of(fields)
+    for fragment in fragments:
+        assert fragment in z.message_of(fields), z.message_of(fields)
+    for fd in fds:
+        os.close(fd)
+
+
+def assert_serving(daemon):
+    """A fresh client can still attach, register and gather."""
+    c = attach(daemon, job="healthy")
+    unit = register(c, "probe", (("p", (16,)),))
+    fields, fds = c.expect_ok(z.GATHER, z.unit_request(unit))
+    for fd in fds:
+        os.close(fd)
+    c.expect_ok(z.DETACH)
+    c.close()
+
+
+def expect_closed(conn):
+    """Reads until EOF; returns the errors received before it."""
+    errors = []
+    try:
+        while True:
+            t, _, fields, fds = conn.recv()
+            for fd in fds:
+                os.close(fd)
+            if t == z.ERROR:
+                errors.append(z.status_of(fields))
+    except (z.Closed, ConnectionResetError):
+        return errors
+
+
+def test_short_header_then_eof_is_dropped(start_daemon):
+    d = start_daemon()
+    c = z.Conn(d.socket)
+    c.send_raw(z.header(z.ATTACH, 1, 10)[:10])
+    c.sock.shutdown(socket.SHUT_WR)
+    assert expect_closed(c) == []
+    assert_serving(d)
+
+
+def test_bad_magic_is_answered_with_protocol_error_and_closed(start_daemon):
+    d = start_daemon()
+    c = z.Conn(d.socket)
+    c.send_raw(z.header(z.ATTACH, 1, 0, magic=0xDEADBEEF))
+    assert expect_closed(c) == ["PROTOCOL"]
+    assert_serving(d)
+
+
+def test_bad_version_and_reserved_bits_are_protocol_errors(start_daemon):
+    d = start_daemon()
+    for bad in (z.header(z.ATTACH, 1, 0, version=9), z.header(z.ATTACH, 1, 0, reserved=1),
+                z.header(z.ATTACH, 1, 0, flags=0x80)):
+        c = z.Conn(d.socket)
+        c.send_raw(bad)
+        assert expect_closed(c) == ["PROTOCOL"]
+    assert_serving(d)
+
+
+def test_oversize_length_is_refused_before_reading_it(start_daemon):
+    d = start_daemon()
+    c = z.Conn(d.socket)
+    c.send_raw(z.header(z.ATTACH, 1, 0xFFFFFFFF))
+    assert expect_closed(c) == ["PROTOCOL"]
+    assert_serving(d)
+
+
+def test_garbage_protobuf_is_answered_and_the_session_goes_on(start_daemon):
+    d = start_daemon()
+    c = z.Conn(d.socket)
+    garbage = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"
+    assert_error(c.call(z.ATTACH, garbage), "INVALID_ARGUMENT", "malformed")
+    c.expect_ok(z.ATTACH, z.attach_request("j", 0))
+    c.close()
+    assert_serving(d)
+
+
+def test_unknown_and_reply_types_are_refused(start_daemon):
+    d = start_daemon()
+    c = z.Conn(d.socket)
+    assert_error(c.call(999), "INVALID_ARGUMENT", "999")
+    assert_error(c.call(z.GATHER_REPLY), "INVALID_ARGUMENT", "not a request")
+    assert_error(c.call(z.ERROR), "INVALID_ARGUMENT")
+    c.close()
+    assert_serving(d)
+
+
+def test_request_id_zero_is_refused(start_daemon):
+    d = start_daemon()
+    c = z.Conn(d.socket)
+    c.send(z.ATTACH, z.attach_request("j", 0), request_id=0)
+    t, rid, fields, _ = c.recv()
+    assert t == z.ERROR and z.status_of(fields) == "INVALID_ARGUMENT"
+    c.close()
+
+
+def test_descriptor_on_a_request_that_takes_none_is_refused_and_closed(start_daemon):
+    d = start_daemon()
+    c = z.Conn(d.socket)
+    fd = z.memfd_with(b"x" * 64)
+    assert_error(c.call(z.ATTACH, z.attach_request("j", 0), fds=[fd]), "INVALID_ARGUMENT",
+                 "descriptor")
+    os.close(fd)
+    c.close()
+    assert_serving(d)
+
+
+def test_header_fd_count_without_descriptors_closes_the_session(start_daemon):
+    d = start_daemon()
+    c = z.Conn(d.socket)
+    payload = z.attach_request("j", 0)
+    c.send_raw(z.header(z.ATTACH, 1, len(payload), fd_count=1) + payload)
+    assert expect_closed(c) == ["PROTOCOL"]
+    assert_serving(d)
+
+
+def test_bounds_violations_are_invalid_argument(start_daemon):
+    d = start_daemon()
+    c = z.Conn(d.socket)
+    assert_error(c.call(z.ATTACH, z.attach_request("bad/name", 0)), "INVALID_ARGUMENT")
+    assert_error(c.call(z.ATTACH, z.attach_request("x" * 65, 0)), "INVALID_ARGUMENT")
+    c.expect_ok(z.ATTACH, z.attach_request("j", 0))
+    too_many_dims = (("w", (1,) * 9),)
+    assert_error(c.call(z.REGISTER_UNIT, z.register_request("u", too_many_dims)),
+                 "INVALID_ARGUMENT")
+    assert_error(c.call(z.REGISTER_UNIT, z.register_request("u", (("w", (4, 0)),))),
+                 "INVALID_ARGUMENT")
+    assert_error(c.call(z.REGISTER_UNIT, z.register_request("u", ())), "INVALID_ARGUMENT")
+    assert_error(c.call(z.REGISTER_UNIT, z.register_request("u", (("w", (2,)), ("w", (3,))))),
+                 "INVALID_ARGUMENT", "twice")
+    c.close()
+    assert_serving(d)
+
+
+def test_requests_in_the_wrong_state_fail_precondition(start_daemon):
+    d = start_daemon()
+    c = z.Conn(d.socket)
+    assert_error(c.call(z.GATHER, z.unit_request(0)), "FAILED_PRECONDITION", "attach")
+    c.expect_ok(z.ATTACH, z.attach_request("j", 0))
+    assert_error(c.call(z.ATTACH, z.attach_request("j", 0)), "FAILED_PRECONDITION", "already")
+    assert_error(c.call(z.GATHER, z.unit_request(7)), "NOT_FOUND", "unknown unit")
+    unit = register(c)
+    assert_error(c.call(z.RELEASE, z.unit_request(unit)), "FAILED_PRECONDITION", "not hold")
+    assert_error(c.call(z.REDUCE, z.unit_request(unit)), "FAILED_PRECONDITION", "gradient")
+    _, fds = c.expect_ok(z.GATHER, z.unit_request(unit))
+    for fd in fds:
+        os.close(fd)
+    assert_error(c.call(z.GATHER, z.unit_request(unit)), "FAILED_PRECONDITION", "already")
+    c.expect_ok(z.DETACH)
+    c.close()
+
+
+def test_unknown_job_without_create_and_wrong_token(start_daemon):
+    d = start_daemon()
+    c = z.Conn(d.socket)
+    assert_error(c.call(z.ATTACH, z.attach_request("nope", 0, create=False)), "NOT_FOUND",
+                 "nope")
+    owner = attach(d, job="secret", token="s3cret")
+    assert_error(c.call(z.ATTACH, z.attach_request("secret", 0, token="guess")),
+                 "PERMISSION_DENIED")
+    assert_error(c.call(z.ATTACH, z.attach_request("secret", 5, token="s3cret")),
+                 "INVALID_ARGUMENT", "local rank 5")
+    owner.close()
+    c.close()
+
+
+def test_attaching_to_a_rank_already_taken_is_refused(start_daemon):
+    d = start_daemon()
+    first = attach(d, job="j", rank=0)
+    second = z.Conn(d.socket)
+    assert_error(second.call(z.ATTACH, z.attach_request("j", 0)), "ALREADY_EXISTS", "pid")
+    first.expect_ok(z.DETACH)
+    first.close()
+    # The rank is free again once its worker has detached.
+    for _ in range(100):
+        t, fields, _ = second.call(z.ATTACH, z.attach_request("j", 0))
+        if t == z.ATTACH_REPLY:
+            break
+    assert t == z.ATTACH_REPLY
+    second.close()
+
+
+def test_gathering_past_max_live_bytes_is_refused_and_changes_nothing(start_daemon):
+    d = start_daemon()
+    c = attach(d, job="small", max_live_bytes=96 * 1024)
+    a = register(c, "a", (("w", (12288,)),))  # 48 KiB
+    b = register(c, "b", (("w", (12288,)),))
+    _, fds = c.expect_ok(z.GATHER, z.unit_request(a))
+    for fd in fds:
+        os.close(fd)
+    t, fields, _ = c.call(z.GRAD_BUFFER, z.unit_request(b))
+    assert t == z.GRAD_BUFFER_REPLY
+    assert_error(c.call(z.GATHER, z.unit_request(b)), "RESOURCE_EXHAUSTED", "max_live_bytes")
+    # Releasing makes room; nothing else changed.
+    c.expect_ok(z.RELEASE, z.unit_request(a))
+    _, fds = c.expect_ok(z.GATHER, z.unit_request(b))
+    for fd in fds:
+        os.close(fd)
+    c.expect_ok(z.DETACH)
+    c.close()
+
+
+def test_layout_mismatch_names_the_unit_and_the_tensor(start_daemon):
+    d = start_daemon(ranks=2)
+    conns = [attach(d, job="m", rank=r) for r in range(2)]
+    shapes = [(4, 8), (4, 9)]
+    replies = [None, None]
+
+    def reg(r):
+        tensors = (("ok.bias", (8,)), ("layer.weight", shapes[r]))
+        replies[r] = conns[r].call(z.REGISTER_UNIT, z.register_request("layer", tensors))
+
+    threads = [threading.Thread(target=reg, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for r in range(2):
+        assert_error(replies[r], "INVALID_ARGUMENT", "layer", "#1")
+    # Rank 1 sees its own differing tensor in the message.
+    assert "layer.weight" in z.message_of(replies[1][1])
+    # The job is still usable: a matching registration succeeds.
+    ok = [None, None]
+
+    def reg_ok(r):
+        ok[r] = conns[r].call(z.REGISTER_UNIT, z.register_request("layer", (("w", (4, 8)),)))
+
+    threads = [threading.Thread(target=reg_ok, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert ok[0][0] == z.REGISTER_UNIT_REPLY and ok[1][0] == z.REGISTER_UNIT_REPLY
+    for c in conns:
+        c.close()
+
+
+def test_initial_values_from_rank0_land_in_the_gathered_buffer(start_daemon):
+    d = start_daemon()
+    c = attach(d, job="init")
+    values = [float(i) - 3.5 for i in range(10)]
+    fd = z.memfd_with(struct.pack("<10f", *values))
+    fields, _ = c.expect_ok(z.REGISTER_UNIT,
+                            z.register_request("u", (("a", (3,)), ("b", (7,))),
+                                               init=z.INIT_FROM_RANK0), fds=[fd])
+    os.close(fd)
+    unit = fields.get(1, [0])[0]
+    fields, fds = c.expect_ok(z.GATHER, z.unit_request(unit))
+    assert len(fds) == 1
+    size = fields[3][0]
+    m = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
+    # Tensor b starts at the next 16-element boundary.
+    got = struct.unpack("<3f", m[0:12]) + struct.unpack("<7f", m[64:92])
+    assert list(got) == values
+    m.close()
+    os.close(fds[0])
+    # A short init file is refused with the sizes in the message.
+    fd = z.memfd_with(b"\0" * 8)
+    assert_error(c.call(z.REGISTER_UNIT, z.register_request("v", (("a", (4,)),),
+                                                            init=z.INIT_FROM_RANK0), fds=[fd]),
+                 "INVALID_ARGUMENT", "16 bytes")
+    os.close(fd)
+    c.close()
