@@ -506,6 +506,8 @@ static void prefetch_unit(rank_state *rs, uint32_t unit_id) {
   b->valid_version = rs->version;
   b->last_use = ++rs->tick;
   sh->gather_buf = slot;
+  LOG_DEBUGF("prefetched", "job=%s rank=%d unit=%u version=%llu", rs->job->name, rs->rank, unit_id,
+             (unsigned long long)rs->version);
 }
 
 /* ------------------------------------------------------------------------ */

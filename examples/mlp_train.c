@@ -4,7 +4,7 @@
  *
  * How to run it (one node, two CPU ranks):
  *
- *   zerod standalone &       # the daemon with 2 CPU ranks (see zerod --help), socket in .zerod/
+ *   zerod standalone --ranks 2 &   # the daemon with 2 CPU ranks, socket in .zerod/
  *   zerod-mlp-train --local-rank 0 --dump w.bin &   # rank 0 (creates the job)
  *   zerod-mlp-train --local-rank 1                  # rank 1
  *   zerod-mlp-reference --world 2 --compare w.bin   # the same training without zerod

@@ -293,3 +293,36 @@ def test_initial_values_from_rank0_land_in_the_gathered_buffer(start_daemon):
                  "INVALID_ARGUMENT", "16 bytes")
     os.close(fd)
     c.close()
+
+
+def test_the_socket_is_private_to_the_user(start_daemon):
+    d = start_daemon()
+    assert os.stat(d.socket).st_mode & 0o777 == 0o600
+
+
+def test_reduces_accumulate_until_the_step(start_daemon):
+    """Two reduces of a gradient of ones, then one SGD step with lr 1:
+    every weight moves by -2, and the step reports the norm of the summed
+    gradient (sqrt(16 * 2^2) = 8)."""
+    d = start_daemon()
+    sgd = z.field_varint(1, 3) + z.field_double(2, 1.0)
+    c = attach(d, job="accumulate", optimizer=sgd)
+    unit = register(c, "u", (("w", (16,)),))
+    for _ in range(2):
+        fields, fds = c.expect_ok(z.GRAD_BUFFER, z.unit_request(unit))
+        if fds:
+            grad = mmap.mmap(fds[0], fields[3][0])
+            os.close(fds[0])
+        grad[0:64] = struct.pack("<16f", *([1.0] * 16))
+        c.expect_ok(z.REDUCE, z.unit_request(unit))
+    fields, _ = c.expect_ok(z.STEP)
+    assert fields[1][0] == 1 and fields[2][0] == 1  # step, version
+    assert struct.unpack("<d", fields[3][0])[0] == 8.0
+    fields, fds = c.expect_ok(z.GATHER, z.unit_request(unit))
+    assert fields[4][0] == 1  # served from version 1
+    m = mmap.mmap(fds[0], fields[3][0], prot=mmap.PROT_READ)
+    assert struct.unpack("<16f", m[0:64]) == (-2.0,) * 16
+    m.close()
+    os.close(fds[0])
+    grad.close()
+    c.close()

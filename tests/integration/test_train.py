@@ -68,3 +68,14 @@ def test_two_jobs_train_side_by_side(start_daemon, tmp_path):
     for job, seed in (("left", "7"), ("right", "8")):
         run_worker([binary("zerod-mlp-reference"), "--world", "2", "--seed", seed,
                     "--compare", str(tmp_path / (job + ".bin"))] + MODEL)
+
+
+def test_units_are_prefetched_in_the_recorded_order(start_daemon, tmp_path):
+    """After the first step every rank all-gathers the next unit of the
+    recorded order while its worker computes; results are unchanged."""
+    d = start_daemon(ranks=2, timeout_s=60, extra=["--log-level", "debug"])
+    dump = train(d, "prefetch", 2, tmp_path)
+    log = d.read_log()
+    for rank in range(2):
+        assert "msg=prefetched job=prefetch rank=%d" % rank in log, log[-2000:]
+    run_worker([binary("zerod-mlp-reference"), "--world", "2", "--compare", str(dump)] + MODEL)
