@@ -610,7 +610,10 @@ static void on_session_io(uv_poll_t *handle, int status, int events) {
     session_flush(s);
   if (s->closing || !(events & UV_READABLE))
     return;
-  for (int n = 0; n < SESSION_FRAMES_PER_WAKEUP && !s->closing; n++) {
+  /* The cap bounds reads of the socket; frames the reader already holds
+   * are handed out too, since epoll cannot see them. */
+  for (int n = 0;
+       !s->closing && (n < SESSION_FRAMES_PER_WAKEUP || zd_frame_reader_pending(&s->reader)); n++) {
     const char *why = NULL;
     int rc = zd_frame_read(&s->reader, s->fd, &why);
     if (rc == 0)

@@ -21,6 +21,7 @@
 #ifndef ZD_FRAME_H
 #define ZD_FRAME_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -92,41 +93,84 @@ int zd_msg_fd_range(uint16_t type, unsigned *min_fds, unsigned *max_fds);
 int zd_msg_unpack(uint16_t type, const uint8_t *payload, size_t payload_bytes,
                   ProtobufCMessage **out, const char **why);
 
+/* Bytes one recvmsg may read ahead of the frame being assembled. */
+#define ZD_FRAME_READ_BUFFER_BYTES (64u << 10)
+
 /* Incremental reader of frames from a non-blocking (or blocking) socket.
- * It reads exactly one frame at a time, so descriptors received with one
- * frame are never mixed with the next. */
+ * One recvmsg reads as much as the socket holds (up to
+ * ZD_FRAME_READ_BUFFER_BYTES beyond the payload being completed), and the
+ * frames it brought are then handed out one by one without another system
+ * call. The descriptors of a recvmsg go to the last frame whose first byte
+ * it returned. That is exact for a sender that passes a frame's fds with a
+ * sendmsg that starts with the frame's first byte and sends no byte of
+ * another frame (zd_frame_send, the daemon's send_some); frame.c explains
+ * why Linux makes it so.
+ *
+ * The reader owns a read-ahead buffer, allocated on the first read, and
+ * the descriptors that came with bytes not yet handed out: a reader that
+ * has read must be given back with zd_frame_reader_reset. The fields are
+ * the reader's own; callers use the functions. */
 typedef struct zd_frame_reader {
-  zd_frame_header header;
-  uint8_t header_bytes[ZD_FRAME_HEADER_BYTES];
-  size_t have;      /* bytes of the current frame read so far */
-  uint8_t *payload; /* malloc'd, header.payload_bytes long */
+  /* The frame being assembled. */
+  zd_frame_header header; /* all zero until decoded */
+  bool header_decoded;
+  uint64_t frame_start; /* stream offset of its first byte, once decoded */
+  size_t have;          /* bytes of the current frame received so far */
+  uint8_t *payload;     /* malloc'd, header.payload_bytes long */
   int fds[ZD_FRAME_MAX_FDS];
   unsigned nfds;
+
+  /* Bytes read ahead: buffer[buffer_start, buffer_end) are the last bytes
+   * received, not yet part of a decoded frame. */
+  uint8_t *buffer; /* ZD_FRAME_READ_BUFFER_BYTES, malloc'd on first use */
+  size_t buffer_start, buffer_end;
+  uint64_t stream_bytes; /* bytes received on this socket so far */
+
+  /* The descriptors of the last recvmsg while no frame has claimed them,
+   * and the stream offsets [chunk_begin, chunk_end) of the bytes it
+   * returned. */
+  int chunk_fds[ZD_FRAME_MAX_FDS];
+  unsigned chunk_nfds;
+  uint64_t chunk_begin, chunk_end;
 } zd_frame_reader;
 
 void zd_frame_reader_init(zd_frame_reader *reader);
 
-/* Reads from sock. Returns 1 when a whole frame is ready (header, payload,
- * fds), 0 when more bytes are needed (EAGAIN), -ECONNRESET on end of
- * stream, or another negative errno for a broken frame (with *why set).
- * After 1 the caller takes the frame with zd_frame_reader_take.
+/* Returns 1 when a whole frame is ready (header, payload, fds), reading
+ * from sock only when no whole frame is buffered already; 0 when more
+ * bytes are needed (EAGAIN), -ECONNRESET on end of stream, or another
+ * negative errno for a broken frame (with *why set). After 1 the caller
+ * takes the frame with zd_frame_reader_take.
  *
  * On an error the reader has already closed the frame's descriptors and
- * freed its payload. reader->header still holds the frame's header when it
- * had been decoded (all zero otherwise), so the caller can answer with its
- * request id. Every error means the stream can no longer be trusted (a bad
- * header, more fds than the cap or than the header announces, a read error,
- * end of stream): the caller answers if it can and closes the socket. *why
- * says whether the stream ended between frames or inside one. */
+ * freed its payload, and dropped what it had read ahead.
+ * reader->header still holds the frame's header when it had been decoded
+ * (all zero otherwise), so the caller can answer with its request id.
+ * Every error means the stream can no longer be trusted (a bad header,
+ * more fds than the cap or than the header announces, fds that came with
+ * no frame's first byte, a read error, end of stream): the caller answers
+ * if it can and closes the socket. *why says whether the stream ended
+ * between frames or inside one.
+ *
+ * Frames read ahead are invisible to poll/epoll: a caller that stops
+ * calling zd_frame_read before it returns 0 (a cap on frames per wakeup)
+ * must check zd_frame_reader_pending before it waits for the socket. */
 int zd_frame_read(zd_frame_reader *reader, int sock, const char **why);
+
+/* Whether the next zd_frame_read answers (with a frame or an error)
+ * without reading the socket, because what it needs is already buffered.
+ * After zd_frame_read returned 0 this is always false. */
+bool zd_frame_reader_pending(const zd_frame_reader *reader);
 
 /* Hands the complete frame to the caller: the payload (caller frees; NULL
  * for an empty payload) and the descriptors (caller closes; fds must have
- * room for ZD_FRAME_MAX_FDS), then resets the reader for the next frame. */
+ * room for ZD_FRAME_MAX_FDS), then makes the reader ready for the next
+ * frame, keeping what it has read ahead. */
 void zd_frame_reader_take(zd_frame_reader *reader, zd_frame_header *header, uint8_t **payload,
                           int *fds, unsigned *nfds);
 
-/* Closes any descriptors and frees the partial frame. */
+/* Closes any descriptors, frees the partial frame and the read-ahead
+ * buffer, and forgets the bytes read ahead. */
 void zd_frame_reader_reset(zd_frame_reader *reader);
 
 /* Packs msg (may be NULL for an empty payload) into one frame and sends it
@@ -142,7 +186,10 @@ int zd_frame_send(int sock, uint16_t type, uint64_t request_id, uint8_t flags,
 
 /* Encodes a whole frame (header + payload) into a malloc'd buffer (the
  * caller frees *out), for callers that queue frames themselves; nfds only
- * fills the header's fd_count. Same argument errors as zd_frame_send. */
+ * fills the header's fd_count. Such a caller must pass the fds with a
+ * sendmsg that starts with the frame's first byte and sends no byte of
+ * another frame, as zd_frame_send does: that is how the reader knows whose
+ * they are. Same argument errors as zd_frame_send. */
 int zd_frame_encode(uint16_t type, uint64_t request_id, uint8_t flags, unsigned nfds,
                     const ProtobufCMessage *msg, uint8_t **out, size_t *out_bytes);
 

@@ -165,7 +165,10 @@ static bool drain(zd_frame_reader *reader, int sock, const uint8_t *stream,
     if (rc == 0)
       return true;
     if (rc < 0) {
-      if (why == NULL || reader->payload != NULL || reader->nfds != 0)
+      /* A failed reader holds nothing: no payload, no descriptors, nothing
+       * read ahead. */
+      if (why == NULL || reader->payload != NULL || reader->nfds != 0 || reader->chunk_nfds != 0 ||
+          reader->buffer != NULL)
         abort();
       return false;
     }

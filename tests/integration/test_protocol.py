@@ -326,3 +326,20 @@ def test_reduces_accumulate_until_the_step(start_daemon):
     os.close(fds[0])
     grad.close()
     c.close()
+
+
+def test_a_burst_of_pipelined_requests_is_answered_in_full(start_daemon):
+    """200 requests in one write (more than the daemon reads per wakeup,
+    most of them already buffered by its reader) all get their replies."""
+    d = start_daemon()
+    c = attach(d, job="burst")
+    burst = b"".join(z.header(z.GATHER, 1000 + i, 2) + z.unit_request(99) for i in range(200))
+    c.send_raw(burst)
+    seen = set()
+    while len(seen) < 200:
+        t, rid, fields, fds = c.recv()
+        assert t == z.ERROR and z.status_of(fields) == "NOT_FOUND"
+        seen.add(rid)
+    assert seen == set(range(1000, 1200))
+    c.close()
+    assert_serving(d)
