@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "frame.h"
@@ -672,6 +673,38 @@ static void handle_reduce(rank_state *rs, exec_op *op) {
   op_reply(op, ZEROD__V1__MSG_TYPE__MSG_REDUCE_REPLY, &reply.base);
 }
 
+/* Every PROGRESS_EVERY_STEPS steps rank 0 logs where the job is and how
+ * fast it goes, so an operator sees training progress in the daemon's log
+ * without asking the workers. */
+#define PROGRESS_EVERY_STEPS 100
+
+static double monotonic_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void log_progress(rank_state *rs, double grad_norm) {
+  if (rs->rank != 0)
+    return;
+  double now = monotonic_s();
+  if (rs->progress_since_s == 0) {
+    rs->progress_since_s = now;
+    rs->progress_since_step = rs->step;
+    return;
+  }
+  if (rs->step % PROGRESS_EVERY_STEPS != 0)
+    return;
+  double elapsed = now - rs->progress_since_s;
+  double rate = elapsed > 0 ? (double)(rs->step - rs->progress_since_step) / elapsed : 0;
+  LOG_INFOF("job progress",
+            "job=%s step=%llu grad_norm=%.4g lr=%g steps_per_s=%.2f live_bytes=%llu", rs->job->name,
+            (unsigned long long)rs->step, grad_norm, rs->lr, rate,
+            (unsigned long long)rs->live_bytes);
+  rs->progress_since_s = now;
+  rs->progress_since_step = rs->step;
+}
+
 static void handle_step(rank_state *rs, exec_op *op) {
   Zerod__V1__StepRequest *req = (Zerod__V1__StepRequest *)op->request;
   if (op_job_failed(rs, op))
@@ -763,6 +796,7 @@ static void handle_step(rank_state *rs, exec_op *op) {
     }
     rs->step++;
     rs->version++;
+    log_progress(rs, grad_norm);
   }
   for (uint32_t u = 0; u < rs->nshards; u++) {
     shard *sh = &rs->shards[u];

@@ -130,6 +130,8 @@ typedef struct rank_state {
   uint64_t session_id;
   uint64_t step, version;
   double lr, max_grad_norm;
+  double progress_since_s; /* monotonic time of the last progress line */
+  uint64_t progress_since_step;
   float *scratch; /* fp32, scratch_numel: initial values, reduce input */
   uint64_t scratch_numel;
   float *shard_scratch; /* fp32, reduced shard */
