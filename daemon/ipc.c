@@ -664,6 +664,9 @@ static void session_close(session *s, const char *reason) {
       exec_op *end = exec_op_new(OP_SESSION_END, rs);
       if (end != NULL)
         exec_submit(end);
+    } else if (d->stopping) {
+      LOG_INFOF("worker disconnected", "job=%s rank=%d pid=%d reason=shutdown", j->name, rs->rank,
+                (int)s->pid);
     } else {
       LOG_INFOF("worker detached", "job=%s rank=%d pid=%d", j->name, rs->rank, (int)s->pid);
     }

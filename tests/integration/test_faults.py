@@ -7,6 +7,7 @@ attach to the first job and go on from the state it kept.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,3 +75,22 @@ def test_sole_worker_killed_leaves_job_usable(start_daemon):
     rc, out, err = finish(spawn(d.socket, "solo", 0, 3))
     assert rc == 0 and out.strip().endswith("OK 5"), (rc, out, err, d.read_log())
     assert "worker lost" in d.read_log()
+
+
+def test_sigterm_while_training_tells_the_workers_and_exits_cleanly(start_daemon):
+    d = start_daemon(ranks=2, timeout_s=TIMEOUT_S)
+    workers = [spawn(d.socket, "busy", r, 1000000) for r in range(2)]
+    for w in workers:
+        assert w.stdout.readline().strip() == "READY"
+    time.sleep(0.5)
+    started = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=TIMEOUT_S + 30) == 0, d.read_log()
+    assert time.monotonic() - started < TIMEOUT_S + 10
+    for w in workers:
+        rc, out, err = finish(w)
+        # Told by a Notice or an error reply, or cut off: never a hang.
+        assert rc in (1, 3), (rc, out, err)
+    log = d.read_log()
+    assert 'msg="shutting down" reason=SIGTERM' in log and "msg=stopped" in log, log
+    assert not os.path.exists(d.socket)
