@@ -279,12 +279,25 @@ static int64_t pool_acquire(rank_state *rs, exec_op *op, buf_kind kind, uint64_t
   return slot;
 }
 
-/* Sets up the descriptor to pass and the dropped-ids list for a reply. */
-static void reply_buffer_fd(rank_state *rs, exec_op *op, pool_buf *b) {
-  if (b->sent_session != op->session_id) {
-    op->reply_fd = dup(b->region.fd);
-    b->sent_session = op->session_id;
+/* Sets up the descriptor to pass with a reply, the first time this session
+ * gets the buffer. Returns 0, or -1 with the op answered. */
+static int reply_buffer_fd(rank_state *rs, exec_op *op, pool_buf *b) {
+  if (b->sent_session == op->session_id)
+    return 0;
+  op->reply_fd = dup(b->region.fd);
+  if (op->reply_fd < 0) {
+    /* The buffer is already counted as held on this rank and on its peers;
+     * rather than let their accounting drift apart, the job stops here (and
+     * resets when its workers have left). */
+    int err = errno;
+    job_fail(rs->job, rs->generation, "rank %d: cannot pass a buffer to the worker: %s", rs->rank,
+             strerror(err));
+    op_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "cannot pass the buffer to the worker: %s",
+             strerror(err));
+    return -1;
   }
+  b->sent_session = op->session_id;
+  return 0;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -567,7 +580,8 @@ static int handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *
   buf_ref(rs, b);
   sh->gather_held = 1;
   order_record(rs, req->unit_id);
-  reply_buffer_fd(rs, op, b);
+  if (reply_buffer_fd(rs, op, b) != 0)
+    return 1;
   Zerod__V1__GatherReply reply = ZEROD__V1__GATHER_REPLY__INIT;
   reply.unit_id = req->unit_id;
   reply.buffer_id = b->id;
@@ -616,7 +630,8 @@ static void handle_grad_buffer(rank_state *rs, exec_op *op) {
     sh->grad_buf = slot;
   }
   pool_buf *b = &rs->bufs[sh->grad_buf];
-  reply_buffer_fd(rs, op, b);
+  if (reply_buffer_fd(rs, op, b) != 0)
+    return;
   Zerod__V1__GradBufferReply reply = ZEROD__V1__GRAD_BUFFER_REPLY__INIT;
   reply.unit_id = req->unit_id;
   reply.buffer_id = b->id;

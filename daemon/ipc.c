@@ -321,6 +321,20 @@ static int config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char
   return 0;
 }
 
+/* Nobody is attached to a failed job any more: build fresh communicators
+ * (a new generation) so new workers can resume from the kept state. */
+static void job_reset(job *j) {
+  j->generation++;
+  LOG_INFOF("job reset", "job=%s generation=%u", j->name, j->generation);
+  for (int r = 0; r < j->world_size; r++) {
+    exec_op *init = exec_op_new(OP_COMM_INIT, &j->ranks[r]);
+    if (init != NULL) {
+      init->generation = j->generation;
+      exec_submit(init);
+    }
+  }
+}
+
 static void submit_or_inline(session *s, exec_op *op) {
   s->refs++;
   s->inflight++;
@@ -425,6 +439,11 @@ static void handle_attach(session *s, uint64_t request_id, Zerod__V1__AttachRequ
     return;
   }
   char reason[512];
+  /* A job can also fail with nobody attached (a prefetch after the last
+   * detach): the first new worker starts the reset, and its requests queue
+   * behind the new communicators. */
+  if (j->sessions == 0 && job_failed(j, j->generation, NULL, 0))
+    job_reset(j);
   if (job_failed(j, j->generation, reason, sizeof reason)) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
                "job '%s' failed: %s; it resets when all its workers have detached", j->name,
@@ -680,17 +699,7 @@ static void session_close(session *s, const char *reason) {
           exec_submit(trim);
       }
     } else if (j->sessions == 0 && !d->stopping) {
-      /* Nobody is attached to the failed job any more: build fresh
-       * communicators so new workers can resume from the kept state. */
-      j->generation++;
-      LOG_INFOF("job reset", "job=%s generation=%u", j->name, j->generation);
-      for (int r = 0; r < j->world_size; r++) {
-        exec_op *init = exec_op_new(OP_COMM_INIT, &j->ranks[r]);
-        if (init != NULL) {
-          init->generation = j->generation;
-          exec_submit(init);
-        }
-      }
+      job_reset(j);
     }
   } else if (reason != NULL) {
     LOG_DEBUGF("connection closed", "session=%llu reason=\"%s\"", (unsigned long long)s->id,

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -322,7 +323,16 @@ int main(int argc, char **argv) {
     (void)w;
   }
 
+  /* Gloo writes to sockets without MSG_NOSIGNAL: a peer that dies must be
+   * an error, not a signal. */
   signal(SIGPIPE, SIG_IGN);
+  /* Every worker session holds a socket and a descriptor per buffer it
+   * was sent; take the whole file-descriptor allowance. */
+  struct rlimit nofile;
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &nofile);
+  }
   d->loop = uv_default_loop();
   rc = store_mem_create(&d->rendezvous);
   if (rc != 0) {
