@@ -1,5 +1,6 @@
-/* Executors: the ordered per-(job, rank) queue, the shard state, the buffer
- * pool and the handlers of every collective request (see exec.h). */
+/* Executors: the ordered per-(job, rank) queue, the shard state and the
+ * handlers of every request that reaches a rank (see exec.h); the rank's
+ * buffers are pool.c's. */
 #include "exec.h"
 
 #include <errno.h>
@@ -14,6 +15,7 @@
 
 #include "frame.h"
 #include "log.h"
+#include "pool.h"
 
 static exec_settings settings = {.threads_per_rank = 1, .collective_timeout_ms = 60000};
 
@@ -129,154 +131,12 @@ static void op_comm_failed(rank_state *rs, exec_op *op, const char *what, int er
 }
 
 /* ------------------------------------------------------------------------ */
-/* Buffer pool                                                              */
+/* Buffers                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static size_t zk_size(zk_dtype d) {
-  return zk_dtype_size(d);
-}
-
-static void pool_drop(rank_state *rs, uint32_t slot) {
-  pool_buf *b = &rs->bufs[slot];
-  if (b->unit >= 0 && (uint64_t)b->unit < rs->nshards) {
-    shard *sh = &rs->shards[b->unit];
-    if (b->kind == BUF_GATHER && sh->gather_buf == (int64_t)slot)
-      sh->gather_buf = -1;
-  }
-  if (b->sent_session == rs->session_id && rs->session_id != 0) {
-    if (rs->ndropped == rs->dropped_cap) {
-      size_t cap = rs->dropped_cap ? rs->dropped_cap * 2 : 16;
-      uint32_t *grown = realloc(rs->dropped_ids, cap * sizeof *grown);
-      if (grown != NULL) {
-        rs->dropped_ids = grown;
-        rs->dropped_cap = cap;
-      }
-    }
-    if (rs->ndropped < rs->dropped_cap)
-      rs->dropped_ids[rs->ndropped++] = b->id;
-  }
-  rs->pool_bytes -= b->region.bytes;
-  shm_region_destroy(&b->region);
-  memset(b, 0, sizeof *b);
-  b->unit = -1;
-}
-
-static void buf_ref(rank_state *rs, pool_buf *b) {
-  if (b->refs++ == 0)
-    rs->live_bytes += b->region.bytes;
-  b->last_use = ++rs->tick;
-}
-
-static void buf_unref(rank_state *rs, pool_buf *b) {
-  if (b->refs > 0 && --b->refs == 0)
-    rs->live_bytes -= b->region.bytes;
-}
-
-static uint64_t page_round(uint64_t bytes) {
-  long page = sysconf(_SC_PAGESIZE);
-  uint64_t p = page > 0 ? (uint64_t)page : 4096;
-  return bytes == 0 ? p : (bytes + p - 1) / p * p;
-}
-
-/* Finds or makes a free buffer of `bytes` for `kind`. With `prefetch` it
- * fails quietly instead of answering, and never lets the pool grow over the
- * cap. Every decision here depends only on the pool's state, which is the
- * same on every rank. Returns the slot or -1 (error in op unless prefetch). */
-static int64_t pool_acquire(rank_state *rs, exec_op *op, buf_kind kind, uint64_t bytes,
-                            const char *unit_name, int prefetch) {
-  const uint64_t cap = rs->job->config.max_live_bytes;
-  uint64_t need = page_round(bytes);
-  if (rs->live_bytes + need > cap) {
-    if (!prefetch)
-      op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-               "%s unit '%s' needs %" PRIu64 " bytes but %" PRIu64 " of the job's max_live_bytes "
-               "%" PRIu64 " are held; release units first",
-               kind == BUF_GATHER ? "gathering" : "a gradient buffer for", unit_name, need,
-               rs->live_bytes, cap);
-    return -1;
-  }
-  /* Reuse the least recently used free buffer that fits without wasting
-   * more than half of it. */
-  int64_t best = -1;
-  for (uint32_t i = 0; i < rs->nbufs; i++) {
-    pool_buf *b = &rs->bufs[i];
-    if (!b->in_use || b->refs > 0 || b->kind != kind || b->region.bytes < need ||
-        b->region.bytes > 2 * need)
-      continue;
-    if (prefetch && b->kind == BUF_GATHER && b->valid_version == rs->version)
-      continue; /* do not throw away a valid cache entry for a prefetch */
-    if (best < 0 || b->last_use < rs->bufs[best].last_use)
-      best = i;
-  }
-  if (best >= 0) {
-    pool_buf *b = &rs->bufs[best];
-    if (b->kind == BUF_GATHER && b->unit >= 0 && (uint64_t)b->unit < rs->nshards &&
-        rs->shards[b->unit].gather_buf == best)
-      rs->shards[b->unit].gather_buf = -1;
-    b->unit = -1;
-    b->valid_version = UINT64_MAX;
-    return best;
-  }
-  /* Evict free buffers, least recently used first, until the new one fits. */
-  while (rs->pool_bytes + need > cap) {
-    int64_t victim = -1;
-    for (uint32_t i = 0; i < rs->nbufs; i++) {
-      pool_buf *b = &rs->bufs[i];
-      if (!b->in_use || b->refs > 0)
-        continue;
-      if (prefetch && b->kind == BUF_GATHER && b->valid_version == rs->version)
-        continue;
-      if (victim < 0 || b->last_use < rs->bufs[victim].last_use)
-        victim = i;
-    }
-    if (victim < 0) {
-      if (!prefetch)
-        op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-                 "unit '%s' needs %" PRIu64 " bytes; the pool is full (max_live_bytes %" PRIu64 ")",
-                 unit_name, need, cap);
-      return -1;
-    }
-    pool_drop(rs, (uint32_t)victim);
-  }
-  uint32_t slot = rs->nbufs;
-  for (uint32_t i = 0; i < rs->nbufs; i++)
-    if (!rs->bufs[i].in_use) {
-      slot = i;
-      break;
-    }
-  if (slot == rs->nbufs) {
-    pool_buf *grown = realloc(rs->bufs, (rs->nbufs + 1) * sizeof *grown);
-    if (grown == NULL) {
-      if (!prefetch)
-        op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
-      return -1;
-    }
-    rs->bufs = grown;
-    memset(&rs->bufs[slot], 0, sizeof rs->bufs[slot]);
-    rs->nbufs++;
-  }
-  pool_buf *b = &rs->bufs[slot];
-  /* The name shows in /proc/<pid>/fd, which makes leaks easy to see. */
-  char name[96];
-  snprintf(name, sizeof name, "zerod-%.64s-r%d-%s", rs->job->name, rs->rank,
-           kind == BUF_GATHER ? "gather" : "grad");
-  int err = shm_region_create(&b->region, name, need);
-  if (err != 0) {
-    if (!prefetch)
-      op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-               "cannot create %" PRIu64 " bytes of shared memory for unit '%s': %s", need,
-               unit_name, strerror(-err));
-    return -1;
-  }
-  b->in_use = 1;
-  b->id = ++rs->next_buf_id;
-  b->kind = kind;
-  b->unit = -1;
-  b->valid_version = UINT64_MAX;
-  b->refs = 0;
-  b->sent_session = 0;
-  rs->pool_bytes += b->region.bytes;
-  return slot;
+/* Bytes of a unit's gathered or gradient buffer (working precision). */
+static uint64_t unit_buffer_bytes(const rank_state *rs, const unit_layout *l) {
+  return l->padded_numel * zk_dtype_size(rs->job->config.working_dtype);
 }
 
 /* Sets up the descriptor to pass with a reply, the first time this session
@@ -368,7 +228,7 @@ static int shard_create(rank_state *rs, const unit_layout *l) {
   sh->moment1 = need_m1 ? zalloc(n * 4) : NULL;
   sh->moment2 = c->optimizer != JOB_SGD ? zalloc(n * 4) : NULL;
   sh->working =
-      c->working_dtype == ZK_F32 ? (void *)sh->master : zalloc(n * zk_size(c->working_dtype));
+      c->working_dtype == ZK_F32 ? (void *)sh->master : zalloc(n * zk_dtype_size(c->working_dtype));
   int err = 0;
   if (sh->master == NULL || sh->grad_acc == NULL || (need_m1 && sh->moment1 == NULL) ||
       (c->optimizer != JOB_SGD && sh->moment2 == NULL) || sh->working == NULL)
@@ -488,7 +348,7 @@ static int64_t order_next(rank_state *rs, uint32_t unit_id) {
 
 /* Fills a gathered buffer with the unit's working copy of every rank. */
 static int fill_gathered(rank_state *rs, const unit_layout *l, shard *sh, pool_buf *b) {
-  size_t elem = zk_size(rs->job->config.working_dtype);
+  size_t elem = zk_dtype_size(rs->job->config.working_dtype);
   size_t shard_bytes = l->shard_numel * elem;
   uint8_t *base = b->region.base;
   uint8_t *mine = base + (size_t)rs->rank * shard_bytes;
@@ -505,8 +365,9 @@ static void prefetch_unit(rank_state *rs, uint32_t unit_id) {
     return;
   if (job_failed(rs->job, rs->generation, NULL, 0) || rs->comm == NULL)
     return;
-  size_t bytes = l->padded_numel * zk_size(rs->job->config.working_dtype);
-  int64_t slot = pool_acquire(rs, NULL, BUF_GATHER, bytes, l->name, 1);
+  char why[256];
+  int64_t slot =
+      pool_acquire(rs, BUF_GATHER, unit_buffer_bytes(rs, l), l->name, 1, why, sizeof why);
   if (slot < 0)
     return;
   pool_buf *b = &rs->bufs[slot];
@@ -563,10 +424,13 @@ static int handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *
   if (!hit) {
     if (inline_only)
       return 0;
-    size_t bytes = l->padded_numel * zk_size(rs->job->config.working_dtype);
-    int64_t slot = pool_acquire(rs, op, BUF_GATHER, bytes, l->name, 0);
-    if (slot < 0)
+    char why[256];
+    int64_t slot =
+        pool_acquire(rs, BUF_GATHER, unit_buffer_bytes(rs, l), l->name, 0, why, sizeof why);
+    if (slot < 0) {
+      op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
       return 1;
+    }
     int err = fill_gathered(rs, l, sh, &rs->bufs[slot]);
     if (err != 0) {
       op_comm_failed(rs, op, "all_gather", err);
@@ -577,7 +441,7 @@ static int handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *
     sh->gather_buf = slot;
   }
   pool_buf *b = &rs->bufs[sh->gather_buf];
-  buf_ref(rs, b);
+  pool_ref(rs, b);
   sh->gather_held = 1;
   order_record(rs, req->unit_id);
   if (reply_buffer_fd(rs, op, b) != 0)
@@ -606,7 +470,7 @@ static void handle_release(rank_state *rs, exec_op *op) {
              "release of unit '%s', which this session does not hold", l->name);
     return;
   }
-  buf_unref(rs, &rs->bufs[sh->gather_buf]);
+  pool_unref(rs, &rs->bufs[sh->gather_buf]);
   sh->gather_held = 0;
   Zerod__V1__ReleaseReply reply = ZEROD__V1__RELEASE_REPLY__INIT;
   op_reply(op, ZEROD__V1__MSG_TYPE__MSG_RELEASE_REPLY, &reply.base);
@@ -621,12 +485,15 @@ static void handle_grad_buffer(rank_state *rs, exec_op *op) {
   if (sh == NULL)
     return;
   if (sh->grad_buf < 0) {
-    size_t bytes = l->padded_numel * zk_size(rs->job->config.working_dtype);
-    int64_t slot = pool_acquire(rs, op, BUF_GRAD, bytes, l->name, 0);
-    if (slot < 0)
+    char why[256];
+    int64_t slot =
+        pool_acquire(rs, BUF_GRAD, unit_buffer_bytes(rs, l), l->name, 0, why, sizeof why);
+    if (slot < 0) {
+      op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
       return;
+    }
     rs->bufs[slot].unit = req->unit_id;
-    buf_ref(rs, &rs->bufs[slot]);
+    pool_ref(rs, &rs->bufs[slot]);
     sh->grad_buf = slot;
   }
   pool_buf *b = &rs->bufs[sh->grad_buf];
@@ -680,7 +547,7 @@ static void handle_reduce(rank_state *rs, exec_op *op) {
     return;
   }
   zk_accumulate(rs->pool, sh->grad_acc, rs->shard_scratch, ZK_F32, l->shard_numel, NULL);
-  buf_unref(rs, b);
+  pool_unref(rs, b);
   b->unit = -1;
   sh->grad_buf = -1;
   Zerod__V1__ReduceReply reply = ZEROD__V1__REDUCE_REPLY__INIT;
@@ -771,7 +638,7 @@ static void handle_step(rank_state *rs, exec_op *op) {
         continue;
       for (unsigned k = 0; k < sh->ntrainable; k++) {
         uint64_t b = sh->trainable[k].begin, n = sh->trainable[k].end - b;
-        size_t welem = zk_size(c->working_dtype);
+        size_t welem = zk_dtype_size(c->working_dtype);
         void *working =
             sh->working == (void *)sh->master ? NULL : (uint8_t *)sh->working + b * welem;
         zk_dtype wdtype = working != NULL ? c->working_dtype : ZK_DTYPE_NONE;
@@ -1134,10 +1001,10 @@ static void handle_session_end(rank_state *rs, exec_op *op) {
     if (!sh->present)
       continue;
     if (sh->gather_held && sh->gather_buf >= 0)
-      buf_unref(rs, &rs->bufs[sh->gather_buf]);
+      pool_unref(rs, &rs->bufs[sh->gather_buf]);
     sh->gather_held = 0;
     if (sh->grad_buf >= 0) {
-      buf_unref(rs, &rs->bufs[sh->grad_buf]);
+      pool_unref(rs, &rs->bufs[sh->grad_buf]);
       rs->bufs[sh->grad_buf].unit = -1;
       sh->grad_buf = -1;
     }
@@ -1154,19 +1021,6 @@ static void handle_session_end(rank_state *rs, exec_op *op) {
   if (op->session != NULL) {
     Zerod__V1__DetachReply reply = ZEROD__V1__DETACH_REPLY__INIT;
     op_reply(op, ZEROD__V1__MSG_TYPE__MSG_DETACH_REPLY, &reply.base);
-  }
-}
-
-/* Frees every buffer nobody holds and forgets every cached gather. All
- * ranks trim at the same point of their op sequences (the loop queues it
- * for every rank at once), so their later decisions still agree. */
-static void pool_trim(rank_state *rs) {
-  for (uint32_t i = 0; i < rs->nbufs; i++) {
-    if (!rs->bufs[i].in_use)
-      continue;
-    rs->bufs[i].valid_version = UINT64_MAX;
-    if (rs->bufs[i].refs == 0)
-      pool_drop(rs, i);
   }
 }
 
@@ -1393,16 +1247,10 @@ void exec_rank_free(rank_state *rs) {
       shard_free(&rs->shards[u]);
   free(rs->shards);
   rs->shards = NULL;
-  for (uint32_t i = 0; i < rs->nbufs; i++)
-    if (rs->bufs[i].in_use)
-      shm_region_destroy(&rs->bufs[i].region);
-  free(rs->bufs);
-  rs->bufs = NULL;
-  free(rs->dropped_ids);
+  pool_free_all(rs);
   free(rs->scratch);
   free(rs->shard_scratch);
   free(rs->order);
-  rs->dropped_ids = NULL;
   rs->scratch = rs->shard_scratch = NULL;
   rs->order = NULL;
   zk_pool_destroy(rs->pool);

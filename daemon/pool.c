@@ -1,0 +1,169 @@
+/* A rank's buffer pool (see pool.h). */
+#include "pool.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static uint64_t page_round(uint64_t bytes) {
+  long page = sysconf(_SC_PAGESIZE);
+  uint64_t p = page > 0 ? (uint64_t)page : 4096;
+  return bytes == 0 ? p : (bytes + p - 1) / p * p;
+}
+
+/* A buffer no longer holds its unit's gathered values. */
+static void forget_unit(rank_state *rs, uint32_t slot) {
+  pool_buf *b = &rs->bufs[slot];
+  if (b->kind == BUF_GATHER && b->unit >= 0 && (uint64_t)b->unit < rs->nshards &&
+      rs->shards[b->unit].gather_buf == (int64_t)slot)
+    rs->shards[b->unit].gather_buf = -1;
+  b->unit = -1;
+  b->valid_version = UINT64_MAX;
+}
+
+/* Free buffers may be reused or evicted; a prefetch spares valid cache
+ * entries, which a worker is about to gather. */
+static int available(const rank_state *rs, const pool_buf *b, int prefetch) {
+  if (!b->in_use || b->refs > 0)
+    return 0;
+  return !(prefetch && b->kind == BUF_GATHER && b->valid_version == rs->version);
+}
+
+/* Unmaps a free buffer. If the attached session was sent its descriptor,
+ * the id goes on the list the next reply carries, so the worker unmaps it
+ * too. */
+static void drop(rank_state *rs, uint32_t slot) {
+  pool_buf *b = &rs->bufs[slot];
+  forget_unit(rs, slot);
+  if (b->sent_session == rs->session_id && rs->session_id != 0) {
+    if (rs->ndropped == rs->dropped_cap) {
+      size_t cap = rs->dropped_cap ? rs->dropped_cap * 2 : 16;
+      uint32_t *grown = realloc(rs->dropped_ids, cap * sizeof *grown);
+      if (grown != NULL) {
+        rs->dropped_ids = grown;
+        rs->dropped_cap = cap;
+      }
+    }
+    if (rs->ndropped < rs->dropped_cap)
+      rs->dropped_ids[rs->ndropped++] = b->id;
+  }
+  rs->pool_bytes -= b->region.bytes;
+  shm_region_destroy(&b->region);
+  memset(b, 0, sizeof *b);
+  b->unit = -1;
+}
+
+int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *unit_name,
+                     int prefetch, char *err, size_t err_bytes) {
+  const uint64_t cap = rs->job->config.max_live_bytes;
+  uint64_t need = page_round(bytes);
+  if (rs->live_bytes + need > cap) {
+    snprintf(err, err_bytes,
+             "%s unit '%s' needs %" PRIu64 " bytes but %" PRIu64 " of the job's max_live_bytes "
+             "%" PRIu64 " are held; release units first",
+             kind == BUF_GATHER ? "gathering" : "a gradient buffer for", unit_name, need,
+             rs->live_bytes, cap);
+    return -1;
+  }
+  int64_t best = -1;
+  for (uint32_t i = 0; i < rs->nbufs; i++) {
+    pool_buf *b = &rs->bufs[i];
+    if (!available(rs, b, prefetch) || b->kind != kind || b->region.bytes < need ||
+        b->region.bytes > 2 * need)
+      continue;
+    if (best < 0 || b->last_use < rs->bufs[best].last_use)
+      best = i;
+  }
+  if (best >= 0) {
+    forget_unit(rs, (uint32_t)best);
+    return best;
+  }
+  while (rs->pool_bytes + need > cap) {
+    int64_t victim = -1;
+    for (uint32_t i = 0; i < rs->nbufs; i++)
+      if (available(rs, &rs->bufs[i], prefetch) &&
+          (victim < 0 || rs->bufs[i].last_use < rs->bufs[victim].last_use))
+        victim = i;
+    if (victim < 0) {
+      snprintf(err, err_bytes,
+               "unit '%s' needs %" PRIu64 " bytes; the pool is full (max_live_bytes %" PRIu64 ")",
+               unit_name, need, cap);
+      return -1;
+    }
+    drop(rs, (uint32_t)victim);
+  }
+  uint32_t slot = rs->nbufs;
+  for (uint32_t i = 0; i < rs->nbufs; i++)
+    if (!rs->bufs[i].in_use) {
+      slot = i;
+      break;
+    }
+  if (slot == rs->nbufs) {
+    pool_buf *grown = realloc(rs->bufs, (rs->nbufs + 1) * sizeof *grown);
+    if (grown == NULL) {
+      snprintf(err, err_bytes, "out of memory for the buffer of unit '%s'", unit_name);
+      return -1;
+    }
+    rs->bufs = grown;
+    memset(&rs->bufs[slot], 0, sizeof rs->bufs[slot]);
+    rs->nbufs++;
+  }
+  pool_buf *b = &rs->bufs[slot];
+  /* The name shows in /proc/<pid>/fd, which makes leaks easy to see. */
+  char name[96];
+  snprintf(name, sizeof name, "zerod-%.64s-r%d-%s", rs->job->name, rs->rank,
+           kind == BUF_GATHER ? "gather" : "grad");
+  int rc = shm_region_create(&b->region, name, need);
+  if (rc != 0) {
+    snprintf(err, err_bytes, "cannot create %" PRIu64 " bytes of shared memory for unit '%s': %s",
+             need, unit_name, strerror(-rc));
+    return -1;
+  }
+  b->in_use = 1;
+  b->id = ++rs->next_buf_id;
+  b->kind = kind;
+  b->unit = -1;
+  b->valid_version = UINT64_MAX;
+  b->refs = 0;
+  b->sent_session = 0;
+  rs->pool_bytes += b->region.bytes;
+  return slot;
+}
+
+void pool_ref(rank_state *rs, pool_buf *b) {
+  if (b->refs++ == 0)
+    rs->live_bytes += b->region.bytes;
+  b->last_use = ++rs->tick;
+}
+
+void pool_unref(rank_state *rs, pool_buf *b) {
+  if (b->refs > 0 && --b->refs == 0)
+    rs->live_bytes -= b->region.bytes;
+}
+
+/* All ranks trim at the same point of their op sequences (the loop queues
+ * it for every rank at once), so their later decisions still agree. */
+void pool_trim(rank_state *rs) {
+  for (uint32_t i = 0; i < rs->nbufs; i++) {
+    if (!rs->bufs[i].in_use)
+      continue;
+    if (rs->bufs[i].refs == 0)
+      drop(rs, i);
+    else
+      rs->bufs[i].valid_version = UINT64_MAX; /* held: stale at its next gather */
+  }
+}
+
+void pool_free_all(rank_state *rs) {
+  for (uint32_t i = 0; i < rs->nbufs; i++)
+    if (rs->bufs[i].in_use)
+      shm_region_destroy(&rs->bufs[i].region);
+  free(rs->bufs);
+  free(rs->dropped_ids);
+  rs->bufs = NULL;
+  rs->dropped_ids = NULL;
+  rs->nbufs = 0;
+  rs->pool_bytes = rs->live_bytes = 0;
+}

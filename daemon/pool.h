@@ -1,0 +1,37 @@
+/* pool: a rank's memfd buffers — gathered units and gradient buffers —
+ * bounded by the job's max_live_bytes (ARCHITECTURE §2).
+ *
+ * The pool belongs to the rank's executor (or to the loop while the
+ * executor is idle, see exec.h). Every decision here (reuse, eviction,
+ * refusal) depends only on the pool's state, which is the same on every
+ * rank of a job because every rank runs the same sequence of ops; the
+ * collectives that follow from those decisions therefore agree. */
+#ifndef ZEROD_POOL_H
+#define ZEROD_POOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "job.h"
+
+/* Finds or makes a free buffer of at least `bytes` for `kind`: the least
+ * recently used free buffer that fits without wasting more than half of it,
+ * else a new one after evicting free buffers (least recently used first)
+ * until the pool fits under the cap. With `prefetch` a valid cached gather
+ * is never reused or evicted. Returns the slot, or -1 with a message naming
+ * unit_name in err (-ENOSPC semantics: the caller answers
+ * RESOURCE_EXHAUSTED, or stays quiet for a prefetch). */
+int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *unit_name,
+                     int prefetch, char *err, size_t err_bytes);
+
+/* A holder takes or gives back a buffer; live_bytes counts held buffers. */
+void pool_ref(rank_state *rs, pool_buf *b);
+void pool_unref(rank_state *rs, pool_buf *b);
+
+/* Frees every buffer nobody holds and forgets every cached gather. */
+void pool_trim(rank_state *rs);
+
+/* Frees every buffer (the rank is going away). */
+void pool_free_all(rank_state *rs);
+
+#endif /* ZEROD_POOL_H */
