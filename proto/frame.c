@@ -150,6 +150,18 @@ const ProtobufCMessageDescriptor *zd_msg_descriptor(uint16_t type) {
     return &zerod__v1__detach_request__descriptor;
   case ZEROD__V1__MSG_TYPE__MSG_DETACH_REPLY:
     return &zerod__v1__detach_reply__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_UNITS:
+    return &zerod__v1__units_request__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_UNITS_REPLY:
+    return &zerod__v1__units_reply__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_PIN:
+    return &zerod__v1__pin_request__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_PIN_REPLY:
+    return &zerod__v1__pin_reply__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT:
+    return &zerod__v1__load_unit_request__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT_REPLY:
+    return &zerod__v1__load_unit_reply__descriptor;
   default:
     return NULL;
   }
@@ -161,9 +173,10 @@ int zd_msg_fd_range(uint16_t type, unsigned *min_fds, unsigned *max_fds) {
   unsigned max = 0;
   switch (type) {
   /* Rank 0's initial values travel with REGISTER_UNIT (INIT_FROM_RANK0
-   * only), and a buffer's memfd travels with its reply the first time the
+   * only) and LOAD_UNIT, and a buffer's memfd travels with its reply the first time the
    * session sees that buffer; later replies name it by buffer_id only. */
   case ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT:
+  case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT:
   case ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY:
   case ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER_REPLY:
     max = 1;
