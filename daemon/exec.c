@@ -15,6 +15,7 @@
 
 #include "frame.h"
 #include "log.h"
+#include "pin.h"
 #include "pool.h"
 
 static exec_settings settings = {.threads_per_rank = 1, .collective_timeout_ms = 60000};
@@ -51,7 +52,7 @@ void exec_op_free(exec_op *op) {
 /* Replies                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static void op_reply(exec_op *op, uint16_t type, const ProtobufCMessage *msg) {
+void exec_reply(exec_op *op, uint16_t type, const ProtobufCMessage *msg) {
   op->status = ZEROD__V1__STATUS__STATUS_OK;
   if (op->session == NULL || (op->flags & ZD_FRAME_F_NO_REPLY)) {
     if (op->reply_fd >= 0) {
@@ -68,10 +69,7 @@ static void op_reply(exec_op *op, uint16_t type, const ProtobufCMessage *msg) {
   }
 }
 
-static void op_error(exec_op *op, int status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void op_error(exec_op *op, int status, const char *fmt, ...) {
+void exec_error(exec_op *op, int status, const char *fmt, ...) {
   char message[1024];
   va_list ap;
   va_start(ap, fmt);
@@ -107,6 +105,64 @@ static Zerod__V1__Dtype proto_dtype(zk_dtype d) {
   }
 }
 
+int exec_unit_reply(const job *j, const unit_layout *l, Zerod__V1__RegisterUnitReply *reply) {
+  Zerod__V1__TensorPlacement *placements = calloc(l->ntensors, sizeof *placements);
+  Zerod__V1__TensorPlacement **ptrs = calloc(l->ntensors, sizeof *ptrs);
+  if (placements == NULL || ptrs == NULL) {
+    free(placements);
+    free(ptrs);
+    return -ENOMEM;
+  }
+  for (unsigned t = 0; t < l->ntensors; t++) {
+    zerod__v1__tensor_placement__init(&placements[t]);
+    placements[t].name = l->tensors[t].name;
+    placements[t].n_shape = l->tensors[t].ndim;
+    placements[t].shape = (uint64_t *)l->tensors[t].shape;
+    placements[t].offset = l->tensors[t].offset;
+    placements[t].numel = l->tensors[t].numel;
+    ptrs[t] = &placements[t];
+  }
+  reply->unit_id = l->id;
+  reply->name = l->name;
+  reply->numel = l->numel;
+  reply->padded_numel = l->padded_numel;
+  reply->shard_numel = l->shard_numel;
+  reply->n_tensors = l->ntensors;
+  reply->tensors = ptrs;
+  reply->working_dtype = proto_dtype(j->config.working_dtype);
+  reply->grad_dtype = proto_dtype(j->config.working_dtype);
+  return 0;
+}
+
+void exec_unit_reply_free(Zerod__V1__RegisterUnitReply *reply) {
+  if (reply->tensors != NULL && reply->n_tensors > 0)
+    free(reply->tensors[0]); /* the placements, one block */
+  free(reply->tensors);
+  reply->tensors = NULL;
+  reply->n_tensors = 0;
+}
+
+void exec_job_config(const job *j, double lr, double max_grad_norm, Zerod__V1__JobConfig *config,
+                     Zerod__V1__OptimizerConfig *opt) {
+  const job_config *c = &j->config;
+  zerod__v1__optimizer_config__init(opt);
+  opt->kind = (Zerod__V1__OptimizerKind)c->optimizer;
+  opt->lr = lr;
+  opt->beta1 = c->beta1;
+  opt->beta2 = c->beta2;
+  opt->eps = c->eps;
+  opt->weight_decay = c->weight_decay;
+  opt->has_weight_decay = 1;
+  opt->momentum = c->momentum;
+  opt->dampening = c->dampening;
+  opt->nesterov = c->nesterov;
+  zerod__v1__job_config__init(config);
+  config->optimizer = opt;
+  config->working_dtype = proto_dtype(c->working_dtype);
+  config->max_live_bytes = c->max_live_bytes;
+  config->max_grad_norm = max_grad_norm;
+}
+
 /* Checks the job's failure state; answers ABORTED and returns 1 if failed. */
 static int op_job_failed(rank_state *rs, exec_op *op) {
   char reason[512];
@@ -114,7 +170,7 @@ static int op_job_failed(rank_state *rs, exec_op *op) {
     return 0;
   if (rs->comm == NULL && !job_failed(rs->job, rs->generation, reason, sizeof reason))
     snprintf(reason, sizeof reason, "rank %d has no communicator", rs->rank);
-  op_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "job '%s' failed: %s", rs->job->name, reason);
+  exec_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "job '%s' failed: %s", rs->job->name, reason);
   return 1;
 }
 
@@ -127,7 +183,7 @@ static void op_comm_failed(rank_state *rs, exec_op *op, const char *what, int er
   job_failed(rs->job, rs->generation, reason, sizeof reason);
   LOG_ERRORF("collective failed", "job=%s rank=%d op=%s err=%d", rs->job->name, rs->rank, what,
              err);
-  op_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "job '%s' failed: %s", rs->job->name, reason);
+  exec_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "job '%s' failed: %s", rs->job->name, reason);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -152,8 +208,8 @@ static int reply_buffer_fd(rank_state *rs, exec_op *op, pool_buf *b) {
     int err = errno;
     job_fail(rs->job, rs->generation, "rank %d: cannot pass a buffer to the worker: %s", rs->rank,
              strerror(err));
-    op_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "cannot pass the buffer to the worker: %s",
-             strerror(err));
+    exec_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "cannot pass the buffer to the worker: %s",
+               strerror(err));
     return -1;
   }
   b->sent_session = op->session_id;
@@ -392,8 +448,8 @@ static void prefetch_unit(rank_state *rs, uint32_t unit_id) {
 static shard *lookup_shard(rank_state *rs, exec_op *op, uint32_t unit_id, unit_layout **out) {
   unit_layout *l = job_unit(rs->job, unit_id);
   if (l == NULL || unit_id >= rs->nshards || !rs->shards[unit_id].present) {
-    op_error(op, ZEROD__V1__STATUS__STATUS_NOT_FOUND, "unknown unit id %u (register it first)",
-             unit_id);
+    exec_error(op, ZEROD__V1__STATUS__STATUS_NOT_FOUND, "unknown unit id %u (register it first)",
+               unit_id);
     return NULL;
   }
   *out = l;
@@ -416,8 +472,8 @@ static int handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *
   if (sh == NULL)
     return 1;
   if (sh->gather_held) {
-    op_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
-             "unit '%s' is already gathered by this session; release it first", l->name);
+    exec_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+               "unit '%s' is already gathered by this session; release it first", l->name);
     return 1;
   }
   int hit = sh->gather_buf >= 0 && rs->bufs[sh->gather_buf].valid_version == rs->version;
@@ -428,7 +484,7 @@ static int handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *
     int64_t slot =
         pool_acquire(rs, BUF_GATHER, unit_buffer_bytes(rs, l), l->name, 0, why, sizeof why);
     if (slot < 0) {
-      op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
       return 1;
     }
     int err = fill_gathered(rs, l, sh, &rs->bufs[slot]);
@@ -452,7 +508,7 @@ static int handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *
   reply.buffer_bytes = b->region.bytes;
   reply.version = rs->version;
   attach_dropped(rs, &reply.dropped_buffer_ids, &reply.n_dropped_buffer_ids);
-  op_reply(op, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, &reply.base);
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, &reply.base);
   if (op->reply_frame != NULL)
     rs->ndropped = 0;
   *prefetch_next = order_next(rs, req->unit_id);
@@ -466,14 +522,14 @@ static void handle_release(rank_state *rs, exec_op *op) {
   if (sh == NULL)
     return;
   if (!sh->gather_held || sh->gather_buf < 0) {
-    op_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
-             "release of unit '%s', which this session does not hold", l->name);
+    exec_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+               "release of unit '%s', which this session does not hold", l->name);
     return;
   }
   pool_unref(rs, &rs->bufs[sh->gather_buf]);
   sh->gather_held = 0;
   Zerod__V1__ReleaseReply reply = ZEROD__V1__RELEASE_REPLY__INIT;
-  op_reply(op, ZEROD__V1__MSG_TYPE__MSG_RELEASE_REPLY, &reply.base);
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_RELEASE_REPLY, &reply.base);
 }
 
 static void handle_grad_buffer(rank_state *rs, exec_op *op) {
@@ -489,7 +545,7 @@ static void handle_grad_buffer(rank_state *rs, exec_op *op) {
     int64_t slot =
         pool_acquire(rs, BUF_GRAD, unit_buffer_bytes(rs, l), l->name, 0, why, sizeof why);
     if (slot < 0) {
-      op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
       return;
     }
     rs->bufs[slot].unit = req->unit_id;
@@ -504,7 +560,7 @@ static void handle_grad_buffer(rank_state *rs, exec_op *op) {
   reply.buffer_id = b->id;
   reply.buffer_bytes = b->region.bytes;
   attach_dropped(rs, &reply.dropped_buffer_ids, &reply.n_dropped_buffer_ids);
-  op_reply(op, ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER_REPLY, &reply.base);
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER_REPLY, &reply.base);
   if (op->reply_frame != NULL)
     rs->ndropped = 0;
 }
@@ -518,15 +574,15 @@ static void handle_reduce(rank_state *rs, exec_op *op) {
   if (sh == NULL)
     return;
   if (sh->grad_buf < 0) {
-    op_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
-             "reduce of unit '%s' without a gradient buffer (ask for it with grad_buffer first)",
-             l->name);
+    exec_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+               "reduce of unit '%s' without a gradient buffer (ask for it with grad_buffer first)",
+               l->name);
     return;
   }
   pool_buf *b = &rs->bufs[sh->grad_buf];
   if (grow_scratch(rs, rs->job->config.working_dtype == ZK_F32 ? 0 : l->padded_numel,
                    l->shard_numel) != 0) {
-    op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory for reduce");
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory for reduce");
     return;
   }
   /* fp32 gradients are reduced in the worker's buffer itself (its contents
@@ -552,7 +608,7 @@ static void handle_reduce(rank_state *rs, exec_op *op) {
   sh->grad_buf = -1;
   Zerod__V1__ReduceReply reply = ZEROD__V1__REDUCE_REPLY__INIT;
   reply.unit_id = req->unit_id;
-  op_reply(op, ZEROD__V1__MSG_TYPE__MSG_REDUCE_REPLY, &reply.base);
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_REDUCE_REPLY, &reply.base);
 }
 
 /* Every PROGRESS_EVERY_STEPS steps rank 0 logs where the job is and how
@@ -594,8 +650,8 @@ static void handle_step(rank_state *rs, exec_op *op) {
   if ((req->set_lr && !(req->lr > 0 && isfinite(req->lr))) ||
       (req->set_max_grad_norm && !(req->max_grad_norm >= 0)) ||
       !(req->grad_scale >= 0 && isfinite(req->grad_scale))) {
-    op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-             "step: lr must be > 0, max_grad_norm >= 0 and grad_scale >= 0 and finite");
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "step: lr must be > 0, max_grad_norm >= 0 and grad_scale >= 0 and finite");
     return;
   }
   if (req->set_lr)
@@ -632,6 +688,10 @@ static void handle_step(rank_state *rs, exec_op *op) {
     }
     const job_config *c = &rs->job->config;
     int64_t step_number = (int64_t)rs->step + 1;
+    /* The version goes up here, after the all-reduce: every rank has
+     * finished its previous write, so ranks stay within one version. A
+     * pin of the current version gets this rank's slices first. */
+    pin_begin_write(rs);
     for (uint32_t u = 0; u < rs->nshards; u++) {
       shard *sh = &rs->shards[u];
       if (!sh->present)
@@ -668,16 +728,17 @@ static void handle_step(rank_state *rs, exec_op *op) {
         if (rc != 0) {
           /* The hyper-parameters were checked at creation; a failure here
            * would leave ranks inconsistent, so the job stops. */
+          pin_end_write(rs);
           job_fail(rs->job, rs->generation, "rank %d: optimizer step failed: %s", rs->rank,
                    strerror(-rc));
-          op_error(op, ZEROD__V1__STATUS__STATUS_INTERNAL, "optimizer step failed: %s",
-                   strerror(-rc));
+          exec_error(op, ZEROD__V1__STATUS__STATUS_INTERNAL, "optimizer step failed: %s",
+                     strerror(-rc));
           return;
         }
       }
     }
+    pin_end_write(rs);
     rs->step++;
-    rs->version++;
     log_progress(rs, grad_norm);
   }
   for (uint32_t u = 0; u < rs->nshards; u++) {
@@ -691,7 +752,23 @@ static void handle_step(rank_state *rs, exec_op *op) {
   reply.version = rs->version;
   reply.grad_norm = grad_norm;
   reply.skipped = skipped;
-  op_reply(op, ZEROD__V1__MSG_TYPE__MSG_STEP_REPLY, &reply.base);
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_STEP_REPLY, &reply.base);
+}
+
+/* Rank 0 lays its packed fp32 values of unit l (the tensors back to back,
+ * as a worker sends them) out in the flat buffer, gaps and padding zero,
+ * and broadcasts it into every rank's scratch (padded_numel floats, grown
+ * by the caller); every rank then takes its slice from there. */
+static int broadcast_values(rank_state *rs, const unit_layout *l, const float *packed) {
+  if (rs->rank == 0) {
+    memset(rs->scratch, 0, l->padded_numel * sizeof(float));
+    uint64_t at = 0;
+    for (unsigned t = 0; t < l->ntensors; t++) {
+      memcpy(rs->scratch + l->tensors[t].offset, packed + at, l->tensors[t].numel * sizeof(float));
+      at += l->tensors[t].numel;
+    }
+  }
+  return comm_broadcast(rs->comm, rs->scratch, l->padded_numel * sizeof(float), 0);
 }
 
 /* The first chunk index where two descriptors differ, or -1 if equal. */
@@ -831,36 +908,36 @@ static void handle_register(rank_state *rs, exec_op *op) {
     goto done;
   }
   if (!head.layout_ok) {
-    op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name,
-             rs->rank == 0 ? err : "rank 0's layout is invalid");
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name,
+               rs->rank == 0 ? err : "rank 0's layout is invalid");
     goto done;
   }
   if (head.init_status != 0) {
-    op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name,
-             rs->rank == 0 ? err : "rank 0's initial values are unusable");
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name,
+               rs->rank == 0 ? err : "rank 0's initial values are unusable");
     goto done;
   }
   for (int r = 0; r < j->world_size; r++) {
     if (codes[r] == -1)
       continue;
     if (r == rs->rank && codes[r] == -2) {
-      op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name, err);
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name, err);
     } else if (codes[r] == -2) {
-      op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "unit '%s': the layout registered on rank %d is invalid", req->name, r);
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                 "unit '%s': the layout registered on rank %d is invalid", req->name, r);
     } else if (codes[r] == 0) {
-      op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "unit layouts differ between ranks: rank %d registered a different unit name, "
-               "tensor count or initialisation than rank 0 (this rank: unit '%s' with %u "
-               "tensors)",
-               r, req->name, nt);
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                 "unit layouts differ between ranks: rank %d registered a different unit name, "
+                 "tensor count or initialisation than rank 0 (this rank: unit '%s' with %u "
+                 "tensors)",
+                 r, req->name, nt);
     } else {
       char here[320];
       describe_tensor(mine, codes[r] - 1, here, sizeof here);
-      op_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "unit '%s': layouts differ between ranks at tensor #%d: rank %d differs from "
-               "rank 0 (this rank %d has %s)",
-               req->name, codes[r] - 1, r, rs->rank, here);
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                 "unit '%s': layouts differ between ranks at tensor #%d: rank %d differs from "
+                 "rank 0 (this rank %d has %s)",
+                 req->name, codes[r] - 1, r, rs->rank, here);
     }
     goto done;
   }
@@ -869,42 +946,35 @@ static void handle_register(rank_state *rs, exec_op *op) {
   int existed = 0, conflict = 0;
   unit_layout *l = job_publish_unit(j, mine, &existed, &conflict);
   if (l == NULL) {
-    op_error(op,
-             conflict ? ZEROD__V1__STATUS__STATUS_ALREADY_EXISTS
-                      : ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-             conflict ? "unit '%s' is already registered with a different layout"
-                      : "unit '%s': too many units (at most %d)",
-             req->name, JOB_MAX_UNITS);
+    exec_error(op,
+               conflict ? ZEROD__V1__STATUS__STATUS_ALREADY_EXISTS
+                        : ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+               conflict ? "unit '%s' is already registered with a different layout"
+                        : "unit '%s': too many units (at most %d)",
+               req->name, JOB_MAX_UNITS);
     goto done;
   }
   mine = NULL; /* freed by job_publish_unit if it existed, else owned by the job */
   int fresh = l->id >= rs->nshards || !rs->shards[l->id].present;
   if (fresh) {
+    /* Readers of this rank look at the shard table under its lock. */
+    pin_lock_shards(rs);
     rc = shard_create(rs, l);
+    pin_unlock_shards(rs);
     if (rc == 0)
       rc = grow_scratch(rs, init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0 ? l->padded_numel : 0, 0);
     if (rc != 0) {
       job_fail(j, rs->generation, "rank %d: out of memory for unit '%s'", rs->rank, l->name);
-      op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-               "out of memory for the shard of unit '%s' (%llu elements)", l->name,
-               (unsigned long long)l->shard_numel);
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                 "out of memory for the shard of unit '%s' (%llu elements)", l->name,
+                 (unsigned long long)l->shard_numel);
       goto done;
     }
     shard *sh = &rs->shards[l->id];
     uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
     if (init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0) {
-      /* 5. Rank 0 lays its packed values out in the flat buffer and
-       *    broadcasts it; every rank keeps its slice. */
-      if (rs->rank == 0) {
-        memset(rs->scratch, 0, l->padded_numel * sizeof(float));
-        uint64_t at = 0;
-        for (unsigned t = 0; t < l->ntensors; t++) {
-          memcpy(rs->scratch + l->tensors[t].offset, packed + at,
-                 l->tensors[t].numel * sizeof(float));
-          at += l->tensors[t].numel;
-        }
-      }
-      rc = comm_broadcast(rs->comm, rs->scratch, l->padded_numel * sizeof(float), 0);
+      /* 5. Rank 0's values to every rank. */
+      rc = broadcast_values(rs, l, packed);
       if (rc != 0) {
         op_comm_failed(rs, op, "register (initial values)", rc);
         goto done;
@@ -922,38 +992,19 @@ static void handle_register(rank_state *rs, exec_op *op) {
       }
     }
     refresh_working(rs, l, sh);
+    /* No reader looks at the shard before this: the unit becomes readable
+     * (and listed) once every rank has counted itself. */
+    atomic_fetch_add(&l->ready_ranks, 1);
   }
   {
     Zerod__V1__RegisterUnitReply reply = ZEROD__V1__REGISTER_UNIT_REPLY__INIT;
-    Zerod__V1__TensorPlacement *placements = calloc(l->ntensors, sizeof *placements);
-    Zerod__V1__TensorPlacement **ptrs = calloc(l->ntensors, sizeof *ptrs);
-    if (placements == NULL || ptrs == NULL) {
-      free(placements);
-      free(ptrs);
-      op_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    if (exec_unit_reply(j, l, &reply) != 0) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
       goto done;
     }
-    for (unsigned t = 0; t < l->ntensors; t++) {
-      zerod__v1__tensor_placement__init(&placements[t]);
-      placements[t].name = l->tensors[t].name;
-      placements[t].n_shape = l->tensors[t].ndim;
-      placements[t].shape = l->tensors[t].shape;
-      placements[t].offset = l->tensors[t].offset;
-      placements[t].numel = l->tensors[t].numel;
-      ptrs[t] = &placements[t];
-    }
-    reply.unit_id = l->id;
-    reply.numel = l->numel;
-    reply.padded_numel = l->padded_numel;
-    reply.shard_numel = l->shard_numel;
-    reply.n_tensors = l->ntensors;
-    reply.tensors = ptrs;
-    reply.working_dtype = proto_dtype(j->config.working_dtype);
-    reply.grad_dtype = proto_dtype(j->config.working_dtype);
     reply.existed = !fresh;
-    op_reply(op, ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT_REPLY, &reply.base);
-    free(placements);
-    free(ptrs);
+    exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT_REPLY, &reply.base);
+    exec_unit_reply_free(&reply);
     LOG_DEBUGF("unit registered", "job=%s rank=%d unit=%u numel=%llu", j->name, rs->rank, l->id,
                (unsigned long long)l->numel);
   }
@@ -965,26 +1016,119 @@ done:
   free(codes);
 }
 
+/* Outcomes of a LOAD_UNIT's local checks, exchanged between the ranks. */
+enum {
+  LOAD_OK = 0,
+  LOAD_UNKNOWN_UNIT = 1,
+  LOAD_NO_VALUES = 2,    /* rank 0 sent no descriptor */
+  LOAD_SHORT_VALUES = 3, /* rank 0's descriptor is too short or unreadable */
+  LOAD_NO_MEMORY = 4,
+};
+
+/* LOAD_UNIT: rank 0's fp32 values become the unit's master weights and
+ * working copy on every rank (frozen tensors included); the optimizer
+ * state and the gradient accumulators stay. The version goes up, so no
+ * cached gather of the old values is served again, and a pin of the old
+ * version keeps them (copy on write, as in a step). */
+static void handle_load(rank_state *rs, exec_op *op) {
+  Zerod__V1__LoadUnitRequest *req = (Zerod__V1__LoadUnitRequest *)op->request;
+  job *j = rs->job;
+  if (op_job_failed(rs, op))
+    return;
+  unit_layout *l = job_unit(j, req->unit_id);
+  int32_t code = LOAD_OK;
+  char err[512] = "";
+  float *packed = NULL;
+  int32_t *codes = NULL;
+  if (l == NULL || l->id >= rs->nshards || !rs->shards[l->id].present) {
+    code = LOAD_UNKNOWN_UNIT;
+  } else if (rs->rank == 0 && op->in_fd < 0) {
+    code = LOAD_NO_VALUES;
+  } else if (rs->rank == 0) {
+    packed = malloc(l->packed_numel * sizeof(float) + 1);
+    int rc = packed == NULL ? -ENOMEM : shm_read_fd(op->in_fd, packed, l->packed_numel * 4);
+    if (rc == -ENOMEM) {
+      code = LOAD_NO_MEMORY;
+    } else if (rc != 0) {
+      code = LOAD_SHORT_VALUES;
+      snprintf(err, sizeof err, "%s", rc == -EINVAL ? "file too short" : strerror(-rc));
+    }
+  }
+  if (code == LOAD_OK && grow_scratch(rs, l->padded_numel, 0) != 0)
+    code = LOAD_NO_MEMORY;
+
+  /* Every rank learns every rank's outcome before anything is broadcast,
+   * so all of them fail or none does. The all-gather also means every rank
+   * has finished its previous write before any rank starts this one. */
+  codes = calloc((size_t)j->world_size, sizeof *codes);
+  if (codes == NULL) {
+    job_fail(j, rs->generation, "rank %d: out of memory", rs->rank);
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    goto done;
+  }
+  codes[rs->rank] = code;
+  int rc = comm_all_gather(rs->comm, &codes[rs->rank], codes, sizeof *codes);
+  if (rc != 0) {
+    op_comm_failed(rs, op, "load_unit (check)", rc);
+    goto done;
+  }
+  for (int r = 0; r < j->world_size; r++) {
+    const char *name = l != NULL ? l->name : "?";
+    switch (codes[r]) {
+    case LOAD_OK:
+      continue;
+    case LOAD_UNKNOWN_UNIT:
+      exec_error(op, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
+                 "load_unit: unknown unit id %u (register it first)", req->unit_id);
+      break;
+    case LOAD_NO_VALUES:
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                 "load_unit of unit '%s' needs rank 0's values (one descriptor with %llu fp32 "
+                 "values, the tensors back to back)",
+                 name, l != NULL ? (unsigned long long)l->packed_numel : 0ull);
+      break;
+    case LOAD_SHORT_VALUES:
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                 "load_unit of unit '%s': reading rank 0's values (%llu bytes expected): %s", name,
+                 l != NULL ? (unsigned long long)l->packed_numel * 4 : 0ull,
+                 r == rs->rank ? err : "file too short or unreadable");
+      break;
+    default:
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                 "load_unit of unit '%s': rank %d is out of memory", name, r);
+      break;
+    }
+    goto done;
+  }
+
+  rc = broadcast_values(rs, l, packed);
+  if (rc != 0) {
+    op_comm_failed(rs, op, "load_unit (values)", rc);
+    goto done;
+  }
+  shard *sh = &rs->shards[l->id];
+  uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
+  pin_begin_write(rs);
+  memcpy(sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
+  refresh_working(rs, l, sh);
+  pin_end_write(rs);
+  LOG_DEBUGF("unit loaded", "job=%s rank=%d unit=%u version=%llu", j->name, rs->rank, l->id,
+             (unsigned long long)rs->version);
+  Zerod__V1__LoadUnitReply reply = ZEROD__V1__LOAD_UNIT_REPLY__INIT;
+  reply.unit_id = l->id;
+  reply.version = rs->version;
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT_REPLY, &reply.base);
+done:
+  free(packed);
+  free(codes);
+}
+
 static void handle_session_begin(rank_state *rs, exec_op *op) {
   rs->session_id = op->session_id;
   rs->ndropped = 0;
-  const job_config *c = &rs->job->config;
-  Zerod__V1__OptimizerConfig opt = ZEROD__V1__OPTIMIZER_CONFIG__INIT;
-  opt.kind = (Zerod__V1__OptimizerKind)c->optimizer;
-  opt.lr = rs->lr;
-  opt.beta1 = c->beta1;
-  opt.beta2 = c->beta2;
-  opt.eps = c->eps;
-  opt.weight_decay = c->weight_decay;
-  opt.has_weight_decay = 1;
-  opt.momentum = c->momentum;
-  opt.dampening = c->dampening;
-  opt.nesterov = c->nesterov;
-  Zerod__V1__JobConfig config = ZEROD__V1__JOB_CONFIG__INIT;
-  config.optimizer = &opt;
-  config.working_dtype = proto_dtype(c->working_dtype);
-  config.max_live_bytes = c->max_live_bytes;
-  config.max_grad_norm = rs->max_grad_norm;
+  Zerod__V1__OptimizerConfig opt;
+  Zerod__V1__JobConfig config;
+  exec_job_config(rs->job, rs->lr, rs->max_grad_norm, &config, &opt);
   Zerod__V1__AttachReply reply = ZEROD__V1__ATTACH_REPLY__INIT;
   reply.job_id = rs->job->id;
   reply.rank = (uint32_t)rs->rank;
@@ -992,7 +1136,7 @@ static void handle_session_begin(rank_state *rs, exec_op *op) {
   reply.version = rs->version;
   reply.config = &config;
   reply.created = op->job_created;
-  op_reply(op, ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, &reply.base);
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, &reply.base);
 }
 
 static void handle_session_end(rank_state *rs, exec_op *op) {
@@ -1020,7 +1164,7 @@ static void handle_session_end(rank_state *rs, exec_op *op) {
   }
   if (op->session != NULL) {
     Zerod__V1__DetachReply reply = ZEROD__V1__DETACH_REPLY__INIT;
-    op_reply(op, ZEROD__V1__MSG_TYPE__MSG_DETACH_REPLY, &reply.base);
+    exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_DETACH_REPLY, &reply.base);
   }
 }
 
@@ -1115,6 +1259,11 @@ static void run_op(rank_state *rs, exec_op *op) {
     break;
   case OP_STEP:
     handle_step(rs, op);
+    break;
+  case OP_LOAD:
+    handle_load(rs, op);
+    break;
+  case OP_PIN: /* read-only sessions' ops never reach an executor */
     break;
   case OP_TRIM:
     pool_trim(rs);
@@ -1221,7 +1370,7 @@ void exec_rank_stop(rank_state *rs) {
   while (dropped != NULL) {
     exec_op *next = dropped->next;
     dropped->next = NULL;
-    op_error(dropped, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "zerod is shutting down");
+    exec_error(dropped, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "zerod is shutting down");
     atomic_fetch_sub(&rs->busy, 1);
     finish(dropped);
     dropped = next;

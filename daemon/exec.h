@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "job.h"
+#include "zerod/v1/ipc.pb-c.h"
 
 typedef enum op_kind {
   OP_COMM_INIT,     /* build the communicator (generation op->generation) */
@@ -30,6 +31,8 @@ typedef enum op_kind {
   OP_GRAD_BUFFER,
   OP_REDUCE,
   OP_STEP,
+  OP_LOAD, /* LOAD_UNIT: collective, like a registration with INIT_FROM_RANK0 */
+  OP_PIN,  /* read-only sessions only (reader.c) */
   OP_TRIM, /* free unheld buffers (the job has no sessions) */
   OP_STOP, /* destroy the communicator and exit the thread */
 } op_kind;
@@ -37,14 +40,14 @@ typedef enum op_kind {
 typedef struct exec_op {
   struct exec_op *next;
   op_kind kind;
-  rank_state *rank;
+  rank_state *rank;        /* NULL for a read-only session's op (reader.c) */
   struct session *session; /* reply target; NULL for internal ops */
   uint64_t session_id;
   uint64_t request_id;
   uint8_t flags;
   ProtobufCMessage *request; /* owned */
   int in_fd;                 /* owned; -1 if none */
-  unsigned generation;
+  unsigned generation;       /* OP_COMM_INIT: the new one; reader ops: the job's at submission */
   uint32_t prefetch_unit;
   int job_created; /* OP_SESSION_BEGIN: the attach created the job */
 
@@ -87,5 +90,26 @@ void exec_rank_stop(rank_state *rank);
 void exec_rank_join(rank_state *rank);
 /* Frees the executor-owned state (after stop). */
 void exec_rank_free(rank_state *rank);
+
+/* ---- Replies, shared with reader.c and ipc.c ----------------------------- */
+
+/* Encodes the reply (or nothing for NO_REPLY or an op without a session)
+ * into op->reply_frame, with op->reply_fd as its descriptor if set. */
+void exec_reply(exec_op *op, uint16_t type, const ProtobufCMessage *msg);
+/* Encodes an Error reply and sets op->status; drops any reply or fd. */
+void exec_error(exec_op *op, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Fills a RegisterUnitReply (initialised by the caller) with unit l of job
+ * j: its id, name, sizes and tensor placements. The strings and shapes
+ * point into l, which lives as long as the job. Returns 0 or -ENOMEM;
+ * exec_unit_reply_free frees what it allocated. */
+int exec_unit_reply(const job *j, const unit_layout *l, Zerod__V1__RegisterUnitReply *reply);
+void exec_unit_reply_free(Zerod__V1__RegisterUnitReply *reply);
+
+/* Fills an AttachReply's config (both messages initialised here) from the
+ * job's config with the given learning rate and clipping. */
+void exec_job_config(const job *j, double lr, double max_grad_norm, Zerod__V1__JobConfig *config,
+                     Zerod__V1__OptimizerConfig *optimizer);
 
 #endif /* ZEROD_EXEC_H */

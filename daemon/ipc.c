@@ -23,6 +23,8 @@
 #include "daemon.h"
 #include "frame.h"
 #include "log.h"
+#include "pin.h"
+#include "reader.h"
 
 /* Requests a session may have queued before it is told to wait. */
 #define SESSION_MAX_INFLIGHT 4096
@@ -48,8 +50,9 @@ typedef struct session {
   uid_t uid;
   zd_frame_reader reader;
 
-  job *job; /* attached job, or NULL */
-  rank_state *rank;
+  job *job;          /* attached job, or NULL */
+  rank_state *rank;  /* read-write: the rank it holds; NULL for read-only */
+  reader *read_only; /* read-only session: its buffers, pin, request order */
   int detaching;
 
   int refs; /* 1 while open + 1 per op in flight */
@@ -69,6 +72,9 @@ static void session_update_poll(session *s);
 /* ------------------------------------------------------------------------ */
 
 static void session_free(session *s) {
+  /* No op of the session is left (each holds a reference), so neither is
+   * a read of its reader. */
+  reader_destroy(s->read_only);
   zd_frame_reader_reset(&s->reader);
   while (s->out_head != NULL) {
     out_frame *f = s->out_head;
@@ -402,7 +408,72 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
   return j;
 }
 
-static void handle_attach(session *s, uint64_t request_id, Zerod__V1__AttachRequest *req) {
+/* A read-only session: no rank, no collectives. It joins an existing job
+ * only, and answers at once from the loop (pinning takes the job's pin
+ * mutex, which is never held for long; see pin.h). */
+static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
+                             const Zerod__V1__AttachRequest *req) {
+  zdaemon *d = s->daemon;
+  if (req->create) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "a read-only attach cannot create job '%s' (a read-write attach creates jobs)",
+               req->job);
+    return;
+  }
+  job *j = find_job(d, req->job);
+  if (j == NULL) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
+               "no job named '%s' (a read-only session attaches to an existing job)", req->job);
+    return;
+  }
+  if (!token_equal(j->token, req->token)) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
+               "wrong token for job '%s'", req->job);
+    return;
+  }
+  /* The same reset rule as for workers: readers do not hold a failed job
+   * back, since they take no part in its collectives. */
+  char reason[512];
+  if (j->sessions == 0 && job_failed(j, j->generation, NULL, 0))
+    job_reset(j);
+  if (job_failed(j, j->generation, reason, sizeof reason)) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
+               "job '%s' failed: %s; it resets when all its workers have detached", j->name,
+               reason);
+    return;
+  }
+  reader *r;
+  if (reader_create(j, s->id, req->pin, &r) != 0) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    return;
+  }
+  s->job = j;
+  s->read_only = r;
+  j->readers++;
+  int pinned = 0;
+  uint64_t version = reader_version(r, &pinned);
+  Zerod__V1__OptimizerConfig opt;
+  Zerod__V1__JobConfig config;
+  exec_job_config(j, j->config.lr, j->config.max_grad_norm, &config, &opt);
+  Zerod__V1__AttachReply reply = ZEROD__V1__ATTACH_REPLY__INIT;
+  reply.job_id = j->id;
+  reply.world_size = (uint32_t)j->world_size;
+  reply.version = pin_latest_version(j);
+  reply.config = &config;
+  reply.read_only = 1;
+  reply.pinned_version = pinned ? version : 0;
+  if (!(flags & ZD_FRAME_F_NO_REPLY))
+    send_message(s, ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, request_id, &reply.base);
+  if (pinned)
+    LOG_INFOF("reader attached", "job=%s pid=%d uid=%d session=%llu pinned_version=%llu", j->name,
+              (int)s->pid, (int)s->uid, (unsigned long long)s->id, (unsigned long long)version);
+  else
+    LOG_INFOF("reader attached", "job=%s pid=%d uid=%d session=%llu pinned=false", j->name,
+              (int)s->pid, (int)s->uid, (unsigned long long)s->id);
+}
+
+static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
+                          Zerod__V1__AttachRequest *req) {
   zdaemon *d = s->daemon;
   if (req->protocol_version != 1) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
@@ -411,8 +482,7 @@ static void handle_attach(session *s, uint64_t request_id, Zerod__V1__AttachRequ
     return;
   }
   if (req->mode == ZEROD__V1__ATTACH_MODE__ATTACH_READ_ONLY) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
-               "read-only attachments are not supported by this daemon yet");
+    attach_read_only(s, request_id, flags, req);
     return;
   }
   if ((int)req->local_rank >= d->options.ranks) {
@@ -469,6 +539,7 @@ static void handle_attach(session *s, uint64_t request_id, Zerod__V1__AttachRequ
   op->session = s;
   op->session_id = s->id;
   op->request_id = request_id;
+  op->flags = flags;
   op->job_created = created;
   submit_or_inline(s, op);
   LOG_INFOF("worker attached", "job=%s rank=%d pid=%d uid=%d session=%llu", j->name, rs->rank,
@@ -489,8 +560,30 @@ static op_kind kind_of(uint16_t type) {
     return OP_REDUCE;
   case ZEROD__V1__MSG_TYPE__MSG_STEP:
     return OP_STEP;
+  case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT:
+    return OP_LOAD;
+  case ZEROD__V1__MSG_TYPE__MSG_PIN:
+    return OP_PIN;
   default:
     return OP_SESSION_END; /* DETACH */
+  }
+}
+
+/* Requests that change the job, which read-only sessions may not send. */
+static const char *write_request_name(uint16_t type) {
+  switch (type) {
+  case ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT:
+    return "register_unit";
+  case ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER:
+    return "grad_buffer";
+  case ZEROD__V1__MSG_TYPE__MSG_REDUCE:
+    return "reduce";
+  case ZEROD__V1__MSG_TYPE__MSG_STEP:
+    return "step";
+  case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT:
+    return "load_unit";
+  default:
+    return NULL;
   }
 }
 
@@ -504,10 +597,69 @@ static int is_request(uint16_t type) {
   case ZEROD__V1__MSG_TYPE__MSG_REDUCE:
   case ZEROD__V1__MSG_TYPE__MSG_STEP:
   case ZEROD__V1__MSG_TYPE__MSG_DETACH:
+  case ZEROD__V1__MSG_TYPE__MSG_UNITS:
+  case ZEROD__V1__MSG_TYPE__MSG_PIN:
+  case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT:
     return 1;
   default:
     return 0;
   }
+}
+
+/* UNITS, from any attached session, answered on the loop: the units every
+ * rank has registered, in id order, and the latest version. Unit layouts
+ * are immutable once published, so only the table is read under the job's
+ * mutex. */
+static void handle_units(session *s, const zd_frame_header *h) {
+  job *j = s->job;
+  pthread_mutex_lock(&j->mutex);
+  uint32_t nunits = j->nunits;
+  unit_layout **units = malloc((nunits ? nunits : 1) * sizeof *units);
+  if (units != NULL && nunits > 0)
+    memcpy(units, j->units, nunits * sizeof *units);
+  pthread_mutex_unlock(&j->mutex);
+  Zerod__V1__RegisterUnitReply *replies = calloc(nunits ? nunits : 1, sizeof *replies);
+  Zerod__V1__RegisterUnitReply **listed = calloc(nunits ? nunits : 1, sizeof *listed);
+  size_t count = 0;
+  int failed = units == NULL || replies == NULL || listed == NULL;
+  for (uint32_t u = 0; !failed && u < nunits; u++) {
+    if (atomic_load(&units[u]->ready_ranks) < j->world_size)
+      continue;
+    Zerod__V1__RegisterUnitReply *reply = &replies[count];
+    zerod__v1__register_unit_reply__init(reply);
+    if (exec_unit_reply(j, units[u], reply) != 0) {
+      failed = 1;
+      break;
+    }
+    reply->existed = 1;
+    listed[count++] = reply;
+  }
+  if (failed) {
+    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+  } else if (!(h->flags & ZD_FRAME_F_NO_REPLY)) {
+    Zerod__V1__UnitsReply reply = ZEROD__V1__UNITS_REPLY__INIT;
+    reply.n_units = count;
+    reply.units = listed;
+    reply.version = pin_latest_version(j);
+    uint8_t *frame;
+    size_t bytes;
+    int rc = zd_frame_encode(ZEROD__V1__MSG_TYPE__MSG_UNITS_REPLY, h->request_id, 0, 0, &reply.base,
+                             &frame, &bytes);
+    if (rc == 0)
+      session_send(s, frame, bytes, -1);
+    else if (rc == -EMSGSIZE)
+      send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                 "the unit table of job '%s' (%zu units) does not fit in one %u-byte frame",
+                 j->name, count, ZD_FRAME_MAX_PAYLOAD);
+    else
+      send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INTERNAL,
+                 "cannot encode the unit table: %s", strerror(-rc));
+  }
+  for (size_t k = 0; k < count; k++)
+    exec_unit_reply_free(&replies[k]);
+  free(listed);
+  free(replies);
+  free(units);
 }
 
 static void close_fds(int *fds, unsigned nfds) {
@@ -553,7 +705,7 @@ static void dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int
                  "this connection is already attached to job '%s'; one job per connection",
                  s->job->name);
     else
-      handle_attach(s, h->request_id, (Zerod__V1__AttachRequest *)msg);
+      handle_attach(s, h->request_id, h->flags, (Zerod__V1__AttachRequest *)msg);
     goto out;
   }
   if (s->job == NULL) {
@@ -571,6 +723,22 @@ static void dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int
                "more than %d requests in flight", SESSION_MAX_INFLIGHT);
     goto out;
   }
+  if (h->type == ZEROD__V1__MSG_TYPE__MSG_UNITS) {
+    handle_units(s, h);
+    goto out;
+  }
+  if (s->read_only != NULL && write_request_name(h->type) != NULL) {
+    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
+               "%s refused: read-only session (job '%s')", write_request_name(h->type),
+               s->job->name);
+    goto out;
+  }
+  if (s->read_only == NULL && h->type == ZEROD__V1__MSG_TYPE__MSG_PIN) {
+    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+               "pin is for read-only sessions; this session is read-write (rank %d)",
+               s->rank->rank);
+    goto out;
+  }
   exec_op *op = exec_op_new(kind_of(h->type), s->rank);
   if (op == NULL) {
     send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
@@ -585,6 +753,19 @@ static void dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int
   if (nfds > 0) {
     op->in_fd = fds[0];
     fds[0] = -1;
+  }
+  if (s->read_only != NULL) {
+    /* The reader runs the session's requests in order, on the loop or on
+     * the threadpool, and hands them back through deliver. */
+    if (op->kind == OP_SESSION_END) {
+      s->detaching = 1;
+      LOG_DEBUGF("reader detaching", "job=%s pid=%d", s->job->name, (int)s->pid);
+    }
+    op->generation = s->job->generation;
+    s->refs++;
+    s->inflight++;
+    reader_submit(s->read_only, op);
+    goto out;
   }
   if (op->kind == OP_SESSION_END) {
     s->detaching = 1;
@@ -671,7 +852,21 @@ static void session_close(session *s, const char *reason) {
     for (out_frame *f = s->out_head; f != NULL; f = f->next)
       if (send_some(s, f) <= 0)
         break;
-  if (s->job != NULL) {
+  if (s->job != NULL && s->read_only != NULL) {
+    /* A reader leaves nothing to fail: it took no part in collectives. Its
+     * running gather stops waiting; its buffers and pin go with the
+     * session (session_free). */
+    job *j = s->job;
+    if (s->detaching)
+      LOG_INFOF("reader detached", "job=%s pid=%d session=%llu", j->name, (int)s->pid,
+                (unsigned long long)s->id);
+    else
+      LOG_INFOF("reader disconnected", "job=%s pid=%d session=%llu reason=\"%s\"", j->name,
+                (int)s->pid, (unsigned long long)s->id, reason != NULL ? reason : "closed");
+    reader_close(s->read_only);
+    j->readers--;
+    s->job = NULL;
+  } else if (s->job != NULL) {
     job *j = s->job;
     rank_state *rs = s->rank;
     if (!s->detaching) {
@@ -772,6 +967,7 @@ static void on_accept(uv_poll_t *handle, int status, int events) {
 
 int ipc_listen(zdaemon *d, char *err, size_t err_bytes) {
   completion_daemon = d;
+  reader_configure(d->loop, deliver, d->options.collective_timeout_ms);
   pthread_mutex_init(&d->completion_mutex, NULL);
   uv_async_init(d->loop, &d->completion_async, on_completion);
   d->completion_async.data = d;

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "exec.h"
+#include "pin.h"
 
 int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err, size_t err_bytes) {
   if (c->optimizer == 0)
@@ -80,6 +81,10 @@ int job_create(struct daemon *daemon, const char *name, const char *token, const
     pthread_mutex_init(&rs->queue_mutex, NULL);
     pthread_cond_init(&rs->queue_cond, NULL);
   }
+  if (pin_job_init(j) != 0) {
+    job_destroy(j);
+    return -ENOMEM;
+  }
   *out = j;
   return 0;
 }
@@ -95,6 +100,7 @@ void job_destroy(job *j) {
     }
     pthread_mutex_destroy(&j->mutex);
   }
+  pin_job_destroy(j);
   for (uint32_t u = 0; u < j->nunits; u++)
     unit_layout_free(j->units[u]);
   free(j->units);
@@ -281,6 +287,8 @@ void job_fail(job *j, unsigned generation, const char *fmt, ...) {
     va_end(ap);
   }
   pthread_mutex_unlock(&j->mutex);
+  /* Readers waiting for a rank of a failed job would wait in vain. */
+  pin_wake(j);
 }
 
 int job_failed(job *j, unsigned generation, char *reason, size_t reason_bytes) {

@@ -10,7 +10,10 @@
  * loop thread or by executors under job->mutex and are immutable once
  * published. Each rank_state (the per-rank shards, the buffer pool, the
  * communicator) belongs to that rank's executor thread; the loop touches it
- * only while the executor is idle (rank_state.busy == 0, see exec.h). */
+ * only while the executor is idle (rank_state.busy == 0, see exec.h).
+ * The exceptions are what read-only sessions read from worker threads: the
+ * shard table and working copies (under job.rank_locks) and the versions
+ * (under job.pin_mutex); pin.h has the rules. */
 #ifndef ZEROD_JOB_H
 #define ZEROD_JOB_H
 
@@ -64,6 +67,10 @@ typedef struct unit_layout {
   uint64_t shard_numel;
   uint8_t *descriptor; /* canonical bytes compared across ranks */
   size_t descriptor_bytes;
+  /* Ranks whose shard of the unit holds its initial values. A unit is
+   * listed (UNITS) and readable by read-only sessions once every rank has
+   * it; a rank counts itself when its registration is complete. */
+  _Atomic int ready_ranks;
 } unit_layout;
 
 /* A [begin, end) range of a shard, in shard elements. */
@@ -128,7 +135,11 @@ typedef struct rank_state {
   uint32_t *dropped_ids; /* freed buffers the session still maps */
   size_t ndropped, dropped_cap;
   uint64_t session_id;
-  uint64_t step, version;
+  uint64_t step;
+  /* Bumped when the working copies change (step, load), only inside
+   * pin_begin_write under the job's pin_mutex, where readers look at it;
+   * the executor reads it freely. */
+  uint64_t version;
   double lr, max_grad_norm;
   double progress_since_s; /* monotonic time of the last progress line */
   uint64_t progress_since_step;
@@ -162,7 +173,16 @@ typedef struct job {
   long failed_generation; /* -1, or the generation that failed */
   char fail_reason[512];
 
-  int sessions; /* loop-owned: attached sessions */
+  int sessions; /* loop-owned: attached read-write sessions */
+  int readers;  /* loop-owned: attached read-only sessions */
+
+  /* Versions and pins (pin.c; pin.h has the locking rules). */
+  pthread_rwlock_t *rank_locks; /* [world_size] */
+  pthread_mutex_t pin_mutex;
+  pthread_cond_t pin_cond;
+  struct job_pin *pins;
+  int pins_stopping;               /* the daemon is stopping: readers give up */
+  _Atomic uint64_t latest_version; /* the highest version any rank reached */
 } job;
 
 /* Fills in torch.optim's defaults for zero fields; validates ranges.
@@ -183,7 +203,8 @@ int unit_layout_build(const char *name, unsigned ntensors, const char *const *te
                       size_t err_bytes);
 void unit_layout_free(unit_layout *layout);
 
-/* Marks the job failed in its current generation (first reason wins). */
+/* Marks the job failed in its current generation (first reason wins) and
+ * wakes the readers waiting on its ranks. */
 void job_fail(job *j, unsigned generation, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Returns 1 and copies the reason if the job failed in `generation`. */

@@ -18,6 +18,7 @@
 
 #include "daemon.h"
 #include "log.h"
+#include "pin.h"
 
 #define ZEROD_VERSION "0.1.0"
 
@@ -155,6 +156,9 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
   char reason[128];
   snprintf(reason, sizeof reason, "zerod is shutting down (%s)", why);
   ipc_close_all(d, reason);
+  /* Readers waiting for a rank give up now rather than at their timeout. */
+  for (job *j = d->jobs; j != NULL; j = j->next)
+    pin_job_stop(j);
   /* Stop every rank of every job before joining any (see exec.h). */
   for (job *j = d->jobs; j != NULL; j = j->next)
     for (int r = 0; r < j->world_size; r++)
@@ -163,11 +167,9 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
     for (int r = 0; r < j->world_size; r++)
       exec_rank_join(&j->ranks[r]);
   ipc_drain_completions(d);
-  while (d->jobs != NULL) {
-    job *j = d->jobs;
-    d->jobs = j->next;
-    job_destroy(j);
-  }
+  /* The jobs are freed once the loop has ended (main): read-only sessions'
+   * gathers may still be running on the threadpool, and closed sessions
+   * let go of their pins when their handles have closed. */
   uv_close((uv_handle_t *)&d->completion_async, NULL);
   uv_close((uv_handle_t *)&d->sigint, NULL);
   uv_close((uv_handle_t *)&d->sigterm, NULL);
@@ -364,6 +366,13 @@ int main(int argc, char **argv) {
             ZEROD_VERSION, o->socket_path, o->ranks, o->threads_per_rank, timeout_s,
             (unsigned long long)o->max_live_bytes, (int)getpid());
   uv_run(d->loop, UV_RUN_DEFAULT);
+  /* The loop ends when every handle has closed and every threadpool read
+   * has finished: nothing refers to the jobs any more. */
+  while (d->jobs != NULL) {
+    job *j = d->jobs;
+    d->jobs = j->next;
+    job_destroy(j);
+  }
   rc = uv_loop_close(d->loop);
   if (rc != 0)
     LOG_WARNF("loop closed with open handles", "err=%s", uv_err_name(rc));

@@ -23,6 +23,12 @@ GRAD_BUFFER, GRAD_BUFFER_REPLY = 24, 25
 REDUCE, REDUCE_REPLY = 26, 27
 STEP, STEP_REPLY = 28, 29
 DETACH, DETACH_REPLY = 30, 31
+UNITS, UNITS_REPLY = 32, 33
+PIN, PIN_REPLY = 34, 35
+LOAD_UNIT, LOAD_UNIT_REPLY = 36, 37
+
+READ_WRITE, READ_ONLY = 0, 1
+NO_REPLY = 0x01
 
 STATUS = {
     0: "OK", 1: "INVALID_ARGUMENT", 2: "NOT_FOUND", 3: "ALREADY_EXISTS",
@@ -95,7 +101,7 @@ def _read_varint(b, i):
 
 
 def attach_request(job, local_rank, create=True, token="", working_bf16=False,
-                   max_live_bytes=0, optimizer=None):
+                   max_live_bytes=0, optimizer=None, read_only=False, pin=False):
     config = b""
     if working_bf16:
         config += field_varint(2, 2)
@@ -106,11 +112,20 @@ def attach_request(job, local_rank, create=True, token="", working_bf16=False,
     msg = field_varint(1, 1) + field_bytes(2, job) + field_varint(3, local_rank)
     if token:
         msg += field_bytes(4, token)
+    if read_only:
+        msg += field_varint(5, READ_ONLY)
     if create:
         msg += field_varint(6, 1)
     if config:
         msg += field_bytes(7, config)
+    if pin:
+        msg += field_varint(8, 1)
     return msg
+
+
+def read_only_attach_request(job, token="", pin=False):
+    """An ATTACH for a read-only session: no create, no rank."""
+    return attach_request(job, 0, create=False, token=token, read_only=True, pin=pin)
 
 
 def tensor_spec(name, shape, frozen=False):
@@ -134,6 +149,39 @@ def register_request(name, tensors, init=INIT_ZEROS, seed=0, std=0.0):
 
 def unit_request(unit_id):
     return field_varint(1, unit_id) if unit_id else b""
+
+
+def repeated_varints(values):
+    """A repeated integer field as decode() returns it, packed or not."""
+    out = []
+    for v in values:
+        if isinstance(v, int):
+            out.append(v)
+            continue
+        i = 0
+        while i < len(v):
+            n, i = _read_varint(v, i)
+            out.append(n)
+    return out
+
+
+def unit_table(fields):
+    """Decodes a UnitsReply: ([unit dict], version). Each unit has id, name,
+    numel, padded_numel, shard_numel, working_dtype and tensors, a list of
+    (name, shape, offset, numel)."""
+    units = []
+    for raw in fields.get(1, []):
+        u = decode(raw)
+        tensors = []
+        for t in u.get(5, []):
+            t = decode(t)
+            shape = tuple(repeated_varints(t.get(2, [])))
+            tensors.append((t[1][0].decode(), shape, t.get(3, [0])[0], t.get(4, [0])[0]))
+        units.append({"id": u.get(1, [0])[0], "name": u.get(9, [b""])[0].decode(),
+                      "numel": u.get(2, [0])[0], "padded_numel": u.get(3, [0])[0],
+                      "shard_numel": u.get(4, [0])[0], "working_dtype": u.get(6, [0])[0],
+                      "existed": u.get(8, [0])[0], "tensors": tensors})
+    return units, fields.get(2, [0])[0]
 
 
 # --- framing ----------------------------------------------------------------

@@ -1,0 +1,56 @@
+/* reader: read-only sessions (evaluation, inference, weight sync) — their
+ * buffers, their pin and the order of their requests (ARCHITECTURE §7).
+ *
+ * A read-only session takes no rank and no part in the job's collectives.
+ * Its GATHER assembles a unit from every rank's working-copy slice (pin.h)
+ * into a memfd buffer of its own, one per unit, created on the first
+ * gather, sent once, and refilled only when the version it serves changes.
+ * The session's buffers are bounded by the job's max_live_bytes: released
+ * units' buffers are evicted least recently used first, and a gather that
+ * cannot fit even then fails with RESOURCE_EXHAUSTED and changes nothing.
+ *
+ * Threads: the reader's requests run one at a time in arrival order. Those
+ * that only look at the reader's own state (a gather served from its
+ * buffer, RELEASE, PIN, DETACH) run on the loop thread when nothing else of
+ * the session is running; a gather that copies runs on the libuv
+ * threadpool (it may wait for a rank, up to the collective timeout, and
+ * copies a whole unit), and the loop finishes it. While a gather runs
+ * there, the reader's state is that thread's; the loop touches only the
+ * queue. */
+#ifndef ZEROD_READER_H
+#define ZEROD_READER_H
+
+#include <stdint.h>
+#include <uv.h>
+
+#include "exec.h"
+#include "job.h"
+
+typedef struct reader reader;
+
+/* Called on the loop thread with each finished op (its reply encoded in
+ * the op, or none for a session that is closing); takes the op. */
+typedef void (*reader_done_fn)(exec_op *op);
+
+void reader_configure(uv_loop_t *loop, reader_done_fn done, int collective_timeout_ms);
+
+/* Creates the state of a read-only session of job j (loop thread). With
+ * `pin`, the latest version is pinned for every later gather. Returns 0 or
+ * -ENOMEM. */
+int reader_create(job *j, uint64_t session_id, int pin, reader **out);
+/* The pinned version, or the latest version when nothing is pinned. */
+uint64_t reader_version(const reader *r, int *pinned);
+
+/* Queues a GATHER, RELEASE, PIN or OP_SESSION_END (DETACH) of the session
+ * (loop thread); each comes back through the done function, in order. */
+void reader_submit(reader *r, exec_op *op);
+
+/* The session is closing (loop thread): a running gather stops waiting,
+ * queued ops are handed back unanswered. */
+void reader_close(reader *r);
+
+/* Frees the reader: its buffers and its pin. Only when none of its ops is
+ * left (the session holds a reference per op, so its free path is safe). */
+void reader_destroy(reader *r);
+
+#endif /* ZEROD_READER_H */
