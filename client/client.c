@@ -5,11 +5,13 @@
  * may come back out of order), the replies read early for someone else (the
  * stash), the errors of requests sent without a reply (deferred errors), the
  * shared-memory mappings of gathered and gradient buffers (cached by buffer
- * id for the life of the connection), and the per-unit tensor tables that
- * views point into. Nothing here blocks except to wait for the daemon, and
- * nothing here trusts the daemon: a frame that does not decode, a reply of
- * the wrong type, or a buffer without a descriptor closes the connection
- * with ZD_E_PROTOCOL instead of crashing the worker.
+ * id until the daemon lists the buffer as dropped), the per-unit tensor
+ * tables that views point into, and, for jobs attached with
+ * stable_addresses, one reserved address range per unit that each gather
+ * maps the unit's buffer into. Nothing here blocks except to wait for the
+ * daemon, and nothing here trusts the daemon: a frame that does not decode,
+ * a reply of the wrong type, or a buffer without a descriptor closes the
+ * connection with ZD_E_PROTOCOL instead of crashing the worker.
  *
  * Once the connection is lost (end of stream, a protocol error, or the
  * daemon's shutdown notice) the client is "dead": every later call fails at
@@ -127,28 +129,48 @@ typedef struct stashed_frame {
  * same counter, or from separate ones, is served correctly either way. */
 typedef enum buffer_kind { BUFFER_GATHERED = 0, BUFFER_GRAD = 1 } buffer_kind;
 
+/* One buffer the daemon sent. Usually it is mapped once (base) and its
+ * descriptor closed. A stable-address job's gathered buffers are instead
+ * mapped into each unit's own range at every gather, so their descriptor is
+ * kept (fd) and base is NULL. Either way the entry lives until the daemon
+ * lists the buffer as dropped, or until zd_close. */
 typedef struct buffer_mapping {
   buffer_kind kind;
   uint32_t buffer_id;
   void *base;
   size_t bytes;
+  int fd;   /* -1 unless kept */
+  int held; /* scratch of forget_dropped_buffers */
 } buffer_mapping;
 
-/* What this client knows of a registered unit: the reply's placements, and
- * two tensor tables (gathered and gradient) whose data pointers are filled
- * in by each gather / grad_buffer call. The names and shapes are owned here
- * and shared by both tables. */
+/* What this client knows of a unit (registered or listed): the placements,
+ * and three tensor tables: gathered and gradient, whose data pointers are
+ * filled in by each gather / grad_buffer call, and the layout handed out by
+ * zd_job_unit_info, whose data pointers stay NULL. The names and shapes are
+ * owned here and shared by all tables. */
 typedef struct client_unit {
   zd_unit unit_id;
   char *name;
   unsigned ntensors;
   uint64_t numel;
+  uint64_t padded_numel;
   zd_dtype working_dtype;
   zd_dtype grad_dtype;
   char **tensor_names;
   uint64_t *shapes; /* every tensor's dims, back to back */
   zd_tensor_view *gather_tensors;
   zd_tensor_view *grad_tensors;
+  zd_tensor_view *info_tensors;
+  /* The buffers behind the views handed out and still valid by contract:
+   * the gathered one until zd_release, the gradient one until zd_reduce
+   * (0: none). A buffer named here is never unmapped when dropped. */
+  uint32_t held_gather_buffer;
+  uint32_t held_grad_buffer;
+  /* Stable-address jobs: the unit's reserved range, page-rounded to its
+   * gathered layout (NULL until reserved). While the unit is gathered it
+   * maps held_gather_buffer; otherwise it is PROT_NONE anonymous memory. */
+  void *stable_base;
+  size_t stable_bytes;
 } client_unit;
 
 struct zd_job {
@@ -156,10 +178,13 @@ struct zd_job {
   struct zd_job *next; /* the client's list of jobs, freed by zd_close */
   char *name;
   int attached;
+  int read_only;
+  int pinned; /* read-only and serving one version: `version` is it */
+  int stable_addresses;
   unsigned rank;
   unsigned world_size;
   uint64_t version;
-  client_unit *units;
+  client_unit *units; /* sorted by unit id */
   size_t unit_count;
   size_t unit_capacity;
 };
@@ -235,12 +260,29 @@ static int dtype_from_proto(int proto_dtype, zd_dtype *out) {
   }
 }
 
+/* bytes rounded up to whole pages (at least one). */
+static uint64_t page_round(uint64_t bytes) {
+  long page_size = sysconf(_SC_PAGESIZE);
+  uint64_t page = page_size > 0 ? (uint64_t)page_size : 4096;
+  return bytes == 0 ? page : (bytes + page - 1) / page * page;
+}
+
 static void close_fds(int *fds, unsigned nfds) {
   for (unsigned i = 0; i < nfds; i++) {
     if (fds[i] >= 0)
       close(fds[i]);
     fds[i] = -1;
   }
+}
+
+/* Unmaps a buffer and closes its kept descriptor, if any. */
+static void mapping_free(buffer_mapping *mapping) {
+  if (mapping->base != NULL)
+    munmap(mapping->base, mapping->bytes);
+  if (mapping->fd >= 0)
+    close(mapping->fd);
+  mapping->base = NULL;
+  mapping->fd = -1;
 }
 
 /* Options structs carry their size so that fields can be added later. A
@@ -692,7 +734,10 @@ static void unit_free(client_unit *unit) {
   free(unit->shapes);
   free(unit->gather_tensors);
   free(unit->grad_tensors);
+  free(unit->info_tensors);
   free(unit->name);
+  if (unit->stable_base != NULL)
+    munmap(unit->stable_base, unit->stable_bytes);
 }
 
 static void job_free(zd_job *job) {
@@ -722,7 +767,7 @@ void zd_close(zd_client *client) {
   zd_frame_reader_reset(&client->reader);
   stash_free_all(client);
   for (size_t i = 0; i < client->mapping_count; i++)
-    munmap(client->mappings[i].base, client->mappings[i].bytes);
+    mapping_free(&client->mappings[i]);
   free(client->mappings);
   free(client->expected_ids);
   zd_job *job = client->jobs;
@@ -809,9 +854,11 @@ zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, 
   request.job = (char *)options.job;
   request.local_rank = options.local_rank;
   request.token = (char *)(options.token != NULL ? options.token : "");
-  request.mode = options.read_only ? ZEROD__V1__ATTACH_MODE__ATTACH_READ_ONLY
-                                   : ZEROD__V1__ATTACH_MODE__ATTACH_READ_WRITE;
+  int read_only = options.read_only != 0;
+  request.mode = read_only ? ZEROD__V1__ATTACH_MODE__ATTACH_READ_ONLY
+                           : ZEROD__V1__ATTACH_MODE__ATTACH_READ_WRITE;
   request.create = options.create != 0;
+  request.pin = options.pin != 0;
   if (options.config != NULL) {
     if ((status = fill_job_config(options.config, &config, &optimizer)) != ZD_OK)
       return status;
@@ -837,7 +884,15 @@ zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, 
     return status;
   }
   const Zerod__V1__AttachReply *reply = (const Zerod__V1__AttachReply *)reply_msg;
-  if (reply->world_size == 0 || reply->rank >= reply->world_size) {
+  if ((reply->read_only != 0) != read_only) {
+    protobuf_c_message_free_unpacked(reply_msg, NULL);
+    job_free(job);
+    return client_protocol_error(client, what, "asked for a %s attachment, the reply says %s",
+                                 read_only ? "read-only" : "read-write",
+                                 read_only ? "read-write" : "read-only");
+  }
+  /* A read-only session takes no rank, so its rank says nothing. */
+  if (!read_only && (reply->world_size == 0 || reply->rank >= reply->world_size)) {
     unsigned rank = reply->rank, world_size = reply->world_size;
     protobuf_c_message_free_unpacked(reply_msg, NULL);
     job_free(job);
@@ -845,9 +900,13 @@ zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, 
   }
   job->client = client;
   job->attached = 1;
+  job->read_only = read_only;
+  /* The protocol ignores `pin` for read-write sessions; so does the job. */
+  job->pinned = read_only && options.pin;
+  job->stable_addresses = options.stable_addresses != 0;
   job->rank = reply->rank;
   job->world_size = reply->world_size;
-  job->version = reply->version;
+  job->version = job->pinned ? reply->pinned_version : reply->version;
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   job->next = client->jobs;
   client->jobs = job;
@@ -867,6 +926,10 @@ uint64_t zd_job_version(const zd_job *job) {
   return job != NULL ? job->version : 0;
 }
 
+int zd_job_read_only(const zd_job *job) {
+  return job != NULL ? job->read_only : 0;
+}
+
 /* Common entry checks of the calls on an attached job. */
 static zd_status job_check(const zd_job *job, const char *what) {
   if (job == NULL)
@@ -878,38 +941,170 @@ static zd_status job_check(const zd_job *job, const char *what) {
   return ZD_OK;
 }
 
+/* The entry check of the calls that change the job (registration,
+ * gradients, reduce, step, load): a read-only job is refused here, without
+ * a round trip, with the reason. */
+static zd_status job_check_writable(const zd_job *job, const char *what) {
+  zd_status status = job_check(job, what);
+  if (status != ZD_OK)
+    return status;
+  if (job->read_only)
+    return set_error(ZD_E_PERMISSION_DENIED,
+                     "%s: job %s is attached read-only; registering units, gradient buffers, "
+                     "reduce, step and load need a read-write attachment",
+                     what, job->name);
+  return ZD_OK;
+}
+
 static client_unit *job_find_unit(zd_job *job, zd_unit unit_id) {
   /* Daemons hand out small dense ids, so the id is tried as an index first;
-   * the scan covers any other numbering. */
+   * the table is sorted by id, so a binary search covers any other
+   * numbering (a read-only job may list only some units, say). */
   if (unit_id < job->unit_count && job->units[unit_id].unit_id == unit_id)
     return &job->units[unit_id];
-  for (size_t u = 0; u < job->unit_count; u++) {
-    if (job->units[u].unit_id == unit_id)
-      return &job->units[u];
+  size_t low = 0, high = job->unit_count;
+  while (low < high) {
+    size_t middle = low + (high - low) / 2;
+    if (job->units[middle].unit_id < unit_id)
+      low = middle + 1;
+    else
+      high = middle;
   }
-  return NULL;
+  return low < job->unit_count && job->units[low].unit_id == unit_id ? &job->units[low] : NULL;
+}
+
+/* Makes room for `more` units, before the request whose reply adds them. */
+static zd_status job_reserve_units(zd_job *job, size_t more, const char *what) {
+  if (job->unit_capacity - job->unit_count >= more)
+    return ZD_OK;
+  size_t capacity = job->unit_capacity ? job->unit_capacity : 16;
+  while (capacity - job->unit_count < more)
+    capacity *= 2;
+  client_unit *units = realloc(job->units, capacity * sizeof *units);
+  if (units == NULL)
+    return set_error(ZD_E_NOMEM, "%s: out of memory", what);
+  job->units = units;
+  job->unit_capacity = capacity;
+  return ZD_OK;
+}
+
+/* Adds a unit in id order (room was reserved). Views never point at a
+ * client_unit itself, only at its separately allocated tables, so moving
+ * entries is safe. */
+static void job_insert_unit(zd_job *job, const client_unit *unit) {
+  size_t at = job->unit_count;
+  while (at > 0 && job->units[at - 1].unit_id > unit->unit_id)
+    at--;
+  memmove(&job->units[at + 1], &job->units[at], (job->unit_count - at) * sizeof *job->units);
+  job->units[at] = *unit;
+  job->unit_count++;
+}
+
+unsigned zd_job_unit_count(const zd_job *job) {
+  return job != NULL ? (unsigned)job->unit_count : 0;
+}
+
+zd_status zd_job_unit_info(const zd_job *job, unsigned index, zd_unit_info *out) {
+  if (job == NULL || out == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT, "unit info: job and out must not be NULL");
+  if (index >= job->unit_count)
+    return set_error(ZD_E_INVALID_ARGUMENT,
+                     "unit info: index %u is past the %zu units job %s knows (see "
+                     "zd_job_unit_count)",
+                     index, job->unit_count, job->name);
+  const client_unit *unit = &job->units[index];
+  out->unit = unit->unit_id;
+  out->name = unit->name;
+  out->ntensors = unit->ntensors;
+  out->tensors = unit->info_tensors;
+  out->numel = unit->numel;
+  out->padded_numel = unit->padded_numel;
+  out->dtype = unit->working_dtype;
+  return ZD_OK;
+}
+
+/* ------------------------------------------------------------------------
+ * Stable addresses
+ *
+ * A job attached with stable_addresses gives each unit an address range of
+ * its own, reserved once (PROT_NONE, no memory behind it). A gather maps the
+ * daemon's buffer over the range with MAP_FIXED, whichever buffer id the
+ * daemon picked this time, and a release maps inaccessible anonymous memory
+ * back over it, so that between gathers the worker's views fault instead of
+ * reading stale values, and no mapping keeps the daemon's buffer alive. The
+ * buffers' descriptors are kept (buffer_mapping.fd) to map them again.
+ * ------------------------------------------------------------------------ */
+
+#define STABLE_RESERVE_FLAGS (MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+
+/* Bytes of the unit's gathered layout: what its range must hold. */
+static uint64_t unit_gathered_bytes(const client_unit *unit) {
+  return unit->padded_numel * dtype_bytes(unit->working_dtype);
+}
+
+/* Reserves the unit's range if it has none yet. Registration and listing
+ * try this and ignore a failure (the unit is known all the same); the
+ * gather that needs the range tries again and reports it. */
+static zd_status unit_reserve_range(client_unit *unit, const char *what) {
+  if (unit->stable_base != NULL)
+    return ZD_OK;
+  /* padded_numel is at most 2^49 (frame.c, check_listed_unit), so this
+   * cannot wrap; a range that large simply fails to map. */
+  uint64_t range_bytes = page_round(unit_gathered_bytes(unit));
+  if ((uint64_t)(size_t)range_bytes != range_bytes)
+    return set_error(ZD_E_NOMEM, "%s: the unit's %llu-byte range does not fit the address space",
+                     what, (unsigned long long)range_bytes);
+  void *base = mmap(NULL, (size_t)range_bytes, PROT_NONE, STABLE_RESERVE_FLAGS, -1, 0);
+  if (base == MAP_FAILED)
+    return set_error(ZD_E_NOMEM, "%s: reserving the unit's %llu-byte address range: mmap: %s", what,
+                     (unsigned long long)range_bytes, strerror(errno));
+  unit->stable_base = base;
+  unit->stable_bytes = (size_t)range_bytes;
+  return ZD_OK;
+}
+
+/* Makes the unit's range inaccessible again. A failed MAP_FIXED may leave
+ * the range unmapped, where a later mmap of anyone's could land; a later
+ * MAP_FIXED of ours would then destroy that mapping, so on failure the range
+ * is given up entirely, and the next gather reserves a new one. */
+static zd_status unit_cover_range(client_unit *unit, const char *what) {
+  if (unit->stable_base == NULL)
+    return ZD_OK;
+  void *covered = mmap(unit->stable_base, unit->stable_bytes, PROT_NONE,
+                       STABLE_RESERVE_FLAGS | MAP_FIXED, -1, 0);
+  if (covered != MAP_FAILED)
+    return ZD_OK;
+  int err = errno;
+  munmap(unit->stable_base, unit->stable_bytes);
+  unit->stable_base = NULL;
+  unit->stable_bytes = 0;
+  return set_error(ZD_E_IO,
+                   "%s: making the unit's address range inaccessible: mmap: %s (the range was "
+                   "unmapped; the unit's next gather maps it at a new address)",
+                   what, strerror(err));
 }
 
 /* ------------------------------------------------------------------------
  * Register
  * ------------------------------------------------------------------------ */
 
-/* Writes rank 0's initial values into a fresh memfd for the daemon to
- * read. A memfd rather than the socket because bulk data never crosses the
- * socket (the frame cap is 4 MiB, units are often larger). */
+/* Writes rank 0's values (initial ones, or ones to load) into a fresh memfd
+ * for the daemon to read. A memfd rather than the socket because bulk data
+ * never crosses the socket (the frame cap is 4 MiB, units are often
+ * larger). */
 static zd_status make_init_memfd(const float *values, uint64_t numel, const char *what,
                                  int *fd_out) {
   if (numel > SIZE_MAX / sizeof(float))
     return set_error(ZD_E_INVALID_ARGUMENT, "%s: unit too large", what);
   size_t total_bytes = (size_t)numel * sizeof(float);
-  int fd = memfd_create("zerod-init", MFD_CLOEXEC);
+  int fd = memfd_create("zerod-values", MFD_CLOEXEC);
   if (fd < 0)
     return set_error(ZD_E_IO, "%s: memfd_create: %s", what, strerror(errno));
   if (ftruncate(fd, (off_t)total_bytes) != 0) {
     int err = errno;
     close(fd);
-    return set_error(ZD_E_IO, "%s: ftruncate of the init memfd to %zu bytes: %s", what, total_bytes,
-                     strerror(err));
+    return set_error(ZD_E_IO, "%s: ftruncate of the values memfd to %zu bytes: %s", what,
+                     total_bytes, strerror(err));
   }
   const char *bytes = (const char *)values;
   size_t written_bytes = 0;
@@ -921,7 +1116,7 @@ static zd_status make_init_memfd(const float *values, uint64_t numel, const char
     if (n <= 0) {
       int err = n < 0 ? errno : EIO;
       close(fd);
-      return set_error(ZD_E_IO, "%s: writing the init memfd: %s", what, strerror(err));
+      return set_error(ZD_E_IO, "%s: writing the values memfd: %s", what, strerror(err));
     }
     written_bytes += (size_t)n;
   }
@@ -929,13 +1124,14 @@ static zd_status make_init_memfd(const float *values, uint64_t numel, const char
   return ZD_OK;
 }
 
-/* Keeps the reply's placements and builds the unit's two tensor tables. */
+/* Keeps the reply's placements and builds the unit's tensor tables. */
 static zd_status unit_from_reply(client_unit *unit, const char *unit_name,
                                  const Zerod__V1__RegisterUnitReply *reply, zd_client *client,
                                  const char *what) {
   memset(unit, 0, sizeof *unit);
   unit->unit_id = reply->unit_id;
   unit->numel = reply->numel;
+  unit->padded_numel = reply->padded_numel;
   if (dtype_from_proto(reply->working_dtype, &unit->working_dtype) != 0 ||
       dtype_from_proto(reply->grad_dtype, &unit->grad_dtype) != 0)
     return client_protocol_error(client, what, "unknown dtype in the register reply");
@@ -948,8 +1144,9 @@ static zd_status unit_from_reply(client_unit *unit, const char *unit_name,
   unit->shapes = calloc(total_dims ? total_dims : 1, sizeof *unit->shapes);
   unit->gather_tensors = calloc(ntensors, sizeof *unit->gather_tensors);
   unit->grad_tensors = calloc(ntensors, sizeof *unit->grad_tensors);
+  unit->info_tensors = calloc(ntensors, sizeof *unit->info_tensors);
   if (unit->name == NULL || unit->tensor_names == NULL || unit->shapes == NULL ||
-      unit->gather_tensors == NULL || unit->grad_tensors == NULL)
+      unit->gather_tensors == NULL || unit->grad_tensors == NULL || unit->info_tensors == NULL)
     return set_error(ZD_E_NOMEM, "%s: out of memory", what);
   unit->ntensors = (unsigned)ntensors;
   uint64_t *dims = unit->shapes;
@@ -957,7 +1154,8 @@ static zd_status unit_from_reply(client_unit *unit, const char *unit_name,
     const Zerod__V1__TensorPlacement *placement = reply->tensors[t];
     if ((unit->tensor_names[t] = strdup(placement->name)) == NULL)
       return set_error(ZD_E_NOMEM, "%s: out of memory", what);
-    memcpy(dims, placement->shape, placement->n_shape * sizeof *dims);
+    if (placement->n_shape > 0)
+      memcpy(dims, placement->shape, placement->n_shape * sizeof *dims);
     zd_tensor_view view = {.name = unit->tensor_names[t],
                            .data = NULL,
                            .shape = dims,
@@ -966,9 +1164,70 @@ static zd_status unit_from_reply(client_unit *unit, const char *unit_name,
                            .offset = placement->offset};
     unit->gather_tensors[t] = view;
     unit->grad_tensors[t] = view;
+    unit->info_tensors[t] = view;
     dims += placement->n_shape;
   }
   return ZD_OK;
+}
+
+/* The most units a job has (the daemon's limit, docs/protocol.md). */
+#define MAX_UNITS_PER_JOB 65536
+
+/* frame.c checks a RegisterUnitReply's placements when it decodes one, but
+ * not the same message nested in a UnitsReply, so a listed unit gets the
+ * same checks here, and a name: every tensor lies inside the unit, and the
+ * unit's sizes keep every byte count far from wrapping. Returns what is
+ * wrong, or NULL. */
+static const char *check_listed_unit(const Zerod__V1__RegisterUnitReply *unit) {
+  const uint64_t max_numel = (uint64_t)1 << 48;
+  if (unit->name == NULL || unit->name[0] == '\0' ||
+      strnlen(unit->name, ZD_MAX_NAME_BYTES + 1) > ZD_MAX_NAME_BYTES)
+    return "unit name is empty or longer than 256 bytes";
+  if (unit->n_tensors == 0 || unit->n_tensors > ZD_MAX_TENSORS_PER_UNIT)
+    return "unit has no tensors, or more than 4096";
+  if (unit->numel > unit->padded_numel || unit->padded_numel > 2 * max_numel)
+    return "numel above padded_numel, or padded_numel above 2^49";
+  for (size_t t = 0; t < unit->n_tensors; t++) {
+    const Zerod__V1__TensorPlacement *placement = unit->tensors[t];
+    if (placement->name == NULL || placement->name[0] == '\0' ||
+        strnlen(placement->name, ZD_MAX_NAME_BYTES + 1) > ZD_MAX_NAME_BYTES)
+      return "tensor name is empty or longer than 256 bytes";
+    if (placement->n_shape > ZD_MAX_DIMS)
+      return "tensor has more than 8 dimensions";
+    uint64_t numel = 1;
+    for (size_t d = 0; d < placement->n_shape; d++) {
+      if (placement->shape[d] == 0 || placement->shape[d] > max_numel / numel)
+        return "tensor has a zero-sized dimension or more than 2^48 elements";
+      numel *= placement->shape[d];
+    }
+    if (placement->numel != numel)
+      return "tensor placement numel does not match its shape";
+    if (placement->offset > unit->numel || numel > unit->numel - placement->offset)
+      return "tensor placement lies outside the unit";
+  }
+  return NULL;
+}
+
+/* Whether a listed unit is the one this job already knows by its id. */
+static int unit_matches_reply(const client_unit *unit, const Zerod__V1__RegisterUnitReply *reply) {
+  zd_dtype working_dtype, grad_dtype;
+  if (dtype_from_proto(reply->working_dtype, &working_dtype) != 0 ||
+      dtype_from_proto(reply->grad_dtype, &grad_dtype) != 0)
+    return 0;
+  if (strcmp(unit->name, reply->name) != 0 || unit->ntensors != reply->n_tensors ||
+      unit->numel != reply->numel || unit->padded_numel != reply->padded_numel ||
+      unit->working_dtype != working_dtype || unit->grad_dtype != grad_dtype)
+    return 0;
+  for (unsigned t = 0; t < unit->ntensors; t++) {
+    const Zerod__V1__TensorPlacement *placement = reply->tensors[t];
+    const zd_tensor_view *known = &unit->info_tensors[t];
+    if (strcmp(known->name, placement->name) != 0 || known->offset != placement->offset ||
+        known->numel != placement->numel || known->ndim != placement->n_shape ||
+        (placement->n_shape > 0 &&
+         memcmp(known->shape, placement->shape, placement->n_shape * sizeof *known->shape) != 0))
+      return 0;
+  }
+  return 1;
 }
 
 static zd_status check_unit_desc(const zd_unit_desc *desc, uint64_t *numel_out) {
@@ -1027,7 +1286,7 @@ zd_status zd_register_unit(zd_job *job, const zd_unit_desc *caller_desc, zd_unit
     return status;
   char what[ZD_MAX_NAME_BYTES + 32];
   snprintf(what, sizeof what, "register unit %s", desc.name);
-  if ((status = job_check(job, what)) != ZD_OK)
+  if ((status = job_check_writable(job, what)) != ZD_OK)
     return status;
   zd_client *client = job->client;
   zd_init init = desc.init == 0 ? ZD_INIT_FROM_RANK0 : desc.init;
@@ -1035,14 +1294,8 @@ zd_status zd_register_unit(zd_job *job, const zd_unit_desc *caller_desc, zd_unit
   if (sends_values && desc.init_values == NULL)
     return set_error(ZD_E_INVALID_ARGUMENT, "%s: ZD_INIT_FROM_RANK0 on rank 0 needs init_values",
                      what);
-  if (job->unit_count == job->unit_capacity) {
-    size_t capacity = job->unit_capacity ? job->unit_capacity * 2 : 16;
-    client_unit *units = realloc(job->units, capacity * sizeof *units);
-    if (units == NULL)
-      return set_error(ZD_E_NOMEM, "%s: out of memory", what);
-    job->units = units;
-    job->unit_capacity = capacity;
-  }
+  if ((status = job_reserve_units(job, 1, what)) != ZD_OK)
+    return status;
 
   Zerod__V1__TensorSpec *specs = calloc(desc.ntensors, sizeof *specs);
   Zerod__V1__TensorSpec **spec_ptrs = calloc(desc.ntensors, sizeof *spec_ptrs);
@@ -1101,34 +1354,186 @@ zd_status zd_register_unit(zd_job *job, const zd_unit_desc *caller_desc, zd_unit
     protobuf_c_message_free_unpacked(reply_msg, NULL);
     return client_finish(client);
   }
-  client_unit *unit = &job->units[job->unit_count];
-  status = unit_from_reply(unit, desc.name, reply, client, what);
+  client_unit unit;
+  status = unit_from_reply(&unit, desc.name, reply, client, what);
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   if (status != ZD_OK) {
-    unit_free(unit);
+    unit_free(&unit);
     return status;
   }
-  job->unit_count++;
-  *out = unit->unit_id;
+  if (job->stable_addresses)
+    unit_reserve_range(&unit, what);
+  job_insert_unit(job, &unit);
+  *out = unit.unit_id;
   return client_finish(client);
+}
+
+/* ------------------------------------------------------------------------
+ * List, pin, load
+ * ------------------------------------------------------------------------ */
+
+zd_status zd_list_units(zd_job *job, unsigned *count) {
+  char what[ZD_MAX_JOB_NAME_BYTES + 32];
+  snprintf(what, sizeof what, "list units of job %s", job != NULL ? job->name : "(null)");
+  zd_status status = job_check(job, what);
+  if (status != ZD_OK)
+    return status;
+  zd_client *client = job->client;
+  Zerod__V1__UnitsRequest request = ZEROD__V1__UNITS_REQUEST__INIT;
+  ProtobufCMessage *reply_msg;
+  int fds[ZD_FRAME_MAX_FDS];
+  unsigned nfds;
+  status = client_call(client, ZEROD__V1__MSG_TYPE__MSG_UNITS, &request.base, NULL, 0,
+                       ZEROD__V1__MSG_TYPE__MSG_UNITS_REPLY, what, &reply_msg, fds, &nfds);
+  if (status != ZD_OK)
+    return status;
+  const Zerod__V1__UnitsReply *reply = (const Zerod__V1__UnitsReply *)reply_msg;
+  if (reply->n_units > MAX_UNITS_PER_JOB) {
+    size_t listed = reply->n_units;
+    protobuf_c_message_free_unpacked(reply_msg, NULL);
+    return client_protocol_error(client, what,
+                                 "the listing has %zu units, more than the %d a job has", listed,
+                                 MAX_UNITS_PER_JOB);
+  }
+  if ((status = job_reserve_units(job, reply->n_units, what)) != ZD_OK) {
+    protobuf_c_message_free_unpacked(reply_msg, NULL);
+    return status;
+  }
+  /* Units this job knows already (registered, or listed before) keep their
+   * entries, whose tables views may point into; the listing must agree
+   * with them. A failure half way leaves the units added so far, each
+   * complete. */
+  for (size_t u = 0; u < reply->n_units; u++) {
+    const Zerod__V1__RegisterUnitReply *listed = reply->units[u];
+    const char *why = check_listed_unit(listed);
+    client_unit *known = why == NULL ? job_find_unit(job, listed->unit_id) : NULL;
+    if (why == NULL && known != NULL && !unit_matches_reply(known, listed))
+      why = "its layout differs from the unit this job knows by that id";
+    if (why != NULL) {
+      unsigned unit_id = listed->unit_id;
+      protobuf_c_message_free_unpacked(reply_msg, NULL);
+      return client_protocol_error(client, what, "unit %u in the listing: %s", unit_id, why);
+    }
+    if (known != NULL)
+      continue;
+    client_unit unit;
+    status = unit_from_reply(&unit, listed->name, listed, client, what);
+    if (status != ZD_OK) {
+      unit_free(&unit);
+      protobuf_c_message_free_unpacked(reply_msg, NULL);
+      return status;
+    }
+    if (job->stable_addresses)
+      unit_reserve_range(&unit, what);
+    job_insert_unit(job, &unit);
+  }
+  /* A pinned job's version is the pinned one, which only zd_pin moves. */
+  if (!job->pinned)
+    job->version = reply->version;
+  protobuf_c_message_free_unpacked(reply_msg, NULL);
+  if (count != NULL)
+    *count = (unsigned)job->unit_count;
+  return client_finish(client);
+}
+
+zd_status zd_pin(zd_job *job, uint64_t *version) {
+  char what[ZD_MAX_JOB_NAME_BYTES + 32];
+  snprintf(what, sizeof what, "pin job %s", job != NULL ? job->name : "(null)");
+  zd_status status = job_check(job, what);
+  if (status != ZD_OK)
+    return status;
+  if (!job->read_only)
+    return set_error(ZD_E_FAILED_PRECONDITION,
+                     "%s: only read-only jobs pin a version; this one is attached read-write and "
+                     "follows its own steps",
+                     what);
+  Zerod__V1__PinRequest request = ZEROD__V1__PIN_REQUEST__INIT;
+  ProtobufCMessage *reply_msg;
+  int fds[ZD_FRAME_MAX_FDS];
+  unsigned nfds;
+  status = client_call(job->client, ZEROD__V1__MSG_TYPE__MSG_PIN, &request.base, NULL, 0,
+                       ZEROD__V1__MSG_TYPE__MSG_PIN_REPLY, what, &reply_msg, fds, &nfds);
+  if (status != ZD_OK)
+    return status;
+  job->version = ((const Zerod__V1__PinReply *)reply_msg)->version;
+  job->pinned = 1;
+  protobuf_c_message_free_unpacked(reply_msg, NULL);
+  if (version != NULL)
+    *version = job->version;
+  return client_finish(job->client);
+}
+
+zd_status zd_load_unit(zd_job *job, zd_unit unit_id, const float *values, uint64_t *version) {
+  char what[64];
+  snprintf(what, sizeof what, "load unit %u", (unsigned)unit_id);
+  zd_status status = job_check_writable(job, what);
+  if (status != ZD_OK)
+    return status;
+  client_unit *unit = job_find_unit(job, unit_id);
+  if (unit == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
+  /* Like ZD_INIT_FROM_RANK0: rank 0 sends every tensor's values back to
+   * back, without the layout's alignment gaps; the others send nothing. */
+  int sends_values = job->rank == 0;
+  if (sends_values && values == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT,
+                     "%s: rank 0 must pass the unit's values (values is NULL)", what);
+  uint64_t values_numel = 0;
+  for (unsigned t = 0; t < unit->ntensors; t++)
+    values_numel += unit->info_tensors[t].numel;
+  int values_fd = -1;
+  if (sends_values && (status = make_init_memfd(values, values_numel, what, &values_fd)) != ZD_OK)
+    return status;
+  Zerod__V1__LoadUnitRequest request = ZEROD__V1__LOAD_UNIT_REQUEST__INIT;
+  request.unit_id = unit_id;
+  ProtobufCMessage *reply_msg;
+  int fds[ZD_FRAME_MAX_FDS];
+  unsigned nfds;
+  status = client_call(job->client, ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT, &request.base, &values_fd,
+                       values_fd >= 0 ? 1 : 0, ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT_REPLY, what,
+                       &reply_msg, fds, &nfds);
+  /* The daemon has its own reference to the memfd once sendmsg returns. */
+  if (values_fd >= 0)
+    close(values_fd);
+  if (status != ZD_OK)
+    return status;
+  const Zerod__V1__LoadUnitReply *reply = (const Zerod__V1__LoadUnitReply *)reply_msg;
+  uint32_t reply_unit = reply->unit_id;
+  uint64_t reply_version = reply->version;
+  protobuf_c_message_free_unpacked(reply_msg, NULL);
+  if (reply_unit != unit_id)
+    return client_protocol_error(job->client, what, "load reply is for unit %u", reply_unit);
+  job->version = reply_version;
+  if (version != NULL)
+    *version = reply_version;
+  return client_finish(job->client);
 }
 
 /* ------------------------------------------------------------------------
  * Buffers and views
  * ------------------------------------------------------------------------ */
 
-/* Finds or creates the mapping of a buffer. A descriptor comes only the
- * first time this session sees a buffer id; later replies name it. */
-static zd_status map_buffer(zd_client *client, buffer_kind kind, uint32_t buffer_id,
-                            uint64_t buffer_bytes, int *fds, unsigned nfds, const char *what,
-                            void **base_out) {
-  buffer_mapping *found = NULL;
+static buffer_mapping *mapping_find(zd_client *client, buffer_kind kind, uint32_t buffer_id) {
   for (size_t i = 0; i < client->mapping_count; i++) {
-    if (client->mappings[i].kind == kind && client->mappings[i].buffer_id == buffer_id) {
-      found = &client->mappings[i];
-      break;
-    }
+    if (client->mappings[i].kind == kind && client->mappings[i].buffer_id == buffer_id)
+      return &client->mappings[i];
   }
+  return NULL;
+}
+
+/* Finds or creates the entry of a buffer. A descriptor comes only the first
+ * time this session sees a buffer id; later replies name it. With keep_fd
+ * the descriptor is kept for stable-address mapping and nothing is mapped
+ * here; otherwise the buffer is mapped once and the descriptor closed.
+ * *replaced is set when a descriptor replaced the buffer behind a known id,
+ * so that whoever mapped the old one maps again. */
+static zd_status take_buffer(zd_client *client, buffer_kind kind, uint32_t buffer_id,
+                             uint64_t buffer_bytes, int *fds, unsigned nfds, int keep_fd,
+                             const char *what, buffer_mapping **out, int *replaced) {
+  *replaced = 0;
+  buffer_mapping *found = mapping_find(client, kind, buffer_id);
+  if (found != NULL && (keep_fd ? found->fd < 0 : found->base == NULL))
+    found = NULL; /* never happens in one session: stable_addresses is per job */
   if (nfds == 0) {
     if (found == NULL)
       return client_protocol_error(client, what,
@@ -1139,14 +1544,14 @@ static zd_status map_buffer(zd_client *client, buffer_kind kind, uint32_t buffer
       return client_protocol_error(client, what, "buffer %u is %llu bytes, but was mapped with %zu",
                                    (unsigned)buffer_id, (unsigned long long)buffer_bytes,
                                    found->bytes);
-    *base_out = found->base;
+    *out = found;
     return ZD_OK;
   }
 
   int fd = fds[0];
   if (found != NULL && found->bytes == buffer_bytes) {
     close(fd);
-    *base_out = found->base;
+    *out = found;
     return ZD_OK;
   }
   /* Mapping past the end of a memfd would turn every later access into
@@ -1158,37 +1563,137 @@ static zd_status map_buffer(zd_client *client, buffer_kind kind, uint32_t buffer
     return client_protocol_error(client, what, "buffer %u descriptor is smaller than %llu bytes",
                                  (unsigned)buffer_id, (unsigned long long)buffer_bytes);
   }
-  int prot = kind == BUFFER_GRAD ? PROT_READ | PROT_WRITE : PROT_READ;
-  void *base = mmap(NULL, (size_t)buffer_bytes, prot, MAP_SHARED, fd, 0);
-  int err = errno;
-  close(fd);
-  if (base == MAP_FAILED)
-    return set_error(ZD_E_IO, "%s: mmap of buffer %u (%llu bytes): %s", what, (unsigned)buffer_id,
-                     (unsigned long long)buffer_bytes, strerror(err));
+  buffer_mapping mapping = {.kind = kind,
+                            .buffer_id = buffer_id,
+                            .base = NULL,
+                            .bytes = (size_t)buffer_bytes,
+                            .fd = keep_fd ? fd : -1};
+  if (!keep_fd) {
+    int prot = kind == BUFFER_GRAD ? PROT_READ | PROT_WRITE : PROT_READ;
+    void *base = mmap(NULL, (size_t)buffer_bytes, prot, MAP_SHARED, fd, 0);
+    int err = errno;
+    close(fd);
+    if (base == MAP_FAILED)
+      return set_error(ZD_E_IO, "%s: mmap of buffer %u (%llu bytes): %s", what, (unsigned)buffer_id,
+                       (unsigned long long)buffer_bytes, strerror(err));
+    mapping.base = base;
+  }
   if (found != NULL) {
     /* The daemon replaced the buffer behind this id with one of another
      * size; views of the old one are only valid until their release. */
-    munmap(found->base, found->bytes);
-    found->base = base;
-    found->bytes = (size_t)buffer_bytes;
-    *base_out = base;
+    mapping_free(found);
+    *found = mapping;
+    *replaced = 1;
+    *out = found;
     return ZD_OK;
   }
   if (client->mapping_count == client->mapping_capacity) {
     size_t capacity = client->mapping_capacity ? client->mapping_capacity * 2 : 16;
     buffer_mapping *mappings = realloc(client->mappings, capacity * sizeof *mappings);
     if (mappings == NULL) {
-      munmap(base, (size_t)buffer_bytes);
+      mapping_free(&mapping);
       return set_error(ZD_E_NOMEM, "%s: out of memory", what);
     }
     client->mappings = mappings;
     client->mapping_capacity = capacity;
   }
-  buffer_mapping mapping = {
-      .kind = kind, .buffer_id = buffer_id, .base = base, .bytes = (size_t)buffer_bytes};
-  client->mappings[client->mapping_count++] = mapping;
-  *base_out = base;
+  client->mappings[client->mapping_count] = mapping;
+  *out = &client->mappings[client->mapping_count++];
   return ZD_OK;
+}
+
+/* The address of a buffer mapped once and cached by id (every buffer of a
+ * job without stable addresses, and every gradient buffer). */
+static zd_status map_buffer(zd_client *client, buffer_kind kind, uint32_t buffer_id,
+                            uint64_t buffer_bytes, int *fds, unsigned nfds, const char *what,
+                            void **base_out) {
+  buffer_mapping *mapping;
+  int replaced;
+  zd_status status =
+      take_buffer(client, kind, buffer_id, buffer_bytes, fds, nfds, 0, what, &mapping, &replaced);
+  if (status != ZD_OK)
+    return status;
+  *base_out = mapping->base;
+  return ZD_OK;
+}
+
+/* Maps a stable-address job's gathered buffer over the unit's own range
+ * and returns the range's address, the same for every gather of the unit.
+ * A unit gathered again into the buffer it still maps keeps the mapping. */
+static zd_status map_stable(zd_client *client, client_unit *unit, uint32_t buffer_id,
+                            uint64_t buffer_bytes, int *fds, unsigned nfds, const char *what,
+                            void **base_out, size_t *bytes_out) {
+  buffer_mapping *mapping;
+  int replaced;
+  zd_status status = take_buffer(client, BUFFER_GATHERED, buffer_id, buffer_bytes, fds, nfds, 1,
+                                 what, &mapping, &replaced);
+  if (status != ZD_OK)
+    return status;
+  /* The whole range is mapped, so the buffer must hold the whole layout:
+   * a range page wholly past the end of the memfd would raise SIGBUS. */
+  uint64_t layout_bytes = unit_gathered_bytes(unit);
+  if (buffer_bytes < layout_bytes)
+    return client_protocol_error(
+        client, what, "buffer %u is %llu bytes, less than the unit's %llu-byte layout",
+        (unsigned)buffer_id, (unsigned long long)buffer_bytes, (unsigned long long)layout_bytes);
+  if ((status = unit_reserve_range(unit, what)) != ZD_OK)
+    return status;
+  if (unit->held_gather_buffer != buffer_id || replaced) {
+    void *base = mmap(unit->stable_base, unit->stable_bytes, PROT_READ,
+                      MAP_SHARED | MAP_FIXED | MAP_POPULATE, mapping->fd, 0);
+    if (base == MAP_FAILED) {
+      int err = errno;
+      unit->held_gather_buffer = 0;
+      unit_cover_range(unit, what);
+      return set_error(ZD_E_IO, "%s: mmap of buffer %u at the unit's stable address %p: %s", what,
+                       (unsigned)buffer_id, unit->stable_base, strerror(err));
+    }
+  }
+  *base_out = unit->stable_base;
+  *bytes_out = buffer_bytes < unit->stable_bytes ? (size_t)buffer_bytes : unit->stable_bytes;
+  return ZD_OK;
+}
+
+/* The daemon freed these buffers: each is unmapped, its kept descriptor
+ * closed (so that this process no longer keeps the memory alive), and its
+ * id forgotten. The daemon drops only buffers this session does not hold,
+ * and numbers both kinds from one counter, so every entry with the id goes,
+ * except one that a view handed out still points into and may still use by
+ * contract (a gathered view until its release, a gradient view until its
+ * reduce): unmapping that would crash the worker for a daemon bug, so the
+ * entry stays, until zd_close. */
+static void forget_dropped_buffers(zd_client *client, const uint32_t *buffer_ids, size_t count) {
+  if (count == 0)
+    return;
+  /* One pass over the units marks the held entries, so that the cost is
+   * linear in units plus dropped ids times entries, however long the list
+   * (the daemon drops many buffers at once when it trims its pool). */
+  for (size_t i = 0; i < client->mapping_count; i++)
+    client->mappings[i].held = 0;
+  for (const zd_job *job = client->jobs; job != NULL; job = job->next) {
+    for (size_t u = 0; u < job->unit_count; u++) {
+      const client_unit *unit = &job->units[u];
+      buffer_mapping *mapping;
+      if (unit->held_gather_buffer != 0 &&
+          (mapping = mapping_find(client, BUFFER_GATHERED, unit->held_gather_buffer)) != NULL)
+        mapping->held = 1;
+      if (unit->held_grad_buffer != 0 &&
+          (mapping = mapping_find(client, BUFFER_GRAD, unit->held_grad_buffer)) != NULL)
+        mapping->held = 1;
+    }
+  }
+  for (size_t d = 0; d < count; d++) {
+    size_t i = 0;
+    while (i < client->mapping_count) {
+      buffer_mapping *mapping = &client->mappings[i];
+      if (mapping->buffer_id != buffer_ids[d] || mapping->held) {
+        i++;
+        continue;
+      }
+      mapping_free(mapping);
+      client->mappings[i] = client->mappings[--client->mapping_count];
+    }
+  }
 }
 
 /* Points the unit's tensor table into a buffer and fills the view. Every
@@ -1230,7 +1735,7 @@ zd_status zd_gather_async(zd_job *job, zd_unit unit_id, zd_pending *out) {
   if (out == NULL)
     return set_error(ZD_E_INVALID_ARGUMENT, "%s: out is NULL", what);
   if (job_find_unit(job, unit_id) == NULL)
-    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit registered on this job", what);
+    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
   Zerod__V1__GatherRequest request = ZEROD__V1__GATHER_REQUEST__INIT;
   request.unit_id = unit_id;
   uint64_t request_id;
@@ -1270,16 +1775,23 @@ zd_status zd_gather_wait(zd_job *job, const zd_pending *pending, zd_view *out) {
   uint64_t buffer_bytes = reply->buffer_bytes;
   uint64_t version = reply->version;
   uint32_t reply_unit = reply->unit_id;
+  /* The protocol has drops handled before the rest of the reply. */
+  forget_dropped_buffers(client, reply->dropped_buffer_ids, reply->n_dropped_buffer_ids);
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   if (reply_unit != pending->unit) {
     close_fds(fds, nfds);
     return client_protocol_error(client, what, "gather reply is for unit %u", reply_unit);
   }
-  void *base;
-  status = map_buffer(client, BUFFER_GATHERED, buffer_id, buffer_bytes, fds, nfds, what, &base);
+  void *base = NULL;
+  size_t view_bytes = (size_t)buffer_bytes;
+  if (job->stable_addresses)
+    status = map_stable(client, unit, buffer_id, buffer_bytes, fds, nfds, what, &base, &view_bytes);
+  else
+    status = map_buffer(client, BUFFER_GATHERED, buffer_id, buffer_bytes, fds, nfds, what, &base);
   if (status != ZD_OK)
     return status;
-  status = fill_view(client, unit, unit->gather_tensors, base, buffer_bytes, unit->working_dtype,
+  unit->held_gather_buffer = buffer_id;
+  status = fill_view(client, unit, unit->gather_tensors, base, view_bytes, unit->working_dtype,
                      version, what, out);
   if (status != ZD_OK)
     return status;
@@ -1305,9 +1817,16 @@ zd_status zd_release(zd_job *job, zd_unit unit_id) {
   zd_status status = job_check(job, what);
   if (status != ZD_OK)
     return status;
-  if (job_find_unit(job, unit_id) == NULL)
-    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit registered on this job", what);
+  client_unit *unit = job_find_unit(job, unit_id);
+  if (unit == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
   zd_client *client = job->client;
+  /* The worker is done with the view: a stable range stops mapping the
+   * daemon's buffer before the daemon may reuse or free it. */
+  zd_status cover_status = ZD_OK;
+  if (job->stable_addresses && unit->held_gather_buffer != 0)
+    cover_status = unit_cover_range(unit, what);
+  unit->held_gather_buffer = 0;
   Zerod__V1__ReleaseRequest request = ZEROD__V1__RELEASE_REQUEST__INIT;
   request.unit_id = unit_id;
   uint64_t request_id;
@@ -1318,20 +1837,22 @@ zd_status zd_release(zd_job *job, zd_unit unit_id) {
   client->no_reply[client->no_reply_next].request_id = request_id;
   client->no_reply[client->no_reply_next].unit = unit_id;
   client->no_reply_next = (client->no_reply_next + 1) % NO_REPLY_RING;
-  return ZD_OK;
+  /* The release went out all the same; the error says what happened to the
+   * range (set by unit_cover_range). */
+  return cover_status;
 }
 
 zd_status zd_grad_buffer(zd_job *job, zd_unit unit_id, zd_view *out) {
   char what[64];
   snprintf(what, sizeof what, "grad buffer unit %u", (unsigned)unit_id);
-  zd_status status = job_check(job, what);
+  zd_status status = job_check_writable(job, what);
   if (status != ZD_OK)
     return status;
   if (out == NULL)
     return set_error(ZD_E_INVALID_ARGUMENT, "%s: out is NULL", what);
   client_unit *unit = job_find_unit(job, unit_id);
   if (unit == NULL)
-    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit registered on this job", what);
+    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
   zd_client *client = job->client;
   Zerod__V1__GradBufferRequest request = ZEROD__V1__GRAD_BUFFER_REQUEST__INIT;
   request.unit_id = unit_id;
@@ -1346,6 +1867,7 @@ zd_status zd_grad_buffer(zd_job *job, zd_unit unit_id, zd_view *out) {
   uint32_t buffer_id = reply->buffer_id;
   uint64_t buffer_bytes = reply->buffer_bytes;
   uint32_t reply_unit = reply->unit_id;
+  forget_dropped_buffers(client, reply->dropped_buffer_ids, reply->n_dropped_buffer_ids);
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   if (reply_unit != unit_id) {
     close_fds(fds, nfds);
@@ -1355,6 +1877,7 @@ zd_status zd_grad_buffer(zd_job *job, zd_unit unit_id, zd_view *out) {
   status = map_buffer(client, BUFFER_GRAD, buffer_id, buffer_bytes, fds, nfds, what, &base);
   if (status != ZD_OK)
     return status;
+  unit->held_grad_buffer = buffer_id;
   status = fill_view(client, unit, unit->grad_tensors, base, buffer_bytes, unit->grad_dtype,
                      job->version, what, out);
   if (status != ZD_OK)
@@ -1365,11 +1888,12 @@ zd_status zd_grad_buffer(zd_job *job, zd_unit unit_id, zd_view *out) {
 zd_status zd_reduce(zd_job *job, zd_unit unit_id) {
   char what[64];
   snprintf(what, sizeof what, "reduce unit %u", (unsigned)unit_id);
-  zd_status status = job_check(job, what);
+  zd_status status = job_check_writable(job, what);
   if (status != ZD_OK)
     return status;
-  if (job_find_unit(job, unit_id) == NULL)
-    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit registered on this job", what);
+  client_unit *unit = job_find_unit(job, unit_id);
+  if (unit == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
   Zerod__V1__ReduceRequest request = ZEROD__V1__REDUCE_REQUEST__INIT;
   request.unit_id = unit_id;
   ProtobufCMessage *reply_msg;
@@ -1380,6 +1904,8 @@ zd_status zd_reduce(zd_job *job, zd_unit unit_id) {
   if (status != ZD_OK)
     return status;
   protobuf_c_message_free_unpacked(reply_msg, NULL);
+  /* The gradient buffer is consumed: the next backward asks for one again. */
+  unit->held_grad_buffer = 0;
   return client_finish(job->client);
 }
 
@@ -1389,7 +1915,7 @@ zd_status zd_reduce(zd_job *job, zd_unit unit_id) {
 
 zd_status zd_step(zd_job *job, const zd_step_options *caller_options, zd_step_result *out) {
   const char *what = "step";
-  zd_status status = job_check(job, what);
+  zd_status status = job_check_writable(job, what);
   if (status != ZD_OK)
     return status;
   zd_step_options options;

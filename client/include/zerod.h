@@ -8,6 +8,11 @@
  * (zd_reduce), and finally asks for an optimizer step (zd_step), which is a
  * collective over all ranks of the job.
  *
+ * Evaluation, inference and weight-sync processes attach read-only instead
+ * (zd_attach_options.read_only): they list the units the trainers
+ * registered (zd_list_units), gather and release them, and may pin one
+ * version for a consistent pass over the model (zd_pin).
+ *
  * Conventions (as in libuv and NCCL):
  * - every call returns a zd_status: ZD_OK (0) or a negative code;
  *   zd_strerror() names the code and zd_last_error() returns the detailed
@@ -17,9 +22,13 @@
  *   not synchronised); use one client per worker thread if needed;
  * - every call is safe against a daemon that has gone away: it fails with
  *   ZD_E_UNAVAILABLE instead of crashing or raising SIGPIPE;
- * - memory returned in views (zd_view) belongs to the library and stays
- *   valid until zd_close, but its contents only until the matching
- *   zd_release (gathered) or zd_reduce (gradient).
+ * - memory returned in views (zd_view) belongs to the library; a view may
+ *   be used only until the matching zd_release (gathered) or zd_reduce
+ *   (gradient). After that the daemon may reuse the buffer for other values
+ *   or free it, and the library then unmaps it, so touching an old view can
+ *   fault. The tensor tables a view points to (names, shapes) stay valid
+ *   until zd_close. With zd_attach_options.stable_addresses a unit's
+ *   gathered view keeps its address across gathers instead (see there).
  */
 #ifndef ZEROD_H
 #define ZEROD_H
@@ -96,9 +105,33 @@ typedef struct zd_attach_options {
   const char *job; /* job name */
   unsigned local_rank;
   const char *token; /* owner token; NULL or "" for none */
+  /* Read-only (eval, inference, weight sync): no rank is taken, the job
+   * must exist, units are listed with zd_list_units instead of registered,
+   * and registration, gradient buffers, reduce, step and load are refused
+   * with ZD_E_PERMISSION_DENIED by the library itself, without asking the
+   * daemon. Gathers and releases take part in no collective. Views are
+   * mapped read-only (gathered views are, for every job). */
   int read_only;
   int create; /* create the job with `config` if it does not exist */
   const zd_job_config *config;
+  /* Read-only only (ignored for read-write jobs): serve every gather from
+   * one version, pinned at attach and moved to the latest by zd_pin, so a
+   * pass over all units sees one consistent model while training goes on;
+   * zd_job_version returns the pinned version. 0: each gather reads the
+   * latest version (zd_view.version says which). */
+  int pin;
+  /* Each unit's gathered view always lies at the same address for this job
+   * handle: the library reserves an address range per unit, maps the
+   * daemon's buffer there at zd_gather / zd_gather_wait, and makes the range
+   * inaccessible (PROT_NONE) when the unit is released. Frameworks can then
+   * keep tensors, and views derived from them, over a unit's memory across
+   * release and re-gather (as FSDP does by resizing storage). Costs one
+   * mmap per gather and one per release. Gathering a unit the library still
+   * maps (no release in between) keeps the mapping. The range is the unit's
+   * padded_numel elements of its dtype, rounded up to whole pages; touching
+   * it while the unit is released faults (SIGSEGV). The ranges are unmapped
+   * by zd_close. Gradient views are not affected. */
+  int stable_addresses;
 } zd_attach_options;
 
 #define ZD_ATTACH_OPTIONS_INIT ZD_SIZED_INIT(zd_attach_options)
@@ -164,6 +197,19 @@ typedef struct zd_step_result {
 
 typedef uint32_t zd_unit; /* unit id, from zd_register_unit */
 
+/* A unit's layout, as the daemon placed it. Tensor views in `tensors` have
+ * data == NULL; their offsets are elements from the start of a gathered
+ * buffer. Valid until zd_close. */
+typedef struct zd_unit_info {
+  zd_unit unit;
+  const char *name;
+  unsigned ntensors;
+  const zd_tensor_view *tensors;
+  uint64_t numel;        /* flat length, alignment gaps included */
+  uint64_t padded_numel; /* gathered buffers hold this many elements */
+  zd_dtype dtype;        /* of gathered and gradient buffers */
+} zd_unit_info;
+
 /* A pending asynchronous gather. */
 typedef struct zd_pending {
   uint64_t request_id;
@@ -177,7 +223,8 @@ ZD_API const char *zd_default_socket(void);
 ZD_API zd_status zd_connect(const char *socket_path, zd_client **out);
 
 /* Detaches every job still attached (errors ignored), closes the
- * connection, unmaps every buffer and frees the client and its jobs. After
+ * connection, unmaps every buffer and stable-address range, closes the
+ * buffer descriptors it kept, and frees the client and its jobs. After
  * this no view, job or pending handle of the client may be used. Accepts
  * NULL. */
 ZD_API void zd_close(zd_client *client);
@@ -188,17 +235,48 @@ ZD_API void zd_close(zd_client *client);
  * defaults); it is only used when the job is created. */
 ZD_API zd_status zd_attach(zd_client *client, const zd_attach_options *options, zd_job **out);
 
-/* Global rank and world size of an attached job. */
+/* Global rank and world size of an attached job (a read-only job takes no
+ * rank: its rank is whatever the daemon reports). zd_job_version is the
+ * version last seen (attach, step, listing, load), or the pinned one for a
+ * pinned read-only job. Each accepts NULL (and returns 0). */
 ZD_API unsigned zd_job_rank(const zd_job *job);
 ZD_API unsigned zd_job_world_size(const zd_job *job);
 ZD_API uint64_t zd_job_version(const zd_job *job);
+ZD_API int zd_job_read_only(const zd_job *job);
+
+/* Fetches the job's unit table from the daemon, so that a read-only job can
+ * gather units it did not register (a read-write job knows its own). Units
+ * already known keep their entries (a listing that contradicts one is a
+ * protocol error). Sets *count to the number of units known (may be NULL). */
+ZD_API zd_status zd_list_units(zd_job *job, unsigned *count);
+/* Units known to this job handle (registered or listed), by index in id
+ * order. zd_job_unit_info fails with ZD_E_INVALID_ARGUMENT for an index at
+ * or past zd_job_unit_count; what it returns belongs to the library and
+ * stays valid until zd_close. Both work on a detached job too. */
+ZD_API unsigned zd_job_unit_count(const zd_job *job);
+ZD_API zd_status zd_job_unit_info(const zd_job *job, unsigned index, zd_unit_info *out);
+
+/* Read-only jobs (ZD_E_FAILED_PRECONDITION otherwise): pins the latest
+ * version for every later gather and sets *version (may be NULL); a job
+ * attached without `pin` is pinned from then on. Units gathered before keep
+ * their old values until gathered again. */
+ZD_API zd_status zd_pin(zd_job *job, uint64_t *version);
+
+/* Sets a registered unit's values from rank 0's fp32 values (the tensors'
+ * values back to back in order, as ZD_INIT_FROM_RANK0 takes them; ignored
+ * and may be NULL on other ranks, NULL on rank 0 is ZD_E_INVALID_ARGUMENT).
+ * A collective over the job's ranks: the master weights and the working
+ * copy change, the optimizer state does not, and the job's version goes up
+ * by one (*version, may be NULL). */
+ZD_API zd_status zd_load_unit(zd_job *job, zd_unit unit, const float *values, uint64_t *version);
 
 /* Registers a unit (a collective: every rank registers the same units in
  * the same order). A layout that differs between ranks fails with
  * ZD_E_INVALID_ARGUMENT naming the unit and the first differing tensor. */
 ZD_API zd_status zd_register_unit(zd_job *job, const zd_unit_desc *desc, zd_unit *out);
 
-/* Gathers a unit's full parameters (working precision). Collective.
+/* Gathers a unit's full parameters (working precision). Collective on a
+ * read-write job; a read-only job gathers on its own.
  * zd_gather_async only sends the request, so that the gather overlaps the
  * caller's compute; each pending gather is waited for exactly once, and
  * replies are matched by request id whatever order they come in. */

@@ -7,7 +7,14 @@
  * buffers into views, and that a lost daemon never crashes the worker.
  *
  * cmocka is not thread-safe, so the fake daemon never asserts: it records
- * what it saw in its struct, and the test thread checks after the fact. */
+ * what it saw in its struct, and the test thread checks after the fact.
+ * The test thread changes the fake's behaviour only between calls, while
+ * the fake waits for the next request.
+ *
+ * Mappings are checked in /proc/self (maps and fd): every memfd the fake
+ * makes has its own name, and the fake keeps one mapping and one
+ * descriptor of each, so whatever else shows up belongs to libzerod. */
+#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -41,6 +48,7 @@
 #define BUFFER_BYTES      (UNIT_PADDED_NUMEL * sizeof(float))
 
 typedef struct fake_daemon {
+  unsigned serial; /* in the memfds' names, apart from earlier fakes' */
   char dir[64];
   char path[96];
   int listen_fd;
@@ -57,6 +65,17 @@ typedef struct fake_daemon {
   int step_notice;           /* answer a step with a shutdown notice */
   int step_garbage;          /* answer a step with a payload that does not decode */
   Zerod__V1__Status gather_error;
+  /* The attached rank and world size (0: rank 0 of 1). */
+  unsigned attach_rank;
+  unsigned attach_world_size;
+  int attach_read_only_lie;     /* answer read_only the other way round */
+  uint64_t latest_version;      /* the job's version (attach, units, pin); 0: 3 */
+  uint64_t pinned_version;      /* AttachReply.pinned_version */
+  int alternate_gather_buffers; /* switch each unit's buffer at every gather */
+  int list_bad_placement;       /* list tensor "b" outside its unit */
+  int list_other_layout;        /* list tensor "b" at another offset */
+  uint32_t drop_ids[4];         /* dropped_buffer_ids of the next buffer reply */
+  unsigned ndrop_ids;
 
   /* Shared memory the fake hands out, one gathered and one gradient
    * buffer per unit; the fake keeps its own mappings to check writes. */
@@ -66,6 +85,15 @@ typedef struct fake_daemon {
   int grad_fd[MAX_UNITS];
   float *grad[MAX_UNITS];
   int grad_sent[MAX_UNITS];
+  /* With alternate_gather_buffers: a second gathered buffer per unit, id
+   * ALT_BUFFER_ID + unit, values 5000 * (unit + 1) + i. */
+  int alt_fd[MAX_UNITS];
+  float *alt[MAX_UNITS];
+  int alt_sent[MAX_UNITS];
+  int gather_uses_alt[MAX_UNITS];
+
+  /* The job's units, by id: registered, or set by the test before start. */
+  char unit_names[MAX_UNITS][32];
 
   /* What the fake saw, checked by the test afterwards. */
   unsigned units_registered;
@@ -78,7 +106,16 @@ typedef struct fake_daemon {
   uint32_t held_gather_unit;
   uint64_t step_version;
   int garbage_written;
+  unsigned frames_by_type[64];
+  int attach_mode;
+  int attach_pin;
+  int load_fd_count;
+  int load_values_match;
+  uint32_t load_unit;
 } fake_daemon;
+
+#define BUFFER_ID     10 /* + unit, for gathered and gradient buffers alike */
+#define ALT_BUFFER_ID 20 /* + unit */
 
 static volatile sig_atomic_t sigpipe_count;
 
@@ -88,9 +125,12 @@ static void on_sigpipe(int signo) {
 }
 
 /* A shared buffer of UNIT_PADDED_NUMEL floats: first_value + i, or zeros
- * when first_value is 0 (gradient buffers). */
-static int make_memfd(float **map_out, float first_value) {
-  int fd = memfd_create("fake-zerod", MFD_CLOEXEC);
+ * when first_value is 0 (gradient buffers). The name shows in /proc. */
+static int make_memfd(unsigned serial, const char *kind, int unit, float **map_out,
+                      float first_value) {
+  char name[64];
+  snprintf(name, sizeof name, "fake-zerod-%u-%s-%d", serial, kind, unit);
+  int fd = memfd_create(name, MFD_CLOEXEC);
   if (fd < 0 || ftruncate(fd, BUFFER_BYTES) != 0)
     return -1;
   float *map = mmap(NULL, BUFFER_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -115,10 +155,24 @@ static void fake_error(fake_daemon *fake, uint64_t request_id, Zerod__V1__Status
   fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_ERROR, request_id, &error.base, NULL, 0);
 }
 
+/* Moves the pending drops into a reply. Like the daemon, the fake numbers
+ * a dropped id afresh for the worker: its descriptor is sent again. */
+static void fake_take_drops(fake_daemon *fake, uint32_t **ids, size_t *count) {
+  *ids = fake->drop_ids;
+  *count = fake->ndrop_ids;
+  for (unsigned d = 0; d < fake->ndrop_ids; d++) {
+    uint32_t id = fake->drop_ids[d];
+    if (id >= BUFFER_ID && id < BUFFER_ID + MAX_UNITS)
+      fake->gathered_sent[id - BUFFER_ID] = fake->grad_sent[id - BUFFER_ID] = 0;
+    if (id >= ALT_BUFFER_ID && id < ALT_BUFFER_ID + MAX_UNITS)
+      fake->alt_sent[id - ALT_BUFFER_ID] = 0;
+  }
+}
+
 static void fake_gather_reply(fake_daemon *fake, uint64_t request_id, uint32_t unit) {
   Zerod__V1__GatherReply reply = ZEROD__V1__GATHER_REPLY__INIT;
   reply.unit_id = unit;
-  reply.buffer_id = 10 + unit;
+  reply.buffer_id = BUFFER_ID + unit;
   reply.buffer_bytes = BUFFER_BYTES;
   reply.version = 7;
   if (fake->gather_unknown_buffer) {
@@ -126,49 +180,116 @@ static void fake_gather_reply(fake_daemon *fake, uint64_t request_id, uint32_t u
     fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, request_id, &reply.base, NULL, 0);
     return;
   }
-  int first_time = !fake->gathered_sent[unit];
-  fake->gathered_sent[unit] = 1;
-  fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, request_id, &reply.base,
-            &fake->gathered_fd[unit], first_time ? 1 : 0);
+  if (fake->alternate_gather_buffers)
+    fake->gather_uses_alt[unit] = !fake->gather_uses_alt[unit];
+  int *sent = &fake->gathered_sent[unit];
+  int *fd = &fake->gathered_fd[unit];
+  if (fake->gather_uses_alt[unit]) {
+    reply.buffer_id = ALT_BUFFER_ID + unit;
+    sent = &fake->alt_sent[unit];
+    fd = &fake->alt_fd[unit];
+  }
+  fake_take_drops(fake, &reply.dropped_buffer_ids, &reply.n_dropped_buffer_ids);
+  int first_time = !*sent;
+  *sent = 1;
+  fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, request_id, &reply.base, fd,
+            first_time ? 1 : 0);
+  fake->ndrop_ids = 0;
+}
+
+/* The worker's tests pass values 0.5, 1.5, 2.5, ... (registration) or
+ * 100, 101, ... (load) for all 18 elements (15 + 3), back to back without
+ * the alignment gap. */
+static int fake_values_match(int fd, float first_value) {
+  float values[18];
+  if (pread(fd, values, sizeof values, 0) != sizeof values)
+    return 0;
+  for (int i = 0; i < 18; i++) {
+    if (values[i] != first_value + (float)i)
+      return 0;
+  }
+  return 1;
+}
+
+static uint64_t fake_w_shape[2] = {3, 5};
+static uint64_t fake_b_shape[1] = {3};
+
+/* A RegisterUnitReply in the fake's one layout; the storage is the
+ * caller's. */
+typedef struct fake_unit_reply {
+  Zerod__V1__RegisterUnitReply reply;
+  Zerod__V1__TensorPlacement w, b;
+  Zerod__V1__TensorPlacement *placements[2];
+} fake_unit_reply;
+
+static void fake_unit_reply_init(fake_unit_reply *unit, uint32_t unit_id, char *name, char *w_name,
+                                 char *b_name) {
+  Zerod__V1__TensorPlacement w = ZEROD__V1__TENSOR_PLACEMENT__INIT;
+  Zerod__V1__TensorPlacement b = ZEROD__V1__TENSOR_PLACEMENT__INIT;
+  Zerod__V1__RegisterUnitReply reply = ZEROD__V1__REGISTER_UNIT_REPLY__INIT;
+  w.name = w_name;
+  w.n_shape = 2;
+  w.shape = fake_w_shape;
+  w.offset = 0;
+  w.numel = 15;
+  b.name = b_name;
+  b.n_shape = 1;
+  b.shape = fake_b_shape;
+  b.offset = BIAS_OFFSET;
+  b.numel = 3;
+  unit->w = w;
+  unit->b = b;
+  unit->placements[0] = &unit->w;
+  unit->placements[1] = &unit->b;
+  reply.unit_id = unit_id;
+  reply.name = name;
+  reply.numel = UNIT_NUMEL;
+  reply.padded_numel = UNIT_PADDED_NUMEL;
+  reply.shard_numel = UNIT_PADDED_NUMEL;
+  reply.n_tensors = 2;
+  reply.tensors = unit->placements;
+  reply.working_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
+  reply.grad_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
+  unit->reply = reply;
 }
 
 static void fake_register(fake_daemon *fake, uint64_t request_id,
                           const Zerod__V1__RegisterUnitRequest *request, const int *fds,
                           unsigned nfds) {
   fake->init_fd_count += (int)nfds;
-  if (nfds == 1) {
-    /* The worker's test passes values 0.5, 1.5, 2.5, ... for all 18
-     * elements (15 + 3), back to back without the alignment gap. */
-    float values[18];
-    fake->init_values_match = pread(fds[0], values, sizeof values, 0) == sizeof values;
-    for (int i = 0; i < 18 && fake->init_values_match; i++)
-      fake->init_values_match = values[i] == 0.5f + (float)i;
+  if (nfds == 1)
+    fake->init_values_match = fake_values_match(fds[0], 0.5f);
+  uint32_t unit_id = fake->units_registered++ % MAX_UNITS;
+  snprintf(fake->unit_names[unit_id], sizeof fake->unit_names[unit_id], "%s", request->name);
+  fake_unit_reply unit;
+  fake_unit_reply_init(&unit, unit_id, fake->unit_names[unit_id],
+                       request->n_tensors > 0 ? request->tensors[0]->name : "w",
+                       request->n_tensors > 1 ? request->tensors[1]->name : "b");
+  fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT_REPLY, request_id, &unit.reply.base, NULL,
+            0);
+}
+
+static uint64_t fake_latest_version(const fake_daemon *fake) {
+  return fake->latest_version != 0 ? fake->latest_version : 3;
+}
+
+static void fake_units(fake_daemon *fake, uint64_t request_id) {
+  fake_unit_reply units[MAX_UNITS];
+  Zerod__V1__RegisterUnitReply *replies[MAX_UNITS];
+  unsigned count = fake->units_registered < MAX_UNITS ? fake->units_registered : MAX_UNITS;
+  for (unsigned u = 0; u < count; u++) {
+    fake_unit_reply_init(&units[u], u, fake->unit_names[u], "w", "b");
+    if (fake->list_bad_placement)
+      units[u].b.offset = UNIT_NUMEL - 1; /* 3 elements from there pass the end */
+    if (fake->list_other_layout)
+      units[u].b.offset = BIAS_OFFSET - 1;
+    replies[u] = &units[u].reply;
   }
-  uint64_t w_shape[2] = {3, 5};
-  uint64_t b_shape[1] = {3};
-  Zerod__V1__TensorPlacement w = ZEROD__V1__TENSOR_PLACEMENT__INIT;
-  Zerod__V1__TensorPlacement b = ZEROD__V1__TENSOR_PLACEMENT__INIT;
-  w.name = request->n_tensors > 0 ? request->tensors[0]->name : "w";
-  w.n_shape = 2;
-  w.shape = w_shape;
-  w.offset = 0;
-  w.numel = 15;
-  b.name = request->n_tensors > 1 ? request->tensors[1]->name : "b";
-  b.n_shape = 1;
-  b.shape = b_shape;
-  b.offset = BIAS_OFFSET;
-  b.numel = 3;
-  Zerod__V1__TensorPlacement *placements[2] = {&w, &b};
-  Zerod__V1__RegisterUnitReply reply = ZEROD__V1__REGISTER_UNIT_REPLY__INIT;
-  reply.unit_id = fake->units_registered++;
-  reply.numel = UNIT_NUMEL;
-  reply.padded_numel = UNIT_PADDED_NUMEL;
-  reply.shard_numel = UNIT_PADDED_NUMEL;
-  reply.n_tensors = 2;
-  reply.tensors = placements;
-  reply.working_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
-  reply.grad_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
-  fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT_REPLY, request_id, &reply.base, NULL, 0);
+  Zerod__V1__UnitsReply reply = ZEROD__V1__UNITS_REPLY__INIT;
+  reply.n_units = count;
+  reply.units = replies;
+  reply.version = fake_latest_version(fake);
+  fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_UNITS_REPLY, request_id, &reply.base, NULL, 0);
 }
 
 /* Writes a frame whose header is valid but whose payload is not a
@@ -190,18 +311,46 @@ static void fake_send_garbage(fake_daemon *fake, uint16_t type, uint64_t request
 static int fake_handle(fake_daemon *fake, const zd_frame_header *header, ProtobufCMessage *msg,
                        int *fds, unsigned nfds) {
   uint64_t id = header->request_id;
+  if (header->type < sizeof fake->frames_by_type / sizeof fake->frames_by_type[0])
+    fake->frames_by_type[header->type]++;
   switch (header->type) {
   case ZEROD__V1__MSG_TYPE__MSG_ATTACH: {
+    const Zerod__V1__AttachRequest *request = (const Zerod__V1__AttachRequest *)msg;
+    fake->attach_mode = request->mode;
+    fake->attach_pin = request->pin;
     if (fake->attach_error != ZEROD__V1__STATUS__STATUS_OK) {
       fake_error(fake, id, fake->attach_error, "job nope does not exist");
       return 0;
     }
     Zerod__V1__AttachReply reply = ZEROD__V1__ATTACH_REPLY__INIT;
-    reply.rank = 0;
-    reply.world_size = 1;
-    reply.version = 3;
+    reply.rank = fake->attach_rank;
+    reply.world_size = fake->attach_world_size != 0 ? fake->attach_world_size : 1;
+    reply.version = fake_latest_version(fake);
+    reply.read_only = (request->mode == ZEROD__V1__ATTACH_MODE__ATTACH_READ_ONLY) !=
+                      (fake->attach_read_only_lie != 0);
+    reply.pinned_version = request->pin ? fake->pinned_version : 0;
     fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, id, &reply.base, NULL, 0);
     return fake->close_after_attach;
+  }
+  case ZEROD__V1__MSG_TYPE__MSG_UNITS:
+    fake_units(fake, id);
+    return 0;
+  case ZEROD__V1__MSG_TYPE__MSG_PIN: {
+    Zerod__V1__PinReply reply = ZEROD__V1__PIN_REPLY__INIT;
+    reply.version = fake_latest_version(fake);
+    fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_PIN_REPLY, id, &reply.base, NULL, 0);
+    return 0;
+  }
+  case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT: {
+    fake->load_unit = ((const Zerod__V1__LoadUnitRequest *)msg)->unit_id;
+    fake->load_fd_count += (int)nfds;
+    if (nfds == 1)
+      fake->load_values_match = fake_values_match(fds[0], 100.0f);
+    Zerod__V1__LoadUnitReply reply = ZEROD__V1__LOAD_UNIT_REPLY__INIT;
+    reply.unit_id = fake->load_unit;
+    reply.version = ++fake->latest_version;
+    fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT_REPLY, id, &reply.base, NULL, 0);
+    return 0;
   }
   case ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT:
     fake_register(fake, id, (const Zerod__V1__RegisterUnitRequest *)msg, fds, nfds);
@@ -237,12 +386,14 @@ static int fake_handle(fake_daemon *fake, const zd_frame_header *header, Protobu
     uint32_t unit = ((const Zerod__V1__GradBufferRequest *)msg)->unit_id % MAX_UNITS;
     Zerod__V1__GradBufferReply reply = ZEROD__V1__GRAD_BUFFER_REPLY__INIT;
     reply.unit_id = unit;
-    reply.buffer_id = 10 + unit; /* the same numbers as gathered buffers, on purpose */
+    reply.buffer_id = BUFFER_ID + unit; /* the same numbers as gathered buffers, on purpose */
     reply.buffer_bytes = BUFFER_BYTES;
+    fake_take_drops(fake, &reply.dropped_buffer_ids, &reply.n_dropped_buffer_ids);
     int first_time = !fake->grad_sent[unit];
     fake->grad_sent[unit] = 1;
     fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER_REPLY, id, &reply.base,
               &fake->grad_fd[unit], first_time ? 1 : 0);
+    fake->ndrop_ids = 0;
     return 0;
   }
   case ZEROD__V1__MSG_TYPE__MSG_REDUCE: {
@@ -322,15 +473,19 @@ static void *fake_main(void *arg) {
 }
 
 static fake_daemon *fake_create(void) {
+  static unsigned fakes_created;
   fake_daemon *fake = calloc(1, sizeof *fake);
   assert_non_null(fake);
+  fake->serial = ++fakes_created;
   snprintf(fake->dir, sizeof fake->dir, "/tmp/zerod-test-client-XXXXXX");
   assert_non_null(mkdtemp(fake->dir));
   snprintf(fake->path, sizeof fake->path, "%s/zerod.sock", fake->dir);
   for (int u = 0; u < MAX_UNITS; u++) {
-    fake->gathered_fd[u] = make_memfd(&fake->gathered[u], 1000.0f * (float)(u + 1));
-    fake->grad_fd[u] = make_memfd(&fake->grad[u], 0.0f);
-    assert_true(fake->gathered_fd[u] >= 0 && fake->grad_fd[u] >= 0);
+    fake->gathered_fd[u] =
+        make_memfd(fake->serial, "gather", u, &fake->gathered[u], 1000.0f * (float)(u + 1));
+    fake->alt_fd[u] = make_memfd(fake->serial, "alt", u, &fake->alt[u], 5000.0f * (float)(u + 1));
+    fake->grad_fd[u] = make_memfd(fake->serial, "grad", u, &fake->grad[u], 0.0f);
+    assert_true(fake->gathered_fd[u] >= 0 && fake->alt_fd[u] >= 0 && fake->grad_fd[u] >= 0);
   }
   fake->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   assert_true(fake->listen_fd >= 0);
@@ -358,8 +513,10 @@ static void fake_destroy(fake_daemon *fake) {
   close(fake->listen_fd);
   for (int u = 0; u < MAX_UNITS; u++) {
     munmap(fake->gathered[u], BUFFER_BYTES);
+    munmap(fake->alt[u], BUFFER_BYTES);
     munmap(fake->grad[u], BUFFER_BYTES);
     close(fake->gathered_fd[u]);
+    close(fake->alt_fd[u]);
     close(fake->grad_fd[u]);
   }
   unlink(fake->path);
@@ -419,6 +576,100 @@ static zd_client *connect_to(fake_daemon *fake) {
 static void assert_message_contains(const char *needle) {
   if (strstr(zd_last_error(), needle) == NULL)
     fail_msg("expected zd_last_error() to contain \"%s\", got \"%s\"", needle, zd_last_error());
+}
+
+/* Attaches to job "test" with the given flags (the job exists). */
+static zd_job *attach_with(zd_client *client, int read_only, int pin, int stable_addresses) {
+  zd_attach_options options = ZD_ATTACH_OPTIONS_INIT;
+  options.job = "test";
+  options.read_only = read_only;
+  options.pin = pin;
+  options.stable_addresses = stable_addresses;
+  zd_job *job = NULL;
+  zd_status status = zd_attach(client, &options, &job);
+  if (status != ZD_OK)
+    fail_msg("attach: %s: %s", zd_strerror(status), zd_last_error());
+  return job;
+}
+
+/* The /proc name of the fake's memfd `name` (for example "gather-0"). */
+static const char *memfd_name(const fake_daemon *fake, const char *name) {
+  static char text[64];
+  snprintf(text, sizeof text, "memfd:fake-zerod-%u-%s ", fake->serial, name);
+  return text;
+}
+
+/* The permissions ("r--s", "---p", ...) of the mapping holding addr, from
+ * /proc/self/maps, if it maps the fake's memfd `name` (NULL: whatever is
+ * mapped there); "other" if it maps something else, "" if nothing is
+ * mapped at addr. */
+static const char *perms_at(const void *addr, const fake_daemon *fake, const char *name) {
+  static char perms[8];
+  const char *file = name != NULL ? memfd_name(fake, name) : NULL;
+  perms[0] = '\0';
+  FILE *maps = fopen("/proc/self/maps", "r");
+  assert_non_null(maps);
+  char line[512];
+  while (fgets(line, sizeof line, maps) != NULL) {
+    unsigned long start, end;
+    char line_perms[8];
+    if (sscanf(line, "%lx-%lx %7s", &start, &end, line_perms) != 3)
+      continue;
+    if ((uintptr_t)addr >= start && (uintptr_t)addr < end) {
+      if (file == NULL || strstr(line, file) != NULL)
+        snprintf(perms, sizeof perms, "%s", line_perms);
+      else
+        snprintf(perms, sizeof perms, "other");
+      break;
+    }
+  }
+  fclose(maps);
+  return perms;
+}
+
+/* How many mappings of this process map the fake's memfd `name`: the
+ * fake's own, plus libzerod's. */
+static int mappings_of(const fake_daemon *fake, const char *name) {
+  const char *needle = memfd_name(fake, name);
+  FILE *maps = fopen("/proc/self/maps", "r");
+  assert_non_null(maps);
+  char line[512];
+  int count = 0;
+  while (fgets(line, sizeof line, maps) != NULL)
+    count += strstr(line, needle) != NULL;
+  fclose(maps);
+  return count;
+}
+
+/* How many open descriptors of this process name the fake's memfd `name`:
+ * the fake's own, plus those libzerod keeps. */
+static int descriptors_of(const fake_daemon *fake, const char *name) {
+  const char *needle = memfd_name(fake, name);
+  DIR *dir = opendir("/proc/self/fd");
+  assert_non_null(dir);
+  int count = 0;
+  struct dirent *entry;
+  while ((entry = readdir(dir)) != NULL) {
+    char path[300], target[256];
+    snprintf(path, sizeof path, "/proc/self/fd/%s", entry->d_name);
+    ssize_t n = readlink(path, target, sizeof target - 1);
+    if (n <= 0)
+      continue;
+    target[n] = '\0';
+    count += strstr(target, needle) != NULL;
+  }
+  closedir(dir);
+  return count;
+}
+
+static void gather_ok(zd_job *job, zd_unit unit, zd_view *view) {
+  zd_status status = zd_gather(job, unit, view);
+  if (status != ZD_OK)
+    fail_msg("gather unit %u: %s: %s", (unsigned)unit, zd_strerror(status), zd_last_error());
+}
+
+static float first_weight(const zd_view *view) {
+  return ((const float *)view->tensors[0].data)[0];
 }
 
 /* ------------------------------------------------------------------------
@@ -710,6 +961,547 @@ static void test_gather_of_unseen_buffer_without_fd_is_a_protocol_error(void **s
   fake_destroy(fake);
 }
 
+static void test_read_only_attach_sends_mode_and_pin(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->latest_version = 9;
+  fake->pinned_version = 5;
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_with(client, 1, 1, 0);
+  assert_int_equal(zd_job_read_only(job), 1);
+  /* A pinned job reports the version it reads, not the latest. */
+  assert_int_equal(zd_job_version(job), 5);
+  zd_close(client);
+  fake_join(fake);
+  assert_int_equal(fake->attach_mode, ZEROD__V1__ATTACH_MODE__ATTACH_READ_ONLY);
+  assert_true(fake->attach_pin);
+  fake_destroy(fake);
+
+  fake = fake_create();
+  fake->latest_version = 9;
+  fake_start(fake);
+  client = connect_to(fake);
+  job = attach_with(client, 1, 0, 0);
+  assert_int_equal(zd_job_read_only(job), 1);
+  assert_int_equal(zd_job_version(job), 9);
+  zd_close(client);
+  fake_join(fake);
+  assert_false(fake->attach_pin);
+  fake_destroy(fake);
+
+  fake = fake_create();
+  fake_start(fake);
+  client = connect_to(fake);
+  job = attach_job(client);
+  assert_int_equal(zd_job_read_only(job), 0);
+  assert_int_equal(zd_job_read_only(NULL), 0);
+  zd_close(client);
+  fake_join(fake);
+  assert_int_equal(fake->attach_mode, ZEROD__V1__ATTACH_MODE__ATTACH_READ_WRITE);
+  fake_destroy(fake);
+}
+
+static void test_attach_reply_with_the_other_mode_is_a_protocol_error(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->attach_read_only_lie = 1;
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_attach_options options = ZD_ATTACH_OPTIONS_INIT;
+  options.job = "test";
+  options.read_only = 1;
+  zd_job *job = NULL;
+  assert_int_equal(zd_attach(client, &options, &job), ZD_E_PROTOCOL);
+  assert_null(job);
+  assert_message_contains("asked for a read-only attachment, the reply says read-write");
+  zd_close(client);
+  fake_destroy(fake);
+}
+
+static void test_read_only_job_refuses_writes_without_asking(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->units_registered = 1;
+  snprintf(fake->unit_names[0], sizeof fake->unit_names[0], "embed");
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_with(client, 1, 0, 0);
+  assert_int_equal(zd_list_units(job, NULL), ZD_OK);
+
+  zd_unit_desc desc = ZD_UNIT_DESC_INIT;
+  desc.name = "layer9";
+  desc.tensors = unit_tensors;
+  desc.ntensors = 2;
+  desc.init = ZD_INIT_ZEROS;
+  zd_unit unit;
+  assert_int_equal(zd_register_unit(job, &desc, &unit), ZD_E_PERMISSION_DENIED);
+  assert_message_contains("register unit layer9: job test is attached read-only");
+  zd_view view;
+  assert_int_equal(zd_grad_buffer(job, 0, &view), ZD_E_PERMISSION_DENIED);
+  assert_message_contains("grad buffer unit 0: job test is attached read-only");
+  assert_int_equal(zd_reduce(job, 0), ZD_E_PERMISSION_DENIED);
+  assert_message_contains("reduce unit 0");
+  assert_int_equal(zd_step(job, NULL, NULL), ZD_E_PERMISSION_DENIED);
+  assert_message_contains("step: job test is attached read-only");
+  float values[18] = {0};
+  assert_int_equal(zd_load_unit(job, 0, values, NULL), ZD_E_PERMISSION_DENIED);
+  assert_message_contains("load unit 0");
+
+  /* Reading still works, through a read-only mapping. */
+  gather_ok(job, 0, &view);
+  assert_true(first_weight(&view) == 1000.0f);
+  assert_string_equal(perms_at(view.base, fake, "gather-0"), "r--s");
+  assert_int_equal(zd_release(job, 0), ZD_OK);
+  zd_close(client);
+  fake_join(fake);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT], 0);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER], 0);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_REDUCE], 0);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_STEP], 0);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT], 0);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_GATHER], 1);
+  fake_destroy(fake);
+}
+
+static void test_list_units_builds_the_unit_table(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->units_registered = 2;
+  fake->latest_version = 11;
+  snprintf(fake->unit_names[0], sizeof fake->unit_names[0], "embed");
+  snprintf(fake->unit_names[1], sizeof fake->unit_names[1], "block0");
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_with(client, 1, 0, 0);
+  assert_int_equal(zd_job_unit_count(job), 0);
+  zd_view view;
+  assert_int_equal(zd_gather(job, 1, &view), ZD_E_INVALID_ARGUMENT);
+  assert_message_contains("no such unit known to this job");
+
+  unsigned count = 0;
+  assert_int_equal(zd_list_units(job, &count), ZD_OK);
+  assert_int_equal(count, 2);
+  assert_int_equal(zd_job_unit_count(job), 2);
+  assert_int_equal(zd_job_version(job), 11);
+  zd_unit_info info;
+  assert_int_equal(zd_job_unit_info(job, 0, &info), ZD_OK);
+  assert_int_equal(info.unit, 0);
+  assert_string_equal(info.name, "embed");
+  assert_int_equal(zd_job_unit_info(job, 1, &info), ZD_OK);
+  assert_int_equal(info.unit, 1);
+  assert_string_equal(info.name, "block0");
+  assert_int_equal(info.ntensors, 2);
+  assert_int_equal(info.numel, UNIT_NUMEL);
+  assert_int_equal(info.padded_numel, UNIT_PADDED_NUMEL);
+  assert_int_equal(info.dtype, ZD_F32);
+  assert_string_equal(info.tensors[0].name, "w");
+  assert_int_equal(info.tensors[0].ndim, 2);
+  assert_int_equal(info.tensors[0].shape[1], 5);
+  assert_int_equal(info.tensors[0].offset, 0);
+  assert_string_equal(info.tensors[1].name, "b");
+  assert_int_equal(info.tensors[1].offset, BIAS_OFFSET);
+  assert_int_equal(info.tensors[1].numel, 3);
+  assert_null(info.tensors[0].data);
+  assert_null(info.tensors[1].data);
+  assert_int_equal(zd_job_unit_info(job, 2, &info), ZD_E_INVALID_ARGUMENT);
+  assert_message_contains("index 2 is past the 2 units");
+  assert_int_equal(zd_job_unit_info(job, 0, NULL), ZD_E_INVALID_ARGUMENT);
+  assert_int_equal(zd_job_unit_info(NULL, 0, &info), ZD_E_INVALID_ARGUMENT);
+  assert_int_equal(zd_job_unit_count(NULL), 0);
+
+  /* A listed unit gathers like a registered one, and the layout's data
+   * pointers stay NULL while the view's point into the buffer. */
+  gather_ok(job, 1, &view);
+  assert_true(first_weight(&view) == 2000.0f);
+  assert_true(((const float *)view.tensors[1].data)[0] == 2000.0f + BIAS_OFFSET);
+  assert_int_equal(zd_job_unit_info(job, 1, &info), ZD_OK);
+  assert_null(info.tensors[1].data);
+  assert_int_equal(zd_release(job, 1), ZD_OK);
+
+  /* Listing again keeps the entries (views point into their tables). */
+  const zd_tensor_view *tensors_before = view.tensors;
+  assert_int_equal(zd_list_units(job, &count), ZD_OK);
+  assert_int_equal(count, 2);
+  gather_ok(job, 1, &view);
+  assert_ptr_equal(view.tensors, tensors_before);
+  zd_close(client);
+  fake_destroy(fake);
+}
+
+static void test_registered_units_are_in_the_unit_table(void **state) {
+  fake_daemon *fake = fake_create();
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_job(client);
+  register_unit(job, "layer0");
+  register_unit(job, "layer1");
+  assert_int_equal(zd_job_unit_count(job), 2);
+  zd_unit_info info;
+  assert_int_equal(zd_job_unit_info(job, 1, &info), ZD_OK);
+  assert_int_equal(info.unit, 1);
+  assert_string_equal(info.name, "layer1");
+  assert_int_equal(info.tensors[1].offset, BIAS_OFFSET);
+  assert_int_equal(info.padded_numel, UNIT_PADDED_NUMEL);
+  /* A read-write job may list too: the listing agrees, nothing is added. */
+  unsigned count = 0;
+  assert_int_equal(zd_list_units(job, &count), ZD_OK);
+  assert_int_equal(count, 2);
+  assert_int_equal(zd_job_unit_info(job, 0, &info), ZD_OK);
+  assert_string_equal(info.name, "layer0");
+  zd_close(client);
+  fake_destroy(fake);
+}
+
+static void test_listing_is_checked_like_a_registration(void **state) {
+  /* frame.c checks placements of a RegisterUnitReply, not of the units
+   * nested in a UnitsReply: the client must. */
+  fake_daemon *fake = fake_create();
+  fake->units_registered = 1;
+  fake->list_bad_placement = 1;
+  snprintf(fake->unit_names[0], sizeof fake->unit_names[0], "embed");
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_with(client, 1, 0, 0);
+  assert_int_equal(zd_list_units(job, NULL), ZD_E_PROTOCOL);
+  assert_message_contains("unit 0 in the listing: tensor placement lies outside the unit");
+  assert_int_equal(zd_job_unit_count(job), 0);
+  zd_close(client);
+  fake_destroy(fake);
+
+  /* A listing that contradicts a unit the job registered. */
+  fake = fake_create();
+  fake_start(fake);
+  client = connect_to(fake);
+  job = attach_job(client);
+  register_unit(job, "layer0");
+  fake->list_other_layout = 1;
+  assert_int_equal(zd_list_units(job, NULL), ZD_E_PROTOCOL);
+  assert_message_contains("its layout differs from the unit this job knows");
+  zd_close(client);
+  fake_destroy(fake);
+}
+
+static void test_pin_moves_a_read_only_job_to_the_latest_version(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->latest_version = 8;
+  fake->pinned_version = 5;
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_with(client, 1, 1, 0);
+  assert_int_equal(zd_job_version(job), 5);
+  uint64_t version = 0;
+  assert_int_equal(zd_pin(job, &version), ZD_OK);
+  assert_int_equal(version, 8);
+  assert_int_equal(zd_job_version(job), 8);
+  /* The listing reports the latest version; a pinned job keeps its own. */
+  fake->latest_version = 12;
+  assert_int_equal(zd_list_units(job, NULL), ZD_OK);
+  assert_int_equal(zd_job_version(job), 8);
+  assert_int_equal(zd_pin(job, NULL), ZD_OK);
+  assert_int_equal(zd_job_version(job), 12);
+  assert_int_equal(zd_pin(NULL, NULL), ZD_E_INVALID_ARGUMENT);
+  zd_close(client);
+  fake_join(fake);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_PIN], 2);
+  fake_destroy(fake);
+
+  /* An unpinned read-only job is pinned from its first zd_pin on. */
+  fake = fake_create();
+  fake->latest_version = 4;
+  fake_start(fake);
+  client = connect_to(fake);
+  job = attach_with(client, 1, 0, 0);
+  assert_int_equal(zd_pin(job, &version), ZD_OK);
+  assert_int_equal(version, 4);
+  fake->latest_version = 6;
+  assert_int_equal(zd_list_units(job, NULL), ZD_OK);
+  assert_int_equal(zd_job_version(job), 4);
+  zd_close(client);
+  fake_destroy(fake);
+
+  /* A read-write job follows its own steps: refused locally. */
+  fake = fake_create();
+  fake_start(fake);
+  client = connect_to(fake);
+  job = attach_job(client);
+  assert_int_equal(zd_pin(job, &version), ZD_E_FAILED_PRECONDITION);
+  assert_message_contains("pin job test: only read-only jobs pin a version");
+  zd_close(client);
+  fake_join(fake);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_PIN], 0);
+  fake_destroy(fake);
+}
+
+static void test_load_unit_sends_rank0_values_in_a_memfd(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->latest_version = 3;
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_job(client);
+  register_unit(job, "layer0");
+  zd_unit unit = register_unit(job, "layer1");
+  /* Rank 0 must give the values. */
+  assert_int_equal(zd_load_unit(job, unit, NULL, NULL), ZD_E_INVALID_ARGUMENT);
+  assert_message_contains("load unit 1: rank 0 must pass the unit's values");
+  assert_int_equal(zd_load_unit(job, 42, NULL, NULL), ZD_E_INVALID_ARGUMENT);
+  assert_int_equal(zd_load_unit(NULL, unit, NULL, NULL), ZD_E_INVALID_ARGUMENT);
+  float values[18];
+  for (int i = 0; i < 18; i++)
+    values[i] = 100.0f + (float)i;
+  uint64_t version = 0;
+  assert_int_equal(zd_load_unit(job, unit, values, &version), ZD_OK);
+  assert_int_equal(version, 4);
+  assert_int_equal(zd_job_version(job), 4);
+  zd_close(client);
+  fake_join(fake);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT], 1);
+  assert_int_equal(fake->load_fd_count, 1);
+  assert_true(fake->load_values_match);
+  assert_int_equal(fake->load_unit, 1);
+  fake_destroy(fake);
+}
+
+static void test_load_unit_on_other_ranks_sends_no_values(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->latest_version = 3;
+  fake->attach_rank = 1;
+  fake->attach_world_size = 2;
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_job(client);
+  assert_int_equal(zd_job_rank(job), 1);
+  zd_unit unit = register_unit(job, "layer0");
+  uint64_t version = 0;
+  assert_int_equal(zd_load_unit(job, unit, NULL, &version), ZD_OK);
+  assert_int_equal(version, 4);
+  /* Values given on another rank are ignored, not sent. */
+  float values[18] = {0};
+  assert_int_equal(zd_load_unit(job, unit, values, NULL), ZD_OK);
+  zd_close(client);
+  fake_join(fake);
+  assert_int_equal(fake->init_fd_count, 0);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT], 2);
+  assert_int_equal(fake->load_fd_count, 0);
+  fake_destroy(fake);
+}
+
+static void test_dropped_buffers_are_unmapped(void **state) {
+  fake_daemon *fake = fake_create();
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_job(client);
+  zd_unit first = register_unit(job, "layer0");
+  zd_unit second = register_unit(job, "layer1");
+  zd_view view;
+  gather_ok(job, first, &view);
+  assert_int_equal(zd_release(job, first), ZD_OK);
+  zd_view grad;
+  assert_int_equal(zd_grad_buffer(job, second, &grad), ZD_OK);
+  assert_int_equal(zd_reduce(job, second), ZD_OK);
+  assert_int_equal(mappings_of(fake, "gather-0"), 2);
+  assert_int_equal(mappings_of(fake, "grad-1"), 2);
+
+  /* A gather reply drops the released gathered buffer, a gradient reply
+   * the reduced gradient buffer. */
+  fake->drop_ids[0] = BUFFER_ID + first;
+  fake->ndrop_ids = 1;
+  gather_ok(job, second, &view);
+  assert_int_equal(mappings_of(fake, "gather-0"), 1);
+  assert_int_equal(zd_release(job, second), ZD_OK);
+  fake->drop_ids[0] = BUFFER_ID + second;
+  fake->ndrop_ids = 1;
+  assert_int_equal(zd_grad_buffer(job, first, &grad), ZD_OK);
+  assert_int_equal(mappings_of(fake, "grad-1"), 1);
+  assert_int_equal(mappings_of(fake, "gather-1"), 1);
+  assert_int_equal(zd_reduce(job, first), ZD_OK);
+
+  /* The id was forgotten: the daemon sends the buffer again, and it is
+   * mapped afresh. */
+  gather_ok(job, first, &view);
+  assert_true(first_weight(&view) == 1000.0f);
+  assert_int_equal(mappings_of(fake, "gather-0"), 2);
+  zd_close(client);
+  assert_int_equal(mappings_of(fake, "gather-0"), 1);
+  fake_destroy(fake);
+}
+
+static void test_dropped_buffer_a_view_still_uses_is_kept(void **state) {
+  /* A daemon must not drop a buffer the session holds; if one does, the
+   * worker's views keep working rather than crash. */
+  fake_daemon *fake = fake_create();
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_job(client);
+  zd_unit first = register_unit(job, "layer0");
+  zd_unit second = register_unit(job, "layer1");
+  zd_view gathered;
+  gather_ok(job, first, &gathered);
+  zd_view grad;
+  fake->drop_ids[0] = BUFFER_ID + first;
+  fake->ndrop_ids = 1;
+  assert_int_equal(zd_grad_buffer(job, second, &grad), ZD_OK);
+  assert_int_equal(mappings_of(fake, "gather-0"), 2);
+  assert_true(first_weight(&gathered) == 1000.0f);
+  fake->drop_ids[0] = BUFFER_ID + second;
+  fake->ndrop_ids = 1;
+  zd_view other;
+  gather_ok(job, second, &other);
+  assert_int_equal(mappings_of(fake, "grad-1"), 2);
+  ((float *)grad.tensors[1].data)[0] = 4.0f;
+  assert_int_equal(zd_reduce(job, second), ZD_OK);
+  assert_true(fake->reduce_grad_sum == 4.0f);
+  zd_close(client);
+  fake_destroy(fake);
+}
+
+static void test_stable_addresses_keep_a_unit_at_one_address(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->alternate_gather_buffers = 1;
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_with(client, 0, 0, 1);
+  zd_unit unit = register_unit(job, "layer0");
+  register_unit(job, "layer1");
+
+  zd_view first;
+  gather_ok(job, unit, &first); /* buffer ALT_BUFFER_ID */
+  assert_true(first_weight(&first) == 5000.0f);
+  assert_string_equal(perms_at(first.base, fake, "alt-0"), "r--s");
+  assert_ptr_equal(first.tensors[1].data, (float *)first.base + BIAS_OFFSET);
+  assert_int_equal(first.bytes, BUFFER_BYTES);
+  void *base = first.base;
+  assert_int_equal(zd_release(job, unit), ZD_OK);
+  /* Released: the range is inaccessible and maps no daemon memory, but the
+   * descriptor is kept to map the buffer again. */
+  assert_string_equal(perms_at(base, fake, NULL), "---p");
+  assert_int_equal(mappings_of(fake, "alt-0"), 1);
+  assert_int_equal(descriptors_of(fake, "alt-0"), 2);
+
+  zd_view second;
+  gather_ok(job, unit, &second); /* buffer BUFFER_ID: another id, same address */
+  assert_ptr_equal(second.base, base);
+  assert_ptr_equal(second.tensors[0].data, base);
+  assert_true(first_weight(&second) == 1000.0f);
+  assert_true(((const float *)second.tensors[1].data)[2] == 1000.0f + BIAS_OFFSET + 2);
+  assert_string_equal(perms_at(base, fake, "gather-0"), "r--s");
+  /* Shared memory: the daemon's writes show through. */
+  fake->gathered[0][1] = -2.0f;
+  assert_true(((const float *)second.tensors[0].data)[1] == -2.0f);
+
+  /* Gathering again without a release (this fake allows it) into the same
+   * buffer keeps the mapping. */
+  fake->alternate_gather_buffers = 0;
+  zd_view again;
+  gather_ok(job, unit, &again);
+  assert_ptr_equal(again.base, base);
+  assert_true(first_weight(&again) == 1000.0f);
+  assert_string_equal(perms_at(base, fake, "gather-0"), "r--s");
+  assert_int_equal(zd_release(job, unit), ZD_OK);
+  assert_string_equal(perms_at(base, fake, NULL), "---p");
+
+  /* Another unit has a range of its own. */
+  zd_view other;
+  gather_ok(job, 1, &other);
+  assert_ptr_not_equal(other.base, base);
+  assert_true(first_weight(&other) == 2000.0f);
+  assert_int_equal(zd_release(job, 1), ZD_OK);
+
+  /* Gradient views are unaffected (mapped once, read-write). */
+  zd_view grad;
+  assert_int_equal(zd_grad_buffer(job, unit, &grad), ZD_OK);
+  assert_string_equal(perms_at(grad.base, fake, "grad-0"), "rw-s");
+  assert_int_equal(zd_reduce(job, unit), ZD_OK);
+
+  /* Re-gathering restores access. */
+  fake->alternate_gather_buffers = 1;
+  gather_ok(job, unit, &again);
+  assert_ptr_equal(again.base, base);
+  assert_true(first_weight(&again) == 5000.0f);
+  assert_string_equal(perms_at(base, fake, "alt-0"), "r--s");
+
+  /* zd_close unmaps the ranges and closes the kept descriptors. */
+  zd_close(client);
+  assert_int_equal(mappings_of(fake, "alt-0"), 1);
+  assert_int_equal(descriptors_of(fake, "alt-0"), 1);
+  assert_int_equal(descriptors_of(fake, "gather-0"), 1);
+  assert_int_equal(descriptors_of(fake, "gather-1"), 1);
+  fake_destroy(fake);
+}
+
+static void test_stable_addresses_close_dropped_descriptors(void **state) {
+  fake_daemon *fake = fake_create();
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_with(client, 0, 0, 1);
+  zd_unit first = register_unit(job, "layer0");
+  zd_unit second = register_unit(job, "layer1");
+  zd_view view;
+  gather_ok(job, first, &view);
+  void *base = view.base;
+  assert_int_equal(zd_release(job, first), ZD_OK);
+  assert_int_equal(descriptors_of(fake, "gather-0"), 2);
+  fake->drop_ids[0] = BUFFER_ID + first;
+  fake->ndrop_ids = 1;
+  gather_ok(job, second, &view);
+  assert_int_equal(descriptors_of(fake, "gather-0"), 1);
+  assert_int_equal(zd_release(job, second), ZD_OK);
+  /* The daemon sends the buffer again; the unit's address is the same. */
+  gather_ok(job, first, &view);
+  assert_ptr_equal(view.base, base);
+  assert_true(first_weight(&view) == 1000.0f);
+  assert_int_equal(descriptors_of(fake, "gather-0"), 2);
+  zd_close(client);
+  assert_int_equal(descriptors_of(fake, "gather-0"), 1);
+  fake_destroy(fake);
+}
+
+static void test_stable_addresses_on_a_read_only_job(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->alternate_gather_buffers = 1;
+  fake->units_registered = 1;
+  snprintf(fake->unit_names[0], sizeof fake->unit_names[0], "embed");
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_with(client, 1, 1, 1);
+  assert_int_equal(zd_list_units(job, NULL), ZD_OK);
+  zd_view first, second;
+  gather_ok(job, 0, &first);
+  assert_int_equal(zd_release(job, 0), ZD_OK);
+  assert_string_equal(perms_at(first.base, fake, NULL), "---p");
+  gather_ok(job, 0, &second);
+  assert_ptr_equal(second.base, first.base);
+  assert_true(first_weight(&second) == 1000.0f);
+  assert_string_equal(perms_at(second.base, fake, "gather-0"), "r--s");
+  zd_close(client);
+  fake_destroy(fake);
+}
+
+static void test_without_stable_addresses_each_buffer_keeps_its_mapping(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->alternate_gather_buffers = 1;
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_job(client);
+  zd_unit unit = register_unit(job, "layer0");
+  zd_view first, second, third;
+  gather_ok(job, unit, &first);
+  assert_int_equal(zd_release(job, unit), ZD_OK);
+  gather_ok(job, unit, &second);
+  assert_int_equal(zd_release(job, unit), ZD_OK);
+  /* Two buffers, two cached mappings; released ones stay mapped, and the
+   * descriptors are closed once mapped. */
+  assert_ptr_not_equal(first.base, second.base);
+  assert_string_equal(perms_at(first.base, fake, "alt-0"), "r--s");
+  assert_string_equal(perms_at(second.base, fake, "gather-0"), "r--s");
+  assert_int_equal(descriptors_of(fake, "alt-0"), 1);
+  assert_int_equal(descriptors_of(fake, "gather-0"), 1);
+  gather_ok(job, unit, &third);
+  assert_ptr_equal(third.base, first.base);
+  assert_true(first_weight(&third) == 5000.0f);
+  assert_int_equal(mappings_of(fake, "alt-0"), 2);
+  zd_close(client);
+  assert_int_equal(mappings_of(fake, "alt-0"), 1);
+  assert_int_equal(mappings_of(fake, "gather-0"), 1);
+  fake_destroy(fake);
+}
+
 static void test_invalid_arguments_are_refused(void **state) {
   assert_int_equal(zd_connect(NULL, NULL), ZD_E_INVALID_ARGUMENT);
   char long_path[200];
@@ -845,6 +1637,21 @@ int main(void) {
       cmocka_unit_test(test_shutdown_notice_makes_calls_unavailable),
       cmocka_unit_test(test_undecodable_reply_is_a_protocol_error),
       cmocka_unit_test(test_gather_of_unseen_buffer_without_fd_is_a_protocol_error),
+      cmocka_unit_test(test_read_only_attach_sends_mode_and_pin),
+      cmocka_unit_test(test_attach_reply_with_the_other_mode_is_a_protocol_error),
+      cmocka_unit_test(test_read_only_job_refuses_writes_without_asking),
+      cmocka_unit_test(test_list_units_builds_the_unit_table),
+      cmocka_unit_test(test_registered_units_are_in_the_unit_table),
+      cmocka_unit_test(test_listing_is_checked_like_a_registration),
+      cmocka_unit_test(test_pin_moves_a_read_only_job_to_the_latest_version),
+      cmocka_unit_test(test_load_unit_sends_rank0_values_in_a_memfd),
+      cmocka_unit_test(test_load_unit_on_other_ranks_sends_no_values),
+      cmocka_unit_test(test_dropped_buffers_are_unmapped),
+      cmocka_unit_test(test_dropped_buffer_a_view_still_uses_is_kept),
+      cmocka_unit_test(test_stable_addresses_keep_a_unit_at_one_address),
+      cmocka_unit_test(test_stable_addresses_close_dropped_descriptors),
+      cmocka_unit_test(test_stable_addresses_on_a_read_only_job),
+      cmocka_unit_test(test_without_stable_addresses_each_buffer_keeps_its_mapping),
       cmocka_unit_test(test_invalid_arguments_are_refused),
       cmocka_unit_test(test_every_status_has_a_name),
       cmocka_unit_test(test_last_error_is_per_thread),
