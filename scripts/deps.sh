@@ -4,9 +4,12 @@
 #   scripts/deps.sh build   compilers, CMake, Ninja, pkg-config, and the libraries
 #                           the daemon links: libuv, protobuf-c, Gloo
 #   scripts/deps.sh test    build + cmocka, and Debian's CPU-only PyTorch,
-#                           numpy and pytest for the torch parity tests
-#   scripts/deps.sh demo    same as build
-#   scripts/deps.sh bench   same as build
+#                           numpy and pytest for the torch parity tests, and
+#                           venv, pip and setuptools for the package's
+#                           install test
+#   scripts/deps.sh demo    build + Debian's PyTorch and numpy (the example
+#                           trains a torch model through zerod)
+#   scripts/deps.sh bench   same as demo (the DDP comparison)
 #   scripts/deps.sh fuzz    build + clang and its libFuzzer runtime
 #
 # Idempotent: it asks dpkg what is installed, runs `apt-get update` only when
@@ -22,8 +25,10 @@ task=${1:-build}
 packages=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
   libgloo-dev)
 case "$task" in
-build | demo | bench) ;;
-test) packages+=(libcmocka-dev python3 python3-torch python3-numpy python3-pytest) ;;
+build) ;;
+demo | bench) packages+=(python3 python3-torch python3-numpy) ;;
+test) packages+=(libcmocka-dev python3 python3-torch python3-numpy python3-pytest python3-venv python3-pip
+  python3-setuptools python3-wheel) ;;
 fuzz) packages+=(libcmocka-dev clang libclang-rt-dev) ;;
 *)
   echo "deps.sh: unknown task '$task' (build, test, demo, bench, fuzz)" >&2

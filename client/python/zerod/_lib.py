@@ -1,0 +1,229 @@
+"""ctypes declarations of libzerod (client/include/zerod.h).
+
+Every struct here mirrors the C header field for field; the options structs
+carry their own size (``struct_size``) so that the library can tell which
+fields a caller knows about. The library is found, in order, at
+``$ZEROD_LIBRARY``, next to this package (``zerod/lib/libzerod.so``), in a
+build tree of the repository this package sits in (``build/*/lib``), and
+then wherever the dynamic loader finds ``libzerod.so``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from pathlib import Path
+from typing import List, Optional
+
+c_size_t = ctypes.c_size_t
+c_uint64 = ctypes.c_uint64
+c_uint32 = ctypes.c_uint32
+c_int = ctypes.c_int
+c_uint = ctypes.c_uint
+c_double = ctypes.c_double
+c_char_p = ctypes.c_char_p
+c_void_p = ctypes.c_void_p
+
+# zd_dtype
+F32, BF16, F16 = 1, 2, 3
+# zd_optimizer
+ADAMW, ADAM, SGD = 1, 2, 3
+# zd_init
+INIT_FROM_RANK0, INIT_SEEDED_NORMAL, INIT_ZEROS = 1, 2, 3
+
+
+class JobConfig(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("optimizer", c_int),
+        ("lr", c_double),
+        ("beta1", c_double),
+        ("beta2", c_double),
+        ("eps", c_double),
+        ("weight_decay", c_double),
+        ("has_weight_decay", c_int),
+        ("momentum", c_double),
+        ("dampening", c_double),
+        ("nesterov", c_int),
+        ("working_dtype", c_int),
+        ("max_live_bytes", c_uint64),
+        ("max_grad_norm", c_double),
+    ]
+
+
+class AttachOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("job", c_char_p),
+        ("local_rank", c_uint),
+        ("token", c_char_p),
+        ("read_only", c_int),
+        ("create", c_int),
+        ("config", ctypes.POINTER(JobConfig)),
+        ("pin", c_int),
+        ("stable_addresses", c_int),
+    ]
+
+
+class TensorDesc(ctypes.Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("shape", ctypes.POINTER(c_uint64)),
+        ("ndim", c_uint),
+        ("frozen", c_int),
+    ]
+
+
+class UnitDesc(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("name", c_char_p),
+        ("tensors", ctypes.POINTER(TensorDesc)),
+        ("ntensors", c_uint),
+        ("init", c_int),
+        ("seed", c_uint64),
+        ("init_std", c_double),
+        ("init_values", ctypes.POINTER(ctypes.c_float)),
+    ]
+
+
+class TensorView(ctypes.Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("data", c_void_p),
+        ("shape", ctypes.POINTER(c_uint64)),
+        ("ndim", c_uint),
+        ("numel", c_uint64),
+        ("offset", c_uint64),
+    ]
+
+
+class View(ctypes.Structure):
+    _fields_ = [
+        ("base", c_void_p),
+        ("bytes", c_size_t),
+        ("dtype", c_int),
+        ("version", c_uint64),
+        ("ntensors", c_uint),
+        ("tensors", ctypes.POINTER(TensorView)),
+    ]
+
+
+class StepOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("set_lr", c_int),
+        ("lr", c_double),
+        ("set_max_grad_norm", c_int),
+        ("max_grad_norm", c_double),
+        ("grad_scale", c_double),
+    ]
+
+
+class StepResult(ctypes.Structure):
+    _fields_ = [
+        ("step", c_uint64),
+        ("version", c_uint64),
+        ("grad_norm", c_double),
+        ("skipped", c_int),
+    ]
+
+
+class Pending(ctypes.Structure):
+    _fields_ = [("request_id", c_uint64), ("unit", c_uint32)]
+
+
+class UnitInfo(ctypes.Structure):
+    _fields_ = [
+        ("unit", c_uint32),
+        ("name", c_char_p),
+        ("ntensors", c_uint),
+        ("tensors", ctypes.POINTER(TensorView)),
+        ("numel", c_uint64),
+        ("padded_numel", c_uint64),
+        ("dtype", c_int),
+    ]
+
+
+def sized(struct_type: type) -> ctypes.Structure:
+    """A zeroed options struct with its struct_size set (ZD_SIZED_INIT)."""
+    value = struct_type()
+    value.struct_size = ctypes.sizeof(struct_type)
+    return value
+
+
+_P = ctypes.POINTER
+_SIGNATURES = {
+    "zd_default_socket": (c_char_p, []),
+    "zd_connect": (c_int, [c_char_p, _P(c_void_p)]),
+    "zd_close": (None, [c_void_p]),
+    "zd_attach": (c_int, [c_void_p, _P(AttachOptions), _P(c_void_p)]),
+    "zd_job_rank": (c_uint, [c_void_p]),
+    "zd_job_world_size": (c_uint, [c_void_p]),
+    "zd_job_version": (c_uint64, [c_void_p]),
+    "zd_job_read_only": (c_int, [c_void_p]),
+    "zd_list_units": (c_int, [c_void_p, _P(c_uint)]),
+    "zd_job_unit_count": (c_uint, [c_void_p]),
+    "zd_job_unit_info": (c_int, [c_void_p, c_uint, _P(UnitInfo)]),
+    "zd_pin": (c_int, [c_void_p, _P(c_uint64)]),
+    "zd_load_unit": (c_int, [c_void_p, c_uint32, c_void_p, _P(c_uint64)]),
+    "zd_register_unit": (c_int, [c_void_p, _P(UnitDesc), _P(c_uint32)]),
+    "zd_gather": (c_int, [c_void_p, c_uint32, _P(View)]),
+    "zd_gather_async": (c_int, [c_void_p, c_uint32, _P(Pending)]),
+    "zd_gather_wait": (c_int, [c_void_p, _P(Pending), _P(View)]),
+    "zd_release": (c_int, [c_void_p, c_uint32]),
+    "zd_grad_buffer": (c_int, [c_void_p, c_uint32, _P(View)]),
+    "zd_reduce": (c_int, [c_void_p, c_uint32]),
+    "zd_step": (c_int, [c_void_p, _P(StepOptions), _P(StepResult)]),
+    "zd_detach": (c_int, [c_void_p]),
+    "zd_strerror": (c_char_p, [c_int]),
+    "zd_last_error": (c_char_p, []),
+}
+
+
+def _candidates() -> List[str]:
+    found: List[str] = []
+    env = os.environ.get("ZEROD_LIBRARY")
+    if env:
+        found.append(env)
+    here = Path(__file__).resolve().parent
+    found.append(str(here / "lib" / "libzerod.so"))
+    # A checkout: client/python/zerod -> the repository root.
+    root = here.parent.parent.parent
+    for build in ("release", "debug"):
+        found.append(str(root / "build" / build / "lib" / "libzerod.so"))
+    name = ctypes.util.find_library("zerod")
+    if name:
+        found.append(name)
+    found.append("libzerod.so")
+    return found
+
+
+_lib: Optional[ctypes.CDLL] = None
+
+
+def load() -> ctypes.CDLL:
+    """Loads libzerod once and declares its functions."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    tried = []
+    for path in _candidates():
+        if os.path.sep in path and not os.path.exists(path):
+            tried.append(path + " (missing)")
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as err:
+            tried.append("%s (%s)" % (path, err))
+            continue
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        _lib = lib
+        return lib
+    raise ImportError(
+        "zerod: cannot find libzerod.so; build it (`make` in the repository) or set "
+        "ZEROD_LIBRARY to its path. Tried: " + "; ".join(tried))

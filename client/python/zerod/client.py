@@ -1,0 +1,461 @@
+"""The zerod client: connections, jobs, units and their shared buffers.
+
+This is a thin layer over libzerod (ctypes, no compiled extension). A
+gathered unit is the daemon's shared-memory buffer mapped into this process:
+:meth:`Gathered.array` and :meth:`Gathered.tensors` are views of it, not
+copies. A view stays mapped as long as the :class:`Client` is open (every
+view keeps its client alive), but its values are only meaningful until the
+unit is released.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _lib
+from .errors import BY_STATUS, Error, InvalidArgumentError
+
+_DTYPE_NAMES = {_lib.F32: "float32", _lib.BF16: "bfloat16", _lib.F16: "float16"}
+_DTYPE_CODES = {name: code for code, name in _DTYPE_NAMES.items()}
+# numpy has no bfloat16: its values are shown as their raw 16-bit patterns.
+_NUMPY_DTYPES = {_lib.F32: np.float32, _lib.BF16: np.uint16, _lib.F16: np.float16}
+_OPTIMIZERS = {"adamw": _lib.ADAMW, "adam": _lib.ADAM, "sgd": _lib.SGD}
+_INITS = {"rank0": _lib.INIT_FROM_RANK0, "normal": _lib.INIT_SEEDED_NORMAL, "zeros": _lib.INIT_ZEROS}
+
+
+def _raise(status: int, what: str) -> None:
+    lib = _lib.load()
+    detail = (lib.zd_last_error() or b"").decode("utf-8", "replace")
+    name = (lib.zd_strerror(status) or b"").decode()
+    message = detail if detail else "%s: %s" % (what, name)
+    raise BY_STATUS.get(status, Error)(message, status)
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        _raise(status, what)
+
+
+def default_socket() -> str:
+    """``$ZEROD_SOCKET``, else ``./.zerod/zerod.sock``."""
+    return _lib.load().zd_default_socket().decode()
+
+
+@dataclass
+class JobConfig:
+    """A job's optimizer and precision, used when an attach creates the job.
+
+    ``None`` and zero fields take torch.optim's defaults (AdamW: lr 1e-3,
+    betas (0.9, 0.999), eps 1e-8, weight decay 0.01). ``dtype`` is the
+    working precision of gathered buffers ("float32" or "bfloat16");
+    ``max_live_bytes`` bounds the gathered and gradient buffers per rank (0:
+    the daemon's default); ``max_grad_norm`` > 0 clips every step.
+    """
+
+    optimizer: str = "adamw"
+    lr: Optional[float] = None
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: Optional[float] = None
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    dtype: str = "float32"
+    max_live_bytes: int = 0
+    max_grad_norm: float = 0.0
+
+    def _to_c(self) -> _lib.JobConfig:
+        if self.optimizer not in _OPTIMIZERS:
+            raise InvalidArgumentError("unknown optimizer %r (adamw, adam or sgd)" % self.optimizer)
+        if self.dtype not in ("float32", "bfloat16"):
+            raise InvalidArgumentError("dtype must be 'float32' or 'bfloat16', not %r" % self.dtype)
+        c = _lib.sized(_lib.JobConfig)
+        c.optimizer = _OPTIMIZERS[self.optimizer]
+        c.lr = float(self.lr or 0.0)
+        c.beta1, c.beta2 = (float(b) for b in self.betas)
+        c.eps = float(self.eps)
+        if self.weight_decay is not None:
+            c.weight_decay = float(self.weight_decay)
+            c.has_weight_decay = 1
+        c.momentum = float(self.momentum)
+        c.dampening = float(self.dampening)
+        c.nesterov = int(bool(self.nesterov))
+        c.working_dtype = _DTYPE_CODES[self.dtype]
+        c.max_live_bytes = int(self.max_live_bytes)
+        c.max_grad_norm = float(self.max_grad_norm)
+        return c
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What an optimizer step did: the step number (from 1), the job's new
+    version, the global gradient norm before clipping, and whether the step
+    was skipped for Inf/NaN gradients."""
+
+    step: int
+    version: int
+    grad_norm: float
+    skipped: bool
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor's place in its unit's flat buffer (offset in elements)."""
+
+    name: str
+    shape: Tuple[int, ...]
+    offset: int
+    numel: int
+
+
+TensorSpec = Union[Tuple[str, Sequence[int]], Tuple[str, Sequence[int], bool]]
+
+
+def _pack(values: Union[np.ndarray, Sequence[np.ndarray]], expected: int, what: str) -> np.ndarray:
+    """Tensor values as one contiguous float32 array of `expected` elements."""
+    if isinstance(values, np.ndarray):
+        packed = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    else:
+        packed = np.concatenate([np.asarray(v, dtype=np.float32).reshape(-1) for v in values])
+    if packed.size != expected:
+        raise InvalidArgumentError("%s: %d values for %d elements" % (what, packed.size, expected))
+    return packed
+
+
+def _memory(address: int, nbytes: int, owner: Any) -> ctypes.Array:
+    """A ctypes byte array over mapped memory that keeps `owner` alive."""
+    array = (ctypes.c_char * nbytes).from_address(address)
+    array._zerod_owner = owner  # the mapping lives as long as the client
+    return array
+
+
+class Client:
+    """A connection to the node's zerod daemon (its Unix socket).
+
+    ``Client()`` uses :func:`default_socket`. Raises
+    :class:`zerod.UnavailableError` when no daemon listens there.
+    """
+
+    def __init__(self, socket: Union[str, os.PathLike, None] = None) -> None:
+        self._lib = _lib.load()
+        self._handle: Optional[int] = None
+        self.socket = os.fspath(socket) if socket is not None else default_socket()
+        handle = ctypes.c_void_p()
+        _check(self._lib.zd_connect(self.socket.encode(), ctypes.byref(handle)),
+               "connect to %s" % self.socket)
+        self._handle = handle.value
+        self._jobs: List[Job] = []
+
+    def attach(self, job: str, *, rank: int = 0, token: Optional[str] = None, create: bool = True,
+               config: Optional[JobConfig] = None, read_only: bool = False, pin: bool = True,
+               stable_addresses: bool = True) -> "Job":
+        """Attaches to `job` as local `rank` (one job per client).
+
+        With ``create`` a missing job is created with `config`. A read-only
+        attachment (``read_only=True``) takes no rank and cannot change the
+        job; with ``pin`` all its gathers come from one version, pinned now
+        and moved by :meth:`Job.pin`. ``stable_addresses`` (the default here,
+        unlike the C library's) keeps each unit's gathered view at one
+        address, which zerod.torch needs; it costs an mmap per gather.
+        """
+        self._require_open("attach")
+        options = _lib.sized(_lib.AttachOptions)
+        options.job = job.encode()
+        options.local_rank = int(rank)
+        options.token = token.encode() if token else None
+        options.read_only = int(read_only)
+        options.create = int(create and not read_only)
+        c_config = config._to_c() if config is not None else None
+        if c_config is not None:
+            options.config = ctypes.pointer(c_config)
+        options.pin = int(pin)
+        options.stable_addresses = int(stable_addresses)
+        handle = ctypes.c_void_p()
+        _check(self._lib.zd_attach(self._handle, ctypes.byref(options), ctypes.byref(handle)),
+               "attach to job %s" % job)
+        attached = Job(self, handle.value, job, config)
+        self._jobs.append(attached)
+        return attached
+
+    def close(self) -> None:
+        """Detaches every job and closes the connection. Views of gathered
+        buffers must not be used afterwards."""
+        if self._handle is not None:
+            self._lib.zd_close(self._handle)
+            self._handle = None
+
+    def _require_open(self, what: str) -> None:
+        if self._handle is None:
+            raise Error("%s: the client is closed" % what)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Job:
+    """An attached job: register or list its units, gather them, reduce
+    gradients, step. Created by :meth:`Client.attach`."""
+
+    def __init__(self, client: Client, handle: int, name: str, config: Optional[JobConfig]) -> None:
+        self.client = client
+        self._lib = client._lib
+        self._handle = handle
+        self.name = name
+        self.config = config
+        self.rank: int = self._lib.zd_job_rank(handle)
+        self.world_size: int = self._lib.zd_job_world_size(handle)
+        self.read_only: bool = bool(self._lib.zd_job_read_only(handle))
+        self._units: Dict[int, Unit] = {}
+        self._refresh_units()
+
+    @property
+    def version(self) -> int:
+        """Completed steps (read-only pinned jobs: the pinned version)."""
+        return int(self._lib.zd_job_version(self._handle))
+
+    def _refresh_units(self) -> None:
+        count = self._lib.zd_job_unit_count(self._handle)
+        for index in range(count):
+            info = _lib.UnitInfo()
+            _check(self._lib.zd_job_unit_info(self._handle, index, ctypes.byref(info)),
+                   "unit info")
+            if info.unit not in self._units:
+                self._units[info.unit] = Unit(self, info)
+
+    def register(self, name: str, tensors: Iterable[TensorSpec], *, init: str = "rank0",
+                 values: Union[np.ndarray, Sequence[np.ndarray], None] = None, seed: int = 0,
+                 std: float = 0.02) -> "Unit":
+        """Registers a unit (collective: every rank registers the same units
+        in the same order). `tensors` are ``(name, shape)`` or ``(name,
+        shape, frozen)``. With ``init="rank0"`` rank 0 passes `values`: the
+        tensors' values in order (one float32 array packed, or one array per
+        tensor); other ranks may pass None. ``"normal"`` draws N(0, std^2)
+        from `seed`; ``"zeros"`` starts at zero."""
+        if init not in _INITS:
+            raise InvalidArgumentError("init must be one of %s, not %r" % (sorted(_INITS), init))
+        specs = [tuple(t) for t in tensors]
+        keep: List[Any] = []
+        descs = (_lib.TensorDesc * len(specs))()
+        total = 0
+        for i, spec in enumerate(specs):
+            if len(spec) not in (2, 3):
+                raise InvalidArgumentError("tensor spec %r: expected (name, shape[, frozen])" % (spec,))
+            shape = [int(d) for d in spec[1]]
+            dims = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+            keep.append(dims)
+            descs[i].name = str(spec[0]).encode()
+            descs[i].shape = dims
+            descs[i].ndim = len(shape)
+            descs[i].frozen = int(bool(spec[2])) if len(spec) == 3 else 0
+            total += int(np.prod(shape, dtype=np.int64)) if shape else 1
+        desc = _lib.sized(_lib.UnitDesc)
+        desc.name = name.encode()
+        desc.tensors = descs
+        desc.ntensors = len(specs)
+        desc.init = _INITS[init]
+        desc.seed = int(seed)
+        desc.init_std = float(std)
+        packed = None
+        if init == "rank0" and values is not None:
+            packed = _pack(values, total, "unit %s: initial values" % name)
+            desc.init_values = packed.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        unit_id = ctypes.c_uint32()
+        _check(self._lib.zd_register_unit(self._handle, ctypes.byref(desc), ctypes.byref(unit_id)),
+               "register unit %s" % name)
+        self._refresh_units()
+        return self._units[unit_id.value]
+
+    def list_units(self) -> List["Unit"]:
+        """Fetches the job's unit table from the daemon (read-only jobs
+        gather the units it lists) and returns every known unit."""
+        count = ctypes.c_uint()
+        _check(self._lib.zd_list_units(self._handle, ctypes.byref(count)), "list units")
+        self._refresh_units()
+        return self.units
+
+    @property
+    def units(self) -> List["Unit"]:
+        """Known units (registered or listed), in id order."""
+        return [self._units[k] for k in sorted(self._units)]
+
+    def unit(self, name: str) -> "Unit":
+        for unit in self._units.values():
+            if unit.name == name:
+                return unit
+        raise InvalidArgumentError("job %s has no unit named %r (known: %s)" %
+                                   (self.name, name, ", ".join(u.name for u in self.units)))
+
+    def pin(self) -> int:
+        """Read-only jobs: pins the latest version for the gathers that
+        follow and returns it."""
+        version = ctypes.c_uint64()
+        _check(self._lib.zd_pin(self._handle, ctypes.byref(version)), "pin")
+        return int(version.value)
+
+    def step(self, *, lr: Optional[float] = None, max_grad_norm: Optional[float] = None,
+             grad_scale: Optional[float] = None) -> StepResult:
+        """An optimizer step over all units (collective). `lr` and
+        `max_grad_norm` change the job's values from this step on;
+        gradients are divided by `grad_scale` (averaging, loss scaling)."""
+        options = _lib.sized(_lib.StepOptions)
+        if lr is not None:
+            options.set_lr, options.lr = 1, float(lr)
+        if max_grad_norm is not None:
+            options.set_max_grad_norm, options.max_grad_norm = 1, float(max_grad_norm)
+        if grad_scale is not None:
+            options.grad_scale = float(grad_scale)
+        out = _lib.StepResult()
+        _check(self._lib.zd_step(self._handle, ctypes.byref(options), ctypes.byref(out)), "step")
+        return StepResult(int(out.step), int(out.version), float(out.grad_norm), bool(out.skipped))
+
+    def state_dict(self) -> Dict[str, np.ndarray]:
+        """Every tensor of every known unit, copied out (a collective for
+        read-write jobs; for a pinned read-only job, all from one
+        version)."""
+        out: Dict[str, np.ndarray] = {}
+        for unit in self.units:
+            with unit.gather() as gathered:
+                for name, array in gathered.arrays().items():
+                    out[name] = array.copy()
+        return out
+
+    def detach(self) -> None:
+        """Detaches from the job (the job and its state stay in the daemon)."""
+        _check(self._lib.zd_detach(self._handle), "detach")
+
+    def __repr__(self) -> str:
+        mode = "read-only" if self.read_only else "rank %d of %d" % (self.rank, self.world_size)
+        return "<zerod.Job %s %s version %d>" % (self.name, mode, self.version)
+
+
+class Unit:
+    """A registered unit: its name, tensors and flat layout."""
+
+    def __init__(self, job: Job, info: _lib.UnitInfo) -> None:
+        self.job = job
+        self.id: int = int(info.unit)
+        self.name: str = info.name.decode()
+        self.numel: int = int(info.numel)
+        self.padded_numel: int = int(info.padded_numel)
+        self._dtype_code = int(info.dtype)
+        self.dtype: str = _DTYPE_NAMES.get(self._dtype_code, "unknown")
+        tensors = []
+        for i in range(info.ntensors):
+            t = info.tensors[i]
+            shape = tuple(int(t.shape[d]) for d in range(t.ndim))
+            tensors.append(TensorInfo(t.name.decode(), shape, int(t.offset), int(t.numel)))
+        self.tensors: Tuple[TensorInfo, ...] = tuple(tensors)
+
+    def gather(self) -> "Gathered":
+        """Gathers the unit's full values (collective for read-write jobs)."""
+        view = _lib.View()
+        _check(self.job._lib.zd_gather(self.job._handle, self.id, ctypes.byref(view)),
+               "gather %s" % self.name)
+        return Gathered(self, view, writable=False)
+
+    def release(self) -> None:
+        """Releases a gathered unit (one-way; errors surface on the next call)."""
+        _check(self.job._lib.zd_release(self.job._handle, self.id), "release %s" % self.name)
+
+    def grad_buffer(self) -> "Buffer":
+        """The unit's gradient buffer, writable, valid until :meth:`reduce`."""
+        view = _lib.View()
+        _check(self.job._lib.zd_grad_buffer(self.job._handle, self.id, ctypes.byref(view)),
+               "gradient buffer of %s" % self.name)
+        return Buffer(self, view, writable=True)
+
+    def reduce(self) -> None:
+        """Reduce-scatters the gradient buffer into the ranks' accumulators
+        (collective; several reduces before a step accumulate)."""
+        _check(self.job._lib.zd_reduce(self.job._handle, self.id), "reduce %s" % self.name)
+
+    def load(self, values: Union[np.ndarray, Sequence[np.ndarray], None]) -> int:
+        """Sets the unit's values from rank 0's `values` (as in
+        :meth:`Job.register`; other ranks pass None). Collective; returns
+        the job's new version."""
+        ptr = None
+        packed = None
+        if values is not None:
+            packed = _pack(values, sum(t.numel for t in self.tensors), "load %s" % self.name)
+            ptr = packed.ctypes.data
+        version = ctypes.c_uint64()
+        _check(self.job._lib.zd_load_unit(self.job._handle, self.id, ptr, ctypes.byref(version)),
+               "load %s" % self.name)
+        return int(version.value)
+
+    def __repr__(self) -> str:
+        return "<zerod.Unit %s: %d tensors, %d elements, %s>" % (
+            self.name, len(self.tensors), self.numel, self.dtype)
+
+
+class Buffer:
+    """A unit-sized buffer in shared memory (gathered or gradient)."""
+
+    def __init__(self, unit: Unit, view: _lib.View, writable: bool) -> None:
+        self.unit = unit
+        self.address = int(view.base or 0)
+        self.nbytes = int(view.bytes)
+        self.dtype: str = _DTYPE_NAMES.get(int(view.dtype), "unknown")
+        self._dtype_code = int(view.dtype)
+        self.version = int(view.version)
+        self.writable = writable
+        self._memory = _memory(self.address, self.nbytes, unit.job.client)
+
+    def array(self) -> np.ndarray:
+        """The whole flat buffer as a numpy array (no copy; bfloat16 values
+        appear as uint16 bit patterns)."""
+        dtype = _NUMPY_DTYPES[self._dtype_code]
+        count = self.nbytes // np.dtype(dtype).itemsize
+        array = np.frombuffer(self._memory, dtype=dtype, count=count)
+        if not self.writable:
+            array.flags.writeable = False
+        return array
+
+    def arrays(self) -> Dict[str, np.ndarray]:
+        """Each tensor as a numpy view of the buffer, by name."""
+        flat = self.array()
+        return {t.name: flat[t.offset:t.offset + t.numel].reshape(t.shape)
+                for t in self.unit.tensors}
+
+    def flat_tensor(self) -> Any:
+        """The whole buffer as a torch tensor (no copy)."""
+        import torch
+
+        dtypes = {_lib.F32: torch.float32, _lib.BF16: torch.bfloat16, _lib.F16: torch.float16}
+        dtype = dtypes[self._dtype_code]
+        count = self.nbytes // torch.tensor([], dtype=dtype).element_size()
+        return torch.frombuffer(self._memory, dtype=dtype, count=count)
+
+    def tensors(self) -> Dict[str, Any]:
+        """Each tensor as a torch view of the buffer, by name (no copy).
+        Gathered buffers are mapped read-only: writing to them crashes."""
+        flat = self.flat_tensor()
+        return {t.name: flat[t.offset:t.offset + t.numel].view(t.shape) for t in self.unit.tensors}
+
+
+class Gathered(Buffer):
+    """A gathered unit; ``version`` is the version its values come from.
+    Use as a context manager to release it."""
+
+    def release(self) -> None:
+        self.unit.release()
+
+    def __enter__(self) -> "Gathered":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()

@@ -1,0 +1,618 @@
+"""zerod.torch: train a torch.nn.Module whose parameters live in zerod.
+
+::
+
+    job = zerod.Client().attach("lm", rank=local_rank, config=zerod.JobConfig(lr=3e-4))
+    model = zerod.torch.shard(model, job, units=[Block])
+    opt = zerod.torch.Optimizer(model)
+    for x, y in data:
+        loss = model(x, y)
+        loss.backward()            # gradients go to the daemon unit by unit
+        opt.clip_grad_norm_(1.0)   # optional, applied inside the step
+        opt.step()                 # the daemon's AdamW/Adam/SGD step
+        opt.zero_grad()
+
+How it works (FSDP's scheme, with the daemon holding the shards):
+
+* :func:`shard` groups the parameters into units (one per module with
+  parameters, or per module chosen by `units`), registers every unit with
+  the daemon (rank 0's values become everyone's initial values) and
+  replaces each parameter's data with an empty tensor.
+* A forward pre-hook on a unit's module gathers the unit and points its
+  parameters at the gathered buffer (shared memory, no copy); the forward
+  hook releases it and empties the parameters again.
+* A hook on the module's outputs gathers the unit again when backward
+  reaches it. The gathered view always lies at the same address
+  (``stable_addresses``), so tensors that autograd saved during the forward
+  pass, views of the weights included, read the right values.
+* When every parameter of the unit has its gradient, the gradients are
+  copied into the unit's gradient buffer and reduced into the daemon's
+  accumulators, the parameters' ``.grad`` is cleared and the unit released.
+
+Every rank must run the same forward and backward program (the same units
+in the same order): gathers and reduces are collectives of the job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import _lib
+from .client import Job, StepResult, Unit, _check
+from .errors import InvalidArgumentError, ShardingError
+
+__all__ = ["shard", "ShardedModule", "Optimizer", "state_dict_from"]
+
+UnitsPolicy = Union[str, Sequence[type], Callable[[nn.Module, str], bool]]
+
+_TORCH_DTYPES = {_lib.F32: torch.float32, _lib.BF16: torch.bfloat16, _lib.F16: torch.float16}
+
+
+class _Ref:
+    """One place a parameter is held: ``module._parameters[attr]``."""
+
+    __slots__ = ("module", "attr", "path")
+
+    def __init__(self, module: nn.Module, attr: str, path: str) -> None:
+        self.module = module
+        self.attr = attr
+        self.path = path
+
+
+class _ShardedUnit:
+    """Bookkeeping of one unit: its module, parameters and buffers."""
+
+    def __init__(self, index: int, name: str, module: nn.Module) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        self.params: List[nn.Parameter] = []
+        self.names: List[str] = []
+        self.refs: List[List[_Ref]] = []
+        self.shapes: List[torch.Size] = []
+        self.zunit: Optional[Unit] = None
+        self.flat: Optional[torch.Tensor] = None  # over the stable gathered address
+        self.address = 0
+        self.views: List[torch.Tensor] = []
+        self.gathered = 0  # forward gathers in flight (re-entrant modules)
+        self.bwd_gathered = False
+        self.grad_params = 0  # parameters that need a gradient
+        self.grads_ready = 0
+        self.grad_hooks: List[Any] = []  # keeps the AccumulateGrad nodes alive
+
+
+def _walk(module: nn.Module, prefix: str, seen: List[nn.Module]) -> Iterator[Tuple[str, nn.Module]]:
+    """Every (path, module), shared modules once per path, in pre-order."""
+    if any(m is module for m in seen):
+        raise ShardingError("module %s contains itself" % (prefix or "<root>"))
+    yield prefix, module
+    seen.append(module)
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _walk(child, prefix + "." + name if prefix else name, seen)
+    seen.pop()
+
+
+def _is_root(policy: UnitsPolicy, module: nn.Module, path: str) -> bool:
+    if isinstance(policy, str):
+        if policy != "per-module":
+            raise InvalidArgumentError(
+                "units must be 'per-module', a list of module classes or a callable, not %r" %
+                policy)
+        return any(p is not None for p in module._parameters.values())
+    if callable(policy) and not isinstance(policy, type):
+        return bool(policy(module, path))
+    classes = tuple(policy)
+    if not all(isinstance(c, type) for c in classes):
+        raise InvalidArgumentError("units: a list of module classes expected, got %r" % (policy,))
+    return isinstance(module, classes)
+
+
+def _plan(model: nn.Module, policy: UnitsPolicy) -> List[_ShardedUnit]:
+    """Groups the parameters into units.
+
+    A parameter belongs to the deepest unit module that encloses every
+    module holding it, so a tied parameter (the same Parameter in two
+    modules) lands in a unit that is gathered whenever either uses it.
+    The model itself is always a unit module (for what no other takes).
+    """
+    paths = list(_walk(model, "", []))
+    roots = {id(model): model}
+    for path, module in paths:
+        if path and _is_root(policy, module, path):
+            roots[id(module)] = module
+    # Every place each parameter is held, in pre-order.
+    holders: "OrderedDict[int, Tuple[nn.Parameter, List[_Ref]]]" = OrderedDict()
+    for path, module in paths:
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            qual = path + "." + attr if path else attr
+            entry = holders.setdefault(id(param), (param, []))
+            entry[1].append(_Ref(module, attr, qual))
+    module_at = {path: module for path, module in paths}
+
+    def owner_path(param_paths: List[str]) -> str:
+        # The deepest common module path of all holders (holders are modules).
+        split = [p.split(".")[:-1] for p in param_paths]
+        common: List[str] = []
+        for parts in zip(*split):
+            if all(x == parts[0] for x in parts):
+                common.append(parts[0])
+            else:
+                break
+        # Walk up to the nearest unit module.
+        while common and id(module_at[".".join(common)]) not in roots:
+            common.pop()
+        return ".".join(common)
+
+    units: "OrderedDict[str, _ShardedUnit]" = OrderedDict()
+    order = {path: i for i, (path, _) in enumerate(paths)}
+    assignments: List[Tuple[str, nn.Parameter, List[_Ref]]] = []
+    for param, refs in holders.values():
+        assignments.append((owner_path([r.path for r in refs]), param, refs))
+    # Units in the pre-order of their modules; tensors in the order found.
+    for path in sorted({a[0] for a in assignments}, key=lambda p: order[p]):
+        units[path] = _ShardedUnit(len(units), path or "<root>", module_at[path])
+    for path, param, refs in assignments:
+        unit = units[path]
+        unit.params.append(param)
+        unit.names.append(refs[0].path)
+        unit.refs.append(refs)
+        unit.shapes.append(param.shape)
+    return list(units.values())
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Tensors inside a forward's output (tensors, tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+
+
+class _State:
+    """What a ShardedModule keeps: the job, its units, hook state."""
+
+    def __init__(self, job: Job, units: List[_ShardedUnit]) -> None:
+        self.job = job
+        self.lib = job._lib
+        self.handle = job._handle
+        self.units = units
+        self.dtype: Optional[torch.dtype] = None
+        self.empty: Optional[torch.Tensor] = None
+        self.backward_queued = False
+        self.grad_flat: Dict[Tuple[int, int], torch.Tensor] = {}
+        self.param_unit: Dict[int, Tuple[_ShardedUnit, int]] = {}
+        self.handles: List[Any] = []
+
+    # -- gathering and binding -------------------------------------------------
+
+    def gather(self, unit: _ShardedUnit) -> None:
+        view = _lib.View()
+        _check(self.lib.zd_gather(self.handle, unit.zunit.id, ctypes.byref(view)),
+               "gather %s" % unit.name)
+        address = int(view.base)
+        if unit.flat is None:
+            memory = (ctypes.c_char * int(view.bytes)).from_address(address)
+            memory._zerod_owner = self.job.client
+            dtype = _TORCH_DTYPES[int(view.dtype)]
+            count = int(view.bytes) // torch.tensor([], dtype=dtype).element_size()
+            unit.flat = torch.frombuffer(memory, dtype=dtype, count=count)
+            unit.address = address
+            unit.views = []
+            for i, shape in enumerate(unit.shapes):
+                t = unit.zunit.tensors[i]
+                unit.views.append(unit.flat[t.offset:t.offset + t.numel].view(shape))
+        elif address != unit.address:
+            raise ShardingError(
+                "unit %s came back at another address: attach the job with "
+                "stable_addresses=True (the default of zerod.Client.attach)" % unit.name)
+
+    def bind(self, unit: _ShardedUnit) -> None:
+        for refs, param, view in zip(unit.refs, unit.params, unit.views):
+            for ref in refs:
+                if ref.module._parameters.get(ref.attr) is not param:
+                    now = ref.module._parameters.get(ref.attr)
+                    raise ShardingError(
+                        "parameter %s was replaced after zerod.torch.shard (registered shape %s, "
+                        "now %s); shard the model once its parameters are final" %
+                        (ref.path, tuple(view.shape),
+                         tuple(now.shape) if now is not None else None))
+            data = param.data
+            if data.numel() != 0 and data.data_ptr() != view.data_ptr():
+                raise ShardingError(
+                    "parameter %s changed after zerod.torch.shard (registered shape %s, now %s); "
+                    "its values live in zerod: change them with load_state_dict" %
+                    (unit.names[unit.params.index(param)], tuple(view.shape), tuple(data.shape)))
+            param.data = view
+
+    def unbind(self, unit: _ShardedUnit) -> None:
+        for param in unit.params:
+            param.data = self.empty
+
+    def release(self, unit: _ShardedUnit) -> None:
+        self.unbind(unit)
+        _check(self.lib.zd_release(self.handle, unit.zunit.id), "release %s" % unit.name)
+
+    # -- hooks -----------------------------------------------------------------
+
+    def pre_forward(self, unit: _ShardedUnit) -> None:
+        if unit.gathered == 0 and not unit.bwd_gathered:
+            self.gather(unit)
+            self.bind(unit)
+        elif unit.gathered == 0:
+            self.bind(unit)  # gathered for a backward still running
+        unit.gathered += 1
+
+    def post_forward(self, unit: _ShardedUnit, output: Any) -> None:
+        unit.gathered -= 1
+        if unit.gathered == 0 and not unit.bwd_gathered:
+            self.release(unit)
+        if torch.is_grad_enabled() and unit.grad_params:
+            for tensor in _tensors_in(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda grad, unit=unit: self.pre_backward(unit))
+
+    def pre_backward(self, unit: _ShardedUnit) -> None:
+        if not self.backward_queued:
+            self.backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+        if not unit.bwd_gathered:
+            if unit.gathered == 0:
+                self.gather(unit)
+            self.bind(unit)
+            unit.bwd_gathered = True
+
+    def grad_ready(self, unit: _ShardedUnit) -> None:
+        unit.grads_ready += 1
+        if unit.grads_ready == unit.grad_params:
+            self.push(unit)
+
+    def push(self, unit: _ShardedUnit) -> None:
+        """Hands the unit's gradients to the daemon and releases it."""
+        view = _lib.View()
+        _check(self.lib.zd_grad_buffer(self.handle, unit.zunit.id, ctypes.byref(view)),
+               "gradient buffer of %s" % unit.name)
+        key = (int(view.base), int(view.bytes))
+        flat = self.grad_flat.get(key)
+        if flat is None:
+            memory = (ctypes.c_char * key[1]).from_address(key[0])
+            memory._zerod_owner = self.job.client
+            dtype = _TORCH_DTYPES[int(view.dtype)]
+            flat = torch.frombuffer(memory, dtype=dtype,
+                                    count=key[1] // torch.tensor([], dtype=dtype).element_size())
+            self.grad_flat[key] = flat
+        with torch.no_grad():
+            for i, param in enumerate(unit.params):
+                if not param.requires_grad:
+                    continue
+                t = unit.zunit.tensors[i]
+                dst = flat[t.offset:t.offset + t.numel]
+                if param.grad is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(param.grad.reshape(-1))
+                    param.grad = None
+        _check(self.lib.zd_reduce(self.handle, unit.zunit.id), "reduce %s" % unit.name)
+        unit.grads_ready = 0
+        if unit.bwd_gathered:
+            unit.bwd_gathered = False
+            if unit.gathered == 0:
+                self.release(unit)
+
+    def finish_backward(self) -> None:
+        """End of a backward pass: units whose parameters did not all get a
+        gradient (unused in this pass) are reduced with zeros for the rest,
+        and every unit gathered for backward is released."""
+        self.backward_queued = False
+        for unit in self.units:
+            if unit.grads_ready > 0:
+                self.push(unit)
+            elif unit.bwd_gathered:
+                unit.bwd_gathered = False
+                if unit.gathered == 0:
+                    self.release(unit)
+
+    def pending(self) -> List[str]:
+        return [u.name for u in self.units if u.bwd_gathered or u.grads_ready]
+
+
+class ShardedModule(nn.Module):
+    """A module whose parameters live in zerod (see :func:`shard`).
+
+    ``forward`` runs the wrapped module. ``state_dict`` gathers the full
+    weights from the service (a collective: call it on every rank) and
+    returns them under the wrapped module's own names, so the result loads
+    into an unsharded copy of the model; ``load_state_dict`` sets them
+    through the service (also a collective)."""
+
+    def __init__(self, module: nn.Module, state: _State) -> None:
+        super().__init__()
+        self.module = module
+        self._zerod = state
+
+    @property
+    def job(self) -> Job:
+        return self._zerod.job
+
+    @property
+    def units(self) -> List[Unit]:
+        """The zerod units, in registration order."""
+        return [u.zunit for u in self._zerod.units]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _full_values(self) -> Dict[int, torch.Tensor]:
+        """id(parameter) -> a copy of its full value, from the service."""
+        state = self._zerod
+        if state.pending():
+            raise ShardingError("state_dict during a backward pass (units %s)" % state.pending())
+        values: Dict[int, torch.Tensor] = {}
+        for unit in state.units:
+            if unit.gathered or unit.bwd_gathered:
+                source = unit.views
+                for param, view in zip(unit.params, source):
+                    values[id(param)] = view.detach().clone()
+                continue
+            with unit.zunit.gather() as gathered:
+                tensors = gathered.tensors()
+                for param, name in zip(unit.params, unit.names):
+                    values[id(param)] = tensors[name].clone()
+        return values
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> "OrderedDict[str, torch.Tensor]":
+        if args:
+            raise TypeError("ShardedModule.state_dict takes keyword arguments only")
+        values = self._full_values()
+        local = self.module.state_dict(prefix=prefix, keep_vars=True)
+        out: "OrderedDict[str, torch.Tensor]" = OrderedDict() if destination is None else destination
+        for key, value in local.items():
+            if isinstance(value, nn.Parameter) and id(value) in values:
+                out[key] = values[id(value)]
+            else:
+                out[key] = value if keep_vars else value.detach()
+        return out
+
+    def load_state_dict(self, state_dict: "Dict[str, torch.Tensor]", strict: bool = True) -> Any:
+        state = self._zerod
+        if state.job.read_only:
+            raise ShardingError("load_state_dict on a read-only job")
+        local = self.module.state_dict(keep_vars=True)
+        missing = [k for k in local if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in local]
+        if strict and (missing or unexpected):
+            raise RuntimeError("Error(s) in loading state_dict for %s: missing keys %s, unexpected "
+                               "keys %s" % (type(self.module).__name__, missing, unexpected))
+        by_param: Dict[int, torch.Tensor] = {}
+        for key, value in local.items():
+            if key in state_dict and isinstance(value, nn.Parameter):
+                by_param.setdefault(id(value), state_dict[key])
+        for unit in state.units:
+            values = None
+            if state.job.rank == 0:
+                parts = []
+                for param, name, shape in zip(unit.params, unit.names, unit.shapes):
+                    value = by_param.get(id(param))
+                    if value is None:
+                        if strict:
+                            raise RuntimeError("missing key %s" % name)
+                        value = self._full_values()[id(param)]
+                    if tuple(value.shape) != tuple(shape):
+                        raise RuntimeError("size mismatch for %s: copying a param with shape %s, "
+                                           "the shape in the sharded model is %s" %
+                                           (name, tuple(value.shape), tuple(shape)))
+                    parts.append(value.detach().to(torch.float32).reshape(-1).numpy())
+                values = np.concatenate(parts)
+            unit.zunit.load(values)
+        with torch.no_grad():
+            for key, value in local.items():
+                if not isinstance(value, nn.Parameter) and key in state_dict:
+                    value.copy_(state_dict[key])
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def shard(model: nn.Module, job: Job, units: UnitsPolicy = "per-module") -> ShardedModule:
+    """Moves `model`'s parameters into zerod and returns the model wrapped.
+
+    `units` chooses the granule of gathering: ``"per-module"`` (every module
+    with parameters of its own), a list of module classes (each instance,
+    with its submodules, is one unit, e.g. ``[Block]``), or a callable
+    ``(module, qualified_name) -> bool``. Parameters outside every chosen
+    module form the model's own unit; a parameter held by several modules
+    (tied weights) belongs to the innermost unit that encloses them all.
+
+    Read-write jobs register every unit (a collective: call on every rank
+    with the same model); rank 0's values become everyone's initial values
+    (the daemon keeps an existing unit's state when the job already has it).
+    On a read-only job the units must already exist; forward passes then
+    read the job's pinned weights. Buffers stay local to each process.
+    """
+    if isinstance(model, ShardedModule):
+        raise ShardingError("the model is already sharded")
+    if not isinstance(job, Job):
+        raise InvalidArgumentError("job must be a zerod.Job (from zerod.Client().attach)")
+    plan = _plan(model, units)
+    state = _State(job, plan)
+    for unit in plan:
+        for param, name in zip(unit.params, unit.names):
+            if not param.is_floating_point():
+                raise ShardingError("parameter %s has dtype %s: only floating-point parameters "
+                                    "can be sharded" % (name, param.dtype))
+            if param.device.type != "cpu":
+                raise ShardingError("parameter %s is on %s: zerod.torch shards CPU modules "
+                                    "(GPU ranks are not supported yet)" % (name, param.device))
+    if job.read_only:
+        _match_listed(job, plan)
+    else:
+        _register(job, plan)
+    state.dtype = _TORCH_DTYPES[plan[0].zunit._dtype_code] if plan else torch.float32
+    state.empty = torch.empty(0, dtype=state.dtype)
+    for unit in plan:
+        for param in unit.params:
+            param.grad = None
+            if param.dtype != state.dtype:
+                param.data = param.data.to(state.dtype)
+        # While the parameters still have their full shapes and the working
+        # dtype: autograd records both in each AccumulateGrad node.
+        _install_hooks(state, unit)
+        for param in unit.params:
+            param.data = state.empty
+    return ShardedModule(model, state)
+
+
+def _register(job: Job, plan: List[_ShardedUnit]) -> None:
+    for unit in plan:
+        specs = [(name, tuple(p.shape), not p.requires_grad)
+                 for name, p in zip(unit.names, unit.params)]
+        values = None
+        if job.rank == 0:
+            values = np.concatenate(
+                [p.detach().to(torch.float32).reshape(-1).numpy() for p in unit.params])
+        unit.zunit = job.register(unit.name, specs, init="rank0", values=values)
+        _check_layout(unit)
+
+
+def _match_listed(job: Job, plan: List[_ShardedUnit]) -> None:
+    listed = {u.name: u for u in job.list_units()}
+    for unit in plan:
+        if unit.name not in listed:
+            raise ShardingError("job %s has no unit %s (it has: %s)" %
+                                (job.name, unit.name, ", ".join(sorted(listed)) or "none"))
+        unit.zunit = listed[unit.name]
+        _check_layout(unit)
+
+
+def _check_layout(unit: _ShardedUnit) -> None:
+    tensors = unit.zunit.tensors
+    if len(tensors) != len(unit.params):
+        raise ShardingError("unit %s has %d tensors in zerod, %d in the model" %
+                            (unit.name, len(tensors), len(unit.params)))
+    for t, name, shape in zip(tensors, unit.names, unit.shapes):
+        if t.name != name or tuple(t.shape) != tuple(shape):
+            raise ShardingError("unit %s: zerod has %s %s where the model has %s %s" %
+                                (unit.name, t.name, t.shape, name, tuple(shape)))
+
+
+def _install_hooks(state: _State, unit: _ShardedUnit) -> None:
+    module = unit.module
+    state.handles.append(module.register_forward_pre_hook(
+        lambda mod, args, unit=unit: state.pre_forward(unit)))
+    state.handles.append(module.register_forward_hook(
+        lambda mod, args, output, unit=unit: state.post_forward(unit, output)))
+    unit.grad_params = 0
+    for param in unit.params:
+        if not param.requires_grad or state.job.read_only:
+            continue
+        unit.grad_params += 1
+        # The AccumulateGrad node of the parameter: its hook runs once the
+        # parameter's gradient for this backward pass is complete.
+        accumulate = param.expand_as(param).grad_fn.next_functions[0][0]
+        accumulate.register_hook(lambda *unused, unit=unit: state.grad_ready(unit))
+        unit.grad_hooks.append(accumulate)
+
+
+class Optimizer(torch.optim.Optimizer):
+    """The optimizer of a sharded model: ``step()`` asks the daemon for its
+    step (the algorithm and hyper-parameters are the job's, from
+    :class:`zerod.JobConfig`).
+
+    It behaves like torch's optimizers where it can: ``param_groups[0]["lr"]``
+    is sent with every step, so torch's learning-rate schedulers work on it;
+    ``clip_grad_norm_(max_norm)`` before ``step()`` clips that step by the
+    global norm (computed in the daemon; ``last_step.grad_norm`` has it, since
+    ``torch.nn.utils.clip_grad_norm_`` cannot see gradients that are already
+    in the daemon). Gradients are averaged over the job's ranks, as DDP
+    does. ``zero_grad()`` only clears local ``.grad``: the daemon starts
+    every step's accumulation from zero itself.
+    """
+
+    def __init__(self, model: ShardedModule, lr: Optional[float] = None,
+                 max_grad_norm: Optional[float] = None) -> None:
+        if not isinstance(model, ShardedModule):
+            raise InvalidArgumentError("zerod.torch.Optimizer takes the model zerod.torch.shard "
+                                       "returned")
+        job = model.job
+        if job.read_only:
+            raise ShardingError("a read-only job cannot step")
+        config = job.config
+        if lr is None:
+            lr = config.lr if config is not None and config.lr else 1e-3
+        if max_grad_norm is None and config is not None:
+            max_grad_norm = config.max_grad_norm
+        params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__(params, dict(lr=float(lr)))
+        self._model = model
+        self._job = job
+        self._sent_lr: Optional[float] = None
+        self._sent_norm: Optional[float] = None
+        self._clip: Optional[float] = None
+        self.max_grad_norm = max_grad_norm
+        self.last_step: Optional[StepResult] = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
+        """Clips the coming step's gradients to a global L2 norm of
+        `max_norm` (torch.nn.utils.clip_grad_norm_'s rule)."""
+        if norm_type != 2.0:
+            raise InvalidArgumentError("zerod clips by the L2 norm only")
+        if not max_norm > 0:
+            raise InvalidArgumentError("max_norm must be > 0")
+        self._clip = float(max_norm)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pending = self._model._zerod.pending()
+        if pending:
+            raise ShardingError("step() while units %s still wait for gradients" % pending)
+        if len(self.param_groups) != 1:
+            raise ShardingError("zerod jobs have one parameter group")
+        lr = float(self.param_groups[0]["lr"])
+        norm = self._clip if self._clip is not None else self.max_grad_norm
+        send_norm = None
+        if norm is not None and norm != self._sent_norm:
+            send_norm = norm
+        elif norm is None and self._sent_norm is not None:
+            send_norm = 0.0
+        result = self._job.step(lr=lr if lr != self._sent_lr else None, max_grad_norm=send_norm,
+                                grad_scale=float(self._job.world_size))
+        self._sent_lr = lr
+        if send_norm is not None:
+            self._sent_norm = send_norm
+        self._clip = None
+        self.last_step = result
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+
+def state_dict_from(job: Job) -> "OrderedDict[str, torch.Tensor]":
+    """Every tensor of `job` as torch tensors (copies), by the names the
+    training model registered; for a pinned read-only job all from one
+    version. Loads into an unsharded copy of the model."""
+    if job.read_only:
+        job.list_units()
+    out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    for unit in job.units:
+        with unit.gather() as gathered:
+            for name, tensor in gathered.tensors().items():
+                out[name] = tensor.clone()
+    return out

@@ -1,0 +1,32 @@
+"""Fixtures of the Python client tests: the real-daemon fixtures of
+tests/integration (loaded under another module name), and the paths the
+worker processes need."""
+
+import importlib.util
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location(
+    "zerod_integration_fixtures", os.path.join(HERE, "..", "integration", "conftest.py"))
+fixtures = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fixtures)
+
+start_daemon = fixtures.start_daemon
+binary = fixtures.binary
+run_worker = fixtures.run_worker
+
+PACKAGE_DIR = os.path.join(HERE, "..", "..", "client", "python")
+
+
+def worker_env():
+    """The environment a worker process needs to import zerod and find
+    libzerod and the test models."""
+    env = dict(os.environ)
+    paths = [PACKAGE_DIR, HERE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def python():
+    return sys.executable

@@ -1,0 +1,91 @@
+"""The zerod package's core API against a real daemon: zero-copy views,
+the step, errors carrying the daemon's message, and installation with
+pip."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import zerod
+from conftest import PACKAGE_DIR, start_daemon  # noqa: F401 (fixture)
+
+
+def test_views_are_zero_copy_and_read_only(start_daemon):
+    daemon = start_daemon(ranks=1)
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("j", config=zerod.JobConfig(optimizer="sgd", lr=0.5))
+        assert (job.rank, job.world_size, job.version, job.read_only) == (0, 1, 0, False)
+        w = np.arange(12, dtype=np.float32).reshape(3, 4)
+        b = np.array([1.0, -1.0], dtype=np.float32)
+        unit = job.register("layer", [("w", (3, 4)), ("b", (2,))], values=[w, b])
+        assert [t.name for t in unit.tensors] == ["w", "b"]
+        assert unit.tensors[1].offset % 16 == 0 and unit.dtype == "float32"
+        with unit.gather() as g:
+            arrays = g.arrays()
+            np.testing.assert_array_equal(arrays["w"], w)
+            np.testing.assert_array_equal(arrays["b"], b)
+            with pytest.raises(ValueError):
+                arrays["w"][0, 0] = 1.0
+            # numpy and torch views share the one mapping.
+            t = g.tensors()["w"]
+            assert t.data_ptr() == arrays["w"].ctypes.data
+        grads = unit.grad_buffer()
+        arrays = grads.arrays()
+        arrays["w"][...] = 1.0
+        arrays["b"][...] = 2.0
+        unit.reduce()
+        result = job.step()
+        assert (result.step, result.version, result.skipped) == (1, 1, False)
+        assert result.grad_norm == pytest.approx(np.sqrt(12 * 1.0 + 2 * 4.0))
+        with unit.gather() as g:
+            assert g.version == 1
+            np.testing.assert_allclose(g.arrays()["w"], w - 0.5)
+            np.testing.assert_allclose(g.arrays()["b"], b - 1.0)
+        state = job.state_dict()
+        np.testing.assert_allclose(state["w"], w - 0.5)
+
+
+def test_errors_carry_the_daemons_message(start_daemon):
+    daemon = start_daemon(ranks=1)
+    with zerod.Client(daemon.socket) as client:
+        client.attach("owned", token="secret").detach()
+    with zerod.Client(daemon.socket) as client:
+        with pytest.raises(zerod.PermissionDeniedError) as err:
+            client.attach("owned", token="wrong")
+        assert "token" in err.value.message and err.value.status == -6
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("owned", token="secret")
+        with pytest.raises(zerod.InvalidArgumentError, match="initial values: 3 values for 4 elements"):
+            job.register("u", [("w", (4,))], values=np.zeros(3, dtype=np.float32))
+        with pytest.raises(zerod.InvalidArgumentError, match="adamw, adam or sgd"):
+            zerod.JobConfig(optimizer="lamb")._to_c()
+    with pytest.raises(zerod.UnavailableError):
+        zerod.Client(os.path.join(str(daemon.dir), "missing.sock"))
+
+
+def test_pip_install(tmp_path):
+    """`pip install client/python` into a fresh virtual environment (with
+    the system's site packages for numpy), then import it from elsewhere."""
+    source = tmp_path / "src"
+    # A copy, so that the build's by-products stay out of the checkout.
+    shutil.copytree(PACKAGE_DIR, source, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info",
+                                                                        "build"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps",
+                          "--no-build-isolation", "--no-index", "-q", str(source)],
+                         capture_output=True, text=True)
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c",
+                            "import zerod, zerod.client; print(zerod.__file__); "
+                            "print(zerod.default_socket())"],
+                           capture_output=True, text=True, cwd=str(tmp_path), env=env)
+    assert probe.returncode == 0, probe.stderr
+    assert str(venv) in probe.stdout.splitlines()[0]
