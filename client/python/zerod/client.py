@@ -3,10 +3,9 @@
 This is a thin layer over libzerod (ctypes, no compiled extension). A
 gathered unit is the daemon's shared-memory buffer mapped into this process:
 :meth:`Gathered.array` and :meth:`Gathered.tensors` are views of it, not
-copies. A view stays mapped as long as the :class:`Client` is open (every
-view keeps its client alive), but its values are only meaningful until the
-unit is released.
-"""
+copies. Their values are valid until the unit is released (gathered) or
+reduced (gradient); after that the memory may be unmapped or made
+inaccessible, so copy what must outlive the release."""
 
 from __future__ import annotations
 
