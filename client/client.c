@@ -189,8 +189,9 @@ struct zd_job {
   size_t unit_capacity;
 };
 
-/* Requests sent without a reply (releases) are remembered for a while, only
- * so that an error answering one can name the unit it was about. */
+/* Requests sent without a reply (releases, asynchronous reduces) are
+ * remembered for a while, only so that an error answering one can name the
+ * request and unit it was about. */
 #define NO_REPLY_RING 64
 
 struct zd_client {
@@ -209,6 +210,7 @@ struct zd_client {
   struct {
     uint64_t request_id;
     zd_unit unit;
+    const char *kind; /* "release", "reduce" */
   } no_reply[NO_REPLY_RING];
   unsigned no_reply_next;
 
@@ -500,7 +502,8 @@ static const char *no_reply_name(const zd_client *client, uint64_t request_id, c
                                  size_t name_bytes) {
   for (unsigned i = 0; i < NO_REPLY_RING; i++) {
     if (client->no_reply[i].request_id == request_id && request_id != 0) {
-      snprintf(name, name_bytes, "release unit %u", (unsigned)client->no_reply[i].unit);
+      snprintf(name, name_bytes, "%s unit %u", client->no_reply[i].kind,
+               (unsigned)client->no_reply[i].unit);
       return name;
     }
   }
@@ -1808,6 +1811,14 @@ zd_status zd_gather(zd_job *job, zd_unit unit_id, zd_view *out) {
   return zd_gather_wait(job, &pending, out);
 }
 
+static void remember_no_reply(zd_client *client, uint64_t request_id, zd_unit unit,
+                              const char *kind) {
+  client->no_reply[client->no_reply_next].request_id = request_id;
+  client->no_reply[client->no_reply_next].unit = unit;
+  client->no_reply[client->no_reply_next].kind = kind;
+  client->no_reply_next = (client->no_reply_next + 1) % NO_REPLY_RING;
+}
+
 /* Release is on every layer's critical path, so it costs one send and no
  * round trip: it goes out with NO_REPLY, and an error the daemon answers
  * anyway is kept as a deferred error for the next call that waits. */
@@ -1834,9 +1845,7 @@ zd_status zd_release(zd_job *job, zd_unit unit_id) {
                        &request_id);
   if (status != ZD_OK)
     return status;
-  client->no_reply[client->no_reply_next].request_id = request_id;
-  client->no_reply[client->no_reply_next].unit = unit_id;
-  client->no_reply_next = (client->no_reply_next + 1) % NO_REPLY_RING;
+  remember_no_reply(client, request_id, unit_id, "release");
   /* The release went out all the same; the error says what happened to the
    * range (set by unit_cover_range). */
   return cover_status;
@@ -1885,7 +1894,12 @@ zd_status zd_grad_buffer(zd_job *job, zd_unit unit_id, zd_view *out) {
   return client_finish(client);
 }
 
-zd_status zd_reduce(zd_job *job, zd_unit unit_id) {
+/* Sends a REDUCE of the unit; with wait, waits for its reply. Without, the
+ * request goes out with NO_REPLY, like a release: the daemon runs a rank's
+ * requests in order, so the unit's next gradient buffer (or the step) is
+ * answered only once this reduce has read the buffer, and an error is
+ * reported by the next call that waits for the daemon. */
+static zd_status reduce_unit(zd_job *job, zd_unit unit_id, int wait) {
   char what[64];
   snprintf(what, sizeof what, "reduce unit %u", (unsigned)unit_id);
   zd_status status = job_check_writable(job, what);
@@ -1896,17 +1910,34 @@ zd_status zd_reduce(zd_job *job, zd_unit unit_id) {
     return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
   Zerod__V1__ReduceRequest request = ZEROD__V1__REDUCE_REQUEST__INIT;
   request.unit_id = unit_id;
-  ProtobufCMessage *reply_msg;
-  int fds[ZD_FRAME_MAX_FDS];
-  unsigned nfds;
-  status = client_call(job->client, ZEROD__V1__MSG_TYPE__MSG_REDUCE, &request.base, NULL, 0,
-                       ZEROD__V1__MSG_TYPE__MSG_REDUCE_REPLY, what, &reply_msg, fds, &nfds);
-  if (status != ZD_OK)
-    return status;
-  protobuf_c_message_free_unpacked(reply_msg, NULL);
+  if (wait) {
+    ProtobufCMessage *reply_msg;
+    int fds[ZD_FRAME_MAX_FDS];
+    unsigned nfds;
+    status = client_call(job->client, ZEROD__V1__MSG_TYPE__MSG_REDUCE, &request.base, NULL, 0,
+                         ZEROD__V1__MSG_TYPE__MSG_REDUCE_REPLY, what, &reply_msg, fds, &nfds);
+    if (status != ZD_OK)
+      return status;
+    protobuf_c_message_free_unpacked(reply_msg, NULL);
+  } else {
+    uint64_t request_id;
+    status = client_send(job->client, ZEROD__V1__MSG_TYPE__MSG_REDUCE, &request.base, NULL, 0, 0,
+                         what, &request_id);
+    if (status != ZD_OK)
+      return status;
+    remember_no_reply(job->client, request_id, unit_id, "reduce");
+  }
   /* The gradient buffer is consumed: the next backward asks for one again. */
   unit->held_grad_buffer = 0;
-  return client_finish(job->client);
+  return wait ? client_finish(job->client) : ZD_OK;
+}
+
+zd_status zd_reduce(zd_job *job, zd_unit unit_id) {
+  return reduce_unit(job, unit_id, 1);
+}
+
+zd_status zd_reduce_async(zd_job *job, zd_unit unit_id) {
+  return reduce_unit(job, unit_id, 0);
 }
 
 /* ------------------------------------------------------------------------

@@ -297,6 +297,13 @@ ZD_API zd_status zd_grad_buffer(zd_job *job, zd_unit unit, zd_view *out);
 /* Reduce-scatters the gradient buffer into the ranks' fp32 accumulators
  * (several reduces before a step accumulate). Collective. */
 ZD_API zd_status zd_reduce(zd_job *job, zd_unit unit);
+/* zd_reduce without waiting: one send, no round trip, so the worker's
+ * backward pass goes on while the daemon reduces. The gradient buffer
+ * belongs to the daemon until the unit's next zd_grad_buffer returns (the
+ * daemon answers a rank's requests in order, so that call, like the step,
+ * waits for the reduce). An error is reported by the next call that waits
+ * for the daemon, naming the reduce. Collective, like zd_reduce. */
+ZD_API zd_status zd_reduce_async(zd_job *job, zd_unit unit);
 
 /* Optimizer step over all units (collective). options may be NULL. */
 ZD_API zd_status zd_step(zd_job *job, const zd_step_options *options, zd_step_result *out);

@@ -62,6 +62,8 @@ typedef struct fake_daemon {
   int reorder_gathers;       /* hold the first gather, answer the second first */
   int gather_unknown_buffer; /* answer gathers naming an unseen buffer, no fd */
   int release_error;         /* answer releases with an Error */
+  int reduce_error;          /* answer reduces with an Error */
+  int reduce_no_reply_flags; /* reduces that came with NO_REPLY */
   int step_notice;           /* answer a step with a shutdown notice */
   int step_garbage;          /* answer a step with a payload that does not decode */
   Zerod__V1__Status gather_error;
@@ -401,6 +403,14 @@ static int fake_handle(fake_daemon *fake, const zd_frame_header *header, Protobu
     fake->reduce_grad_sum = 0;
     for (int i = 0; i < UNIT_PADDED_NUMEL; i++)
       fake->reduce_grad_sum += fake->grad[unit][i];
+    if (fake->reduce_error) {
+      fake_error(fake, id, ZEROD__V1__STATUS__STATUS_ABORTED, "rank 1's worker disconnected");
+      return 0;
+    }
+    if (header->flags & ZD_FRAME_F_NO_REPLY) {
+      fake->reduce_no_reply_flags++;
+      return 0;
+    }
     Zerod__V1__ReduceReply reply = ZEROD__V1__REDUCE_REPLY__INIT;
     reply.unit_id = unit;
     fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_REDUCE_REPLY, id, &reply.base, NULL, 0);
@@ -907,6 +917,31 @@ static void test_release_error_is_reported_by_the_next_call(void **state) {
   assert_string_equal(zd_last_error(), "release unit 0: unit is not gathered by this session");
   /* Reported once. */
   assert_int_equal(zd_reduce(job, unit), ZD_OK);
+  zd_close(client);
+  fake_destroy(fake);
+}
+
+static void test_async_reduce_waits_for_nothing_and_defers_its_error(void **state) {
+  fake_daemon *fake = fake_create();
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_job(client);
+  zd_unit unit = register_unit(job, "layer0");
+  zd_view grad;
+  assert_int_equal(zd_grad_buffer(job, unit, &grad), ZD_OK);
+  ((float *)grad.base)[0] = 3.0f;
+  assert_int_equal(zd_reduce_async(job, unit), ZD_OK);
+  /* The next call that waits sees the reduce done by the daemon in order. */
+  assert_int_equal(zd_step(job, NULL, NULL), ZD_OK);
+  assert_int_equal(fake->reduce_no_reply_flags, 1);
+  assert_true(fake->reduce_grad_sum == 3.0f);
+  /* An error answering an asynchronous reduce is reported by the next call
+   * that waits, with the reduce named; the call's own effect happened. */
+  fake->reduce_error = 1;
+  assert_int_equal(zd_grad_buffer(job, unit, &grad), ZD_OK);
+  assert_int_equal(zd_reduce_async(job, unit), ZD_OK);
+  assert_int_equal(zd_step(job, NULL, NULL), ZD_E_ABORTED);
+  assert_string_equal(zd_last_error(), "reduce unit 0: rank 1's worker disconnected");
   zd_close(client);
   fake_destroy(fake);
 }
@@ -1634,6 +1669,7 @@ int main(void) {
       cmocka_unit_test(test_out_of_order_replies_are_matched_by_id),
       cmocka_unit_test(test_grad_buffer_is_shared_and_writable),
       cmocka_unit_test(test_release_error_is_reported_by_the_next_call),
+      cmocka_unit_test(test_async_reduce_waits_for_nothing_and_defers_its_error),
       cmocka_unit_test(test_shutdown_notice_makes_calls_unavailable),
       cmocka_unit_test(test_undecodable_reply_is_a_protocol_error),
       cmocka_unit_test(test_gather_of_unseen_buffer_without_fd_is_a_protocol_error),
