@@ -175,6 +175,7 @@ _SIGNATURES = {
     "zd_release": (c_int, [c_void_p, c_uint32]),
     "zd_grad_buffer": (c_int, [c_void_p, c_uint32, _P(View)]),
     "zd_reduce": (c_int, [c_void_p, c_uint32]),
+    "zd_reduce_async": (c_int, [c_void_p, c_uint32]),
     "zd_step": (c_int, [c_void_p, _P(StepOptions), _P(StepResult)]),
     "zd_detach": (c_int, [c_void_p]),
     "zd_strerror": (c_char_p, [c_int]),

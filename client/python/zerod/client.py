@@ -377,10 +377,14 @@ class Unit:
                "gradient buffer of %s" % self.name)
         return Buffer(self, view, writable=True)
 
-    def reduce(self) -> None:
+    def reduce(self, wait: bool = True) -> None:
         """Reduce-scatters the gradient buffer into the ranks' accumulators
-        (collective; several reduces before a step accumulate)."""
-        _check(self.job._lib.zd_reduce(self.job._handle, self.id), "reduce %s" % self.name)
+        (collective; several reduces before a step accumulate). With
+        ``wait=False`` it only sends the request: the buffer is the
+        daemon's until the unit's next :meth:`grad_buffer` returns, and an
+        error surfaces on the next call that waits."""
+        fn = self.job._lib.zd_reduce if wait else self.job._lib.zd_reduce_async
+        _check(fn(self.job._handle, self.id), "reduce %s" % self.name)
 
     def load(self, values: Union[np.ndarray, Sequence[np.ndarray], None]) -> int:
         """Sets the unit's values from rank 0's `values` (as in

@@ -82,6 +82,7 @@ class _ShardedUnit:
         self.views: List[torch.Tensor] = []
         self.gathered = 0  # forward gathers in flight (re-entrant modules)
         self.bwd_gathered = False
+        self.prefetch: Optional[_lib.Pending] = None  # a gather sent ahead of backward
         self.grad_params = 0  # parameters that need a gradient
         self.grads_ready = 0
         self.grad_hooks: List[Any] = []  # keeps the AccumulateGrad nodes alive
@@ -195,13 +196,23 @@ class _State:
         self.grad_flat: Dict[Tuple[int, int], torch.Tensor] = {}
         self.param_unit: Dict[int, Tuple[_ShardedUnit, int]] = {}
         self.handles: List[Any] = []
+        # Forward order of the units (first time each ran in this pass), so
+        # that backward can ask for the unit it needs next before it hands
+        # over the current unit's gradients.
+        self.forward_order: List[_ShardedUnit] = []
+        self.in_forward_order: set = set()
 
     # -- gathering and binding -------------------------------------------------
 
     def gather(self, unit: _ShardedUnit) -> None:
         view = _lib.View()
-        _check(self.lib.zd_gather(self.handle, unit.zunit.id, ctypes.byref(view)),
-               "gather %s" % unit.name)
+        if unit.prefetch is not None:
+            pending, unit.prefetch = unit.prefetch, None
+            _check(self.lib.zd_gather_wait(self.handle, ctypes.byref(pending), ctypes.byref(view)),
+                   "gather %s" % unit.name)
+        else:
+            _check(self.lib.zd_gather(self.handle, unit.zunit.id, ctypes.byref(view)),
+                   "gather %s" % unit.name)
         address = int(view.base)
         if unit.flat is None:
             memory = (ctypes.c_char * int(view.bytes)).from_address(address)
@@ -248,6 +259,9 @@ class _State:
     # -- hooks -----------------------------------------------------------------
 
     def pre_forward(self, unit: _ShardedUnit) -> None:
+        if torch.is_grad_enabled() and id(unit) not in self.in_forward_order:
+            self.in_forward_order.add(id(unit))
+            self.forward_order.append(unit)
         if unit.gathered == 0 and not unit.bwd_gathered:
             self.gather(unit)
             self.bind(unit)
@@ -273,6 +287,24 @@ class _State:
                 self.gather(unit)
             self.bind(unit)
             unit.bwd_gathered = True
+            self.prefetch_before(unit)
+
+    def prefetch_before(self, unit: _ShardedUnit) -> None:
+        """Sends the gather of the unit that ran just before `unit` in the
+        forward pass (the next one backward needs), ahead of `unit`'s
+        reduce: the daemon answers a rank's requests in order, so the
+        gather is not queued behind that reduce (FSDP's backward prefetch)."""
+        order = self.forward_order
+        for i in range(len(order) - 1, 0, -1):
+            if order[i] is unit:
+                previous = order[i - 1]
+                if previous.gathered == 0 and not previous.bwd_gathered and previous.prefetch is None:
+                    pending = _lib.Pending()
+                    _check(self.lib.zd_gather_async(self.handle, previous.zunit.id,
+                                                    ctypes.byref(pending)),
+                           "gather %s" % previous.name)
+                    previous.prefetch = pending
+                return
 
     def grad_ready(self, unit: _ShardedUnit) -> None:
         unit.grads_ready += 1
@@ -304,7 +336,9 @@ class _State:
                 else:
                     dst.copy_(param.grad.reshape(-1))
                     param.grad = None
-        _check(self.lib.zd_reduce(self.handle, unit.zunit.id), "reduce %s" % unit.name)
+        # One-way: backward goes on while the daemon reduces; the step (or
+        # the unit's next gradient buffer) waits for it.
+        _check(self.lib.zd_reduce_async(self.handle, unit.zunit.id), "reduce %s" % unit.name)
         unit.grads_ready = 0
         if unit.bwd_gathered:
             unit.bwd_gathered = False
@@ -316,7 +350,14 @@ class _State:
         gradient (unused in this pass) are reduced with zeros for the rest,
         and every unit gathered for backward is released."""
         self.backward_queued = False
+        self.forward_order = []
+        self.in_forward_order = set()
         for unit in self.units:
+            if unit.prefetch is not None:
+                # Sent for a unit backward did not reach after all: take the
+                # reply and give the unit back.
+                self.gather(unit)
+                self.release(unit)
             if unit.grads_ready > 0:
                 self.push(unit)
             elif unit.bwd_gathered:
