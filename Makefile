@@ -4,8 +4,10 @@
 #   make            build (release with debug info) into build/release
 #   make test       install test dependencies, build, run every test, then
 #                   rebuild with ASan+UBSan and run the native tests again
-#   make demo       install dependencies, build, train the example MLP through a
-#                   standalone daemon with 2 ranks and 2 worker processes
+#   make demo       install dependencies, build, train the example transformer
+#                   language model (PyTorch) through a standalone daemon with 2
+#                   ranks and 2 worker processes
+#   make demo-mlp   the same with the C example (an MLP, workers in C)
 #   make bench      run the benchmarks (JSON lines)
 #   make test-gpu   run the GPU tests, failing (not skipping) without a GPU
 #   make fuzz       build the libFuzzer targets with clang and run each briefly
@@ -19,7 +21,7 @@ FUZZ_SECONDS ?= 60
 GENERATOR  := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 CTEST      := ctest --output-on-failure --timeout 900
 
-.PHONY: all build deps test test-asan test-gpu demo bench fuzz format clean
+.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench fuzz format clean
 
 all: build
 
@@ -58,11 +60,19 @@ demo:
 	$(MAKE) build
 	scripts/demo.sh $(BUILD)
 
-bench: build
+demo-mlp:
+	scripts/deps.sh build
+	$(MAKE) build
+	scripts/demo_mlp.sh $(BUILD)
+
+bench:
+	scripts/deps.sh bench
+	$(MAKE) build
 	$(BUILD)/bench/bench_kernels
 	$(BUILD)/bench/bench_comm
 	$(BUILD)/bench/bench_ipc
 	scripts/bench_e2e.sh $(BUILD)
+	ZEROD_BIN_DIR=$(BUILD)/bin ZEROD_LIBRARY=$(CURDIR)/$(BUILD)/lib/libzerod.so /usr/bin/python3 bench/bench_torch_lm.py
 	@if [ -x $(BUILD)/bench/bench_cuda ]; then $(BUILD)/bench/bench_cuda; fi
 
 $(FUZZ_BUILD)/CMakeCache.txt:

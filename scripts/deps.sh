@@ -16,7 +16,9 @@
 # a missing package is unknown to apt's current lists, and installs nothing
 # when nothing is missing. The CUDA toolkit is not installed here: CUDA is
 # optional (ZEROD_CUDA=AUTO builds the GPU module where nvcc is found).
-# Python packages come from Debian, not PyPI: Debian's python3-torch is the
+# OpenBLAS is installed with torch: Debian's torch calls whichever BLAS the
+# alternatives system selects, and the reference BLAS it falls back to is
+# about 10x slower. Python packages come from Debian, not PyPI: Debian's python3-torch is the
 # CPU-only build (about 0.3 GB with its dependencies), where PyPI's torch
 # wheel pulls several GB of CUDA libraries (see docs/decisions.md).
 set -euo pipefail
@@ -26,9 +28,9 @@ packages=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-
   libgloo-dev)
 case "$task" in
 build) ;;
-demo | bench) packages+=(python3 python3-torch python3-numpy) ;;
-test) packages+=(libcmocka-dev python3 python3-torch python3-numpy python3-pytest python3-venv python3-pip
-  python3-setuptools python3-wheel) ;;
+demo | bench) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread) ;;
+test) packages+=(libcmocka-dev python3 python3-torch python3-numpy libopenblas0-pthread python3-pytest
+  python3-venv python3-pip python3-setuptools python3-wheel) ;;
 fuzz) packages+=(libcmocka-dev clang libclang-rt-dev) ;;
 *)
   echo "deps.sh: unknown task '$task' (build, test, demo, bench, fuzz)" >&2
