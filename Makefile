@@ -76,13 +76,13 @@ bench:
 	@if [ -x $(BUILD)/bench/bench_cuda ]; then $(BUILD)/bench/bench_cuda; fi
 
 $(FUZZ_BUILD)/CMakeCache.txt:
-	CC=clang cmake -S . -B $(FUZZ_BUILD) $(GENERATOR) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) $(GENERATOR) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DZEROD_FUZZ=ON -DZEROD_CUDA=OFF -DZEROD_BENCH=OFF $(CMAKE_ARGS)
 
 fuzz:
 	scripts/deps.sh fuzz
 	$(MAKE) $(FUZZ_BUILD)/CMakeCache.txt
-	cmake --build $(FUZZ_BUILD)
+	cmake --build $(FUZZ_BUILD) --target fuzz_dequantize fuzz_frame
 	@for f in $(FUZZ_BUILD)/tests/fuzz/fuzz_*; do \
 	  echo "== $$f ($(FUZZ_SECONDS) s)"; \
 	  mkdir -p $(FUZZ_BUILD)/corpus/$$(basename $$f); \
