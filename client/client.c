@@ -976,6 +976,21 @@ static client_unit *job_find_unit(zd_job *job, zd_unit unit_id) {
   return low < job->unit_count && job->units[low].unit_id == unit_id ? &job->units[low] : NULL;
 }
 
+/* The entry of every call on one unit: names the call in `what` ("<verb>
+ * unit N"), checks the job (refusing a read-only one when `writable`) and
+ * finds the unit. */
+static zd_status unit_call_begin(zd_job *job, zd_unit unit_id, const char *verb, int writable,
+                                 char *what, size_t what_bytes, client_unit **unit) {
+  snprintf(what, what_bytes, "%s unit %u", verb, (unsigned)unit_id);
+  zd_status status = writable ? job_check_writable(job, what) : job_check(job, what);
+  if (status != ZD_OK)
+    return status;
+  *unit = job_find_unit(job, unit_id);
+  if (*unit == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
+  return ZD_OK;
+}
+
 /* Makes room for `more` units, before the request whose reply adds them. */
 static zd_status job_reserve_units(zd_job *job, size_t more, const char *what) {
   if (job->unit_capacity - job->unit_count >= more)
@@ -1468,13 +1483,10 @@ zd_status zd_pin(zd_job *job, uint64_t *version) {
 
 zd_status zd_load_unit(zd_job *job, zd_unit unit_id, const float *values, uint64_t *version) {
   char what[64];
-  snprintf(what, sizeof what, "load unit %u", (unsigned)unit_id);
-  zd_status status = job_check_writable(job, what);
+  client_unit *unit;
+  zd_status status = unit_call_begin(job, unit_id, "load", 1, what, sizeof what, &unit);
   if (status != ZD_OK)
     return status;
-  client_unit *unit = job_find_unit(job, unit_id);
-  if (unit == NULL)
-    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
   /* Like ZD_INIT_FROM_RANK0: rank 0 sends every tensor's values back to
    * back, without the layout's alignment gaps; the others send nothing. */
   int sends_values = job->rank == 0;
@@ -1731,14 +1743,12 @@ static zd_status fill_view(zd_client *client, client_unit *unit, zd_tensor_view 
 
 zd_status zd_gather_async(zd_job *job, zd_unit unit_id, zd_pending *out) {
   char what[64];
-  snprintf(what, sizeof what, "gather unit %u", (unsigned)unit_id);
-  zd_status status = job_check(job, what);
+  client_unit *unit;
+  zd_status status = unit_call_begin(job, unit_id, "gather", 0, what, sizeof what, &unit);
   if (status != ZD_OK)
     return status;
   if (out == NULL)
     return set_error(ZD_E_INVALID_ARGUMENT, "%s: out is NULL", what);
-  if (job_find_unit(job, unit_id) == NULL)
-    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
   Zerod__V1__GatherRequest request = ZEROD__V1__GATHER_REQUEST__INIT;
   request.unit_id = unit_id;
   uint64_t request_id;
@@ -1824,13 +1834,10 @@ static void remember_no_reply(zd_client *client, uint64_t request_id, zd_unit un
  * anyway is kept as a deferred error for the next call that waits. */
 zd_status zd_release(zd_job *job, zd_unit unit_id) {
   char what[64];
-  snprintf(what, sizeof what, "release unit %u", (unsigned)unit_id);
-  zd_status status = job_check(job, what);
+  client_unit *unit;
+  zd_status status = unit_call_begin(job, unit_id, "release", 0, what, sizeof what, &unit);
   if (status != ZD_OK)
     return status;
-  client_unit *unit = job_find_unit(job, unit_id);
-  if (unit == NULL)
-    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
   zd_client *client = job->client;
   /* The worker is done with the view: a stable range stops mapping the
    * daemon's buffer before the daemon may reuse or free it. */
@@ -1853,15 +1860,12 @@ zd_status zd_release(zd_job *job, zd_unit unit_id) {
 
 zd_status zd_grad_buffer(zd_job *job, zd_unit unit_id, zd_view *out) {
   char what[64];
-  snprintf(what, sizeof what, "grad buffer unit %u", (unsigned)unit_id);
-  zd_status status = job_check_writable(job, what);
+  client_unit *unit;
+  zd_status status = unit_call_begin(job, unit_id, "grad buffer", 1, what, sizeof what, &unit);
   if (status != ZD_OK)
     return status;
   if (out == NULL)
     return set_error(ZD_E_INVALID_ARGUMENT, "%s: out is NULL", what);
-  client_unit *unit = job_find_unit(job, unit_id);
-  if (unit == NULL)
-    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
   zd_client *client = job->client;
   Zerod__V1__GradBufferRequest request = ZEROD__V1__GRAD_BUFFER_REQUEST__INIT;
   request.unit_id = unit_id;
@@ -1901,13 +1905,10 @@ zd_status zd_grad_buffer(zd_job *job, zd_unit unit_id, zd_view *out) {
  * reported by the next call that waits for the daemon. */
 static zd_status reduce_unit(zd_job *job, zd_unit unit_id, int wait) {
   char what[64];
-  snprintf(what, sizeof what, "reduce unit %u", (unsigned)unit_id);
-  zd_status status = job_check_writable(job, what);
+  client_unit *unit;
+  zd_status status = unit_call_begin(job, unit_id, "reduce", 1, what, sizeof what, &unit);
   if (status != ZD_OK)
     return status;
-  client_unit *unit = job_find_unit(job, unit_id);
-  if (unit == NULL)
-    return set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
   Zerod__V1__ReduceRequest request = ZEROD__V1__REDUCE_REQUEST__INIT;
   request.unit_id = unit_id;
   if (wait) {

@@ -408,6 +408,22 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
   return j;
 }
 
+/* A failed job is reset by the first attach that finds nobody attached (it
+ * can also fail with nobody attached, e.g. a prefetch after the last
+ * detach); the attacher's requests then queue behind the new
+ * communicators. Readers take no part in collectives, so they count as
+ * nobody. Returns 1 if the job can be attached, else answers ABORTED. */
+static int job_usable_for_attach(session *s, uint64_t request_id, job *j) {
+  char reason[512];
+  if (j->sessions == 0 && job_failed(j, j->generation, NULL, 0))
+    job_reset(j);
+  if (!job_failed(j, j->generation, reason, sizeof reason))
+    return 1;
+  send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
+             "job '%s' failed: %s; it resets when all its workers have detached", j->name, reason);
+  return 0;
+}
+
 /* A read-only session: no rank, no collectives. It joins an existing job
  * only, and answers at once from the loop (pinning takes the job's pin
  * mutex, which is never held for long; see pin.h). */
@@ -431,17 +447,8 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
                "wrong token for job '%s'", req->job);
     return;
   }
-  /* The same reset rule as for workers: readers do not hold a failed job
-   * back, since they take no part in its collectives. */
-  char reason[512];
-  if (j->sessions == 0 && job_failed(j, j->generation, NULL, 0))
-    job_reset(j);
-  if (job_failed(j, j->generation, reason, sizeof reason)) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
-               "job '%s' failed: %s; it resets when all its workers have detached", j->name,
-               reason);
+  if (!job_usable_for_attach(s, request_id, j))
     return;
-  }
   reader *r;
   if (reader_create(j, s->id, req->pin, &r) != 0) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
@@ -508,18 +515,8 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
                "wrong token for job '%s'", req->job);
     return;
   }
-  char reason[512];
-  /* A job can also fail with nobody attached (a prefetch after the last
-   * detach): the first new worker starts the reset, and its requests queue
-   * behind the new communicators. */
-  if (j->sessions == 0 && job_failed(j, j->generation, NULL, 0))
-    job_reset(j);
-  if (job_failed(j, j->generation, reason, sizeof reason)) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
-               "job '%s' failed: %s; it resets when all its workers have detached", j->name,
-               reason);
+  if (!job_usable_for_attach(s, request_id, j))
     return;
-  }
   rank_state *rs = &j->ranks[req->local_rank];
   if (rs->session != NULL) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ALREADY_EXISTS,
