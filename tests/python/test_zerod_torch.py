@@ -127,6 +127,13 @@ def test_state_dict_round_trip(start_daemon):
     plain_model.load_state_dict(got)
     with pytest.raises(RuntimeError, match="missing keys"):
         model.load_state_dict({"embed.weight": got["embed.weight"]})
+    # strict=False loads what the dict has and keeps the rest.
+    model.load_state_dict({"embed.weight": torch.zeros(64, 32)}, strict=False)
+    partial = model.state_dict()
+    assert torch.equal(partial["embed.weight"], torch.zeros(64, 32))
+    assert torch.equal(partial["head.weight"], got["head.weight"])
+    with pytest.raises(RuntimeError, match=r"size mismatch for head\.weight"):
+        model.load_state_dict({**got, "head.weight": torch.zeros(3, 3)})
     client.close()
 
 

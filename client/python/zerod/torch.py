@@ -194,8 +194,6 @@ class _State:
         self.empty: Optional[torch.Tensor] = None
         self.backward_queued = False
         self.grad_flat: Dict[Tuple[int, int], torch.Tensor] = {}
-        self.param_unit: Dict[int, Tuple[_ShardedUnit, int]] = {}
-        self.handles: List[Any] = []
         # Forward order of the units (first time each ran in this pass), so
         # that backward can ask for the unit it needs next before it hands
         # over the current unit's gradients.
@@ -403,8 +401,7 @@ class ShardedModule(nn.Module):
         values: Dict[int, torch.Tensor] = {}
         for unit in state.units:
             if unit.gathered or unit.bwd_gathered:
-                source = unit.views
-                for param, view in zip(unit.params, source):
+                for param, view in zip(unit.params, unit.views):
                     values[id(param)] = view.detach().clone()
                 continue
             with unit.zunit.gather() as gathered:
@@ -441,22 +438,24 @@ class ShardedModule(nn.Module):
         for key, value in local.items():
             if key in state_dict and isinstance(value, nn.Parameter):
                 by_param.setdefault(id(value), state_dict[key])
+        # Every rank checks (all pass the same dict), so a bad dict fails
+        # everywhere before the first collective.
+        for unit in state.units:
+            for param, name, shape in zip(unit.params, unit.names, unit.shapes):
+                value = by_param.get(id(param))
+                if value is not None and tuple(value.shape) != tuple(shape):
+                    raise RuntimeError("size mismatch for %s: copying a param with shape %s, "
+                                       "the shape in the sharded model is %s" %
+                                       (name, tuple(value.shape), tuple(shape)))
+        # Parameters the dict leaves out (strict=False) keep their values.
+        keep = any(id(p) not in by_param for unit in state.units for p in unit.params)
+        current = self._full_values() if keep else {}
         for unit in state.units:
             values = None
             if state.job.rank == 0:
-                parts = []
-                for param, name, shape in zip(unit.params, unit.names, unit.shapes):
-                    value = by_param.get(id(param))
-                    if value is None:
-                        if strict:
-                            raise RuntimeError("missing key %s" % name)
-                        value = self._full_values()[id(param)]
-                    if tuple(value.shape) != tuple(shape):
-                        raise RuntimeError("size mismatch for %s: copying a param with shape %s, "
-                                           "the shape in the sharded model is %s" %
-                                           (name, tuple(value.shape), tuple(shape)))
-                    parts.append(value.detach().to(torch.float32).reshape(-1).numpy())
-                values = np.concatenate(parts)
+                values = np.concatenate([
+                    by_param.get(id(p), current.get(id(p))).detach().to(torch.float32).reshape(-1)
+                    .numpy() for p in unit.params])
             unit.zunit.load(values)
         with torch.no_grad():
             for key, value in local.items():
@@ -549,10 +548,9 @@ def _check_layout(unit: _ShardedUnit) -> None:
 
 def _install_hooks(state: _State, unit: _ShardedUnit) -> None:
     module = unit.module
-    state.handles.append(module.register_forward_pre_hook(
-        lambda mod, args, unit=unit: state.pre_forward(unit)))
-    state.handles.append(module.register_forward_hook(
-        lambda mod, args, output, unit=unit: state.post_forward(unit, output)))
+    module.register_forward_pre_hook(lambda mod, args, unit=unit: state.pre_forward(unit))
+    module.register_forward_hook(
+        lambda mod, args, output, unit=unit: state.post_forward(unit, output))
     unit.grad_params = 0
     for param in unit.params:
         if not param.requires_grad or state.job.read_only:
