@@ -286,47 +286,6 @@ static int token_equal(const char *a, const char *b) {
   return diff == 0;
 }
 
-static int config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *err,
-                             size_t err_bytes) {
-  memset(c, 0, sizeof *c);
-  c->working_dtype = ZK_F32;
-  if (pc == NULL)
-    return 0;
-  if (pc->optimizer != NULL) {
-    const Zerod__V1__OptimizerConfig *o = pc->optimizer;
-    c->optimizer = o->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED
-                       ? JOB_ADAMW
-                       : (job_optimizer)o->kind;
-    c->lr = o->lr;
-    c->beta1 = o->beta1;
-    c->beta2 = o->beta2;
-    c->eps = o->eps;
-    c->weight_decay =
-        o->has_weight_decay ? o->weight_decay : (c->optimizer == JOB_ADAMW ? 0.01 : 0.0);
-    c->momentum = o->momentum;
-    c->dampening = o->dampening;
-    c->nesterov = o->nesterov;
-  } else {
-    c->optimizer = JOB_ADAMW;
-    c->weight_decay = 0.01;
-  }
-  switch (pc->working_dtype) {
-  case ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED:
-  case ZEROD__V1__DTYPE__DTYPE_F32:
-    c->working_dtype = ZK_F32;
-    break;
-  case ZEROD__V1__DTYPE__DTYPE_BF16:
-    c->working_dtype = ZK_BF16;
-    break;
-  default:
-    snprintf(err, err_bytes, "working precision must be fp32 or bf16");
-    return -EINVAL;
-  }
-  c->max_live_bytes = pc->max_live_bytes;
-  c->max_grad_norm = pc->max_grad_norm;
-  return 0;
-}
-
 /* Nobody is attached to a failed job any more: build fresh communicators
  * (a new generation) so new workers can resume from the kept state. */
 static void job_reset(job *j) {
@@ -363,7 +322,7 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
                        const Zerod__V1__AttachRequest *req) {
   job_config config;
   char err[256] = "";
-  if (config_from_proto(req->config, &config, err, sizeof err) != 0 ||
+  if (job_config_from_proto(req->config, &config, err, sizeof err) != 0 ||
       job_config_finish(&config, d->options.max_live_bytes, err, sizeof err) != 0) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "job '%s': %s", req->job,
                err);

@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "comm.h"
+#include "zerod/v1/ipc.pb-c.h"
 #include "shm.h"
 #include "zk.h"
 
@@ -184,6 +185,11 @@ typedef struct job {
   int pins_stopping;               /* the daemon is stopping: readers give up */
   _Atomic uint64_t latest_version; /* the highest version any rank reached */
 } job;
+
+/* Converts the protocol's config (NULL: all defaults) to a job_config;
+ * call job_config_finish next. Returns 0 or -EINVAL with a message. */
+int job_config_from_proto(const Zerod__V1__JobConfig *proto, job_config *config, char *err,
+                          size_t err_bytes);
 
 /* Fills in torch.optim's defaults for zero fields; validates ranges.
  * Returns 0 or -EINVAL with a message in err. */

@@ -2,11 +2,13 @@
 # Installs what zerod needs for a task, and only what is missing.
 #
 #   scripts/deps.sh build   compilers, CMake, Ninja, pkg-config, and the libraries
-#                           the daemon links: libuv, protobuf-c, Gloo
+#                           the daemon links: libuv, protobuf-c, Gloo, gRPC C core
 #   scripts/deps.sh test    build + cmocka, and Debian's CPU-only PyTorch,
 #                           numpy and pytest for the torch parity tests, and
 #                           venv, pip and setuptools for the package's
-#                           install test
+#                           install test; grpcio, protobuf and protoc with
+#                           gRPC's Python plugin for the control-plane tests
+#                           that use only the .proto files
 #   scripts/deps.sh demo    build + Debian's PyTorch and numpy (the example
 #                           trains a torch model through zerod)
 #   scripts/deps.sh bench   same as demo (the DDP comparison)
@@ -25,12 +27,13 @@ set -euo pipefail
 
 task=${1:-build}
 packages=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-  libgloo-dev)
+  libgloo-dev libgrpc-dev)
 case "$task" in
 build) ;;
 demo | bench) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread) ;;
 test) packages+=(libcmocka-dev python3 python3-torch python3-numpy libopenblas0-pthread python3-pytest
-  python3-venv python3-pip python3-setuptools python3-wheel) ;;
+  python3-venv python3-pip python3-setuptools python3-wheel python3-grpcio python3-protobuf
+  protobuf-compiler protobuf-compiler-grpc) ;;
 fuzz) packages+=(libcmocka-dev clang libclang-rt-dev) ;;
 *)
   echo "deps.sh: unknown task '$task' (build, test, demo, bench, fuzz)" >&2

@@ -1,0 +1,171 @@
+/* rpc: gRPC plumbing on the gRPC C core API (grpc/grpc.h), for the control
+ * plane. Messages are opaque bytes here; callers pack and unpack them with
+ * protobuf-c.
+ *
+ * Server. One completion queue, drained by one thread of ours that never
+ * runs a handler: it pushes each completed event onto a locked queue and
+ * wakes the libuv loop (uv_async_send); the loop drains the whole queue on
+ * each wakeup and advances each call's state machine (the call context is
+ * the tag). Handlers therefore run on the loop thread, with the daemon's
+ * state, and answer then or later (a rendezvous Get that waits, a Watch
+ * stream that sends for hours). Every rpc_call_* function must be called on
+ * the loop thread.
+ *
+ * Client. Blocking calls, thread-safe, from any thread but the loop's: each
+ * call has its own completion queue and a deadline. Server-streaming calls
+ * are read one message at a time, blocking, by one thread; another thread
+ * may cancel them.
+ *
+ * Status codes are grpc_status_code values (0 OK, 3 INVALID_ARGUMENT,
+ * 4 DEADLINE_EXCEEDED, 5 NOT_FOUND, 6 ALREADY_EXISTS, 9 FAILED_PRECONDITION,
+ * 14 UNAVAILABLE, ...); RPC_* below name the ones zerod uses. */
+#ifndef ZEROD_RPC_H
+#define ZEROD_RPC_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+enum {
+  RPC_OK = 0,
+  RPC_CANCELLED = 1,
+  RPC_UNKNOWN = 2,
+  RPC_INVALID_ARGUMENT = 3,
+  RPC_DEADLINE_EXCEEDED = 4,
+  RPC_NOT_FOUND = 5,
+  RPC_ALREADY_EXISTS = 6,
+  RPC_PERMISSION_DENIED = 7,
+  RPC_RESOURCE_EXHAUSTED = 8,
+  RPC_FAILED_PRECONDITION = 9,
+  RPC_ABORTED = 10,
+  RPC_OUT_OF_RANGE = 11,
+  RPC_UNIMPLEMENTED = 12,
+  RPC_INTERNAL = 13,
+  RPC_UNAVAILABLE = 14,
+  RPC_UNAUTHENTICATED = 16,
+};
+
+/* Largest message either side sends or accepts (requests over it fail
+ * with RESOURCE_EXHAUSTED before a handler sees them). */
+#define RPC_MAX_MESSAGE_BYTES (4u << 20)
+
+/* Returns the canonical name of a status code ("NOT_FOUND"), or "UNKNOWN". */
+const char *rpc_status_name(int code);
+
+/* ------------------------------------------------------------------------ */
+/* Server                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct rpc_server rpc_server;
+typedef struct rpc_call rpc_call;
+
+typedef enum rpc_kind { RPC_UNARY, RPC_SERVER_STREAM } rpc_kind;
+
+/* Called on the loop thread with the request message (valid only during the
+ * call). A unary handler must eventually call rpc_call_finish exactly once.
+ * A server-streaming handler sends with rpc_call_send and ends with
+ * rpc_call_finish. A call the client cancels (or whose deadline passes, or
+ * whose connection drops, or that the server's shutdown ends) gets its
+ * cancel callback, if set, once, on the loop thread; the handler must then
+ * still call rpc_call_finish (which is then a no-op that frees the call). */
+typedef void (*rpc_handler)(rpc_call *call, const uint8_t *request, size_t request_bytes,
+                            void *arg);
+typedef void (*rpc_cancel_cb)(rpc_call *call, void *arg);
+
+/* Creates a server that will listen on addr ("0.0.0.0:7070", "127.0.0.1:0"
+ * for any free port). Insecure credentials (TLS is a later issue).
+ * Returns 0 or a negative errno with a message in err. */
+int rpc_server_create(uv_loop_t *loop, const char *addr, rpc_server **out, char *err,
+                      size_t err_bytes);
+
+/* Registers a method by its full path ("/zerod.v1.Jobs/ListJobs"), before
+ * rpc_server_start. Calls to unregistered methods get UNIMPLEMENTED. */
+int rpc_server_add_method(rpc_server *s, const char *path, rpc_kind kind, rpc_handler handler,
+                          void *arg);
+
+/* Binds, starts the completion-queue thread and begins accepting calls.
+ * *port receives the bound port (useful with port 0). */
+int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes);
+
+/* Stops accepting calls, cancels every call in flight (their cancel
+ * callbacks run, on the loop thread, before this returns... see below),
+ * and calls done(arg) on the loop thread once every call has been finished
+ * and freed and the completion-queue thread has exited. The loop must keep
+ * running until then. After done, rpc_server_destroy frees the server. */
+void rpc_server_shutdown(rpc_server *s, void (*done)(void *arg), void *arg);
+void rpc_server_destroy(rpc_server *s);
+
+/* Unary: send the reply (status RPC_OK) or an error status with a message.
+ * Streaming: end the stream with a status (reply must be NULL). The reply
+ * bytes are copied. Frees the call once gRPC is done with it: call is
+ * invalid after this returns. */
+void rpc_call_finish(rpc_call *call, int status, const char *message, const void *reply,
+                     size_t reply_bytes);
+
+/* Streaming: queues one message (copied). Messages go out in order, one
+ * write in flight at a time. Returns 0, or -EPIPE once the call has been
+ * cancelled, or -ENOBUFS when more than 64 messages are queued (a client that
+ * does not read). */
+int rpc_call_send(rpc_call *call, const void *message, size_t message_bytes);
+
+void rpc_call_set_cancel(rpc_call *call, rpc_cancel_cb cb, void *arg);
+int rpc_call_cancelled(const rpc_call *call);
+
+/* Milliseconds until the call's deadline (INT64_MAX if the client set
+ * none; <= 0 if it has passed). */
+int64_t rpc_call_remaining_ms(const rpc_call *call);
+
+/* The peer's address as gRPC reports it ("ipv4:127.0.0.1:51234"). */
+const char *rpc_call_peer(const rpc_call *call);
+
+/* ------------------------------------------------------------------------ */
+/* Client                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct rpc_channel rpc_channel;
+
+/* target: "host:port" (insecure). Returns 0 or a negative errno. The channel
+ * connects lazily; every call may be made from any thread. */
+int rpc_channel_create(const char *target, rpc_channel **out, char *err, size_t err_bytes);
+void rpc_channel_destroy(rpc_channel *ch);
+
+/* The result of a call: status code, the server's message (or gRPC's own,
+ * e.g. "Deadline Exceeded", "failed to connect to all addresses"). */
+typedef struct rpc_result {
+  int status;
+  char message[512];
+} rpc_result;
+
+/* One unary call, blocking until the reply or timeout_ms (the call's
+ * deadline, sent to the server). On RPC_OK *reply is a malloc'd buffer
+ * (caller frees; may be NULL when reply_bytes is 0). Returns the status
+ * (also in result->status). */
+int rpc_unary(rpc_channel *ch, const char *method, const void *request, size_t request_bytes,
+              int timeout_ms, uint8_t **reply, size_t *reply_bytes, rpc_result *result);
+
+typedef struct rpc_stream rpc_stream;
+
+/* Starts a server-streaming call. timeout_ms <= 0: no deadline. Returns 0
+ * or a negative errno (the call's status, if it failed at once, comes from
+ * rpc_stream_read). */
+int rpc_stream_open(rpc_channel *ch, const char *method, const void *request, size_t request_bytes,
+                    int timeout_ms, rpc_stream **out);
+
+/* Blocks for the next message: returns 1 with a malloc'd *message, or 0 at
+ * the end of the stream with the final status in *result (RPC_OK for a
+ * clean end, RPC_CANCELLED after rpc_stream_cancel, RPC_UNAVAILABLE when
+ * the server went away, ...). */
+int rpc_stream_read(rpc_stream *st, uint8_t **message, size_t *message_bytes, rpc_result *result);
+
+/* From any thread: makes a blocked or later rpc_stream_read return 0 with
+ * RPC_CANCELLED. */
+void rpc_stream_cancel(rpc_stream *st);
+
+/* Frees the stream (cancelling it first if it has not ended). Not while
+ * another thread is in rpc_stream_read. */
+void rpc_stream_close(rpc_stream *st);
+
+/* gRPC's library init/shutdown are reference counted by rpc_server_create/
+ * rpc_channel_create and their destroy functions; nothing to call. */
+
+#endif /* ZEROD_RPC_H */
