@@ -1,0 +1,58 @@
+/* coord: the coordinator (ARCHITECTURE §1, §5) - membership, jobs, the
+ * rendezvous KV and health, served over gRPC (rpc.h).
+ *
+ * Everything here runs on the loop thread: the gRPC handlers are called
+ * there (rpc.h), and the lease sweep is a uv_timer on the same loop.
+ *
+ * State:
+ *  - Members (soft state): node info, session id, lease deadline. A node
+ *    joins, renews its lease with Heartbeat, and leaves with Leave or by
+ *    missing its lease; each change bumps the view epoch and is pushed to
+ *    every Watch stream. A duplicate live name is refused (ALREADY_EXISTS).
+ *  - Jobs (durable, in --state-dir/coordinator.pb, written atomically):
+ *    name, id, token, config, placement (nodes and their ranks), quotas.
+ *    Their state (creating, ready, degraded, deleting) and reason are
+ *    derived from the members and the nodes' heartbeat reports.
+ *  - Rendezvous KV (soft state): (job, epoch, key) -> bytes, with Gets that
+ *    wait until the key is set or their deadline passes.
+ * After a restart the jobs come back from the state file; the members come
+ * back as their nodes re-join (a Heartbeat from an unknown session answers
+ * NOT_FOUND, which tells the node to join again). */
+#ifndef ZEROD_COORD_H
+#define ZEROD_COORD_H
+
+#include <limits.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "rpc.h"
+
+typedef struct coord coord;
+
+typedef struct coord_options {
+  char state_dir[PATH_MAX]; /* created if missing; holds coordinator.pb */
+  int lease_ttl_ms;         /* a node that does not renew within this leaves */
+} coord_options;
+
+/* Loads the state directory (creating it if needed) and starts the lease
+ * timer on loop. Returns 0 or a negative errno with a message in err (an
+ * unreadable or corrupt state file is an error, never silently dropped). */
+int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, char *err,
+                 size_t err_bytes);
+
+/* Registers the Cluster, Jobs, Rendezvous and grpc.health.v1.Health methods
+ * on a server that has not been started. */
+int coord_register(coord *c, rpc_server *server);
+
+/* Starts shutting down: health turns NOT_SERVING, every Watch stream ends
+ * with UNAVAILABLE ("coordinator shutting down") and waiting Gets with
+ * UNAVAILABLE, and the lease timer is closed. Call before
+ * rpc_server_shutdown. */
+void coord_shutdown(coord *c);
+
+/* Frees the coordinator, after coord_shutdown, once the server is done and
+ * the loop has run the timer's close callback. */
+void coord_destroy(coord *c);
+
+#endif /* ZEROD_COORD_H */
