@@ -1,1 +1,1392 @@
-/* placeholder: being written */
+/* rpc: gRPC plumbing on the gRPC C core API (see rpc.h for the contract).
+ *
+ * This file owns every grpc_* object zerod creates: the server, its
+ * completion queue and the thread that drains it, the per-call contexts
+ * and their byte buffers, slices and metadata arrays, and, on the client
+ * side, channels, per-call pluck queues and streams. Nothing outside this
+ * file includes grpc/grpc.h.
+ *
+ * Server threading. gRPC posts each finished batch to one completion queue.
+ * Our queue thread pops them and appends the tag (an rpc_tag embedded in a
+ * call context or in the server) to a locked intrusive list, then wakes the
+ * loop with uv_async_send. The loop takes the whole list on each wakeup and
+ * advances each call's state machine. Every grpc_call_start_batch and
+ * grpc_server_request_call is made on the loop thread, so a call's state
+ * needs no lock; only the list and the thread's exit flag are shared.
+ *
+ * Call lifetime. A call context lives while any batch it started is
+ * outstanding (its tag not yet handled on the loop), while a user callback
+ * runs, or while the handler owns it (handed to the handler and not yet
+ * finished). The last of these to end frees it, so a late completion never
+ * touches freed memory and the handler's pointer stays valid until
+ * rpc_call_finish. */
+#include "rpc.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/log.h>
+#include <grpc/support/time.h>
+
+#include "log.h"
+
+/* Bounds. Method paths are short ASCII names; a daemon serves a few dozen
+ * methods; status messages are one line for a human. */
+#define RPC_MAX_METHODS      64
+#define RPC_MAX_PATH_BYTES   256
+#define RPC_MAX_ADDR_BYTES   256
+#define RPC_MAX_STATUS_BYTES 1024
+#define RPC_MAX_QUEUED_SENDS 64
+/* Requests kept armed with grpc_server_request_call: gRPC holds calls that
+ * arrive with none armed in its own queue, so this only saves a loop
+ * wakeup per call under bursts. */
+#define RPC_ARMED_REQUESTS 4
+/* A client reconnects to a restarted daemon within this, instead of gRPC's
+ * default backoff that grows to two minutes. */
+#define RPC_MAX_RECONNECT_MS 5000
+/* Calls in flight on one server (armed requests included); more are
+ * answered RESOURCE_EXHAUSTED at once. Watch streams are long-lived, so
+ * this is far above what a cluster's workers and tools hold open. */
+#define RPC_MAX_CALLS 4096
+
+static const char *const status_names[] = {
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+};
+
+const char *rpc_status_name(int code) {
+  if (code < 0 || (size_t)code >= sizeof(status_names) / sizeof(status_names[0]))
+    return "UNKNOWN";
+  return status_names[code];
+}
+
+/* ------------------------------------------------------------------------ */
+/* gRPC's own log lines                                                     */
+/* ------------------------------------------------------------------------ */
+
+/* gRPC logs through gpr_log (to stderr in its own format, from its own
+ * threads); send those lines through log.h instead, so the daemon's
+ * stderr stays logfmt. */
+static void grpc_log_to_logfmt(gpr_log_func_args *args) {
+  log_level level = LOG_DEBUG;
+  if (args->severity == GPR_LOG_SEVERITY_ERROR)
+    level = LOG_ERROR;
+  else if (args->severity == GPR_LOG_SEVERITY_INFO)
+    level = LOG_INFO;
+  const char *file = args->file != NULL ? strrchr(args->file, '/') : NULL;
+  file = file != NULL ? file + 1 : (args->file != NULL ? args->file : "?");
+  char quoted[512];
+  log_event(level, "grpc", "source=%s:%d detail=%s", file, args->line,
+            log_quote(args->message != NULL ? args->message : "", quoted, sizeof quoted));
+}
+
+static pthread_once_t grpc_log_once = PTHREAD_ONCE_INIT;
+
+static void grpc_log_install(void) {
+  gpr_set_log_function(grpc_log_to_logfmt);
+}
+
+/* grpc_init with gRPC's logging routed to log.h (set once per process). */
+static void grpc_init_logged(void) {
+  pthread_once(&grpc_log_once, grpc_log_install);
+  grpc_init();
+}
+
+/* ------------------------------------------------------------------------ */
+/* Messages                                                                 */
+/* ------------------------------------------------------------------------ */
+
+/* Returns a new byte buffer holding a copy of bytes (the caller destroys
+ * it). gRPC aborts rather than fail on allocation. */
+static grpc_byte_buffer *buffer_from_bytes(const void *bytes, size_t n_bytes) {
+  grpc_slice slice = grpc_slice_from_copied_buffer(n_bytes > 0 ? bytes : "", n_bytes);
+  grpc_byte_buffer *buffer = grpc_raw_byte_buffer_create(&slice, 1);
+  grpc_slice_unref(slice); /* the buffer holds its own reference */
+  return buffer;
+}
+
+/* Flattens buffer into one slice (*out, which the caller unrefs). Returns 0,
+ * -EPROTO when gRPC cannot read it (a bad compressed payload), or -EMSGSIZE
+ * when it is over the limit (gRPC enforces the limit first; this is the
+ * belt to its braces). */
+static int buffer_flatten(grpc_byte_buffer *buffer, grpc_slice *out) {
+  grpc_byte_buffer_reader reader;
+  if (!grpc_byte_buffer_reader_init(&reader, buffer))
+    return -EPROTO;
+  *out = grpc_byte_buffer_reader_readall(&reader);
+  grpc_byte_buffer_reader_destroy(&reader);
+  if (GRPC_SLICE_LENGTH(*out) > RPC_MAX_MESSAGE_BYTES) {
+    grpc_slice_unref(*out);
+    return -EMSGSIZE;
+  }
+  return 0;
+}
+
+/* Copies buffer into a malloc'd array (NULL for an empty message). */
+static int buffer_to_malloc(grpc_byte_buffer *buffer, uint8_t **out, size_t *out_bytes) {
+  grpc_slice flat;
+  int rc = buffer_flatten(buffer, &flat);
+  if (rc < 0)
+    return rc;
+  size_t n_bytes = GRPC_SLICE_LENGTH(flat);
+  uint8_t *copy = NULL;
+  if (n_bytes > 0) {
+    copy = malloc(n_bytes);
+    if (copy == NULL) {
+      grpc_slice_unref(flat);
+      return -ENOMEM;
+    }
+    memcpy(copy, GRPC_SLICE_START_PTR(flat), n_bytes);
+  }
+  grpc_slice_unref(flat);
+  *out = copy;
+  *out_bytes = n_bytes;
+  return 0;
+}
+
+/* Builds the channel args both sides share; args points into arg_storage. */
+static void message_limit_args(grpc_arg *arg_storage, size_t *n_args) {
+  arg_storage[0].type = GRPC_ARG_INTEGER;
+  arg_storage[0].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+  arg_storage[0].value.integer = (int)RPC_MAX_MESSAGE_BYTES;
+  arg_storage[1].type = GRPC_ARG_INTEGER;
+  arg_storage[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+  arg_storage[1].value.integer = (int)RPC_MAX_MESSAGE_BYTES;
+  *n_args = 2;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Server: types                                                            */
+/* ------------------------------------------------------------------------ */
+
+typedef enum tag_kind {
+  TAG_NEW_CALL, /* grpc_server_request_call matched (or failed at shutdown) */
+  TAG_REQUEST,  /* RECV_MESSAGE of the request */
+  TAG_CLOSE,    /* RECV_CLOSE_ON_SERVER: the call is over on the wire */
+  TAG_WRITE,    /* one streamed SEND_MESSAGE */
+  TAG_STATUS,   /* SEND_STATUS_FROM_SERVER (with the unary reply) */
+  TAG_SHUTDOWN, /* grpc_server_shutdown_and_notify */
+} tag_kind;
+
+/* A completion-queue tag. Each batch kind has its own tag, and at most one
+ * batch of a kind is outstanding per call, so a tag is never in the event
+ * list twice and the list needs no allocation. */
+typedef struct rpc_tag {
+  tag_kind kind;
+  int success;          /* set by the queue thread, under the server lock */
+  struct rpc_tag *next; /* in the server's event list, under the lock */
+  rpc_call *call;       /* NULL for TAG_SHUTDOWN */
+} rpc_tag;
+
+typedef struct rpc_method {
+  char path[RPC_MAX_PATH_BYTES];
+  size_t path_bytes;
+  rpc_kind kind;
+  rpc_handler handler;
+  void *arg;
+} rpc_method;
+
+typedef enum server_state {
+  SERVER_CREATED,    /* methods may be added; not listening */
+  SERVER_RUNNING,    /* accepting calls */
+  SERVER_DRAINING,   /* shutdown asked: waiting for gRPC's tag and our calls */
+  SERVER_CQ_CLOSING, /* server destroyed, queue shut down: waiting for thread */
+  SERVER_CLOSING,    /* thread joined: waiting for the async handle to close */
+  SERVER_DONE,       /* done() called; only rpc_server_destroy is left */
+} server_state;
+
+struct rpc_server {
+  uv_loop_t *loop;
+  char addr[RPC_MAX_ADDR_BYTES];
+  rpc_method methods[RPC_MAX_METHODS];
+  unsigned method_count;
+  server_state state;
+
+  grpc_server *server;
+  grpc_completion_queue *cq;
+  uv_thread_t cq_thread;
+  /* On the heap, not in the struct: when start fails, the handle is closed
+   * and its close callback frees it, whether or not the caller has freed
+   * the server by then. */
+  uv_async_t *wakeup;
+
+  /* Shared with the queue thread. */
+  uv_mutex_t lock;
+  rpc_tag *events_head;
+  rpc_tag *events_tail;
+  int cq_thread_exited;
+
+  /* Loop thread only. */
+  rpc_tag shutdown_tag;
+  int shutdown_notified;
+  unsigned live_calls; /* call contexts allocated, armed requests included */
+  int in_wakeup;       /* draining events: defer shutdown progress to the end */
+  void (*done)(void *arg);
+  void *done_arg;
+};
+
+struct rpc_call {
+  rpc_server *server;
+  grpc_call *call;
+  grpc_call_details details;
+  grpc_metadata_array request_metadata;
+  const rpc_method *method; /* NULL: unknown method */
+  char *peer;               /* gpr_malloc'd by gRPC */
+  gpr_timespec deadline;    /* monotonic; tv_sec INT64_MAX when none */
+
+  rpc_tag tag_new, tag_request, tag_close, tag_write, tag_status;
+  unsigned outstanding; /* batches started whose tag is not yet handled */
+  unsigned busy;        /* user callbacks running on the stack */
+
+  grpc_byte_buffer *request; /* RECV_MESSAGE's out-parameter */
+  int close_cancelled;       /* RECV_CLOSE_ON_SERVER's out-parameter */
+
+  unsigned handed : 1;          /* the handler got the call */
+  unsigned finished : 1;        /* rpc_call_finish was called */
+  unsigned cancelled : 1;       /* the call is dead on the wire */
+  unsigned cancel_notified : 1; /* cancel_cb ran (or never will) */
+  unsigned metadata_sent : 1;   /* SEND_INITIAL_METADATA started */
+  unsigned status_pending : 1;  /* finished: send the status after writes */
+  unsigned status_started : 1;
+
+  rpc_cancel_cb cancel_cb;
+  void *cancel_arg;
+
+  /* The status to send, and the unary reply with it. */
+  grpc_status_code status;
+  grpc_slice status_details;
+  int has_status_details;
+  grpc_byte_buffer *reply;
+
+  /* Streamed messages: one in flight, up to RPC_MAX_QUEUED_SENDS waiting. */
+  grpc_byte_buffer *write_in_flight;
+  grpc_byte_buffer *write_queue[RPC_MAX_QUEUED_SENDS];
+  unsigned write_head;
+  unsigned write_count;
+};
+
+static void server_advance_shutdown(rpc_server *s);
+
+/* ------------------------------------------------------------------------ */
+/* Server: call contexts                                                    */
+/* ------------------------------------------------------------------------ */
+
+static void tag_init(rpc_tag *tag, tag_kind kind, rpc_call *call) {
+  tag->kind = kind;
+  tag->success = 0;
+  tag->next = NULL;
+  tag->call = call;
+}
+
+static void call_drop_writes(rpc_call *call) {
+  while (call->write_count > 0) {
+    grpc_byte_buffer_destroy(call->write_queue[call->write_head]);
+    call->write_queue[call->write_head] = NULL;
+    call->write_head = (call->write_head + 1) % RPC_MAX_QUEUED_SENDS;
+    call->write_count--;
+  }
+}
+
+static void call_free(rpc_call *call) {
+  rpc_server *s = call->server;
+
+  if (call->call != NULL)
+    grpc_call_unref(call->call);
+  grpc_call_details_destroy(&call->details);
+  grpc_metadata_array_destroy(&call->request_metadata);
+  if (call->peer != NULL)
+    gpr_free(call->peer);
+  if (call->request != NULL)
+    grpc_byte_buffer_destroy(call->request);
+  if (call->reply != NULL)
+    grpc_byte_buffer_destroy(call->reply);
+  if (call->write_in_flight != NULL)
+    grpc_byte_buffer_destroy(call->write_in_flight);
+  call_drop_writes(call);
+  if (call->has_status_details)
+    grpc_slice_unref(call->status_details);
+  free(call);
+
+  s->live_calls--;
+  if (!s->in_wakeup)
+    server_advance_shutdown(s);
+}
+
+/* Frees the call once nothing can touch it any more (see the file comment). */
+static void call_maybe_free(rpc_call *call) {
+  if (call->outstanding > 0 || call->busy > 0)
+    return;
+  if (call->handed && !call->finished)
+    return;
+  call_free(call);
+}
+
+/* Starts a batch; on success the tag will come back through the loop. */
+static int call_start_batch(rpc_call *call, const grpc_op *ops, size_t n_ops, rpc_tag *tag) {
+  grpc_call_error err = grpc_call_start_batch(call->call, ops, n_ops, tag, NULL);
+  if (err != GRPC_CALL_OK) {
+    LOG_ERRORF("rpc batch refused", "error=%s kind=%d", grpc_call_error_to_string(err),
+               (int)tag->kind);
+    return -EIO;
+  }
+  call->outstanding++;
+  return 0;
+}
+
+/* The call is dead on the wire: drop what was waiting to be sent and tell
+ * the handler, once, if it still owns the call. */
+static void call_mark_cancelled(rpc_call *call) {
+  call->cancelled = 1;
+  call->status_pending = 0;
+  call_drop_writes(call);
+  if (call->handed && !call->finished && !call->cancel_notified) {
+    call->cancel_notified = 1;
+    if (call->cancel_cb != NULL) {
+      call->busy++;
+      call->cancel_cb(call, call->cancel_arg);
+      call->busy--;
+    }
+  }
+}
+
+/* Sends the status (with initial metadata if none went out, and the unary
+ * reply). A refused batch leaves no way to end the call cleanly, so it is
+ * cancelled: RECV_CLOSE then completes and frees it. */
+static void call_send_status(rpc_call *call) {
+  grpc_op ops[3];
+  size_t n_ops = 0;
+
+  memset(ops, 0, sizeof ops);
+  if (!call->metadata_sent) {
+    ops[n_ops].op = GRPC_OP_SEND_INITIAL_METADATA;
+    n_ops++;
+  }
+  if (call->reply != NULL) {
+    ops[n_ops].op = GRPC_OP_SEND_MESSAGE;
+    ops[n_ops].data.send_message.send_message = call->reply;
+    n_ops++;
+  }
+  ops[n_ops].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  ops[n_ops].data.send_status_from_server.status = call->status;
+  ops[n_ops].data.send_status_from_server.status_details =
+      call->has_status_details ? &call->status_details : NULL;
+  n_ops++;
+
+  call->status_pending = 0;
+  if (call_start_batch(call, ops, n_ops, &call->tag_status) == 0) {
+    call->metadata_sent = 1;
+    call->status_started = 1;
+  } else {
+    grpc_call_cancel(call->call, NULL);
+  }
+}
+
+/* Starts the next queued write, or the status once the queue has drained. */
+static void call_pump_writes(rpc_call *call) {
+  if (call->cancelled || call->write_in_flight != NULL)
+    return;
+  if (call->write_count == 0) {
+    if (call->status_pending)
+      call_send_status(call);
+    return;
+  }
+
+  grpc_op ops[2];
+  size_t n_ops = 0;
+  grpc_byte_buffer *message = call->write_queue[call->write_head];
+
+  memset(ops, 0, sizeof ops);
+  if (!call->metadata_sent) {
+    ops[n_ops].op = GRPC_OP_SEND_INITIAL_METADATA;
+    n_ops++;
+  }
+  ops[n_ops].op = GRPC_OP_SEND_MESSAGE;
+  ops[n_ops].data.send_message.send_message = message;
+  n_ops++;
+
+  if (call_start_batch(call, ops, n_ops, &call->tag_write) < 0) {
+    grpc_call_cancel(call->call, NULL); /* RECV_CLOSE reports it */
+    return;
+  }
+  call->metadata_sent = 1;
+  call->write_queue[call->write_head] = NULL;
+  call->write_head = (call->write_head + 1) % RPC_MAX_QUEUED_SENDS;
+  call->write_count--;
+  call->write_in_flight = message;
+}
+
+/* Records the status to send when the writes have drained. */
+static void call_set_status(rpc_call *call, int status, const char *message) {
+  if (status < 0 || status > RPC_UNAUTHENTICATED)
+    status = RPC_UNKNOWN;
+  call->status = (grpc_status_code)status;
+  if (message != NULL && message[0] != '\0') {
+    call->status_details =
+        grpc_slice_from_copied_buffer(message, strnlen(message, RPC_MAX_STATUS_BYTES));
+    call->has_status_details = 1;
+  }
+  call->status_pending = 1;
+}
+
+static int server_arm_request(rpc_server *s) {
+  rpc_call *call = calloc(1, sizeof(*call));
+  if (call == NULL)
+    return -ENOMEM;
+  call->server = s;
+  grpc_call_details_init(&call->details);
+  grpc_metadata_array_init(&call->request_metadata);
+  tag_init(&call->tag_new, TAG_NEW_CALL, call);
+  tag_init(&call->tag_request, TAG_REQUEST, call);
+  tag_init(&call->tag_close, TAG_CLOSE, call);
+  tag_init(&call->tag_write, TAG_WRITE, call);
+  tag_init(&call->tag_status, TAG_STATUS, call);
+  s->live_calls++;
+
+  grpc_call_error err =
+      grpc_server_request_call(s->server, &call->call, &call->details, &call->request_metadata,
+                               s->cq, s->cq, &call->tag_new);
+  if (err != GRPC_CALL_OK) {
+    LOG_ERRORF("rpc request_call refused", "error=%s", grpc_call_error_to_string(err));
+    call_free(call);
+    return -EIO;
+  }
+  call->outstanding = 1;
+  return 0;
+}
+
+static const rpc_method *server_find_method(const rpc_server *s, grpc_slice path) {
+  size_t n_bytes = GRPC_SLICE_LENGTH(path);
+  for (unsigned i = 0; i < s->method_count; i++) {
+    const rpc_method *m = &s->methods[i];
+    if (m->path_bytes == n_bytes && memcmp(m->path, GRPC_SLICE_START_PTR(path), n_bytes) == 0)
+      return m;
+  }
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Server: events                                                           */
+/* ------------------------------------------------------------------------ */
+
+static void on_new_call(rpc_call *call, int success) {
+  rpc_server *s = call->server;
+
+  call->outstanding--;
+  if (!success || call->call == NULL) {
+    /* Pending requests fail this way when the server shuts down. */
+    if (s->state == SERVER_RUNNING)
+      LOG_WARNF("rpc request_call failed", "addr=%s", s->addr);
+    call_free(call);
+    return;
+  }
+  if (s->state == SERVER_RUNNING && server_arm_request(s) < 0)
+    LOG_ERRORF("rpc cannot re-arm request_call", "addr=%s armed_less_one=1", s->addr);
+
+  call->peer = grpc_call_get_peer(call->call);
+  gpr_timespec deadline = call->details.deadline;
+  if (deadline.tv_sec == INT64_MAX)
+    call->deadline = gpr_inf_future(GPR_CLOCK_MONOTONIC);
+  else
+    call->deadline = gpr_convert_clock_type(deadline, GPR_CLOCK_MONOTONIC);
+  call->method = server_find_method(s, call->details.method);
+
+  /* RECV_CLOSE_ON_SERVER goes first and alone: it completes when the call
+   * ends for any reason, which is how a cancellation is noticed while the
+   * handler is still working. */
+  grpc_op close_op;
+  memset(&close_op, 0, sizeof close_op);
+  close_op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  close_op.data.recv_close_on_server.cancelled = &call->close_cancelled;
+  if (call_start_batch(call, &close_op, 1, &call->tag_close) < 0) {
+    grpc_call_cancel(call->call, NULL);
+    call_maybe_free(call);
+    return;
+  }
+
+  if (s->state != SERVER_RUNNING) {
+    /* Matched just before shutdown began: end it like the others. */
+    grpc_call_cancel(call->call, NULL);
+    return;
+  }
+
+  if (s->live_calls > RPC_MAX_CALLS) {
+    char message[96];
+    snprintf(message, sizeof message, "server busy: %u calls in flight", s->live_calls);
+    LOG_WARNF("rpc call refused", "reason=busy calls=%u limit=%d", s->live_calls, RPC_MAX_CALLS);
+    call_set_status(call, RPC_RESOURCE_EXHAUSTED, message);
+    call_send_status(call);
+    return;
+  }
+
+  if (call->method == NULL) {
+    char message[RPC_MAX_PATH_BYTES + 32];
+    snprintf(message, sizeof message, "unknown method %.*s",
+             (int)(GRPC_SLICE_LENGTH(call->details.method) < RPC_MAX_PATH_BYTES
+                       ? GRPC_SLICE_LENGTH(call->details.method)
+                       : RPC_MAX_PATH_BYTES),
+             (const char *)GRPC_SLICE_START_PTR(call->details.method));
+    call_set_status(call, RPC_UNIMPLEMENTED, message);
+    call_send_status(call);
+    return;
+  }
+
+  grpc_op recv_op;
+  memset(&recv_op, 0, sizeof recv_op);
+  recv_op.op = GRPC_OP_RECV_MESSAGE;
+  recv_op.data.recv_message.recv_message = &call->request;
+  if (call_start_batch(call, &recv_op, 1, &call->tag_request) < 0)
+    grpc_call_cancel(call->call, NULL);
+}
+
+static void on_request(rpc_call *call, int success) {
+  grpc_byte_buffer *request = call->request;
+
+  call->outstanding--;
+  call->request = NULL;
+  if (!success || call->cancelled) {
+    /* The call died before its request arrived; RECV_CLOSE will say so. */
+    if (request != NULL)
+      grpc_byte_buffer_destroy(request);
+    call_maybe_free(call);
+    return;
+  }
+  if (request == NULL) {
+    /* The client half-closed without a request message. */
+    call_set_status(call, RPC_INVALID_ARGUMENT, "request message missing");
+    call_send_status(call);
+    return;
+  }
+
+  grpc_slice flat;
+  int rc = buffer_flatten(request, &flat);
+  grpc_byte_buffer_destroy(request);
+  if (rc < 0) {
+    call_set_status(call, rc == -EMSGSIZE ? RPC_RESOURCE_EXHAUSTED : RPC_INTERNAL,
+                    "cannot read the request message");
+    call_send_status(call);
+    return;
+  }
+
+  call->handed = 1;
+  call->busy++;
+  call->method->handler(call, GRPC_SLICE_START_PTR(flat), GRPC_SLICE_LENGTH(flat),
+                        call->method->arg);
+  call->busy--;
+  grpc_slice_unref(flat);
+  call_maybe_free(call);
+}
+
+static void on_close(rpc_call *call, int success) {
+  call->outstanding--;
+  /* RECV_CLOSE_ON_SERVER always succeeds; cancelled says how it ended. */
+  if (call->close_cancelled && !call->cancelled)
+    call_mark_cancelled(call);
+  call_maybe_free(call);
+}
+
+static void on_write(rpc_call *call, int success) {
+  call->outstanding--;
+  if (call->write_in_flight != NULL) {
+    grpc_byte_buffer_destroy(call->write_in_flight);
+    call->write_in_flight = NULL;
+  }
+  if (!success) {
+    if (!call->cancelled)
+      call_mark_cancelled(call);
+  } else {
+    call_pump_writes(call);
+  }
+  call_maybe_free(call);
+}
+
+static void on_status(rpc_call *call, int success) {
+  call->outstanding--;
+  if (call->reply != NULL) {
+    grpc_byte_buffer_destroy(call->reply);
+    call->reply = NULL;
+  }
+  if (call->has_status_details) {
+    grpc_slice_unref(call->status_details);
+    call->has_status_details = 0;
+  }
+  call_maybe_free(call);
+}
+
+static void server_handle_event(rpc_server *s, rpc_tag *tag) {
+  switch (tag->kind) {
+  case TAG_SHUTDOWN:
+    s->shutdown_notified = 1;
+    break;
+  case TAG_NEW_CALL:
+    on_new_call(tag->call, tag->success);
+    break;
+  case TAG_REQUEST:
+    on_request(tag->call, tag->success);
+    break;
+  case TAG_CLOSE:
+    on_close(tag->call, tag->success);
+    break;
+  case TAG_WRITE:
+    on_write(tag->call, tag->success);
+    break;
+  case TAG_STATUS:
+    on_status(tag->call, tag->success);
+    break;
+  }
+}
+
+/* The loop side of the hand-off: takes every queued event at once. */
+static void on_wakeup(uv_async_t *handle) {
+  rpc_server *s = handle->data;
+
+  uv_mutex_lock(&s->lock);
+  rpc_tag *tag = s->events_head;
+  s->events_head = NULL;
+  s->events_tail = NULL;
+  uv_mutex_unlock(&s->lock);
+
+  s->in_wakeup = 1;
+  while (tag != NULL) {
+    /* Read next first: handling the tag may free the call that holds it
+     * (never one that holds a later tag, which is still outstanding). */
+    rpc_tag *next = tag->next;
+    tag->next = NULL;
+    server_handle_event(s, tag);
+    tag = next;
+  }
+  s->in_wakeup = 0;
+  server_advance_shutdown(s);
+}
+
+/* The queue thread: never runs a handler, never touches a call. */
+static void cq_thread_main(void *arg) {
+  rpc_server *s = arg;
+
+  pthread_setname_np(pthread_self(), "zd-rpc-cq");
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN)
+      break;
+    if (ev.type != GRPC_OP_COMPLETE)
+      continue;
+    rpc_tag *tag = ev.tag;
+    uv_mutex_lock(&s->lock);
+    tag->success = ev.success;
+    tag->next = NULL;
+    if (s->events_tail != NULL)
+      s->events_tail->next = tag;
+    else
+      s->events_head = tag;
+    s->events_tail = tag;
+    uv_mutex_unlock(&s->lock);
+    uv_async_send(s->wakeup);
+  }
+  uv_mutex_lock(&s->lock);
+  s->cq_thread_exited = 1;
+  uv_mutex_unlock(&s->lock);
+  uv_async_send(s->wakeup);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Server: lifecycle                                                        */
+/* ------------------------------------------------------------------------ */
+
+static void on_wakeup_closed(uv_handle_t *handle) {
+  rpc_server *s = handle->data;
+
+  free(handle);
+  if (s == NULL)
+    return; /* a failed start: the server may be gone already */
+  s->wakeup = NULL;
+  s->state = SERVER_DONE;
+  LOG_INFOF("rpc server stopped", "addr=%s", s->addr);
+  if (s->done != NULL)
+    s->done(s->done_arg); /* may destroy s */
+}
+
+/* Moves shutdown along as far as it can go now. The order is gRPC's:
+ * every call and request finished and the shutdown tag seen, then the
+ * server destroyed, then the queue shut down and drained by the thread,
+ * then the thread joined and the queue destroyed. */
+static void server_advance_shutdown(rpc_server *s) {
+  if (s->state == SERVER_DRAINING && s->shutdown_notified && s->live_calls == 0) {
+    grpc_server_destroy(s->server);
+    s->server = NULL;
+    grpc_completion_queue_shutdown(s->cq);
+    s->state = SERVER_CQ_CLOSING;
+  }
+  if (s->state == SERVER_CQ_CLOSING) {
+    uv_mutex_lock(&s->lock);
+    int exited = s->cq_thread_exited;
+    uv_mutex_unlock(&s->lock);
+    if (!exited)
+      return; /* its last uv_async_send will bring us back */
+    /* The thread has set the flag and is returning: this join is short. */
+    uv_thread_join(&s->cq_thread);
+    grpc_completion_queue_destroy(s->cq);
+    s->cq = NULL;
+    s->state = SERVER_CLOSING;
+    uv_close((uv_handle_t *)s->wakeup, on_wakeup_closed);
+  }
+}
+
+int rpc_server_create(uv_loop_t *loop, const char *addr, rpc_server **out, char *err,
+                      size_t err_bytes) {
+  *out = NULL;
+  if (loop == NULL || addr == NULL || addr[0] == '\0') {
+    snprintf(err, err_bytes, "rpc server: no loop or address");
+    return -EINVAL;
+  }
+  if (strlen(addr) >= RPC_MAX_ADDR_BYTES) {
+    snprintf(err, err_bytes, "rpc server: address longer than %d bytes", RPC_MAX_ADDR_BYTES - 1);
+    return -ENAMETOOLONG;
+  }
+  rpc_server *s = calloc(1, sizeof(*s));
+  if (s == NULL) {
+    snprintf(err, err_bytes, "rpc server: out of memory");
+    return -ENOMEM;
+  }
+  if (uv_mutex_init(&s->lock) != 0) {
+    free(s);
+    snprintf(err, err_bytes, "rpc server: cannot create a mutex");
+    return -ENOMEM;
+  }
+  s->loop = loop;
+  memcpy(s->addr, addr, strlen(addr) + 1);
+  s->state = SERVER_CREATED;
+  tag_init(&s->shutdown_tag, TAG_SHUTDOWN, NULL);
+  grpc_init_logged(); /* balanced in rpc_server_destroy */
+  *out = s;
+  return 0;
+}
+
+int rpc_server_add_method(rpc_server *s, const char *path, rpc_kind kind, rpc_handler handler,
+                          void *arg) {
+  if (s == NULL || path == NULL || handler == NULL || path[0] != '/')
+    return -EINVAL;
+  if (kind != RPC_UNARY && kind != RPC_SERVER_STREAM)
+    return -EINVAL;
+  if (s->state != SERVER_CREATED)
+    return -EBUSY;
+  size_t path_bytes = strlen(path);
+  if (path_bytes >= RPC_MAX_PATH_BYTES)
+    return -ENAMETOOLONG;
+  for (unsigned i = 0; i < s->method_count; i++) {
+    if (s->methods[i].path_bytes == path_bytes && memcmp(s->methods[i].path, path, path_bytes) == 0)
+      return -EEXIST;
+  }
+  if (s->method_count == RPC_MAX_METHODS)
+    return -ENOSPC;
+  rpc_method *m = &s->methods[s->method_count++];
+  memcpy(m->path, path, path_bytes + 1);
+  m->path_bytes = path_bytes;
+  m->kind = kind;
+  m->handler = handler;
+  m->arg = arg;
+  return 0;
+}
+
+int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes) {
+  int rc;
+
+  if (s == NULL) {
+    snprintf(err, err_bytes, "rpc server: NULL");
+    return -EINVAL;
+  }
+  if (s->state != SERVER_CREATED) {
+    snprintf(err, err_bytes, "rpc server %s: already started", s->addr);
+    return -EBUSY;
+  }
+
+  /* The queue, the wakeup handle and the thread come first, so that the
+   * only failure once the server is bound is none at all: gRPC refuses to
+   * destroy a server with listeners that was never shut down. */
+  s->wakeup = malloc(sizeof(*s->wakeup));
+  if (s->wakeup == NULL) {
+    snprintf(err, err_bytes, "rpc server %s: out of memory", s->addr);
+    return -ENOMEM;
+  }
+  rc = uv_async_init(s->loop, s->wakeup, on_wakeup);
+  if (rc < 0) {
+    free(s->wakeup);
+    s->wakeup = NULL;
+    snprintf(err, err_bytes, "rpc server %s: uv_async_init: %s", s->addr, uv_strerror(rc));
+    return rc;
+  }
+  s->wakeup->data = s;
+  s->cq = grpc_completion_queue_create_for_next(NULL);
+  s->cq_thread_exited = 0;
+  rc = uv_thread_create(&s->cq_thread, cq_thread_main, s);
+  if (rc < 0) {
+    snprintf(err, err_bytes, "rpc server %s: cannot start its thread: %s", s->addr,
+             uv_strerror(rc));
+    grpc_completion_queue_shutdown(s->cq);
+    grpc_event ev;
+    do {
+      ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    } while (ev.type != GRPC_QUEUE_SHUTDOWN);
+    goto fail_thread_not_started;
+  }
+
+  grpc_arg args[3];
+  size_t n_args;
+  message_limit_args(args, &n_args);
+  /* Without this, a second daemon on the same port would bind too and
+   * steal half the connections. */
+  args[n_args].type = GRPC_ARG_INTEGER;
+  args[n_args].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
+  args[n_args].value.integer = 0;
+  n_args++;
+  grpc_channel_args channel_args = {.num_args = n_args, .args = args};
+
+  s->server = grpc_server_create(&channel_args, NULL);
+  grpc_server_register_completion_queue(s->server, s->cq, NULL);
+  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  int bound_port = grpc_server_add_http2_port(s->server, s->addr, creds);
+  grpc_server_credentials_release(creds);
+  if (bound_port == 0) {
+    snprintf(err, err_bytes, "rpc server: cannot listen on %s (in use, or a bad address)", s->addr);
+    rc = -EADDRINUSE;
+    goto fail_thread_started;
+  }
+
+  grpc_server_start(s->server);
+  s->state = SERVER_RUNNING;
+  for (int i = 0; i < RPC_ARMED_REQUESTS; i++) {
+    if (server_arm_request(s) < 0 && i == 0) {
+      /* No armed request would make a server that never answers. Shut it
+       * down properly; the caller's shutdown and destroy then complete. */
+      snprintf(err, err_bytes, "rpc server %s: cannot request calls", s->addr);
+      rpc_server_shutdown(s, NULL, NULL);
+      return -EIO;
+    }
+  }
+  if (port != NULL)
+    *port = bound_port;
+  LOG_INFOF("rpc server listening", "addr=%s port=%d methods=%u", s->addr, bound_port,
+            s->method_count);
+  return 0;
+
+fail_thread_started:
+  grpc_server_destroy(s->server); /* no listener was added */
+  s->server = NULL;
+  grpc_completion_queue_shutdown(s->cq);
+  uv_thread_join(&s->cq_thread);
+fail_thread_not_started:
+  grpc_completion_queue_destroy(s->cq);
+  s->cq = NULL;
+  s->cq_thread_exited = 0;
+  s->wakeup->data = NULL;
+  uv_close((uv_handle_t *)s->wakeup, on_wakeup_closed);
+  s->wakeup = NULL;
+  return rc;
+}
+
+void rpc_server_shutdown(rpc_server *s, void (*done)(void *arg), void *arg) {
+  if (s == NULL)
+    return;
+  switch (s->state) {
+  case SERVER_CREATED:
+    /* Never started: nothing to wait for. */
+    s->state = SERVER_DONE;
+    if (done != NULL)
+      done(arg);
+    return;
+  case SERVER_RUNNING:
+    s->done = done;
+    s->done_arg = arg;
+    s->state = SERVER_DRAINING;
+    LOG_INFOF("rpc server shutting down", "addr=%s calls=%u", s->addr, s->live_calls);
+    grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
+    grpc_server_cancel_all_calls(s->server);
+    return;
+  case SERVER_DONE:
+    if (done != NULL)
+      done(arg);
+    return;
+  default:
+    if (s->done == NULL) {
+      /* Shut down by a start that failed after binding (see rpc.h). */
+      s->done = done;
+      s->done_arg = arg;
+      return;
+    }
+    LOG_WARNF("rpc server shutdown called twice", "addr=%s", s->addr);
+    return;
+  }
+}
+
+void rpc_server_destroy(rpc_server *s) {
+  if (s == NULL)
+    return;
+  if (s->state != SERVER_CREATED && s->state != SERVER_DONE) {
+    /* Freeing it now would free memory the queue thread and gRPC still
+     * use; leaking it is the lesser harm. */
+    LOG_ERRORF("rpc server destroyed before its shutdown finished; leaking it", "addr=%s", s->addr);
+    return;
+  }
+  uv_mutex_destroy(&s->lock);
+  free(s);
+  grpc_shutdown(); /* balances rpc_server_create */
+}
+
+/* ------------------------------------------------------------------------ */
+/* Server: calls                                                            */
+/* ------------------------------------------------------------------------ */
+
+void rpc_call_finish(rpc_call *call, int status, const char *message, const void *reply,
+                     size_t reply_bytes) {
+  if (call == NULL)
+    return;
+  if (call->finished) {
+    LOG_ERRORF("rpc call finished twice", "method=%s", call->method->path);
+    return;
+  }
+  call->finished = 1;
+  if (call->cancelled) {
+    call_maybe_free(call);
+    return;
+  }
+
+  if (call->method->kind == RPC_UNARY && status == RPC_OK) {
+    if (reply_bytes > RPC_MAX_MESSAGE_BYTES) {
+      char text[128];
+      snprintf(text, sizeof text, "reply of %zu bytes exceeds the %u-byte limit", reply_bytes,
+               RPC_MAX_MESSAGE_BYTES);
+      LOG_WARNF("rpc reply too large", "method=%s reply_bytes=%zu limit=%u", call->method->path,
+                reply_bytes, RPC_MAX_MESSAGE_BYTES);
+      call_set_status(call, RPC_RESOURCE_EXHAUSTED, text);
+    } else if (reply == NULL && reply_bytes > 0) {
+      call_set_status(call, RPC_INTERNAL, "reply missing");
+    } else {
+      call->reply = buffer_from_bytes(reply, reply_bytes);
+      call_set_status(call, RPC_OK, message);
+    }
+  } else {
+    if (reply != NULL && call->method->kind == RPC_SERVER_STREAM)
+      LOG_WARNF("rpc stream finished with a reply; dropped", "method=%s", call->method->path);
+    call_set_status(call, status, message);
+  }
+  call_pump_writes(call);
+  call_maybe_free(call);
+}
+
+int rpc_call_send(rpc_call *call, const void *message, size_t message_bytes) {
+  if (call == NULL || (message == NULL && message_bytes > 0))
+    return -EINVAL;
+  if (call->method->kind != RPC_SERVER_STREAM || call->finished)
+    return -EINVAL;
+  if (call->cancelled)
+    return -EPIPE;
+  if (message_bytes > RPC_MAX_MESSAGE_BYTES)
+    return -EMSGSIZE;
+  if (call->write_count == RPC_MAX_QUEUED_SENDS)
+    return -ENOBUFS;
+
+  unsigned slot = (call->write_head + call->write_count) % RPC_MAX_QUEUED_SENDS;
+  call->write_queue[slot] = buffer_from_bytes(message, message_bytes);
+  call->write_count++;
+  call_pump_writes(call);
+  return 0;
+}
+
+void rpc_call_set_cancel(rpc_call *call, rpc_cancel_cb cb, void *arg) {
+  if (call == NULL)
+    return;
+  call->cancel_cb = cb;
+  call->cancel_arg = arg;
+}
+
+int rpc_call_cancelled(const rpc_call *call) {
+  return call != NULL && call->cancelled;
+}
+
+int64_t rpc_call_remaining_ms(const rpc_call *call) {
+  if (call->deadline.tv_sec == INT64_MAX)
+    return INT64_MAX;
+  gpr_timespec left = gpr_time_sub(call->deadline, gpr_now(GPR_CLOCK_MONOTONIC));
+  return (int64_t)left.tv_sec * 1000 + left.tv_nsec / 1000000;
+}
+
+const char *rpc_call_peer(const rpc_call *call) {
+  return call->peer != NULL ? call->peer : "unknown";
+}
+
+/* ------------------------------------------------------------------------ */
+/* Client                                                                   */
+/* ------------------------------------------------------------------------ */
+
+struct rpc_channel {
+  grpc_channel *channel;
+};
+
+struct rpc_stream {
+  grpc_completion_queue *cq;
+  grpc_call *call; /* NULL when the stream failed before it began */
+  grpc_metadata_array initial_metadata;
+  grpc_metadata_array trailing_metadata;
+  grpc_status_code status;
+  grpc_slice status_details;
+  int start_pending;  /* the send batch's tag is not yet plucked */
+  int status_pending; /* RECV_STATUS_ON_CLIENT's tag is not yet plucked */
+  int read_tag;       /* address used as the RECV_MESSAGE tag */
+  int ended;
+  atomic_int cancel_requested;
+  rpc_result final;
+};
+
+static void result_set(rpc_result *result, int status, const char *message, size_t message_bytes) {
+  result->status = status;
+  if (message_bytes >= sizeof(result->message))
+    message_bytes = sizeof(result->message) - 1;
+  if (message_bytes > 0)
+    memcpy(result->message, message, message_bytes);
+  result->message[message_bytes] = '\0';
+}
+
+static void result_from_grpc(rpc_result *result, grpc_status_code status, grpc_slice details) {
+  size_t n_bytes = GRPC_SLICE_LENGTH(details);
+  if (n_bytes == 0 && status != GRPC_STATUS_OK) {
+    const char *name = rpc_status_name((int)status);
+    result_set(result, (int)status, name, strlen(name));
+  } else {
+    result_set(result, (int)status, (const char *)GRPC_SLICE_START_PTR(details), n_bytes);
+  }
+}
+
+static int method_valid(const char *method) {
+  return method != NULL && method[0] == '/' && strlen(method) < RPC_MAX_PATH_BYTES;
+}
+
+static gpr_timespec deadline_after(int timeout_ms) {
+  if (timeout_ms <= 0)
+    return gpr_inf_future(GPR_CLOCK_MONOTONIC);
+  return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+}
+
+/* Shuts down a pluck queue whose tags have all been plucked, drains it and
+ * destroys it. */
+static void pluck_queue_destroy(grpc_completion_queue *cq) {
+  grpc_completion_queue_shutdown(cq);
+  grpc_event ev;
+  do {
+    ev = grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  } while (ev.type != GRPC_QUEUE_SHUTDOWN);
+  grpc_completion_queue_destroy(cq);
+}
+
+int rpc_channel_create(const char *target, rpc_channel **out, char *err, size_t err_bytes) {
+  *out = NULL;
+  if (target == NULL || target[0] == '\0' || strlen(target) >= RPC_MAX_ADDR_BYTES) {
+    snprintf(err, err_bytes, "rpc channel: target missing or longer than %d bytes",
+             RPC_MAX_ADDR_BYTES - 1);
+    return -EINVAL;
+  }
+  rpc_channel *ch = calloc(1, sizeof(*ch));
+  if (ch == NULL) {
+    snprintf(err, err_bytes, "rpc channel: out of memory");
+    return -ENOMEM;
+  }
+
+  grpc_init_logged(); /* balanced in rpc_channel_destroy */
+  grpc_arg args[3];
+  size_t n_args;
+  message_limit_args(args, &n_args);
+  args[n_args].type = GRPC_ARG_INTEGER;
+  args[n_args].key = (char *)GRPC_ARG_MAX_RECONNECT_BACKOFF_MS;
+  args[n_args].value.integer = RPC_MAX_RECONNECT_MS;
+  n_args++;
+  grpc_channel_args channel_args = {.num_args = n_args, .args = args};
+  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  ch->channel = grpc_channel_create(target, creds, &channel_args);
+  grpc_channel_credentials_release(creds);
+  if (ch->channel == NULL) {
+    snprintf(err, err_bytes, "rpc channel: cannot create a channel to %s", target);
+    free(ch);
+    grpc_shutdown();
+    return -EINVAL;
+  }
+  *out = ch;
+  return 0;
+}
+
+void rpc_channel_destroy(rpc_channel *ch) {
+  if (ch == NULL)
+    return;
+  grpc_channel_destroy(ch->channel);
+  free(ch);
+  grpc_shutdown();
+}
+
+int rpc_unary(rpc_channel *ch, const char *method, const void *request, size_t request_bytes,
+              int timeout_ms, uint8_t **reply, size_t *reply_bytes, rpc_result *result) {
+  rpc_result local_result;
+  if (result == NULL)
+    result = &local_result;
+  if (reply != NULL)
+    *reply = NULL;
+  if (reply_bytes != NULL)
+    *reply_bytes = 0;
+
+  if (ch == NULL || !method_valid(method) || (request == NULL && request_bytes > 0) ||
+      reply == NULL || reply_bytes == NULL) {
+    static const char text[] = "rpc_unary: bad arguments";
+    result_set(result, RPC_INVALID_ARGUMENT, text, sizeof text - 1);
+    return result->status;
+  }
+  if (request_bytes > RPC_MAX_MESSAGE_BYTES) {
+    char text[128];
+    int n = snprintf(text, sizeof text, "request of %zu bytes exceeds the %u-byte limit",
+                     request_bytes, RPC_MAX_MESSAGE_BYTES);
+    result_set(result, RPC_RESOURCE_EXHAUSTED, text, (size_t)n);
+    return result->status;
+  }
+
+  grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+  grpc_slice method_slice = grpc_slice_from_copied_string(method);
+  grpc_call *call = grpc_channel_create_call(ch->channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                             method_slice, NULL, deadline_after(timeout_ms), NULL);
+  grpc_slice_unref(method_slice);
+
+  grpc_byte_buffer *request_buffer = buffer_from_bytes(request, request_bytes);
+  grpc_byte_buffer *reply_buffer = NULL;
+  grpc_metadata_array initial_metadata, trailing_metadata;
+  grpc_metadata_array_init(&initial_metadata);
+  grpc_metadata_array_init(&trailing_metadata);
+  grpc_status_code status = GRPC_STATUS_UNKNOWN;
+  grpc_slice details = grpc_empty_slice();
+
+  grpc_op ops[6];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[1].op = GRPC_OP_SEND_MESSAGE;
+  ops[1].data.send_message.send_message = request_buffer;
+  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = &initial_metadata;
+  ops[4].op = GRPC_OP_RECV_MESSAGE;
+  ops[4].data.recv_message.recv_message = &reply_buffer;
+  ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[5].data.recv_status_on_client.trailing_metadata = &trailing_metadata;
+  ops[5].data.recv_status_on_client.status = &status;
+  ops[5].data.recv_status_on_client.status_details = &details;
+
+  int tag;
+  grpc_call_error err = grpc_call_start_batch(call, ops, 6, &tag, NULL);
+  if (err != GRPC_CALL_OK) {
+    char text[128];
+    int n =
+        snprintf(text, sizeof text, "rpc_unary: batch refused: %s", grpc_call_error_to_string(err));
+    result_set(result, RPC_INTERNAL, text, (size_t)n);
+  } else {
+    /* The call's deadline bounds this wait: RECV_STATUS always completes. */
+    grpc_event ev = grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (ev.type != GRPC_OP_COMPLETE) {
+      static const char text[] = "rpc_unary: completion queue failed";
+      result_set(result, RPC_INTERNAL, text, sizeof text - 1);
+    } else {
+      result_from_grpc(result, status, details);
+      if (status == GRPC_STATUS_OK) {
+        int rc =
+            reply_buffer == NULL ? -ENODATA : buffer_to_malloc(reply_buffer, reply, reply_bytes);
+        if (rc < 0) {
+          char text[128];
+          int n = snprintf(text, sizeof text, "rpc_unary: reply unreadable: %s", strerror(-rc));
+          result_set(result, RPC_INTERNAL, text, (size_t)n);
+        }
+      }
+    }
+  }
+
+  if (reply_buffer != NULL)
+    grpc_byte_buffer_destroy(reply_buffer);
+  grpc_byte_buffer_destroy(request_buffer);
+  grpc_slice_unref(details);
+  grpc_metadata_array_destroy(&initial_metadata);
+  grpc_metadata_array_destroy(&trailing_metadata);
+  grpc_call_unref(call);
+  pluck_queue_destroy(cq);
+  return result->status;
+}
+
+int rpc_stream_open(rpc_channel *ch, const char *method, const void *request, size_t request_bytes,
+                    int timeout_ms, rpc_stream **out) {
+  *out = NULL;
+  if (ch == NULL || !method_valid(method) || (request == NULL && request_bytes > 0))
+    return -EINVAL;
+  rpc_stream *st = calloc(1, sizeof(*st));
+  if (st == NULL)
+    return -ENOMEM;
+  atomic_init(&st->cancel_requested, 0);
+  grpc_metadata_array_init(&st->initial_metadata);
+  grpc_metadata_array_init(&st->trailing_metadata);
+  st->status_details = grpc_empty_slice();
+  st->status = GRPC_STATUS_UNKNOWN;
+  st->cq = grpc_completion_queue_create_for_pluck(NULL);
+
+  if (request_bytes > RPC_MAX_MESSAGE_BYTES) {
+    /* Fails at once; rpc_stream_read reports it. */
+    char text[128];
+    int n = snprintf(text, sizeof text, "request of %zu bytes exceeds the %u-byte limit",
+                     request_bytes, RPC_MAX_MESSAGE_BYTES);
+    result_set(&st->final, RPC_RESOURCE_EXHAUSTED, text, (size_t)n);
+    st->ended = 1;
+    *out = st;
+    return 0;
+  }
+
+  grpc_slice method_slice = grpc_slice_from_copied_string(method);
+  st->call = grpc_channel_create_call(ch->channel, NULL, GRPC_PROPAGATE_DEFAULTS, st->cq,
+                                      method_slice, NULL, deadline_after(timeout_ms), NULL);
+  grpc_slice_unref(method_slice);
+
+  /* The request buffer may be destroyed once the batch has started: the
+   * send op took over its slices. */
+  grpc_byte_buffer *request_buffer = buffer_from_bytes(request, request_bytes);
+  grpc_op ops[4];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[1].op = GRPC_OP_SEND_MESSAGE;
+  ops[1].data.send_message.send_message = request_buffer;
+  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = &st->initial_metadata;
+  grpc_call_error err = grpc_call_start_batch(st->call, ops, 4, &st->start_pending, NULL);
+  grpc_byte_buffer_destroy(request_buffer);
+  if (err == GRPC_CALL_OK)
+    st->start_pending = 1;
+
+  grpc_op status_op;
+  memset(&status_op, 0, sizeof status_op);
+  status_op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  status_op.data.recv_status_on_client.trailing_metadata = &st->trailing_metadata;
+  status_op.data.recv_status_on_client.status = &st->status;
+  status_op.data.recv_status_on_client.status_details = &st->status_details;
+  grpc_call_error status_err = GRPC_CALL_ERROR;
+  if (err == GRPC_CALL_OK)
+    status_err = grpc_call_start_batch(st->call, &status_op, 1, &st->status_pending, NULL);
+  if (status_err == GRPC_CALL_OK)
+    st->status_pending = 1;
+
+  if (err != GRPC_CALL_OK || status_err != GRPC_CALL_OK) {
+    char text[128];
+    int n = snprintf(text, sizeof text, "rpc_stream_open: batch refused: %s",
+                     grpc_call_error_to_string(err != GRPC_CALL_OK ? err : status_err));
+    grpc_call_cancel(st->call, NULL);
+    result_set(&st->final, RPC_INTERNAL, text, (size_t)n);
+    st->ended = 1;
+  }
+  *out = st;
+  return 0;
+}
+
+static void stream_pluck(rpc_stream *st, int *pending_tag) {
+  if (!*pending_tag)
+    return;
+  grpc_completion_queue_pluck(st->cq, pending_tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  *pending_tag = 0;
+}
+
+/* The stream has no more messages: collect its status. */
+static void stream_end(rpc_stream *st) {
+  int had_status = st->status_pending;
+  stream_pluck(st, &st->status_pending);
+  stream_pluck(st, &st->start_pending);
+  if (had_status)
+    result_from_grpc(&st->final, st->status, st->status_details);
+  if (atomic_load(&st->cancel_requested)) {
+    static const char text[] = "cancelled by the client";
+    result_set(&st->final, RPC_CANCELLED, text, sizeof text - 1);
+  }
+  st->ended = 1;
+}
+
+int rpc_stream_read(rpc_stream *st, uint8_t **message, size_t *message_bytes, rpc_result *result) {
+  *message = NULL;
+  *message_bytes = 0;
+  if (!st->ended && atomic_load(&st->cancel_requested))
+    stream_end(st);
+  while (!st->ended) {
+    grpc_byte_buffer *buffer = NULL;
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &buffer;
+    if (grpc_call_start_batch(st->call, &op, 1, &st->read_tag, NULL) != GRPC_CALL_OK) {
+      grpc_call_cancel(st->call, NULL);
+      stream_end(st);
+      break;
+    }
+    grpc_completion_queue_pluck(st->cq, &st->read_tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (buffer == NULL) {
+      stream_end(st);
+      break;
+    }
+    int rc = buffer_to_malloc(buffer, message, message_bytes);
+    grpc_byte_buffer_destroy(buffer);
+    if (rc < 0) {
+      /* An unreadable message ends the stream: the caller could not tell
+       * which message it lost. */
+      grpc_call_cancel(st->call, NULL);
+      stream_end(st);
+      char text[128];
+      int n = snprintf(text, sizeof text, "stream message unreadable: %s", strerror(-rc));
+      result_set(&st->final, RPC_INTERNAL, text, (size_t)n);
+      break;
+    }
+    return 1;
+  }
+  if (result != NULL)
+    *result = st->final;
+  return 0;
+}
+
+void rpc_stream_cancel(rpc_stream *st) {
+  if (st == NULL)
+    return;
+  atomic_store(&st->cancel_requested, 1);
+  if (st->call != NULL)
+    grpc_call_cancel(st->call, NULL); /* thread-safe, idempotent */
+}
+
+void rpc_stream_close(rpc_stream *st) {
+  if (st == NULL)
+    return;
+  if (st->call != NULL) {
+    if (!st->ended)
+      grpc_call_cancel(st->call, NULL);
+    stream_pluck(st, &st->status_pending);
+    stream_pluck(st, &st->start_pending);
+    grpc_call_unref(st->call);
+  }
+  pluck_queue_destroy(st->cq);
+  grpc_slice_unref(st->status_details);
+  grpc_metadata_array_destroy(&st->initial_metadata);
+  grpc_metadata_array_destroy(&st->trailing_metadata);
+  free(st);
+}

@@ -84,14 +84,21 @@ int rpc_server_add_method(rpc_server *s, const char *path, rpc_kind kind, rpc_ha
                           void *arg);
 
 /* Binds, starts the completion-queue thread and begins accepting calls.
- * *port receives the bound port (useful with port 0). */
+ * *port receives the bound port (useful with port 0). On failure the
+ * server is as it was before (rpc_server_destroy, or shutdown then
+ * destroy, both work); the one exception is -EIO, after binding, where
+ * the caller must rpc_server_shutdown and wait for done as if it had
+ * started. */
 int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes);
 
-/* Stops accepting calls, cancels every call in flight (their cancel
- * callbacks run, on the loop thread, before this returns... see below),
- * and calls done(arg) on the loop thread once every call has been finished
- * and freed and the completion-queue thread has exited. The loop must keep
- * running until then. After done, rpc_server_destroy frees the server. */
+/* Stops accepting calls and cancels every call in flight. Their cancel
+ * callbacks run later, on the loop thread, after this returns; each
+ * handler must still rpc_call_finish its calls. done(arg) runs on the loop
+ * thread once every call has been finished and freed, gRPC's server is
+ * destroyed and the completion-queue thread has exited. The loop must
+ * keep running until then. After (or inside) done, rpc_server_destroy
+ * frees the server. A server that never started calls done at once, from
+ * inside this call. */
 void rpc_server_shutdown(rpc_server *s, void (*done)(void *arg), void *arg);
 void rpc_server_destroy(rpc_server *s);
 
@@ -104,10 +111,15 @@ void rpc_call_finish(rpc_call *call, int status, const char *message, const void
 
 /* Streaming: queues one message (copied). Messages go out in order, one
  * write in flight at a time. Returns 0, or -EPIPE once the call has been
- * cancelled, or -ENOBUFS when more than 64 messages are queued (a client that
- * does not read). */
+ * cancelled, or -ENOBUFS when 64 messages already wait behind the one in
+ * flight (a client that does not read), or -EMSGSIZE over
+ * RPC_MAX_MESSAGE_BYTES, or -EINVAL on a unary call. A unary reply over
+ * the limit becomes RESOURCE_EXHAUSTED for the client. */
 int rpc_call_send(rpc_call *call, const void *message, size_t message_bytes);
 
+/* The callback runs at most once, when the cancellation is seen; one set
+ * after that never runs, so a handler that sets it late (not in the
+ * handler itself) checks rpc_call_cancelled too. */
 void rpc_call_set_cancel(rpc_call *call, rpc_cancel_cb cb, void *arg);
 int rpc_call_cancelled(const rpc_call *call);
 
@@ -125,7 +137,8 @@ const char *rpc_call_peer(const rpc_call *call);
 typedef struct rpc_channel rpc_channel;
 
 /* target: "host:port" (insecure). Returns 0 or a negative errno. The channel
- * connects lazily; every call may be made from any thread. */
+ * connects lazily; every call may be made from any thread. Destroy it only
+ * after its calls have returned and its streams are closed. */
 int rpc_channel_create(const char *target, rpc_channel **out, char *err, size_t err_bytes);
 void rpc_channel_destroy(rpc_channel *ch);
 
@@ -137,9 +150,11 @@ typedef struct rpc_result {
 } rpc_result;
 
 /* One unary call, blocking until the reply or timeout_ms (the call's
- * deadline, sent to the server). On RPC_OK *reply is a malloc'd buffer
- * (caller frees; may be NULL when reply_bytes is 0). Returns the status
- * (also in result->status). */
+ * deadline, sent to the server; <= 0: none). On RPC_OK *reply is a malloc'd
+ * buffer (caller frees; may be NULL when reply_bytes is 0). Returns the
+ * status (also in result->status; result may be NULL). Bad arguments give
+ * INVALID_ARGUMENT and a request over RPC_MAX_MESSAGE_BYTES
+ * RESOURCE_EXHAUSTED, without a call. */
 int rpc_unary(rpc_channel *ch, const char *method, const void *request, size_t request_bytes,
               int timeout_ms, uint8_t **reply, size_t *reply_bytes, rpc_result *result);
 
