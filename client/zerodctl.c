@@ -1,1 +1,1501 @@
-int main(void) { return 1; } /* placeholder: being written */
+/* zerodctl: the command line of the control plane (ARCHITECTURE §5).
+ *
+ * Each invocation makes one or two blocking unary calls to the coordinator
+ * (rpc.h's client half, protobuf-c messages from control.proto and
+ * health.proto), every call with the --timeout deadline, and prints the
+ * result either for people (aligned tables, "key: value" lines) or, with
+ * --json, as exactly one JSON object on stdout for scripts.
+ *
+ * The contract with scripts: exit status 0 on success, 1 when a call fails
+ * (or the health check is not SERVING), 2 for a usage error; on failure
+ * exactly one line on stderr, "zerodctl: <what>: <STATUS>: <message>", and
+ * nothing else there. gRPC's own logging is therefore silenced (unless the
+ * user asked for it with GRPC_VERBOSITY), and every string that came from
+ * the command line or the coordinator is stripped of control characters
+ * before it reaches the terminal. docs/zerodctl.md is the user's guide. */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "grpc/health/v1/health.pb-c.h"
+#include "log.h"
+#include "rpc.h"
+#include "zerod/v1/control.pb-c.h"
+
+#ifndef ZEROD_VERSION
+#define ZEROD_VERSION "0.1.0"
+#endif
+
+#define CTL_DEFAULT_COORDINATOR "127.0.0.1:7070"
+#define CTL_DEFAULT_TIMEOUT_S   10.0
+#define CTL_MAX_TIMEOUT_S       86400.0
+#define CTL_NAME_MAX_BYTES      64 /* node and job names (control.proto) */
+#define CTL_MAX_NODES           64 /* nodes of one job (CreateJobRequest) */
+#define CTL_MAX_RANKS           64 /* ranks per node, and world size */
+#define CTL_TOKEN_MAX_BYTES     256
+#define CTL_TARGET_MAX_BYTES    255
+#define CTL_ERROR_LINE_BYTES    1024
+
+/* Exit statuses (docs/zerodctl.md). */
+enum { CTL_EXIT_OK = 0, CTL_EXIT_FAILED = 1, CTL_EXIT_USAGE = 2 };
+
+/* ------------------------------------------------------------------------ */
+/* Errors: one line on stderr                                               */
+/* ------------------------------------------------------------------------ */
+
+/* Replaces control characters (newlines included) with '?' so that text
+ * from the user or the coordinator cannot break a line or drive the
+ * terminal. Bytes of UTF-8 sequences pass unchanged. */
+static void sanitize_line(char *s) {
+  for (; *s != '\0'; s++)
+    if ((unsigned char)*s < 0x20 || (unsigned char)*s == 0x7f)
+      *s = '?';
+}
+
+/* Prints "zerodctl: <message>\n" on stderr, as one line, and returns status. */
+static int fail_line(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int fail_line(int status, const char *fmt, ...) {
+  char line[CTL_ERROR_LINE_BYTES];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  if (n < 0)
+    snprintf(line, sizeof line, "error (message could not be formatted)");
+  sanitize_line(line);
+  fprintf(stderr, "zerodctl: %s\n", line);
+  return status;
+}
+
+#define usage_error(...) fail_line(CTL_EXIT_USAGE, __VA_ARGS__)
+
+/* ------------------------------------------------------------------------ */
+/* JSON output                                                              */
+/* ------------------------------------------------------------------------ */
+
+/* A compact JSON writer for our own, statically known, shapes: nesting is
+ * bounded by the code that calls it, never by the data. */
+#define JSON_MAX_DEPTH 16
+
+typedef struct json_out {
+  FILE *out;
+  int depth;
+  bool has_items[JSON_MAX_DEPTH];
+} json_out;
+
+/* Length of the valid UTF-8 sequence at s (1..4), or 0 if s does not start
+ * one (stray continuation byte, overlong form, surrogate, past U+10FFFF,
+ * truncated). */
+static size_t utf8_sequence_bytes(const unsigned char *s) {
+  unsigned char lead = s[0];
+  size_t len;
+  unsigned char lo = 0x80, hi = 0xbf; /* allowed range of the second byte */
+  if (lead >= 0xc2 && lead <= 0xdf) {
+    len = 2;
+  } else if (lead >= 0xe0 && lead <= 0xef) {
+    len = 3;
+    if (lead == 0xe0)
+      lo = 0xa0;
+    else if (lead == 0xed)
+      hi = 0x9f;
+  } else if (lead >= 0xf0 && lead <= 0xf4) {
+    len = 4;
+    if (lead == 0xf0)
+      lo = 0x90;
+    else if (lead == 0xf4)
+      hi = 0x8f;
+  } else {
+    return 0;
+  }
+  if (s[1] < lo || s[1] > hi)
+    return 0;
+  for (size_t i = 2; i < len; i++)
+    if (s[i] < 0x80 || s[i] > 0xbf)
+      return 0;
+  return len;
+}
+
+/* Writes s as a JSON string: quotes, backslashes and control characters
+ * escaped, invalid UTF-8 replaced by U+FFFD, so the output always parses. */
+static void json_write_string(FILE *out, const char *s) {
+  const unsigned char *p = (const unsigned char *)(s != NULL ? s : "");
+  fputc('"', out);
+  while (*p != '\0') {
+    unsigned char c = *p;
+    if (c == '"' || c == '\\') {
+      fputc('\\', out);
+      fputc(c, out);
+      p++;
+    } else if (c < 0x20) {
+      switch (c) {
+      case '\n':
+        fputs("\\n", out);
+        break;
+      case '\r':
+        fputs("\\r", out);
+        break;
+      case '\t':
+        fputs("\\t", out);
+        break;
+      default:
+        fprintf(out, "\\u%04x", c);
+        break;
+      }
+      p++;
+    } else if (c < 0x80) {
+      fputc(c, out);
+      p++;
+    } else {
+      size_t len = utf8_sequence_bytes(p);
+      if (len == 0) {
+        fputs("\\ufffd", out);
+        p++;
+      } else {
+        fwrite(p, 1, len, out);
+        p += len;
+      }
+    }
+  }
+  fputc('"', out);
+}
+
+/* Separates an item from the previous one and writes its key (in objects). */
+static void json_item(json_out *j, const char *key) {
+  if (j->depth > 0) {
+    if (j->has_items[j->depth - 1])
+      fputc(',', j->out);
+    j->has_items[j->depth - 1] = true;
+  }
+  if (key != NULL) {
+    json_write_string(j->out, key);
+    fputc(':', j->out);
+  }
+}
+
+static void json_open(json_out *j, const char *key, char bracket) {
+  json_item(j, key);
+  fputc(bracket, j->out);
+  if (j->depth < JSON_MAX_DEPTH)
+    j->has_items[j->depth] = false;
+  j->depth++;
+}
+
+static void json_close(json_out *j, char bracket) {
+  fputc(bracket, j->out);
+  j->depth--;
+  if (j->depth == 0)
+    fputc('\n', j->out);
+}
+
+static void json_str(json_out *j, const char *key, const char *value) {
+  json_item(j, key);
+  json_write_string(j->out, value);
+}
+
+static void json_u64(json_out *j, const char *key, uint64_t value) {
+  json_item(j, key);
+  fprintf(j->out, "%" PRIu64, value);
+}
+
+static void json_i64(json_out *j, const char *key, int64_t value) {
+  json_item(j, key);
+  fprintf(j->out, "%" PRId64, value);
+}
+
+static void json_bool(json_out *j, const char *key, bool value) {
+  json_item(j, key);
+  fputs(value ? "true" : "false", j->out);
+}
+
+/* The shortest of %.15g / %.17g that reads back as the same double, so
+ * 0.001 prints as 0.001 and every value round-trips. JSON has no NaN or
+ * infinity: those print as null. */
+static void json_f64(json_out *j, const char *key, double value) {
+  json_item(j, key);
+  if (value != value || value > 1e308 || value < -1e308) {
+    fputs("null", j->out);
+    return;
+  }
+  char text[40];
+  snprintf(text, sizeof text, "%.15g", value);
+  if (strtod(text, NULL) != value)
+    snprintf(text, sizeof text, "%.17g", value);
+  fputs(text, j->out);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Tables and values for people                                             */
+/* ------------------------------------------------------------------------ */
+
+#define TABLE_MAX_COLUMNS 8
+#define TABLE_CELL_BYTES  256
+
+typedef struct table {
+  size_t columns;
+  const char *headers[TABLE_MAX_COLUMNS];
+  size_t rows, capacity; /* in rows */
+  char **cells;          /* rows * columns strings, owned */
+} table;
+
+static void table_init(table *t, size_t columns, const char *const *headers) {
+  memset(t, 0, sizeof *t);
+  t->columns = columns;
+  for (size_t c = 0; c < columns; c++)
+    t->headers[c] = headers[c];
+}
+
+static void table_free(table *t) {
+  for (size_t i = 0; i < t->rows * t->columns; i++)
+    free(t->cells[i]);
+  free(t->cells);
+  t->cells = NULL;
+  t->rows = t->capacity = 0;
+}
+
+/* Appends a row of t->columns cells (copied; empty cells print as "-").
+ * Returns 0 or -ENOMEM. */
+static int table_add_row(table *t, char cell_text[][TABLE_CELL_BYTES]) {
+  if (t->rows == t->capacity) {
+    size_t capacity = t->capacity ? t->capacity * 2 : 16;
+    char **cells = realloc(t->cells, capacity * t->columns * sizeof *cells);
+    if (cells == NULL)
+      return -ENOMEM;
+    t->cells = cells;
+    t->capacity = capacity;
+  }
+  char **row = t->cells + t->rows * t->columns;
+  for (size_t c = 0; c < t->columns; c++) {
+    row[c] = strdup(cell_text[c][0] != '\0' ? cell_text[c] : "-");
+    if (row[c] == NULL) {
+      for (size_t k = 0; k < c; k++)
+        free(row[k]);
+      return -ENOMEM;
+    }
+    sanitize_line(row[c]);
+  }
+  t->rows++;
+  return 0;
+}
+
+/* Columns of a terminal that s takes: one per character, so UTF-8
+ * continuation bytes do not count (wide CJK characters are not handled). */
+static size_t display_width(const char *s) {
+  size_t width = 0;
+  for (; *s != '\0'; s++)
+    if (((unsigned char)*s & 0xc0) != 0x80)
+      width++;
+  return width;
+}
+
+/* Prints the header and rows, each column as wide as its widest cell, two
+ * spaces apart, no trailing blanks. */
+static void table_print(const table *t, FILE *out) {
+  size_t width[TABLE_MAX_COLUMNS];
+  for (size_t c = 0; c < t->columns; c++) {
+    width[c] = display_width(t->headers[c]);
+    for (size_t r = 0; r < t->rows; r++) {
+      size_t w = display_width(t->cells[r * t->columns + c]);
+      if (w > width[c])
+        width[c] = w;
+    }
+  }
+  for (size_t r = 0; r <= t->rows; r++) {
+    for (size_t c = 0; c < t->columns; c++) {
+      const char *cell = r == 0 ? t->headers[c] : t->cells[(r - 1) * t->columns + c];
+      fputs(cell, out);
+      if (c + 1 < t->columns)
+        fprintf(out, "%*s", (int)(width[c] - display_width(cell) + 2), "");
+    }
+    fputc('\n', out);
+  }
+}
+
+/* "512 B", "4.0 KiB", "15.6 GiB". */
+static const char *format_bytes(uint64_t bytes, char *out, size_t out_bytes) {
+  static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  if (bytes < 1024) {
+    snprintf(out, out_bytes, "%" PRIu64 " B", bytes);
+    return out;
+  }
+  double value = (double)bytes / 1024.0;
+  size_t unit = 0;
+  while (value >= 1023.95 && unit + 1 < sizeof units / sizeof units[0]) {
+    value /= 1024.0;
+    unit++;
+  }
+  snprintf(out, out_bytes, "%.1f %s", value, units[unit]);
+  return out;
+}
+
+/* "2026-11-21T10:00:00Z" (UTC), or "-" for 0. */
+static const char *format_unix_ms(int64_t unix_ms, char *out, size_t out_bytes) {
+  struct tm tm;
+  time_t seconds = (time_t)(unix_ms / 1000);
+  if (unix_ms <= 0 || gmtime_r(&seconds, &tm) == NULL) {
+    snprintf(out, out_bytes, "-");
+    return out;
+  }
+  strftime(out, out_bytes, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return out;
+}
+
+/* Prints "key: value" (the value stripped of control characters). */
+static void print_field(const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void print_field(const char *key, const char *fmt, ...) {
+  char value[CTL_ERROR_LINE_BYTES];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(value, sizeof value, fmt, ap);
+  va_end(ap);
+  if (n < 0)
+    value[0] = '\0';
+  sanitize_line(value);
+  printf("%s: %s\n", key, value[0] != '\0' ? value : "-");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Enum names                                                               */
+/* ------------------------------------------------------------------------ */
+
+static const char *job_state_name(Zerod__V1__JobState state) {
+  switch (state) {
+  case ZEROD__V1__JOB_STATE__JOB_STATE_CREATING:
+    return "creating";
+  case ZEROD__V1__JOB_STATE__JOB_STATE_READY:
+    return "ready";
+  case ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED:
+    return "degraded";
+  case ZEROD__V1__JOB_STATE__JOB_STATE_DELETING:
+    return "deleting";
+  default:
+    return "unspecified";
+  }
+}
+
+/* OPTIMIZER_UNSPECIFIED means AdamW (ipc.proto). */
+static const char *optimizer_name(Zerod__V1__OptimizerKind kind) {
+  switch (kind) {
+  case ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED:
+  case ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW:
+    return "adamw";
+  case ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAM:
+    return "adam";
+  case ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD:
+    return "sgd";
+  default:
+    return "unknown";
+  }
+}
+
+/* DTYPE_UNSPECIFIED means fp32 for the working copy (ipc.proto). */
+static const char *precision_name(Zerod__V1__Dtype dtype) {
+  switch (dtype) {
+  case ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED:
+  case ZEROD__V1__DTYPE__DTYPE_F32:
+    return "fp32";
+  case ZEROD__V1__DTYPE__DTYPE_BF16:
+    return "bf16";
+  case ZEROD__V1__DTYPE__DTYPE_F16:
+    return "fp16";
+  default:
+    return "unknown";
+  }
+}
+
+static const char *serving_status_name(Grpc__Health__V1__HealthCheckResponse__ServingStatus s,
+                                       bool lower) {
+  switch (s) {
+  case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING:
+    return lower ? "serving" : "SERVING";
+  case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING:
+    return lower ? "not_serving" : "NOT_SERVING";
+  case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN:
+    return lower ? "service_unknown" : "SERVICE_UNKNOWN";
+  default:
+    return lower ? "unknown" : "UNKNOWN";
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Calls                                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ctl {
+  const char *coordinator; /* HOST:PORT */
+  double timeout_s;
+  int timeout_ms;
+  bool json;
+  const char *command; /* "jobs get", for error lines */
+  rpc_channel *channel;
+} ctl;
+
+/* Prints the one error line for a failed call and returns its exit status. */
+static int call_failed(const ctl *c, int status, const rpc_result *result) {
+  const char *message = result->message[0] != '\0' ? result->message : "(no message)";
+  if (status < 0)
+    return fail_line(CTL_EXIT_FAILED, "%s: %s%s%s", c->command, strerror(-status),
+                     result->message[0] != '\0' ? ": " : "", result->message);
+  if (status == RPC_UNAVAILABLE)
+    return fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s: %s", c->coordinator,
+                     rpc_status_name(status), message);
+  if (status == RPC_DEADLINE_EXCEEDED)
+    return fail_line(CTL_EXIT_FAILED, "%s: %s: no reply from the coordinator at %s within %gs",
+                     c->command, rpc_status_name(status), c->coordinator, c->timeout_s);
+  return fail_line(CTL_EXIT_FAILED, "%s: %s: %s", c->command, rpc_status_name(status), message);
+}
+
+/* Makes one unary call: packs request, waits up to the timeout, unpacks
+ * the reply as reply_type into *reply (caller frees with
+ * protobuf_c_message_free_unpacked). On failure prints the error line and
+ * returns the exit status; returns 0 on success. */
+static int call(ctl *c, const char *method, const ProtobufCMessage *request,
+                const ProtobufCMessageDescriptor *reply_type, ProtobufCMessage **reply) {
+  static const uint8_t no_bytes[1];
+  rpc_result result;
+  memset(&result, 0, sizeof result);
+  *reply = NULL;
+
+  if (c->channel == NULL) {
+    char err[256] = "";
+    int rc = rpc_channel_create(c->coordinator, &c->channel, err, sizeof err);
+    if (rc != 0)
+      return fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s", c->coordinator,
+                       err[0] != '\0' ? err : strerror(-rc));
+  }
+
+  size_t request_bytes = protobuf_c_message_get_packed_size(request);
+  if (request_bytes > RPC_MAX_MESSAGE_BYTES)
+    return fail_line(CTL_EXIT_USAGE, "%s: the request is %zu bytes, over the limit of %u",
+                     c->command, request_bytes, (unsigned)RPC_MAX_MESSAGE_BYTES);
+  uint8_t *packed = malloc(request_bytes > 0 ? request_bytes : 1);
+  if (packed == NULL)
+    return fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
+  protobuf_c_message_pack(request, packed);
+
+  uint8_t *reply_buf = NULL;
+  size_t reply_bytes = 0;
+  int status = rpc_unary(c->channel, method, packed, request_bytes, c->timeout_ms, &reply_buf,
+                         &reply_bytes, &result);
+  free(packed);
+  if (status != RPC_OK) {
+    free(reply_buf);
+    return call_failed(c, status, &result);
+  }
+  *reply = protobuf_c_message_unpack(reply_type, NULL, reply_bytes,
+                                     reply_buf != NULL ? reply_buf : no_bytes);
+  free(reply_buf);
+  if (*reply == NULL)
+    return fail_line(CTL_EXIT_FAILED, "%s: the coordinator's reply is not a valid %s message",
+                     c->command, reply_type->name);
+  return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Argument checks                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* Names of nodes and jobs: 1..64 bytes of [A-Za-z0-9._-] (control.proto). */
+static bool valid_name(const char *s) {
+  size_t len = strlen(s);
+  if (len == 0 || len > CTL_NAME_MAX_BYTES)
+    return false;
+  for (; *s != '\0'; s++) {
+    char ch = *s;
+    if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+          ch == '.' || ch == '_' || ch == '-'))
+      return false;
+  }
+  return true;
+}
+
+static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
+  char *end;
+  errno = 0;
+  if (s[0] == '-' || s[0] == '+')
+    return -1;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (errno != 0 || end == s || *end != '\0' || v < lo || v > hi)
+    return -1;
+  *out = (uint32_t)v;
+  return 0;
+}
+
+/* A finite number in [lo, hi]; hi_open excludes hi itself. */
+static int parse_double(const char *s, double lo, double hi, bool hi_open, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (errno != 0 || end == s || *end != '\0' || v != v || v < lo || v > hi || (hi_open && v == hi))
+    return -1;
+  *out = v;
+  return 0;
+}
+
+/* Sizes with binary suffixes, like zerod's --max-live-bytes: 4096, 512K,
+ * 512M, 4G, 1T (also 4GiB, 4GB). Must be > 0. */
+static int parse_size(const char *s, uint64_t *out) {
+  char *end;
+  errno = 0;
+  if (s[0] == '-' || s[0] == '+')
+    return -1;
+  double v = strtod(s, &end);
+  if (errno != 0 || end == s || !(v > 0))
+    return -1;
+  double multiplier = 1;
+  switch (*end) {
+  case 'k':
+  case 'K':
+    multiplier = 1024.0, end++;
+    break;
+  case 'm':
+  case 'M':
+    multiplier = 1024.0 * 1024, end++;
+    break;
+  case 'g':
+  case 'G':
+    multiplier = 1024.0 * 1024 * 1024, end++;
+    break;
+  case 't':
+  case 'T':
+    multiplier = 1024.0 * 1024 * 1024 * 1024, end++;
+    break;
+  default:
+    break;
+  }
+  if (multiplier > 1 && *end == 'i')
+    end++;
+  if (*end == 'B')
+    end++;
+  if (*end != '\0' || v * multiplier > 1e18 || v * multiplier < 1)
+    return -1;
+  *out = (uint64_t)(v * multiplier);
+  return 0;
+}
+
+/* --timeout: seconds, fractions allowed, optional "s" suffix. */
+static int parse_timeout(const char *s, double *out) {
+  char text[64];
+  size_t len = strlen(s);
+  if (len == 0 || len >= sizeof text)
+    return -1;
+  memcpy(text, s, len + 1);
+  if (text[len - 1] == 's')
+    text[len - 1] = '\0';
+  double v;
+  if (parse_double(text, 0, CTL_MAX_TIMEOUT_S, false, &v) != 0 || !(v > 0))
+    return -1;
+  *out = v;
+  return 0;
+}
+
+/* HOST:PORT, HOST a name, an IPv4 address or a bracketed IPv6 address. */
+static bool valid_target(const char *s) {
+  size_t len = strlen(s);
+  if (len == 0 || len > CTL_TARGET_MAX_BYTES)
+    return false;
+  const char *colon = strrchr(s, ':');
+  if (colon == NULL || colon == s)
+    return false;
+  uint32_t port;
+  if (parse_u32(colon + 1, 1, 65535, &port) != 0)
+    return false;
+  if (s[0] == '[')
+    return colon[-1] == ']' && colon - s > 2;
+  for (const char *p = s; p < colon; p++) {
+    char ch = *p;
+    if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+          ch == '.' || ch == '-' || ch == '_'))
+      return false;
+  }
+  return true;
+}
+
+static bool valid_token(const char *s) {
+  size_t len = strlen(s);
+  if (len == 0 || len > CTL_TOKEN_MAX_BYTES)
+    return false;
+  for (; *s != '\0'; s++)
+    if ((unsigned char)*s <= 0x20 || (unsigned char)*s >= 0x7f)
+      return false;
+  return true;
+}
+
+/* ------------------------------------------------------------------------ */
+/* members                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* "cuda:8", "cpu:1,cuda:2", in order of first appearance; "" for none. */
+static void format_devices(const Zerod__V1__NodeInfo *node, char *out, size_t out_bytes) {
+  out[0] = '\0';
+  size_t used = 0;
+  for (size_t i = 0; node != NULL && i < node->n_devices; i++) {
+    const char *kind = node->devices[i]->kind;
+    bool seen = false;
+    for (size_t k = 0; k < i && !seen; k++)
+      seen = strcmp(node->devices[k]->kind, kind) == 0;
+    if (seen)
+      continue;
+    size_t count = 0;
+    for (size_t k = i; k < node->n_devices; k++)
+      count += strcmp(node->devices[k]->kind, kind) == 0;
+    int n = snprintf(out + used, out_bytes - used, "%s%s:%zu", used ? "," : "",
+                     kind[0] ? kind : "?", count);
+    if (n < 0 || (size_t)n >= out_bytes - used)
+      break;
+    used += (size_t)n;
+  }
+}
+
+static void json_member(json_out *j, const Zerod__V1__Member *m) {
+  static const Zerod__V1__NodeInfo no_node = ZEROD__V1__NODE_INFO__INIT;
+  const Zerod__V1__NodeInfo *node = m->node != NULL ? m->node : &no_node;
+  json_open(j, NULL, '{');
+  json_str(j, "name", node->name);
+  json_str(j, "address", node->address);
+  json_u64(j, "ranks", node->ranks);
+  json_open(j, "devices", '[');
+  for (size_t d = 0; d < node->n_devices; d++) {
+    const Zerod__V1__Device *dev = node->devices[d];
+    json_open(j, NULL, '{');
+    json_str(j, "kind", dev->kind);
+    json_u64(j, "index", dev->index);
+    json_str(j, "name", dev->name);
+    json_u64(j, "memory_bytes", dev->memory_bytes);
+    json_close(j, '}');
+  }
+  json_close(j, ']');
+  json_u64(j, "memory_bytes", node->memory_bytes);
+  json_str(j, "version", node->version);
+  json_u64(j, "session", m->session);
+  json_i64(j, "joined_unix_ms", m->joined_unix_ms);
+  json_i64(j, "lease_remaining_ms", m->lease_remaining_ms);
+  json_close(j, '}');
+}
+
+static int cmd_members(ctl *c, int argc, char **argv) {
+  Zerod__V1__GetViewRequest request = ZEROD__V1__GET_VIEW_REQUEST__INIT;
+  Zerod__V1__View *view;
+  int rc = call(c, "/zerod.v1.Cluster/GetView", &request.base, &zerod__v1__view__descriptor,
+                (ProtobufCMessage **)&view);
+  if (rc != 0)
+    return rc;
+
+  if (c->json) {
+    json_out j = {.out = stdout};
+    json_open(&j, NULL, '{');
+    json_u64(&j, "epoch", view->epoch);
+    json_open(&j, "members", '[');
+    for (size_t i = 0; i < view->n_members; i++)
+      json_member(&j, view->members[i]);
+    json_close(&j, ']');
+    json_close(&j, '}');
+    zerod__v1__view__free_unpacked(view, NULL);
+    return 0;
+  }
+
+  static const char *const headers[] = {"NAME",   "ADDRESS", "RANKS", "DEVICES",
+                                        "MEMORY", "LEASE",   "JOINED"};
+  table t;
+  table_init(&t, 7, headers);
+  for (size_t i = 0; i < view->n_members && rc == 0; i++) {
+    const Zerod__V1__Member *m = view->members[i];
+    char cells[7][TABLE_CELL_BYTES];
+    const Zerod__V1__NodeInfo *node = m->node;
+    snprintf(cells[0], TABLE_CELL_BYTES, "%s", node != NULL ? node->name : "");
+    snprintf(cells[1], TABLE_CELL_BYTES, "%s", node != NULL ? node->address : "");
+    snprintf(cells[2], TABLE_CELL_BYTES, "%" PRIu32, node != NULL ? node->ranks : 0);
+    format_devices(node, cells[3], TABLE_CELL_BYTES);
+    format_bytes(node != NULL ? node->memory_bytes : 0, cells[4], TABLE_CELL_BYTES);
+    if (m->lease_remaining_ms > 0)
+      snprintf(cells[5], TABLE_CELL_BYTES, "%.1fs", (double)m->lease_remaining_ms / 1000.0);
+    else
+      snprintf(cells[5], TABLE_CELL_BYTES, "expired");
+    format_unix_ms(m->joined_unix_ms, cells[6], TABLE_CELL_BYTES);
+    if (table_add_row(&t, cells) != 0)
+      rc = fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
+  }
+  if (rc == 0) {
+    printf("epoch: %" PRIu64 "\n", view->epoch);
+    table_print(&t, stdout);
+  }
+  table_free(&t);
+  zerod__v1__view__free_unpacked(view, NULL);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* jobs                                                                     */
+/* ------------------------------------------------------------------------ */
+
+static const Zerod__V1__OptimizerConfig no_optimizer = ZEROD__V1__OPTIMIZER_CONFIG__INIT;
+static const Zerod__V1__JobConfig no_config = ZEROD__V1__JOB_CONFIG__INIT;
+
+static const Zerod__V1__JobConfig *job_config(const Zerod__V1__Job *job) {
+  return job->config != NULL ? job->config : &no_config;
+}
+
+static const Zerod__V1__OptimizerConfig *job_optimizer(const Zerod__V1__Job *job) {
+  const Zerod__V1__JobConfig *config = job_config(job);
+  return config->optimizer != NULL ? config->optimizer : &no_optimizer;
+}
+
+/* The per-rank live-bytes budget: the quota if set, else the config's. */
+static uint64_t job_max_live_bytes(const Zerod__V1__Job *job) {
+  if (job->quotas != NULL && job->quotas->max_live_bytes != 0)
+    return job->quotas->max_live_bytes;
+  return job_config(job)->max_live_bytes;
+}
+
+static void json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
+  const Zerod__V1__JobConfig *config = job_config(job);
+  const Zerod__V1__OptimizerConfig *opt = job_optimizer(job);
+  json_open(j, key, '{');
+  json_str(j, "name", job->name);
+  json_u64(j, "id", job->id);
+  json_str(j, "state", job_state_name(job->state));
+  json_str(j, "reason", job->reason);
+  json_u64(j, "nodes", job->nodes);
+  json_u64(j, "ranks_per_node", job->ranks_per_node);
+  json_u64(j, "world_size", job->world_size);
+  json_open(j, "placement", '[');
+  for (size_t i = 0; i < job->n_placement; i++) {
+    json_open(j, NULL, '{');
+    json_str(j, "node", job->placement[i]->node);
+    json_u64(j, "first_rank", job->placement[i]->first_rank);
+    json_u64(j, "ranks", job->placement[i]->ranks);
+    json_close(j, '}');
+  }
+  json_close(j, ']');
+  json_open(j, "config", '{');
+  json_open(j, "optimizer", '{');
+  json_str(j, "kind", optimizer_name(opt->kind));
+  json_f64(j, "lr", opt->lr);
+  json_f64(j, "beta1", opt->beta1);
+  json_f64(j, "beta2", opt->beta2);
+  json_f64(j, "eps", opt->eps);
+  json_f64(j, "weight_decay", opt->weight_decay);
+  json_bool(j, "has_weight_decay", opt->has_weight_decay);
+  json_f64(j, "momentum", opt->momentum);
+  json_f64(j, "dampening", opt->dampening);
+  json_bool(j, "nesterov", opt->nesterov);
+  json_close(j, '}');
+  json_str(j, "precision", precision_name(config->working_dtype));
+  json_u64(j, "max_live_bytes", config->max_live_bytes);
+  json_f64(j, "max_grad_norm", config->max_grad_norm);
+  json_close(j, '}');
+  json_open(j, "quotas", '{');
+  json_u64(j, "max_live_bytes", job->quotas != NULL ? job->quotas->max_live_bytes : 0);
+  json_close(j, '}');
+  json_u64(j, "step", job->step);
+  json_u64(j, "epoch", job->epoch);
+  json_i64(j, "created_unix_ms", job->created_unix_ms);
+  json_close(j, '}');
+}
+
+/* A hyper-parameter as stored, or the torch.optim default the daemons use
+ * for a zero (ipc.proto's OptimizerConfig). */
+static void print_hyper(const char *key, double value, double default_value) {
+  if (value != 0)
+    print_field(key, "%g", value);
+  else
+    print_field(key, "%g (default)", default_value);
+}
+
+/* `jobs get` and `jobs create`: one field per line. */
+static void print_job(const Zerod__V1__Job *job) {
+  const Zerod__V1__JobConfig *config = job_config(job);
+  const Zerod__V1__OptimizerConfig *opt = job_optimizer(job);
+  char text[64];
+  print_field("name", "%s", job->name);
+  print_field("id", "%" PRIu64, job->id);
+  print_field("state", "%s", job_state_name(job->state));
+  print_field("reason", "%s", job->reason);
+  print_field("world size", "%" PRIu32, job->world_size);
+  print_field("nodes", "%" PRIu32, job->nodes);
+  print_field("ranks per node", "%" PRIu32, job->ranks_per_node);
+  printf("placement:%s\n", job->n_placement == 0 ? " -" : "");
+  for (size_t i = 0; i < job->n_placement; i++) {
+    const Zerod__V1__RankPlacement *p = job->placement[i];
+    char key[CTL_NAME_MAX_BYTES + 8];
+    snprintf(key, sizeof key, "  %s", p->node);
+    sanitize_line(key);
+    if (p->ranks == 1)
+      print_field(key, "rank %" PRIu32, p->first_rank);
+    else
+      print_field(key, "ranks %" PRIu32 "-%" PRIu32, p->first_rank,
+                  p->first_rank + (p->ranks > 0 ? p->ranks - 1 : 0));
+  }
+  print_field("optimizer", "%s", optimizer_name(opt->kind));
+  print_hyper("lr", opt->lr, 1e-3);
+  bool sgd = opt->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD;
+  if (sgd) {
+    print_hyper("momentum", opt->momentum, 0);
+    if (opt->dampening != 0)
+      print_field("dampening", "%g", opt->dampening);
+    if (opt->nesterov)
+      print_field("nesterov", "true");
+  } else {
+    print_field("betas", "%g,%g%s", opt->beta1 != 0 ? opt->beta1 : 0.9,
+                opt->beta2 != 0 ? opt->beta2 : 0.999,
+                opt->beta1 == 0 && opt->beta2 == 0 ? " (default)" : "");
+    print_hyper("eps", opt->eps, 1e-8);
+  }
+  bool adamw = opt->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW ||
+               opt->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED;
+  if (opt->has_weight_decay || opt->weight_decay != 0)
+    print_field("weight decay", "%g", opt->weight_decay);
+  else
+    print_field("weight decay", "%g (default)", adamw ? 0.01 : 0.0);
+  print_field("precision", "%s", precision_name(config->working_dtype));
+  if (config->max_grad_norm > 0)
+    print_field("max grad norm", "%g", config->max_grad_norm);
+  else
+    print_field("max grad norm", "off");
+  uint64_t max_live = job_max_live_bytes(job);
+  if (max_live != 0)
+    print_field("max live bytes", "%s", format_bytes(max_live, text, sizeof text));
+  else
+    print_field("max live bytes", "node default");
+  print_field("step", "%" PRIu64, job->step);
+  print_field("epoch", "%" PRIu64, job->epoch);
+  print_field("created", "%s", format_unix_ms(job->created_unix_ms, text, sizeof text));
+}
+
+/* "a,b,c" for the NODES column; past three names, "a,b,c,+5". */
+static void format_job_nodes(const Zerod__V1__Job *job, char *out, size_t out_bytes) {
+  out[0] = '\0';
+  size_t used = 0;
+  for (size_t i = 0; i < job->n_placement; i++) {
+    int n = i < 3 ? snprintf(out + used, out_bytes - used, "%s%s", i ? "," : "",
+                             job->placement[i]->node)
+                  : snprintf(out + used, out_bytes - used, ",+%zu", job->n_placement - 3);
+    if (n < 0 || (size_t)n >= out_bytes - used)
+      break;
+    used += (size_t)n;
+    if (i >= 3)
+      break;
+  }
+}
+
+static int cmd_jobs_list(ctl *c, int argc, char **argv) {
+  Zerod__V1__ListJobsRequest request = ZEROD__V1__LIST_JOBS_REQUEST__INIT;
+  Zerod__V1__ListJobsReply *reply;
+  int rc = call(c, "/zerod.v1.Jobs/ListJobs", &request.base,
+                &zerod__v1__list_jobs_reply__descriptor, (ProtobufCMessage **)&reply);
+  if (rc != 0)
+    return rc;
+
+  if (c->json) {
+    json_out j = {.out = stdout};
+    json_open(&j, NULL, '{');
+    json_open(&j, "jobs", '[');
+    for (size_t i = 0; i < reply->n_jobs; i++)
+      json_job(&j, NULL, reply->jobs[i]);
+    json_close(&j, ']');
+    json_close(&j, '}');
+    zerod__v1__list_jobs_reply__free_unpacked(reply, NULL);
+    return 0;
+  }
+
+  static const char *const headers[] = {"NAME",      "STATE",     "WORLD", "NODES",
+                                        "OPTIMIZER", "PRECISION", "STEP",  "REASON"};
+  table t;
+  table_init(&t, 8, headers);
+  for (size_t i = 0; i < reply->n_jobs && rc == 0; i++) {
+    const Zerod__V1__Job *job = reply->jobs[i];
+    char cells[8][TABLE_CELL_BYTES];
+    snprintf(cells[0], TABLE_CELL_BYTES, "%s", job->name);
+    snprintf(cells[1], TABLE_CELL_BYTES, "%s", job_state_name(job->state));
+    snprintf(cells[2], TABLE_CELL_BYTES, "%" PRIu32, job->world_size);
+    format_job_nodes(job, cells[3], TABLE_CELL_BYTES);
+    snprintf(cells[4], TABLE_CELL_BYTES, "%s", optimizer_name(job_optimizer(job)->kind));
+    snprintf(cells[5], TABLE_CELL_BYTES, "%s", precision_name(job_config(job)->working_dtype));
+    snprintf(cells[6], TABLE_CELL_BYTES, "%" PRIu64, job->step);
+    snprintf(cells[7], TABLE_CELL_BYTES, "%s", job->reason);
+    if (table_add_row(&t, cells) != 0)
+      rc = fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
+  }
+  if (rc == 0)
+    table_print(&t, stdout);
+  table_free(&t);
+  zerod__v1__list_jobs_reply__free_unpacked(reply, NULL);
+  return rc;
+}
+
+static int cmd_jobs_get(ctl *c, int argc, char **argv) {
+  Zerod__V1__GetJobRequest request = ZEROD__V1__GET_JOB_REQUEST__INIT;
+  request.name = argv[0];
+  Zerod__V1__Job *job;
+  int rc = call(c, "/zerod.v1.Jobs/GetJob", &request.base, &zerod__v1__job__descriptor,
+                (ProtobufCMessage **)&job);
+  if (rc != 0)
+    return rc;
+  if (c->json) {
+    json_out j = {.out = stdout};
+    json_job(&j, NULL, job);
+  } else {
+    print_job(job);
+  }
+  zerod__v1__job__free_unpacked(job, NULL);
+  return 0;
+}
+
+static int cmd_jobs_delete(ctl *c, int argc, char **argv) {
+  Zerod__V1__DeleteJobRequest request = ZEROD__V1__DELETE_JOB_REQUEST__INIT;
+  request.name = argv[0];
+  Zerod__V1__DeleteJobReply *reply;
+  int rc = call(c, "/zerod.v1.Jobs/DeleteJob", &request.base,
+                &zerod__v1__delete_job_reply__descriptor, (ProtobufCMessage **)&reply);
+  if (rc != 0)
+    return rc;
+  zerod__v1__delete_job_reply__free_unpacked(reply, NULL);
+  if (c->json) {
+    json_out j = {.out = stdout};
+    json_open(&j, NULL, '{');
+    json_str(&j, "deleted", argv[0]);
+    json_close(&j, '}');
+  } else {
+    printf("deleted job %s\n", argv[0]);
+  }
+  return 0;
+}
+
+/* The options of `jobs create`, as given (checked in cmd_jobs_create). */
+typedef struct create_options {
+  const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
+      *precision, *max_grad_norm, *max_live_bytes, *token;
+  const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
+  size_t n_node_lists;
+  const char *first_given; /* the first of them on the command line, or NULL */
+} create_options;
+
+static int bad_create_value(const char *option, const char *value, const char *expected) {
+  return usage_error("jobs create: invalid %s '%s': expected %s", option, value, expected);
+}
+
+/* Splits the --node lists into names (checked, no duplicates). */
+static int collect_node_names(const create_options *o,
+                              char names[CTL_MAX_NODES][CTL_NAME_MAX_BYTES + 1], size_t *n_names) {
+  *n_names = 0;
+  for (size_t l = 0; l < o->n_node_lists; l++) {
+    const char *p = o->node_lists[l];
+    for (;;) {
+      size_t len = strcspn(p, ",");
+      char name[CTL_NAME_MAX_BYTES + 1];
+      if (len > CTL_NAME_MAX_BYTES)
+        return bad_create_value("--node", o->node_lists[l],
+                                "node names of 1..64 characters [A-Za-z0-9._-], comma-separated");
+      memcpy(name, p, len);
+      name[len] = '\0';
+      if (!valid_name(name))
+        return bad_create_value("--node", o->node_lists[l],
+                                "node names of 1..64 characters [A-Za-z0-9._-], comma-separated");
+      for (size_t k = 0; k < *n_names; k++)
+        if (strcmp(names[k], name) == 0)
+          return usage_error("jobs create: node '%s' is named twice", name);
+      if (*n_names == CTL_MAX_NODES)
+        return usage_error("jobs create: more than %d nodes", CTL_MAX_NODES);
+      memcpy(names[(*n_names)++], name, len + 1);
+      if (p[len] == '\0')
+        break;
+      p += len + 1;
+    }
+  }
+  return 0;
+}
+
+static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
+  Zerod__V1__OptimizerConfig optimizer = ZEROD__V1__OPTIMIZER_CONFIG__INIT;
+  Zerod__V1__JobConfig config = ZEROD__V1__JOB_CONFIG__INIT;
+  Zerod__V1__Quotas quotas = ZEROD__V1__QUOTAS__INIT;
+  Zerod__V1__CreateJobRequest request = ZEROD__V1__CREATE_JOB_REQUEST__INIT;
+  char names[CTL_MAX_NODES][CTL_NAME_MAX_BYTES + 1];
+  char *name_ptrs[CTL_MAX_NODES];
+  size_t n_names = 0;
+
+  request.name = (char *)name;
+  request.nodes = 1;
+  request.ranks_per_node = 1;
+  if (o->nodes != NULL && parse_u32(o->nodes, 1, CTL_MAX_NODES, &request.nodes) != 0)
+    return bad_create_value("--nodes", o->nodes, "an integer 1..64");
+  if (o->ranks_per_node != NULL &&
+      parse_u32(o->ranks_per_node, 1, CTL_MAX_RANKS, &request.ranks_per_node) != 0)
+    return bad_create_value("--ranks-per-node", o->ranks_per_node, "an integer 1..64");
+  int rc = collect_node_names(o, names, &n_names);
+  if (rc != 0)
+    return rc;
+  if (n_names > 0) {
+    if (o->nodes == NULL)
+      request.nodes = (uint32_t)n_names;
+    else if (request.nodes != n_names)
+      return usage_error("jobs create: --nodes %" PRIu32
+                         " does not match the %zu nodes named by --node",
+                         request.nodes, n_names);
+    for (size_t i = 0; i < n_names; i++)
+      name_ptrs[i] = names[i];
+    request.n_node_names = n_names;
+    request.node_names = name_ptrs;
+  }
+  if ((uint64_t)request.nodes * request.ranks_per_node > CTL_MAX_RANKS)
+    return usage_error("jobs create: %" PRIu32 " nodes x %" PRIu32
+                       " ranks is a world of more than %d ranks",
+                       request.nodes, request.ranks_per_node, CTL_MAX_RANKS);
+
+  optimizer.kind = ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW;
+  if (o->optimizer != NULL) {
+    if (strcmp(o->optimizer, "adamw") == 0)
+      optimizer.kind = ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW;
+    else if (strcmp(o->optimizer, "adam") == 0)
+      optimizer.kind = ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAM;
+    else if (strcmp(o->optimizer, "sgd") == 0)
+      optimizer.kind = ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD;
+    else
+      return bad_create_value("--optimizer", o->optimizer, "adamw, adam or sgd");
+  }
+  bool sgd = optimizer.kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD;
+  if (o->lr != NULL && parse_double(o->lr, 0, 1e6, false, &optimizer.lr) != 0)
+    return bad_create_value("--lr", o->lr, "a number > 0");
+  if (o->lr != NULL && optimizer.lr == 0)
+    return bad_create_value("--lr", o->lr, "a number > 0");
+  if (o->weight_decay != NULL) {
+    if (parse_double(o->weight_decay, 0, 1e6, false, &optimizer.weight_decay) != 0)
+      return bad_create_value("--weight-decay", o->weight_decay, "a number >= 0");
+    optimizer.has_weight_decay = true;
+  }
+  if (o->betas != NULL) {
+    if (sgd)
+      return usage_error("jobs create: --betas applies to adamw and adam, not sgd");
+    char betas[64];
+    const char *comma = strchr(o->betas, ',');
+    if (strlen(o->betas) >= sizeof betas || comma == NULL)
+      return bad_create_value("--betas", o->betas, "B1,B2, each in [0, 1)");
+    snprintf(betas, sizeof betas, "%s", o->betas);
+    betas[comma - o->betas] = '\0';
+    if (parse_double(betas, 0, 1, true, &optimizer.beta1) != 0 ||
+        parse_double(betas + (comma - o->betas) + 1, 0, 1, true, &optimizer.beta2) != 0)
+      return bad_create_value("--betas", o->betas, "B1,B2, each in [0, 1)");
+  }
+  if (o->eps != NULL) {
+    if (sgd)
+      return usage_error("jobs create: --eps applies to adamw and adam, not sgd");
+    if (parse_double(o->eps, 0, 1, false, &optimizer.eps) != 0 || optimizer.eps == 0)
+      return bad_create_value("--eps", o->eps, "a number in (0, 1]");
+  }
+  if (o->momentum != NULL) {
+    if (!sgd)
+      return usage_error("jobs create: --momentum applies to sgd only (use --optimizer sgd)");
+    if (parse_double(o->momentum, 0, 1, true, &optimizer.momentum) != 0)
+      return bad_create_value("--momentum", o->momentum, "a number in [0, 1)");
+  }
+  config.optimizer = &optimizer;
+
+  config.working_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
+  if (o->precision != NULL) {
+    if (strcmp(o->precision, "fp32") == 0)
+      config.working_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
+    else if (strcmp(o->precision, "bf16") == 0)
+      config.working_dtype = ZEROD__V1__DTYPE__DTYPE_BF16;
+    else
+      return bad_create_value("--precision", o->precision, "fp32 or bf16");
+  }
+  if (o->max_grad_norm != NULL &&
+      parse_double(o->max_grad_norm, 0, 1e12, false, &config.max_grad_norm) != 0)
+    return bad_create_value("--max-grad-norm", o->max_grad_norm, "a number >= 0 (0: off)");
+  if (o->max_live_bytes != NULL) {
+    uint64_t bytes;
+    if (parse_size(o->max_live_bytes, &bytes) != 0)
+      return bad_create_value("--max-live-bytes", o->max_live_bytes, "a size such as 512M or 4G");
+    /* Both fields carry the same per-rank budget (ipc.proto's JobConfig and
+     * control.proto's Quotas); set both so that the job's config, as the
+     * nodes receive it, agrees with its quota. */
+    config.max_live_bytes = bytes;
+    quotas.max_live_bytes = bytes;
+    request.quotas = &quotas;
+  }
+  request.config = &config;
+  if (o->token != NULL) {
+    if (!valid_token(o->token))
+      return bad_create_value("--token", o->token, "1..256 printable characters, no spaces");
+    request.token = (char *)o->token;
+  }
+
+  Zerod__V1__CreateJobReply *reply;
+  rc = call(c, "/zerod.v1.Jobs/CreateJob", &request.base, &zerod__v1__create_job_reply__descriptor,
+            (ProtobufCMessage **)&reply);
+  if (rc != 0)
+    return rc;
+  if (reply->job == NULL) {
+    zerod__v1__create_job_reply__free_unpacked(reply, NULL);
+    return fail_line(CTL_EXIT_FAILED, "%s: the coordinator's reply has no job", c->command);
+  }
+  if (c->json) {
+    json_out j = {.out = stdout};
+    json_open(&j, NULL, '{');
+    json_job(&j, "job", reply->job);
+    json_str(&j, "token", reply->token);
+    json_close(&j, '}');
+  } else {
+    print_job(reply->job);
+    print_field("token", "%s", reply->token);
+  }
+  zerod__v1__create_job_reply__free_unpacked(reply, NULL);
+  return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* health                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static int cmd_health(ctl *c, int argc, char **argv) {
+  Grpc__Health__V1__HealthCheckRequest request = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+  request.service = argc > 0 ? argv[0] : "";
+  Grpc__Health__V1__HealthCheckResponse *reply;
+  int rc = call(c, "/grpc.health.v1.Health/Check", &request.base,
+                &grpc__health__v1__health_check_response__descriptor, (ProtobufCMessage **)&reply);
+  if (rc != 0)
+    return rc;
+  Grpc__Health__V1__HealthCheckResponse__ServingStatus status = reply->status;
+  grpc__health__v1__health_check_response__free_unpacked(reply, NULL);
+  if (c->json) {
+    json_out j = {.out = stdout};
+    json_open(&j, NULL, '{');
+    json_str(&j, "service", request.service);
+    json_str(&j, "status", serving_status_name(status, true));
+    json_close(&j, '}');
+  } else {
+    printf("%s\n", serving_status_name(status, false));
+  }
+  if (status != GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING)
+    return fail_line(CTL_EXIT_FAILED, "%s: the coordinator at %s is %s", c->command, c->coordinator,
+                     serving_status_name(status, false));
+  return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Command line                                                             */
+/* ------------------------------------------------------------------------ */
+
+static const char general_usage[] =
+    "usage: zerodctl [options] COMMAND [ARGS...]\n"
+    "\n"
+    "The command line of zerod's control plane: talks to the coordinator over gRPC.\n"
+    "\n"
+    "commands:\n"
+    "  members                  the coordinator's view: epoch and live nodes\n"
+    "  jobs list                every job, one per line\n"
+    "  jobs get NAME            one job in full: placement, config, state\n"
+    "  jobs create NAME [opts]  create a job (see zerodctl jobs create --help)\n"
+    "  jobs delete NAME         delete a job\n"
+    "  health [SERVICE]         grpc.health.v1 check; exit 0 only when SERVING\n"
+    "\n"
+    "options (before or after the command):\n"
+    "  -c, --coordinator HOST:PORT  the coordinator [ZEROD_COORDINATOR, default\n"
+    "                               " CTL_DEFAULT_COORDINATOR "]\n"
+    "  -j, --json                   print one JSON object (for scripts)\n"
+    "  -t, --timeout SECONDS        deadline of each call [default 10]\n"
+    "  -h, --help                   print help (of a command, after it) and exit\n"
+    "      --version                print the version and exit\n"
+    "\n"
+    "exit status: 0 success, 1 the call failed (or not SERVING), 2 usage error;\n"
+    "on failure one line on stderr.\n";
+
+static const char create_usage[] =
+    "usage: zerodctl jobs create NAME [options]\n"
+    "\n"
+    "Creates job NAME and prints it with its owner token (workers attach with it).\n"
+    "\n"
+    "options:\n"
+    "  --nodes N                nodes to place the job on, 1..64 [default 1, or the\n"
+    "                           number of --node names]\n"
+    "  --ranks-per-node R       ranks on each node, 1..64 [default 1]; at most 64 in all\n"
+    "  --node A[,B...]          the nodes, in rank order (repeatable) [default: the first\n"
+    "                           N live members by name with room]\n"
+    "  --optimizer KIND         adamw, adam or sgd [default adamw]\n"
+    "  --lr X                   learning rate [default 0.001]\n"
+    "  --weight-decay X         [default 0.01 for adamw, 0 else]\n"
+    "  --betas B1,B2            adamw and adam [default 0.9,0.999]\n"
+    "  --eps X                  adamw and adam [default 1e-08]\n"
+    "  --momentum X             sgd [default 0]\n"
+    "  --precision P            working copy precision: fp32 or bf16 [default fp32]\n"
+    "  --max-grad-norm X        clip the global gradient norm to X [default: off]\n"
+    "  --max-live-bytes SIZE    gathered + gradient buffers per rank, e.g. 512M, 4G\n"
+    "                           [default: the node's]\n"
+    "  --token T                the owner token [default: the coordinator makes one]\n";
+
+typedef struct command {
+  const char *name; /* "members", "jobs get", ... */
+  int min_args, max_args;
+  const char *args_usage; /* after the name, for usage errors */
+  int (*run)(ctl *c, int argc, char **argv);
+} command;
+
+static const command commands[] = {
+    {"members", 0, 0, "", cmd_members},
+    {"jobs list", 0, 0, "", cmd_jobs_list},
+    {"jobs get", 1, 1, " NAME", cmd_jobs_get},
+    {"jobs create", 1, 1, " NAME [options]", NULL}, /* takes its options: cmd_jobs_create */
+    {"jobs delete", 1, 1, " NAME", cmd_jobs_delete},
+    {"health", 0, 1, " [SERVICE]", cmd_health},
+};
+
+enum {
+  OPT_VERSION = 1000,
+  OPT_NODES,
+  OPT_RANKS_PER_NODE,
+  OPT_NODE,
+  OPT_OPTIMIZER,
+  OPT_LR,
+  OPT_WEIGHT_DECAY,
+  OPT_BETAS,
+  OPT_EPS,
+  OPT_MOMENTUM,
+  OPT_PRECISION,
+  OPT_MAX_GRAD_NORM,
+  OPT_MAX_LIVE_BYTES,
+  OPT_TOKEN,
+};
+
+static const struct option long_options[] = {
+    {"coordinator", required_argument, NULL, 'c'},
+    {"json", no_argument, NULL, 'j'},
+    {"timeout", required_argument, NULL, 't'},
+    {"help", no_argument, NULL, 'h'},
+    {"version", no_argument, NULL, OPT_VERSION},
+    /* jobs create */
+    {"nodes", required_argument, NULL, OPT_NODES},
+    {"ranks-per-node", required_argument, NULL, OPT_RANKS_PER_NODE},
+    {"node", required_argument, NULL, OPT_NODE},
+    {"optimizer", required_argument, NULL, OPT_OPTIMIZER},
+    {"lr", required_argument, NULL, OPT_LR},
+    {"weight-decay", required_argument, NULL, OPT_WEIGHT_DECAY},
+    {"betas", required_argument, NULL, OPT_BETAS},
+    {"eps", required_argument, NULL, OPT_EPS},
+    {"momentum", required_argument, NULL, OPT_MOMENTUM},
+    {"precision", required_argument, NULL, OPT_PRECISION},
+    {"max-grad-norm", required_argument, NULL, OPT_MAX_GRAD_NORM},
+    {"max-live-bytes", required_argument, NULL, OPT_MAX_LIVE_BYTES},
+    {"token", required_argument, NULL, OPT_TOKEN},
+    {NULL, 0, NULL, 0},
+};
+
+/* Records one `jobs create` option; returns 0 or the usage exit status. */
+static int set_create_option(create_options *o, int opt, const char *value, const char *spelled) {
+  const char **slot = NULL;
+  switch (opt) {
+  case OPT_NODES:
+    slot = &o->nodes;
+    break;
+  case OPT_RANKS_PER_NODE:
+    slot = &o->ranks_per_node;
+    break;
+  case OPT_OPTIMIZER:
+    slot = &o->optimizer;
+    break;
+  case OPT_LR:
+    slot = &o->lr;
+    break;
+  case OPT_WEIGHT_DECAY:
+    slot = &o->weight_decay;
+    break;
+  case OPT_BETAS:
+    slot = &o->betas;
+    break;
+  case OPT_EPS:
+    slot = &o->eps;
+    break;
+  case OPT_MOMENTUM:
+    slot = &o->momentum;
+    break;
+  case OPT_PRECISION:
+    slot = &o->precision;
+    break;
+  case OPT_MAX_GRAD_NORM:
+    slot = &o->max_grad_norm;
+    break;
+  case OPT_MAX_LIVE_BYTES:
+    slot = &o->max_live_bytes;
+    break;
+  case OPT_TOKEN:
+    slot = &o->token;
+    break;
+  case OPT_NODE:
+    if (o->n_node_lists == CTL_MAX_NODES)
+      return usage_error("jobs create: --node given more than %d times", CTL_MAX_NODES);
+    o->node_lists[o->n_node_lists++] = value;
+    break;
+  default:
+    return usage_error("unknown option '%s'", spelled);
+  }
+  if (slot != NULL)
+    *slot = value;
+  if (o->first_given == NULL)
+    o->first_given = spelled;
+  return 0;
+}
+
+/* The option as the user spelled it, for messages: "--nodes" (also from
+ * "--nodes=3"), "-c". */
+static void option_spelling(int opt, int long_index, const char *arg, char *out, size_t out_bytes) {
+  if (long_index >= 0)
+    snprintf(out, out_bytes, "--%s", long_options[long_index].name);
+  else if (arg != NULL && strncmp(arg, "--", 2) == 0)
+    snprintf(out, out_bytes, "%.*s", (int)strcspn(arg, "="), arg);
+  else if (opt > 0 && opt < 128)
+    snprintf(out, out_bytes, "-%c", opt);
+  else
+    snprintf(out, out_bytes, "%s", arg != NULL ? arg : "?");
+}
+
+/* Finds the command named by the first positional words; *words receives
+ * how many words its name took. NULL if none matches. */
+static const command *find_command(int argc, char **argv, int *words) {
+  char name[64];
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
+    const char *space = strchr(commands[i].name, ' ');
+    if (space == NULL) {
+      if (argc >= 1 && strcmp(argv[0], commands[i].name) == 0) {
+        *words = 1;
+        return &commands[i];
+      }
+      continue;
+    }
+    if (argc < 2)
+      continue;
+    snprintf(name, sizeof name, "%s %s", argv[0], argv[1]);
+    if (strcmp(name, commands[i].name) == 0) {
+      *words = 2;
+      return &commands[i];
+    }
+  }
+  return NULL;
+}
+
+int main(int argc, char **argv) {
+  ctl c = {.coordinator = NULL, .timeout_s = CTL_DEFAULT_TIMEOUT_S};
+  create_options create = {0};
+  const char *coordinator_from = "--coordinator";
+  bool help = false, version = false;
+  char spelled[64];
+
+  opterr = 0; /* our own one-line messages */
+  int opt, long_index = -1;
+  while ((opt = getopt_long(argc, argv, ":c:jt:h", long_options, &long_index)) != -1) {
+    /* After an error getopt names the option in optopt (0: an unknown long
+     * option) and argv[optind - 1] is the word it was reading. */
+    const char *word = optind > 0 && optind <= argc ? argv[optind - 1] : NULL;
+    if (opt == '?' || opt == ':')
+      option_spelling(optopt, -1, word, spelled, sizeof spelled);
+    else
+      option_spelling(opt, long_index, word, spelled, sizeof spelled);
+    long_index = -1;
+    switch (opt) {
+    case 'c':
+      c.coordinator = optarg;
+      break;
+    case 'j':
+      c.json = true;
+      break;
+    case 't':
+      if (parse_timeout(optarg, &c.timeout_s) != 0)
+        return usage_error("invalid --timeout '%s': expected seconds, > 0 and <= %g", optarg,
+                           CTL_MAX_TIMEOUT_S);
+      break;
+    case 'h':
+      help = true;
+      break;
+    case OPT_VERSION:
+      version = true;
+      break;
+    case ':':
+      return usage_error("option '%s' needs a value (see zerodctl --help)", spelled);
+    case '?':
+      if (optopt != 0 && word != NULL && strncmp(word, "--", 2) == 0)
+        return usage_error("option '%s' takes no value (see zerodctl --help)", spelled);
+      return usage_error("unknown option '%s' (see zerodctl --help)", spelled);
+    default: {
+      int rc = set_create_option(&create, opt, optarg, spelled);
+      if (rc != 0)
+        return rc;
+      break;
+    }
+    }
+  }
+  int n_args = argc - optind;
+  char **args = argv + optind;
+
+  if (version) {
+    printf("zerodctl %s\n", ZEROD_VERSION);
+    return 0;
+  }
+  int words = 0;
+  const command *cmd = find_command(n_args, args, &words);
+  if (help) {
+    fputs(cmd != NULL && strcmp(cmd->name, "jobs create") == 0 ? create_usage : general_usage,
+          stdout);
+    return 0;
+  }
+  if (n_args == 0)
+    return usage_error("no command given (see zerodctl --help)");
+  if (cmd == NULL) {
+    if (strcmp(args[0], "jobs") == 0)
+      return usage_error(n_args == 1 ? "jobs: which one? list, get, create or delete"
+                                     : "jobs: unknown command '%s' (list, get, create or delete)",
+                         n_args > 1 ? args[1] : "");
+    return usage_error("unknown command '%s' (see zerodctl --help)", args[0]);
+  }
+  c.command = cmd->name;
+  args += words;
+  n_args -= words;
+  if (n_args < cmd->min_args || n_args > cmd->max_args)
+    return usage_error("%s: usage: zerodctl %s%s", cmd->name, cmd->name, cmd->args_usage);
+  if (create.first_given != NULL && strcmp(cmd->name, "jobs create") != 0)
+    return usage_error("%s: option '%s' belongs to jobs create", cmd->name, create.first_given);
+  if (strncmp(cmd->name, "jobs ", 5) == 0 && n_args == 1 && !valid_name(args[0]))
+    return usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
+                       cmd->name, args[0]);
+
+  if (c.coordinator == NULL) {
+    c.coordinator = getenv("ZEROD_COORDINATOR");
+    coordinator_from = "ZEROD_COORDINATOR";
+    if (c.coordinator == NULL || c.coordinator[0] == '\0')
+      c.coordinator = CTL_DEFAULT_COORDINATOR;
+  }
+  if (!valid_target(c.coordinator))
+    return usage_error("invalid %s '%s': expected HOST:PORT", coordinator_from, c.coordinator);
+  c.timeout_ms = (int)(c.timeout_s * 1000.0 + 0.999);
+  if (c.timeout_ms < 1)
+    c.timeout_ms = 1;
+
+  /* gRPC logs to stderr on its own (connection failures, at ERROR); the
+   * failure line is ours to print. A user who sets GRPC_VERBOSITY keeps it.
+   * It is read once, when gRPC initialises in rpc_channel_create. Our
+   * rpc module logs through log.h: only its errors could matter here, and
+   * those reach the user as the call's status. */
+  if (setenv("GRPC_VERBOSITY", "NONE", 0) != 0)
+    return fail_line(CTL_EXIT_FAILED, "setenv: %s", strerror(errno));
+  log_set_level(LOG_ERROR);
+
+  int rc;
+  if (cmd->run != NULL)
+    rc = cmd->run(&c, n_args, args);
+  else
+    rc = cmd_jobs_create(&c, args[0], &create);
+  if (c.channel != NULL)
+    rpc_channel_destroy(c.channel);
+
+  /* Output that did not reach stdout (a full disk, a closed pipe) is a
+   * failure a script must see. */
+  if (fflush(stdout) != 0 || ferror(stdout)) {
+    if (rc == 0)
+      rc = fail_line(CTL_EXIT_FAILED, "%s: writing the output: %s", c.command, strerror(errno));
+  }
+  return rc;
+}

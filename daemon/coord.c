@@ -1,1 +1,1781 @@
-/* placeholder: being written */
+/* The coordinator (see coord.h): membership and leases, the job registry,
+ * the rendezvous KV and health, as gRPC handlers on the loop thread.
+ *
+ * Requests are decoded and validated by ctl_decode.c; the handlers here
+ * decide what a well-formed request means against the state. Every change
+ * that a node must know about marks that node's Watch stream dirty, and a
+ * zero-delay timer sends each dirty stream one full WatchEvent on the next
+ * turn of the loop, so a burst of changes (three leases expiring in one
+ * sweep) costs one event per node, not one per change.
+ *
+ * Job states are never stored: they are derived (derive_job) from the
+ * members and their last heartbeat's reports whenever either changes.
+ *
+ * Nothing here blocks the loop except the state file write (state_write):
+ * a few kilobytes written and fsync'd when a job is created or deleted.
+ * Those are rare operator actions, and answering them only once the state
+ * is durable is the point, so the write is done in line rather than on
+ * the thread pool. */
+#include "coord.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ctl_decode.h"
+#include "log.h"
+
+/* Limits (docs/control-plane.md, "Limits"). */
+#define COORD_MAX_MEMBERS      4096
+#define COORD_MAX_JOBS         4096
+#define COORD_MAX_WAITERS      4096
+#define COORD_MAX_KV_BYTES     (64u << 20) /* keys + values + per-key overhead */
+#define COORD_MAX_KV_KEYS      65536
+#define COORD_KV_KEY_OVERHEAD  64
+#define COORD_MAX_NODE_INFO    (16u << 10) /* a member's packed NodeInfo */
+#define COORD_MAX_STATE_BYTES  (64u << 20) /* coordinator.pb */
+#define COORD_STATE_FORMAT     1
+#define COORD_SWEEP_MAX_MS     250
+#define COORD_REASON_BYTES     1024
+#define COORD_TOKEN_HEX_DIGITS 32
+
+/* ------------------------------------------------------------------------ */
+/* State                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* What a member's last heartbeat said about one job. */
+typedef struct job_report {
+  char *job;   /* owned */
+  char *error; /* owned; "" when the job is fine on the node */
+  int ready;
+  uint64_t step;
+} job_report;
+
+typedef struct member {
+  Zerod__V1__NodeInfo *info; /* owned copy of the Join request's node */
+  uint64_t session;
+  int64_t joined_unix_ms;
+  uint64_t lease_deadline_ms; /* on the loop's clock (uv_now) */
+  job_report *reports;        /* owned, sorted by job name */
+  size_t nreports;
+  rpc_call *watch; /* the member's Watch stream, or NULL */
+  int watch_dirty; /* the stream is owed a new event */
+} member;
+
+typedef struct kv_entry {
+  struct kv_entry *next;
+  uint64_t epoch;
+  char *key;      /* owned */
+  uint8_t *value; /* owned; NULL when empty */
+  size_t value_bytes;
+} kv_entry;
+
+/* A Get with wait=true that is waiting for its key. */
+typedef struct kv_waiter {
+  struct kv_waiter *next;
+  struct coord *coord;
+  struct cjob *job;
+  rpc_call *call;
+  uint64_t epoch;
+  char *key; /* owned */
+} kv_waiter;
+
+/* What the coordinator remembers about one placement node of a job. */
+typedef struct node_mark {
+  /* The node left the cluster after the job was placed on it; the job
+   * stays degraded until the node is back and reports the job ready. */
+  int departed;
+  char reason[160];
+} node_mark;
+
+typedef struct cjob {
+  /* Owned copy of the job as stored; its state, reason, step and epoch
+   * fields are unused, the ones below are what replies carry. */
+  Zerod__V1__Job *msg;
+  char *token;      /* owned */
+  node_mark *marks; /* [msg->n_placement] */
+  int deleting;
+  Zerod__V1__JobState state;
+  char reason[COORD_REASON_BYTES];
+  uint64_t step;
+  uint64_t epoch;
+  kv_entry *kv;
+  kv_waiter *waiters;
+} cjob;
+
+struct coord {
+  uv_loop_t *loop;
+  coord_options options;
+  char state_path[PATH_MAX + 32];
+  char tmp_path[PATH_MAX + 32];
+
+  member **members; /* sorted by name */
+  size_t nmembers;
+  cjob **jobs; /* sorted by name; deleting jobs included */
+  size_t njobs;
+  uint64_t epoch; /* the view epoch */
+  uint64_t next_job_id;
+
+  size_t kv_bytes, kv_keys, nwaiters;
+
+  uv_timer_t lease_timer; /* the lease sweep */
+  uv_timer_t flush_timer; /* sends the dirty Watch streams their events */
+  int open_handles;
+  int flush_scheduled;
+  int shutting_down;
+};
+
+static void reconcile(coord *c, const char *node);
+static void mark_all_watches(coord *c);
+
+/* ------------------------------------------------------------------------ */
+/* Small helpers                                                            */
+/* ------------------------------------------------------------------------ */
+
+static int64_t unix_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int random_bytes(void *buf, size_t len) {
+  size_t got = 0;
+  while (got < len) {
+    ssize_t n = getrandom((char *)buf + got, len - got, 0);
+    if (n < 0) {
+      if (errno == EINTR)
+        continue;
+      return -errno;
+    }
+    got += (size_t)n;
+  }
+  return 0;
+}
+
+/* Returns a copy of msg made by packing and unpacking it, so that the copy
+ * is one protobuf-c allocation tree (freed with ctl_free), or NULL. */
+static void *message_copy(const ProtobufCMessage *msg) {
+  size_t len = protobuf_c_message_get_packed_size(msg);
+  uint8_t *buf = malloc(len ? len : 1);
+  if (buf == NULL)
+    return NULL;
+  protobuf_c_message_pack(msg, buf);
+  ProtobufCMessage *copy = protobuf_c_message_unpack(msg->descriptor, NULL, len, buf);
+  free(buf);
+  return copy;
+}
+
+/* Answers a unary call with msg, or with RESOURCE_EXHAUSTED when it would
+ * be larger than gRPC lets either side send. */
+static void finish_message(rpc_call *call, const ProtobufCMessage *msg) {
+  size_t len = protobuf_c_message_get_packed_size(msg);
+  if (len > RPC_MAX_MESSAGE_BYTES) {
+    char err[128];
+    snprintf(err, sizeof err, "reply would be %zu bytes (at most %u)", len, RPC_MAX_MESSAGE_BYTES);
+    rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, err, NULL, 0);
+    return;
+  }
+  uint8_t *buf = malloc(len ? len : 1);
+  if (buf == NULL) {
+    rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory", NULL, 0);
+    return;
+  }
+  protobuf_c_message_pack(msg, buf);
+  rpc_call_finish(call, RPC_OK, NULL, buf, len);
+  free(buf);
+}
+
+static void finish_error(rpc_call *call, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void finish_error(rpc_call *call, int status, const char *fmt, ...) {
+  char message[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(message, sizeof message, fmt, ap);
+  va_end(ap);
+  rpc_call_finish(call, status, message, NULL, 0);
+}
+
+/* Appends printf output to buf (of buf_bytes) at *len, truncating. */
+static void append(char *buf, size_t buf_bytes, size_t *len, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static void append(char *buf, size_t buf_bytes, size_t *len, const char *fmt, ...) {
+  if (*len >= buf_bytes)
+    return;
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(buf + *len, buf_bytes - *len, fmt, ap);
+  va_end(ap);
+  if (n > 0)
+    *len = *len + (size_t)n < buf_bytes ? *len + (size_t)n : buf_bytes;
+}
+
+/* Formats "node a" or "nodes a, b, c" (at most 8 names, then "and N
+ * more") into buf, from the names[count]. */
+static void format_nodes(char *buf, size_t buf_bytes, const char *const *names, size_t count) {
+  size_t len = 0;
+  buf[0] = '\0';
+  append(buf, buf_bytes, &len, count == 1 ? "node " : "nodes ");
+  for (size_t i = 0; i < count && i < 8; i++)
+    append(buf, buf_bytes, &len, "%s%s", i ? ", " : "", names[i]);
+  if (count > 8)
+    append(buf, buf_bytes, &len, " and %zu more", count - 8);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Members and jobs: lookup                                                 */
+/* ------------------------------------------------------------------------ */
+
+static const char *member_name(const void *m) {
+  return ((const member *)m)->info->name;
+}
+static const char *job_name(const void *j) {
+  return ((const cjob *)j)->msg->name;
+}
+
+/* Binary search by name in an array sorted by name; returns the index of
+ * the match, or -(insertion point) - 1. */
+static long search_by_name(void *const *items, size_t n, const char *(*name_of)(const void *),
+                           const char *name) {
+  size_t lo = 0, hi = n;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    int cmp = strcmp(name_of(items[mid]), name);
+    if (cmp == 0)
+      return (long)mid;
+    if (cmp < 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return -(long)lo - 1;
+}
+
+static long find_member_index(const coord *c, const char *name) {
+  return search_by_name((void *const *)c->members, c->nmembers, member_name, name);
+}
+
+static member *find_member(const coord *c, const char *name) {
+  long i = find_member_index(c, name);
+  return i >= 0 ? c->members[i] : NULL;
+}
+
+static long find_job_index(const coord *c, const char *name) {
+  return search_by_name((void *const *)c->jobs, c->njobs, job_name, name);
+}
+
+static cjob *find_job(const coord *c, const char *name) {
+  long i = find_job_index(c, name);
+  return i >= 0 ? c->jobs[i] : NULL;
+}
+
+/* Returns the job's placement index of node, or -1. */
+static long placement_of(const cjob *j, const char *node) {
+  for (size_t i = 0; i < j->msg->n_placement; i++)
+    if (strcmp(j->msg->placement[i]->node, node) == 0)
+      return (long)i;
+  return -1;
+}
+
+static int compare_reports(const void *a, const void *b) {
+  return strcmp(((const job_report *)a)->job, ((const job_report *)b)->job);
+}
+
+static const job_report *find_report(const member *m, const char *job) {
+  if (m->nreports == 0)
+    return NULL; /* bsearch must not be given a NULL array */
+  job_report key = {.job = (char *)job};
+  return bsearch(&key, m->reports, m->nreports, sizeof *m->reports, compare_reports);
+}
+
+static void free_reports(job_report *reports, size_t count) {
+  for (size_t i = 0; i < count; i++) {
+    free(reports[i].job);
+    free(reports[i].error);
+  }
+  free(reports);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Messages: views, jobs, watch events                                      */
+/* ------------------------------------------------------------------------ */
+
+/* The job as replies show it: the stored message with the live fields.
+ * Points into j; valid until j changes. */
+static void job_view(const cjob *j, Zerod__V1__Job *out) {
+  *out = *j->msg;
+  out->state = j->state;
+  out->reason = (char *)j->reason;
+  out->step = j->step;
+  out->epoch = j->epoch;
+}
+
+/* A View message built from the members; free with view_free. */
+typedef struct view_msg {
+  Zerod__V1__View view;
+  Zerod__V1__Member *members;
+  Zerod__V1__Member **pointers;
+} view_msg;
+
+static int view_build(const coord *c, view_msg *v) {
+  zerod__v1__view__init(&v->view);
+  v->members = calloc(c->nmembers ? c->nmembers : 1, sizeof *v->members);
+  v->pointers = calloc(c->nmembers ? c->nmembers : 1, sizeof *v->pointers);
+  if (v->members == NULL || v->pointers == NULL) {
+    free(v->members);
+    free(v->pointers);
+    return -ENOMEM;
+  }
+  uint64_t now = uv_now(c->loop);
+  for (size_t i = 0; i < c->nmembers; i++) {
+    const member *m = c->members[i];
+    Zerod__V1__Member *out = &v->members[i];
+    zerod__v1__member__init(out);
+    out->node = m->info;
+    out->session = m->session;
+    out->joined_unix_ms = m->joined_unix_ms;
+    out->lease_remaining_ms =
+        m->lease_deadline_ms > now ? (int64_t)(m->lease_deadline_ms - now) : 0;
+    v->pointers[i] = out;
+  }
+  v->view.epoch = c->epoch;
+  v->view.n_members = c->nmembers;
+  v->view.members = v->pointers;
+  return 0;
+}
+
+static void view_free(view_msg *v) {
+  free(v->members);
+  free(v->pointers);
+}
+
+/* Packs the WatchEvent for m (the view and m's assignments) into a malloc'd
+ * buffer. Returns 0 or -ENOMEM. */
+static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size_t *out_bytes) {
+  view_msg v;
+  if (view_build(c, &v) != 0)
+    return -ENOMEM;
+  int rc = -ENOMEM;
+  size_t cap = c->njobs ? c->njobs : 1;
+  Zerod__V1__Assignment *assignments = calloc(cap, sizeof *assignments);
+  Zerod__V1__Assignment **pointers = calloc(cap, sizeof *pointers);
+  Zerod__V1__Job *jobs = calloc(cap, sizeof *jobs);
+  if (assignments == NULL || pointers == NULL || jobs == NULL)
+    goto out;
+  size_t count = 0;
+  for (size_t i = 0; i < c->njobs; i++) {
+    const cjob *j = c->jobs[i];
+    long at = j->deleting ? -1 : placement_of(j, m->info->name);
+    if (at < 0)
+      continue;
+    job_view(j, &jobs[count]);
+    zerod__v1__assignment__init(&assignments[count]);
+    assignments[count].job = &jobs[count];
+    assignments[count].token = j->token;
+    assignments[count].first_rank = j->msg->placement[at]->first_rank;
+    assignments[count].ranks = j->msg->placement[at]->ranks;
+    pointers[count] = &assignments[count];
+    count++;
+  }
+  Zerod__V1__WatchEvent event = ZEROD__V1__WATCH_EVENT__INIT;
+  event.view = &v.view;
+  event.n_assignments = count;
+  event.assignments = pointers;
+  size_t len = zerod__v1__watch_event__get_packed_size(&event);
+  uint8_t *buf = malloc(len ? len : 1);
+  if (buf == NULL)
+    goto out;
+  zerod__v1__watch_event__pack(&event, buf);
+  *out = buf;
+  *out_bytes = len;
+  rc = 0;
+out:
+  free(assignments);
+  free(pointers);
+  free(jobs);
+  view_free(&v);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Watch streams                                                            */
+/* ------------------------------------------------------------------------ */
+
+/* Ends m's Watch stream, if any, with status and message. */
+static void watch_end(member *m, int status, const char *message) {
+  rpc_call *call = m->watch;
+  if (call == NULL)
+    return;
+  m->watch = NULL;
+  m->watch_dirty = 0;
+  /* The call is finished here; its cancel callback must not run later
+   * with a member that may be gone by then. */
+  rpc_call_set_cancel(call, NULL, NULL);
+  rpc_call_finish(call, status, message, NULL, 0);
+}
+
+/* Sends m's stream the current event. */
+static void watch_send(coord *c, member *m) {
+  m->watch_dirty = 0;
+  if (m->watch == NULL)
+    return;
+  uint8_t *event = NULL;
+  size_t event_bytes = 0;
+  int rc = watch_event_pack(c, m, &event, &event_bytes);
+  if (rc == 0 && event_bytes > RPC_MAX_MESSAGE_BYTES)
+    rc = -EMSGSIZE;
+  if (rc == 0)
+    rc = rpc_call_send(m->watch, event, event_bytes);
+  free(event);
+  /* -EPIPE: the client cancelled; its cancel callback (already run or on
+   * its way) ends the stream. Anything else ends it here: the node
+   * re-opens the watch and gets the full state again, which is all it
+   * needs since every event is the whole state. */
+  if (rc == 0 || rc == -EPIPE)
+    return;
+  LOG_WARNF("watch stream ended", "node=%s err=%s", m->info->name, strerror(-rc));
+  char message[256];
+  snprintf(message, sizeof message, "watch stream ended: %s",
+           rc == -ENOBUFS ? "the client is not reading its events" : strerror(-rc));
+  watch_end(m, RPC_RESOURCE_EXHAUSTED, message);
+}
+
+static void on_flush_timer(uv_timer_t *timer) {
+  coord *c = timer->data;
+  c->flush_scheduled = 0;
+  for (size_t i = 0; i < c->nmembers; i++)
+    if (c->members[i]->watch_dirty)
+      watch_send(c, c->members[i]);
+}
+
+static void mark_watch(coord *c, member *m) {
+  if (m == NULL || m->watch == NULL || c->shutting_down)
+    return;
+  m->watch_dirty = 1;
+  if (!c->flush_scheduled) {
+    c->flush_scheduled = 1;
+    uv_timer_start(&c->flush_timer, on_flush_timer, 0, 0);
+  }
+}
+
+static void mark_all_watches(coord *c) {
+  for (size_t i = 0; i < c->nmembers; i++)
+    mark_watch(c, c->members[i]);
+}
+
+static void mark_job_watches(coord *c, const cjob *j) {
+  for (size_t i = 0; i < j->msg->n_placement; i++)
+    mark_watch(c, find_member(c, j->msg->placement[i]->node));
+}
+
+static void on_watch_cancelled(rpc_call *call, void *arg) {
+  member *m = arg;
+  if (m->watch == call) {
+    m->watch = NULL;
+    m->watch_dirty = 0;
+  }
+  rpc_call_finish(call, RPC_CANCELLED, "watch cancelled", NULL, 0);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Job state                                                                */
+/* ------------------------------------------------------------------------ */
+
+/* Derives j's state, reason and step from the members and their reports
+ * (see docs/control-plane.md, "Job states"), and tells the job's nodes if
+ * the state or reason changed. */
+static void derive_job(coord *c, cjob *j) {
+  if (j->deleting)
+    return;
+  size_t n = j->msg->n_placement;
+  const char *absent[CTL_MAX_RANKS], *building[CTL_MAX_RANKS];
+  size_t nabsent = 0, nbuilding = 0;
+  const char *departed_reason = NULL, *error_node = NULL;
+  const char *error = NULL;
+  int rejoined = 0, have_step = 0;
+  uint64_t step = 0;
+  for (size_t i = 0; i < n && i < CTL_MAX_RANKS; i++) {
+    const char *node = j->msg->placement[i]->node;
+    node_mark *mark = &j->marks[i];
+    const member *m = find_member(c, node);
+    const job_report *r = m != NULL ? find_report(m, j->msg->name) : NULL;
+    if (r != NULL && (!have_step || r->step < step)) {
+      step = r->step;
+      have_step = 1;
+    }
+    /* A node that came back clears its departure once it has rebuilt the
+     * job's ranks. */
+    if (mark->departed && r != NULL && r->ready && r->error[0] == '\0')
+      mark->departed = 0;
+    if (mark->departed) {
+      if (departed_reason == NULL) {
+        departed_reason = mark->reason;
+        rejoined = m != NULL;
+      }
+      continue;
+    }
+    if (m == NULL) {
+      absent[nabsent++] = node;
+    } else if (r != NULL && r->error[0] != '\0') {
+      if (error == NULL) {
+        error = r->error;
+        error_node = node;
+      }
+    } else if (r == NULL || !r->ready) {
+      building[nbuilding++] = node;
+    }
+  }
+
+  Zerod__V1__JobState state;
+  char reason[COORD_REASON_BYTES], nodes[768];
+  if (departed_reason != NULL) {
+    state = ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED;
+    if (rejoined)
+      snprintf(reason, sizeof reason, "%s and re-joined; waiting for it to rebuild the job's ranks",
+               departed_reason);
+    else
+      snprintf(reason, sizeof reason, "%s", departed_reason);
+  } else if (error != NULL) {
+    state = ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED;
+    snprintf(reason, sizeof reason, "node '%s': %s", error_node, error);
+  } else if (nabsent != 0) {
+    state = ZEROD__V1__JOB_STATE__JOB_STATE_CREATING;
+    format_nodes(nodes, sizeof nodes, absent, nabsent);
+    snprintf(reason, sizeof reason, "waiting for %s to join and build the job's ranks", nodes);
+  } else if (nbuilding != 0) {
+    state = ZEROD__V1__JOB_STATE__JOB_STATE_CREATING;
+    format_nodes(nodes, sizeof nodes, building, nbuilding);
+    snprintf(reason, sizeof reason, "waiting for %s to build the job's ranks", nodes);
+  } else {
+    state = ZEROD__V1__JOB_STATE__JOB_STATE_READY;
+    reason[0] = '\0';
+  }
+  if (have_step)
+    j->step = step;
+  if (state == j->state && strcmp(reason, j->reason) == 0)
+    return;
+  char quoted[COORD_REASON_BYTES + 64];
+  LOG_INFOF("job state changed", "job=%s state=%s reason=%s", j->msg->name,
+            protobuf_c_enum_descriptor_get_value(&zerod__v1__job_state__descriptor, state)->name,
+            log_quote(reason, quoted, sizeof quoted));
+  j->state = state;
+  snprintf(j->reason, sizeof j->reason, "%s", reason);
+  mark_job_watches(c, j);
+}
+
+/* Returns 1 if a live placement node of j still reports it. */
+static int job_still_reported(const coord *c, const cjob *j) {
+  for (size_t i = 0; i < j->msg->n_placement; i++) {
+    const member *m = find_member(c, j->msg->placement[i]->node);
+    if (m != NULL && find_report(m, j->msg->name) != NULL)
+      return 1;
+  }
+  return 0;
+}
+
+static void kv_clear(coord *c, cjob *j);
+static void waiters_end(cjob *j, int status, const char *message);
+
+static void job_free(coord *c, cjob *j) {
+  if (j == NULL)
+    return;
+  kv_clear(c, j);
+  waiters_end(j, RPC_NOT_FOUND, "the job is gone");
+  ctl_free(&j->msg->base);
+  free(j->token);
+  free(j->marks);
+  free(j);
+}
+
+/* Re-derives the jobs placed on node (every job when node is NULL), and
+ * forgets the deleting ones that no live placement node reports any more. */
+static void reconcile(coord *c, const char *node) {
+  size_t i = 0;
+  while (i < c->njobs) {
+    cjob *j = c->jobs[i];
+    if (node != NULL && placement_of(j, node) < 0) {
+      i++;
+      continue;
+    }
+    if (j->deleting && !job_still_reported(c, j)) {
+      LOG_INFOF("job deleted", "job=%s id=%" PRIu64, j->msg->name, j->msg->id);
+      memmove(&c->jobs[i], &c->jobs[i + 1], (c->njobs - i - 1) * sizeof *c->jobs);
+      c->njobs--;
+      job_free(c, j);
+      continue;
+    }
+    derive_job(c, j);
+    i++;
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Durable state                                                            */
+/* ------------------------------------------------------------------------ */
+
+/* Writes the jobs (without the deleting ones and skip, plus add) and
+ * next_job_id to coordinator.pb atomically: a temporary file, fsync,
+ * rename over the old one, fsync of the directory. On failure the old file
+ * is intact and err holds the reason. Blocks the loop (see the top of the
+ * file). Returns 0 or a negative errno. */
+static int state_write(coord *c, const cjob *add, const cjob *skip, uint64_t next_job_id, char *err,
+                       size_t err_bytes) {
+  size_t cap = c->njobs + 1;
+  Zerod__V1__StoredJob *stored = calloc(cap, sizeof *stored);
+  Zerod__V1__StoredJob **pointers = calloc(cap, sizeof *pointers);
+  Zerod__V1__Job *jobs = calloc(cap, sizeof *jobs);
+  uint8_t *buf = NULL;
+  int fd = -1, rc = -ENOMEM;
+  const char *step = "pack";
+  if (stored == NULL || pointers == NULL || jobs == NULL)
+    goto out;
+  size_t count = 0;
+  for (size_t i = 0; i <= c->njobs; i++) {
+    const cjob *j = i < c->njobs ? c->jobs[i] : add;
+    if (j == NULL || j == skip || j->deleting)
+      continue;
+    /* State and reason are derived, never stored; the epoch is. */
+    jobs[count] = *j->msg;
+    jobs[count].state = ZEROD__V1__JOB_STATE__JOB_STATE_UNSPECIFIED;
+    jobs[count].reason = (char *)"";
+    jobs[count].step = j->step;
+    jobs[count].epoch = j->epoch;
+    zerod__v1__stored_job__init(&stored[count]);
+    stored[count].job = &jobs[count];
+    stored[count].token = j->token;
+    pointers[count] = &stored[count];
+    count++;
+  }
+  Zerod__V1__CoordinatorState state = ZEROD__V1__COORDINATOR_STATE__INIT;
+  state.format_version = COORD_STATE_FORMAT;
+  state.next_job_id = next_job_id;
+  state.n_jobs = count;
+  state.jobs = pointers;
+  size_t len = zerod__v1__coordinator_state__get_packed_size(&state);
+  buf = malloc(len ? len : 1);
+  if (buf == NULL)
+    goto out;
+  zerod__v1__coordinator_state__pack(&state, buf);
+
+  step = "open";
+  fd = open(c->tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0)
+    goto out_errno;
+  step = "write";
+  for (size_t done = 0; done < len;) {
+    ssize_t n = write(fd, buf + done, len - done);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0) {
+      if (n == 0)
+        errno = ENOSPC;
+      goto out_errno;
+    }
+    done += (size_t)n;
+  }
+  step = "fsync";
+  if (fsync(fd) != 0)
+    goto out_errno;
+  step = "close";
+  int close_rc = close(fd);
+  fd = -1;
+  if (close_rc != 0)
+    goto out_errno;
+  step = "rename";
+  if (rename(c->tmp_path, c->state_path) != 0)
+    goto out_errno;
+  /* The rename is durable only once the directory is. If this fsync fails
+   * the new file may or may not survive a crash; the caller reports the
+   * error and keeps its old state in memory, and the next write settles
+   * the file again. */
+  step = "fsync directory";
+  int dir_fd = open(c->options.state_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd < 0)
+    goto out_errno;
+  int sync_rc = fsync(dir_fd);
+  int sync_errno = errno;
+  close(dir_fd);
+  if (sync_rc != 0) {
+    errno = sync_errno;
+    goto out_errno;
+  }
+  rc = 0;
+  goto out;
+out_errno:
+  rc = -errno;
+  snprintf(err, err_bytes, "cannot save the coordinator state (%s %s): %s", step,
+           strcmp(step, "rename") == 0 || strncmp(step, "fsync d", 7) == 0 ? c->state_path
+                                                                           : c->tmp_path,
+           strerror(errno));
+  if (fd >= 0)
+    close(fd);
+  unlink(c->tmp_path);
+out:
+  if (rc == -ENOMEM)
+    snprintf(err, err_bytes, "cannot save the coordinator state: out of memory");
+  free(buf);
+  free(stored);
+  free(pointers);
+  free(jobs);
+  return rc;
+}
+
+static int compare_jobs(const void *a, const void *b) {
+  return strcmp((*(cjob *const *)a)->msg->name, (*(cjob *const *)b)->msg->name);
+}
+
+static cjob *job_new(Zerod__V1__Job *msg, const char *token) {
+  cjob *j = calloc(1, sizeof *j);
+  if (j == NULL)
+    return NULL;
+  j->msg = msg;
+  j->token = strdup(token);
+  j->marks = calloc(msg->n_placement ? msg->n_placement : 1, sizeof *j->marks);
+  if (j->token == NULL || j->marks == NULL) {
+    free(j->token);
+    free(j->marks);
+    free(j);
+    return NULL;
+  }
+  j->state = ZEROD__V1__JOB_STATE__JOB_STATE_UNSPECIFIED;
+  j->epoch = msg->epoch ? msg->epoch : 1;
+  j->step = msg->step;
+  return j;
+}
+
+/* Loads coordinator.pb. A missing file is an empty state; anything that
+ * cannot be read in full, or is not a valid CoordinatorState of our format,
+ * is an error (the operator decides; we never start over silently). */
+static int state_load(coord *c, char *err, size_t err_bytes) {
+  uint8_t *buf = NULL;
+  Zerod__V1__CoordinatorState *state = NULL;
+  int rc = 0;
+  int fd = open(c->state_path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT)
+      return 0;
+    rc = -errno;
+    snprintf(err, err_bytes, "cannot open %s: %s", c->state_path, strerror(errno));
+    return rc;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    rc = -errno;
+    snprintf(err, err_bytes, "cannot stat %s: %s", c->state_path, strerror(errno));
+    goto out;
+  }
+  if (!S_ISREG(st.st_mode) || st.st_size > (off_t)COORD_MAX_STATE_BYTES) {
+    rc = -EFBIG;
+    snprintf(err, err_bytes, "%s is not a regular file of at most %u bytes", c->state_path,
+             COORD_MAX_STATE_BYTES);
+    goto out;
+  }
+  size_t len = (size_t)st.st_size;
+  buf = malloc(len ? len : 1);
+  if (buf == NULL) {
+    rc = -ENOMEM;
+    snprintf(err, err_bytes, "out of memory reading %s", c->state_path);
+    goto out;
+  }
+  for (size_t done = 0; done < len;) {
+    ssize_t n = read(fd, buf + done, len - done);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0) {
+      rc = n == 0 ? -EIO : -errno;
+      snprintf(err, err_bytes, "cannot read %s: %s", c->state_path,
+               n == 0 ? "file shrank while reading" : strerror(errno));
+      goto out;
+    }
+    done += (size_t)n;
+  }
+  state = zerod__v1__coordinator_state__unpack(NULL, len, buf);
+  if (state == NULL) {
+    rc = -EBADMSG;
+    snprintf(err, err_bytes, "%s is corrupt (not a zerod.v1.CoordinatorState message)",
+             c->state_path);
+    goto out;
+  }
+  if (state->format_version != COORD_STATE_FORMAT) {
+    rc = -EBADMSG;
+    snprintf(err, err_bytes, "%s has format version %u (this coordinator reads %d)", c->state_path,
+             state->format_version, COORD_STATE_FORMAT);
+    goto out;
+  }
+  if (state->n_jobs > COORD_MAX_JOBS) {
+    rc = -EBADMSG;
+    snprintf(err, err_bytes, "%s holds %zu jobs (at most %d)", c->state_path, state->n_jobs,
+             COORD_MAX_JOBS);
+    goto out;
+  }
+  c->jobs = calloc(state->n_jobs ? state->n_jobs : 1, sizeof *c->jobs);
+  if (c->jobs == NULL) {
+    rc = -ENOMEM;
+    snprintf(err, err_bytes, "out of memory loading %s", c->state_path);
+    goto out;
+  }
+  uint64_t next_id = state->next_job_id ? state->next_job_id : 1;
+  for (size_t i = 0; i < state->n_jobs; i++) {
+    char why[384];
+    const Zerod__V1__StoredJob *s = state->jobs[i];
+    if (s == NULL || ctl_check_stored_job(s, why, sizeof why) != 0) {
+      rc = -EBADMSG;
+      snprintf(err, err_bytes, "%s is corrupt: %s", c->state_path, s ? why : "empty job");
+      goto out;
+    }
+    Zerod__V1__Job *copy = message_copy(&s->job->base);
+    cjob *j = copy != NULL ? job_new(copy, s->token) : NULL;
+    if (j == NULL) {
+      ctl_free(copy ? &copy->base : NULL);
+      rc = -ENOMEM;
+      snprintf(err, err_bytes, "out of memory loading %s", c->state_path);
+      goto out;
+    }
+    c->jobs[c->njobs++] = j;
+    if (j->msg->id >= next_id)
+      next_id = j->msg->id + 1;
+  }
+  qsort(c->jobs, c->njobs, sizeof *c->jobs, compare_jobs);
+  for (size_t i = 1; i < c->njobs; i++) {
+    if (strcmp(c->jobs[i - 1]->msg->name, c->jobs[i]->msg->name) == 0) {
+      rc = -EBADMSG;
+      snprintf(err, err_bytes, "%s is corrupt: job '%s' is stored twice", c->state_path,
+               c->jobs[i]->msg->name);
+      goto out;
+    }
+  }
+  c->next_job_id = next_id;
+out:
+  if (state != NULL)
+    zerod__v1__coordinator_state__free_unpacked(state, NULL);
+  free(buf);
+  close(fd);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Request plumbing                                                         */
+/* ------------------------------------------------------------------------ */
+
+/* Decodes the request of the method at path; on failure (or while the
+ * coordinator shuts down) answers the call and returns NULL. */
+static void *begin(coord *c, rpc_call *call, const char *path, const uint8_t *request,
+                   size_t request_bytes) {
+  if (c->shutting_down) {
+    rpc_call_finish(call, RPC_UNAVAILABLE, "coordinator shutting down", NULL, 0);
+    return NULL;
+  }
+  ProtobufCMessage *msg = NULL;
+  char err[512];
+  int status = ctl_decode(path, request, request_bytes, &msg, err, sizeof err);
+  if (status != 0) {
+    rpc_call_finish(call, status, err, NULL, 0);
+    return NULL;
+  }
+  return msg;
+}
+
+/* Finds the member that node and session name, or answers NOT_FOUND. */
+static member *member_or_not_found(coord *c, rpc_call *call, const char *node, uint64_t session) {
+  member *m = find_member(c, node);
+  if (m == NULL || m->session != session) {
+    finish_error(call, RPC_NOT_FOUND,
+                 "node '%s' is not a member (lease expired or coordinator restarted); join again",
+                 node);
+    return NULL;
+  }
+  return m;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Cluster                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static void member_free(member *m) {
+  if (m == NULL)
+    return;
+  ctl_free(m->info ? &m->info->base : NULL);
+  free_reports(m->reports, m->nreports);
+  free(m);
+}
+
+/* Removes the member at index i: the view changes, its watch ends, and the
+ * jobs placed on it degrade. why: "lease expired" or "left". */
+static void member_remove(coord *c, size_t i, const char *why) {
+  member *m = c->members[i];
+  memmove(&c->members[i], &c->members[i + 1], (c->nmembers - i - 1) * sizeof *c->members);
+  c->nmembers--;
+  c->epoch++;
+  char reason[160];
+  snprintf(reason, sizeof reason, "node '%s' left the cluster (%s)", m->info->name, why);
+  LOG_INFOF("node left", "node=%s session=%" PRIu64 " why=\"%s\" epoch=%" PRIu64, m->info->name,
+            m->session, why, c->epoch);
+  char message[200];
+  snprintf(message, sizeof message, "%s", reason);
+  watch_end(m, RPC_NOT_FOUND, message);
+  /* The node's ranks are gone with it: every job placed there must rebuild
+   * its communicator, under a new rendezvous epoch so that stale keys of
+   * the old world are never read by the new one. */
+  for (size_t k = 0; k < c->njobs; k++) {
+    cjob *j = c->jobs[k];
+    long at = j->deleting ? -1 : placement_of(j, m->info->name);
+    if (at < 0)
+      continue;
+    j->marks[at].departed = 1;
+    snprintf(j->marks[at].reason, sizeof j->marks[at].reason, "%s", reason);
+    j->epoch++;
+  }
+  char name[CTL_NAME_MAX_BYTES + 1];
+  snprintf(name, sizeof name, "%s", m->info->name);
+  member_free(m);
+  reconcile(c, name);
+  mark_all_watches(c);
+}
+
+static void on_join(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__JoinRequest *req = begin(c, call, CTL_JOIN, request, request_bytes);
+  if (req == NULL)
+    return;
+  const Zerod__V1__NodeInfo *node = req->node;
+  member *m = NULL;
+  long at = find_member_index(c, node->name);
+  uint64_t now = uv_now(c->loop);
+  if (at >= 0) {
+    const member *old = c->members[at];
+    finish_error(
+        call, RPC_ALREADY_EXISTS,
+        "node '%s' is already a member (session %" PRIu64 ", lease expires in %" PRIu64 " ms)",
+        node->name, old->session, old->lease_deadline_ms > now ? old->lease_deadline_ms - now : 0);
+    goto out;
+  }
+  if (c->nmembers >= COORD_MAX_MEMBERS) {
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "the cluster has %d members (at most %d)",
+                 (int)c->nmembers, COORD_MAX_MEMBERS);
+    goto out;
+  }
+  size_t info_bytes = zerod__v1__node_info__get_packed_size(node);
+  if (info_bytes > COORD_MAX_NODE_INFO) {
+    finish_error(call, RPC_INVALID_ARGUMENT, "node info is %zu bytes (at most %u)", info_bytes,
+                 COORD_MAX_NODE_INFO);
+    goto out;
+  }
+  member **grown = realloc(c->members, (c->nmembers + 1) * sizeof *c->members);
+  if (grown != NULL)
+    c->members = grown;
+  m = calloc(1, sizeof *m);
+  if (grown == NULL || m == NULL || (m->info = message_copy(&node->base)) == NULL ||
+      random_bytes(&m->session, sizeof m->session) != 0) {
+    member_free(m);
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory or randomness");
+    goto out;
+  }
+  if (m->session == 0)
+    m->session = 1; /* 0 is what a request without a session carries */
+  m->joined_unix_ms = unix_ms();
+  m->lease_deadline_ms = now + (uint64_t)c->options.lease_ttl_ms;
+  at = -at - 1;
+  memmove(&c->members[at + 1], &c->members[at], (c->nmembers - (size_t)at) * sizeof *c->members);
+  c->members[at] = m;
+  c->nmembers++;
+  c->epoch++;
+  char address[600];
+  LOG_INFOF("node joined", "node=%s session=%" PRIu64 " address=%s ranks=%u epoch=%" PRIu64,
+            node->name, m->session, log_quote(node->address, address, sizeof address), node->ranks,
+            c->epoch);
+  reconcile(c, node->name);
+  mark_all_watches(c);
+
+  view_msg v;
+  if (view_build(c, &v) != 0) {
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    goto out;
+  }
+  Zerod__V1__JoinReply reply = ZEROD__V1__JOIN_REPLY__INIT;
+  reply.session = m->session;
+  reply.lease_ttl_ms = (uint32_t)c->options.lease_ttl_ms;
+  reply.view = &v.view;
+  finish_message(call, &reply.base);
+  view_free(&v);
+out:
+  ctl_free(&req->base);
+}
+
+static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__HeartbeatRequest *req = begin(c, call, CTL_HEARTBEAT, request, request_bytes);
+  if (req == NULL)
+    return;
+  member *m = member_or_not_found(c, call, req->node, req->session);
+  if (m == NULL)
+    goto out;
+  job_report *reports = calloc(req->n_jobs ? req->n_jobs : 1, sizeof *reports);
+  int ok = reports != NULL;
+  for (size_t i = 0; ok && i < req->n_jobs; i++) {
+    reports[i].job = strdup(req->jobs[i]->job);
+    reports[i].error = strdup(req->jobs[i]->error);
+    reports[i].ready = req->jobs[i]->ready;
+    reports[i].step = req->jobs[i]->step;
+    ok = reports[i].job != NULL && reports[i].error != NULL;
+  }
+  if (!ok) {
+    free_reports(reports, req->n_jobs);
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    goto out;
+  }
+  qsort(reports, req->n_jobs, sizeof *reports, compare_reports);
+  free_reports(m->reports, m->nreports);
+  m->reports = reports;
+  m->nreports = req->n_jobs;
+  m->lease_deadline_ms = uv_now(c->loop) + (uint64_t)c->options.lease_ttl_ms;
+  reconcile(c, m->info->name);
+
+  Zerod__V1__HeartbeatReply reply = ZEROD__V1__HEARTBEAT_REPLY__INIT;
+  reply.lease_ttl_ms = (uint32_t)c->options.lease_ttl_ms;
+  reply.epoch = c->epoch;
+  finish_message(call, &reply.base);
+out:
+  ctl_free(&req->base);
+}
+
+static void on_leave(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__LeaveRequest *req = begin(c, call, CTL_LEAVE, request, request_bytes);
+  if (req == NULL)
+    return;
+  if (member_or_not_found(c, call, req->node, req->session) != NULL) {
+    member_remove(c, (size_t)find_member_index(c, req->node), "left");
+    Zerod__V1__LeaveReply reply = ZEROD__V1__LEAVE_REPLY__INIT;
+    finish_message(call, &reply.base);
+  }
+  ctl_free(&req->base);
+}
+
+static void on_get_view(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  ProtobufCMessage *req = begin(c, call, CTL_GET_VIEW, request, request_bytes);
+  if (req == NULL)
+    return;
+  view_msg v;
+  if (view_build(c, &v) == 0) {
+    finish_message(call, &v.view.base);
+    view_free(&v);
+  } else {
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+  }
+  ctl_free(req);
+}
+
+static void on_watch(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__WatchRequest *req = begin(c, call, CTL_WATCH, request, request_bytes);
+  if (req == NULL)
+    return;
+  member *m = member_or_not_found(c, call, req->node, req->session);
+  if (m != NULL) {
+    /* One stream per member: a node that re-opens its watch (after a
+     * network blip it may not have noticed) replaces the old one. */
+    watch_end(m, RPC_ABORTED, "replaced by a newer Watch of the same node");
+    m->watch = call;
+    rpc_call_set_cancel(call, on_watch_cancelled, m);
+    LOG_DEBUGF("watch opened", "node=%s session=%" PRIu64, m->info->name, m->session);
+    watch_send(c, m);
+  }
+  ctl_free(&req->base);
+}
+
+/* The lease sweep: members whose lease passed leave the view. */
+static void on_lease_timer(uv_timer_t *timer) {
+  coord *c = timer->data;
+  uint64_t now = uv_now(c->loop);
+  size_t i = 0;
+  while (i < c->nmembers) {
+    if (c->members[i]->lease_deadline_ms <= now)
+      member_remove(c, i, "lease expired");
+    else
+      i++;
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Jobs                                                                     */
+/* ------------------------------------------------------------------------ */
+
+/* Fills an effective config (torch.optim's defaults for zero fields, as
+ * the node's job_config_finish will) so that GetJob shows what will run.
+ * in has been validated by ctl_check_job_config. */
+static void effective_config(const Zerod__V1__JobConfig *in, Zerod__V1__JobConfig *out,
+                             Zerod__V1__OptimizerConfig *opt) {
+  zerod__v1__job_config__init(out);
+  zerod__v1__optimizer_config__init(opt);
+  if (in != NULL) {
+    out->working_dtype = in->working_dtype;
+    out->max_live_bytes = in->max_live_bytes;
+    out->max_grad_norm = in->max_grad_norm;
+    if (in->optimizer != NULL)
+      *opt = *in->optimizer;
+  }
+  if (out->working_dtype == ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED)
+    out->working_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
+  if (opt->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED)
+    opt->kind = ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW;
+  if (opt->lr == 0)
+    opt->lr = 1e-3;
+  if (opt->beta1 == 0)
+    opt->beta1 = 0.9;
+  if (opt->beta2 == 0)
+    opt->beta2 = 0.999;
+  if (opt->eps == 0)
+    opt->eps = 1e-8;
+  if (!opt->has_weight_decay) {
+    opt->weight_decay = opt->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW ? 0.01 : 0.0;
+    opt->has_weight_decay = 1;
+  }
+  out->optimizer = opt;
+}
+
+/* Picks the job's nodes into chosen[nodes] (names owned by the members),
+ * or answers FAILED_PRECONDITION and returns -1. */
+static int place_job(coord *c, rpc_call *call, const Zerod__V1__CreateJobRequest *req,
+                     const char **chosen) {
+  if (req->n_node_names != 0) {
+    for (size_t i = 0; i < req->n_node_names; i++) {
+      const member *m = find_member(c, req->node_names[i]);
+      if (m == NULL) {
+        finish_error(call, RPC_FAILED_PRECONDITION, "node '%s' is not a member",
+                     req->node_names[i]);
+        return -1;
+      }
+      if (m->info->ranks < req->ranks_per_node) {
+        finish_error(call, RPC_FAILED_PRECONDITION,
+                     "node '%s' can host %u ranks; the job needs %u per node", m->info->name,
+                     m->info->ranks, req->ranks_per_node);
+        return -1;
+      }
+      chosen[i] = m->info->name;
+    }
+    return 0;
+  }
+  size_t found = 0;
+  for (size_t i = 0; i < c->nmembers && found < req->nodes; i++)
+    if (c->members[i]->info->ranks >= req->ranks_per_node)
+      chosen[found++] = c->members[i]->info->name;
+  if (found == req->nodes)
+    return 0;
+  size_t able = 0;
+  for (size_t i = 0; i < c->nmembers; i++)
+    able += c->members[i]->info->ranks >= req->ranks_per_node;
+  if (able == c->nmembers)
+    finish_error(call, RPC_FAILED_PRECONDITION,
+                 "job needs %u nodes that can host %u ranks each; %zu are members", req->nodes,
+                 req->ranks_per_node, c->nmembers);
+  else
+    finish_error(call, RPC_FAILED_PRECONDITION,
+                 "job needs %u nodes that can host %u ranks each; %zu of the %zu members can",
+                 req->nodes, req->ranks_per_node, able, c->nmembers);
+  return -1;
+}
+
+static void on_create_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__CreateJobRequest *req = begin(c, call, CTL_CREATE_JOB, request, request_bytes);
+  if (req == NULL)
+    return;
+  cjob *j = NULL;
+  long at = find_job_index(c, req->name);
+  if (at >= 0) {
+    finish_error(call, RPC_ALREADY_EXISTS, "job '%s' %s", req->name,
+                 c->jobs[at]->deleting ? "is still being deleted" : "already exists");
+    goto out;
+  }
+  if (c->njobs >= COORD_MAX_JOBS) {
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "the coordinator has %zu jobs (at most %d)",
+                 c->njobs, COORD_MAX_JOBS);
+    goto out;
+  }
+  const char *chosen[CTL_MAX_RANKS];
+  if (place_job(c, call, req, chosen) != 0)
+    goto out;
+
+  char token[CTL_TOKEN_MAX_BYTES + 1];
+  if (req->token[0] != '\0') {
+    snprintf(token, sizeof token, "%s", req->token);
+  } else {
+    uint8_t raw[COORD_TOKEN_HEX_DIGITS / 2];
+    if (random_bytes(raw, sizeof raw) != 0) {
+      finish_error(call, RPC_UNAVAILABLE, "cannot make a token: %s", strerror(errno));
+      goto out;
+    }
+    for (size_t i = 0; i < sizeof raw; i++)
+      snprintf(token + 2 * i, 3, "%02x", raw[i]);
+  }
+
+  /* The job as stored, built on the stack and copied into one allocation
+   * tree. */
+  Zerod__V1__JobConfig config;
+  Zerod__V1__OptimizerConfig optimizer;
+  effective_config(req->config, &config, &optimizer);
+  Zerod__V1__Quotas quotas = ZEROD__V1__QUOTAS__INIT;
+  if (req->quotas != NULL)
+    quotas.max_live_bytes = req->quotas->max_live_bytes;
+  Zerod__V1__RankPlacement placement[CTL_MAX_RANKS];
+  Zerod__V1__RankPlacement *placement_pointers[CTL_MAX_RANKS];
+  for (uint32_t i = 0; i < req->nodes; i++) {
+    zerod__v1__rank_placement__init(&placement[i]);
+    placement[i].node = (char *)chosen[i];
+    placement[i].first_rank = i * req->ranks_per_node;
+    placement[i].ranks = req->ranks_per_node;
+    placement_pointers[i] = &placement[i];
+  }
+  Zerod__V1__Job job = ZEROD__V1__JOB__INIT;
+  job.name = req->name;
+  job.id = c->next_job_id;
+  job.config = &config;
+  job.nodes = req->nodes;
+  job.ranks_per_node = req->ranks_per_node;
+  job.world_size = req->nodes * req->ranks_per_node;
+  job.quotas = &quotas;
+  job.n_placement = req->nodes;
+  job.placement = placement_pointers;
+  job.created_unix_ms = unix_ms();
+  job.epoch = 1;
+  Zerod__V1__Job *copy = message_copy(&job.base);
+  j = copy != NULL ? job_new(copy, token) : NULL;
+  if (j == NULL) {
+    ctl_free(copy ? &copy->base : NULL);
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    goto out;
+  }
+  cjob **grown = realloc(c->jobs, (c->njobs + 1) * sizeof *c->jobs);
+  if (grown == NULL) {
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    goto out;
+  }
+  c->jobs = grown;
+
+  char err[PATH_MAX + 256];
+  if (state_write(c, j, NULL, c->next_job_id + 1, err, sizeof err) != 0) {
+    LOG_ERRORF("job not created", "job=%s err=\"%s\"", req->name, err);
+    finish_error(call, RPC_UNAVAILABLE, "%s", err);
+    goto out;
+  }
+  c->next_job_id++;
+  at = -at - 1;
+  memmove(&c->jobs[at + 1], &c->jobs[at], (c->njobs - (size_t)at) * sizeof *c->jobs);
+  c->jobs[at] = j;
+  c->njobs++;
+  LOG_INFOF("job created", "job=%s id=%" PRIu64 " nodes=%u ranks_per_node=%u", req->name,
+            j->msg->id, req->nodes, req->ranks_per_node);
+  derive_job(c, j);
+  mark_job_watches(c, j);
+
+  Zerod__V1__Job view;
+  job_view(j, &view);
+  Zerod__V1__CreateJobReply reply = ZEROD__V1__CREATE_JOB_REPLY__INIT;
+  reply.job = &view;
+  reply.token = j->token;
+  finish_message(call, &reply.base);
+  j = NULL; /* owned by c->jobs now */
+out:
+  if (j != NULL)
+    job_free(c, j);
+  ctl_free(&req->base);
+}
+
+static void on_get_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__GetJobRequest *req = begin(c, call, CTL_GET_JOB, request, request_bytes);
+  if (req == NULL)
+    return;
+  const cjob *j = find_job(c, req->name);
+  if (j == NULL) {
+    finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->name);
+  } else {
+    Zerod__V1__Job view;
+    job_view(j, &view);
+    finish_message(call, &view.base);
+  }
+  ctl_free(&req->base);
+}
+
+static void on_list_jobs(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  ProtobufCMessage *req = begin(c, call, CTL_LIST_JOBS, request, request_bytes);
+  if (req == NULL)
+    return;
+  Zerod__V1__Job *views = calloc(c->njobs ? c->njobs : 1, sizeof *views);
+  Zerod__V1__Job **pointers = calloc(c->njobs ? c->njobs : 1, sizeof *pointers);
+  if (views == NULL || pointers == NULL) {
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+  } else {
+    for (size_t i = 0; i < c->njobs; i++) {
+      job_view(c->jobs[i], &views[i]);
+      pointers[i] = &views[i];
+    }
+    Zerod__V1__ListJobsReply reply = ZEROD__V1__LIST_JOBS_REPLY__INIT;
+    reply.n_jobs = c->njobs;
+    reply.jobs = pointers;
+    finish_message(call, &reply.base);
+  }
+  free(views);
+  free(pointers);
+  ctl_free(req);
+}
+
+static void on_delete_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__DeleteJobRequest *req = begin(c, call, CTL_DELETE_JOB, request, request_bytes);
+  if (req == NULL)
+    return;
+  cjob *j = find_job(c, req->name);
+  if (j == NULL) {
+    finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->name);
+    goto out;
+  }
+  if (!j->deleting) {
+    char err[PATH_MAX + 256];
+    if (state_write(c, NULL, j, c->next_job_id, err, sizeof err) != 0) {
+      LOG_ERRORF("job not deleted", "job=%s err=\"%s\"", req->name, err);
+      finish_error(call, RPC_UNAVAILABLE, "%s", err);
+      goto out;
+    }
+    /* The job leaves every assignment now (its nodes tear it down when
+     * their watch says so) and stays listed until none reports it. */
+    j->deleting = 1;
+    j->state = ZEROD__V1__JOB_STATE__JOB_STATE_DELETING;
+    snprintf(j->reason, sizeof j->reason, "deleted; waiting for its nodes to drop it");
+    char message[128];
+    snprintf(message, sizeof message, "job '%s' was deleted", req->name);
+    waiters_end(j, RPC_NOT_FOUND, message);
+    kv_clear(c, j);
+    LOG_INFOF("job deleting", "job=%s id=%" PRIu64, req->name, j->msg->id);
+    mark_job_watches(c, j);
+    /* The job may be forgotten at once (no node reports it), so the node
+     * name that selects it must not point into it. */
+    char node[CTL_NAME_MAX_BYTES + 1];
+    snprintf(node, sizeof node, "%s", j->msg->placement[0]->node);
+    reconcile(c, node);
+  }
+  Zerod__V1__DeleteJobReply reply = ZEROD__V1__DELETE_JOB_REPLY__INIT;
+  finish_message(call, &reply.base);
+out:
+  ctl_free(&req->base);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Rendezvous                                                               */
+/* ------------------------------------------------------------------------ */
+
+static size_t kv_cost(size_t key_bytes, size_t value_bytes) {
+  return key_bytes + value_bytes + COORD_KV_KEY_OVERHEAD;
+}
+
+static void kv_free_entry(coord *c, kv_entry *e) {
+  c->kv_bytes -= kv_cost(strlen(e->key), e->value_bytes);
+  c->kv_keys--;
+  free(e->key);
+  free(e->value);
+  free(e);
+}
+
+static void kv_clear(coord *c, cjob *j) {
+  while (j->kv != NULL) {
+    kv_entry *e = j->kv;
+    j->kv = e->next;
+    kv_free_entry(c, e);
+  }
+}
+
+static kv_entry **kv_find(cjob *j, uint64_t epoch, const char *key) {
+  for (kv_entry **p = &j->kv; *p != NULL; p = &(*p)->next)
+    if ((*p)->epoch == epoch && strcmp((*p)->key, key) == 0)
+      return p;
+  return NULL;
+}
+
+/* Finds a job that rendezvous may use, or answers NOT_FOUND. */
+static cjob *rendezvous_job(coord *c, rpc_call *call, const char *name) {
+  cjob *j = find_job(c, name);
+  if (j == NULL || j->deleting) {
+    if (j != NULL)
+      finish_error(call, RPC_NOT_FOUND, "job '%s' is being deleted", name);
+    else
+      finish_error(call, RPC_NOT_FOUND, "no job named '%s'", name);
+    return NULL;
+  }
+  return j;
+}
+
+static void finish_value(rpc_call *call, const kv_entry *e) {
+  Zerod__V1__GetReply reply = ZEROD__V1__GET_REPLY__INIT;
+  reply.value.data = e->value;
+  reply.value.len = e->value_bytes;
+  finish_message(call, &reply.base);
+}
+
+static void waiter_unlink(kv_waiter *w) {
+  for (kv_waiter **p = &w->job->waiters; *p != NULL; p = &(*p)->next) {
+    if (*p == w) {
+      *p = w->next;
+      break;
+    }
+  }
+  w->coord->nwaiters--;
+}
+
+static void waiter_free(kv_waiter *w) {
+  free(w->key);
+  free(w);
+}
+
+/* Ends every waiting Get of j with status. */
+static void waiters_end(cjob *j, int status, const char *message) {
+  while (j->waiters != NULL) {
+    kv_waiter *w = j->waiters;
+    waiter_unlink(w);
+    rpc_call_set_cancel(w->call, NULL, NULL);
+    rpc_call_finish(w->call, status, message, NULL, 0);
+    waiter_free(w);
+  }
+}
+
+static void on_waiter_cancelled(rpc_call *call, void *arg) {
+  kv_waiter *w = arg;
+  waiter_unlink(w);
+  waiter_free(w);
+  /* gRPC has already ended the call (its deadline passed, or the client
+   * went away): this only frees it. */
+  rpc_call_finish(call, rpc_call_remaining_ms(call) <= 0 ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED,
+                  "rendezvous wait ended", NULL, 0);
+}
+
+static void on_put(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__PutRequest *req = begin(c, call, CTL_PUT, request, request_bytes);
+  if (req == NULL)
+    return;
+  cjob *j = rendezvous_job(c, call, req->job);
+  if (j == NULL)
+    goto out;
+  size_t key_bytes = strlen(req->key);
+  kv_entry **found = kv_find(j, req->epoch, req->key);
+  kv_entry *e = found != NULL ? *found : NULL;
+  size_t old_cost = e != NULL ? kv_cost(key_bytes, e->value_bytes) : 0;
+  size_t new_total = c->kv_bytes - old_cost + kv_cost(key_bytes, req->value.len);
+  if (new_total > COORD_MAX_KV_BYTES) {
+    finish_error(call, RPC_RESOURCE_EXHAUSTED,
+                 "rendezvous store is full (%zu of %u bytes used; this key needs %zu)", c->kv_bytes,
+                 COORD_MAX_KV_BYTES, kv_cost(key_bytes, req->value.len));
+    goto out;
+  }
+  if (e == NULL && c->kv_keys >= COORD_MAX_KV_KEYS) {
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "rendezvous store holds %d keys (at most %d)",
+                 COORD_MAX_KV_KEYS, COORD_MAX_KV_KEYS);
+    goto out;
+  }
+  uint8_t *value = NULL;
+  if (req->value.len != 0 && (value = malloc(req->value.len)) == NULL) {
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    goto out;
+  }
+  if (req->value.len != 0)
+    memcpy(value, req->value.data, req->value.len);
+  if (e == NULL) {
+    e = calloc(1, sizeof *e);
+    char *key = strdup(req->key);
+    if (e == NULL || key == NULL) {
+      free(e);
+      free(key);
+      free(value);
+      finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+      goto out;
+    }
+    e->key = key;
+    e->epoch = req->epoch;
+    e->next = j->kv;
+    j->kv = e;
+    c->kv_keys++;
+  } else {
+    free(e->value);
+  }
+  e->value = value;
+  e->value_bytes = req->value.len;
+  c->kv_bytes = new_total;
+
+  /* Release the Gets waiting for this key. */
+  kv_waiter **p = &j->waiters;
+  while (*p != NULL) {
+    kv_waiter *w = *p;
+    if (w->epoch != e->epoch || strcmp(w->key, e->key) != 0) {
+      p = &w->next;
+      continue;
+    }
+    waiter_unlink(w);
+    rpc_call_set_cancel(w->call, NULL, NULL);
+    finish_value(w->call, e);
+    waiter_free(w);
+  }
+  Zerod__V1__PutReply reply = ZEROD__V1__PUT_REPLY__INIT;
+  finish_message(call, &reply.base);
+out:
+  ctl_free(&req->base);
+}
+
+static void on_get(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__GetRequest *req = begin(c, call, CTL_GET, request, request_bytes);
+  if (req == NULL)
+    return;
+  cjob *j = rendezvous_job(c, call, req->job);
+  if (j == NULL)
+    goto out;
+  kv_entry **found = kv_find(j, req->epoch, req->key);
+  if (found != NULL) {
+    finish_value(call, *found);
+    goto out;
+  }
+  if (!req->wait) {
+    finish_error(call, RPC_NOT_FOUND, "key '%s' is not set (job '%s', epoch %" PRIu64 ")", req->key,
+                 req->job, req->epoch);
+    goto out;
+  }
+  if (rpc_call_remaining_ms(call) <= 0) {
+    finish_error(call, RPC_DEADLINE_EXCEEDED, "deadline passed before key '%s' was set", req->key);
+    goto out;
+  }
+  if (c->nwaiters >= COORD_MAX_WAITERS) {
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "%d Gets are already waiting (at most %d)",
+                 COORD_MAX_WAITERS, COORD_MAX_WAITERS);
+    goto out;
+  }
+  kv_waiter *w = calloc(1, sizeof *w);
+  char *key = strdup(req->key);
+  if (w == NULL || key == NULL) {
+    free(w);
+    free(key);
+    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    goto out;
+  }
+  w->coord = c;
+  w->job = j;
+  w->call = call;
+  w->epoch = req->epoch;
+  w->key = key;
+  w->next = j->waiters;
+  j->waiters = w;
+  c->nwaiters++;
+  rpc_call_set_cancel(call, on_waiter_cancelled, w);
+out:
+  ctl_free(&req->base);
+}
+
+static void on_delete(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__DeleteRequest *req = begin(c, call, CTL_DELETE, request, request_bytes);
+  if (req == NULL)
+    return;
+  cjob *j = rendezvous_job(c, call, req->job);
+  if (j != NULL) {
+    uint32_t deleted = 0;
+    size_t key_bytes = strlen(req->key);
+    kv_entry **p = &j->kv;
+    while (*p != NULL) {
+      kv_entry *e = *p;
+      int match = e->epoch == req->epoch && (req->prefix ? strncmp(e->key, req->key, key_bytes) == 0
+                                                         : strcmp(e->key, req->key) == 0);
+      if (!match) {
+        p = &e->next;
+        continue;
+      }
+      *p = e->next;
+      kv_free_entry(c, e);
+      deleted++;
+    }
+    Zerod__V1__DeleteReply reply = ZEROD__V1__DELETE_REPLY__INIT;
+    reply.deleted = deleted;
+    finish_message(call, &reply.base);
+  }
+  ctl_free(&req->base);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Health                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static const char *const health_services[] = {
+    "", "zerod.v1.Cluster", "zerod.v1.Jobs", "zerod.v1.Rendezvous", "grpc.health.v1.Health",
+};
+
+static void on_health_check(rpc_call *call, const uint8_t *request, size_t request_bytes,
+                            void *arg) {
+  coord *c = arg;
+  /* Health answers during shutdown too (NOT_SERVING), so it decodes on
+   * its own rather than through begin(). */
+  ProtobufCMessage *msg = NULL;
+  char err[512];
+  int status = ctl_decode(CTL_HEALTH_CHECK, request, request_bytes, &msg, err, sizeof err);
+  if (status != 0) {
+    rpc_call_finish(call, status, err, NULL, 0);
+    return;
+  }
+  const Grpc__Health__V1__HealthCheckRequest *req =
+      (const Grpc__Health__V1__HealthCheckRequest *)msg;
+  int known = 0;
+  for (size_t i = 0; i < sizeof health_services / sizeof health_services[0]; i++)
+    known |= strcmp(req->service, health_services[i]) == 0;
+  if (!known) {
+    /* The standard's answer for a service the server does not know. */
+    finish_error(call, RPC_NOT_FOUND, "unknown service '%s'", req->service);
+  } else {
+    Grpc__Health__V1__HealthCheckResponse reply = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    reply.status = c->shutting_down
+                       ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING
+                       : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
+    finish_message(call, &reply.base);
+  }
+  ctl_free(msg);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Lifecycle                                                                */
+/* ------------------------------------------------------------------------ */
+
+int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, char *err,
+                 size_t err_bytes) {
+  *out = NULL;
+  if (options->lease_ttl_ms <= 0 || options->state_dir[0] == '\0') {
+    snprintf(err, err_bytes, "the lease TTL must be > 0 and the state directory set");
+    return -EINVAL;
+  }
+  coord *c = calloc(1, sizeof *c);
+  if (c == NULL) {
+    snprintf(err, err_bytes, "out of memory");
+    return -ENOMEM;
+  }
+  int rc;
+  c->loop = loop;
+  c->options = *options;
+  c->next_job_id = 1;
+  snprintf(c->state_path, sizeof c->state_path, "%s/coordinator.pb", options->state_dir);
+  snprintf(c->tmp_path, sizeof c->tmp_path, "%s/coordinator.pb.tmp", options->state_dir);
+
+  /* Create the directory and its parents. */
+  char path[PATH_MAX];
+  snprintf(path, sizeof path, "%s", options->state_dir);
+  for (char *p = path + 1;; p++) {
+    if (*p != '/' && *p != '\0')
+      continue;
+    char saved = *p;
+    *p = '\0';
+    if (mkdir(path, 0700) != 0 && errno != EEXIST) {
+      rc = -errno;
+      snprintf(err, err_bytes, "cannot create %s: %s", path, strerror(errno));
+      goto fail;
+    }
+    *p = saved;
+    if (saved == '\0')
+      break;
+  }
+  /* A crash during a write leaves the temporary file; the state is the
+   * renamed file, so the leftover is dropped. */
+  if (unlink(c->tmp_path) == 0)
+    LOG_INFOF("removed an unfinished state write", "path=%s", c->tmp_path);
+  if ((rc = state_load(c, err, err_bytes)) != 0)
+    goto fail;
+  /* Recovered jobs wait for their nodes to re-join and report. */
+  for (size_t i = 0; i < c->njobs; i++)
+    derive_job(c, c->jobs[i]);
+  if (c->njobs != 0)
+    LOG_INFOF("recovered jobs", "jobs=%zu next_job_id=%" PRIu64 " path=%s", c->njobs,
+              c->next_job_id, c->state_path);
+
+  /* uv_timer_init only fills in the handle; it cannot fail. */
+  uv_timer_init(loop, &c->lease_timer);
+  uv_timer_init(loop, &c->flush_timer);
+  c->open_handles = 2;
+  c->lease_timer.data = c;
+  c->flush_timer.data = c;
+  uint64_t period = (uint64_t)options->lease_ttl_ms / 4;
+  if (period > COORD_SWEEP_MAX_MS)
+    period = COORD_SWEEP_MAX_MS;
+  if (period == 0)
+    period = 1;
+  uv_timer_start(&c->lease_timer, on_lease_timer, period, period);
+  *out = c;
+  return 0;
+fail:
+  for (size_t i = 0; i < c->njobs; i++)
+    job_free(c, c->jobs[i]);
+  free(c->jobs);
+  free(c);
+  return rc;
+}
+
+int coord_register(coord *c, rpc_server *server) {
+  static const struct {
+    const char *path;
+    rpc_kind kind;
+    rpc_handler handler;
+  } methods[] = {
+      {CTL_JOIN, RPC_UNARY, on_join},
+      {CTL_HEARTBEAT, RPC_UNARY, on_heartbeat},
+      {CTL_LEAVE, RPC_UNARY, on_leave},
+      {CTL_GET_VIEW, RPC_UNARY, on_get_view},
+      {CTL_WATCH, RPC_SERVER_STREAM, on_watch},
+      {CTL_CREATE_JOB, RPC_UNARY, on_create_job},
+      {CTL_GET_JOB, RPC_UNARY, on_get_job},
+      {CTL_LIST_JOBS, RPC_UNARY, on_list_jobs},
+      {CTL_DELETE_JOB, RPC_UNARY, on_delete_job},
+      {CTL_PUT, RPC_UNARY, on_put},
+      {CTL_GET, RPC_UNARY, on_get},
+      {CTL_DELETE, RPC_UNARY, on_delete},
+      {CTL_HEALTH_CHECK, RPC_UNARY, on_health_check},
+  };
+  for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
+    int rc = rpc_server_add_method(server, methods[i].path, methods[i].kind, methods[i].handler, c);
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
+static void on_timer_closed(uv_handle_t *handle) {
+  coord *c = handle->data;
+  c->open_handles--;
+}
+
+void coord_shutdown(coord *c) {
+  if (c == NULL || c->shutting_down)
+    return;
+  c->shutting_down = 1;
+  for (size_t i = 0; i < c->nmembers; i++)
+    watch_end(c->members[i], RPC_UNAVAILABLE, "coordinator shutting down");
+  for (size_t i = 0; i < c->njobs; i++)
+    waiters_end(c->jobs[i], RPC_UNAVAILABLE, "coordinator shutting down");
+  uv_close((uv_handle_t *)&c->lease_timer, on_timer_closed);
+  uv_close((uv_handle_t *)&c->flush_timer, on_timer_closed);
+}
+
+void coord_destroy(coord *c) {
+  if (c == NULL)
+    return;
+  if (c->open_handles != 0)
+    LOG_ERRORF("coordinator freed with open timers", "handles=%d", c->open_handles);
+  for (size_t i = 0; i < c->nmembers; i++)
+    member_free(c->members[i]);
+  free(c->members);
+  for (size_t i = 0; i < c->njobs; i++)
+    job_free(c, c->jobs[i]);
+  free(c->jobs);
+  free(c);
+}

@@ -17,7 +17,10 @@
  *    wait until the key is set or their deadline passes.
  * After a restart the jobs come back from the state file; the members come
  * back as their nodes re-join (a Heartbeat from an unknown session answers
- * NOT_FOUND, which tells the node to join again). */
+ * NOT_FOUND, which tells the node to join again).
+ *
+ * Requests are decoded and validated by ctl_decode.h. Every RPC, its errors,
+ * the job state machine and the limits: docs/control-plane.md. */
 #ifndef ZEROD_COORD_H
 #define ZEROD_COORD_H
 

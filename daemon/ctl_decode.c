@@ -1,1 +1,430 @@
-/* placeholder: being written */
+/* The control plane's request decoders (see ctl_decode.h).
+ *
+ * Each method has a descriptor (what protobuf-c unpacks) and a validator
+ * (what the handler relies on). A validator writes one message that names
+ * the field and the limit, so that the client's error says what to fix. */
+#include "ctl_decode.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "rpc.h"
+
+/* ------------------------------------------------------------------------ */
+/* Helpers                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static int fail(char *err, size_t err_bytes, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Writes the message and returns -EINVAL, so validators can say
+ * `return fail(err, err_bytes, "...")`. */
+static int fail(char *err, size_t err_bytes, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(err, err_bytes, fmt, ap);
+  va_end(ap);
+  return -EINVAL;
+}
+
+int ctl_valid_name(const char *s) {
+  if (s == NULL || s[0] == '\0')
+    return 0;
+  size_t len = 0;
+  for (const char *p = s; *p != '\0'; p++, len++) {
+    char ch = *p;
+    int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+             ch == '.' || ch == '_' || ch == '-';
+    if (!ok || len >= CTL_NAME_MAX_BYTES)
+      return 0;
+  }
+  return 1;
+}
+
+/* Returns 1 if s[0, len) is well-formed UTF-8 (no overlong forms, no
+ * surrogates, nothing above U+10FFFF). Strings that the coordinator echoes
+ * to other clients must be: proto3 clients (Python's protobuf among them)
+ * refuse a message whose string field is not, so one bad Join would
+ * otherwise break every later GetView. */
+static int valid_utf8(const char *s, size_t len) {
+  const unsigned char *p = (const unsigned char *)s;
+  size_t i = 0;
+  while (i < len) {
+    unsigned char c = p[i];
+    size_t extra;
+    uint32_t cp;
+    if (c < 0x80) {
+      i++;
+      continue;
+    } else if (c >= 0xc2 && c <= 0xdf) {
+      extra = 1;
+      cp = c & 0x1f;
+    } else if (c >= 0xe0 && c <= 0xef) {
+      extra = 2;
+      cp = c & 0x0f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      extra = 3;
+      cp = c & 0x07;
+    } else {
+      return 0;
+    }
+    if (len - i <= extra)
+      return 0;
+    for (size_t k = 1; k <= extra; k++) {
+      if ((p[i + k] & 0xc0) != 0x80)
+        return 0;
+      cp = (cp << 6) | (p[i + k] & 0x3f);
+    }
+    if ((extra == 2 && cp < 0x800) || (extra == 3 && cp < 0x10000) || cp > 0x10ffff ||
+        (cp >= 0xd800 && cp <= 0xdfff))
+      return 0;
+    i += extra + 1;
+  }
+  return 1;
+}
+
+/* Checks a free-text field: min_bytes..max_bytes of UTF-8 without control
+ * characters (they would garble logs and error messages). */
+static int check_text(const char *field, const char *s, size_t min_bytes, size_t max_bytes,
+                      char *err, size_t err_bytes) {
+  if (s == NULL)
+    s = "";
+  size_t len = strlen(s);
+  if (len < min_bytes)
+    return fail(err, err_bytes, "%s must not be empty", field);
+  if (len > max_bytes)
+    return fail(err, err_bytes, "%s is %zu bytes long (at most %zu)", field, len, max_bytes);
+  for (size_t i = 0; i < len; i++)
+    if ((unsigned char)s[i] < 0x20 || s[i] == 0x7f)
+      return fail(err, err_bytes, "%s contains a control character", field);
+  if (!valid_utf8(s, len))
+    return fail(err, err_bytes, "%s is not valid UTF-8", field);
+  return 0;
+}
+
+static int check_name(const char *field, const char *s, char *err, size_t err_bytes) {
+  if (ctl_valid_name(s))
+    return 0;
+  if (s == NULL || s[0] == '\0')
+    return fail(err, err_bytes, "%s is missing (1..%d bytes of [A-Za-z0-9._-])", field,
+                CTL_NAME_MAX_BYTES);
+  /* The bad name is not echoed: it may hold anything. */
+  return fail(err, err_bytes, "%s must be 1..%d bytes of [A-Za-z0-9._-] (got %zu bytes)", field,
+              CTL_NAME_MAX_BYTES, strlen(s));
+}
+
+/* Rendezvous keys are opaque to the coordinator but must be text (proto3
+ * strings), 1..CTL_KEY_MAX_BYTES bytes; prefix deletes may use "". */
+static int check_key(const char *s, int allow_empty, char *err, size_t err_bytes) {
+  if (s == NULL)
+    s = "";
+  size_t len = strlen(s);
+  if (len == 0 && !allow_empty)
+    return fail(err, err_bytes, "key must not be empty (1..%d bytes)", CTL_KEY_MAX_BYTES);
+  if (len > CTL_KEY_MAX_BYTES)
+    return fail(err, err_bytes, "key is %zu bytes long (at most %d)", len, CTL_KEY_MAX_BYTES);
+  if (!valid_utf8(s, len))
+    return fail(err, err_bytes, "key is not valid UTF-8");
+  return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Job configs                                                              */
+/* ------------------------------------------------------------------------ */
+
+int ctl_check_job_config(const Zerod__V1__JobConfig *pc, char *err, size_t err_bytes) {
+  if (pc == NULL)
+    return 0;
+  /* Mirrors job_config_from_proto + job_config_finish (job.c), which the
+   * node runs when it builds the job: zero means torch.optim's default.
+   * The coordinator does not link job.c (it lives in zd_daemon with the
+   * node's executors, and zd_daemon links zd_coord, not the other way
+   * round), so the ranges are repeated here. They are stricter about
+   * infinities, which the node would only trip over at the first step. */
+  if (pc->working_dtype != ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED &&
+      pc->working_dtype != ZEROD__V1__DTYPE__DTYPE_F32 &&
+      pc->working_dtype != ZEROD__V1__DTYPE__DTYPE_BF16)
+    return fail(err, err_bytes, "working precision must be fp32 or bf16");
+  if (!(pc->max_grad_norm >= 0) || !isfinite(pc->max_grad_norm))
+    return fail(err, err_bytes, "max_grad_norm must be >= 0 and finite (got %g)",
+                pc->max_grad_norm);
+  const Zerod__V1__OptimizerConfig *o = pc->optimizer;
+  if (o == NULL)
+    return 0;
+  int kind = (int)o->kind;
+  if (kind != ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED &&
+      kind != ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW &&
+      kind != ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAM &&
+      kind != ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD)
+    return fail(err, err_bytes, "unknown optimizer %d", kind);
+  double lr = o->lr == 0 ? 1e-3 : o->lr;
+  double beta1 = o->beta1 == 0 ? 0.9 : o->beta1;
+  double beta2 = o->beta2 == 0 ? 0.999 : o->beta2;
+  if (!(lr > 0) || !isfinite(lr))
+    return fail(err, err_bytes, "invalid learning rate %g (must be > 0)", lr);
+  if (!(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1))
+    return fail(err, err_bytes, "invalid betas (%g, %g) (each in [0, 1))", beta1, beta2);
+  if (!(o->eps >= 0) || !(o->weight_decay >= 0) || !(o->momentum >= 0) || !isfinite(o->eps) ||
+      !isfinite(o->weight_decay) || !isfinite(o->momentum))
+    return fail(err, err_bytes,
+                "eps, weight decay, momentum and max_grad_norm must be >= 0 and finite");
+  if (!isfinite(o->dampening))
+    return fail(err, err_bytes, "dampening must be finite");
+  if (kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD && o->nesterov &&
+      (o->momentum <= 0 || o->dampening != 0))
+    return fail(err, err_bytes, "nesterov momentum requires a momentum and zero dampening");
+  return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Validators, one per method                                               */
+/* ------------------------------------------------------------------------ */
+
+typedef int (*validator)(const ProtobufCMessage *msg, char *err, size_t err_bytes);
+
+static int check_node_info(const Zerod__V1__NodeInfo *n, char *err, size_t err_bytes) {
+  if (n == NULL)
+    return fail(err, err_bytes, "node is missing");
+  int rc = check_name("node.name", n->name, err, err_bytes);
+  if (rc == 0)
+    rc = check_text("node.address", n->address, 1, CTL_ADDRESS_MAX_BYTES, err, err_bytes);
+  if (rc == 0 && (n->ranks < 1 || n->ranks > CTL_MAX_RANKS))
+    rc = fail(err, err_bytes, "node.ranks is %u (1..%d)", n->ranks, CTL_MAX_RANKS);
+  if (rc == 0)
+    rc = check_text("node.version", n->version, 0, CTL_TEXT_MAX_BYTES, err, err_bytes);
+  if (rc == 0 && n->n_devices > CTL_MAX_DEVICES)
+    rc = fail(err, err_bytes, "node lists %zu devices (at most %d)", n->n_devices, CTL_MAX_DEVICES);
+  for (size_t i = 0; rc == 0 && i < n->n_devices; i++) {
+    const Zerod__V1__Device *d = n->devices[i];
+    if (d == NULL)
+      return fail(err, err_bytes, "node.devices[%zu] is missing", i);
+    rc = check_text("node.devices[].kind", d->kind, 0, CTL_TEXT_MAX_BYTES, err, err_bytes);
+    if (rc == 0)
+      rc = check_text("node.devices[].name", d->name, 0, CTL_TEXT_MAX_BYTES, err, err_bytes);
+  }
+  return rc;
+}
+
+static int check_join(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__JoinRequest *r = (const Zerod__V1__JoinRequest *)msg;
+  return check_node_info(r->node, err, err_bytes);
+}
+
+static int check_heartbeat(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__HeartbeatRequest *r = (const Zerod__V1__HeartbeatRequest *)msg;
+  int rc = check_name("node", r->node, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (r->n_jobs > CTL_MAX_JOB_REPORTS)
+    return fail(err, err_bytes, "heartbeat reports %zu jobs (at most %d)", r->n_jobs,
+                CTL_MAX_JOB_REPORTS);
+  for (size_t i = 0; i < r->n_jobs; i++) {
+    const Zerod__V1__JobStatus *s = r->jobs[i];
+    if (s == NULL)
+      return fail(err, err_bytes, "jobs[%zu] is missing", i);
+    if ((rc = check_name("jobs[].job", s->job, err, err_bytes)) != 0)
+      return rc;
+    if ((rc = check_text("jobs[].error", s->error, 0, CTL_ERROR_MAX_BYTES, err, err_bytes)) != 0)
+      return rc;
+  }
+  /* One report per job: the coordinator keeps the last heartbeat's reports
+   * by job name, and two for one job would be ambiguous. Quadratic, but
+   * bounded by CTL_MAX_JOB_REPORTS (and a node reports a handful). */
+  for (size_t i = 0; i < r->n_jobs; i++)
+    for (size_t k = i + 1; k < r->n_jobs; k++)
+      if (strcmp(r->jobs[i]->job, r->jobs[k]->job) == 0)
+        return fail(err, err_bytes, "job '%s' is reported twice", r->jobs[i]->job);
+  return 0;
+}
+
+static int check_leave(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  return check_name("node", ((const Zerod__V1__LeaveRequest *)msg)->node, err, err_bytes);
+}
+
+static int check_watch(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  return check_name("node", ((const Zerod__V1__WatchRequest *)msg)->node, err, err_bytes);
+}
+
+static int check_nothing(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  return 0;
+}
+
+static int check_world(uint32_t nodes, uint32_t ranks_per_node, char *err, size_t err_bytes) {
+  if (nodes < 1 || nodes > CTL_MAX_RANKS)
+    return fail(err, err_bytes, "nodes is %u (1..%d)", nodes, CTL_MAX_RANKS);
+  if (ranks_per_node < 1 || ranks_per_node > CTL_MAX_RANKS)
+    return fail(err, err_bytes, "ranks_per_node is %u (1..%d)", ranks_per_node, CTL_MAX_RANKS);
+  if ((uint64_t)nodes * ranks_per_node > CTL_MAX_RANKS)
+    return fail(err, err_bytes, "a world of %u nodes x %u ranks is %llu ranks (at most %d)", nodes,
+                ranks_per_node, (unsigned long long)nodes * ranks_per_node, CTL_MAX_RANKS);
+  return 0;
+}
+
+static int check_token(const char *token, int allow_empty, char *err, size_t err_bytes) {
+  size_t len = token != NULL ? strlen(token) : 0;
+  if (len == 0)
+    return allow_empty ? 0 : fail(err, err_bytes, "token is missing");
+  if (len > CTL_TOKEN_MAX_BYTES)
+    return fail(err, err_bytes, "token is %zu bytes long (at most %d)", len, CTL_TOKEN_MAX_BYTES);
+  for (size_t i = 0; i < len; i++)
+    if ((unsigned char)token[i] <= 0x20 || (unsigned char)token[i] >= 0x7f)
+      return fail(err, err_bytes, "token must be printable ASCII without spaces");
+  return 0;
+}
+
+static int check_create_job(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__CreateJobRequest *r = (const Zerod__V1__CreateJobRequest *)msg;
+  int rc = check_name("name", r->name, err, err_bytes);
+  if (rc == 0)
+    rc = check_world(r->nodes, r->ranks_per_node, err, err_bytes);
+  if (rc == 0)
+    rc = ctl_check_job_config(r->config, err, err_bytes);
+  if (rc == 0)
+    rc = check_token(r->token, 1, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (r->n_node_names != 0 && r->n_node_names != r->nodes)
+    return fail(err, err_bytes, "node_names lists %zu nodes but nodes is %u", r->n_node_names,
+                r->nodes);
+  for (size_t i = 0; i < r->n_node_names; i++) {
+    if ((rc = check_name("node_names[]", r->node_names[i], err, err_bytes)) != 0)
+      return rc;
+    for (size_t k = 0; k < i; k++)
+      if (strcmp(r->node_names[i], r->node_names[k]) == 0)
+        return fail(err, err_bytes, "node '%s' is listed twice in node_names", r->node_names[i]);
+  }
+  return 0;
+}
+
+static int check_get_job(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  return check_name("name", ((const Zerod__V1__GetJobRequest *)msg)->name, err, err_bytes);
+}
+
+static int check_delete_job(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  return check_name("name", ((const Zerod__V1__DeleteJobRequest *)msg)->name, err, err_bytes);
+}
+
+static int check_put(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__PutRequest *r = (const Zerod__V1__PutRequest *)msg;
+  int rc = check_name("job", r->job, err, err_bytes);
+  if (rc == 0)
+    rc = check_key(r->key, 0, err, err_bytes);
+  if (rc == 0 && r->value.len > CTL_VALUE_MAX_BYTES)
+    rc = fail(err, err_bytes, "value is %zu bytes (at most %u)", r->value.len, CTL_VALUE_MAX_BYTES);
+  return rc;
+}
+
+static int check_get(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__GetRequest *r = (const Zerod__V1__GetRequest *)msg;
+  int rc = check_name("job", r->job, err, err_bytes);
+  return rc == 0 ? check_key(r->key, 0, err, err_bytes) : rc;
+}
+
+static int check_delete(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__DeleteRequest *r = (const Zerod__V1__DeleteRequest *)msg;
+  int rc = check_name("job", r->job, err, err_bytes);
+  return rc == 0 ? check_key(r->key, r->prefix, err, err_bytes) : rc;
+}
+
+static int check_health(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Grpc__Health__V1__HealthCheckRequest *r = (const Grpc__Health__V1__HealthCheckRequest *)msg;
+  return check_text("service", r->service, 0, CTL_TEXT_MAX_BYTES, err, err_bytes);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The method table                                                         */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ctl_method {
+  const char *path;
+  const ProtobufCMessageDescriptor *request;
+  validator check;
+} ctl_method;
+
+static const ctl_method methods[CTL_NMETHODS] = {
+    {CTL_JOIN, &zerod__v1__join_request__descriptor, check_join},
+    {CTL_HEARTBEAT, &zerod__v1__heartbeat_request__descriptor, check_heartbeat},
+    {CTL_LEAVE, &zerod__v1__leave_request__descriptor, check_leave},
+    {CTL_GET_VIEW, &zerod__v1__get_view_request__descriptor, check_nothing},
+    {CTL_WATCH, &zerod__v1__watch_request__descriptor, check_watch},
+    {CTL_CREATE_JOB, &zerod__v1__create_job_request__descriptor, check_create_job},
+    {CTL_GET_JOB, &zerod__v1__get_job_request__descriptor, check_get_job},
+    {CTL_LIST_JOBS, &zerod__v1__list_jobs_request__descriptor, check_nothing},
+    {CTL_DELETE_JOB, &zerod__v1__delete_job_request__descriptor, check_delete_job},
+    {CTL_PUT, &zerod__v1__put_request__descriptor, check_put},
+    {CTL_GET, &zerod__v1__get_request__descriptor, check_get},
+    {CTL_DELETE, &zerod__v1__delete_request__descriptor, check_delete},
+    {CTL_HEALTH_CHECK, &grpc__health__v1__health_check_request__descriptor, check_health},
+};
+
+const char *ctl_method_path(unsigned i) {
+  return i < CTL_NMETHODS ? methods[i].path : NULL;
+}
+
+int ctl_decode(const char *path, const uint8_t *bytes, size_t nbytes, ProtobufCMessage **out,
+               char *err, size_t err_bytes) {
+  *out = NULL;
+  const ctl_method *m = NULL;
+  for (unsigned i = 0; path != NULL && i < CTL_NMETHODS; i++)
+    if (strcmp(methods[i].path, path) == 0)
+      m = &methods[i];
+  if (m == NULL) {
+    snprintf(err, err_bytes, "unknown method %s", path != NULL ? path : "(none)");
+    return RPC_UNIMPLEMENTED;
+  }
+  if (nbytes > RPC_MAX_MESSAGE_BYTES) {
+    snprintf(err, err_bytes, "request is %zu bytes (at most %u)", nbytes, RPC_MAX_MESSAGE_BYTES);
+    return RPC_INVALID_ARGUMENT;
+  }
+  /* protobuf-c reads nothing past nbytes; an empty request is the message
+   * with every field at its default (and bytes may then be NULL). */
+  static const uint8_t empty[1];
+  ProtobufCMessage *msg =
+      protobuf_c_message_unpack(m->request, NULL, nbytes, bytes != NULL ? bytes : empty);
+  if (msg == NULL) {
+    snprintf(err, err_bytes, "request is not a valid %s message", m->request->name);
+    return RPC_INVALID_ARGUMENT;
+  }
+  if (m->check(msg, err, err_bytes) != 0) {
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return RPC_INVALID_ARGUMENT;
+  }
+  *out = msg;
+  return 0;
+}
+
+void ctl_free(ProtobufCMessage *msg) {
+  if (msg != NULL)
+    protobuf_c_message_free_unpacked(msg, NULL);
+}
+
+int ctl_check_stored_job(const Zerod__V1__StoredJob *stored, char *err, size_t err_bytes) {
+  const Zerod__V1__Job *j = stored->job;
+  if (j == NULL)
+    return fail(err, err_bytes, "a stored job has no job");
+  int rc = check_name("job name", j->name, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  char inner[256];
+  if (check_world(j->nodes, j->ranks_per_node, inner, sizeof inner) != 0 ||
+      ctl_check_job_config(j->config, inner, sizeof inner) != 0 ||
+      check_token(stored->token, 0, inner, sizeof inner) != 0)
+    return fail(err, err_bytes, "job '%s': %s", j->name, inner);
+  if (j->id == 0)
+    return fail(err, err_bytes, "job '%s' has id 0", j->name);
+  if (j->world_size != j->nodes * j->ranks_per_node || j->n_placement != j->nodes)
+    return fail(err, err_bytes, "job '%s': world and placement disagree", j->name);
+  for (size_t i = 0; i < j->n_placement; i++) {
+    const Zerod__V1__RankPlacement *p = j->placement[i];
+    if (p == NULL || !ctl_valid_name(p->node) || p->first_rank != i * j->ranks_per_node ||
+        p->ranks != j->ranks_per_node)
+      return fail(err, err_bytes, "job '%s': placement %zu is invalid", j->name, i);
+    for (size_t k = 0; k < i; k++)
+      if (strcmp(j->placement[k]->node, p->node) == 0)
+        return fail(err, err_bytes, "job '%s': node '%s' is placed twice", j->name, p->node);
+  }
+  return 0;
+}

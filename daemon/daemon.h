@@ -21,9 +21,15 @@ typedef struct daemon_options {
   int collective_timeout_ms;
   uint64_t max_live_bytes; /* default per-job gathered + gradient bytes per rank */
   int max_sessions;
+  /* zerod node: the coordinator to join ("" in standalone mode), this
+   * node's name and the address its ranks listen on for collectives. */
+  char coordinator[256];
+  char node_name[65];
+  char comm_host[256];
 } daemon_options;
 
 struct session;
+struct node_agent;
 
 typedef struct daemon {
   uv_loop_t *loop;
@@ -44,12 +50,23 @@ typedef struct daemon {
   exec_op *completion_head, *completion_tail;
   uv_async_t completion_async;
 
+  struct node_agent *cluster; /* zerod node: the coordinator client; NULL standalone */
+
   uv_signal_t sigint, sigterm;
   uv_timer_t status_timer;
   int stopping;
 } zdaemon; /* not "daemon": unistd.h declares daemon(3) */
 
 /* ipc.c */
+job *daemon_find_job(zdaemon *d, const char *name);
+/* Creates a job with nranks local ranks (global first_rank..), starts its
+ * executors and their communicators of the given generation (the
+ * rendezvous epoch: 0 standalone, the coordinator's job epoch in a
+ * cluster), and adds it to d->jobs.
+ * Returns 0 or a negative errno with a message in err. */
+int daemon_job_start(zdaemon *d, const char *name, const char *token, const job_config *config,
+                     int world_size, int nranks, int first_rank, uint64_t id, unsigned generation,
+                     job **out, char *err, size_t err_bytes);
 int ipc_listen(zdaemon *d, char *err, size_t err_bytes);
 void ipc_close_all(zdaemon *d, const char *reason);
 void ipc_complete(exec_op *op); /* executor thread */

@@ -1174,9 +1174,11 @@ static void handle_comm_init(rank_state *rs, exec_op *op) {
     rs->comm = NULL;
   }
   rs->generation = op->generation;
+  /* "<job>/<generation>/": the rendezvous namespace (job, epoch) that the
+   * coordinator's store splits it into (store_grpc.c). Job names hold no
+   * '/'. */
   char prefix[128], err[512] = "";
-  snprintf(prefix, sizeof prefix, "job/%llu/gen/%u", (unsigned long long)rs->job->id,
-           rs->generation);
+  snprintf(prefix, sizeof prefix, "%s/%u", rs->job->name, rs->generation);
   comm_options options = {.prefix = prefix,
                           .rank = rs->rank,
                           .world_size = rs->job->world_size,
@@ -1212,6 +1214,8 @@ static void handle_comm_init(rank_state *rs, exec_op *op) {
     job_fail(rs->job, rs->generation, "rank %d: communicator check: %s", rs->rank,
              comm_last_error(rs->comm));
   free(steps);
+  if (rc == 0 && !job_failed(rs->job, rs->generation, NULL, 0))
+    atomic_store(&rs->comm_ready, rs->generation + 1);
   LOG_DEBUGF("communicator ready", "job=%s rank=%d generation=%u", rs->job->name, rs->rank,
              rs->generation);
 }

@@ -270,7 +270,7 @@ static void on_completion(uv_async_t *handle) {
 /* Requests                                                                 */
 /* ------------------------------------------------------------------------ */
 
-static job *find_job(zdaemon *d, const char *name) {
+job *daemon_find_job(zdaemon *d, const char *name) {
   for (job *j = d->jobs; j != NULL; j = j->next)
     if (strcmp(j->name, name) == 0)
       return j;
@@ -291,7 +291,7 @@ static int token_equal(const char *a, const char *b) {
 static void job_reset(job *j) {
   j->generation++;
   LOG_INFOF("job reset", "job=%s generation=%u", j->name, j->generation);
-  for (int r = 0; r < j->world_size; r++) {
+  for (int r = 0; r < j->nranks; r++) {
     exec_op *init = exec_op_new(OP_COMM_INIT, &j->ranks[r]);
     if (init != NULL) {
       init->generation = j->generation;
@@ -318,6 +318,51 @@ static void submit_or_inline(session *s, exec_op *op) {
   exec_submit(op);
 }
 
+int daemon_job_start(zdaemon *d, const char *name, const char *token, const job_config *config,
+                     int world_size, int nranks, int first_rank, uint64_t id, unsigned generation,
+                     job **out, char *err, size_t err_bytes) {
+  job *j;
+  int rc = job_create(d, name, token, config, world_size, nranks, first_rank, id, &j);
+  if (rc != 0) {
+    snprintf(err, err_bytes, "%s", rc == -ENOMEM ? "out of memory" : "ranks do not fit the world");
+    return rc;
+  }
+  j->generation = generation;
+  for (int r = 0; r < j->nranks; r++) {
+    rc = exec_rank_start(&j->ranks[r]);
+    if (rc != 0) {
+      for (int k = 0; k < r; k++)
+        exec_rank_stop(&j->ranks[k]);
+      for (int k = 0; k < r; k++)
+        exec_rank_join(&j->ranks[k]);
+      job_destroy(j);
+      snprintf(err, err_bytes, "cannot start the executors: %s", strerror(-rc));
+      return rc;
+    }
+  }
+  for (int r = 0; r < j->nranks; r++) {
+    exec_op *init = exec_op_new(OP_COMM_INIT, &j->ranks[r]);
+    if (init == NULL) {
+      job_fail(j, 0, "out of memory");
+      continue;
+    }
+    init->generation = generation;
+    exec_submit(init);
+  }
+  j->next = d->jobs;
+  d->jobs = j;
+  static const char *const optimizer_names[] = {"", "adamw", "adam", "sgd"};
+  LOG_INFOF("job created",
+            "job=%s id=%llu world_size=%d ranks=%d..%d optimizer=%s lr=%g working_dtype=%s "
+            "max_live_bytes=%llu max_grad_norm=%g",
+            j->name, (unsigned long long)j->id, j->world_size, j->first_rank,
+            j->first_rank + j->nranks - 1, optimizer_names[config->optimizer], config->lr,
+            zk_dtype_name(config->working_dtype), (unsigned long long)config->max_live_bytes,
+            config->max_grad_norm);
+  *out = j;
+  return 0;
+}
+
 static job *create_job(zdaemon *d, session *s, uint64_t request_id,
                        const Zerod__V1__AttachRequest *req) {
   job_config config;
@@ -329,41 +374,12 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
     return NULL;
   }
   job *j;
-  if (job_create(d, req->job, req->token, &config, d->options.ranks, ++d->next_job_id, &j) != 0) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+  if (daemon_job_start(d, req->job, req->token, &config, d->options.ranks, d->options.ranks, 0,
+                       ++d->next_job_id, 0, &j, err, sizeof err) != 0) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "job '%s': %s",
+               req->job, err);
     return NULL;
   }
-  for (int r = 0; r < j->world_size; r++) {
-    int rc = exec_rank_start(&j->ranks[r]);
-    if (rc != 0) {
-      for (int k = 0; k < r; k++)
-        exec_rank_stop(&j->ranks[k]);
-      for (int k = 0; k < r; k++)
-        exec_rank_join(&j->ranks[k]);
-      job_destroy(j);
-      send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-                 "cannot start the executors: %s", strerror(-rc));
-      return NULL;
-    }
-  }
-  for (int r = 0; r < j->world_size; r++) {
-    exec_op *init = exec_op_new(OP_COMM_INIT, &j->ranks[r]);
-    if (init == NULL) {
-      job_fail(j, 0, "out of memory");
-      continue;
-    }
-    init->generation = 0;
-    exec_submit(init);
-  }
-  j->next = d->jobs;
-  d->jobs = j;
-  static const char *const optimizer_names[] = {"", "adamw", "adam", "sgd"};
-  LOG_INFOF("job created",
-            "job=%s id=%llu ranks=%d optimizer=%s lr=%g working_dtype=%s max_live_bytes=%llu "
-            "max_grad_norm=%g",
-            j->name, (unsigned long long)j->id, j->world_size, optimizer_names[config.optimizer],
-            config.lr, zk_dtype_name(config.working_dtype),
-            (unsigned long long)config.max_live_bytes, config.max_grad_norm);
   return j;
 }
 
@@ -374,12 +390,22 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
  * nobody. Returns 1 if the job can be attached, else answers ABORTED. */
 static int job_usable_for_attach(session *s, uint64_t request_id, job *j) {
   char reason[512];
-  if (j->sessions == 0 && job_failed(j, j->generation, NULL, 0))
+  /* A job with ranks on other nodes cannot reset alone: its communicators
+   * span the nodes (see docs/decisions.md). */
+  int local_reset = j->nranks == j->world_size;
+  if (local_reset && j->sessions == 0 && job_failed(j, j->generation, NULL, 0))
     job_reset(j);
   if (!job_failed(j, j->generation, reason, sizeof reason))
     return 1;
-  send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
-             "job '%s' failed: %s; it resets when all its workers have detached", j->name, reason);
+  if (local_reset)
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
+               "job '%s' failed: %s; it resets when all its workers have detached", j->name,
+               reason);
+  else
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
+               "job '%s' failed: %s; a job with ranks on several nodes does not reset: delete "
+               "and re-create it",
+               j->name, reason);
   return 0;
 }
 
@@ -395,7 +421,7 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
                req->job);
     return;
   }
-  job *j = find_job(d, req->job);
+  job *j = daemon_find_job(d, req->job);
   if (j == NULL) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
                "no job named '%s' (a read-only session attaches to an existing job)", req->job);
@@ -404,6 +430,13 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
   if (!token_equal(j->token, req->token)) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
                "wrong token for job '%s'", req->job);
+    return;
+  }
+  if (j->nranks != j->world_size) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+               "job '%s' has ranks on other nodes; read-only sessions need every rank on this "
+               "daemon (standalone jobs)",
+               req->job);
     return;
   }
   if (!job_usable_for_attach(s, request_id, j))
@@ -451,14 +484,22 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
     attach_read_only(s, request_id, flags, req);
     return;
   }
-  if ((int)req->local_rank >= d->options.ranks) {
+  int created = 0;
+  job *j = daemon_find_job(d, req->job);
+  int nranks = j != NULL ? j->nranks : d->options.ranks;
+  if ((int)req->local_rank >= nranks) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "local rank %u does not exist: this daemon hosts %d rank(s) (0..%d)",
-               req->local_rank, d->options.ranks, d->options.ranks - 1);
+               "local rank %u does not exist: this daemon hosts %d rank(s) (0..%d) of job '%s'",
+               req->local_rank, nranks, nranks - 1, req->job);
     return;
   }
-  int created = 0;
-  job *j = find_job(d, req->job);
+  if (j == NULL && d->cluster != NULL) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
+               "job '%s' has no ranks on this node; in a cluster, jobs are created through the "
+               "coordinator (zerodctl jobs create)",
+               req->job);
+    return;
+  }
   if (j == NULL) {
     if (!req->create) {
       send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
@@ -579,7 +620,7 @@ static void handle_units(session *s, const zd_frame_header *h) {
   size_t count = 0;
   int failed = units == NULL || replies == NULL || listed == NULL;
   for (uint32_t u = 0; !failed && u < nunits; u++) {
-    if (atomic_load(&units[u]->ready_ranks) < j->world_size)
+    if (atomic_load(&units[u]->ready_ranks) < j->nranks)
       continue;
     Zerod__V1__RegisterUnitReply *reply = &replies[count];
     zerod__v1__register_unit_reply__init(reply);
@@ -828,7 +869,10 @@ static void session_close(session *s, const char *reason) {
     if (!s->detaching) {
       LOG_WARNF("worker lost", "job=%s rank=%d pid=%d reason=\"%s\"", j->name, rs->rank,
                 (int)s->pid, reason != NULL ? reason : "closed");
-      if (j->sessions > 1)
+      /* Other ranks may be waiting for this one in a collective: fail the
+       * job, which closes the rank's communicator so they fail now. A lone
+       * standalone worker leaves an idle job behind instead. */
+      if (j->sessions > 1 || j->nranks < j->world_size)
         job_fail(j, j->generation, "rank %d's worker (pid %d) disconnected without detaching",
                  rs->rank, (int)s->pid);
       exec_op *end = exec_op_new(OP_SESSION_END, rs);
@@ -844,13 +888,13 @@ static void session_close(session *s, const char *reason) {
     s->job = NULL;
     if (--j->sessions == 0 && !d->stopping && !job_failed(j, j->generation, NULL, 0)) {
       /* The job is idle: give its buffers back to the system. */
-      for (int r = 0; r < j->world_size; r++) {
+      for (int r = 0; r < j->nranks; r++) {
         exec_op *trim = exec_op_new(OP_TRIM, &j->ranks[r]);
         if (trim != NULL)
           exec_submit(trim);
       }
-    } else if (j->sessions == 0 && !d->stopping) {
-      job_reset(j);
+    } else if (j->sessions == 0 && !d->stopping && j->nranks == j->world_size) {
+      job_reset(j); /* a multi-node job does not reset alone (decisions.md) */
     }
   } else if (reason != NULL) {
     LOG_DEBUGF("connection closed", "session=%llu reason=\"%s\"", (unsigned long long)s->id,

@@ -96,7 +96,9 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
 }
 
 int job_create(struct daemon *daemon, const char *name, const char *token, const job_config *config,
-               int world_size, uint64_t id, job **out) {
+               int world_size, int nranks, int first_rank, uint64_t id, job **out) {
+  if (nranks < 1 || first_rank < 0 || first_rank + nranks > world_size)
+    return -EINVAL;
   job *j = calloc(1, sizeof *j);
   if (j == NULL)
     return -ENOMEM;
@@ -105,18 +107,20 @@ int job_create(struct daemon *daemon, const char *name, const char *token, const
   j->token = strdup(token != NULL ? token : "");
   j->config = *config;
   j->world_size = world_size;
+  j->nranks = nranks;
+  j->first_rank = first_rank;
   j->id = id;
   j->failed_generation = -1;
-  j->ranks = calloc((size_t)world_size, sizeof *j->ranks);
+  j->ranks = calloc((size_t)nranks, sizeof *j->ranks);
   if (j->name == NULL || j->token == NULL || j->ranks == NULL) {
     job_destroy(j);
     return -ENOMEM;
   }
   pthread_mutex_init(&j->mutex, NULL);
-  for (int r = 0; r < world_size; r++) {
+  for (int r = 0; r < nranks; r++) {
     rank_state *rs = &j->ranks[r];
     rs->job = j;
-    rs->rank = r;
+    rs->rank = first_rank + r;
     rs->lr = config->lr;
     rs->max_grad_norm = config->max_grad_norm;
     pthread_mutex_init(&rs->queue_mutex, NULL);
@@ -134,7 +138,7 @@ void job_destroy(job *j) {
   if (j == NULL)
     return;
   if (j->ranks != NULL) {
-    for (int r = 0; r < j->world_size; r++) {
+    for (int r = 0; r < j->nranks; r++) {
       exec_rank_free(&j->ranks[r]);
       pthread_mutex_destroy(&j->ranks[r].queue_mutex);
       pthread_cond_destroy(&j->ranks[r].queue_cond);

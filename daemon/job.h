@@ -137,6 +137,9 @@ typedef struct rank_state {
   size_t ndropped, dropped_cap;
   uint64_t session_id;
   uint64_t step;
+  /* generation + 1 once this rank's communicator of that generation is
+   * built; read by the loop for the node's heartbeat reports. */
+  _Atomic unsigned comm_ready;
   /* Bumped when the working copies change (step, load), only inside
    * pin_begin_write under the job's pin_mutex, where readers look at it;
    * the executor reads it freely. */
@@ -164,8 +167,10 @@ typedef struct job {
   uint64_t id;
   char *token;
   job_config config;
-  int world_size;
-  rank_state *ranks;
+  int world_size;    /* ranks of the job, on every node */
+  int nranks;        /* ranks hosted here: global ranks first_rank.. */
+  int first_rank;    /* first_rank + nranks - 1; standalone: 0 and world_size */
+  rank_state *ranks; /* [nranks], ranks[i].rank == first_rank + i */
 
   pthread_mutex_t mutex; /* units, failure state */
   unit_layout **units;
@@ -178,7 +183,7 @@ typedef struct job {
   int readers;  /* loop-owned: attached read-only sessions */
 
   /* Versions and pins (pin.c; pin.h has the locking rules). */
-  pthread_rwlock_t *rank_locks; /* [world_size] */
+  pthread_rwlock_t *rank_locks; /* [nranks], by local index */
   pthread_mutex_t pin_mutex;
   pthread_cond_t pin_cond;
   struct job_pin *pins;
@@ -196,9 +201,11 @@ int job_config_from_proto(const Zerod__V1__JobConfig *proto, job_config *config,
 int job_config_finish(job_config *config, uint64_t default_max_live_bytes, char *err,
                       size_t err_bytes);
 
-/* Creates a job with world_size ranks (executors not started). */
+/* Creates a job of world_size ranks of which this daemon hosts nranks,
+ * global ranks first_rank.. (executors not started). -EINVAL if they do not
+ * fit, -ENOMEM. */
 int job_create(struct daemon *daemon, const char *name, const char *token, const job_config *config,
-               int world_size, uint64_t id, job **out);
+               int world_size, int nranks, int first_rank, uint64_t id, job **out);
 /* Frees a job whose executors have stopped. */
 void job_destroy(job *j);
 

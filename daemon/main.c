@@ -1,9 +1,12 @@
 /* zerod: command line, configuration and the process lifecycle.
  *
- * `zerod standalone` (or `zerod` with no command) runs one node daemon with
- * N CPU ranks and its rendezvous in this process, with its socket and state
- * in a local directory. Every flag has a ZEROD_* environment variable; a
- * flag wins over the variable. */
+ *   zerod [standalone]   one node daemon with N CPU ranks and its rendezvous
+ *                        in this process, socket and state in a local dir
+ *   zerod node           a node daemon that joins a coordinator
+ *   zerod coordinator    the cluster's coordinator (coord.h) over gRPC
+ *
+ * Every flag has a ZEROD_* environment variable; a flag wins over the
+ * variable. */
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -16,8 +19,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "coord.h"
 #include "daemon.h"
 #include "log.h"
+#include "node.h"
 #include "pin.h"
 
 #define ZEROD_VERSION "0.1.0"
@@ -25,12 +30,16 @@
 static void usage(FILE *out) {
   fprintf(out,
           "usage: zerod [standalone] [options]\n"
+          "       zerod node --coordinator HOST:PORT [options]\n"
+          "       zerod coordinator [--listen ADDR] [--state-dir DIR] [--lease-ttl S]\n"
+          "                         (zerod coordinator --help)\n"
           "\n"
           "Runs a zerod node daemon with its rendezvous in one process (standalone mode):\n"
           "workers on this machine attach through a Unix socket and train through it.\n"
           "\n"
           "options (each also read from the environment variable shown):\n"
-          "  --ranks N               CPU ranks hosted by this daemon; every job has N ranks\n"
+          "  --ranks N               CPU ranks hosted by this daemon; standalone: every job\n"
+          "                          has N ranks; node: the most a job may place here\n"
           "                          [ZEROD_RANKS, default 1]\n"
           "  --dir DIR               state directory: lock file and default socket\n"
           "                          [ZEROD_DIR, default ./.zerod]\n"
@@ -44,7 +53,12 @@ static void usage(FILE *out) {
           "  --max-live-bytes SIZE   default per-job, per-rank budget of gathered and gradient\n"
           "                          buffers, e.g. 512M, 4G [ZEROD_MAX_LIVE_BYTES, default 2G]\n"
           "  --max-sessions N        most worker connections [ZEROD_MAX_SESSIONS, default 1024]\n"
-          "  --comm-host ADDR        address the ranks' Gloo connections use\n"
+          "  --coordinator HOST:PORT zerod node: the coordinator to join\n"
+          "                          [ZEROD_COORDINATOR]\n"
+          "  --name NAME             zerod node: this node's name, unique in the cluster\n"
+          "                          [ZEROD_NODE_NAME, default: the host name]\n"
+          "  --comm-host ADDR        address the ranks' Gloo connections use (and, for\n"
+          "                          zerod node, that other nodes reach it on)\n"
           "                          [ZEROD_COMM_HOST, default 127.0.0.1]\n"
           "  --log-level LEVEL       debug, info, warn or error [ZEROD_LOG_LEVEL, default info]\n"
           "  --version               print the version and exit\n"
@@ -113,11 +127,13 @@ enum {
   OPT_COMM_HOST,
   OPT_LOG_LEVEL,
   OPT_VERSION,
+  OPT_COORDINATOR,
+  OPT_NAME,
 };
 
 typedef struct raw_options {
   const char *ranks, *dir, *socket, *socket_group, *threads, *timeout, *max_live, *max_sessions,
-      *comm_host, *log_level;
+      *comm_host, *log_level, *coordinator, *name;
 } raw_options;
 
 static const char *env_or(const char *flag, const char *name) {
@@ -145,6 +161,211 @@ static int mkdir_p(const char *path) {
   return 0;
 }
 
+/* Takes the state directory's lock file (one process per directory) and
+ * writes our pid into it. Prints the error and returns -1 if another process
+ * holds it. */
+static int lock_state_dir(const char *lock_path, const char *dir, int *fd_out) {
+  int fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0 || flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char other[32] = "";
+    if (fd >= 0) {
+      ssize_t n = pread(fd, other, sizeof other - 1, 0);
+      other[n > 0 ? n : 0] = '\0';
+      other[strcspn(other, "\n")] = '\0';
+      close(fd);
+    }
+    fprintf(stderr, "zerod: another zerod (pid %s) is using state directory %s\n",
+            other[0] ? other : "?", dir);
+    return -1;
+  }
+  if (ftruncate(fd, 0) == 0) {
+    char pid[32];
+    int n = snprintf(pid, sizeof pid, "%d\n", (int)getpid());
+    ssize_t w = pwrite(fd, pid, (size_t)n, 0);
+    (void)w;
+  }
+  *fd_out = fd;
+  return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* zerod coordinator                                                        */
+/* ------------------------------------------------------------------------ */
+
+static void coordinator_usage(FILE *out) {
+  fprintf(out,
+          "usage: zerod coordinator [options]\n"
+          "\n"
+          "Runs the cluster's coordinator: membership, jobs, rendezvous and health over\n"
+          "gRPC. Node daemons (zerod node) and zerodctl dial it; it never dials them.\n"
+          "\n"
+          "options (each also read from the environment variable shown):\n"
+          "  --listen ADDR           address to serve gRPC on, HOST:PORT (port 0: any free\n"
+          "                          port) [ZEROD_LISTEN, default 0.0.0.0:7070]\n"
+          "  --state-dir DIR         durable state (jobs), written atomically\n"
+          "                          [ZEROD_STATE_DIR, default ./.zerod-coordinator]\n"
+          "  --lease-ttl S           seconds a node may go without a heartbeat before it\n"
+          "                          leaves the view [ZEROD_LEASE_TTL, default 10]\n"
+          "  --log-level LEVEL       debug, info, warn or error [ZEROD_LOG_LEVEL, default info]\n"
+          "  -h, --help              print this help and exit\n"
+          "\n"
+          "SIGINT or SIGTERM shut down cleanly: watches end, calls in flight are cancelled.\n");
+}
+
+typedef struct coordinator_process {
+  uv_loop_t *loop;
+  coord *coord;
+  rpc_server *server;
+  uv_signal_t sigint, sigterm;
+  int stopping;
+} coordinator_process;
+
+static void on_coordinator_server_done(void *arg) {
+  (void)arg;
+  LOG_INFOF("coordinator stopped serving", NULL);
+}
+
+static void on_coordinator_signal(uv_signal_t *handle, int signum) {
+  coordinator_process *p = handle->data;
+  if (p->stopping)
+    return;
+  p->stopping = 1;
+  LOG_INFOF("shutting down", "reason=%s", signum == SIGINT ? "SIGINT" : "SIGTERM");
+  coord_shutdown(p->coord);
+  rpc_server_shutdown(p->server, on_coordinator_server_done, p);
+  uv_close((uv_handle_t *)&p->sigint, NULL);
+  uv_close((uv_handle_t *)&p->sigterm, NULL);
+}
+
+static int run_coordinator(int argc, char **argv) {
+  enum { C_LISTEN = 2000, C_STATE_DIR, C_LEASE_TTL, C_LOG_LEVEL };
+  static const struct option long_options[] = {
+      {"listen", required_argument, NULL, C_LISTEN},
+      {"state-dir", required_argument, NULL, C_STATE_DIR},
+      {"lease-ttl", required_argument, NULL, C_LEASE_TTL},
+      {"log-level", required_argument, NULL, C_LOG_LEVEL},
+      {"help", no_argument, NULL, 'h'},
+      {NULL, 0, NULL, 0},
+  };
+  const char *listen_flag = NULL, *dir_flag = NULL, *ttl_flag = NULL, *level_flag = NULL;
+  int c;
+  while ((c = getopt_long(argc, argv, "h", long_options, NULL)) != -1) {
+    switch (c) {
+    case C_LISTEN:
+      listen_flag = optarg;
+      break;
+    case C_STATE_DIR:
+      dir_flag = optarg;
+      break;
+    case C_LEASE_TTL:
+      ttl_flag = optarg;
+      break;
+    case C_LOG_LEVEL:
+      level_flag = optarg;
+      break;
+    case 'h':
+      coordinator_usage(stdout);
+      return 0;
+    default:
+      coordinator_usage(stderr);
+      return 2;
+    }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "zerod coordinator: unexpected argument '%s'\n", argv[optind]);
+    return 2;
+  }
+  const char *v;
+  if ((v = env_or(level_flag, "ZEROD_LOG_LEVEL")) != NULL) {
+    int level = log_parse_level(v);
+    if (level < 0)
+      return bad_value("--log-level", v, "debug, info, warn or error");
+    log_set_level((log_level)level);
+  }
+  coord_options co = {.lease_ttl_ms = 10000};
+  if ((v = env_or(ttl_flag, "ZEROD_LEASE_TTL")) != NULL) {
+    char *end;
+    double ttl = strtod(v, &end);
+    if (end == v || *end != '\0' || !(ttl >= 0.1 && ttl <= 3600))
+      return bad_value("--lease-ttl", v, "seconds, 0.1..3600");
+    co.lease_ttl_ms = (int)(ttl * 1000 + 0.5);
+  }
+  v = env_or(dir_flag, "ZEROD_STATE_DIR");
+  if (snprintf(co.state_dir, sizeof co.state_dir, "%s", v != NULL ? v : ".zerod-coordinator") >=
+      (int)sizeof co.state_dir - 32)
+    return bad_value("--state-dir", v, "path too long");
+  const char *listen_addr = env_or(listen_flag, "ZEROD_LISTEN");
+  if (listen_addr == NULL)
+    listen_addr = "0.0.0.0:7070";
+  const char *colon = strrchr(listen_addr, ':');
+  if (colon == NULL || colon == listen_addr || colon[1] == '\0' || strlen(listen_addr) > 255)
+    return bad_value("--listen", listen_addr, "HOST:PORT");
+
+  int rc = mkdir_p(co.state_dir);
+  if (rc != 0) {
+    fprintf(stderr, "zerod: cannot create state directory %s: %s\n", co.state_dir, strerror(-rc));
+    return 1;
+  }
+  char lock_path[PATH_MAX + 32];
+  snprintf(lock_path, sizeof lock_path, "%s/coordinator.lock", co.state_dir);
+  int lock_fd = -1;
+  if (lock_state_dir(lock_path, co.state_dir, &lock_fd) != 0)
+    return 1;
+
+  coordinator_process p = {.loop = uv_default_loop()};
+  char err[512] = "";
+  int status = 1;
+  rc = coord_create(p.loop, &co, &p.coord, err, sizeof err);
+  if (rc != 0) {
+    fprintf(stderr, "zerod: coordinator state in %s: %s\n", co.state_dir, err);
+    goto out_lock;
+  }
+  rc = rpc_server_create(p.loop, listen_addr, &p.server, err, sizeof err);
+  if (rc == 0)
+    rc = coord_register(p.coord, p.server);
+  int port = 0;
+  if (rc == 0)
+    rc = rpc_server_start(p.server, &port, err, sizeof err);
+  if (rc != 0) {
+    fprintf(stderr, "zerod: cannot serve gRPC on %s: %s\n", listen_addr,
+            err[0] ? err : strerror(-rc));
+    /* Nothing was accepted: shutting down finishes on the next loop turn. */
+    coord_shutdown(p.coord);
+    if (p.server != NULL)
+      rpc_server_shutdown(p.server, on_coordinator_server_done, &p);
+    uv_run(p.loop, UV_RUN_DEFAULT);
+    goto out_free;
+  }
+  uv_signal_init(p.loop, &p.sigint);
+  uv_signal_init(p.loop, &p.sigterm);
+  p.sigint.data = p.sigterm.data = &p;
+  uv_signal_start(&p.sigint, on_coordinator_signal, SIGINT);
+  uv_signal_start(&p.sigterm, on_coordinator_signal, SIGTERM);
+  LOG_INFOF("coordinator listening",
+            "address=%.*s:%d state_dir=%s lease_ttl_ms=%d version=%s pid=%d",
+            (int)(colon - listen_addr), listen_addr, port, co.state_dir, co.lease_ttl_ms,
+            ZEROD_VERSION, (int)getpid());
+  uv_run(p.loop, UV_RUN_DEFAULT);
+  status = 0;
+out_free:
+  if (p.server != NULL)
+    rpc_server_destroy(p.server);
+  coord_destroy(p.coord);
+  rc = uv_loop_close(p.loop);
+  if (rc != 0)
+    LOG_WARNF("loop closed with open handles", "err=%s", uv_err_name(rc));
+  if (status == 0)
+    LOG_INFOF("stopped", NULL);
+out_lock:
+  unlink(lock_path);
+  close(lock_fd);
+  return status;
+}
+
+/* ------------------------------------------------------------------------ */
+/* zerod [standalone] and zerod node                                        */
+/* ------------------------------------------------------------------------ */
+
 static zdaemon the_daemon;
 static char comm_host[256] = "127.0.0.1";
 
@@ -156,15 +377,16 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
   char reason[128];
   snprintf(reason, sizeof reason, "zerod is shutting down (%s)", why);
   ipc_close_all(d, reason);
+  node_stop(d);
   /* Readers waiting for a rank give up now rather than at their timeout. */
   for (job *j = d->jobs; j != NULL; j = j->next)
     pin_job_stop(j);
   /* Stop every rank of every job before joining any (see exec.h). */
   for (job *j = d->jobs; j != NULL; j = j->next)
-    for (int r = 0; r < j->world_size; r++)
+    for (int r = 0; r < j->nranks; r++)
       exec_rank_stop(&j->ranks[r]);
   for (job *j = d->jobs; j != NULL; j = j->next)
-    for (int r = 0; r < j->world_size; r++)
+    for (int r = 0; r < j->nranks; r++)
       exec_rank_join(&j->ranks[r]);
   ipc_drain_completions(d);
   /* The jobs are freed once the loop has ended (main): read-only sessions'
@@ -180,6 +402,8 @@ static void on_signal(uv_signal_t *handle, int signum) {
 }
 
 int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "coordinator") == 0)
+    return run_coordinator(argc - 1, argv + 1);
   raw_options raw = {0};
   static const struct option long_options[] = {
       {"ranks", required_argument, NULL, OPT_RANKS},
@@ -193,6 +417,8 @@ int main(int argc, char **argv) {
       {"comm-host", required_argument, NULL, OPT_COMM_HOST},
       {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
       {"version", no_argument, NULL, OPT_VERSION},
+      {"coordinator", required_argument, NULL, OPT_COORDINATOR},
+      {"name", required_argument, NULL, OPT_NAME},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
@@ -229,6 +455,12 @@ int main(int argc, char **argv) {
     case OPT_LOG_LEVEL:
       raw.log_level = optarg;
       break;
+    case OPT_COORDINATOR:
+      raw.coordinator = optarg;
+      break;
+    case OPT_NAME:
+      raw.name = optarg;
+      break;
     case OPT_VERSION:
       printf("zerod %s\n", ZEROD_VERSION);
       return 0;
@@ -240,9 +472,12 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
+  const char *mode = "standalone";
   if (optind < argc) {
-    if (strcmp(argv[optind], "standalone") != 0 || optind + 1 < argc) {
-      fprintf(stderr, "zerod: unknown command '%s' (this build runs 'standalone')\n", argv[optind]);
+    mode = argv[optind];
+    if ((strcmp(mode, "standalone") != 0 && strcmp(mode, "node") != 0) || optind + 1 < argc) {
+      fprintf(stderr, "zerod: unknown command '%s' (standalone, node or coordinator)\n",
+              argv[optind]);
       usage(stderr);
       return 2;
     }
@@ -283,6 +518,26 @@ int main(int argc, char **argv) {
   }
   if ((v = env_or(raw.comm_host, "ZEROD_COMM_HOST")) != NULL)
     snprintf(comm_host, sizeof comm_host, "%s", v);
+  snprintf(o->comm_host, sizeof o->comm_host, "%s", comm_host);
+  if (strcmp(mode, "node") == 0) {
+    v = env_or(raw.coordinator, "ZEROD_COORDINATOR");
+    if (v == NULL || v[0] == '\0' || strchr(v, ':') == NULL || strlen(v) >= sizeof o->coordinator)
+      return bad_value("--coordinator", v != NULL ? v : "", "HOST:PORT, required by zerod node");
+    snprintf(o->coordinator, sizeof o->coordinator, "%s", v);
+    v = env_or(raw.name, "ZEROD_NODE_NAME");
+    char host[256] = "";
+    if (v == NULL && gethostname(host, sizeof host - 1) == 0)
+      v = host;
+    if (v == NULL || strlen(v) < 1 || strlen(v) > 64 ||
+        strspn(v, "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                  "abcdefghijklmnopqrstuvwxyz"
+                  "0123456789._-") != strlen(v))
+      return bad_value("--name", v != NULL ? v : "", "1..64 of [A-Za-z0-9._-]");
+    memcpy(o->node_name, v, strlen(v) + 1); /* checked: at most 64 bytes */
+  } else if (raw.coordinator != NULL || raw.name != NULL) {
+    fprintf(stderr, "zerod: --coordinator and --name need 'zerod node'\n");
+    return 2;
+  }
   v = env_or(raw.dir, "ZEROD_DIR");
   snprintf(o->dir, sizeof o->dir, "%s", v != NULL ? v : ".zerod");
   v = env_or(raw.socket, "ZEROD_SOCKET");
@@ -306,24 +561,8 @@ int main(int argc, char **argv) {
   }
   char lock_path[PATH_MAX + 16];
   snprintf(lock_path, sizeof lock_path, "%s/zerod.lock", o->dir);
-  d->lock_fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (d->lock_fd < 0 || flock(d->lock_fd, LOCK_EX | LOCK_NB) != 0) {
-    char other[32] = "";
-    if (d->lock_fd >= 0) {
-      ssize_t n = pread(d->lock_fd, other, sizeof other - 1, 0);
-      other[n > 0 ? n : 0] = '\0';
-      other[strcspn(other, "\n")] = '\0';
-    }
-    fprintf(stderr, "zerod: another zerod (pid %s) is using state directory %s\n",
-            other[0] ? other : "?", o->dir);
+  if (lock_state_dir(lock_path, o->dir, &d->lock_fd) != 0)
     return 1;
-  }
-  if (ftruncate(d->lock_fd, 0) == 0) {
-    char pid[32];
-    int n = snprintf(pid, sizeof pid, "%d\n", (int)getpid());
-    ssize_t w = pwrite(d->lock_fd, pid, (size_t)n, 0);
-    (void)w;
-  }
 
   /* Gloo writes to sockets without MSG_NOSIGNAL: a peer that dies must be
    * an error, not a signal. */
@@ -336,9 +575,13 @@ int main(int argc, char **argv) {
     setrlimit(RLIMIT_NOFILE, &nofile);
   }
   d->loop = uv_default_loop();
-  rc = store_mem_create(&d->rendezvous);
+  char err[512] = "";
+  if (o->coordinator[0] != '\0')
+    rc = node_create(d, &d->rendezvous, err, sizeof err);
+  else
+    rc = store_mem_create(&d->rendezvous);
   if (rc != 0) {
-    fprintf(stderr, "zerod: rendezvous store: %s\n", strerror(-rc));
+    fprintf(stderr, "zerod: rendezvous store: %s\n", err[0] ? err : strerror(-rc));
     return 1;
   }
   exec_settings es = {.complete = ipc_complete,
@@ -348,7 +591,6 @@ int main(int argc, char **argv) {
                       .rendezvous = d->rendezvous};
   exec_configure(&es);
 
-  char err[512] = "";
   rc = ipc_listen(d, err, sizeof err);
   if (rc != 0) {
     fprintf(stderr, "zerod: %s\n", err);
@@ -361,10 +603,12 @@ int main(int argc, char **argv) {
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
 
   LOG_INFOF("zerod ready",
-            "version=%s mode=standalone socket=%s ranks=%d threads_per_rank=%d "
+            "version=%s mode=%s socket=%s ranks=%d threads_per_rank=%d "
             "collective_timeout_s=%d max_live_bytes=%llu pid=%d",
-            ZEROD_VERSION, o->socket_path, o->ranks, o->threads_per_rank, timeout_s,
+            ZEROD_VERSION, mode, o->socket_path, o->ranks, o->threads_per_rank, timeout_s,
             (unsigned long long)o->max_live_bytes, (int)getpid());
+  if (d->cluster != NULL)
+    node_start(d);
   uv_run(d->loop, UV_RUN_DEFAULT);
   /* The loop ends when every handle has closed and every threadpool read
    * has finished: nothing refers to the jobs any more. */
@@ -376,7 +620,10 @@ int main(int argc, char **argv) {
   rc = uv_loop_close(d->loop);
   if (rc != 0)
     LOG_WARNF("loop closed with open handles", "err=%s", uv_err_name(rc));
-  d->rendezvous->ops->destroy(d->rendezvous);
+  if (d->cluster != NULL)
+    node_destroy(d); /* and its store */
+  else
+    d->rendezvous->ops->destroy(d->rendezvous);
   pthread_mutex_destroy(&d->completion_mutex);
   unlink(lock_path);
   close(d->lock_fd);

@@ -2,6 +2,7 @@
 #include "pin.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,7 +16,7 @@
 /* ------------------------------------------------------------------------ */
 
 int pin_job_init(job *j) {
-  j->rank_locks = calloc((size_t)j->world_size, sizeof *j->rank_locks);
+  j->rank_locks = calloc((size_t)j->nranks, sizeof *j->rank_locks);
   if (j->rank_locks == NULL)
     return -ENOMEM;
   /* Writers first: a steady stream of readers must not hold a rank's step
@@ -24,7 +25,7 @@ int pin_job_init(job *j) {
   pthread_rwlockattr_t rwattr;
   pthread_rwlockattr_init(&rwattr);
   pthread_rwlockattr_setkind_np(&rwattr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
-  for (int r = 0; r < j->world_size; r++)
+  for (int r = 0; r < j->nranks; r++)
     pthread_rwlock_init(&j->rank_locks[r], &rwattr);
   pthread_rwlockattr_destroy(&rwattr);
   pthread_mutex_init(&j->pin_mutex, NULL);
@@ -50,7 +51,7 @@ static void pin_free(job *j, job_pin *p) {
   if (p == NULL)
     return;
   if (p->snapshots != NULL)
-    for (int r = 0; r < j->world_size; r++)
+    for (int r = 0; r < j->nranks; r++)
       snapshot_free(&p->snapshots[r]);
   free(p->snapshots);
   free(p->saved);
@@ -66,7 +67,7 @@ void pin_job_destroy(job *j) {
     j->pins = p->next;
     pin_free(j, p);
   }
-  for (int r = 0; r < j->world_size; r++)
+  for (int r = 0; r < j->nranks; r++)
     pthread_rwlock_destroy(&j->rank_locks[r]);
   free(j->rank_locks);
   j->rank_locks = NULL;
@@ -100,9 +101,16 @@ static job_pin *unref_locked(job *j, job_pin *p) {
 }
 
 /* pin_mutex held. */
+/* A rank's index in the job's arrays (ranks, rank_locks, a pin's saved and
+ * snapshots): its local index, which equals its global rank only where this
+ * daemon hosts the whole job (read-only assembly needs that, see ipc.c). */
+static ptrdiff_t local_index(const rank_state *rs) {
+  return rs - rs->job->ranks;
+}
+
 static uint64_t max_rank_version(job *j) {
   uint64_t v = 0;
-  for (int r = 0; r < j->world_size; r++)
+  for (int r = 0; r < j->nranks; r++)
     if (j->ranks[r].version > v)
       v = j->ranks[r].version;
   return v;
@@ -126,8 +134,8 @@ job_pin *pin_acquire_latest(job *j) {
   }
   p = calloc(1, sizeof *p);
   if (p != NULL) {
-    p->saved = calloc((size_t)j->world_size, sizeof *p->saved);
-    p->snapshots = calloc((size_t)j->world_size, sizeof *p->snapshots);
+    p->saved = calloc((size_t)j->nranks, sizeof *p->saved);
+    p->snapshots = calloc((size_t)j->nranks, sizeof *p->snapshots);
     if (p->saved == NULL || p->snapshots == NULL) {
       pin_free(j, p);
       p = NULL;
@@ -185,11 +193,11 @@ static int snapshot_take(rank_state *rs, pin_snapshot *out) {
 
 void pin_begin_write(rank_state *rs) {
   job *j = rs->job;
-  pthread_rwlock_wrlock(&j->rank_locks[rs->rank]);
+  pthread_rwlock_wrlock(&j->rank_locks[local_index(rs)]);
   pthread_mutex_lock(&j->pin_mutex);
   uint64_t version = rs->version;
   job_pin *p = find_pin(j, version);
-  if (p != NULL && !p->saved[rs->rank])
+  if (p != NULL && !p->saved[local_index(rs)])
     p->refs++; /* kept alive while its snapshot is made */
   else
     p = NULL;
@@ -213,8 +221,8 @@ void pin_begin_write(rank_state *rs) {
     LOG_ERRORF("pin snapshot failed", "job=%s rank=%d version=%llu err=\"%s\"", j->name, rs->rank,
                (unsigned long long)version, strerror(-rc));
   pthread_mutex_lock(&j->pin_mutex);
-  p->snapshots[rs->rank] = snap;
-  p->saved[rs->rank] = 1;
+  p->snapshots[local_index(rs)] = snap;
+  p->saved[local_index(rs)] = 1;
   if (rc != 0)
     p->lost = 1;
   job_pin *dead = unref_locked(j, p);
@@ -224,16 +232,16 @@ void pin_begin_write(rank_state *rs) {
 
 void pin_end_write(rank_state *rs) {
   job *j = rs->job;
-  pthread_rwlock_unlock(&j->rank_locks[rs->rank]);
+  pthread_rwlock_unlock(&j->rank_locks[local_index(rs)]);
   pin_wake(j);
 }
 
 void pin_lock_shards(rank_state *rs) {
-  pthread_rwlock_wrlock(&rs->job->rank_locks[rs->rank]);
+  pthread_rwlock_wrlock(&rs->job->rank_locks[local_index(rs)]);
 }
 
 void pin_unlock_shards(rank_state *rs) {
-  pthread_rwlock_unlock(&rs->job->rank_locks[rs->rank]);
+  pthread_rwlock_unlock(&rs->job->rank_locks[local_index(rs)]);
 }
 
 void pin_wake(job *j) {
@@ -316,7 +324,7 @@ static int read_pinned(job *j, job_pin *pin, const unit_layout *l, uint8_t *dst,
                        const pin_read_control *c, const struct timespec *deadline, char *err,
                        size_t err_bytes) {
   const uint64_t version = pin->version;
-  for (int r = 0; r < j->world_size; r++) {
+  for (int r = 0; r < j->nranks; r++) {
     for (;;) {
       pthread_rwlock_rdlock(&j->rank_locks[r]);
       pthread_mutex_lock(&j->pin_mutex);
@@ -381,17 +389,17 @@ static int read_latest(job *j, const unit_layout *l, uint8_t *dst, size_t slice_
                        const struct timespec *deadline, uint64_t *served, char *err,
                        size_t err_bytes) {
   for (;;) {
-    for (int r = 0; r < j->world_size; r++)
+    for (int r = 0; r < j->nranks; r++)
       pthread_rwlock_rdlock(&j->rank_locks[r]);
     pthread_mutex_lock(&j->pin_mutex);
     int status = read_stopped(j, c, err, err_bytes);
     uint64_t version = max_rank_version(j);
     int lagging = -1;
-    for (int r = 0; status == 0 && r < j->world_size && lagging < 0; r++)
+    for (int r = 0; status == 0 && r < j->nranks && lagging < 0; r++)
       if (j->ranks[r].version != version)
         lagging = r;
     if (status == 0 && lagging >= 0) {
-      for (int r = j->world_size - 1; r >= 0; r--)
+      for (int r = j->nranks - 1; r >= 0; r--)
         pthread_rwlock_unlock(&j->rank_locks[r]);
       status = wait_for_rank(j, c, deadline, lagging, version, err, err_bytes);
       pthread_mutex_unlock(&j->pin_mutex);
@@ -400,7 +408,7 @@ static int read_latest(job *j, const unit_layout *l, uint8_t *dst, size_t slice_
       continue;
     }
     pthread_mutex_unlock(&j->pin_mutex);
-    for (int r = 0; status == 0 && r < j->world_size && version != have_version; r++) {
+    for (int r = 0; status == 0 && r < j->nranks && version != have_version; r++) {
       const void *src = live_slice(j, r, l);
       if (src == NULL) {
         snprintf(err, err_bytes, "unit '%s' has no shard on rank %d", l->name, r);
@@ -409,7 +417,7 @@ static int read_latest(job *j, const unit_layout *l, uint8_t *dst, size_t slice_
       }
       memcpy(dst + (size_t)r * slice_bytes, src, slice_bytes);
     }
-    for (int r = j->world_size - 1; r >= 0; r--)
+    for (int r = j->nranks - 1; r >= 0; r--)
       pthread_rwlock_unlock(&j->rank_locks[r]);
     *served = version;
     return status;

@@ -206,7 +206,7 @@ static unit_layout *gather_checks(reader *r, exec_op *op) {
     return NULL;
   }
   unit_layout *l = job_unit(j, req->unit_id);
-  if (l == NULL || atomic_load(&l->ready_ranks) < j->world_size) {
+  if (l == NULL || atomic_load(&l->ready_ranks) < j->nranks) {
     exec_error(op, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
                "unknown unit id %u (not registered on every rank of job '%s')", req->unit_id,
                j->name);

@@ -2,7 +2,7 @@
  * of a job find each other (Gloo's pair addresses, later NCCL's unique id).
  *
  * In standalone mode it is store_mem (in this process); the coordinator's
- * Rendezvous KV backs it in cluster mode (a later issue). Implementations
+ * Rendezvous KV backs it in cluster mode (store_grpc). Implementations
  * must be thread-safe: every rank's executor thread uses the store at once.
  * Keys are NUL-terminated strings; values are byte strings. */
 #ifndef ZEROD_STORE_H
@@ -30,5 +30,14 @@ struct store {
 /* An in-process store: a hash table under a mutex, waiters on a condition
  * variable. */
 int store_mem_create(store **out);
+
+/* The coordinator's Rendezvous service (store_grpc.c): keys must be
+ * "<job>/<epoch>/<key>". The channel stays the caller's and must outlive
+ * the store. */
+struct rpc_channel;
+int store_grpc_create(struct rpc_channel *channel, store **out);
+/* Makes calls in progress give up within about a second (-ECANCELED), and
+ * later ones at once: the daemon is stopping. */
+void store_grpc_stop(store *st);
 
 #endif /* ZEROD_STORE_H */

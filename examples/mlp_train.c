@@ -71,6 +71,8 @@ static void usage(FILE *out) {
           "  --local-rank N      this worker's rank on its node (default 0)\n"
           "  --create            create the job if it does not exist (the default)\n"
           "  --no-create         attach only to an existing job\n"
+          "  --token T           the job's owner token (default $ZEROD_TOKEN; a job made\n"
+          "                      with zerodctl jobs create prints it)\n"
           "  --dump FILE         after the last step, write all parameters (raw little-endian\n"
           "                      fp32, every layer's weight then bias) to FILE; rank 0\n"
           "                      writes, every rank takes part in the final gathers\n"
@@ -262,6 +264,7 @@ int main(int argc, char **argv) {
     OPT_CREATE,
     OPT_NO_CREATE,
     OPT_DUMP,
+    OPT_TOKEN,
     OPT_HELP
   };
   static const struct option long_options[] = {
@@ -272,6 +275,7 @@ int main(int argc, char **argv) {
       {"create", no_argument, NULL, OPT_CREATE},
       {"no-create", no_argument, NULL, OPT_NO_CREATE},
       {"dump", required_argument, NULL, OPT_DUMP},
+      {"token", required_argument, NULL, OPT_TOKEN},
       {"help", no_argument, NULL, OPT_HELP},
       {NULL, 0, NULL, 0},
   };
@@ -281,6 +285,7 @@ int main(int argc, char **argv) {
   const char *socket_path = NULL;
   const char *job_name = "mlp";
   const char *dump_path = NULL;
+  const char *token = getenv("ZEROD_TOKEN");
   unsigned local_rank = 0;
   int create = 1;
   int opt;
@@ -316,6 +321,9 @@ int main(int argc, char **argv) {
     case OPT_DUMP:
       dump_path = optarg;
       break;
+    case OPT_TOKEN:
+      token = optarg;
+      break;
     case 'h':
     case OPT_HELP:
       usage(stdout);
@@ -349,6 +357,7 @@ int main(int argc, char **argv) {
   zd_attach_options attach = ZD_ATTACH_OPTIONS_INIT;
   attach.job = job_name;
   attach.local_rank = local_rank;
+  attach.token = token;
   attach.create = create;
   attach.config = &job_config;
   ZD_CHECK(zd_attach(client, &attach, &w.job), "zd_attach");

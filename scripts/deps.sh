@@ -11,7 +11,8 @@
 #                           that use only the .proto files
 #   scripts/deps.sh demo    build + Debian's PyTorch and numpy (the example
 #                           trains a torch model through zerod)
-#   scripts/deps.sh bench   same as demo (the DDP comparison)
+#   scripts/deps.sh bench   demo's (the DDP comparison) + test's gRPC Python tools
+#                           (the cluster benchmark drives the coordinator)
 #   scripts/deps.sh fuzz    build + clang and its libFuzzer runtime
 #
 # Idempotent: it asks dpkg what is installed, runs `apt-get update` only when
@@ -30,7 +31,9 @@ packages=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-
   libgloo-dev libgrpc-dev)
 case "$task" in
 build) ;;
-demo | bench) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread) ;;
+demo) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread) ;;
+bench) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread python3-grpcio
+  python3-protobuf protobuf-compiler protobuf-compiler-grpc) ;;
 test) packages+=(libcmocka-dev python3 python3-torch python3-numpy libopenblas0-pthread python3-pytest
   python3-venv python3-pip python3-setuptools python3-wheel python3-grpcio python3-protobuf
   protobuf-compiler protobuf-compiler-grpc) ;;

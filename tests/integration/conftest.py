@@ -8,6 +8,7 @@ sanitizer report.
 
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -25,14 +26,14 @@ def binary(name):
 
 
 class Daemon:
-    def __init__(self, tmp_path, ranks, timeout_s, extra):
+    def __init__(self, tmp_path, ranks, timeout_s, extra, mode="standalone"):
         self.dir = tmp_path / ("zerod-%d" % time.monotonic_ns())
         self.dir.mkdir()
         self.socket = str(self.dir / "zerod.sock")
         self.log_path = self.dir / "zerod.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [binary("zerod"), "standalone", "--ranks", str(ranks), "--dir", str(self.dir),
+            [binary("zerod"), mode, "--ranks", str(ranks), "--dir", str(self.dir),
              "--collective-timeout", str(timeout_s), "--threads-per-rank", "1"] + extra,
             stderr=self.log)
         deadline = time.monotonic() + 20
@@ -50,6 +51,12 @@ class Daemon:
     def alive(self):
         return self.proc.poll() is None
 
+    def kill(self):
+        """SIGKILL: nothing is cleaned up (the socket file stays)."""
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
     def memfds(self, job):
         """Names of the daemon's memfd descriptors that belong to `job`."""
         names = []
@@ -64,6 +71,8 @@ class Daemon:
         return names
 
     def stop(self):
+        if self.log.closed:
+            return  # killed
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -99,3 +108,97 @@ def run_worker(args, timeout=300, check=True):
         raise AssertionError("%s exited %d\nstdout:\n%s\nstderr:\n%s" % (
             " ".join(args), proc.returncode, proc.stdout, proc.stderr))
     return proc
+
+
+def free_port():
+    """A TCP port that was free a moment ago (for a coordinator that must
+    come back on the same address after a restart)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Coordinator:
+    """A real `zerod coordinator` on 127.0.0.1:port with its own state dir."""
+
+    def __init__(self, tmp_path, lease_ttl_s=2.0, port=None):
+        self.dir = tmp_path / ("coordinator-%d" % time.monotonic_ns())
+        self.dir.mkdir()
+        self.state_dir = self.dir / "state"
+        self.port = port or free_port()
+        self.address = "127.0.0.1:%d" % self.port
+        self.lease_ttl_s = lease_ttl_s
+        self.logs = []
+        self.proc = None
+        self.start()
+
+    def start(self):
+        log_path = self.dir / ("coordinator-%d.log" % len(self.logs))
+        self.logs.append(log_path)
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [binary("zerod"), "coordinator", "--listen", self.address, "--state-dir",
+             str(self.state_dir), "--lease-ttl", str(self.lease_ttl_s)], stderr=self.log)
+        deadline = time.monotonic() + 20
+        while "coordinator listening" not in self.read_log():
+            if self.proc.poll() is not None:
+                raise AssertionError("coordinator exited early:\n" + self.read_log())
+            if time.monotonic() > deadline:
+                raise AssertionError("coordinator did not start:\n" + self.read_log())
+            time.sleep(0.02)
+
+    def read_log(self):
+        self.log.flush()
+        return self.logs[-1].read_text()
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+    def stop(self):
+        if self.log.closed:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("coordinator did not stop on SIGTERM:\n" + self.read_log())
+        self.log.close()
+        log = self.logs[-1].read_text()
+        assert "AddressSanitizer" not in log and "runtime error" not in log, log
+        assert self.proc.returncode == 0, "coordinator exited %d:\n%s" % (
+            self.proc.returncode, log)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Starts a coordinator and node daemons; stops them all at teardown
+    (nodes first, so that they leave cleanly)."""
+
+    class Cluster:
+        def __init__(self):
+            self.coordinator = None
+            self.nodes = []
+
+        def start_coordinator(self, lease_ttl_s=2.0):
+            self.coordinator = Coordinator(tmp_path, lease_ttl_s)
+            return self.coordinator
+
+        def start_node(self, name, ranks=1, timeout_s=20, extra=()):
+            d = Daemon(tmp_path, ranks, timeout_s,
+                       ["--coordinator", self.coordinator.address, "--name", name]
+                       + list(extra), mode="node")
+            d.name = name
+            self.nodes.append(d)
+            return d
+
+    c = Cluster()
+    yield c
+    for d in c.nodes:
+        d.stop()
+    if c.coordinator is not None:
+        c.coordinator.stop()

@@ -1,0 +1,81 @@
+/* ctl_decode: the decoders of the control plane's outside bytes.
+ *
+ * Every request the coordinator (coord.c) serves arrives as bytes from a
+ * gRPC client nobody here wrote. This module is the one place that turns
+ * them into messages: it unpacks them with protobuf-c and then checks
+ * everything the handlers rely on (names, ranges, string and list sizes,
+ * UTF-8 in strings that are echoed back to other clients), so that a
+ * handler only ever sees a well-formed request and only has to decide what
+ * it means against the coordinator's state.
+ *
+ * The limits are part of the protocol and are documented, with the RPCs
+ * that use them, in docs/control-plane.md. */
+#ifndef ZEROD_CTL_DECODE_H
+#define ZEROD_CTL_DECODE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "zerod/v1/control.pb-c.h"
+#include "grpc/health/v1/health.pb-c.h"
+
+/* Method paths. */
+#define CTL_JOIN         "/zerod.v1.Cluster/Join"
+#define CTL_HEARTBEAT    "/zerod.v1.Cluster/Heartbeat"
+#define CTL_LEAVE        "/zerod.v1.Cluster/Leave"
+#define CTL_GET_VIEW     "/zerod.v1.Cluster/GetView"
+#define CTL_WATCH        "/zerod.v1.Cluster/Watch"
+#define CTL_CREATE_JOB   "/zerod.v1.Jobs/CreateJob"
+#define CTL_GET_JOB      "/zerod.v1.Jobs/GetJob"
+#define CTL_LIST_JOBS    "/zerod.v1.Jobs/ListJobs"
+#define CTL_DELETE_JOB   "/zerod.v1.Jobs/DeleteJob"
+#define CTL_PUT          "/zerod.v1.Rendezvous/Put"
+#define CTL_GET          "/zerod.v1.Rendezvous/Get"
+#define CTL_DELETE       "/zerod.v1.Rendezvous/Delete"
+#define CTL_HEALTH_CHECK "/grpc.health.v1.Health/Check"
+
+/* Limits on requests (docs/control-plane.md, "Limits"). */
+#define CTL_NAME_MAX_BYTES    64         /* node and job names */
+#define CTL_ADDRESS_MAX_BYTES 255        /* NodeInfo.address */
+#define CTL_MAX_RANKS         64         /* ranks of a node, world of a job */
+#define CTL_MAX_DEVICES       256        /* NodeInfo.devices */
+#define CTL_TEXT_MAX_BYTES    256        /* device kind and name, version, service */
+#define CTL_MAX_JOB_REPORTS   4096       /* HeartbeatRequest.jobs */
+#define CTL_ERROR_MAX_BYTES   1024       /* JobStatus.error */
+#define CTL_TOKEN_MAX_BYTES   256        /* CreateJobRequest.token */
+#define CTL_KEY_MAX_BYTES     512        /* rendezvous keys */
+#define CTL_VALUE_MAX_BYTES   (1u << 20) /* rendezvous values */
+
+/* The number of methods ctl_decode knows (the paths above). */
+#define CTL_NMETHODS 13
+
+/* The path of method i (0 <= i < CTL_NMETHODS), for tests and fuzzing. */
+const char *ctl_method_path(unsigned i);
+
+/* Unpacks request bytes as the request of the method at path and validates
+ * them. Returns 0 with *out set to the message (the caller frees it with
+ * ctl_free), or a gRPC status (rpc.h) with *out NULL and a message in err
+ * that says what is wrong: RPC_INVALID_ARGUMENT for bytes that are not a
+ * valid request, RPC_UNIMPLEMENTED for a path that is not a method. Never
+ * reads outside bytes[0, nbytes). */
+int ctl_decode(const char *path, const uint8_t *bytes, size_t nbytes, ProtobufCMessage **out,
+               char *err, size_t err_bytes);
+
+/* Frees a message from ctl_decode (NULL is allowed). */
+void ctl_free(ProtobufCMessage *msg);
+
+/* Returns 1 if s is a valid node or job name: 1..64 bytes of
+ * [A-Za-z0-9._-]. */
+int ctl_valid_name(const char *s);
+
+/* Checks a job config the way the node daemon's job_config_finish (job.c)
+ * will, so that a config that a node would refuse is refused at CreateJob
+ * and never assigned: same ranges, same messages. NULL (every default) is
+ * valid. Returns 0 or -EINVAL with a message in err. */
+int ctl_check_job_config(const Zerod__V1__JobConfig *config, char *err, size_t err_bytes);
+
+/* Checks a stored job (from the state file) like a CreateJob request, plus
+ * its placement. Returns 0 or -EINVAL with a message in err. */
+int ctl_check_stored_job(const Zerod__V1__StoredJob *stored, char *err, size_t err_bytes);
+
+#endif /* ZEROD_CTL_DECODE_H */

@@ -1,0 +1,552 @@
+/* node.c - a node daemon's membership in a cluster (see node.h). */
+#include "node.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "log.h"
+#include "rpc.h"
+#include "store.h"
+#include "zerod/v1/control.pb-c.h"
+
+#define NODE_CALL_MS        5000 /* deadline of Join and Heartbeat */
+#define NODE_LEAVE_MS       1000 /* Leave at shutdown: best effort */
+#define NODE_BACKOFF_MIN_MS 100  /* join retry: doubles up to the max */
+#define NODE_BACKOFF_MAX_MS 3000
+#define NODE_WATCH_RETRY_MS 500 /* a watch that ended while still a member */
+#define NODE_SETTLE_POLL_MS 10  /* while a job's ranks are being built */
+
+typedef enum node_state { NODE_JOINING, NODE_MEMBER, NODE_STOPPED } node_state;
+
+/* One event from the watch thread: a WatchEvent's bytes, or the end. */
+typedef struct watch_msg {
+  struct watch_msg *next;
+  uint8_t *bytes;
+  size_t len;
+  int end;
+  rpc_result result;
+} watch_msg;
+
+typedef struct node_agent {
+  zdaemon *d;
+  rpc_channel *channel;
+  store *rendezvous;
+  node_state state;
+  uint64_t session;
+  int lease_ttl_ms;
+  int backoff_ms;
+  int last_status; /* of the last failed call, to log changes only */
+
+  uv_timer_t timer; /* join retry, heartbeats */
+  uv_timer_t watch_timer;
+  /* Polls, while some hosted job is neither ready nor failed, for one that
+   * becomes so, and then sends a heartbeat at once: the coordinator learns
+   * that a job is ready without waiting for the next lease renewal. */
+  uv_timer_t settle_timer;
+  size_t reported_settled; /* jobs_settled() when the last heartbeat was built */
+
+  /* The one blocking call in flight on the threadpool. */
+  uv_work_t work;
+  int work_busy;
+  const char *method;
+  uint8_t *request, *reply;
+  size_t request_bytes, reply_bytes;
+  rpc_result result;
+
+  /* The watch thread and its queue. */
+  pthread_t watch_thread;
+  int watch_running;
+  uint64_t watch_session;
+  rpc_stream *stream;
+  pthread_mutex_t mutex;
+  watch_msg *head, *tail;
+  uv_async_t watch_async;
+} node_agent;
+
+static void schedule(node_agent *a, int delay_ms);
+static void start_watch(node_agent *a);
+static void on_watch_retry(uv_timer_t *t);
+
+/* ------------------------------------------------------------------------ */
+/* Blocking calls on the threadpool                                         */
+/* ------------------------------------------------------------------------ */
+
+static void work_run(uv_work_t *w) {
+  node_agent *a = w->data;
+  a->reply = NULL;
+  a->reply_bytes = 0;
+  rpc_unary(a->channel, a->method, a->request, a->request_bytes, NODE_CALL_MS, &a->reply,
+            &a->reply_bytes, &a->result);
+}
+
+static void on_join_done(node_agent *a);
+static void on_heartbeat_done(node_agent *a);
+
+static void work_done(uv_work_t *w, int status) {
+  node_agent *a = w->data;
+  a->work_busy = 0;
+  free(a->request);
+  a->request = NULL;
+  if (status == UV_ECANCELED)
+    a->result.status = RPC_CANCELLED;
+  if (a->state != NODE_STOPPED) {
+    if (strcmp(a->method, "/zerod.v1.Cluster/Join") == 0)
+      on_join_done(a);
+    else
+      on_heartbeat_done(a);
+  }
+  free(a->reply);
+  a->reply = NULL;
+}
+
+static int start_call(node_agent *a, const char *method, const ProtobufCMessage *req) {
+  size_t len = protobuf_c_message_get_packed_size(req);
+  a->request = malloc(len ? len : 1);
+  if (a->request == NULL)
+    return -ENOMEM;
+  protobuf_c_message_pack(req, a->request);
+  a->request_bytes = len;
+  a->method = method;
+  a->work.data = a;
+  int rc = uv_queue_work(a->d->loop, &a->work, work_run, work_done);
+  if (rc != 0) {
+    free(a->request);
+    a->request = NULL;
+    return rc;
+  }
+  a->work_busy = 1;
+  return 0;
+}
+
+/* Logs a failed call once per change of its status. */
+static void log_failure(node_agent *a, const char *what) {
+  if (a->result.status == a->last_status)
+    return;
+  a->last_status = a->result.status;
+  char msg[600];
+  LOG_WARNF("coordinator call failed", "call=%s coordinator=%s status=%s error=%s", what,
+            a->d->options.coordinator, rpc_status_name(a->result.status),
+            log_quote(a->result.message, msg, sizeof msg));
+}
+
+/* ------------------------------------------------------------------------ */
+/* Join                                                                     */
+/* ------------------------------------------------------------------------ */
+
+static void send_join(node_agent *a) {
+  Zerod__V1__NodeInfo info = ZEROD__V1__NODE_INFO__INIT;
+  info.name = a->d->options.node_name;
+  info.address = a->d->options.comm_host;
+  info.ranks = (uint32_t)a->d->options.ranks;
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  info.memory_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+  info.version = "0.1.0";
+  Zerod__V1__JoinRequest req = ZEROD__V1__JOIN_REQUEST__INIT;
+  req.node = &info;
+  if (start_call(a, "/zerod.v1.Cluster/Join", &req.base) != 0)
+    schedule(a, a->backoff_ms);
+}
+
+static void on_join_done(node_agent *a) {
+  Zerod__V1__JoinReply *r = NULL;
+  if (a->result.status == RPC_OK)
+    r = zerod__v1__join_reply__unpack(NULL, a->reply_bytes, a->reply);
+  if (r == NULL) {
+    if (a->result.status == RPC_OK)
+      snprintf(a->result.message, sizeof a->result.message, "unreadable JoinReply");
+    log_failure(a, "join");
+    a->backoff_ms =
+        a->backoff_ms * 2 > NODE_BACKOFF_MAX_MS ? NODE_BACKOFF_MAX_MS : a->backoff_ms * 2;
+    schedule(a, a->backoff_ms);
+    return;
+  }
+  a->session = r->session;
+  a->lease_ttl_ms = r->lease_ttl_ms > 0 ? (int)r->lease_ttl_ms : 10000;
+  a->state = NODE_MEMBER;
+  a->backoff_ms = NODE_BACKOFF_MIN_MS;
+  a->last_status = RPC_OK;
+  LOG_INFOF("joined the cluster",
+            "node=%s coordinator=%s session=%llu epoch=%llu members=%zu "
+            "lease_ttl_ms=%d",
+            a->d->options.node_name, a->d->options.coordinator, (unsigned long long)a->session,
+            r->view != NULL ? (unsigned long long)r->view->epoch : 0ULL,
+            r->view != NULL ? r->view->n_members : 0, a->lease_ttl_ms);
+  zerod__v1__join_reply__free_unpacked(r, NULL);
+  start_watch(a);
+  schedule(a, a->lease_ttl_ms / 3);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Heartbeat                                                                */
+/* ------------------------------------------------------------------------ */
+
+static int job_ready(job *j) {
+  for (int r = 0; r < j->nranks; r++)
+    if (atomic_load(&j->ranks[r].comm_ready) != j->generation + 1)
+      return 0;
+  return 1;
+}
+
+/* Hosted jobs that are ready or failed, and (in *njobs) all hosted jobs. */
+static size_t jobs_settled(zdaemon *d, size_t *njobs) {
+  size_t settled = 0, n = 0;
+  for (job *j = d->jobs; j != NULL; j = j->next, n++)
+    settled += job_failed(j, j->generation, NULL, 0) || job_ready(j);
+  if (njobs != NULL)
+    *njobs = n;
+  return settled;
+}
+
+static void on_settle_poll(uv_timer_t *t) {
+  node_agent *a = t->data;
+  size_t njobs, settled = jobs_settled(a->d, &njobs);
+  if (settled != a->reported_settled && !a->work_busy && a->state == NODE_MEMBER)
+    schedule(a, 0);
+  if (settled == njobs)
+    uv_timer_stop(t);
+}
+
+static void send_heartbeat(node_agent *a) {
+  zdaemon *d = a->d;
+  size_t njobs = 0;
+  for (job *j = d->jobs; j != NULL; j = j->next)
+    njobs++;
+  Zerod__V1__JobStatus *statuses = calloc(njobs ? njobs : 1, sizeof *statuses);
+  Zerod__V1__JobStatus **ptrs = calloc(njobs ? njobs : 1, sizeof *ptrs);
+  char(*errors)[512] = calloc(njobs ? njobs : 1, sizeof *errors);
+  if (statuses == NULL || ptrs == NULL || errors == NULL) {
+    free(statuses);
+    free(ptrs);
+    free(errors);
+    schedule(a, a->lease_ttl_ms / 3);
+    return;
+  }
+  size_t i = 0;
+  for (job *j = d->jobs; j != NULL; j = j->next, i++) {
+    Zerod__V1__JobStatus *st = &statuses[i];
+    zerod__v1__job_status__init(st);
+    st->job = j->name;
+    if (job_failed(j, j->generation, errors[i], sizeof errors[i]))
+      st->error = errors[i];
+    st->ready = job_ready(j) && st->error[0] == '\0';
+    st->step = atomic_load(&j->latest_version);
+    ptrs[i] = st;
+  }
+  a->reported_settled = jobs_settled(d, NULL);
+  Zerod__V1__HeartbeatRequest req = ZEROD__V1__HEARTBEAT_REQUEST__INIT;
+  req.node = d->options.node_name;
+  req.session = a->session;
+  req.n_jobs = njobs;
+  req.jobs = ptrs;
+  if (start_call(a, "/zerod.v1.Cluster/Heartbeat", &req.base) != 0)
+    schedule(a, a->lease_ttl_ms / 3);
+  free(statuses);
+  free(ptrs);
+  free(errors);
+}
+
+static void stop_watch(node_agent *a);
+
+static void on_heartbeat_done(node_agent *a) {
+  if (a->result.status == RPC_NOT_FOUND) {
+    char msg[600];
+    LOG_WARNF("lease lost; joining again", "node=%s error=%s", a->d->options.node_name,
+              log_quote(a->result.message, msg, sizeof msg));
+    stop_watch(a);
+    a->state = NODE_JOINING;
+    a->last_status = RPC_OK;
+    schedule(a, 0);
+    return;
+  }
+  if (a->result.status != RPC_OK)
+    log_failure(a, "heartbeat");
+  else if (a->last_status != RPC_OK) {
+    LOG_INFOF("coordinator reachable again", "coordinator=%s", a->d->options.coordinator);
+    a->last_status = RPC_OK;
+  }
+  schedule(a, a->lease_ttl_ms / 3);
+}
+
+static void on_timer(uv_timer_t *t) {
+  node_agent *a = t->data;
+  if (a->work_busy || a->state == NODE_STOPPED)
+    return;
+  if (a->state == NODE_JOINING)
+    send_join(a);
+  else
+    send_heartbeat(a);
+}
+
+static void schedule(node_agent *a, int delay_ms) {
+  if (a->state != NODE_STOPPED)
+    uv_timer_start(&a->timer, on_timer, (uint64_t)(delay_ms > 0 ? delay_ms : 0), 0);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Watch                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static void push(node_agent *a, watch_msg *m) {
+  pthread_mutex_lock(&a->mutex);
+  if (a->tail != NULL)
+    a->tail->next = m;
+  else
+    a->head = m;
+  a->tail = m;
+  pthread_mutex_unlock(&a->mutex);
+  uv_async_send(&a->watch_async);
+}
+
+static void *watch_main(void *arg) {
+  node_agent *a = arg;
+  for (;;) {
+    watch_msg *m = calloc(1, sizeof *m);
+    if (m == NULL) {
+      usleep(10000); /* out of memory: the event waits in gRPC meanwhile */
+      continue;
+    }
+    if (rpc_stream_read(a->stream, &m->bytes, &m->len, &m->result) == 1) {
+      push(a, m);
+      continue;
+    }
+    m->end = 1;
+    push(a, m);
+    return NULL;
+  }
+}
+
+static void start_watch(node_agent *a) {
+  if (a->watch_running || a->state != NODE_MEMBER)
+    return;
+  Zerod__V1__WatchRequest req = ZEROD__V1__WATCH_REQUEST__INIT;
+  req.node = a->d->options.node_name;
+  req.session = a->session;
+  size_t len = protobuf_c_message_get_packed_size(&req.base);
+  uint8_t buf[512];
+  if (len > sizeof buf)
+    return;
+  protobuf_c_message_pack(&req.base, buf);
+  if (rpc_stream_open(a->channel, "/zerod.v1.Cluster/Watch", buf, len, 0, &a->stream) != 0) {
+    uv_timer_start(&a->watch_timer, on_watch_retry, NODE_WATCH_RETRY_MS, 0);
+    return;
+  }
+  if (pthread_create(&a->watch_thread, NULL, watch_main, a) != 0) {
+    rpc_stream_close(a->stream);
+    a->stream = NULL;
+    return;
+  }
+  a->watch_running = 1;
+  a->watch_session = a->session;
+}
+
+/* Cancels the stream and waits for the thread, which then exits at once. */
+static void stop_watch(node_agent *a) {
+  if (!a->watch_running)
+    return;
+  rpc_stream_cancel(a->stream);
+  pthread_join(a->watch_thread, NULL);
+  rpc_stream_close(a->stream);
+  a->stream = NULL;
+  a->watch_running = 0;
+}
+
+static void on_watch_retry(uv_timer_t *t) {
+  start_watch(t->data);
+}
+
+/* Makes the local jobs follow the coordinator's assignments. */
+static void reconcile(node_agent *a, const Zerod__V1__WatchEvent *ev) {
+  zdaemon *d = a->d;
+  for (size_t i = 0; i < ev->n_assignments; i++) {
+    const Zerod__V1__Assignment *as = ev->assignments[i];
+    const Zerod__V1__Job *pj = as->job;
+    if (pj == NULL || pj->name == NULL)
+      continue;
+    job *j = daemon_find_job(d, pj->name);
+    if (j == NULL) {
+      /* A job that is not (or no longer) healthy is not built here: its
+       * other ranks are gone or failed, so a rendezvous could only time
+       * out. */
+      if (pj->state != ZEROD__V1__JOB_STATE__JOB_STATE_CREATING &&
+          pj->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY)
+        continue;
+      job_config config;
+      char err[256] = "";
+      uint64_t max_live = pj->quotas != NULL && pj->quotas->max_live_bytes != 0
+                              ? pj->quotas->max_live_bytes
+                              : d->options.max_live_bytes;
+      int rc = job_config_from_proto(pj->config, &config, err, sizeof err);
+      if (rc == 0)
+        rc = job_config_finish(&config, max_live, err, sizeof err);
+      if (rc == 0)
+        rc =
+            daemon_job_start(d, pj->name, as->token, &config, (int)pj->world_size, (int)as->ranks,
+                             (int)as->first_rank, pj->id, (unsigned)pj->epoch, &j, err, sizeof err);
+      if (rc == 0)
+        uv_timer_start(&a->settle_timer, on_settle_poll, NODE_SETTLE_POLL_MS, NODE_SETTLE_POLL_MS);
+      if (rc != 0) {
+        char msg[300];
+        LOG_ERRORF("cannot host the job's ranks", "job=%s error=%s", pj->name,
+                   log_quote(err, msg, sizeof msg));
+      }
+      continue;
+    }
+    if (j->id != pj->id) {
+      job_fail(j, j->generation, "job '%s' was deleted and re-created on the coordinator", j->name);
+      continue;
+    }
+    if (pj->state == ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED &&
+        !job_failed(j, j->generation, NULL, 0)) {
+      char msg[600];
+      LOG_WARNF("job degraded", "job=%s reason=%s", j->name,
+                log_quote(pj->reason != NULL ? pj->reason : "", msg, sizeof msg));
+      job_fail(j, j->generation, "job degraded: %s", pj->reason != NULL ? pj->reason : "");
+    }
+  }
+  for (job *j = d->jobs; j != NULL; j = j->next) {
+    int assigned = 0;
+    for (size_t i = 0; i < ev->n_assignments && !assigned; i++)
+      assigned =
+          ev->assignments[i]->job != NULL && strcmp(ev->assignments[i]->job->name, j->name) == 0;
+    if (!assigned && !job_failed(j, j->generation, NULL, 0)) {
+      LOG_INFOF("job deleted on the coordinator", "job=%s", j->name);
+      job_fail(j, j->generation, "job '%s' was deleted", j->name);
+    }
+  }
+}
+
+static void on_watch_async(uv_async_t *h) {
+  node_agent *a = h->data;
+  pthread_mutex_lock(&a->mutex);
+  watch_msg *m = a->head;
+  a->head = a->tail = NULL;
+  pthread_mutex_unlock(&a->mutex);
+  while (m != NULL) {
+    watch_msg *next = m->next;
+    if (!m->end) {
+      Zerod__V1__WatchEvent *ev = zerod__v1__watch_event__unpack(NULL, m->len, m->bytes);
+      if (ev != NULL) {
+        LOG_DEBUGF("watch event", "epoch=%llu assignments=%zu",
+                   ev->view != NULL ? (unsigned long long)ev->view->epoch : 0ULL,
+                   ev->n_assignments);
+        if (a->state == NODE_MEMBER)
+          reconcile(a, ev);
+        zerod__v1__watch_event__free_unpacked(ev, NULL);
+      } else {
+        LOG_WARNF("unreadable watch event", "bytes=%zu", m->len);
+      }
+    } else if (a->watch_running) {
+      pthread_join(a->watch_thread, NULL);
+      rpc_stream_close(a->stream);
+      a->stream = NULL;
+      a->watch_running = 0;
+      /* NOT_FOUND: the lease is gone; the next heartbeat joins again and
+       * starts a new watch. */
+      if (a->state == NODE_MEMBER && m->result.status != RPC_CANCELLED &&
+          m->result.status != RPC_NOT_FOUND) {
+        char msg[600];
+        LOG_WARNF("watch ended", "status=%s error=%s", rpc_status_name(m->result.status),
+                  log_quote(m->result.message, msg, sizeof msg));
+        uv_timer_start(&a->watch_timer, on_watch_retry, NODE_WATCH_RETRY_MS, 0);
+      }
+    }
+    free(m->bytes);
+    free(m);
+    m = next;
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Lifecycle                                                                */
+/* ------------------------------------------------------------------------ */
+
+int node_create(zdaemon *d, store **rendezvous, char *err, size_t err_bytes) {
+  node_agent *a = calloc(1, sizeof *a);
+  if (a == NULL) {
+    snprintf(err, err_bytes, "out of memory");
+    return -ENOMEM;
+  }
+  a->d = d;
+  a->backoff_ms = NODE_BACKOFF_MIN_MS;
+  a->last_status = RPC_OK;
+  int rc = rpc_channel_create(d->options.coordinator, &a->channel, err, err_bytes);
+  if (rc == 0)
+    rc = store_grpc_create(a->channel, &a->rendezvous);
+  if (rc != 0) {
+    if (a->channel != NULL)
+      rpc_channel_destroy(a->channel);
+    free(a);
+    return rc;
+  }
+  pthread_mutex_init(&a->mutex, NULL);
+  uv_timer_init(d->loop, &a->timer);
+  uv_timer_init(d->loop, &a->watch_timer);
+  uv_timer_init(d->loop, &a->settle_timer);
+  uv_async_init(d->loop, &a->watch_async, on_watch_async);
+  a->timer.data = a->watch_timer.data = a->settle_timer.data = a->watch_async.data = a;
+  d->cluster = a;
+  *rendezvous = a->rendezvous;
+  return 0;
+}
+
+void node_start(zdaemon *d) {
+  node_agent *a = d->cluster;
+  LOG_INFOF("joining the cluster", "node=%s coordinator=%s", d->options.node_name,
+            d->options.coordinator);
+  schedule(a, 0);
+}
+
+void node_stop(zdaemon *d) {
+  node_agent *a = d->cluster;
+  if (a == NULL || a->state == NODE_STOPPED)
+    return;
+  int was_member = a->state == NODE_MEMBER;
+  a->state = NODE_STOPPED;
+  store_grpc_stop(a->rendezvous);
+  stop_watch(a);
+  if (was_member) {
+    Zerod__V1__LeaveRequest req = ZEROD__V1__LEAVE_REQUEST__INIT;
+    req.node = d->options.node_name;
+    req.session = a->session;
+    uint8_t buf[256];
+    size_t len = protobuf_c_message_get_packed_size(&req.base);
+    if (len <= sizeof buf) {
+      protobuf_c_message_pack(&req.base, buf);
+      uint8_t *reply = NULL;
+      size_t reply_bytes = 0;
+      rpc_result result;
+      rpc_unary(a->channel, "/zerod.v1.Cluster/Leave", buf, len, NODE_LEAVE_MS, &reply,
+                &reply_bytes, &result);
+      free(reply);
+      LOG_INFOF("left the cluster", "node=%s status=%s", d->options.node_name,
+                rpc_status_name(result.status));
+    }
+  }
+  uv_close((uv_handle_t *)&a->timer, NULL);
+  uv_close((uv_handle_t *)&a->watch_timer, NULL);
+  uv_close((uv_handle_t *)&a->settle_timer, NULL);
+  uv_close((uv_handle_t *)&a->watch_async, NULL);
+}
+
+void node_destroy(zdaemon *d) {
+  node_agent *a = d->cluster;
+  if (a == NULL)
+    return;
+  watch_msg *m = a->head;
+  while (m != NULL) {
+    watch_msg *next = m->next;
+    free(m->bytes);
+    free(m);
+    m = next;
+  }
+  a->rendezvous->ops->destroy(a->rendezvous);
+  rpc_channel_destroy(a->channel);
+  pthread_mutex_destroy(&a->mutex);
+  free(a);
+  d->cluster = NULL;
+}

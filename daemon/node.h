@@ -1,0 +1,39 @@
+/* node: a node daemon's membership in a cluster (`zerod node`).
+ *
+ * The node dials the coordinator (it is never dialled): it joins with retry
+ * and backoff, renews its lease with heartbeats that report the state of
+ * every job it hosts ranks of, and follows a Watch stream whose events carry
+ * the view and this node's assignments. It reconciles its jobs to them:
+ * builds the ranks of a new assignment (their communicators rendezvous
+ * through the coordinator, store_grpc.c), and fails a job the coordinator
+ * marks degraded or deletes, so its workers get the reason instead of
+ * hanging. A heartbeat answered NOT_FOUND (lease lost, coordinator
+ * restarted) makes it join again.
+ *
+ * Threads: everything runs on the loop thread, except the blocking gRPC
+ * calls (Join, Heartbeat: on the libuv threadpool, one at a time) and the
+ * Watch reader (its own thread, handing events to the loop through a locked
+ * queue and a uv_async). */
+#ifndef ZEROD_NODE_H
+#define ZEROD_NODE_H
+
+#include <stddef.h>
+
+struct daemon;
+struct store;
+
+/* Creates the agent and the rendezvous store that talks to the coordinator
+ * (*rendezvous; the agent owns it). Nothing is sent yet. */
+int node_create(struct daemon *d, struct store **rendezvous, char *err, size_t err_bytes);
+
+/* Starts joining (loop thread, after the IPC socket is listening). */
+void node_start(struct daemon *d);
+
+/* Shutdown, on the loop thread: leaves the cluster (one short blocking
+ * call), stops the watch thread and closes the agent's handles. */
+void node_stop(struct daemon *d);
+
+/* Frees the agent and its store, after the loop has ended. */
+void node_destroy(struct daemon *d);
+
+#endif /* ZEROD_NODE_H */

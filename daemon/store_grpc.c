@@ -1,0 +1,235 @@
+/* store_grpc.c - the rendezvous store (store.h) of a node daemon in a
+ * cluster: the coordinator's Rendezvous service over gRPC (rpc.h).
+ *
+ * Keys arrive as "<job>/<epoch>/<rest>" (the communicator prefix that
+ * exec.c builds, then Gloo's own key) and are sent as the namespaced
+ * (job, epoch, key) triple the service stores them under, so that deleting
+ * a job on the coordinator deletes its keys too.
+ *
+ * Every call is a blocking gRPC call made from a rank's executor thread;
+ * rpc_unary is thread-safe. A coordinator that is briefly unreachable
+ * (restarting) is retried until the caller's deadline. */
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "log.h"
+#include "rpc.h"
+#include "store.h"
+#include "zerod/v1/control.pb-c.h"
+
+/* A Put or Delete that the coordinator does not answer within this fails
+ * the rendezvous (and with it the communicator's creation). */
+#define STORE_GRPC_CALL_MS  10000
+#define STORE_GRPC_RETRY_MS 200
+/* Waits are cut into calls of at most this, so that a stopping daemon is
+ * noticed between them (store_grpc_stop) instead of at the deadline. */
+#define STORE_GRPC_SLICE_MS 1000
+
+typedef struct store_grpc {
+  store base; /* first, so a store * is a store_grpc * */
+  rpc_channel *channel;
+  _Atomic int stopping;
+} store_grpc;
+
+/* Splits "<job>/<epoch>/<rest>" into its parts; job points into a copy the
+ * caller frees (*buf). */
+static int split_key(const char *full, char **buf, const char **job, uint64_t *epoch,
+                     const char **rest) {
+  char *copy = strdup(full);
+  if (copy == NULL)
+    return -ENOMEM;
+  char *slash = strchr(copy, '/');
+  if (slash == NULL || slash == copy) {
+    free(copy);
+    return -EINVAL;
+  }
+  *slash = '\0';
+  char *end;
+  errno = 0;
+  unsigned long long e = strtoull(slash + 1, &end, 10);
+  if (errno != 0 || end == slash + 1 || (*end != '/' && *end != '\0')) {
+    free(copy);
+    return -EINVAL;
+  }
+  *buf = copy;
+  *job = copy;
+  *epoch = e;
+  *rest = *end == '/' ? end + 1 : end;
+  return 0;
+}
+
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000};
+  nanosleep(&ts, NULL);
+}
+
+static int status_errno(int status) {
+  switch (status) {
+  case RPC_OK:
+    return 0;
+  case RPC_DEADLINE_EXCEEDED:
+    return -ETIMEDOUT;
+  case RPC_NOT_FOUND:
+    return -ENOENT;
+  case RPC_INVALID_ARGUMENT:
+    return -EINVAL;
+  case RPC_RESOURCE_EXHAUSTED:
+    return -ENOSPC;
+  case RPC_UNAVAILABLE:
+    return -EAGAIN;
+  default:
+    return -EIO;
+  }
+}
+
+/* Makes one call, retrying UNAVAILABLE (and a wait's slice running out)
+ * until deadline_ms (monotonic) or store_grpc_stop. */
+static int call(store_grpc *s, const char *method, const ProtobufCMessage *req, int64_t deadline_ms,
+                uint8_t **reply, size_t *reply_bytes) {
+  size_t len = protobuf_c_message_get_packed_size(req);
+  uint8_t *buf = malloc(len ? len : 1);
+  if (buf == NULL)
+    return -ENOMEM;
+  protobuf_c_message_pack(req, buf);
+  int rc;
+  for (;;) {
+    int64_t left = deadline_ms - now_ms();
+    if (left <= 0) {
+      rc = -ETIMEDOUT;
+      break;
+    }
+    if (atomic_load(&s->stopping)) {
+      rc = -ECANCELED;
+      break;
+    }
+    int slice = left > STORE_GRPC_SLICE_MS ? STORE_GRPC_SLICE_MS : (int)left;
+    rpc_result result;
+    rc = status_errno(rpc_unary(s->channel, method, buf, len, slice, reply, reply_bytes, &result));
+    if (rc == -ETIMEDOUT && slice < left)
+      continue; /* a wait's slice ran out: ask again */
+    if (rc != -EAGAIN)
+      break;
+    LOG_DEBUGF("rendezvous retry", "method=%s status=%s", method, rpc_status_name(result.status));
+    sleep_ms(STORE_GRPC_RETRY_MS);
+  }
+  free(buf);
+  return rc;
+}
+
+static int grpc_set(store *st, const char *key, const void *value, size_t value_bytes) {
+  store_grpc *s = (store_grpc *)st;
+  char *buf;
+  const char *job, *rest;
+  uint64_t epoch;
+  int rc = split_key(key, &buf, &job, &epoch, &rest);
+  if (rc != 0)
+    return rc;
+  Zerod__V1__PutRequest req = ZEROD__V1__PUT_REQUEST__INIT;
+  req.job = (char *)job;
+  req.epoch = epoch;
+  req.key = (char *)rest;
+  req.value.data = (uint8_t *)value;
+  req.value.len = value_bytes;
+  uint8_t *reply = NULL;
+  size_t reply_bytes = 0;
+  rc = call(s, "/zerod.v1.Rendezvous/Put", &req.base, now_ms() + STORE_GRPC_CALL_MS, &reply,
+            &reply_bytes);
+  free(reply);
+  free(buf);
+  return rc;
+}
+
+static int grpc_get(store *st, const char *key, void **value, size_t *value_bytes, int timeout_ms) {
+  store_grpc *s = (store_grpc *)st;
+  char *buf;
+  const char *job, *rest;
+  uint64_t epoch;
+  int rc = split_key(key, &buf, &job, &epoch, &rest);
+  if (rc != 0)
+    return rc;
+  Zerod__V1__GetRequest req = ZEROD__V1__GET_REQUEST__INIT;
+  req.job = (char *)job;
+  req.epoch = epoch;
+  req.key = (char *)rest;
+  req.wait = timeout_ms != 0;
+  uint8_t *reply = NULL;
+  size_t reply_bytes = 0;
+  int64_t deadline =
+      timeout_ms < 0 ? INT64_MAX / 2 : now_ms() + (timeout_ms > 0 ? timeout_ms : 1000);
+  rc = call(s, "/zerod.v1.Rendezvous/Get", &req.base, deadline, &reply, &reply_bytes);
+  free(buf);
+  if (rc != 0) {
+    free(reply);
+    return rc;
+  }
+  Zerod__V1__GetReply *r = zerod__v1__get_reply__unpack(NULL, reply_bytes, reply);
+  free(reply);
+  if (r == NULL)
+    return -EPROTO;
+  *value = malloc(r->value.len ? r->value.len : 1);
+  if (*value == NULL) {
+    zerod__v1__get_reply__free_unpacked(r, NULL);
+    return -ENOMEM;
+  }
+  memcpy(*value, r->value.data, r->value.len);
+  *value_bytes = r->value.len;
+  zerod__v1__get_reply__free_unpacked(r, NULL);
+  return 0;
+}
+
+static int grpc_delete_prefix(store *st, const char *prefix) {
+  store_grpc *s = (store_grpc *)st;
+  char *buf;
+  const char *job, *rest;
+  uint64_t epoch;
+  int rc = split_key(prefix, &buf, &job, &epoch, &rest);
+  if (rc != 0)
+    return rc;
+  Zerod__V1__DeleteRequest req = ZEROD__V1__DELETE_REQUEST__INIT;
+  req.job = (char *)job;
+  req.epoch = epoch;
+  req.key = (char *)rest;
+  req.prefix = 1;
+  uint8_t *reply = NULL;
+  size_t reply_bytes = 0;
+  rc = call(s, "/zerod.v1.Rendezvous/Delete", &req.base, now_ms() + STORE_GRPC_CALL_MS, &reply,
+            &reply_bytes);
+  free(reply);
+  free(buf);
+  return rc;
+}
+
+static void grpc_destroy(store *st) {
+  free(st);
+}
+
+static const store_ops grpc_ops = {
+    .set = grpc_set,
+    .get = grpc_get,
+    .delete_prefix = grpc_delete_prefix,
+    .destroy = grpc_destroy,
+};
+
+void store_grpc_stop(store *st) {
+  atomic_store(&((store_grpc *)st)->stopping, 1);
+}
+
+int store_grpc_create(rpc_channel *channel, store **out) {
+  store_grpc *s = calloc(1, sizeof *s);
+  if (s == NULL)
+    return -ENOMEM;
+  s->base.ops = &grpc_ops;
+  s->channel = channel;
+  *out = &s->base;
+  return 0;
+}

@@ -1,0 +1,254 @@
+"""A real cluster on loopback: a coordinator, node daemons that join it
+(distinct sockets and Gloo ports), and worker processes on every node.
+
+- Training through 3 nodes equals the single-process reference (<= 1e-6).
+- Membership: a SIGKILLed node leaves the view within its lease TTL, its job
+  turns degraded with a reason, its workers on the other nodes get an error
+  instead of hanging, and another job goes on; a restarted coordinator still
+  lists the jobs and the nodes re-join it; a restarted node re-joins.
+
+The control plane is driven through Python grpcio with modules generated
+from the .proto files only (ctlproto.py).
+"""
+
+import subprocess
+import time
+
+import grpc
+import pytest
+
+import ctlproto
+from conftest import binary, run_worker
+
+# Small enough for the sanitizer build; the global batch divides by 3 and 6.
+MODEL = ["--hidden", "128", "--batch", "48", "--steps", "20", "--log-every", "5"]
+TOKEN = "cluster-test-token"
+
+
+class Control:
+    """The coordinator's services, through grpcio."""
+
+    def __init__(self, address):
+        mods = ctlproto.load()
+        self.pb, self.ipc = mods.control, mods.ipc
+        self.channel = grpc.insecure_channel(address)
+        self.jobs = mods.control_grpc.JobsStub(self.channel)
+        self.cluster = mods.control_grpc.ClusterStub(self.channel)
+
+    def close(self):
+        self.channel.close()
+
+    def create_job(self, name, nodes, ranks_per_node, node_names=()):
+        pb, ipc = self.pb, self.ipc
+        config = ipc.JobConfig(optimizer=ipc.OptimizerConfig(kind=ipc.OPTIMIZER_ADAMW, lr=1e-3))
+        return self.jobs.CreateJob(pb.CreateJobRequest(
+            name=name, config=config, nodes=nodes, ranks_per_node=ranks_per_node,
+            node_names=list(node_names), token=TOKEN), timeout=10)
+
+    def job(self, name):
+        return self.jobs.GetJob(self.pb.GetJobRequest(name=name), timeout=10)
+
+    def state(self, name):
+        return self.pb.JobState.Name(self.job(name).state)
+
+    def members(self):
+        view = self.cluster.GetView(self.pb.GetViewRequest(), timeout=10)
+        return sorted(m.node.name for m in view.members), view.epoch
+
+    def wait(self, what, predicate, timeout_s=30):
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                last = predicate()
+                if last:
+                    return last
+            except grpc.RpcError as e:  # e.g. the coordinator is restarting
+                last = e
+            time.sleep(0.05)
+        raise AssertionError("timed out waiting for %s (last: %r)" % (what, last))
+
+    def wait_state(self, name, state, timeout_s=30):
+        self.wait("job %s to be %s" % (name, state),
+                  lambda: self.state(name) == state, timeout_s)
+
+
+@pytest.fixture
+def control(cluster):
+    made = []
+
+    def make():
+        c = Control(cluster.coordinator.address)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def start_workers(node, job, nranks, dump=None, extra=()):
+    procs = []
+    for r in range(nranks):
+        args = [binary("zerod-mlp-train"), "--socket", node.socket, "--job", job,
+                "--local-rank", str(r), "--token", TOKEN] + MODEL + list(extra)
+        if dump is not None and r == 0:
+            args += ["--dump", str(dump)]
+        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    return procs
+
+
+def finish(procs, nodes, timeout=600):
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append((p.returncode, out, err))
+    for rc, out, err in results:
+        assert rc == 0, "worker failed:\n%s\n%s\n%s" % (
+            out, err, "\n".join(n.read_log()[-3000:] for n in nodes))
+    return results
+
+
+@pytest.mark.parametrize("ranks_per_node", [1, 2])
+def test_three_nodes_train_like_one_process(cluster, control, tmp_path, ranks_per_node):
+    cluster.start_coordinator()
+    nodes = [cluster.start_node("node-%s" % n, ranks=ranks_per_node) for n in "abc"]
+    ctl = control()
+    ctl.wait("3 members", lambda: ctl.members()[0] == ["node-a", "node-b", "node-c"])
+    reply = ctl.create_job("mlp", 3, ranks_per_node)
+    world = 3 * ranks_per_node
+    assert reply.job.world_size == world
+    assert [(p.node, p.first_rank, p.ranks) for p in reply.job.placement] == [
+        ("node-%s" % n, i * ranks_per_node, ranks_per_node) for i, n in enumerate("abc")]
+    ctl.wait_state("mlp", "JOB_STATE_READY")
+
+    # Node a hosts global rank 0, which writes the dump.
+    dump = tmp_path / "cluster.bin"
+    procs = []
+    for i, node in enumerate(nodes):
+        procs += start_workers(node, "mlp", ranks_per_node, dump if i == 0 else None)
+    finish(procs, nodes)
+    run_worker([binary("zerod-mlp-reference"), "--world", str(world), "--compare", str(dump),
+                "--tolerance", "1e-6"] + MODEL)
+    # The nodes report their progress with their heartbeats.
+    ctl.wait("the step to be reported", lambda: ctl.job("mlp").step >= 20)
+
+
+def test_unassigned_job_and_wrong_rank_are_refused(cluster, control):
+    cluster.start_coordinator()
+    a = cluster.start_node("node-a", ranks=1)
+    ctl = control()
+    ctl.wait("a member", lambda: ctl.members()[0] == ["node-a"])
+    proc = run_worker([binary("zerod-mlp-train"), "--socket", a.socket, "--job", "nope",
+                       "--token", TOKEN] + MODEL, check=False)
+    assert proc.returncode != 0
+    assert "coordinator" in proc.stderr and "nope" in proc.stderr, proc.stderr
+    ctl.create_job("one", 1, 1)
+    ctl.wait_state("one", "JOB_STATE_READY")
+    proc = run_worker([binary("zerod-mlp-train"), "--socket", a.socket, "--job", "one",
+                       "--local-rank", "1", "--token", TOKEN] + MODEL, check=False)
+    assert proc.returncode != 0 and "local rank 1" in proc.stderr, proc.stderr
+    proc = run_worker([binary("zerod-mlp-train"), "--socket", a.socket, "--job", "one",
+                       "--token", "wrong"] + MODEL, check=False)
+    assert proc.returncode != 0 and "token" in proc.stderr, proc.stderr
+
+
+def test_killed_node_degrades_its_job_and_others_go_on(cluster, control, tmp_path):
+    coord = cluster.start_coordinator(lease_ttl_s=1.5)
+    a, b, c = (cluster.start_node("node-%s" % n, ranks=1, timeout_s=60) for n in "abc")
+    ctl = control()
+    ctl.wait("3 members", lambda: len(ctl.members()[0]) == 3)
+    ctl.create_job("doomed", 3, 1)
+    ctl.create_job("bystander", 2, 1, node_names=["node-a", "node-b"])
+    ctl.wait_state("doomed", "JOB_STATE_READY")
+    ctl.wait_state("bystander", "JOB_STATE_READY")
+
+    # The doomed job's workers train for a long time; node c dies under them.
+    long_run = ["--steps", "100000"]
+    doomed = (start_workers(a, "doomed", 1, extra=long_run) +
+              start_workers(b, "doomed", 1, extra=long_run) +
+              start_workers(c, "doomed", 1, extra=long_run))
+    time.sleep(2)
+    _, epoch_before = ctl.members()
+    killed_at = time.monotonic()
+    c.kill()
+    for p in doomed[2:]:
+        p.kill()
+
+    names = ctl.wait("node-c to leave the view",
+                     lambda: ctl.members()[0] if "node-c" not in ctl.members()[0] else None,
+                     timeout_s=coord.lease_ttl_s * 3 + 5)
+    left_after = time.monotonic() - killed_at
+    assert names == ["node-a", "node-b"]
+    assert left_after < coord.lease_ttl_s + 2.0, left_after
+    assert ctl.members()[1] > epoch_before
+    ctl.wait_state("doomed", "JOB_STATE_DEGRADED")
+    assert "node-c" in ctl.job("doomed").reason
+
+    # The survivors' workers fail with an error instead of hanging (well
+    # within the 60 s collective timeout).
+    for p in doomed[:2]:
+        out, err = p.communicate(timeout=30)
+        assert p.returncode != 0, out + err
+        assert "failed" in err or "aborted" in err.lower(), err
+
+    # The other job, on the surviving nodes, trains to the end.
+    dump = tmp_path / "bystander.bin"
+    finish(start_workers(a, "bystander", 1, dump) + start_workers(b, "bystander", 1), [a, b])
+    run_worker([binary("zerod-mlp-reference"), "--world", "2", "--compare", str(dump),
+                "--tolerance", "1e-6"] + MODEL)
+
+    # A restarted node joins again under the same name.
+    cluster.start_node("node-c", ranks=1)
+    ctl.wait("node-c back", lambda: "node-c" in ctl.members()[0])
+
+
+def test_coordinator_restart_keeps_jobs_and_nodes_rejoin(cluster, control):
+    coord = cluster.start_coordinator(lease_ttl_s=1.5)
+    a = cluster.start_node("node-a", ranks=1)
+    b = cluster.start_node("node-b", ranks=1)
+    ctl = control()
+    ctl.wait("2 members", lambda: len(ctl.members()[0]) == 2)
+    ctl.create_job("kept", 2, 1)
+    ctl.wait_state("kept", "JOB_STATE_READY")
+    job_id = ctl.job("kept").id
+
+    coord.kill()
+    coord.start()
+    job = ctl.wait("the job after the restart", lambda: ctl.job("kept"))
+    assert job.id == job_id and job.world_size == 2
+    ctl.wait("nodes back in the view", lambda: ctl.members()[0] == ["node-a", "node-b"])
+    ctl.wait_state("kept", "JOB_STATE_READY")
+    for n in (a, b):
+        assert "joining again" in n.read_log() or "joined the cluster" in n.read_log()
+
+
+def test_killed_worker_fails_its_job_on_every_node(cluster, control):
+    """A worker that dies mid-training (its node stays up) fails the job on
+    every node at once rather than at the 60 s collective timeout, and the
+    job turns degraded with the reason."""
+    cluster.start_coordinator()
+    a = cluster.start_node("node-a", ranks=1, timeout_s=60)
+    b = cluster.start_node("node-b", ranks=1, timeout_s=60)
+    ctl = control()
+    ctl.wait("2 members", lambda: len(ctl.members()[0]) == 2)
+    ctl.create_job("w", 2, 1)
+    ctl.wait_state("w", "JOB_STATE_READY")
+    procs = (start_workers(a, "w", 1, extra=["--steps", "100000"]) +
+             start_workers(b, "w", 1, extra=["--steps", "100000"]))
+    time.sleep(2)
+    procs[1].kill()
+    procs[1].wait()
+    out, err = procs[0].communicate(timeout=30)
+    assert procs[0].returncode != 0, out + err
+    ctl.wait_state("w", "JOB_STATE_DEGRADED")
+    # The first node to report names its error (the lost peer, or the
+    # worker that disconnected).
+    reason = ctl.job("w").reason
+    assert reason.startswith("node 'node-") and ("lost" in reason or "disconnected" in reason), \
+        reason
+    # Attaching again is refused with the reason; the job does not reset.
+    proc = run_worker([binary("zerod-mlp-train"), "--socket", a.socket, "--job", "w",
+                       "--token", TOKEN] + MODEL, check=False)
+    assert proc.returncode != 0 and "re-create" in proc.stderr, proc.stderr
