@@ -7,6 +7,7 @@ sanitizer report.
 """
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -119,15 +120,19 @@ def free_port():
 
 
 class Coordinator:
-    """A real `zerod coordinator` on 127.0.0.1:port with its own state dir."""
+    """A real `zerod coordinator` on loopback with its own state directory.
 
-    def __init__(self, tmp_path, lease_ttl_s=2.0, port=None):
+    The first start listens on a free port (127.0.0.1:0, read back from the
+    log); restarts keep that port, so clients and nodes find it again. Each
+    start has its own log file; read_log() reads the current one."""
+
+    def __init__(self, tmp_path, lease_ttl_s=2.0, state_dir=None):
         self.dir = tmp_path / ("coordinator-%d" % time.monotonic_ns())
         self.dir.mkdir()
-        self.state_dir = self.dir / "state"
-        self.port = port or free_port()
-        self.address = "127.0.0.1:%d" % self.port
+        self.state_dir = state_dir or self.dir / "state"
         self.lease_ttl_s = lease_ttl_s
+        self.port = 0
+        self.address = None
         self.logs = []
         self.proc = None
         self.start()
@@ -137,12 +142,20 @@ class Coordinator:
         self.logs.append(log_path)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [binary("zerod"), "coordinator", "--listen", self.address, "--state-dir",
-             str(self.state_dir), "--lease-ttl", str(self.lease_ttl_s)], stderr=self.log)
-        deadline = time.monotonic() + 20
-        while "coordinator listening" not in self.read_log():
+            [binary("zerod"), "coordinator", "--listen", "127.0.0.1:%d" % self.port,
+             "--state-dir", str(self.state_dir), "--lease-ttl", str(self.lease_ttl_s)],
+            stderr=self.log)
+        deadline = time.monotonic() + 30
+        while True:
+            m = re.search(r'msg="coordinator listening" address=127\.0\.0\.1:(\d+)',
+                          self.read_log())
+            if m:
+                self.port = int(m.group(1))
+                self.address = "127.0.0.1:%d" % self.port
+                return
             if self.proc.poll() is not None:
-                raise AssertionError("coordinator exited early:\n" + self.read_log())
+                raise AssertionError("coordinator exited %d early:\n%s" % (
+                    self.proc.returncode, self.read_log()))
             if time.monotonic() > deadline:
                 raise AssertionError("coordinator did not start:\n" + self.read_log())
             time.sleep(0.02)
@@ -152,13 +165,16 @@ class Coordinator:
         return self.logs[-1].read_text()
 
     def kill(self):
+        """SIGKILL: no chance to clean up, like a crash."""
         self.proc.kill()
         self.proc.wait()
         self.log.close()
 
     def stop(self):
+        """SIGTERM (unless it already exited): it must exit 0 with no
+        sanitizer report."""
         if self.log.closed:
-            return
+            return  # killed
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -169,7 +185,8 @@ class Coordinator:
                 raise AssertionError("coordinator did not stop on SIGTERM:\n" + self.read_log())
         self.log.close()
         log = self.logs[-1].read_text()
-        assert "AddressSanitizer" not in log and "runtime error" not in log, log
+        for report in ("AddressSanitizer", "LeakSanitizer", "runtime error"):
+            assert report not in log, log
         assert self.proc.returncode == 0, "coordinator exited %d:\n%s" % (
             self.proc.returncode, log)
 

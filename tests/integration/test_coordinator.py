@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 import ctlproto
+import conftest
 from conftest import binary
 
 pb = ctlproto.load()
@@ -32,69 +33,28 @@ TTL_S = 2.0  # lease TTL of the coordinators under test
 # Fixtures
 # ---------------------------------------------------------------------------
 
-class Coordinator:
-    def __init__(self, state_dir, log_path, ttl_s=TTL_S):
-        self.state_dir = state_dir
-        self.log_path = log_path
-        self.ttl_s = ttl_s
-        self.proc = None
+class Coordinator(conftest.Coordinator):
+    """conftest's coordinator with grpcio stubs on its address."""
+
+    def __init__(self, tmp_path, ttl_s=TTL_S, state_dir=None):
         self.channel = None
-        self.start()
+        super().__init__(tmp_path, lease_ttl_s=ttl_s, state_dir=state_dir)
 
     def start(self):
-        self.log = open(self.log_path, "a")
-        self.log_offset = self.log.tell()
-        self.proc = subprocess.Popen(
-            [binary("zerod"), "coordinator", "--listen", "127.0.0.1:0",
-             "--state-dir", str(self.state_dir), "--lease-ttl", str(self.ttl_s)],
-            stderr=self.log)
-        deadline = time.monotonic() + 30
-        while True:
-            text = self.read_log()[self.log_offset:]
-            m = re.search(r'msg="coordinator listening" address=127\.0\.0\.1:(\d+)', text)
-            if m:
-                self.port = int(m.group(1))
-                break
-            if self.proc.poll() is not None:
-                raise AssertionError("coordinator exited %d early:\n%s" % (
-                    self.proc.returncode, self.read_log()))
-            if time.monotonic() > deadline:
-                raise AssertionError("coordinator did not start:\n" + self.read_log())
-            time.sleep(0.02)
-        self.channel = grpc.insecure_channel("127.0.0.1:%d" % self.port)
+        super().start()
+        self.channel = grpc.insecure_channel(self.address)
         self.cluster = pb.control_grpc.ClusterStub(self.channel)
         self.jobs = pb.control_grpc.JobsStub(self.channel)
         self.kv = pb.control_grpc.RendezvousStub(self.channel)
         self.health = pb.health_grpc.HealthStub(self.channel)
 
-    def read_log(self):
-        self.log.flush()
-        return self.log_path.read_text()
-
     def kill(self):
-        """SIGKILL: no chance to clean up, like a crash."""
         self.channel.close()
-        self.proc.kill()
-        self.proc.wait()
-        self.log.close()
+        super().kill()
 
     def stop(self):
-        if self.channel is not None:
-            self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError("coordinator did not stop on SIGTERM:\n" + self.read_log())
-            self.log.close()
-            log = self.log_path.read_text()
-            assert "AddressSanitizer" not in log and "runtime error" not in log, log
-            assert "LeakSanitizer" not in log, log
-            assert self.proc.returncode == 0, "coordinator exited %d:\n%s" % (
-                self.proc.returncode, log)
+        self.channel.close()
+        super().stop()
 
 
 @pytest.fixture
@@ -102,8 +62,7 @@ def coordinator(tmp_path):
     started = []
 
     def start(ttl_s=TTL_S, state_dir=None):
-        d = Coordinator(state_dir or tmp_path / ("state-%d" % len(started)),
-                        tmp_path / ("coordinator-%d.log" % len(started)), ttl_s)
+        d = Coordinator(tmp_path, ttl_s, state_dir)
         started.append(d)
         return d
 
@@ -206,7 +165,7 @@ class FakeNode:
                     self.heartbeat()
                 except grpc.RpcError as e:
                     self.heartbeat_errors.put(e.code())
-            self.stopped.wait(self.coord.ttl_s / 8)
+            self.stopped.wait(self.coord.lease_ttl_s / 8)
 
     def report(self, job, ready=True, error="", step=0):
         with self.lock:

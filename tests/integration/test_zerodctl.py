@@ -10,8 +10,6 @@ call, 2 for a usage error, one line on stderr and nothing else).
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import time
 
@@ -19,53 +17,10 @@ import grpc
 import pytest
 
 import ctlproto
-from conftest import binary
+from conftest import Coordinator, binary, free_port
 
 LEASE_TTL_S = 60  # the fake nodes never heartbeat; they must outlive the test
 GIB = 1 << 30
-
-
-class Coordinator:
-    def __init__(self, tmp_path):
-        self.dir = tmp_path / ("coordinator-%d" % time.monotonic_ns())
-        self.dir.mkdir()
-        self.log_path = self.dir / "coordinator.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [binary("zerod"), "coordinator", "--listen", "127.0.0.1:0", "--state-dir",
-             str(self.dir / "state"), "--lease-ttl", str(LEASE_TTL_S)],
-            stderr=self.log)
-        self.address = None
-        deadline = time.monotonic() + 30
-        while self.address is None:
-            m = re.search(r'msg="coordinator listening" address=(\S+)', self.read_log())
-            if m:
-                self.address = m.group(1)
-            elif self.proc.poll() is not None:
-                raise AssertionError("the coordinator exited early:\n" + self.read_log())
-            elif time.monotonic() > deadline:
-                raise AssertionError("the coordinator did not listen:\n" + self.read_log())
-            else:
-                time.sleep(0.02)
-
-    def read_log(self):
-        self.log.flush()
-        return self.log_path.read_text()
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError("the coordinator ignored SIGTERM:\n" + self.read_log())
-        self.log.close()
-        log = self.log_path.read_text()
-        assert "AddressSanitizer" not in log and "runtime error" not in log, log
-        assert self.proc.returncode == 0, "coordinator exited %d:\n%s" % (
-            self.proc.returncode, log)
 
 
 class FakeNodes:
@@ -92,7 +47,7 @@ class FakeNodes:
 
 @pytest.fixture
 def coordinator(tmp_path):
-    c = Coordinator(tmp_path)
+    c = Coordinator(tmp_path, lease_ttl_s=LEASE_TTL_S)
     yield c
     c.stop()
 
@@ -141,13 +96,6 @@ def failure(expected_rc, *args, address=None, env=None, timeout=60):
     assert len(lines) == 1 and err.endswith("\n"), "one line on stderr expected, got %r" % err
     assert lines[0].startswith("zerodctl: "), lines[0]
     return lines[0]
-
-
-def free_port():
-    """A loopback port where nothing listens (bound, then closed)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def columns(header):
@@ -358,7 +306,7 @@ def test_unreachable_coordinator_fails_within_the_timeout():
 
 
 def test_stopped_coordinator_is_unavailable_not_a_hang(tmp_path):
-    c = Coordinator(tmp_path)
+    c = Coordinator(tmp_path, lease_ttl_s=LEASE_TTL_S)
     address = c.address
     c.stop()
     t0 = time.monotonic()
