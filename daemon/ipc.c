@@ -390,9 +390,7 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
  * nobody. Returns 1 if the job can be attached, else answers ABORTED. */
 static int job_usable_for_attach(session *s, uint64_t request_id, job *j) {
   char reason[512];
-  /* A job with ranks on other nodes cannot reset alone: its communicators
-   * span the nodes (see docs/decisions.md). */
-  int local_reset = j->nranks == j->world_size;
+  int local_reset = !job_spans_nodes(j);
   if (local_reset && j->sessions == 0 && job_failed(j, j->generation, NULL, 0))
     job_reset(j);
   if (!job_failed(j, j->generation, reason, sizeof reason))
@@ -432,7 +430,7 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
                "wrong token for job '%s'", req->job);
     return;
   }
-  if (j->nranks != j->world_size) {
+  if (job_spans_nodes(j)) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
                "job '%s' has ranks on other nodes; read-only sessions need every rank on this "
                "daemon (standalone jobs)",
@@ -872,7 +870,7 @@ static void session_close(session *s, const char *reason) {
       /* Other ranks may be waiting for this one in a collective: fail the
        * job, which closes the rank's communicator so they fail now. A lone
        * standalone worker leaves an idle job behind instead. */
-      if (j->sessions > 1 || j->nranks < j->world_size)
+      if (j->sessions > 1 || job_spans_nodes(j))
         job_fail(j, j->generation, "rank %d's worker (pid %d) disconnected without detaching",
                  rs->rank, (int)s->pid);
       exec_op *end = exec_op_new(OP_SESSION_END, rs);
@@ -893,7 +891,7 @@ static void session_close(session *s, const char *reason) {
         if (trim != NULL)
           exec_submit(trim);
       }
-    } else if (j->sessions == 0 && !d->stopping && j->nranks == j->world_size) {
+    } else if (j->sessions == 0 && !d->stopping && !job_spans_nodes(j)) {
       job_reset(j); /* a multi-node job does not reset alone (decisions.md) */
     }
   } else if (reason != NULL) {

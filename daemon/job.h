@@ -201,6 +201,15 @@ int job_config_from_proto(const Zerod__V1__JobConfig *proto, job_config *config,
 int job_config_finish(job_config *config, uint64_t default_max_live_bytes, char *err,
                       size_t err_bytes);
 
+/* Whether some of the job's ranks live on other nodes. Such a job never
+ * resets on one node alone (its communicators span the nodes, decisions.md),
+ * a lost worker fails it at once (peers would wait in collectives), and
+ * read-only sessions, which assemble units from every rank's memory, are
+ * refused. */
+static inline int job_spans_nodes(const job *j) {
+  return j->nranks < j->world_size;
+}
+
 /* Creates a job of world_size ranks of which this daemon hosts nranks,
  * global ranks first_rank.. (executors not started). -EINVAL if they do not
  * fit, -ENOMEM. */

@@ -54,6 +54,7 @@ typedef struct node_agent {
   uv_work_t work;
   int work_busy;
   const char *method;
+  void (*done)(struct node_agent *a);
   uint8_t *request, *reply;
   size_t request_bytes, reply_bytes;
   rpc_result result;
@@ -94,17 +95,16 @@ static void work_done(uv_work_t *w, int status) {
   a->request = NULL;
   if (status == UV_ECANCELED)
     a->result.status = RPC_CANCELLED;
-  if (a->state != NODE_STOPPED) {
-    if (strcmp(a->method, "/zerod.v1.Cluster/Join") == 0)
-      on_join_done(a);
-    else
-      on_heartbeat_done(a);
-  }
+  if (a->state != NODE_STOPPED)
+    a->done(a);
   free(a->reply);
   a->reply = NULL;
 }
 
-static int start_call(node_agent *a, const char *method, const ProtobufCMessage *req) {
+/* Runs method on the threadpool; done(a) follows on the loop with the
+ * result in a->result and a->reply. */
+static int start_call(node_agent *a, const char *method, const ProtobufCMessage *req,
+                      void (*done)(node_agent *a)) {
   size_t len = protobuf_c_message_get_packed_size(req);
   a->request = malloc(len ? len : 1);
   if (a->request == NULL)
@@ -112,6 +112,7 @@ static int start_call(node_agent *a, const char *method, const ProtobufCMessage 
   protobuf_c_message_pack(req, a->request);
   a->request_bytes = len;
   a->method = method;
+  a->done = done;
   a->work.data = a;
   int rc = uv_queue_work(a->d->loop, &a->work, work_run, work_done);
   if (rc != 0) {
@@ -148,7 +149,7 @@ static void send_join(node_agent *a) {
   info.version = "0.1.0";
   Zerod__V1__JoinRequest req = ZEROD__V1__JOIN_REQUEST__INIT;
   req.node = &info;
-  if (start_call(a, "/zerod.v1.Cluster/Join", &req.base) != 0)
+  if (start_call(a, "/zerod.v1.Cluster/Join", &req.base, on_join_done) != 0)
     schedule(a, a->backoff_ms);
 }
 
@@ -243,7 +244,7 @@ static void send_heartbeat(node_agent *a) {
   req.session = a->session;
   req.n_jobs = njobs;
   req.jobs = ptrs;
-  if (start_call(a, "/zerod.v1.Cluster/Heartbeat", &req.base) != 0)
+  if (start_call(a, "/zerod.v1.Cluster/Heartbeat", &req.base, on_heartbeat_done) != 0)
     schedule(a, a->lease_ttl_ms / 3);
   free(statuses);
   free(ptrs);

@@ -35,30 +35,27 @@ typedef struct store_grpc {
   _Atomic int stopping;
 } store_grpc;
 
-/* Splits "<job>/<epoch>/<rest>" into its parts; job points into a copy the
- * caller frees (*buf). */
-static int split_key(const char *full, char **buf, const char **job, uint64_t *epoch,
-                     const char **rest) {
-  char *copy = strdup(full);
-  if (copy == NULL)
-    return -ENOMEM;
-  char *slash = strchr(copy, '/');
-  if (slash == NULL || slash == copy) {
-    free(copy);
+/* A store key split into the Rendezvous namespace: "<job>/<epoch>/<rest>". */
+typedef struct ns_key {
+  char job[65]; /* job names are 1..64 bytes */
+  uint64_t epoch;
+  const char *rest; /* points into the caller's key */
+} ns_key;
+
+static int split_key(const char *full, ns_key *k) {
+  const char *slash = strchr(full, '/');
+  size_t job_len = slash != NULL ? (size_t)(slash - full) : 0;
+  if (job_len == 0 || job_len >= sizeof k->job)
     return -EINVAL;
-  }
-  *slash = '\0';
+  memcpy(k->job, full, job_len);
+  k->job[job_len] = '\0';
   char *end;
   errno = 0;
   unsigned long long e = strtoull(slash + 1, &end, 10);
-  if (errno != 0 || end == slash + 1 || (*end != '/' && *end != '\0')) {
-    free(copy);
+  if (errno != 0 || end == slash + 1 || (*end != '/' && *end != '\0'))
     return -EINVAL;
-  }
-  *buf = copy;
-  *job = copy;
-  *epoch = e;
-  *rest = *end == '/' ? end + 1 : end;
+  k->epoch = e;
+  k->rest = *end == '/' ? end + 1 : end;
   return 0;
 }
 
@@ -93,7 +90,8 @@ static int status_errno(int status) {
 }
 
 /* Makes one call, retrying UNAVAILABLE (and a wait's slice running out)
- * until deadline_ms (monotonic) or store_grpc_stop. */
+ * until deadline_ms (monotonic) or store_grpc_stop. reply NULL: the reply
+ * is dropped. */
 static int call(store_grpc *s, const char *method, const ProtobufCMessage *req, int64_t deadline_ms,
                 uint8_t **reply, size_t *reply_bytes) {
   size_t len = protobuf_c_message_get_packed_size(req);
@@ -114,7 +112,15 @@ static int call(store_grpc *s, const char *method, const ProtobufCMessage *req, 
     }
     int slice = left > STORE_GRPC_SLICE_MS ? STORE_GRPC_SLICE_MS : (int)left;
     rpc_result result;
-    rc = status_errno(rpc_unary(s->channel, method, buf, len, slice, reply, reply_bytes, &result));
+    uint8_t *got = NULL;
+    size_t got_bytes = 0;
+    rc = status_errno(rpc_unary(s->channel, method, buf, len, slice, &got, &got_bytes, &result));
+    if (reply != NULL && rc == 0) {
+      *reply = got;
+      *reply_bytes = got_bytes;
+    } else {
+      free(got);
+    }
     if (rc == -ETIMEDOUT && slice < left)
       continue; /* a wait's slice ran out: ask again */
     if (rc != -EAGAIN)
@@ -127,86 +133,63 @@ static int call(store_grpc *s, const char *method, const ProtobufCMessage *req, 
 }
 
 static int grpc_set(store *st, const char *key, const void *value, size_t value_bytes) {
-  store_grpc *s = (store_grpc *)st;
-  char *buf;
-  const char *job, *rest;
-  uint64_t epoch;
-  int rc = split_key(key, &buf, &job, &epoch, &rest);
+  ns_key k;
+  int rc = split_key(key, &k);
   if (rc != 0)
     return rc;
   Zerod__V1__PutRequest req = ZEROD__V1__PUT_REQUEST__INIT;
-  req.job = (char *)job;
-  req.epoch = epoch;
-  req.key = (char *)rest;
+  req.job = k.job;
+  req.epoch = k.epoch;
+  req.key = (char *)k.rest;
   req.value.data = (uint8_t *)value;
   req.value.len = value_bytes;
-  uint8_t *reply = NULL;
-  size_t reply_bytes = 0;
-  rc = call(s, "/zerod.v1.Rendezvous/Put", &req.base, now_ms() + STORE_GRPC_CALL_MS, &reply,
-            &reply_bytes);
-  free(reply);
-  free(buf);
-  return rc;
+  return call((store_grpc *)st, "/zerod.v1.Rendezvous/Put", &req.base,
+              now_ms() + STORE_GRPC_CALL_MS, NULL, NULL);
 }
 
 static int grpc_get(store *st, const char *key, void **value, size_t *value_bytes, int timeout_ms) {
-  store_grpc *s = (store_grpc *)st;
-  char *buf;
-  const char *job, *rest;
-  uint64_t epoch;
-  int rc = split_key(key, &buf, &job, &epoch, &rest);
+  ns_key k;
+  int rc = split_key(key, &k);
   if (rc != 0)
     return rc;
   Zerod__V1__GetRequest req = ZEROD__V1__GET_REQUEST__INIT;
-  req.job = (char *)job;
-  req.epoch = epoch;
-  req.key = (char *)rest;
+  req.job = k.job;
+  req.epoch = k.epoch;
+  req.key = (char *)k.rest;
   req.wait = timeout_ms != 0;
   uint8_t *reply = NULL;
   size_t reply_bytes = 0;
   int64_t deadline =
       timeout_ms < 0 ? INT64_MAX / 2 : now_ms() + (timeout_ms > 0 ? timeout_ms : 1000);
-  rc = call(s, "/zerod.v1.Rendezvous/Get", &req.base, deadline, &reply, &reply_bytes);
-  free(buf);
-  if (rc != 0) {
-    free(reply);
+  rc =
+      call((store_grpc *)st, "/zerod.v1.Rendezvous/Get", &req.base, deadline, &reply, &reply_bytes);
+  if (rc != 0)
     return rc;
-  }
   Zerod__V1__GetReply *r = zerod__v1__get_reply__unpack(NULL, reply_bytes, reply);
   free(reply);
   if (r == NULL)
     return -EPROTO;
   *value = malloc(r->value.len ? r->value.len : 1);
-  if (*value == NULL) {
-    zerod__v1__get_reply__free_unpacked(r, NULL);
-    return -ENOMEM;
+  if (*value != NULL) {
+    memcpy(*value, r->value.data, r->value.len);
+    *value_bytes = r->value.len;
   }
-  memcpy(*value, r->value.data, r->value.len);
-  *value_bytes = r->value.len;
   zerod__v1__get_reply__free_unpacked(r, NULL);
-  return 0;
+  return *value != NULL ? 0 : -ENOMEM;
 }
 
 static int grpc_delete_prefix(store *st, const char *prefix) {
-  store_grpc *s = (store_grpc *)st;
-  char *buf;
-  const char *job, *rest;
-  uint64_t epoch;
-  int rc = split_key(prefix, &buf, &job, &epoch, &rest);
+  ns_key k;
+  int rc = split_key(prefix, &k);
   if (rc != 0)
     return rc;
   Zerod__V1__DeleteRequest req = ZEROD__V1__DELETE_REQUEST__INIT;
-  req.job = (char *)job;
-  req.epoch = epoch;
-  req.key = (char *)rest;
+  req.job = k.job;
+  req.epoch = k.epoch;
+  req.key = (char *)k.rest;
   req.prefix = 1;
-  uint8_t *reply = NULL;
-  size_t reply_bytes = 0;
-  rc = call(s, "/zerod.v1.Rendezvous/Delete", &req.base, now_ms() + STORE_GRPC_CALL_MS, &reply,
-            &reply_bytes);
-  free(reply);
-  free(buf);
-  return rc;
+  return call((store_grpc *)st, "/zerod.v1.Rendezvous/Delete", &req.base,
+              now_ms() + STORE_GRPC_CALL_MS, NULL, NULL);
 }
 
 static void grpc_destroy(store *st) {
