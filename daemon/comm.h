@@ -7,9 +7,13 @@
  * error, not a hang); after any failure the communicator is broken and
  * every later call fails fast with the same error until it is destroyed.
  *
- * Backends: comm_gloo.cc (CPU ranks, Gloo over TCP). A later issue adds
- * NCCL behind the same table. Errors are negative errno values; the last
- * error's text is kept per communicator (comm_last_error). */
+ * Backends, behind one table of operations (comm_ops, comm_impl.h):
+ * comm_gloo.cc (CPU ranks, Gloo over TCP; buffers in host memory) and
+ * comm_nccl.c (GPU ranks, NCCL through the CUDA module; buffers in device
+ * memory of the rank's device, collectives enqueued on the rank's stream and
+ * waited for before the call returns, so the blocking contract above holds
+ * for both). Errors are negative errno values; the last error's text is kept
+ * per communicator (comm_last_error). */
 #ifndef ZEROD_COMM_H
 #define ZEROD_COMM_H
 
@@ -34,6 +38,16 @@ typedef struct comm_options {
  * called it with the same prefix (or the timeout). */
 int comm_gloo_create(const comm_options *options, store *st, comm **out, char *err,
                      size_t err_bytes);
+
+struct zk_cuda_api;
+
+/* Creates an NCCL communicator for a GPU rank whose device is current on the
+ * calling thread. Rank 0 puts a fresh ncclUniqueId under the prefix in the
+ * store, the others wait for it; then it waits (up to the timeout) for the
+ * communicator to connect. stream (a cudaStream_t) carries every
+ * collective. -ENOSYS where NCCL is not available. */
+int comm_nccl_create(const comm_options *options, store *st, const struct zk_cuda_api *api,
+                     void *stream, comm **out, char *err, size_t err_bytes);
 
 /* recv holds world_size * bytes_per_rank; rank r's send lands at
  * recv + r * bytes_per_rank. send may point there already (in place). */

@@ -16,7 +16,9 @@ typedef struct daemon_options {
   char dir[PATH_MAX];         /* state directory (lock file, default socket) */
   char socket_path[PATH_MAX]; /* IPC socket */
   char socket_group[64];      /* "" : mode 0600; else mode 0660, this group */
-  int ranks;                  /* CPU ranks hosted by this daemon */
+  int ranks;                  /* ranks hosted by this daemon */
+  char device[8];             /* "cpu" or "cuda": where the ranks' shards live (resolved
+                                 from --device auto at start) */
   int threads_per_rank;
   int collective_timeout_ms;
   uint64_t max_live_bytes; /* default per-job gathered + gradient bytes per rank */

@@ -24,6 +24,7 @@
 #include "log.h"
 #include "node.h"
 #include "pin.h"
+#include "cuda/zk_cuda.h"
 
 #define ZEROD_VERSION "0.1.0"
 
@@ -38,9 +39,13 @@ static void usage(FILE *out) {
           "workers on this machine attach through a Unix socket and train through it.\n"
           "\n"
           "options (each also read from the environment variable shown):\n"
-          "  --ranks N               CPU ranks hosted by this daemon; standalone: every job\n"
+          "  --ranks N               ranks hosted by this daemon; standalone: every job\n"
           "                          has N ranks; node: the most a job may place here\n"
           "                          [ZEROD_RANKS, default 1]\n"
+          "  --device KIND           where the ranks' shards live and run: cpu (host memory,\n"
+          "                          Gloo), cuda (rank i on GPU i, NCCL, CUDA IPC to\n"
+          "                          workers) or auto (cuda where the CUDA module finds a\n"
+          "                          GPU, else cpu) [ZEROD_DEVICE, default cpu]\n"
           "  --dir DIR               state directory: lock file and default socket\n"
           "                          [ZEROD_DIR, default ./.zerod]\n"
           "  --socket PATH           IPC socket path [ZEROD_SOCKET, default DIR/zerod.sock]\n"
@@ -129,11 +134,12 @@ enum {
   OPT_VERSION,
   OPT_COORDINATOR,
   OPT_NAME,
+  OPT_DEVICE,
 };
 
 typedef struct raw_options {
   const char *ranks, *dir, *socket, *socket_group, *threads, *timeout, *max_live, *max_sessions,
-      *comm_host, *log_level, *coordinator, *name;
+      *comm_host, *log_level, *coordinator, *name, *device;
 } raw_options;
 
 static const char *env_or(const char *flag, const char *name) {
@@ -419,6 +425,7 @@ int main(int argc, char **argv) {
       {"version", no_argument, NULL, OPT_VERSION},
       {"coordinator", required_argument, NULL, OPT_COORDINATOR},
       {"name", required_argument, NULL, OPT_NAME},
+      {"device", required_argument, NULL, OPT_DEVICE},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
@@ -461,6 +468,9 @@ int main(int argc, char **argv) {
     case OPT_NAME:
       raw.name = optarg;
       break;
+    case OPT_DEVICE:
+      raw.device = optarg;
+      break;
     case OPT_VERSION:
       printf("zerod %s\n", ZEROD_VERSION);
       return 0;
@@ -492,6 +502,31 @@ int main(int argc, char **argv) {
   if ((v = env_or(raw.ranks, "ZEROD_RANKS")) != NULL &&
       parse_int(v, 1, JOB_MAX_WORLD, &o->ranks) != 0)
     return bad_value("--ranks", v, "1..64");
+  v = env_or(raw.device, "ZEROD_DEVICE");
+  if (v == NULL)
+    v = "cpu";
+  if (strcmp(v, "cpu") != 0 && strcmp(v, "cuda") != 0 && strcmp(v, "auto") != 0)
+    return bad_value("--device", v, "cpu, cuda or auto");
+  snprintf(o->device, sizeof o->device, "%s", v);
+  if (strcmp(o->device, "cpu") != 0) {
+    const zk_cuda_api *cuda = NULL;
+    char why[512] = "";
+    int cuda_rc = zk_cuda_load(&cuda, why, sizeof why);
+    int count = 0;
+    if (cuda_rc == 0)
+      cuda_rc = cuda->device_count(&count);
+    if (cuda_rc == 0 && count < o->ranks) {
+      snprintf(why, sizeof why, "%d rank(s) need as many GPUs, %d found", o->ranks, count);
+      cuda_rc = -ENODEV;
+    }
+    if (cuda_rc != 0 && strcmp(o->device, "cuda") == 0) {
+      fprintf(stderr, "zerod: --device cuda: %s\n", why);
+      return 1;
+    }
+    snprintf(o->device, sizeof o->device, "%s", cuda_rc == 0 ? "cuda" : "cpu");
+    if (cuda_rc != 0)
+      LOG_INFOF("no usable GPU, ranks on the CPU", "why=\"%s\"", why);
+  }
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   o->threads_per_rank = cpus > o->ranks ? (int)(cpus / o->ranks) : 1;
   if ((v = env_or(raw.threads, "ZEROD_THREADS_PER_RANK")) != NULL &&
@@ -603,10 +638,10 @@ int main(int argc, char **argv) {
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
 
   LOG_INFOF("zerod ready",
-            "version=%s mode=%s socket=%s ranks=%d threads_per_rank=%d "
+            "version=%s mode=%s socket=%s device=%s ranks=%d threads_per_rank=%d "
             "collective_timeout_s=%d max_live_bytes=%llu pid=%d",
-            ZEROD_VERSION, mode, o->socket_path, o->ranks, o->threads_per_rank, timeout_s,
-            (unsigned long long)o->max_live_bytes, (int)getpid());
+            ZEROD_VERSION, mode, o->socket_path, o->device, o->ranks, o->threads_per_rank,
+            timeout_s, (unsigned long long)o->max_live_bytes, (int)getpid());
   if (d->cluster != NULL)
     node_start(d);
   uv_run(d->loop, UV_RUN_DEFAULT);

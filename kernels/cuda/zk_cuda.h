@@ -30,7 +30,13 @@
 extern "C" {
 #endif
 
-#define ZK_CUDA_API_VERSION 1
+#define ZK_CUDA_API_VERSION      2
+#define ZK_CUDA_IPC_HANDLE_BYTES 64  /* cudaIpcMemHandle_t, cudaIpcEventHandle_t */
+#define ZK_NCCL_UNIQUE_ID_BYTES  128 /* ncclUniqueId */
+
+/* Element types and reductions of the NCCL entries. */
+typedef enum zk_nccl_dtype { ZK_NCCL_F32, ZK_NCCL_F64, ZK_NCCL_U8, ZK_NCCL_I64 } zk_nccl_dtype;
+typedef enum zk_nccl_op { ZK_NCCL_SUM, ZK_NCCL_MAX, ZK_NCCL_MIN } zk_nccl_op;
 #define ZK_CUDA_MODULE_NAME "libzerod_cuda.so"
 
 typedef struct zk_cuda_api {
@@ -67,6 +73,60 @@ typedef struct zk_cuda_api {
                   size_t out_bytes, int *nonfinite_dev);
   int (*dequantize)(void *stream, const zk_qformat *fmt, const void *in, size_t in_bytes, float *y,
                     size_t numel);
+
+  /* ---- Version 2: the CUDA device backend and NCCL ---------------------
+   * Streams and events are opaque (cudaStream_t, cudaEvent_t). Every entry
+   * acts on the calling thread's current device (set_device). */
+  int (*get_device)(int *device_out);
+  int (*stream_create)(void **stream_out); /* non-blocking with respect to stream 0 */
+  int (*stream_destroy)(void *stream);
+  /* interprocess != 0: cudaEventInterprocess | cudaEventDisableTiming, so
+   * the event can be exported with ipc_event_handle. */
+  int (*event_create)(void **event_out, int interprocess);
+  int (*event_destroy)(void *event);
+  int (*event_record)(void *event, void *stream);
+  int (*event_query)(void *event); /* 0: complete, -EAGAIN: pending, else an error */
+  int (*event_synchronize)(void *event);
+  int (*stream_wait_event)(void *stream, void *event);
+  int (*copy_to_host_async)(void *dst_host, const void *src_dev, size_t bytes, void *stream);
+  int (*copy_to_device_async)(void *dst_dev, const void *src_host, size_t bytes, void *stream);
+  int (*memset_async)(void *dst_dev, int value, size_t bytes, void *stream);
+
+  /* CUDA IPC. A handle is ZK_CUDA_IPC_HANDLE_BYTES opaque bytes that another
+   * process on the same node opens. ipc_mem_handle takes the base pointer
+   * of an alloc; ipc_mem_open maps it (cudaIpcMemLazyEnablePeerAccess) and
+   * ipc_mem_close unmaps it. An opened event can be waited on
+   * (stream_wait_event, event_synchronize) and recorded; destroy it with
+   * event_destroy. */
+  int (*ipc_mem_handle)(void *dev_ptr, void *handle_out);
+  int (*ipc_mem_open)(const void *handle, void **dev_ptr_out);
+  int (*ipc_mem_close)(void *dev_ptr);
+  int (*ipc_event_handle)(void *event, void *handle_out);
+  int (*ipc_event_open)(const void *handle, void **event_out);
+
+  /* NCCL. The module opens libnccl.so.2 on first use (dlopen, so that the
+   * kernels work where NCCL is not installed); nccl_available says whether
+   * it could, and why not. Communicators are created non-blocking
+   * (ncclConfig_t.blocking = 0): nccl_init returns at once and nccl_status
+   * tells when the communicator is ready (0), still connecting (-EAGAIN) or
+   * failed (another negative errno; last_error says why). Collectives only
+   * enqueue on `stream`; completion is an event recorded after them, and a
+   * peer that died shows as nccl_status failing. nccl_abort frees a
+   * communicator in any state without waiting for peers; nccl_destroy
+   * finalizes a healthy one. */
+  int (*nccl_available)(char *why, size_t why_len); /* 0 or -ENOSYS */
+  int (*nccl_unique_id)(void *id_out);
+  int (*nccl_init)(void **comm_out, int world_size, int rank, const void *unique_id);
+  int (*nccl_status)(void *comm);
+  int (*nccl_all_gather)(void *comm, const void *send, void *recv, size_t bytes_per_rank,
+                         void *stream);
+  int (*nccl_reduce_scatter_f32)(void *comm, const float *send, float *recv, size_t shard_numel,
+                                 void *stream);
+  int (*nccl_all_reduce)(void *comm, void *buf, size_t count, zk_nccl_dtype dtype, zk_nccl_op op,
+                         void *stream);
+  int (*nccl_broadcast)(void *comm, void *buf, size_t bytes, int root, void *stream);
+  int (*nccl_abort)(void *comm);
+  int (*nccl_destroy)(void *comm);
 } zk_cuda_api;
 
 /* Exported by the module. Returns NULL if it cannot serve `version`. */
