@@ -596,11 +596,14 @@ static int parse_timeout(const char *s, double *out) {
   return 0;
 }
 
-/* HOST:PORT, HOST a name, an IPv4 address or a bracketed IPv6 address. */
+/* HOST:PORT, HOST a name, an IPv4 address or a bracketed IPv6 address; or
+ * unix:PATH, a standalone daemon's control socket (DIR/control.sock). */
 static bool valid_target(const char *s) {
   size_t len = strlen(s);
   if (len == 0 || len > CTL_TARGET_MAX_BYTES)
     return false;
+  if (strncmp(s, "unix:", 5) == 0)
+    return s[5] != '\0';
   const char *colon = strrchr(s, ':');
   if (colon == NULL || colon == s)
     return false;
@@ -1197,7 +1200,8 @@ static const char general_usage[] =
     "  health [SERVICE]         grpc.health.v1 check; exit 0 only when SERVING\n"
     "\n"
     "options (before or after the command):\n"
-    "  -c, --coordinator HOST:PORT  the coordinator [ZEROD_COORDINATOR, default\n"
+    "  -c, --coordinator HOST:PORT  the coordinator, or unix:DIR/control.sock for a\n"
+    "                               standalone zerod [ZEROD_COORDINATOR, default\n"
     "                               " CTL_DEFAULT_COORDINATOR "]\n"
     "  -j, --json                   print one JSON object (for scripts)\n"
     "  -t, --timeout SECONDS        deadline of each call [default 10]\n"
@@ -1469,7 +1473,8 @@ int main(int argc, char **argv) {
       c.coordinator = CTL_DEFAULT_COORDINATOR;
   }
   if (!valid_target(c.coordinator))
-    return usage_error("invalid %s '%s': expected HOST:PORT", coordinator_from, c.coordinator);
+    return usage_error("invalid %s '%s': expected HOST:PORT or unix:PATH", coordinator_from,
+                       c.coordinator);
   c.timeout_ms = (int)(c.timeout_s * 1000.0 + 0.999);
   if (c.timeout_ms < 1)
     c.timeout_ms = 1;

@@ -391,6 +391,7 @@ static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size
   event.view = &v.view;
   event.n_assignments = count;
   event.assignments = pointers;
+  event.next_job_id = c->next_job_id;
   size_t len = zerod__v1__watch_event__get_packed_size(&event);
   uint8_t *buf = malloc(len ? len : 1);
   if (buf == NULL)
@@ -630,6 +631,8 @@ static void reconcile(coord *c, const char *node) {
  * file). Returns 0 or a negative errno. */
 static int state_write(coord *c, const cjob *add, const cjob *skip, uint64_t next_job_id, char *err,
                        size_t err_bytes) {
+  if (c->options.state_dir[0] == '\0')
+    return 0; /* an in-memory coordinator (zerod standalone) */
   size_t cap = c->njobs + 1;
   Zerod__V1__StoredJob *stored = calloc(cap, sizeof *stored);
   Zerod__V1__StoredJob **pointers = calloc(cap, sizeof *pointers);
@@ -942,43 +945,40 @@ static void member_remove(coord *c, size_t i, const char *why) {
   mark_all_watches(c);
 }
 
-static void on_join(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
-  coord *c = arg;
-  Zerod__V1__JoinRequest *req = begin(c, call, CTL_JOIN, request, request_bytes);
-  if (req == NULL)
-    return;
-  const Zerod__V1__NodeInfo *node = req->node;
-  member *m = NULL;
+/* Adds node as a member with a fresh session and lease. Returns 0 with the
+ * member in *out, or an RPC status with the reason in err. */
+static int join_member(coord *c, const Zerod__V1__NodeInfo *node, const member **out, char *err,
+                       size_t err_bytes) {
   long at = find_member_index(c, node->name);
   uint64_t now = uv_now(c->loop);
   if (at >= 0) {
     const member *old = c->members[at];
-    finish_error(
-        call, RPC_ALREADY_EXISTS,
-        "node '%s' is already a member (session %" PRIu64 ", lease expires in %" PRIu64 " ms)",
-        node->name, old->session, old->lease_deadline_ms > now ? old->lease_deadline_ms - now : 0);
-    goto out;
+    snprintf(err, err_bytes,
+             "node '%s' is already a member (session %" PRIu64 ", lease expires in %" PRIu64 " ms)",
+             node->name, old->session,
+             old->lease_deadline_ms > now ? old->lease_deadline_ms - now : 0);
+    return RPC_ALREADY_EXISTS;
   }
   if (c->nmembers >= COORD_MAX_MEMBERS) {
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "the cluster has %d members (at most %d)",
-                 (int)c->nmembers, COORD_MAX_MEMBERS);
-    goto out;
+    snprintf(err, err_bytes, "the cluster has %d members (at most %d)", (int)c->nmembers,
+             COORD_MAX_MEMBERS);
+    return RPC_RESOURCE_EXHAUSTED;
   }
   size_t info_bytes = zerod__v1__node_info__get_packed_size(node);
   if (info_bytes > COORD_MAX_NODE_INFO) {
-    finish_error(call, RPC_INVALID_ARGUMENT, "node info is %zu bytes (at most %u)", info_bytes,
-                 COORD_MAX_NODE_INFO);
-    goto out;
+    snprintf(err, err_bytes, "node info is %zu bytes (at most %u)", info_bytes,
+             COORD_MAX_NODE_INFO);
+    return RPC_INVALID_ARGUMENT;
   }
   member **grown = realloc(c->members, (c->nmembers + 1) * sizeof *c->members);
   if (grown != NULL)
     c->members = grown;
-  m = calloc(1, sizeof *m);
+  member *m = calloc(1, sizeof *m);
   if (grown == NULL || m == NULL || (m->info = message_copy(&node->base)) == NULL ||
       random_bytes(&m->session, sizeof m->session) != 0) {
     member_free(m);
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory or randomness");
-    goto out;
+    snprintf(err, err_bytes, "coordinator out of memory or randomness");
+    return RPC_RESOURCE_EXHAUSTED;
   }
   if (m->session == 0)
     m->session = 1; /* 0 is what a request without a session carries */
@@ -995,20 +995,43 @@ static void on_join(rpc_call *call, const uint8_t *request, size_t request_bytes
             c->epoch);
   reconcile(c, node->name);
   mark_all_watches(c);
+  *out = m;
+  return 0;
+}
 
+static void on_join(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__JoinRequest *req = begin(c, call, CTL_JOIN, request, request_bytes);
+  if (req == NULL)
+    return;
+  const member *m;
+  char err[512];
+  int status = join_member(c, req->node, &m, err, sizeof err);
   view_msg v;
-  if (view_build(c, &v) != 0) {
+  if (status != 0) {
+    finish_error(call, status, "%s", err);
+  } else if (view_build(c, &v) != 0) {
     finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
-    goto out;
+  } else {
+    Zerod__V1__JoinReply reply = ZEROD__V1__JOIN_REPLY__INIT;
+    reply.session = m->session;
+    reply.lease_ttl_ms = (uint32_t)c->options.lease_ttl_ms;
+    reply.view = &v.view;
+    finish_message(call, &reply.base);
+    view_free(&v);
   }
-  Zerod__V1__JoinReply reply = ZEROD__V1__JOIN_REPLY__INIT;
-  reply.session = m->session;
-  reply.lease_ttl_ms = (uint32_t)c->options.lease_ttl_ms;
-  reply.view = &v.view;
-  finish_message(call, &reply.base);
-  view_free(&v);
-out:
   ctl_free(&req->base);
+}
+
+int coord_join_local(coord *c, const Zerod__V1__NodeInfo *node, uint64_t *session_out,
+                     int *lease_ttl_ms_out, char *err, size_t err_bytes) {
+  const member *m;
+  int status = join_member(c, node, &m, err, err_bytes);
+  if (status == 0) {
+    *session_out = m->session;
+    *lease_ttl_ms_out = c->options.lease_ttl_ms;
+  }
+  return status;
 }
 
 static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
@@ -1145,22 +1168,20 @@ static void effective_config(const Zerod__V1__JobConfig *in, Zerod__V1__JobConfi
 }
 
 /* Picks the job's nodes into chosen[nodes] (names owned by the members),
- * or answers FAILED_PRECONDITION and returns -1. */
-static int place_job(coord *c, rpc_call *call, const Zerod__V1__CreateJobRequest *req,
-                     const char **chosen) {
+ * or writes why not to err and returns RPC_FAILED_PRECONDITION. */
+static int place_job(coord *c, const Zerod__V1__CreateJobRequest *req, const char **chosen,
+                     char *err, size_t err_bytes) {
   if (req->n_node_names != 0) {
     for (size_t i = 0; i < req->n_node_names; i++) {
       const member *m = find_member(c, req->node_names[i]);
       if (m == NULL) {
-        finish_error(call, RPC_FAILED_PRECONDITION, "node '%s' is not a member",
-                     req->node_names[i]);
-        return -1;
+        snprintf(err, err_bytes, "node '%s' is not a member", req->node_names[i]);
+        return RPC_FAILED_PRECONDITION;
       }
       if (m->info->ranks < req->ranks_per_node) {
-        finish_error(call, RPC_FAILED_PRECONDITION,
-                     "node '%s' can host %u ranks; the job needs %u per node", m->info->name,
-                     m->info->ranks, req->ranks_per_node);
-        return -1;
+        snprintf(err, err_bytes, "node '%s' can host %u ranks; the job needs %u per node",
+                 m->info->name, m->info->ranks, req->ranks_per_node);
+        return RPC_FAILED_PRECONDITION;
       }
       chosen[i] = m->info->name;
     }
@@ -1176,45 +1197,45 @@ static int place_job(coord *c, rpc_call *call, const Zerod__V1__CreateJobRequest
   for (size_t i = 0; i < c->nmembers; i++)
     able += c->members[i]->info->ranks >= req->ranks_per_node;
   if (able == c->nmembers)
-    finish_error(call, RPC_FAILED_PRECONDITION,
-                 "job needs %u nodes that can host %u ranks each; %zu are members", req->nodes,
-                 req->ranks_per_node, c->nmembers);
+    snprintf(err, err_bytes, "job needs %u nodes that can host %u ranks each; %zu are members",
+             req->nodes, req->ranks_per_node, c->nmembers);
   else
-    finish_error(call, RPC_FAILED_PRECONDITION,
-                 "job needs %u nodes that can host %u ranks each; %zu of the %zu members can",
-                 req->nodes, req->ranks_per_node, able, c->nmembers);
-  return -1;
+    snprintf(err, err_bytes,
+             "job needs %u nodes that can host %u ranks each; %zu of the %zu members can",
+             req->nodes, req->ranks_per_node, able, c->nmembers);
+  return RPC_FAILED_PRECONDITION;
 }
 
-static void on_create_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
-  coord *c = arg;
-  Zerod__V1__CreateJobRequest *req = begin(c, call, CTL_CREATE_JOB, request, request_bytes);
-  if (req == NULL)
-    return;
-  cjob *j = NULL;
+/* Creates the job req describes (decoded and validated), placed by
+ * place_job. An empty token is replaced by a random one unless
+ * token_as_given (an in-process create, whose workers attached without
+ * one). Returns 0 with the job in *out, or an RPC status with the reason in
+ * err and nothing changed. */
+static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, int token_as_given,
+                      const cjob **out, char *err, size_t err_bytes) {
   long at = find_job_index(c, req->name);
   if (at >= 0) {
-    finish_error(call, RPC_ALREADY_EXISTS, "job '%s' %s", req->name,
-                 c->jobs[at]->deleting ? "is still being deleted" : "already exists");
-    goto out;
+    snprintf(err, err_bytes, "job '%s' %s", req->name,
+             c->jobs[at]->deleting ? "is still being deleted" : "already exists");
+    return RPC_ALREADY_EXISTS;
   }
   if (c->njobs >= COORD_MAX_JOBS) {
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "the coordinator has %zu jobs (at most %d)",
-                 c->njobs, COORD_MAX_JOBS);
-    goto out;
+    snprintf(err, err_bytes, "the coordinator has %zu jobs (at most %d)", c->njobs, COORD_MAX_JOBS);
+    return RPC_RESOURCE_EXHAUSTED;
   }
   const char *chosen[CTL_MAX_RANKS];
-  if (place_job(c, call, req, chosen) != 0)
-    goto out;
+  int status = place_job(c, req, chosen, err, err_bytes);
+  if (status != 0)
+    return status;
 
   char token[CTL_TOKEN_MAX_BYTES + 1];
-  if (req->token[0] != '\0') {
+  if (req->token[0] != '\0' || token_as_given) {
     snprintf(token, sizeof token, "%s", req->token);
   } else {
     uint8_t raw[COORD_TOKEN_HEX_DIGITS / 2];
     if (random_bytes(raw, sizeof raw) != 0) {
-      finish_error(call, RPC_UNAVAILABLE, "cannot make a token: %s", strerror(errno));
-      goto out;
+      snprintf(err, err_bytes, "cannot make a token: %s", strerror(errno));
+      return RPC_UNAVAILABLE;
     }
     for (size_t i = 0; i < sizeof raw; i++)
       snprintf(token + 2 * i, 3, "%02x", raw[i]);
@@ -1250,24 +1271,24 @@ static void on_create_job(rpc_call *call, const uint8_t *request, size_t request
   job.created_unix_ms = unix_ms();
   job.epoch = 1;
   Zerod__V1__Job *copy = message_copy(&job.base);
-  j = copy != NULL ? job_new(copy, token) : NULL;
+  cjob *j = copy != NULL ? job_new(copy, token) : NULL;
   if (j == NULL) {
     ctl_free(copy ? &copy->base : NULL);
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
-    goto out;
+    snprintf(err, err_bytes, "coordinator out of memory");
+    return RPC_RESOURCE_EXHAUSTED;
   }
   cjob **grown = realloc(c->jobs, (c->njobs + 1) * sizeof *c->jobs);
   if (grown == NULL) {
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
-    goto out;
+    job_free(c, j);
+    snprintf(err, err_bytes, "coordinator out of memory");
+    return RPC_RESOURCE_EXHAUSTED;
   }
   c->jobs = grown;
 
-  char err[PATH_MAX + 256];
-  if (state_write(c, j, NULL, c->next_job_id + 1, err, sizeof err) != 0) {
+  if (state_write(c, j, NULL, c->next_job_id + 1, err, err_bytes) != 0) {
     LOG_ERRORF("job not created", "job=%s err=\"%s\"", req->name, err);
-    finish_error(call, RPC_UNAVAILABLE, "%s", err);
-    goto out;
+    job_free(c, j);
+    return RPC_UNAVAILABLE;
   }
   c->next_job_id++;
   at = -at - 1;
@@ -1278,18 +1299,54 @@ static void on_create_job(rpc_call *call, const uint8_t *request, size_t request
             j->msg->id, req->nodes, req->ranks_per_node);
   derive_job(c, j);
   mark_job_watches(c, j);
+  *out = j;
+  return 0;
+}
 
-  Zerod__V1__Job view;
-  job_view(j, &view);
-  Zerod__V1__CreateJobReply reply = ZEROD__V1__CREATE_JOB_REPLY__INIT;
-  reply.job = &view;
-  reply.token = j->token;
-  finish_message(call, &reply.base);
-  j = NULL; /* owned by c->jobs now */
-out:
-  if (j != NULL)
-    job_free(c, j);
+static void on_create_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__CreateJobRequest *req = begin(c, call, CTL_CREATE_JOB, request, request_bytes);
+  if (req == NULL)
+    return;
+  const cjob *j;
+  char err[PATH_MAX + 256];
+  int status = create_job(c, req, 0, &j, err, sizeof err);
+  if (status != 0) {
+    finish_error(call, status, "%s", err);
+  } else {
+    Zerod__V1__Job view;
+    job_view(j, &view);
+    Zerod__V1__CreateJobReply reply = ZEROD__V1__CREATE_JOB_REPLY__INIT;
+    reply.job = &view;
+    reply.token = j->token;
+    finish_message(call, &reply.base);
+  }
   ctl_free(&req->base);
+}
+
+int coord_create_job_local(coord *c, const char *name, const char *token,
+                           const Zerod__V1__JobConfig *config, const char *node, uint32_t ranks,
+                           uint64_t *id_out, uint64_t *epoch_out, char *err, size_t err_bytes) {
+  if (c->shutting_down) {
+    snprintf(err, err_bytes, "coordinator shutting down");
+    return RPC_UNAVAILABLE;
+  }
+  Zerod__V1__CreateJobRequest req = ZEROD__V1__CREATE_JOB_REQUEST__INIT;
+  req.name = (char *)name;
+  req.token = (char *)(token != NULL ? token : "");
+  req.config = (Zerod__V1__JobConfig *)config;
+  req.nodes = 1;
+  req.ranks_per_node = ranks;
+  char *nodes[1] = {(char *)node};
+  req.n_node_names = 1;
+  req.node_names = nodes;
+  const cjob *j;
+  int status = create_job(c, &req, 1, &j, err, err_bytes);
+  if (status == 0) {
+    *id_out = j->msg->id;
+    *epoch_out = j->epoch;
+  }
+  return status;
 }
 
 static void on_get_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
@@ -1653,8 +1710,8 @@ static void on_health_check(rpc_call *call, const uint8_t *request, size_t reque
 int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, char *err,
                  size_t err_bytes) {
   *out = NULL;
-  if (options->lease_ttl_ms <= 0 || options->state_dir[0] == '\0') {
-    snprintf(err, err_bytes, "the lease TTL must be > 0 and the state directory set");
+  if (options->lease_ttl_ms <= 0) {
+    snprintf(err, err_bytes, "the lease TTL must be > 0");
     return -EINVAL;
   }
   coord *c = calloc(1, sizeof *c);
@@ -1669,6 +1726,8 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
   snprintf(c->state_path, sizeof c->state_path, "%s/coordinator.pb", options->state_dir);
   snprintf(c->tmp_path, sizeof c->tmp_path, "%s/coordinator.pb.tmp", options->state_dir);
 
+  if (options->state_dir[0] == '\0')
+    goto loaded; /* in memory only */
   /* Create the directory and its parents. */
   char path[PATH_MAX];
   snprintf(path, sizeof path, "%s", options->state_dir);
@@ -1695,6 +1754,7 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
   /* Recovered jobs wait for their nodes to re-join and report. */
   for (size_t i = 0; i < c->njobs; i++)
     derive_job(c, c->jobs[i]);
+loaded:
   if (c->njobs != 0)
     LOG_INFOF("recovered jobs", "jobs=%zu next_job_id=%" PRIu64 " path=%s", c->njobs,
               c->next_job_id, c->state_path);

@@ -30,11 +30,13 @@
 #include <uv.h>
 
 #include "rpc.h"
+#include "zerod/v1/control.pb-c.h"
 
 typedef struct coord coord;
 
 typedef struct coord_options {
-  char state_dir[PATH_MAX]; /* created if missing; holds coordinator.pb */
+  char state_dir[PATH_MAX]; /* created if missing; holds coordinator.pb; "": in memory only
+                               (zerod standalone's coordinator) */
   int lease_ttl_ms;         /* a node that does not renew within this leaves */
 } coord_options;
 
@@ -47,6 +49,22 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
 /* Registers the Cluster, Jobs, Rendezvous and grpc.health.v1.Health methods
  * on a server that has not been started. */
 int coord_register(coord *c, rpc_server *server);
+
+/* zerod standalone: makes node a member at once, as Join would (its agent
+ * then renews the lease over gRPC like any node's). Returns 0 with the
+ * session and lease TTL, or an RPC status with the reason in err. */
+int coord_join_local(coord *c, const Zerod__V1__NodeInfo *node, uint64_t *session_out,
+                     int *lease_ttl_ms_out, char *err, size_t err_bytes);
+
+/* zerod standalone: creates a job placed on node alone (ranks ranks), as
+ * CreateJob would, from the loop thread of the process that runs the
+ * coordinator. The token is kept as given, even empty. config must be valid
+ * (the caller has checked it). Returns 0 with the job's id and epoch, or an
+ * RPC status (ALREADY_EXISTS, FAILED_PRECONDITION: node is not a member
+ * yet, ...) with the reason in err. */
+int coord_create_job_local(coord *c, const char *name, const char *token,
+                           const Zerod__V1__JobConfig *config, const char *node, uint32_t ranks,
+                           uint64_t *id_out, uint64_t *epoch_out, char *err, size_t err_bytes);
 
 /* Starts shutting down: health turns NOT_SERVING, every Watch stream ends
  * with UNAVAILABLE ("coordinator shutting down") and waiting Gets with

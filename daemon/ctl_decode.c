@@ -364,6 +364,36 @@ const char *ctl_method_path(unsigned i) {
   return i < CTL_NMETHODS ? methods[i].path : NULL;
 }
 
+/* Whether msg or a message inside it kept an unknown field numbered 0.
+ * protobuf-c reads a zero tag written in two or more bytes (0x80 0x00) as
+ * an unknown field but refuses the one-byte zero tag it writes for it, so
+ * such a message would not survive being stored and read again (the
+ * coordinator stores jobs); field number 0 is invalid in protobuf anyway. */
+static int has_field_zero(const ProtobufCMessage *msg) {
+  for (unsigned i = 0; i < msg->n_unknown_fields; i++)
+    if (msg->unknown_fields[i].tag == 0)
+      return 1;
+  const ProtobufCMessageDescriptor *d = msg->descriptor;
+  for (unsigned f = 0; f < d->n_fields; f++) {
+    const ProtobufCFieldDescriptor *fd = &d->fields[f];
+    if (fd->type != PROTOBUF_C_TYPE_MESSAGE)
+      continue;
+    const char *member = (const char *)msg + fd->offset;
+    if (fd->label == PROTOBUF_C_LABEL_REPEATED) {
+      size_t n = *(const size_t *)((const char *)msg + fd->quantifier_offset);
+      ProtobufCMessage *const *items = *(ProtobufCMessage *const *const *)member;
+      for (size_t k = 0; k < n; k++)
+        if (items[k] != NULL && has_field_zero(items[k]))
+          return 1;
+    } else {
+      const ProtobufCMessage *sub = *(const ProtobufCMessage *const *)member;
+      if (sub != NULL && has_field_zero(sub))
+        return 1;
+    }
+  }
+  return 0;
+}
+
 int ctl_decode(const char *path, const uint8_t *bytes, size_t nbytes, ProtobufCMessage **out,
                char *err, size_t err_bytes) {
   *out = NULL;
@@ -384,7 +414,9 @@ int ctl_decode(const char *path, const uint8_t *bytes, size_t nbytes, ProtobufCM
   static const uint8_t empty[1];
   ProtobufCMessage *msg =
       protobuf_c_message_unpack(m->request, NULL, nbytes, bytes != NULL ? bytes : empty);
-  if (msg == NULL) {
+  if (msg == NULL || has_field_zero(msg)) {
+    if (msg != NULL)
+      protobuf_c_message_free_unpacked(msg, NULL);
     snprintf(err, err_bytes, "request is not a valid %s message", m->request->name);
     return RPC_INVALID_ARGUMENT;
   }

@@ -38,6 +38,7 @@ typedef struct daemon {
   daemon_options options;
   store *rendezvous;
   job *jobs;
+  job *retired; /* deleted jobs: executors stopped, freed at exit (after the loop) */
   uint64_t next_job_id;
 
   int listen_fd;
@@ -52,7 +53,11 @@ typedef struct daemon {
   exec_op *completion_head, *completion_tail;
   uv_async_t completion_async;
 
-  struct node_agent *cluster; /* zerod node: the coordinator client; NULL standalone */
+  /* The coordinator client (zerod node, and zerod standalone, whose
+   * coordinator runs in this process: coord, serving control_server). */
+  struct node_agent *cluster;
+  struct coord *coord;
+  struct rpc_server *control_server;
 
   uv_signal_t sigint, sigterm;
   uv_timer_t status_timer;
@@ -69,6 +74,10 @@ job *daemon_find_job(zdaemon *d, const char *name);
 int daemon_job_start(zdaemon *d, const char *name, const char *token, const job_config *config,
                      int world_size, int nranks, int first_rank, uint64_t id, unsigned generation,
                      job **out, char *err, size_t err_bytes);
+/* Takes a deleted job out of d->jobs (nothing finds it by name any more)
+ * and stops its executors; call once nobody is attached. Its memory is
+ * freed at exit. */
+void daemon_job_retire(zdaemon *d, job *j);
 int ipc_listen(zdaemon *d, char *err, size_t err_bytes);
 void ipc_close_all(zdaemon *d, const char *reason);
 void ipc_complete(exec_op *op); /* executor thread */

@@ -20,9 +20,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "coord.h"
 #include "daemon.h"
 #include "frame.h"
 #include "log.h"
+#include "node.h"
 #include "pin.h"
 #include "reader.h"
 
@@ -363,23 +365,70 @@ int daemon_job_start(zdaemon *d, const char *name, const char *token, const job_
   return 0;
 }
 
+void daemon_job_retire(zdaemon *d, job *j) {
+  for (job **p = &d->jobs; *p != NULL; p = &(*p)->next) {
+    if (*p != j)
+      continue;
+    *p = j->next;
+    j->next = d->retired;
+    d->retired = j;
+    pin_job_stop(j);
+    for (int r = 0; r < j->nranks; r++)
+      exec_rank_stop(&j->ranks[r]);
+    LOG_INFOF("job removed", "job=%s id=%llu", j->name, (unsigned long long)j->id);
+    node_report(d);
+    return;
+  }
+}
+
+/* zerod standalone: a job created by an attach is created on the
+ * in-process coordinator first (so zerodctl lists it), with the attach's
+ * config and token, placed on this node. */
+static int create_on_coordinator(zdaemon *d, const Zerod__V1__AttachRequest *req, uint64_t *id,
+                                 unsigned *generation, int *status, char *err, size_t err_bytes) {
+  uint64_t epoch = 0;
+  int rc = coord_create_job_local(d->coord, req->job, req->token, req->config, d->options.node_name,
+                                  (uint32_t)d->options.ranks, id, &epoch, err, err_bytes);
+  if (rc == 0) {
+    *generation = (unsigned)epoch;
+    return 0;
+  }
+  /* ALREADY_EXISTS: created (zerodctl) or deleted on the coordinator and
+   * not yet built or retired here; the watch event is on its way. */
+  *status = rc == RPC_ALREADY_EXISTS || rc == RPC_UNAVAILABLE
+                ? ZEROD__V1__STATUS__STATUS_UNAVAILABLE
+                : ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED;
+  return -1;
+}
+
 static job *create_job(zdaemon *d, session *s, uint64_t request_id,
                        const Zerod__V1__AttachRequest *req) {
   job_config config;
-  char err[256] = "";
+  char err[512] = "";
   if (job_config_from_proto(req->config, &config, err, sizeof err) != 0 ||
       job_config_finish(&config, d->options.max_live_bytes, err, sizeof err) != 0) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "job '%s': %s", req->job,
                err);
     return NULL;
   }
+  uint64_t id = ++d->next_job_id;
+  unsigned generation = 0;
+  int status;
+  if (d->coord != NULL &&
+      create_on_coordinator(d, req, &id, &generation, &status, err, sizeof err) != 0) {
+    send_error(s, request_id, status, "job '%s': %s; try again", req->job, err);
+    return NULL;
+  }
   job *j;
-  if (daemon_job_start(d, req->job, req->token, &config, d->options.ranks, d->options.ranks, 0,
-                       ++d->next_job_id, 0, &j, err, sizeof err) != 0) {
+  if (daemon_job_start(d, req->job, req->token, &config, d->options.ranks, d->options.ranks, 0, id,
+                       generation, &j, err, sizeof err) != 0) {
+    /* The coordinator's record stays: the watch builds the job from it
+     * later, as it would one created with zerodctl. */
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "job '%s': %s",
                req->job, err);
     return NULL;
   }
+  node_job_added(d);
   return j;
 }
 
@@ -491,7 +540,7 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
                req->local_rank, nranks, nranks - 1, req->job);
     return;
   }
-  if (j == NULL && d->cluster != NULL) {
+  if (j == NULL && d->cluster != NULL && d->coord == NULL) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
                "job '%s' has no ranks on this node; in a cluster, jobs are created through the "
                "coordinator (zerodctl jobs create)",
@@ -884,7 +933,9 @@ static void session_close(session *s, const char *reason) {
     }
     rs->session = NULL;
     s->job = NULL;
-    if (--j->sessions == 0 && !d->stopping && !job_failed(j, j->generation, NULL, 0)) {
+    if (--j->sessions == 0 && !d->stopping && j->deleted) {
+      daemon_job_retire(d, j);
+    } else if (j->sessions == 0 && !d->stopping && !job_failed(j, j->generation, NULL, 0)) {
       /* The job is idle: give its buffers back to the system. */
       for (int r = 0; r < j->nranks; r++) {
         exec_op *trim = exec_op_new(OP_TRIM, &j->ranks[r]);

@@ -180,6 +180,7 @@ typedef struct job {
   char fail_reason[512];
 
   int sessions; /* loop-owned: attached read-write sessions */
+  int deleted;  /* loop-owned: deleted on the coordinator; retired once nobody is attached */
   int readers;  /* loop-owned: attached read-only sessions */
 
   /* Versions and pins (pin.c; pin.h has the locking rules). */

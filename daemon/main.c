@@ -374,6 +374,45 @@ out_lock:
 
 static zdaemon the_daemon;
 static char comm_host[256] = "127.0.0.1";
+static char control_socket[PATH_MAX]; /* zerod standalone's control-plane socket */
+
+/* zerod standalone: the same coordinator as `zerod coordinator`, in this
+ * process and on this loop, in memory only (standalone jobs are created by
+ * their workers and live as long as the daemon), serving gRPC on
+ * DIR/control.sock so that zerodctl works against a standalone daemon too.
+ * This node joins it like any node (node.c), with a local rendezvous. */
+static int start_local_coordinator(zdaemon *d, char *err, size_t err_bytes) {
+  daemon_options *o = &d->options;
+  if (snprintf(control_socket, sizeof control_socket, "%s/control.sock", o->dir) >=
+          (int)sizeof control_socket ||
+      snprintf(o->coordinator, sizeof o->coordinator, "unix:%s", control_socket) >=
+          (int)sizeof o->coordinator) {
+    snprintf(err, err_bytes, "state directory path too long for a socket");
+    control_socket[0] = '\0';
+    return -ENAMETOOLONG;
+  }
+  /* A socket left by a daemon that died; the state directory's lock says
+   * that no live one uses it. */
+  unlink(control_socket);
+  coord_options co = {.lease_ttl_ms = 10000};
+  int rc = coord_create(d->loop, &co, &d->coord, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  rc = rpc_server_create(d->loop, o->coordinator, &d->control_server, err, err_bytes);
+  if (rc == 0)
+    rc = coord_register(d->coord, d->control_server);
+  int port = 0;
+  if (rc == 0)
+    rc = rpc_server_start(d->control_server, &port, err, err_bytes);
+  if (rc == 0)
+    chmod(control_socket, 0600);
+  return rc;
+}
+
+static void on_control_server_done(void *arg) {
+  (void)arg;
+  LOG_DEBUGF("control plane stopped serving", NULL);
+}
 
 static void shutdown_daemon(zdaemon *d, const char *why) {
   if (d->stopping)
@@ -384,6 +423,10 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
   snprintf(reason, sizeof reason, "zerod is shutting down (%s)", why);
   ipc_close_all(d, reason);
   node_stop(d);
+  if (d->coord != NULL) {
+    coord_shutdown(d->coord);
+    rpc_server_shutdown(d->control_server, on_control_server_done, d);
+  }
   /* Readers waiting for a rank give up now rather than at their timeout. */
   for (job *j = d->jobs; j != NULL; j = j->next)
     pin_job_stop(j);
@@ -392,6 +435,9 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
     for (int r = 0; r < j->nranks; r++)
       exec_rank_stop(&j->ranks[r]);
   for (job *j = d->jobs; j != NULL; j = j->next)
+    for (int r = 0; r < j->nranks; r++)
+      exec_rank_join(&j->ranks[r]);
+  for (job *j = d->retired; j != NULL; j = j->next) /* stopped when retired */
     for (int r = 0; r < j->nranks; r++)
       exec_rank_join(&j->ranks[r]);
   ipc_drain_completions(d);
@@ -559,6 +605,11 @@ int main(int argc, char **argv) {
     if (v == NULL || v[0] == '\0' || strchr(v, ':') == NULL || strlen(v) >= sizeof o->coordinator)
       return bad_value("--coordinator", v != NULL ? v : "", "HOST:PORT, required by zerod node");
     snprintf(o->coordinator, sizeof o->coordinator, "%s", v);
+  } else if (raw.coordinator != NULL) {
+    fprintf(stderr, "zerod: --coordinator needs 'zerod node' (standalone runs its own)\n");
+    return 2;
+  }
+  {
     v = env_or(raw.name, "ZEROD_NODE_NAME");
     char host[256] = "";
     if (v == NULL && gethostname(host, sizeof host - 1) == 0)
@@ -569,9 +620,6 @@ int main(int argc, char **argv) {
                   "0123456789._-") != strlen(v))
       return bad_value("--name", v != NULL ? v : "", "1..64 of [A-Za-z0-9._-]");
     memcpy(o->node_name, v, strlen(v) + 1); /* checked: at most 64 bytes */
-  } else if (raw.coordinator != NULL || raw.name != NULL) {
-    fprintf(stderr, "zerod: --coordinator and --name need 'zerod node'\n");
-    return 2;
   }
   v = env_or(raw.dir, "ZEROD_DIR");
   snprintf(o->dir, sizeof o->dir, "%s", v != NULL ? v : ".zerod");
@@ -611,10 +659,19 @@ int main(int argc, char **argv) {
   }
   d->loop = uv_default_loop();
   char err[512] = "";
-  if (o->coordinator[0] != '\0')
-    rc = node_create(d, &d->rendezvous, err, sizeof err);
-  else
-    rc = store_mem_create(&d->rendezvous);
+  if (o->coordinator[0] == '\0') {
+    rc = start_local_coordinator(d, err, sizeof err);
+    if (rc != 0) {
+      fprintf(stderr, "zerod: in-process coordinator: %s\n", err);
+      return 1;
+    }
+  }
+  store *local_store = NULL;
+  if (d->coord != NULL && (rc = store_mem_create(&local_store)) != 0) {
+    fprintf(stderr, "zerod: rendezvous store: %s\n", strerror(-rc));
+    return 1;
+  }
+  rc = node_create(d, local_store, &d->rendezvous, err, sizeof err);
   if (rc != 0) {
     fprintf(stderr, "zerod: rendezvous store: %s\n", err[0] ? err : strerror(-rc));
     return 1;
@@ -638,12 +695,11 @@ int main(int argc, char **argv) {
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
 
   LOG_INFOF("zerod ready",
-            "version=%s mode=%s socket=%s device=%s ranks=%d threads_per_rank=%d "
+            "version=%s mode=%s socket=%s control=%s device=%s ranks=%d threads_per_rank=%d "
             "collective_timeout_s=%d max_live_bytes=%llu pid=%d",
-            ZEROD_VERSION, mode, o->socket_path, o->device, o->ranks, o->threads_per_rank,
-            timeout_s, (unsigned long long)o->max_live_bytes, (int)getpid());
-  if (d->cluster != NULL)
-    node_start(d);
+            ZEROD_VERSION, mode, o->socket_path, o->coordinator, o->device, o->ranks,
+            o->threads_per_rank, timeout_s, (unsigned long long)o->max_live_bytes, (int)getpid());
+  node_start(d);
   uv_run(d->loop, UV_RUN_DEFAULT);
   /* The loop ends when every handle has closed and every threadpool read
    * has finished: nothing refers to the jobs any more. */
@@ -652,13 +708,21 @@ int main(int argc, char **argv) {
     d->jobs = j->next;
     job_destroy(j);
   }
+  while (d->retired != NULL) {
+    job *j = d->retired;
+    d->retired = j->next;
+    job_destroy(j);
+  }
   rc = uv_loop_close(d->loop);
   if (rc != 0)
     LOG_WARNF("loop closed with open handles", "err=%s", uv_err_name(rc));
-  if (d->cluster != NULL)
-    node_destroy(d); /* and its store */
-  else
-    d->rendezvous->ops->destroy(d->rendezvous);
+  node_destroy(d); /* and its store */
+  if (d->control_server != NULL)
+    rpc_server_destroy(d->control_server);
+  if (d->coord != NULL)
+    coord_destroy(d->coord);
+  if (control_socket[0] != '\0')
+    unlink(control_socket);
   pthread_mutex_destroy(&d->completion_mutex);
   unlink(lock_path);
   close(d->lock_fd);

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "coord.h"
 #include "daemon.h"
 #include "log.h"
 #include "rpc.h"
@@ -139,14 +140,19 @@ static void log_failure(node_agent *a, const char *what) {
 /* Join                                                                     */
 /* ------------------------------------------------------------------------ */
 
-static void send_join(node_agent *a) {
-  Zerod__V1__NodeInfo info = ZEROD__V1__NODE_INFO__INIT;
-  info.name = a->d->options.node_name;
-  info.address = a->d->options.comm_host;
-  info.ranks = (uint32_t)a->d->options.ranks;
+static void node_info(zdaemon *d, Zerod__V1__NodeInfo *info) {
+  zerod__v1__node_info__init(info);
+  info->name = d->options.node_name;
+  info->address = d->options.comm_host;
+  info->ranks = (uint32_t)d->options.ranks;
   long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-  info.memory_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
-  info.version = "0.1.0";
+  info->memory_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+  info->version = "0.1.0";
+}
+
+static void send_join(node_agent *a) {
+  Zerod__V1__NodeInfo info;
+  node_info(a->d, &info);
   Zerod__V1__JoinRequest req = ZEROD__V1__JOIN_REQUEST__INIT;
   req.node = &info;
   if (start_call(a, "/zerod.v1.Cluster/Join", &req.base, on_join_done) != 0)
@@ -216,7 +222,7 @@ static void send_heartbeat(node_agent *a) {
   zdaemon *d = a->d;
   size_t njobs = 0;
   for (job *j = d->jobs; j != NULL; j = j->next)
-    njobs++;
+    njobs += !j->deleted;
   Zerod__V1__JobStatus *statuses = calloc(njobs ? njobs : 1, sizeof *statuses);
   Zerod__V1__JobStatus **ptrs = calloc(njobs ? njobs : 1, sizeof *ptrs);
   char(*errors)[512] = calloc(njobs ? njobs : 1, sizeof *errors);
@@ -228,7 +234,9 @@ static void send_heartbeat(node_agent *a) {
     return;
   }
   size_t i = 0;
-  for (job *j = d->jobs; j != NULL; j = j->next, i++) {
+  for (job *j = d->jobs; j != NULL; j = j->next) {
+    if (j->deleted)
+      continue;
     Zerod__V1__JobStatus *st = &statuses[i];
     zerod__v1__job_status__init(st);
     st->job = j->name;
@@ -236,7 +244,7 @@ static void send_heartbeat(node_agent *a) {
       st->error = errors[i];
     st->ready = job_ready(j) && st->error[0] == '\0';
     st->step = atomic_load(&j->latest_version);
-    ptrs[i] = st;
+    ptrs[i++] = st;
   }
   a->reported_settled = jobs_settled(d, NULL);
   Zerod__V1__HeartbeatRequest req = ZEROD__V1__HEARTBEAT_REQUEST__INIT;
@@ -271,6 +279,18 @@ static void on_heartbeat_done(node_agent *a) {
     a->last_status = RPC_OK;
   }
   schedule(a, a->lease_ttl_ms / 3);
+}
+
+void node_job_added(zdaemon *d) {
+  node_agent *a = d->cluster;
+  if (a != NULL && a->state != NODE_STOPPED)
+    uv_timer_start(&a->settle_timer, on_settle_poll, NODE_SETTLE_POLL_MS, NODE_SETTLE_POLL_MS);
+}
+
+void node_report(zdaemon *d) {
+  node_agent *a = d->cluster;
+  if (a != NULL && a->state == NODE_MEMBER && !a->work_busy)
+    schedule(a, 0);
 }
 
 static void on_timer(uv_timer_t *t) {
@@ -389,7 +409,7 @@ static void reconcile(node_agent *a, const Zerod__V1__WatchEvent *ev) {
             daemon_job_start(d, pj->name, as->token, &config, (int)pj->world_size, (int)as->ranks,
                              (int)as->first_rank, pj->id, (unsigned)pj->epoch, &j, err, sizeof err);
       if (rc == 0)
-        uv_timer_start(&a->settle_timer, on_settle_poll, NODE_SETTLE_POLL_MS, NODE_SETTLE_POLL_MS);
+        node_job_added(d);
       if (rc != 0) {
         char msg[300];
         LOG_ERRORF("cannot host the job's ranks", "job=%s error=%s", pj->name,
@@ -401,7 +421,10 @@ static void reconcile(node_agent *a, const Zerod__V1__WatchEvent *ev) {
       job_fail(j, j->generation, "job '%s' was deleted and re-created on the coordinator", j->name);
       continue;
     }
-    if (pj->state == ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED &&
+    /* A job with ranks here only is degraded by nothing but this node's own
+     * report of its failure, which it already knows; it resets locally, and
+     * a stale event must not fail the reset generation. */
+    if (pj->state == ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED && job_spans_nodes(j) &&
         !job_failed(j, j->generation, NULL, 0)) {
       char msg[600];
       LOG_WARNF("job degraded", "job=%s reason=%s", j->name,
@@ -409,15 +432,22 @@ static void reconcile(node_agent *a, const Zerod__V1__WatchEvent *ev) {
       job_fail(j, j->generation, "job degraded: %s", pj->reason != NULL ? pj->reason : "");
     }
   }
-  for (job *j = d->jobs; j != NULL; j = j->next) {
+  job *next;
+  for (job *j = d->jobs; j != NULL; j = next) {
+    next = j->next;
     int assigned = 0;
     for (size_t i = 0; i < ev->n_assignments && !assigned; i++)
       assigned =
           ev->assignments[i]->job != NULL && strcmp(ev->assignments[i]->job->name, j->name) == 0;
-    if (!assigned && !job_failed(j, j->generation, NULL, 0)) {
-      LOG_INFOF("job deleted on the coordinator", "job=%s", j->name);
-      job_fail(j, j->generation, "job '%s' was deleted", j->name);
-    }
+    if (assigned || j->deleted || j->id >= ev->next_job_id)
+      continue;
+    LOG_INFOF("job deleted on the coordinator", "job=%s", j->name);
+    job_fail(j, j->generation, "job '%s' was deleted", j->name);
+    /* Its workers get the reason; the job goes once the last one has
+     * detached, and is no longer reported, so the deletion completes. */
+    j->deleted = 1;
+    if (j->sessions == 0)
+      daemon_job_retire(d, j); /* and reports at once */
   }
 }
 
@@ -466,7 +496,7 @@ static void on_watch_async(uv_async_t *h) {
 /* Lifecycle                                                                */
 /* ------------------------------------------------------------------------ */
 
-int node_create(zdaemon *d, store **rendezvous, char *err, size_t err_bytes) {
+int node_create(zdaemon *d, store *local_store, store **rendezvous, char *err, size_t err_bytes) {
   node_agent *a = calloc(1, sizeof *a);
   if (a == NULL) {
     snprintf(err, err_bytes, "out of memory");
@@ -476,7 +506,9 @@ int node_create(zdaemon *d, store **rendezvous, char *err, size_t err_bytes) {
   a->backoff_ms = NODE_BACKOFF_MIN_MS;
   a->last_status = RPC_OK;
   int rc = rpc_channel_create(d->options.coordinator, &a->channel, err, err_bytes);
-  if (rc == 0)
+  if (rc == 0 && local_store != NULL)
+    a->rendezvous = local_store;
+  else if (rc == 0)
     rc = store_grpc_create(a->channel, &a->rendezvous);
   if (rc != 0) {
     if (a->channel != NULL)
@@ -497,6 +529,22 @@ int node_create(zdaemon *d, store **rendezvous, char *err, size_t err_bytes) {
 
 void node_start(zdaemon *d) {
   node_agent *a = d->cluster;
+  if (d->coord != NULL) {
+    /* The coordinator runs in this process: join it directly, so that the
+     * node is a member before the first worker attaches; the lease is then
+     * renewed over gRPC like any node's. */
+    Zerod__V1__NodeInfo info;
+    node_info(d, &info);
+    char err[512];
+    int status = coord_join_local(d->coord, &info, &a->session, &a->lease_ttl_ms, err, sizeof err);
+    if (status == 0) {
+      a->state = NODE_MEMBER;
+      start_watch(a);
+      schedule(a, a->lease_ttl_ms / 3);
+      return;
+    }
+    LOG_WARNF("cannot join the in-process coordinator; joining over gRPC", "error=\"%s\"", err);
+  }
   LOG_INFOF("joining the cluster", "node=%s coordinator=%s", d->options.node_name,
             d->options.coordinator);
   schedule(a, 0);
@@ -506,9 +554,12 @@ void node_stop(zdaemon *d) {
   node_agent *a = d->cluster;
   if (a == NULL || a->state == NODE_STOPPED)
     return;
-  int was_member = a->state == NODE_MEMBER;
+  /* The in-process coordinator is stopping too; a blocking Leave from the
+   * loop thread could not be answered (its handlers run on this loop). */
+  int was_member = a->state == NODE_MEMBER && d->coord == NULL;
   a->state = NODE_STOPPED;
-  store_grpc_stop(a->rendezvous);
+  if (d->coord == NULL)
+    store_grpc_stop(a->rendezvous);
   stop_watch(a);
   if (was_member) {
     Zerod__V1__LeaveRequest req = ZEROD__V1__LEAVE_REQUEST__INIT;

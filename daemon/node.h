@@ -23,11 +23,23 @@ struct daemon;
 struct store;
 
 /* Creates the agent and the rendezvous store that talks to the coordinator
- * (*rendezvous; the agent owns it). Nothing is sent yet. */
-int node_create(struct daemon *d, struct store **rendezvous, char *err, size_t err_bytes);
+ * (*rendezvous; the agent owns it), or uses local_store instead (zerod
+ * standalone: every rank is in this process; the agent owns it too).
+ * Nothing is sent yet. */
+int node_create(struct daemon *d, struct store *local_store, struct store **rendezvous, char *err,
+                size_t err_bytes);
 
-/* Starts joining (loop thread, after the IPC socket is listening). */
+/* Starts joining (loop thread, after the IPC socket is listening); with the
+ * coordinator in this process (d->coord), joins it at once. */
 void node_start(struct daemon *d);
+
+/* A job's ranks are being built here: the coordinator hears as soon as they
+ * are ready (or failed). */
+void node_job_added(struct daemon *d);
+
+/* Sends a heartbeat now (unless one is in flight): the coordinator learns
+ * at once that a job has gone from this node. */
+void node_report(struct daemon *d);
 
 /* Shutdown, on the loop thread: leaves the cluster (one short blocking
  * call), stops the watch thread and closes the agent's handles. */

@@ -1,0 +1,111 @@
+"""zerod standalone runs the coordinator in-process: zerodctl and any gRPC
+client reach it on DIR/control.sock.
+
+The standalone daemon is a member of its own coordinator; jobs created by
+workers' attaches are listed there, jobs created with zerodctl are built by
+the daemon, and deleting a job fails its workers and removes it.
+"""
+
+import json
+import subprocess
+import time
+
+import grpc
+
+import ctlproto
+from conftest import binary, run_worker
+
+
+def zerodctl(daemon, *args, check=True):
+    proc = subprocess.run(
+        [binary("zerodctl"), "--coordinator", "unix:%s/control.sock" % daemon.dir] + list(args),
+        capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise AssertionError("zerodctl %s exited %d: %s%s\n%s" % (
+            " ".join(args), proc.returncode, proc.stdout, proc.stderr, daemon.read_log()))
+    return proc
+
+
+def jobs(daemon):
+    return {j["name"]: j for j in json.loads(zerodctl(daemon, "jobs", "list", "--json").stdout)["jobs"]}
+
+
+def wait_for(what, predicate, timeout_s=10):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for " + what)
+        time.sleep(0.05)
+
+
+def train(daemon, ranks, job="mlp", steps=5, extra=()):
+    """Runs `ranks` zerod-mlp-train workers to completion; returns rank 0's stdout."""
+    args = [binary("zerod-mlp-train"), "--socket", daemon.socket, "--job", job, "--steps",
+            str(steps), "--hidden", "64", "--batch", "8"] + list(extra)
+    others = [subprocess.Popen(args + ["--local-rank", str(r)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True) for r in range(1, ranks)]
+    out = run_worker(args + ["--local-rank", "0"], timeout=120)
+    for p in others:
+        assert p.wait(timeout=60) == 0, p.stderr.read()
+    return out.stdout
+
+
+def test_standalone_serves_the_control_plane(start_daemon):
+    d = start_daemon(ranks=2)
+    members = json.loads(zerodctl(d, "members", "--json").stdout)
+    assert len(members["members"]) == 1
+    assert members["members"][0]["ranks"] == 2
+    assert zerodctl(d, "health").stdout.strip() == "SERVING"
+    assert jobs(d) == {}
+
+    # An external client that only has the .proto files, on the unix socket.
+    pb = ctlproto.load()
+    with grpc.insecure_channel("unix:%s/control.sock" % d.dir) as channel:
+        health = pb.health_grpc.HealthStub(channel)
+        reply = health.Check(pb.health.HealthCheckRequest(service=""), timeout=10)
+        assert reply.status == pb.health.HealthCheckResponse.SERVING
+
+
+def test_jobs_created_by_workers_are_listed(start_daemon):
+    d = start_daemon(ranks=2)
+    out = train(d, 2, steps=6)
+    assert "done: 6 steps" in out
+    listed = jobs(d)
+    assert set(listed) == {"mlp"}
+    job = listed["mlp"]
+    assert job["state"] == "ready", job
+    assert job["world_size"] == 2
+    # The step comes with the daemon's heartbeats (every lease TTL / 3).
+    wait_for("the step to be reported", lambda: jobs(d)["mlp"]["step"] == 6, timeout_s=15)
+
+
+def test_job_created_with_zerodctl_is_built_and_trains(start_daemon):
+    d = start_daemon(ranks=2)
+    created = json.loads(zerodctl(d, "jobs", "create", "ctl", "--ranks-per-node", "2",
+                                  "--token", "s3cret", "--json").stdout)
+    assert created["token"] == "s3cret"
+    wait_for("the job to be ready", lambda: jobs(d)["ctl"]["state"] == "ready")
+    out = train(d, 2, job="ctl", steps=3, extra=["--no-create", "--token", "s3cret"])
+    assert "done: 3 steps" in out
+    # The wrong token is refused by the daemon that built the job.
+    bad = run_worker([binary("zerod-mlp-train"), "--socket", d.socket, "--job", "ctl",
+                      "--no-create", "--token", "wrong", "--steps", "1", "--hidden", "64",
+                      "--batch", "8"], check=False)
+    assert bad.returncode != 0
+    assert "token" in bad.stderr
+
+
+def test_deleted_job_goes_and_its_name_can_be_reused(start_daemon):
+    d = start_daemon(ranks=1)
+    train(d, 1, job="gone", steps=2)
+    first_id = jobs(d)["gone"]["id"]
+    assert "deleted job gone" in zerodctl(d, "jobs", "delete", "gone").stdout
+    # Nobody is attached: the daemon drops it at once and reports so.
+    wait_for("the deletion to complete", lambda: "gone" not in jobs(d), timeout_s=10)
+    assert 'msg="job removed" job=gone' in d.read_log()
+    # A new attach makes a new job, not the deleted one back.
+    train(d, 1, job="gone", steps=2)
+    assert jobs(d)["gone"]["id"] != first_id
