@@ -13,7 +13,8 @@
  * memory of the rank's device, collectives enqueued on the rank's stream and
  * waited for before the call returns, so the blocking contract above holds
  * for both). Errors are negative errno values; the last error's text is kept
- * per communicator (comm_last_error). */
+ * per communicator (comm_last_error). Argument checks and the broken state
+ * are common to both backends (comm.c). */
 #ifndef ZEROD_COMM_H
 #define ZEROD_COMM_H
 
@@ -43,9 +44,12 @@ struct zk_cuda_api;
 
 /* Creates an NCCL communicator for a GPU rank whose device is current on the
  * calling thread. Rank 0 puts a fresh ncclUniqueId under the prefix in the
- * store, the others wait for it; then it waits (up to the timeout) for the
- * communicator to connect. stream (a cudaStream_t) carries every
- * collective. -ENOSYS where NCCL is not available. */
+ * store ("<prefix>/nccl-id"), the others wait for it; then it waits (up to
+ * the timeout, for the whole rendezvous) for the communicator to connect.
+ * stream (a cudaStream_t, the caller's, which must outlive the
+ * communicator) carries every collective. -ENODEV when api is NULL (no CUDA
+ * module), -EPROTO for a module older than API version 2, -ENOSYS where
+ * NCCL is not available, -ETIMEDOUT when a rank does not come. */
 int comm_nccl_create(const comm_options *options, store *st, const struct zk_cuda_api *api,
                      void *stream, comm **out, char *err, size_t err_bytes);
 
@@ -57,7 +61,10 @@ int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank
  * world_size * shard_numel floats, recv receives this rank's shard (the sum
  * of every rank's [rank * shard_numel, (rank+1) * shard_numel) slice),
  * added in rank order, ((g0 + g1) + g2) + ..., so the result is the same
- * bits as a sequential sum in one process. send is not modified. */
+ * bits as a sequential sum in one process (Gloo backend; the NCCL backend
+ * sums in NCCL's order, which depends on its algorithm and the topology, so
+ * its fp32 results may differ from those in the last bits). send is not
+ * modified. */
 int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_numel);
 
 /* In place. */

@@ -6,11 +6,13 @@
  * full-mesh context per communicator, and runs the collectives: Gloo's own
  * all-gather, all-reduce, broadcast and barrier, and a reduce-scatter of
  * ours written on Gloo's unbound buffers (this Gloo has no options-based
- * reduce-scatter) that sums in rank order. Every C++ exception is caught at the extern "C" boundary
- * and turned into a negative errno and a message kept in the communicator;
- * after the first failure the communicator is broken and its connections are
- * closed, so that peers fail fast instead of waiting out their timeouts and
- * no late transfer can write into a buffer the caller has taken back.
+ * reduce-scatter) that sums in rank order. comm.c checks the arguments and
+ * calls these through the backend's table (comm_impl.h). Every C++
+ * exception is caught before it can reach C and turned into a negative
+ * errno and a message kept in the communicator; after the first failure the
+ * communicator is broken and its connections are closed (the abort
+ * operation), so that peers fail fast instead of waiting out their timeouts
+ * and no late transfer can write into a buffer the caller has taken back.
  *
  * Gloo's behaviour this code relies on (Gloo 2022-05, TCP transport):
  *  - A wait that times out throws gloo::IoException ("Timed out waiting ...")
@@ -48,8 +50,8 @@
 
 /* The C headers have no extern "C" guards of their own (the rest of zerod is
  * C), so the linkage is given here. */
+#include "comm_impl.h"
 extern "C" {
-#include "comm.h"
 #include "store.h"
 }
 
@@ -57,11 +59,6 @@ namespace {
 
 using std::chrono::milliseconds;
 using steady_clock = std::chrono::steady_clock;
-
-/* Limits on the options, checked before anything is allocated. */
-constexpr int kMaxWorldSize = 65536;
-constexpr size_t kMaxPrefixBytes = 512;
-constexpr int kMaxTimeoutMs = 24 * 3600 * 1000;
 
 /* Our slots live under a prefix byte that Gloo's algorithms do not use
  * (gloo/types.h takes 0x01..0x08). Reusing the
@@ -74,26 +71,22 @@ constexpr uint64_t kReduceScatterSlotBase = uint64_t{0x40} << 56;
  * comm_gloo_create returns within about timeout_ms. */
 constexpr int kConnectTimeoutDivisor = 5;
 
-} // namespace
-
-/* The communicator. The C side sees it as opaque; it is allocated with new
- * and freed by comm_destroy. The device is declared before the context so
- * that the context (whose pairs point into the device) is destroyed first. */
-struct comm {
-  int rank = 0;
-  int world_size = 0;
-  int timeout_ms = 0;
+/* The communicator: the common part (comm_impl.h) as its base, so that the
+ * C side's comm * is a GlooComm * after a static_cast. Allocated with new,
+ * freed by the destroy operation. The device is declared before the context
+ * so that the context (whose pairs point into the device) is destroyed
+ * first. */
+struct GlooComm : comm {
   std::shared_ptr<gloo::transport::Device> device;
   std::shared_ptr<gloo::rendezvous::Context> context;
-  /* 0, or the negative errno of the failure that broke the communicator. */
-  int broken_error = 0;
-  char last_error[512] = {0};
   /* Landing buffers of the reduce-scatter, grown on demand. */
   std::unique_ptr<float[]> scratch;
   size_t scratch_numel = 0;
 };
 
-namespace {
+GlooComm *gloo_of(comm *c) {
+  return static_cast<GlooComm *>(c);
+}
 
 /* ---- errors ------------------------------------------------------------- */
 
@@ -114,34 +107,20 @@ struct StoreFailure : std::runtime_error {
   std::string key;
 };
 
-void format_into(char *buf, size_t buf_bytes, const char *fmt, va_list ap) {
-  if (buf == nullptr || buf_bytes == 0)
-    return;
-  vsnprintf(buf, buf_bytes, fmt, ap);
-}
-
-/* Closes every connection of a communicator that has failed. After a
- * timeout Gloo has already done so; after any other failure this tells the
- * peers at once (they see "connection closed") instead of letting them wait
- * out their timeouts, and it guarantees that no transfer still queued can
- * touch the caller's buffers once we have returned. */
-void close_connections(comm *c) noexcept {
+/* The abort operation: closes every connection of a communicator that has
+ * failed (comm_break calls it). After a timeout Gloo has already done so;
+ * after any other failure this tells the peers at once (they see
+ * "connection closed") instead of letting them wait out their timeouts, and
+ * it guarantees that no transfer still queued can touch the caller's
+ * buffers once we have returned. */
+void close_connections(comm *base) noexcept {
+  GlooComm *c = gloo_of(base);
   try {
     if (c->context)
       c->context->closeConnections();
   } catch (...) {
     /* A context whose transport never came up has nothing to close. */
   }
-}
-
-__attribute__((format(printf, 3, 4))) int break_comm(comm *c, int error, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  format_into(c->last_error, sizeof c->last_error, fmt, ap);
-  va_end(ap);
-  c->broken_error = error;
-  close_connections(c);
-  return error;
 }
 
 bool contains(const std::string &haystack, const char *needle) {
@@ -165,7 +144,7 @@ std::string strip_gloo_location(const std::string &what) {
 
 /* Classifies a Gloo failure during a collective and breaks the communicator
  * with a message that names the peer where the algorithm lets us. */
-int fail_from_gloo(comm *c, const char *op_name, const std::string &what, const PeerHint &hint,
+int fail_from_gloo(GlooComm *c, const char *op_name, const std::string &what, const PeerHint &hint,
                    steady_clock::time_point started) {
   const auto elapsed_ms =
       std::chrono::duration_cast<milliseconds>(steady_clock::now() - started).count();
@@ -178,24 +157,25 @@ int fail_from_gloo(comm *c, const char *op_name, const std::string &what, const 
     else if (hint.recv_rank == hint.send_rank)
       peer = hint.recv_rank;
     if (peer >= 0)
-      return break_comm(c, -ETIMEDOUT,
+      return comm_break(c, -ETIMEDOUT,
                         "%s: timed out after %d ms waiting for rank %d (peer dead or not calling)",
                         op_name, c->timeout_ms, peer);
-    return break_comm(c, -ETIMEDOUT,
+    return comm_break(c, -ETIMEDOUT,
                       "%s: timed out after %d ms waiting for a peer (a rank is dead or not "
                       "calling)",
                       op_name, c->timeout_ms);
   }
   const std::string detail = strip_gloo_location(what);
   if (contains(what, "closed") || contains(what, "reset"))
-    return break_comm(c, -ECONNRESET, "%s: connection to a peer lost (%s)", op_name,
+    return comm_break(c, -ECONNRESET, "%s: connection to a peer lost (%s)", op_name,
                       detail.c_str());
-  return break_comm(c, -EIO, "%s: transport error (%s)", op_name, detail.c_str());
+  return comm_break(c, -EIO, "%s: transport error (%s)", op_name, detail.c_str());
 }
 
 /* Runs one collective: fails fast on a broken communicator, and turns every
  * exception into an errno, so that none crosses into C. */
-template <typename Body> int run_collective(comm *c, const char *op_name, Body &&body) noexcept {
+template <typename Body>
+int run_collective(GlooComm *c, const char *op_name, Body &&body) noexcept {
   if (c->broken_error != 0)
     return c->broken_error;
   const auto started = steady_clock::now();
@@ -210,14 +190,14 @@ template <typename Body> int run_collective(comm *c, const char *op_name, Body &
      * whose connection has already failed. */
     return fail_from_gloo(c, op_name, e.what(), hint, started);
   } catch (const std::bad_alloc &) {
-    return break_comm(c, -ENOMEM, "%s: out of memory", op_name);
+    return comm_break(c, -ENOMEM, "%s: out of memory", op_name);
   } catch (const std::system_error &e) {
     int error = e.code().value() > 0 ? -e.code().value() : -EIO;
-    return break_comm(c, error, "%s: %s", op_name, e.what());
+    return comm_break(c, error, "%s: %s", op_name, e.what());
   } catch (const std::exception &e) {
     return fail_from_gloo(c, op_name, e.what(), hint, started);
   } catch (...) {
-    return break_comm(c, -EIO, "%s: unknown C++ exception", op_name);
+    return comm_break(c, -EIO, "%s: unknown C++ exception", op_name);
   }
 }
 
@@ -297,7 +277,7 @@ int rank_of_store_key(const std::string &key) {
     return -1;
   char *end = nullptr;
   long rank = strtol(digits, &end, 10);
-  if (*end != '\0' || rank < 0 || rank > kMaxWorldSize)
+  if (*end != '\0' || rank < 0 || rank > COMM_MAX_WORLD_SIZE)
     return -1;
   return static_cast<int>(rank);
 }
@@ -314,47 +294,10 @@ public:
   }
 };
 
-__attribute__((format(printf, 3, 4))) void create_error(char *err, size_t err_bytes,
-                                                        const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  format_into(err, err_bytes, fmt, ap);
-  va_end(ap);
-}
-
-int check_options(const comm_options *options, store *st, comm **out, char *err, size_t err_bytes) {
-  if (options == nullptr || st == nullptr || st->ops == nullptr || out == nullptr) {
-    create_error(err, err_bytes, "create: options, store and out must not be NULL");
-    return -EINVAL;
-  }
-  if (options->prefix == nullptr || options->prefix[0] == '\0' ||
-      strnlen(options->prefix, kMaxPrefixBytes + 1) > kMaxPrefixBytes) {
-    create_error(err, err_bytes, "create: prefix must be a non-empty string of at most %zu bytes",
-                 kMaxPrefixBytes);
-    return -EINVAL;
-  }
-  if (options->world_size < 1 || options->world_size > kMaxWorldSize) {
-    create_error(err, err_bytes, "create: world_size %d is outside [1, %d]", options->world_size,
-                 kMaxWorldSize);
-    return -EINVAL;
-  }
-  if (options->rank < 0 || options->rank >= options->world_size) {
-    create_error(err, err_bytes, "create: rank %d is outside [0, %d)", options->rank,
-                 options->world_size);
-    return -EINVAL;
-  }
-  if (options->timeout_ms < 1 || options->timeout_ms > kMaxTimeoutMs) {
-    create_error(err, err_bytes, "create: timeout_ms %d is outside [1, %d]", options->timeout_ms,
-                 kMaxTimeoutMs);
-    return -EINVAL;
-  }
-  return 0;
-}
-
 /* Connects the full mesh, then (after a barrier, when every rank has read
  * every key) lets rank 0 delete the rendezvous keys so that a long-lived
  * store does not grow by a few keys per job and epoch. */
-void connect_mesh(comm *c, const comm_options *options, store *st, const char *hostname) {
+void connect_mesh(GlooComm *c, const comm_options *options, store *st, const char *hostname) {
   const auto deadline = steady_clock::now() + milliseconds(options->timeout_ms);
   gloo::transport::tcp::attr attr;
   attr.hostname = hostname;
@@ -412,7 +355,7 @@ milliseconds remaining_until(steady_clock::time_point deadline) {
  * lands. Each rank sends and receives (W-1)/W of the buffer, the same
  * volume as a ring, over W-1 connections at once. No deadlock: every send
  * is posted before any receive is waited for. */
-void ordered_reduce_scatter_f32(comm *c, float *send, float *scratch, float *recv,
+void ordered_reduce_scatter_f32(GlooComm *c, float *send, float *scratch, float *recv,
                                 size_t shard_numel, PeerHint &hint) {
   const auto &context = c->context;
   const int world = c->world_size;
@@ -484,7 +427,7 @@ template <typename T> ReduceFn reduce_fn(comm_op op) {
   return nullptr;
 }
 
-template <typename T> void all_reduce_typed(comm *c, void *buf, size_t count, comm_op op) {
+template <typename T> void all_reduce_typed(GlooComm *c, void *buf, size_t count, comm_op op) {
   gloo::AllreduceOptions options(c->context);
   options.setOutput(static_cast<T *>(buf), count);
   options.setReduceFunction(reduce_fn<T>(op));
@@ -492,112 +435,16 @@ template <typename T> void all_reduce_typed(comm *c, void *buf, size_t count, co
   gloo::allreduce(options);
 }
 
-size_t dtype_bytes(comm_dtype dtype) {
-  switch (dtype) {
-  case COMM_F32:
-    return sizeof(float);
-  case COMM_F64:
-    return sizeof(double);
-  case COMM_U8:
-    return sizeof(uint8_t);
-  case COMM_I64:
-    return sizeof(int64_t);
-  }
-  return 0;
-}
+/* ---- the operations ---------------------------------------------------------- */
 
-bool ranges_overlap(const void *a, size_t a_bytes, const void *b, size_t b_bytes) {
-  auto a_begin = reinterpret_cast<uintptr_t>(a), b_begin = reinterpret_cast<uintptr_t>(b);
-  return a_begin < b_begin + b_bytes && b_begin < a_begin + a_bytes;
-}
+/* comm.c has checked the arguments (comm_impl.h); what is left is Gloo. */
 
-} // namespace
-
-/* ---- the C interface -------------------------------------------------------- */
-
-extern "C" int comm_gloo_create(const comm_options *options, store *st, comm **out, char *err,
-                                size_t err_bytes) {
-  if (err != nullptr && err_bytes > 0)
-    err[0] = '\0';
-  int rc = check_options(options, st, out, err, err_bytes);
-  if (rc != 0)
-    return rc;
-  *out = nullptr;
-
-  comm *c = new (std::nothrow) comm;
-  if (c == nullptr) {
-    create_error(err, err_bytes, "create: out of memory");
-    return -ENOMEM;
-  }
-  c->rank = options->rank;
-  c->world_size = options->world_size;
-  c->timeout_ms = options->timeout_ms;
-  const char *hostname = options->hostname != nullptr ? options->hostname : "127.0.0.1";
-
-  rc = 0;
-  try {
-    connect_mesh(c, options, st, hostname);
-  } catch (const StoreFailure &e) {
-    int peer = rank_of_store_key(e.key);
-    if (e.error == -ETIMEDOUT && peer >= 0)
-      create_error(err, err_bytes, "rendezvous: timed out after %d ms waiting for rank %d",
-                   options->timeout_ms, peer);
-    else if (e.error == -ETIMEDOUT)
-      create_error(err, err_bytes, "rendezvous: timed out after %d ms waiting for key '%s'",
-                   options->timeout_ms, e.key.c_str());
-    else
-      create_error(err, err_bytes, "rendezvous: %s", e.what());
-    rc = e.error;
-  } catch (const std::bad_alloc &) {
-    create_error(err, err_bytes, "create: out of memory");
-    rc = -ENOMEM;
-  } catch (const std::system_error &e) {
-    create_error(err, err_bytes, "create: %s", e.what());
-    rc = e.code().value() > 0 ? -e.code().value() : -EIO;
-  } catch (const std::exception &e) {
-    const std::string detail = strip_gloo_location(e.what());
-    if (is_timeout_message(e.what())) {
-      create_error(err, err_bytes, "rendezvous: timed out after %d ms connecting to peers (%s)",
-                   options->timeout_ms, detail.c_str());
-      rc = -ETIMEDOUT;
-    } else {
-      create_error(err, err_bytes, "rendezvous: %s", detail.c_str());
-      rc = -EIO;
-    }
-  } catch (...) {
-    create_error(err, err_bytes, "create: unknown C++ exception");
-    rc = -EIO;
-  }
-  if (rc != 0) {
-    comm_destroy(c);
-    return rc;
-  }
-  *out = c;
-  return 0;
-}
-
-extern "C" int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank) {
-  if (c == nullptr)
-    return -EINVAL;
-  if (c->broken_error != 0)
-    return c->broken_error;
-  if (bytes_per_rank == 0)
-    return 0;
-  if (send == nullptr || recv == nullptr)
-    return break_comm(c, -EINVAL, "all_gather: send and recv must not be NULL");
-  if (bytes_per_rank > SIZE_MAX / static_cast<size_t>(c->world_size))
-    return break_comm(c, -EOVERFLOW, "all_gather: %zu bytes per rank times %d ranks overflows",
-                      bytes_per_rank, c->world_size);
+int gloo_all_gather(comm *base, const void *send, void *recv, size_t bytes_per_rank) {
+  GlooComm *c = gloo_of(base);
   const size_t gathered_bytes = bytes_per_rank * static_cast<size_t>(c->world_size);
   uint8_t *gathered = static_cast<uint8_t *>(recv);
   uint8_t *own_slice = gathered + static_cast<size_t>(c->rank) * bytes_per_rank;
-  /* In place means send is our own slice of recv; a send that overlaps recv
-   * anywhere else would be overwritten by the peers' data while in use. */
   const bool in_place = send == own_slice;
-  if (!in_place && ranges_overlap(send, bytes_per_rank, recv, gathered_bytes))
-    return break_comm(c, -EINVAL,
-                      "all_gather: send overlaps recv but is not this rank's slice (rank %d)",
-                      c->rank);
 
   return run_collective(c, "all_gather", [&](PeerHint &hint) {
     if (c->world_size == 1) {
@@ -618,31 +465,14 @@ extern "C" int comm_all_gather(comm *c, const void *send, void *recv, size_t byt
   });
 }
 
-extern "C" int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_numel) {
-  if (c == nullptr)
-    return -EINVAL;
-  if (c->broken_error != 0)
-    return c->broken_error;
-  if (shard_numel == 0)
-    return 0;
-  if (send == nullptr || recv == nullptr)
-    return break_comm(c, -EINVAL, "reduce_scatter: send and recv must not be NULL");
-  const size_t world = static_cast<size_t>(c->world_size);
-  if (shard_numel > SIZE_MAX / sizeof(float) / world)
-    return break_comm(c, -EOVERFLOW,
-                      "reduce_scatter: %zu floats per shard times %zu ranks overflows", shard_numel,
-                      world);
+int gloo_reduce_scatter_f32(comm *base, float *send, float *recv, size_t shard_numel) {
+  GlooComm *c = gloo_of(base);
   const size_t shard_bytes = shard_numel * sizeof(float);
   /* recv doubles as the receive scratch. A recv that is this rank's own
    * shard of send (in place) cannot, since that shard is still an input
-   * until the last step, so it gets a scratch of its own; any other overlap
-   * would corrupt chunks still in flight. */
+   * until the last step, so it gets a scratch of its own. */
   float *own_shard = send + static_cast<size_t>(c->rank) * shard_numel;
   const bool in_place = recv == own_shard;
-  if (!in_place && ranges_overlap(send, shard_bytes * world, recv, shard_bytes))
-    return break_comm(c, -EINVAL,
-                      "reduce_scatter: recv overlaps send but is not this rank's shard (rank %d)",
-                      c->rank);
 
   return run_collective(c, "reduce_scatter", [&](PeerHint &hint) {
     if (c->world_size == 1) {
@@ -669,23 +499,8 @@ extern "C" int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t
   });
 }
 
-extern "C" int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op) {
-  if (c == nullptr)
-    return -EINVAL;
-  if (c->broken_error != 0)
-    return c->broken_error;
-  const size_t element_bytes = dtype_bytes(dtype);
-  if (element_bytes == 0)
-    return break_comm(c, -EINVAL, "all_reduce: unknown dtype %d", static_cast<int>(dtype));
-  if (op != COMM_SUM && op != COMM_MAX && op != COMM_MIN)
-    return break_comm(c, -EINVAL, "all_reduce: unknown op %d", static_cast<int>(op));
-  if (count == 0)
-    return 0;
-  if (buf == nullptr)
-    return break_comm(c, -EINVAL, "all_reduce: buf must not be NULL");
-  if (count > SIZE_MAX / element_bytes)
-    return break_comm(c, -EOVERFLOW, "all_reduce: %zu elements overflow", count);
-
+int gloo_all_reduce(comm *base, void *buf, size_t count, comm_dtype dtype, comm_op op) {
+  GlooComm *c = gloo_of(base);
   return run_collective(c, "all_reduce", [&](PeerHint &) {
     if (c->world_size == 1)
       return;
@@ -706,18 +521,8 @@ extern "C" int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtyp
   });
 }
 
-extern "C" int comm_broadcast(comm *c, void *buf, size_t bytes, int root) {
-  if (c == nullptr)
-    return -EINVAL;
-  if (c->broken_error != 0)
-    return c->broken_error;
-  if (root < 0 || root >= c->world_size)
-    return break_comm(c, -EINVAL, "broadcast: root %d is outside [0, %d)", root, c->world_size);
-  if (bytes == 0)
-    return 0;
-  if (buf == nullptr)
-    return break_comm(c, -EINVAL, "broadcast: buf must not be NULL");
-
+int gloo_broadcast(comm *base, void *buf, size_t bytes, int root) {
+  GlooComm *c = gloo_of(base);
   return run_collective(c, "broadcast", [&](PeerHint &hint) {
     if (c->world_size == 1)
       return;
@@ -733,9 +538,8 @@ extern "C" int comm_broadcast(comm *c, void *buf, size_t bytes, int root) {
   });
 }
 
-extern "C" int comm_barrier(comm *c) {
-  if (c == nullptr)
-    return -EINVAL;
+int gloo_barrier(comm *base) {
+  GlooComm *c = gloo_of(base);
   return run_collective(c, "barrier", [&](PeerHint &hint) {
     if (c->world_size == 1)
       return;
@@ -747,24 +551,11 @@ extern "C" int comm_barrier(comm *c) {
   });
 }
 
-extern "C" int comm_rank(const comm *c) {
-  return c != nullptr ? c->rank : -EINVAL;
-}
-
-extern "C" int comm_world_size(const comm *c) {
-  return c != nullptr ? c->world_size : -EINVAL;
-}
-
-extern "C" const char *comm_last_error(const comm *c) {
-  return c != nullptr ? c->last_error : "comm: NULL communicator";
-}
-
 /* Gloo's destructors close the sockets and join the device's event-loop
  * thread (which wakes every 10 ms); none of them waits for a peer, so this
  * returns promptly even after a timeout or a peer's death. */
-extern "C" void comm_destroy(comm *c) {
-  if (c == nullptr)
-    return;
+void gloo_destroy(comm *base) {
+  GlooComm *c = gloo_of(base);
   try {
     c->context.reset();
     c->device.reset();
@@ -773,4 +564,86 @@ extern "C" void comm_destroy(comm *c) {
      * rather than the process. */
   }
   delete c;
+}
+
+/* Filled field by field (C++17 has no designated initialisers, and
+ * positional ones would shift silently if comm_ops gained a field), at
+ * compile time, so the table exists before any constructor runs. */
+constexpr comm_ops make_gloo_ops() {
+  comm_ops ops{};
+  ops.name = "gloo";
+  ops.all_gather = gloo_all_gather;
+  ops.reduce_scatter_f32 = gloo_reduce_scatter_f32;
+  ops.all_reduce = gloo_all_reduce;
+  ops.broadcast = gloo_broadcast;
+  ops.barrier = gloo_barrier;
+  ops.abort = close_connections;
+  ops.destroy = gloo_destroy;
+  return ops;
+}
+
+constexpr comm_ops kGlooOps = make_gloo_ops();
+
+} // namespace
+
+/* ---- the C interface -------------------------------------------------------- */
+
+extern "C" int comm_gloo_create(const comm_options *options, store *st, comm **out, char *err,
+                                size_t err_bytes) {
+  if (err != nullptr && err_bytes > 0)
+    err[0] = '\0';
+  int rc = comm_check_options(options, st, out, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  *out = nullptr;
+
+  GlooComm *c = new (std::nothrow) GlooComm();
+  if (c == nullptr) {
+    comm_format_error(err, err_bytes, "create: out of memory");
+    return -ENOMEM;
+  }
+  comm_init_base(c, &kGlooOps, options);
+  const char *hostname = options->hostname != nullptr ? options->hostname : "127.0.0.1";
+
+  rc = 0;
+  try {
+    connect_mesh(c, options, st, hostname);
+  } catch (const StoreFailure &e) {
+    int peer = rank_of_store_key(e.key);
+    if (e.error == -ETIMEDOUT && peer >= 0)
+      comm_format_error(err, err_bytes, "rendezvous: timed out after %d ms waiting for rank %d",
+                        options->timeout_ms, peer);
+    else if (e.error == -ETIMEDOUT)
+      comm_format_error(err, err_bytes, "rendezvous: timed out after %d ms waiting for key '%s'",
+                        options->timeout_ms, e.key.c_str());
+    else
+      comm_format_error(err, err_bytes, "rendezvous: %s", e.what());
+    rc = e.error;
+  } catch (const std::bad_alloc &) {
+    comm_format_error(err, err_bytes, "create: out of memory");
+    rc = -ENOMEM;
+  } catch (const std::system_error &e) {
+    comm_format_error(err, err_bytes, "create: %s", e.what());
+    rc = e.code().value() > 0 ? -e.code().value() : -EIO;
+  } catch (const std::exception &e) {
+    const std::string detail = strip_gloo_location(e.what());
+    if (is_timeout_message(e.what())) {
+      comm_format_error(err, err_bytes,
+                        "rendezvous: timed out after %d ms connecting to peers (%s)",
+                        options->timeout_ms, detail.c_str());
+      rc = -ETIMEDOUT;
+    } else {
+      comm_format_error(err, err_bytes, "rendezvous: %s", detail.c_str());
+      rc = -EIO;
+    }
+  } catch (...) {
+    comm_format_error(err, err_bytes, "create: unknown C++ exception");
+    rc = -EIO;
+  }
+  if (rc != 0) {
+    comm_destroy(c);
+    return rc;
+  }
+  *out = c;
+  return 0;
 }

@@ -28,6 +28,11 @@
  * everything else. */
 int zkc_fail(cudaError_t err, const char *what);
 
+/* Records a message of the caller's (a failure that is not a cudaError_t:
+ * NCCL's, a bad argument) as the calling thread's last error and returns
+ * error, a negative errno value. */
+__attribute__((format(printf, 2, 3))) int zkc_fail_text(int error, const char *fmt, ...);
+
 /* Returns zkc_fail(...) from the enclosing function when a CUDA call fails. */
 #define ZKC_CHECK(call)                                                                            \
   do {                                                                                             \
@@ -188,5 +193,39 @@ int zkc_quantize(void *stream, const zk_qformat *fmt, const float *x, size_t num
                  size_t out_bytes, int *nonfinite_dev);
 int zkc_dequantize(void *stream, const zk_qformat *fmt, const void *in, size_t in_bytes, float *y,
                    size_t numel);
+
+/* device.cu: the version 2 device entries */
+int zkc_get_device(int *device_out);
+int zkc_stream_create(void **stream_out);
+int zkc_stream_destroy(void *stream);
+int zkc_event_create(void **event_out, int interprocess);
+int zkc_event_destroy(void *event);
+int zkc_event_record(void *event, void *stream);
+int zkc_event_query(void *event);
+int zkc_event_synchronize(void *event);
+int zkc_stream_wait_event(void *stream, void *event);
+int zkc_copy_to_host_async(void *dst_host, const void *src_dev, size_t bytes, void *stream);
+int zkc_copy_to_device_async(void *dst_dev, const void *src_host, size_t bytes, void *stream);
+int zkc_memset_async(void *dst_dev, int value, size_t bytes, void *stream);
+int zkc_ipc_mem_handle(void *dev_ptr, void *handle_out);
+int zkc_ipc_mem_open(const void *handle, void **dev_ptr_out);
+int zkc_ipc_mem_close(void *dev_ptr);
+int zkc_ipc_event_handle(void *event, void *handle_out);
+int zkc_ipc_event_open(const void *handle, void **event_out);
+
+/* nccl.cu */
+int zkc_nccl_available(char *why, size_t why_len);
+int zkc_nccl_unique_id(void *id_out);
+int zkc_nccl_init(void **comm_out, int world_size, int rank, const void *unique_id);
+int zkc_nccl_status(void *comm);
+int zkc_nccl_all_gather(void *comm, const void *send, void *recv, size_t bytes_per_rank,
+                        void *stream);
+int zkc_nccl_reduce_scatter_f32(void *comm, const float *send, float *recv, size_t shard_numel,
+                                void *stream);
+int zkc_nccl_all_reduce(void *comm, void *buf, size_t count, zk_nccl_dtype dtype, zk_nccl_op op,
+                        void *stream);
+int zkc_nccl_broadcast(void *comm, void *buf, size_t bytes, int root, void *stream);
+int zkc_nccl_abort(void *comm);
+int zkc_nccl_destroy(void *comm);
 
 #endif /* ZK_CUDA_INTERNAL_H */

@@ -2,9 +2,12 @@
  * device and memory entries, and the zk_cuda_api table that
  * zk_cuda_get_api, the module's only exported symbol, hands out.
  *
- * The kernels themselves live in optim.cu, cast.cu, reduce.cu and quant.cu.
+ * The kernels themselves live in optim.cu, cast.cu, reduce.cu and quant.cu;
+ * streams, events, asynchronous copies and CUDA IPC in device.cu; NCCL in
+ * nccl.cu.
  */
 #include <dlfcn.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -25,6 +28,14 @@ int zkc_fail(cudaError_t err, const char *what) {
    * and every later call reports them, as it should). */
   (void)cudaGetLastError();
   return err == cudaErrorMemoryAllocation ? -ENOMEM : -EIO;
+}
+
+int zkc_fail_text(int error, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(zkc_last_error, sizeof zkc_last_error, fmt, ap);
+  va_end(ap);
+  return error;
 }
 
 static const char *zkc_get_last_error(void) {
@@ -177,6 +188,34 @@ static constexpr zk_cuda_api zkc_make_api() {
   api.sumsq = zkc_sumsq;
   api.quantize = zkc_quantize;
   api.dequantize = zkc_dequantize;
+  /* Version 2. */
+  api.get_device = zkc_get_device;
+  api.stream_create = zkc_stream_create;
+  api.stream_destroy = zkc_stream_destroy;
+  api.event_create = zkc_event_create;
+  api.event_destroy = zkc_event_destroy;
+  api.event_record = zkc_event_record;
+  api.event_query = zkc_event_query;
+  api.event_synchronize = zkc_event_synchronize;
+  api.stream_wait_event = zkc_stream_wait_event;
+  api.copy_to_host_async = zkc_copy_to_host_async;
+  api.copy_to_device_async = zkc_copy_to_device_async;
+  api.memset_async = zkc_memset_async;
+  api.ipc_mem_handle = zkc_ipc_mem_handle;
+  api.ipc_mem_open = zkc_ipc_mem_open;
+  api.ipc_mem_close = zkc_ipc_mem_close;
+  api.ipc_event_handle = zkc_ipc_event_handle;
+  api.ipc_event_open = zkc_ipc_event_open;
+  api.nccl_available = zkc_nccl_available;
+  api.nccl_unique_id = zkc_nccl_unique_id;
+  api.nccl_init = zkc_nccl_init;
+  api.nccl_status = zkc_nccl_status;
+  api.nccl_all_gather = zkc_nccl_all_gather;
+  api.nccl_reduce_scatter_f32 = zkc_nccl_reduce_scatter_f32;
+  api.nccl_all_reduce = zkc_nccl_all_reduce;
+  api.nccl_broadcast = zkc_nccl_broadcast;
+  api.nccl_abort = zkc_nccl_abort;
+  api.nccl_destroy = zkc_nccl_destroy;
   return api;
 }
 

@@ -18,7 +18,12 @@
  *   cleared by the kernel;
  * - sum_dev (double *): the sum of squares is added to *sum_dev.
  * Every entry returns 0 or a negative errno value; last_error() describes the
- * most recent CUDA failure of the calling thread.
+ * most recent failure (CUDA's, NCCL's, or a refused argument) of the calling
+ * thread.
+ *
+ * Version 2 adds what the CUDA device backend and the NCCL comm backend
+ * need: streams, events, asynchronous copies, CUDA IPC handles, and NCCL
+ * (opened with dlopen by the module, so nothing links libnccl).
  */
 #ifndef ZK_CUDA_H
 #define ZK_CUDA_H
@@ -105,15 +110,20 @@ typedef struct zk_cuda_api {
   int (*ipc_event_open)(const void *handle, void **event_out);
 
   /* NCCL. The module opens libnccl.so.2 on first use (dlopen, so that the
-   * kernels work where NCCL is not installed); nccl_available says whether
-   * it could, and why not. Communicators are created non-blocking
+   * kernels work where NCCL is not installed; $ZEROD_NCCL_LIBRARY names
+   * another file) and needs NCCL 2.14 or newer; nccl_available says whether
+   * it could, and writes why not (or, on success, which NCCL it loaded) to
+   * why. A module built without nccl.h answers -ENOSYS to every NCCL entry.
+   * Communicators are created non-blocking
    * (ncclConfig_t.blocking = 0): nccl_init returns at once and nccl_status
    * tells when the communicator is ready (0), still connecting (-EAGAIN) or
    * failed (another negative errno; last_error says why). Collectives only
    * enqueue on `stream`; completion is an event recorded after them, and a
-   * peer that died shows as nccl_status failing. nccl_abort frees a
-   * communicator in any state without waiting for peers; nccl_destroy
-   * finalizes a healthy one. */
+   * peer that died shows as nccl_status failing (-ECONNRESET for NCCL's
+   * remote errors, -EIO for the rest). nccl_abort frees a communicator in
+   * any state without waiting for peers; nccl_destroy finalizes a healthy
+   * one and frees it, aborting it instead if finalizing fails or takes more
+   * than 10 s: either way the communicator is gone when it returns. */
   int (*nccl_available)(char *why, size_t why_len); /* 0 or -ENOSYS */
   int (*nccl_unique_id)(void *id_out);
   int (*nccl_init)(void **comm_out, int world_size, int rank, const void *unique_id);

@@ -639,8 +639,7 @@ static const char *perms_at(const void *addr, const fake_daemon *fake, const cha
 
 /* How many mappings of this process map the fake's memfd `name`: the
  * fake's own, plus libzerod's. */
-static int mappings_of(const fake_daemon *fake, const char *name) {
-  const char *needle = memfd_name(fake, name);
+static int count_mappings(const char *needle) {
   FILE *maps = fopen("/proc/self/maps", "r");
   assert_non_null(maps);
   char line[512];
@@ -648,6 +647,21 @@ static int mappings_of(const fake_daemon *fake, const char *name) {
   while (fgets(line, sizeof line, maps) != NULL)
     count += strstr(line, needle) != NULL;
   fclose(maps);
+  return count;
+}
+
+/* /proc/self/maps is read a page at a time, and a mapping that the fake
+ * daemon's thread adds or removes meanwhile can make a line appear twice or
+ * not at all: count until two reads agree. */
+static int mappings_of(const fake_daemon *fake, const char *name) {
+  const char *needle = memfd_name(fake, name);
+  int count = count_mappings(needle);
+  for (int tries = 0; tries < 10; tries++) {
+    int again = count_mappings(needle);
+    if (again == count)
+      break;
+    count = again;
+  }
   return count;
 }
 

@@ -1,0 +1,209 @@
+/* comm.c - the public face of comm.h: argument checks, the broken state and
+ * the dispatch to a backend (comm_gloo.cc, comm_nccl.c) through its table.
+ *
+ * Checks that do not depend on the transport live here once, so that both
+ * backends reject the same calls with the same messages. A bad argument
+ * breaks the communicator like any other failure: the peers have made (or
+ * will make) the call this rank refused, so the ranks are out of step and no
+ * later collective could be trusted. */
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "comm_impl.h"
+
+/* ---- shared by the backends ---------------------------------------------- */
+
+void comm_init_base(comm *c, const comm_ops *ops, const comm_options *options) {
+  c->ops = ops;
+  c->rank = options->rank;
+  c->world_size = options->world_size;
+  c->timeout_ms = options->timeout_ms;
+  c->broken_error = 0;
+  c->last_error[0] = '\0';
+}
+
+int comm_break(comm *c, int error, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(c->last_error, sizeof c->last_error, fmt, ap);
+  va_end(ap);
+  const int was_broken = c->broken_error != 0;
+  c->broken_error = error;
+  if (!was_broken && c->ops->abort != NULL)
+    c->ops->abort(c);
+  return error;
+}
+
+void comm_format_error(char *err, size_t err_bytes, const char *fmt, ...) {
+  if (err == NULL || err_bytes == 0)
+    return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(err, err_bytes, fmt, ap);
+  va_end(ap);
+}
+
+int comm_check_options(const comm_options *options, const store *st, comm **out, char *err,
+                       size_t err_bytes) {
+  if (options == NULL || st == NULL || st->ops == NULL || out == NULL) {
+    comm_format_error(err, err_bytes, "create: options, store and out must not be NULL");
+    return -EINVAL;
+  }
+  if (options->prefix == NULL || options->prefix[0] == '\0' ||
+      strnlen(options->prefix, COMM_MAX_PREFIX_BYTES + 1) > COMM_MAX_PREFIX_BYTES) {
+    comm_format_error(err, err_bytes,
+                      "create: prefix must be a non-empty string of at most %d bytes",
+                      COMM_MAX_PREFIX_BYTES);
+    return -EINVAL;
+  }
+  if (options->world_size < 1 || options->world_size > COMM_MAX_WORLD_SIZE) {
+    comm_format_error(err, err_bytes, "create: world_size %d is outside [1, %d]",
+                      options->world_size, COMM_MAX_WORLD_SIZE);
+    return -EINVAL;
+  }
+  if (options->rank < 0 || options->rank >= options->world_size) {
+    comm_format_error(err, err_bytes, "create: rank %d is outside [0, %d)", options->rank,
+                      options->world_size);
+    return -EINVAL;
+  }
+  if (options->timeout_ms < 1 || options->timeout_ms > COMM_MAX_TIMEOUT_MS) {
+    comm_format_error(err, err_bytes, "create: timeout_ms %d is outside [1, %d]",
+                      options->timeout_ms, COMM_MAX_TIMEOUT_MS);
+    return -EINVAL;
+  }
+  return 0;
+}
+
+size_t comm_dtype_bytes(comm_dtype dtype) {
+  switch (dtype) {
+  case COMM_F32:
+    return sizeof(float);
+  case COMM_F64:
+    return sizeof(double);
+  case COMM_U8:
+    return sizeof(uint8_t);
+  case COMM_I64:
+    return sizeof(int64_t);
+  }
+  return 0;
+}
+
+/* Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte. Device
+ * pointers live in one unified address space with host pointers, so the
+ * test means the same for both backends. */
+static int ranges_overlap(const void *a, size_t a_bytes, const void *b, size_t b_bytes) {
+  uintptr_t a_begin = (uintptr_t)a, b_begin = (uintptr_t)b;
+  return a_begin < b_begin + b_bytes && b_begin < a_begin + a_bytes;
+}
+
+/* ---- the collectives ------------------------------------------------------ */
+
+int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank) {
+  if (c == NULL)
+    return -EINVAL;
+  if (c->broken_error != 0)
+    return c->broken_error;
+  if (bytes_per_rank == 0)
+    return 0;
+  if (send == NULL || recv == NULL)
+    return comm_break(c, -EINVAL, "all_gather: send and recv must not be NULL");
+  if (bytes_per_rank > SIZE_MAX / (size_t)c->world_size)
+    return comm_break(c, -EOVERFLOW, "all_gather: %zu bytes per rank times %d ranks overflows",
+                      bytes_per_rank, c->world_size);
+  const size_t gathered_bytes = bytes_per_rank * (size_t)c->world_size;
+  const uint8_t *own_slice = (const uint8_t *)recv + (size_t)c->rank * bytes_per_rank;
+  /* In place means send is our own slice of recv; a send that overlaps recv
+   * anywhere else would be overwritten by the peers' data while in use. */
+  if (send != own_slice && ranges_overlap(send, bytes_per_rank, recv, gathered_bytes))
+    return comm_break(c, -EINVAL,
+                      "all_gather: send overlaps recv but is not this rank's slice (rank %d)",
+                      c->rank);
+  return c->ops->all_gather(c, send, recv, bytes_per_rank);
+}
+
+int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_numel) {
+  if (c == NULL)
+    return -EINVAL;
+  if (c->broken_error != 0)
+    return c->broken_error;
+  if (shard_numel == 0)
+    return 0;
+  if (send == NULL || recv == NULL)
+    return comm_break(c, -EINVAL, "reduce_scatter: send and recv must not be NULL");
+  const size_t world = (size_t)c->world_size;
+  if (shard_numel > SIZE_MAX / sizeof(float) / world)
+    return comm_break(c, -EOVERFLOW,
+                      "reduce_scatter: %zu floats per shard times %zu ranks overflows", shard_numel,
+                      world);
+  const size_t shard_bytes = shard_numel * sizeof(float);
+  /* In place means recv is this rank's own shard of send; any other
+   * overlap would corrupt chunks still in flight. */
+  const float *own_shard = send + (size_t)c->rank * shard_numel;
+  if (recv != own_shard && ranges_overlap(send, shard_bytes * world, recv, shard_bytes))
+    return comm_break(c, -EINVAL,
+                      "reduce_scatter: recv overlaps send but is not this rank's shard (rank %d)",
+                      c->rank);
+  return c->ops->reduce_scatter_f32(c, send, recv, shard_numel);
+}
+
+int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op) {
+  if (c == NULL)
+    return -EINVAL;
+  if (c->broken_error != 0)
+    return c->broken_error;
+  const size_t element_bytes = comm_dtype_bytes(dtype);
+  if (element_bytes == 0)
+    return comm_break(c, -EINVAL, "all_reduce: unknown dtype %d", (int)dtype);
+  if (op != COMM_SUM && op != COMM_MAX && op != COMM_MIN)
+    return comm_break(c, -EINVAL, "all_reduce: unknown op %d", (int)op);
+  if (count == 0)
+    return 0;
+  if (buf == NULL)
+    return comm_break(c, -EINVAL, "all_reduce: buf must not be NULL");
+  if (count > SIZE_MAX / element_bytes)
+    return comm_break(c, -EOVERFLOW, "all_reduce: %zu elements overflow", count);
+  return c->ops->all_reduce(c, buf, count, dtype, op);
+}
+
+int comm_broadcast(comm *c, void *buf, size_t bytes, int root) {
+  if (c == NULL)
+    return -EINVAL;
+  if (c->broken_error != 0)
+    return c->broken_error;
+  if (root < 0 || root >= c->world_size)
+    return comm_break(c, -EINVAL, "broadcast: root %d is outside [0, %d)", root, c->world_size);
+  if (bytes == 0)
+    return 0;
+  if (buf == NULL)
+    return comm_break(c, -EINVAL, "broadcast: buf must not be NULL");
+  return c->ops->broadcast(c, buf, bytes, root);
+}
+
+int comm_barrier(comm *c) {
+  if (c == NULL)
+    return -EINVAL;
+  if (c->broken_error != 0)
+    return c->broken_error;
+  return c->ops->barrier(c);
+}
+
+/* ---- the rest ------------------------------------------------------------- */
+
+int comm_rank(const comm *c) {
+  return c != NULL ? c->rank : -EINVAL;
+}
+
+int comm_world_size(const comm *c) {
+  return c != NULL ? c->world_size : -EINVAL;
+}
+
+const char *comm_last_error(const comm *c) {
+  return c != NULL ? c->last_error : "comm: NULL communicator";
+}
+
+void comm_destroy(comm *c) {
+  if (c != NULL)
+    c->ops->destroy(c);
+}

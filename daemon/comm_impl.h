@@ -1,0 +1,84 @@
+/* comm_impl.h - what the backends of comm.h share; private to comm.c,
+ * comm_gloo.cc and comm_nccl.c.
+ *
+ * A communicator is a backend's own struct whose first member (C) or base
+ * class (C++) is `struct comm`: the table of operations, the rank's place in
+ * the world, and the error state that makes a broken communicator fail
+ * fast. comm.c owns the public entry points: it checks the arguments every
+ * backend would check the same way, fails fast once the communicator is
+ * broken, and only then calls the backend through the table, so a backend
+ * sees valid arguments and a healthy communicator. A backend that fails
+ * breaks the communicator with comm_break(), which records the message and
+ * calls the backend's abort so that no transfer can still touch the
+ * caller's buffers. */
+#ifndef ZEROD_COMM_IMPL_H
+#define ZEROD_COMM_IMPL_H
+
+#include <stdarg.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* comm.h is C without linkage guards of its own. */
+#include "comm.h"
+
+/* Limits on the options, checked before anything is allocated. */
+#define COMM_MAX_WORLD_SIZE   65536
+#define COMM_MAX_PREFIX_BYTES 512
+#define COMM_MAX_TIMEOUT_MS   (24 * 3600 * 1000)
+
+typedef struct comm_ops {
+  const char *name; /* "gloo", "nccl": for messages */
+  /* The collectives, called by comm.c with checked arguments (non-zero
+   * sizes, non-NULL buffers, no overflow, in-place or disjoint buffers, a
+   * valid root, dtype and op) on a communicator that is not broken. Each
+   * returns 0, or the result of comm_break(). */
+  int (*all_gather)(comm *c, const void *send, void *recv, size_t bytes_per_rank);
+  int (*reduce_scatter_f32)(comm *c, float *send, float *recv, size_t shard_numel);
+  int (*all_reduce)(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op);
+  int (*broadcast)(comm *c, void *buf, size_t bytes, int root);
+  int (*barrier)(comm *c);
+  /* Called once, by comm_break, when the communicator breaks: stops every
+   * transfer in flight and tells the peers where the transport can, without
+   * waiting for them. */
+  void (*abort)(comm *c);
+  /* Frees the communicator, healthy or broken, without waiting for peers. */
+  void (*destroy)(comm *c);
+} comm_ops;
+
+struct comm {
+  const comm_ops *ops;
+  int rank;
+  int world_size;
+  int timeout_ms;
+  /* 0, or the negative errno of the failure that broke the communicator. */
+  int broken_error;
+  char last_error[512];
+};
+
+/* Sets the common fields of a freshly allocated communicator. */
+void comm_init_base(comm *c, const comm_ops *ops, const comm_options *options);
+
+/* Breaks c: records the message as its last error, remembers error for
+ * every later call, calls ops->abort (once) and returns error. */
+__attribute__((format(printf, 3, 4))) int comm_break(comm *c, int error, const char *fmt, ...);
+
+/* Checks the options common to every backend (NULL pointers, prefix, rank,
+ * world size, timeout), writing the reason into err. 0 or -EINVAL. */
+int comm_check_options(const comm_options *options, const store *st, comm **out, char *err,
+                       size_t err_bytes);
+
+/* snprintf into a caller's error buffer that may be NULL or empty. */
+__attribute__((format(printf, 3, 4))) void comm_format_error(char *err, size_t err_bytes,
+                                                             const char *fmt, ...);
+
+/* Bytes of one element of dtype, 0 for an unknown dtype. */
+size_t comm_dtype_bytes(comm_dtype dtype);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ZEROD_COMM_IMPL_H */
