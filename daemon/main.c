@@ -43,9 +43,10 @@ static void usage(FILE *out) {
           "                          has N ranks; node: the most a job may place here\n"
           "                          [ZEROD_RANKS, default 1]\n"
           "  --device KIND           where the ranks' shards live and run: cpu (host memory,\n"
-          "                          Gloo), cuda (rank i on GPU i, NCCL, CUDA IPC to\n"
-          "                          workers) or auto (cuda where the CUDA module finds a\n"
-          "                          GPU, else cpu) [ZEROD_DEVICE, default cpu]\n"
+          "                          Gloo); cuda (rank i on GPU i, NCCL, CUDA IPC to\n"
+          "                          workers) and auto are reserved: GPU ranks are not\n"
+          "                          available in this version yet [ZEROD_DEVICE,\n"
+          "                          default cpu]\n"
           "  --dir DIR               state directory: lock file and default socket\n"
           "                          [ZEROD_DIR, default ./.zerod]\n"
           "  --socket PATH           IPC socket path [ZEROD_SOCKET, default DIR/zerod.sock]\n"
@@ -554,6 +555,18 @@ int main(int argc, char **argv) {
   if (strcmp(v, "cpu") != 0 && strcmp(v, "cuda") != 0 && strcmp(v, "auto") != 0)
     return bad_value("--device", v, "cpu, cuda or auto");
   snprintf(o->device, sizeof o->device, "%s", v);
+  /* The executor's CUDA device backend (shards in GPU memory, buffers over
+   * CUDA IPC) is not in this build yet: the CUDA module, its IPC entries and
+   * the NCCL comm backend are, but nothing here would use them. */
+  if (strcmp(o->device, "cuda") == 0) {
+    fprintf(stderr, "zerod: --device cuda: GPU ranks are not available in this version yet "
+                    "(the executor's CUDA backend is unfinished); use --device cpu\n");
+    return 1;
+  }
+  if (strcmp(o->device, "auto") == 0) {
+    LOG_INFOF("ranks on the CPU", "why=\"GPU ranks are not available in this version yet\"");
+    snprintf(o->device, sizeof o->device, "cpu");
+  }
   if (strcmp(o->device, "cpu") != 0) {
     const zk_cuda_api *cuda = NULL;
     char why[512] = "";
