@@ -24,7 +24,6 @@
 #include "log.h"
 #include "node.h"
 #include "pin.h"
-#include "cuda/zk_cuda.h"
 
 #define ZEROD_VERSION "0.1.0"
 
@@ -557,7 +556,9 @@ int main(int argc, char **argv) {
   snprintf(o->device, sizeof o->device, "%s", v);
   /* The executor's CUDA device backend (shards in GPU memory, buffers over
    * CUDA IPC) is not in this build yet: the CUDA module, its IPC entries and
-   * the NCCL comm backend are, but nothing here would use them. */
+   * the NCCL comm backend are, but nothing here would use them. Checking
+   * for the module and one GPU per rank comes with that backend (branch
+   * wip/gpu-ranks). */
   if (strcmp(o->device, "cuda") == 0) {
     fprintf(stderr, "zerod: --device cuda: GPU ranks are not available in this version yet "
                     "(the executor's CUDA backend is unfinished); use --device cpu\n");
@@ -566,25 +567,6 @@ int main(int argc, char **argv) {
   if (strcmp(o->device, "auto") == 0) {
     LOG_INFOF("ranks on the CPU", "why=\"GPU ranks are not available in this version yet\"");
     snprintf(o->device, sizeof o->device, "cpu");
-  }
-  if (strcmp(o->device, "cpu") != 0) {
-    const zk_cuda_api *cuda = NULL;
-    char why[512] = "";
-    int cuda_rc = zk_cuda_load(&cuda, why, sizeof why);
-    int count = 0;
-    if (cuda_rc == 0)
-      cuda_rc = cuda->device_count(&count);
-    if (cuda_rc == 0 && count < o->ranks) {
-      snprintf(why, sizeof why, "%d rank(s) need as many GPUs, %d found", o->ranks, count);
-      cuda_rc = -ENODEV;
-    }
-    if (cuda_rc != 0 && strcmp(o->device, "cuda") == 0) {
-      fprintf(stderr, "zerod: --device cuda: %s\n", why);
-      return 1;
-    }
-    snprintf(o->device, sizeof o->device, "%s", cuda_rc == 0 ? "cuda" : "cpu");
-    if (cuda_rc != 0)
-      LOG_INFOF("no usable GPU, ranks on the CPU", "why=\"%s\"", why);
   }
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   o->threads_per_rank = cpus > o->ranks ? (int)(cpus / o->ranks) : 1;
