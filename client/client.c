@@ -8,7 +8,12 @@
  * id until the daemon lists the buffer as dropped), the per-unit tensor
  * tables that views point into, and, for jobs attached with
  * stable_addresses, one reserved address range per unit that each gather
- * maps the unit's buffer into. Nothing here blocks except to wait for the
+ * maps the unit's buffer into. A daemon whose ranks live on GPUs
+ * (zerod --device cuda) sends CUDA IPC handles instead of descriptors: the
+ * library then loads the CUDA module (kernels/cuda/zk_cuda.h, the first
+ * time such a buffer arrives, so a CPU-only worker never touches CUDA),
+ * opens the handles once and caches them by buffer id like a mapping.
+ * Nothing here blocks except to wait for the
  * daemon, and nothing here trusts the daemon: a frame that does not decode,
  * a reply of the wrong type, or a buffer without a descriptor closes the
  * connection with ZD_E_PROTOCOL instead of crashing the worker.
@@ -31,6 +36,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "cuda/zk_cuda.h"
 #include "frame.h"
 
 /* ------------------------------------------------------------------------
@@ -132,16 +138,29 @@ typedef enum buffer_kind { BUFFER_GATHERED = 0, BUFFER_GRAD = 1 } buffer_kind;
 /* One buffer the daemon sent. Usually it is mapped once (base) and its
  * descriptor closed. A stable-address job's gathered buffers are instead
  * mapped into each unit's own range at every gather, so their descriptor is
- * kept (fd) and base is NULL. Either way the entry lives until the daemon
- * lists the buffer as dropped, or until zd_close. */
+ * kept (fd) and base is NULL. A GPU buffer is opened once from its CUDA IPC
+ * handles: base is then the device pointer in this process, device the
+ * daemon's ordinal and event the buffer's interprocess event. Any entry
+ * lives until the daemon lists the buffer as dropped, or until zd_close (a
+ * GPU buffer's: until zd_detach). */
 typedef struct buffer_mapping {
   buffer_kind kind;
   uint32_t buffer_id;
   void *base;
   size_t bytes;
-  int fd;   /* -1 unless kept */
-  int held; /* scratch of forget_dropped_buffers */
+  int fd;      /* -1 unless kept */
+  int device;  /* GPU buffer: the CUDA ordinal; -1 for shared memory */
+  void *event; /* GPU buffer: the opened cudaEvent_t */
+  int held;    /* scratch of forget_dropped_buffers */
 } buffer_mapping;
+
+/* A reply's CudaBuffer, copied out before the reply is freed. */
+typedef struct cuda_handles {
+  int present;
+  int device;
+  uint8_t mem_handle[ZK_CUDA_IPC_HANDLE_BYTES];
+  uint8_t event_handle[ZK_CUDA_IPC_HANDLE_BYTES];
+} cuda_handles;
 
 /* What this client knows of a unit (registered or listed): the placements,
  * and three tensor tables: gathered and gradient, whose data pointers are
@@ -277,13 +296,32 @@ static void close_fds(int *fds, unsigned nfds) {
   }
 }
 
-/* Unmaps a buffer and closes its kept descriptor, if any. */
+/* The CUDA module, loaded when the first GPU buffer arrives (and cached
+ * by the loader: later calls are cheap). NULL with a reason in why where it
+ * cannot be loaded. */
+static const zk_cuda_api *cuda_api(char *why, size_t why_bytes) {
+  const zk_cuda_api *api = NULL;
+  zk_cuda_load(&api, why, why_bytes);
+  return api;
+}
+
+/* Unmaps a buffer and closes its kept descriptor, if any; a GPU buffer's
+ * event and memory handle are closed (the module is loaded: it opened
+ * them). */
 static void mapping_free(buffer_mapping *mapping) {
-  if (mapping->base != NULL)
+  if (mapping->device >= 0) {
+    const zk_cuda_api *api = cuda_api(NULL, 0);
+    if (api != NULL && mapping->event != NULL)
+      api->event_destroy(mapping->event);
+    if (api != NULL && mapping->base != NULL)
+      api->ipc_mem_close(mapping->base);
+  } else if (mapping->base != NULL) {
     munmap(mapping->base, mapping->bytes);
+  }
   if (mapping->fd >= 0)
     close(mapping->fd);
   mapping->base = NULL;
+  mapping->event = NULL;
   mapping->fd = -1;
 }
 
@@ -1536,18 +1574,98 @@ static buffer_mapping *mapping_find(zd_client *client, buffer_kind kind, uint32_
   return NULL;
 }
 
-/* Finds or creates the entry of a buffer. A descriptor comes only the first
- * time this session sees a buffer id; later replies name it. With keep_fd
- * the descriptor is kept for stable-address mapping and nothing is mapped
- * here; otherwise the buffer is mapped once and the descriptor closed.
- * *replaced is set when a descriptor replaced the buffer behind a known id,
- * so that whoever mapped the old one maps again. */
+/* Adds an entry to the cache, or replaces `found` (the old buffer behind
+ * the same id). Takes the mapping's resources either way. */
+static zd_status store_mapping(zd_client *client, buffer_mapping *found,
+                               const buffer_mapping *mapping, const char *what,
+                               buffer_mapping **out, int *replaced) {
+  if (found != NULL) {
+    /* The daemon replaced the buffer behind this id with one of another
+     * size; views of the old one are only valid until their release. */
+    mapping_free(found);
+    *found = *mapping;
+    *replaced = 1;
+    *out = found;
+    return ZD_OK;
+  }
+  if (client->mapping_count == client->mapping_capacity) {
+    size_t capacity = client->mapping_capacity ? client->mapping_capacity * 2 : 16;
+    buffer_mapping *mappings = realloc(client->mappings, capacity * sizeof *mappings);
+    if (mappings == NULL) {
+      buffer_mapping dropped = *mapping;
+      mapping_free(&dropped);
+      return set_error(ZD_E_NOMEM, "%s: out of memory", what);
+    }
+    client->mappings = mappings;
+    client->mapping_capacity = capacity;
+  }
+  client->mappings[client->mapping_count] = *mapping;
+  *out = &client->mappings[client->mapping_count++];
+  return ZD_OK;
+}
+
+/* Opens a GPU buffer from its CUDA IPC handles, on the calling thread's
+ * current device (cudaIpcOpenMemHandle maps it there, with peer access
+ * where the daemon's device is another). */
+static zd_status open_cuda_buffer(zd_client *client, buffer_kind kind, uint32_t buffer_id,
+                                  uint64_t buffer_bytes, const cuda_handles *cuda,
+                                  buffer_mapping *found, const char *what, buffer_mapping **out,
+                                  int *replaced) {
+  if (found != NULL && found->device >= 0 && found->bytes == buffer_bytes) {
+    *out = found; /* the handles of a buffer already open: nothing new */
+    return ZD_OK;
+  }
+  if (buffer_bytes == 0 || (uint64_t)(size_t)buffer_bytes != buffer_bytes)
+    return client_protocol_error(client, what, "GPU buffer %u has an invalid size %llu",
+                                 (unsigned)buffer_id, (unsigned long long)buffer_bytes);
+  char why[512] = "";
+  const zk_cuda_api *api = cuda_api(why, sizeof why);
+  if (api == NULL)
+    return set_error(ZD_E_FAILED_PRECONDITION,
+                     "%s: zerod keeps this job on GPU %d (zerod --device cuda), but this process "
+                     "cannot use CUDA: %s",
+                     what, cuda->device, why);
+  buffer_mapping mapping = {.kind = kind,
+                            .buffer_id = buffer_id,
+                            .bytes = (size_t)buffer_bytes,
+                            .fd = -1,
+                            .device = cuda->device};
+  if (api->ipc_mem_open(cuda->mem_handle, &mapping.base) != 0)
+    return set_error(ZD_E_IO, "%s: opening GPU buffer %u (device %d, %llu bytes): %s", what,
+                     (unsigned)buffer_id, cuda->device, (unsigned long long)buffer_bytes,
+                     api->last_error());
+  if (api->ipc_event_open(cuda->event_handle, &mapping.event) != 0) {
+    zd_status status = set_error(ZD_E_IO, "%s: opening the event of GPU buffer %u: %s", what,
+                                 (unsigned)buffer_id, api->last_error());
+    api->ipc_mem_close(mapping.base);
+    return status;
+  }
+  return store_mapping(client, found, &mapping, what, out, replaced);
+}
+
+/* Finds or creates the entry of a buffer. A descriptor (or a GPU buffer's
+ * handles) comes only the first time this session sees a buffer id; later
+ * replies name it. With keep_fd the descriptor is kept for stable-address
+ * mapping and nothing is mapped here; otherwise the buffer is mapped once
+ * and the descriptor closed. *replaced is set when a descriptor replaced
+ * the buffer behind a known id, so that whoever mapped the old one maps
+ * again. */
 static zd_status take_buffer(zd_client *client, buffer_kind kind, uint32_t buffer_id,
-                             uint64_t buffer_bytes, int *fds, unsigned nfds, int keep_fd,
-                             const char *what, buffer_mapping **out, int *replaced) {
+                             uint64_t buffer_bytes, int *fds, unsigned nfds,
+                             const cuda_handles *cuda, int keep_fd, const char *what,
+                             buffer_mapping **out, int *replaced) {
   *replaced = 0;
   buffer_mapping *found = mapping_find(client, kind, buffer_id);
-  if (found != NULL && (keep_fd ? found->fd < 0 : found->base == NULL))
+  if (cuda->present && nfds > 0) {
+    close_fds(fds, nfds);
+    return client_protocol_error(client, what,
+                                 "reply carries both a descriptor and GPU handles for buffer %u",
+                                 (unsigned)buffer_id);
+  }
+  if (cuda->present)
+    return open_cuda_buffer(client, kind, buffer_id, buffer_bytes, cuda, found, what, out,
+                            replaced);
+  if (found != NULL && found->device < 0 && (keep_fd ? found->fd < 0 : found->base == NULL))
     found = NULL; /* never happens in one session: stable_addresses is per job */
   if (nfds == 0) {
     if (found == NULL)
@@ -1564,7 +1682,7 @@ static zd_status take_buffer(zd_client *client, buffer_kind kind, uint32_t buffe
   }
 
   int fd = fds[0];
-  if (found != NULL && found->bytes == buffer_bytes) {
+  if (found != NULL && found->device < 0 && found->bytes == buffer_bytes) {
     close(fd);
     *out = found;
     return ZD_OK;
@@ -1582,7 +1700,8 @@ static zd_status take_buffer(zd_client *client, buffer_kind kind, uint32_t buffe
                             .buffer_id = buffer_id,
                             .base = NULL,
                             .bytes = (size_t)buffer_bytes,
-                            .fd = keep_fd ? fd : -1};
+                            .fd = keep_fd ? fd : -1,
+                            .device = -1};
   if (!keep_fd) {
     int prot = kind == BUFFER_GRAD ? PROT_READ | PROT_WRITE : PROT_READ;
     void *base = mmap(NULL, (size_t)buffer_bytes, prot, MAP_SHARED, fd, 0);
@@ -1593,43 +1712,38 @@ static zd_status take_buffer(zd_client *client, buffer_kind kind, uint32_t buffe
                        (unsigned long long)buffer_bytes, strerror(err));
     mapping.base = base;
   }
-  if (found != NULL) {
-    /* The daemon replaced the buffer behind this id with one of another
-     * size; views of the old one are only valid until their release. */
-    mapping_free(found);
-    *found = mapping;
-    *replaced = 1;
-    *out = found;
-    return ZD_OK;
-  }
-  if (client->mapping_count == client->mapping_capacity) {
-    size_t capacity = client->mapping_capacity ? client->mapping_capacity * 2 : 16;
-    buffer_mapping *mappings = realloc(client->mappings, capacity * sizeof *mappings);
-    if (mappings == NULL) {
-      mapping_free(&mapping);
-      return set_error(ZD_E_NOMEM, "%s: out of memory", what);
-    }
-    client->mappings = mappings;
-    client->mapping_capacity = capacity;
-  }
-  client->mappings[client->mapping_count] = mapping;
-  *out = &client->mappings[client->mapping_count++];
-  return ZD_OK;
+  return store_mapping(client, found, &mapping, what, out, replaced);
 }
 
-/* The address of a buffer mapped once and cached by id (every buffer of a
- * job without stable addresses, and every gradient buffer). */
+/* The buffer mapped (or opened) once and cached by id: every buffer of a
+ * job without stable addresses, every gradient buffer, every GPU buffer. */
 static zd_status map_buffer(zd_client *client, buffer_kind kind, uint32_t buffer_id,
-                            uint64_t buffer_bytes, int *fds, unsigned nfds, const char *what,
-                            void **base_out) {
-  buffer_mapping *mapping;
+                            uint64_t buffer_bytes, int *fds, unsigned nfds,
+                            const cuda_handles *cuda, const char *what,
+                            buffer_mapping **mapping_out) {
   int replaced;
-  zd_status status =
-      take_buffer(client, kind, buffer_id, buffer_bytes, fds, nfds, 0, what, &mapping, &replaced);
-  if (status != ZD_OK)
-    return status;
-  *base_out = mapping->base;
-  return ZD_OK;
+  return take_buffer(client, kind, buffer_id, buffer_bytes, fds, nfds, cuda, 0, what, mapping_out,
+                     &replaced);
+}
+
+/* Whether a reply's buffer is a GPU buffer: its handles came with it, or
+ * they came before. */
+static int is_cuda_buffer(zd_client *client, buffer_kind kind, uint32_t buffer_id,
+                          const cuda_handles *cuda) {
+  const buffer_mapping *mapping = mapping_find(client, kind, buffer_id);
+  return cuda->present || (mapping != NULL && mapping->device >= 0);
+}
+
+/* Copies a reply's CudaBuffer (checked by frame.c: 64-byte handles, a
+ * device in range) before the reply is freed. */
+static void copy_cuda_handles(const Zerod__V1__CudaBuffer *in, cuda_handles *out) {
+  memset(out, 0, sizeof *out);
+  if (in == NULL)
+    return;
+  out->present = 1;
+  out->device = in->device;
+  memcpy(out->mem_handle, in->mem_handle.data, sizeof out->mem_handle);
+  memcpy(out->event_handle, in->event_handle.data, sizeof out->event_handle);
 }
 
 /* Maps a stable-address job's gathered buffer over the unit's own range
@@ -1640,8 +1754,9 @@ static zd_status map_stable(zd_client *client, client_unit *unit, uint32_t buffe
                             void **base_out, size_t *bytes_out) {
   buffer_mapping *mapping;
   int replaced;
-  zd_status status = take_buffer(client, BUFFER_GATHERED, buffer_id, buffer_bytes, fds, nfds, 1,
-                                 what, &mapping, &replaced);
+  static const cuda_handles no_cuda = {0};
+  zd_status status = take_buffer(client, BUFFER_GATHERED, buffer_id, buffer_bytes, fds, nfds,
+                                 &no_cuda, 1, what, &mapping, &replaced);
   if (status != ZD_OK)
     return status;
   /* The whole range is mapped, so the buffer must hold the whole layout:
@@ -1711,11 +1826,28 @@ static void forget_dropped_buffers(zd_client *client, const uint32_t *buffer_ids
   }
 }
 
+/* Closes every GPU buffer's handles (at detach: the daemon may free the
+ * allocations once the session has ended, and an importer should not keep
+ * handles to freed memory open). Shared-memory mappings stay until
+ * zd_close, as views may still point into them. */
+static void close_cuda_buffers(zd_client *client) {
+  size_t i = 0;
+  while (i < client->mapping_count) {
+    if (client->mappings[i].device < 0) {
+      i++;
+      continue;
+    }
+    mapping_free(&client->mappings[i]);
+    client->mappings[i] = client->mappings[--client->mapping_count];
+  }
+}
+
 /* Points the unit's tensor table into a buffer and fills the view. Every
- * tensor must lie inside the buffer, or the worker would read past it. */
+ * tensor must lie inside the buffer, or the worker would read past it.
+ * gpu is the GPU buffer's entry, or NULL for shared memory. */
 static zd_status fill_view(zd_client *client, client_unit *unit, zd_tensor_view *tensors,
                            void *base, uint64_t buffer_bytes, zd_dtype dtype, uint64_t version,
-                           const char *what, zd_view *out) {
+                           const buffer_mapping *gpu, const char *what, zd_view *out) {
   size_t elem_bytes = dtype_bytes(dtype);
   for (unsigned t = 0; t < unit->ntensors; t++) {
     uint64_t end = tensors[t].offset + tensors[t].numel;
@@ -1734,6 +1866,8 @@ static zd_status fill_view(zd_client *client, client_unit *unit, zd_tensor_view 
   out->version = version;
   out->ntensors = unit->ntensors;
   out->tensors = tensors;
+  out->device = gpu != NULL ? gpu->device : -1;
+  out->event = gpu != NULL ? gpu->event : NULL;
   return ZD_OK;
 }
 
@@ -1788,6 +1922,8 @@ zd_status zd_gather_wait(zd_job *job, const zd_pending *pending, zd_view *out) {
   uint64_t buffer_bytes = reply->buffer_bytes;
   uint64_t version = reply->version;
   uint32_t reply_unit = reply->unit_id;
+  cuda_handles cuda;
+  copy_cuda_handles(reply->cuda, &cuda);
   /* The protocol has drops handled before the rest of the reply. */
   forget_dropped_buffers(client, reply->dropped_buffer_ids, reply->n_dropped_buffer_ids);
   protobuf_c_message_free_unpacked(reply_msg, NULL);
@@ -1797,15 +1933,25 @@ zd_status zd_gather_wait(zd_job *job, const zd_pending *pending, zd_view *out) {
   }
   void *base = NULL;
   size_t view_bytes = (size_t)buffer_bytes;
-  if (job->stable_addresses)
+  buffer_mapping *gpu = NULL;
+  /* GPU memory cannot be mapped at a reserved host address: a GPU buffer
+   * is always used where CUDA opened it, stable_addresses or not. */
+  if (job->stable_addresses && !is_cuda_buffer(client, BUFFER_GATHERED, buffer_id, &cuda)) {
     status = map_stable(client, unit, buffer_id, buffer_bytes, fds, nfds, what, &base, &view_bytes);
-  else
-    status = map_buffer(client, BUFFER_GATHERED, buffer_id, buffer_bytes, fds, nfds, what, &base);
+  } else {
+    buffer_mapping *mapping;
+    status = map_buffer(client, BUFFER_GATHERED, buffer_id, buffer_bytes, fds, nfds, &cuda, what,
+                        &mapping);
+    if (status == ZD_OK) {
+      base = mapping->base;
+      gpu = mapping->device >= 0 ? mapping : NULL;
+    }
+  }
   if (status != ZD_OK)
     return status;
   unit->held_gather_buffer = buffer_id;
   status = fill_view(client, unit, unit->gather_tensors, base, view_bytes, unit->working_dtype,
-                     version, what, out);
+                     version, gpu, what, out);
   if (status != ZD_OK)
     return status;
   return client_finish(client);
@@ -1880,19 +2026,23 @@ zd_status zd_grad_buffer(zd_job *job, zd_unit unit_id, zd_view *out) {
   uint32_t buffer_id = reply->buffer_id;
   uint64_t buffer_bytes = reply->buffer_bytes;
   uint32_t reply_unit = reply->unit_id;
+  cuda_handles cuda;
+  copy_cuda_handles(reply->cuda, &cuda);
   forget_dropped_buffers(client, reply->dropped_buffer_ids, reply->n_dropped_buffer_ids);
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   if (reply_unit != unit_id) {
     close_fds(fds, nfds);
     return client_protocol_error(client, what, "grad buffer reply is for unit %u", reply_unit);
   }
-  void *base;
-  status = map_buffer(client, BUFFER_GRAD, buffer_id, buffer_bytes, fds, nfds, what, &base);
+  buffer_mapping *mapping;
+  status =
+      map_buffer(client, BUFFER_GRAD, buffer_id, buffer_bytes, fds, nfds, &cuda, what, &mapping);
   if (status != ZD_OK)
     return status;
   unit->held_grad_buffer = buffer_id;
-  status = fill_view(client, unit, unit->grad_tensors, base, buffer_bytes, unit->grad_dtype,
-                     job->version, what, out);
+  status =
+      fill_view(client, unit, unit->grad_tensors, mapping->base, buffer_bytes, unit->grad_dtype,
+                job->version, mapping->device >= 0 ? mapping : NULL, what, out);
   if (status != ZD_OK)
     return status;
   return client_finish(client);
@@ -1998,5 +2148,37 @@ zd_status zd_detach(zd_job *job) {
     return status;
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   job->attached = 0;
+  close_cuda_buffers(job->client);
   return client_finish(job->client);
+}
+
+/* ------------------------------------------------------------------------
+ * GPU buffers: ordering with the daemon
+ * ------------------------------------------------------------------------ */
+
+/* A view of shared memory needs no ordering (the daemon's work on it is
+ * complete when the reply arrives), so both calls accept it and do nothing:
+ * a worker can call them whatever the daemon's device. */
+static zd_status view_event_call(const zd_view *view, void *stream, int record, const char *what) {
+  if (view == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT, "%s: view is NULL", what);
+  if (view->device < 0)
+    return ZD_OK;
+  const zk_cuda_api *api = cuda_api(NULL, 0);
+  if (api == NULL || view->event == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT, "%s: the view is not a GPU buffer of this process",
+                     what);
+  int rc =
+      record ? api->event_record(view->event, stream) : api->stream_wait_event(stream, view->event);
+  if (rc != 0)
+    return set_error(ZD_E_IO, "%s: %s", what, api->last_error());
+  return ZD_OK;
+}
+
+zd_status zd_view_stream_wait(const zd_view *view, void *stream) {
+  return view_event_call(view, stream, 0, "view stream wait");
+}
+
+zd_status zd_view_stream_done(const zd_view *view, void *stream) {
+  return view_event_call(view, stream, 1, "view stream done");
 }

@@ -1,6 +1,10 @@
 /* Executors: the ordered per-(job, rank) queue, the shard state and the
  * handlers of every request that reaches a rank (see exec.h); the rank's
- * buffers are pool.c's. */
+ * buffers are pool.c's, and its memory and kernels are its device's
+ * (device.h): host memory and the CPU drivers on a host rank, GPU memory
+ * and the CUDA module on a GPU rank. The handlers are the same for both;
+ * values that must be looked at on the host (initial values, outcome
+ * codes, the gradient norm) are copied there explicitly. */
 #include "exec.h"
 
 #include <errno.h>
@@ -17,6 +21,7 @@
 #include "log.h"
 #include "pin.h"
 #include "pool.h"
+#include "shm.h"
 
 static exec_settings settings = {.threads_per_rank = 1, .collective_timeout_ms = 60000};
 
@@ -174,11 +179,31 @@ static int op_job_failed(rank_state *rs, exec_op *op) {
   return 1;
 }
 
+/* Passes a device call's result through, noting a failure so that the
+ * collective it belongs to reports the device's error (op_comm_failed). */
+static int dev_call(rank_state *rs, int rc) {
+  if (rc != 0)
+    rs->failed_on_device = 1;
+  return rc;
+}
+
+/* The rank's device failed (a GPU error is usually sticky, and the ranks'
+ * states would drift apart): the job fails, and the op is answered. */
+static void op_device_failed(rank_state *rs, exec_op *op, const char *what, int err) {
+  job_fail(rs->job, rs->generation, "rank %d: %s: %s", rs->rank, what, device_last_error(rs->dev));
+  char reason[512] = "";
+  job_failed(rs->job, rs->generation, reason, sizeof reason);
+  LOG_ERRORF("device failed", "job=%s rank=%d op=%s err=%d", rs->job->name, rs->rank, what, err);
+  exec_error(op, ZEROD__V1__STATUS__STATUS_INTERNAL, "job '%s' failed: %s", rs->job->name, reason);
+}
+
 /* A collective failed: the job is failed for every rank (the communicator is
  * broken), and this op is answered with the reason. */
 static void op_comm_failed(rank_state *rs, exec_op *op, const char *what, int err) {
   job_fail(rs->job, rs->generation, "rank %d: %s: %s", rs->rank, what,
-           rs->comm != NULL ? comm_last_error(rs->comm) : strerror(-err));
+           rs->failed_on_device ? device_last_error(rs->dev)
+           : rs->comm != NULL   ? comm_last_error(rs->comm)
+                                : strerror(-err));
   char reason[512] = "";
   job_failed(rs->job, rs->generation, reason, sizeof reason);
   LOG_ERRORF("collective failed", "job=%s rank=%d op=%s err=%d", rs->job->name, rs->rank, what,
@@ -195,12 +220,24 @@ static uint64_t unit_buffer_bytes(const rank_state *rs, const unit_layout *l) {
   return l->padded_numel * zk_dtype_size(rs->job->config.working_dtype);
 }
 
-/* Sets up the descriptor to pass with a reply, the first time this session
- * gets the buffer. Returns 0, or -1 with the op answered. */
-static int reply_buffer_fd(rank_state *rs, exec_op *op, pool_buf *b) {
+/* Describes the buffer to the session the first time it gets it: a host
+ * buffer's descriptor goes with the reply frame (op->reply_fd); a GPU
+ * buffer's CUDA IPC handles go in *cuda, which the caller attaches to the
+ * reply when this returns 1 for a GPU rank. Returns 1 if the session is
+ * told now, 0 if it was before, or -1 with the op answered. */
+static int reply_buffer(rank_state *rs, exec_op *op, pool_buf *b, Zerod__V1__CudaBuffer *cuda) {
   if (b->sent_session == op->session_id)
     return 0;
-  op->reply_fd = dup(b->region.fd);
+  if (!device_is_host(rs->dev)) {
+    cuda->mem_handle.data = b->buf.mem_handle;
+    cuda->mem_handle.len = sizeof b->buf.mem_handle;
+    cuda->device = rs->dev->ordinal;
+    cuda->event_handle.data = b->buf.event_handle;
+    cuda->event_handle.len = sizeof b->buf.event_handle;
+    b->sent_session = op->session_id;
+    return 1;
+  }
+  op->reply_fd = dup(b->buf.fd);
   if (op->reply_fd < 0) {
     /* The buffer is already counted as held on this rank and on its peers;
      * rather than let their accounting drift apart, the job stops here (and
@@ -213,28 +250,26 @@ static int reply_buffer_fd(rank_state *rs, exec_op *op, pool_buf *b) {
     return -1;
   }
   b->sent_session = op->session_id;
-  return 0;
+  return 1;
 }
 
 /* ------------------------------------------------------------------------ */
 /* Shards                                                                   */
 /* ------------------------------------------------------------------------ */
 
-static void *zalloc(uint64_t bytes) {
-  uint64_t rounded = (bytes + 63) / 64 * 64;
-  void *p = aligned_alloc(64, rounded == 0 ? 64 : rounded);
-  if (p != NULL)
-    memset(p, 0, rounded == 0 ? 64 : rounded);
-  return p;
+/* Zero-filled memory of the rank's device, or NULL. */
+static void *zalloc(rank_state *rs, uint64_t bytes) {
+  void *p = NULL;
+  return device_alloc(rs->dev, bytes, &p) == 0 ? p : NULL;
 }
 
-static void shard_free(shard *sh) {
+static void shard_free(rank_state *rs, shard *sh) {
   if (sh->working != (void *)sh->master)
-    free(sh->working);
-  free(sh->master);
-  free(sh->moment1);
-  free(sh->moment2);
-  free(sh->grad_acc);
+    device_free(rs->dev, sh->working);
+  device_free(rs->dev, sh->master);
+  device_free(rs->dev, sh->moment1);
+  device_free(rs->dev, sh->moment2);
+  device_free(rs->dev, sh->grad_acc);
   free(sh->trainable);
   free(sh->zero_ranges);
   memset(sh, 0, sizeof *sh);
@@ -278,13 +313,13 @@ static int shard_create(rank_state *rs, const unit_layout *l) {
   shard *sh = &rs->shards[l->id];
   const job_config *c = &rs->job->config;
   uint64_t n = l->shard_numel;
-  sh->master = zalloc(n * 4);
-  sh->grad_acc = zalloc(n * 4);
+  sh->master = zalloc(rs, n * 4);
+  sh->grad_acc = zalloc(rs, n * 4);
   int need_m1 = c->optimizer != JOB_SGD || c->momentum != 0;
-  sh->moment1 = need_m1 ? zalloc(n * 4) : NULL;
-  sh->moment2 = c->optimizer != JOB_SGD ? zalloc(n * 4) : NULL;
-  sh->working =
-      c->working_dtype == ZK_F32 ? (void *)sh->master : zalloc(n * zk_dtype_size(c->working_dtype));
+  sh->moment1 = need_m1 ? zalloc(rs, n * 4) : NULL;
+  sh->moment2 = c->optimizer != JOB_SGD ? zalloc(rs, n * 4) : NULL;
+  sh->working = c->working_dtype == ZK_F32 ? (void *)sh->master
+                                           : zalloc(rs, n * zk_dtype_size(c->working_dtype));
   int err = 0;
   if (sh->master == NULL || sh->grad_acc == NULL || (need_m1 && sh->moment1 == NULL) ||
       (c->optimizer != JOB_SGD && sh->moment2 == NULL) || sh->working == NULL)
@@ -310,7 +345,7 @@ static int shard_create(rank_state *rs, const unit_layout *l) {
   if (err == 0)
     err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, cursor, l->padded_numel);
   if (err != 0) {
-    shard_free(sh);
+    shard_free(rs, sh);
     return err;
   }
   sh->present = 1;
@@ -321,20 +356,86 @@ static int shard_create(rank_state *rs, const unit_layout *l) {
 
 static int grow_scratch(rank_state *rs, uint64_t numel, uint64_t shard_numel) {
   if (numel > rs->scratch_numel) {
-    free(rs->scratch);
-    rs->scratch = zalloc(numel * 4);
+    device_free(rs->dev, rs->scratch);
+    rs->scratch = zalloc(rs, numel * 4);
     rs->scratch_numel = rs->scratch != NULL ? numel : 0;
     if (rs->scratch == NULL)
       return -ENOMEM;
   }
   if (shard_numel > rs->shard_scratch_numel) {
-    free(rs->shard_scratch);
-    rs->shard_scratch = zalloc(shard_numel * 4);
+    device_free(rs->dev, rs->shard_scratch);
+    rs->shard_scratch = zalloc(rs, shard_numel * 4);
     rs->shard_scratch_numel = rs->shard_scratch != NULL ? shard_numel : 0;
     if (rs->shard_scratch == NULL)
       return -ENOMEM;
   }
   return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Collectives on host values                                               */
+/* ------------------------------------------------------------------------ */
+
+/* Outcome codes, step counts, layout descriptors and the gradient norm live
+ * in host memory. A host rank's communicator (Gloo) takes them in place; a
+ * GPU rank's (NCCL) takes device memory only, so they pass through a
+ * staging area on the rank's device, copied there and back. A failed copy
+ * is a failed collective: the job fails either way. */
+static int staging_reserve(rank_state *rs, size_t bytes) {
+  if (bytes <= rs->staging_bytes)
+    return 0;
+  device_free(rs->dev, rs->staging);
+  rs->staging = NULL;
+  rs->staging_bytes = 0;
+  int rc = device_alloc(rs->dev, bytes, &rs->staging);
+  if (rc == 0)
+    rs->staging_bytes = bytes;
+  return rc;
+}
+
+/* recv holds world_size * bytes_per_rank; this rank's part is taken from
+ * recv + rank * bytes_per_rank (the in-place form of comm_all_gather). */
+static int host_all_gather(rank_state *rs, void *recv, size_t bytes_per_rank) {
+  uint8_t *mine = (uint8_t *)recv + (size_t)rs->rank * bytes_per_rank;
+  size_t total = (size_t)rs->job->world_size * bytes_per_rank;
+  if (device_is_host(rs->dev))
+    return comm_all_gather(rs->comm, mine, recv, bytes_per_rank);
+  int rc = dev_call(rs, staging_reserve(rs, total));
+  uint8_t *staged_mine = (uint8_t *)rs->staging + (size_t)rs->rank * bytes_per_rank;
+  if (rc == 0)
+    rc = dev_call(rs, device_upload(rs->dev, staged_mine, mine, bytes_per_rank));
+  if (rc == 0)
+    rc = comm_all_gather(rs->comm, staged_mine, rs->staging, bytes_per_rank);
+  if (rc == 0)
+    rc = dev_call(rs, device_download(rs->dev, recv, rs->staging, total));
+  return rc;
+}
+
+static int host_broadcast(rank_state *rs, void *buf, size_t bytes, int root) {
+  if (device_is_host(rs->dev))
+    return comm_broadcast(rs->comm, buf, bytes, root);
+  int rc = dev_call(rs, staging_reserve(rs, bytes));
+  if (rc == 0 && rs->rank == root)
+    rc = dev_call(rs, device_upload(rs->dev, rs->staging, buf, bytes));
+  if (rc == 0)
+    rc = comm_broadcast(rs->comm, rs->staging, bytes, root);
+  if (rc == 0 && rs->rank != root)
+    rc = dev_call(rs, device_download(rs->dev, buf, rs->staging, bytes));
+  return rc;
+}
+
+static int host_all_reduce_f64(rank_state *rs, double *buf, size_t count, comm_op op) {
+  if (device_is_host(rs->dev))
+    return comm_all_reduce(rs->comm, buf, count, COMM_F64, op);
+  size_t bytes = count * sizeof *buf;
+  int rc = dev_call(rs, staging_reserve(rs, bytes));
+  if (rc == 0)
+    rc = dev_call(rs, device_upload(rs->dev, rs->staging, buf, bytes));
+  if (rc == 0)
+    rc = comm_all_reduce(rs->comm, rs->staging, count, COMM_F64, op);
+  if (rc == 0)
+    rc = dev_call(rs, device_download(rs->dev, buf, rs->staging, bytes));
+  return rc;
 }
 
 /* A counter-based normal generator: value k of a unit depends only on the
@@ -363,10 +464,11 @@ static uint64_t fnv1a(const char *s) {
 }
 
 /* Casts the master shard into the working copy (bf16 working precision). */
-static void refresh_working(rank_state *rs, const unit_layout *l, shard *sh) {
-  if (sh->working != (void *)sh->master)
-    zk_cast(rs->pool, sh->working, rs->job->config.working_dtype, sh->master, ZK_F32,
-            l->shard_numel);
+static int refresh_working(rank_state *rs, const unit_layout *l, shard *sh) {
+  if (sh->working == (void *)sh->master)
+    return 0;
+  return device_cast(rs->dev, sh->working, rs->job->config.working_dtype, sh->master, ZK_F32,
+                     l->shard_numel);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -402,14 +504,26 @@ static int64_t order_next(rank_state *rs, uint32_t unit_id) {
   return -1;
 }
 
-/* Fills a gathered buffer with the unit's working copy of every rank. */
+/* Fills a gathered buffer with the unit's working copy of every rank. On a
+ * GPU rank the stream first waits for the worker's last use of the buffer
+ * (its reads of the values gathered there before) and records the buffer's
+ * event once the values are in; the values are complete when this returns
+ * (the collective waits for itself, the rest is synchronised). */
 static int fill_gathered(rank_state *rs, const unit_layout *l, shard *sh, pool_buf *b) {
   size_t elem = zk_dtype_size(rs->job->config.working_dtype);
   size_t shard_bytes = l->shard_numel * elem;
-  uint8_t *base = b->region.base;
+  uint8_t *base = b->buf.base;
   uint8_t *mine = base + (size_t)rs->rank * shard_bytes;
-  memcpy(mine, sh->working, shard_bytes);
-  return comm_all_gather(rs->comm, mine, base, shard_bytes);
+  int rc = dev_call(rs, device_buffer_wait(rs->dev, &b->buf));
+  if (rc == 0)
+    rc = dev_call(rs, device_copy(rs->dev, mine, sh->working, shard_bytes));
+  if (rc == 0)
+    rc = comm_all_gather(rs->comm, mine, base, shard_bytes);
+  if (rc == 0)
+    rc = dev_call(rs, device_buffer_publish(rs->dev, &b->buf));
+  if (rc == 0)
+    rc = dev_call(rs, device_sync(rs->dev));
+  return rc;
 }
 
 static void prefetch_unit(rank_state *rs, uint32_t unit_id) {
@@ -430,7 +544,7 @@ static void prefetch_unit(rank_state *rs, uint32_t unit_id) {
   int err = fill_gathered(rs, l, sh, b);
   if (err != 0) {
     job_fail(rs->job, rs->generation, "rank %d: prefetch of unit '%s': %s", rs->rank, l->name,
-             comm_last_error(rs->comm));
+             rs->failed_on_device ? device_last_error(rs->dev) : comm_last_error(rs->comm));
     return;
   }
   b->unit = unit_id;
@@ -500,13 +614,17 @@ static int handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *
   pool_ref(rs, b);
   sh->gather_held = 1;
   order_record(rs, req->unit_id);
-  if (reply_buffer_fd(rs, op, b) != 0)
+  Zerod__V1__CudaBuffer cuda = ZEROD__V1__CUDA_BUFFER__INIT;
+  int first = reply_buffer(rs, op, b, &cuda);
+  if (first < 0)
     return 1;
   Zerod__V1__GatherReply reply = ZEROD__V1__GATHER_REPLY__INIT;
   reply.unit_id = req->unit_id;
   reply.buffer_id = b->id;
-  reply.buffer_bytes = b->region.bytes;
+  reply.buffer_bytes = b->buf.bytes;
   reply.version = rs->version;
+  if (first && !device_is_host(rs->dev))
+    reply.cuda = &cuda;
   attach_dropped(rs, &reply.dropped_buffer_ids, &reply.n_dropped_buffer_ids);
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, &reply.base);
   if (op->reply_frame != NULL)
@@ -532,37 +650,46 @@ static void handle_release(rank_state *rs, exec_op *op) {
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_RELEASE_REPLY, &reply.base);
 }
 
-static void handle_grad_buffer(rank_state *rs, exec_op *op) {
+/* Returns 1 if handled, 0 if it needs the executor (inline, a GPU rank
+ * that must allocate the buffer on its device). */
+static int handle_grad_buffer(rank_state *rs, exec_op *op, int inline_only) {
   Zerod__V1__GradBufferRequest *req = (Zerod__V1__GradBufferRequest *)op->request;
   if (op_job_failed(rs, op))
-    return;
+    return 1;
   unit_layout *l;
   shard *sh = lookup_shard(rs, op, req->unit_id, &l);
   if (sh == NULL)
-    return;
+    return 1;
   if (sh->grad_buf < 0) {
+    if (inline_only && !device_is_host(rs->dev))
+      return 0;
     char why[256];
     int64_t slot =
         pool_acquire(rs, BUF_GRAD, unit_buffer_bytes(rs, l), l->name, 0, why, sizeof why);
     if (slot < 0) {
       exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
-      return;
+      return 1;
     }
     rs->bufs[slot].unit = req->unit_id;
     pool_ref(rs, &rs->bufs[slot]);
     sh->grad_buf = slot;
   }
   pool_buf *b = &rs->bufs[sh->grad_buf];
-  if (reply_buffer_fd(rs, op, b) != 0)
-    return;
+  Zerod__V1__CudaBuffer cuda = ZEROD__V1__CUDA_BUFFER__INIT;
+  int first = reply_buffer(rs, op, b, &cuda);
+  if (first < 0)
+    return 1;
   Zerod__V1__GradBufferReply reply = ZEROD__V1__GRAD_BUFFER_REPLY__INIT;
   reply.unit_id = req->unit_id;
   reply.buffer_id = b->id;
-  reply.buffer_bytes = b->region.bytes;
+  reply.buffer_bytes = b->buf.bytes;
+  if (first && !device_is_host(rs->dev))
+    reply.cuda = &cuda;
   attach_dropped(rs, &reply.dropped_buffer_ids, &reply.n_dropped_buffer_ids);
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER_REPLY, &reply.base);
   if (op->reply_frame != NULL)
     rs->ndropped = 0;
+  return 1;
 }
 
 static void handle_reduce(rank_state *rs, exec_op *op) {
@@ -587,22 +714,38 @@ static void handle_reduce(rank_state *rs, exec_op *op) {
   }
   /* fp32 gradients are reduced in the worker's buffer itself (its contents
    * are undefined after the reduce, as documented); lower precisions are
-   * widened first so the sum is taken in fp32. */
-  float *send = b->region.base;
-  if (rs->job->config.working_dtype != ZK_F32) {
-    zk_cast(rs->pool, rs->scratch, ZK_F32, b->region.base, rs->job->config.working_dtype,
-            l->padded_numel);
+   * widened first so the sum is taken in fp32. On a GPU rank the stream
+   * first waits for the worker's "gradient written" record of the buffer's
+   * event, and records it again once the daemon has read the buffer. */
+  device *dev = rs->dev;
+  float *send = b->buf.base;
+  int err = device_buffer_wait(dev, &b->buf);
+  if (err == 0 && rs->job->config.working_dtype != ZK_F32) {
+    err = device_cast(dev, rs->scratch, ZK_F32, b->buf.base, rs->job->config.working_dtype,
+                      l->padded_numel);
     send = rs->scratch;
   }
-  for (unsigned k = 0; k < sh->nzero_ranges; k++)
-    memset(send + sh->zero_ranges[k].begin, 0,
-           (sh->zero_ranges[k].end - sh->zero_ranges[k].begin) * sizeof(float));
-  int err = comm_reduce_scatter_f32(rs->comm, send, rs->shard_scratch, l->shard_numel);
+  for (unsigned k = 0; k < sh->nzero_ranges && err == 0; k++)
+    err = device_zero(dev, send + sh->zero_ranges[k].begin,
+                      (sh->zero_ranges[k].end - sh->zero_ranges[k].begin) * sizeof(float));
+  if (err != 0) {
+    op_device_failed(rs, op, "reduce", err);
+    return;
+  }
+  err = comm_reduce_scatter_f32(rs->comm, send, rs->shard_scratch, l->shard_numel);
   if (err != 0) {
     op_comm_failed(rs, op, "reduce_scatter", err);
     return;
   }
-  zk_accumulate(rs->pool, sh->grad_acc, rs->shard_scratch, ZK_F32, l->shard_numel, NULL);
+  err = device_accumulate(dev, sh->grad_acc, rs->shard_scratch, l->shard_numel);
+  if (err == 0)
+    err = device_buffer_publish(dev, &b->buf);
+  if (err == 0)
+    err = device_sync(dev);
+  if (err != 0) {
+    op_device_failed(rs, op, "reduce", err);
+    return;
+  }
   pool_unref(rs, b);
   b->unit = -1;
   sh->grad_buf = -1;
@@ -662,17 +805,21 @@ static void handle_step(rank_state *rs, exec_op *op) {
 
   /* The global norm: every rank's partial sum of squares over its shards
    * (in unit order, each sum deterministic), all-reduced. */
+  device *dev = rs->dev;
   double local_sumsq = 0;
-  for (uint32_t u = 0; u < rs->nshards; u++) {
+  int err = device_sumsq_begin(dev);
+  for (uint32_t u = 0; u < rs->nshards && err == 0; u++) {
     shard *sh = &rs->shards[u];
-    if (!sh->present)
-      continue;
-    unit_layout *l = job_unit(rs->job, u);
-    double s = 0;
-    zk_sumsq(rs->pool, sh->grad_acc, ZK_F32, l->shard_numel, &s);
-    local_sumsq += s;
+    if (sh->present)
+      err = device_sumsq_add(dev, sh->grad_acc, job_unit(rs->job, u)->shard_numel);
   }
-  int err = comm_all_reduce(rs->comm, &local_sumsq, 1, COMM_F64, COMM_SUM);
+  if (err == 0)
+    err = device_sumsq_end(dev, &local_sumsq);
+  if (err != 0) {
+    op_device_failed(rs, op, "step (gradient norm)", err);
+    return;
+  }
+  err = host_all_reduce_f64(rs, &local_sumsq, 1, COMM_SUM);
   if (err != 0) {
     op_comm_failed(rs, op, "all_reduce (gradient norm)", err);
     return;
@@ -711,8 +858,8 @@ static void handle_step(rank_state *rs, exec_op *op) {
                                .nesterov = c->nesterov,
                                .step = step_number,
                                .grad_scale = coef / grad_scale};
-          rc = zk_sgd_step(rs->pool, &hp, sh->master + b, sh->moment1 ? sh->moment1 + b : NULL,
-                           sh->grad_acc + b, ZK_F32, working, wdtype, n);
+          rc = device_sgd_step(dev, &hp, sh->master + b, sh->moment1 ? sh->moment1 + b : NULL,
+                               sh->grad_acc + b, working, wdtype, n);
         } else {
           zk_adam_hparams hp = {.lr = rs->lr,
                                 .beta1 = c->beta1,
@@ -722,29 +869,39 @@ static void handle_step(rank_state *rs, exec_op *op) {
                                 .decoupled_weight_decay = c->optimizer == JOB_ADAMW,
                                 .step = step_number,
                                 .grad_scale = coef / grad_scale};
-          rc = zk_adam_step(rs->pool, &hp, sh->master + b, sh->moment1 + b, sh->moment2 + b,
-                            sh->grad_acc + b, ZK_F32, working, wdtype, n);
+          rc = device_adam_step(dev, &hp, sh->master + b, sh->moment1 + b, sh->moment2 + b,
+                                sh->grad_acc + b, working, wdtype, n);
         }
         if (rc != 0) {
           /* The hyper-parameters were checked at creation; a failure here
            * would leave ranks inconsistent, so the job stops. */
+          device_sync(dev);
           pin_end_write(rs);
-          job_fail(rs->job, rs->generation, "rank %d: optimizer step failed: %s", rs->rank,
-                   strerror(-rc));
-          exec_error(op, ZEROD__V1__STATUS__STATUS_INTERNAL, "optimizer step failed: %s",
-                     strerror(-rc));
+          op_device_failed(rs, op, "optimizer step", rc);
           return;
         }
       }
     }
+    /* Readers copy the working copies once the write lock is released. */
+    int rc = device_sync(dev);
     pin_end_write(rs);
+    if (rc != 0) {
+      op_device_failed(rs, op, "optimizer step", rc);
+      return;
+    }
     rs->step++;
     log_progress(rs, grad_norm);
   }
-  for (uint32_t u = 0; u < rs->nshards; u++) {
+  for (uint32_t u = 0; u < rs->nshards && err == 0; u++) {
     shard *sh = &rs->shards[u];
     if (sh->present)
-      memset(sh->grad_acc, 0, job_unit(rs->job, u)->shard_numel * sizeof(float));
+      err = device_zero(dev, sh->grad_acc, job_unit(rs->job, u)->shard_numel * sizeof(float));
+  }
+  if (err == 0)
+    err = device_sync(dev);
+  if (err != 0) {
+    op_device_failed(rs, op, "step (clearing the gradients)", err);
+    return;
   }
   rs->order_complete = 1;
   Zerod__V1__StepReply reply = ZEROD__V1__STEP_REPLY__INIT;
@@ -758,17 +915,60 @@ static void handle_step(rank_state *rs, exec_op *op) {
 /* Rank 0 lays its packed fp32 values of unit l (the tensors back to back,
  * as a worker sends them) out in the flat buffer, gaps and padding zero,
  * and broadcasts it into every rank's scratch (padded_numel floats, grown
- * by the caller); every rank then takes its slice from there. */
+ * by the caller); every rank then takes its slice from there. A host rank 0
+ * lays the values out in its scratch directly, a GPU rank 0 in host memory
+ * that it then copies to its device. */
 static int broadcast_values(rank_state *rs, const unit_layout *l, const float *packed) {
+  size_t bytes = l->padded_numel * sizeof(float);
+  int rc = 0;
   if (rs->rank == 0) {
-    memset(rs->scratch, 0, l->padded_numel * sizeof(float));
-    uint64_t at = 0;
-    for (unsigned t = 0; t < l->ntensors; t++) {
-      memcpy(rs->scratch + l->tensors[t].offset, packed + at, l->tensors[t].numel * sizeof(float));
-      at += l->tensors[t].numel;
+    float *layout = device_is_host(rs->dev) ? rs->scratch : malloc(bytes ? bytes : 1);
+    if (layout == NULL)
+      rc = -ENOMEM;
+    if (rc == 0) {
+      memset(layout, 0, bytes);
+      uint64_t at = 0;
+      for (unsigned t = 0; t < l->ntensors; t++) {
+        memcpy(layout + l->tensors[t].offset, packed + at, l->tensors[t].numel * sizeof(float));
+        at += l->tensors[t].numel;
+      }
     }
+    if (rc == 0 && layout != rs->scratch)
+      rc = device_upload(rs->dev, rs->scratch, layout, bytes);
+    if (layout != rs->scratch)
+      free(layout);
+    dev_call(rs, rc);
   }
-  return comm_broadcast(rs->comm, rs->scratch, l->padded_numel * sizeof(float), 0);
+  /* A rank 0 that failed above still takes part, so that its peers do not
+   * wait for it; the job fails all the same. */
+  int comm_rc = comm_broadcast(rs->comm, rs->scratch, bytes, 0);
+  return rc != 0 ? rc : comm_rc;
+}
+
+/* The initial values of INIT_SEEDED_NORMAL for this rank's slice of unit
+ * l, into its (zero-filled) master shard: on a GPU rank they are computed
+ * in host memory and copied over. */
+static int seed_master(rank_state *rs, const unit_layout *l, shard *sh, uint64_t seed,
+                       double init_std) {
+  uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
+  float *values = device_is_host(rs->dev) ? sh->master : calloc(l->shard_numel + 1, sizeof(float));
+  if (values == NULL)
+    return -ENOMEM;
+  uint64_t key = splitmix64(seed) ^ fnv1a(l->name);
+  for (unsigned t = 0; t < l->ntensors; t++) {
+    const tensor_layout *tl = &l->tensors[t];
+    uint64_t b = tl->offset > lo ? tl->offset : lo;
+    uint64_t e =
+        tl->offset + tl->numel < lo + l->shard_numel ? tl->offset + tl->numel : lo + l->shard_numel;
+    for (uint64_t k = b; k < e; k++)
+      values[k - lo] = (float)init_std * seeded_normal(key, k);
+  }
+  int rc = 0;
+  if (values != sh->master) {
+    rc = device_upload(rs->dev, sh->master, values, l->shard_numel * sizeof(float));
+    free(values);
+  }
+  return rc;
 }
 
 /* The first chunk index where two descriptors differ, or -1 if equal. */
@@ -883,13 +1083,13 @@ static void handle_register(rank_state *rs, exec_op *op) {
     head.desc_bytes = local_rc == 0 ? mine->descriptor_bytes : 0;
     head.init_status = init_status;
   }
-  int rc = comm_broadcast(rs->comm, &head, sizeof head, 0);
+  int rc = host_broadcast(rs, &head, sizeof head, 0);
   if (rc == 0 && head.desc_bytes > (64u << 20))
     rc = -EPROTO;
   if (rc == 0 && head.desc_bytes > 0) {
     root_desc_owned = rs->rank != 0;
     root_desc = rs->rank == 0 ? mine->descriptor : malloc(head.desc_bytes);
-    rc = root_desc == NULL ? -ENOMEM : comm_broadcast(rs->comm, root_desc, head.desc_bytes, 0);
+    rc = root_desc == NULL ? -ENOMEM : host_broadcast(rs, root_desc, head.desc_bytes, 0);
   }
   int32_t my_code = local_rc != 0 ? -2
                                   : (head.desc_bytes > 0
@@ -901,7 +1101,7 @@ static void handle_register(rank_state *rs, exec_op *op) {
     rc = -ENOMEM;
   if (rc == 0) {
     codes[rs->rank] = my_code;
-    rc = comm_all_gather(rs->comm, &codes[rs->rank], codes, sizeof *codes);
+    rc = host_all_gather(rs, codes, sizeof *codes);
   }
   if (rc != 0) {
     op_comm_failed(rs, op, "register (layout exchange)", rc);
@@ -979,19 +1179,19 @@ static void handle_register(rank_state *rs, exec_op *op) {
         op_comm_failed(rs, op, "register (initial values)", rc);
         goto done;
       }
-      memcpy(sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
+      rc = device_copy(rs->dev, sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
     } else if (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL) {
-      uint64_t key = splitmix64(req->seed) ^ fnv1a(l->name);
-      for (unsigned t = 0; t < l->ntensors; t++) {
-        const tensor_layout *tl = &l->tensors[t];
-        uint64_t b = tl->offset > lo ? tl->offset : lo;
-        uint64_t e = tl->offset + tl->numel < lo + l->shard_numel ? tl->offset + tl->numel
-                                                                  : lo + l->shard_numel;
-        for (uint64_t k = b; k < e; k++)
-          sh->master[k - lo] = (float)req->init_std * seeded_normal(key, k);
-      }
+      rc = seed_master(rs, l, sh, req->seed, req->init_std);
     }
-    refresh_working(rs, l, sh);
+    if (rc == 0)
+      rc = refresh_working(rs, l, sh);
+    /* Readers copy the shard from other threads once the unit is ready. */
+    if (rc == 0)
+      rc = device_sync(rs->dev);
+    if (rc != 0) {
+      op_device_failed(rs, op, "register (initial values)", rc);
+      goto done;
+    }
     /* No reader looks at the shard before this: the unit becomes readable
      * (and listed) once every rank has counted itself. */
     atomic_fetch_add(&l->ready_ranks, 1);
@@ -1067,7 +1267,7 @@ static void handle_load(rank_state *rs, exec_op *op) {
     goto done;
   }
   codes[rs->rank] = code;
-  int rc = comm_all_gather(rs->comm, &codes[rs->rank], codes, sizeof *codes);
+  int rc = host_all_gather(rs, codes, sizeof *codes);
   if (rc != 0) {
     op_comm_failed(rs, op, "load_unit (check)", rc);
     goto done;
@@ -1109,9 +1309,17 @@ static void handle_load(rank_state *rs, exec_op *op) {
   shard *sh = &rs->shards[l->id];
   uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
   pin_begin_write(rs);
-  memcpy(sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
-  refresh_working(rs, l, sh);
+  rc = device_copy(rs->dev, sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
+  if (rc == 0)
+    rc = refresh_working(rs, l, sh);
+  /* Readers copy the working copy once the write lock is released. */
+  if (rc == 0)
+    rc = device_sync(rs->dev);
   pin_end_write(rs);
+  if (rc != 0) {
+    op_device_failed(rs, op, "load_unit", rc);
+    goto done;
+  }
   LOG_DEBUGF("unit loaded", "job=%s rank=%d unit=%u version=%llu", j->name, rs->rank, l->id,
              (unsigned long long)rs->version);
   Zerod__V1__LoadUnitReply reply = ZEROD__V1__LOAD_UNIT_REPLY__INIT;
@@ -1184,7 +1392,16 @@ static void handle_comm_init(rank_state *rs, exec_op *op) {
                           .world_size = rs->job->world_size,
                           .timeout_ms = settings.collective_timeout_ms,
                           .hostname = settings.comm_hostname};
-  int rc = comm_gloo_create(&options, settings.rendezvous, &rs->comm, err, sizeof err);
+  int rc;
+  if (rs->dev == NULL) {
+    snprintf(err, sizeof err, "%s", rs->device_error);
+    rc = -ENODEV;
+  } else if (device_is_host(rs->dev)) {
+    rc = comm_gloo_create(&options, settings.rendezvous, &rs->comm, err, sizeof err);
+  } else {
+    rc = comm_nccl_create(&options, settings.rendezvous, device_cuda_api(rs->dev),
+                          device_cuda_stream(rs->dev), &rs->comm, err, sizeof err);
+  }
   if (rc != 0) {
     rs->comm = NULL;
     job_fail(rs->job, rs->generation, "rank %d: communicator: %s", rs->rank, err);
@@ -1202,7 +1419,7 @@ static void handle_comm_init(rank_state *rs, exec_op *op) {
     return;
   }
   steps[rs->rank] = (int64_t)rs->step;
-  rc = comm_all_gather(rs->comm, &steps[rs->rank], steps, sizeof *steps);
+  rc = host_all_gather(rs, steps, sizeof *steps);
   for (int r = 0; rc == 0 && r < rs->job->world_size; r++)
     if (steps[r] != steps[0]) {
       job_fail(rs->job, rs->generation,
@@ -1212,7 +1429,7 @@ static void handle_comm_init(rank_state *rs, exec_op *op) {
     }
   if (rc != 0)
     job_fail(rs->job, rs->generation, "rank %d: communicator check: %s", rs->rank,
-             comm_last_error(rs->comm));
+             rs->failed_on_device ? device_last_error(rs->dev) : comm_last_error(rs->comm));
   free(steps);
   if (rc == 0 && !job_failed(rs->job, rs->generation, NULL, 0))
     atomic_store(&rs->comm_ready, rs->generation + 1);
@@ -1233,6 +1450,7 @@ static void finish(exec_op *op) {
 
 static void run_op(rank_state *rs, exec_op *op) {
   int64_t next = -1;
+  rs->failed_on_device = 0;
   switch (op->kind) {
   case OP_COMM_INIT:
     handle_comm_init(rs, op);
@@ -1256,7 +1474,7 @@ static void run_op(rank_state *rs, exec_op *op) {
     handle_release(rs, op);
     break;
   case OP_GRAD_BUFFER:
-    handle_grad_buffer(rs, op);
+    handle_grad_buffer(rs, op, 0);
     break;
   case OP_REDUCE:
     handle_reduce(rs, op);
@@ -1278,12 +1496,61 @@ static void run_op(rank_state *rs, exec_op *op) {
   /* The reply goes out before the prefetch starts: the worker computes on
    * this unit while the next one is gathered. */
   finish(op);
+  rs->failed_on_device = 0;
   if (next >= 0)
     prefetch_unit(rs, (uint32_t)next);
 }
 
+/* Opens the rank's device on its executor thread: a GPU rank's device is
+ * current on this thread from here on. A failure is kept for the
+ * communicator's creation, which fails the job with it. */
+static void open_device(rank_state *rs) {
+  int rc;
+  if (settings.device != NULL && strcmp(settings.device, "cuda") == 0) {
+    /* Local rank i binds GPU i (ARCHITECTURE §3). */
+    int ordinal = rs->rank - rs->job->first_rank;
+    rc = device_cuda_open(ordinal, &rs->dev, rs->device_error, sizeof rs->device_error);
+    if (rc == 0)
+      LOG_INFOF("rank on GPU", "job=%s rank=%d device=%d", rs->job->name, rs->rank, ordinal);
+  } else {
+    rc = device_host_open(rs->pool, &rs->dev);
+    if (rc != 0)
+      snprintf(rs->device_error, sizeof rs->device_error, "host device: %s", strerror(-rc));
+  }
+  if (rc != 0) {
+    rs->dev = NULL;
+    LOG_ERRORF("device failed", "job=%s rank=%d err=\"%s\"", rs->job->name, rs->rank,
+               rs->device_error);
+  }
+}
+
+/* Frees everything that lives in the device's memory, then the device, on
+ * the executor thread that owns it. Readers of the rank's shards are kept
+ * out by its lock (the daemon is stopping: they give up). */
+static void close_device(rank_state *rs) {
+  if (rs->dev == NULL)
+    return;
+  device_sync(rs->dev);
+  pin_lock_shards(rs);
+  for (uint32_t u = 0; u < rs->nshards; u++)
+    if (rs->shards[u].present)
+      shard_free(rs, &rs->shards[u]);
+  pin_unlock_shards(rs);
+  pool_free_all(rs);
+  device_free(rs->dev, rs->scratch);
+  device_free(rs->dev, rs->shard_scratch);
+  device_free(rs->dev, rs->staging);
+  rs->scratch = rs->shard_scratch = NULL;
+  rs->staging = NULL;
+  rs->scratch_numel = rs->shard_scratch_numel = 0;
+  rs->staging_bytes = 0;
+  device_close(rs->dev);
+  rs->dev = NULL;
+}
+
 static void *exec_main(void *arg) {
   rank_state *rs = arg;
+  open_device(rs);
   for (;;) {
     pthread_mutex_lock(&rs->queue_mutex);
     while (rs->queue_head == NULL)
@@ -1300,6 +1567,7 @@ static void *exec_main(void *arg) {
       if (rs->comm != NULL)
         comm_destroy(rs->comm);
       rs->comm = NULL;
+      close_device(rs);
       exec_op_free(op);
       atomic_fetch_sub(&rs->busy, 1);
       return NULL;
@@ -1347,7 +1615,8 @@ int exec_try_inline(exec_op *op) {
     handle_release(rs, op);
     break;
   case OP_GRAD_BUFFER:
-    handle_grad_buffer(rs, op);
+    if (!handle_grad_buffer(rs, op, 1))
+      return 0;
     break;
   default:
     return 0;
@@ -1395,16 +1664,15 @@ void exec_rank_free(rank_state *rs) {
   if (rs->comm != NULL)
     comm_destroy(rs->comm);
   rs->comm = NULL;
-  for (uint32_t u = 0; u < rs->nshards; u++)
-    if (rs->shards[u].present)
-      shard_free(&rs->shards[u]);
+  /* The executor closed its device when it stopped (close_device); what
+   * is left is host memory. */
   free(rs->shards);
   rs->shards = NULL;
-  pool_free_all(rs);
-  free(rs->scratch);
-  free(rs->shard_scratch);
+  free(rs->bufs);
+  free(rs->dropped_ids);
+  rs->bufs = NULL;
+  rs->dropped_ids = NULL;
   free(rs->order);
-  rs->scratch = rs->shard_scratch = NULL;
   rs->order = NULL;
   zk_pool_destroy(rs->pool);
   rs->pool = NULL;

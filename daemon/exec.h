@@ -10,7 +10,9 @@
  * is a function of that sequence and never of timing. Cheap ops that issue
  * no collective (a gather served from cache, a release, a gradient buffer)
  * may run on the loop thread instead — exec_try_inline — but only while the
- * executor is idle (busy == 0), which orders them exactly as if queued. */
+ * executor is idle (busy == 0), which orders them exactly as if queued, and
+ * only when they touch no device memory (a GPU rank's device is the
+ * executor thread's alone, device.h). */
 #ifndef ZEROD_EXEC_H
 #define ZEROD_EXEC_H
 
@@ -64,6 +66,10 @@ typedef void (*exec_complete_fn)(exec_op *op);
 
 typedef struct exec_settings {
   exec_complete_fn complete;
+  /* Where the ranks' shards live: "cuda" puts local rank i on GPU i
+   * (device_cuda.c, NCCL); anything else (NULL, "cpu") keeps them in host
+   * memory (device_host.c, Gloo). */
+  const char *device;
   int threads_per_rank;
   int collective_timeout_ms;
   const char *comm_hostname;

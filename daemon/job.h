@@ -22,8 +22,8 @@
 #include <stdint.h>
 
 #include "comm.h"
+#include "device.h"
 #include "zerod/v1/ipc.pb-c.h"
-#include "shm.h"
 #include "zk.h"
 
 #define JOB_MAX_UNITS 65536
@@ -81,20 +81,22 @@ typedef struct shard_range {
 
 typedef enum buf_kind { BUF_GATHER, BUF_GRAD } buf_kind;
 
-/* One memfd region of a rank's pool. */
+/* One buffer of a rank's pool: a memfd region on a host rank, an
+ * IPC-exported allocation on a GPU rank (device.h). */
 typedef struct pool_buf {
   uint32_t id; /* stable for the rank's life; the client caches by it */
-  shm_region region;
+  device_buffer buf;
   buf_kind kind;
   int64_t unit;           /* unit it holds or -1 */
   uint64_t valid_version; /* BUF_GATHER: version of its values; UINT64_MAX: none */
   int refs;               /* > 0: live (held by the worker) */
   uint64_t last_use;      /* LRU tick */
-  uint64_t sent_session;  /* session that already received the fd */
-  int in_use;             /* slot holds a region */
+  uint64_t sent_session;  /* session that already received the fd or handles */
+  int in_use;             /* slot holds a buffer */
 } pool_buf;
 
-/* A rank's state for one unit. */
+/* A rank's state for one unit. The arrays are in the rank's device memory
+ * (device.h): host memory on a host rank, GPU memory on a GPU rank. */
 typedef struct shard {
   int present;
   float *master;            /* fp32 master weights, shard_numel */
@@ -123,7 +125,14 @@ typedef struct rank_state {
   struct exec_op *queue_head, *queue_tail;
   _Atomic int busy; /* ops submitted and not finished */
 
-  /* Executor-owned state. */
+  /* Executor-owned state. The device is opened by the executor thread
+   * when it starts and closed when it stops; every array below that holds
+   * values (shards, scratch, the pool's buffers) is its memory. */
+  device *dev;
+  char device_error[512]; /* why the device could not be opened */
+  /* The op's failure came from the device (a copy around a collective),
+   * not from the communicator; reset before each op. */
+  int failed_on_device;
   comm *comm;
   unsigned generation; /* communicator generation (job resets) */
   zk_pool *pool;
@@ -151,6 +160,8 @@ typedef struct rank_state {
   uint64_t scratch_numel;
   float *shard_scratch; /* fp32, reduced shard */
   uint64_t shard_scratch_numel;
+  void *staging; /* GPU ranks: small collectives on host values pass here */
+  size_t staging_bytes;
   uint32_t *order; /* gather order recorded before the first step */
   size_t order_len, order_cap;
   int order_complete;

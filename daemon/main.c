@@ -24,6 +24,7 @@
 #include "log.h"
 #include "node.h"
 #include "pin.h"
+#include "cuda/zk_cuda.h"
 
 #define ZEROD_VERSION "0.1.0"
 
@@ -43,8 +44,8 @@ static void usage(FILE *out) {
           "                          [ZEROD_RANKS, default 1]\n"
           "  --device KIND           where the ranks' shards live and run: cpu (host memory,\n"
           "                          Gloo); cuda (rank i on GPU i, NCCL, CUDA IPC to\n"
-          "                          workers) and auto are reserved: GPU ranks are not\n"
-          "                          available in this version yet [ZEROD_DEVICE,\n"
+          "                          workers; not yet validated on a GPU); auto (cuda\n"
+          "                          if every rank has a GPU, else cpu) [ZEROD_DEVICE,\n"
           "                          default cpu]\n"
           "  --dir DIR               state directory: lock file and default socket\n"
           "                          [ZEROD_DIR, default ./.zerod]\n"
@@ -554,19 +555,27 @@ int main(int argc, char **argv) {
   if (strcmp(v, "cpu") != 0 && strcmp(v, "cuda") != 0 && strcmp(v, "auto") != 0)
     return bad_value("--device", v, "cpu, cuda or auto");
   snprintf(o->device, sizeof o->device, "%s", v);
-  /* The executor's CUDA device backend (shards in GPU memory, buffers over
-   * CUDA IPC) is not in this build yet: the CUDA module, its IPC entries and
-   * the NCCL comm backend are, but nothing here would use them. Checking
-   * for the module and one GPU per rank comes with that backend (branch
-   * wip/gpu-ranks). */
-  if (strcmp(o->device, "cuda") == 0) {
-    fprintf(stderr, "zerod: --device cuda: GPU ranks are not available in this version yet "
-                    "(the executor's CUDA backend is unfinished); use --device cpu\n");
-    return 1;
-  }
-  if (strcmp(o->device, "auto") == 0) {
-    LOG_INFOF("ranks on the CPU", "why=\"GPU ranks are not available in this version yet\"");
-    snprintf(o->device, sizeof o->device, "cpu");
+  /* GPU ranks need the CUDA module, a driver and one GPU per rank (local
+   * rank i binds GPU i). cuda refuses to start without them; auto falls
+   * back to the CPU and says why. */
+  if (strcmp(o->device, "cpu") != 0) {
+    const zk_cuda_api *cuda = NULL;
+    char why[512] = "";
+    int cuda_rc = zk_cuda_load(&cuda, why, sizeof why);
+    int count = 0;
+    if (cuda_rc == 0)
+      cuda_rc = cuda->device_count(&count);
+    if (cuda_rc == 0 && count < o->ranks) {
+      snprintf(why, sizeof why, "%d rank(s) need as many GPUs, %d found", o->ranks, count);
+      cuda_rc = -ENODEV;
+    }
+    if (cuda_rc != 0 && strcmp(o->device, "cuda") == 0) {
+      fprintf(stderr, "zerod: --device cuda: %s\n", why);
+      return 1;
+    }
+    snprintf(o->device, sizeof o->device, "%s", cuda_rc == 0 ? "cuda" : "cpu");
+    if (cuda_rc != 0)
+      LOG_INFOF("no usable GPU, ranks on the CPU", "why=\"%s\"", why);
   }
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   o->threads_per_rank = cpus > o->ranks ? (int)(cpus / o->ranks) : 1;
@@ -675,7 +684,8 @@ int main(int argc, char **argv) {
                       .threads_per_rank = o->threads_per_rank,
                       .collective_timeout_ms = o->collective_timeout_ms,
                       .comm_hostname = comm_host,
-                      .rendezvous = d->rendezvous};
+                      .rendezvous = d->rendezvous,
+                      .device = o->device};
   exec_configure(&es);
 
   rc = ipc_listen(d, err, sizeof err);

@@ -164,9 +164,9 @@ void pin_release(job *j, job_pin *p) {
 /* Writers                                                                  */
 /* ------------------------------------------------------------------------ */
 
-/* Copies the rank's working slices of every unit it holds. Runs on the
- * rank's executor with its write lock held, so the slices are stable and
- * the shard table cannot grow. */
+/* Copies the rank's working slices of every unit it holds (from its device,
+ * into host memory). Runs on the rank's executor with its write lock held,
+ * so the slices are stable and the shard table cannot grow. */
 static int snapshot_take(rank_state *rs, pin_snapshot *out) {
   job *j = rs->job;
   size_t elem_bytes = zk_dtype_size(j->config.working_dtype);
@@ -186,7 +186,11 @@ static int snapshot_take(rank_state *rs, pin_snapshot *out) {
       snapshot_free(out);
       return -ENOMEM;
     }
-    memcpy(out->working[u], sh->working, bytes);
+    int rc = device_download(rs->dev, out->working[u], sh->working, bytes);
+    if (rc != 0) {
+      snapshot_free(out);
+      return rc;
+    }
   }
   return 0;
 }
@@ -308,6 +312,18 @@ static int wait_for_rank(job *j, const pin_read_control *c, const struct timespe
   return 0;
 }
 
+/* Copies a rank's live slice out of its device memory; rank lock held.
+ * Returns 0, or a status with a message in err. */
+static int copy_live_slice(job *j, int rank, const unit_layout *l, const void *src, void *dst,
+                           size_t bytes, char *err, size_t err_bytes) {
+  int rc = device_read(j->ranks[rank].dev, dst, src, bytes);
+  if (rc == 0)
+    return 0;
+  snprintf(err, err_bytes, "copying unit '%s' from rank %d's device failed: %s", l->name, rank,
+           strerror(-rc));
+  return ZEROD__V1__STATUS__STATUS_INTERNAL;
+}
+
 /* A rank's live slice of the unit; rank lock held. */
 static const void *live_slice(job *j, int rank, const unit_layout *l) {
   const rank_state *rs = &j->ranks[rank];
@@ -367,10 +383,14 @@ static int read_pinned(job *j, job_pin *pin, const unit_layout *l, uint8_t *dst,
           return status;
         continue;
       }
+      int live = status == 0 && !pin->saved[r];
       pthread_mutex_unlock(&j->pin_mutex);
       /* A snapshot is immutable and lives as long as the pin, which the
        * caller holds; a live slice is stable under the read lock. */
-      if (status == 0)
+      if (status == 0 && live)
+        status = copy_live_slice(j, r, l, src, dst + (size_t)r * slice_bytes, slice_bytes, err,
+                                 err_bytes);
+      else if (status == 0)
         memcpy(dst + (size_t)r * slice_bytes, src, slice_bytes);
       pthread_rwlock_unlock(&j->rank_locks[r]);
       if (status != 0)
@@ -415,7 +435,8 @@ static int read_latest(job *j, const unit_layout *l, uint8_t *dst, size_t slice_
         status = ZEROD__V1__STATUS__STATUS_INTERNAL;
         break;
       }
-      memcpy(dst + (size_t)r * slice_bytes, src, slice_bytes);
+      status =
+          copy_live_slice(j, r, l, src, dst + (size_t)r * slice_bytes, slice_bytes, err, err_bytes);
     }
     for (int r = j->nranks - 1; r >= 0; r--)
       pthread_rwlock_unlock(&j->rank_locks[r]);

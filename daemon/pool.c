@@ -31,9 +31,9 @@ static int available(const rank_state *rs, const pool_buf *b, int prefetch) {
   return !(prefetch && b->kind == BUF_GATHER && b->valid_version == rs->version);
 }
 
-/* Unmaps a free buffer. If the attached session was sent its descriptor,
- * the id goes on the list the next reply carries, so the worker unmaps it
- * too. */
+/* Frees a free buffer. If the attached session was sent its descriptor (or
+ * its CUDA IPC handles), the id goes on the list the next reply carries, so
+ * the worker unmaps it (or closes them) too. */
 static void drop(rank_state *rs, uint32_t slot) {
   pool_buf *b = &rs->bufs[slot];
   forget_unit(rs, slot);
@@ -49,8 +49,8 @@ static void drop(rank_state *rs, uint32_t slot) {
     if (rs->ndropped < rs->dropped_cap)
       rs->dropped_ids[rs->ndropped++] = b->id;
   }
-  rs->pool_bytes -= b->region.bytes;
-  shm_region_destroy(&b->region);
+  rs->pool_bytes -= b->buf.bytes;
+  device_buffer_destroy(rs->dev, &b->buf);
   memset(b, 0, sizeof *b);
   b->unit = -1;
 }
@@ -70,8 +70,8 @@ int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *
   int64_t best = -1;
   for (uint32_t i = 0; i < rs->nbufs; i++) {
     pool_buf *b = &rs->bufs[i];
-    if (!available(rs, b, prefetch) || b->kind != kind || b->region.bytes < need ||
-        b->region.bytes > 2 * need)
+    if (!available(rs, b, prefetch) || b->kind != kind || b->buf.bytes < need ||
+        b->buf.bytes > 2 * need)
       continue;
     if (best < 0 || b->last_use < rs->bufs[best].last_use)
       best = i;
@@ -111,14 +111,15 @@ int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *
     rs->nbufs++;
   }
   pool_buf *b = &rs->bufs[slot];
-  /* The name shows in /proc/<pid>/fd, which makes leaks easy to see. */
+  /* A memfd's name shows in /proc/<pid>/fd, which makes leaks easy to see. */
   char name[96];
   snprintf(name, sizeof name, "zerod-%.64s-r%d-%s", rs->job->name, rs->rank,
            kind == BUF_GATHER ? "gather" : "grad");
-  int rc = shm_region_create(&b->region, name, need);
+  int rc = device_buffer_create(rs->dev, &b->buf, name, need);
   if (rc != 0) {
-    snprintf(err, err_bytes, "cannot create %" PRIu64 " bytes of shared memory for unit '%s': %s",
-             need, unit_name, strerror(-rc));
+    snprintf(err, err_bytes, "cannot create a %" PRIu64 "-byte %s buffer for unit '%s': %s", need,
+             device_is_host(rs->dev) ? "shared-memory" : "GPU", unit_name,
+             device_last_error(rs->dev));
     return -1;
   }
   b->in_use = 1;
@@ -128,19 +129,19 @@ int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *
   b->valid_version = UINT64_MAX;
   b->refs = 0;
   b->sent_session = 0;
-  rs->pool_bytes += b->region.bytes;
+  rs->pool_bytes += b->buf.bytes;
   return slot;
 }
 
 void pool_ref(rank_state *rs, pool_buf *b) {
   if (b->refs++ == 0)
-    rs->live_bytes += b->region.bytes;
+    rs->live_bytes += b->buf.bytes;
   b->last_use = ++rs->tick;
 }
 
 void pool_unref(rank_state *rs, pool_buf *b) {
   if (b->refs > 0 && --b->refs == 0)
-    rs->live_bytes -= b->region.bytes;
+    rs->live_bytes -= b->buf.bytes;
 }
 
 /* All ranks trim at the same point of their op sequences (the loop queues
@@ -159,7 +160,7 @@ void pool_trim(rank_state *rs) {
 void pool_free_all(rank_state *rs) {
   for (uint32_t i = 0; i < rs->nbufs; i++)
     if (rs->bufs[i].in_use)
-      shm_region_destroy(&rs->bufs[i].region);
+      device_buffer_destroy(rs->dev, &rs->bufs[i].buf);
   free(rs->bufs);
   free(rs->dropped_ids);
   rs->bufs = NULL;

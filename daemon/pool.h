@@ -1,4 +1,5 @@
-/* pool: a rank's memfd buffers — gathered units and gradient buffers —
+/* pool: a rank's shared buffers (memfd regions, or GPU allocations exported
+ * with CUDA IPC, device.h) — gathered units and gradient buffers —
  * bounded by the job's max_live_bytes (ARCHITECTURE §2).
  *
  * The pool belongs to the rank's executor (or to the loop while the

@@ -174,7 +174,8 @@ int zd_msg_fd_range(uint16_t type, unsigned *min_fds, unsigned *max_fds) {
   switch (type) {
   /* Rank 0's initial values travel with REGISTER_UNIT (INIT_FROM_RANK0
    * only) and LOAD_UNIT, and a buffer's memfd travels with its reply the first time the
-   * session sees that buffer; later replies name it by buffer_id only. */
+   * session sees that buffer (a GPU buffer's CUDA IPC handles travel in the
+   * reply instead); later replies name it by buffer_id only. */
   case ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT:
   case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT:
   case ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY:
@@ -406,6 +407,20 @@ static int check_fields(const ProtobufCMessage *message, const char **why) {
   return 0;
 }
 
+/* A GPU buffer's handles are opaque bytes that the CUDA runtime reads at a
+ * fixed size, so any other length is refused before a client copies them. */
+static int check_cuda_buffer(const Zerod__V1__CudaBuffer *cuda, const char **why) {
+  if (cuda == NULL)
+    return 0;
+  if (cuda->mem_handle.len != ZD_CUDA_IPC_HANDLE_BYTES)
+    return fail(why, "CUDA memory handle is not 64 bytes", -EBADMSG);
+  if (cuda->event_handle.len != ZD_CUDA_IPC_HANDLE_BYTES)
+    return fail(why, "CUDA event handle is not 64 bytes", -EBADMSG);
+  if (cuda->device < 0 || cuda->device > ZD_MAX_CUDA_DEVICE)
+    return fail(why, "CUDA device ordinal outside 0..1023", -EBADMSG);
+  return 0;
+}
+
 static int check_bounds(uint16_t type, const ProtobufCMessage *message, const char **why) {
   int rc = check_fields(message, why);
   if (rc != 0)
@@ -435,6 +450,10 @@ static int check_bounds(uint16_t type, const ProtobufCMessage *message, const ch
     return check_register_unit((const Zerod__V1__RegisterUnitRequest *)message, why);
   case ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT_REPLY:
     return check_register_unit_reply((const Zerod__V1__RegisterUnitReply *)message, why);
+  case ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY:
+    return check_cuda_buffer(((const Zerod__V1__GatherReply *)message)->cuda, why);
+  case ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER_REPLY:
+    return check_cuda_buffer(((const Zerod__V1__GradBufferReply *)message)->cuda, why);
   default:
     return 0;
   }

@@ -47,6 +47,10 @@
 #define ZD_MAX_NUMEL (1ull << 48)
 /* The human-readable message of an Error or a Notice. */
 #define ZD_MAX_MESSAGE_BYTES 1024
+/* A GPU buffer (CudaBuffer): the sizes of cudaIpcMemHandle_t and
+ * cudaIpcEventHandle_t, and the highest device ordinal accepted. */
+#define ZD_CUDA_IPC_HANDLE_BYTES 64
+#define ZD_MAX_CUDA_DEVICE       1023
 
 typedef struct zd_frame_header {
   uint32_t magic;

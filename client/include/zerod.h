@@ -29,6 +29,10 @@
  *   fault. The tensor tables a view points to (names, shapes) stay valid
  *   until zd_close. With zd_attach_options.stable_addresses a unit's
  *   gathered view keeps its address across gathers instead (see there).
+ * - a daemon started with --device cuda keeps a job's buffers in GPU
+ *   memory: views then hold device pointers (zd_view.device >= 0) and are
+ *   ordered with the daemon through CUDA events (zd_view_stream_wait,
+ *   zd_view_stream_done; docs/client.md, "GPU buffers").
  */
 #ifndef ZEROD_H
 #define ZEROD_H
@@ -167,7 +171,17 @@ typedef struct zd_tensor_view {
   uint64_t offset; /* elements from the start of the flat buffer */
 } zd_tensor_view;
 
-/* A unit's gathered or gradient buffer, as the worker sees it. */
+/* A unit's gathered or gradient buffer, as the worker sees it.
+ *
+ * device is -1 for a buffer in shared memory (base and the tensors' data
+ * are host addresses), or the CUDA ordinal of a GPU buffer (a daemon
+ * started with --device cuda; local rank i's buffers are on GPU i, as the
+ * daemon numbers its devices): base and the tensors' data are then device
+ * pointers, opened in this process on the device that was current on the
+ * calling thread at the first gather or zd_grad_buffer of the buffer (make
+ * GPU `device` current before them). event is the buffer's cudaEvent_t,
+ * owned by the library, for zd_view_stream_wait / zd_view_stream_done;
+ * NULL for shared memory. */
 typedef struct zd_view {
   void *base;
   size_t bytes;
@@ -175,6 +189,8 @@ typedef struct zd_view {
   uint64_t version; /* gathered: the version the values come from */
   unsigned ntensors;
   const zd_tensor_view *tensors;
+  int device;
+  void *event;
 } zd_view;
 
 typedef struct zd_step_options {
@@ -305,11 +321,35 @@ ZD_API zd_status zd_reduce(zd_job *job, zd_unit unit);
  * for the daemon, naming the reduce. Collective, like zd_reduce. */
 ZD_API zd_status zd_reduce_async(zd_job *job, zd_unit unit);
 
+/* GPU buffers (zd_view.device >= 0): the daemon and the worker use a buffer
+ * in turn on their own CUDA streams, ordered by the buffer's interprocess
+ * event instead of a host synchronisation.
+ *
+ * zd_view_stream_wait makes `stream` (a cudaStream_t; NULL: the legacy
+ * default stream) wait until the daemon is done with the buffer: call it
+ * after zd_gather / zd_grad_buffer and before the first kernel that reads
+ * the gathered values or writes the gradient.
+ *
+ * zd_view_stream_done records that the work enqueued on `stream` so far is
+ * the worker's last use of the buffer: call it after the last kernel that
+ * reads a gathered view and before zd_release, and after the last kernel
+ * that writes a gradient view and before zd_reduce / zd_reduce_async. The
+ * daemon's stream waits for it before it reuses the gathered buffer or
+ * reads the gradient. (Synchronising the stream before those calls works
+ * too, at the cost of a host wait.)
+ *
+ * Both return ZD_OK at once for a view of shared memory, so a worker can
+ * call them whatever the daemon's device; ZD_E_IO if CUDA fails. */
+ZD_API zd_status zd_view_stream_wait(const zd_view *view, void *stream);
+ZD_API zd_status zd_view_stream_done(const zd_view *view, void *stream);
+
 /* Optimizer step over all units (collective). options may be NULL. */
 ZD_API zd_status zd_step(zd_job *job, const zd_step_options *options, zd_step_result *out);
 
 /* Detaches from the job; the handle stays allocated (calls on it fail with
- * ZD_E_FAILED_PRECONDITION) until zd_close. */
+ * ZD_E_FAILED_PRECONDITION) until zd_close. The handles of GPU buffers are
+ * closed here (their views are no longer valid); shared memory stays
+ * mapped until zd_close. */
 ZD_API zd_status zd_detach(zd_job *job);
 
 ZD_API const char *zd_strerror(zd_status status);

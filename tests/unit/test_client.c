@@ -78,6 +78,9 @@ typedef struct fake_daemon {
   int list_other_layout;        /* list tensor "b" at another offset */
   uint32_t drop_ids[4];         /* dropped_buffer_ids of the next buffer reply */
   unsigned ndrop_ids;
+  /* Answer gathers as a GPU daemon would: CUDA IPC handles in the reply
+   * (1), or handles and a descriptor both (2). */
+  int gather_cuda;
 
   /* Shared memory the fake hands out, one gathered and one gradient
    * buffer per unit; the fake keeps its own mappings to check writes. */
@@ -180,6 +183,19 @@ static void fake_gather_reply(fake_daemon *fake, uint64_t request_id, uint32_t u
   if (fake->gather_unknown_buffer) {
     reply.buffer_id = 99;
     fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, request_id, &reply.base, NULL, 0);
+    return;
+  }
+  if (fake->gather_cuda) {
+    uint8_t handle[ZD_CUDA_IPC_HANDLE_BYTES] = {1, 2, 3};
+    Zerod__V1__CudaBuffer cuda = ZEROD__V1__CUDA_BUFFER__INIT;
+    cuda.mem_handle.data = handle;
+    cuda.mem_handle.len = sizeof handle;
+    cuda.event_handle.data = handle;
+    cuda.event_handle.len = sizeof handle;
+    cuda.device = 2;
+    reply.cuda = &cuda;
+    fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, request_id, &reply.base,
+              &fake->gathered_fd[unit], fake->gather_cuda == 2 ? 1 : 0);
     return;
   }
   if (fake->alternate_gather_buffers)
@@ -833,6 +849,11 @@ static void test_gather_view_points_at_placements(void **state) {
   assert_int_equal(view.tensors[0].shape[1], 5);
   assert_int_equal(view.tensors[1].numel, 3);
   assert_int_equal(view.tensors[1].offset, BIAS_OFFSET);
+  /* Shared memory: no device, no event, and nothing to order. */
+  assert_int_equal(view.device, -1);
+  assert_null(view.event);
+  assert_int_equal(zd_view_stream_wait(&view, NULL), ZD_OK);
+  assert_int_equal(zd_view_stream_done(&view, NULL), ZD_OK);
   const float *weights = view.tensors[0].data;
   const float *bias = view.tensors[1].data;
   assert_true(weights[4] == 1004.0f);
@@ -1006,6 +1027,40 @@ static void test_gather_of_unseen_buffer_without_fd_is_a_protocol_error(void **s
   assert_int_equal(zd_gather(job, unit, &view), ZD_E_PROTOCOL);
   assert_message_contains("buffer 99 without a descriptor");
   assert_int_equal(zd_gather(job, unit, &view), ZD_E_UNAVAILABLE);
+  zd_close(client);
+  fake_destroy(fake);
+}
+
+/* main() points ZEROD_CUDA_MODULE nowhere, so this process never has CUDA,
+ * GPU or not: a GPU buffer must fail the gather with a clear reason. */
+static void test_gpu_buffer_without_cuda_fails_with_the_reason(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->gather_cuda = 1;
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_job(client);
+  zd_unit unit = register_unit(job, "layer0");
+  zd_view view;
+  assert_int_equal(zd_gather(job, unit, &view), ZD_E_FAILED_PRECONDITION);
+  assert_message_contains("zerod keeps this job on GPU 2 (zerod --device cuda)");
+  assert_message_contains("cannot use CUDA");
+  /* The connection is fine: only this process lacks CUDA. */
+  assert_int_equal(zd_release(job, unit), ZD_OK);
+  assert_int_equal(zd_detach(job), ZD_OK);
+  zd_close(client);
+  fake_destroy(fake);
+}
+
+static void test_gpu_buffer_with_a_descriptor_too_is_a_protocol_error(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->gather_cuda = 2;
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_job(client);
+  zd_unit unit = register_unit(job, "layer0");
+  zd_view view;
+  assert_int_equal(zd_gather(job, unit, &view), ZD_E_PROTOCOL);
+  assert_message_contains("both a descriptor and GPU handles for buffer 10");
   zd_close(client);
   fake_destroy(fake);
 }
@@ -1671,6 +1726,8 @@ static void test_last_error_is_per_thread(void **state) {
 
 int main(void) {
   signal(SIGPIPE, on_sigpipe);
+  /* No test here may depend on whether this machine has a GPU. */
+  setenv("ZEROD_CUDA_MODULE", "/nonexistent/libzerod_cuda.so", 1);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_connect_to_missing_socket_is_unavailable),
       cmocka_unit_test(test_default_socket_follows_environment),
@@ -1687,6 +1744,8 @@ int main(void) {
       cmocka_unit_test(test_shutdown_notice_makes_calls_unavailable),
       cmocka_unit_test(test_undecodable_reply_is_a_protocol_error),
       cmocka_unit_test(test_gather_of_unseen_buffer_without_fd_is_a_protocol_error),
+      cmocka_unit_test(test_gpu_buffer_without_cuda_fails_with_the_reason),
+      cmocka_unit_test(test_gpu_buffer_with_a_descriptor_too_is_a_protocol_error),
       cmocka_unit_test(test_read_only_attach_sends_mode_and_pin),
       cmocka_unit_test(test_attach_reply_with_the_other_mode_is_a_protocol_error),
       cmocka_unit_test(test_read_only_job_refuses_writes_without_asking),

@@ -186,6 +186,8 @@ typedef struct samples {
   Zerod__V1__TensorPlacement *placements[2];
   Zerod__V1__RegisterUnitReply register_unit_reply;
   Zerod__V1__GatherRequest gather;
+  uint8_t mem_handle[ZD_CUDA_IPC_HANDLE_BYTES], event_handle[ZD_CUDA_IPC_HANDLE_BYTES];
+  Zerod__V1__CudaBuffer cuda;
   Zerod__V1__GatherReply gather_reply;
   Zerod__V1__ReleaseRequest release;
   Zerod__V1__ReleaseReply release_reply;
@@ -299,6 +301,17 @@ static void init_samples(samples *s) {
   s->dropped_ids[2] = 70000;
   s->gather_reply.n_dropped_buffer_ids = 3;
   s->gather_reply.dropped_buffer_ids = s->dropped_ids;
+  zerod__v1__cuda_buffer__init(&s->cuda);
+  for (int i = 0; i < ZD_CUDA_IPC_HANDLE_BYTES; i++) {
+    s->mem_handle[i] = (uint8_t)(i * 7 + 1);
+    s->event_handle[i] = (uint8_t)(255 - i);
+  }
+  s->cuda.mem_handle.data = s->mem_handle;
+  s->cuda.mem_handle.len = sizeof s->mem_handle;
+  s->cuda.device = 3;
+  s->cuda.event_handle.data = s->event_handle;
+  s->cuda.event_handle.len = sizeof s->event_handle;
+  s->gather_reply.cuda = &s->cuda;
   zerod__v1__release_request__init(&s->release);
   s->release.unit_id = 3;
   zerod__v1__release_reply__init(&s->release_reply);
@@ -310,6 +323,7 @@ static void init_samples(samples *s) {
   s->grad_buffer_reply.buffer_bytes = 16785408;
   s->grad_buffer_reply.n_dropped_buffer_ids = 1;
   s->grad_buffer_reply.dropped_buffer_ids = s->dropped_ids;
+  s->grad_buffer_reply.cuda = &s->cuda;
   zerod__v1__reduce_request__init(&s->reduce);
   s->reduce.unit_id = 3;
   zerod__v1__reduce_reply__init(&s->reduce_reply);
@@ -1603,6 +1617,39 @@ static void test_tensor_placement_outside_its_unit_is_a_bad_message(void **state
   expect_why(why, "does not match its shape");
 }
 
+/* A GPU buffer's handles are read by CUDA at a fixed 64 bytes, so a reply
+ * with another length (or an impossible device) never reaches a client. */
+static void test_cuda_buffer_with_wrong_handle_sizes_is_a_bad_message(void **state) {
+  samples s;
+  const char *why;
+  uint8_t long_handle[ZD_CUDA_IPC_HANDLE_BYTES + 1] = {0};
+  static const uint16_t types[] = {ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY,
+                                   ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER_REPLY};
+  for (int t = 0; t < 2; t++) {
+    init_samples(&s);
+    const ProtobufCMessage *reply = t == 0 ? &s.gather_reply.base : &s.grad_buffer_reply.base;
+    assert_int_equal(unpack_packed(types[t], reply, &why), 0);
+    s.cuda.mem_handle.len = ZD_CUDA_IPC_HANDLE_BYTES - 1;
+    assert_int_equal(unpack_packed(types[t], reply, &why), -EBADMSG);
+    expect_why(why, "CUDA memory handle is not 64 bytes");
+    init_samples(&s);
+    s.cuda.event_handle.len = 0;
+    assert_int_equal(unpack_packed(types[t], reply, &why), -EBADMSG);
+    expect_why(why, "CUDA event handle is not 64 bytes");
+    init_samples(&s);
+    s.cuda.mem_handle.len = sizeof long_handle;
+    s.cuda.mem_handle.data = long_handle;
+    assert_int_equal(unpack_packed(types[t], reply, &why), -EBADMSG);
+    init_samples(&s);
+    s.cuda.device = -1;
+    assert_int_equal(unpack_packed(types[t], reply, &why), -EBADMSG);
+    expect_why(why, "CUDA device ordinal outside 0..1023");
+    init_samples(&s);
+    s.cuda.device = ZD_MAX_CUDA_DEVICE + 1;
+    assert_int_equal(unpack_packed(types[t], reply, &why), -EBADMSG);
+  }
+}
+
 /* A 2 MiB payload of a million empty tensors would cost protobuf-c about
  * 60 MiB of structs; the unpack budget stops it at 16 MiB. */
 static void test_payload_needing_too_much_memory_is_a_bad_message(void **state) {
@@ -1761,6 +1808,7 @@ int main(void) {
       cmocka_unit_test(test_empty_unit_or_tensor_name_is_a_bad_message),
       cmocka_unit_test(test_error_message_over_1024_bytes_is_a_bad_message),
       cmocka_unit_test(test_tensor_placement_outside_its_unit_is_a_bad_message),
+      cmocka_unit_test(test_cuda_buffer_with_wrong_handle_sizes_is_a_bad_message),
       cmocka_unit_test(test_payload_needing_too_much_memory_is_a_bad_message),
       cmocka_unit_test(test_field_number_zero_or_past_2_to_29_is_a_bad_message),
       cmocka_unit_test(test_empty_attach_payload_is_a_bad_message),

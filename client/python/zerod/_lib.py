@@ -107,6 +107,8 @@ class View(ctypes.Structure):
         ("version", c_uint64),
         ("ntensors", c_uint),
         ("tensors", ctypes.POINTER(TensorView)),
+        ("device", ctypes.c_int),  # -1: shared memory; else the CUDA ordinal (base is a device pointer)
+        ("event", c_void_p),
     ]
 
 

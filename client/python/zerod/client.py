@@ -406,24 +406,38 @@ class Unit:
 
 
 class Buffer:
-    """A unit-sized buffer in shared memory (gathered or gradient)."""
+    """A unit-sized buffer (gathered or gradient): shared memory, or GPU
+    memory when the daemon runs with ``--device cuda`` (``device`` is then
+    the CUDA ordinal and ``address`` a device pointer; ``device`` is -1 for
+    shared memory). The numpy and torch views below need shared memory."""
 
     def __init__(self, unit: Unit, view: _lib.View, writable: bool) -> None:
         self.unit = unit
         self.address = int(view.base or 0)
         self.nbytes = int(view.bytes)
+        self.device = int(view.device)
         self.dtype: str = _DTYPE_NAMES.get(int(view.dtype), "unknown")
         self._dtype_code = int(view.dtype)
         self.version = int(view.version)
         self.writable = writable
-        self._memory = _memory(self.address, self.nbytes, unit.job.client)
+        # A device pointer must never be read as host memory.
+        self._memory = (_memory(self.address, self.nbytes, unit.job.client)
+                        if self.device < 0 else None)
+
+    def _host_memory(self) -> ctypes.Array:
+        if self._memory is None:
+            raise InvalidArgumentError(
+                "unit %s: the buffer is in memory of GPU %d (zerod --device cuda); use "
+                ".address and .device" % (self.unit.name, self.device))
+        return self._memory
 
     def array(self) -> np.ndarray:
         """The whole flat buffer as a numpy array (no copy; bfloat16 values
         appear as uint16 bit patterns)."""
+        memory = self._host_memory()
         dtype = _NUMPY_DTYPES[self._dtype_code]
         count = self.nbytes // np.dtype(dtype).itemsize
-        array = np.frombuffer(self._memory, dtype=dtype, count=count)
+        array = np.frombuffer(memory, dtype=dtype, count=count)
         if not self.writable:
             array.flags.writeable = False
         return array
@@ -440,8 +454,9 @@ class Buffer:
 
         dtypes = {_lib.F32: torch.float32, _lib.BF16: torch.bfloat16, _lib.F16: torch.float16}
         dtype = dtypes[self._dtype_code]
+        memory = self._host_memory()
         count = self.nbytes // torch.tensor([], dtype=dtype).element_size()
-        return torch.frombuffer(self._memory, dtype=dtype, count=count)
+        return torch.frombuffer(memory, dtype=dtype, count=count)
 
     def tensors(self) -> Dict[str, Any]:
         """Each tensor as a torch view of the buffer, by name (no copy).

@@ -54,6 +54,15 @@ UnitsPolicy = Union[str, Sequence[type], Callable[[nn.Module, str], bool]]
 _TORCH_DTYPES = {_lib.F32: torch.float32, _lib.BF16: torch.bfloat16, _lib.F16: torch.float16}
 
 
+def _require_host(view: _lib.View, unit_name: str) -> None:
+    """zerod.torch wraps shared memory only: a GPU buffer (zerod --device
+    cuda) holds a device pointer that must never be read as host memory."""
+    if int(view.device) >= 0:
+        raise ShardingError(
+            "unit %s: zerod keeps this job on GPU %d (zerod --device cuda); zerod.torch "
+            "supports daemons with --device cpu only" % (unit_name, int(view.device)))
+
+
 class _Ref:
     """One place a parameter is held: ``module._parameters[attr]``."""
 
@@ -211,6 +220,7 @@ class _State:
         else:
             _check(self.lib.zd_gather(self.handle, unit.zunit.id, ctypes.byref(view)),
                    "gather %s" % unit.name)
+        _require_host(view, unit.name)
         address = int(view.base)
         if unit.flat is None:
             memory = (ctypes.c_char * int(view.bytes)).from_address(address)
@@ -314,6 +324,7 @@ class _State:
         view = _lib.View()
         _check(self.lib.zd_grad_buffer(self.handle, unit.zunit.id, ctypes.byref(view)),
                "gradient buffer of %s" % unit.name)
+        _require_host(view, unit.name)
         key = (int(view.base), int(view.bytes))
         flat = self.grad_flat.get(key)
         if flat is None:
