@@ -1021,47 +1021,58 @@ int ipc_listen(zdaemon *d, char *err, size_t err_bytes) {
   uv_async_init(d->loop, &d->completion_async, on_completion);
   d->completion_async.data = d;
 
+  /* The socket is bound and listening under a temporary name and then
+   * renamed into place, so a worker that sees the path can connect at once
+   * (bound but not yet listening, connect() would be refused). */
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   const char *path = d->options.socket_path;
-  if (strlen(path) >= sizeof addr.sun_path) {
+  size_t len = strlen(path);
+  if (len + 4 >= sizeof addr.sun_path) {
     snprintf(err, err_bytes, "socket path '%s' is longer than %zu bytes", path,
-             sizeof addr.sun_path - 1);
+             sizeof addr.sun_path - 5);
     return -ENAMETOOLONG;
   }
-  memcpy(addr.sun_path, path, strlen(path) + 1);
+  memcpy(addr.sun_path, path, len);
+  memcpy(addr.sun_path + len, ".new", 5);
+  const char *tmp = addr.sun_path;
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) {
     snprintf(err, err_bytes, "socket: %s", strerror(errno));
     return -errno;
   }
-  /* A socket file left by a daemon that died is removed; the lock file in
-   * the state directory (main.c) guarantees no live daemon owns it. */
-  unlink(path);
+  /* Files left by a daemon that died are replaced; the lock file in the
+   * state directory (main.c) guarantees no live daemon owns them. */
+  unlink(tmp);
   /* Bind under a umask so the file never exists with looser permissions. */
   mode_t old_umask = umask(d->options.socket_group[0] ? 0117 : 0177);
   int rc = bind(fd, (struct sockaddr *)&addr, sizeof addr);
   umask(old_umask);
   if (rc != 0) {
     int e = errno;
-    snprintf(err, err_bytes, "bind %s: %s", path, strerror(e));
+    snprintf(err, err_bytes, "bind %s: %s", tmp, strerror(e));
     close(fd);
     return -e;
   }
+  const char *failed = NULL;
   if (d->options.socket_group[0]) {
     struct group *g = getgrnam(d->options.socket_group);
-    if (g == NULL || chown(path, (uid_t)-1, g->gr_gid) != 0 || chmod(path, 0660) != 0) {
+    if (g == NULL || chown(tmp, (uid_t)-1, g->gr_gid) != 0 || chmod(tmp, 0660) != 0) {
       snprintf(err, err_bytes, "socket group '%s': %s", d->options.socket_group,
                g == NULL ? "no such group" : strerror(errno));
       close(fd);
-      unlink(path);
+      unlink(tmp);
       return -EINVAL;
     }
   }
-  if (listen(fd, 128) != 0) {
+  if (listen(fd, 128) != 0)
+    failed = "listen";
+  else if (rename(tmp, path) != 0)
+    failed = "rename";
+  if (failed != NULL) {
     int e = errno;
-    snprintf(err, err_bytes, "listen: %s", strerror(e));
+    snprintf(err, err_bytes, "%s %s: %s", failed, path, strerror(e));
     close(fd);
-    unlink(path);
+    unlink(tmp);
     return -e;
   }
   d->listen_fd = fd;
