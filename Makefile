@@ -84,7 +84,7 @@ $(FUZZ_BUILD)/CMakeCache.txt:
 fuzz:
 	scripts/deps.sh fuzz
 	$(MAKE) $(FUZZ_BUILD)/CMakeCache.txt
-	cmake --build $(FUZZ_BUILD) --target fuzz_dequantize fuzz_frame fuzz_control
+	cmake --build $(FUZZ_BUILD) --target fuzz_dequantize fuzz_frame fuzz_control fuzz_manifest fuzz_safetensors
 	@for f in $(FUZZ_BUILD)/tests/fuzz/fuzz_*; do \
 	  echo "== $$f ($(FUZZ_SECONDS) s)"; \
 	  mkdir -p $(FUZZ_BUILD)/corpus/$$(basename $$f); \

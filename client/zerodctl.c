@@ -2,7 +2,9 @@
  *
  * Each invocation makes one or two blocking unary calls to the coordinator
  * (rpc.h's client half, protobuf-c messages from control.proto and
- * health.proto), every call with the --timeout deadline, and prints the
+ * health.proto), every call with the --timeout deadline (checkpoint save
+ * and restore wait for the whole operation: 600 s unless --timeout is
+ * given), and prints the
  * result either for people (aligned tables, "key: value" lines) or, with
  * --json, as exactly one JSON object on stdout for scripts.
  *
@@ -33,15 +35,17 @@
 #define ZEROD_VERSION "0.1.0"
 #endif
 
-#define CTL_DEFAULT_COORDINATOR "127.0.0.1:7070"
-#define CTL_DEFAULT_TIMEOUT_S   10.0
-#define CTL_MAX_TIMEOUT_S       86400.0
-#define CTL_NAME_MAX_BYTES      64 /* node and job names (control.proto) */
-#define CTL_MAX_NODES           64 /* nodes of one job (CreateJobRequest) */
-#define CTL_MAX_RANKS           64 /* ranks per node, and world size */
-#define CTL_TOKEN_MAX_BYTES     256
-#define CTL_TARGET_MAX_BYTES    255
-#define CTL_ERROR_LINE_BYTES    1024
+#define CTL_DEFAULT_COORDINATOR  "127.0.0.1:7070"
+#define CTL_DEFAULT_TIMEOUT_S    10.0
+#define CTL_CHECKPOINT_TIMEOUT_S 600.0 /* checkpoint save and restore, without --timeout */
+#define CTL_MAX_TIMEOUT_S        86400.0
+#define CTL_NAME_MAX_BYTES       64 /* node and job names (control.proto) */
+#define CTL_MAX_NODES            64 /* nodes of one job (CreateJobRequest) */
+#define CTL_MAX_RANKS            64 /* ranks per node, and world size */
+#define CTL_TOKEN_MAX_BYTES      256
+#define CTL_TARGET_MAX_BYTES     255
+#define CTL_PATH_MAX_BYTES       4000 /* a checkpoint path (RestoreRequest) */
+#define CTL_ERROR_LINE_BYTES     1024
 
 /* Exit statuses (docs/zerodctl.md). */
 enum { CTL_EXIT_OK = 0, CTL_EXIT_FAILED = 1, CTL_EXIT_USAGE = 2 };
@@ -516,6 +520,37 @@ static bool valid_name(const char *s) {
   return true;
 }
 
+/* Checkpoint names: names that do not start with '.' and do not contain
+ * the coordinator's marks of unfinished saves and deletes
+ * (docs/checkpoints.md). */
+static bool valid_checkpoint_name(const char *s) {
+  return valid_name(s) && s[0] != '.' && strstr(s, ".tmp-") == NULL &&
+         strstr(s, ".deleting-") == NULL;
+}
+
+/* Job names that name a directory of checkpoints. */
+static bool valid_job_dir_name(const char *s) {
+  return valid_name(s) && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
+}
+
+/* What `checkpoint restore` accepts: NAME, JOB/NAME, or an absolute path
+ * (on the coordinator's and the nodes' filesystem, so never made absolute
+ * here). */
+static bool valid_checkpoint_ref(const char *s) {
+  if (s[0] == '/')
+    return strlen(s) <= CTL_PATH_MAX_BYTES;
+  const char *slash = strchr(s, '/');
+  if (slash == NULL)
+    return valid_checkpoint_name(s);
+  char job[CTL_NAME_MAX_BYTES + 1];
+  size_t job_bytes = (size_t)(slash - s);
+  if (job_bytes == 0 || job_bytes > CTL_NAME_MAX_BYTES)
+    return false;
+  memcpy(job, s, job_bytes);
+  job[job_bytes] = '\0';
+  return valid_job_dir_name(job) && valid_checkpoint_name(slash + 1);
+}
+
 static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
   char *end;
   errno = 0;
@@ -800,6 +835,12 @@ static void json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   json_u64(j, "step", job->step);
   json_u64(j, "epoch", job->epoch);
   json_i64(j, "created_unix_ms", job->created_unix_ms);
+  const Zerod__V1__CheckpointPolicy *policy = job->checkpoint_policy;
+  json_open(j, "checkpoint_policy", '{');
+  json_u64(j, "every_steps", policy != NULL ? policy->every_steps : 0);
+  json_u64(j, "every_seconds", policy != NULL ? policy->every_seconds : 0);
+  json_u64(j, "keep", policy != NULL ? policy->keep : 0);
+  json_close(j, '}');
   json_close(j, '}');
 }
 
@@ -810,6 +851,23 @@ static void print_hyper(const char *key, double value, double default_value) {
     print_field(key, "%g", value);
   else
     print_field(key, "%g (default)", default_value);
+}
+
+/* "every 1000 steps or 600 s, keep 3", or "off". */
+static void print_policy(const Zerod__V1__CheckpointPolicy *policy) {
+  if (policy == NULL || (policy->every_steps == 0 && policy->every_seconds == 0)) {
+    print_field("checkpoints", "off");
+    return;
+  }
+  char steps[48] = "", seconds[48] = "", keep[48] = "";
+  if (policy->every_steps != 0)
+    snprintf(steps, sizeof steps, "%" PRIu32 " steps", policy->every_steps);
+  if (policy->every_seconds != 0)
+    snprintf(seconds, sizeof seconds, "%" PRIu32 " s", policy->every_seconds);
+  if (policy->keep != 0)
+    snprintf(keep, sizeof keep, ", keep %" PRIu32, policy->keep);
+  print_field("checkpoints", "every %s%s%s%s", steps, steps[0] && seconds[0] ? " or " : "", seconds,
+              keep);
 }
 
 /* `jobs get` and `jobs create`: one field per line. */
@@ -870,6 +928,7 @@ static void print_job(const Zerod__V1__Job *job) {
   print_field("step", "%" PRIu64, job->step);
   print_field("epoch", "%" PRIu64, job->epoch);
   print_field("created", "%s", format_unix_ms(job->created_unix_ms, text, sizeof text));
+  print_policy(job->checkpoint_policy);
 }
 
 /* "a,b,c" for the NODES column; past three names, "a,b,c,+5". */
@@ -974,7 +1033,7 @@ static int cmd_jobs_delete(ctl *c, int argc, char **argv) {
 /* The options of `jobs create`, as given (checked in cmd_jobs_create). */
 typedef struct create_options {
   const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
-      *precision, *max_grad_norm, *max_live_bytes, *token;
+      *precision, *max_grad_norm, *max_live_bytes, *token, *every_steps, *every_seconds, *keep;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
   const char *first_given; /* the first of them on the command line, or NULL */
@@ -1124,6 +1183,19 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
     request.quotas = &quotas;
   }
   request.config = &config;
+  Zerod__V1__CheckpointPolicy policy = ZEROD__V1__CHECKPOINT_POLICY__INIT;
+  if (o->every_steps != NULL && parse_u32(o->every_steps, 1, UINT32_MAX, &policy.every_steps) != 0)
+    return bad_create_value("--checkpoint-every-steps", o->every_steps, "an integer >= 1");
+  if (o->every_seconds != NULL &&
+      parse_u32(o->every_seconds, 1, UINT32_MAX, &policy.every_seconds) != 0)
+    return bad_create_value("--checkpoint-every-seconds", o->every_seconds, "an integer >= 1");
+  if (o->keep != NULL && parse_u32(o->keep, 1, UINT32_MAX, &policy.keep) != 0)
+    return bad_create_value("--checkpoint-keep", o->keep, "an integer >= 1");
+  if (o->keep != NULL && o->every_steps == NULL && o->every_seconds == NULL)
+    return usage_error("jobs create: --checkpoint-keep needs --checkpoint-every-steps or "
+                       "--checkpoint-every-seconds");
+  if (o->every_steps != NULL || o->every_seconds != NULL)
+    request.checkpoint_policy = &policy;
   if (o->token != NULL) {
     if (!valid_token(o->token))
       return bad_create_value("--token", o->token, "1..256 printable characters, no spaces");
@@ -1150,6 +1222,183 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
     print_field("token", "%s", reply->token);
   }
   zerod__v1__create_job_reply__free_unpacked(reply, NULL);
+  return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* checkpoint                                                               */
+/* ------------------------------------------------------------------------ */
+
+/* "850 ms", "3.4 s". */
+static const char *format_ms(int64_t ms, char *out, size_t out_bytes) {
+  if (ms < 1000)
+    snprintf(out, out_bytes, "%" PRId64 " ms", ms > 0 ? ms : 0);
+  else
+    snprintf(out, out_bytes, "%.1f s", (double)ms / 1000.0);
+  return out;
+}
+
+static void json_checkpoint(json_out *j, const char *key, const Zerod__V1__Checkpoint *cp) {
+  json_open(j, key, '{');
+  json_str(j, "job", cp->job);
+  json_str(j, "name", cp->name);
+  json_str(j, "path", cp->path);
+  json_u64(j, "step", cp->step);
+  json_u64(j, "world_size", cp->world_size);
+  json_u64(j, "bytes", cp->bytes);
+  json_i64(j, "created_unix_ms", cp->created_unix_ms);
+  json_u64(j, "job_id", cp->job_id);
+  json_close(j, '}');
+}
+
+static int cmd_checkpoint_save(ctl *c, int argc, char **argv) {
+  Zerod__V1__SaveRequest request = ZEROD__V1__SAVE_REQUEST__INIT;
+  request.job = argv[0];
+  request.name = argc > 1 ? argv[1] : "";
+  Zerod__V1__SaveReply *reply;
+  int rc = call(c, "/zerod.v1.Checkpoints/Save", &request.base, &zerod__v1__save_reply__descriptor,
+                (ProtobufCMessage **)&reply);
+  if (rc != 0)
+    return rc;
+  if (reply->checkpoint == NULL) {
+    zerod__v1__save_reply__free_unpacked(reply, NULL);
+    return fail_line(CTL_EXIT_FAILED, "%s: the coordinator's reply has no checkpoint", c->command);
+  }
+  const Zerod__V1__Checkpoint *cp = reply->checkpoint;
+  if (c->json) {
+    json_out j = {.out = stdout};
+    json_open(&j, NULL, '{');
+    json_checkpoint(&j, "checkpoint", cp);
+    json_i64(&j, "stall_ms", reply->stall_ms);
+    json_i64(&j, "total_ms", reply->total_ms);
+    json_close(&j, '}');
+  } else {
+    char text[64];
+    print_field("job", "%s", cp->job);
+    print_field("name", "%s", cp->name);
+    print_field("step", "%" PRIu64, cp->step);
+    print_field("size", "%s", format_bytes(cp->bytes, text, sizeof text));
+    print_field("stall", "%s", format_ms(reply->stall_ms, text, sizeof text));
+    print_field("total", "%s", format_ms(reply->total_ms, text, sizeof text));
+    print_field("path", "%s", cp->path);
+  }
+  zerod__v1__save_reply__free_unpacked(reply, NULL);
+  return 0;
+}
+
+static int cmd_checkpoint_list(ctl *c, int argc, char **argv) {
+  Zerod__V1__ListCheckpointsRequest request = ZEROD__V1__LIST_CHECKPOINTS_REQUEST__INIT;
+  request.job = argc > 0 ? argv[0] : "";
+  Zerod__V1__ListCheckpointsReply *reply;
+  int rc = call(c, "/zerod.v1.Checkpoints/List", &request.base,
+                &zerod__v1__list_checkpoints_reply__descriptor, (ProtobufCMessage **)&reply);
+  if (rc != 0)
+    return rc;
+  if (c->json) {
+    json_out j = {.out = stdout};
+    json_open(&j, NULL, '{');
+    json_open(&j, "checkpoints", '[');
+    for (size_t i = 0; i < reply->n_checkpoints; i++)
+      json_checkpoint(&j, NULL, reply->checkpoints[i]);
+    json_close(&j, ']');
+    json_close(&j, '}');
+    zerod__v1__list_checkpoints_reply__free_unpacked(reply, NULL);
+    return 0;
+  }
+  static const char *const headers[] = {"JOB", "NAME", "STEP", "WORLD", "SIZE", "CREATED"};
+  table t;
+  table_init(&t, 6, headers);
+  for (size_t i = 0; i < reply->n_checkpoints && rc == 0; i++) {
+    const Zerod__V1__Checkpoint *cp = reply->checkpoints[i];
+    char cells[6][TABLE_CELL_BYTES];
+    snprintf(cells[0], TABLE_CELL_BYTES, "%s", cp->job);
+    snprintf(cells[1], TABLE_CELL_BYTES, "%s", cp->name);
+    snprintf(cells[2], TABLE_CELL_BYTES, "%" PRIu64, cp->step);
+    snprintf(cells[3], TABLE_CELL_BYTES, "%" PRIu32, cp->world_size);
+    format_bytes(cp->bytes, cells[4], TABLE_CELL_BYTES);
+    format_unix_ms(cp->created_unix_ms, cells[5], TABLE_CELL_BYTES);
+    if (table_add_row(&t, cells) != 0)
+      rc = fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
+  }
+  if (rc == 0)
+    table_print(&t, stdout);
+  table_free(&t);
+  zerod__v1__list_checkpoints_reply__free_unpacked(reply, NULL);
+  return rc;
+}
+
+static int cmd_checkpoint_delete(ctl *c, int argc, char **argv) {
+  Zerod__V1__DeleteCheckpointRequest request = ZEROD__V1__DELETE_CHECKPOINT_REQUEST__INIT;
+  request.job = argv[0];
+  request.name = argv[1];
+  Zerod__V1__DeleteCheckpointReply *reply;
+  int rc = call(c, "/zerod.v1.Checkpoints/Delete", &request.base,
+                &zerod__v1__delete_checkpoint_reply__descriptor, (ProtobufCMessage **)&reply);
+  if (rc != 0)
+    return rc;
+  zerod__v1__delete_checkpoint_reply__free_unpacked(reply, NULL);
+  if (c->json) {
+    json_out j = {.out = stdout};
+    json_open(&j, NULL, '{');
+    json_str(&j, "job", argv[0]);
+    json_str(&j, "deleted", argv[1]);
+    json_close(&j, '}');
+  } else {
+    printf("deleted checkpoint %s of job %s\n", argv[1], argv[0]);
+  }
+  return 0;
+}
+
+static int cmd_checkpoint_restore(ctl *c, int argc, char **argv) {
+  Zerod__V1__RestoreRequest request = ZEROD__V1__RESTORE_REQUEST__INIT;
+  request.job = argv[0];
+  request.checkpoint = argv[1];
+  Zerod__V1__RestoreReply *reply;
+  int rc = call(c, "/zerod.v1.Checkpoints/Restore", &request.base,
+                &zerod__v1__restore_reply__descriptor, (ProtobufCMessage **)&reply);
+  if (rc != 0)
+    return rc;
+  if (c->json) {
+    json_out j = {.out = stdout};
+    json_open(&j, NULL, '{');
+    json_str(&j, "job", argv[0]);
+    json_str(&j, "checkpoint", argv[1]);
+    json_u64(&j, "step", reply->step);
+    json_i64(&j, "total_ms", reply->total_ms);
+    json_close(&j, '}');
+  } else {
+    char text[64];
+    char line[CTL_ERROR_LINE_BYTES];
+    snprintf(line, sizeof line, "restored job %s from %s: step %" PRIu64 " in %s", argv[0], argv[1],
+             reply->step, format_ms(reply->total_ms, text, sizeof text));
+    sanitize_line(line);
+    printf("%s\n", line);
+  }
+  zerod__v1__restore_reply__free_unpacked(reply, NULL);
+  return 0;
+}
+
+/* Checks the arguments of a `checkpoint` command before anything is sent. */
+static int check_checkpoint_args(const char *command, int argc, char **argv) {
+  if (argc > 0 && !valid_job_dir_name(argv[0]))
+    return usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
+                       command, argv[0]);
+  if (argc < 2)
+    return 0;
+  if (strcmp(command, "checkpoint restore") == 0) {
+    if (!valid_checkpoint_ref(argv[1]))
+      return usage_error("%s: invalid checkpoint '%s': expected NAME, JOB/NAME or an absolute "
+                         "path to a checkpoint directory or a .safetensors file",
+                         command, argv[1]);
+    return 0;
+  }
+  if (!valid_checkpoint_name(argv[1]))
+    return usage_error("%s: invalid checkpoint name '%s': expected 1..64 characters "
+                       "[A-Za-z0-9._-], not starting with '.', without '.tmp-' or '.deleting-'",
+                       command, argv[1]);
+  if (strcmp(command, "checkpoint save") == 0 && strncmp(argv[1], "auto-", 5) == 0)
+    return usage_error("%s: checkpoint names starting with 'auto-' are for periodic checkpoints",
+                       command);
   return 0;
 }
 
@@ -1197,6 +1446,16 @@ static const char general_usage[] =
     "  jobs get NAME            one job in full: placement, config, state\n"
     "  jobs create NAME [opts]  create a job (see zerodctl jobs create --help)\n"
     "  jobs delete NAME         delete a job\n"
+    "  checkpoint save JOB [NAME]\n"
+    "                           checkpoint a ready job (NAME default: step-<step>);\n"
+    "                           waits for it (600 s unless --timeout)\n"
+    "  checkpoint list [JOB]    the checkpoints of every job, or of JOB\n"
+    "  checkpoint delete JOB NAME\n"
+    "                           delete a checkpoint\n"
+    "  checkpoint restore JOB CHECKPOINT\n"
+    "                           restore a ready job from NAME, OTHERJOB/NAME, or an\n"
+    "                           absolute path (a checkpoint directory or a\n"
+    "                           .safetensors file); waits (600 s unless --timeout)\n"
     "  health [SERVICE]         grpc.health.v1 check; exit 0 only when SERVING\n"
     "\n"
     "options (before or after the command):\n"
@@ -1204,7 +1463,8 @@ static const char general_usage[] =
     "                               standalone zerod [ZEROD_COORDINATOR, default\n"
     "                               " CTL_DEFAULT_COORDINATOR "]\n"
     "  -j, --json                   print one JSON object (for scripts)\n"
-    "  -t, --timeout SECONDS        deadline of each call [default 10]\n"
+    "  -t, --timeout SECONDS        deadline of each call [default 10; checkpoint save\n"
+    "                               and restore 600]\n"
     "  -h, --help                   print help (of a command, after it) and exit\n"
     "      --version                print the version and exit\n"
     "\n"
@@ -1232,7 +1492,12 @@ static const char create_usage[] =
     "  --max-grad-norm X        clip the global gradient norm to X [default: off]\n"
     "  --max-live-bytes SIZE    gathered + gradient buffers per rank, e.g. 512M, 4G\n"
     "                           [default: the node's]\n"
-    "  --token T                the owner token [default: the coordinator makes one]\n";
+    "  --token T                the owner token [default: the coordinator makes one]\n"
+    "  --checkpoint-every-steps N\n"
+    "                           checkpoint the job (auto-<step>) every N steps\n"
+    "  --checkpoint-every-seconds S\n"
+    "                           ... and/or every S seconds [default: neither]\n"
+    "  --checkpoint-keep K      keep the newest K periodic checkpoints [default: all]\n";
 
 typedef struct command {
   const char *name; /* "members", "jobs get", ... */
@@ -1247,6 +1512,10 @@ static const command commands[] = {
     {"jobs get", 1, 1, " NAME", cmd_jobs_get},
     {"jobs create", 1, 1, " NAME [options]", NULL}, /* takes its options: cmd_jobs_create */
     {"jobs delete", 1, 1, " NAME", cmd_jobs_delete},
+    {"checkpoint save", 1, 2, " JOB [NAME]", cmd_checkpoint_save},
+    {"checkpoint list", 0, 1, " [JOB]", cmd_checkpoint_list},
+    {"checkpoint delete", 2, 2, " JOB NAME", cmd_checkpoint_delete},
+    {"checkpoint restore", 2, 2, " JOB CHECKPOINT", cmd_checkpoint_restore},
     {"health", 0, 1, " [SERVICE]", cmd_health},
 };
 
@@ -1265,6 +1534,9 @@ enum {
   OPT_MAX_GRAD_NORM,
   OPT_MAX_LIVE_BYTES,
   OPT_TOKEN,
+  OPT_EVERY_STEPS,
+  OPT_EVERY_SECONDS,
+  OPT_KEEP,
 };
 
 static const struct option long_options[] = {
@@ -1287,6 +1559,9 @@ static const struct option long_options[] = {
     {"max-grad-norm", required_argument, NULL, OPT_MAX_GRAD_NORM},
     {"max-live-bytes", required_argument, NULL, OPT_MAX_LIVE_BYTES},
     {"token", required_argument, NULL, OPT_TOKEN},
+    {"checkpoint-every-steps", required_argument, NULL, OPT_EVERY_STEPS},
+    {"checkpoint-every-seconds", required_argument, NULL, OPT_EVERY_SECONDS},
+    {"checkpoint-keep", required_argument, NULL, OPT_KEEP},
     {NULL, 0, NULL, 0},
 };
 
@@ -1329,6 +1604,15 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_TOKEN:
     slot = &o->token;
+    break;
+  case OPT_EVERY_STEPS:
+    slot = &o->every_steps;
+    break;
+  case OPT_EVERY_SECONDS:
+    slot = &o->every_seconds;
+    break;
+  case OPT_KEEP:
+    slot = &o->keep;
     break;
   case OPT_NODE:
     if (o->n_node_lists == CTL_MAX_NODES)
@@ -1386,7 +1670,7 @@ int main(int argc, char **argv) {
   ctl c = {.coordinator = NULL, .timeout_s = CTL_DEFAULT_TIMEOUT_S};
   create_options create = {0};
   const char *coordinator_from = "--coordinator";
-  bool help = false, version = false;
+  bool help = false, version = false, timeout_given = false;
   char spelled[64];
 
   opterr = 0; /* our own one-line messages */
@@ -1411,6 +1695,7 @@ int main(int argc, char **argv) {
       if (parse_timeout(optarg, &c.timeout_s) != 0)
         return usage_error("invalid --timeout '%s': expected seconds, > 0 and <= %g", optarg,
                            CTL_MAX_TIMEOUT_S);
+      timeout_given = true;
       break;
     case 'h':
       help = true;
@@ -1453,6 +1738,11 @@ int main(int argc, char **argv) {
       return usage_error(n_args == 1 ? "jobs: which one? list, get, create or delete"
                                      : "jobs: unknown command '%s' (list, get, create or delete)",
                          n_args > 1 ? args[1] : "");
+    if (strcmp(args[0], "checkpoint") == 0)
+      return usage_error(n_args == 1
+                             ? "checkpoint: which one? save, list, delete or restore"
+                             : "checkpoint: unknown command '%s' (save, list, delete or restore)",
+                         n_args > 1 ? args[1] : "");
     return usage_error("unknown command '%s' (see zerodctl --help)", args[0]);
   }
   c.command = cmd->name;
@@ -1465,6 +1755,15 @@ int main(int argc, char **argv) {
   if (strncmp(cmd->name, "jobs ", 5) == 0 && n_args == 1 && !valid_name(args[0]))
     return usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
                        cmd->name, args[0]);
+  if (strncmp(cmd->name, "checkpoint ", 11) == 0) {
+    int rc = check_checkpoint_args(cmd->name, n_args, args);
+    if (rc != 0)
+      return rc;
+    /* A save or restore answers when the whole job has done it. */
+    if (!timeout_given &&
+        (strcmp(cmd->name, "checkpoint save") == 0 || strcmp(cmd->name, "checkpoint restore") == 0))
+      c.timeout_s = CTL_CHECKPOINT_TIMEOUT_S;
+  }
 
   if (c.coordinator == NULL) {
     c.coordinator = getenv("ZEROD_COORDINATOR");

@@ -1,5 +1,7 @@
 /* The coordinator (see coord.h): membership and leases, the job registry,
- * the rendezvous KV and health, as gRPC handlers on the loop thread.
+ * the rendezvous KV and health, as gRPC handlers on the loop thread. The
+ * Checkpoints service is coord_ckpt.c's, on the same state (coord_impl.h);
+ * this file calls its hooks where jobs, reports and Watch events change.
  *
  * Requests are decoded and validated by ctl_decode.c; the handlers here
  * decide what a well-formed request means against the state. Every change
@@ -16,7 +18,7 @@
  * Those are rare operator actions, and answering them only once the state
  * is durable is the point, so the write is done in line rather than on
  * the thread pool. */
-#include "coord.h"
+#include "coord_impl.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -33,106 +35,6 @@
 #include "ctl_decode.h"
 #include "log.h"
 
-/* Limits (docs/control-plane.md, "Limits"). */
-#define COORD_MAX_MEMBERS      4096
-#define COORD_MAX_JOBS         4096
-#define COORD_MAX_WAITERS      4096
-#define COORD_MAX_KV_BYTES     (64u << 20) /* keys + values + per-key overhead */
-#define COORD_MAX_KV_KEYS      65536
-#define COORD_KV_KEY_OVERHEAD  64
-#define COORD_MAX_NODE_INFO    (16u << 10) /* a member's packed NodeInfo */
-#define COORD_MAX_STATE_BYTES  (64u << 20) /* coordinator.pb */
-#define COORD_STATE_FORMAT     1
-#define COORD_SWEEP_MAX_MS     250
-#define COORD_REASON_BYTES     1024
-#define COORD_TOKEN_HEX_DIGITS 32
-
-/* ------------------------------------------------------------------------ */
-/* State                                                                    */
-/* ------------------------------------------------------------------------ */
-
-/* What a member's last heartbeat said about one job. */
-typedef struct job_report {
-  char *job;   /* owned */
-  char *error; /* owned; "" when the job is fine on the node */
-  int ready;
-  uint64_t step;
-} job_report;
-
-typedef struct member {
-  Zerod__V1__NodeInfo *info; /* owned copy of the Join request's node */
-  uint64_t session;
-  int64_t joined_unix_ms;
-  uint64_t lease_deadline_ms; /* on the loop's clock (uv_now) */
-  job_report *reports;        /* owned, sorted by job name */
-  size_t nreports;
-  rpc_call *watch; /* the member's Watch stream, or NULL */
-  int watch_dirty; /* the stream is owed a new event */
-} member;
-
-typedef struct kv_entry {
-  struct kv_entry *next;
-  uint64_t epoch;
-  char *key;      /* owned */
-  uint8_t *value; /* owned; NULL when empty */
-  size_t value_bytes;
-} kv_entry;
-
-/* A Get with wait=true that is waiting for its key. */
-typedef struct kv_waiter {
-  struct kv_waiter *next;
-  struct coord *coord;
-  struct cjob *job;
-  rpc_call *call;
-  uint64_t epoch;
-  char *key; /* owned */
-} kv_waiter;
-
-/* What the coordinator remembers about one placement node of a job. */
-typedef struct node_mark {
-  /* The node left the cluster after the job was placed on it; the job
-   * stays degraded until the node is back and reports the job ready. */
-  int departed;
-  char reason[160];
-} node_mark;
-
-typedef struct cjob {
-  /* Owned copy of the job as stored; its state, reason, step and epoch
-   * fields are unused, the ones below are what replies carry. */
-  Zerod__V1__Job *msg;
-  char *token;      /* owned */
-  node_mark *marks; /* [msg->n_placement] */
-  int deleting;
-  Zerod__V1__JobState state;
-  char reason[COORD_REASON_BYTES];
-  uint64_t step;
-  uint64_t epoch;
-  kv_entry *kv;
-  kv_waiter *waiters;
-} cjob;
-
-struct coord {
-  uv_loop_t *loop;
-  coord_options options;
-  char state_path[PATH_MAX + 32];
-  char tmp_path[PATH_MAX + 32];
-
-  member **members; /* sorted by name */
-  size_t nmembers;
-  cjob **jobs; /* sorted by name; deleting jobs included */
-  size_t njobs;
-  uint64_t epoch; /* the view epoch */
-  uint64_t next_job_id;
-
-  size_t kv_bytes, kv_keys, nwaiters;
-
-  uv_timer_t lease_timer; /* the lease sweep */
-  uv_timer_t flush_timer; /* sends the dirty Watch streams their events */
-  int open_handles;
-  int flush_scheduled;
-  int shutting_down;
-};
-
 static void reconcile(coord *c, const char *node);
 static void mark_all_watches(coord *c);
 
@@ -140,7 +42,7 @@ static void mark_all_watches(coord *c);
 /* Small helpers                                                            */
 /* ------------------------------------------------------------------------ */
 
-static int64_t unix_ms(void) {
+int64_t coord__unix_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
@@ -173,9 +75,7 @@ static void *message_copy(const ProtobufCMessage *msg) {
   return copy;
 }
 
-/* Answers a unary call with msg, or with RESOURCE_EXHAUSTED when it would
- * be larger than gRPC lets either side send. */
-static void finish_message(rpc_call *call, const ProtobufCMessage *msg) {
+void coord__finish_message(rpc_call *call, const ProtobufCMessage *msg) {
   size_t len = protobuf_c_message_get_packed_size(msg);
   if (len > RPC_MAX_MESSAGE_BYTES) {
     char err[128];
@@ -193,10 +93,7 @@ static void finish_message(rpc_call *call, const ProtobufCMessage *msg) {
   free(buf);
 }
 
-static void finish_error(rpc_call *call, int status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void finish_error(rpc_call *call, int status, const char *fmt, ...) {
+void coord__finish_error(rpc_call *call, int status, const char *fmt, ...) {
   char message[1024];
   va_list ap;
   va_start(ap, fmt);
@@ -265,7 +162,7 @@ static long find_member_index(const coord *c, const char *name) {
   return search_by_name((void *const *)c->members, c->nmembers, member_name, name);
 }
 
-static member *find_member(const coord *c, const char *name) {
+member *coord__find_member(const coord *c, const char *name) {
   long i = find_member_index(c, name);
   return i >= 0 ? c->members[i] : NULL;
 }
@@ -274,13 +171,12 @@ static long find_job_index(const coord *c, const char *name) {
   return search_by_name((void *const *)c->jobs, c->njobs, job_name, name);
 }
 
-static cjob *find_job(const coord *c, const char *name) {
+cjob *coord__find_job(const coord *c, const char *name) {
   long i = find_job_index(c, name);
   return i >= 0 ? c->jobs[i] : NULL;
 }
 
-/* Returns the job's placement index of node, or -1. */
-static long placement_of(const cjob *j, const char *node) {
+long coord__placement_of(const cjob *j, const char *node) {
   for (size_t i = 0; i < j->msg->n_placement; i++)
     if (strcmp(j->msg->placement[i]->node, node) == 0)
       return (long)i;
@@ -375,7 +271,7 @@ static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size
   size_t count = 0;
   for (size_t i = 0; i < c->njobs; i++) {
     const cjob *j = c->jobs[i];
-    long at = j->deleting ? -1 : placement_of(j, m->info->name);
+    long at = j->deleting ? -1 : coord__placement_of(j, m->info->name);
     if (at < 0)
       continue;
     job_view(j, &jobs[count]);
@@ -384,6 +280,7 @@ static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size
     assignments[count].token = j->token;
     assignments[count].first_rank = j->msg->placement[at]->first_rank;
     assignments[count].ranks = j->msg->placement[at]->ranks;
+    coord__ckpt_assignment(j, &assignments[count]);
     pointers[count] = &assignments[count];
     count++;
   }
@@ -474,9 +371,9 @@ static void mark_all_watches(coord *c) {
     mark_watch(c, c->members[i]);
 }
 
-static void mark_job_watches(coord *c, const cjob *j) {
+void coord__mark_job_watches(coord *c, const cjob *j) {
   for (size_t i = 0; i < j->msg->n_placement; i++)
-    mark_watch(c, find_member(c, j->msg->placement[i]->node));
+    mark_watch(c, coord__find_member(c, j->msg->placement[i]->node));
 }
 
 static void on_watch_cancelled(rpc_call *call, void *arg) {
@@ -508,7 +405,7 @@ static void derive_job(coord *c, cjob *j) {
   for (size_t i = 0; i < n && i < CTL_MAX_RANKS; i++) {
     const char *node = j->msg->placement[i]->node;
     node_mark *mark = &j->marks[i];
-    const member *m = find_member(c, node);
+    const member *m = coord__find_member(c, node);
     const job_report *r = m != NULL ? find_report(m, j->msg->name) : NULL;
     if (r != NULL && (!have_step || r->step < step)) {
       step = r->step;
@@ -563,21 +460,22 @@ static void derive_job(coord *c, cjob *j) {
   }
   if (have_step)
     j->step = step;
-  if (state == j->state && strcmp(reason, j->reason) == 0)
-    return;
-  char quoted[COORD_REASON_BYTES + 64];
-  LOG_INFOF("job state changed", "job=%s state=%s reason=%s", j->msg->name,
-            protobuf_c_enum_descriptor_get_value(&zerod__v1__job_state__descriptor, state)->name,
-            log_quote(reason, quoted, sizeof quoted));
-  j->state = state;
-  snprintf(j->reason, sizeof j->reason, "%s", reason);
-  mark_job_watches(c, j);
+  if (state != j->state || strcmp(reason, j->reason) != 0) {
+    char quoted[COORD_REASON_BYTES + 64];
+    LOG_INFOF("job state changed", "job=%s state=%s reason=%s", j->msg->name,
+              protobuf_c_enum_descriptor_get_value(&zerod__v1__job_state__descriptor, state)->name,
+              log_quote(reason, quoted, sizeof quoted));
+    j->state = state;
+    snprintf(j->reason, sizeof j->reason, "%s", reason);
+    coord__mark_job_watches(c, j);
+  }
+  coord__ckpt_job_changed(c, j);
 }
 
 /* Returns 1 if a live placement node of j still reports it. */
 static int job_still_reported(const coord *c, const cjob *j) {
   for (size_t i = 0; i < j->msg->n_placement; i++) {
-    const member *m = find_member(c, j->msg->placement[i]->node);
+    const member *m = coord__find_member(c, j->msg->placement[i]->node);
     if (m != NULL && find_report(m, j->msg->name) != NULL)
       return 1;
   }
@@ -604,7 +502,7 @@ static void reconcile(coord *c, const char *node) {
   size_t i = 0;
   while (i < c->njobs) {
     cjob *j = c->jobs[i];
-    if (node != NULL && placement_of(j, node) < 0) {
+    if (node != NULL && coord__placement_of(j, node) < 0) {
       i++;
       continue;
     }
@@ -870,9 +768,7 @@ out:
 /* Request plumbing                                                         */
 /* ------------------------------------------------------------------------ */
 
-/* Decodes the request of the method at path; on failure (or while the
- * coordinator shuts down) answers the call and returns NULL. */
-static void *begin(coord *c, rpc_call *call, const char *path, const uint8_t *request,
+void *coord__begin(coord *c, rpc_call *call, const char *path, const uint8_t *request,
                    size_t request_bytes) {
   if (c->shutting_down) {
     rpc_call_finish(call, RPC_UNAVAILABLE, "coordinator shutting down", NULL, 0);
@@ -890,11 +786,11 @@ static void *begin(coord *c, rpc_call *call, const char *path, const uint8_t *re
 
 /* Finds the member that node and session name, or answers NOT_FOUND. */
 static member *member_or_not_found(coord *c, rpc_call *call, const char *node, uint64_t session) {
-  member *m = find_member(c, node);
+  member *m = coord__find_member(c, node);
   if (m == NULL || m->session != session) {
-    finish_error(call, RPC_NOT_FOUND,
-                 "node '%s' is not a member (lease expired or coordinator restarted); join again",
-                 node);
+    coord__finish_error(
+        call, RPC_NOT_FOUND,
+        "node '%s' is not a member (lease expired or coordinator restarted); join again", node);
     return NULL;
   }
   return m;
@@ -931,7 +827,7 @@ static void member_remove(coord *c, size_t i, const char *why) {
    * the old world are never read by the new one. */
   for (size_t k = 0; k < c->njobs; k++) {
     cjob *j = c->jobs[k];
-    long at = j->deleting ? -1 : placement_of(j, m->info->name);
+    long at = j->deleting ? -1 : coord__placement_of(j, m->info->name);
     if (at < 0)
       continue;
     j->marks[at].departed = 1;
@@ -982,7 +878,7 @@ static int join_member(coord *c, const Zerod__V1__NodeInfo *node, const member *
   }
   if (m->session == 0)
     m->session = 1; /* 0 is what a request without a session carries */
-  m->joined_unix_ms = unix_ms();
+  m->joined_unix_ms = coord__unix_ms();
   m->lease_deadline_ms = now + (uint64_t)c->options.lease_ttl_ms;
   at = -at - 1;
   memmove(&c->members[at + 1], &c->members[at], (c->nmembers - (size_t)at) * sizeof *c->members);
@@ -1001,7 +897,7 @@ static int join_member(coord *c, const Zerod__V1__NodeInfo *node, const member *
 
 static void on_join(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__JoinRequest *req = begin(c, call, CTL_JOIN, request, request_bytes);
+  Zerod__V1__JoinRequest *req = coord__begin(c, call, CTL_JOIN, request, request_bytes);
   if (req == NULL)
     return;
   const member *m;
@@ -1009,15 +905,15 @@ static void on_join(rpc_call *call, const uint8_t *request, size_t request_bytes
   int status = join_member(c, req->node, &m, err, sizeof err);
   view_msg v;
   if (status != 0) {
-    finish_error(call, status, "%s", err);
+    coord__finish_error(call, status, "%s", err);
   } else if (view_build(c, &v) != 0) {
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
   } else {
     Zerod__V1__JoinReply reply = ZEROD__V1__JOIN_REPLY__INIT;
     reply.session = m->session;
     reply.lease_ttl_ms = (uint32_t)c->options.lease_ttl_ms;
     reply.view = &v.view;
-    finish_message(call, &reply.base);
+    coord__finish_message(call, &reply.base);
     view_free(&v);
   }
   ctl_free(&req->base);
@@ -1036,7 +932,7 @@ int coord_join_local(coord *c, const Zerod__V1__NodeInfo *node, uint64_t *sessio
 
 static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__HeartbeatRequest *req = begin(c, call, CTL_HEARTBEAT, request, request_bytes);
+  Zerod__V1__HeartbeatRequest *req = coord__begin(c, call, CTL_HEARTBEAT, request, request_bytes);
   if (req == NULL)
     return;
   member *m = member_or_not_found(c, call, req->node, req->session);
@@ -1053,7 +949,7 @@ static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_
   }
   if (!ok) {
     free_reports(reports, req->n_jobs);
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
     goto out;
   }
   qsort(reports, req->n_jobs, sizeof *reports, compare_reports);
@@ -1062,46 +958,47 @@ static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_
   m->nreports = req->n_jobs;
   m->lease_deadline_ms = uv_now(c->loop) + (uint64_t)c->options.lease_ttl_ms;
   reconcile(c, m->info->name);
+  coord__ckpt_heartbeat(c, m, req);
 
   Zerod__V1__HeartbeatReply reply = ZEROD__V1__HEARTBEAT_REPLY__INIT;
   reply.lease_ttl_ms = (uint32_t)c->options.lease_ttl_ms;
   reply.epoch = c->epoch;
-  finish_message(call, &reply.base);
+  coord__finish_message(call, &reply.base);
 out:
   ctl_free(&req->base);
 }
 
 static void on_leave(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__LeaveRequest *req = begin(c, call, CTL_LEAVE, request, request_bytes);
+  Zerod__V1__LeaveRequest *req = coord__begin(c, call, CTL_LEAVE, request, request_bytes);
   if (req == NULL)
     return;
   if (member_or_not_found(c, call, req->node, req->session) != NULL) {
     member_remove(c, (size_t)find_member_index(c, req->node), "left");
     Zerod__V1__LeaveReply reply = ZEROD__V1__LEAVE_REPLY__INIT;
-    finish_message(call, &reply.base);
+    coord__finish_message(call, &reply.base);
   }
   ctl_free(&req->base);
 }
 
 static void on_get_view(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  ProtobufCMessage *req = begin(c, call, CTL_GET_VIEW, request, request_bytes);
+  ProtobufCMessage *req = coord__begin(c, call, CTL_GET_VIEW, request, request_bytes);
   if (req == NULL)
     return;
   view_msg v;
   if (view_build(c, &v) == 0) {
-    finish_message(call, &v.view.base);
+    coord__finish_message(call, &v.view.base);
     view_free(&v);
   } else {
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
   }
   ctl_free(req);
 }
 
 static void on_watch(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__WatchRequest *req = begin(c, call, CTL_WATCH, request, request_bytes);
+  Zerod__V1__WatchRequest *req = coord__begin(c, call, CTL_WATCH, request, request_bytes);
   if (req == NULL)
     return;
   member *m = member_or_not_found(c, call, req->node, req->session);
@@ -1128,6 +1025,7 @@ static void on_lease_timer(uv_timer_t *timer) {
     else
       i++;
   }
+  coord__ckpt_tick(c);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1173,7 +1071,7 @@ static int place_job(coord *c, const Zerod__V1__CreateJobRequest *req, const cha
                      char *err, size_t err_bytes) {
   if (req->n_node_names != 0) {
     for (size_t i = 0; i < req->n_node_names; i++) {
-      const member *m = find_member(c, req->node_names[i]);
+      const member *m = coord__find_member(c, req->node_names[i]);
       if (m == NULL) {
         snprintf(err, err_bytes, "node '%s' is not a member", req->node_names[i]);
         return RPC_FAILED_PRECONDITION;
@@ -1268,8 +1166,13 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, int toke
   job.quotas = &quotas;
   job.n_placement = req->nodes;
   job.placement = placement_pointers;
-  job.created_unix_ms = unix_ms();
+  job.created_unix_ms = coord__unix_ms();
   job.epoch = 1;
+  /* Kept with the job (and so in the state file) only when it asks for
+   * something: an all-zero policy is no policy. */
+  const Zerod__V1__CheckpointPolicy *policy = req->checkpoint_policy;
+  if (policy != NULL && (policy->every_steps != 0 || policy->every_seconds != 0))
+    job.checkpoint_policy = (Zerod__V1__CheckpointPolicy *)policy;
   Zerod__V1__Job *copy = message_copy(&job.base);
   cjob *j = copy != NULL ? job_new(copy, token) : NULL;
   if (j == NULL) {
@@ -1298,28 +1201,28 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, int toke
   LOG_INFOF("job created", "job=%s id=%" PRIu64 " nodes=%u ranks_per_node=%u", req->name,
             j->msg->id, req->nodes, req->ranks_per_node);
   derive_job(c, j);
-  mark_job_watches(c, j);
+  coord__mark_job_watches(c, j);
   *out = j;
   return 0;
 }
 
 static void on_create_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__CreateJobRequest *req = begin(c, call, CTL_CREATE_JOB, request, request_bytes);
+  Zerod__V1__CreateJobRequest *req = coord__begin(c, call, CTL_CREATE_JOB, request, request_bytes);
   if (req == NULL)
     return;
   const cjob *j;
   char err[PATH_MAX + 256];
   int status = create_job(c, req, 0, &j, err, sizeof err);
   if (status != 0) {
-    finish_error(call, status, "%s", err);
+    coord__finish_error(call, status, "%s", err);
   } else {
     Zerod__V1__Job view;
     job_view(j, &view);
     Zerod__V1__CreateJobReply reply = ZEROD__V1__CREATE_JOB_REPLY__INIT;
     reply.job = &view;
     reply.token = j->token;
-    finish_message(call, &reply.base);
+    coord__finish_message(call, &reply.base);
   }
   ctl_free(&req->base);
 }
@@ -1351,29 +1254,29 @@ int coord_create_job_local(coord *c, const char *name, const char *token,
 
 static void on_get_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__GetJobRequest *req = begin(c, call, CTL_GET_JOB, request, request_bytes);
+  Zerod__V1__GetJobRequest *req = coord__begin(c, call, CTL_GET_JOB, request, request_bytes);
   if (req == NULL)
     return;
-  const cjob *j = find_job(c, req->name);
+  const cjob *j = coord__find_job(c, req->name);
   if (j == NULL) {
-    finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->name);
+    coord__finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->name);
   } else {
     Zerod__V1__Job view;
     job_view(j, &view);
-    finish_message(call, &view.base);
+    coord__finish_message(call, &view.base);
   }
   ctl_free(&req->base);
 }
 
 static void on_list_jobs(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  ProtobufCMessage *req = begin(c, call, CTL_LIST_JOBS, request, request_bytes);
+  ProtobufCMessage *req = coord__begin(c, call, CTL_LIST_JOBS, request, request_bytes);
   if (req == NULL)
     return;
   Zerod__V1__Job *views = calloc(c->njobs ? c->njobs : 1, sizeof *views);
   Zerod__V1__Job **pointers = calloc(c->njobs ? c->njobs : 1, sizeof *pointers);
   if (views == NULL || pointers == NULL) {
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
   } else {
     for (size_t i = 0; i < c->njobs; i++) {
       job_view(c->jobs[i], &views[i]);
@@ -1382,7 +1285,7 @@ static void on_list_jobs(rpc_call *call, const uint8_t *request, size_t request_
     Zerod__V1__ListJobsReply reply = ZEROD__V1__LIST_JOBS_REPLY__INIT;
     reply.n_jobs = c->njobs;
     reply.jobs = pointers;
-    finish_message(call, &reply.base);
+    coord__finish_message(call, &reply.base);
   }
   free(views);
   free(pointers);
@@ -1391,19 +1294,19 @@ static void on_list_jobs(rpc_call *call, const uint8_t *request, size_t request_
 
 static void on_delete_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__DeleteJobRequest *req = begin(c, call, CTL_DELETE_JOB, request, request_bytes);
+  Zerod__V1__DeleteJobRequest *req = coord__begin(c, call, CTL_DELETE_JOB, request, request_bytes);
   if (req == NULL)
     return;
-  cjob *j = find_job(c, req->name);
+  cjob *j = coord__find_job(c, req->name);
   if (j == NULL) {
-    finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->name);
+    coord__finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->name);
     goto out;
   }
   if (!j->deleting) {
     char err[PATH_MAX + 256];
     if (state_write(c, NULL, j, c->next_job_id, err, sizeof err) != 0) {
       LOG_ERRORF("job not deleted", "job=%s err=\"%s\"", req->name, err);
-      finish_error(call, RPC_UNAVAILABLE, "%s", err);
+      coord__finish_error(call, RPC_UNAVAILABLE, "%s", err);
       goto out;
     }
     /* The job leaves every assignment now (its nodes tear it down when
@@ -1415,8 +1318,9 @@ static void on_delete_job(rpc_call *call, const uint8_t *request, size_t request
     snprintf(message, sizeof message, "job '%s' was deleted", req->name);
     waiters_end(j, RPC_NOT_FOUND, message);
     kv_clear(c, j);
+    coord__ckpt_job_deleted(c, j);
     LOG_INFOF("job deleting", "job=%s id=%" PRIu64, req->name, j->msg->id);
-    mark_job_watches(c, j);
+    coord__mark_job_watches(c, j);
     /* The job may be forgotten at once (no node reports it), so the node
      * name that selects it must not point into it. */
     char node[CTL_NAME_MAX_BYTES + 1];
@@ -1424,7 +1328,7 @@ static void on_delete_job(rpc_call *call, const uint8_t *request, size_t request
     reconcile(c, node);
   }
   Zerod__V1__DeleteJobReply reply = ZEROD__V1__DELETE_JOB_REPLY__INIT;
-  finish_message(call, &reply.base);
+  coord__finish_message(call, &reply.base);
 out:
   ctl_free(&req->base);
 }
@@ -1462,12 +1366,12 @@ static kv_entry **kv_find(cjob *j, uint64_t epoch, const char *key) {
 
 /* Finds a job that rendezvous may use, or answers NOT_FOUND. */
 static cjob *rendezvous_job(coord *c, rpc_call *call, const char *name) {
-  cjob *j = find_job(c, name);
+  cjob *j = coord__find_job(c, name);
   if (j == NULL || j->deleting) {
     if (j != NULL)
-      finish_error(call, RPC_NOT_FOUND, "job '%s' is being deleted", name);
+      coord__finish_error(call, RPC_NOT_FOUND, "job '%s' is being deleted", name);
     else
-      finish_error(call, RPC_NOT_FOUND, "no job named '%s'", name);
+      coord__finish_error(call, RPC_NOT_FOUND, "no job named '%s'", name);
     return NULL;
   }
   return j;
@@ -1477,7 +1381,7 @@ static void finish_value(rpc_call *call, const kv_entry *e) {
   Zerod__V1__GetReply reply = ZEROD__V1__GET_REPLY__INIT;
   reply.value.data = e->value;
   reply.value.len = e->value_bytes;
-  finish_message(call, &reply.base);
+  coord__finish_message(call, &reply.base);
 }
 
 static void waiter_unlink(kv_waiter *w) {
@@ -1518,7 +1422,7 @@ static void on_waiter_cancelled(rpc_call *call, void *arg) {
 
 static void on_put(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__PutRequest *req = begin(c, call, CTL_PUT, request, request_bytes);
+  Zerod__V1__PutRequest *req = coord__begin(c, call, CTL_PUT, request, request_bytes);
   if (req == NULL)
     return;
   cjob *j = rendezvous_job(c, call, req->job);
@@ -1530,19 +1434,19 @@ static void on_put(rpc_call *call, const uint8_t *request, size_t request_bytes,
   size_t old_cost = e != NULL ? kv_cost(key_bytes, e->value_bytes) : 0;
   size_t new_total = c->kv_bytes - old_cost + kv_cost(key_bytes, req->value.len);
   if (new_total > COORD_MAX_KV_BYTES) {
-    finish_error(call, RPC_RESOURCE_EXHAUSTED,
-                 "rendezvous store is full (%zu of %u bytes used; this key needs %zu)", c->kv_bytes,
-                 COORD_MAX_KV_BYTES, kv_cost(key_bytes, req->value.len));
+    coord__finish_error(call, RPC_RESOURCE_EXHAUSTED,
+                        "rendezvous store is full (%zu of %u bytes used; this key needs %zu)",
+                        c->kv_bytes, COORD_MAX_KV_BYTES, kv_cost(key_bytes, req->value.len));
     goto out;
   }
   if (e == NULL && c->kv_keys >= COORD_MAX_KV_KEYS) {
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "rendezvous store holds %d keys (at most %d)",
-                 COORD_MAX_KV_KEYS, COORD_MAX_KV_KEYS);
+    coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "rendezvous store holds %d keys (at most %d)",
+                        COORD_MAX_KV_KEYS, COORD_MAX_KV_KEYS);
     goto out;
   }
   uint8_t *value = NULL;
   if (req->value.len != 0 && (value = malloc(req->value.len)) == NULL) {
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
     goto out;
   }
   if (req->value.len != 0)
@@ -1554,7 +1458,7 @@ static void on_put(rpc_call *call, const uint8_t *request, size_t request_bytes,
       free(e);
       free(key);
       free(value);
-      finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+      coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
       goto out;
     }
     e->key = key;
@@ -1583,14 +1487,14 @@ static void on_put(rpc_call *call, const uint8_t *request, size_t request_bytes,
     waiter_free(w);
   }
   Zerod__V1__PutReply reply = ZEROD__V1__PUT_REPLY__INIT;
-  finish_message(call, &reply.base);
+  coord__finish_message(call, &reply.base);
 out:
   ctl_free(&req->base);
 }
 
 static void on_get(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__GetRequest *req = begin(c, call, CTL_GET, request, request_bytes);
+  Zerod__V1__GetRequest *req = coord__begin(c, call, CTL_GET, request, request_bytes);
   if (req == NULL)
     return;
   cjob *j = rendezvous_job(c, call, req->job);
@@ -1602,17 +1506,18 @@ static void on_get(rpc_call *call, const uint8_t *request, size_t request_bytes,
     goto out;
   }
   if (!req->wait) {
-    finish_error(call, RPC_NOT_FOUND, "key '%s' is not set (job '%s', epoch %" PRIu64 ")", req->key,
-                 req->job, req->epoch);
+    coord__finish_error(call, RPC_NOT_FOUND, "key '%s' is not set (job '%s', epoch %" PRIu64 ")",
+                        req->key, req->job, req->epoch);
     goto out;
   }
   if (rpc_call_remaining_ms(call) <= 0) {
-    finish_error(call, RPC_DEADLINE_EXCEEDED, "deadline passed before key '%s' was set", req->key);
+    coord__finish_error(call, RPC_DEADLINE_EXCEEDED, "deadline passed before key '%s' was set",
+                        req->key);
     goto out;
   }
   if (c->nwaiters >= COORD_MAX_WAITERS) {
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "%d Gets are already waiting (at most %d)",
-                 COORD_MAX_WAITERS, COORD_MAX_WAITERS);
+    coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "%d Gets are already waiting (at most %d)",
+                        COORD_MAX_WAITERS, COORD_MAX_WAITERS);
     goto out;
   }
   kv_waiter *w = calloc(1, sizeof *w);
@@ -1620,7 +1525,7 @@ static void on_get(rpc_call *call, const uint8_t *request, size_t request_bytes,
   if (w == NULL || key == NULL) {
     free(w);
     free(key);
-    finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
     goto out;
   }
   w->coord = c;
@@ -1638,7 +1543,7 @@ out:
 
 static void on_delete(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__DeleteRequest *req = begin(c, call, CTL_DELETE, request, request_bytes);
+  Zerod__V1__DeleteRequest *req = coord__begin(c, call, CTL_DELETE, request, request_bytes);
   if (req == NULL)
     return;
   cjob *j = rendezvous_job(c, call, req->job);
@@ -1660,7 +1565,7 @@ static void on_delete(rpc_call *call, const uint8_t *request, size_t request_byt
     }
     Zerod__V1__DeleteReply reply = ZEROD__V1__DELETE_REPLY__INIT;
     reply.deleted = deleted;
-    finish_message(call, &reply.base);
+    coord__finish_message(call, &reply.base);
   }
   ctl_free(&req->base);
 }
@@ -1670,14 +1575,19 @@ static void on_delete(rpc_call *call, const uint8_t *request, size_t request_byt
 /* ------------------------------------------------------------------------ */
 
 static const char *const health_services[] = {
-    "", "zerod.v1.Cluster", "zerod.v1.Jobs", "zerod.v1.Rendezvous", "grpc.health.v1.Health",
+    "",
+    "zerod.v1.Cluster",
+    "zerod.v1.Jobs",
+    "zerod.v1.Rendezvous",
+    "zerod.v1.Checkpoints",
+    "grpc.health.v1.Health",
 };
 
 static void on_health_check(rpc_call *call, const uint8_t *request, size_t request_bytes,
                             void *arg) {
   coord *c = arg;
   /* Health answers during shutdown too (NOT_SERVING), so it decodes on
-   * its own rather than through begin(). */
+   * its own rather than through coord__begin(). */
   ProtobufCMessage *msg = NULL;
   char err[512];
   int status = ctl_decode(CTL_HEALTH_CHECK, request, request_bytes, &msg, err, sizeof err);
@@ -1692,13 +1602,13 @@ static void on_health_check(rpc_call *call, const uint8_t *request, size_t reque
     known |= strcmp(req->service, health_services[i]) == 0;
   if (!known) {
     /* The standard's answer for a service the server does not know. */
-    finish_error(call, RPC_NOT_FOUND, "unknown service '%s'", req->service);
+    coord__finish_error(call, RPC_NOT_FOUND, "unknown service '%s'", req->service);
   } else {
     Grpc__Health__V1__HealthCheckResponse reply = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
     reply.status = c->shutting_down
                        ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING
                        : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
-    finish_message(call, &reply.base);
+    coord__finish_message(call, &reply.base);
   }
   ctl_free(msg);
 }
@@ -1755,6 +1665,8 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
   for (size_t i = 0; i < c->njobs; i++)
     derive_job(c, c->jobs[i]);
 loaded:
+  if ((rc = coord__ckpt_init(c, err, err_bytes)) != 0)
+    goto fail;
   if (c->njobs != 0)
     LOG_INFOF("recovered jobs", "jobs=%zu next_job_id=%" PRIu64 " path=%s", c->njobs,
               c->next_job_id, c->state_path);
@@ -1806,7 +1718,7 @@ int coord_register(coord *c, rpc_server *server) {
     if (rc != 0)
       return rc;
   }
-  return 0;
+  return coord__ckpt_register(c, server);
 }
 
 static void on_timer_closed(uv_handle_t *handle) {
@@ -1822,6 +1734,7 @@ void coord_shutdown(coord *c) {
     watch_end(c->members[i], RPC_UNAVAILABLE, "coordinator shutting down");
   for (size_t i = 0; i < c->njobs; i++)
     waiters_end(c->jobs[i], RPC_UNAVAILABLE, "coordinator shutting down");
+  coord__ckpt_shutdown(c);
   uv_close((uv_handle_t *)&c->lease_timer, on_timer_closed);
   uv_close((uv_handle_t *)&c->flush_timer, on_timer_closed);
 }
@@ -1831,6 +1744,7 @@ void coord_destroy(coord *c) {
     return;
   if (c->open_handles != 0)
     LOG_ERRORF("coordinator freed with open timers", "handles=%d", c->open_handles);
+  coord__ckpt_destroy(c);
   for (size_t i = 0; i < c->nmembers; i++)
     member_free(c->members[i]);
   free(c->members);

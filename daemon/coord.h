@@ -1,5 +1,5 @@
-/* coord: the coordinator (ARCHITECTURE §1, §5) - membership, jobs, the
- * rendezvous KV and health, served over gRPC (rpc.h).
+/* coord: the coordinator (ARCHITECTURE §1, §5, §6) - membership, jobs, the
+ * rendezvous KV, checkpoints and health, served over gRPC (rpc.h).
  *
  * Everything here runs on the loop thread: the gRPC handlers are called
  * there (rpc.h), and the lease sweep is a uv_timer on the same loop.
@@ -15,6 +15,10 @@
  *    derived from the members and the nodes' heartbeat reports.
  *  - Rendezvous KV (soft state): (job, epoch, key) -> bytes, with Gets that
  *    wait until the key is set or their deadline passes.
+ *  - Checkpoints (coord_ckpt.c): directories under --checkpoint-dir, which
+ *    are their own catalog, and the save and restore orders in flight
+ *    (soft state: an order does not survive a restart; its temporary
+ *    directory is removed at the next start).
  * After a restart the jobs come back from the state file; the members come
  * back as their nodes re-join (a Heartbeat from an unknown session answers
  * NOT_FOUND, which tells the node to join again).
@@ -38,16 +42,23 @@ typedef struct coord_options {
   char state_dir[PATH_MAX]; /* created if missing; holds coordinator.pb; "": in memory only
                                (zerod standalone's coordinator) */
   int lease_ttl_ms;         /* a node that does not renew within this leaves */
+  /* Where checkpoints live: <checkpoint_dir>/<job>/<name>/. An absolute
+   * path (it travels to the nodes, which must see the same directory),
+   * created if missing. "": no checkpoints (the Checkpoints methods answer
+   * FAILED_PRECONDITION). */
+  char checkpoint_dir[PATH_MAX];
+  int checkpoint_timeout_ms; /* longest a save or restore may take; 0: 600 s */
 } coord_options;
 
-/* Loads the state directory (creating it if needed) and starts the lease
- * timer on loop. Returns 0 or a negative errno with a message in err (an
- * unreadable or corrupt state file is an error, never silently dropped). */
+/* Loads the state directory (creating it if needed), removes what a crash
+ * left in the checkpoint directory, and starts the lease timer on loop.
+ * Returns 0 or a negative errno with a message in err (an unreadable or
+ * corrupt state file is an error, never silently dropped). */
 int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, char *err,
                  size_t err_bytes);
 
-/* Registers the Cluster, Jobs, Rendezvous and grpc.health.v1.Health methods
- * on a server that has not been started. */
+/* Registers the Cluster, Jobs, Rendezvous, Checkpoints and
+ * grpc.health.v1.Health methods on a server that has not been started. */
 int coord_register(coord *c, rpc_server *server);
 
 /* zerod standalone: makes node a member at once, as Join would (its agent
@@ -67,13 +78,14 @@ int coord_create_job_local(coord *c, const char *name, const char *token,
                            uint64_t *id_out, uint64_t *epoch_out, char *err, size_t err_bytes);
 
 /* Starts shutting down: health turns NOT_SERVING, every Watch stream ends
- * with UNAVAILABLE ("coordinator shutting down") and waiting Gets with
- * UNAVAILABLE, and the lease timer is closed. Call before
- * rpc_server_shutdown. */
+ * with UNAVAILABLE ("coordinator shutting down"), waiting Gets and
+ * checkpoint orders in flight with UNAVAILABLE, and the lease timer is
+ * closed. Call before rpc_server_shutdown. Checkpoint file work already on
+ * libuv's thread pool finishes while the loop keeps running. */
 void coord_shutdown(coord *c);
 
 /* Frees the coordinator, after coord_shutdown, once the server is done and
- * the loop has run the timer's close callback. */
+ * the loop has ended (its timers closed, its thread-pool work done). */
 void coord_destroy(coord *c);
 
 #endif /* ZEROD_COORD_H */

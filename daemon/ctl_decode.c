@@ -44,6 +44,41 @@ int ctl_valid_name(const char *s) {
   return 1;
 }
 
+int ctl_valid_checkpoint_name(const char *s) {
+  return ctl_valid_name(s) && s[0] != '.' && strstr(s, ".tmp-") == NULL &&
+         strstr(s, ".deleting-") == NULL;
+}
+
+int ctl_valid_job_dir_name(const char *s) {
+  return ctl_valid_name(s) && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
+}
+
+ctl_checkpoint_ref ctl_parse_checkpoint_ref(const char *ref, char *job_out, char *name_out) {
+  if (ref == NULL || ref[0] == '\0')
+    return CTL_REF_INVALID;
+  if (ref[0] == '/')
+    return CTL_REF_PATH; /* checked as text by the decoder; the handler resolves it */
+  const char *slash = strchr(ref, '/');
+  if (slash == NULL) {
+    if (!ctl_valid_checkpoint_name(ref))
+      return CTL_REF_INVALID;
+    snprintf(name_out, CTL_NAME_MAX_BYTES + 1, "%s", ref);
+    return CTL_REF_NAME;
+  }
+  size_t job_bytes = (size_t)(slash - ref);
+  if (job_bytes == 0 || job_bytes > CTL_NAME_MAX_BYTES)
+    return CTL_REF_INVALID;
+  char job[CTL_NAME_MAX_BYTES + 1];
+  memcpy(job, ref, job_bytes);
+  job[job_bytes] = '\0';
+  if (!ctl_valid_job_dir_name(job) || !ctl_valid_checkpoint_name(slash + 1))
+    return CTL_REF_INVALID;
+  if (job_out != NULL)
+    memcpy(job_out, job, job_bytes + 1);
+  snprintf(name_out, CTL_NAME_MAX_BYTES + 1, "%s", slash + 1);
+  return CTL_REF_JOB_NAME;
+}
+
 /* Returns 1 if s[0, len) is well-formed UTF-8 (no overlong forms, no
  * surrogates, nothing above U+10FFFF). Strings that the coordinator echoes
  * to other clients must be: proto3 clients (Python's protobuf among them)
@@ -213,6 +248,30 @@ static int check_join(const ProtobufCMessage *msg, char *err, size_t err_bytes) 
   return check_node_info(r->node, err, err_bytes);
 }
 
+/* A node's reports on its ranks' checkpoint work. Two reports of one rank
+ * and order in one list are not refused: the later one counts. Whether the
+ * ranks are the node's, and the orders the job's, the coordinator decides
+ * (reports that are not are ignored). */
+static int check_shard_reports(const char *field, Zerod__V1__ShardReport *const *reports,
+                               size_t count, char *err, size_t err_bytes) {
+  if (count > CTL_MAX_SHARD_REPORTS)
+    return fail(err, err_bytes, "%s lists %zu reports (at most %d)", field, count,
+                CTL_MAX_SHARD_REPORTS);
+  for (size_t i = 0; i < count; i++) {
+    const Zerod__V1__ShardReport *r = reports[i];
+    if (r == NULL)
+      return fail(err, err_bytes, "%s[%zu] is missing", field, i);
+    if (r->rank >= CTL_MAX_RANKS)
+      return fail(err, err_bytes, "%s[].rank is %u (0..%d)", field, r->rank, CTL_MAX_RANKS - 1);
+    int rc = check_text("reports[].error", r->error, 0, CTL_ERROR_MAX_BYTES, err, err_bytes);
+    if (rc == 0)
+      rc = check_text("reports[].file", r->file, 0, CTL_FILE_MAX_BYTES, err, err_bytes);
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
 static int check_heartbeat(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
   const Zerod__V1__HeartbeatRequest *r = (const Zerod__V1__HeartbeatRequest *)msg;
   int rc = check_name("node", r->node, err, err_bytes);
@@ -228,6 +287,10 @@ static int check_heartbeat(const ProtobufCMessage *msg, char *err, size_t err_by
     if ((rc = check_name("jobs[].job", s->job, err, err_bytes)) != 0)
       return rc;
     if ((rc = check_text("jobs[].error", s->error, 0, CTL_ERROR_MAX_BYTES, err, err_bytes)) != 0)
+      return rc;
+    if ((rc = check_shard_reports("jobs[].saves", s->saves, s->n_saves, err, err_bytes)) != 0 ||
+        (rc = check_shard_reports("jobs[].restores", s->restores, s->n_restores, err, err_bytes)) !=
+            0)
       return rc;
   }
   /* One report per job: the coordinator keeps the last heartbeat's reports
@@ -329,6 +392,78 @@ static int check_delete(const ProtobufCMessage *msg, char *err, size_t err_bytes
   return rc == 0 ? check_key(r->key, r->prefix, err, err_bytes) : rc;
 }
 
+/* Job names of checkpoint requests name directories. */
+static int check_job_dir(const char *field, const char *s, char *err, size_t err_bytes) {
+  int rc = check_name(field, s, err, err_bytes);
+  if (rc == 0 && !ctl_valid_job_dir_name(s))
+    rc = fail(err, err_bytes, "%s '%s' cannot name a checkpoint directory", field, s);
+  return rc;
+}
+
+static int check_checkpoint_name(const char *s, char *err, size_t err_bytes) {
+  int rc = check_name("name", s, err, err_bytes);
+  if (rc == 0 && !ctl_valid_checkpoint_name(s))
+    rc = fail(err, err_bytes,
+              "name '%s' is reserved: checkpoint names must not start with '.' or contain "
+              "'.tmp-' or '.deleting-'",
+              s);
+  return rc;
+}
+
+static int check_save(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__SaveRequest *r = (const Zerod__V1__SaveRequest *)msg;
+  int rc = check_job_dir("job", r->job, err, err_bytes);
+  if (rc != 0 || r->name == NULL || r->name[0] == '\0')
+    return rc; /* an empty name: step-<step> */
+  if ((rc = check_checkpoint_name(r->name, err, err_bytes)) != 0)
+    return rc;
+  if (strncmp(r->name, "auto-", 5) == 0)
+    return fail(err, err_bytes,
+                "name '%s' is reserved: 'auto-' names are the periodic checkpoints'", r->name);
+  return 0;
+}
+
+static int check_list_checkpoints(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__ListCheckpointsRequest *r = (const Zerod__V1__ListCheckpointsRequest *)msg;
+  if (r->job == NULL || r->job[0] == '\0')
+    return 0; /* every job */
+  return check_job_dir("job", r->job, err, err_bytes);
+}
+
+static int check_delete_checkpoint(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__DeleteCheckpointRequest *r = (const Zerod__V1__DeleteCheckpointRequest *)msg;
+  int rc = check_job_dir("job", r->job, err, err_bytes);
+  return rc == 0 ? check_checkpoint_name(r->name, err, err_bytes) : rc;
+}
+
+static int check_restore(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__RestoreRequest *r = (const Zerod__V1__RestoreRequest *)msg;
+  int rc = check_job_dir("job", r->job, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  const char *ref = r->checkpoint != NULL ? r->checkpoint : "";
+  if (ref[0] == '\0')
+    return fail(err, err_bytes,
+                "checkpoint is missing (a name, <job>/<name>, or an absolute path)");
+  char name[CTL_NAME_MAX_BYTES + 1];
+  switch (ctl_parse_checkpoint_ref(ref, NULL, name)) {
+  case CTL_REF_NAME:
+  case CTL_REF_JOB_NAME:
+    return 0;
+  case CTL_REF_PATH:
+    /* Shown back in errors and sent to the nodes: text, and short enough
+     * to leave room in PATH_MAX for what the nodes append. */
+    return check_text("checkpoint", ref, 1, CTL_PATH_MAX_BYTES, err, err_bytes);
+  default:
+    break;
+  }
+  /* Not echoed: it may hold anything. */
+  return fail(err, err_bytes,
+              "checkpoint must be a checkpoint name, <job>/<name>, or an absolute path to a "
+              "checkpoint directory or a .safetensors file (got %zu bytes)",
+              strlen(ref));
+}
+
 static int check_health(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
   const Grpc__Health__V1__HealthCheckRequest *r = (const Grpc__Health__V1__HealthCheckRequest *)msg;
   return check_text("service", r->service, 0, CTL_TEXT_MAX_BYTES, err, err_bytes);
@@ -358,10 +493,20 @@ static const ctl_method methods[CTL_NMETHODS] = {
     {CTL_GET, &zerod__v1__get_request__descriptor, check_get},
     {CTL_DELETE, &zerod__v1__delete_request__descriptor, check_delete},
     {CTL_HEALTH_CHECK, &grpc__health__v1__health_check_request__descriptor, check_health},
+    {CTL_SAVE, &zerod__v1__save_request__descriptor, check_save},
+    {CTL_LIST_CHECKPOINTS, &zerod__v1__list_checkpoints_request__descriptor,
+     check_list_checkpoints},
+    {CTL_DELETE_CHECKPOINT, &zerod__v1__delete_checkpoint_request__descriptor,
+     check_delete_checkpoint},
+    {CTL_RESTORE, &zerod__v1__restore_request__descriptor, check_restore},
 };
 
 const char *ctl_method_path(unsigned i) {
   return i < CTL_NMETHODS ? methods[i].path : NULL;
+}
+
+const ProtobufCMessageDescriptor *ctl_method_request(unsigned i) {
+  return i < CTL_NMETHODS ? methods[i].request : NULL;
 }
 
 /* Whether msg or a message inside it kept an unknown field numbered 0.

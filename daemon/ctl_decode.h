@@ -20,19 +20,23 @@
 #include "grpc/health/v1/health.pb-c.h"
 
 /* Method paths. */
-#define CTL_JOIN         "/zerod.v1.Cluster/Join"
-#define CTL_HEARTBEAT    "/zerod.v1.Cluster/Heartbeat"
-#define CTL_LEAVE        "/zerod.v1.Cluster/Leave"
-#define CTL_GET_VIEW     "/zerod.v1.Cluster/GetView"
-#define CTL_WATCH        "/zerod.v1.Cluster/Watch"
-#define CTL_CREATE_JOB   "/zerod.v1.Jobs/CreateJob"
-#define CTL_GET_JOB      "/zerod.v1.Jobs/GetJob"
-#define CTL_LIST_JOBS    "/zerod.v1.Jobs/ListJobs"
-#define CTL_DELETE_JOB   "/zerod.v1.Jobs/DeleteJob"
-#define CTL_PUT          "/zerod.v1.Rendezvous/Put"
-#define CTL_GET          "/zerod.v1.Rendezvous/Get"
-#define CTL_DELETE       "/zerod.v1.Rendezvous/Delete"
-#define CTL_HEALTH_CHECK "/grpc.health.v1.Health/Check"
+#define CTL_JOIN              "/zerod.v1.Cluster/Join"
+#define CTL_HEARTBEAT         "/zerod.v1.Cluster/Heartbeat"
+#define CTL_LEAVE             "/zerod.v1.Cluster/Leave"
+#define CTL_GET_VIEW          "/zerod.v1.Cluster/GetView"
+#define CTL_WATCH             "/zerod.v1.Cluster/Watch"
+#define CTL_CREATE_JOB        "/zerod.v1.Jobs/CreateJob"
+#define CTL_GET_JOB           "/zerod.v1.Jobs/GetJob"
+#define CTL_LIST_JOBS         "/zerod.v1.Jobs/ListJobs"
+#define CTL_DELETE_JOB        "/zerod.v1.Jobs/DeleteJob"
+#define CTL_PUT               "/zerod.v1.Rendezvous/Put"
+#define CTL_GET               "/zerod.v1.Rendezvous/Get"
+#define CTL_DELETE            "/zerod.v1.Rendezvous/Delete"
+#define CTL_HEALTH_CHECK      "/grpc.health.v1.Health/Check"
+#define CTL_SAVE              "/zerod.v1.Checkpoints/Save"
+#define CTL_LIST_CHECKPOINTS  "/zerod.v1.Checkpoints/List"
+#define CTL_DELETE_CHECKPOINT "/zerod.v1.Checkpoints/Delete"
+#define CTL_RESTORE           "/zerod.v1.Checkpoints/Restore"
 
 /* Limits on requests (docs/control-plane.md, "Limits"). */
 #define CTL_NAME_MAX_BYTES    64         /* node and job names */
@@ -45,12 +49,17 @@
 #define CTL_TOKEN_MAX_BYTES   256        /* CreateJobRequest.token */
 #define CTL_KEY_MAX_BYTES     512        /* rendezvous keys */
 #define CTL_VALUE_MAX_BYTES   (1u << 20) /* rendezvous values */
+#define CTL_MAX_SHARD_REPORTS 256        /* JobStatus.saves, JobStatus.restores */
+#define CTL_FILE_MAX_BYTES    255        /* ShardReport.file */
+#define CTL_PATH_MAX_BYTES    4000       /* RestoreRequest.checkpoint as a path */
 
 /* The number of methods ctl_decode knows (the paths above). */
-#define CTL_NMETHODS 13
+#define CTL_NMETHODS 17
 
-/* The path of method i (0 <= i < CTL_NMETHODS), for tests and fuzzing. */
+/* The path of method i (0 <= i < CTL_NMETHODS), and the descriptor of its
+ * request message, for tests and fuzzing; NULL past the end. */
 const char *ctl_method_path(unsigned i);
+const ProtobufCMessageDescriptor *ctl_method_request(unsigned i);
 
 /* Unpacks request bytes as the request of the method at path and validates
  * them. Returns 0 with *out set to the message (the caller frees it with
@@ -67,6 +76,29 @@ void ctl_free(ProtobufCMessage *msg);
 /* Returns 1 if s is a valid node or job name: 1..64 bytes of
  * [A-Za-z0-9._-]. */
 int ctl_valid_name(const char *s);
+
+/* Returns 1 if s is a valid name for a checkpoint directory: a name (as
+ * above) that does not start with '.' and does not contain ".tmp-" or
+ * ".deleting-", which mark the coordinator's unfinished saves and deletes.
+ * (Save also refuses the "auto-" prefix, which periodic checkpoints use.) */
+int ctl_valid_checkpoint_name(const char *s);
+
+/* Returns 1 if s is a job name that can name a directory: a valid name
+ * other than "." and "..". */
+int ctl_valid_job_dir_name(const char *s);
+
+/* What RestoreRequest.checkpoint names. */
+typedef enum ctl_checkpoint_ref {
+  CTL_REF_INVALID = 0,
+  CTL_REF_NAME = 1,     /* "<name>": a checkpoint of the restored job */
+  CTL_REF_JOB_NAME = 2, /* "<job>/<name>": a checkpoint of another (maybe deleted) job */
+  CTL_REF_PATH = 3,     /* "/...": a checkpoint directory or a .safetensors file */
+} ctl_checkpoint_ref;
+
+/* Parses a checkpoint reference. For CTL_REF_NAME and CTL_REF_JOB_NAME,
+ * job_out (may be NULL for CTL_REF_NAME) and name_out (each at least
+ * CTL_NAME_MAX_BYTES + 1 bytes) receive the parts. */
+ctl_checkpoint_ref ctl_parse_checkpoint_ref(const char *ref, char *job_out, char *name_out);
 
 /* Checks a job config the way the node daemon's job_config_finish (job.c)
  * will, so that a config that a node would refuse is refused at CreateJob

@@ -52,6 +52,10 @@ typedef struct daemon {
   pthread_mutex_t completion_mutex;
   exec_op *completion_head, *completion_tail;
   uv_async_t completion_async;
+  /* Checkpoint progress from executors and shard writers: a heartbeat at
+   * once (ckpt_node.c). */
+  uv_async_t ckpt_async;
+  _Atomic int ckpt_async_ready;
 
   /* The coordinator client (zerod node, and zerod standalone, whose
    * coordinator runs in this process: coord, serving control_server). */

@@ -18,9 +18,11 @@
 #include <unistd.h>
 
 #include "frame.h"
+#include "ckpt_node.h"
 #include "log.h"
 #include "pin.h"
 #include "pool.h"
+#include "rpc.h"
 #include "shm.h"
 
 static exec_settings settings = {.threads_per_rank = 1, .collective_timeout_ms = 60000};
@@ -50,6 +52,7 @@ void exec_op_free(exec_op *op) {
   if (op->reply_fd >= 0)
     close(op->reply_fd);
   free(op->reply_frame);
+  free(op->ckpt_source);
   free(op);
 }
 
@@ -786,6 +789,77 @@ static void log_progress(rank_state *rs, double grad_norm) {
   rs->progress_since_step = rs->step;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Checkpoints: the rank's copy for a save                                  */
+/* ------------------------------------------------------------------------ */
+
+/* Copies the rank's shard state (master weights, then the moments the
+ * optimizer keeps, unit by unit: the shard file's data order, ckpt.h) to
+ * host memory and hands it to its writer (ckpt_node.c). The executor runs
+ * nothing else meanwhile, so no step changes the state being copied; this
+ * is all the time a save holds training up. */
+static void take_snapshot(rank_state *rs, uint64_t id) {
+  job *j = rs->job;
+  rs->ckpt_taken = id;
+  char reason[512] = "";
+  if (job_failed(j, rs->generation, reason, sizeof reason)) {
+    char why[600];
+    snprintf(why, sizeof why, "job '%s' failed: %s", j->name, reason);
+    ckpt_node_save_failed(j, rs->rank, id, RPC_FAILED_PRECONDITION, why);
+    return;
+  }
+  double t0 = monotonic_s();
+  const job_config *c = &j->config;
+  int m1 = c->optimizer != JOB_SGD || c->momentum != 0;
+  int m2 = c->optimizer != JOB_SGD;
+  pthread_mutex_lock(&j->mutex);
+  uint32_t nunits = j->nunits;
+  unit_layout **units = malloc((nunits ? nunits : 1) * sizeof *units);
+  if (units != NULL && nunits > 0)
+    memcpy(units, j->units, nunits * sizeof *units);
+  pthread_mutex_unlock(&j->mutex);
+  unsigned n = 0;
+  uint64_t bytes = 0;
+  for (uint32_t u = 0; units != NULL && u < nunits; u++)
+    if (u < rs->nshards && rs->shards[u].present) {
+      units[n++] = units[u];
+      bytes += units[u]->shard_numel * 4 * (uint64_t)(1 + m1 + m2);
+    }
+  uint8_t *data = units != NULL ? malloc(bytes ? bytes : 1) : NULL;
+  int rc = data != NULL ? 0 : -ENOMEM;
+  uint8_t *at = data;
+  for (unsigned k = 0; rc == 0 && k < n; k++) {
+    shard *sh = &rs->shards[units[k]->id];
+    size_t b = units[k]->shard_numel * sizeof(float);
+    const float *states[3] = {sh->master, sh->moment1, sh->moment2};
+    const int want[3] = {1, m1, m2};
+    for (int s = 0; rc == 0 && s < 3; s++) {
+      if (!want[s])
+        continue;
+      rc = device_download(rs->dev, at, states[s], b);
+      at += b;
+    }
+  }
+  ckpt_manifest *layout = NULL;
+  if (rc == 0 && rs->rank == 0 &&
+      (layout = ckpt_layout_of(j, units, n, rs->step, rs->version)) == NULL)
+    rc = -ENOMEM;
+  free(units);
+  if (rc != 0) {
+    free(data);
+    char why[600];
+    snprintf(why, sizeof why, "copying the shard state: %s",
+             rc == -ENOMEM ? "out of host memory" : device_last_error(rs->dev));
+    ckpt_node_save_failed(j, rs->rank, id, RPC_RESOURCE_EXHAUSTED, why);
+    return;
+  }
+  int64_t stall_ms = (int64_t)((monotonic_s() - t0) * 1000);
+  LOG_DEBUGF("shard copied for a save", "job=%s rank=%d save=%llu step=%llu bytes=%llu ms=%lld",
+             j->name, rs->rank, (unsigned long long)id, (unsigned long long)rs->step,
+             (unsigned long long)bytes, (long long)stall_ms);
+  ckpt_node_saved(j, rs->rank, id, rs->step, data, bytes, layout, stall_ms);
+}
+
 static void handle_step(rank_state *rs, exec_op *op) {
   Zerod__V1__StepRequest *req = (Zerod__V1__StepRequest *)op->request;
   if (op_job_failed(rs, op))
@@ -819,11 +893,21 @@ static void handle_step(rank_state *rs, exec_op *op) {
     op_device_failed(rs, op, "step (gradient norm)", err);
     return;
   }
-  err = host_all_reduce_f64(rs, &local_sumsq, 1, COMM_SUM);
+  /* The same all-reduce agrees on a checkpoint: a rank that knows of a
+   * save order adds its id and a count, and every rank takes its copy at
+   * the end of this step (ckpt_node.h). The coordinator has one save of a
+   * job in flight at a time, so the ids summed are all the same. */
+  uint64_t pending = atomic_load(&rs->ckpt_pending);
+  if (pending <= rs->ckpt_taken)
+    pending = 0;
+  double reduced[3] = {local_sumsq, (double)pending, pending != 0 ? 1.0 : 0.0};
+  err = host_all_reduce_f64(rs, reduced, 3, COMM_SUM);
   if (err != 0) {
     op_comm_failed(rs, op, "all_reduce (gradient norm)", err);
     return;
   }
+  local_sumsq = reduced[0];
+  uint64_t save_id = reduced[2] > 0 ? (uint64_t)llround(reduced[1] / reduced[2]) : 0;
   double grad_norm = sqrt(local_sumsq) / grad_scale;
   int skipped = !isfinite(local_sumsq);
   if (!skipped) {
@@ -904,6 +988,8 @@ static void handle_step(rank_state *rs, exec_op *op) {
     return;
   }
   rs->order_complete = 1;
+  if (save_id > rs->ckpt_taken)
+    take_snapshot(rs, save_id);
   Zerod__V1__StepReply reply = ZEROD__V1__STEP_REPLY__INIT;
   reply.step = rs->step;
   reply.version = rs->version;
@@ -1363,6 +1449,11 @@ static void handle_session_end(rank_state *rs, exec_op *op) {
   }
   rs->ndropped = 0;
   rs->session_id = 0;
+  /* A save waiting for this rank's next step takes its copy now: without a
+   * worker there is no next step. */
+  uint64_t pending = atomic_load(&rs->ckpt_pending);
+  if (pending > rs->ckpt_taken)
+    take_snapshot(rs, pending);
   /* A job that failed (e.g. its worker died) closes this rank's
    * communicator, so peers blocked in a collective with this rank fail now
    * rather than at their timeout. */
@@ -1374,6 +1465,117 @@ static void handle_session_end(rank_state *rs, exec_op *op) {
     Zerod__V1__DetachReply reply = ZEROD__V1__DETACH_REPLY__INIT;
     exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_DETACH_REPLY, &reply.base);
   }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Checkpoints: saves without a worker, restores                            */
+/* ------------------------------------------------------------------------ */
+
+/* A save order reached the rank: with no worker attached no step will
+ * come, so the copy is taken now (in queue order, before any op of a
+ * worker that attaches later). */
+static void handle_save(rank_state *rs, exec_op *op) {
+  if (op->ckpt_id > rs->ckpt_taken && atomic_load(&rs->ckpt_pending) >= op->ckpt_id &&
+      rs->session_id == 0)
+    take_snapshot(rs, op->ckpt_id);
+}
+
+static void handle_restore_read(rank_state *rs, exec_op *op) {
+  ckpt_staged_free(rs->ckpt_staged);
+  rs->ckpt_staged = NULL;
+  int code = 0;
+  char err[512] = "";
+  ckpt_staged *st = NULL;
+  int rc = ckpt_restore_read(rs->job, rs->rank, op->ckpt_source, op->ckpt_format, &st, &code, err,
+                             sizeof err);
+  if (rc == 0) {
+    st->id = op->ckpt_id;
+    rs->ckpt_staged = st;
+  }
+  ckpt_node_restore_report(rs->job, rs->rank, op->ckpt_id, 0, rc == 0 ? st->step : 0,
+                           rc == 0 ? 0 : (code != 0 ? code : RPC_INTERNAL), err);
+}
+
+/* Installs what handle_restore_read staged: every rank of the job does
+ * this once all have read and verified their part. A failure here leaves
+ * ranks that installed and ranks that did not, so the job fails. */
+static void handle_restore_commit(rank_state *rs, exec_op *op) {
+  job *j = rs->job;
+  ckpt_staged *st = rs->ckpt_staged;
+  char err[512] = "";
+  int rc = 0;
+  if (st == NULL || st->id != op->ckpt_id) {
+    ckpt_node_restore_report(j, rs->rank, op->ckpt_id, 0, 0, RPC_INTERNAL,
+                             "no values read for this restore on the rank");
+    return;
+  }
+  rs->ckpt_staged = NULL;
+  unsigned char *fresh = calloc(st->nunits + 1, 1);
+  if (fresh == NULL)
+    rc = -ENOMEM;
+  for (unsigned u = 0; rc == 0 && u < st->nunits; u++) {
+    ckpt_staged_unit *su = &st->units[u];
+    if (su->owned) {
+      int existed = 0, conflict = 0;
+      unit_layout *l = job_publish_unit(j, su->layout, &existed, &conflict);
+      if (l == NULL) {
+        snprintf(err, sizeof err, "unit '%s': %s", su->layout->name,
+                 conflict ? "registered meanwhile with a different layout" : "too many units");
+        rc = -EINVAL;
+        break;
+      }
+      su->owned = 0; /* the job's now (or freed, if it existed) */
+      su->layout = l;
+    }
+    const unit_layout *l = su->layout;
+    if (l->id >= rs->nshards || !rs->shards[l->id].present) {
+      pin_lock_shards(rs);
+      rc = shard_create(rs, l);
+      pin_unlock_shards(rs);
+      fresh[u] = rc == 0;
+      if (rc != 0)
+        snprintf(err, sizeof err, "out of memory for the shard of unit '%s'", l->name);
+    }
+  }
+  if (rc == 0) {
+    pin_begin_write(rs);
+    for (unsigned u = 0; rc == 0 && u < st->nunits; u++) {
+      ckpt_staged_unit *su = &st->units[u];
+      const unit_layout *l = su->layout;
+      shard *sh = &rs->shards[l->id];
+      size_t bytes = l->shard_numel * sizeof(float);
+      float *dst[3] = {sh->master, sh->moment1, sh->moment2};
+      for (int k = 0; rc == 0 && k < 3; k++) {
+        if (dst[k] == NULL)
+          continue;
+        rc = su->state[k] != NULL ? device_upload(rs->dev, dst[k], su->state[k], bytes)
+                                  : device_zero(rs->dev, dst[k], bytes);
+      }
+      if (rc == 0)
+        rc = device_zero(rs->dev, sh->grad_acc, bytes);
+      if (rc == 0)
+        rc = refresh_working(rs, l, sh);
+    }
+    if (rc == 0)
+      rc = device_sync(rs->dev);
+    if (rc != 0)
+      snprintf(err, sizeof err, "installing the restored values: %s", device_last_error(rs->dev));
+    rs->step = st->step;
+    pin_end_write(rs);
+  }
+  for (unsigned u = 0; rc == 0 && u < st->nunits; u++)
+    if (fresh[u])
+      atomic_fetch_add(&st->units[u].layout->ready_ranks, 1);
+  free(fresh);
+  if (rc != 0) {
+    job_fail(j, rs->generation, "rank %d: restore: %s", rs->rank, err);
+    ckpt_node_restore_report(j, rs->rank, op->ckpt_id, 0, 0, RPC_INTERNAL, err);
+  } else {
+    LOG_INFOF("restored", "job=%s rank=%d restore=%llu step=%llu units=%u", j->name, rs->rank,
+              (unsigned long long)op->ckpt_id, (unsigned long long)st->step, st->nunits);
+    ckpt_node_restore_report(j, rs->rank, op->ckpt_id, 1, st->step, 0, NULL);
+  }
+  ckpt_staged_free(st);
 }
 
 static void handle_comm_init(rank_state *rs, exec_op *op) {
@@ -1489,6 +1691,19 @@ static void run_op(rank_state *rs, exec_op *op) {
     break;
   case OP_TRIM:
     pool_trim(rs);
+    break;
+  case OP_SAVE:
+    handle_save(rs, op);
+    break;
+  case OP_RESTORE_READ:
+    handle_restore_read(rs, op);
+    break;
+  case OP_RESTORE_COMMIT:
+    handle_restore_commit(rs, op);
+    break;
+  case OP_RESTORE_ABORT:
+    ckpt_staged_free(rs->ckpt_staged);
+    rs->ckpt_staged = NULL;
     break;
   case OP_STOP:
     break;
@@ -1674,6 +1889,8 @@ void exec_rank_free(rank_state *rs) {
   rs->dropped_ids = NULL;
   free(rs->order);
   rs->order = NULL;
+  ckpt_staged_free(rs->ckpt_staged);
+  rs->ckpt_staged = NULL;
   zk_pool_destroy(rs->pool);
   rs->pool = NULL;
 }

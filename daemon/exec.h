@@ -36,7 +36,12 @@ typedef enum op_kind {
   OP_LOAD, /* LOAD_UNIT: collective, like a registration with INIT_FROM_RANK0 */
   OP_PIN,  /* read-only sessions only (reader.c) */
   OP_TRIM, /* free unheld buffers (the job has no sessions) */
-  OP_STOP, /* destroy the communicator and exit the thread */
+  /* Checkpoints (ckpt_node.h), op->ckpt_id naming the order: */
+  OP_SAVE,           /* take the copy now if no worker is attached */
+  OP_RESTORE_READ,   /* read and verify the rank's part of op->ckpt_source */
+  OP_RESTORE_COMMIT, /* install what was read */
+  OP_RESTORE_ABORT,  /* drop what was read */
+  OP_STOP,           /* destroy the communicator and exit the thread */
 } op_kind;
 
 typedef struct exec_op {
@@ -51,7 +56,10 @@ typedef struct exec_op {
   int in_fd;                 /* owned; -1 if none */
   unsigned generation;       /* OP_COMM_INIT: the new one; reader ops: the job's at submission */
   uint32_t prefetch_unit;
-  int job_created; /* OP_SESSION_BEGIN: the attach created the job */
+  int job_created;   /* OP_SESSION_BEGIN: the attach created the job */
+  uint64_t ckpt_id;  /* checkpoint ops: the order's id */
+  char *ckpt_source; /* OP_RESTORE_READ: owned */
+  int ckpt_format;   /* OP_RESTORE_READ: Zerod__V1__RestoreFormat */
 
   /* Result, filled by the handler. */
   int status;           /* Zerod__V1__Status */

@@ -20,6 +20,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "ckpt_node.h"
 #include "coord.h"
 #include "daemon.h"
 #include "frame.h"
@@ -564,6 +565,12 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
   }
   if (!job_usable_for_attach(s, request_id, j))
     return;
+  if (j->restoring != 0) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_UNAVAILABLE,
+               "job '%s' is being restored from a checkpoint; attach again when it is done",
+               j->name);
+    return;
+  }
   rank_state *rs = &j->ranks[req->local_rank];
   if (rs->session != NULL) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ALREADY_EXISTS,
@@ -1020,6 +1027,7 @@ int ipc_listen(zdaemon *d, char *err, size_t err_bytes) {
   pthread_mutex_init(&d->completion_mutex, NULL);
   uv_async_init(d->loop, &d->completion_async, on_completion);
   d->completion_async.data = d;
+  ckpt_node_init(d);
 
   /* The socket is bound and listening under a temporary name and then
    * renamed into place, so a worker that sees the path can connect at once

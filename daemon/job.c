@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckpt_node.h"
 #include "exec.h"
 #include "pin.h"
 
@@ -126,7 +127,7 @@ int job_create(struct daemon *daemon, const char *name, const char *token, const
     pthread_mutex_init(&rs->queue_mutex, NULL);
     pthread_cond_init(&rs->queue_cond, NULL);
   }
-  if (pin_job_init(j) != 0) {
+  if (pin_job_init(j) != 0 || ckpt_node_job_init(j) != 0) {
     job_destroy(j);
     return -ENOMEM;
   }
@@ -137,6 +138,7 @@ int job_create(struct daemon *daemon, const char *name, const char *token, const
 void job_destroy(job *j) {
   if (j == NULL)
     return;
+  ckpt_node_job_free(j); /* waits for its shard writers */
   if (j->ranks != NULL) {
     for (int r = 0; r < j->nranks; r++) {
       exec_rank_free(&j->ranks[r]);

@@ -167,6 +167,14 @@ typedef struct rank_state {
   int order_complete;
   size_t order_cursor;
 
+  /* Checkpoints (ckpt_node.h). The save order the loop has told this rank
+   * of (the highest id; 0: none), and the last one it took its copy for
+   * (executor-owned); a restore's values read and verified, waiting for
+   * the commit (executor-owned). */
+  _Atomic uint64_t ckpt_pending;
+  uint64_t ckpt_taken;
+  struct ckpt_staged *ckpt_staged;
+
   /* Loop-owned. */
   struct session *session; /* the attached read-write session */
 } rank_state;
@@ -193,6 +201,10 @@ typedef struct job {
   int sessions; /* loop-owned: attached read-write sessions */
   int deleted;  /* loop-owned: deleted on the coordinator; retired once nobody is attached */
   int readers;  /* loop-owned: attached read-only sessions */
+  /* Loop-owned: the id of the restore in progress (attaches are refused
+   * until it ends), 0 if none. */
+  uint64_t restoring;
+  struct job_ckpt *ckpt; /* the node's checkpoint work for the job (ckpt_node.c) */
 
   /* Versions and pins (pin.c; pin.h has the locking rules). */
   pthread_rwlock_t *rank_locks; /* [nranks], by local index */

@@ -21,6 +21,7 @@
 
 #include "coord.h"
 #include "daemon.h"
+#include "ckpt_node.h"
 #include "log.h"
 #include "node.h"
 #include "pin.h"
@@ -33,6 +34,7 @@ static void usage(FILE *out) {
           "usage: zerod [standalone] [options]\n"
           "       zerod node --coordinator HOST:PORT [options]\n"
           "       zerod coordinator [--listen ADDR] [--state-dir DIR] [--lease-ttl S]\n"
+          "                         [--checkpoint-dir DIR] [--checkpoint-timeout S]\n"
           "                         (zerod coordinator --help)\n"
           "\n"
           "Runs a zerod node daemon with its rendezvous in one process (standalone mode):\n"
@@ -59,6 +61,10 @@ static void usage(FILE *out) {
           "  --max-live-bytes SIZE   default per-job, per-rank budget of gathered and gradient\n"
           "                          buffers, e.g. 512M, 4G [ZEROD_MAX_LIVE_BYTES, default 2G]\n"
           "  --max-sessions N        most worker connections [ZEROD_MAX_SESSIONS, default 1024]\n"
+          "  --checkpoint-dir DIR    standalone: where checkpoints are saved\n"
+          "                          [ZEROD_CHECKPOINT_DIR, default DIR/checkpoints]\n"
+          "  --checkpoint-timeout S  standalone: longest a checkpoint save or restore may\n"
+          "                          take [ZEROD_CHECKPOINT_TIMEOUT, default 600]\n"
           "  --coordinator HOST:PORT zerod node: the coordinator to join\n"
           "                          [ZEROD_COORDINATOR]\n"
           "  --name NAME             zerod node: this node's name, unique in the cluster\n"
@@ -136,11 +142,13 @@ enum {
   OPT_COORDINATOR,
   OPT_NAME,
   OPT_DEVICE,
+  OPT_CHECKPOINT_DIR,
+  OPT_CHECKPOINT_TIMEOUT,
 };
 
 typedef struct raw_options {
   const char *ranks, *dir, *socket, *socket_group, *threads, *timeout, *max_live, *max_sessions,
-      *comm_host, *log_level, *coordinator, *name, *device;
+      *comm_host, *log_level, *coordinator, *name, *device, *checkpoint_dir, *checkpoint_timeout;
 } raw_options;
 
 static const char *env_or(const char *flag, const char *name) {
@@ -150,6 +158,43 @@ static const char *env_or(const char *flag, const char *name) {
 static int bad_value(const char *flag, const char *value, const char *expected) {
   fprintf(stderr, "zerod: invalid %s '%s' (%s)\n", flag, value, expected);
   return 2;
+}
+
+/* --checkpoint-timeout: seconds, 1..86400, into milliseconds. */
+static int parse_checkpoint_timeout(const char *flag, int *timeout_ms) {
+  const char *v = env_or(flag, "ZEROD_CHECKPOINT_TIMEOUT");
+  int seconds = 600;
+  if (v != NULL && parse_int(v, 1, 86400, &seconds) != 0)
+    return bad_value("--checkpoint-timeout", v, "seconds, 1..86400");
+  *timeout_ms = seconds * 1000;
+  return 0;
+}
+
+static int mkdir_p(const char *path);
+
+/* The checkpoint directory: the flag, else ZEROD_CHECKPOINT_DIR, else
+ * fallback/checkpoints; created, then made absolute (it travels to the
+ * nodes, which must find the same directory). Room is left for what is
+ * appended (<job>/<name>.tmp-<id>/<file>). Prints the error and returns
+ * nonzero on failure. */
+static int checkpoint_dir_option(const char *flag, const char *fallback, char *out,
+                                 size_t out_bytes) {
+  const char *v = env_or(flag, "ZEROD_CHECKPOINT_DIR");
+  char dir[PATH_MAX];
+  if ((v != NULL && v[0] == '\0') || snprintf(dir, sizeof dir, v != NULL ? "%s" : "%s/checkpoints",
+                                              v != NULL ? v : fallback) >= (int)sizeof dir - 512)
+    return bad_value("--checkpoint-dir", v != NULL ? v : fallback, "a directory, path too long");
+  int rc = mkdir_p(dir);
+  char resolved[PATH_MAX];
+  if (rc != 0 || realpath(dir, resolved) == NULL) {
+    fprintf(stderr, "zerod: cannot create checkpoint directory %s: %s\n", dir,
+            strerror(rc != 0 ? -rc : errno));
+    return 1;
+  }
+  if (strlen(resolved) >= out_bytes - 512)
+    return bad_value("--checkpoint-dir", resolved, "path too long");
+  snprintf(out, out_bytes, "%s", resolved);
+  return 0;
 }
 
 static int mkdir_p(const char *path) {
@@ -203,8 +248,9 @@ static void coordinator_usage(FILE *out) {
   fprintf(out,
           "usage: zerod coordinator [options]\n"
           "\n"
-          "Runs the cluster's coordinator: membership, jobs, rendezvous and health over\n"
-          "gRPC. Node daemons (zerod node) and zerodctl dial it; it never dials them.\n"
+          "Runs the cluster's coordinator: membership, jobs, rendezvous, checkpoints and\n"
+          "health over gRPC. Node daemons (zerod node) and zerodctl dial it; it never\n"
+          "dials them.\n"
           "\n"
           "options (each also read from the environment variable shown):\n"
           "  --listen ADDR           address to serve gRPC on, HOST:PORT (port 0: any free\n"
@@ -213,6 +259,11 @@ static void coordinator_usage(FILE *out) {
           "                          [ZEROD_STATE_DIR, default ./.zerod-coordinator]\n"
           "  --lease-ttl S           seconds a node may go without a heartbeat before it\n"
           "                          leaves the view [ZEROD_LEASE_TTL, default 10]\n"
+          "  --checkpoint-dir DIR    where checkpoints are saved; every node must see it at\n"
+          "                          the same path (a shared filesystem)\n"
+          "                          [ZEROD_CHECKPOINT_DIR, default STATE-DIR/checkpoints]\n"
+          "  --checkpoint-timeout S  longest a checkpoint save or restore may take\n"
+          "                          [ZEROD_CHECKPOINT_TIMEOUT, default 600]\n"
           "  --log-level LEVEL       debug, info, warn or error [ZEROD_LOG_LEVEL, default info]\n"
           "  -h, --help              print this help and exit\n"
           "\n"
@@ -245,16 +296,26 @@ static void on_coordinator_signal(uv_signal_t *handle, int signum) {
 }
 
 static int run_coordinator(int argc, char **argv) {
-  enum { C_LISTEN = 2000, C_STATE_DIR, C_LEASE_TTL, C_LOG_LEVEL };
+  enum {
+    C_LISTEN = 2000,
+    C_STATE_DIR,
+    C_LEASE_TTL,
+    C_LOG_LEVEL,
+    C_CHECKPOINT_DIR,
+    C_CHECKPOINT_TIMEOUT
+  };
   static const struct option long_options[] = {
       {"listen", required_argument, NULL, C_LISTEN},
       {"state-dir", required_argument, NULL, C_STATE_DIR},
       {"lease-ttl", required_argument, NULL, C_LEASE_TTL},
+      {"checkpoint-dir", required_argument, NULL, C_CHECKPOINT_DIR},
+      {"checkpoint-timeout", required_argument, NULL, C_CHECKPOINT_TIMEOUT},
       {"log-level", required_argument, NULL, C_LOG_LEVEL},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
   const char *listen_flag = NULL, *dir_flag = NULL, *ttl_flag = NULL, *level_flag = NULL;
+  const char *checkpoint_dir_flag = NULL, *checkpoint_timeout_flag = NULL;
   int c;
   while ((c = getopt_long(argc, argv, "h", long_options, NULL)) != -1) {
     switch (c) {
@@ -269,6 +330,12 @@ static int run_coordinator(int argc, char **argv) {
       break;
     case C_LOG_LEVEL:
       level_flag = optarg;
+      break;
+    case C_CHECKPOINT_DIR:
+      checkpoint_dir_flag = optarg;
+      break;
+    case C_CHECKPOINT_TIMEOUT:
+      checkpoint_timeout_flag = optarg;
       break;
     case 'h':
       coordinator_usage(stdout);
@@ -308,11 +375,17 @@ static int run_coordinator(int argc, char **argv) {
   if (colon == NULL || colon == listen_addr || colon[1] == '\0' || strlen(listen_addr) > 255)
     return bad_value("--listen", listen_addr, "HOST:PORT");
 
+  if (parse_checkpoint_timeout(checkpoint_timeout_flag, &co.checkpoint_timeout_ms) != 0)
+    return 2;
+
   int rc = mkdir_p(co.state_dir);
   if (rc != 0) {
     fprintf(stderr, "zerod: cannot create state directory %s: %s\n", co.state_dir, strerror(-rc));
     return 1;
   }
+  if ((rc = checkpoint_dir_option(checkpoint_dir_flag, co.state_dir, co.checkpoint_dir,
+                                  sizeof co.checkpoint_dir)) != 0)
+    return rc;
   char lock_path[PATH_MAX + 32];
   snprintf(lock_path, sizeof lock_path, "%s/coordinator.lock", co.state_dir);
   int lock_fd = -1;
@@ -349,9 +422,9 @@ static int run_coordinator(int argc, char **argv) {
   uv_signal_start(&p.sigint, on_coordinator_signal, SIGINT);
   uv_signal_start(&p.sigterm, on_coordinator_signal, SIGTERM);
   LOG_INFOF("coordinator listening",
-            "address=%.*s:%d state_dir=%s lease_ttl_ms=%d version=%s pid=%d",
-            (int)(colon - listen_addr), listen_addr, port, co.state_dir, co.lease_ttl_ms,
-            ZEROD_VERSION, (int)getpid());
+            "address=%.*s:%d state_dir=%s checkpoint_dir=%s lease_ttl_ms=%d version=%s pid=%d",
+            (int)(colon - listen_addr), listen_addr, port, co.state_dir, co.checkpoint_dir,
+            co.lease_ttl_ms, ZEROD_VERSION, (int)getpid());
   uv_run(p.loop, UV_RUN_DEFAULT);
   status = 0;
 out_free:
@@ -375,7 +448,9 @@ out_lock:
 
 static zdaemon the_daemon;
 static char comm_host[256] = "127.0.0.1";
-static char control_socket[PATH_MAX]; /* zerod standalone's control-plane socket */
+static char control_socket[PATH_MAX];   /* zerod standalone's control-plane socket */
+static const char *checkpoint_dir_flag; /* zerod standalone: --checkpoint-dir, if given */
+static int checkpoint_timeout_ms;       /* zerod standalone: --checkpoint-timeout */
 
 /* zerod standalone: the same coordinator as `zerod coordinator`, in this
  * process and on this loop, in memory only (standalone jobs are created by
@@ -395,7 +470,12 @@ static int start_local_coordinator(zdaemon *d, char *err, size_t err_bytes) {
   /* A socket left by a daemon that died; the state directory's lock says
    * that no live one uses it. */
   unlink(control_socket);
-  coord_options co = {.lease_ttl_ms = 10000};
+  coord_options co = {.lease_ttl_ms = 10000, .checkpoint_timeout_ms = checkpoint_timeout_ms};
+  if (checkpoint_dir_option(checkpoint_dir_flag, o->dir, co.checkpoint_dir,
+                            sizeof co.checkpoint_dir) != 0) {
+    snprintf(err, err_bytes, "no usable checkpoint directory");
+    return -EINVAL;
+  }
   int rc = coord_create(d->loop, &co, &d->coord, err, err_bytes);
   if (rc != 0)
     return rc;
@@ -442,6 +522,7 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
     for (int r = 0; r < j->nranks; r++)
       exec_rank_join(&j->ranks[r]);
   ipc_drain_completions(d);
+  ckpt_node_shutdown(d); /* shard writers stop at their next chunk */
   /* The jobs are freed once the loop has ended (main): read-only sessions'
    * gathers may still be running on the threadpool, and closed sessions
    * let go of their pins when their handles have closed. */
@@ -473,6 +554,8 @@ int main(int argc, char **argv) {
       {"coordinator", required_argument, NULL, OPT_COORDINATOR},
       {"name", required_argument, NULL, OPT_NAME},
       {"device", required_argument, NULL, OPT_DEVICE},
+      {"checkpoint-dir", required_argument, NULL, OPT_CHECKPOINT_DIR},
+      {"checkpoint-timeout", required_argument, NULL, OPT_CHECKPOINT_TIMEOUT},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
@@ -517,6 +600,12 @@ int main(int argc, char **argv) {
       break;
     case OPT_DEVICE:
       raw.device = optarg;
+      break;
+    case OPT_CHECKPOINT_DIR:
+      raw.checkpoint_dir = optarg;
+      break;
+    case OPT_CHECKPOINT_TIMEOUT:
+      raw.checkpoint_timeout = optarg;
       break;
     case OPT_VERSION:
       printf("zerod %s\n", ZEROD_VERSION);
@@ -612,6 +701,17 @@ int main(int argc, char **argv) {
   } else if (raw.coordinator != NULL) {
     fprintf(stderr, "zerod: --coordinator needs 'zerod node' (standalone runs its own)\n");
     return 2;
+  }
+  if (strcmp(mode, "node") == 0 && (raw.checkpoint_dir != NULL || raw.checkpoint_timeout != NULL)) {
+    /* A node saves where its coordinator's orders say. */
+    fprintf(stderr, "zerod: --checkpoint-dir and --checkpoint-timeout are the coordinator's "
+                    "(zerod coordinator or standalone), not a node's\n");
+    return 2;
+  }
+  if (strcmp(mode, "node") != 0) {
+    checkpoint_dir_flag = raw.checkpoint_dir;
+    if (parse_checkpoint_timeout(raw.checkpoint_timeout, &checkpoint_timeout_ms) != 0)
+      return 2;
   }
   {
     v = env_or(raw.name, "ZEROD_NODE_NAME");

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ckpt_node.h"
 #include "coord.h"
 #include "daemon.h"
 #include "log.h"
@@ -54,6 +55,7 @@ typedef struct node_agent {
   /* The one blocking call in flight on the threadpool. */
   uv_work_t work;
   int work_busy;
+  int report_again; /* node_report while a call was in flight */
   const char *method;
   void (*done)(struct node_agent *a);
   uint8_t *request, *reply;
@@ -226,10 +228,12 @@ static void send_heartbeat(node_agent *a) {
   Zerod__V1__JobStatus *statuses = calloc(njobs ? njobs : 1, sizeof *statuses);
   Zerod__V1__JobStatus **ptrs = calloc(njobs ? njobs : 1, sizeof *ptrs);
   char(*errors)[512] = calloc(njobs ? njobs : 1, sizeof *errors);
-  if (statuses == NULL || ptrs == NULL || errors == NULL) {
+  void **ckpt_reports = calloc(njobs ? njobs : 1, sizeof *ckpt_reports);
+  if (statuses == NULL || ptrs == NULL || errors == NULL || ckpt_reports == NULL) {
     free(statuses);
     free(ptrs);
     free(errors);
+    free(ckpt_reports);
     schedule(a, a->lease_ttl_ms / 3);
     return;
   }
@@ -244,6 +248,7 @@ static void send_heartbeat(node_agent *a) {
       st->error = errors[i];
     st->ready = job_ready(j) && st->error[0] == '\0';
     st->step = atomic_load(&j->latest_version);
+    ckpt_node_reports(j, st, &ckpt_reports[i]);
     ptrs[i++] = st;
   }
   a->reported_settled = jobs_settled(d, NULL);
@@ -254,6 +259,9 @@ static void send_heartbeat(node_agent *a) {
   req.jobs = ptrs;
   if (start_call(a, "/zerod.v1.Cluster/Heartbeat", &req.base, on_heartbeat_done) != 0)
     schedule(a, a->lease_ttl_ms / 3);
+  for (size_t k = 0; k < i; k++)
+    ckpt_node_reports_free(ckpt_reports[k]);
+  free(ckpt_reports);
   free(statuses);
   free(ptrs);
   free(errors);
@@ -278,7 +286,9 @@ static void on_heartbeat_done(node_agent *a) {
     LOG_INFOF("coordinator reachable again", "coordinator=%s", a->d->options.coordinator);
     a->last_status = RPC_OK;
   }
-  schedule(a, a->lease_ttl_ms / 3);
+  int again = a->report_again && a->result.status == RPC_OK;
+  a->report_again = 0;
+  schedule(a, again ? 0 : a->lease_ttl_ms / 3);
 }
 
 void node_job_added(zdaemon *d) {
@@ -289,7 +299,11 @@ void node_job_added(zdaemon *d) {
 
 void node_report(zdaemon *d) {
   node_agent *a = d->cluster;
-  if (a != NULL && a->state == NODE_MEMBER && !a->work_busy)
+  if (a == NULL || a->state != NODE_MEMBER)
+    return;
+  if (a->work_busy)
+    a->report_again = 1; /* the heartbeat in flight may predate the news */
+  else
     schedule(a, 0);
 }
 
@@ -421,6 +435,7 @@ static void reconcile(node_agent *a, const Zerod__V1__WatchEvent *ev) {
       job_fail(j, j->generation, "job '%s' was deleted and re-created on the coordinator", j->name);
       continue;
     }
+    ckpt_node_orders(d, j, as);
     /* A job with ranks here only is degraded by nothing but this node's own
      * report of its failure, which it already knows; it resets locally, and
      * a stale event must not fail the reset generation. */
@@ -441,6 +456,7 @@ static void reconcile(node_agent *a, const Zerod__V1__WatchEvent *ev) {
           ev->assignments[i]->job != NULL && strcmp(ev->assignments[i]->job->name, j->name) == 0;
     if (assigned || j->deleted || j->id >= ev->next_job_id)
       continue;
+    ckpt_node_orders(d, j, NULL); /* its checkpoint work ends */
     LOG_INFOF("job deleted on the coordinator", "job=%s", j->name);
     job_fail(j, j->generation, "job '%s' was deleted", j->name);
     /* Its workers get the reason; the job goes once the last one has

@@ -2,7 +2,8 @@
 # Installs what zerod needs for a task, and only what is missing.
 #
 #   scripts/deps.sh build   compilers, CMake, Ninja, pkg-config, and the libraries
-#                           the daemon links: libuv, protobuf-c, Gloo, gRPC C core
+#                           the daemon links: libuv, protobuf-c, Gloo, gRPC C core,
+#                           jansson (manifest.json, safetensors headers), xxhash
 #   scripts/deps.sh test    build + cmocka, and Debian's CPU-only PyTorch,
 #                           numpy and pytest for the torch parity tests, and
 #                           venv, pip and setuptools for the package's
@@ -28,7 +29,7 @@ set -euo pipefail
 
 task=${1:-build}
 packages=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-  libgloo-dev libgrpc-dev)
+  libgloo-dev libgrpc-dev libjansson-dev libxxhash-dev)
 case "$task" in
 build) ;;
 demo) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread) ;;

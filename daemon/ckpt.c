@@ -1,0 +1,1739 @@
+/* Checkpoint formats (see ckpt.h): XXH64 hashing, manifest.json, shard
+ * files written and read block by block, and checkpoint directories read
+ * by element ranges. ckpt_safetensors.c has the safetensors part.
+ *
+ * manifest.json, format_version 1. Keys are written in this order and all
+ * are required; unknown keys are refused (a new key means a new
+ * format_version, which is checked before anything else so that an old
+ * reader says "unsupported format_version" rather than "unknown key"):
+ *
+ *   {
+ *     "format": "zerod-checkpoint",
+ *     "format_version": 1,
+ *     "job": "<path-safe name>",         the saving job's name
+ *     "job_id": <u>,
+ *     "name": "<path-safe name>",        the checkpoint's name
+ *     "created_unix_ms": <i64>,
+ *     "step": <u>,
+ *     "version": <u>,
+ *     "world_size": <1..4096>,
+ *     "config": {"optimizer": "adamw" | "adam" | "sgd", "lr": <r>, "beta1": <r>,
+ *                "beta2": <r>, "eps": <r>, "weight_decay": <r>, "momentum": <r>,
+ *                "dampening": <r>, "nesterov": <bool>,
+ *                "working_dtype": "fp32" | "bf16", "max_grad_norm": <r>},
+ *     "states": ["master", "moment1", "moment2"],
+ *     "units": [{"name": "<name>", "numel": <u>, "padded_numel": <u>, "shard_numel": <u>,
+ *                "tensors": [{"name": "<name>", "shape": [<u>, ...], "offset": <u>,
+ *                             "frozen": <bool>}, ...]}, ...],
+ *     "files": [{"name": "rank-00000-of-00002.zdshard", "bytes": <u>,
+ *                "xxh64": "<16 lower-case hex digits>"}, ...]
+ *   }
+ *
+ * <u> is a JSON integer in [0, 2^63 - 1] (jansson holds integers as long
+ * long, so every value up to there survives exactly, unlike a double).
+ * <r> is a finite JSON number, written with 17 significant digits so that
+ * it reads back bit for bit. "states" is "master" followed by the moments
+ * the job keeps, in that order. Path-safe names (job and checkpoint, which
+ * name directories) are 1..255 bytes without '/' and not "." or "..".
+ * Unit and tensor names are 1..256 bytes: exactly what the IPC protocol
+ * lets a worker register (proto/frame.c), so that any job can be saved.
+ * "units[].numel" is the end of the unit's last tensor; "files" has one
+ * entry per rank, whose "bytes" must equal the size the units imply. A
+ * layout (layout.json, CKPT_DECODE_NO_FILES) is the same without "files";
+ * decoding with that flag ignores a "files" member, so a complete manifest
+ * also reads as a layout.
+ *
+ * Shard file header (CKPT_HEADER_BYTES, little-endian):
+ *   0 magic "ZDSHARD\0"   8 u32 format version   12 u32 rank   16 u32 world size
+ *   20 u32 block bytes   24 u64 job id   32 u64 step   40 u64 data bytes
+ *   48..4087 zero   4088 u64 XXH64 of bytes 0..4087
+ * The reserved bytes must be zero so that a later version can give them a
+ * meaning that an old reader refuses instead of ignoring. */
+#include "ckpt.h"
+#include "ckpt_io.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <jansson.h>
+#include <xxhash.h>
+
+/* Shard data is copied between files and float arrays as it is. */
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "shard files are little-endian and read in place: a little-endian host is needed"
+#endif
+
+#define MANIFEST_FORMAT     "zerod-checkpoint"
+#define MAX_WORLD_SIZE      4096u
+#define MAX_PATH_NAME_BYTES 255u /* job and checkpoint names become directory names */
+#define MAX_NAME_BYTES      256u /* unit and tensor names: ZD_MAX_NAME_BYTES of the protocol */
+#define WRITE_BUFFER_BYTES  (4u << 20)
+#define HEADER_MAGIC        "ZDSHARD"
+#define HEADER_CHECKSUM_AT  (CKPT_HEADER_BYTES - 8)
+#define HEADER_FIXED_BYTES  48u
+#define FOOTER_BYTES        8u
+
+/* ------------------------------------------------------------------------
+ * Small helpers
+ * ------------------------------------------------------------------------ */
+
+__attribute__((format(printf, 4, 5))) static int fail(char *err, size_t err_bytes, int rc,
+                                                      const char *fmt, ...) {
+  if (err != NULL && err_bytes > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, err_bytes, fmt, ap);
+    va_end(ap);
+  }
+  return rc;
+}
+
+/* Puts "prefix: " in front of the message already in err. */
+static void prefix_error(char *err, size_t err_bytes, const char *prefix) {
+  if (err == NULL || err_bytes == 0)
+    return;
+  char inner[512];
+  snprintf(inner, sizeof inner, "%s", err);
+  snprintf(err, err_bytes, "%s: %s", prefix, inner);
+}
+
+const char *ckpt_base_name(const char *path) {
+  const char *slash = strrchr(path, '/');
+  return slash != NULL ? slash + 1 : path;
+}
+
+/* dir + "/" + file, malloc'd. */
+static char *join_path(const char *dir, const char *file) {
+  size_t dir_len = strlen(dir), file_len = strlen(file);
+  char *path = malloc(dir_len + 1 + file_len + 1);
+  if (path == NULL)
+    return NULL;
+  memcpy(path, dir, dir_len);
+  path[dir_len] = '/';
+  memcpy(path + dir_len + 1, file, file_len + 1);
+  return path;
+}
+
+static void put_le32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put_le64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get_le32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; i--)
+    v = v << 8 | p[i];
+  return v;
+}
+
+static uint64_t get_le64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--)
+    v = v << 8 | p[i];
+  return v;
+}
+
+/* Both loops below go on after EINTR and short transfers. A read that
+ * meets the end of the file returns 1: the file is shorter than its size
+ * said (it shrank under us), which callers report as truncated. */
+int ckpt_pread_all(int fd, void *buf, size_t bytes, uint64_t offset) {
+  uint8_t *at = buf;
+  while (bytes > 0) {
+    ssize_t n = pread(fd, at, bytes, (off_t)offset);
+    if (n < 0) {
+      if (errno == EINTR)
+        continue;
+      return -errno;
+    }
+    if (n == 0)
+      return 1;
+    at += n;
+    bytes -= (size_t)n;
+    offset += (uint64_t)n;
+  }
+  return 0;
+}
+
+int ckpt_pwrite_all(int fd, const void *buf, size_t bytes, uint64_t offset) {
+  const uint8_t *at = buf;
+  while (bytes > 0) {
+    ssize_t n = pwrite(fd, at, bytes, (off_t)offset);
+    if (n < 0) {
+      if (errno == EINTR)
+        continue;
+      return -errno;
+    }
+    if (n == 0)
+      return -EIO; /* no progress and no error: do not spin */
+    at += n;
+    bytes -= (size_t)n;
+    offset += (uint64_t)n;
+  }
+  return 0;
+}
+
+static uint64_t block_count(uint64_t data_bytes) {
+  return data_bytes / CKPT_BLOCK_BYTES + (data_bytes % CKPT_BLOCK_BYTES != 0);
+}
+
+/* The size of a shard file holding data_bytes, or -ERANGE when it would
+ * not fit in an off_t (the limit of every file offset we compute). */
+static int shard_file_bytes(uint64_t data_bytes, uint64_t *out) {
+  const uint64_t max = (uint64_t)INT64_MAX;
+  if (data_bytes > max)
+    return -ERANGE;
+  /* The table is at most data_bytes / 2^17 + 8 bytes, so the sum below
+   * stays far from wrapping even for data_bytes near 2^63. */
+  uint64_t total = CKPT_HEADER_BYTES + data_bytes + 8 * block_count(data_bytes) + FOOTER_BYTES;
+  if (total > max)
+    return -ERANGE;
+  *out = total;
+  return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Hashing
+ * ------------------------------------------------------------------------ */
+
+struct ckpt_hash {
+  XXH64_state_t *state;
+};
+
+ckpt_hash *ckpt_hash_new(void) {
+  ckpt_hash *h = malloc(sizeof *h);
+  if (h == NULL)
+    return NULL;
+  h->state = XXH64_createState();
+  if (h->state == NULL) {
+    free(h);
+    return NULL;
+  }
+  XXH64_reset(h->state, 0);
+  return h;
+}
+
+void ckpt_hash_update(ckpt_hash *h, const void *data, size_t bytes) {
+  if (bytes > 0)
+    XXH64_update(h->state, data, bytes);
+}
+
+uint64_t ckpt_hash_digest(const ckpt_hash *h) {
+  return XXH64_digest(h->state);
+}
+
+void ckpt_hash_free(ckpt_hash *h) {
+  if (h == NULL)
+    return;
+  XXH64_freeState(h->state);
+  free(h);
+}
+
+uint64_t ckpt_hash_once(const void *data, size_t bytes) {
+  static const uint8_t nothing[1];
+  return XXH64(bytes > 0 ? data : nothing, bytes, 0);
+}
+
+void ckpt_shard_name(uint32_t rank, uint32_t world_size, char *out, size_t out_bytes) {
+  snprintf(out, out_bytes, "rank-%05" PRIu32 "-of-%05" PRIu32 ".zdshard", rank, world_size);
+}
+
+/* ------------------------------------------------------------------------
+ * The manifest's model
+ * ------------------------------------------------------------------------ */
+
+unsigned ckpt_nstates(const ckpt_manifest *m) {
+  return 1u + (m->has_moment1 != 0) + (m->has_moment2 != 0);
+}
+
+uint64_t ckpt_shard_data_bytes(const ckpt_manifest *m) {
+  uint64_t bytes = 0;
+  for (unsigned u = 0; u < m->nunits; u++)
+    bytes += m->units[u].shard_numel * 4 * ckpt_nstates(m);
+  return bytes;
+}
+
+/* Which of a unit's state slots holds state, or -1 if m has no such state. */
+static int state_slot(const ckpt_manifest *m, ckpt_state state) {
+  switch (state) {
+  case CKPT_MASTER:
+    return 0;
+  case CKPT_MOMENT1:
+    return m->has_moment1 ? 1 : -1;
+  case CKPT_MOMENT2:
+    return m->has_moment2 ? 1 + (m->has_moment1 != 0) : -1;
+  }
+  return -1;
+}
+
+int64_t ckpt_data_offset(const ckpt_manifest *m, unsigned unit, ckpt_state state) {
+  int slot = state_slot(m, state);
+  if (unit >= m->nunits || slot < 0)
+    return -1;
+  uint64_t offset = 0;
+  for (unsigned u = 0; u < unit; u++)
+    offset += m->units[u].shard_numel * 4 * ckpt_nstates(m);
+  return (int64_t)(offset + (uint64_t)slot * m->units[unit].shard_numel * 4);
+}
+
+uint64_t ckpt_shard_file_bytes(const ckpt_manifest *m) {
+  uint64_t data_bytes = ckpt_shard_data_bytes(m);
+  return CKPT_HEADER_BYTES + data_bytes + 8 * block_count(data_bytes) + FOOTER_BYTES;
+}
+
+/* ------------------------------------------------------------------------
+ * Manifest encoding
+ * ------------------------------------------------------------------------ */
+
+/* JSON integers are long long in jansson: larger values have no encoding
+ * (NULL, which makes the whole encode fail). */
+static json_t *json_u64(uint64_t v) {
+  return v <= (uint64_t)INT64_MAX ? json_integer((json_int_t)v) : NULL;
+}
+
+/* Each helper takes ownership of value, as json_object_set_new does, and
+ * turns a NULL value (out of memory, or nothing JSON can hold: a non-finite
+ * real, a string that is not UTF-8) into a failure the caller sees once.
+ * They are chained with &&, so a container built before the chain is passed
+ * as json_incref(container) and released after it whether or not the
+ * chain got that far. */
+static int set(json_t *obj, const char *key, json_t *value) {
+  return value != NULL && json_object_set_new(obj, key, value) == 0;
+}
+
+static int append(json_t *array, json_t *value) {
+  return value != NULL && json_array_append_new(array, value) == 0;
+}
+
+static json_t *encode_config(const ckpt_config *c) {
+  json_t *o = json_object();
+  if (o == NULL)
+    return NULL;
+  /* The fixed-size strings need not be NUL-terminated by a careless
+   * caller; bound them. */
+  int ok =
+      set(o, "optimizer", json_stringn(c->optimizer, strnlen(c->optimizer, sizeof c->optimizer))) &&
+      set(o, "lr", json_real(c->lr)) && set(o, "beta1", json_real(c->beta1)) &&
+      set(o, "beta2", json_real(c->beta2)) && set(o, "eps", json_real(c->eps)) &&
+      set(o, "weight_decay", json_real(c->weight_decay)) &&
+      set(o, "momentum", json_real(c->momentum)) && set(o, "dampening", json_real(c->dampening)) &&
+      set(o, "nesterov", json_boolean(c->nesterov)) &&
+      set(o, "working_dtype",
+          json_stringn(c->working_dtype, strnlen(c->working_dtype, sizeof c->working_dtype))) &&
+      set(o, "max_grad_norm", json_real(c->max_grad_norm));
+  if (!ok) {
+    json_decref(o);
+    return NULL;
+  }
+  return o;
+}
+
+static json_t *encode_tensor(const ckpt_tensor *t) {
+  json_t *o = json_object(), *shape = json_array();
+  int ok = o != NULL && shape != NULL && t->ndim <= CKPT_MAX_TENSOR_DIM;
+  for (unsigned d = 0; ok && d < t->ndim; d++)
+    ok = append(shape, json_u64(t->shape[d]));
+  ok = ok && set(o, "name", t->name != NULL ? json_string(t->name) : NULL) &&
+       set(o, "shape", json_incref(shape)) && set(o, "offset", json_u64(t->offset)) &&
+       set(o, "frozen", json_boolean(t->frozen));
+  json_decref(shape);
+  if (!ok) {
+    json_decref(o);
+    return NULL;
+  }
+  return o;
+}
+
+static json_t *encode_unit(const ckpt_unit *u) {
+  json_t *o = json_object(), *tensors = json_array();
+  int ok = o != NULL && tensors != NULL && (u->ntensors == 0 || u->tensors != NULL);
+  for (unsigned i = 0; ok && i < u->ntensors; i++)
+    ok = append(tensors, encode_tensor(&u->tensors[i]));
+  ok = ok && set(o, "name", u->name != NULL ? json_string(u->name) : NULL) &&
+       set(o, "numel", json_u64(u->numel)) && set(o, "padded_numel", json_u64(u->padded_numel)) &&
+       set(o, "shard_numel", json_u64(u->shard_numel)) && set(o, "tensors", json_incref(tensors));
+  json_decref(tensors);
+  if (!ok) {
+    json_decref(o);
+    return NULL;
+  }
+  return o;
+}
+
+static json_t *encode_file(const ckpt_file_entry *f) {
+  char hex[17];
+  snprintf(hex, sizeof hex, "%016" PRIx64, f->xxh64);
+  json_t *o = json_object();
+  if (o == NULL)
+    return NULL;
+  if (!(set(o, "name", f->name != NULL ? json_string(f->name) : NULL) &&
+        set(o, "bytes", json_u64(f->bytes)) && set(o, "xxh64", json_string(hex)))) {
+    json_decref(o);
+    return NULL;
+  }
+  return o;
+}
+
+static json_t *encode_manifest(const ckpt_manifest *m) {
+  json_t *root = json_object();
+  if (root == NULL)
+    return NULL;
+  /* This code writes format version 1 only, whatever the struct says: the
+   * version describes the text, not the caller's data. */
+  int ok = set(root, "format", json_string(MANIFEST_FORMAT)) &&
+           set(root, "format_version", json_integer(CKPT_FORMAT_VERSION)) &&
+           set(root, "job", m->job != NULL ? json_string(m->job) : NULL) &&
+           set(root, "job_id", json_u64(m->job_id)) &&
+           set(root, "name", m->name != NULL ? json_string(m->name) : NULL) &&
+           set(root, "created_unix_ms", json_integer(m->created_unix_ms)) &&
+           set(root, "step", json_u64(m->step)) && set(root, "version", json_u64(m->version)) &&
+           set(root, "world_size", json_integer(m->world_size)) &&
+           set(root, "config", encode_config(&m->config));
+  json_t *states = ok ? json_array() : NULL;
+  ok = ok && append(states, json_string("master")) &&
+       (!m->has_moment1 || append(states, json_string("moment1"))) &&
+       (!m->has_moment2 || append(states, json_string("moment2")));
+  if (states != NULL) {
+    ok = ok && set(root, "states", json_incref(states));
+    json_decref(states);
+  }
+  json_t *units = ok ? json_array() : NULL;
+  ok = ok && (m->nunits == 0 || m->units != NULL);
+  for (unsigned u = 0; ok && u < m->nunits; u++)
+    ok = append(units, encode_unit(&m->units[u]));
+  if (units != NULL) {
+    ok = ok && set(root, "units", json_incref(units));
+    json_decref(units);
+  }
+  if (ok && m->files != NULL) {
+    json_t *files = json_array();
+    for (uint32_t k = 0; files != NULL && ok && k < m->world_size; k++)
+      ok = append(files, encode_file(&m->files[k]));
+    ok = ok && files != NULL && set(root, "files", json_incref(files));
+    json_decref(files);
+  }
+  if (!ok) {
+    json_decref(root);
+    return NULL;
+  }
+  return root;
+}
+
+char *ckpt_manifest_encode(const ckpt_manifest *m, size_t *len) {
+  json_t *root = encode_manifest(m);
+  if (root == NULL)
+    return NULL;
+  /* Insertion order (which jansson keeps) and 17 significant digits make
+   * the text a function of the manifest alone. */
+  char *text = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(17));
+  json_decref(root);
+  if (text == NULL)
+    return NULL;
+  size_t text_len = strlen(text);
+  char *out = malloc(text_len + 2);
+  if (out != NULL) {
+    memcpy(out, text, text_len);
+    out[text_len] = '\n'; /* a text file ends with a newline */
+    out[text_len + 1] = '\0';
+    *len = text_len + 1;
+  }
+  free(text);
+  return out;
+}
+
+/* ------------------------------------------------------------------------
+ * Manifest decoding
+ *
+ * Every check names where it failed ("units[2].tensors[0]: ...") and
+ * returns -EBADMSG; the caller frees whatever was filled in so far, which
+ * is why arrays are zeroed when allocated and their counts set at once.
+ * ------------------------------------------------------------------------ */
+
+__attribute__((format(printf, 4, 5))) static int bad(char *err, size_t err_bytes, const char *where,
+                                                     const char *fmt, ...) {
+  if (err != NULL && err_bytes > 0) {
+    char what[384];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    snprintf(err, err_bytes, "%s: %s", where, what);
+  }
+  return -EBADMSG;
+}
+
+static int check_keys(json_t *obj, const char *const *known, size_t nknown, const char *where,
+                      char *err, size_t err_bytes) {
+  const char *key;
+  json_t *value;
+  json_object_foreach(obj, key, value) {
+    size_t i = 0;
+    while (i < nknown && strcmp(key, known[i]) != 0)
+      i++;
+    if (i == nknown)
+      return bad(err, err_bytes, where, "unknown key \"%.64s\"", key);
+  }
+  return 0;
+}
+
+static int get_member(json_t *obj, const char *key, const char *where, json_t **out, char *err,
+                      size_t err_bytes) {
+  *out = json_object_get(obj, key);
+  if (*out == NULL)
+    return bad(err, err_bytes, where, "missing \"%s\"", key);
+  return 0;
+}
+
+/* An integer in [0, max]; max is at most INT64_MAX, the largest a JSON
+ * integer can be here. */
+static int get_uint(json_t *obj, const char *key, uint64_t max, const char *where, uint64_t *out,
+                    char *err, size_t err_bytes) {
+  json_t *value;
+  int rc = get_member(obj, key, where, &value, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (!json_is_integer(value))
+    return bad(err, err_bytes, where, "\"%s\" is not an integer", key);
+  json_int_t v = json_integer_value(value);
+  if (v < 0)
+    return bad(err, err_bytes, where, "\"%s\" is negative (%" JSON_INTEGER_FORMAT ")", key, v);
+  if ((uint64_t)v > max)
+    return bad(err, err_bytes, where, "\"%s\" is %" JSON_INTEGER_FORMAT ", more than %" PRIu64, key,
+               v, max);
+  *out = (uint64_t)v;
+  return 0;
+}
+
+static int get_real(json_t *obj, const char *key, const char *where, double *out, char *err,
+                    size_t err_bytes) {
+  json_t *value;
+  int rc = get_member(obj, key, where, &value, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (!json_is_number(value))
+    return bad(err, err_bytes, where, "\"%s\" is not a number", key);
+  *out = json_number_value(value);
+  return 0;
+}
+
+static int get_bool(json_t *obj, const char *key, const char *where, int *out, char *err,
+                    size_t err_bytes) {
+  json_t *value;
+  int rc = get_member(obj, key, where, &value, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (!json_is_boolean(value))
+    return bad(err, err_bytes, where, "\"%s\" is not true or false", key);
+  *out = json_is_true(value);
+  return 0;
+}
+
+static int get_string(json_t *obj, const char *key, const char *where, const char **out,
+                      size_t *len, char *err, size_t err_bytes) {
+  json_t *value;
+  int rc = get_member(obj, key, where, &value, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (!json_is_string(value))
+    return bad(err, err_bytes, where, "\"%s\" is not a string", key);
+  *out = json_string_value(value);
+  *len = json_string_length(value);
+  return 0;
+}
+
+/* Why a name is refused, or NULL. jansson refuses "\u0000" without
+ * JSON_ALLOW_NUL, but the length check keeps that from mattering. */
+static const char *name_problem(const char *name, size_t len, int path_safe) {
+  if (len == 0)
+    return "is empty";
+  if (len > (path_safe ? MAX_PATH_NAME_BYTES : MAX_NAME_BYTES))
+    return path_safe ? "is longer than 255 bytes" : "is longer than 256 bytes";
+  if (memchr(name, '\0', len) != NULL)
+    return "contains a NUL byte";
+  if (path_safe && memchr(name, '/', len) != NULL)
+    return "contains '/'";
+  if (path_safe && (strcmp(name, ".") == 0 || strcmp(name, "..") == 0))
+    return "is \".\" or \"..\"";
+  return NULL;
+}
+
+static int get_name(json_t *obj, const char *key, int path_safe, const char *where, char **out,
+                    char *err, size_t err_bytes) {
+  const char *name;
+  size_t len;
+  int rc = get_string(obj, key, where, &name, &len, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  const char *problem = name_problem(name, len, path_safe);
+  if (problem != NULL)
+    return bad(err, err_bytes, where, "\"%s\" %s", key, problem);
+  *out = strdup(name);
+  if (*out == NULL)
+    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", where);
+  return 0;
+}
+
+static int compare_names(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* The first name that appears twice among n, or NULL; -ENOMEM as *rc. */
+static const char *duplicate_name(char **names, size_t n, int *rc) {
+  *rc = 0;
+  if (n < 2)
+    return NULL;
+  char **sorted = malloc(n * sizeof *sorted);
+  if (sorted == NULL) {
+    *rc = -ENOMEM;
+    return NULL;
+  }
+  memcpy(sorted, names, n * sizeof *sorted);
+  qsort(sorted, n, sizeof *sorted, compare_names);
+  const char *dup = NULL;
+  for (size_t i = 1; i < n && dup == NULL; i++)
+    if (strcmp(sorted[i - 1], sorted[i]) == 0)
+      dup = sorted[i];
+  free(sorted);
+  return dup;
+}
+
+static int decode_config(json_t *obj, ckpt_config *c, char *err, size_t err_bytes) {
+  static const char *const keys[] = {
+      "optimizer", "lr",        "beta1",    "beta2",         "eps",          "weight_decay",
+      "momentum",  "dampening", "nesterov", "working_dtype", "max_grad_norm"};
+  const char *where = "config";
+  if (!json_is_object(obj))
+    return bad(err, err_bytes, where, "is not an object");
+  int rc = check_keys(obj, keys, sizeof keys / sizeof keys[0], where, err, err_bytes);
+  const char *text;
+  size_t len;
+  if (rc == 0 && (rc = get_string(obj, "optimizer", where, &text, &len, err, err_bytes)) == 0) {
+    if (strcmp(text, "adamw") != 0 && strcmp(text, "adam") != 0 && strcmp(text, "sgd") != 0)
+      return bad(err, err_bytes, where, "\"optimizer\" is not \"adamw\", \"adam\" or \"sgd\"");
+    snprintf(c->optimizer, sizeof c->optimizer, "%s", text);
+  }
+  if (rc == 0 && (rc = get_string(obj, "working_dtype", where, &text, &len, err, err_bytes)) == 0) {
+    if (strcmp(text, "fp32") != 0 && strcmp(text, "bf16") != 0)
+      return bad(err, err_bytes, where, "\"working_dtype\" is not \"fp32\" or \"bf16\"");
+    snprintf(c->working_dtype, sizeof c->working_dtype, "%s", text);
+  }
+  if (rc == 0)
+    rc = get_real(obj, "lr", where, &c->lr, err, err_bytes);
+  if (rc == 0)
+    rc = get_real(obj, "beta1", where, &c->beta1, err, err_bytes);
+  if (rc == 0)
+    rc = get_real(obj, "beta2", where, &c->beta2, err, err_bytes);
+  if (rc == 0)
+    rc = get_real(obj, "eps", where, &c->eps, err, err_bytes);
+  if (rc == 0)
+    rc = get_real(obj, "weight_decay", where, &c->weight_decay, err, err_bytes);
+  if (rc == 0)
+    rc = get_real(obj, "momentum", where, &c->momentum, err, err_bytes);
+  if (rc == 0)
+    rc = get_real(obj, "dampening", where, &c->dampening, err, err_bytes);
+  if (rc == 0)
+    rc = get_bool(obj, "nesterov", where, &c->nesterov, err, err_bytes);
+  if (rc == 0)
+    rc = get_real(obj, "max_grad_norm", where, &c->max_grad_norm, err, err_bytes);
+  return rc;
+}
+
+static int decode_states(json_t *states, ckpt_manifest *m, char *err, size_t err_bytes) {
+  if (!json_is_array(states) || json_array_size(states) == 0 || json_array_size(states) > 3 ||
+      !json_is_string(json_array_get(states, 0)) ||
+      strcmp(json_string_value(json_array_get(states, 0)), "master") != 0)
+    return bad(err, err_bytes, "states",
+               "is not a list that starts with \"master\" (then \"moment1\", \"moment2\")");
+  /* The moments may be absent (SGD without momentum has none) but keep
+   * their order, which is the order of the data in the shard files. */
+  int next = 1;
+  for (size_t i = 1; i < json_array_size(states); i++) {
+    const char *state = json_string_value(json_array_get(states, i));
+    if (state != NULL && strcmp(state, "moment1") == 0 && next <= 1) {
+      m->has_moment1 = 1;
+      next = 2;
+    } else if (state != NULL && strcmp(state, "moment2") == 0 && next <= 2) {
+      m->has_moment2 = 1;
+      next = 3;
+    } else {
+      return bad(err, err_bytes, "states",
+                 "entry %zu is not \"moment1\" or \"moment2\" in that order, each once", i);
+    }
+  }
+  return 0;
+}
+
+static int decode_tensor(json_t *obj, const char *where, uint64_t *prev_end, ckpt_tensor *t,
+                         char *err, size_t err_bytes) {
+  static const char *const keys[] = {"name", "shape", "offset", "frozen"};
+  if (!json_is_object(obj))
+    return bad(err, err_bytes, where, "is not an object");
+  int rc = check_keys(obj, keys, sizeof keys / sizeof keys[0], where, err, err_bytes);
+  if (rc == 0)
+    rc = get_name(obj, "name", 0, where, &t->name, err, err_bytes);
+  json_t *shape = NULL;
+  if (rc == 0)
+    rc = get_member(obj, "shape", where, &shape, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (!json_is_array(shape))
+    return bad(err, err_bytes, where, "\"shape\" is not a list");
+  if (json_array_size(shape) > CKPT_MAX_TENSOR_DIM)
+    return bad(err, err_bytes, where, "\"shape\" has more than %d dimensions", CKPT_MAX_TENSOR_DIM);
+  t->ndim = (unsigned)json_array_size(shape);
+  t->numel = 1;
+  for (unsigned d = 0; d < t->ndim; d++) {
+    json_t *dim = json_array_get(shape, d);
+    if (!json_is_integer(dim) || json_integer_value(dim) < 0)
+      return bad(err, err_bytes, where, "\"shape\"[%u] is not a non-negative integer", d);
+    t->shape[d] = (uint64_t)json_integer_value(dim);
+    if (t->numel != 0 && t->shape[d] > UINT64_MAX / t->numel)
+      return bad(err, err_bytes, where, "\"shape\" has more than 2^64 elements");
+    t->numel *= t->shape[d];
+  }
+  if ((rc = get_uint(obj, "offset", (uint64_t)INT64_MAX, where, &t->offset, err, err_bytes)) != 0 ||
+      (rc = get_bool(obj, "frozen", where, &t->frozen, err, err_bytes)) != 0)
+    return rc;
+  if (t->numel > UINT64_MAX - t->offset)
+    return bad(err, err_bytes, where, "offset + numel overflows");
+  if (t->offset < *prev_end)
+    return bad(err, err_bytes, where,
+               "starts at element %" PRIu64 ", before the end of the previous tensor (%" PRIu64
+               "): tensors must be in offset order and not overlap",
+               t->offset, *prev_end);
+  *prev_end = t->offset + t->numel;
+  return 0;
+}
+
+static int decode_unit(json_t *obj, unsigned index, uint32_t world_size, ckpt_unit *u, char *err,
+                       size_t err_bytes) {
+  static const char *const keys[] = {"name", "numel", "padded_numel", "shard_numel", "tensors"};
+  char where[64];
+  snprintf(where, sizeof where, "units[%u]", index);
+  if (!json_is_object(obj))
+    return bad(err, err_bytes, where, "is not an object");
+  int rc = check_keys(obj, keys, sizeof keys / sizeof keys[0], where, err, err_bytes);
+  json_t *tensors = NULL;
+  if (rc == 0)
+    rc = get_name(obj, "name", 0, where, &u->name, err, err_bytes);
+  if (rc == 0)
+    rc = get_uint(obj, "numel", (uint64_t)INT64_MAX, where, &u->numel, err, err_bytes);
+  if (rc == 0)
+    rc =
+        get_uint(obj, "padded_numel", (uint64_t)INT64_MAX, where, &u->padded_numel, err, err_bytes);
+  if (rc == 0)
+    rc = get_uint(obj, "shard_numel", (uint64_t)INT64_MAX, where, &u->shard_numel, err, err_bytes);
+  if (rc == 0)
+    rc = get_member(obj, "tensors", where, &tensors, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (!json_is_array(tensors))
+    return bad(err, err_bytes, where, "\"tensors\" is not a list");
+  size_t ntensors = json_array_size(tensors);
+  if (ntensors > UINT_MAX)
+    return bad(err, err_bytes, where, "too many tensors");
+  if (ntensors > 0) {
+    u->tensors = calloc(ntensors, sizeof *u->tensors);
+    if (u->tensors == NULL)
+      return fail(err, err_bytes, -ENOMEM, "%s: out of memory", where);
+    u->ntensors = (unsigned)ntensors;
+  }
+  uint64_t end = 0;
+  for (unsigned i = 0; i < u->ntensors; i++) {
+    char tensor_where[96];
+    snprintf(tensor_where, sizeof tensor_where, "%s.tensors[%u]", where, i);
+    rc = decode_tensor(json_array_get(tensors, i), tensor_where, &end, &u->tensors[i], err,
+                       err_bytes);
+    if (rc != 0)
+      return rc;
+  }
+  if (u->numel != end)
+    return bad(err, err_bytes, where,
+               "\"numel\" is %" PRIu64 ", but its last tensor ends at element %" PRIu64, u->numel,
+               end);
+  if (u->shard_numel > UINT64_MAX / world_size || u->shard_numel * world_size != u->padded_numel)
+    return bad(err, err_bytes, where,
+               "\"padded_numel\" %" PRIu64 " is not \"shard_numel\" %" PRIu64
+               " times world_size %" PRIu32,
+               u->padded_numel, u->shard_numel, world_size);
+  if (u->padded_numel < u->numel)
+    return bad(err, err_bytes, where,
+               "\"padded_numel\" %" PRIu64 " is less than \"numel\" %" PRIu64, u->padded_numel,
+               u->numel);
+  char **names = malloc((ntensors > 0 ? ntensors : 1) * sizeof *names);
+  if (names == NULL)
+    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", where);
+  for (unsigned i = 0; i < u->ntensors; i++)
+    names[i] = u->tensors[i].name;
+  const char *dup = duplicate_name(names, ntensors, &rc);
+  free(names);
+  if (rc != 0)
+    return fail(err, err_bytes, rc, "%s: out of memory", where);
+  if (dup != NULL)
+    return bad(err, err_bytes, where, "two tensors are named \"%.256s\"", dup);
+  return 0;
+}
+
+static int decode_files(json_t *files, ckpt_manifest *m, char *err, size_t err_bytes) {
+  static const char *const keys[] = {"name", "bytes", "xxh64"};
+  if (!json_is_array(files))
+    return bad(err, err_bytes, "files", "is not a list");
+  if (json_array_size(files) != m->world_size)
+    return bad(err, err_bytes, "files", "has %zu entries for world_size %" PRIu32,
+               json_array_size(files), m->world_size);
+  m->files = calloc(m->world_size, sizeof *m->files);
+  if (m->files == NULL)
+    return fail(err, err_bytes, -ENOMEM, "files: out of memory");
+  uint64_t expect_bytes = ckpt_shard_file_bytes(m);
+  for (uint32_t k = 0; k < m->world_size; k++) {
+    ckpt_file_entry *f = &m->files[k];
+    json_t *obj = json_array_get(files, k);
+    char where[32], expect_name[40];
+    snprintf(where, sizeof where, "files[%" PRIu32 "]", k);
+    ckpt_shard_name(k, m->world_size, expect_name, sizeof expect_name);
+    if (!json_is_object(obj))
+      return bad(err, err_bytes, where, "is not an object");
+    const char *name, *hex;
+    size_t name_len, hex_len;
+    int rc = check_keys(obj, keys, sizeof keys / sizeof keys[0], where, err, err_bytes);
+    if (rc == 0)
+      rc = get_string(obj, "name", where, &name, &name_len, err, err_bytes);
+    if (rc == 0 && strcmp(name, expect_name) != 0)
+      return bad(err, err_bytes, where, "\"name\" is \"%.64s\", expected \"%s\"", name,
+                 expect_name);
+    if (rc == 0)
+      rc = get_uint(obj, "bytes", (uint64_t)INT64_MAX, where, &f->bytes, err, err_bytes);
+    if (rc == 0 && f->bytes != expect_bytes)
+      return bad(err, err_bytes, where,
+                 "\"bytes\" is %" PRIu64 ", but the units make a shard file of %" PRIu64 " bytes",
+                 f->bytes, expect_bytes);
+    if (rc == 0)
+      rc = get_string(obj, "xxh64", where, &hex, &hex_len, err, err_bytes);
+    if (rc != 0)
+      return rc;
+    if (hex_len != 16 || strspn(hex, "0123456789abcdef") != 16)
+      return bad(err, err_bytes, where, "\"xxh64\" is not 16 lower-case hexadecimal digits");
+    f->xxh64 = strtoull(hex, NULL, 16);
+    if ((f->name = strdup(name)) == NULL)
+      return fail(err, err_bytes, -ENOMEM, "%s: out of memory", where);
+  }
+  return 0;
+}
+
+static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err, size_t err_bytes) {
+  static const char *const keys[] = {"format",     "format_version",  "job",    "job_id",
+                                     "name",       "created_unix_ms", "step",   "version",
+                                     "world_size", "config",          "states", "units",
+                                     "files"};
+  const char *where = "manifest";
+  if (!json_is_object(root))
+    return bad(err, err_bytes, where, "is not a JSON object");
+  const char *format;
+  size_t format_len;
+  uint64_t version = 0, world_size = 0;
+  int rc = get_string(root, "format", where, &format, &format_len, err, err_bytes);
+  if (rc == 0 && strcmp(format, MANIFEST_FORMAT) != 0)
+    return bad(err, err_bytes, where, "\"format\" is not \"" MANIFEST_FORMAT "\"");
+  if (rc == 0)
+    rc = get_uint(root, "format_version", (uint64_t)INT64_MAX, where, &version, err, err_bytes);
+  if (rc == 0 && version != CKPT_FORMAT_VERSION)
+    return bad(err, err_bytes, where, "unsupported format_version %" PRIu64 " (this is %d)",
+               version, CKPT_FORMAT_VERSION);
+  if (rc == 0)
+    rc = check_keys(root, keys, sizeof keys / sizeof keys[0], where, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  m->format_version = CKPT_FORMAT_VERSION;
+  json_t *created, *config, *states, *units, *files = NULL;
+  if ((rc = get_name(root, "job", 1, where, &m->job, err, err_bytes)) != 0 ||
+      (rc = get_uint(root, "job_id", (uint64_t)INT64_MAX, where, &m->job_id, err, err_bytes)) !=
+          0 ||
+      (rc = get_name(root, "name", 1, where, &m->name, err, err_bytes)) != 0 ||
+      (rc = get_member(root, "created_unix_ms", where, &created, err, err_bytes)) != 0)
+    return rc;
+  if (!json_is_integer(created))
+    return bad(err, err_bytes, where, "\"created_unix_ms\" is not an integer");
+  m->created_unix_ms = json_integer_value(created);
+  if ((rc = get_uint(root, "step", (uint64_t)INT64_MAX, where, &m->step, err, err_bytes)) != 0 ||
+      (rc = get_uint(root, "version", (uint64_t)INT64_MAX, where, &m->version, err, err_bytes)) !=
+          0 ||
+      (rc = get_uint(root, "world_size", MAX_WORLD_SIZE, where, &world_size, err, err_bytes)) != 0)
+    return rc;
+  if (world_size == 0)
+    return bad(err, err_bytes, where, "\"world_size\" is 0");
+  m->world_size = (uint32_t)world_size;
+  if ((rc = get_member(root, "config", where, &config, err, err_bytes)) != 0 ||
+      (rc = decode_config(config, &m->config, err, err_bytes)) != 0 ||
+      (rc = get_member(root, "states", where, &states, err, err_bytes)) != 0 ||
+      (rc = decode_states(states, m, err, err_bytes)) != 0 ||
+      (rc = get_member(root, "units", where, &units, err, err_bytes)) != 0)
+    return rc;
+  if (!(flags & CKPT_DECODE_NO_FILES) &&
+      (rc = get_member(root, "files", where, &files, err, err_bytes)) != 0)
+    return rc;
+
+  if (!json_is_array(units))
+    return bad(err, err_bytes, where, "\"units\" is not a list");
+  size_t nunits = json_array_size(units);
+  if (nunits > UINT_MAX)
+    return bad(err, err_bytes, where, "too many units");
+  if (nunits > 0) {
+    m->units = calloc(nunits, sizeof *m->units);
+    if (m->units == NULL)
+      return fail(err, err_bytes, -ENOMEM, "units: out of memory");
+    m->nunits = (unsigned)nunits;
+  }
+  /* Every offset in a shard file must fit an off_t: sum the data with
+   * overflow checks before any caller multiplies. */
+  uint64_t data_bytes = 0, file_bytes;
+  for (unsigned u = 0; u < m->nunits; u++) {
+    if ((rc = decode_unit(json_array_get(units, u), u, m->world_size, &m->units[u], err,
+                          err_bytes)) != 0)
+      return rc;
+    uint64_t unit_bytes_max = UINT64_MAX / (4 * ckpt_nstates(m));
+    if (m->units[u].shard_numel > unit_bytes_max ||
+        m->units[u].shard_numel * 4 * ckpt_nstates(m) > UINT64_MAX - data_bytes)
+      return bad(err, err_bytes, "units", "the shard files would be larger than 2^64 bytes");
+    data_bytes += m->units[u].shard_numel * 4 * ckpt_nstates(m);
+  }
+  if (shard_file_bytes(data_bytes, &file_bytes) != 0)
+    return bad(err, err_bytes, "units", "the shard files would be larger than 2^63 - 1 bytes");
+  char **names = malloc((nunits > 0 ? nunits : 1) * sizeof *names);
+  if (names == NULL)
+    return fail(err, err_bytes, -ENOMEM, "units: out of memory");
+  for (unsigned u = 0; u < m->nunits; u++)
+    names[u] = m->units[u].name;
+  const char *dup = duplicate_name(names, nunits, &rc);
+  free(names);
+  if (rc != 0)
+    return fail(err, err_bytes, rc, "units: out of memory");
+  if (dup != NULL)
+    return bad(err, err_bytes, "units", "two units are named \"%.256s\"", dup);
+  return files != NULL ? decode_files(files, m, err, err_bytes) : 0;
+}
+
+int ckpt_manifest_decode(const char *text, size_t len, int flags, ckpt_manifest *out, char *err,
+                         size_t err_bytes) {
+  memset(out, 0, sizeof *out);
+  if ((flags & ~CKPT_DECODE_NO_FILES) != 0)
+    return fail(err, err_bytes, -EINVAL, "unknown decode flags 0x%x", (unsigned)flags);
+  if (len > CKPT_MAX_MANIFEST_BYTES)
+    return fail(err, err_bytes, -ERANGE, "manifest of %zu bytes, more than the %u allowed", len,
+                CKPT_MAX_MANIFEST_BYTES);
+  json_error_t jerr;
+  json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
+  if (root == NULL)
+    return fail(err, err_bytes, -EBADMSG, "not valid JSON: %s (line %d, column %d)", jerr.text,
+                jerr.line, jerr.column);
+  int rc = decode_manifest(root, flags, out, err, err_bytes);
+  json_decref(root);
+  if (rc != 0)
+    ckpt_manifest_free(out);
+  return rc;
+}
+
+void ckpt_manifest_free(ckpt_manifest *m) {
+  if (m == NULL)
+    return;
+  free(m->job);
+  free(m->name);
+  for (unsigned u = 0; m->units != NULL && u < m->nunits; u++) {
+    for (unsigned i = 0; m->units[u].tensors != NULL && i < m->units[u].ntensors; i++)
+      free(m->units[u].tensors[i].name);
+    free(m->units[u].tensors);
+    free(m->units[u].name);
+  }
+  free(m->units);
+  for (uint32_t k = 0; m->files != NULL && k < m->world_size; k++)
+    free(m->files[k].name);
+  free(m->files);
+  memset(m, 0, sizeof *m);
+}
+
+/* ------------------------------------------------------------------------
+ * Manifest files
+ * ------------------------------------------------------------------------ */
+
+int ckpt_manifest_load(const char *dir, const char *file, int flags, ckpt_manifest *out, char *err,
+                       size_t err_bytes) {
+  memset(out, 0, sizeof *out);
+  const char *name = ckpt_base_name(file);
+  char *path = join_path(dir, file);
+  if (path == NULL)
+    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  free(path);
+  if (fd < 0)
+    return fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+  char *text = NULL;
+  struct stat st;
+  int rc = 0;
+  if (fstat(fd, &st) != 0) {
+    rc = fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+  } else if (!S_ISREG(st.st_mode)) {
+    rc = fail(err, err_bytes, -EINVAL, "%s: not a regular file", name);
+  } else if ((uint64_t)st.st_size > CKPT_MAX_MANIFEST_BYTES) {
+    rc = fail(err, err_bytes, -ERANGE, "%s: %lld bytes, more than the %u a manifest may have", name,
+              (long long)st.st_size, CKPT_MAX_MANIFEST_BYTES);
+  } else if ((text = malloc((size_t)st.st_size + 1)) == NULL) {
+    rc = fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+  } else if ((rc = ckpt_pread_all(fd, text, (size_t)st.st_size, 0)) != 0) {
+    rc = rc > 0 ? fail(err, err_bytes, -ERANGE, "%s: truncated while reading", name)
+                : fail(err, err_bytes, rc, "%s: %s", name, strerror(-rc));
+  }
+  close(fd);
+  if (rc == 0) {
+    rc = ckpt_manifest_decode(text, (size_t)st.st_size, flags, out, err, err_bytes);
+    if (rc != 0)
+      prefix_error(err, err_bytes, name);
+  }
+  free(text);
+  return rc;
+}
+
+static int fsync_dir(const char *dir, char *err, size_t err_bytes) {
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0)
+    return fail(err, err_bytes, -errno, "%s: %s", dir, strerror(errno));
+  int rc = fsync(fd) == 0 ? 0 : fail(err, err_bytes, -errno, "%s: fsync: %s", dir, strerror(errno));
+  close(fd);
+  return rc;
+}
+
+/* Writes path.tmp whole, fsyncs it and renames it to path, so that path
+ * is either the old file or the complete new one. The directory is
+ * fsynced by the caller (ckpt_manifest_store, st_write). */
+static int write_replace(const char *path, const void *bytes, size_t len, const char *name,
+                         char *err, size_t err_bytes) {
+  size_t path_len = strlen(path);
+  char *tmp = malloc(path_len + 5);
+  if (tmp == NULL)
+    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+  memcpy(tmp, path, path_len);
+  memcpy(tmp + path_len, ".tmp", 5);
+  /* O_TRUNC, not O_EXCL: a .tmp left by a crash is ours to replace. */
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  int rc = 0;
+  if (fd < 0) {
+    rc = fail(err, err_bytes, -errno, "%s.tmp: %s", name, strerror(errno));
+    free(tmp);
+    return rc;
+  }
+  if ((rc = ckpt_pwrite_all(fd, bytes, len, 0)) != 0)
+    rc = fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
+  else if (fsync(fd) != 0)
+    rc = fail(err, err_bytes, -errno, "%s.tmp: fsync: %s", name, strerror(errno));
+  if (close(fd) != 0 && rc == 0)
+    rc = fail(err, err_bytes, -errno, "%s.tmp: close: %s", name, strerror(errno));
+  if (rc == 0 && rename(tmp, path) != 0)
+    rc = fail(err, err_bytes, -errno, "%s: rename: %s", name, strerror(errno));
+  if (rc != 0)
+    unlink(tmp);
+  free(tmp);
+  return rc;
+}
+
+int ckpt_manifest_store(const char *dir, const char *file, const ckpt_manifest *m, char *err,
+                        size_t err_bytes) {
+  const char *name = ckpt_base_name(file);
+  size_t len;
+  char *text = ckpt_manifest_encode(m, &len);
+  if (text == NULL)
+    return fail(err, err_bytes, -EINVAL,
+                "%s: cannot encode the manifest: out of memory, or a value JSON cannot hold "
+                "(a missing name or one that is not UTF-8, an integer above 2^63 - 1, a "
+                "number that is not finite)",
+                name);
+  /* Never write what would not load again: the same checks as a reader's. */
+  ckpt_manifest check;
+  int rc = ckpt_manifest_decode(text, len, m->files == NULL ? CKPT_DECODE_NO_FILES : 0, &check, err,
+                                err_bytes);
+  if (rc != 0) {
+    prefix_error(err, err_bytes, name);
+    free(text);
+    return rc;
+  }
+  ckpt_manifest_free(&check);
+  char *path = join_path(dir, file);
+  if (path == NULL) {
+    free(text);
+    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+  }
+  rc = write_replace(path, text, len, name, err, err_bytes);
+  free(path);
+  free(text);
+  return rc == 0 ? fsync_dir(dir, err, err_bytes) : rc;
+}
+
+/* ------------------------------------------------------------------------
+ * Shard headers
+ * ------------------------------------------------------------------------ */
+
+static void header_encode(const ckpt_shard_header *h, uint8_t *out) {
+  memset(out, 0, CKPT_HEADER_BYTES);
+  memcpy(out, HEADER_MAGIC, sizeof HEADER_MAGIC); /* with its NUL: 8 bytes */
+  put_le32(out + 8, CKPT_FORMAT_VERSION);
+  put_le32(out + 12, h->rank);
+  put_le32(out + 16, h->world_size);
+  put_le32(out + 20, CKPT_BLOCK_BYTES);
+  put_le64(out + 24, h->job_id);
+  put_le64(out + 32, h->step);
+  put_le64(out + 40, h->data_bytes);
+  put_le64(out + HEADER_CHECKSUM_AT, XXH64(out, HEADER_CHECKSUM_AT, 0));
+}
+
+/* The magic first (is this a shard file at all?), then the checksum, so
+ * that a damaged field reads as damage rather than as a strange value. */
+static int header_decode(const uint8_t *in, const char *name, ckpt_shard_header *h,
+                         uint64_t *file_bytes, char *err, size_t err_bytes) {
+  if (memcmp(in, HEADER_MAGIC, sizeof HEADER_MAGIC) != 0)
+    return fail(err, err_bytes, -EBADMSG, "%s: not a zerod shard file (bad magic)", name);
+  uint64_t stored = get_le64(in + HEADER_CHECKSUM_AT);
+  uint64_t actual = XXH64(in, HEADER_CHECKSUM_AT, 0);
+  if (stored != actual)
+    return fail(err, err_bytes, -EBADMSG,
+                "%s: header checksum mismatch (stored %016" PRIx64 ", computed %016" PRIx64 ")",
+                name, stored, actual);
+  uint32_t version = get_le32(in + 8), block_bytes = get_le32(in + 20);
+  if (version != CKPT_FORMAT_VERSION)
+    return fail(err, err_bytes, -EBADMSG, "%s: format version %" PRIu32 ", this reads %d", name,
+                version, CKPT_FORMAT_VERSION);
+  if (block_bytes != CKPT_BLOCK_BYTES)
+    return fail(err, err_bytes, -EBADMSG, "%s: block size %" PRIu32 ", this reads %u", name,
+                block_bytes, CKPT_BLOCK_BYTES);
+  for (size_t i = HEADER_FIXED_BYTES; i < HEADER_CHECKSUM_AT; i++)
+    if (in[i] != 0)
+      return fail(err, err_bytes, -EBADMSG, "%s: reserved header byte %zu is not zero", name, i);
+  h->rank = get_le32(in + 12);
+  h->world_size = get_le32(in + 16);
+  h->job_id = get_le64(in + 24);
+  h->step = get_le64(in + 32);
+  h->data_bytes = get_le64(in + 40);
+  if (h->world_size == 0 || h->world_size > MAX_WORLD_SIZE || h->rank >= h->world_size)
+    return fail(err, err_bytes, -EBADMSG, "%s: rank %" PRIu32 " of world size %" PRIu32, name,
+                h->rank, h->world_size);
+  if (shard_file_bytes(h->data_bytes, file_bytes) != 0)
+    return fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " data bytes is too large", name,
+                h->data_bytes);
+  return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Shard writer
+ *
+ * Data comes in any chunk sizes; it is hashed twice as it arrives (the
+ * current block's XXH64, finished at each block boundary into the table,
+ * and the whole file's, which sees the bytes in file order), then copied
+ * into a write buffer so that small chunks become large pwrites. A chunk
+ * at least as large as the buffer, arriving when the buffer is empty, is
+ * written from the caller's memory without the copy.
+ * ------------------------------------------------------------------------ */
+
+struct ckpt_writer {
+  int fd;
+  char *path;       /* for abort's unlink */
+  const char *name; /* base name, within path */
+  uint64_t data_bytes, data_written;
+  uint64_t flushed_bytes; /* file offset of buf[0] */
+  XXH64_state_t *file_hash, *block_hash;
+  uint64_t block_fill; /* bytes of the current block hashed so far */
+  uint8_t *table;      /* nblocks little-endian XXH64s */
+  uint64_t nblocks, blocks_done;
+  uint8_t *buf;
+  size_t buf_fill;
+  int error; /* the first failure's code: every later call repeats it */
+};
+
+static void writer_free(ckpt_writer *w) {
+  if (w->fd >= 0)
+    close(w->fd);
+  XXH64_freeState(w->file_hash);
+  XXH64_freeState(w->block_hash);
+  free(w->table);
+  free(w->buf);
+  free(w->path);
+  free(w);
+}
+
+static int writer_flush(ckpt_writer *w, char *err, size_t err_bytes) {
+  int rc = ckpt_pwrite_all(w->fd, w->buf, w->buf_fill, w->flushed_bytes);
+  if (rc != 0)
+    return w->error = fail(err, err_bytes, rc, "%s: %s", w->name, strerror(-rc));
+  w->flushed_bytes += w->buf_fill;
+  w->buf_fill = 0;
+  return 0;
+}
+
+/* Appends bytes to the file (through the buffer), hashing them into the
+ * whole file's checksum. */
+static int writer_append(ckpt_writer *w, const uint8_t *bytes, size_t len, char *err,
+                         size_t err_bytes) {
+  if (len > 0)
+    XXH64_update(w->file_hash, bytes, len);
+  while (len > 0) {
+    if (w->buf_fill == 0 && len >= WRITE_BUFFER_BYTES) {
+      int rc = ckpt_pwrite_all(w->fd, bytes, len, w->flushed_bytes);
+      if (rc != 0)
+        return w->error = fail(err, err_bytes, rc, "%s: %s", w->name, strerror(-rc));
+      w->flushed_bytes += len;
+      return 0;
+    }
+    size_t take = WRITE_BUFFER_BYTES - w->buf_fill;
+    if (take > len)
+      take = len;
+    memcpy(w->buf + w->buf_fill, bytes, take);
+    w->buf_fill += take;
+    bytes += take;
+    len -= take;
+    if (w->buf_fill == WRITE_BUFFER_BYTES) {
+      int rc = writer_flush(w, err, err_bytes);
+      if (rc != 0)
+        return rc;
+    }
+  }
+  return 0;
+}
+
+int ckpt_writer_open(const char *path, const ckpt_shard_header *h, ckpt_writer **out, char *err,
+                     size_t err_bytes) {
+  *out = NULL;
+  const char *name = ckpt_base_name(path);
+  uint64_t file_bytes;
+  if (h->world_size == 0 || h->world_size > MAX_WORLD_SIZE || h->rank >= h->world_size)
+    return fail(err, err_bytes, -EINVAL, "%s: rank %" PRIu32 " of world size %" PRIu32, name,
+                h->rank, h->world_size);
+  if (shard_file_bytes(h->data_bytes, &file_bytes) != 0)
+    return fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " data bytes is too large", name,
+                h->data_bytes);
+  ckpt_writer *w = calloc(1, sizeof *w);
+  if (w == NULL)
+    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+  w->fd = -1;
+  w->data_bytes = h->data_bytes;
+  w->nblocks = block_count(h->data_bytes);
+  w->path = strdup(path);
+  w->file_hash = XXH64_createState();
+  w->block_hash = XXH64_createState();
+  w->buf = malloc(WRITE_BUFFER_BYTES);
+  /* The table is nblocks * 8 bytes: 8 bytes per MiB of data. */
+  w->table = malloc(w->nblocks > 0 ? w->nblocks * 8 : 1);
+  if (w->path == NULL || w->file_hash == NULL || w->block_hash == NULL || w->buf == NULL ||
+      w->table == NULL) {
+    writer_free(w);
+    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+  }
+  w->name = ckpt_base_name(w->path);
+  XXH64_reset(w->file_hash, 0);
+  XXH64_reset(w->block_hash, 0);
+  w->fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (w->fd < 0) {
+    int rc = fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+    writer_free(w);
+    return rc;
+  }
+  /* The header goes out at once, so that a full or read-only filesystem
+   * shows up before any data is copied. */
+  uint8_t header[CKPT_HEADER_BYTES];
+  header_encode(h, header);
+  int rc = writer_append(w, header, sizeof header, err, err_bytes);
+  if (rc == 0)
+    rc = writer_flush(w, err, err_bytes);
+  if (rc != 0) {
+    ckpt_writer_abort(w);
+    return rc;
+  }
+  *out = w;
+  return 0;
+}
+
+int ckpt_writer_write(ckpt_writer *w, const void *data, size_t bytes, char *err, size_t err_bytes) {
+  if (w->error != 0)
+    return fail(err, err_bytes, w->error, "%s: an earlier write failed", w->name);
+  if (bytes > w->data_bytes - w->data_written)
+    return fail(err, err_bytes, -ERANGE,
+                "%s: %zu more bytes would make %" PRIu64 " with %" PRIu64 " already written, "
+                "more than the header's %" PRIu64 " data bytes",
+                w->name, bytes, w->data_written + bytes, w->data_written, w->data_bytes);
+  const uint8_t *at = data;
+  size_t left = bytes;
+  while (left > 0) {
+    uint64_t take = CKPT_BLOCK_BYTES - w->block_fill;
+    if (take > left)
+      take = left;
+    XXH64_update(w->block_hash, at, (size_t)take);
+    w->block_fill += take;
+    if (w->block_fill == CKPT_BLOCK_BYTES) {
+      put_le64(w->table + 8 * w->blocks_done++, XXH64_digest(w->block_hash));
+      XXH64_reset(w->block_hash, 0);
+      w->block_fill = 0;
+    }
+    at += take;
+    left -= (size_t)take;
+  }
+  w->data_written += bytes;
+  return writer_append(w, data, bytes, err, err_bytes);
+}
+
+/* On failure the file is removed as well: it is not a shard file, and its
+ * name must be free for a retry (the writer creates with O_EXCL). */
+int ckpt_writer_finish(ckpt_writer *w, uint64_t *file_bytes, uint64_t *file_xxh64, char *err,
+                       size_t err_bytes) {
+  int rc = 0;
+  if (w->error != 0) {
+    rc = fail(err, err_bytes, w->error, "%s: an earlier write failed", w->name);
+  } else if (w->data_written != w->data_bytes) {
+    rc = fail(err, err_bytes, -ERANGE,
+              "%s: finished after %" PRIu64 " of the header's %" PRIu64 " data bytes", w->name,
+              w->data_written, w->data_bytes);
+  }
+  if (rc == 0 && w->block_fill > 0) {
+    put_le64(w->table + 8 * w->blocks_done++, XXH64_digest(w->block_hash));
+    w->block_fill = 0;
+  }
+  if (rc == 0) {
+    uint8_t footer[FOOTER_BYTES];
+    put_le64(footer, XXH64(w->table, (size_t)(8 * w->nblocks), 0));
+    rc = writer_append(w, w->table, (size_t)(8 * w->nblocks), err, err_bytes);
+    if (rc == 0)
+      rc = writer_append(w, footer, sizeof footer, err, err_bytes);
+    if (rc == 0)
+      rc = writer_flush(w, err, err_bytes);
+  }
+  if (rc == 0 && fsync(w->fd) != 0)
+    rc = fail(err, err_bytes, -errno, "%s: fsync: %s", w->name, strerror(errno));
+  if (rc == 0) {
+    int fd = w->fd;
+    w->fd = -1;
+    if (close(fd) != 0)
+      rc = fail(err, err_bytes, -errno, "%s: close: %s", w->name, strerror(errno));
+  }
+  if (rc != 0) {
+    ckpt_writer_abort(w);
+    return rc;
+  }
+  *file_bytes = w->flushed_bytes;
+  *file_xxh64 = XXH64_digest(w->file_hash);
+  writer_free(w);
+  return 0;
+}
+
+void ckpt_writer_abort(ckpt_writer *w) {
+  if (w == NULL)
+    return;
+  if (w->fd >= 0) {
+    close(w->fd);
+    w->fd = -1;
+  }
+  unlink(w->path);
+  writer_free(w);
+}
+
+/* ------------------------------------------------------------------------
+ * Shard reader
+ * ------------------------------------------------------------------------ */
+
+struct ckpt_reader {
+  int fd;
+  char *name; /* base name, for messages */
+  ckpt_shard_header header;
+  uint64_t nblocks;
+  uint8_t *table;        /* checked against the footer at open */
+  uint8_t *block;        /* CKPT_BLOCK_BYTES, allocated on first use */
+  uint64_t cached_block; /* the block in `block`, verified; UINT64_MAX for none */
+};
+
+/* Reports a read's outcome: 0, -errno, or 1 (end of file: truncated). */
+static int read_failed(int rc, const char *name, const char *what, char *err, size_t err_bytes) {
+  if (rc > 0)
+    return fail(err, err_bytes, -ERANGE, "%s: truncated while reading %s", name, what);
+  return fail(err, err_bytes, rc, "%s: reading %s: %s", name, what, strerror(-rc));
+}
+
+/* Checks a file's size against what the caller expects, before anything
+ * is read, so that a short file is reported as truncated, not as a bad
+ * checksum. */
+static int check_size(uint64_t actual, uint64_t expect, const char *name, char *err,
+                      size_t err_bytes) {
+  if (actual < expect)
+    return fail(err, err_bytes, -ERANGE, "%s: truncated: %" PRIu64 " of %" PRIu64 " bytes", name,
+                actual, expect);
+  if (actual > expect)
+    return fail(err, err_bytes, -ERANGE, "%s: too long: %" PRIu64 " bytes, expected %" PRIu64, name,
+                actual, expect);
+  return 0;
+}
+
+/* Reads and checks the table and footer of a file whose header said
+ * data_bytes; *table is malloc'd. */
+static int read_table(int fd, const char *name, uint64_t data_bytes, uint8_t **table, char *err,
+                      size_t err_bytes) {
+  uint64_t nblocks = block_count(data_bytes);
+  size_t table_bytes = (size_t)(8 * nblocks);
+  uint8_t *bytes = malloc(table_bytes + FOOTER_BYTES);
+  if (bytes == NULL)
+    return fail(err, err_bytes, -ENOMEM, "%s: out of memory for the block table", name);
+  int rc = ckpt_pread_all(fd, bytes, table_bytes + FOOTER_BYTES, CKPT_HEADER_BYTES + data_bytes);
+  if (rc != 0) {
+    free(bytes);
+    return read_failed(rc, name, "the block table", err, err_bytes);
+  }
+  uint64_t stored = get_le64(bytes + table_bytes), actual = XXH64(bytes, table_bytes, 0);
+  if (stored != actual) {
+    free(bytes);
+    return fail(err, err_bytes, -EBADMSG,
+                "%s: block table checksum mismatch (footer %016" PRIx64 ", computed %016" PRIx64
+                ")",
+                name, stored, actual);
+  }
+  *table = bytes;
+  return 0;
+}
+
+static int check_block(const uint8_t *table, uint64_t block, const uint8_t *bytes, size_t len,
+                       const char *name, char *err, size_t err_bytes) {
+  if (XXH64(bytes, len, 0) == get_le64(table + 8 * block))
+    return 0;
+  uint64_t start = block * CKPT_BLOCK_BYTES;
+  return fail(err, err_bytes, -EBADMSG,
+              "%s: block %" PRIu64 " (bytes %" PRIu64 "..%" PRIu64 ") checksum mismatch", name,
+              block, start, start + len);
+}
+
+/* Opens and checks everything but the data blocks: size, header, table. */
+static int reader_check(ckpt_reader *r, const char *path, uint64_t expect_bytes,
+                        const ckpt_shard_header *expect, char *err, size_t err_bytes) {
+  const char *name = r->name;
+  r->fd = open(path, O_RDONLY | O_CLOEXEC);
+  struct stat st;
+  if (r->fd < 0 || fstat(r->fd, &st) != 0)
+    return fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+  if (!S_ISREG(st.st_mode))
+    return fail(err, err_bytes, -EINVAL, "%s: not a regular file", name);
+  int rc = check_size((uint64_t)st.st_size, expect_bytes, name, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (expect_bytes < CKPT_HEADER_BYTES)
+    return fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " bytes cannot hold a shard header", name,
+                expect_bytes);
+  uint8_t header[CKPT_HEADER_BYTES];
+  uint64_t file_bytes;
+  if ((rc = ckpt_pread_all(r->fd, header, sizeof header, 0)) != 0)
+    return read_failed(rc, name, "the header", err, err_bytes);
+  if ((rc = header_decode(header, name, &r->header, &file_bytes, err, err_bytes)) != 0)
+    return rc;
+  if (r->header.rank != expect->rank || r->header.world_size != expect->world_size ||
+      r->header.data_bytes != expect->data_bytes)
+    return fail(err, err_bytes, -EBADMSG,
+                "%s: header says rank %" PRIu32 " of %" PRIu32 " with %" PRIu64
+                " data bytes, expected rank %" PRIu32 " of %" PRIu32 " with %" PRIu64,
+                name, r->header.rank, r->header.world_size, r->header.data_bytes, expect->rank,
+                expect->world_size, expect->data_bytes);
+  if (file_bytes != expect_bytes)
+    return fail(err, err_bytes, -ERANGE,
+                "%s: %" PRIu64 " data bytes make a file of %" PRIu64 " bytes, not %" PRIu64, name,
+                r->header.data_bytes, file_bytes, expect_bytes);
+  r->nblocks = block_count(r->header.data_bytes);
+  return read_table(r->fd, name, r->header.data_bytes, &r->table, err, err_bytes);
+}
+
+int ckpt_reader_open(const char *path, uint64_t expect_bytes, const ckpt_shard_header *expect,
+                     ckpt_reader **out, char *err, size_t err_bytes) {
+  *out = NULL;
+  ckpt_reader *r = calloc(1, sizeof *r);
+  if (r == NULL || (r->name = strdup(ckpt_base_name(path))) == NULL) {
+    free(r);
+    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", ckpt_base_name(path));
+  }
+  r->cached_block = UINT64_MAX;
+  int rc = reader_check(r, path, expect_bytes, expect, err, err_bytes);
+  if (rc != 0) {
+    ckpt_reader_close(r);
+    return rc;
+  }
+  *out = r;
+  return 0;
+}
+
+int ckpt_reader_read(ckpt_reader *r, uint64_t offset, void *dst, size_t bytes, char *err,
+                     size_t err_bytes) {
+  const uint64_t data_bytes = r->header.data_bytes;
+  if (offset > data_bytes || bytes > data_bytes - offset)
+    return fail(err, err_bytes, -ERANGE,
+                "%s: bytes %" PRIu64 "..%" PRIu64 " are past the end of the data (%" PRIu64 ")",
+                r->name, offset, offset + (uint64_t)bytes, data_bytes);
+  uint8_t *out = dst;
+  while (bytes > 0) {
+    uint64_t block = offset / CKPT_BLOCK_BYTES, start = block * CKPT_BLOCK_BYTES;
+    size_t block_len =
+        (size_t)(data_bytes - start < CKPT_BLOCK_BYTES ? data_bytes - start : CKPT_BLOCK_BYTES);
+    size_t in_block = (size_t)(offset - start);
+    size_t take = block_len - in_block < bytes ? block_len - in_block : bytes;
+    int rc;
+    if (in_block == 0 && take == block_len && block != r->cached_block) {
+      /* A whole block the caller wants: read and check it in place. */
+      if ((rc = ckpt_pread_all(r->fd, out, block_len, CKPT_HEADER_BYTES + start)) != 0)
+        return read_failed(rc, r->name, "data", err, err_bytes);
+      if ((rc = check_block(r->table, block, out, block_len, r->name, err, err_bytes)) != 0)
+        return rc;
+    } else {
+      if (block != r->cached_block) {
+        if (r->block == NULL && (r->block = malloc(CKPT_BLOCK_BYTES)) == NULL)
+          return fail(err, err_bytes, -ENOMEM, "%s: out of memory", r->name);
+        r->cached_block = UINT64_MAX;
+        if ((rc = ckpt_pread_all(r->fd, r->block, block_len, CKPT_HEADER_BYTES + start)) != 0)
+          return read_failed(rc, r->name, "data", err, err_bytes);
+        if ((rc = check_block(r->table, block, r->block, block_len, r->name, err, err_bytes)) != 0)
+          return rc;
+        r->cached_block = block;
+      }
+      memcpy(out, r->block + in_block, take);
+    }
+    out += take;
+    offset += take;
+    bytes -= take;
+  }
+  return 0;
+}
+
+const ckpt_shard_header *ckpt_reader_header(const ckpt_reader *r) {
+  return &r->header;
+}
+
+void ckpt_reader_close(ckpt_reader *r) {
+  if (r == NULL)
+    return;
+  if (r->fd >= 0)
+    close(r->fd);
+  free(r->name);
+  free(r->table);
+  free(r->block);
+  free(r);
+}
+
+/* ------------------------------------------------------------------------
+ * Whole-file verification
+ * ------------------------------------------------------------------------ */
+
+/* Everything ckpt_file_verify checks before the data: size, header (and
+ * that it belongs to the file's name), table. */
+static int verify_structure(int fd, const ckpt_file_entry *entry, const char *name,
+                            uint8_t *header_bytes, ckpt_shard_header *header, uint8_t **table,
+                            char *err, size_t err_bytes) {
+  struct stat st;
+  if (fstat(fd, &st) != 0)
+    return fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+  if (!S_ISREG(st.st_mode))
+    return fail(err, err_bytes, -EINVAL, "%s: not a regular file", name);
+  int rc = check_size((uint64_t)st.st_size, entry->bytes, name, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (entry->bytes < CKPT_HEADER_BYTES)
+    return fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " bytes cannot hold a shard header", name,
+                entry->bytes);
+  uint64_t file_bytes;
+  if ((rc = ckpt_pread_all(fd, header_bytes, CKPT_HEADER_BYTES, 0)) != 0)
+    return read_failed(rc, name, "the header", err, err_bytes);
+  if ((rc = header_decode(header_bytes, name, header, &file_bytes, err, err_bytes)) != 0)
+    return rc;
+  char expect_name[40];
+  ckpt_shard_name(header->rank, header->world_size, expect_name, sizeof expect_name);
+  if (strcmp(expect_name, entry->name) != 0)
+    return fail(err, err_bytes, -EBADMSG, "%s: header says rank %" PRIu32 " of %" PRIu32, name,
+                header->rank, header->world_size);
+  if (file_bytes != entry->bytes)
+    return fail(err, err_bytes, -ERANGE,
+                "%s: %" PRIu64 " data bytes make a file of %" PRIu64 " bytes, not %" PRIu64, name,
+                header->data_bytes, file_bytes, entry->bytes);
+  return read_table(fd, name, header->data_bytes, table, err, err_bytes);
+}
+
+int ckpt_file_verify(const char *dir, const ckpt_file_entry *entry, char *err, size_t err_bytes) {
+  const char *name = ckpt_base_name(entry->name);
+  char *path = join_path(dir, entry->name);
+  if (path == NULL)
+    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  free(path);
+  if (fd < 0)
+    return fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+  /* One pass from start to end: let the kernel read ahead. */
+  posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  uint8_t header_bytes[CKPT_HEADER_BYTES];
+  ckpt_shard_header header;
+  uint8_t *table = NULL, *block = malloc(CKPT_BLOCK_BYTES);
+  XXH64_state_t *file_hash = XXH64_createState();
+  int rc = 0;
+  if (file_hash == NULL || block == NULL)
+    rc = fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+  else
+    rc = verify_structure(fd, entry, name, header_bytes, &header, &table, err, err_bytes);
+  if (rc == 0) {
+    /* The whole file's hash sees the bytes in file order: header, every
+     * block as it is checked, then the table and footer. */
+    XXH64_reset(file_hash, 0);
+    XXH64_update(file_hash, header_bytes, sizeof header_bytes);
+    uint64_t nblocks = block_count(header.data_bytes);
+    for (uint64_t b = 0; rc == 0 && b < nblocks; b++) {
+      uint64_t start = b * CKPT_BLOCK_BYTES;
+      size_t len = (size_t)(header.data_bytes - start < CKPT_BLOCK_BYTES ? header.data_bytes - start
+                                                                         : CKPT_BLOCK_BYTES);
+      if ((rc = ckpt_pread_all(fd, block, len, CKPT_HEADER_BYTES + start)) != 0)
+        rc = read_failed(rc, name, "data", err, err_bytes);
+      else
+        rc = check_block(table, b, block, len, name, err, err_bytes);
+      if (rc == 0)
+        XXH64_update(file_hash, block, len);
+    }
+    if (rc == 0) {
+      XXH64_update(file_hash, table, (size_t)(8 * nblocks + FOOTER_BYTES));
+      uint64_t actual = XXH64_digest(file_hash);
+      if (actual != entry->xxh64)
+        rc = fail(err, err_bytes, -EBADMSG,
+                  "%s: file checksum %016" PRIx64 ", but the manifest says %016" PRIx64, name,
+                  actual, entry->xxh64);
+    }
+  }
+  close(fd);
+  XXH64_freeState(file_hash);
+  free(table);
+  free(block);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------
+ * Checkpoint directories read by ranges
+ * ------------------------------------------------------------------------ */
+
+struct ckpt_source {
+  char *dir;
+  ckpt_manifest manifest;
+  uint64_t data_bytes;    /* of each shard file */
+  uint64_t *unit_offsets; /* [nunits]: where each unit's states start in the data */
+  ckpt_reader **readers;  /* [world_size], opened on first use */
+};
+
+int ckpt_source_open(const char *dir, ckpt_source **out, char *err, size_t err_bytes) {
+  *out = NULL;
+  ckpt_source *s = calloc(1, sizeof *s);
+  if (s == NULL || (s->dir = strdup(dir)) == NULL) {
+    free(s);
+    return fail(err, err_bytes, -ENOMEM, "out of memory opening %s", dir);
+  }
+  int rc = ckpt_manifest_load(dir, CKPT_MANIFEST_NAME, 0, &s->manifest, err, err_bytes);
+  if (rc != 0) {
+    ckpt_source_close(s);
+    return rc;
+  }
+  const ckpt_manifest *m = &s->manifest;
+  s->unit_offsets = calloc(m->nunits > 0 ? m->nunits : 1, sizeof *s->unit_offsets);
+  s->readers = calloc(m->world_size, sizeof *s->readers);
+  if (s->unit_offsets == NULL || s->readers == NULL) {
+    ckpt_source_close(s);
+    return fail(err, err_bytes, -ENOMEM, "out of memory opening %s", dir);
+  }
+  /* ckpt_data_offset walks the units; a restore reads every unit, so the
+   * offsets are summed once here. */
+  for (unsigned u = 0; u < m->nunits; u++) {
+    s->unit_offsets[u] = s->data_bytes;
+    s->data_bytes += m->units[u].shard_numel * 4 * ckpt_nstates(m);
+  }
+  *out = s;
+  return 0;
+}
+
+const ckpt_manifest *ckpt_source_manifest(const ckpt_source *s) {
+  return &s->manifest;
+}
+
+/* Rank k's reader, opened and checked on first use. Besides what the
+ * reader checks against the manifest (size, rank, world size, data
+ * bytes), the header's job id and step must be the manifest's: a shard
+ * file of the same size left from another save would otherwise pass, as
+ * a restore checks only the blocks it reads, not the whole-file XXH64. */
+static int source_reader(ckpt_source *s, uint32_t k, ckpt_reader **out, char *err,
+                         size_t err_bytes) {
+  const ckpt_manifest *m = &s->manifest;
+  if (s->readers[k] == NULL) {
+    char *path = join_path(s->dir, m->files[k].name);
+    if (path == NULL)
+      return fail(err, err_bytes, -ENOMEM, "%s: out of memory", m->files[k].name);
+    ckpt_shard_header expect = {.rank = k,
+                                .world_size = m->world_size,
+                                .job_id = m->job_id,
+                                .step = m->step,
+                                .data_bytes = s->data_bytes};
+    ckpt_reader *r;
+    int rc = ckpt_reader_open(path, m->files[k].bytes, &expect, &r, err, err_bytes);
+    free(path);
+    if (rc != 0)
+      return rc;
+    const ckpt_shard_header *h = ckpt_reader_header(r);
+    if (h->job_id != m->job_id || h->step != m->step) {
+      rc = fail(err, err_bytes, -EBADMSG,
+                "%s: header says job id %" PRIu64 " at step %" PRIu64
+                ", the manifest job id %" PRIu64 " at step %" PRIu64,
+                m->files[k].name, h->job_id, h->step, m->job_id, m->step);
+      ckpt_reader_close(r);
+      return rc;
+    }
+    s->readers[k] = r;
+  }
+  *out = s->readers[k];
+  return 0;
+}
+
+int ckpt_source_read(ckpt_source *s, unsigned unit, ckpt_state state, uint64_t from, uint64_t to,
+                     float *dst, char *err, size_t err_bytes) {
+  const ckpt_manifest *m = &s->manifest;
+  int slot = state_slot(m, state);
+  if (unit >= m->nunits)
+    return fail(err, err_bytes, -EINVAL, "checkpoint has no unit %u (it has %u)", unit, m->nunits);
+  if (slot < 0)
+    return fail(err, err_bytes, -EINVAL, "checkpoint has no state %d", (int)state);
+  const ckpt_unit *u = &m->units[unit];
+  if (from > to || to > u->padded_numel)
+    return fail(err, err_bytes, -ERANGE,
+                "unit '%s': elements %" PRIu64 "..%" PRIu64 " are outside 0..%" PRIu64, u->name,
+                from, to, u->padded_numel);
+  uint64_t state_offset = s->unit_offsets[unit] + (uint64_t)slot * u->shard_numel * 4;
+  /* Rank k holds elements [k * shard_numel, (k + 1) * shard_numel). */
+  while (from < to) {
+    uint32_t k = (uint32_t)(from / u->shard_numel);
+    uint64_t rank_end = ((uint64_t)k + 1) * u->shard_numel;
+    uint64_t chunk_end = to < rank_end ? to : rank_end;
+    ckpt_reader *r = NULL;
+    int rc = source_reader(s, k, &r, err, err_bytes);
+    if (rc == 0)
+      rc = ckpt_reader_read(r, state_offset + (from - (uint64_t)k * u->shard_numel) * 4, dst,
+                            (size_t)((chunk_end - from) * 4), err, err_bytes);
+    if (rc != 0)
+      return rc;
+    dst += chunk_end - from;
+    from = chunk_end;
+  }
+  return 0;
+}
+
+void ckpt_source_close(ckpt_source *s) {
+  if (s == NULL)
+    return;
+  for (uint32_t k = 0; s->readers != NULL && k < s->manifest.world_size; k++)
+    ckpt_reader_close(s->readers[k]);
+  free(s->readers);
+  free(s->unit_offsets);
+  ckpt_manifest_free(&s->manifest);
+  free(s->dir);
+  free(s);
+}

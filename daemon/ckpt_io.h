@@ -1,0 +1,17 @@
+/* ckpt_io: file helpers shared by ckpt.c and ckpt_safetensors.c (private
+ * to the checkpoint format library). */
+#ifndef ZEROD_CKPT_IO_H
+#define ZEROD_CKPT_IO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* The part of path after its last '/', for messages. */
+const char *ckpt_base_name(const char *path);
+/* Whole transfers, going on after EINTR and short ones. pread returns 1 if
+ * the file ends first (it is shorter than expected: truncated); pwrite
+ * returns -EIO if no progress is made. Otherwise 0 or a negative errno. */
+int ckpt_pread_all(int fd, void *buf, size_t bytes, uint64_t offset);
+int ckpt_pwrite_all(int fd, const void *buf, size_t bytes, uint64_t offset);
+
+#endif /* ZEROD_CKPT_IO_H */

@@ -1,0 +1,998 @@
+/* A node's part of checkpoints: orders, reports, shard writers and the
+ * reading side of restores (see ckpt_node.h). */
+#include "ckpt_node.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "exec.h"
+#include "log.h"
+#include "node.h"
+#include "rpc.h"
+
+/* Data is handed to the shard writer in chunks of this size, and a save
+ * withdrawn by the coordinator is noticed between two of them. */
+#define WRITE_CHUNK (8u << 20)
+/* A rank that learnt of a save from its peers (the step's all-reduce)
+ * waits this long for the order itself to reach its node. */
+#define ORDER_WAIT_S 120
+
+enum { SAVE_COPYING = 0, SAVE_WRITING = 1, SAVE_DONE = 2, SAVE_FAILED = 3 };
+
+typedef struct rank_save {
+  int state;
+  uint64_t step;
+  int64_t stall_ms;
+  char file[64];
+  uint64_t bytes, xxh64;
+  int code;
+  char error[512];
+  void *data; /* the copy, until written */
+  uint64_t data_bytes;
+  ckpt_manifest *layout; /* rank 0 */
+} rank_save;
+
+typedef struct save_rec {
+  struct save_rec *next;
+  uint64_t id;
+  char *dir;   /* NULL until the order reaches this node */
+  int ordered; /* the order was in an assignment */
+  _Atomic int abort;
+  int refs;         /* the job's list, and each running writer */
+  rank_save *ranks; /* [nranks], by local index */
+} save_rec;
+
+typedef struct rank_restore {
+  int done, committed, code;
+  uint64_t step;
+  char error[512];
+} rank_restore;
+
+typedef struct job_ckpt {
+  pthread_mutex_t mutex;
+  pthread_cond_t cond; /* a save got its directory, or a writer ended */
+  save_rec *saves;
+  int writers;         /* running */
+  uint64_t restore_id; /* 0: none */
+  int restore_commit_sent;
+  rank_restore *restores; /* [nranks] */
+} job_ckpt;
+
+/* Asks the loop for a heartbeat: progress is reported at once. */
+static void wake_loop(job *j) {
+  zdaemon *d = j->daemon;
+  if (d != NULL && atomic_load(&d->ckpt_async_ready))
+    uv_async_send(&d->ckpt_async);
+}
+
+static void on_ckpt_async(uv_async_t *h) {
+  node_report(h->data);
+}
+
+int ckpt_node_init(zdaemon *d) {
+  int rc = uv_async_init(d->loop, &d->ckpt_async, on_ckpt_async);
+  if (rc != 0)
+    return rc;
+  d->ckpt_async.data = d;
+  atomic_store(&d->ckpt_async_ready, 1);
+  return 0;
+}
+
+/* Asks the job's writers to stop and waits until they have. */
+static void stop_writers(job *j) {
+  job_ckpt *c = j->ckpt;
+  if (c == NULL)
+    return;
+  pthread_mutex_lock(&c->mutex);
+  for (save_rec *s = c->saves; s != NULL; s = s->next)
+    atomic_store(&s->abort, 1);
+  pthread_cond_broadcast(&c->cond);
+  while (c->writers > 0)
+    pthread_cond_wait(&c->cond, &c->mutex);
+  pthread_mutex_unlock(&c->mutex);
+}
+
+void ckpt_node_shutdown(zdaemon *d) {
+  for (job *j = d->jobs; j != NULL; j = j->next)
+    stop_writers(j);
+  for (job *j = d->retired; j != NULL; j = j->next)
+    stop_writers(j);
+  if (!atomic_exchange(&d->ckpt_async_ready, 0))
+    return;
+  uv_close((uv_handle_t *)&d->ckpt_async, NULL);
+}
+
+int ckpt_node_job_init(job *j) {
+  job_ckpt *c = calloc(1, sizeof *c);
+  if (c == NULL)
+    return -ENOMEM;
+  c->restores = calloc((size_t)(j->nranks > 0 ? j->nranks : 1), sizeof *c->restores);
+  if (c->restores == NULL) {
+    free(c);
+    return -ENOMEM;
+  }
+  pthread_mutex_init(&c->mutex, NULL);
+  pthread_cond_init(&c->cond, NULL);
+  j->ckpt = c;
+  return 0;
+}
+
+static void save_free(save_rec *s, int nranks) {
+  for (int i = 0; i < nranks; i++) {
+    free(s->ranks[i].data);
+    ckpt_manifest_free(s->ranks[i].layout);
+    free(s->ranks[i].layout);
+  }
+  free(s->ranks);
+  free(s->dir);
+  free(s);
+}
+
+/* Under c->mutex. */
+static void save_unref(job *j, save_rec *s) {
+  if (--s->refs == 0)
+    save_free(s, j->nranks);
+}
+
+void ckpt_node_job_free(job *j) {
+  job_ckpt *c = j->ckpt;
+  if (c == NULL)
+    return;
+  stop_writers(j);
+  pthread_mutex_lock(&c->mutex);
+  save_rec *next;
+  for (save_rec *s = c->saves; s != NULL; s = next) {
+    next = s->next;
+    save_unref(j, s);
+  }
+  pthread_mutex_unlock(&c->mutex);
+  pthread_mutex_destroy(&c->mutex);
+  pthread_cond_destroy(&c->cond);
+  free(c->restores);
+  free(c);
+  j->ckpt = NULL;
+}
+
+/* Under c->mutex: the save's record, made if absent (a rank may learn of a
+ * save from its peers before its node gets the order). */
+static save_rec *save_get(job *j, uint64_t id) {
+  job_ckpt *c = j->ckpt;
+  for (save_rec *s = c->saves; s != NULL; s = s->next)
+    if (s->id == id)
+      return s;
+  save_rec *s = calloc(1, sizeof *s);
+  if (s == NULL)
+    return NULL;
+  s->ranks = calloc((size_t)j->nranks, sizeof *s->ranks);
+  if (s->ranks == NULL) {
+    free(s);
+    return NULL;
+  }
+  s->id = id;
+  s->refs = 1;
+  s->next = c->saves;
+  c->saves = s;
+  return s;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Shard writers                                                            */
+/* ------------------------------------------------------------------------ */
+
+typedef struct writer_arg {
+  job *j;
+  save_rec *s;
+  int local;
+} writer_arg;
+
+static int write_shard(job *j, save_rec *s, rank_save *rs, int rank, const char *dir, char *err,
+                       size_t err_bytes) {
+  if (rs->layout != NULL) {
+    int rc = ckpt_manifest_store(dir, CKPT_LAYOUT_NAME, rs->layout, err, err_bytes);
+    if (rc != 0)
+      return rc;
+  }
+  char path[PATH_MAX];
+  ckpt_shard_name((uint32_t)rank, (uint32_t)j->world_size, rs->file, sizeof rs->file);
+  if (snprintf(path, sizeof path, "%s/%s", dir, rs->file) >= (int)sizeof path) {
+    snprintf(err, err_bytes, "%s: path too long", dir);
+    return -ENAMETOOLONG;
+  }
+  ckpt_shard_header h = {.rank = (uint32_t)rank,
+                         .world_size = (uint32_t)j->world_size,
+                         .job_id = j->id,
+                         .step = rs->step,
+                         .data_bytes = rs->data_bytes};
+  ckpt_writer *w = NULL;
+  int rc = ckpt_writer_open(path, &h, &w, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  const uint8_t *p = rs->data;
+  for (uint64_t at = 0; at < rs->data_bytes; at += WRITE_CHUNK) {
+    if (atomic_load(&s->abort)) {
+      ckpt_writer_abort(w);
+      snprintf(err, err_bytes, "the save was withdrawn");
+      return -ECANCELED;
+    }
+    size_t n = rs->data_bytes - at < WRITE_CHUNK ? (size_t)(rs->data_bytes - at) : WRITE_CHUNK;
+    rc = ckpt_writer_write(w, p + at, n, err, err_bytes);
+    if (rc != 0) {
+      ckpt_writer_abort(w);
+      return rc;
+    }
+  }
+  return ckpt_writer_finish(w, &rs->bytes, &rs->xxh64, err, err_bytes);
+}
+
+static void *writer_main(void *arg) {
+  writer_arg *a = arg;
+  job *j = a->j;
+  save_rec *s = a->s;
+  int local = a->local;
+  free(a);
+  job_ckpt *c = j->ckpt;
+  rank_save *rs = &s->ranks[local];
+  int rank = j->first_rank + local;
+
+  pthread_mutex_lock(&c->mutex);
+  struct timespec deadline;
+  clock_gettime(CLOCK_REALTIME, &deadline);
+  deadline.tv_sec += ORDER_WAIT_S;
+  int timed_out = 0;
+  while (s->dir == NULL && !atomic_load(&s->abort) && !timed_out)
+    timed_out = pthread_cond_timedwait(&c->cond, &c->mutex, &deadline) == ETIMEDOUT;
+  char dir[PATH_MAX] = "";
+  if (s->dir != NULL)
+    snprintf(dir, sizeof dir, "%s", s->dir);
+  pthread_mutex_unlock(&c->mutex);
+
+  char err[512] = "";
+  int rc;
+  if (dir[0] == '\0') {
+    rc = -ETIMEDOUT;
+    snprintf(err, sizeof err, "the save order did not reach this node in %d s", ORDER_WAIT_S);
+  } else {
+    rc = write_shard(j, s, rs, rank, dir, err, sizeof err);
+  }
+  if (rc != 0) {
+    char msg[600];
+    LOG_WARNF("shard not saved", "job=%s rank=%d save=%llu error=%s", j->name, rank,
+              (unsigned long long)s->id, log_quote(err, msg, sizeof msg));
+  } else {
+    LOG_INFOF("shard saved", "job=%s rank=%d save=%llu step=%llu bytes=%llu", j->name, rank,
+              (unsigned long long)s->id, (unsigned long long)rs->step,
+              (unsigned long long)rs->bytes);
+  }
+
+  pthread_mutex_lock(&c->mutex);
+  if (rc != 0) {
+    rs->state = SAVE_FAILED;
+    rs->code = rc == -ENOSPC || rc == -EDQUOT ? RPC_RESOURCE_EXHAUSTED
+               : rc == -ECANCELED             ? RPC_CANCELLED
+               : rc == -ETIMEDOUT             ? RPC_DEADLINE_EXCEEDED
+                                              : RPC_INTERNAL;
+    snprintf(rs->error, sizeof rs->error, "%s", err);
+  } else {
+    rs->state = SAVE_DONE;
+  }
+  free(rs->data);
+  rs->data = NULL;
+  ckpt_manifest_free(rs->layout);
+  free(rs->layout);
+  rs->layout = NULL;
+  save_unref(j, s);
+  c->writers--;
+  pthread_cond_broadcast(&c->cond);
+  pthread_mutex_unlock(&c->mutex);
+  wake_loop(j);
+  return NULL;
+}
+
+void ckpt_node_saved(job *j, int rank, uint64_t id, uint64_t step, void *data, uint64_t data_bytes,
+                     ckpt_manifest *layout, int64_t stall_ms) {
+  job_ckpt *c = j->ckpt;
+  int local = rank - j->first_rank;
+  pthread_mutex_lock(&c->mutex);
+  save_rec *s = save_get(j, id);
+  writer_arg *a = s != NULL ? malloc(sizeof *a) : NULL;
+  if (a == NULL) {
+    pthread_mutex_unlock(&c->mutex);
+    free(data);
+    ckpt_manifest_free(layout);
+    free(layout);
+    ckpt_node_save_failed(j, rank, id, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    return;
+  }
+  rank_save *rs = &s->ranks[local];
+  rs->state = SAVE_WRITING;
+  rs->step = step;
+  rs->stall_ms = stall_ms;
+  rs->data = data;
+  rs->data_bytes = data_bytes;
+  rs->layout = layout;
+  *a = (writer_arg){.j = j, .s = s, .local = local};
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  pthread_t t;
+  s->refs++;
+  c->writers++;
+  int rc = pthread_create(&t, &attr, writer_main, a);
+  pthread_attr_destroy(&attr);
+  if (rc != 0) {
+    s->refs--;
+    c->writers--;
+    rs->state = SAVE_FAILED;
+    rs->code = RPC_RESOURCE_EXHAUSTED;
+    snprintf(rs->error, sizeof rs->error, "cannot start the shard writer: %s", strerror(rc));
+    free(a);
+  }
+  pthread_mutex_unlock(&c->mutex);
+  wake_loop(j);
+}
+
+void ckpt_node_save_failed(job *j, int rank, uint64_t id, int code, const char *error) {
+  job_ckpt *c = j->ckpt;
+  pthread_mutex_lock(&c->mutex);
+  save_rec *s = save_get(j, id);
+  if (s != NULL) {
+    rank_save *rs = &s->ranks[rank - j->first_rank];
+    rs->state = SAVE_FAILED;
+    rs->code = code;
+    snprintf(rs->error, sizeof rs->error, "%s", error);
+  }
+  pthread_mutex_unlock(&c->mutex);
+  char msg[600];
+  LOG_WARNF("shard not saved", "job=%s rank=%d save=%llu error=%s", j->name, rank,
+            (unsigned long long)id, log_quote(error, msg, sizeof msg));
+  wake_loop(j);
+}
+
+void ckpt_node_restore_report(job *j, int rank, uint64_t id, int committed, uint64_t step, int code,
+                              const char *error) {
+  job_ckpt *c = j->ckpt;
+  pthread_mutex_lock(&c->mutex);
+  if (c->restore_id == id) {
+    rank_restore *r = &c->restores[rank - j->first_rank];
+    r->done = 1;
+    r->committed = committed;
+    r->step = step;
+    r->code = code;
+    snprintf(r->error, sizeof r->error, "%s", error != NULL ? error : "");
+  }
+  pthread_mutex_unlock(&c->mutex);
+  wake_loop(j);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Orders (loop thread)                                                     */
+/* ------------------------------------------------------------------------ */
+
+static void submit(job *j, op_kind kind, uint64_t id, const char *source, int format) {
+  for (int r = 0; r < j->nranks; r++) {
+    exec_op *op = exec_op_new(kind, &j->ranks[r]);
+    if (op == NULL) {
+      if (kind == OP_RESTORE_READ || kind == OP_RESTORE_COMMIT)
+        ckpt_node_restore_report(j, j->first_rank + r, id, 0, 0, RPC_RESOURCE_EXHAUSTED,
+                                 "out of memory");
+      continue;
+    }
+    op->ckpt_id = id;
+    op->ckpt_format = format;
+    if (source != NULL && (op->ckpt_source = strdup(source)) == NULL) {
+      exec_op_free(op);
+      ckpt_node_restore_report(j, j->first_rank + r, id, 0, 0, RPC_RESOURCE_EXHAUSTED,
+                               "out of memory");
+      continue;
+    }
+    exec_submit(op);
+  }
+}
+
+static void follow_saves(job *j, const Zerod__V1__Assignment *as) {
+  job_ckpt *c = j->ckpt;
+  pthread_mutex_lock(&c->mutex);
+  for (size_t i = 0; as != NULL && i < as->n_saves; i++) {
+    const Zerod__V1__SaveOrder *o = as->saves[i];
+    if (o->id == 0 || o->dir == NULL || o->dir[0] != '/')
+      continue;
+    save_rec *s = save_get(j, o->id);
+    if (s == NULL || s->ordered)
+      continue;
+    s->ordered = 1;
+    s->dir = strdup(o->dir);
+    pthread_cond_broadcast(&c->cond);
+    LOG_INFOF("save ordered", "job=%s save=%llu dir=%s", j->name, (unsigned long long)o->id,
+              o->dir);
+    /* Every local rank learns of it; one with no worker attached takes its
+     * copy at once (OP_SAVE), the others at the end of the next step. */
+    for (int r = 0; r < j->nranks; r++) {
+      uint64_t prev = atomic_load(&j->ranks[r].ckpt_pending);
+      if (prev < o->id)
+        atomic_store(&j->ranks[r].ckpt_pending, o->id);
+    }
+    pthread_mutex_unlock(&c->mutex);
+    submit(j, OP_SAVE, o->id, NULL, 0);
+    pthread_mutex_lock(&c->mutex);
+  }
+  /* Orders that left the assignment are over (done, failed or withdrawn):
+   * their writers stop at the next chunk and the records go. */
+  for (save_rec **p = &c->saves; *p != NULL;) {
+    save_rec *s = *p;
+    int still = 0;
+    for (size_t i = 0; as != NULL && i < as->n_saves && !still; i++)
+      still = as->saves[i]->id == s->id;
+    if (still || !s->ordered) {
+      p = &s->next;
+      continue;
+    }
+    *p = s->next;
+    atomic_store(&s->abort, 1);
+    pthread_cond_broadcast(&c->cond);
+    save_unref(j, s);
+  }
+  pthread_mutex_unlock(&c->mutex);
+}
+
+static void follow_restore(job *j, const Zerod__V1__Assignment *as) {
+  job_ckpt *c = j->ckpt;
+  const Zerod__V1__RestoreOrder *o = as != NULL ? as->restore : NULL;
+  if (o != NULL && (o->id == 0 || o->source == NULL || o->source[0] != '/'))
+    o = NULL;
+  pthread_mutex_lock(&c->mutex);
+  uint64_t current = c->restore_id;
+  int commit_sent = c->restore_commit_sent;
+  pthread_mutex_unlock(&c->mutex);
+
+  if (current != 0 && (o == NULL || o->id != current)) {
+    /* Withdrawn (failed elsewhere, or done): what was read but not
+     * installed is dropped, and workers may attach again. */
+    if (!commit_sent)
+      submit(j, OP_RESTORE_ABORT, current, NULL, 0);
+    pthread_mutex_lock(&c->mutex);
+    c->restore_id = 0;
+    c->restore_commit_sent = 0;
+    pthread_mutex_unlock(&c->mutex);
+    j->restoring = 0;
+    LOG_INFOF("restore ended", "job=%s restore=%llu", j->name, (unsigned long long)current);
+    current = 0;
+  }
+  if (o == NULL)
+    return;
+  if (current == 0) {
+    pthread_mutex_lock(&c->mutex);
+    c->restore_id = o->id;
+    c->restore_commit_sent = 0;
+    memset(c->restores, 0, (size_t)j->nranks * sizeof *c->restores);
+    pthread_mutex_unlock(&c->mutex);
+    if (j->sessions > 0) {
+      char why[256];
+      snprintf(why, sizeof why,
+               "%d worker(s) attached to job '%s' on node '%s': a job is restored with no "
+               "worker attached",
+               j->sessions, j->name, j->daemon->options.node_name);
+      for (int r = 0; r < j->nranks; r++)
+        ckpt_node_restore_report(j, j->first_rank + r, o->id, 0, 0, RPC_FAILED_PRECONDITION, why);
+      return;
+    }
+    j->restoring = o->id;
+    LOG_INFOF("restore ordered", "job=%s restore=%llu source=%s", j->name,
+              (unsigned long long)o->id, o->source);
+    submit(j, OP_RESTORE_READ, o->id, o->source, (int)o->format);
+    return;
+  }
+  if (o->commit && !commit_sent && j->restoring == o->id) {
+    pthread_mutex_lock(&c->mutex);
+    c->restore_commit_sent = 1;
+    pthread_mutex_unlock(&c->mutex);
+    submit(j, OP_RESTORE_COMMIT, o->id, NULL, 0);
+  }
+}
+
+void ckpt_node_orders(zdaemon *d, job *j, const Zerod__V1__Assignment *as) {
+  (void)d;
+  if (j->ckpt == NULL)
+    return;
+  follow_saves(j, as);
+  follow_restore(j, as);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Reports (loop thread)                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef struct reports {
+  Zerod__V1__ShardReport *items;
+  Zerod__V1__ShardReport **saves, **restores;
+  char (*errors)[512];
+  char (*files)[64];
+} reports;
+
+void ckpt_node_reports(job *j, Zerod__V1__JobStatus *st, void **owned) {
+  *owned = NULL;
+  job_ckpt *c = j->ckpt;
+  if (c == NULL)
+    return;
+  pthread_mutex_lock(&c->mutex);
+  size_t nsaves = 0;
+  for (save_rec *s = c->saves; s != NULL; s = s->next)
+    nsaves += s->ordered ? (size_t)j->nranks : 0;
+  size_t nrestores = c->restore_id != 0 ? (size_t)j->nranks : 0;
+  size_t n = nsaves + nrestores;
+  if (n == 0) {
+    pthread_mutex_unlock(&c->mutex);
+    return;
+  }
+  reports *r = calloc(1, sizeof *r);
+  if (r != NULL) {
+    r->items = calloc(n, sizeof *r->items);
+    r->saves = calloc(nsaves + 1, sizeof *r->saves);
+    r->restores = calloc(nrestores + 1, sizeof *r->restores);
+    r->errors = calloc(n, sizeof *r->errors);
+    r->files = calloc(n, sizeof *r->files);
+  }
+  if (r == NULL || r->items == NULL || r->saves == NULL || r->restores == NULL ||
+      r->errors == NULL || r->files == NULL) {
+    pthread_mutex_unlock(&c->mutex);
+    ckpt_node_reports_free(r);
+    return; /* reported with the next heartbeat */
+  }
+  size_t k = 0, ks = 0, kr = 0;
+  for (save_rec *s = c->saves; s != NULL; s = s->next) {
+    if (!s->ordered)
+      continue;
+    for (int i = 0; i < j->nranks; i++, k++) {
+      const rank_save *rs = &s->ranks[i];
+      Zerod__V1__ShardReport *it = &r->items[k];
+      zerod__v1__shard_report__init(it);
+      it->id = s->id;
+      it->rank = (uint32_t)(j->first_rank + i);
+      it->done = rs->state == SAVE_DONE || rs->state == SAVE_FAILED;
+      if (rs->state == SAVE_FAILED) {
+        snprintf(r->errors[k], sizeof r->errors[k], "%s", rs->error);
+        it->error = r->errors[k];
+        it->code = rs->code;
+      }
+      if (rs->state == SAVE_DONE) {
+        snprintf(r->files[k], sizeof r->files[k], "%s", rs->file);
+        it->file = r->files[k];
+        it->bytes = rs->bytes;
+        it->xxh64 = rs->xxh64;
+      }
+      it->step = rs->step;
+      it->stall_ms = rs->stall_ms;
+      r->saves[ks++] = it;
+    }
+  }
+  for (int i = 0; nrestores > 0 && i < j->nranks; i++, k++) {
+    const rank_restore *rr = &c->restores[i];
+    Zerod__V1__ShardReport *it = &r->items[k];
+    zerod__v1__shard_report__init(it);
+    it->id = c->restore_id;
+    it->rank = (uint32_t)(j->first_rank + i);
+    it->done = rr->done;
+    it->committed = rr->committed;
+    it->step = rr->step;
+    if (rr->code != 0) {
+      snprintf(r->errors[k], sizeof r->errors[k], "%s", rr->error);
+      it->error = r->errors[k];
+      it->code = rr->code;
+    }
+    r->restores[kr++] = it;
+  }
+  pthread_mutex_unlock(&c->mutex);
+  st->n_saves = ks;
+  st->saves = r->saves;
+  st->n_restores = kr;
+  st->restores = r->restores;
+  *owned = r;
+}
+
+void ckpt_node_reports_free(void *owned) {
+  reports *r = owned;
+  if (r == NULL)
+    return;
+  free(r->items);
+  free(r->saves);
+  free(r->restores);
+  free(r->errors);
+  free(r->files);
+  free(r);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Layouts                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static const char *optimizer_name(job_optimizer o) {
+  return o == JOB_ADAMW ? "adamw" : o == JOB_ADAM ? "adam" : "sgd";
+}
+
+ckpt_manifest *ckpt_layout_of(job *j, unit_layout *const *units, unsigned nunits, uint64_t step,
+                              uint64_t version) {
+  ckpt_manifest *m = calloc(1, sizeof *m);
+  if (m == NULL)
+    return NULL;
+  const job_config *cfg = &j->config;
+  m->format_version = CKPT_FORMAT_VERSION;
+  m->job = strdup(j->name);
+  m->name = strdup("layout"); /* the coordinator names the checkpoint */
+  m->job_id = j->id;
+  m->step = step;
+  m->version = version;
+  m->world_size = (uint32_t)j->world_size;
+  snprintf(m->config.optimizer, sizeof m->config.optimizer, "%s", optimizer_name(cfg->optimizer));
+  m->config.lr = cfg->lr;
+  m->config.beta1 = cfg->beta1;
+  m->config.beta2 = cfg->beta2;
+  m->config.eps = cfg->eps;
+  m->config.weight_decay = cfg->weight_decay;
+  m->config.momentum = cfg->momentum;
+  m->config.dampening = cfg->dampening;
+  m->config.nesterov = cfg->nesterov;
+  snprintf(m->config.working_dtype, sizeof m->config.working_dtype, "%s",
+           cfg->working_dtype == ZK_BF16 ? "bf16" : "fp32");
+  m->config.max_grad_norm = cfg->max_grad_norm;
+  m->has_moment1 = cfg->optimizer != JOB_SGD || cfg->momentum != 0;
+  m->has_moment2 = cfg->optimizer != JOB_SGD;
+  m->nunits = nunits;
+  m->units = calloc(nunits ? nunits : 1, sizeof *m->units);
+  int ok = m->job != NULL && m->name != NULL && m->units != NULL;
+  for (unsigned u = 0; ok && u < nunits; u++) {
+    const unit_layout *l = units[u];
+    ckpt_unit *cu = &m->units[u];
+    cu->name = strdup(l->name);
+    cu->ntensors = l->ntensors;
+    cu->numel = l->numel;
+    cu->padded_numel = l->padded_numel;
+    cu->shard_numel = l->shard_numel;
+    cu->tensors = calloc(l->ntensors ? l->ntensors : 1, sizeof *cu->tensors);
+    ok = cu->name != NULL && cu->tensors != NULL;
+    for (unsigned t = 0; ok && t < l->ntensors; t++) {
+      const tensor_layout *tl = &l->tensors[t];
+      ckpt_tensor *ct = &cu->tensors[t];
+      ct->name = strdup(tl->name);
+      ct->ndim = tl->ndim;
+      memcpy(ct->shape, tl->shape, sizeof ct->shape[0] * tl->ndim);
+      ct->numel = tl->numel;
+      ct->offset = tl->offset;
+      ct->frozen = tl->frozen;
+      ok = ct->name != NULL;
+    }
+  }
+  if (!ok) {
+    ckpt_manifest_free(m);
+    free(m);
+    return NULL;
+  }
+  return m;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Restore: reading (executor thread)                                       */
+/* ------------------------------------------------------------------------ */
+
+void ckpt_staged_free(ckpt_staged *s) {
+  if (s == NULL)
+    return;
+  for (unsigned u = 0; u < s->nunits; u++) {
+    if (s->units[u].owned)
+      unit_layout_free(s->units[u].layout);
+    for (int k = 0; k < 3; k++)
+      free(s->units[u].state[k]);
+  }
+  free(s->units);
+  free(s);
+}
+
+static void shape_text(const uint64_t *shape, unsigned ndim, char *out, size_t out_bytes) {
+  size_t len = (size_t)snprintf(out, out_bytes, "[");
+  for (unsigned d = 0; d < ndim && len < out_bytes; d++)
+    len += (size_t)snprintf(out + len, out_bytes - len, "%s%llu", d ? ", " : "",
+                            (unsigned long long)shape[d]);
+  if (len < out_bytes)
+    snprintf(out + len, out_bytes - len, "]");
+}
+
+/* Whether the job's unit l and the checkpoint's unit cu hold the same
+ * tensors at the same places; err names the first difference. */
+static int same_unit(const unit_layout *l, const ckpt_unit *cu, char *err, size_t err_bytes) {
+  if (l->ntensors != cu->ntensors) {
+    snprintf(err, err_bytes, "unit '%s' has %u tensors in the job, %u in the checkpoint", l->name,
+             l->ntensors, cu->ntensors);
+    return 0;
+  }
+  for (unsigned t = 0; t < l->ntensors; t++) {
+    const tensor_layout *a = &l->tensors[t];
+    const ckpt_tensor *b = &cu->tensors[t];
+    char sa[160], sb[160];
+    shape_text(a->shape, a->ndim, sa, sizeof sa);
+    shape_text(b->shape, b->ndim, sb, sizeof sb);
+    if (strcmp(a->name, b->name) != 0) {
+      snprintf(err, err_bytes, "unit '%s': tensor #%u is '%s' in the job, '%s' in the checkpoint",
+               l->name, t, a->name, b->name);
+      return 0;
+    }
+    if (strcmp(sa, sb) != 0 || a->offset != b->offset || a->frozen != b->frozen) {
+      snprintf(err, err_bytes,
+               "unit '%s', tensor '%s': shape %s%s in the job, %s%s in the checkpoint", l->name,
+               a->name, sa, a->frozen ? " (frozen)" : "", sb, b->frozen ? " (frozen)" : "");
+      return 0;
+    }
+  }
+  if (l->numel != cu->numel) {
+    snprintf(err, err_bytes, "unit '%s': %llu elements in the job, %llu in the checkpoint", l->name,
+             (unsigned long long)l->numel, (unsigned long long)cu->numel);
+    return 0;
+  }
+  return 1;
+}
+
+static int fail(int *code, int c, int rc) {
+  *code = c;
+  return rc;
+}
+
+/* A format library error as a gRPC status: damaged or truncated files are
+ * DATA_LOSS, a missing one NOT_FOUND. */
+static int io_code(int rc) {
+  return rc == -EBADMSG || rc == -ERANGE ? RPC_DATA_LOSS
+         : rc == -ENOENT                 ? RPC_NOT_FOUND
+         : rc == -ENOMEM                 ? RPC_RESOURCE_EXHAUSTED
+                                         : RPC_INTERNAL;
+}
+
+static int optimizers_compatible(const char *saved, job_optimizer now) {
+  int saved_sgd = strcmp(saved, "sgd") == 0;
+  return saved_sgd == (now == JOB_SGD);
+}
+
+/* The job's units, in id order (a copy of the table, which only grows). */
+static unit_layout **job_units(job *j, unsigned *n) {
+  pthread_mutex_lock(&j->mutex);
+  *n = j->nunits;
+  unit_layout **units = malloc((*n ? *n : 1) * sizeof *units);
+  if (units != NULL && *n > 0)
+    memcpy(units, j->units, *n * sizeof *units);
+  pthread_mutex_unlock(&j->mutex);
+  return units;
+}
+
+static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st, int *code,
+                           char *err, size_t err_bytes) {
+  ckpt_source *src = NULL;
+  int rc = ckpt_source_open(source, &src, err, err_bytes);
+  if (rc != 0)
+    return fail(code, io_code(rc), rc);
+  const ckpt_manifest *m = ckpt_source_manifest(src);
+  const job_config *cfg = &j->config;
+  unit_layout **units = NULL;
+  unsigned njob = 0;
+  if (!optimizers_compatible(m->config.optimizer, cfg->optimizer)) {
+    snprintf(err, err_bytes, "the checkpoint was saved by a job using %s; job '%s' uses %s",
+             m->config.optimizer, j->name, optimizer_name(cfg->optimizer));
+    rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
+    goto done;
+  }
+  units = job_units(j, &njob);
+  if (units == NULL) {
+    rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+    goto done;
+  }
+  if (njob != 0 && njob != m->nunits) {
+    snprintf(err, err_bytes, "job '%s' has %u units, the checkpoint %u", j->name, njob, m->nunits);
+    rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
+    goto done;
+  }
+  st->nunits = m->nunits;
+  st->units = calloc(m->nunits ? m->nunits : 1, sizeof *st->units);
+  if (st->units == NULL) {
+    rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+    goto done;
+  }
+  st->step = m->step;
+  int need1 = cfg->optimizer != JOB_SGD || cfg->momentum != 0;
+  int need2 = cfg->optimizer != JOB_SGD;
+  for (unsigned u = 0; u < m->nunits; u++) {
+    const ckpt_unit *cu = &m->units[u];
+    ckpt_staged_unit *su = &st->units[u];
+    if (njob == 0) {
+      /* A job with no units yet takes the checkpoint's: built as a worker's
+       * registration would build them, for this job's world size. */
+      const char **names = calloc(cu->ntensors + 1, sizeof *names);
+      const uint64_t **shapes = calloc(cu->ntensors + 1, sizeof *shapes);
+      unsigned *ndims = calloc(cu->ntensors + 1, sizeof *ndims);
+      int *frozen = calloc(cu->ntensors + 1, sizeof *frozen);
+      rc = -ENOMEM;
+      if (names != NULL && shapes != NULL && ndims != NULL && frozen != NULL) {
+        for (unsigned t = 0; t < cu->ntensors; t++) {
+          names[t] = cu->tensors[t].name;
+          shapes[t] = cu->tensors[t].shape;
+          ndims[t] = cu->tensors[t].ndim;
+          frozen[t] = cu->tensors[t].frozen;
+        }
+        rc = unit_layout_build(cu->name, cu->ntensors, names, shapes, ndims, frozen, j->world_size,
+                               0, &su->layout, err, err_bytes);
+      }
+      free(names);
+      free(shapes);
+      free(ndims);
+      free(frozen);
+      if (rc != 0) {
+        rc = fail(code, rc == -ENOMEM ? RPC_RESOURCE_EXHAUSTED : RPC_FAILED_PRECONDITION, rc);
+        goto done;
+      }
+      su->owned = 1;
+      if (!same_unit(su->layout, cu, err, err_bytes)) {
+        rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
+        goto done;
+      }
+    } else {
+      unit_layout *l = NULL;
+      for (unsigned k = 0; k < njob && l == NULL; k++)
+        if (strcmp(units[k]->name, cu->name) == 0)
+          l = units[k];
+      if (l == NULL) {
+        snprintf(err, err_bytes, "the checkpoint's unit '%s' is not registered in job '%s'",
+                 cu->name, j->name);
+        rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
+        goto done;
+      }
+      if (!same_unit(l, cu, err, err_bytes)) {
+        rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
+        goto done;
+      }
+      su->layout = l;
+    }
+    /* This rank's slice of the unit in the job's world; beyond the
+     * tensors (padding) it is zero. */
+    const unit_layout *l = su->layout;
+    uint64_t lo = (uint64_t)rank * l->shard_numel;
+    uint64_t hi = lo + l->shard_numel < l->numel ? lo + l->shard_numel : l->numel;
+    ckpt_state states[3] = {CKPT_MASTER, CKPT_MOMENT1, CKPT_MOMENT2};
+    int want[3] = {1, need1 && m->has_moment1, need2 && m->has_moment2};
+    for (int k = 0; k < 3; k++) {
+      if (!want[k])
+        continue;
+      su->state[k] = calloc(l->shard_numel + 1, sizeof(float));
+      if (su->state[k] == NULL) {
+        rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+        goto done;
+      }
+      if (lo < hi) {
+        rc = ckpt_source_read(src, u, states[k], lo, hi, su->state[k], err, err_bytes);
+        if (rc != 0) {
+          rc = fail(code, io_code(rc), rc);
+          goto done;
+        }
+      }
+    }
+  }
+  rc = 0;
+done:
+  free(units);
+  ckpt_source_close(src);
+  return rc;
+}
+
+static int read_safetensors(job *j, int rank, const char *source, ckpt_staged *st, int *code,
+                            char *err, size_t err_bytes) {
+  st_file f = {0};
+  int fd = -1;
+  int rc = st_open(source, &f, &fd, err, err_bytes);
+  if (rc != 0)
+    return fail(code, rc == -ENOENT ? RPC_NOT_FOUND : RPC_INVALID_ARGUMENT, rc);
+  unsigned njob = 0;
+  unit_layout **units = job_units(j, &njob);
+  if (units == NULL) {
+    rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+    goto done;
+  }
+  if (njob == 0) {
+    snprintf(err, err_bytes,
+             "job '%s' has no units: its workers register them before it is initialised from a "
+             "safetensors file (tensors are matched by name)",
+             j->name);
+    rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
+    goto done;
+  }
+  /* Every tensor is checked on every rank, so all ranks fail alike. */
+  for (unsigned u = 0; u < njob; u++) {
+    const unit_layout *l = units[u];
+    for (unsigned t = 0; t < l->ntensors; t++) {
+      const tensor_layout *tl = &l->tensors[t];
+      const st_tensor *ft = st_find(&f, tl->name);
+      char sa[160], sb[160];
+      shape_text(tl->shape, tl->ndim, sa, sizeof sa);
+      if (ft == NULL) {
+        snprintf(err, err_bytes, "tensor '%s' (unit '%s', shape %s) is not in %s", tl->name,
+                 l->name, sa, source);
+        rc = fail(code, RPC_INVALID_ARGUMENT, -EINVAL);
+        goto done;
+      }
+      shape_text(ft->shape, ft->ndim, sb, sizeof sb);
+      if (strcmp(sa, sb) != 0 && !(ft->numel == tl->numel && tl->ndim == 0)) {
+        snprintf(err, err_bytes, "tensor '%s' (unit '%s'): shape %s in the job, %s in %s", tl->name,
+                 l->name, sa, sb, source);
+        rc = fail(code, RPC_INVALID_ARGUMENT, -EINVAL);
+        goto done;
+      }
+      if (ft->dtype == ST_OTHER) {
+        snprintf(err, err_bytes, "tensor '%s': dtype %s is not a floating-point type", tl->name,
+                 ft->dtype_name);
+        rc = fail(code, RPC_INVALID_ARGUMENT, -EINVAL);
+        goto done;
+      }
+    }
+  }
+  st->nunits = njob;
+  st->units = calloc(njob, sizeof *st->units);
+  if (st->units == NULL) {
+    rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+    goto done;
+  }
+  st->step = 0; /* weights only: the optimizer starts over */
+  for (unsigned u = 0; u < njob; u++) {
+    const unit_layout *l = units[u];
+    ckpt_staged_unit *su = &st->units[u];
+    su->layout = units[u];
+    su->state[CKPT_MASTER] = calloc(l->shard_numel + 1, sizeof(float));
+    if (su->state[CKPT_MASTER] == NULL) {
+      rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+      goto done;
+    }
+    uint64_t lo = (uint64_t)rank * l->shard_numel, hi = lo + l->shard_numel;
+    for (unsigned t = 0; t < l->ntensors; t++) {
+      const tensor_layout *tl = &l->tensors[t];
+      uint64_t b = tl->offset > lo ? tl->offset : lo;
+      uint64_t e = tl->offset + tl->numel < hi ? tl->offset + tl->numel : hi;
+      if (b >= e)
+        continue;
+      rc = st_read_f32(fd, &f, st_find(&f, tl->name), b - tl->offset, e - tl->offset,
+                       su->state[CKPT_MASTER] + (b - lo), err, err_bytes);
+      if (rc != 0) {
+        rc = fail(code, io_code(rc), rc);
+        goto done;
+      }
+    }
+  }
+  rc = 0;
+done:
+  free(units);
+  if (fd >= 0)
+    close(fd);
+  st_file_free(&f);
+  return rc;
+}
+
+int ckpt_restore_read(job *j, int rank, const char *source, int format, ckpt_staged **out,
+                      int *code, char *err, size_t err_bytes) {
+  *out = NULL;
+  *code = 0;
+  ckpt_staged *st = calloc(1, sizeof *st);
+  if (st == NULL)
+    return fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+  int rc;
+  if (format == ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_SAFETENSORS) {
+    rc = read_safetensors(j, rank, source, st, code, err, err_bytes);
+  } else if (format == ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_CHECKPOINT) {
+    rc = read_checkpoint(j, rank, source, st, code, err, err_bytes);
+  } else {
+    snprintf(err, err_bytes, "unknown restore format %d", format);
+    rc = fail(code, RPC_INVALID_ARGUMENT, -EINVAL);
+  }
+  if (rc != 0) {
+    ckpt_staged_free(st);
+    return rc;
+  }
+  *out = st;
+  return 0;
+}

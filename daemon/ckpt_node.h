@@ -1,0 +1,108 @@
+/* ckpt_node: a node's part of checkpoints (ARCHITECTURE §6,
+ * docs/checkpoints.md).
+ *
+ * The coordinator orders saves and restores through the job's assignment
+ * (SaveOrder, RestoreOrder in the Watch stream); this node's ranks do the
+ * work and report it in every heartbeat (JobStatus.saves / restores) until
+ * the order leaves the assignment.
+ *
+ * Save. Every rank copies its shard state (fp32 master weights and the
+ * optimizer's moments) to host memory at the same step, on its executor,
+ * so no step runs meanwhile; the copy is then written to the order's
+ * directory by a thread of its own while training goes on. The ranks agree
+ * on the step through the step's own all-reduce (exec.c): a rank that knows
+ * of an order adds its id there, and every rank takes its copy at the end
+ * of that step. A rank with no worker attached takes it at once (OP_SAVE),
+ * or when its worker detaches. Global rank 0 also writes the job's layout
+ * (ckpt.h, CKPT_LAYOUT_NAME), from which the coordinator makes the
+ * manifest.
+ *
+ * Restore. Refused while workers are attached to the job here (its ranks
+ * would be between collectives). Otherwise attaches are refused until it
+ * ends, every rank reads and verifies what it owns of the source into host
+ * memory (OP_RESTORE_READ) and reports; once every rank of the job has,
+ * the coordinator sets commit and every rank installs its part
+ * (OP_RESTORE_COMMIT). An order withdrawn before the commit drops what was
+ * read: the job is unchanged.
+ *
+ * Threads: ckpt_node_orders, ckpt_node_reports and the job functions run
+ * on the loop; the rank functions on the rank's executor; each save's
+ * writers on threads of their own. A job's checkpoint state has a mutex of
+ * its own, and the loop learns of progress through an async handle that
+ * sends a heartbeat at once. */
+#ifndef ZEROD_CKPT_NODE_H
+#define ZEROD_CKPT_NODE_H
+
+#include <stdint.h>
+
+#include "ckpt.h"
+#include "job.h"
+#include "zerod/v1/control.pb-c.h"
+
+struct daemon;
+
+/* ---- Loop thread ------------------------------------------------------------ */
+
+/* The async handle through which threads ask for a heartbeat. Shutdown
+ * stops every job's shard writers (at their next chunk; their saves fail)
+ * and closes it. */
+int ckpt_node_init(struct daemon *d);
+void ckpt_node_shutdown(struct daemon *d);
+
+/* Follows the checkpoint orders of job j's assignment. */
+void ckpt_node_orders(struct daemon *d, job *j, const Zerod__V1__Assignment *as);
+
+/* Adds the job's reports to st. What they point to is in *owned until
+ * ckpt_node_reports_free (after the heartbeat is encoded). */
+void ckpt_node_reports(job *j, Zerod__V1__JobStatus *st, void **owned);
+void ckpt_node_reports_free(void *owned);
+
+/* The job's checkpoint state, made with the job (job_create) and freed
+ * with it once its executors have stopped: waits for its writers, which
+ * give up at their next chunk. */
+int ckpt_node_job_init(job *j);
+void ckpt_node_job_free(job *j);
+
+/* ---- Executor threads ---------------------------------------------------------- */
+
+/* Rank `rank` (global) took its copy for save id: data_bytes of shard data
+ * in the shard file's order, and for rank 0 the job's layout. Ownership of
+ * data and layout passes here. */
+void ckpt_node_saved(job *j, int rank, uint64_t id, uint64_t step, void *data, uint64_t data_bytes,
+                     ckpt_manifest *layout, int64_t stall_ms);
+void ckpt_node_save_failed(job *j, int rank, uint64_t id, int code, const char *error);
+
+/* A rank's restore result: read and verified (committed 0), installed
+ * (committed 1), or failed (code: a gRPC status; error names the cause). */
+void ckpt_node_restore_report(job *j, int rank, uint64_t id, int committed, uint64_t step, int code,
+                              const char *error);
+
+/* What a rank read for a restore, in host memory, waiting for the commit. */
+typedef struct ckpt_staged_unit {
+  unit_layout *layout; /* the job's, or built from the manifest (owned) */
+  int owned;
+  float *state[3]; /* shard_numel each, by ckpt_state; NULL: zeros */
+} ckpt_staged_unit;
+
+typedef struct ckpt_staged {
+  uint64_t id;
+  uint64_t step; /* the job's step after the restore */
+  unsigned nunits;
+  ckpt_staged_unit *units;
+} ckpt_staged;
+
+/* Reads and verifies rank's part (global rank) of source (a checkpoint
+ * directory or a safetensors file, by format) for job j, matching it to
+ * the job's units (or, for a checkpoint and a job with none, to units built
+ * from its manifest). Returns 0, or a negative errno with a gRPC status in
+ * *code and the reason in err. */
+int ckpt_restore_read(job *j, int rank, const char *source, int format, ckpt_staged **out,
+                      int *code, char *err, size_t err_bytes);
+void ckpt_staged_free(ckpt_staged *s);
+
+/* The layout of job j (a manifest without files) with these units, as
+ * rank 0 writes it during a save; NULL if out of memory. */
+ckpt_manifest *ckpt_layout_of(job *j, unit_layout *const *units, unsigned nunits, uint64_t step,
+                              uint64_t version);
+
+#endif /* ZEROD_CKPT_NODE_H */

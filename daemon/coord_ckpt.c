@@ -1,0 +1,1800 @@
+/* The coordinator's side of checkpoints (ARCHITECTURE §6,
+ * docs/checkpoints.md): the Checkpoints service (Save, List, Delete,
+ * Restore), the orders it gives the nodes through their Watch streams,
+ * and the periodic checkpoints of a job's CheckpointPolicy.
+ *
+ * The filesystem is the catalog. A checkpoint J/N exists iff
+ * <checkpoint-dir>/J/N/ holds a manifest.json that decodes; there is no
+ * other record to keep in step with the directories, so nothing can
+ * disagree with them after a crash. A save writes into J/<N>.tmp-<id>/,
+ * which becomes N only by the rename that follows the manifest; a delete
+ * first renames N to N.deleting-<id>. Anything that carries one of those
+ * marks is an unfinished operation, removed when the coordinator starts.
+ *
+ * An order (a save or a restore) travels to the job's nodes in their
+ * Assignments; every rank reports on it in each heartbeat (ShardReport),
+ * and the coordinator keeps the latest report of each rank. A save: every
+ * rank writes its shard file into the temporary directory, rank 0 also the
+ * job's layout; once all report success the coordinator writes the
+ * manifest, renames the directory into place and answers. A restore:
+ * every rank reads and checks what it will own (phase 1); once all
+ * succeeded the order says commit, and every rank installs it (phase 2).
+ * A job has at most one order at a time, and only while it is ready: a
+ * job that stops being ready fails its order.
+ *
+ * Everything runs on the loop thread except file work that may take long
+ * on a big or remote filesystem: the commit of a save, the checks before a
+ * restore, List's scan and every recursive removal run on libuv's thread
+ * pool, each with its own copy of what it needs, and report back to the
+ * loop. Left in line, as with the state file, are a mkdir, a rename and a
+ * directory fsync per operation, and reading one job's directory to find
+ * the periodic checkpoints to drop. */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ckpt.h"
+#include "coord_impl.h"
+#include "ctl_decode.h"
+#include "log.h"
+
+#define CKPT_DEFAULT_TIMEOUT_MS (600 * 1000)
+#define CKPT_AUTO_RETRY_MS      (30 * 1000) /* after a failed periodic checkpoint */
+#define CKPT_MAX_LISTED         65536       /* checkpoints in one List reply */
+#define CKPT_MAX_TREE_DEPTH     16          /* directories inside a removed one */
+#define CKPT_MESSAGE_BYTES      1536
+
+/* ------------------------------------------------------------------------ */
+/* Orders                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef enum order_kind { ORDER_SAVE, ORDER_RESTORE } order_kind;
+
+typedef enum order_phase {
+  PHASE_PREPARING,  /* restore: the source is being checked on the thread pool */
+  PHASE_RUNNING,    /* in the nodes' Assignments, collecting their reports */
+  PHASE_COMMITTING, /* save: manifest and rename on the thread pool */
+} order_phase;
+
+/* The latest report of one rank on the order. */
+typedef struct rank_report {
+  int done;
+  int failed;
+  int committed;
+  int code;    /* with failed */
+  char *error; /* owned; NULL if none (or it could not be copied) */
+  uint64_t step, bytes, xxh64;
+  int64_t stall_ms;
+  char file[CTL_FILE_MAX_BYTES + 1];
+} rank_report;
+
+typedef struct ckpt_order {
+  struct ckpt_order *next;
+  coord *c;
+  order_kind kind;
+  order_phase phase;
+  uint64_t id;
+  char job[CTL_NAME_MAX_BYTES + 1];
+  uint64_t job_id;
+  uint32_t world_size;
+  /* The job's order (its cjob.order points here). An order that fails
+   * while thread-pool work for it is in flight is detached and answered at
+   * once, and freed when the work reports back. */
+  int attached;
+  int work_in_flight;
+  int abandoned;
+  rpc_call *call; /* the Save or Restore waiting for it; NULL: periodic, or answered */
+  int periodic;
+  uint64_t started_ns;               /* uv_hrtime */
+  uint64_t deadline_ms;              /* on the loop's clock */
+  int64_t timeout_ms;                /* what the deadline allowed */
+  char name[CTL_NAME_MAX_BYTES + 1]; /* save: as asked; "" for step-<step> or auto-<step> */
+  char dir[PATH_MAX];                /* save: the temporary directory; restore: the source */
+  /* What the Assignments carry; the strings point into the order. */
+  Zerod__V1__SaveOrder save_msg;
+  Zerod__V1__SaveOrder *save_list[1];
+  Zerod__V1__RestoreOrder restore_msg;
+  rank_report *ranks; /* [world_size] */
+} ckpt_order;
+
+static const char *order_noun(const ckpt_order *o) {
+  if (o->kind == ORDER_RESTORE)
+    return "restore";
+  return o->periodic ? "periodic checkpoint" : "save";
+}
+
+static const char *state_word(Zerod__V1__JobState state) {
+  switch (state) {
+  case ZEROD__V1__JOB_STATE__JOB_STATE_CREATING:
+    return "creating";
+  case ZEROD__V1__JOB_STATE__JOB_STATE_READY:
+    return "ready";
+  case ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED:
+    return "degraded";
+  case ZEROD__V1__JOB_STATE__JOB_STATE_DELETING:
+    return "deleting";
+  default:
+    return "unspecified";
+  }
+}
+
+static int64_t elapsed_ms(uint64_t since_ns) {
+  return (int64_t)((uv_hrtime() - since_ns) / 1000000);
+}
+
+/* The job whose order o is, or NULL once it no longer is. */
+static cjob *order_job(const coord *c, const ckpt_order *o) {
+  if (!o->attached)
+    return NULL;
+  cjob *j = coord__find_job(c, o->job);
+  return j != NULL && j->order == o ? j : NULL;
+}
+
+static ckpt_order *order_new(coord *c, cjob *j, order_kind kind) {
+  ckpt_order *o = calloc(1, sizeof *o);
+  uint32_t world = j->msg->world_size;
+  if (o == NULL || (o->ranks = calloc(world ? world : 1, sizeof *o->ranks)) == NULL) {
+    free(o);
+    return NULL;
+  }
+  o->c = c;
+  o->kind = kind;
+  o->id = c->next_order_id++;
+  snprintf(o->job, sizeof o->job, "%s", j->msg->name);
+  o->job_id = j->msg->id;
+  o->world_size = world;
+  o->started_ns = uv_hrtime();
+  o->attached = 1;
+  j->order = o;
+  o->next = c->orders;
+  c->orders = o;
+  return o;
+}
+
+/* Makes o no longer its job's order; a running order leaves the
+ * Assignments, which the job's nodes hear at once. */
+static void order_detach(coord *c, ckpt_order *o) {
+  cjob *j = order_job(c, o);
+  o->attached = 0;
+  if (j == NULL)
+    return;
+  j->order = NULL;
+  if (o->phase == PHASE_RUNNING)
+    coord__mark_job_watches(c, j);
+}
+
+static void order_free(coord *c, ckpt_order *o) {
+  order_detach(c, o);
+  for (ckpt_order **p = &c->orders; *p != NULL; p = &(*p)->next) {
+    if (*p == o) {
+      *p = o->next;
+      break;
+    }
+  }
+  if (o->call != NULL) {
+    rpc_call_set_cancel(o->call, NULL, NULL);
+    rpc_call_finish(o->call, RPC_INTERNAL, "checkpoint order dropped", NULL, 0);
+  }
+  for (uint32_t r = 0; r < o->world_size; r++)
+    free(o->ranks[r].error);
+  free(o->ranks);
+  free(o);
+}
+
+/* Answers o's call, if it still has one, with an error. */
+static void order_answer_error(ckpt_order *o, int status, const char *message) {
+  if (o->call == NULL)
+    return;
+  rpc_call_set_cancel(o->call, NULL, NULL);
+  rpc_call_finish(o->call, status, message, NULL, 0);
+  o->call = NULL;
+}
+
+static void queue_remove(coord *c, const char *path, const char *why);
+
+static void order_fail(coord *c, ckpt_order *o, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* Ends o with an error: answers its call, takes it out of the Assignments
+ * (the nodes drop what they did for it), removes a save's temporary
+ * directory and, for a periodic save, holds the next attempt back. The
+ * checkpoints that exist are never touched. */
+static void order_fail(coord *c, ckpt_order *o, int status, const char *fmt, ...) {
+  char message[CKPT_MESSAGE_BYTES];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(message, sizeof message, fmt, ap);
+  va_end(ap);
+  char quoted[CKPT_MESSAGE_BYTES + 64];
+  LOG_WARNF("checkpoint order failed", "job=%s order=%" PRIu64 " kind=%s status=%s err=%s", o->job,
+            o->id, order_noun(o), rpc_status_name(status),
+            log_quote(message, quoted, sizeof quoted));
+  order_answer_error(o, status, message);
+  cjob *j = order_job(c, o);
+  if (o->periodic && j != NULL)
+    j->autockpt.retry_ms = uv_now(c->loop) + CKPT_AUTO_RETRY_MS;
+  if (o->work_in_flight) {
+    /* The thread pool still works for it: it is freed when that reports
+     * back, and the job may start another order meanwhile. */
+    o->abandoned = 1;
+    order_detach(c, o);
+    return;
+  }
+  if (o->kind == ORDER_SAVE && o->dir[0] != '\0')
+    queue_remove(c, o->dir, "failed save");
+  order_free(c, o);
+}
+
+/* The lowest rank that reported a failure, or NULL. A report with an
+ * error is a failure whether or not it also says done. */
+static const rank_report *first_failure(const ckpt_order *o, uint32_t *rank) {
+  for (uint32_t r = 0; r < o->world_size; r++) {
+    if (o->ranks[r].failed) {
+      *rank = r;
+      return &o->ranks[r];
+    }
+  }
+  return NULL;
+}
+
+static void fail_with_rank(coord *c, ckpt_order *o, uint32_t rank, const rank_report *rr) {
+  /* A node's code is taken as given if it is an error status; anything
+   * else means the node itself got it wrong. */
+  int status = rr->code > RPC_OK && rr->code <= RPC_UNAUTHENTICATED ? rr->code : RPC_INTERNAL;
+  order_fail(c, o, status, "rank %u: %s", rank,
+             rr->error != NULL ? rr->error
+                               : "(its error text was lost: coordinator out of memory)");
+}
+
+/* "ranks 1, 3" (at most 8, then "and N more") of the ranks still owed. */
+static void format_pending(const ckpt_order *o, char *out, size_t out_bytes) {
+  size_t len = 0, count = 0;
+  out[0] = '\0';
+  for (uint32_t r = 0; r < o->world_size; r++) {
+    const rank_report *rr = &o->ranks[r];
+    int pending = o->kind == ORDER_RESTORE && o->restore_msg.commit ? !rr->committed : !rr->done;
+    if (!pending)
+      continue;
+    if (count < 8 && len < out_bytes) {
+      int n = snprintf(out + len, out_bytes - len, "%s%u", count ? ", " : "", r);
+      if (n > 0)
+        len += (size_t)n;
+    }
+    count++;
+  }
+  if (count > 8 && len < out_bytes)
+    snprintf(out + len, out_bytes - len, " and %zu more", count - 8);
+  if (count == 0)
+    snprintf(out, out_bytes, "none");
+}
+
+static void on_order_cancelled(rpc_call *call, void *arg) {
+  ckpt_order *o = arg;
+  coord *c = o->c;
+  int deadline = rpc_call_remaining_ms(call) <= 0;
+  int past_return =
+      o->phase == PHASE_COMMITTING ||
+      (o->kind == ORDER_RESTORE && o->phase == PHASE_RUNNING && o->restore_msg.commit);
+  if (!past_return) {
+    order_fail(c, o, deadline ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED, "%s",
+               deadline ? "the call's deadline passed" : "the client cancelled the call");
+    return;
+  }
+  /* Every rank has done its part (a save being committed) or is installing
+   * the restored state: the order completes without its caller. gRPC has
+   * already ended the call; this only frees it. */
+  LOG_INFOF("checkpoint caller went away; the order completes", "job=%s order=%" PRIu64 " kind=%s",
+            o->job, o->id, order_noun(o));
+  o->call = NULL;
+  rpc_call_finish(call, deadline ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED, "call ended", NULL, 0);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Files                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* Status for a failed file operation of the coordinator's own: a full disk
+ * is RESOURCE_EXHAUSTED, the rest UNAVAILABLE (an operator fixes the
+ * filesystem and retries). */
+static int io_status(int errnum) {
+  return errnum == ENOSPC || errnum == EDQUOT || errnum == ENOMEM ? RPC_RESOURCE_EXHAUSTED
+                                                                  : RPC_UNAVAILABLE;
+}
+
+/* Formats a path. coord__ckpt_init makes sure that the checkpoint
+ * directory leaves 512 bytes of PATH_MAX, more than anything appended here
+ * needs (a job and a checkpoint name of at most 64 bytes each, a mark with
+ * an id, a shard file's name), so nothing is cut off; vsnprintf rather
+ * than snprintf because the compiler cannot know that. */
+static void path_format(char *out, size_t out_bytes, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void path_format(char *out, size_t out_bytes, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(out, out_bytes, fmt, ap);
+  va_end(ap);
+}
+
+/* Copies a name that has been checked to fit (a valid name: 64 bytes). */
+static void copy_name(char *out, size_t out_bytes, const char *name) {
+  size_t len = strnlen(name, out_bytes - 1);
+  memcpy(out, name, len);
+  out[len] = '\0';
+}
+
+static int fsync_dir(const char *path) {
+  int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0)
+    return -errno;
+  int rc = fsync(fd) == 0 ? 0 : -errno;
+  close(fd);
+  return rc;
+}
+
+/* mkdir -p with mode 0700. Returns 0 or a negative errno. */
+static int make_dirs(const char *path) {
+  char buf[PATH_MAX];
+  if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
+    return -ENAMETOOLONG;
+  for (char *p = buf + 1;; p++) {
+    if (*p != '/' && *p != '\0')
+      continue;
+    char saved = *p;
+    *p = '\0';
+    if (mkdir(buf, 0700) != 0 && errno != EEXIST)
+      return -errno;
+    *p = saved;
+    if (saved == '\0')
+      return 0;
+  }
+}
+
+static int is_dir_at(int dir_fd, const struct dirent *e) {
+  if (e->d_type == DT_DIR)
+    return 1;
+  if (e->d_type != DT_UNKNOWN)
+    return 0;
+  struct stat st;
+  return fstatat(dir_fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* Removes name (in the directory parent_fd) and everything under it,
+ * never following symbolic links. Safe on any thread. */
+static int remove_at(int parent_fd, const char *name, int depth) {
+  if (unlinkat(parent_fd, name, 0) == 0 || errno == ENOENT)
+    return 0;
+  if (errno != EISDIR && errno != EPERM)
+    return -errno;
+  if (depth >= CKPT_MAX_TREE_DEPTH)
+    return -ELOOP;
+  int fd = openat(parent_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0)
+    return -errno;
+  DIR *d = fdopendir(fd);
+  if (d == NULL) {
+    int rc = -errno;
+    close(fd);
+    return rc;
+  }
+  int rc = 0;
+  /* A file created while we read (a rank still writing into a failed
+   * save) is caught by the next pass. */
+  for (int pass = 0; pass < 3; pass++) {
+    struct dirent *e;
+    rewinddir(d);
+    while ((e = readdir(d)) != NULL) {
+      if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+        continue;
+      int child = remove_at(dirfd(d), e->d_name, depth + 1);
+      if (child != 0 && rc == 0)
+        rc = child;
+    }
+    if (rc != 0)
+      break;
+    if (unlinkat(parent_fd, name, AT_REMOVEDIR) == 0 || errno == ENOENT) {
+      closedir(d);
+      return 0;
+    }
+    if (errno != ENOTEMPTY && errno != EEXIST) {
+      rc = -errno;
+      break;
+    }
+  }
+  closedir(d);
+  return rc != 0 ? rc : -ENOTEMPTY;
+}
+
+static int remove_tree(const char *path) {
+  return remove_at(AT_FDCWD, path, 0);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The thread pool                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* One piece of work: run() on a thread-pool thread, then done() on the
+ * loop. Each kind below embeds this first. */
+typedef struct ckpt_work {
+  uv_work_t req;
+  coord *c;
+  void (*run)(struct ckpt_work *w);
+  void (*done)(struct ckpt_work *w);
+} ckpt_work;
+
+static void work_run(uv_work_t *req) {
+  ckpt_work *w = (ckpt_work *)req;
+  w->run(w);
+}
+
+static void work_done(uv_work_t *req, int status) {
+  ckpt_work *w = (ckpt_work *)req;
+  w->c->ckpt_work--;
+  w->done(w);
+}
+
+static void queue_work(coord *c, ckpt_work *w) {
+  w->c = c;
+  c->ckpt_work++;
+  if (uv_queue_work(c->loop, &w->req, work_run, work_done) != 0) {
+    /* Only for a NULL callback, which never happens; do it in line then. */
+    w->run(w);
+    work_done(&w->req, 0);
+  }
+}
+
+typedef struct remove_work {
+  ckpt_work base;
+  int rc;
+  char why[32];
+  char path[PATH_MAX];
+} remove_work;
+
+static void remove_run(ckpt_work *base) {
+  remove_work *w = (remove_work *)base;
+  w->rc = remove_tree(w->path);
+}
+
+static void remove_done(ckpt_work *base) {
+  remove_work *w = (remove_work *)base;
+  if (w->rc != 0)
+    LOG_WARNF("cannot remove a checkpoint directory; the next start removes it",
+              "path=%s why=\"%s\" err=\"%s\"", w->path, w->why, strerror(-w->rc));
+  else
+    LOG_DEBUGF("removed a checkpoint directory", "path=%s why=\"%s\"", w->path, w->why);
+  free(w);
+}
+
+/* Removes path recursively on the thread pool. If it cannot be (no
+ * memory), the directory stays; its name marks it for removal at the next
+ * start. */
+static void queue_remove(coord *c, const char *path, const char *why) {
+  remove_work *w = calloc(1, sizeof *w);
+  if (w == NULL) {
+    LOG_WARNF("cannot remove a checkpoint directory now; the next start removes it",
+              "path=%s why=\"%s\" err=\"out of memory\"", path, why);
+    return;
+  }
+  w->base.run = remove_run;
+  w->base.done = remove_done;
+  snprintf(w->why, sizeof w->why, "%s", why);
+  snprintf(w->path, sizeof w->path, "%s", path);
+  queue_work(c, &w->base);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Request checks                                                           */
+/* ------------------------------------------------------------------------ */
+
+/* What Save and Restore require of the job: that the coordinator has a
+ * checkpoint directory, that the job exists, is ready and has no order in
+ * flight. Returns 0 with the job, or a status with the reason in err. */
+static int order_precheck(coord *c, const char *name, cjob **out, char *err, size_t err_bytes) {
+  if (c->options.checkpoint_dir[0] == '\0') {
+    snprintf(err, err_bytes, "this coordinator has no checkpoint directory");
+    return RPC_FAILED_PRECONDITION;
+  }
+  cjob *j = coord__find_job(c, name);
+  if (j == NULL || j->deleting) {
+    snprintf(err, err_bytes, j == NULL ? "no job named '%s'" : "job '%s' is being deleted", name);
+    return RPC_NOT_FOUND;
+  }
+  if (j->order != NULL) {
+    snprintf(err, err_bytes,
+             "job '%s' has a %s in flight (order %" PRIu64 "); retry when it is done", name,
+             order_noun(j->order), j->order->id);
+    return RPC_FAILED_PRECONDITION;
+  }
+  if (j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY) {
+    snprintf(err, err_bytes, "job '%s' is not ready (%s: %s)", name, state_word(j->state),
+             j->reason);
+    return RPC_FAILED_PRECONDITION;
+  }
+  *out = j;
+  return 0;
+}
+
+/* The deadline of an order: the call's, at most --checkpoint-timeout. */
+static void order_set_deadline(const coord *c, ckpt_order *o, rpc_call *call) {
+  int64_t limit = c->options.checkpoint_timeout_ms > 0 ? c->options.checkpoint_timeout_ms
+                                                       : CKPT_DEFAULT_TIMEOUT_MS;
+  if (call != NULL) {
+    int64_t remaining = rpc_call_remaining_ms(call);
+    if (remaining < limit)
+      limit = remaining;
+  }
+  o->timeout_ms = limit > 0 ? limit : 0;
+  o->deadline_ms = uv_now(c->loop) + (uint64_t)o->timeout_ms;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Save                                                                     */
+/* ------------------------------------------------------------------------ */
+
+/* Starts a save of j: makes the temporary directory and puts the order in
+ * the Assignments of the job's nodes. name: as asked ("" for
+ * step-<step>); call: the waiting Save, or NULL for a periodic one.
+ * Returns 0, or a status with the reason in err and nothing started. */
+static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int periodic, char *err,
+                      size_t err_bytes) {
+  if (call != NULL && rpc_call_remaining_ms(call) <= 0) {
+    snprintf(err, err_bytes, "the call's deadline passed before the save began");
+    return RPC_DEADLINE_EXCEEDED;
+  }
+  ckpt_order *o = order_new(c, j, ORDER_SAVE);
+  if (o == NULL) {
+    snprintf(err, err_bytes, "coordinator out of memory");
+    return RPC_RESOURCE_EXHAUSTED;
+  }
+  o->periodic = periodic;
+  snprintf(o->name, sizeof o->name, "%s", name);
+  char job_dir[PATH_MAX];
+  path_format(job_dir, sizeof job_dir, "%s/%s", c->options.checkpoint_dir, j->msg->name);
+  const char *stem = periodic ? "auto" : name[0] != '\0' ? name : "step";
+  path_format(o->dir, sizeof o->dir, "%s/%s.tmp-%" PRIu64, job_dir, stem, o->id);
+  const char *failed_path = job_dir;
+  int rc = make_dirs(job_dir);
+  if (rc == 0 && mkdir(o->dir, 0700) != 0) {
+    rc = -errno;
+    failed_path = o->dir;
+  }
+  if (rc != 0) {
+    snprintf(err, err_bytes, "cannot create %s: %s", failed_path, strerror(-rc));
+    o->dir[0] = '\0'; /* nothing of ours to remove */
+    order_free(c, o);
+    return io_status(-rc);
+  }
+  zerod__v1__save_order__init(&o->save_msg);
+  o->save_msg.id = o->id;
+  o->save_msg.dir = o->dir;
+  o->save_list[0] = &o->save_msg;
+  o->phase = PHASE_RUNNING;
+  order_set_deadline(c, o, call);
+  if (call != NULL) {
+    o->call = call;
+    rpc_call_set_cancel(call, on_order_cancelled, o);
+  }
+  LOG_INFOF(periodic ? "periodic checkpoint started" : "checkpoint save started",
+            "job=%s order=%" PRIu64 " name=%s step=%" PRIu64 " dir=%s", o->job, o->id,
+            name[0] != '\0' ? name : "-", j->step, o->dir);
+  coord__mark_job_watches(c, j);
+  return 0;
+}
+
+/* A save being committed: what the thread needs, and what it found. */
+typedef struct commit_work {
+  ckpt_work base;
+  ckpt_order *order;
+  /* In */
+  char job_dir[PATH_MAX];
+  char tmp_dir[PATH_MAX];
+  char job[CTL_NAME_MAX_BYTES + 1];
+  char name[CTL_NAME_MAX_BYTES + 1];
+  const char *stem; /* "step" or "auto" for a name made from the step */
+  uint64_t id, job_id, step;
+  uint32_t world_size;
+  int64_t created_unix_ms;
+  uint64_t started_ns;
+  ckpt_file_entry *files;                     /* [world_size], names in file_names */
+  char (*file_names)[CTL_FILE_MAX_BYTES + 1]; /* [world_size] */
+  /* Out */
+  int status;
+  char message[CKPT_MESSAGE_BYTES];
+  char final_name[CTL_NAME_MAX_BYTES + 24];
+  char final_dir[PATH_MAX];
+  uint64_t bytes;
+  int64_t total_ms;
+} commit_work;
+
+static int commit_fail(commit_work *w, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int commit_fail(commit_work *w, int status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(w->message, sizeof w->message, fmt, ap);
+  va_end(ap);
+  w->status = status;
+  return status;
+}
+
+/* Checks what the ranks wrote and turns the temporary directory into the
+ * checkpoint: manifest (from rank 0's layout and the ranks' reports),
+ * read back, layout removed, directory synced, renamed, parent synced. */
+static int commit_steps(commit_work *w) {
+  char path[PATH_MAX + CTL_FILE_MAX_BYTES + 2];
+  struct stat st;
+  /* Every shard file is where the coordinator sees the directory: if it is
+   * not, the nodes wrote to another filesystem than this one. */
+  for (uint32_t r = 0; r < w->world_size; r++) {
+    snprintf(path, sizeof path, "%s/%s", w->tmp_dir, w->files[r].name);
+    if (stat(path, &st) != 0) {
+      if (errno == ENOENT)
+        return commit_fail(w, RPC_FAILED_PRECONDITION,
+                           "rank %u's shard file %s is not in %s as the coordinator sees it: the "
+                           "checkpoint directory must be on a filesystem that every node shares "
+                           "(docs/checkpoints.md)",
+                           r, w->files[r].name, w->tmp_dir);
+      return commit_fail(w, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+    }
+    if ((uint64_t)st.st_size != w->files[r].bytes)
+      return commit_fail(w, RPC_DATA_LOSS,
+                         "%s: %" PRIu64 " bytes on disk, rank %u reported %" PRIu64,
+                         w->files[r].name, (uint64_t)st.st_size, r, w->files[r].bytes);
+    w->bytes += w->files[r].bytes;
+  }
+
+  ckpt_manifest m;
+  char err[CKPT_MESSAGE_BYTES - 64];
+  int rc =
+      ckpt_manifest_load(w->tmp_dir, CKPT_LAYOUT_NAME, CKPT_DECODE_NO_FILES, &m, err, sizeof err);
+  if (rc != 0)
+    return commit_fail(w, rc == -ENOENT ? RPC_FAILED_PRECONDITION : RPC_INTERNAL,
+                       "rank 0's layout: %s", err);
+  if (m.step != w->step || m.world_size != w->world_size) {
+    commit_fail(w, RPC_INTERNAL,
+                "rank 0's layout is of step %" PRIu64
+                " and %u ranks; the ranks reported step %" PRIu64 " and %u ranks",
+                m.step, m.world_size, w->step, w->world_size);
+    ckpt_manifest_free(&m);
+    return w->status;
+  }
+  uint64_t expect_bytes = ckpt_shard_file_bytes(&m);
+  for (uint32_t r = 0; r < w->world_size; r++) {
+    if (w->files[r].bytes != expect_bytes) {
+      commit_fail(w, RPC_INTERNAL,
+                  "rank %u's shard file is %" PRIu64 " bytes; the job's layout makes it %" PRIu64,
+                  r, w->files[r].bytes, expect_bytes);
+      ckpt_manifest_free(&m);
+      return w->status;
+    }
+  }
+
+  /* The name: as asked, or made from the step (with the order id when
+   * that name is taken: two saves at one step). */
+  if (w->name[0] != '\0') {
+    snprintf(w->final_name, sizeof w->final_name, "%s", w->name);
+  } else {
+    snprintf(w->final_name, sizeof w->final_name, "%s-%08" PRIu64, w->stem, w->step);
+    path_format(w->final_dir, sizeof w->final_dir, "%s/%s", w->job_dir, w->final_name);
+    if (lstat(w->final_dir, &st) == 0)
+      snprintf(w->final_name, sizeof w->final_name, "%s-%" PRIu64 "-%" PRIu64, w->stem, w->step,
+               w->id);
+  }
+  path_format(w->final_dir, sizeof w->final_dir, "%s/%s", w->job_dir, w->final_name);
+
+  /* The coordinator is the authority on the job and the checkpoint's name:
+   * they are set here whatever the layout said. The fields are swapped in
+   * and back out so that ckpt_manifest_free frees only its own. */
+  char *layout_job = m.job, *layout_name = m.name;
+  ckpt_file_entry *layout_files = m.files;
+  m.job = w->job;
+  m.name = w->final_name;
+  m.files = w->files;
+  m.job_id = w->job_id;
+  m.created_unix_ms = w->created_unix_ms;
+  rc = ckpt_manifest_store(w->tmp_dir, CKPT_MANIFEST_NAME, &m, err, sizeof err);
+  m.job = layout_job;
+  m.name = layout_name;
+  m.files = layout_files;
+  ckpt_manifest_free(&m);
+  if (rc != 0)
+    return commit_fail(w, io_status(-rc), "cannot write the manifest: %s", err);
+  /* Read back, so that the coordinator names only checkpoints that List
+   * and Restore will accept. */
+  rc = ckpt_manifest_load(w->tmp_dir, CKPT_MANIFEST_NAME, 0, &m, err, sizeof err);
+  if (rc != 0)
+    return commit_fail(w, RPC_INTERNAL, "the manifest does not read back: %s", err);
+  ckpt_manifest_free(&m);
+
+  snprintf(path, sizeof path, "%s/%s", w->tmp_dir, CKPT_LAYOUT_NAME);
+  if (unlink(path) != 0 && errno != ENOENT)
+    return commit_fail(w, io_status(errno), "cannot remove %s: %s", path, strerror(errno));
+  if ((rc = fsync_dir(w->tmp_dir)) != 0)
+    return commit_fail(w, io_status(-rc), "cannot sync %s: %s", w->tmp_dir, strerror(-rc));
+  /* Never over an existing checkpoint: rename(2) would replace an empty
+   * directory silently. Filesystems without RENAME_NOREPLACE (some network
+   * ones) get a check first; there is one order per job, so only an
+   * operator's mkdir could race it. */
+  rc = renameat2(AT_FDCWD, w->tmp_dir, AT_FDCWD, w->final_dir, RENAME_NOREPLACE);
+  if (rc != 0 && (errno == EINVAL || errno == ENOSYS)) {
+    if (lstat(w->final_dir, &st) == 0)
+      errno = EEXIST;
+    else
+      rc = rename(w->tmp_dir, w->final_dir);
+  }
+  if (rc != 0) {
+    if (errno == EEXIST || errno == ENOTEMPTY)
+      return commit_fail(w, RPC_ALREADY_EXISTS, "job '%s' already has a checkpoint named '%s'",
+                         w->job, w->final_name);
+    return commit_fail(w, io_status(errno), "cannot rename %s to %s: %s", w->tmp_dir, w->final_name,
+                       strerror(errno));
+  }
+  /* Renamed: the checkpoint exists from here on, whatever follows. A
+   * failed sync of the parent means it might not survive a crash of the
+   * machine; that is reported, and the directory stays. */
+  if ((rc = fsync_dir(w->job_dir)) != 0) {
+    LOG_WARNF("checkpoint renamed but its directory not synced", "path=%s err=\"%s\"", w->final_dir,
+              strerror(-rc));
+  }
+  w->total_ms = elapsed_ms(w->started_ns);
+  return 0;
+}
+
+static void commit_run(ckpt_work *base) {
+  commit_work *w = (commit_work *)base;
+  w->status = 0;
+  if (commit_steps(w) != 0) {
+    int rc = remove_tree(w->tmp_dir);
+    if (rc != 0)
+      LOG_WARNF("cannot remove a failed save; the next start removes it", "path=%s err=\"%s\"",
+                w->tmp_dir, strerror(-rc));
+  }
+}
+
+static void apply_retention(coord *c, cjob *j);
+
+static void commit_done(ckpt_work *base) {
+  commit_work *w = (commit_work *)base;
+  ckpt_order *o = w->order;
+  o->work_in_flight = 0;
+  o->dir[0] = '\0'; /* renamed, or removed by the thread */
+  int64_t stall_ms = 0;
+  for (uint32_t r = 0; r < o->world_size; r++)
+    if (o->ranks[r].stall_ms > stall_ms)
+      stall_ms = o->ranks[r].stall_ms;
+  cjob *j = order_job(o->c, o);
+  if (o->abandoned) {
+    order_free(o->c, o); /* already answered */
+  } else if (w->status != 0) {
+    order_fail(o->c, o, w->status, "%s", w->message);
+  } else {
+    LOG_INFOF(o->periodic ? "periodic checkpoint saved" : "checkpoint saved",
+              "job=%s order=%" PRIu64 " name=%s step=%" PRIu64 " bytes=%" PRIu64
+              " stall_ms=%" PRId64 " total_ms=%" PRId64 " path=%s",
+              o->job, o->id, w->final_name, w->step, w->bytes, stall_ms, w->total_ms, w->final_dir);
+    if (o->call != NULL) {
+      Zerod__V1__Checkpoint checkpoint = ZEROD__V1__CHECKPOINT__INIT;
+      checkpoint.job = w->job;
+      checkpoint.name = w->final_name;
+      checkpoint.path = w->final_dir;
+      checkpoint.step = w->step;
+      checkpoint.world_size = w->world_size;
+      checkpoint.bytes = w->bytes;
+      checkpoint.created_unix_ms = w->created_unix_ms;
+      checkpoint.job_id = w->job_id;
+      Zerod__V1__SaveReply reply = ZEROD__V1__SAVE_REPLY__INIT;
+      reply.checkpoint = &checkpoint;
+      reply.stall_ms = stall_ms;
+      reply.total_ms = w->total_ms;
+      rpc_call_set_cancel(o->call, NULL, NULL);
+      coord__finish_message(o->call, &reply.base);
+      o->call = NULL;
+    }
+    if (o->periodic && j != NULL) {
+      j->autockpt.saved = 1;
+      j->autockpt.last_step = w->step;
+      j->autockpt.last_ms = uv_now(o->c->loop);
+    }
+    coord *c = o->c;
+    order_free(c, o);
+    /* Only now that the new one is complete may old ones go. */
+    if (j != NULL && !j->deleting)
+      apply_retention(c, j);
+  }
+  free(w->files);
+  free(w->file_names);
+  free(w);
+}
+
+/* Every rank saved: the order leaves the Assignments (the nodes have
+ * nothing left to do) and the commit goes to the thread pool. The job
+ * stays busy until it reports back. */
+static void save_commit(coord *c, ckpt_order *o, uint64_t step) {
+  commit_work *w = calloc(1, sizeof *w);
+  if (w != NULL) {
+    w->files = calloc(o->world_size, sizeof *w->files);
+    w->file_names = calloc(o->world_size, sizeof *w->file_names);
+  }
+  if (w == NULL || w->files == NULL || w->file_names == NULL) {
+    if (w != NULL) {
+      free(w->files);
+      free(w->file_names);
+    }
+    free(w);
+    order_fail(c, o, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    return;
+  }
+  w->base.run = commit_run;
+  w->base.done = commit_done;
+  w->order = o;
+  path_format(w->job_dir, sizeof w->job_dir, "%s/%s", c->options.checkpoint_dir, o->job);
+  snprintf(w->tmp_dir, sizeof w->tmp_dir, "%s", o->dir);
+  snprintf(w->job, sizeof w->job, "%s", o->job);
+  snprintf(w->name, sizeof w->name, "%s", o->name);
+  w->stem = o->periodic ? "auto" : "step";
+  w->id = o->id;
+  w->job_id = o->job_id;
+  w->step = step;
+  w->world_size = o->world_size;
+  w->created_unix_ms = coord__unix_ms();
+  w->started_ns = o->started_ns;
+  for (uint32_t r = 0; r < o->world_size; r++) {
+    snprintf(w->file_names[r], sizeof w->file_names[r], "%s", o->ranks[r].file);
+    w->files[r].name = w->file_names[r];
+    w->files[r].bytes = o->ranks[r].bytes;
+    w->files[r].xxh64 = o->ranks[r].xxh64;
+  }
+  cjob *j = order_job(c, o);
+  o->phase = PHASE_COMMITTING;
+  o->work_in_flight = 1;
+  if (j != NULL)
+    coord__mark_job_watches(c, j);
+  LOG_DEBUGF("checkpoint shards written; committing", "job=%s order=%" PRIu64 " step=%" PRIu64,
+             o->job, o->id, step);
+  queue_work(c, &w->base);
+}
+
+static void save_progress(coord *c, ckpt_order *o) {
+  uint32_t rank;
+  const rank_report *failed = first_failure(o, &rank);
+  if (failed != NULL) {
+    fail_with_rank(c, o, rank, failed);
+    return;
+  }
+  for (uint32_t r = 0; r < o->world_size; r++)
+    if (!o->ranks[r].done)
+      return;
+  /* Ranks take their copy at the end of the same step; if they did not,
+   * the shards do not make one state and the checkpoint would be wrong. */
+  for (uint32_t r = 1; r < o->world_size; r++) {
+    if (o->ranks[r].step != o->ranks[0].step) {
+      order_fail(c, o, RPC_FAILED_PRECONDITION,
+                 "ranks saved different steps: rank 0 at %" PRIu64 ", rank %u at %" PRIu64
+                 "; retry",
+                 o->ranks[0].step, r, o->ranks[r].step);
+      return;
+    }
+  }
+  for (uint32_t r = 0; r < o->world_size; r++) {
+    char expect[64];
+    ckpt_shard_name(r, o->world_size, expect, sizeof expect);
+    if (strcmp(o->ranks[r].file, expect) != 0) {
+      order_fail(c, o, RPC_INTERNAL, "rank %u reported shard file '%s'; expected '%s'", r,
+                 o->ranks[r].file, expect);
+      return;
+    }
+  }
+  save_commit(c, o, o->ranks[0].step);
+}
+
+static void on_save(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__SaveRequest *req = coord__begin(c, call, CTL_SAVE, request, request_bytes);
+  if (req == NULL)
+    return;
+  char err[PATH_MAX + 256];
+  cjob *j = NULL;
+  int status = order_precheck(c, req->job, &j, err, sizeof err);
+  if (status == 0 && req->name[0] != '\0') {
+    char path[PATH_MAX + 2 * CTL_NAME_MAX_BYTES];
+    struct stat st;
+    snprintf(path, sizeof path, "%s/%s/%s", c->options.checkpoint_dir, req->job, req->name);
+    if (lstat(path, &st) == 0) {
+      snprintf(err, sizeof err, "job '%s' already has a checkpoint named '%s'", req->job,
+               req->name);
+      status = RPC_ALREADY_EXISTS;
+    }
+  }
+  if (status == 0)
+    status = save_start(c, j, req->name, call, 0, err, sizeof err);
+  if (status != 0)
+    coord__finish_error(call, status, "%s", err);
+  ctl_free(&req->base);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Restore                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* The checks of a restore's source before anything is ordered. */
+typedef struct preflight_work {
+  ckpt_work base;
+  ckpt_order *order;
+  char source[PATH_MAX];
+  /* Out */
+  int status;
+  char message[CKPT_MESSAGE_BYTES];
+  Zerod__V1__RestoreFormat format;
+  uint64_t step;
+  uint32_t world_size;
+} preflight_work;
+
+static int preflight_fail(preflight_work *w, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int preflight_fail(preflight_work *w, int status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(w->message, sizeof w->message, fmt, ap);
+  va_end(ap);
+  w->status = status;
+  return status;
+}
+
+static int ends_with(const char *s, const char *suffix) {
+  size_t len = strlen(s), suffix_len = strlen(suffix);
+  return len >= suffix_len && strcmp(s + len - suffix_len, suffix) == 0;
+}
+
+/* A checkpoint directory: its manifest decodes and every shard file has
+ * the size the manifest says (checksums are the nodes' to verify, as they
+ * read). */
+static int preflight_checkpoint(preflight_work *w) {
+  char path[PATH_MAX + CTL_FILE_MAX_BYTES + 2];
+  struct stat st;
+  snprintf(path, sizeof path, "%s/%s", w->source, CKPT_MANIFEST_NAME);
+  if (stat(path, &st) != 0)
+    return errno == ENOENT
+               ? preflight_fail(w, RPC_NOT_FOUND, "%s is not a checkpoint (no %s)", w->source,
+                                CKPT_MANIFEST_NAME)
+               : preflight_fail(w, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+  ckpt_manifest m;
+  char err[CKPT_MESSAGE_BYTES - 64];
+  int rc = ckpt_manifest_load(w->source, CKPT_MANIFEST_NAME, 0, &m, err, sizeof err);
+  if (rc != 0)
+    return preflight_fail(w, rc == -ENOENT ? RPC_NOT_FOUND : RPC_DATA_LOSS, "%s", err);
+  w->format = ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_CHECKPOINT;
+  w->step = m.step;
+  w->world_size = m.world_size;
+  for (uint32_t r = 0; r < m.world_size && w->status == 0; r++) {
+    const ckpt_file_entry *f = &m.files[r];
+    snprintf(path, sizeof path, "%s/%s", w->source, f->name);
+    if (stat(path, &st) != 0) {
+      if (errno == ENOENT)
+        preflight_fail(w, RPC_DATA_LOSS, "%s: missing", f->name);
+      else
+        preflight_fail(w, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+    } else if (!S_ISREG(st.st_mode)) {
+      preflight_fail(w, RPC_DATA_LOSS, "%s: not a regular file", f->name);
+    } else if ((uint64_t)st.st_size < f->bytes) {
+      preflight_fail(w, RPC_DATA_LOSS, "%s: truncated: %" PRIu64 " of %" PRIu64 " bytes", f->name,
+                     (uint64_t)st.st_size, f->bytes);
+    } else if ((uint64_t)st.st_size > f->bytes) {
+      preflight_fail(w, RPC_DATA_LOSS,
+                     "%s: too long: %" PRIu64 " bytes, the manifest says %" PRIu64, f->name,
+                     (uint64_t)st.st_size, f->bytes);
+    }
+  }
+  ckpt_manifest_free(&m);
+  return w->status;
+}
+
+static void preflight_run(ckpt_work *base) {
+  preflight_work *w = (preflight_work *)base;
+  struct stat st;
+  w->status = 0;
+  if (stat(w->source, &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR)
+      preflight_fail(w, RPC_NOT_FOUND, "no checkpoint at %s", w->source);
+    else
+      preflight_fail(w, errno == EACCES ? RPC_PERMISSION_DENIED : io_status(errno),
+                     "cannot stat %s: %s", w->source, strerror(errno));
+    return;
+  }
+  if (S_ISDIR(st.st_mode)) {
+    preflight_checkpoint(w);
+    return;
+  }
+  if (!S_ISREG(st.st_mode) || !ends_with(w->source, ".safetensors")) {
+    preflight_fail(w, RPC_INVALID_ARGUMENT,
+                   "%s is neither a checkpoint directory nor a .safetensors file", w->source);
+    return;
+  }
+  /* Weights only. The header is read here so that a file that is not
+   * safetensors fails now, not on every rank. */
+  st_file f;
+  int fd = -1;
+  char err[CKPT_MESSAGE_BYTES - 64];
+  int rc = st_open(w->source, &f, &fd, err, sizeof err);
+  if (rc != 0) {
+    if (rc == -EACCES)
+      preflight_fail(w, RPC_PERMISSION_DENIED, "cannot read %s: %s", w->source, strerror(-rc));
+    else
+      preflight_fail(w, rc == -EIO ? RPC_UNAVAILABLE : RPC_DATA_LOSS, "%s", err);
+    return;
+  }
+  st_file_free(&f);
+  close(fd);
+  w->format = ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_SAFETENSORS;
+}
+
+static void preflight_done(ckpt_work *base) {
+  preflight_work *w = (preflight_work *)base;
+  ckpt_order *o = w->order;
+  coord *c = o->c;
+  o->work_in_flight = 0;
+  cjob *j = order_job(c, o);
+  if (o->abandoned) {
+    order_free(c, o); /* already answered */
+  } else if (w->status != 0) {
+    order_fail(c, o, w->status, "%s", w->message);
+  } else if (j == NULL) {
+    order_fail(c, o, RPC_NOT_FOUND, "job '%s' is gone", o->job);
+  } else {
+    zerod__v1__restore_order__init(&o->restore_msg);
+    o->restore_msg.id = o->id;
+    o->restore_msg.source = o->dir;
+    o->restore_msg.format = w->format;
+    o->restore_msg.commit = 0;
+    o->phase = PHASE_RUNNING;
+    if (w->format == ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_CHECKPOINT)
+      LOG_INFOF("checkpoint restore started",
+                "job=%s order=%" PRIu64 " source=%s step=%" PRIu64 " saved_world_size=%u", o->job,
+                o->id, o->dir, w->step, w->world_size);
+    else
+      LOG_INFOF("checkpoint restore started",
+                "job=%s order=%" PRIu64 " source=%s format=safetensors", o->job, o->id, o->dir);
+    coord__mark_job_watches(c, j);
+  }
+  free(w);
+}
+
+static void restore_progress(coord *c, ckpt_order *o) {
+  uint32_t rank;
+  const rank_report *failed = first_failure(o, &rank);
+  if (failed != NULL) {
+    fail_with_rank(c, o, rank, failed);
+    return;
+  }
+  if (!o->restore_msg.commit) {
+    for (uint32_t r = 0; r < o->world_size; r++)
+      if (!o->ranks[r].done)
+        return;
+    /* Every rank holds what it will own, checked: now they may install it. */
+    o->restore_msg.commit = 1;
+    cjob *j = order_job(c, o);
+    if (j != NULL)
+      coord__mark_job_watches(c, j);
+    LOG_INFOF("checkpoint restore read; committing", "job=%s order=%" PRIu64, o->job, o->id);
+    return;
+  }
+  for (uint32_t r = 0; r < o->world_size; r++)
+    if (!o->ranks[r].committed)
+      return;
+  uint64_t step = o->ranks[0].step;
+  for (uint32_t r = 1; r < o->world_size; r++)
+    if (o->ranks[r].step != step)
+      LOG_WARNF("ranks restored different steps",
+                "job=%s order=%" PRIu64 " rank0=%" PRIu64 " rank=%u step=%" PRIu64, o->job, o->id,
+                step, r, o->ranks[r].step);
+  int64_t total_ms = elapsed_ms(o->started_ns);
+  LOG_INFOF("checkpoint restored",
+            "job=%s order=%" PRIu64 " source=%s step=%" PRIu64 " total_ms=%" PRId64, o->job, o->id,
+            o->dir, step, total_ms);
+  cjob *j = order_job(c, o);
+  if (j != NULL) {
+    /* The job is at the restored step now (its nodes' next reports say so
+     * too), and the periodic schedule counts from there. */
+    j->step = step;
+    j->autockpt.last_step = step;
+    j->autockpt.last_ms = uv_now(c->loop);
+  }
+  if (o->call != NULL) {
+    Zerod__V1__RestoreReply reply = ZEROD__V1__RESTORE_REPLY__INIT;
+    reply.step = step;
+    reply.total_ms = total_ms;
+    rpc_call_set_cancel(o->call, NULL, NULL);
+    coord__finish_message(o->call, &reply.base);
+    o->call = NULL;
+  }
+  order_free(c, o);
+}
+
+/* Resolves a RestoreRequest.checkpoint of job into an absolute path (in
+ * out). Returns 0 or a status with the reason in err. */
+static int resolve_source(const coord *c, const char *job, const char *ref, char *out,
+                          size_t out_bytes, char *err, size_t err_bytes) {
+  char other_job[CTL_NAME_MAX_BYTES + 1], name[CTL_NAME_MAX_BYTES + 1];
+  switch (ctl_parse_checkpoint_ref(ref, other_job, name)) {
+  case CTL_REF_NAME:
+    path_format(out, out_bytes, "%s/%s/%s", c->options.checkpoint_dir, job, name);
+    return 0;
+  case CTL_REF_JOB_NAME:
+    path_format(out, out_bytes, "%s/%s/%s", c->options.checkpoint_dir, other_job, name);
+    return 0;
+  case CTL_REF_PATH:
+    break;
+  default:
+    snprintf(err, err_bytes, "invalid checkpoint reference");
+    return RPC_INVALID_ARGUMENT;
+  }
+  /* The path travels to the nodes, which must find the same thing: it is
+   * resolved here once (symbolic links, "..") so that everyone reads what
+   * the coordinator checked, and so that Delete recognizes it. */
+  char resolved[PATH_MAX];
+  if (realpath(ref, resolved) == NULL) {
+    int errnum = errno;
+    snprintf(err, err_bytes, "%s: %s", ref,
+             errnum == ENOENT || errnum == ENOTDIR ? "no such checkpoint or file"
+                                                   : strerror(errnum));
+    return errnum == ENOENT || errnum == ENOTDIR ? RPC_NOT_FOUND
+           : errnum == EACCES                    ? RPC_PERMISSION_DENIED
+                                                 : RPC_INVALID_ARGUMENT;
+  }
+  const char *base = strrchr(resolved, '/');
+  base = base != NULL ? base + 1 : resolved;
+  if (strstr(base, ".tmp-") != NULL || strstr(base, ".deleting-") != NULL) {
+    snprintf(err, err_bytes, "%s is an unfinished save or a deleted checkpoint", resolved);
+    return RPC_NOT_FOUND;
+  }
+  if (snprintf(out, out_bytes, "%s", resolved) >= (int)out_bytes) {
+    snprintf(err, err_bytes, "checkpoint path is too long");
+    return RPC_INVALID_ARGUMENT;
+  }
+  return 0;
+}
+
+static void on_restore(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__RestoreRequest *req = coord__begin(c, call, CTL_RESTORE, request, request_bytes);
+  if (req == NULL)
+    return;
+  char err[PATH_MAX + 256];
+  char source[PATH_MAX];
+  cjob *j = NULL;
+  int status = order_precheck(c, req->job, &j, err, sizeof err);
+  if (status == 0)
+    status = resolve_source(c, req->job, req->checkpoint, source, sizeof source, err, sizeof err);
+  if (status == 0 && rpc_call_remaining_ms(call) <= 0) {
+    snprintf(err, sizeof err, "the call's deadline passed before the restore began");
+    status = RPC_DEADLINE_EXCEEDED;
+  }
+  ckpt_order *o = NULL;
+  preflight_work *w = NULL;
+  if (status == 0) {
+    o = order_new(c, j, ORDER_RESTORE);
+    w = calloc(1, sizeof *w);
+    if (o == NULL || w == NULL) {
+      if (o != NULL)
+        order_free(c, o);
+      free(w);
+      snprintf(err, sizeof err, "coordinator out of memory");
+      status = RPC_RESOURCE_EXHAUSTED;
+    }
+  }
+  if (status != 0) {
+    coord__finish_error(call, status, "%s", err);
+    ctl_free(&req->base);
+    return;
+  }
+  /* The job is busy from now on: a Save or another Restore is refused
+   * while the source is checked, and the source cannot be deleted. */
+  snprintf(o->dir, sizeof o->dir, "%s", source);
+  o->phase = PHASE_PREPARING;
+  order_set_deadline(c, o, call);
+  o->call = call;
+  o->work_in_flight = 1;
+  rpc_call_set_cancel(call, on_order_cancelled, o);
+  w->base.run = preflight_run;
+  w->base.done = preflight_done;
+  w->order = o;
+  snprintf(w->source, sizeof w->source, "%s", source);
+  queue_work(c, &w->base);
+  ctl_free(&req->base);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Reports from the nodes                                                   */
+/* ------------------------------------------------------------------------ */
+
+static void record_report(rank_report *rr, const Zerod__V1__ShardReport *r) {
+  rr->done = r->done;
+  rr->committed = r->committed;
+  rr->failed = r->error[0] != '\0';
+  rr->code = r->code;
+  if (rr->error == NULL || strcmp(rr->error, r->error) != 0) {
+    free(rr->error);
+    rr->error = rr->failed ? strdup(r->error) : NULL;
+  }
+  rr->step = r->step;
+  rr->bytes = r->bytes;
+  rr->xxh64 = r->xxh64;
+  rr->stall_ms = r->stall_ms;
+  snprintf(rr->file, sizeof rr->file, "%s", r->file);
+}
+
+void coord__ckpt_heartbeat(coord *c, const member *m, const Zerod__V1__HeartbeatRequest *req) {
+  for (size_t i = 0; i < req->n_jobs; i++) {
+    const Zerod__V1__JobStatus *s = req->jobs[i];
+    if (s->n_saves == 0 && s->n_restores == 0)
+      continue;
+    cjob *j = coord__find_job(c, s->job);
+    ckpt_order *o = j != NULL ? j->order : NULL;
+    if (o == NULL || o->phase != PHASE_RUNNING)
+      continue; /* reports of an order that ended: the node will drop it */
+    long at = coord__placement_of(j, m->info->name);
+    if (at < 0)
+      continue;
+    uint32_t first = j->msg->placement[at]->first_rank;
+    uint32_t count = j->msg->placement[at]->ranks;
+    Zerod__V1__ShardReport *const *reports = o->kind == ORDER_SAVE ? s->saves : s->restores;
+    size_t nreports = o->kind == ORDER_SAVE ? s->n_saves : s->n_restores;
+    int touched = 0;
+    for (size_t k = 0; k < nreports; k++) {
+      const Zerod__V1__ShardReport *r = reports[k];
+      if (r->id != o->id)
+        continue;
+      if (r->rank < first || r->rank >= first + count || r->rank >= o->world_size) {
+        LOG_WARNF("ignored a shard report for a rank the node does not host",
+                  "node=%s job=%s order=%" PRIu64 " rank=%u", m->info->name, o->job, o->id,
+                  r->rank);
+        continue;
+      }
+      record_report(&o->ranks[r->rank], r);
+      touched = 1;
+    }
+    if (!touched)
+      continue;
+    if (o->kind == ORDER_SAVE)
+      save_progress(c, o);
+    else
+      restore_progress(c, o);
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* List                                                                     */
+/* ------------------------------------------------------------------------ */
+
+typedef struct listed {
+  char job[CTL_NAME_MAX_BYTES + 1];
+  char name[CTL_NAME_MAX_BYTES + 1];
+  uint64_t step, bytes, job_id;
+  uint32_t world_size;
+  int64_t created_unix_ms;
+} listed;
+
+typedef struct list_work {
+  ckpt_work base;
+  rpc_call *call; /* NULL once the client went away */
+  char dir[PATH_MAX];
+  char job[CTL_NAME_MAX_BYTES + 1]; /* "": every job */
+  /* Out */
+  int status;
+  char message[256];
+  listed *items;
+  size_t count, capacity;
+} list_work;
+
+static int compare_listed(const void *a, const void *b) {
+  const listed *x = a, *y = b;
+  int cmp = strcmp(x->job, y->job);
+  if (cmp != 0)
+    return cmp;
+  if (x->step != y->step)
+    return x->step < y->step ? -1 : 1;
+  return strcmp(x->name, y->name);
+}
+
+/* Adds the checkpoints of one job's directory. A directory with a final
+ * name whose manifest does not decode is skipped, with a warning: it is
+ * not a checkpoint (Delete can still remove it). */
+static void list_job(list_work *w, const char *job) {
+  char job_dir[PATH_MAX], path[PATH_MAX + CTL_NAME_MAX_BYTES + 2];
+  path_format(job_dir, sizeof job_dir, "%s/%s", w->dir, job);
+  DIR *d = opendir(job_dir);
+  if (d == NULL) {
+    if (errno != ENOENT && errno != ENOTDIR)
+      LOG_WARNF("cannot list a job's checkpoints", "path=%s err=\"%s\"", job_dir, strerror(errno));
+    return;
+  }
+  struct dirent *e;
+  while (w->status == 0 && (e = readdir(d)) != NULL) {
+    if (!ctl_valid_checkpoint_name(e->d_name) || !is_dir_at(dirfd(d), e))
+      continue;
+    path_format(path, sizeof path, "%s/%s", job_dir, e->d_name);
+    ckpt_manifest m;
+    char err[512];
+    if (ckpt_manifest_load(path, CKPT_MANIFEST_NAME, 0, &m, err, sizeof err) != 0) {
+      char quoted[600];
+      LOG_WARNF("skipped a checkpoint directory whose manifest does not decode", "path=%s err=%s",
+                path, log_quote(err, quoted, sizeof quoted));
+      continue;
+    }
+    if (w->count == w->capacity) {
+      size_t capacity = w->capacity ? w->capacity * 2 : 64;
+      listed *grown = realloc(w->items, capacity * sizeof *grown);
+      if (grown == NULL) {
+        w->status = RPC_RESOURCE_EXHAUSTED;
+        snprintf(w->message, sizeof w->message, "coordinator out of memory");
+        ckpt_manifest_free(&m);
+        break;
+      }
+      w->items = grown;
+      w->capacity = capacity;
+    }
+    listed *item = &w->items[w->count++];
+    snprintf(item->job, sizeof item->job, "%s", job);
+    copy_name(item->name, sizeof item->name, e->d_name);
+    item->step = m.step;
+    item->world_size = m.world_size;
+    item->job_id = m.job_id;
+    item->created_unix_ms = m.created_unix_ms;
+    item->bytes = 0;
+    for (uint32_t r = 0; r < m.world_size; r++)
+      item->bytes += m.files[r].bytes;
+    ckpt_manifest_free(&m);
+    if (w->count > CKPT_MAX_LISTED) {
+      w->status = RPC_RESOURCE_EXHAUSTED;
+      snprintf(w->message, sizeof w->message, "more than %d checkpoints; list one job at a time",
+               CKPT_MAX_LISTED);
+    }
+  }
+  closedir(d);
+}
+
+static void list_run(ckpt_work *base) {
+  list_work *w = (list_work *)base;
+  if (w->job[0] != '\0') {
+    list_job(w, w->job);
+  } else {
+    DIR *d = opendir(w->dir);
+    if (d == NULL) {
+      w->status = io_status(errno);
+      snprintf(w->message, sizeof w->message, "cannot read the checkpoint directory: %s",
+               strerror(errno));
+      return;
+    }
+    struct dirent *e;
+    while (w->status == 0 && (e = readdir(d)) != NULL)
+      if (ctl_valid_job_dir_name(e->d_name) && is_dir_at(dirfd(d), e))
+        list_job(w, e->d_name);
+    closedir(d);
+  }
+  if (w->status == 0 && w->count > 1)
+    qsort(w->items, w->count, sizeof *w->items, compare_listed);
+}
+
+static void list_done(ckpt_work *base) {
+  list_work *w = (list_work *)base;
+  coord *c = w->base.c;
+  if (w->call == NULL) {
+    /* The client went away (its cancel callback freed the call). */
+  } else if (w->status != 0) {
+    rpc_call_set_cancel(w->call, NULL, NULL);
+    rpc_call_finish(w->call, w->status, w->message, NULL, 0);
+  } else {
+    Zerod__V1__Checkpoint *checkpoints = calloc(w->count ? w->count : 1, sizeof *checkpoints);
+    Zerod__V1__Checkpoint **pointers = calloc(w->count ? w->count : 1, sizeof *pointers);
+    char(*paths)[PATH_MAX + 2 * CTL_NAME_MAX_BYTES + 2] =
+        calloc(w->count ? w->count : 1, sizeof *paths);
+    rpc_call_set_cancel(w->call, NULL, NULL);
+    if (checkpoints == NULL || pointers == NULL || paths == NULL) {
+      rpc_call_finish(w->call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory", NULL, 0);
+    } else {
+      for (size_t i = 0; i < w->count; i++) {
+        const listed *item = &w->items[i];
+        Zerod__V1__Checkpoint *out = &checkpoints[i];
+        zerod__v1__checkpoint__init(out);
+        snprintf(paths[i], sizeof paths[i], "%s/%s/%s", c->options.checkpoint_dir, item->job,
+                 item->name);
+        out->job = (char *)item->job;
+        out->name = (char *)item->name;
+        out->path = paths[i];
+        out->step = item->step;
+        out->world_size = item->world_size;
+        out->bytes = item->bytes;
+        out->created_unix_ms = item->created_unix_ms;
+        out->job_id = item->job_id;
+        pointers[i] = out;
+      }
+      Zerod__V1__ListCheckpointsReply reply = ZEROD__V1__LIST_CHECKPOINTS_REPLY__INIT;
+      reply.n_checkpoints = w->count;
+      reply.checkpoints = pointers;
+      coord__finish_message(w->call, &reply.base);
+    }
+    free(checkpoints);
+    free(pointers);
+    free(paths);
+  }
+  free(w->items);
+  free(w);
+}
+
+static void on_list_cancelled(rpc_call *call, void *arg) {
+  list_work *w = arg;
+  w->call = NULL;
+  rpc_call_finish(call, rpc_call_remaining_ms(call) <= 0 ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED,
+                  "list ended", NULL, 0);
+}
+
+static void on_list(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__ListCheckpointsRequest *req =
+      coord__begin(c, call, CTL_LIST_CHECKPOINTS, request, request_bytes);
+  if (req == NULL)
+    return;
+  list_work *w = NULL;
+  if (c->options.checkpoint_dir[0] == '\0') {
+    coord__finish_error(call, RPC_FAILED_PRECONDITION,
+                        "this coordinator has no checkpoint directory");
+  } else if ((w = calloc(1, sizeof *w)) == NULL) {
+    coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+  } else {
+    /* Checkpoints outlive their jobs: the job named need not exist. */
+    w->base.run = list_run;
+    w->base.done = list_done;
+    w->call = call;
+    snprintf(w->dir, sizeof w->dir, "%s", c->options.checkpoint_dir);
+    snprintf(w->job, sizeof w->job, "%s", req->job);
+    rpc_call_set_cancel(call, on_list_cancelled, w);
+    queue_work(c, &w->base);
+  }
+  ctl_free(&req->base);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Delete                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* The restore in flight that reads path, or NULL. */
+static const ckpt_order *restore_reading(const coord *c, const char *path) {
+  for (const ckpt_order *o = c->orders; o != NULL; o = o->next)
+    if (o->kind == ORDER_RESTORE && !o->abandoned && strcmp(o->dir, path) == 0)
+      return o;
+  return NULL;
+}
+
+/* Takes job/name out of the catalog at once (a rename to
+ * name.deleting-<id>, synced) and removes its files on the thread pool.
+ * Returns 0 or a status with the reason in err. */
+static int delete_checkpoint(coord *c, const char *job, const char *name, char *err,
+                             size_t err_bytes) {
+  char job_dir[PATH_MAX], path[PATH_MAX + CTL_NAME_MAX_BYTES + 2];
+  char gone[PATH_MAX + CTL_NAME_MAX_BYTES + 48];
+  path_format(job_dir, sizeof job_dir, "%s/%s", c->options.checkpoint_dir, job);
+  snprintf(path, sizeof path, "%s/%s", job_dir, name);
+  struct stat st;
+  if (lstat(path, &st) != 0 || !S_ISDIR(st.st_mode)) {
+    snprintf(err, err_bytes, "job '%s' has no checkpoint named '%s'", job, name);
+    return RPC_NOT_FOUND;
+  }
+  const ckpt_order *reader = restore_reading(c, path);
+  if (reader != NULL) {
+    snprintf(err, err_bytes,
+             "job '%s' is being restored from checkpoint '%s/%s' (order %" PRIu64
+             "); retry when it is done",
+             reader->job, job, name, reader->id);
+    return RPC_FAILED_PRECONDITION;
+  }
+  snprintf(gone, sizeof gone, "%s.deleting-%" PRIu64, path, c->next_order_id++);
+  if (rename(path, gone) != 0) {
+    int errnum = errno;
+    snprintf(err, err_bytes, "cannot delete %s: %s", path, strerror(errnum));
+    return errnum == ENOENT ? RPC_NOT_FOUND : io_status(errnum);
+  }
+  /* Gone from List from here on. Unsynced, the rename might be undone by
+   * a crash of the machine: then the checkpoint would simply be back. */
+  int rc = fsync_dir(job_dir);
+  if (rc != 0)
+    LOG_WARNF("checkpoint renamed for deletion but its directory not synced", "path=%s err=\"%s\"",
+              job_dir, strerror(-rc));
+  LOG_INFOF("checkpoint deleted", "job=%s name=%s", job, name);
+  queue_remove(c, gone, "deleted checkpoint");
+  return 0;
+}
+
+static void on_delete_checkpoint(rpc_call *call, const uint8_t *request, size_t request_bytes,
+                                 void *arg) {
+  coord *c = arg;
+  Zerod__V1__DeleteCheckpointRequest *req =
+      coord__begin(c, call, CTL_DELETE_CHECKPOINT, request, request_bytes);
+  if (req == NULL)
+    return;
+  char err[PATH_MAX + 256];
+  int status;
+  if (c->options.checkpoint_dir[0] == '\0') {
+    snprintf(err, sizeof err, "this coordinator has no checkpoint directory");
+    status = RPC_FAILED_PRECONDITION;
+  } else {
+    status = delete_checkpoint(c, req->job, req->name, err, sizeof err);
+  }
+  if (status != 0) {
+    coord__finish_error(call, status, "%s", err);
+  } else {
+    Zerod__V1__DeleteCheckpointReply reply = ZEROD__V1__DELETE_CHECKPOINT_REPLY__INIT;
+    coord__finish_message(call, &reply.base);
+  }
+  ctl_free(&req->base);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Periodic checkpoints                                                     */
+/* ------------------------------------------------------------------------ */
+
+typedef struct auto_entry {
+  uint64_t step;
+  char name[CTL_NAME_MAX_BYTES + 1];
+} auto_entry;
+
+static int compare_auto_newest_first(const void *a, const void *b) {
+  const auto_entry *x = a, *y = b;
+  if (x->step != y->step)
+    return x->step > y->step ? -1 : 1;
+  return -strcmp(x->name, y->name);
+}
+
+/* After a periodic checkpoint of j: deletes its oldest auto-* checkpoints
+ * beyond the policy's keep. Their names carry the step (auto-<step> or
+ * auto-<step>-<id>), so one read of the job's directory is enough. */
+static void apply_retention(coord *c, cjob *j) {
+  const Zerod__V1__CheckpointPolicy *policy = j->msg->checkpoint_policy;
+  if (policy == NULL || policy->keep == 0)
+    return;
+  char job_dir[PATH_MAX];
+  path_format(job_dir, sizeof job_dir, "%s/%s", c->options.checkpoint_dir, j->msg->name);
+  DIR *d = opendir(job_dir);
+  if (d == NULL) {
+    LOG_WARNF("cannot read a job's checkpoints to drop old ones", "path=%s err=\"%s\"", job_dir,
+              strerror(errno));
+    return;
+  }
+  auto_entry *entries = NULL;
+  size_t count = 0, capacity = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    const char *p = e->d_name;
+    if (strncmp(p, "auto-", 5) != 0 || !ctl_valid_checkpoint_name(p) || !is_dir_at(dirfd(d), e))
+      continue;
+    char *end;
+    errno = 0;
+    unsigned long long step = strtoull(p + 5, &end, 10);
+    if (errno != 0 || end == p + 5 || (*end != '\0' && *end != '-'))
+      continue; /* not a name the schedule made */
+    if (count == capacity) {
+      size_t grown_capacity = capacity ? capacity * 2 : 16;
+      auto_entry *grown = realloc(entries, grown_capacity * sizeof *grown);
+      if (grown == NULL)
+        break; /* keep more rather than fail: the next one retries */
+      entries = grown;
+      capacity = grown_capacity;
+    }
+    entries[count].step = step;
+    copy_name(entries[count].name, sizeof entries[count].name, p);
+    count++;
+  }
+  closedir(d);
+  if (count > policy->keep) {
+    qsort(entries, count, sizeof *entries, compare_auto_newest_first);
+    for (size_t i = policy->keep; i < count; i++) {
+      char err[PATH_MAX + 256];
+      if (delete_checkpoint(c, j->msg->name, entries[i].name, err, sizeof err) != 0)
+        LOG_WARNF("cannot drop an old periodic checkpoint", "job=%s name=%s err=\"%s\"",
+                  j->msg->name, entries[i].name, err);
+    }
+  }
+  free(entries);
+}
+
+/* Starts j's periodic checkpoint if the policy says it is due. */
+static void auto_check(coord *c, cjob *j, uint64_t now) {
+  const Zerod__V1__CheckpointPolicy *policy = j->msg->checkpoint_policy;
+  auto_ckpt *a = &j->autockpt;
+  if (policy == NULL || j->deleting || j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY)
+    return;
+  if (!a->armed) {
+    /* Counted from the step and the time at which the job is first ready
+     * under this coordinator. */
+    a->armed = 1;
+    a->last_step = j->step;
+    a->last_ms = now;
+    return;
+  }
+  if (j->order != NULL || now < a->retry_ms)
+    return; /* never beside another order; after a failure, later */
+  int by_steps = policy->every_steps != 0 && j->step >= a->last_step + policy->every_steps;
+  /* By time, but not again for a job that has not moved since. */
+  int by_time = policy->every_seconds != 0 &&
+                now - a->last_ms >= (uint64_t)policy->every_seconds * 1000 &&
+                !(a->saved && j->step == a->last_step);
+  if (!by_steps && !by_time)
+    return;
+  char err[PATH_MAX + 256];
+  int status = save_start(c, j, "", NULL, 1, err, sizeof err);
+  if (status != 0) {
+    LOG_WARNF("periodic checkpoint not started", "job=%s status=%s err=\"%s\"", j->msg->name,
+              rpc_status_name(status), err);
+    a->retry_ms = now + CKPT_AUTO_RETRY_MS;
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Hooks (coord_impl.h)                                                     */
+/* ------------------------------------------------------------------------ */
+
+void coord__ckpt_assignment(const cjob *j, Zerod__V1__Assignment *a) {
+  ckpt_order *o = j->order;
+  if (o == NULL || o->phase != PHASE_RUNNING)
+    return;
+  if (o->kind == ORDER_SAVE) {
+    a->n_saves = 1;
+    a->saves = o->save_list;
+  } else {
+    a->restore = &o->restore_msg;
+  }
+}
+
+void coord__ckpt_job_changed(coord *c, cjob *j) {
+  ckpt_order *o = j->order;
+  if (o == NULL || j->state == ZEROD__V1__JOB_STATE__JOB_STATE_READY)
+    return;
+  /* A save being committed has every shard written: it completes. */
+  if (o->phase == PHASE_COMMITTING)
+    return;
+  int installing = o->kind == ORDER_RESTORE && o->phase == PHASE_RUNNING && o->restore_msg.commit;
+  order_fail(c, o, RPC_UNAVAILABLE, "job '%s' is no longer ready (%s: %s)%s", o->job,
+             state_word(j->state), j->reason,
+             installing ? "; some ranks may have installed the restored state" : "");
+}
+
+void coord__ckpt_job_deleted(coord *c, cjob *j) {
+  ckpt_order *o = j->order;
+  if (o == NULL)
+    return;
+  if (o->phase == PHASE_COMMITTING) {
+    order_detach(c, o); /* checkpoints outlive their jobs */
+    return;
+  }
+  order_fail(c, o, RPC_NOT_FOUND, "job '%s' was deleted", o->job);
+}
+
+void coord__ckpt_tick(coord *c) {
+  if (c->options.checkpoint_dir[0] == '\0' || c->shutting_down)
+    return;
+  uint64_t now = uv_now(c->loop);
+  ckpt_order *next;
+  for (ckpt_order *o = c->orders; o != NULL; o = next) {
+    next = o->next;
+    if (o->phase != PHASE_RUNNING || o->abandoned || now < o->deadline_ms)
+      continue;
+    char pending[128];
+    format_pending(o, pending, sizeof pending);
+    int installing = o->kind == ORDER_RESTORE && o->restore_msg.commit;
+    order_fail(c, o, RPC_DEADLINE_EXCEEDED,
+               "the %s did not finish within %.1f s (waiting for ranks %s)%s", order_noun(o),
+               (double)o->timeout_ms / 1000.0, pending,
+               installing ? "; some ranks may have installed the restored state" : "");
+  }
+  for (size_t i = 0; i < c->njobs; i++)
+    auto_check(c, c->jobs[i], now);
+}
+
+void coord__ckpt_shutdown(coord *c) {
+  ckpt_order *next;
+  for (ckpt_order *o = c->orders; o != NULL; o = next) {
+    next = o->next;
+    if (o->phase != PHASE_COMMITTING && !o->abandoned)
+      order_fail(c, o, RPC_UNAVAILABLE, "coordinator shutting down");
+  }
+}
+
+void coord__ckpt_destroy(coord *c) {
+  if (c->ckpt_work != 0)
+    LOG_ERRORF("coordinator freed with checkpoint work in flight", "work=%u", c->ckpt_work);
+  while (c->orders != NULL) {
+    ckpt_order *o = c->orders;
+    o->call = NULL; /* the server is gone, and its calls with it */
+    order_free(c, o);
+  }
+}
+
+/* Removes what a crash left in one job's directory. */
+static void remove_leftovers(const char *job_dir) {
+  DIR *d = opendir(job_dir);
+  if (d == NULL)
+    return;
+  struct dirent *e;
+  char path[2 * PATH_MAX + 2];
+  while ((e = readdir(d)) != NULL) {
+    int unfinished = strstr(e->d_name, ".tmp-") != NULL;
+    if (!unfinished && strstr(e->d_name, ".deleting-") == NULL)
+      continue;
+    snprintf(path, sizeof path, "%s/%s", job_dir, e->d_name);
+    int rc = remove_at(dirfd(d), e->d_name, 0);
+    if (rc == 0)
+      LOG_INFOF(unfinished ? "removed an unfinished checkpoint save"
+                           : "removed an unfinished checkpoint delete",
+                "path=%s", path);
+    else
+      LOG_WARNF("cannot remove a leftover checkpoint directory", "path=%s err=\"%s\"", path,
+                strerror(-rc));
+  }
+  closedir(d);
+}
+
+int coord__ckpt_init(coord *c, char *err, size_t err_bytes) {
+  /* Ids differ from those of an earlier run of the coordinator (orders
+   * and deleted directories are named by them): milliseconds since 1970,
+   * times 1024, only grow, unless this run orders 1024 per millisecond. */
+  c->next_order_id = (uint64_t)coord__unix_ms() * 1024;
+  const char *dir = c->options.checkpoint_dir;
+  if (dir[0] == '\0')
+    return 0; /* no checkpoints: the service answers FAILED_PRECONDITION */
+  if (dir[0] != '/') {
+    snprintf(err, err_bytes, "the checkpoint directory must be an absolute path (got %s)", dir);
+    return -EINVAL;
+  }
+  if (strlen(dir) > PATH_MAX - 512) {
+    snprintf(err, err_bytes, "the checkpoint directory's path is longer than %d bytes",
+             PATH_MAX - 512);
+    return -ENAMETOOLONG;
+  }
+  int rc = make_dirs(dir);
+  if (rc != 0) {
+    snprintf(err, err_bytes, "cannot create the checkpoint directory %s: %s", dir, strerror(-rc));
+    return rc;
+  }
+  DIR *d = opendir(dir);
+  if (d == NULL) {
+    rc = -errno;
+    snprintf(err, err_bytes, "cannot read the checkpoint directory %s: %s", dir, strerror(errno));
+    return rc;
+  }
+  /* Layout: <dir>/<job>/<checkpoint>; the marks are one level down. */
+  struct dirent *e;
+  char job_dir[PATH_MAX + 256];
+  while ((e = readdir(d)) != NULL) {
+    if (!ctl_valid_job_dir_name(e->d_name) || !is_dir_at(dirfd(d), e))
+      continue;
+    snprintf(job_dir, sizeof job_dir, "%s/%s", dir, e->d_name);
+    remove_leftovers(job_dir);
+  }
+  closedir(d);
+  return 0;
+}
+
+int coord__ckpt_register(coord *c, rpc_server *server) {
+  static const struct {
+    const char *path;
+    rpc_handler handler;
+  } methods[] = {
+      {CTL_SAVE, on_save},
+      {CTL_LIST_CHECKPOINTS, on_list},
+      {CTL_DELETE_CHECKPOINT, on_delete_checkpoint},
+      {CTL_RESTORE, on_restore},
+  };
+  for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
+    int rc = rpc_server_add_method(server, methods[i].path, RPC_UNARY, methods[i].handler, c);
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}

@@ -1,0 +1,193 @@
+/* coord_impl: the coordinator's internals, shared by its two files.
+ *
+ * coord.c owns membership, jobs, rendezvous and health; coord_ckpt.c owns
+ * the Checkpoints service (saves, restores, the periodic schedule). Both
+ * work on the same state, on the loop thread, through the types below.
+ * Nothing outside these two files includes this header: the public API is
+ * coord.h.
+ *
+ * Internal functions shared between the files are named coord__*; the
+ * hooks coord.c calls into coord_ckpt.c are coord__ckpt_*. */
+#ifndef ZEROD_COORD_IMPL_H
+#define ZEROD_COORD_IMPL_H
+
+#include <stdint.h>
+
+#include "coord.h"
+
+/* Limits (docs/control-plane.md, "Limits"). */
+#define COORD_MAX_MEMBERS      4096
+#define COORD_MAX_JOBS         4096
+#define COORD_MAX_WAITERS      4096
+#define COORD_MAX_KV_BYTES     (64u << 20) /* keys + values + per-key overhead */
+#define COORD_MAX_KV_KEYS      65536
+#define COORD_KV_KEY_OVERHEAD  64
+#define COORD_MAX_NODE_INFO    (16u << 10) /* a member's packed NodeInfo */
+#define COORD_MAX_STATE_BYTES  (64u << 20) /* coordinator.pb */
+#define COORD_STATE_FORMAT     1
+#define COORD_SWEEP_MAX_MS     250
+#define COORD_REASON_BYTES     1024
+#define COORD_TOKEN_HEX_DIGITS 32
+
+/* What a member's last heartbeat said about one job. */
+typedef struct job_report {
+  char *job;   /* owned */
+  char *error; /* owned; "" when the job is fine on the node */
+  int ready;
+  uint64_t step;
+} job_report;
+
+typedef struct member {
+  Zerod__V1__NodeInfo *info; /* owned copy of the Join request's node */
+  uint64_t session;
+  int64_t joined_unix_ms;
+  uint64_t lease_deadline_ms; /* on the loop's clock (uv_now) */
+  job_report *reports;        /* owned, sorted by job name */
+  size_t nreports;
+  rpc_call *watch; /* the member's Watch stream, or NULL */
+  int watch_dirty; /* the stream is owed a new event */
+} member;
+
+typedef struct kv_entry {
+  struct kv_entry *next;
+  uint64_t epoch;
+  char *key;      /* owned */
+  uint8_t *value; /* owned; NULL when empty */
+  size_t value_bytes;
+} kv_entry;
+
+/* A Get with wait=true that is waiting for its key. */
+typedef struct kv_waiter {
+  struct kv_waiter *next;
+  struct coord *coord;
+  struct cjob *job;
+  rpc_call *call;
+  uint64_t epoch;
+  char *key; /* owned */
+} kv_waiter;
+
+/* What the coordinator remembers about one placement node of a job. */
+typedef struct node_mark {
+  /* The node left the cluster after the job was placed on it; the job
+   * stays degraded until the node is back and reports the job ready. */
+  int departed;
+  char reason[160];
+} node_mark;
+
+/* Where a job's periodic checkpoints stand (soft state: after a restart
+ * the schedule starts over from the step the job has when it is ready). */
+typedef struct auto_ckpt {
+  int armed;          /* the job has been ready since this coordinator started */
+  int saved;          /* a periodic checkpoint was completed since */
+  uint64_t last_step; /* the step the step interval counts from */
+  uint64_t last_ms;   /* uv_now of the last periodic checkpoint, or of arming */
+  uint64_t retry_ms;  /* after a failed one: no new attempt before this uv_now */
+} auto_ckpt;
+
+typedef struct cjob {
+  /* Owned copy of the job as stored; its state, reason, step and epoch
+   * fields are unused, the ones below are what replies carry. */
+  Zerod__V1__Job *msg;
+  char *token;      /* owned */
+  node_mark *marks; /* [msg->n_placement] */
+  int deleting;
+  Zerod__V1__JobState state;
+  char reason[COORD_REASON_BYTES];
+  uint64_t step;
+  uint64_t epoch;
+  kv_entry *kv;
+  kv_waiter *waiters;
+  struct ckpt_order *order; /* the job's save or restore in flight, or NULL (coord_ckpt.c) */
+  auto_ckpt autockpt;
+} cjob;
+
+struct coord {
+  uv_loop_t *loop;
+  coord_options options;
+  char state_path[PATH_MAX + 32];
+  char tmp_path[PATH_MAX + 32];
+
+  member **members; /* sorted by name */
+  size_t nmembers;
+  cjob **jobs; /* sorted by name; deleting jobs included */
+  size_t njobs;
+  uint64_t epoch; /* the view epoch */
+  uint64_t next_job_id;
+
+  size_t kv_bytes, kv_keys, nwaiters;
+
+  /* Checkpoints (coord_ckpt.c). */
+  struct ckpt_order *orders; /* every order not yet freed, newest first */
+  uint64_t next_order_id;
+  unsigned ckpt_work; /* thread-pool requests not yet completed */
+
+  uv_timer_t lease_timer; /* the lease sweep */
+  uv_timer_t flush_timer; /* sends the dirty Watch streams their events */
+  int open_handles;
+  int flush_scheduled;
+  int shutting_down;
+};
+
+/* ------------------------------------------------------------------------ */
+/* coord.c, for coord_ckpt.c                                                */
+/* ------------------------------------------------------------------------ */
+
+int64_t coord__unix_ms(void);
+
+/* Answers a unary call with msg, or with RESOURCE_EXHAUSTED when it would
+ * be larger than gRPC lets either side send. */
+void coord__finish_message(rpc_call *call, const ProtobufCMessage *msg);
+void coord__finish_error(rpc_call *call, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Decodes the request of the method at path; on failure (or while the
+ * coordinator shuts down) answers the call and returns NULL. */
+void *coord__begin(coord *c, rpc_call *call, const char *path, const uint8_t *request,
+                   size_t request_bytes);
+
+member *coord__find_member(const coord *c, const char *name);
+cjob *coord__find_job(const coord *c, const char *name);
+/* Returns the job's placement index of node, or -1. */
+long coord__placement_of(const cjob *j, const char *node);
+/* Owes each live placement node of j a new WatchEvent. */
+void coord__mark_job_watches(coord *c, const cjob *j);
+
+/* ------------------------------------------------------------------------ */
+/* coord_ckpt.c: the hooks coord.c calls                                    */
+/* ------------------------------------------------------------------------ */
+
+/* At coord_create: checks the checkpoint directory, removes what a crash
+ * left in it (unfinished saves and deletes) and seeds the order ids.
+ * Returns 0 or a negative errno with a message in err. */
+int coord__ckpt_init(coord *c, char *err, size_t err_bytes);
+
+/* Registers the Checkpoints methods. */
+int coord__ckpt_register(coord *c, rpc_server *server);
+
+/* Adds the job's order in flight, if any, to the Assignment a node of it
+ * receives. What it adds lives in the order: pack a before anything
+ * changes. */
+void coord__ckpt_assignment(const cjob *j, Zerod__V1__Assignment *a);
+
+/* A heartbeat of m was recorded: takes its shard reports (JobStatus.saves
+ * and .restores) and moves the orders they concern along. Call after the
+ * jobs were re-derived from the heartbeat. */
+void coord__ckpt_heartbeat(coord *c, const member *m, const Zerod__V1__HeartbeatRequest *req);
+
+/* j's state was derived again: an order of a job that is no longer ready
+ * fails. */
+void coord__ckpt_job_changed(coord *c, cjob *j);
+
+/* j is being deleted: its order fails (NOT_FOUND). */
+void coord__ckpt_job_deleted(coord *c, cjob *j);
+
+/* From the lease sweep's timer: deadlines of orders, periodic checkpoints. */
+void coord__ckpt_tick(coord *c);
+
+/* coord_shutdown: every order in flight fails with UNAVAILABLE. */
+void coord__ckpt_shutdown(coord *c);
+
+/* coord_destroy: frees what is left (nothing, once the loop has ended). */
+void coord__ckpt_destroy(coord *c);
+
+#endif /* ZEROD_COORD_IMPL_H */
