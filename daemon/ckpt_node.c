@@ -43,8 +43,10 @@ typedef struct rank_save {
 typedef struct save_rec {
   struct save_rec *next;
   uint64_t id;
-  char *dir;   /* NULL until the order reaches this node */
-  int ordered; /* the order was in an assignment */
+  /* NULL until the order reaches this node: until then the record only
+   * holds copies taken early (ranks told by their peers) and is not
+   * reported. */
+  char *dir;
   _Atomic int abort;
   int refs;         /* the job's list, and each running writer */
   rank_save *ranks; /* [nranks], by local index */
@@ -405,10 +407,8 @@ static void follow_saves(job *j, const Zerod__V1__Assignment *as) {
     if (o->id == 0 || o->dir == NULL || o->dir[0] != '/')
       continue;
     save_rec *s = save_get(j, o->id);
-    if (s == NULL || s->ordered)
+    if (s == NULL || s->dir != NULL || (s->dir = strdup(o->dir)) == NULL)
       continue;
-    s->ordered = 1;
-    s->dir = strdup(o->dir);
     pthread_cond_broadcast(&c->cond);
     LOG_INFOF("save ordered", "job=%s save=%llu dir=%s", j->name, (unsigned long long)o->id,
               o->dir);
@@ -430,11 +430,18 @@ static void follow_saves(job *j, const Zerod__V1__Assignment *as) {
     int still = 0;
     for (size_t i = 0; as != NULL && i < as->n_saves && !still; i++)
       still = as->saves[i]->id == s->id;
-    if (still || !s->ordered) {
+    if (still || s->dir == NULL) {
       p = &s->next;
       continue;
     }
     *p = s->next;
+    /* A rank that has not taken its copy yet must not bring the withdrawn
+     * id into its next step's all-reduce (the ids summed there must be
+     * those of one order). */
+    for (int r = 0; r < j->nranks; r++) {
+      uint64_t id = s->id;
+      atomic_compare_exchange_strong(&j->ranks[r].ckpt_pending, &id, 0);
+    }
     atomic_store(&s->abort, 1);
     pthread_cond_broadcast(&c->cond);
     save_unref(j, s);
@@ -497,8 +504,7 @@ static void follow_restore(job *j, const Zerod__V1__Assignment *as) {
   }
 }
 
-void ckpt_node_orders(zdaemon *d, job *j, const Zerod__V1__Assignment *as) {
-  (void)d;
+void ckpt_node_orders(job *j, const Zerod__V1__Assignment *as) {
   if (j->ckpt == NULL)
     return;
   follow_saves(j, as);
@@ -524,7 +530,7 @@ void ckpt_node_reports(job *j, Zerod__V1__JobStatus *st, void **owned) {
   pthread_mutex_lock(&c->mutex);
   size_t nsaves = 0;
   for (save_rec *s = c->saves; s != NULL; s = s->next)
-    nsaves += s->ordered ? (size_t)j->nranks : 0;
+    nsaves += s->dir != NULL ? (size_t)j->nranks : 0;
   size_t nrestores = c->restore_id != 0 ? (size_t)j->nranks : 0;
   size_t n = nsaves + nrestores;
   if (n == 0) {
@@ -547,7 +553,7 @@ void ckpt_node_reports(job *j, Zerod__V1__JobStatus *st, void **owned) {
   }
   size_t k = 0, ks = 0, kr = 0;
   for (save_rec *s = c->saves; s != NULL; s = s->next) {
-    if (!s->ordered)
+    if (s->dir == NULL)
       continue;
     for (int i = 0; i < j->nranks; i++, k++) {
       const rank_save *rs = &s->ranks[i];

@@ -50,7 +50,7 @@ int ckpt_node_init(struct daemon *d);
 void ckpt_node_shutdown(struct daemon *d);
 
 /* Follows the checkpoint orders of job j's assignment. */
-void ckpt_node_orders(struct daemon *d, job *j, const Zerod__V1__Assignment *as);
+void ckpt_node_orders(job *j, const Zerod__V1__Assignment *as);
 
 /* Adds the job's reports to st. What they point to is in *owned until
  * ckpt_node_reports_free (after the heartbeat is encoded). */

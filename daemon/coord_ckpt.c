@@ -588,6 +588,13 @@ static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int p
   return 0;
 }
 
+/* What a job done on the threadpool tells the loop: 0, or a gRPC status
+ * and why. Returns status, so that a check can end with it. */
+typedef struct work_result {
+  int status;
+  char message[CKPT_MESSAGE_BYTES];
+} work_result;
+
 /* A save being committed: what the thread needs, and what it found. */
 typedef struct commit_work {
   ckpt_work base;
@@ -605,23 +612,22 @@ typedef struct commit_work {
   ckpt_file_entry *files;                     /* [world_size], names in file_names */
   char (*file_names)[CTL_FILE_MAX_BYTES + 1]; /* [world_size] */
   /* Out */
-  int status;
-  char message[CKPT_MESSAGE_BYTES];
+  work_result result;
   char final_name[CTL_NAME_MAX_BYTES + 24];
   char final_dir[PATH_MAX];
   uint64_t bytes;
   int64_t total_ms;
 } commit_work;
 
-static int commit_fail(commit_work *w, int status, const char *fmt, ...)
+static int work_fail(work_result *r, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-static int commit_fail(commit_work *w, int status, const char *fmt, ...) {
+static int work_fail(work_result *r, int status, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(w->message, sizeof w->message, fmt, ap);
+  vsnprintf(r->message, sizeof r->message, fmt, ap);
   va_end(ap);
-  w->status = status;
+  r->status = status;
   return status;
 }
 
@@ -637,17 +643,17 @@ static int commit_steps(commit_work *w) {
     snprintf(path, sizeof path, "%s/%s", w->tmp_dir, w->files[r].name);
     if (stat(path, &st) != 0) {
       if (errno == ENOENT)
-        return commit_fail(w, RPC_FAILED_PRECONDITION,
-                           "rank %u's shard file %s is not in %s as the coordinator sees it: the "
-                           "checkpoint directory must be on a filesystem that every node shares "
-                           "(docs/checkpoints.md)",
-                           r, w->files[r].name, w->tmp_dir);
-      return commit_fail(w, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+        return work_fail(&w->result, RPC_FAILED_PRECONDITION,
+                         "rank %u's shard file %s is not in %s as the coordinator sees it: the "
+                         "checkpoint directory must be on a filesystem that every node shares "
+                         "(docs/checkpoints.md)",
+                         r, w->files[r].name, w->tmp_dir);
+      return work_fail(&w->result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
     }
     if ((uint64_t)st.st_size != w->files[r].bytes)
-      return commit_fail(w, RPC_DATA_LOSS,
-                         "%s: %" PRIu64 " bytes on disk, rank %u reported %" PRIu64,
-                         w->files[r].name, (uint64_t)st.st_size, r, w->files[r].bytes);
+      return work_fail(&w->result, RPC_DATA_LOSS,
+                       "%s: %" PRIu64 " bytes on disk, rank %u reported %" PRIu64, w->files[r].name,
+                       (uint64_t)st.st_size, r, w->files[r].bytes);
     w->bytes += w->files[r].bytes;
   }
 
@@ -656,24 +662,24 @@ static int commit_steps(commit_work *w) {
   int rc =
       ckpt_manifest_load(w->tmp_dir, CKPT_LAYOUT_NAME, CKPT_DECODE_NO_FILES, &m, err, sizeof err);
   if (rc != 0)
-    return commit_fail(w, rc == -ENOENT ? RPC_FAILED_PRECONDITION : RPC_INTERNAL,
-                       "rank 0's layout: %s", err);
+    return work_fail(&w->result, rc == -ENOENT ? RPC_FAILED_PRECONDITION : RPC_INTERNAL,
+                     "rank 0's layout: %s", err);
   if (m.step != w->step || m.world_size != w->world_size) {
-    commit_fail(w, RPC_INTERNAL,
-                "rank 0's layout is of step %" PRIu64
-                " and %u ranks; the ranks reported step %" PRIu64 " and %u ranks",
-                m.step, m.world_size, w->step, w->world_size);
+    work_fail(&w->result, RPC_INTERNAL,
+              "rank 0's layout is of step %" PRIu64
+              " and %u ranks; the ranks reported step %" PRIu64 " and %u ranks",
+              m.step, m.world_size, w->step, w->world_size);
     ckpt_manifest_free(&m);
-    return w->status;
+    return w->result.status;
   }
   uint64_t expect_bytes = ckpt_shard_file_bytes(&m);
   for (uint32_t r = 0; r < w->world_size; r++) {
     if (w->files[r].bytes != expect_bytes) {
-      commit_fail(w, RPC_INTERNAL,
-                  "rank %u's shard file is %" PRIu64 " bytes; the job's layout makes it %" PRIu64,
-                  r, w->files[r].bytes, expect_bytes);
+      work_fail(&w->result, RPC_INTERNAL,
+                "rank %u's shard file is %" PRIu64 " bytes; the job's layout makes it %" PRIu64, r,
+                w->files[r].bytes, expect_bytes);
       ckpt_manifest_free(&m);
-      return w->status;
+      return w->result.status;
     }
   }
 
@@ -706,19 +712,19 @@ static int commit_steps(commit_work *w) {
   m.files = layout_files;
   ckpt_manifest_free(&m);
   if (rc != 0)
-    return commit_fail(w, io_status(-rc), "cannot write the manifest: %s", err);
+    return work_fail(&w->result, io_status(-rc), "cannot write the manifest: %s", err);
   /* Read back, so that the coordinator names only checkpoints that List
    * and Restore will accept. */
   rc = ckpt_manifest_load(w->tmp_dir, CKPT_MANIFEST_NAME, 0, &m, err, sizeof err);
   if (rc != 0)
-    return commit_fail(w, RPC_INTERNAL, "the manifest does not read back: %s", err);
+    return work_fail(&w->result, RPC_INTERNAL, "the manifest does not read back: %s", err);
   ckpt_manifest_free(&m);
 
   snprintf(path, sizeof path, "%s/%s", w->tmp_dir, CKPT_LAYOUT_NAME);
   if (unlink(path) != 0 && errno != ENOENT)
-    return commit_fail(w, io_status(errno), "cannot remove %s: %s", path, strerror(errno));
+    return work_fail(&w->result, io_status(errno), "cannot remove %s: %s", path, strerror(errno));
   if ((rc = fsync_dir(w->tmp_dir)) != 0)
-    return commit_fail(w, io_status(-rc), "cannot sync %s: %s", w->tmp_dir, strerror(-rc));
+    return work_fail(&w->result, io_status(-rc), "cannot sync %s: %s", w->tmp_dir, strerror(-rc));
   /* Never over an existing checkpoint: rename(2) would replace an empty
    * directory silently. Filesystems without RENAME_NOREPLACE (some network
    * ones) get a check first; there is one order per job, so only an
@@ -732,10 +738,10 @@ static int commit_steps(commit_work *w) {
   }
   if (rc != 0) {
     if (errno == EEXIST || errno == ENOTEMPTY)
-      return commit_fail(w, RPC_ALREADY_EXISTS, "job '%s' already has a checkpoint named '%s'",
-                         w->job, w->final_name);
-    return commit_fail(w, io_status(errno), "cannot rename %s to %s: %s", w->tmp_dir, w->final_name,
-                       strerror(errno));
+      return work_fail(&w->result, RPC_ALREADY_EXISTS,
+                       "job '%s' already has a checkpoint named '%s'", w->job, w->final_name);
+    return work_fail(&w->result, io_status(errno), "cannot rename %s to %s: %s", w->tmp_dir,
+                     w->final_name, strerror(errno));
   }
   /* Renamed: the checkpoint exists from here on, whatever follows. A
    * failed sync of the parent means it might not survive a crash of the
@@ -750,7 +756,7 @@ static int commit_steps(commit_work *w) {
 
 static void commit_run(ckpt_work *base) {
   commit_work *w = (commit_work *)base;
-  w->status = 0;
+  w->result.status = 0;
   if (commit_steps(w) != 0) {
     int rc = remove_tree(w->tmp_dir);
     if (rc != 0)
@@ -773,8 +779,8 @@ static void commit_done(ckpt_work *base) {
   cjob *j = order_job(o->c, o);
   if (o->abandoned) {
     order_free(o->c, o); /* already answered */
-  } else if (w->status != 0) {
-    order_fail(o->c, o, w->status, "%s", w->message);
+  } else if (w->result.status != 0) {
+    order_fail(o->c, o, w->result.status, "%s", w->result.message);
   } else {
     LOG_INFOF(o->periodic ? "periodic checkpoint saved" : "checkpoint saved",
               "job=%s order=%" PRIu64 " name=%s step=%" PRIu64 " bytes=%" PRIu64
@@ -930,24 +936,11 @@ typedef struct preflight_work {
   ckpt_order *order;
   char source[PATH_MAX];
   /* Out */
-  int status;
-  char message[CKPT_MESSAGE_BYTES];
+  work_result result;
   Zerod__V1__RestoreFormat format;
   uint64_t step;
   uint32_t world_size;
 } preflight_work;
-
-static int preflight_fail(preflight_work *w, int status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static int preflight_fail(preflight_work *w, int status, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(w->message, sizeof w->message, fmt, ap);
-  va_end(ap);
-  w->status = status;
-  return status;
-}
 
 static int ends_with(const char *s, const char *suffix) {
   size_t len = strlen(s), suffix_len = strlen(suffix);
@@ -962,51 +955,51 @@ static int preflight_checkpoint(preflight_work *w) {
   struct stat st;
   snprintf(path, sizeof path, "%s/%s", w->source, CKPT_MANIFEST_NAME);
   if (stat(path, &st) != 0)
-    return errno == ENOENT
-               ? preflight_fail(w, RPC_NOT_FOUND, "%s is not a checkpoint (no %s)", w->source,
-                                CKPT_MANIFEST_NAME)
-               : preflight_fail(w, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+    return errno == ENOENT ? work_fail(&w->result, RPC_NOT_FOUND, "%s is not a checkpoint (no %s)",
+                                       w->source, CKPT_MANIFEST_NAME)
+                           : work_fail(&w->result, io_status(errno), "cannot stat %s: %s", path,
+                                       strerror(errno));
   ckpt_manifest m;
   char err[CKPT_MESSAGE_BYTES - 64];
   int rc = ckpt_manifest_load(w->source, CKPT_MANIFEST_NAME, 0, &m, err, sizeof err);
   if (rc != 0)
-    return preflight_fail(w, rc == -ENOENT ? RPC_NOT_FOUND : RPC_DATA_LOSS, "%s", err);
+    return work_fail(&w->result, rc == -ENOENT ? RPC_NOT_FOUND : RPC_DATA_LOSS, "%s", err);
   w->format = ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_CHECKPOINT;
   w->step = m.step;
   w->world_size = m.world_size;
-  for (uint32_t r = 0; r < m.world_size && w->status == 0; r++) {
+  for (uint32_t r = 0; r < m.world_size && w->result.status == 0; r++) {
     const ckpt_file_entry *f = &m.files[r];
     snprintf(path, sizeof path, "%s/%s", w->source, f->name);
     if (stat(path, &st) != 0) {
       if (errno == ENOENT)
-        preflight_fail(w, RPC_DATA_LOSS, "%s: missing", f->name);
+        work_fail(&w->result, RPC_DATA_LOSS, "%s: missing", f->name);
       else
-        preflight_fail(w, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+        work_fail(&w->result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
     } else if (!S_ISREG(st.st_mode)) {
-      preflight_fail(w, RPC_DATA_LOSS, "%s: not a regular file", f->name);
+      work_fail(&w->result, RPC_DATA_LOSS, "%s: not a regular file", f->name);
     } else if ((uint64_t)st.st_size < f->bytes) {
-      preflight_fail(w, RPC_DATA_LOSS, "%s: truncated: %" PRIu64 " of %" PRIu64 " bytes", f->name,
-                     (uint64_t)st.st_size, f->bytes);
+      work_fail(&w->result, RPC_DATA_LOSS, "%s: truncated: %" PRIu64 " of %" PRIu64 " bytes",
+                f->name, (uint64_t)st.st_size, f->bytes);
     } else if ((uint64_t)st.st_size > f->bytes) {
-      preflight_fail(w, RPC_DATA_LOSS,
-                     "%s: too long: %" PRIu64 " bytes, the manifest says %" PRIu64, f->name,
-                     (uint64_t)st.st_size, f->bytes);
+      work_fail(&w->result, RPC_DATA_LOSS,
+                "%s: too long: %" PRIu64 " bytes, the manifest says %" PRIu64, f->name,
+                (uint64_t)st.st_size, f->bytes);
     }
   }
   ckpt_manifest_free(&m);
-  return w->status;
+  return w->result.status;
 }
 
 static void preflight_run(ckpt_work *base) {
   preflight_work *w = (preflight_work *)base;
   struct stat st;
-  w->status = 0;
+  w->result.status = 0;
   if (stat(w->source, &st) != 0) {
     if (errno == ENOENT || errno == ENOTDIR)
-      preflight_fail(w, RPC_NOT_FOUND, "no checkpoint at %s", w->source);
+      work_fail(&w->result, RPC_NOT_FOUND, "no checkpoint at %s", w->source);
     else
-      preflight_fail(w, errno == EACCES ? RPC_PERMISSION_DENIED : io_status(errno),
-                     "cannot stat %s: %s", w->source, strerror(errno));
+      work_fail(&w->result, errno == EACCES ? RPC_PERMISSION_DENIED : io_status(errno),
+                "cannot stat %s: %s", w->source, strerror(errno));
     return;
   }
   if (S_ISDIR(st.st_mode)) {
@@ -1014,8 +1007,8 @@ static void preflight_run(ckpt_work *base) {
     return;
   }
   if (!S_ISREG(st.st_mode) || !ends_with(w->source, ".safetensors")) {
-    preflight_fail(w, RPC_INVALID_ARGUMENT,
-                   "%s is neither a checkpoint directory nor a .safetensors file", w->source);
+    work_fail(&w->result, RPC_INVALID_ARGUMENT,
+              "%s is neither a checkpoint directory nor a .safetensors file", w->source);
     return;
   }
   /* Weights only. The header is read here so that a file that is not
@@ -1026,9 +1019,9 @@ static void preflight_run(ckpt_work *base) {
   int rc = st_open(w->source, &f, &fd, err, sizeof err);
   if (rc != 0) {
     if (rc == -EACCES)
-      preflight_fail(w, RPC_PERMISSION_DENIED, "cannot read %s: %s", w->source, strerror(-rc));
+      work_fail(&w->result, RPC_PERMISSION_DENIED, "cannot read %s: %s", w->source, strerror(-rc));
     else
-      preflight_fail(w, rc == -EIO ? RPC_UNAVAILABLE : RPC_DATA_LOSS, "%s", err);
+      work_fail(&w->result, rc == -EIO ? RPC_UNAVAILABLE : RPC_DATA_LOSS, "%s", err);
     return;
   }
   st_file_free(&f);
@@ -1044,8 +1037,8 @@ static void preflight_done(ckpt_work *base) {
   cjob *j = order_job(c, o);
   if (o->abandoned) {
     order_free(c, o); /* already answered */
-  } else if (w->status != 0) {
-    order_fail(c, o, w->status, "%s", w->message);
+  } else if (w->result.status != 0) {
+    order_fail(c, o, w->result.status, "%s", w->result.message);
   } else if (j == NULL) {
     order_fail(c, o, RPC_NOT_FOUND, "job '%s' is gone", o->job);
   } else {

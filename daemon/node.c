@@ -435,7 +435,7 @@ static void reconcile(node_agent *a, const Zerod__V1__WatchEvent *ev) {
       job_fail(j, j->generation, "job '%s' was deleted and re-created on the coordinator", j->name);
       continue;
     }
-    ckpt_node_orders(d, j, as);
+    ckpt_node_orders(j, as);
     /* A job with ranks here only is degraded by nothing but this node's own
      * report of its failure, which it already knows; it resets locally, and
      * a stale event must not fail the reset generation. */
@@ -456,7 +456,7 @@ static void reconcile(node_agent *a, const Zerod__V1__WatchEvent *ev) {
           ev->assignments[i]->job != NULL && strcmp(ev->assignments[i]->job->name, j->name) == 0;
     if (assigned || j->deleted || j->id >= ev->next_job_id)
       continue;
-    ckpt_node_orders(d, j, NULL); /* its checkpoint work ends */
+    ckpt_node_orders(j, NULL); /* its checkpoint work ends */
     LOG_INFOF("job deleted on the coordinator", "job=%s", j->name);
     job_fail(j, j->generation, "job '%s' was deleted", j->name);
     /* Its workers get the reason; the job goes once the last one has
