@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "crashpoint.h"
 #include "daemon.h"
 #include "exec.h"
 #include "log.h"
@@ -230,6 +231,7 @@ static int write_shard(job *j, save_rec *s, rank_save *rs, int rank, const char 
       ckpt_writer_abort(w);
       return rc;
     }
+    crash_point("node-shard-write");
   }
   return ckpt_writer_finish(w, &rs->bytes, &rs->xxh64, err, err_bytes);
 }
@@ -269,6 +271,7 @@ static void *writer_main(void *arg) {
     LOG_WARNF("shard not saved", "job=%s rank=%d save=%llu error=%s", j->name, rank,
               (unsigned long long)s->id, log_quote(err, msg, sizeof msg));
   } else {
+    crash_point("node-shard-written");
     LOG_INFOF("shard saved", "job=%s rank=%d save=%llu step=%llu bytes=%llu", j->name, rank,
               (unsigned long long)s->id, (unsigned long long)rs->step,
               (unsigned long long)rs->bytes);

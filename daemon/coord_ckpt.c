@@ -42,6 +42,7 @@
 
 #include "ckpt.h"
 #include "coord_impl.h"
+#include "crashpoint.h"
 #include "ctl_decode.h"
 #include "log.h"
 
@@ -637,6 +638,7 @@ static int work_fail(work_result *r, int status, const char *fmt, ...) {
 static int commit_steps(commit_work *w) {
   char path[PATH_MAX + CTL_FILE_MAX_BYTES + 2];
   struct stat st;
+  crash_point("coord-shards-done");
   /* Every shard file is where the coordinator sees the directory: if it is
    * not, the nodes wrote to another filesystem than this one. */
   for (uint32_t r = 0; r < w->world_size; r++) {
@@ -725,6 +727,7 @@ static int commit_steps(commit_work *w) {
     return work_fail(&w->result, io_status(errno), "cannot remove %s: %s", path, strerror(errno));
   if ((rc = fsync_dir(w->tmp_dir)) != 0)
     return work_fail(&w->result, io_status(-rc), "cannot sync %s: %s", w->tmp_dir, strerror(-rc));
+  crash_point("coord-manifest-written");
   /* Never over an existing checkpoint: rename(2) would replace an empty
    * directory silently. Filesystems without RENAME_NOREPLACE (some network
    * ones) get a check first; there is one order per job, so only an
@@ -750,6 +753,7 @@ static int commit_steps(commit_work *w) {
     LOG_WARNF("checkpoint renamed but its directory not synced", "path=%s err=\"%s\"", w->final_dir,
               strerror(-rc));
   }
+  crash_point("coord-renamed");
   w->total_ms = elapsed_ms(w->started_ns);
   return 0;
 }
