@@ -507,6 +507,18 @@ static void follow_restore(job *j, const Zerod__V1__Assignment *as) {
   }
 }
 
+int ckpt_node_restoring(job *j) {
+  if (j->restoring == 0 || j->ckpt == NULL)
+    return 0;
+  job_ckpt *c = j->ckpt;
+  pthread_mutex_lock(&c->mutex);
+  int installed = c->restore_id == j->restoring && c->restore_commit_sent;
+  for (int r = 0; installed && r < j->nranks; r++)
+    installed = c->restores[r].committed;
+  pthread_mutex_unlock(&c->mutex);
+  return !installed;
+}
+
 void ckpt_node_orders(job *j, const Zerod__V1__Assignment *as) {
   if (j->ckpt == NULL)
     return;

@@ -49,6 +49,12 @@ struct daemon;
 int ckpt_node_init(struct daemon *d);
 void ckpt_node_shutdown(struct daemon *d);
 
+/* Whether j is being restored and not yet installed on all of this node's
+ * ranks: workers may not attach. Once every local rank has installed the
+ * restored state they may, though the order stays in the Assignment until
+ * the coordinator has heard from every rank (loop thread). */
+int ckpt_node_restoring(job *j);
+
 /* Follows the checkpoint orders of job j's assignment. */
 void ckpt_node_orders(job *j, const Zerod__V1__Assignment *as);
 

@@ -565,7 +565,7 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
   }
   if (!job_usable_for_attach(s, request_id, j))
     return;
-  if (j->restoring != 0) {
+  if (ckpt_node_restoring(j)) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_UNAVAILABLE,
                "job '%s' is being restored from a checkpoint; attach again when it is done",
                j->name);
