@@ -439,6 +439,11 @@ typedef struct ctl {
   bool json;
   const char *command; /* "jobs get", for error lines */
   rpc_channel *channel;
+  /* export's options */
+  const char *export_checkpoint; /* NULL: the job's state now */
+  const char *export_dtype;      /* NULL: fp32 */
+  bool export_overwrite;
+  const char *export_first_given; /* the first export option, for misplaced ones */
 } ctl;
 
 /* Prints the one error line for a failed call and returns its exit status. */
@@ -1378,6 +1383,84 @@ static int cmd_checkpoint_restore(ctl *c, int argc, char **argv) {
   return 0;
 }
 
+/* ------------------------------------------------------------------------ */
+/* export                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static int cmd_export(ctl *c, int argc, char **argv) {
+  (void)argc;
+  Zerod__V1__ExportRequest request = ZEROD__V1__EXPORT_REQUEST__INIT;
+  request.job = argv[0];
+  request.checkpoint = c->export_checkpoint != NULL ? (char *)c->export_checkpoint : "";
+  request.dtype = c->export_dtype != NULL && strcmp(c->export_dtype, "bf16") == 0
+                      ? ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_BF16
+                      : ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_F32;
+  request.overwrite = c->export_overwrite;
+  /* The coordinator writes the file: a relative path is taken from here,
+   * which is right when both see this directory (a standalone zerod). */
+  char path[CTL_PATH_MAX_BYTES + 2];
+  if (argv[1][0] == '/') {
+    snprintf(path, sizeof path, "%s", argv[1]);
+  } else {
+    char cwd[CTL_PATH_MAX_BYTES];
+    if (getcwd(cwd, sizeof cwd) == NULL)
+      return fail_line(CTL_EXIT_FAILED, "%s: cannot make '%s' absolute: %s", c->command, argv[1],
+                       strerror(errno));
+    if (snprintf(path, sizeof path, "%s/%s", strcmp(cwd, "/") == 0 ? "" : cwd, argv[1]) >
+        CTL_PATH_MAX_BYTES)
+      return usage_error("%s: the path of '%s' is longer than %d bytes", c->command, argv[1],
+                         CTL_PATH_MAX_BYTES);
+  }
+  request.path = path;
+  Zerod__V1__ExportReply *reply;
+  int rc = call(c, "/zerod.v1.Checkpoints/Export", &request.base,
+                &zerod__v1__export_reply__descriptor, (ProtobufCMessage **)&reply);
+  if (rc != 0)
+    return rc;
+  const char *dtype = request.dtype == ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_BF16 ? "bf16" : "fp32";
+  if (c->json) {
+    json_out j = {.out = stdout};
+    json_open(&j, NULL, '{');
+    json_str(&j, "job", argv[0]);
+    json_str(&j, "path", reply->path);
+    json_str(&j, "checkpoint", reply->checkpoint);
+    json_str(&j, "dtype", dtype);
+    json_u64(&j, "step", reply->step);
+    json_u64(&j, "tensors", reply->tensors);
+    json_u64(&j, "bytes", reply->bytes);
+    json_i64(&j, "total_ms", reply->total_ms);
+    json_close(&j, '}');
+  } else {
+    char text[64];
+    print_field("job", "%s", argv[0]);
+    print_field("source", "%s", reply->checkpoint[0] != '\0' ? reply->checkpoint : "(live state)");
+    print_field("step", "%" PRIu64, reply->step);
+    print_field("tensors", "%" PRIu32 " (%s)", reply->tensors, dtype);
+    print_field("size", "%s", format_bytes(reply->bytes, text, sizeof text));
+    print_field("total", "%s", format_ms(reply->total_ms, text, sizeof text));
+    print_field("path", "%s", reply->path);
+  }
+  zerod__v1__export_reply__free_unpacked(reply, NULL);
+  return 0;
+}
+
+/* Checks the arguments and options of `export` before anything is sent. */
+static int check_export_args(const ctl *c, char **argv) {
+  if (!valid_job_dir_name(argv[0]))
+    return usage_error("export: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
+                       argv[0]);
+  if (argv[1][0] == '\0' || strlen(argv[1]) > CTL_PATH_MAX_BYTES)
+    return usage_error("export: FILE must be a path of 1..%d bytes", CTL_PATH_MAX_BYTES);
+  if (c->export_checkpoint != NULL && !valid_checkpoint_ref(c->export_checkpoint))
+    return usage_error("export: invalid --checkpoint '%s': expected NAME, JOB/NAME or an "
+                       "absolute path to a checkpoint directory",
+                       c->export_checkpoint);
+  if (c->export_dtype != NULL && strcmp(c->export_dtype, "fp32") != 0 &&
+      strcmp(c->export_dtype, "bf16") != 0)
+    return usage_error("export: invalid --dtype '%s': expected fp32 or bf16", c->export_dtype);
+  return 0;
+}
+
 /* Checks the arguments of a `checkpoint` command before anything is sent. */
 static int check_checkpoint_args(const char *command, int argc, char **argv) {
   if (argc > 0 && !valid_job_dir_name(argv[0]))
@@ -1456,6 +1539,12 @@ static const char general_usage[] =
     "                           restore a ready job from NAME, OTHERJOB/NAME, or an\n"
     "                           absolute path (a checkpoint directory or a\n"
     "                           .safetensors file); waits (600 s unless --timeout)\n"
+    "  export JOB FILE [--checkpoint CHECKPOINT] [--dtype fp32|bf16] [--overwrite]\n"
+    "                           write the full weights of JOB's state now (or of\n"
+    "                           CHECKPOINT: NAME, OTHERJOB/NAME or a directory) to\n"
+    "                           one safetensors FILE, written by the coordinator\n"
+    "                           (relative: from this directory); waits (600 s\n"
+    "                           unless --timeout)\n"
     "  health [SERVICE]         grpc.health.v1 check; exit 0 only when SERVING\n"
     "\n"
     "options (before or after the command):\n"
@@ -1464,7 +1553,7 @@ static const char general_usage[] =
     "                               " CTL_DEFAULT_COORDINATOR "]\n"
     "  -j, --json                   print one JSON object (for scripts)\n"
     "  -t, --timeout SECONDS        deadline of each call [default 10; checkpoint save\n"
-    "                               and restore 600]\n"
+    "                               and restore, and export 600]\n"
     "  -h, --help                   print help (of a command, after it) and exit\n"
     "      --version                print the version and exit\n"
     "\n"
@@ -1516,6 +1605,8 @@ static const command commands[] = {
     {"checkpoint list", 0, 1, " [JOB]", cmd_checkpoint_list},
     {"checkpoint delete", 2, 2, " JOB NAME", cmd_checkpoint_delete},
     {"checkpoint restore", 2, 2, " JOB CHECKPOINT", cmd_checkpoint_restore},
+    {"export", 2, 2, " JOB FILE [--checkpoint CHECKPOINT] [--dtype fp32|bf16] [--overwrite]",
+     cmd_export},
     {"health", 0, 1, " [SERVICE]", cmd_health},
 };
 
@@ -1537,6 +1628,9 @@ enum {
   OPT_EVERY_STEPS,
   OPT_EVERY_SECONDS,
   OPT_KEEP,
+  OPT_CHECKPOINT,
+  OPT_DTYPE,
+  OPT_OVERWRITE,
 };
 
 static const struct option long_options[] = {
@@ -1562,6 +1656,10 @@ static const struct option long_options[] = {
     {"checkpoint-every-steps", required_argument, NULL, OPT_EVERY_STEPS},
     {"checkpoint-every-seconds", required_argument, NULL, OPT_EVERY_SECONDS},
     {"checkpoint-keep", required_argument, NULL, OPT_KEEP},
+    /* export */
+    {"checkpoint", required_argument, NULL, OPT_CHECKPOINT},
+    {"dtype", required_argument, NULL, OPT_DTYPE},
+    {"overwrite", no_argument, NULL, OPT_OVERWRITE},
     {NULL, 0, NULL, 0},
 };
 
@@ -1671,7 +1769,7 @@ int main(int argc, char **argv) {
   create_options create = {0};
   const char *coordinator_from = "--coordinator";
   bool help = false, version = false, timeout_given = false;
-  char spelled[64];
+  char spelled[64], export_spelled[64];
 
   opterr = 0; /* our own one-line messages */
   int opt, long_index = -1;
@@ -1702,6 +1800,20 @@ int main(int argc, char **argv) {
       break;
     case OPT_VERSION:
       version = true;
+      break;
+    case OPT_CHECKPOINT:
+    case OPT_DTYPE:
+    case OPT_OVERWRITE:
+      if (opt == OPT_CHECKPOINT)
+        c.export_checkpoint = optarg;
+      else if (opt == OPT_DTYPE)
+        c.export_dtype = optarg;
+      else
+        c.export_overwrite = true;
+      if (c.export_first_given == NULL) {
+        snprintf(export_spelled, sizeof export_spelled, "%s", spelled);
+        c.export_first_given = export_spelled;
+      }
       break;
     case ':':
       return usage_error("option '%s' needs a value (see zerodctl --help)", spelled);
@@ -1752,6 +1864,15 @@ int main(int argc, char **argv) {
     return usage_error("%s: usage: zerodctl %s%s", cmd->name, cmd->name, cmd->args_usage);
   if (create.first_given != NULL && strcmp(cmd->name, "jobs create") != 0)
     return usage_error("%s: option '%s' belongs to jobs create", cmd->name, create.first_given);
+  if (c.export_first_given != NULL && strcmp(cmd->name, "export") != 0)
+    return usage_error("%s: option '%s' belongs to export", cmd->name, c.export_first_given);
+  if (strcmp(cmd->name, "export") == 0) {
+    int rc = check_export_args(&c, args);
+    if (rc != 0)
+      return rc;
+    if (!timeout_given)
+      c.timeout_s = CTL_CHECKPOINT_TIMEOUT_S;
+  }
   if (strncmp(cmd->name, "jobs ", 5) == 0 && n_args == 1 && !valid_name(args[0]))
     return usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
                        cmd->name, args[0]);

@@ -265,4 +265,23 @@ typedef int (*st_fill_fn)(void *arg, unsigned i, float *dst, uint64_t numel, cha
 int st_write(const char *path, const st_tensor *tensors, unsigned ntensors,
              const char *metadata_json, st_fill_fn fill, void *arg, char *err, size_t err_bytes);
 
+/* ---- Export --------------------------------------------------------------- */
+
+typedef struct ckpt_export_info {
+  unsigned tensors; /* written */
+  uint64_t bytes;   /* the file's size */
+  uint64_t step;    /* the manifest's */
+} ckpt_export_info;
+
+/* Writes the master weights of the checkpoint in dir to the safetensors
+ * file path (st_write: path.tmp, fsynced, renamed): every tensor of every
+ * unit, in manifest order, named and shaped as registered, as dtype (ST_F32
+ * or ST_BF16, rounded to nearest even). Every byte read is checked against
+ * the shard files' block checksums. The file's __metadata__ holds "format":
+ * "pt", and the job, step and (label non-NULL) checkpoint as zerod.job,
+ * zerod.step and zerod.checkpoint. Tensors are filled one at a time, so
+ * memory is the largest tensor's fp32 size. */
+int ckpt_export(const char *dir, const char *path, st_dtype dtype, const char *label,
+                ckpt_export_info *out, char *err, size_t err_bytes);
+
 #endif /* ZEROD_CKPT_H */

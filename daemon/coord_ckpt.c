@@ -91,8 +91,14 @@ typedef struct ckpt_order {
   int attached;
   int work_in_flight;
   int abandoned;
-  rpc_call *call; /* the Save or Restore waiting for it; NULL: periodic, or answered */
+  rpc_call *call; /* the Save, Restore or Export waiting for it; NULL: periodic, or answered */
   int periodic;
+  /* A save for an Export of the job's state now: the temporary checkpoint
+   * is exported to export_path and removed, never renamed into place. */
+  int is_export;
+  char export_path[PATH_MAX];
+  st_dtype export_dtype;
+  int export_overwrite;
   uint64_t started_ns;               /* uv_hrtime */
   uint64_t deadline_ms;              /* on the loop's clock */
   int64_t timeout_ms;                /* what the deadline allowed */
@@ -108,6 +114,8 @@ typedef struct ckpt_order {
 static const char *order_noun(const ckpt_order *o) {
   if (o->kind == ORDER_RESTORE)
     return "restore";
+  if (o->is_export)
+    return "export";
   return o->periodic ? "periodic checkpoint" : "save";
 }
 
@@ -539,12 +547,20 @@ static void order_set_deadline(const coord *c, ckpt_order *o, rpc_call *call) {
 /* Save                                                                     */
 /* ------------------------------------------------------------------------ */
 
+/* What an Export of a job's state now asks of its save. */
+typedef struct export_spec {
+  const char *path;
+  st_dtype dtype;
+  int overwrite;
+} export_spec;
+
 /* Starts a save of j: makes the temporary directory and puts the order in
  * the Assignments of the job's nodes. name: as asked ("" for
- * step-<step>); call: the waiting Save, or NULL for a periodic one.
+ * step-<step>); call: the waiting Save or Export, or NULL for a periodic
+ * one; ex: for an Export, where the save goes, else NULL.
  * Returns 0, or a status with the reason in err and nothing started. */
-static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int periodic, char *err,
-                      size_t err_bytes) {
+static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int periodic,
+                      const export_spec *ex, char *err, size_t err_bytes) {
   if (call != NULL && rpc_call_remaining_ms(call) <= 0) {
     snprintf(err, err_bytes, "the call's deadline passed before the save began");
     return RPC_DEADLINE_EXCEEDED;
@@ -555,10 +571,16 @@ static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int p
     return RPC_RESOURCE_EXHAUSTED;
   }
   o->periodic = periodic;
+  if (ex != NULL) {
+    o->is_export = 1;
+    snprintf(o->export_path, sizeof o->export_path, "%s", ex->path);
+    o->export_dtype = ex->dtype;
+    o->export_overwrite = ex->overwrite;
+  }
   snprintf(o->name, sizeof o->name, "%s", name);
   char job_dir[PATH_MAX];
   path_format(job_dir, sizeof job_dir, "%s/%s", c->options.checkpoint_dir, j->msg->name);
-  const char *stem = periodic ? "auto" : name[0] != '\0' ? name : "step";
+  const char *stem = periodic ? "auto" : ex != NULL ? "export" : name[0] != '\0' ? name : "step";
   path_format(o->dir, sizeof o->dir, "%s/%s.tmp-%" PRIu64, job_dir, stem, o->id);
   const char *failed_path = job_dir;
   int rc = make_dirs(job_dir);
@@ -582,7 +604,9 @@ static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int p
     o->call = call;
     rpc_call_set_cancel(call, on_order_cancelled, o);
   }
-  LOG_INFOF(periodic ? "periodic checkpoint started" : "checkpoint save started",
+  LOG_INFOF(periodic     ? "periodic checkpoint started"
+            : ex != NULL ? "export of the job's state started"
+                         : "checkpoint save started",
             "job=%s order=%" PRIu64 " name=%s step=%" PRIu64 " dir=%s", o->job, o->id,
             name[0] != '\0' ? name : "-", j->step, o->dir);
   coord__mark_job_watches(c, j);
@@ -612,8 +636,13 @@ typedef struct commit_work {
   uint64_t started_ns;
   ckpt_file_entry *files;                     /* [world_size], names in file_names */
   char (*file_names)[CTL_FILE_MAX_BYTES + 1]; /* [world_size] */
+  int is_export; /* export to export_path and remove, rather than rename */
+  char export_path[PATH_MAX];
+  st_dtype export_dtype;
+  int export_overwrite;
   /* Out */
   work_result result;
+  ckpt_export_info exported;
   char final_name[CTL_NAME_MAX_BYTES + 24];
   char final_dir[PATH_MAX];
   uint64_t bytes;
@@ -632,10 +661,10 @@ static int work_fail(work_result *r, int status, const char *fmt, ...) {
   return status;
 }
 
-/* Checks what the ranks wrote and turns the temporary directory into the
- * checkpoint: manifest (from rank 0's layout and the ranks' reports),
- * read back, layout removed, directory synced, renamed, parent synced. */
-static int commit_steps(commit_work *w) {
+/* Checks what the ranks wrote and completes the temporary directory:
+ * manifest (from rank 0's layout and the ranks' reports), read back,
+ * layout removed, directory synced. */
+static int commit_manifest(commit_work *w) {
   char path[PATH_MAX + CTL_FILE_MAX_BYTES + 2];
   struct stat st;
   crash_point("coord-shards-done");
@@ -727,6 +756,14 @@ static int commit_steps(commit_work *w) {
     return work_fail(&w->result, io_status(errno), "cannot remove %s: %s", path, strerror(errno));
   if ((rc = fsync_dir(w->tmp_dir)) != 0)
     return work_fail(&w->result, io_status(-rc), "cannot sync %s: %s", w->tmp_dir, strerror(-rc));
+  return 0;
+}
+
+/* Turns the completed temporary directory into the checkpoint: renamed,
+ * parent synced. */
+static int commit_rename(commit_work *w) {
+  struct stat st;
+  int rc;
   crash_point("coord-manifest-written");
   /* Never over an existing checkpoint: rename(2) would replace an empty
    * directory silently. Filesystems without RENAME_NOREPLACE (some network
@@ -758,15 +795,40 @@ static int commit_steps(commit_work *w) {
   return 0;
 }
 
+static int export_to_file(const char *dir, const char *path, st_dtype dtype, int overwrite,
+                          const char *label, ckpt_export_info *info, work_result *result);
+
 static void commit_run(ckpt_work *base) {
   commit_work *w = (commit_work *)base;
   w->result.status = 0;
-  if (commit_steps(w) != 0) {
-    int rc = remove_tree(w->tmp_dir);
-    if (rc != 0)
-      LOG_WARNF("cannot remove a failed save; the next start removes it", "path=%s err=\"%s\"",
-                w->tmp_dir, strerror(-rc));
+  int rc = commit_manifest(w);
+  if (rc == 0 && w->is_export) {
+    rc = export_to_file(w->tmp_dir, w->export_path, w->export_dtype, w->export_overwrite, NULL,
+                        &w->exported, &w->result);
+    w->total_ms = elapsed_ms(w->started_ns);
+  } else if (rc == 0) {
+    rc = commit_rename(w);
   }
+  if (rc != 0 || w->is_export) {
+    /* A failed save, or the export's temporary checkpoint. */
+    rc = remove_tree(w->tmp_dir);
+    if (rc != 0)
+      LOG_WARNF("cannot remove a temporary checkpoint; the next start removes it",
+                "path=%s err=\"%s\"", w->tmp_dir, strerror(-rc));
+  }
+}
+
+static void export_reply(rpc_call *call, const char *path, const ckpt_export_info *info,
+                         int64_t total_ms, const char *checkpoint) {
+  Zerod__V1__ExportReply reply = ZEROD__V1__EXPORT_REPLY__INIT;
+  reply.path = (char *)path;
+  reply.step = info->step;
+  reply.tensors = info->tensors;
+  reply.bytes = info->bytes;
+  reply.total_ms = total_ms;
+  reply.checkpoint = (char *)checkpoint;
+  rpc_call_set_cancel(call, NULL, NULL);
+  coord__finish_message(call, &reply.base);
 }
 
 static void apply_retention(coord *c, cjob *j);
@@ -785,6 +847,17 @@ static void commit_done(ckpt_work *base) {
     order_free(o->c, o); /* already answered */
   } else if (w->result.status != 0) {
     order_fail(o->c, o, w->result.status, "%s", w->result.message);
+  } else if (w->is_export) {
+    LOG_INFOF("job's state exported",
+              "job=%s order=%" PRIu64 " step=%" PRIu64 " tensors=%u bytes=%" PRIu64
+              " stall_ms=%" PRId64 " total_ms=%" PRId64 " path=%s",
+              o->job, o->id, w->exported.step, w->exported.tensors, w->exported.bytes, stall_ms,
+              w->total_ms, w->export_path);
+    if (o->call != NULL) {
+      export_reply(o->call, w->export_path, &w->exported, w->total_ms, "");
+      o->call = NULL;
+    }
+    order_free(o->c, o);
   } else {
     LOG_INFOF(o->periodic ? "periodic checkpoint saved" : "checkpoint saved",
               "job=%s order=%" PRIu64 " name=%s step=%" PRIu64 " bytes=%" PRIu64
@@ -850,6 +923,10 @@ static void save_commit(coord *c, ckpt_order *o, uint64_t step) {
   snprintf(w->job, sizeof w->job, "%s", o->job);
   snprintf(w->name, sizeof w->name, "%s", o->name);
   w->stem = o->periodic ? "auto" : "step";
+  w->is_export = o->is_export;
+  snprintf(w->export_path, sizeof w->export_path, "%s", o->export_path);
+  w->export_dtype = o->export_dtype;
+  w->export_overwrite = o->export_overwrite;
   w->id = o->id;
   w->job_id = o->job_id;
   w->step = step;
@@ -924,7 +1001,7 @@ static void on_save(rpc_call *call, const uint8_t *request, size_t request_bytes
     }
   }
   if (status == 0)
-    status = save_start(c, j, req->name, call, 0, err, sizeof err);
+    status = save_start(c, j, req->name, call, 0, NULL, err, sizeof err);
   if (status != 0)
     coord__finish_error(call, status, "%s", err);
   ctl_free(&req->base);
@@ -1205,6 +1282,179 @@ static void on_restore(rpc_call *call, const uint8_t *request, size_t request_by
   w->order = o;
   snprintf(w->source, sizeof w->source, "%s", source);
   queue_work(c, &w->base);
+  ctl_free(&req->base);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Export                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* Writes the checkpoint in dir to the safetensors file path, unless path
+ * exists and overwrite is off. On the thread pool. Returns 0 or the status
+ * in result. */
+static int export_to_file(const char *dir, const char *path, st_dtype dtype, int overwrite,
+                          const char *label, ckpt_export_info *info, work_result *result) {
+  struct stat st;
+  const char *slash = strrchr(path, '/');
+  char parent[PATH_MAX];
+  snprintf(parent, sizeof parent, "%.*s", slash == path ? 1 : (int)(slash - path), path);
+  if (stat(parent, &st) != 0 || !S_ISDIR(st.st_mode))
+    return work_fail(result, RPC_NOT_FOUND, "%s: no such directory (it must exist)", parent);
+  if (lstat(path, &st) == 0) {
+    if (S_ISDIR(st.st_mode))
+      return work_fail(result, RPC_INVALID_ARGUMENT, "%s is a directory", path);
+    if (!overwrite)
+      return work_fail(result, RPC_ALREADY_EXISTS, "%s exists (overwrite replaces it)", path);
+  } else if (errno != ENOENT) {
+    return work_fail(result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+  }
+  char err[CKPT_MESSAGE_BYTES - 64];
+  int rc = ckpt_export(dir, path, dtype, label, info, err, sizeof err);
+  if (rc == 0)
+    return 0;
+  /* Reading: a missing, damaged or short shard file. Writing: the file's
+   * own errors (no space, no permission). */
+  int status = rc == -EBADMSG || rc == -ERANGE || rc == -ENOENT ? RPC_DATA_LOSS
+               : rc == -EACCES || rc == -EPERM                  ? RPC_PERMISSION_DENIED
+               : rc == -EINVAL                                  ? RPC_INVALID_ARGUMENT
+                                                                : io_status(-rc);
+  return work_fail(result, status, "export to %s failed: %s", path, err);
+}
+
+/* An Export of a checkpoint (of the files alone: the job need not exist). */
+typedef struct export_work {
+  ckpt_work base;
+  struct export_work *next; /* in coord.exports */
+  rpc_call *call;           /* NULL once the client went away */
+  char source[PATH_MAX];
+  char path[PATH_MAX];
+  st_dtype dtype;
+  int overwrite;
+  uint64_t started_ns;
+  /* Out */
+  work_result result;
+  ckpt_export_info info;
+  int64_t total_ms;
+} export_work;
+
+static void export_run(ckpt_work *base) {
+  export_work *w = (export_work *)base;
+  struct stat st;
+  w->result.status = 0;
+  char manifest[PATH_MAX + sizeof CKPT_MANIFEST_NAME + 1];
+  snprintf(manifest, sizeof manifest, "%s/%s", w->source, CKPT_MANIFEST_NAME);
+  if (stat(w->source, &st) != 0) {
+    work_fail(&w->result, errno == ENOENT || errno == ENOTDIR ? RPC_NOT_FOUND : io_status(errno),
+              "no checkpoint at %s: %s", w->source, strerror(errno));
+  } else if (!S_ISDIR(st.st_mode)) {
+    work_fail(&w->result, RPC_INVALID_ARGUMENT,
+              ends_with(w->source, ".safetensors")
+                  ? "%s is a safetensors file already; Export reads checkpoint directories"
+                  : "%s is not a checkpoint directory",
+              w->source);
+  } else if (stat(manifest, &st) != 0) {
+    work_fail(&w->result, errno == ENOENT ? RPC_NOT_FOUND : io_status(errno),
+              "%s is not a checkpoint (no %s)", w->source, CKPT_MANIFEST_NAME);
+  } else {
+    const char *label = strrchr(w->source, '/');
+    export_to_file(w->source, w->path, w->dtype, w->overwrite, label != NULL ? label + 1 : NULL,
+                   &w->info, &w->result);
+  }
+  w->total_ms = elapsed_ms(w->started_ns);
+}
+
+static void export_done(ckpt_work *base) {
+  export_work *w = (export_work *)base;
+  coord *c = w->base.c;
+  for (export_work **p = &c->exports; *p != NULL; p = &(*p)->next) {
+    if (*p == w) {
+      *p = w->next;
+      break;
+    }
+  }
+  if (w->result.status != 0) {
+    LOG_WARNF("export failed", "source=%s path=%s error=\"%s\"", w->source, w->path,
+              w->result.message);
+  } else {
+    LOG_INFOF("checkpoint exported",
+              "source=%s step=%" PRIu64 " tensors=%u bytes=%" PRIu64 " total_ms=%" PRId64
+              " path=%s",
+              w->source, w->info.step, w->info.tensors, w->info.bytes, w->total_ms, w->path);
+  }
+  if (w->call != NULL && w->result.status != 0) {
+    rpc_call_set_cancel(w->call, NULL, NULL);
+    rpc_call_finish(w->call, w->result.status, w->result.message, NULL, 0);
+  } else if (w->call != NULL) {
+    export_reply(w->call, w->path, &w->info, w->total_ms, w->source);
+  }
+  free(w);
+}
+
+static void on_export_cancelled(rpc_call *call, void *arg) {
+  export_work *w = arg;
+  w->call = NULL;
+  rpc_call_finish(call, rpc_call_remaining_ms(call) <= 0 ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED,
+                  "export ended (the file may still be written)", NULL, 0);
+}
+
+/* The export in flight that reads path, or NULL. */
+static const export_work *export_reading(const coord *c, const char *path) {
+  for (const export_work *w = c->exports; w != NULL; w = w->next)
+    if (strcmp(w->source, path) == 0)
+      return w;
+  return NULL;
+}
+
+static void on_export(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
+  coord *c = arg;
+  Zerod__V1__ExportRequest *req = coord__begin(c, call, CTL_EXPORT, request, request_bytes);
+  if (req == NULL)
+    return;
+  char err[PATH_MAX + 256];
+  int status = 0;
+  export_spec ex = {.path = req->path,
+                    .dtype =
+                        req->dtype == ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_BF16 ? ST_BF16 : ST_F32,
+                    .overwrite = req->overwrite};
+  if (c->options.checkpoint_dir[0] == '\0') {
+    snprintf(err, sizeof err, "this coordinator has no checkpoint directory");
+    status = RPC_FAILED_PRECONDITION;
+  } else if (req->checkpoint[0] == '\0') {
+    /* The job's state now: saved into a temporary checkpoint, which the
+     * commit exports and removes. */
+    cjob *j = NULL;
+    status = order_precheck(c, req->job, &j, err, sizeof err);
+    if (status == 0)
+      status = save_start(c, j, "", call, 0, &ex, err, sizeof err);
+  } else {
+    export_work *w = calloc(1, sizeof *w);
+    if (w == NULL) {
+      snprintf(err, sizeof err, "coordinator out of memory");
+      status = RPC_RESOURCE_EXHAUSTED;
+    } else {
+      status = resolve_source(c, req->job, req->checkpoint, w->source, sizeof w->source, err,
+                              sizeof err);
+    }
+    if (status == 0) {
+      w->base.run = export_run;
+      w->base.done = export_done;
+      w->call = call;
+      snprintf(w->path, sizeof w->path, "%s", req->path);
+      w->dtype = ex.dtype;
+      w->overwrite = ex.overwrite;
+      w->started_ns = uv_hrtime();
+      w->next = c->exports;
+      c->exports = w;
+      rpc_call_set_cancel(call, on_export_cancelled, w);
+      LOG_INFOF("export started", "source=%s path=%s dtype=%s", w->source, w->path,
+                ex.dtype == ST_BF16 ? "bf16" : "fp32");
+      queue_work(c, &w->base);
+    } else {
+      free(w);
+    }
+  }
+  if (status != 0)
+    coord__finish_error(call, status, "%s", err);
   ctl_free(&req->base);
 }
 
@@ -1492,6 +1742,11 @@ static int delete_checkpoint(coord *c, const char *job, const char *name, char *
              reader->job, job, name, reader->id);
     return RPC_FAILED_PRECONDITION;
   }
+  if (export_reading(c, path) != NULL) {
+    snprintf(err, err_bytes, "checkpoint '%s/%s' is being exported; retry when it is done", job,
+             name);
+    return RPC_FAILED_PRECONDITION;
+  }
   snprintf(gone, sizeof gone, "%s.deleting-%" PRIu64, path, c->next_order_id++);
   if (rename(path, gone) != 0) {
     int errnum = errno;
@@ -1625,7 +1880,7 @@ static void auto_check(coord *c, cjob *j, uint64_t now) {
   if (!by_steps && !by_time)
     return;
   char err[PATH_MAX + 256];
-  int status = save_start(c, j, "", NULL, 1, err, sizeof err);
+  int status = save_start(c, j, "", NULL, 1, NULL, err, sizeof err);
   if (status != 0) {
     LOG_WARNF("periodic checkpoint not started", "job=%s status=%s err=\"%s\"", j->msg->name,
               rpc_status_name(status), err);
@@ -1787,6 +2042,7 @@ int coord__ckpt_register(coord *c, rpc_server *server) {
       {CTL_LIST_CHECKPOINTS, on_list},
       {CTL_DELETE_CHECKPOINT, on_delete_checkpoint},
       {CTL_RESTORE, on_restore},
+      {CTL_EXPORT, on_export},
   };
   for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
     int rc = rpc_server_add_method(server, methods[i].path, RPC_UNARY, methods[i].handler, c);

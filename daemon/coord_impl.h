@@ -117,7 +117,8 @@ struct coord {
   size_t kv_bytes, kv_keys, nwaiters;
 
   /* Checkpoints (coord_ckpt.c). */
-  struct ckpt_order *orders; /* every order not yet freed, newest first */
+  struct ckpt_order *orders;   /* every order not yet freed, newest first */
+  struct export_work *exports; /* exports of checkpoints in flight */
   uint64_t next_order_id;
   unsigned ckpt_work; /* thread-pool requests not yet completed */
 

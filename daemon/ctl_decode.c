@@ -436,15 +436,9 @@ static int check_delete_checkpoint(const ProtobufCMessage *msg, char *err, size_
   return rc == 0 ? check_checkpoint_name(r->name, err, err_bytes) : rc;
 }
 
-static int check_restore(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
-  const Zerod__V1__RestoreRequest *r = (const Zerod__V1__RestoreRequest *)msg;
-  int rc = check_job_dir("job", r->job, err, err_bytes);
-  if (rc != 0)
-    return rc;
-  const char *ref = r->checkpoint != NULL ? r->checkpoint : "";
-  if (ref[0] == '\0')
-    return fail(err, err_bytes,
-                "checkpoint is missing (a name, <job>/<name>, or an absolute path)");
+/* A checkpoint reference (RestoreRequest, ExportRequest): a name, a
+ * <job>/<name>, or an absolute path. */
+static int check_checkpoint_ref(const char *ref, char *err, size_t err_bytes) {
   char name[CTL_NAME_MAX_BYTES + 1];
   switch (ctl_parse_checkpoint_ref(ref, NULL, name)) {
   case CTL_REF_NAME:
@@ -462,6 +456,41 @@ static int check_restore(const ProtobufCMessage *msg, char *err, size_t err_byte
               "checkpoint must be a checkpoint name, <job>/<name>, or an absolute path to a "
               "checkpoint directory or a .safetensors file (got %zu bytes)",
               strlen(ref));
+}
+
+static int check_restore(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__RestoreRequest *r = (const Zerod__V1__RestoreRequest *)msg;
+  int rc = check_job_dir("job", r->job, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  const char *ref = r->checkpoint != NULL ? r->checkpoint : "";
+  if (ref[0] == '\0')
+    return fail(err, err_bytes,
+                "checkpoint is missing (a name, <job>/<name>, or an absolute path)");
+  return check_checkpoint_ref(ref, err, err_bytes);
+}
+
+static int check_export(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__ExportRequest *r = (const Zerod__V1__ExportRequest *)msg;
+  int rc = check_job_dir("job", r->job, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (r->checkpoint != NULL && r->checkpoint[0] != '\0' &&
+      (rc = check_checkpoint_ref(r->checkpoint, err, err_bytes)) != 0)
+    return rc;
+  const char *path = r->path != NULL ? r->path : "";
+  if (path[0] != '/')
+    return fail(err, err_bytes,
+                "path must be the absolute path of the .safetensors file to write (got %zu "
+                "bytes)",
+                strlen(path));
+  if ((rc = check_text("path", path, 1, CTL_PATH_MAX_BYTES, err, err_bytes)) != 0)
+    return rc;
+  if (r->dtype != ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_UNSPECIFIED &&
+      r->dtype != ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_F32 &&
+      r->dtype != ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_BF16)
+    return fail(err, err_bytes, "dtype %d is not F32 or BF16", (int)r->dtype);
+  return 0;
 }
 
 static int check_health(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
@@ -499,6 +528,7 @@ static const ctl_method methods[CTL_NMETHODS] = {
     {CTL_DELETE_CHECKPOINT, &zerod__v1__delete_checkpoint_request__descriptor,
      check_delete_checkpoint},
     {CTL_RESTORE, &zerod__v1__restore_request__descriptor, check_restore},
+    {CTL_EXPORT, &zerod__v1__export_request__descriptor, check_export},
 };
 
 const char *ctl_method_path(unsigned i) {

@@ -37,6 +37,7 @@
 #define CTL_LIST_CHECKPOINTS  "/zerod.v1.Checkpoints/List"
 #define CTL_DELETE_CHECKPOINT "/zerod.v1.Checkpoints/Delete"
 #define CTL_RESTORE           "/zerod.v1.Checkpoints/Restore"
+#define CTL_EXPORT            "/zerod.v1.Checkpoints/Export"
 
 /* Limits on requests (docs/control-plane.md, "Limits"). */
 #define CTL_NAME_MAX_BYTES    64         /* node and job names */
@@ -51,10 +52,10 @@
 #define CTL_VALUE_MAX_BYTES   (1u << 20) /* rendezvous values */
 #define CTL_MAX_SHARD_REPORTS 256        /* JobStatus.saves, JobStatus.restores */
 #define CTL_FILE_MAX_BYTES    255        /* ShardReport.file */
-#define CTL_PATH_MAX_BYTES    4000       /* RestoreRequest.checkpoint as a path */
+#define CTL_PATH_MAX_BYTES    4000 /* RestoreRequest.checkpoint as a path, ExportRequest.path */
 
 /* The number of methods ctl_decode knows (the paths above). */
-#define CTL_NMETHODS 17
+#define CTL_NMETHODS 18
 
 /* The path of method i (0 <= i < CTL_NMETHODS), and the descriptor of its
  * request message, for tests and fuzzing; NULL past the end. */

@@ -9,7 +9,9 @@
 #                           venv, pip and setuptools for the package's
 #                           install test; grpcio, protobuf and protoc with
 #                           gRPC's Python plugin for the control-plane tests
-#                           that use only the .proto files
+#                           that use only the .proto files; and, from PyPI
+#                           (Debian has no package), the safetensors library
+#                           that checks zerod's exports and imports
 #   scripts/deps.sh demo    build + Debian's PyTorch and numpy (the example
 #                           trains a torch model through zerod)
 #   scripts/deps.sh bench   demo's (the DDP comparison) + test's gRPC Python tools
@@ -58,7 +60,29 @@ if [ ${#missing[@]} -gt 0 ]; then
   mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
 fi
 
+# Python packages Debian does not have: from PyPI, pinned, for Debian's
+# python3 (which the tests run), without dependencies (torch and numpy are
+# Debian's).
+pip_packages=()
+[ "$task" = test ] && pip_packages+=("safetensors==0.8.0")
+pip_missing=()
+for spec in "${pip_packages[@]}"; do
+  name=${spec%%==*} version=${spec#*==}
+  have=$(/usr/bin/python3 -c "import importlib.metadata as m; print(m.version('$name'))" 2>/dev/null || true)
+  [ "$have" = "$version" ] || pip_missing+=("$spec")
+done
+
+install_pip() {
+  [ ${#pip_missing[@]} -gt 0 ] || return 0
+  local where=(--break-system-packages)
+  [ "$(id -u)" -eq 0 ] || where+=(--user)
+  echo "deps: pip installing ${pip_missing[*]}"
+  /usr/bin/python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
+    --no-deps "${where[@]}" "${pip_missing[@]}"
+}
+
 if [ ${#missing[@]} -eq 0 ]; then
+  install_pip
   echo "deps: everything for '$task' is installed"
   exit 0
 fi
@@ -87,4 +111,5 @@ done
 echo "deps: installing ${missing[*]}"
 "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
   "${missing[@]}" >/dev/null
+install_pip
 echo "deps: done"

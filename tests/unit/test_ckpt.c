@@ -4,8 +4,9 @@
  * shard files written in any chunk sizes read back exactly, and every kind
  * of damage (a data, header or table byte, a short or long file) is caught
  * and named; a checkpoint directory reads by element ranges across rank
- * files; safetensors files written here read back, and malformed headers
- * are refused. Every test works in its own directory under /tmp. */
+ * files and exports to safetensors; safetensors files written here read
+ * back, and malformed headers are refused. Every test works in its own
+ * directory under /tmp. */
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -18,6 +19,7 @@
 #include "testutil.h"
 
 #include "ckpt.h"
+#include "zk.h"
 
 /* ------------------------------------------------------------------------
  * Helpers
@@ -1394,6 +1396,80 @@ static void test_source_refuses_absent_states_and_foreign_shards(void **state) {
   remove_dir(dir);
 }
 
+/* Export: every tensor of every unit, its registered shape, the master
+ * values at its offset (across rank files), in F32 exactly and in BF16 as
+ * zk_cast rounds; metadata names the job, step and checkpoint. */
+static void test_export_writes_every_tensor_from_the_rank_files(void **state) {
+  char *dir = make_dir();
+  ckpt_manifest m;
+  build_manifest(&m, 3, source_units, 2, 1);
+  write_checkpoint(dir, &m, m.step);
+  char *out = path_in(dir, "out.safetensors");
+  for (int d = 0; d < 2; d++) {
+    st_dtype dtype = d == 0 ? ST_F32 : ST_BF16;
+    ckpt_export_info info;
+    char err[512] = "";
+    int rc = ckpt_export(dir, out, dtype, "cp", &info, err, sizeof err);
+    if (rc != 0)
+      test_fail("export: %s", err);
+    assert_int_equal(info.tensors, 3);
+    assert_int_equal(info.step, m.step);
+    assert_int_equal(info.bytes, file_size(out));
+    st_file f;
+    int fd;
+    if (st_open(out, &f, &fd, err, sizeof err) != 0)
+      test_fail("st_open: %s", err);
+    assert_int_equal(f.ntensors, 3);
+    for (unsigned u = 0; u < m.nunits; u++) {
+      const ckpt_unit *unit = &m.units[u];
+      for (unsigned k = 0; k < unit->ntensors; k++) {
+        const ckpt_tensor *t = &unit->tensors[k];
+        const st_tensor *ft = st_find(&f, t->name);
+        assert_non_null(ft);
+        assert_int_equal(ft->dtype, dtype);
+        assert_int_equal(ft->ndim, t->ndim);
+        assert_memory_equal(ft->shape, t->shape, t->ndim * sizeof t->shape[0]);
+        float *got = xmalloc((size_t)t->numel * 4), *want = xmalloc((size_t)t->numel * 4);
+        for (uint64_t e = 0; e < t->numel; e++)
+          want[e] = state_value(unit, u, CKPT_MASTER, t->offset + e);
+        if (dtype == ST_BF16) {
+          uint16_t *half = xmalloc((size_t)t->numel * 2);
+          assert_int_equal(zk_cast(NULL, half, ZK_BF16, want, ZK_F32, (size_t)t->numel), 0);
+          assert_int_equal(zk_cast(NULL, want, ZK_F32, half, ZK_BF16, (size_t)t->numel), 0);
+          free(half);
+        }
+        if (st_read_f32(fd, &f, ft, 0, t->numel, got, err, sizeof err) != 0)
+          test_fail("read %s: %s", t->name, err);
+        assert_memory_equal(got, want, (size_t)t->numel * 4);
+        free(got);
+        free(want);
+      }
+    }
+    st_file_free(&f);
+    close(fd);
+    size_t len;
+    uint8_t *bytes = read_whole(out, &len);
+    static const char md[] = "\"__metadata__\":{\"format\":\"pt\",\"zerod.job\":"
+                             "\"llama-7b.run_3\",\"zerod.step\":\"9007199254740993\","
+                             "\"zerod.checkpoint\":\"cp\"}";
+    assert_non_null(memmem(bytes, len, md, sizeof md - 1));
+    free(bytes);
+  }
+  /* A damaged block is named, and nothing is left at the path. */
+  unlink(out);
+  char *shard = path_in(dir, m.files[1].name);
+  flip_byte(shard, CKPT_HEADER_BYTES + 10);
+  ckpt_export_info info;
+  char err[512] = "";
+  expect_error(ckpt_export(dir, out, ST_F32, NULL, &info, err, sizeof err), -EBADMSG, err,
+               m.files[1].name);
+  assert_false(file_exists(out));
+  free(shard);
+  free(out);
+  ckpt_manifest_free(&m);
+  remove_dir(dir);
+}
+
 /* ------------------------------------------------------------------------
  * safetensors
  * ------------------------------------------------------------------------ */
@@ -1732,6 +1808,7 @@ int main(void) {
       cmocka_unit_test(test_file_verify_checks_the_whole_file_checksum),
       cmocka_unit_test(test_source_reads_ranges_across_rank_files),
       cmocka_unit_test(test_source_refuses_absent_states_and_foreign_shards),
+      cmocka_unit_test(test_export_writes_every_tensor_from_the_rank_files),
       cmocka_unit_test(test_safetensors_write_then_read_round_trips),
       cmocka_unit_test(test_safetensors_write_refuses_bad_arguments),
       cmocka_unit_test(test_safetensors_reads_f16_and_f64_and_refuses_integers),
