@@ -3,8 +3,8 @@
  * Each invocation makes one or two blocking unary calls to the coordinator
  * (rpc.h's client half, protobuf-c messages from control.proto and
  * health.proto), every call with the --timeout deadline (checkpoint save
- * and restore wait for the whole operation: 600 s unless --timeout is
- * given), and prints the
+ * and restore, and export, wait for the whole operation: 600 s unless
+ * --timeout is given), and prints the
  * result either for people (aligned tables, "key: value" lines) or, with
  * --json, as exactly one JSON object on stdout for scripts.
  *
