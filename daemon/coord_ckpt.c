@@ -1289,11 +1289,10 @@ static void on_restore(rpc_call *call, const uint8_t *request, size_t request_by
 /* Export                                                                   */
 /* ------------------------------------------------------------------------ */
 
-/* Writes the checkpoint in dir to the safetensors file path, unless path
- * exists and overwrite is off. On the thread pool. Returns 0 or the status
- * in result. */
-static int export_to_file(const char *dir, const char *path, st_dtype dtype, int overwrite,
-                          const char *label, ckpt_export_info *info, work_result *result) {
+/* Whether an export may write path: its directory exists, and path is
+ * not a directory, nor a file unless overwrite. Returns 0 or the status in
+ * result. */
+static int export_target_check(const char *path, int overwrite, work_result *result) {
   struct stat st;
   const char *slash = strrchr(path, '/');
   char parent[PATH_MAX];
@@ -1308,6 +1307,16 @@ static int export_to_file(const char *dir, const char *path, st_dtype dtype, int
   } else if (errno != ENOENT) {
     return work_fail(result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
   }
+  return 0;
+}
+
+/* Writes the checkpoint in dir to the safetensors file path, checked
+ * first with export_target_check. On the thread pool. Returns 0 or the
+ * status in result. */
+static int export_to_file(const char *dir, const char *path, st_dtype dtype, int overwrite,
+                          const char *label, ckpt_export_info *info, work_result *result) {
+  if (export_target_check(path, overwrite, result) != 0)
+    return result->status;
   char err[CKPT_MESSAGE_BYTES - 64];
   int rc = ckpt_export(dir, path, dtype, label, info, err, sizeof err);
   if (rc == 0)
@@ -1423,7 +1432,11 @@ static void on_export(rpc_call *call, const uint8_t *request, size_t request_byt
     /* The job's state now: saved into a temporary checkpoint, which the
      * commit exports and removes. */
     cjob *j = NULL;
+    work_result target = {0};
     status = order_precheck(c, req->job, &j, err, sizeof err);
+    /* Checked again before writing; here so that a mistake costs no save. */
+    if (status == 0 && (status = export_target_check(req->path, req->overwrite, &target)) != 0)
+      snprintf(err, sizeof err, "%s", target.message);
     if (status == 0)
       status = save_start(c, j, "", call, 0, &ex, err, sizeof err);
   } else {

@@ -317,13 +317,20 @@ def test_save_refuses_malformed_requests(coord, job, name, fragment):
     ("Restore", C.RestoreRequest(job="j", checkpoint="x.deleting-5")),
     ("Restore", C.RestoreRequest(job="j", checkpoint="/tmp/a\nb")),
     ("Restore", C.RestoreRequest(job="j", checkpoint="/" + "x" * 4000)),
+    ("Export", C.ExportRequest(job="j", path="")),
+    ("Export", C.ExportRequest(job="j", path="relative.safetensors")),
+    ("Export", C.ExportRequest(job="j", path="/tmp/a\nb.safetensors")),
+    ("Export", C.ExportRequest(job="j", path="/" + "x" * 4000)),
+    ("Export", C.ExportRequest(job="j", path="/tmp/x.safetensors", dtype=7)),
+    ("Export", C.ExportRequest(job="j", path="/tmp/x.safetensors", checkpoint="a/b/c")),
+    ("Export", C.ExportRequest(job="", path="/tmp/x.safetensors")),
 ])
 def test_other_methods_refuse_malformed_requests(coord, call, request_):
     expect_error(S.INVALID_ARGUMENT, getattr(coord.ckpt, call), request_, timeout=10)
 
 
 def test_garbage_bytes_are_invalid_argument(coord):
-    for method in ("Save", "List", "Delete", "Restore"):
+    for method in ("Save", "List", "Delete", "Restore", "Export"):
         call = coord.channel.unary_unary("/zerod.v1.Checkpoints/" + method)
         expect_error(S.INVALID_ARGUMENT, call, b"\xff\xff\xff\xff\x0f", timeout=10)
 
@@ -787,3 +794,56 @@ def test_shutdown_fails_a_save_in_flight_and_removes_its_directory(coord, nodes)
     channel.close()
     assert result["error"] == (S.UNAVAILABLE, "coordinator shutting down"), result
     assert entries(coord.checkpoints / "j") == []
+
+
+# ---------------------------------------------------------------------------
+# Export (the files are the fake nodes' zeros, not shard files: the
+# coordinator's part up to reading them; real exports: test_safetensors.py)
+# ---------------------------------------------------------------------------
+
+def test_export_refusals_before_anything_is_ordered(coord, nodes, tmp_path):
+    made = ready_job(coord, nodes, nodes_count=1)
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"taken")
+    expect_error(S.ALREADY_EXISTS, coord.ckpt.Export, C.ExportRequest(job="j", path=str(out)),
+                 timeout=10, fragment="overwrite")
+    expect_error(S.NOT_FOUND, coord.ckpt.Export,
+                 C.ExportRequest(job="j", path=str(tmp_path / "none" / "x.safetensors")),
+                 timeout=10, fragment="no such directory")
+    expect_error(S.INVALID_ARGUMENT, coord.ckpt.Export,
+                 C.ExportRequest(job="j", path=str(tmp_path), overwrite=True), timeout=10,
+                 fragment="is a directory")
+    expect_error(S.NOT_FOUND, coord.ckpt.Export,
+                 C.ExportRequest(job="ghost", path=str(tmp_path / "g.safetensors")), timeout=10,
+                 fragment="no job named 'ghost'")
+    expect_error(S.NOT_FOUND, coord.ckpt.Export,
+                 C.ExportRequest(job="j", checkpoint="nope", path=str(tmp_path / "n.safetensors")),
+                 timeout=10, fragment="no checkpoint at")
+    assert_no_order_was_sent(made[0], "j")
+    assert out.read_bytes() == b"taken"
+    assert entries(coord.checkpoints / "j") == []
+
+
+def test_export_of_a_live_job_saves_into_a_temporary_directory_and_removes_it(coord, nodes,
+                                                                              tmp_path):
+    made = ready_job(coord, nodes)
+    for n in made:
+        n.on_save = writes_shards(10)
+    out = tmp_path / "live.safetensors"
+    # The fake shards are zeros: the save completes, the export's reading
+    # refuses them (no shard header), and nothing is left anywhere.
+    expect_error(S.DATA_LOSS, coord.ckpt.Export, C.ExportRequest(job="j", path=str(out)),
+                 timeout=30, fragment="export to %s failed" % out)
+    orders = [o for e in made[0].events for a in e.assignments for o in a.saves]
+    assert orders and orders[0].dir.startswith(str(coord.checkpoints / "j" / "export.tmp-"))
+    wait_for(lambda: entries(coord.checkpoints / "j") == [], 10, "the temporary directory to go")
+    assert listed(coord, "j") == []
+    assert not out.exists() and not (tmp_path / "live.safetensors.tmp").exists()
+    # A rank's error fails the export as it fails a save; the job is free after.
+    made[1].on_save = writes_shards(10, errors={1: (8, "No space left on device")})
+    expect_error(S.RESOURCE_EXHAUSTED, coord.ckpt.Export, C.ExportRequest(job="j", path=str(out)),
+                 timeout=30, fragment="rank 1: No space left on device")
+    wait_for(lambda: entries(coord.checkpoints / "j") == [], 10, "the temporary directory to go")
+    made[1].on_save = writes_shards(10)
+    coord.ckpt.Save(C.SaveRequest(job="j", name="after"), timeout=30)
+    assert listed(coord, "j") == [("j", "after", 10)]
