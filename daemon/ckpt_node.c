@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "crashpoint.h"
+#include "ctl_decode.h"
 #include "daemon.h"
 #include "exec.h"
 #include "log.h"
@@ -579,6 +580,7 @@ void ckpt_node_reports(job *j, Zerod__V1__JobStatus *st, void **owned) {
       it->done = rs->state == SAVE_DONE || rs->state == SAVE_FAILED;
       if (rs->state == SAVE_FAILED) {
         snprintf(r->errors[k], sizeof r->errors[k], "%s", rs->error);
+        ctl_text_sanitize(r->errors[k], CTL_ERROR_MAX_BYTES);
         it->error = r->errors[k];
         it->code = rs->code;
       }
@@ -604,6 +606,7 @@ void ckpt_node_reports(job *j, Zerod__V1__JobStatus *st, void **owned) {
     it->step = rr->step;
     if (rr->code != 0) {
       snprintf(r->errors[k], sizeof r->errors[k], "%s", rr->error);
+      ctl_text_sanitize(r->errors[k], CTL_ERROR_MAX_BYTES);
       it->error = r->errors[k];
       it->code = rr->code;
     }

@@ -79,46 +79,65 @@ ctl_checkpoint_ref ctl_parse_checkpoint_ref(const char *ref, char *job_out, char
   return CTL_REF_JOB_NAME;
 }
 
-/* Returns 1 if s[0, len) is well-formed UTF-8 (no overlong forms, no
- * surrogates, nothing above U+10FFFF). Strings that the coordinator echoes
- * to other clients must be: proto3 clients (Python's protobuf among them)
- * refuse a message whose string field is not, so one bad Join would
- * otherwise break every later GetView. */
+/* The length of the well-formed UTF-8 character at p[0, len) (no overlong
+ * forms, no surrogates, nothing above U+10FFFF), or 0 if there is none. */
+static size_t utf8_char(const unsigned char *p, size_t len) {
+  unsigned char c = p[0];
+  size_t extra;
+  uint32_t cp;
+  if (c < 0x80)
+    return 1;
+  if (c >= 0xc2 && c <= 0xdf) {
+    extra = 1;
+    cp = c & 0x1f;
+  } else if (c >= 0xe0 && c <= 0xef) {
+    extra = 2;
+    cp = c & 0x0f;
+  } else if (c >= 0xf0 && c <= 0xf4) {
+    extra = 3;
+    cp = c & 0x07;
+  } else {
+    return 0;
+  }
+  if (len <= extra)
+    return 0;
+  for (size_t k = 1; k <= extra; k++) {
+    if ((p[k] & 0xc0) != 0x80)
+      return 0;
+    cp = (cp << 6) | (p[k] & 0x3f);
+  }
+  if ((extra == 2 && cp < 0x800) || (extra == 3 && cp < 0x10000) || cp > 0x10ffff ||
+      (cp >= 0xd800 && cp <= 0xdfff))
+    return 0;
+  return extra + 1;
+}
+
+/* Returns 1 if s[0, len) is well-formed UTF-8. Strings that the
+ * coordinator echoes to other clients must be: proto3 clients (Python's
+ * protobuf among them) refuse a message whose string field is not, so one
+ * bad Join would otherwise break every later GetView. */
 static int valid_utf8(const char *s, size_t len) {
   const unsigned char *p = (const unsigned char *)s;
-  size_t i = 0;
-  while (i < len) {
-    unsigned char c = p[i];
-    size_t extra;
-    uint32_t cp;
-    if (c < 0x80) {
-      i++;
-      continue;
-    } else if (c >= 0xc2 && c <= 0xdf) {
-      extra = 1;
-      cp = c & 0x1f;
-    } else if (c >= 0xe0 && c <= 0xef) {
-      extra = 2;
-      cp = c & 0x0f;
-    } else if (c >= 0xf0 && c <= 0xf4) {
-      extra = 3;
-      cp = c & 0x07;
-    } else {
+  for (size_t i = 0, n; i < len; i += n)
+    if ((n = utf8_char(p + i, len - i)) == 0)
       return 0;
-    }
-    if (len - i <= extra)
-      return 0;
-    for (size_t k = 1; k <= extra; k++) {
-      if ((p[i + k] & 0xc0) != 0x80)
-        return 0;
-      cp = (cp << 6) | (p[i + k] & 0x3f);
-    }
-    if ((extra == 2 && cp < 0x800) || (extra == 3 && cp < 0x10000) || cp > 0x10ffff ||
-        (cp >= 0xd800 && cp <= 0xdfff))
-      return 0;
-    i += extra + 1;
-  }
   return 1;
+}
+
+void ctl_text_sanitize(char *s, size_t max_bytes) {
+  unsigned char *p = (unsigned char *)s;
+  size_t len = strlen(s);
+  for (size_t i = 0, n; i < len; i += n) {
+    n = utf8_char(p + i, len - i);
+    if (n == 0 || (n == 1 && (p[i] < 0x20 || p[i] == 0x7f))) {
+      p[i] = '?';
+      n = 1;
+    }
+    if (i + n > max_bytes) {
+      p[i] = '\0';
+      return;
+    }
+  }
 }
 
 /* Checks a free-text field: min_bytes..max_bytes of UTF-8 without control

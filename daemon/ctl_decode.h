@@ -101,6 +101,14 @@ typedef enum ctl_checkpoint_ref {
  * CTL_NAME_MAX_BYTES + 1 bytes) receive the parts. */
 ctl_checkpoint_ref ctl_parse_checkpoint_ref(const char *ref, char *job_out, char *name_out);
 
+/* Makes s (NUL-terminated) text that check_text accepts, in place: every
+ * control character and every byte that does not start or continue
+ * well-formed UTF-8 becomes '?', and it is cut to at most max_bytes bytes
+ * at a character boundary. For what a node puts in a Heartbeat (errors
+ * carry paths and other bytes from outside): one bad byte must not get the
+ * whole heartbeat refused. */
+void ctl_text_sanitize(char *s, size_t max_bytes);
+
 /* Checks a job config the way the node daemon's job_config_finish (job.c)
  * will, so that a config that a node would refuse is refused at CreateJob
  * and never assigned: same ranges, same messages. NULL (every default) is

@@ -10,6 +10,7 @@
 
 #include "ckpt_node.h"
 #include "coord.h"
+#include "ctl_decode.h"
 #include "daemon.h"
 #include "log.h"
 #include "rpc.h"
@@ -244,8 +245,10 @@ static void send_heartbeat(node_agent *a) {
     Zerod__V1__JobStatus *st = &statuses[i];
     zerod__v1__job_status__init(st);
     st->job = j->name;
-    if (job_failed(j, j->generation, errors[i], sizeof errors[i]))
+    if (job_failed(j, j->generation, errors[i], sizeof errors[i])) {
+      ctl_text_sanitize(errors[i], CTL_ERROR_MAX_BYTES);
       st->error = errors[i];
+    }
     st->ready = job_ready(j) && st->error[0] == '\0';
     st->step = atomic_load(&j->latest_version);
     ckpt_node_reports(j, st, &ckpt_reports[i]);
@@ -406,9 +409,13 @@ static void reconcile(node_agent *a, const Zerod__V1__WatchEvent *ev) {
     if (j == NULL) {
       /* A job that is not (or no longer) healthy is not built here: its
        * other ranks are gone or failed, so a rendezvous could only time
-       * out. */
+       * out. One whose ranks are all here is, degraded or not: this node
+       * left (a restart, an expired lease) and the coordinator waits for it
+       * to build the ranks again; nobody else has to be there. */
+      int all_here = as->first_rank == 0 && as->ranks == pj->world_size;
       if (pj->state != ZEROD__V1__JOB_STATE__JOB_STATE_CREATING &&
-          pj->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY)
+          pj->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY &&
+          !(pj->state == ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED && all_here))
         continue;
       job_config config;
       char err[256] = "";
