@@ -26,6 +26,10 @@
 /* A rank that learnt of a save from its peers (the step's all-reduce)
  * waits this long for the order itself to reach its node. */
 #define ORDER_WAIT_S 120
+/* Saves that ended here, remembered so that a copy taken after its order
+ * left (ranks agreed on the save in a step that was running when it was
+ * withdrawn) is dropped. One order per job at a time: a few are plenty. */
+#define ENDED_KEPT 8
 
 enum { SAVE_COPYING = 0, SAVE_WRITING = 1, SAVE_DONE = 2, SAVE_FAILED = 3 };
 
@@ -64,6 +68,8 @@ typedef struct job_ckpt {
   pthread_mutex_t mutex;
   pthread_cond_t cond; /* a save got its directory, or a writer ended */
   save_rec *saves;
+  uint64_t ended[ENDED_KEPT]; /* ids of saves that left the assignment */
+  unsigned ended_next;
   int writers;         /* running */
   uint64_t restore_id; /* 0: none */
   int restore_commit_sent;
@@ -165,6 +171,14 @@ void ckpt_node_job_free(job *j) {
   j->ckpt = NULL;
 }
 
+/* Under c->mutex: whether save id has ended on this node. */
+static int save_ended(const job_ckpt *c, uint64_t id) {
+  for (unsigned i = 0; i < ENDED_KEPT; i++)
+    if (c->ended[i] == id)
+      return 1;
+  return 0;
+}
+
 /* Under c->mutex: the save's record, made if absent (a rank may learn of a
  * save from its peers before its node gets the order). */
 static save_rec *save_get(job *j, uint64_t id) {
@@ -261,7 +275,10 @@ static void *writer_main(void *arg) {
 
   char err[512] = "";
   int rc;
-  if (dir[0] == '\0') {
+  if (dir[0] == '\0' && !timed_out) {
+    rc = -ECANCELED;
+    snprintf(err, sizeof err, "the save was withdrawn");
+  } else if (dir[0] == '\0') {
     rc = -ETIMEDOUT;
     snprintf(err, sizeof err, "the save order did not reach this node in %d s", ORDER_WAIT_S);
   } else {
@@ -295,10 +312,12 @@ static void *writer_main(void *arg) {
   free(rs->layout);
   rs->layout = NULL;
   save_unref(j, s);
+  /* Before this writer stops counting: once none does, the job and the
+   * loop's handle may go (stop_writers, then shutdown or job_destroy). */
+  wake_loop(j);
   c->writers--;
   pthread_cond_broadcast(&c->cond);
   pthread_mutex_unlock(&c->mutex);
-  wake_loop(j);
   return NULL;
 }
 
@@ -307,6 +326,15 @@ void ckpt_node_saved(job *j, int rank, uint64_t id, uint64_t step, void *data, u
   job_ckpt *c = j->ckpt;
   int local = rank - j->first_rank;
   pthread_mutex_lock(&c->mutex);
+  if (save_ended(c, id)) {
+    pthread_mutex_unlock(&c->mutex);
+    free(data);
+    ckpt_manifest_free(layout);
+    free(layout);
+    LOG_DEBUGF("copy for a save that has ended dropped", "job=%s rank=%d save=%llu", j->name, rank,
+               (unsigned long long)id);
+    return;
+  }
   save_rec *s = save_get(j, id);
   writer_arg *a = s != NULL ? malloc(sizeof *a) : NULL;
   if (a == NULL) {
@@ -348,7 +376,7 @@ void ckpt_node_saved(job *j, int rank, uint64_t id, uint64_t step, void *data, u
 void ckpt_node_save_failed(job *j, int rank, uint64_t id, int code, const char *error) {
   job_ckpt *c = j->ckpt;
   pthread_mutex_lock(&c->mutex);
-  save_rec *s = save_get(j, id);
+  save_rec *s = save_ended(c, id) ? NULL : save_get(j, id);
   if (s != NULL) {
     rank_save *rs = &s->ranks[rank - j->first_rank];
     rs->state = SAVE_FAILED;
@@ -448,6 +476,7 @@ static void follow_saves(job *j, const Zerod__V1__Assignment *as) {
     }
     atomic_store(&s->abort, 1);
     pthread_cond_broadcast(&c->cond);
+    c->ended[c->ended_next++ % ENDED_KEPT] = s->id;
     save_unref(j, s);
   }
   pthread_mutex_unlock(&c->mutex);
