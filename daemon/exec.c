@@ -1177,8 +1177,10 @@ static void handle_register(rank_state *rs, exec_op *op) {
     root_desc = rs->rank == 0 ? mine->descriptor : malloc(head.desc_bytes);
     rc = root_desc == NULL ? -ENOMEM : host_broadcast(rs, root_desc, head.desc_bytes, 0);
   }
+  /* Only once rank 0's descriptor is here: after a failed broadcast
+   * (a peer that never came, a timeout) there is none to compare with. */
   int32_t my_code = local_rc != 0 ? -2
-                                  : (head.desc_bytes > 0
+                                  : (rc == 0 && head.desc_bytes > 0
                                          ? descriptor_diff(mine->descriptor, mine->descriptor_bytes,
                                                            root_desc, head.desc_bytes)
                                          : -1);
