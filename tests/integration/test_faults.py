@@ -94,3 +94,19 @@ def test_sigterm_while_training_tells_the_workers_and_exits_cleanly(start_daemon
     log = d.read_log()
     assert 'msg="shutting down" reason=SIGTERM' in log and "msg=stopped" in log, log
     assert not os.path.exists(d.socket)
+
+
+def test_peer_that_never_attaches_times_out_the_registration(start_daemon):
+    # Rank 1's worker never comes: rank 0's unit registration waits for it
+    # in a collective that times out. The worker gets that error; the
+    # daemon lives on (it used to dereference the descriptor that never
+    # came) and serves the job once both ranks are there.
+    d = start_daemon(ranks=2, timeout_s=3)
+    rc, out, err = finish(spawn(d.socket, "half", 0, 2))
+    assert rc == 3 and "ERROR" in out, (rc, out, err, d.read_log())
+    assert "timed out" in out or "rank 1" in out, out
+    assert d.alive()
+    both = [spawn(d.socket, "fresh", r, 2) for r in range(2)]
+    for proc in both:
+        rc, out, err = finish(proc)
+        assert rc == 0 and "OK" in out, (rc, out, err, d.read_log())
