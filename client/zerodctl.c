@@ -443,7 +443,6 @@ typedef struct ctl {
   const char *export_checkpoint; /* NULL: the job's state now */
   const char *export_dtype;      /* NULL: fp32 */
   bool export_overwrite;
-  const char *export_first_given; /* the first export option, for misplaced ones */
 } ctl;
 
 /* Prints the one error line for a failed call and returns its exit status. */
@@ -1041,7 +1040,6 @@ typedef struct create_options {
       *precision, *max_grad_norm, *max_live_bytes, *token, *every_steps, *every_seconds, *keep;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
-  const char *first_given; /* the first of them on the command line, or NULL */
 } create_options;
 
 static int bad_create_value(const char *option, const char *value, const char *expected) {
@@ -1722,10 +1720,16 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
   }
   if (slot != NULL)
     *slot = value;
-  if (o->first_given == NULL)
-    o->first_given = spelled;
   return 0;
 }
+
+/* Options that belong to one command, refused with any other: the first
+ * one given of each, as spelled. */
+typedef struct owned_option {
+  const char *command;
+  int first_opt, last_opt; /* its OPT_ range */
+  char given[64];          /* "" if none */
+} owned_option;
 
 /* The option as the user spelled it, for messages: "--nodes" (also from
  * "--nodes=3"), "-c". */
@@ -1769,7 +1773,9 @@ int main(int argc, char **argv) {
   create_options create = {0};
   const char *coordinator_from = "--coordinator";
   bool help = false, version = false, timeout_given = false;
-  char spelled[64], export_spelled[64];
+  char spelled[64];
+  owned_option owned[] = {{"jobs create", OPT_NODES, OPT_KEEP, ""},
+                          {"export", OPT_CHECKPOINT, OPT_OVERWRITE, ""}};
 
   opterr = 0; /* our own one-line messages */
   int opt, long_index = -1;
@@ -1810,10 +1816,6 @@ int main(int argc, char **argv) {
         c.export_dtype = optarg;
       else
         c.export_overwrite = true;
-      if (c.export_first_given == NULL) {
-        snprintf(export_spelled, sizeof export_spelled, "%s", spelled);
-        c.export_first_given = export_spelled;
-      }
       break;
     case ':':
       return usage_error("option '%s' needs a value (see zerodctl --help)", spelled);
@@ -1828,6 +1830,9 @@ int main(int argc, char **argv) {
       break;
     }
     }
+    for (size_t i = 0; i < sizeof owned / sizeof owned[0]; i++)
+      if (opt >= owned[i].first_opt && opt <= owned[i].last_opt && owned[i].given[0] == '\0')
+        snprintf(owned[i].given, sizeof owned[i].given, "%s", spelled);
   }
   int n_args = argc - optind;
   char **args = argv + optind;
@@ -1862,10 +1867,10 @@ int main(int argc, char **argv) {
   n_args -= words;
   if (n_args < cmd->min_args || n_args > cmd->max_args)
     return usage_error("%s: usage: zerodctl %s%s", cmd->name, cmd->name, cmd->args_usage);
-  if (create.first_given != NULL && strcmp(cmd->name, "jobs create") != 0)
-    return usage_error("%s: option '%s' belongs to jobs create", cmd->name, create.first_given);
-  if (c.export_first_given != NULL && strcmp(cmd->name, "export") != 0)
-    return usage_error("%s: option '%s' belongs to export", cmd->name, c.export_first_given);
+  for (size_t i = 0; i < sizeof owned / sizeof owned[0]; i++)
+    if (owned[i].given[0] != '\0' && strcmp(cmd->name, owned[i].command) != 0)
+      return usage_error("%s: option '%s' belongs to %s", cmd->name, owned[i].given,
+                         owned[i].command);
   if (strcmp(cmd->name, "export") == 0) {
     int rc = check_export_args(&c, args);
     if (rc != 0)

@@ -136,7 +136,12 @@ def test_zerodctl_export(start_daemon, tmp_path):
     # Usage errors are caught before anything is sent.
     for args, words in [(["export", "cli", "x", "--dtype", "fp16"], "--dtype"),
                         (["export", "cli"], "usage"),
-                        (["checkpoint", "list", "--overwrite"], "belongs to export")]:
+                        (["checkpoint", "list", "--overwrite"], "belongs to export"),
+                        # The first misplaced option is named, of each command's.
+                        (["members", "--nodes", "2", "--lr", "0.1"],
+                         "option '--nodes' belongs to jobs create"),
+                        (["jobs", "create", "x", "--dtype", "bf16"],
+                         "option '--dtype' belongs to export")]:
         proc = subprocess.run(ctl + args, capture_output=True, text=True, timeout=30)
         assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr)
 
