@@ -2,7 +2,6 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,7 +13,6 @@
 /* The tensors of the file, in order, and where each one lives. */
 typedef struct export_ctx {
   ckpt_source *source;
-  const ckpt_manifest *m;
   unsigned *unit_of; /* [tensors] */
   const ckpt_tensor **tensor_of;
 } export_ctx;
@@ -66,7 +64,7 @@ int ckpt_export(const char *dir, const char *path, st_dtype dtype, const char *l
   unsigned n = 0;
   for (unsigned u = 0; u < m->nunits; u++)
     n += m->units[u].ntensors;
-  export_ctx x = {.source = source, .m = m};
+  export_ctx x = {.source = source};
   st_tensor *tensors = calloc(n > 0 ? n : 1, sizeof *tensors);
   x.unit_of = calloc(n > 0 ? n : 1, sizeof *x.unit_of);
   x.tensor_of = calloc(n > 0 ? n : 1, sizeof *x.tensor_of);

@@ -76,6 +76,13 @@ typedef struct rank_report {
   char file[CTL_FILE_MAX_BYTES + 1];
 } rank_report;
 
+/* Where and how an Export writes its file. */
+typedef struct export_spec {
+  char path[PATH_MAX];
+  st_dtype dtype;
+  int overwrite;
+} export_spec;
+
 typedef struct ckpt_order {
   struct ckpt_order *next;
   coord *c;
@@ -96,9 +103,7 @@ typedef struct ckpt_order {
   /* A save for an Export of the job's state now: the temporary checkpoint
    * is exported to export_path and removed, never renamed into place. */
   int is_export;
-  char export_path[PATH_MAX];
-  st_dtype export_dtype;
-  int export_overwrite;
+  export_spec export;
   uint64_t started_ns;               /* uv_hrtime */
   uint64_t deadline_ms;              /* on the loop's clock */
   int64_t timeout_ms;                /* what the deadline allowed */
@@ -547,13 +552,6 @@ static void order_set_deadline(const coord *c, ckpt_order *o, rpc_call *call) {
 /* Save                                                                     */
 /* ------------------------------------------------------------------------ */
 
-/* What an Export of a job's state now asks of its save. */
-typedef struct export_spec {
-  const char *path;
-  st_dtype dtype;
-  int overwrite;
-} export_spec;
-
 /* Starts a save of j: makes the temporary directory and puts the order in
  * the Assignments of the job's nodes. name: as asked ("" for
  * step-<step>); call: the waiting Save or Export, or NULL for a periodic
@@ -573,9 +571,7 @@ static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int p
   o->periodic = periodic;
   if (ex != NULL) {
     o->is_export = 1;
-    snprintf(o->export_path, sizeof o->export_path, "%s", ex->path);
-    o->export_dtype = ex->dtype;
-    o->export_overwrite = ex->overwrite;
+    o->export = *ex;
   }
   snprintf(o->name, sizeof o->name, "%s", name);
   char job_dir[PATH_MAX];
@@ -636,10 +632,8 @@ typedef struct commit_work {
   uint64_t started_ns;
   ckpt_file_entry *files;                     /* [world_size], names in file_names */
   char (*file_names)[CTL_FILE_MAX_BYTES + 1]; /* [world_size] */
-  int is_export; /* export to export_path and remove, rather than rename */
-  char export_path[PATH_MAX];
-  st_dtype export_dtype;
-  int export_overwrite;
+  int is_export;                              /* export as asked and remove, rather than rename */
+  export_spec export;
   /* Out */
   work_result result;
   ckpt_export_info exported;
@@ -795,16 +789,15 @@ static int commit_rename(commit_work *w) {
   return 0;
 }
 
-static int export_to_file(const char *dir, const char *path, st_dtype dtype, int overwrite,
-                          const char *label, ckpt_export_info *info, work_result *result);
+static int export_to_file(const char *dir, const export_spec *ex, const char *label,
+                          ckpt_export_info *info, work_result *result);
 
 static void commit_run(ckpt_work *base) {
   commit_work *w = (commit_work *)base;
   w->result.status = 0;
   int rc = commit_manifest(w);
   if (rc == 0 && w->is_export) {
-    rc = export_to_file(w->tmp_dir, w->export_path, w->export_dtype, w->export_overwrite, NULL,
-                        &w->exported, &w->result);
+    rc = export_to_file(w->tmp_dir, &w->export, NULL, &w->exported, &w->result);
     w->total_ms = elapsed_ms(w->started_ns);
   } else if (rc == 0) {
     rc = commit_rename(w);
@@ -852,9 +845,9 @@ static void commit_done(ckpt_work *base) {
               "job=%s order=%" PRIu64 " step=%" PRIu64 " tensors=%u bytes=%" PRIu64
               " stall_ms=%" PRId64 " total_ms=%" PRId64 " path=%s",
               o->job, o->id, w->exported.step, w->exported.tensors, w->exported.bytes, stall_ms,
-              w->total_ms, w->export_path);
+              w->total_ms, w->export.path);
     if (o->call != NULL) {
-      export_reply(o->call, w->export_path, &w->exported, w->total_ms, "");
+      export_reply(o->call, w->export.path, &w->exported, w->total_ms, "");
       o->call = NULL;
     }
     order_free(o->c, o);
@@ -924,9 +917,7 @@ static void save_commit(coord *c, ckpt_order *o, uint64_t step) {
   snprintf(w->name, sizeof w->name, "%s", o->name);
   w->stem = o->periodic ? "auto" : "step";
   w->is_export = o->is_export;
-  snprintf(w->export_path, sizeof w->export_path, "%s", o->export_path);
-  w->export_dtype = o->export_dtype;
-  w->export_overwrite = o->export_overwrite;
+  w->export = o->export;
   w->id = o->id;
   w->job_id = o->job_id;
   w->step = step;
@@ -1028,63 +1019,70 @@ static int ends_with(const char *s, const char *suffix) {
   return len >= suffix_len && strcmp(s + len - suffix_len, suffix) == 0;
 }
 
-/* A checkpoint directory: its manifest decodes and every shard file has
- * the size the manifest says (checksums are the nodes' to verify, as they
- * read). */
-static int preflight_checkpoint(preflight_work *w) {
+/* The source of a Restore or an Export, stat'ed. Returns 0 or the status
+ * in result. */
+static int stat_source(const char *source, struct stat *st, work_result *result) {
+  if (stat(source, st) == 0)
+    return 0;
+  if (errno == ENOENT || errno == ENOTDIR)
+    return work_fail(result, RPC_NOT_FOUND, "no checkpoint at %s", source);
+  return work_fail(result, errno == EACCES ? RPC_PERMISSION_DENIED : io_status(errno),
+                   "cannot stat %s: %s", source, strerror(errno));
+}
+
+/* A checkpoint directory about to be read (Restore, Export): its manifest
+ * decodes and every shard file has the size the manifest says (checksums
+ * are the readers' to verify, as they read). Returns 0 with the saved step
+ * and world size, or the status in result. */
+static int check_checkpoint_dir(const char *source, uint64_t *step, uint32_t *world_size,
+                                work_result *result) {
   char path[PATH_MAX + CTL_FILE_MAX_BYTES + 2];
   struct stat st;
-  snprintf(path, sizeof path, "%s/%s", w->source, CKPT_MANIFEST_NAME);
+  snprintf(path, sizeof path, "%s/%s", source, CKPT_MANIFEST_NAME);
   if (stat(path, &st) != 0)
-    return errno == ENOENT ? work_fail(&w->result, RPC_NOT_FOUND, "%s is not a checkpoint (no %s)",
-                                       w->source, CKPT_MANIFEST_NAME)
-                           : work_fail(&w->result, io_status(errno), "cannot stat %s: %s", path,
-                                       strerror(errno));
+    return errno == ENOENT
+               ? work_fail(result, RPC_NOT_FOUND, "%s is not a checkpoint (no %s)", source,
+                           CKPT_MANIFEST_NAME)
+               : work_fail(result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
   ckpt_manifest m;
   char err[CKPT_MESSAGE_BYTES - 64];
-  int rc = ckpt_manifest_load(w->source, CKPT_MANIFEST_NAME, 0, &m, err, sizeof err);
+  int rc = ckpt_manifest_load(source, CKPT_MANIFEST_NAME, 0, &m, err, sizeof err);
   if (rc != 0)
-    return work_fail(&w->result, rc == -ENOENT ? RPC_NOT_FOUND : RPC_DATA_LOSS, "%s", err);
-  w->format = ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_CHECKPOINT;
-  w->step = m.step;
-  w->world_size = m.world_size;
-  for (uint32_t r = 0; r < m.world_size && w->result.status == 0; r++) {
+    return work_fail(result, rc == -ENOENT ? RPC_NOT_FOUND : RPC_DATA_LOSS, "%s", err);
+  *step = m.step;
+  *world_size = m.world_size;
+  for (uint32_t r = 0; r < m.world_size && result->status == 0; r++) {
     const ckpt_file_entry *f = &m.files[r];
-    snprintf(path, sizeof path, "%s/%s", w->source, f->name);
+    snprintf(path, sizeof path, "%s/%s", source, f->name);
     if (stat(path, &st) != 0) {
       if (errno == ENOENT)
-        work_fail(&w->result, RPC_DATA_LOSS, "%s: missing", f->name);
+        work_fail(result, RPC_DATA_LOSS, "%s: missing", f->name);
       else
-        work_fail(&w->result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+        work_fail(result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
     } else if (!S_ISREG(st.st_mode)) {
-      work_fail(&w->result, RPC_DATA_LOSS, "%s: not a regular file", f->name);
+      work_fail(result, RPC_DATA_LOSS, "%s: not a regular file", f->name);
     } else if ((uint64_t)st.st_size < f->bytes) {
-      work_fail(&w->result, RPC_DATA_LOSS, "%s: truncated: %" PRIu64 " of %" PRIu64 " bytes",
-                f->name, (uint64_t)st.st_size, f->bytes);
+      work_fail(result, RPC_DATA_LOSS, "%s: truncated: %" PRIu64 " of %" PRIu64 " bytes", f->name,
+                (uint64_t)st.st_size, f->bytes);
     } else if ((uint64_t)st.st_size > f->bytes) {
-      work_fail(&w->result, RPC_DATA_LOSS,
+      work_fail(result, RPC_DATA_LOSS,
                 "%s: too long: %" PRIu64 " bytes, the manifest says %" PRIu64, f->name,
                 (uint64_t)st.st_size, f->bytes);
     }
   }
   ckpt_manifest_free(&m);
-  return w->result.status;
+  return result->status;
 }
 
 static void preflight_run(ckpt_work *base) {
   preflight_work *w = (preflight_work *)base;
   struct stat st;
   w->result.status = 0;
-  if (stat(w->source, &st) != 0) {
-    if (errno == ENOENT || errno == ENOTDIR)
-      work_fail(&w->result, RPC_NOT_FOUND, "no checkpoint at %s", w->source);
-    else
-      work_fail(&w->result, errno == EACCES ? RPC_PERMISSION_DENIED : io_status(errno),
-                "cannot stat %s: %s", w->source, strerror(errno));
+  if (stat_source(w->source, &st, &w->result) != 0)
     return;
-  }
   if (S_ISDIR(st.st_mode)) {
-    preflight_checkpoint(w);
+    if (check_checkpoint_dir(w->source, &w->step, &w->world_size, &w->result) == 0)
+      w->format = ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_CHECKPOINT;
     return;
   }
   if (!S_ISREG(st.st_mode) || !ends_with(w->source, ".safetensors")) {
@@ -1292,7 +1290,8 @@ static void on_restore(rpc_call *call, const uint8_t *request, size_t request_by
 /* Whether an export may write path: its directory exists, and path is
  * not a directory, nor a file unless overwrite. Returns 0 or the status in
  * result. */
-static int export_target_check(const char *path, int overwrite, work_result *result) {
+static int export_target_check(const export_spec *ex, work_result *result) {
+  const char *path = ex->path;
   struct stat st;
   const char *slash = strrchr(path, '/');
   char parent[PATH_MAX];
@@ -1302,7 +1301,7 @@ static int export_target_check(const char *path, int overwrite, work_result *res
   if (lstat(path, &st) == 0) {
     if (S_ISDIR(st.st_mode))
       return work_fail(result, RPC_INVALID_ARGUMENT, "%s is a directory", path);
-    if (!overwrite)
+    if (!ex->overwrite)
       return work_fail(result, RPC_ALREADY_EXISTS, "%s exists (overwrite replaces it)", path);
   } else if (errno != ENOENT) {
     return work_fail(result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
@@ -1313,12 +1312,12 @@ static int export_target_check(const char *path, int overwrite, work_result *res
 /* Writes the checkpoint in dir to the safetensors file path, checked
  * first with export_target_check. On the thread pool. Returns 0 or the
  * status in result. */
-static int export_to_file(const char *dir, const char *path, st_dtype dtype, int overwrite,
-                          const char *label, ckpt_export_info *info, work_result *result) {
-  if (export_target_check(path, overwrite, result) != 0)
+static int export_to_file(const char *dir, const export_spec *ex, const char *label,
+                          ckpt_export_info *info, work_result *result) {
+  if (export_target_check(ex, result) != 0)
     return result->status;
   char err[CKPT_MESSAGE_BYTES - 64];
-  int rc = ckpt_export(dir, path, dtype, label, info, err, sizeof err);
+  int rc = ckpt_export(dir, ex->path, ex->dtype, label, info, err, sizeof err);
   if (rc == 0)
     return 0;
   /* Reading: a missing, damaged or short shard file. Writing: the file's
@@ -1327,7 +1326,7 @@ static int export_to_file(const char *dir, const char *path, st_dtype dtype, int
                : rc == -EACCES || rc == -EPERM                  ? RPC_PERMISSION_DENIED
                : rc == -EINVAL                                  ? RPC_INVALID_ARGUMENT
                                                                 : io_status(-rc);
-  return work_fail(result, status, "export to %s failed: %s", path, err);
+  return work_fail(result, status, "export to %s failed: %s", ex->path, err);
 }
 
 /* An Export of a checkpoint (of the files alone: the job need not exist). */
@@ -1336,9 +1335,7 @@ typedef struct export_work {
   struct export_work *next; /* in coord.exports */
   rpc_call *call;           /* NULL once the client went away */
   char source[PATH_MAX];
-  char path[PATH_MAX];
-  st_dtype dtype;
-  int overwrite;
+  export_spec export;
   uint64_t started_ns;
   /* Out */
   work_result result;
@@ -1349,25 +1346,18 @@ typedef struct export_work {
 static void export_run(ckpt_work *base) {
   export_work *w = (export_work *)base;
   struct stat st;
+  uint64_t step;
+  uint32_t world_size;
   w->result.status = 0;
-  char manifest[PATH_MAX + sizeof CKPT_MANIFEST_NAME + 1];
-  snprintf(manifest, sizeof manifest, "%s/%s", w->source, CKPT_MANIFEST_NAME);
-  if (stat(w->source, &st) != 0) {
-    work_fail(&w->result, errno == ENOENT || errno == ENOTDIR ? RPC_NOT_FOUND : io_status(errno),
-              "no checkpoint at %s: %s", w->source, strerror(errno));
-  } else if (!S_ISDIR(st.st_mode)) {
-    work_fail(&w->result, RPC_INVALID_ARGUMENT,
-              ends_with(w->source, ".safetensors")
-                  ? "%s is a safetensors file already; Export reads checkpoint directories"
-                  : "%s is not a checkpoint directory",
-              w->source);
-  } else if (stat(manifest, &st) != 0) {
-    work_fail(&w->result, errno == ENOENT ? RPC_NOT_FOUND : io_status(errno),
-              "%s is not a checkpoint (no %s)", w->source, CKPT_MANIFEST_NAME);
-  } else {
-    const char *label = strrchr(w->source, '/');
-    export_to_file(w->source, w->path, w->dtype, w->overwrite, label != NULL ? label + 1 : NULL,
-                   &w->info, &w->result);
+  if (stat_source(w->source, &st, &w->result) == 0) {
+    if (!S_ISDIR(st.st_mode))
+      work_fail(&w->result, RPC_INVALID_ARGUMENT,
+                ends_with(w->source, ".safetensors")
+                    ? "%s is a safetensors file already; Export reads checkpoint directories"
+                    : "%s is not a checkpoint directory",
+                w->source);
+    else if (check_checkpoint_dir(w->source, &step, &world_size, &w->result) == 0)
+      export_to_file(w->source, &w->export, strrchr(w->source, '/') + 1, &w->info, &w->result);
   }
   w->total_ms = elapsed_ms(w->started_ns);
 }
@@ -1382,19 +1372,19 @@ static void export_done(ckpt_work *base) {
     }
   }
   if (w->result.status != 0) {
-    LOG_WARNF("export failed", "source=%s path=%s error=\"%s\"", w->source, w->path,
+    LOG_WARNF("export failed", "source=%s path=%s error=\"%s\"", w->source, w->export.path,
               w->result.message);
   } else {
     LOG_INFOF("checkpoint exported",
               "source=%s step=%" PRIu64 " tensors=%u bytes=%" PRIu64 " total_ms=%" PRId64
               " path=%s",
-              w->source, w->info.step, w->info.tensors, w->info.bytes, w->total_ms, w->path);
+              w->source, w->info.step, w->info.tensors, w->info.bytes, w->total_ms, w->export.path);
   }
   if (w->call != NULL && w->result.status != 0) {
     rpc_call_set_cancel(w->call, NULL, NULL);
     rpc_call_finish(w->call, w->result.status, w->result.message, NULL, 0);
   } else if (w->call != NULL) {
-    export_reply(w->call, w->path, &w->info, w->total_ms, w->source);
+    export_reply(w->call, w->export.path, &w->info, w->total_ms, w->source);
   }
   free(w);
 }
@@ -1421,10 +1411,10 @@ static void on_export(rpc_call *call, const uint8_t *request, size_t request_byt
     return;
   char err[PATH_MAX + 256];
   int status = 0;
-  export_spec ex = {.path = req->path,
-                    .dtype =
+  export_spec ex = {.dtype =
                         req->dtype == ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_BF16 ? ST_BF16 : ST_F32,
                     .overwrite = req->overwrite};
+  snprintf(ex.path, sizeof ex.path, "%s", req->path); /* <= CTL_PATH_MAX_BYTES: decoded */
   if (c->options.checkpoint_dir[0] == '\0') {
     snprintf(err, sizeof err, "this coordinator has no checkpoint directory");
     status = RPC_FAILED_PRECONDITION;
@@ -1435,7 +1425,7 @@ static void on_export(rpc_call *call, const uint8_t *request, size_t request_byt
     work_result target = {0};
     status = order_precheck(c, req->job, &j, err, sizeof err);
     /* Checked again before writing; here so that a mistake costs no save. */
-    if (status == 0 && (status = export_target_check(req->path, req->overwrite, &target)) != 0)
+    if (status == 0 && (status = export_target_check(&ex, &target)) != 0)
       snprintf(err, sizeof err, "%s", target.message);
     if (status == 0)
       status = save_start(c, j, "", call, 0, &ex, err, sizeof err);
@@ -1452,14 +1442,12 @@ static void on_export(rpc_call *call, const uint8_t *request, size_t request_byt
       w->base.run = export_run;
       w->base.done = export_done;
       w->call = call;
-      snprintf(w->path, sizeof w->path, "%s", req->path);
-      w->dtype = ex.dtype;
-      w->overwrite = ex.overwrite;
+      w->export = ex;
       w->started_ns = uv_hrtime();
       w->next = c->exports;
       c->exports = w;
       rpc_call_set_cancel(call, on_export_cancelled, w);
-      LOG_INFOF("export started", "source=%s path=%s dtype=%s", w->source, w->path,
+      LOG_INFOF("export started", "source=%s path=%s dtype=%s", w->source, ex.path,
                 ex.dtype == ST_BF16 ? "bf16" : "fp32");
       queue_work(c, &w->base);
     } else {
