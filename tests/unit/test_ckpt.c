@@ -10,6 +10,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -19,6 +20,7 @@
 #include "testutil.h"
 
 #include "ckpt.h"
+#include "hostmem.h"
 #include "zk.h"
 
 /* ------------------------------------------------------------------------
@@ -1770,6 +1772,99 @@ static void test_safetensors_open_refuses_sizes_beyond_the_file(void **state) {
   remove_dir(dir);
 }
 
+/* ---- hostmem: the buffers of a save's copy and a restore's staging ---- */
+
+/* Pages of [p, p + bytes) in memory now (mincore). */
+static size_t resident_pages(void *p, size_t bytes) {
+  size_t page = (size_t)sysconf(_SC_PAGESIZE), n = (bytes + page - 1) / page, in = 0;
+  unsigned char *vec = malloc(n);
+  assert_non_null(vec);
+  assert_int_equal(mincore(p, bytes, vec), 0);
+  for (size_t i = 0; i < n; i++)
+    in += vec[i] & 1;
+  free(vec);
+  return in;
+}
+
+static void test_hostmem_gives_zeroed_memory_faulted_in_on_request(void **state) {
+  (void)state;
+  size_t page = (size_t)sysconf(_SC_PAGESIZE), bytes = 64 * page + 123;
+  uint8_t *lazy = hostmem_alloc(bytes, 0), *eager = hostmem_alloc(bytes, 1);
+  assert_non_null(lazy);
+  assert_non_null(eager);
+  assert_int_equal(resident_pages(lazy, bytes), 0);
+  assert_int_equal(resident_pages(eager, bytes), 65);
+  for (size_t i = 0; i < bytes; i++)
+    assert_true(lazy[i] == 0 && eager[i] == 0);
+  memset(lazy, 0xa5, bytes); /* every byte asked for is there */
+  hostmem_free(lazy, bytes);
+  hostmem_free(eager, bytes);
+  hostmem_free(NULL, bytes);
+  uint8_t *none = hostmem_alloc(0, 0); /* a page, freed with the same size */
+  assert_non_null(none);
+  hostmem_free(none, 0);
+}
+
+static void test_hostmem_populate_keeps_what_the_memory_holds(void **state) {
+  (void)state;
+  size_t page = (size_t)sysconf(_SC_PAGESIZE), bytes = 256 * page;
+  uint8_t *p = hostmem_alloc(bytes, 0);
+  assert_non_null(p);
+  for (size_t i = 0; i < bytes / 2; i++) /* half written, half never touched */
+    p[i] = (uint8_t)(i * 31 + 7);
+  int rc = hostmem_populate(p, bytes);
+  if (rc == -EINVAL) {
+    hostmem_free(p, bytes);
+    skip(); /* before Linux 5.14: nothing is populated, pages fault as written */
+  }
+  assert_int_equal(rc, 0);
+  assert_int_equal(resident_pages(p, bytes), 256);
+  for (size_t i = 0; i < bytes; i++)
+    assert_int_equal(p[i], i < bytes / 2 ? (uint8_t)(i * 31 + 7) : 0);
+  hostmem_free(p, bytes);
+}
+
+static void test_hostmem_populate_ahead_faults_in_beside_a_writer(void **state) {
+  (void)state;
+  size_t page = (size_t)sysconf(_SC_PAGESIZE), bytes = 24u << 20, npages = bytes / page;
+  uint8_t *probe = hostmem_alloc(page, 0);
+  assert_non_null(probe);
+  int supported = hostmem_populate(probe, page) == 0;
+  hostmem_free(probe, page);
+  if (!supported)
+    skip();
+  /* Alone, it faults in the whole buffer. */
+  uint8_t *p = hostmem_alloc(bytes, 0);
+  assert_non_null(p);
+  hostmem_ahead *a = hostmem_populate_ahead(p, bytes);
+  assert_non_null(a);
+  for (int i = 0; i < 1000 && resident_pages(p, bytes) < npages; i++)
+    usleep(10000);
+  assert_int_equal(resident_pages(p, bytes), npages);
+  hostmem_populate_stop(a);
+  hostmem_free(p, bytes);
+  /* With a writer going through the same pages meanwhile, every byte
+   * written stays written, and stop returns with the thread gone. */
+  p = hostmem_alloc(bytes, 0);
+  assert_non_null(p);
+  a = hostmem_populate_ahead(p, bytes);
+  assert_non_null(a);
+  for (size_t at = 0; at < bytes; at += 4096)
+    for (size_t i = at; i < at + 4096; i++)
+      p[i] = (uint8_t)(i * 13 + 1);
+  hostmem_populate_stop(a);
+  for (size_t i = 0; i < bytes; i++)
+    if (p[i] != (uint8_t)(i * 13 + 1))
+      fail_msg("byte %zu is %u", i, p[i]);
+  hostmem_free(p, bytes);
+  /* Stopped at once, before it is through. */
+  p = hostmem_alloc(bytes, 0);
+  assert_non_null(p);
+  hostmem_populate_stop(hostmem_populate_ahead(p, bytes));
+  hostmem_populate_stop(NULL);
+  hostmem_free(p, bytes);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_shard_names_are_zero_padded),
@@ -1814,6 +1909,9 @@ int main(void) {
       cmocka_unit_test(test_safetensors_reads_f16_and_f64_and_refuses_integers),
       cmocka_unit_test(test_safetensors_header_rejections),
       cmocka_unit_test(test_safetensors_open_refuses_sizes_beyond_the_file),
+      cmocka_unit_test(test_hostmem_gives_zeroed_memory_faulted_in_on_request),
+      cmocka_unit_test(test_hostmem_populate_keeps_what_the_memory_holds),
+      cmocka_unit_test(test_hostmem_populate_ahead_faults_in_beside_a_writer),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

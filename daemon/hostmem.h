@@ -1,0 +1,40 @@
+/* hostmem: large host buffers for checkpoint copies (a save's snapshot of
+ * a rank's state, a restore's staging).
+ *
+ * Fresh anonymous memory costs a page fault per 4 KiB page the first time
+ * it is written (allocation and zeroing in the kernel: about 0.35 ms per
+ * MiB on the project's VM, several times a plain memcpy). hostmem_alloc
+ * can fault the whole buffer in at once (MAP_POPULATE), and
+ * hostmem_populate part of it, so that a thread
+ * that has time to spare pays for it and the thread that later copies
+ * into it, e.g. a rank's executor while training waits, does not; and
+ * hostmem_free gives the memory back to the kernel at once (munmap), where
+ * malloc might keep it. No transparent huge pages: see docs/decisions.md.
+ * Any thread. */
+#ifndef ZEROD_HOSTMEM_H
+#define ZEROD_HOSTMEM_H
+
+#include <stddef.h>
+
+/* bytes of zeroed memory (at least one page), faulted in now if populate
+ * (as far as the kernel can: it may leave some pages to fault later); NULL
+ * with errno set on failure. */
+void *hostmem_alloc(size_t bytes, int populate);
+/* Faults in [p, p + bytes) of a buffer from hostmem_alloc, leaving what
+ * it holds as it is, so other threads may be writing to it meanwhile
+ * (MADV_POPULATE_WRITE). 0, or -EINVAL before Linux 5.14, -ENOMEM when
+ * memory is short: the pages then fault when written, as they would have. */
+int hostmem_populate(void *p, size_t bytes);
+/* A thread that faults in [p, p + bytes) from the start, by chunks, while
+ * the caller writes into it from the start too (a restore's reads): the
+ * faults happen beside the writes instead of inside them. NULL if no
+ * thread could be started (the pages fault when written). Stop (at the
+ * next chunk, waiting for the thread) before freeing the buffer. */
+typedef struct hostmem_ahead hostmem_ahead;
+hostmem_ahead *hostmem_populate_ahead(void *p, size_t bytes);
+void hostmem_populate_stop(hostmem_ahead *a);
+
+/* p from hostmem_alloc(bytes, ...), or NULL. */
+void hostmem_free(void *p, size_t bytes);
+
+#endif /* ZEROD_HOSTMEM_H */
