@@ -16,6 +16,7 @@
 #include "ctl_decode.h"
 #include "daemon.h"
 #include "exec.h"
+#include "hostmem.h"
 #include "log.h"
 #include "node.h"
 #include "rpc.h"
@@ -32,6 +33,14 @@
 #define ENDED_KEPT 8
 
 enum { SAVE_COPYING = 0, SAVE_WRITING = 1, SAVE_DONE = 2, SAVE_FAILED = 3 };
+/* The memory a rank's copy goes into, when its writer faults it in ahead
+ * of the copy (ckpt_node_stage). The rank may take it before the writer
+ * is done (TAKING): the writer stops at its next chunk and hands it over
+ * (TAKEN); the copy faults in the rest. */
+enum { STAGE_NONE, STAGE_FAULTING, STAGE_TAKING, STAGE_TAKEN, STAGE_READY };
+/* The writer faults the memory in by chunks of this size, and a rank
+ * taking it waits at most for one chunk. */
+#define STAGE_CHUNK (4u << 20)
 
 typedef struct rank_save {
   int state;
@@ -41,9 +50,14 @@ typedef struct rank_save {
   uint64_t bytes, xxh64;
   int code;
   char error[512];
-  void *data; /* the copy, until written */
+  void *data; /* the copy (hostmem_alloc), until written */
   uint64_t data_bytes;
-  ckpt_manifest *layout; /* rank 0 */
+  ckpt_manifest *layout;              /* rank 0 */
+  double layout_ms, data_ms, sync_ms; /* the write's phases, for the log */
+  int has_writer;
+  int stage;     /* STAGE_* */
+  void *staging; /* the writer's until STAGE_TAKEN, then the rank's */
+  uint64_t staging_bytes;
 } rank_save;
 
 typedef struct save_rec {
@@ -66,7 +80,9 @@ typedef struct rank_restore {
 
 typedef struct job_ckpt {
   pthread_mutex_t mutex;
-  pthread_cond_t cond; /* a save got its directory, or a writer ended */
+  /* A save got its directory, a rank's copy or its staged memory came or
+   * it failed, or a writer ended. */
+  pthread_cond_t cond;
   save_rec *saves;
   uint64_t ended[ENDED_KEPT]; /* ids of saves that left the assignment */
   unsigned ended_next;
@@ -137,7 +153,8 @@ int ckpt_node_job_init(job *j) {
 
 static void save_free(save_rec *s, int nranks) {
   for (int i = 0; i < nranks; i++) {
-    free(s->ranks[i].data);
+    hostmem_free(s->ranks[i].data, s->ranks[i].data_bytes);
+    hostmem_free(s->ranks[i].staging, s->ranks[i].staging_bytes);
     ckpt_manifest_free(s->ranks[i].layout);
     free(s->ranks[i].layout);
   }
@@ -205,6 +222,12 @@ static save_rec *save_get(job *j, uint64_t id) {
 /* Shard writers                                                            */
 /* ------------------------------------------------------------------------ */
 
+static double monotonic_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
 typedef struct writer_arg {
   job *j;
   save_rec *s;
@@ -213,11 +236,14 @@ typedef struct writer_arg {
 
 static int write_shard(job *j, save_rec *s, rank_save *rs, int rank, const char *dir, char *err,
                        size_t err_bytes) {
+  double t0 = monotonic_ms();
   if (rs->layout != NULL) {
     int rc = ckpt_manifest_store(dir, CKPT_LAYOUT_NAME, rs->layout, err, err_bytes);
     if (rc != 0)
       return rc;
   }
+  double t1 = monotonic_ms();
+  rs->layout_ms = t1 - t0;
   char path[PATH_MAX];
   ckpt_shard_name((uint32_t)rank, (uint32_t)j->world_size, rs->file, sizeof rs->file);
   if (snprintf(path, sizeof path, "%s/%s", dir, rs->file) >= (int)sizeof path) {
@@ -248,7 +274,60 @@ static int write_shard(job *j, save_rec *s, rank_save *rs, int rank, const char 
     }
     crash_point("node-shard-write");
   }
-  return ckpt_writer_finish(w, &rs->bytes, &rs->xxh64, err, err_bytes);
+  double t2 = monotonic_ms();
+  rs->data_ms = t2 - t1;
+  rc = ckpt_writer_finish(w, &rs->bytes, &rs->xxh64, err, err_bytes);
+  rs->sync_ms = monotonic_ms() - t2;
+  return rc;
+}
+
+/* Under c->mutex, for a writer started before its rank's copy
+ * (ckpt_node_stage): faults in the memory the copy will go into while
+ * training goes on, until it is done or the rank takes it, then waits for
+ * the copy. Whether it came (the rank may fail its save, or the save end,
+ * first). */
+static int stage_and_wait(job *j, save_rec *s, rank_save *rs, int rank) {
+  job_ckpt *c = j->ckpt;
+  uint64_t bytes = rs->staging_bytes;
+  pthread_mutex_unlock(&c->mutex);
+  double t0 = monotonic_ms();
+  uint8_t *p = hostmem_alloc(bytes, 0);
+  pthread_mutex_lock(&c->mutex);
+  rs->staging = p;
+  if (p == NULL)
+    rs->stage = STAGE_NONE; /* the rank allocates */
+  pthread_cond_broadcast(&c->cond);
+  uint64_t done = 0;
+  int populated = 1; /* 0: the kernel cannot (before 5.14); the copy faults them in */
+  while (rs->stage == STAGE_FAULTING && rs->state == SAVE_COPYING && done < bytes && populated &&
+         !atomic_load(&s->abort)) {
+    pthread_mutex_unlock(&c->mutex);
+    size_t n = bytes - done < STAGE_CHUNK ? (size_t)(bytes - done) : STAGE_CHUNK;
+    if ((populated = hostmem_populate(p + done, n) == 0))
+      done += n;
+    pthread_mutex_lock(&c->mutex);
+  }
+  if (rs->stage == STAGE_TAKING) {
+    rs->stage = STAGE_TAKEN;
+    pthread_cond_broadcast(&c->cond);
+  } else if (rs->stage == STAGE_FAULTING) {
+    rs->stage = STAGE_READY;
+  }
+  LOG_DEBUGF("memory for a save's copy faulted in",
+             "job=%s rank=%d save=%llu bytes=%llu faulted=%llu ms=%.1f", j->name, rank,
+             (unsigned long long)s->id, (unsigned long long)bytes, (unsigned long long)done,
+             monotonic_ms() - t0);
+  while (rs->state == SAVE_COPYING && !atomic_load(&s->abort))
+    pthread_cond_wait(&c->cond, &c->mutex);
+  if (rs->stage == STAGE_READY) { /* not taken: the copy came without it */
+    p = rs->staging;
+    rs->staging = NULL;
+    rs->stage = STAGE_NONE;
+    pthread_mutex_unlock(&c->mutex);
+    hostmem_free(p, bytes);
+    pthread_mutex_lock(&c->mutex);
+  }
+  return rs->state == SAVE_WRITING;
 }
 
 static void *writer_main(void *arg) {
@@ -262,6 +341,16 @@ static void *writer_main(void *arg) {
   int rank = j->first_rank + local;
 
   pthread_mutex_lock(&c->mutex);
+  if (rs->stage == STAGE_FAULTING && !stage_and_wait(j, s, rs, rank)) {
+    /* The rank reported its own failure, or the save ended: nothing to
+     * write or report here. */
+    save_unref(j, s);
+    wake_loop(j);
+    c->writers--;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->mutex);
+    return NULL;
+  }
   struct timespec deadline;
   clock_gettime(CLOCK_REALTIME, &deadline);
   deadline.tv_sec += ORDER_WAIT_S;
@@ -290,9 +379,11 @@ static void *writer_main(void *arg) {
               (unsigned long long)s->id, log_quote(err, msg, sizeof msg));
   } else {
     crash_point("node-shard-written");
-    LOG_INFOF("shard saved", "job=%s rank=%d save=%llu step=%llu bytes=%llu", j->name, rank,
-              (unsigned long long)s->id, (unsigned long long)rs->step,
-              (unsigned long long)rs->bytes);
+    LOG_INFOF("shard saved",
+              "job=%s rank=%d save=%llu step=%llu bytes=%llu layout_ms=%.1f data_ms=%.1f "
+              "sync_ms=%.1f",
+              j->name, rank, (unsigned long long)s->id, (unsigned long long)rs->step,
+              (unsigned long long)rs->bytes, rs->layout_ms, rs->data_ms, rs->sync_ms);
   }
 
   pthread_mutex_lock(&c->mutex);
@@ -306,7 +397,7 @@ static void *writer_main(void *arg) {
   } else {
     rs->state = SAVE_DONE;
   }
-  free(rs->data);
+  hostmem_free(rs->data, rs->data_bytes);
   rs->data = NULL;
   ckpt_manifest_free(rs->layout);
   free(rs->layout);
@@ -321,28 +412,99 @@ static void *writer_main(void *arg) {
   return NULL;
 }
 
+/* Under c->mutex: starts rank local's writer for save s. */
+static void start_writer(job *j, save_rec *s, int local) {
+  job_ckpt *c = j->ckpt;
+  rank_save *rs = &s->ranks[local];
+  writer_arg *a = malloc(sizeof *a);
+  int rc = ENOMEM;
+  if (a != NULL) {
+    *a = (writer_arg){.j = j, .s = s, .local = local};
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_t t;
+    s->refs++;
+    c->writers++;
+    rc = pthread_create(&t, &attr, writer_main, a);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+      s->refs--;
+      c->writers--;
+      free(a);
+    }
+  }
+  if (rc == 0) {
+    rs->has_writer = 1;
+    return;
+  }
+  rs->stage = STAGE_NONE;
+  if (rs->state == SAVE_WRITING) {
+    rs->state = SAVE_FAILED;
+    rs->code = RPC_RESOURCE_EXHAUSTED;
+    snprintf(rs->error, sizeof rs->error, "cannot start the shard writer: %s", strerror(rc));
+  }
+}
+
+void ckpt_node_stage(job *j, int rank, uint64_t id, uint64_t bytes) {
+  job_ckpt *c = j->ckpt;
+  pthread_mutex_lock(&c->mutex);
+  save_rec *s = save_ended(c, id) ? NULL : save_get(j, id);
+  rank_save *rs = s != NULL ? &s->ranks[rank - j->first_rank] : NULL;
+  if (rs != NULL && !rs->has_writer && rs->state == SAVE_COPYING && bytes > 0) {
+    rs->stage = STAGE_FAULTING;
+    rs->staging_bytes = bytes;
+    start_writer(j, s, rank - j->first_rank);
+  }
+  pthread_mutex_unlock(&c->mutex);
+}
+
+void *ckpt_node_staging(job *j, int rank, uint64_t id, uint64_t bytes) {
+  job_ckpt *c = j->ckpt;
+  void *p = NULL;
+  pthread_mutex_lock(&c->mutex);
+  save_rec *s = c->saves;
+  while (s != NULL && s->id != id)
+    s = s->next;
+  rank_save *rs = s != NULL ? &s->ranks[rank - j->first_rank] : NULL;
+  if (rs != NULL && rs->staging_bytes == bytes) {
+    /* Not mapped yet (a matter of microseconds), or being faulted in: the
+     * writer stops at the end of its chunk. */
+    while (rs->stage == STAGE_FAULTING && rs->staging == NULL)
+      pthread_cond_wait(&c->cond, &c->mutex);
+    if (rs->stage == STAGE_FAULTING) {
+      rs->stage = STAGE_TAKING;
+      while (rs->stage == STAGE_TAKING)
+        pthread_cond_wait(&c->cond, &c->mutex);
+    } else if (rs->stage == STAGE_READY) {
+      rs->stage = STAGE_TAKEN;
+    }
+    if (rs->stage == STAGE_TAKEN) {
+      p = rs->staging;
+      rs->staging = NULL;
+    }
+  }
+  pthread_mutex_unlock(&c->mutex);
+  return p;
+}
+
 void ckpt_node_saved(job *j, int rank, uint64_t id, uint64_t step, void *data, uint64_t data_bytes,
                      ckpt_manifest *layout, int64_t stall_ms) {
   job_ckpt *c = j->ckpt;
   int local = rank - j->first_rank;
   pthread_mutex_lock(&c->mutex);
-  if (save_ended(c, id)) {
+  save_rec *s = save_ended(c, id) ? NULL : save_get(j, id);
+  if (s == NULL) {
+    int ended = save_ended(c, id);
     pthread_mutex_unlock(&c->mutex);
-    free(data);
+    hostmem_free(data, data_bytes);
     ckpt_manifest_free(layout);
     free(layout);
-    LOG_DEBUGF("copy for a save that has ended dropped", "job=%s rank=%d save=%llu", j->name, rank,
-               (unsigned long long)id);
-    return;
-  }
-  save_rec *s = save_get(j, id);
-  writer_arg *a = s != NULL ? malloc(sizeof *a) : NULL;
-  if (a == NULL) {
-    pthread_mutex_unlock(&c->mutex);
-    free(data);
-    ckpt_manifest_free(layout);
-    free(layout);
-    ckpt_node_save_failed(j, rank, id, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    if (ended)
+      LOG_DEBUGF("copy for a save that has ended dropped", "job=%s rank=%d save=%llu", j->name,
+                 rank, (unsigned long long)id);
+    else
+      ckpt_node_save_failed(j, rank, id, RPC_RESOURCE_EXHAUSTED, "out of memory");
     return;
   }
   rank_save *rs = &s->ranks[local];
@@ -352,23 +514,10 @@ void ckpt_node_saved(job *j, int rank, uint64_t id, uint64_t step, void *data, u
   rs->data = data;
   rs->data_bytes = data_bytes;
   rs->layout = layout;
-  *a = (writer_arg){.j = j, .s = s, .local = local};
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  pthread_t t;
-  s->refs++;
-  c->writers++;
-  int rc = pthread_create(&t, &attr, writer_main, a);
-  pthread_attr_destroy(&attr);
-  if (rc != 0) {
-    s->refs--;
-    c->writers--;
-    rs->state = SAVE_FAILED;
-    rs->code = RPC_RESOURCE_EXHAUSTED;
-    snprintf(rs->error, sizeof rs->error, "cannot start the shard writer: %s", strerror(rc));
-    free(a);
-  }
+  if (rs->has_writer) /* waiting for the copy (stage_and_wait) */
+    pthread_cond_broadcast(&c->cond);
+  else
+    start_writer(j, s, local);
   pthread_mutex_unlock(&c->mutex);
   wake_loop(j);
 }
@@ -382,6 +531,7 @@ void ckpt_node_save_failed(job *j, int rank, uint64_t id, int code, const char *
     rs->state = SAVE_FAILED;
     rs->code = code;
     snprintf(rs->error, sizeof rs->error, "%s", error);
+    pthread_cond_broadcast(&c->cond); /* a writer staging for the copy stops */
   }
   pthread_mutex_unlock(&c->mutex);
   char msg[600];
@@ -739,9 +889,8 @@ void ckpt_staged_free(ckpt_staged *s) {
   for (unsigned u = 0; u < s->nunits; u++) {
     if (s->units[u].owned)
       unit_layout_free(s->units[u].layout);
-    for (int k = 0; k < 3; k++)
-      free(s->units[u].state[k]);
   }
+  hostmem_free(s->mem, s->mem_bytes);
   free(s->units);
   free(s);
 }
@@ -809,6 +958,32 @@ static int optimizers_compatible(const char *saved, job_optimizer now) {
 }
 
 /* The job's units, in id order (a copy of the table, which only grows). */
+/* Points the states wanted of every staged unit (layouts set) into one
+ * zeroed buffer, which the caller has faulted in by a thread ahead of its
+ * reads (hostmem_populate_ahead): fresh memory takes a page fault per 4 KiB,
+ * which inside the reads cost more than the reads themselves
+ * (docs/benchmarks.md). */
+static int stage_memory(ckpt_staged *st, const int want[3]) {
+  size_t total = 0;
+  for (unsigned u = 0; u < st->nunits; u++)
+    for (int k = 0; k < 3; k++)
+      if (want[k])
+        total += (st->units[u].layout->shard_numel * sizeof(float) + 63) & ~(size_t)63;
+  if (total == 0)
+    return 0;
+  if ((st->mem = hostmem_alloc(total, 0)) == NULL)
+    return -ENOMEM;
+  st->mem_bytes = total;
+  uint8_t *at = st->mem;
+  for (unsigned u = 0; u < st->nunits; u++)
+    for (int k = 0; k < 3; k++)
+      if (want[k]) {
+        st->units[u].state[k] = (float *)at;
+        at += (st->units[u].layout->shard_numel * sizeof(float) + 63) & ~(size_t)63;
+      }
+  return 0;
+}
+
 static unit_layout **job_units(job *j, unsigned *n) {
   pthread_mutex_lock(&j->mutex);
   *n = j->nunits;
@@ -822,6 +997,7 @@ static unit_layout **job_units(job *j, unsigned *n) {
 static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st, int *code,
                            char *err, size_t err_bytes) {
   ckpt_source *src = NULL;
+  hostmem_ahead *ahead = NULL;
   int rc = ckpt_source_open(source, &src, err, err_bytes);
   if (rc != 0)
     return fail(code, io_code(rc), rc);
@@ -905,22 +1081,23 @@ static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st
       }
       su->layout = l;
     }
-    /* This rank's slice of the unit in the job's world; beyond the
-     * tensors (padding) it is zero. */
-    const unit_layout *l = su->layout;
+  }
+  /* This rank's slice of every unit in the job's world, by state; beyond
+   * the tensors (padding) it is zero. */
+  const int want[3] = {1, need1 && m->has_moment1, need2 && m->has_moment2};
+  if ((rc = stage_memory(st, want)) != 0) {
+    rc = fail(code, RPC_RESOURCE_EXHAUSTED, rc);
+    goto done;
+  }
+  ahead = hostmem_populate_ahead(st->mem, st->mem_bytes);
+  for (unsigned u = 0; u < m->nunits; u++) {
+    const unit_layout *l = st->units[u].layout;
     uint64_t lo = (uint64_t)rank * l->shard_numel;
     uint64_t hi = lo + l->shard_numel < l->numel ? lo + l->shard_numel : l->numel;
     ckpt_state states[3] = {CKPT_MASTER, CKPT_MOMENT1, CKPT_MOMENT2};
-    int want[3] = {1, need1 && m->has_moment1, need2 && m->has_moment2};
     for (int k = 0; k < 3; k++) {
-      if (!want[k])
-        continue;
-      su->state[k] = calloc(l->shard_numel + 1, sizeof(float));
-      if (su->state[k] == NULL) {
-        rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
-        goto done;
-      }
-      if (lo < hi) {
+      ckpt_staged_unit *su = &st->units[u];
+      if (su->state[k] != NULL && lo < hi) {
         rc = ckpt_source_read(src, u, states[k], lo, hi, su->state[k], err, err_bytes);
         if (rc != 0) {
           rc = fail(code, io_code(rc), rc);
@@ -931,6 +1108,7 @@ static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st
   }
   rc = 0;
 done:
+  hostmem_populate_stop(ahead);
   free(units);
   ckpt_source_close(src);
   return rc;
@@ -940,6 +1118,7 @@ static int read_safetensors(job *j, int rank, const char *source, ckpt_staged *s
                             char *err, size_t err_bytes) {
   st_file f = {0};
   int fd = -1;
+  hostmem_ahead *ahead = NULL;
   int rc = st_open(source, &f, &fd, err, err_bytes);
   if (rc != 0)
     return fail(code, rc == -ENOENT ? RPC_NOT_FOUND : RPC_INVALID_ARGUMENT, rc);
@@ -993,15 +1172,16 @@ static int read_safetensors(job *j, int rank, const char *source, ckpt_staged *s
     goto done;
   }
   st->step = 0; /* weights only: the optimizer starts over */
+  for (unsigned u = 0; u < njob; u++)
+    st->units[u].layout = units[u];
+  if ((rc = stage_memory(st, (const int[3]){1, 0, 0})) != 0) {
+    rc = fail(code, RPC_RESOURCE_EXHAUSTED, rc);
+    goto done;
+  }
+  ahead = hostmem_populate_ahead(st->mem, st->mem_bytes);
   for (unsigned u = 0; u < njob; u++) {
     const unit_layout *l = units[u];
     ckpt_staged_unit *su = &st->units[u];
-    su->layout = units[u];
-    su->state[CKPT_MASTER] = calloc(l->shard_numel + 1, sizeof(float));
-    if (su->state[CKPT_MASTER] == NULL) {
-      rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
-      goto done;
-    }
     uint64_t lo = (uint64_t)rank * l->shard_numel, hi = lo + l->shard_numel;
     for (unsigned t = 0; t < l->ntensors; t++) {
       const tensor_layout *tl = &l->tensors[t];
@@ -1019,6 +1199,7 @@ static int read_safetensors(job *j, int rank, const char *source, ckpt_staged *s
   }
   rc = 0;
 done:
+  hostmem_populate_stop(ahead);
   free(units);
   if (fd >= 0)
     close(fd);

@@ -13,7 +13,10 @@
  * on the step through the step's own all-reduce (exec.c): a rank that knows
  * of an order adds its id there, and every rank takes its copy at the end
  * of that step. A rank with no worker attached takes it at once (OP_SAVE),
- * or when its worker detaches. Global rank 0 also writes the job's layout
+ * or when its worker detaches; one with a worker has its writer fault in
+ * the memory for the copy as soon as the order reaches it (the copy holds
+ * training up; faulting fresh memory in costs several times the copy).
+ * Global rank 0 also writes the job's layout
  * (ckpt.h, CKPT_LAYOUT_NAME), from which the coordinator makes the
  * manifest.
  *
@@ -71,9 +74,22 @@ void ckpt_node_job_free(job *j);
 
 /* ---- Executor threads ---------------------------------------------------------- */
 
+/* Save id reached rank `rank` (global), whose copy will take `bytes`,
+ * while a worker is attached: the copy is taken at the end of a step to
+ * come. Its shard writer starts now and faults that much host memory in
+ * while training goes on, so that the copy, which holds training up, takes
+ * no page faults. */
+void ckpt_node_stage(job *j, int rank, uint64_t id, uint64_t bytes);
+
+/* The memory staged for rank's copy for save id if there is some of
+ * exactly `bytes` (waiting while it is being faulted in); the caller owns
+ * it. NULL: the caller allocates with hostmem_alloc. */
+void *ckpt_node_staging(job *j, int rank, uint64_t id, uint64_t bytes);
+
 /* Rank `rank` (global) took its copy for save id: data_bytes of shard data
- * in the shard file's order, and for rank 0 the job's layout. Ownership of
- * data and layout passes here. */
+ * in the shard file's order (memory from ckpt_node_staging or
+ * hostmem_alloc), and for rank 0 the job's layout. Ownership of data and
+ * layout passes here. */
 void ckpt_node_saved(job *j, int rank, uint64_t id, uint64_t step, void *data, uint64_t data_bytes,
                      ckpt_manifest *layout, int64_t stall_ms);
 void ckpt_node_save_failed(job *j, int rank, uint64_t id, int code, const char *error);
@@ -87,7 +103,7 @@ void ckpt_node_restore_report(job *j, int rank, uint64_t id, int committed, uint
 typedef struct ckpt_staged_unit {
   unit_layout *layout; /* the job's, or built from the manifest (owned) */
   int owned;
-  float *state[3]; /* shard_numel each, by ckpt_state; NULL: zeros */
+  float *state[3]; /* shard_numel each, by ckpt_state, in mem; NULL: zeros */
 } ckpt_staged_unit;
 
 typedef struct ckpt_staged {
@@ -95,6 +111,8 @@ typedef struct ckpt_staged {
   uint64_t step; /* the job's step after the restore */
   unsigned nunits;
   ckpt_staged_unit *units;
+  void *mem; /* every unit's states, one hostmem_alloc */
+  size_t mem_bytes;
 } ckpt_staged;
 
 /* Reads and verifies rank's part (global rank) of source (a checkpoint

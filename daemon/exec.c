@@ -19,6 +19,7 @@
 
 #include "frame.h"
 #include "ckpt_node.h"
+#include "hostmem.h"
 #include "log.h"
 #include "pin.h"
 #include "pool.h"
@@ -798,6 +799,29 @@ static void log_progress(rank_state *rs, double grad_norm) {
  * host memory and hands it to its writer (ckpt_node.c). The executor runs
  * nothing else meanwhile, so no step changes the state being copied; this
  * is all the time a save holds training up. */
+/* The units of which rank rs holds a shard, in the job's order, and the
+ * bytes of its copy for a save (master weights and the moments the
+ * optimizer keeps). NULL if out of memory. */
+static unit_layout **snapshot_units(rank_state *rs, unsigned *n, uint64_t *bytes) {
+  job *j = rs->job;
+  const job_config *c = &j->config;
+  int nstates = 1 + (c->optimizer != JOB_SGD || c->momentum != 0) + (c->optimizer != JOB_SGD);
+  pthread_mutex_lock(&j->mutex);
+  uint32_t nunits = j->nunits;
+  unit_layout **units = malloc((nunits ? nunits : 1) * sizeof *units);
+  if (units != NULL && nunits > 0)
+    memcpy(units, j->units, nunits * sizeof *units);
+  pthread_mutex_unlock(&j->mutex);
+  *n = 0;
+  *bytes = 0;
+  for (uint32_t u = 0; units != NULL && u < nunits; u++)
+    if (u < rs->nshards && rs->shards[u].present) {
+      units[(*n)++] = units[u];
+      *bytes += units[u]->shard_numel * 4 * (uint64_t)nstates;
+    }
+  return units;
+}
+
 static void take_snapshot(rank_state *rs, uint64_t id) {
   job *j = rs->job;
   rs->ckpt_taken = id;
@@ -812,20 +836,15 @@ static void take_snapshot(rank_state *rs, uint64_t id) {
   const job_config *c = &j->config;
   int m1 = c->optimizer != JOB_SGD || c->momentum != 0;
   int m2 = c->optimizer != JOB_SGD;
-  pthread_mutex_lock(&j->mutex);
-  uint32_t nunits = j->nunits;
-  unit_layout **units = malloc((nunits ? nunits : 1) * sizeof *units);
-  if (units != NULL && nunits > 0)
-    memcpy(units, j->units, nunits * sizeof *units);
-  pthread_mutex_unlock(&j->mutex);
   unsigned n = 0;
   uint64_t bytes = 0;
-  for (uint32_t u = 0; units != NULL && u < nunits; u++)
-    if (u < rs->nshards && rs->shards[u].present) {
-      units[n++] = units[u];
-      bytes += units[u]->shard_numel * 4 * (uint64_t)(1 + m1 + m2);
-    }
-  uint8_t *data = units != NULL ? malloc(bytes ? bytes : 1) : NULL;
+  unit_layout **units = snapshot_units(rs, &n, &bytes);
+  /* Memory the rank's writer faulted in while the step ran, if the order
+   * came early enough (ckpt_node_stage), else fresh. */
+  uint8_t *data = units != NULL ? ckpt_node_staging(j, rs->rank, id, bytes) : NULL;
+  int staged = data != NULL;
+  if (units != NULL && data == NULL)
+    data = hostmem_alloc(bytes, 0);
   int rc = data != NULL ? 0 : -ENOMEM;
   uint8_t *at = data;
   for (unsigned k = 0; rc == 0 && k < n; k++) {
@@ -846,7 +865,7 @@ static void take_snapshot(rank_state *rs, uint64_t id) {
     rc = -ENOMEM;
   free(units);
   if (rc != 0) {
-    free(data);
+    hostmem_free(data, bytes);
     char why[600];
     snprintf(why, sizeof why, "copying the shard state: %s",
              rc == -ENOMEM ? "out of host memory" : device_last_error(rs->dev));
@@ -854,9 +873,10 @@ static void take_snapshot(rank_state *rs, uint64_t id) {
     return;
   }
   int64_t stall_ms = (int64_t)((monotonic_s() - t0) * 1000);
-  LOG_DEBUGF("shard copied for a save", "job=%s rank=%d save=%llu step=%llu bytes=%llu ms=%lld",
-             j->name, rs->rank, (unsigned long long)id, (unsigned long long)rs->step,
-             (unsigned long long)bytes, (long long)stall_ms);
+  LOG_DEBUGF("shard copied for a save",
+             "job=%s rank=%d save=%llu step=%llu bytes=%llu staged=%d ms=%lld", j->name, rs->rank,
+             (unsigned long long)id, (unsigned long long)rs->step, (unsigned long long)bytes,
+             staged, (long long)stall_ms);
   ckpt_node_saved(j, rs->rank, id, rs->step, data, bytes, layout, stall_ms);
 }
 
@@ -1475,11 +1495,21 @@ static void handle_session_end(rank_state *rs, exec_op *op) {
 
 /* A save order reached the rank: with no worker attached no step will
  * come, so the copy is taken now (in queue order, before any op of a
- * worker that attaches later). */
+ * worker that attaches later). With one, it is taken at the end of a step
+ * to come, and the rank's writer faults its memory in meanwhile. */
 static void handle_save(rank_state *rs, exec_op *op) {
-  if (op->ckpt_id > rs->ckpt_taken && atomic_load(&rs->ckpt_pending) >= op->ckpt_id &&
-      rs->session_id == 0)
+  if (op->ckpt_id <= rs->ckpt_taken || atomic_load(&rs->ckpt_pending) < op->ckpt_id)
+    return;
+  if (rs->session_id == 0) {
     take_snapshot(rs, op->ckpt_id);
+    return;
+  }
+  unsigned n;
+  uint64_t bytes;
+  unit_layout **units = snapshot_units(rs, &n, &bytes);
+  free(units);
+  if (units != NULL)
+    ckpt_node_stage(rs->job, rs->rank, op->ckpt_id, bytes);
 }
 
 static void handle_restore_read(rank_state *rs, exec_op *op) {
@@ -1488,11 +1518,15 @@ static void handle_restore_read(rank_state *rs, exec_op *op) {
   int code = 0;
   char err[512] = "";
   ckpt_staged *st = NULL;
+  double t0 = monotonic_s();
   int rc = ckpt_restore_read(rs->job, rs->rank, op->ckpt_source, op->ckpt_format, &st, &code, err,
                              sizeof err);
   if (rc == 0) {
     st->id = op->ckpt_id;
     rs->ckpt_staged = st;
+    LOG_DEBUGF("read for a restore", "job=%s rank=%d restore=%llu bytes=%zu ms=%.1f", rs->job->name,
+               rs->rank, (unsigned long long)op->ckpt_id, st->mem_bytes,
+               (monotonic_s() - t0) * 1e3);
   }
   ckpt_node_restore_report(rs->job, rs->rank, op->ckpt_id, 0, rc == 0 ? st->step : 0,
                            rc == 0 ? 0 : (code != 0 ? code : RPC_INTERNAL), err);
