@@ -1154,6 +1154,45 @@ static void test_reader_names_the_block_with_a_flipped_byte(void **state) {
   free_shard(&f);
 }
 
+/* Whole blocks are read several at a time (up to 8 MiB a pread): runs of
+ * every length, the cap, the short last block, and damage in the middle of
+ * a run named by its block. */
+static void test_reader_reads_and_checks_runs_of_whole_blocks(void **state) {
+  (void)state;
+  static const size_t chunks[] = {8 * MIB, 3 * MIB + 17};
+  shard_fixture f;
+  f.dir = make_dir();
+  f.path = path_in(f.dir, "rank-00001-of-00004.zdshard");
+  f.data_bytes = 19 * MIB + MIB / 2;
+  f.data = random_bytes((size_t)f.data_bytes, 12);
+  f.header = shard_header(1, 4, f.data_bytes);
+  write_shard(f.path, &f.header, f.data, chunks, 2, &f.file_bytes, &f.xxh64);
+  ckpt_reader *r;
+  char err[512] = "";
+  assert_int_equal(open_shard(&f, &r, err, sizeof err), 0);
+  uint8_t *out = xmalloc((size_t)f.data_bytes);
+  const uint64_t ranges[][2] = {
+      {0, f.data_bytes}, {MIB, 9 * MIB}, {3 * MIB, 16 * MIB + MIB / 2}, {2 * MIB - 5, 17 * MIB}};
+  for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++) {
+    memset(out, 0xa5, (size_t)ranges[i][1]);
+    if (ckpt_reader_read(r, ranges[i][0], out, (size_t)ranges[i][1], err, sizeof err) != 0)
+      test_fail("read of %llu bytes at %llu: %s", (unsigned long long)ranges[i][1],
+                (unsigned long long)ranges[i][0], err);
+    assert_memory_equal(out, f.data + ranges[i][0], (size_t)ranges[i][1]);
+  }
+  ckpt_reader_close(r);
+  flip_byte(f.path, CKPT_HEADER_BYTES + 13 * MIB + 999); /* block 13: 6th of the 2nd run */
+  assert_int_equal(open_shard(&f, &r, err, sizeof err), 0);
+  expect_error(ckpt_reader_read(r, 0, out, (size_t)f.data_bytes, err, sizeof err), -EBADMSG, err,
+               "block 13 (bytes 13631488..14680064) checksum mismatch");
+  expect_error(ckpt_reader_read(r, 9 * MIB, out, 8 * MIB, err, sizeof err), -EBADMSG, err,
+               "block 13 ");
+  assert_int_equal(ckpt_reader_read(r, 0, out, 13 * MIB, err, sizeof err), 0);
+  ckpt_reader_close(r);
+  free(out);
+  free_shard(&f);
+}
+
 static void test_reader_refuses_a_flipped_header_byte(void **state) {
   static const uint64_t offsets[] = {0, 13, 44, 100, CKPT_HEADER_BYTES - 1};
   static const char *const expect[] = {"bad magic", "header checksum mismatch",
@@ -1896,6 +1935,7 @@ int main(void) {
       cmocka_unit_test(test_writer_abort_removes_the_file),
       cmocka_unit_test(test_write_errors_come_through_with_their_errno),
       cmocka_unit_test(test_reader_names_the_block_with_a_flipped_byte),
+      cmocka_unit_test(test_reader_reads_and_checks_runs_of_whole_blocks),
       cmocka_unit_test(test_reader_refuses_a_flipped_header_byte),
       cmocka_unit_test(test_reader_refuses_a_flipped_table_or_footer_byte),
       cmocka_unit_test(test_reader_refuses_truncated_and_extended_files),
