@@ -80,7 +80,9 @@
  * any x86-64 or arm64 server core's L2. */
 #define HASH_PIECE_BYTES (128u << 10)
 /* Whole blocks a reader reads with one pread: 8 MiB. */
-#define READ_RUN_BLOCKS    8
+#define READ_RUN_BLOCKS 8
+/* Write-back is started for whole pages of this size (any page size up to it). */
+#define WRITEBACK_ALIGN    (64u << 10)
 #define HEADER_MAGIC       "ZDSHARD"
 #define HEADER_CHECKSUM_AT (CKPT_HEADER_BYTES - 8)
 #define HEADER_FIXED_BYTES 48u
@@ -1156,7 +1158,8 @@ struct ckpt_writer {
   char *path;       /* for abort's unlink */
   const char *name; /* base name, within path */
   uint64_t data_bytes, data_written;
-  uint64_t flushed_bytes; /* file offset of buf[0] */
+  uint64_t flushed_bytes;  /* file offset of buf[0] */
+  uint64_t writeback_from; /* write-back started below this offset */
   XXH64_state_t *file_hash, *block_hash;
   uint64_t block_fill; /* bytes of the current block hashed so far */
   uint8_t *table;      /* nblocks little-endian XXH64s */
@@ -1177,17 +1180,23 @@ static void writer_free(ckpt_writer *w) {
   free(w);
 }
 
-/* Writes bytes at the end of what is flushed, and starts their write-back.
- * sync_file_range is only a hint here (the fsync at the end is what makes
- * the file durable): a filesystem that does not support it is no error. */
+/* Writes bytes at the end of what is flushed, and starts the write-back
+ * of the whole pages written so far (a page the next pwrite will write
+ * into again is left for later). sync_file_range is only a hint here (the
+ * fsync at the end is what makes the file durable): a filesystem that does
+ * not support it is no error. */
 static int writer_pwrite(ckpt_writer *w, const uint8_t *bytes, size_t len, char *err,
                          size_t err_bytes) {
   int rc = ckpt_pwrite_all(w->fd, bytes, len, w->flushed_bytes);
   if (rc != 0)
     return w->error = fail(err, err_bytes, rc, "%s: %s", w->name, strerror(-rc));
-  if (len > 0)
-    (void)sync_file_range(w->fd, (off_t)w->flushed_bytes, (off_t)len, SYNC_FILE_RANGE_WRITE);
   w->flushed_bytes += len;
+  uint64_t whole = w->flushed_bytes & ~(uint64_t)(WRITEBACK_ALIGN - 1);
+  if (whole > w->writeback_from) {
+    (void)sync_file_range(w->fd, (off_t)w->writeback_from, (off_t)(whole - w->writeback_from),
+                          SYNC_FILE_RANGE_WRITE);
+    w->writeback_from = whole;
+  }
   return 0;
 }
 
