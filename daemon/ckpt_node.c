@@ -35,11 +35,12 @@
 enum { SAVE_COPYING = 0, SAVE_WRITING = 1, SAVE_DONE = 2, SAVE_FAILED = 3 };
 /* The memory a rank's copy goes into, when its writer faults it in ahead
  * of the copy (ckpt_node_stage). The rank may take it before the writer
- * is done (TAKING): the writer stops at its next chunk and hands it over
- * (TAKEN); the copy faults in the rest. */
-enum { STAGE_NONE, STAGE_FAULTING, STAGE_TAKING, STAGE_TAKEN, STAGE_READY };
-/* The writer faults the memory in by chunks of this size, and a rank
- * taking it waits at most for one chunk. */
+ * is done, without waiting: the writer goes on faulting pages in beside
+ * the copy (MADV_POPULATE_WRITE leaves written pages alone) until the copy
+ * is over, and holds a reference of its own meanwhile (hostmem_shared_*). */
+enum { STAGE_NONE, STAGE_FAULTING, STAGE_READY, STAGE_TAKEN };
+/* The writer faults the memory in by chunks of this size, looking between
+ * two at whether the copy is over. */
 #define STAGE_CHUNK (4u << 20)
 
 typedef struct rank_save {
@@ -50,13 +51,13 @@ typedef struct rank_save {
   uint64_t bytes, xxh64;
   int code;
   char error[512];
-  void *data; /* the copy (hostmem_alloc), until written */
+  void *data; /* the copy (hostmem_shared_alloc), until written */
   uint64_t data_bytes;
   ckpt_manifest *layout;              /* rank 0 */
   double layout_ms, data_ms, sync_ms; /* the write's phases, for the log */
   int has_writer;
   int stage;     /* STAGE_* */
-  void *staging; /* the writer's until STAGE_TAKEN, then the rank's */
+  void *staging; /* faulted in for the copy until the rank takes it */
   uint64_t staging_bytes;
 } rank_save;
 
@@ -153,8 +154,8 @@ int ckpt_node_job_init(job *j) {
 
 static void save_free(save_rec *s, int nranks) {
   for (int i = 0; i < nranks; i++) {
-    hostmem_free(s->ranks[i].data, s->ranks[i].data_bytes);
-    hostmem_free(s->ranks[i].staging, s->ranks[i].staging_bytes);
+    hostmem_shared_unref(s->ranks[i].data);
+    hostmem_shared_unref(s->ranks[i].staging);
     ckpt_manifest_free(s->ranks[i].layout);
     free(s->ranks[i].layout);
   }
@@ -283,40 +284,45 @@ static int write_shard(job *j, save_rec *s, rank_save *rs, int rank, const char 
 
 /* Under c->mutex, for a writer started before its rank's copy
  * (ckpt_node_stage): faults in the memory the copy will go into while
- * training goes on, until it is done or the rank takes it, then waits for
- * the copy. Whether it came (the rank may fail its save, or the save end,
- * first). */
+ * training goes on, and beside the copy if the rank takes it first; then
+ * waits for the copy. Whether it came (the rank may fail its save, or the
+ * save end, first). */
 static int stage_and_wait(job *j, save_rec *s, rank_save *rs, int rank) {
   job_ckpt *c = j->ckpt;
   uint64_t bytes = rs->staging_bytes;
   pthread_mutex_unlock(&c->mutex);
   double t0 = monotonic_ms();
-  uint8_t *p = hostmem_alloc(bytes, 0);
+  uint8_t *p = hostmem_shared_alloc(bytes);
+  if (p != NULL)
+    hostmem_shared_ref(p); /* this thread's, while it faults pages in */
   pthread_mutex_lock(&c->mutex);
   rs->staging = p;
   if (p == NULL)
     rs->stage = STAGE_NONE; /* the rank allocates */
-  pthread_cond_broadcast(&c->cond);
-  uint64_t done = 0;
+  uint64_t done = 0, before_taken = 0;
   int populated = 1; /* 0: the kernel cannot (before 5.14); the copy faults them in */
-  while (rs->stage == STAGE_FAULTING && rs->state == SAVE_COPYING && done < bytes && populated &&
-         !atomic_load(&s->abort)) {
+  while ((rs->stage == STAGE_FAULTING || rs->stage == STAGE_TAKEN) && rs->state == SAVE_COPYING &&
+         done < bytes && populated && !atomic_load(&s->abort)) {
+    if (rs->stage == STAGE_FAULTING)
+      before_taken = done;
     pthread_mutex_unlock(&c->mutex);
     size_t n = bytes - done < STAGE_CHUNK ? (size_t)(bytes - done) : STAGE_CHUNK;
     if ((populated = hostmem_populate(p + done, n) == 0))
       done += n;
     pthread_mutex_lock(&c->mutex);
   }
-  if (rs->stage == STAGE_TAKING) {
-    rs->stage = STAGE_TAKEN;
-    pthread_cond_broadcast(&c->cond);
-  } else if (rs->stage == STAGE_FAULTING) {
+  if (rs->stage == STAGE_FAULTING) {
     rs->stage = STAGE_READY;
+    before_taken = done;
   }
+  /* faulted: before the rank took it (all of it if it did not, yet) */
   LOG_DEBUGF("memory for a save's copy faulted in",
              "job=%s rank=%d save=%llu bytes=%llu faulted=%llu ms=%.1f", j->name, rank,
-             (unsigned long long)s->id, (unsigned long long)bytes, (unsigned long long)done,
+             (unsigned long long)s->id, (unsigned long long)bytes, (unsigned long long)before_taken,
              monotonic_ms() - t0);
+  pthread_mutex_unlock(&c->mutex);
+  hostmem_shared_unref(p);
+  pthread_mutex_lock(&c->mutex);
   while (rs->state == SAVE_COPYING && !atomic_load(&s->abort))
     pthread_cond_wait(&c->cond, &c->mutex);
   if (rs->stage == STAGE_READY) { /* not taken: the copy came without it */
@@ -324,7 +330,7 @@ static int stage_and_wait(job *j, save_rec *s, rank_save *rs, int rank) {
     rs->staging = NULL;
     rs->stage = STAGE_NONE;
     pthread_mutex_unlock(&c->mutex);
-    hostmem_free(p, bytes);
+    hostmem_shared_unref(p);
     pthread_mutex_lock(&c->mutex);
   }
   return rs->state == SAVE_WRITING;
@@ -397,7 +403,7 @@ static void *writer_main(void *arg) {
   } else {
     rs->state = SAVE_DONE;
   }
-  hostmem_free(rs->data, rs->data_bytes);
+  hostmem_shared_unref(rs->data);
   rs->data = NULL;
   ckpt_manifest_free(rs->layout);
   free(rs->layout);
@@ -467,22 +473,13 @@ void *ckpt_node_staging(job *j, int rank, uint64_t id, uint64_t bytes) {
   while (s != NULL && s->id != id)
     s = s->next;
   rank_save *rs = s != NULL ? &s->ranks[rank - j->first_rank] : NULL;
-  if (rs != NULL && rs->staging_bytes == bytes) {
-    /* Not mapped yet (a matter of microseconds), or being faulted in: the
-     * writer stops at the end of its chunk. */
-    while (rs->stage == STAGE_FAULTING && rs->staging == NULL)
-      pthread_cond_wait(&c->cond, &c->mutex);
-    if (rs->stage == STAGE_FAULTING) {
-      rs->stage = STAGE_TAKING;
-      while (rs->stage == STAGE_TAKING)
-        pthread_cond_wait(&c->cond, &c->mutex);
-    } else if (rs->stage == STAGE_READY) {
-      rs->stage = STAGE_TAKEN;
-    }
-    if (rs->stage == STAGE_TAKEN) {
-      p = rs->staging;
-      rs->staging = NULL;
-    }
+  /* Taken as it is, faulted in or not: waiting for the writer would make
+   * the copy wait for a thread that may not be running. */
+  if (rs != NULL && rs->staging != NULL && rs->staging_bytes == bytes &&
+      (rs->stage == STAGE_FAULTING || rs->stage == STAGE_READY)) {
+    p = rs->staging;
+    rs->staging = NULL;
+    rs->stage = STAGE_TAKEN;
   }
   pthread_mutex_unlock(&c->mutex);
   return p;
@@ -497,7 +494,7 @@ void ckpt_node_saved(job *j, int rank, uint64_t id, uint64_t step, void *data, u
   if (s == NULL) {
     int ended = save_ended(c, id);
     pthread_mutex_unlock(&c->mutex);
-    hostmem_free(data, data_bytes);
+    hostmem_shared_unref(data);
     ckpt_manifest_free(layout);
     free(layout);
     if (ended)

@@ -82,13 +82,14 @@ void ckpt_node_job_free(job *j);
 void ckpt_node_stage(job *j, int rank, uint64_t id, uint64_t bytes);
 
 /* The memory staged for rank's copy for save id if there is some of
- * exactly `bytes` (waiting while it is being faulted in); the caller owns
- * it. NULL: the caller allocates with hostmem_alloc. */
+ * exactly `bytes`, faulted in or not yet all of it (the writer goes on
+ * beside the copy): the caller holds a reference (hostmem_shared_unref).
+ * NULL: the caller allocates with hostmem_shared_alloc. */
 void *ckpt_node_staging(job *j, int rank, uint64_t id, uint64_t bytes);
 
 /* Rank `rank` (global) took its copy for save id: data_bytes of shard data
  * in the shard file's order (memory from ckpt_node_staging or
- * hostmem_alloc), and for rank 0 the job's layout. Ownership of data and
+ * hostmem_shared_alloc), and for rank 0 the job's layout. Ownership of data and
  * layout passes here. */
 void ckpt_node_saved(job *j, int rank, uint64_t id, uint64_t step, void *data, uint64_t data_bytes,
                      ckpt_manifest *layout, int64_t stall_ms);

@@ -844,7 +844,7 @@ static void take_snapshot(rank_state *rs, uint64_t id) {
   uint8_t *data = units != NULL ? ckpt_node_staging(j, rs->rank, id, bytes) : NULL;
   int staged = data != NULL;
   if (units != NULL && data == NULL)
-    data = hostmem_alloc(bytes, 0);
+    data = hostmem_shared_alloc(bytes);
   int rc = data != NULL ? 0 : -ENOMEM;
   uint8_t *at = data;
   for (unsigned k = 0; rc == 0 && k < n; k++) {
@@ -865,7 +865,7 @@ static void take_snapshot(rank_state *rs, uint64_t id) {
     rc = -ENOMEM;
   free(units);
   if (rc != 0) {
-    hostmem_free(data, bytes);
+    hostmem_shared_unref(data);
     char why[600];
     snprintf(why, sizeof why, "copying the shard state: %s",
              rc == -ENOMEM ? "out of host memory" : device_last_error(rs->dev));

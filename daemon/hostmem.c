@@ -65,3 +65,33 @@ void hostmem_free(void *p, size_t bytes) {
   if (p != NULL)
     munmap(p, bytes ? bytes : 1);
 }
+
+/* A shared buffer is preceded by a page holding its count and size. */
+#define SHARED_HEADER ((size_t)4096)
+
+typedef struct shared_header {
+  atomic_int refs;
+  size_t bytes; /* the whole mapping */
+} shared_header;
+
+void *hostmem_shared_alloc(size_t bytes) {
+  uint8_t *base = hostmem_alloc(bytes + SHARED_HEADER, 0);
+  if (base == NULL)
+    return NULL;
+  shared_header *h = (shared_header *)base;
+  atomic_init(&h->refs, 1);
+  h->bytes = bytes + SHARED_HEADER;
+  return base + SHARED_HEADER;
+}
+
+void hostmem_shared_ref(void *p) {
+  atomic_fetch_add(&((shared_header *)((uint8_t *)p - SHARED_HEADER))->refs, 1);
+}
+
+void hostmem_shared_unref(void *p) {
+  if (p == NULL)
+    return;
+  shared_header *h = (shared_header *)((uint8_t *)p - SHARED_HEADER);
+  if (atomic_fetch_sub(&h->refs, 1) == 1)
+    hostmem_free(h, h->bytes);
+}

@@ -37,4 +37,12 @@ void hostmem_populate_stop(hostmem_ahead *a);
 /* p from hostmem_alloc(bytes, ...), or NULL. */
 void hostmem_free(void *p, size_t bytes);
 
+/* A buffer shared by threads that each hold a reference (a save's copy:
+ * the rank copying into it, the writer faulting it in meanwhile): made
+ * with one reference and unmapped when the last one is dropped. NULL as
+ * for hostmem_alloc; unref of NULL does nothing. */
+void *hostmem_shared_alloc(size_t bytes);
+void hostmem_shared_ref(void *p);
+void hostmem_shared_unref(void *p);
+
 #endif /* ZEROD_HOSTMEM_H */

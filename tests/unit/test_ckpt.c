@@ -1904,6 +1904,27 @@ static void test_hostmem_populate_ahead_faults_in_beside_a_writer(void **state) 
   hostmem_free(p, bytes);
 }
 
+static void test_hostmem_shared_buffer_lives_until_the_last_reference(void **state) {
+  (void)state;
+  size_t page = (size_t)sysconf(_SC_PAGESIZE), bytes = 3 * page + 5;
+  uint8_t *p = hostmem_shared_alloc(bytes);
+  assert_non_null(p);
+  for (size_t i = 0; i < bytes; i++)
+    assert_int_equal(p[i], 0);
+  memset(p, 0x5a, bytes);
+  hostmem_shared_ref(p);   /* a second holder (the writer faulting it in) */
+  hostmem_shared_unref(p); /* the first lets go: still there */
+  unsigned char vec[4];
+  assert_int_equal(mincore(p, bytes, vec), 0);
+  for (size_t i = 0; i < bytes; i++)
+    assert_int_equal(p[i], 0x5a);
+  hostmem_shared_unref(p); /* the last: unmapped */
+  errno = 0;
+  assert_int_equal(mincore(p, bytes, vec), -1);
+  assert_int_equal(errno, ENOMEM);
+  hostmem_shared_unref(NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_shard_names_are_zero_padded),
@@ -1952,6 +1973,7 @@ int main(void) {
       cmocka_unit_test(test_hostmem_gives_zeroed_memory_faulted_in_on_request),
       cmocka_unit_test(test_hostmem_populate_keeps_what_the_memory_holds),
       cmocka_unit_test(test_hostmem_populate_ahead_faults_in_beside_a_writer),
+      cmocka_unit_test(test_hostmem_shared_buffer_lives_until_the_last_reference),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
