@@ -26,7 +26,11 @@ Figures (medians over the rounds; one untimed warm-up round first):
   RestoreReply.total_ms against the raw reads (target >= 0.8); where a
   save's and a restore's time went, from the daemon's log (debug level:
   waiting for the step to end, the copy, the shard writes, the commit; the
-  reads, the install); and rank 0's step times from its output: steps with
+  reads, the install), the save from the copy on (bytes / (copy + writes +
+  commit), the save's own work without the wait for the step's end), how
+  many ranks' copies went into memory their writer faulted in beforehand
+  and how much of it was faulted in when they took it; and rank 0's step
+  times from its output: steps with
   nothing running beside them, steps overlapping a save, steps overlapping
   a raw write, and the training time a save cost (its steps' time beyond
   that of quiet steps).
@@ -223,7 +227,8 @@ def save_breakdown(events, t_req):
     """Where a save's time went, from the daemon's log (debug level): the
     wait for the end of the step, the copy (stall), the shard writes, and
     the commit (manifest, fsyncs, rename)."""
-    copied = [(t, float(f["ms"])) for t, msg, f in events if msg == "shard copied for a save"]
+    copies = [(t, f) for t, msg, f in events if msg == "shard copied for a save"][:2]
+    copied = [(t, float(f["ms"])) for t, f in copies]
     saved = [t for t, msg, f in events if msg == "shard saved"]
     done = [t for t, msg, f in events if msg == "checkpoint saved"]
     if len(copied) < 2 or len(saved) < 2 or not done:
@@ -232,7 +237,12 @@ def save_breakdown(events, t_req):
     copy_start = min(t - ms / 1e3 for t, ms in copied)
     copy_end = max(t for t, _ in copied)
     return {"wait_ms": (copy_start - t_req) * 1e3, "copy_ms": (copy_end - copy_start) * 1e3,
-            "write_ms": (max(saved) - copy_end) * 1e3, "commit_ms": (done[0] - max(saved)) * 1e3}
+            "write_ms": (max(saved) - copy_end) * 1e3, "commit_ms": (done[0] - max(saved)) * 1e3,
+            # copies into memory the rank's writer faulted in beforehand
+            "staged": sum(f.get("staged") == "1" for _, f in copies),
+            # of that memory, the part faulted in before the rank took it
+            "faulted": [int(f["faulted"]) / max(1, int(f["bytes"])) for t, msg, f in events
+                        if msg == "memory for a save's copy faulted in"][:2]}
 
 
 def restore_breakdown(events):
@@ -243,6 +253,12 @@ def restore_breakdown(events):
         return None
     return {"read_ms": (t[keys[1]] - t[keys[0]]) * 1e3,
             "install_ms": (t[keys[2]] - t[keys[1]]) * 1e3}
+
+
+def rounded(parts):
+    """A breakdown for printing: times to the millisecond, fractions to 2 places."""
+    return {k: [round(x, 2) for x in v] if isinstance(v, list) else round(v)
+            for k, v in (parts or {}).items()}
 
 
 def median(xs):
@@ -445,11 +461,10 @@ def run(args, pb, ck, jobs, sock, tmp, ckpt_dir, fs, device, log_path):
         row["restore_parts"] = restore_breakdown(log_events(log_path, row["restore_wall"]))
         if args.verbose:
             print("round %d: save %s; idle save %s (%d ms; raw %.0f, 2 files %.0f); restore %s" % (
-                rnd, {k: round(v) for k, v in (row["save_parts"] or {}).items()},
-                {k: round(v) for k, v in (row["idle_parts"] or {}).items()},
+                rnd, rounded(row["save_parts"]), rounded(row["idle_parts"]),
                 row["idle_reply"].total_ms, row["idle_raw_write_s"] * 1e3,
                 row["idle_raw_write2_s"] * 1e3,
-                {k: round(v) for k, v in (row["restore_parts"] or {}).items()}), file=sys.stderr)
+                rounded(row["restore_parts"])), file=sys.stderr)
             print("round %d: save total_ms %d stall_ms %d (%s) raw write %.0f ms (2 files %.0f);"
                   " restore total_ms %d (%.0f ms here) raw read %.0f ms (2 files %.0f);"
                   " steps quiet %.0f / save %s / raw %s ms" % (
@@ -480,7 +495,7 @@ def report(args, rows, total, fs, device, tmp):
     raw_w = [r["raw_write_s"] for r in rows]
     raw_w2 = [r["raw_write2_s"] for r in rows]
     save = median([mbps(ms / 1e3) for ms in save_ms])
-    raw = median([mbps(s) for s in raw_w])
+    raw = save_raw = median([mbps(s) for s in raw_w])
     print(json.dumps({
         "bench": "checkpoint_save", "metric": "MB/s", "bytes": total,
         "value": round(save, 1), "total_ms": median(save_ms),
@@ -536,6 +551,13 @@ def report(args, rows, total, fs, device, tmp):
         line.update({"write_MB/s": round(w, 1), "baseline": "raw_2_files_parallel",
                      "baseline_value": round(median([mbps(s) for s in raw_w2]), 1),
                      "ratio": round(w / median([mbps(s) for s in raw_w2]), 3)})
+        # The save from the copy on (copy, writes, commit), without the
+        # wait for the step to end: what the save's own work takes.
+        f = median([mbps((p["copy_ms"] + p["write_ms"] + p["commit_ms"]) / 1e3) for p in parts])
+        line.update({"from_copy_MB/s": round(f, 1), "from_copy_ratio": round(f / save_raw, 3),
+                     "from_copy_ratio2": round(f / median([mbps(s) for s in raw_w2]), 3),
+                     "copies_staged": "%d/%d" % (sum(p["staged"] for p in parts), 2 * len(parts)),
+                     "staged_faulted_in": r1(100 * median([x for p in parts for x in p["faulted"]]))})
         print(json.dumps(line))
     parts = [r["restore_parts"] for r in rows if r["restore_parts"]]
     if parts:

@@ -12,20 +12,24 @@
  *     read of the same S bytes in 8 MiB preads. Cold (the files' pages
  *     dropped with posix_fadvise(POSIX_FADV_DONTNEED) before each read, and
  *     checked with mincore) and warm (read again at once). Target >= 0.8.
- *  3. the parts: memcpy, XXH64 once, the writer's two hash passes (block
- *     table and whole file), and the copy a save takes while training waits
- *     (malloc + memcpy of S, as exec.c's take_snapshot does on a CPU rank),
- *     with its share of the whole save (copy + write); and ckpt_source
- *     into a fresh calloc'd buffer per unit and state, as a restore stages
- *     what it reads.
+ *  3. the parts: memcpy, XXH64 once, the writer's two hashes (block table
+ *     and whole file), and the copy a save takes while training waits:
+ *     into memory faulted in beforehand (hostmem_alloc, hostmem_populate,
+ *     untimed: the rank's writer does it while the step runs), as exec.c's
+ *     take_snapshot does when the order came early enough, and into fresh
+ *     memory (malloc + memcpy of S, when it did not), each with its share
+ *     of the whole save (copy + write); and a restore's staging: ckpt_source
+ *     into one hostmem buffer faulted in by a thread ahead of the reads
+ *     (hostmem_populate_ahead), as ckpt_node.c's read_checkpoint does, and
+ *     into a fresh calloc'd buffer per unit and state (what it did before).
  *  4. prototypes (--no-prototypes skips them): the writer's work rebuilt
- *     here (same hashing, same pwrites), then with sync_file_range to start
- *     write-back early, then with the hashing on a second thread beside the
- *     writes; reads of 8 MiB with the same block checks, and with the
- *     checks on a second thread; the snapshot, and a restore's staging,
- *     into MADV_HUGEPAGE memory; the stall with the snapshot's memory
- *     faulted in beforehand; XXH3-64. They write and read the same bytes
- *     but not a valid shard file; they show where the time goes, not what
+ *     here (hashing, then pwrites), then with sync_file_range to start
+ *     write-back early (which ckpt_writer now does), then with the hashing
+ *     on a second thread beside the writes; reads of 8 MiB with the same
+ *     block checks (which ckpt_reader now does), and with the checks on a
+ *     second thread; the snapshot, and a restore's staging, into
+ *     MADV_HUGEPAGE memory; XXH3-64. They write and read the same bytes but
+ *     not a valid shard file; they show where the time goes, not what
  *     ckpt.c does.
  *
  * Every figure is the median over --rounds rounds (default 7), after one
@@ -71,6 +75,7 @@
 
 #include "bench_util.h"
 #include "ckpt.h"
+#include "hostmem.h"
 
 #define CHUNK      (8u << 20) /* ckpt_node.c's WRITE_CHUNK, and the raw I/O size */
 #define NUNITS     16u
@@ -336,9 +341,39 @@ static double ckpt_source_all(int cold) {
   return bench_now_s() - t0;
 }
 
-/* The same, into a new calloc'd buffer per unit and state, as a restore
- * stages what it reads (ckpt_node.c read_checkpoint); freed untimed.
- * huge (a prototype): the buffers mmap'd with MADV_HUGEPAGE instead. */
+/* The same into one buffer for every unit and state, faulted in by a
+ * thread ahead of the reads, as a restore stages what it reads
+ * (ckpt_node.c read_checkpoint); freed untimed. */
+static double ckpt_source_staged(void) {
+  drop_cache(shard_path);
+  char err[512];
+  double t0 = bench_now_s();
+  uint8_t *b = hostmem_alloc(S, 0);
+  if (b == NULL)
+    die("out of memory");
+  hostmem_ahead *ahead = hostmem_populate_ahead(b, S);
+  ckpt_source *s;
+  if (ckpt_source_open(ckpt_dir, &s, err, sizeof err) != 0)
+    die("ckpt_source_open: %s", err);
+  const ckpt_state states[NSTATES] = {CKPT_MASTER, CKPT_MOMENT1, CKPT_MOMENT2};
+  for (unsigned u = 0; u < NUNITS; u++)
+    for (unsigned k = 0; k < NSTATES; k++)
+      if (ckpt_source_read(s, u, states[k], 0, unit_numel,
+                           (float *)(b + ((uint64_t)u * NSTATES + k) * unit_numel * 4), err,
+                           sizeof err) != 0)
+        die("ckpt_source_read: %s", err);
+  hostmem_populate_stop(ahead);
+  ckpt_source_close(s);
+  double t = bench_now_s() - t0;
+  if (memcmp(b, src, S) != 0)
+    die("ckpt_source read back different bytes");
+  hostmem_free(b, S);
+  return t;
+}
+
+/* The same into a new calloc'd buffer per unit and state, as a restore
+ * staged what it read before the staging above; freed untimed. huge (a
+ * prototype): the buffers mmap'd with MADV_HUGEPAGE instead. */
 static double ckpt_source_fresh(int huge) {
   drop_cache(shard_path);
   char err[512];
@@ -461,18 +496,25 @@ static double t_writer_hashes(void) {
 /* The copy a save takes while the rank's steps wait (exec.c
  * take_snapshot on a host rank: malloc of the shard bytes, then a copy of
  * each state into it). Freed outside the timing. */
-static double t_snapshot(void) {
-  double t0 = bench_now_s();
-  uint8_t *p = malloc(S);
+/* The snapshot into fresh memory (staged 0), or into memory faulted in
+ * beforehand, untimed (staged 1). */
+static double t_snapshot(int staged) {
+  uint8_t *p = staged ? hostmem_alloc(S, 0) : malloc(S);
   if (p == NULL)
     die("out of memory");
+  if (staged && hostmem_populate(p, S) != 0)
+    memset(p, 0, S); /* before Linux 5.14 */
+  double t0 = bench_now_s();
   uint64_t state_bytes = unit_numel * 4;
   for (uint64_t at = 0; at < S; at += state_bytes)
     memcpy(p + at, src + at, (size_t)state_bytes);
   double t = bench_now_s() - t0;
   if (p[S - 1] != src[S - 1])
     die("snapshot");
-  free(p);
+  if (staged)
+    hostmem_free(p, S);
+  else
+    free(p);
   return t;
 }
 
@@ -880,7 +922,8 @@ int main(int argc, char **argv) {
   /* ---- Reads ---- */
   double rc_raw[MAX_ROUNDS], rc_rd[MAX_ROUNDS], rc_src[MAX_ROUNDS];
   double rw_raw[MAX_ROUNDS], rw_rd[MAX_ROUNDS], rw_src[MAX_ROUNDS];
-  double rp_8m[MAX_ROUNDS], rp_thr[MAX_ROUNDS], rc_calloc[MAX_ROUNDS], rp_huge[MAX_ROUNDS];
+  double rp_8m[MAX_ROUNDS], rp_thr[MAX_ROUNDS], rc_calloc[MAX_ROUNDS], rp_huge[MAX_ROUNDS],
+      rc_staged[MAX_ROUNDS];
   double max_resident = 0;
   for (int r = -1; r < rounds; r++) { /* -1: a warm-up round, not kept */
     int k = r < 0 ? 0 : r;
@@ -906,6 +949,7 @@ int main(int argc, char **argv) {
         check_dst("ckpt_source");
       }
     }
+    rc_staged[k] = ckpt_source_staged();
     rc_calloc[k] = ckpt_source_fresh(0);
     if (prototypes) {
       rp_8m[k] = proto_read(0);
@@ -921,6 +965,8 @@ int main(int argc, char **argv) {
            max_resident, fs);
   report("ckpt_restore_read", "ckpt_reader", rc_rd, "raw_pread_8m", rc_raw, rounds, extra);
   report("ckpt_restore_read", "ckpt_source", rc_src, "raw_pread_8m", rc_raw, rounds, extra);
+  report("ckpt_restore_read", "ckpt_source_into_staging", rc_staged, "raw_pread_8m", rc_raw, rounds,
+         extra);
   report("ckpt_restore_read", "ckpt_source_into_calloc", rc_calloc, "raw_pread_8m", rc_raw, rounds,
          extra);
   snprintf(extra, sizeof extra, ",\"cache\":\"warm\",\"fs\":\"%s\"", fs);
@@ -929,13 +975,14 @@ int main(int argc, char **argv) {
 
   /* ---- In memory ---- */
   double c_mem[MAX_ROUNDS], c_xxh[MAX_ROUNDS], c_wh[MAX_ROUNDS], c_snap[MAX_ROUNDS],
-      c_huge[MAX_ROUNDS], c_xxh3[MAX_ROUNDS];
+      c_staged[MAX_ROUNDS], c_huge[MAX_ROUNDS], c_xxh3[MAX_ROUNDS];
   for (int r = -1; r < rounds; r++) { /* -1: a warm-up round, not kept */
     int k = r < 0 ? 0 : r;
     c_mem[k] = t_memcpy();
     c_xxh[k] = t_xxh64_once();
     c_wh[k] = t_writer_hashes();
-    c_snap[k] = t_snapshot();
+    c_snap[k] = t_snapshot(0);
+    c_staged[k] = t_snapshot(1);
     if (prototypes) {
       c_huge[k] = proto_snapshot_hugepage();
       c_xxh3[k] = t_xxh3_once();
@@ -944,12 +991,19 @@ int main(int argc, char **argv) {
   report("ckpt_parts", "xxh64_once", c_xxh, "memcpy_prefaulted", c_mem, rounds, NULL);
   report("ckpt_parts", "writer_hashes_block_and_file", c_wh, "memcpy_prefaulted", c_mem, rounds,
          NULL);
+  report("ckpt_parts", "snapshot_staged_memcpy", c_staged, "memcpy_prefaulted", c_mem, rounds,
+         NULL);
   report("ckpt_parts", "snapshot_malloc_memcpy", c_snap, "memcpy_prefaulted", c_mem, rounds, NULL);
-  double stall = med(c_snap, rounds), write = med(w_ckpt, rounds);
-  printf("{\"bench\":\"ckpt_save_stall\",\"level\":\"format\",\"bytes\":%" PRIu64
-         ",\"stall_ms\":%.1f,\"total_ms\":%.1f,\"ratio\":%.3f,\"note\":\"stall: malloc+memcpy "
-         "of the state (take_snapshot); total: that plus ckpt_writer of it\"}\n",
-         S, stall * 1e3, (stall + write) * 1e3, stall / (stall + write));
+  double write = med(w_ckpt, rounds);
+  for (int staged = 1; staged >= 0; staged--) {
+    double stall = med(staged ? c_staged : c_snap, rounds);
+    printf("{\"bench\":\"ckpt_save_stall\",\"level\":\"format\",\"staged\":%s,\"bytes\":%" PRIu64
+           ",\"stall_ms\":%.1f,\"total_ms\":%.1f,\"ratio\":%.3f,\"note\":\"stall: the copy of "
+           "the state (take_snapshot) into %s; total: that plus ckpt_writer of it\"}\n",
+           staged ? "true" : "false", S, stall * 1e3, (stall + write) * 1e3,
+           stall / (stall + write),
+           staged ? "memory the writer faulted in beforehand" : "fresh memory (malloc)");
+  }
   /* Where a save's time goes: the writer's hashing against the time of
    * the raw write of the same bytes. */
   printf("{\"bench\":\"ckpt_save_breakdown\",\"bytes\":%" PRIu64 ",\"raw_write_ms\":%.1f,"
@@ -958,14 +1012,6 @@ int main(int argc, char **argv) {
          (med(w_raw, rounds) + med(c_wh, rounds)) * 1e3);
 
   if (prototypes) {
-    /* The stall if the snapshot's memory were faulted in before the step
-     * ends (when the order arrives, or kept from the last save): the
-     * copy alone. */
-    double copy = med(c_mem, rounds);
-    printf("{\"bench\":\"ckpt_save_stall\",\"level\":\"format\",\"prototype\":true,"
-           "\"bytes\":%" PRIu64 ",\"stall_ms\":%.1f,\"total_ms\":%.1f,\"ratio\":%.3f,"
-           "\"note\":\"stall: memcpy into memory faulted in before the stall\"}\n",
-           S, copy * 1e3, (copy + write) * 1e3, copy / (copy + write));
     report("ckpt_parts", "proto_xxh3_64_once", c_xxh3, "memcpy_prefaulted", c_mem, rounds,
            ",\"prototype\":true");
     report("ckpt_parts", "proto_snapshot_mmap_hugepage", c_huge, "memcpy_prefaulted", c_mem, rounds,
