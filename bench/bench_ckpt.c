@@ -348,7 +348,7 @@ static double ckpt_source_staged(void) {
   drop_cache(shard_path);
   char err[512];
   double t0 = bench_now_s();
-  uint8_t *b = hostmem_alloc(S, 0);
+  uint8_t *b = hostmem_alloc(S);
   if (b == NULL)
     die("out of memory");
   hostmem_ahead *ahead = hostmem_populate_ahead(b, S);
@@ -499,7 +499,7 @@ static double t_writer_hashes(void) {
 /* The snapshot into fresh memory (staged 0), or into memory faulted in
  * beforehand, untimed (staged 1). */
 static double t_snapshot(int staged) {
-  uint8_t *p = staged ? hostmem_alloc(S, 0) : malloc(S);
+  uint8_t *p = staged ? hostmem_alloc(S) : malloc(S);
   if (p == NULL)
     die("out of memory");
   if (staged && hostmem_populate(p, S) != 0)

@@ -968,7 +968,7 @@ static int stage_memory(ckpt_staged *st, const int want[3]) {
         total += (st->units[u].layout->shard_numel * sizeof(float) + 63) & ~(size_t)63;
   if (total == 0)
     return 0;
-  if ((st->mem = hostmem_alloc(total, 0)) == NULL)
+  if ((st->mem = hostmem_alloc(total)) == NULL)
     return -ENOMEM;
   st->mem_bytes = total;
   uint8_t *at = st->mem;

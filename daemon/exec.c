@@ -1507,9 +1507,9 @@ static void handle_save(rank_state *rs, exec_op *op) {
   unsigned n;
   uint64_t bytes;
   unit_layout **units = snapshot_units(rs, &n, &bytes);
-  free(units);
   if (units != NULL)
     ckpt_node_stage(rs->job, rs->rank, op->ckpt_id, bytes);
+  free(units);
 }
 
 static void handle_restore_read(rank_state *rs, exec_op *op) {

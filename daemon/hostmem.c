@@ -15,9 +15,9 @@
 /* hostmem_populate_ahead's chunk: the writer behind it waits for none. */
 #define AHEAD_CHUNK ((size_t)4 << 20)
 
-void *hostmem_alloc(size_t bytes, int populate) {
-  void *p = mmap(NULL, bytes ? bytes : 1, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | (populate ? MAP_POPULATE : 0), -1, 0);
+void *hostmem_alloc(size_t bytes) {
+  void *p =
+      mmap(NULL, bytes ? bytes : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   return p == MAP_FAILED ? NULL : p;
 }
 
@@ -75,7 +75,7 @@ typedef struct shared_header {
 } shared_header;
 
 void *hostmem_shared_alloc(size_t bytes) {
-  uint8_t *base = hostmem_alloc(bytes + SHARED_HEADER, 0);
+  uint8_t *base = hostmem_alloc(bytes + SHARED_HEADER);
   if (base == NULL)
     return NULL;
   shared_header *h = (shared_header *)base;

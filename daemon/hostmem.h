@@ -3,23 +3,21 @@
  *
  * Fresh anonymous memory costs a page fault per 4 KiB page the first time
  * it is written (allocation and zeroing in the kernel: about 0.35 ms per
- * MiB on the project's VM, several times a plain memcpy). hostmem_alloc
- * can fault the whole buffer in at once (MAP_POPULATE), and
- * hostmem_populate part of it, so that a thread
- * that has time to spare pays for it and the thread that later copies
- * into it, e.g. a rank's executor while training waits, does not; and
- * hostmem_free gives the memory back to the kernel at once (munmap), where
- * malloc might keep it. No transparent huge pages: see docs/decisions.md.
- * Any thread. */
+ * MiB on the project's VM, several times a plain memcpy).
+ * hostmem_populate faults a range in without touching what it holds, so
+ * that a thread with time to spare pays for the faults and the thread that
+ * copies into the buffer, e.g. a rank's executor while training waits,
+ * does not; and hostmem_free gives the memory back to the kernel at once
+ * (munmap), where malloc might keep it. No transparent huge pages: see
+ * docs/decisions.md. Any thread. */
 #ifndef ZEROD_HOSTMEM_H
 #define ZEROD_HOSTMEM_H
 
 #include <stddef.h>
 
-/* bytes of zeroed memory (at least one page), faulted in now if populate
- * (as far as the kernel can: it may leave some pages to fault later); NULL
- * with errno set on failure. */
-void *hostmem_alloc(size_t bytes, int populate);
+/* bytes of zeroed memory (at least one page), not faulted in; NULL with
+ * errno set on failure. */
+void *hostmem_alloc(size_t bytes);
 /* Faults in [p, p + bytes) of a buffer from hostmem_alloc, leaving what
  * it holds as it is, so other threads may be writing to it meanwhile
  * (MADV_POPULATE_WRITE). 0, or -EINVAL before Linux 5.14, -ENOMEM when
@@ -34,7 +32,7 @@ typedef struct hostmem_ahead hostmem_ahead;
 hostmem_ahead *hostmem_populate_ahead(void *p, size_t bytes);
 void hostmem_populate_stop(hostmem_ahead *a);
 
-/* p from hostmem_alloc(bytes, ...), or NULL. */
+/* p from hostmem_alloc(bytes), or NULL. */
 void hostmem_free(void *p, size_t bytes);
 
 /* A buffer shared by threads that each hold a reference (a save's copy:
