@@ -490,9 +490,9 @@ void ckpt_node_saved(job *j, int rank, uint64_t id, uint64_t step, void *data, u
   job_ckpt *c = j->ckpt;
   int local = rank - j->first_rank;
   pthread_mutex_lock(&c->mutex);
-  save_rec *s = save_ended(c, id) ? NULL : save_get(j, id);
+  int ended = save_ended(c, id);
+  save_rec *s = ended ? NULL : save_get(j, id);
   if (s == NULL) {
-    int ended = save_ended(c, id);
     pthread_mutex_unlock(&c->mutex);
     hostmem_shared_unref(data);
     ckpt_manifest_free(layout);
@@ -960,12 +960,17 @@ static int optimizers_compatible(const char *saved, job_optimizer now) {
  * reads (hostmem_populate_ahead): fresh memory takes a page fault per 4 KiB,
  * which inside the reads cost more than the reads themselves
  * (docs/benchmarks.md). */
+/* A staged state's room in that buffer: a cache line apart. */
+static size_t staged_state_bytes(const unit_layout *l) {
+  return (l->shard_numel * sizeof(float) + 63) & ~(size_t)63;
+}
+
 static int stage_memory(ckpt_staged *st, const int want[3]) {
   size_t total = 0;
   for (unsigned u = 0; u < st->nunits; u++)
     for (int k = 0; k < 3; k++)
       if (want[k])
-        total += (st->units[u].layout->shard_numel * sizeof(float) + 63) & ~(size_t)63;
+        total += staged_state_bytes(st->units[u].layout);
   if (total == 0)
     return 0;
   if ((st->mem = hostmem_alloc(total)) == NULL)
@@ -976,7 +981,7 @@ static int stage_memory(ckpt_staged *st, const int want[3]) {
     for (int k = 0; k < 3; k++)
       if (want[k]) {
         st->units[u].state[k] = (float *)at;
-        at += (st->units[u].layout->shard_numel * sizeof(float) + 63) & ~(size_t)63;
+        at += staged_state_bytes(st->units[u].layout);
       }
   return 0;
 }

@@ -799,13 +799,21 @@ static void log_progress(rank_state *rs, double grad_norm) {
  * host memory and hands it to its writer (ckpt_node.c). The executor runs
  * nothing else meanwhile, so no step changes the state being copied; this
  * is all the time a save holds training up. */
+/* The states a save copies, by ckpt_state: the master weights and the
+ * moments the optimizer keeps. Returns how many. */
+static int snapshot_states(const job_config *c, int want[3]) {
+  want[0] = 1;
+  want[1] = c->optimizer != JOB_SGD || c->momentum != 0;
+  want[2] = c->optimizer != JOB_SGD;
+  return want[0] + want[1] + want[2];
+}
+
 /* The units of which rank rs holds a shard, in the job's order, and the
- * bytes of its copy for a save (master weights and the moments the
- * optimizer keeps). NULL if out of memory. */
+ * bytes of its copy for a save. NULL if out of memory. */
 static unit_layout **snapshot_units(rank_state *rs, unsigned *n, uint64_t *bytes) {
   job *j = rs->job;
-  const job_config *c = &j->config;
-  int nstates = 1 + (c->optimizer != JOB_SGD || c->momentum != 0) + (c->optimizer != JOB_SGD);
+  int want[3];
+  int nstates = snapshot_states(&j->config, want);
   pthread_mutex_lock(&j->mutex);
   uint32_t nunits = j->nunits;
   unit_layout **units = malloc((nunits ? nunits : 1) * sizeof *units);
@@ -833,9 +841,8 @@ static void take_snapshot(rank_state *rs, uint64_t id) {
     return;
   }
   double t0 = monotonic_s();
-  const job_config *c = &j->config;
-  int m1 = c->optimizer != JOB_SGD || c->momentum != 0;
-  int m2 = c->optimizer != JOB_SGD;
+  int want[3];
+  snapshot_states(&j->config, want);
   unsigned n = 0;
   uint64_t bytes = 0;
   unit_layout **units = snapshot_units(rs, &n, &bytes);
@@ -851,7 +858,6 @@ static void take_snapshot(rank_state *rs, uint64_t id) {
     shard *sh = &rs->shards[units[k]->id];
     size_t b = units[k]->shard_numel * sizeof(float);
     const float *states[3] = {sh->master, sh->moment1, sh->moment2};
-    const int want[3] = {1, m1, m2};
     for (int s = 0; rc == 0 && s < 3; s++) {
       if (!want[s])
         continue;
