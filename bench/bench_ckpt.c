@@ -20,7 +20,7 @@
  *     memory (malloc + memcpy of S, when it did not), each with its share
  *     of the whole save (copy + write); and a restore's staging: ckpt_source
  *     into one hostmem buffer faulted in by a thread ahead of the reads
- *     (hostmem_populate_ahead), as ckpt_node.c's read_checkpoint does, and
+ *     (hostmem_populate_ahead), as ckpt_restore.c's read_checkpoint does, and
  *     into a fresh calloc'd buffer per unit and state (what it did before).
  *  4. prototypes (--no-prototypes skips them): the writer's work rebuilt
  *     here (hashing, then pwrites), then with sync_file_range to start
@@ -343,7 +343,7 @@ static double ckpt_source_all(int cold) {
 
 /* The same into one buffer for every unit and state, faulted in by a
  * thread ahead of the reads, as a restore stages what it reads
- * (ckpt_node.c read_checkpoint); freed untimed. */
+ * (ckpt_restore.c read_checkpoint); freed untimed. */
 static double ckpt_source_staged(void) {
   drop_cache(shard_path);
   char err[512];

@@ -354,12 +354,11 @@ int daemon_job_start(zdaemon *d, const char *name, const char *token, const job_
   }
   j->next = d->jobs;
   d->jobs = j;
-  static const char *const optimizer_names[] = {"", "adamw", "adam", "sgd"};
   LOG_INFOF("job created",
             "job=%s id=%llu world_size=%d ranks=%d..%d optimizer=%s lr=%g working_dtype=%s "
             "max_live_bytes=%llu max_grad_norm=%g",
             j->name, (unsigned long long)j->id, j->world_size, j->first_rank,
-            j->first_rank + j->nranks - 1, optimizer_names[config->optimizer], config->lr,
+            j->first_rank + j->nranks - 1, job_optimizer_name(config->optimizer), config->lr,
             zk_dtype_name(config->working_dtype), (unsigned long long)config->max_live_bytes,
             config->max_grad_norm);
   *out = j;

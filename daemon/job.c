@@ -53,6 +53,10 @@ int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *e
   return 0;
 }
 
+const char *job_optimizer_name(job_optimizer o) {
+  return o == JOB_ADAMW ? "adamw" : o == JOB_ADAM ? "adam" : "sgd";
+}
+
 int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err, size_t err_bytes) {
   if (c->optimizer == 0)
     c->optimizer = JOB_ADAMW;

@@ -225,6 +225,9 @@ int job_config_from_proto(const Zerod__V1__JobConfig *proto, job_config *config,
 int job_config_finish(job_config *config, uint64_t default_max_live_bytes, char *err,
                       size_t err_bytes);
 
+/* "adamw", "adam" or "sgd": the name in logs and checkpoint manifests. */
+const char *job_optimizer_name(job_optimizer o);
+
 /* Whether some of the job's ranks live on other nodes. Such a job never
  * resets on one node alone (its communicators span the nodes, decisions.md),
  * a lost worker fails it at once (peers would wait in collectives), and

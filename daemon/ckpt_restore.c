@@ -1,0 +1,371 @@
+/* The reading side of a restore (see ckpt_node.h): a rank's part of a
+ * checkpoint or a safetensors file, read and verified into host memory on
+ * the rank's executor, matched to the job's units, and staged until the
+ * coordinator commits. */
+#include "ckpt_node.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "hostmem.h"
+#include "rpc.h"
+
+/* ------------------------------------------------------------------------ */
+/* Restore: reading (executor thread)                                       */
+/* ------------------------------------------------------------------------ */
+
+void ckpt_staged_free(ckpt_staged *s) {
+  if (s == NULL)
+    return;
+  for (unsigned u = 0; u < s->nunits; u++) {
+    if (s->units[u].owned)
+      unit_layout_free(s->units[u].layout);
+  }
+  hostmem_free(s->mem, s->mem_bytes);
+  free(s->units);
+  free(s);
+}
+
+static void shape_text(const uint64_t *shape, unsigned ndim, char *out, size_t out_bytes) {
+  size_t len = (size_t)snprintf(out, out_bytes, "[");
+  for (unsigned d = 0; d < ndim && len < out_bytes; d++)
+    len += (size_t)snprintf(out + len, out_bytes - len, "%s%llu", d ? ", " : "",
+                            (unsigned long long)shape[d]);
+  if (len < out_bytes)
+    snprintf(out + len, out_bytes - len, "]");
+}
+
+/* Whether the job's unit l and the checkpoint's unit cu hold the same
+ * tensors at the same places; err names the first difference. */
+static int same_unit(const unit_layout *l, const ckpt_unit *cu, char *err, size_t err_bytes) {
+  if (l->ntensors != cu->ntensors) {
+    snprintf(err, err_bytes, "unit '%s' has %u tensors in the job, %u in the checkpoint", l->name,
+             l->ntensors, cu->ntensors);
+    return 0;
+  }
+  for (unsigned t = 0; t < l->ntensors; t++) {
+    const tensor_layout *a = &l->tensors[t];
+    const ckpt_tensor *b = &cu->tensors[t];
+    char sa[160], sb[160];
+    shape_text(a->shape, a->ndim, sa, sizeof sa);
+    shape_text(b->shape, b->ndim, sb, sizeof sb);
+    if (strcmp(a->name, b->name) != 0) {
+      snprintf(err, err_bytes, "unit '%s': tensor #%u is '%s' in the job, '%s' in the checkpoint",
+               l->name, t, a->name, b->name);
+      return 0;
+    }
+    if (strcmp(sa, sb) != 0 || a->offset != b->offset || a->frozen != b->frozen) {
+      snprintf(err, err_bytes,
+               "unit '%s', tensor '%s': shape %s%s in the job, %s%s in the checkpoint", l->name,
+               a->name, sa, a->frozen ? " (frozen)" : "", sb, b->frozen ? " (frozen)" : "");
+      return 0;
+    }
+  }
+  if (l->numel != cu->numel) {
+    snprintf(err, err_bytes, "unit '%s': %llu elements in the job, %llu in the checkpoint", l->name,
+             (unsigned long long)l->numel, (unsigned long long)cu->numel);
+    return 0;
+  }
+  return 1;
+}
+
+static int fail(int *code, int c, int rc) {
+  *code = c;
+  return rc;
+}
+
+/* A format library error as a gRPC status: damaged or truncated files are
+ * DATA_LOSS, a missing one NOT_FOUND. */
+static int io_code(int rc) {
+  return rc == -EBADMSG || rc == -ERANGE ? RPC_DATA_LOSS
+         : rc == -ENOENT                 ? RPC_NOT_FOUND
+         : rc == -ENOMEM                 ? RPC_RESOURCE_EXHAUSTED
+                                         : RPC_INTERNAL;
+}
+
+static int optimizers_compatible(const char *saved, job_optimizer now) {
+  int saved_sgd = strcmp(saved, "sgd") == 0;
+  return saved_sgd == (now == JOB_SGD);
+}
+
+/* The job's units, in id order (a copy of the table, which only grows). */
+/* Points the states wanted of every staged unit (layouts set) into one
+ * zeroed buffer, which the caller has faulted in by a thread ahead of its
+ * reads (hostmem_populate_ahead): fresh memory takes a page fault per 4 KiB,
+ * which inside the reads cost more than the reads themselves
+ * (docs/benchmarks.md). */
+/* A staged state's room in that buffer: a cache line apart. */
+static size_t staged_state_bytes(const unit_layout *l) {
+  return (l->shard_numel * sizeof(float) + 63) & ~(size_t)63;
+}
+
+static int stage_memory(ckpt_staged *st, const int want[3]) {
+  size_t total = 0;
+  for (unsigned u = 0; u < st->nunits; u++)
+    for (int k = 0; k < 3; k++)
+      if (want[k])
+        total += staged_state_bytes(st->units[u].layout);
+  if (total == 0)
+    return 0;
+  if ((st->mem = hostmem_alloc(total)) == NULL)
+    return -ENOMEM;
+  st->mem_bytes = total;
+  uint8_t *at = st->mem;
+  for (unsigned u = 0; u < st->nunits; u++)
+    for (int k = 0; k < 3; k++)
+      if (want[k]) {
+        st->units[u].state[k] = (float *)at;
+        at += staged_state_bytes(st->units[u].layout);
+      }
+  return 0;
+}
+
+static unit_layout **job_units(job *j, unsigned *n) {
+  pthread_mutex_lock(&j->mutex);
+  *n = j->nunits;
+  unit_layout **units = malloc((*n ? *n : 1) * sizeof *units);
+  if (units != NULL && *n > 0)
+    memcpy(units, j->units, *n * sizeof *units);
+  pthread_mutex_unlock(&j->mutex);
+  return units;
+}
+
+static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st, int *code,
+                           char *err, size_t err_bytes) {
+  ckpt_source *src = NULL;
+  hostmem_ahead *ahead = NULL;
+  int rc = ckpt_source_open(source, &src, err, err_bytes);
+  if (rc != 0)
+    return fail(code, io_code(rc), rc);
+  const ckpt_manifest *m = ckpt_source_manifest(src);
+  const job_config *cfg = &j->config;
+  unit_layout **units = NULL;
+  unsigned njob = 0;
+  if (!optimizers_compatible(m->config.optimizer, cfg->optimizer)) {
+    snprintf(err, err_bytes, "the checkpoint was saved by a job using %s; job '%s' uses %s",
+             m->config.optimizer, j->name, job_optimizer_name(cfg->optimizer));
+    rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
+    goto done;
+  }
+  units = job_units(j, &njob);
+  if (units == NULL) {
+    rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+    goto done;
+  }
+  if (njob != 0 && njob != m->nunits) {
+    snprintf(err, err_bytes, "job '%s' has %u units, the checkpoint %u", j->name, njob, m->nunits);
+    rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
+    goto done;
+  }
+  st->nunits = m->nunits;
+  st->units = calloc(m->nunits ? m->nunits : 1, sizeof *st->units);
+  if (st->units == NULL) {
+    rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+    goto done;
+  }
+  st->step = m->step;
+  int need1 = cfg->optimizer != JOB_SGD || cfg->momentum != 0;
+  int need2 = cfg->optimizer != JOB_SGD;
+  for (unsigned u = 0; u < m->nunits; u++) {
+    const ckpt_unit *cu = &m->units[u];
+    ckpt_staged_unit *su = &st->units[u];
+    if (njob == 0) {
+      /* A job with no units yet takes the checkpoint's: built as a worker's
+       * registration would build them, for this job's world size. */
+      const char **names = calloc(cu->ntensors + 1, sizeof *names);
+      const uint64_t **shapes = calloc(cu->ntensors + 1, sizeof *shapes);
+      unsigned *ndims = calloc(cu->ntensors + 1, sizeof *ndims);
+      int *frozen = calloc(cu->ntensors + 1, sizeof *frozen);
+      rc = -ENOMEM;
+      if (names != NULL && shapes != NULL && ndims != NULL && frozen != NULL) {
+        for (unsigned t = 0; t < cu->ntensors; t++) {
+          names[t] = cu->tensors[t].name;
+          shapes[t] = cu->tensors[t].shape;
+          ndims[t] = cu->tensors[t].ndim;
+          frozen[t] = cu->tensors[t].frozen;
+        }
+        rc = unit_layout_build(cu->name, cu->ntensors, names, shapes, ndims, frozen, j->world_size,
+                               0, &su->layout, err, err_bytes);
+      }
+      free(names);
+      free(shapes);
+      free(ndims);
+      free(frozen);
+      if (rc != 0) {
+        rc = fail(code, rc == -ENOMEM ? RPC_RESOURCE_EXHAUSTED : RPC_FAILED_PRECONDITION, rc);
+        goto done;
+      }
+      su->owned = 1;
+      if (!same_unit(su->layout, cu, err, err_bytes)) {
+        rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
+        goto done;
+      }
+    } else {
+      unit_layout *l = NULL;
+      for (unsigned k = 0; k < njob && l == NULL; k++)
+        if (strcmp(units[k]->name, cu->name) == 0)
+          l = units[k];
+      if (l == NULL) {
+        snprintf(err, err_bytes, "the checkpoint's unit '%s' is not registered in job '%s'",
+                 cu->name, j->name);
+        rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
+        goto done;
+      }
+      if (!same_unit(l, cu, err, err_bytes)) {
+        rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
+        goto done;
+      }
+      su->layout = l;
+    }
+  }
+  /* This rank's slice of every unit in the job's world, by state; beyond
+   * the tensors (padding) it is zero. */
+  const int want[3] = {1, need1 && m->has_moment1, need2 && m->has_moment2};
+  if ((rc = stage_memory(st, want)) != 0) {
+    rc = fail(code, RPC_RESOURCE_EXHAUSTED, rc);
+    goto done;
+  }
+  ahead = hostmem_populate_ahead(st->mem, st->mem_bytes);
+  for (unsigned u = 0; u < m->nunits; u++) {
+    const unit_layout *l = st->units[u].layout;
+    uint64_t lo = (uint64_t)rank * l->shard_numel;
+    uint64_t hi = lo + l->shard_numel < l->numel ? lo + l->shard_numel : l->numel;
+    ckpt_state states[3] = {CKPT_MASTER, CKPT_MOMENT1, CKPT_MOMENT2};
+    for (int k = 0; k < 3; k++) {
+      ckpt_staged_unit *su = &st->units[u];
+      if (su->state[k] != NULL && lo < hi) {
+        rc = ckpt_source_read(src, u, states[k], lo, hi, su->state[k], err, err_bytes);
+        if (rc != 0) {
+          rc = fail(code, io_code(rc), rc);
+          goto done;
+        }
+      }
+    }
+  }
+  rc = 0;
+done:
+  hostmem_populate_stop(ahead);
+  free(units);
+  ckpt_source_close(src);
+  return rc;
+}
+
+static int read_safetensors(job *j, int rank, const char *source, ckpt_staged *st, int *code,
+                            char *err, size_t err_bytes) {
+  st_file f = {0};
+  int fd = -1;
+  hostmem_ahead *ahead = NULL;
+  int rc = st_open(source, &f, &fd, err, err_bytes);
+  if (rc != 0)
+    return fail(code, rc == -ENOENT ? RPC_NOT_FOUND : RPC_INVALID_ARGUMENT, rc);
+  unsigned njob = 0;
+  unit_layout **units = job_units(j, &njob);
+  if (units == NULL) {
+    rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+    goto done;
+  }
+  if (njob == 0) {
+    snprintf(err, err_bytes,
+             "job '%s' has no units: its workers register them before it is initialised from a "
+             "safetensors file (tensors are matched by name)",
+             j->name);
+    rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
+    goto done;
+  }
+  /* Every tensor is checked on every rank, so all ranks fail alike. */
+  for (unsigned u = 0; u < njob; u++) {
+    const unit_layout *l = units[u];
+    for (unsigned t = 0; t < l->ntensors; t++) {
+      const tensor_layout *tl = &l->tensors[t];
+      const st_tensor *ft = st_find(&f, tl->name);
+      char sa[160], sb[160];
+      shape_text(tl->shape, tl->ndim, sa, sizeof sa);
+      if (ft == NULL) {
+        snprintf(err, err_bytes, "tensor '%s' (unit '%s', shape %s) is not in %s", tl->name,
+                 l->name, sa, source);
+        rc = fail(code, RPC_INVALID_ARGUMENT, -EINVAL);
+        goto done;
+      }
+      shape_text(ft->shape, ft->ndim, sb, sizeof sb);
+      if (strcmp(sa, sb) != 0 && !(ft->numel == tl->numel && tl->ndim == 0)) {
+        snprintf(err, err_bytes, "tensor '%s' (unit '%s'): shape %s in the job, %s in %s", tl->name,
+                 l->name, sa, sb, source);
+        rc = fail(code, RPC_INVALID_ARGUMENT, -EINVAL);
+        goto done;
+      }
+      if (ft->dtype == ST_OTHER) {
+        snprintf(err, err_bytes, "tensor '%s': dtype %s is not a floating-point type", tl->name,
+                 ft->dtype_name);
+        rc = fail(code, RPC_INVALID_ARGUMENT, -EINVAL);
+        goto done;
+      }
+    }
+  }
+  st->nunits = njob;
+  st->units = calloc(njob, sizeof *st->units);
+  if (st->units == NULL) {
+    rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+    goto done;
+  }
+  st->step = 0; /* weights only: the optimizer starts over */
+  for (unsigned u = 0; u < njob; u++)
+    st->units[u].layout = units[u];
+  if ((rc = stage_memory(st, (const int[3]){1, 0, 0})) != 0) {
+    rc = fail(code, RPC_RESOURCE_EXHAUSTED, rc);
+    goto done;
+  }
+  ahead = hostmem_populate_ahead(st->mem, st->mem_bytes);
+  for (unsigned u = 0; u < njob; u++) {
+    const unit_layout *l = units[u];
+    ckpt_staged_unit *su = &st->units[u];
+    uint64_t lo = (uint64_t)rank * l->shard_numel, hi = lo + l->shard_numel;
+    for (unsigned t = 0; t < l->ntensors; t++) {
+      const tensor_layout *tl = &l->tensors[t];
+      uint64_t b = tl->offset > lo ? tl->offset : lo;
+      uint64_t e = tl->offset + tl->numel < hi ? tl->offset + tl->numel : hi;
+      if (b >= e)
+        continue;
+      rc = st_read_f32(fd, &f, st_find(&f, tl->name), b - tl->offset, e - tl->offset,
+                       su->state[CKPT_MASTER] + (b - lo), err, err_bytes);
+      if (rc != 0) {
+        rc = fail(code, io_code(rc), rc);
+        goto done;
+      }
+    }
+  }
+  rc = 0;
+done:
+  hostmem_populate_stop(ahead);
+  free(units);
+  if (fd >= 0)
+    close(fd);
+  st_file_free(&f);
+  return rc;
+}
+
+int ckpt_restore_read(job *j, int rank, const char *source, int format, ckpt_staged **out,
+                      int *code, char *err, size_t err_bytes) {
+  *out = NULL;
+  *code = 0;
+  ckpt_staged *st = calloc(1, sizeof *st);
+  if (st == NULL)
+    return fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+  int rc;
+  if (format == ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_SAFETENSORS) {
+    rc = read_safetensors(j, rank, source, st, code, err, err_bytes);
+  } else if (format == ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_CHECKPOINT) {
+    rc = read_checkpoint(j, rank, source, st, code, err, err_bytes);
+  } else {
+    snprintf(err, err_bytes, "unknown restore format %d", format);
+    rc = fail(code, RPC_INVALID_ARGUMENT, -EINVAL);
+  }
+  if (rc != 0) {
+    ckpt_staged_free(st);
+    return rc;
+  }
+  *out = st;
+  return 0;
+}
