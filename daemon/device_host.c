@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "device.h"
+#include "hostmem.h"
 #include "shm.h"
 
 typedef struct host_device {
@@ -36,19 +37,21 @@ static int host_failed(device *dev, int rc) {
   return rc;
 }
 
-/* Cache-line aligned, as the vectorised drivers like it, and zeroed. */
+/* hostmem's arrays: cache-line aligned and padded, as the vectorised
+ * drivers like them; a restore's staged arrays are the same kind. A mapped
+ * array is zero when fresh; the others are zeroed here. */
 static int host_alloc(device *dev, size_t bytes, void **out) {
-  size_t rounded = bytes == 0 ? 64 : (bytes + 63) / 64 * 64;
-  void *p = aligned_alloc(64, rounded);
+  void *p = hostmem_array_alloc(bytes);
   if (p == NULL)
     return host_failed(dev, -ENOMEM);
-  memset(p, 0, rounded);
+  if (!hostmem_array_mapped(p))
+    memset(p, 0, bytes);
   *out = p;
   return 0;
 }
 
 static void host_free(device *dev, void *ptr) {
-  free(ptr);
+  hostmem_array_free(ptr);
 }
 
 static int host_copy(device *dev, void *dst, const void *src, size_t bytes) {

@@ -1,5 +1,6 @@
-/* hostmem: large host buffers for checkpoint copies (a save's snapshot of
- * a rank's state, a restore's staging).
+/* hostmem: large host buffers: a host rank's state arrays, and the
+ * checkpoint copies (a save's snapshot of a rank's state, a restore's
+ * staging).
  *
  * Fresh anonymous memory costs a page fault per 4 KiB page the first time
  * it is written (allocation and zeroing in the kernel: about 0.35 ms per
@@ -30,6 +31,15 @@ int hostmem_populate(void *p, size_t bytes);
  * next chunk, waiting for the thread) before freeing the buffer. */
 typedef struct hostmem_ahead hostmem_ahead;
 hostmem_ahead *hostmem_populate_ahead(void *p, size_t bytes);
+/* The same over several ranges in turn, in the order given (the order of
+ * the writes), each of any anonymous memory (from hostmem_alloc, or heap
+ * arrays from hostmem_array_alloc): only the whole pages inside a range
+ * are faulted in. NULL also when no range holds a whole page. */
+typedef struct hostmem_range {
+  void *p;
+  size_t bytes;
+} hostmem_range;
+hostmem_ahead *hostmem_populate_ahead_ranges(const hostmem_range *ranges, unsigned n);
 void hostmem_populate_stop(hostmem_ahead *a);
 
 /* p from hostmem_alloc(bytes), or NULL. */
@@ -42,5 +52,16 @@ void hostmem_free(void *p, size_t bytes);
 void *hostmem_shared_alloc(size_t bytes);
 void hostmem_shared_ref(void *p);
 void hostmem_shared_unref(void *p);
+
+/* The arrays a host rank keeps its state in (device_host.c), and a
+ * restore's staged values, which a host rank takes as its own (exec.c):
+ * 64-byte aligned and padded to 64 bytes, NOT zeroed. From 1 MiB they are
+ * mappings of their own (given back to the kernel when freed, and zero
+ * when fresh; hostmem_array_mapped), smaller ones come from the heap.
+ * NULL with errno set on failure; free of NULL does nothing, of anything
+ * else than such an array aborts. */
+void *hostmem_array_alloc(size_t bytes);
+void hostmem_array_free(void *p);
+int hostmem_array_mapped(const void *p);
 
 #endif /* ZEROD_HOSTMEM_H */

@@ -1902,6 +1902,75 @@ static void test_hostmem_populate_ahead_faults_in_beside_a_writer(void **state) 
   hostmem_free(p, bytes);
 }
 
+static void test_hostmem_populate_ahead_ranges_faults_in_whole_pages_only(void **state) {
+  (void)state;
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  uint8_t *a = hostmem_alloc(6 * page), *b = hostmem_alloc(3 * page);
+  assert_non_null(a);
+  assert_non_null(b);
+  if (hostmem_populate(a, page) != 0) {
+    hostmem_free(a, 6 * page);
+    hostmem_free(b, 3 * page);
+    skip();
+  }
+  memset(b, 0x3c, 3 * page);
+  /* In the order given: a's pages 2 and 3 by an unaligned range (pages 1
+   * and 4 only partly in it), all of b (already resident: its
+   * bytes stay), and a range inside one page, which is left alone. */
+  const hostmem_range ranges[] = {
+      {a + page + 100, 4 * page - 200}, {b, 3 * page}, {a + 5 * page + 8, page - 16}};
+  hostmem_ahead *h = hostmem_populate_ahead_ranges(ranges, 3);
+  assert_non_null(h);
+  for (int i = 0; i < 1000 && resident_pages(a + 2 * page, 2 * page) < 2; i++)
+    usleep(10000);
+  hostmem_populate_stop(h);
+  unsigned char vec[6];
+  assert_int_equal(mincore(a, 6 * page, vec), 0);
+  const unsigned char want[6] = {1, 0, 1, 1, 0, 0}; /* page 0: the probe above */
+  for (int i = 0; i < 6; i++)
+    if ((vec[i] & 1) != want[i])
+      fail_msg("page %d of the first buffer: resident %d, expected %d", i, vec[i] & 1, want[i]);
+  for (size_t i = 0; i < 3 * page; i++)
+    assert_int_equal(b[i], 0x3c);
+  /* Nothing with a whole page: no thread. */
+  assert_null(hostmem_populate_ahead_ranges(&ranges[2], 1));
+  assert_null(hostmem_populate_ahead_ranges(NULL, 0));
+  hostmem_free(a, 6 * page);
+  hostmem_free(b, 3 * page);
+}
+
+static void test_hostmem_arrays_are_aligned_and_big_ones_are_given_back(void **state) {
+  (void)state;
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  const size_t sizes[] = {0, 1, 63, 4096 + 8, (1u << 20) - 64, 1u << 20, (3u << 20) + 4};
+  for (unsigned i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+    size_t bytes = sizes[i];
+    uint8_t *p = hostmem_array_alloc(bytes);
+    assert_non_null(p);
+    assert_int_equal((uintptr_t)p % 64, 0);
+    int mapped = hostmem_array_mapped(p);
+    assert_int_equal(mapped, bytes >= (1u << 20));
+    size_t padded = bytes == 0 ? 64 : (bytes + 63) / 64 * 64;
+    if (mapped) { /* fresh from the kernel: zero, and page-aligned */
+      assert_int_equal((uintptr_t)p % page, 0);
+      for (size_t b = 0; b < padded; b++)
+        assert_int_equal(p[b], 0);
+    }
+    for (size_t b = 0; b < padded; b++) /* all of it, padding included, is ours */
+      p[b] = (uint8_t)(b * 7 + i);
+    for (size_t b = 0; b < padded; b++)
+      assert_int_equal(p[b], (uint8_t)(b * 7 + i));
+    hostmem_array_free(p);
+    if (mapped) { /* unmapped at once, not kept by an allocator */
+      unsigned char vec[1];
+      errno = 0;
+      assert_int_equal(mincore(p, page, vec), -1);
+      assert_int_equal(errno, ENOMEM);
+    }
+  }
+  hostmem_array_free(NULL);
+}
+
 static void test_hostmem_shared_buffer_lives_until_the_last_reference(void **state) {
   (void)state;
   size_t page = (size_t)sysconf(_SC_PAGESIZE), bytes = 3 * page + 5;
@@ -1971,6 +2040,8 @@ int main(void) {
       cmocka_unit_test(test_hostmem_gives_zeroed_memory_not_yet_faulted_in),
       cmocka_unit_test(test_hostmem_populate_keeps_what_the_memory_holds),
       cmocka_unit_test(test_hostmem_populate_ahead_faults_in_beside_a_writer),
+      cmocka_unit_test(test_hostmem_populate_ahead_ranges_faults_in_whole_pages_only),
+      cmocka_unit_test(test_hostmem_arrays_are_aligned_and_big_ones_are_given_back),
       cmocka_unit_test(test_hostmem_shared_buffer_lives_until_the_last_reference),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
