@@ -104,7 +104,7 @@ void ckpt_node_restore_report(job *j, int rank, uint64_t id, int committed, uint
 typedef struct ckpt_staged_unit {
   unit_layout *layout; /* the job's, or built from the manifest (owned) */
   int owned;
-  float *state[3]; /* shard_numel each, by ckpt_state, in mem; NULL: zeros */
+  float *state[3]; /* shard_numel each, by ckpt_state; NULL: zeros */
 } ckpt_staged_unit;
 
 typedef struct ckpt_staged {
@@ -112,17 +112,22 @@ typedef struct ckpt_staged {
   uint64_t step; /* the job's step after the restore */
   unsigned nunits;
   ckpt_staged_unit *units;
-  void *mem; /* every unit's states, one hostmem_alloc */
+  /* arrays: each state is its own hostmem_array_alloc, which a host
+   * rank takes as it is (and frees what it held in its place); otherwise
+   * they all lie in mem, one hostmem_alloc. mem_bytes: all of them. */
+  int arrays;
+  void *mem;
   size_t mem_bytes;
 } ckpt_staged;
 
 /* Reads and verifies rank's part (global rank) of source (a checkpoint
  * directory or a safetensors file, by format) for job j, matching it to
  * the job's units (or, for a checkpoint and a job with none, to units built
- * from its manifest). Returns 0, or a negative errno with a gRPC status in
- * *code and the reason in err. */
-int ckpt_restore_read(job *j, int rank, const char *source, int format, ckpt_staged **out,
-                      int *code, char *err, size_t err_bytes);
+ * from its manifest); host_arrays: into arrays a host rank can take (see
+ * ckpt_staged). Returns 0, or a negative errno with a gRPC status in *code
+ * and the reason in err. */
+int ckpt_restore_read(job *j, int rank, const char *source, int format, int host_arrays,
+                      ckpt_staged **out, int *code, char *err, size_t err_bytes);
 void ckpt_staged_free(ckpt_staged *s);
 
 /* The layout of job j (a manifest without files) with these units, as

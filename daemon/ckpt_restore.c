@@ -23,8 +23,11 @@ void ckpt_staged_free(ckpt_staged *s) {
   for (unsigned u = 0; u < s->nunits; u++) {
     if (s->units[u].owned)
       unit_layout_free(s->units[u].layout);
+    for (int k = 0; k < 3 && s->arrays; k++)
+      hostmem_array_free(s->units[u].state[k]);
   }
-  hostmem_free(s->mem, s->mem_bytes);
+  if (!s->arrays)
+    hostmem_free(s->mem, s->mem_bytes);
   free(s->units);
   free(s);
 }
@@ -91,38 +94,61 @@ static int optimizers_compatible(const char *saved, job_optimizer now) {
   return saved_sgd == (now == JOB_SGD);
 }
 
-/* The job's units, in id order (a copy of the table, which only grows). */
-/* Points the states wanted of every staged unit (layouts set) into one
- * zeroed buffer, which the caller has faulted in by a thread ahead of its
- * reads (hostmem_populate_ahead): fresh memory takes a page fault per 4 KiB,
- * which inside the reads cost more than the reads themselves
- * (docs/benchmarks.md). */
-/* A staged state's room in that buffer: a cache line apart. */
+/* Points the states wanted of every staged unit (layouts set) at memory
+ * for their values. On a host rank (st->arrays) each is an array of the
+ * host device's own kind, which the rank takes as it is at the commit
+ * instead of copying from it (exec.c); otherwise they share one buffer,
+ * a cache line apart. Not zeroed: the reader zeroes what it does not read
+ * (zero_between). ranges gets each state's memory in the order the reads
+ * fill it, for a thread that faults it in ahead of them (hostmem_ahead):
+ * fresh memory takes a page fault per 4 KiB, which inside the reads cost
+ * more than the reads themselves (docs/benchmarks.md). */
 static size_t staged_state_bytes(const unit_layout *l) {
   return (l->shard_numel * sizeof(float) + 63) & ~(size_t)63;
 }
 
-static int stage_memory(ckpt_staged *st, const int want[3]) {
+static int stage_memory(ckpt_staged *st, const int want[3], hostmem_range **ranges,
+                        unsigned *nranges) {
   size_t total = 0;
+  *nranges = 0;
+  if ((*ranges = calloc(3 * (size_t)st->nunits + 1, sizeof **ranges)) == NULL)
+    return -ENOMEM;
   for (unsigned u = 0; u < st->nunits; u++)
     for (int k = 0; k < 3; k++)
       if (want[k])
         total += staged_state_bytes(st->units[u].layout);
   if (total == 0)
     return 0;
-  if ((st->mem = hostmem_alloc(total)) == NULL)
-    return -ENOMEM;
-  st->mem_bytes = total;
-  uint8_t *at = st->mem;
+  uint8_t *at = NULL;
+  if (!st->arrays) {
+    if ((st->mem = hostmem_alloc(total)) == NULL)
+      return -ENOMEM;
+    st->mem_bytes = total;
+    at = st->mem;
+  }
   for (unsigned u = 0; u < st->nunits; u++)
-    for (int k = 0; k < 3; k++)
-      if (want[k]) {
-        st->units[u].state[k] = (float *)at;
-        at += staged_state_bytes(st->units[u].layout);
-      }
+    for (int k = 0; k < 3; k++) {
+      if (!want[k])
+        continue;
+      size_t bytes = staged_state_bytes(st->units[u].layout);
+      float *p = st->arrays ? hostmem_array_alloc(bytes) : (float *)at;
+      if (p == NULL)
+        return -ENOMEM;
+      st->units[u].state[k] = p;
+      st->mem_bytes += st->arrays ? bytes : 0;
+      at += st->arrays ? 0 : bytes;
+      (*ranges)[(*nranges)++] = (hostmem_range){p, bytes};
+    }
   return 0;
 }
 
+/* Zeroes elements [from, to) of a staged state: what no read fills. */
+static void zero_between(float *state, uint64_t from, uint64_t to) {
+  if (from < to)
+    memset(state + from, 0, (to - from) * sizeof(float));
+}
+
+/* The job's units, in id order (a copy of the table, which only grows). */
 static unit_layout **job_units(job *j, unsigned *n) {
   pthread_mutex_lock(&j->mutex);
   *n = j->nunits;
@@ -137,6 +163,8 @@ static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st
                            char *err, size_t err_bytes) {
   ckpt_source *src = NULL;
   hostmem_ahead *ahead = NULL;
+  hostmem_range *ranges = NULL;
+  unsigned nranges = 0;
   int rc = ckpt_source_open(source, &src, err, err_bytes);
   if (rc != 0)
     return fail(code, io_code(rc), rc);
@@ -224,30 +252,35 @@ static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st
   /* This rank's slice of every unit in the job's world, by state; beyond
    * the tensors (padding) it is zero. */
   const int want[3] = {1, need1 && m->has_moment1, need2 && m->has_moment2};
-  if ((rc = stage_memory(st, want)) != 0) {
+  if ((rc = stage_memory(st, want, &ranges, &nranges)) != 0) {
     rc = fail(code, RPC_RESOURCE_EXHAUSTED, rc);
     goto done;
   }
-  ahead = hostmem_populate_ahead(st->mem, st->mem_bytes);
+  ahead = hostmem_populate_ahead_ranges(ranges, nranges);
   for (unsigned u = 0; u < m->nunits; u++) {
     const unit_layout *l = st->units[u].layout;
     uint64_t lo = (uint64_t)rank * l->shard_numel;
     uint64_t hi = lo + l->shard_numel < l->numel ? lo + l->shard_numel : l->numel;
+    hi = hi > lo ? hi : lo;
     ckpt_state states[3] = {CKPT_MASTER, CKPT_MOMENT1, CKPT_MOMENT2};
     for (int k = 0; k < 3; k++) {
       ckpt_staged_unit *su = &st->units[u];
-      if (su->state[k] != NULL && lo < hi) {
+      if (su->state[k] == NULL)
+        continue;
+      if (lo < hi) {
         rc = ckpt_source_read(src, u, states[k], lo, hi, su->state[k], err, err_bytes);
         if (rc != 0) {
           rc = fail(code, io_code(rc), rc);
           goto done;
         }
       }
+      zero_between(su->state[k], hi - lo, l->shard_numel);
     }
   }
   rc = 0;
 done:
   hostmem_populate_stop(ahead);
+  free(ranges);
   free(units);
   ckpt_source_close(src);
   return rc;
@@ -258,6 +291,8 @@ static int read_safetensors(job *j, int rank, const char *source, ckpt_staged *s
   st_file f = {0};
   int fd = -1;
   hostmem_ahead *ahead = NULL;
+  hostmem_range *ranges = NULL;
+  unsigned nranges = 0;
   int rc = st_open(source, &f, &fd, err, err_bytes);
   if (rc != 0)
     return fail(code, rc == -ENOENT ? RPC_NOT_FOUND : RPC_INVALID_ARGUMENT, rc);
@@ -313,32 +348,36 @@ static int read_safetensors(job *j, int rank, const char *source, ckpt_staged *s
   st->step = 0; /* weights only: the optimizer starts over */
   for (unsigned u = 0; u < njob; u++)
     st->units[u].layout = units[u];
-  if ((rc = stage_memory(st, (const int[3]){1, 0, 0})) != 0) {
+  if ((rc = stage_memory(st, (const int[3]){1, 0, 0}, &ranges, &nranges)) != 0) {
     rc = fail(code, RPC_RESOURCE_EXHAUSTED, rc);
     goto done;
   }
-  ahead = hostmem_populate_ahead(st->mem, st->mem_bytes);
+  ahead = hostmem_populate_ahead_ranges(ranges, nranges);
   for (unsigned u = 0; u < njob; u++) {
     const unit_layout *l = units[u];
-    ckpt_staged_unit *su = &st->units[u];
-    uint64_t lo = (uint64_t)rank * l->shard_numel, hi = lo + l->shard_numel;
-    for (unsigned t = 0; t < l->ntensors; t++) {
+    float *master = st->units[u].state[CKPT_MASTER];
+    uint64_t lo = (uint64_t)rank * l->shard_numel, hi = lo + l->shard_numel, at = lo;
+    for (unsigned t = 0; t < l->ntensors; t++) { /* by offset: alignment gaps between */
       const tensor_layout *tl = &l->tensors[t];
       uint64_t b = tl->offset > lo ? tl->offset : lo;
       uint64_t e = tl->offset + tl->numel < hi ? tl->offset + tl->numel : hi;
       if (b >= e)
         continue;
+      zero_between(master, at - lo, b - lo);
       rc = st_read_f32(fd, &f, st_find(&f, tl->name), b - tl->offset, e - tl->offset,
-                       su->state[CKPT_MASTER] + (b - lo), err, err_bytes);
+                       master + (b - lo), err, err_bytes);
       if (rc != 0) {
         rc = fail(code, io_code(rc), rc);
         goto done;
       }
+      at = e;
     }
+    zero_between(master, at - lo, hi - lo);
   }
   rc = 0;
 done:
   hostmem_populate_stop(ahead);
+  free(ranges);
   free(units);
   if (fd >= 0)
     close(fd);
@@ -346,13 +385,14 @@ done:
   return rc;
 }
 
-int ckpt_restore_read(job *j, int rank, const char *source, int format, ckpt_staged **out,
-                      int *code, char *err, size_t err_bytes) {
+int ckpt_restore_read(job *j, int rank, const char *source, int format, int host_arrays,
+                      ckpt_staged **out, int *code, char *err, size_t err_bytes) {
   *out = NULL;
   *code = 0;
   ckpt_staged *st = calloc(1, sizeof *st);
   if (st == NULL)
     return fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
+  st->arrays = host_arrays;
   int rc;
   if (format == ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_SAFETENSORS) {
     rc = read_safetensors(j, rank, source, st, code, err, err_bytes);

@@ -1525,8 +1525,8 @@ static void handle_restore_read(rank_state *rs, exec_op *op) {
   char err[512] = "";
   ckpt_staged *st = NULL;
   double t0 = monotonic_s();
-  int rc = ckpt_restore_read(rs->job, rs->rank, op->ckpt_source, op->ckpt_format, &st, &code, err,
-                             sizeof err);
+  int rc = ckpt_restore_read(rs->job, rs->rank, op->ckpt_source, op->ckpt_format,
+                             device_is_host(rs->dev), &st, &code, err, sizeof err);
   if (rc == 0) {
     st->id = op->ckpt_id;
     rs->ckpt_staged = st;
@@ -1586,13 +1586,25 @@ static void handle_restore_commit(rank_state *rs, exec_op *op) {
       const unit_layout *l = su->layout;
       shard *sh = &rs->shards[l->id];
       size_t bytes = l->shard_numel * sizeof(float);
-      float *dst[3] = {sh->master, sh->moment1, sh->moment2};
+      float **dst[3] = {&sh->master, &sh->moment1, &sh->moment2};
+      float *master = sh->master;
       for (int k = 0; rc == 0 && k < 3; k++) {
-        if (dst[k] == NULL)
+        if (*dst[k] == NULL)
           continue;
-        rc = su->state[k] != NULL ? device_upload(rs->dev, dst[k], su->state[k], bytes)
-                                  : device_zero(rs->dev, dst[k], bytes);
+        if (su->state[k] == NULL) {
+          rc = device_zero(rs->dev, *dst[k], bytes);
+        } else if (st->arrays) {
+          /* A host rank takes the staged array as it is; the one it held
+           * goes with the staging, freed once the rank has reported. */
+          float *held = *dst[k];
+          *dst[k] = su->state[k];
+          su->state[k] = held;
+        } else {
+          rc = device_upload(rs->dev, *dst[k], su->state[k], bytes);
+        }
       }
+      if (sh->working == (void *)master)
+        sh->working = sh->master;
       if (rc == 0)
         rc = device_zero(rs->dev, sh->grad_acc, bytes);
       if (rc == 0)

@@ -26,7 +26,7 @@ except ImportError as e:  # a missing library is a broken setup, not a skip
     raise ImportError("%s: run scripts/deps.sh test (safetensors comes from PyPI)" % e)
 
 from conftest import binary
-from test_checkpoint import load_checkpoint, save, restore, listed, stub, train, wait_ready
+from test_checkpoint import HEADER, load_checkpoint, save, restore, listed, stub, train, wait_ready
 
 
 def export(daemon, job, path, checkpoint="", dtype="fp32", overwrite=False, timeout=120):
@@ -212,6 +212,61 @@ def test_initialise_job_from_file_written_by_safetensors(start_daemon, tmp_path,
     # Workers train on from the imported weights.
     out = train(d, 2, "init", 2)
     assert "done: 2 steps" in out
+
+
+def untouched_bytes(path):
+    """{(unit, state): the master and moment bytes of a checkpoint that lie
+    in no tensor (alignment gaps between tensors, padding at the end of the
+    last rank's shard), gathered from every rank's file}."""
+    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    world, states = manifest["world_size"], manifest["states"]
+    files = [open(os.path.join(path, f["name"]), "rb").read() for f in manifest["files"]]
+    out, offset = {}, 0
+    for unit in manifest["units"]:
+        shard_bytes = unit["shard_numel"] * 4
+        covered = bytearray(shard_bytes * world)
+        for t in unit["tensors"]:
+            n = 4
+            for d in t["shape"]:
+                n *= d
+            covered[t["offset"] * 4:t["offset"] * 4 + n] = b"\x01" * n
+        for k, state in enumerate(states):
+            at = HEADER + offset + k * shard_bytes
+            full = b"".join(files[r][at:at + shard_bytes] for r in range(world))
+            out[(unit["name"], state)] = bytes(b for b, c in zip(full, covered) if not c)
+        offset += shard_bytes * len(states)
+    return out
+
+
+def test_restores_leave_gaps_and_padding_zero(start_daemon, tmp_path, monkeypatch):
+    """A restore stages the values in memory the rank then keeps as its own
+    (docs/checkpoints.md); what no read fills, the gaps between tensors and
+    the padding, must be zero there as in a fresh job. The daemon's heap is
+    made dirty (glibc's MALLOC_PERTURB_, ASan's fill of every allocation)
+    so that memory left unwritten shows."""
+    monkeypatch.setenv("MALLOC_PERTURB_", "165")
+    asan = os.environ.get("ASAN_OPTIONS", "")
+    monkeypatch.setenv("ASAN_OPTIONS", (asan + ":" if asan else "") + "max_malloc_fill_size=" +
+                       str(1 << 28))
+    d = start_daemon(ranks=2)
+    hidden = ["--hidden", "50"]  # a 50x50 weight: a 12-element gap before its bias
+    train(d, 2, "gaps", 2, extra=hidden)
+    shapes = registered(d, "gaps", tmp_path)
+    first = save(d, "gaps", "first").checkpoint
+    gaps = untouched_bytes(first.path)
+    assert sum(len(v) for v in gaps.values()) > 0, "the model has no gaps or padding to check"
+    assert all(v == bytes(len(v)) for v in gaps.values())
+
+    g = torch.Generator().manual_seed(3)
+    path = tmp_path / "gaps.safetensors"
+    safetensors.torch.save_file({n: torch.randn(s, generator=g) for n, s in shapes.items()},
+                                str(path))
+    for source in (str(path), first.name, str(path)):
+        assert restore(d, "gaps", source).step in (0, first.step)
+        for key, values in untouched_bytes(save(d, "gaps").checkpoint.path).items():
+            assert values == bytes(len(values)), "%s of unit %s after restoring %s" % (
+                key[1], key[0], source)
+    assert "done: 2 steps" in train(d, 2, "gaps", 2, extra=hidden)
 
 
 def test_missing_or_misshaped_tensor_is_named_and_changes_nothing(start_daemon, tmp_path):
