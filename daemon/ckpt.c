@@ -92,8 +92,7 @@
  * Small helpers
  * ------------------------------------------------------------------------ */
 
-__attribute__((format(printf, 4, 5))) static int fail(char *err, size_t err_bytes, int rc,
-                                                      const char *fmt, ...) {
+int ckpt_fail(char *err, size_t err_bytes, int rc, const char *fmt, ...) {
   if (err != NULL && err_bytes > 0) {
     va_list ap;
     va_start(ap, fmt);
@@ -103,8 +102,7 @@ __attribute__((format(printf, 4, 5))) static int fail(char *err, size_t err_byte
   return rc;
 }
 
-/* Puts "prefix: " in front of the message already in err. */
-static void prefix_error(char *err, size_t err_bytes, const char *prefix) {
+void ckpt_prefix_error(char *err, size_t err_bytes, const char *prefix) {
   if (err == NULL || err_bytes == 0)
     return;
   char inner[512];
@@ -588,7 +586,7 @@ static int get_name(json_t *obj, const char *key, int path_safe, const char *whe
     return bad(err, err_bytes, where, "\"%s\" %s", key, problem);
   *out = strdup(name);
   if (*out == NULL)
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", where);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", where);
   return 0;
 }
 
@@ -754,7 +752,7 @@ static int decode_unit(json_t *obj, unsigned index, uint32_t world_size, ckpt_un
   if (ntensors > 0) {
     u->tensors = calloc(ntensors, sizeof *u->tensors);
     if (u->tensors == NULL)
-      return fail(err, err_bytes, -ENOMEM, "%s: out of memory", where);
+      return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", where);
     u->ntensors = (unsigned)ntensors;
   }
   uint64_t end = 0;
@@ -781,13 +779,13 @@ static int decode_unit(json_t *obj, unsigned index, uint32_t world_size, ckpt_un
                u->numel);
   char **names = malloc((ntensors > 0 ? ntensors : 1) * sizeof *names);
   if (names == NULL)
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", where);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", where);
   for (unsigned i = 0; i < u->ntensors; i++)
     names[i] = u->tensors[i].name;
   const char *dup = duplicate_name(names, ntensors, &rc);
   free(names);
   if (rc != 0)
-    return fail(err, err_bytes, rc, "%s: out of memory", where);
+    return ckpt_fail(err, err_bytes, rc, "%s: out of memory", where);
   if (dup != NULL)
     return bad(err, err_bytes, where, "two tensors are named \"%.256s\"", dup);
   return 0;
@@ -802,7 +800,7 @@ static int decode_files(json_t *files, ckpt_manifest *m, char *err, size_t err_b
                json_array_size(files), m->world_size);
   m->files = calloc(m->world_size, sizeof *m->files);
   if (m->files == NULL)
-    return fail(err, err_bytes, -ENOMEM, "files: out of memory");
+    return ckpt_fail(err, err_bytes, -ENOMEM, "files: out of memory");
   uint64_t expect_bytes = ckpt_shard_file_bytes(m);
   for (uint32_t k = 0; k < m->world_size; k++) {
     ckpt_file_entry *f = &m->files[k];
@@ -834,7 +832,7 @@ static int decode_files(json_t *files, ckpt_manifest *m, char *err, size_t err_b
       return bad(err, err_bytes, where, "\"xxh64\" is not 16 lower-case hexadecimal digits");
     f->xxh64 = strtoull(hex, NULL, 16);
     if ((f->name = strdup(name)) == NULL)
-      return fail(err, err_bytes, -ENOMEM, "%s: out of memory", where);
+      return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", where);
   }
   return 0;
 }
@@ -899,7 +897,7 @@ static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err,
   if (nunits > 0) {
     m->units = calloc(nunits, sizeof *m->units);
     if (m->units == NULL)
-      return fail(err, err_bytes, -ENOMEM, "units: out of memory");
+      return ckpt_fail(err, err_bytes, -ENOMEM, "units: out of memory");
     m->nunits = (unsigned)nunits;
   }
   /* Every offset in a shard file must fit an off_t: sum the data with
@@ -919,13 +917,13 @@ static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err,
     return bad(err, err_bytes, "units", "the shard files would be larger than 2^63 - 1 bytes");
   char **names = malloc((nunits > 0 ? nunits : 1) * sizeof *names);
   if (names == NULL)
-    return fail(err, err_bytes, -ENOMEM, "units: out of memory");
+    return ckpt_fail(err, err_bytes, -ENOMEM, "units: out of memory");
   for (unsigned u = 0; u < m->nunits; u++)
     names[u] = m->units[u].name;
   const char *dup = duplicate_name(names, nunits, &rc);
   free(names);
   if (rc != 0)
-    return fail(err, err_bytes, rc, "units: out of memory");
+    return ckpt_fail(err, err_bytes, rc, "units: out of memory");
   if (dup != NULL)
     return bad(err, err_bytes, "units", "two units are named \"%.256s\"", dup);
   return files != NULL ? decode_files(files, m, err, err_bytes) : 0;
@@ -935,15 +933,15 @@ int ckpt_manifest_decode(const char *text, size_t len, int flags, ckpt_manifest 
                          size_t err_bytes) {
   memset(out, 0, sizeof *out);
   if ((flags & ~CKPT_DECODE_NO_FILES) != 0)
-    return fail(err, err_bytes, -EINVAL, "unknown decode flags 0x%x", (unsigned)flags);
+    return ckpt_fail(err, err_bytes, -EINVAL, "unknown decode flags 0x%x", (unsigned)flags);
   if (len > CKPT_MAX_MANIFEST_BYTES)
-    return fail(err, err_bytes, -ERANGE, "manifest of %zu bytes, more than the %u allowed", len,
-                CKPT_MAX_MANIFEST_BYTES);
+    return ckpt_fail(err, err_bytes, -ERANGE, "manifest of %zu bytes, more than the %u allowed",
+                     len, CKPT_MAX_MANIFEST_BYTES);
   json_error_t jerr;
   json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
   if (root == NULL)
-    return fail(err, err_bytes, -EBADMSG, "not valid JSON: %s (line %d, column %d)", jerr.text,
-                jerr.line, jerr.column);
+    return ckpt_fail(err, err_bytes, -EBADMSG, "not valid JSON: %s (line %d, column %d)", jerr.text,
+                     jerr.line, jerr.column);
   int rc = decode_manifest(root, flags, out, err, err_bytes);
   json_decref(root);
   if (rc != 0)
@@ -979,32 +977,32 @@ int ckpt_manifest_load(const char *dir, const char *file, int flags, ckpt_manife
   const char *name = ckpt_base_name(file);
   char *path = join_path(dir, file);
   if (path == NULL)
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   free(path);
   if (fd < 0)
-    return fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+    return ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
   char *text = NULL;
   struct stat st;
   int rc = 0;
   if (fstat(fd, &st) != 0) {
-    rc = fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+    rc = ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
   } else if (!S_ISREG(st.st_mode)) {
-    rc = fail(err, err_bytes, -EINVAL, "%s: not a regular file", name);
+    rc = ckpt_fail(err, err_bytes, -EINVAL, "%s: not a regular file", name);
   } else if ((uint64_t)st.st_size > CKPT_MAX_MANIFEST_BYTES) {
-    rc = fail(err, err_bytes, -ERANGE, "%s: %lld bytes, more than the %u a manifest may have", name,
-              (long long)st.st_size, CKPT_MAX_MANIFEST_BYTES);
+    rc = ckpt_fail(err, err_bytes, -ERANGE, "%s: %lld bytes, more than the %u a manifest may have",
+                   name, (long long)st.st_size, CKPT_MAX_MANIFEST_BYTES);
   } else if ((text = malloc((size_t)st.st_size + 1)) == NULL) {
-    rc = fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+    rc = ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   } else if ((rc = ckpt_pread_all(fd, text, (size_t)st.st_size, 0)) != 0) {
-    rc = rc > 0 ? fail(err, err_bytes, -ERANGE, "%s: truncated while reading", name)
-                : fail(err, err_bytes, rc, "%s: %s", name, strerror(-rc));
+    rc = rc > 0 ? ckpt_fail(err, err_bytes, -ERANGE, "%s: truncated while reading", name)
+                : ckpt_fail(err, err_bytes, rc, "%s: %s", name, strerror(-rc));
   }
   close(fd);
   if (rc == 0) {
     rc = ckpt_manifest_decode(text, (size_t)st.st_size, flags, out, err, err_bytes);
     if (rc != 0)
-      prefix_error(err, err_bytes, name);
+      ckpt_prefix_error(err, err_bytes, name);
   }
   free(text);
   return rc;
@@ -1013,8 +1011,9 @@ int ckpt_manifest_load(const char *dir, const char *file, int flags, ckpt_manife
 static int fsync_dir(const char *dir, char *err, size_t err_bytes) {
   int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0)
-    return fail(err, err_bytes, -errno, "%s: %s", dir, strerror(errno));
-  int rc = fsync(fd) == 0 ? 0 : fail(err, err_bytes, -errno, "%s: fsync: %s", dir, strerror(errno));
+    return ckpt_fail(err, err_bytes, -errno, "%s: %s", dir, strerror(errno));
+  int rc =
+      fsync(fd) == 0 ? 0 : ckpt_fail(err, err_bytes, -errno, "%s: fsync: %s", dir, strerror(errno));
   close(fd);
   return rc;
 }
@@ -1027,25 +1026,25 @@ static int write_replace(const char *path, const void *bytes, size_t len, const 
   size_t path_len = strlen(path);
   char *tmp = malloc(path_len + 5);
   if (tmp == NULL)
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   memcpy(tmp, path, path_len);
   memcpy(tmp + path_len, ".tmp", 5);
   /* O_TRUNC, not O_EXCL: a .tmp left by a crash is ours to replace. */
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   int rc = 0;
   if (fd < 0) {
-    rc = fail(err, err_bytes, -errno, "%s.tmp: %s", name, strerror(errno));
+    rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: %s", name, strerror(errno));
     free(tmp);
     return rc;
   }
   if ((rc = ckpt_pwrite_all(fd, bytes, len, 0)) != 0)
-    rc = fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
+    rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
   else if (fsync(fd) != 0)
-    rc = fail(err, err_bytes, -errno, "%s.tmp: fsync: %s", name, strerror(errno));
+    rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: fsync: %s", name, strerror(errno));
   if (close(fd) != 0 && rc == 0)
-    rc = fail(err, err_bytes, -errno, "%s.tmp: close: %s", name, strerror(errno));
+    rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: close: %s", name, strerror(errno));
   if (rc == 0 && rename(tmp, path) != 0)
-    rc = fail(err, err_bytes, -errno, "%s: rename: %s", name, strerror(errno));
+    rc = ckpt_fail(err, err_bytes, -errno, "%s: rename: %s", name, strerror(errno));
   if (rc != 0)
     unlink(tmp);
   free(tmp);
@@ -1058,17 +1057,17 @@ int ckpt_manifest_store(const char *dir, const char *file, const ckpt_manifest *
   size_t len;
   char *text = ckpt_manifest_encode(m, &len);
   if (text == NULL)
-    return fail(err, err_bytes, -EINVAL,
-                "%s: cannot encode the manifest: out of memory, or a value JSON cannot hold "
-                "(a missing name or one that is not UTF-8, an integer above 2^63 - 1, a "
-                "number that is not finite)",
-                name);
+    return ckpt_fail(err, err_bytes, -EINVAL,
+                     "%s: cannot encode the manifest: out of memory, or a value JSON cannot hold "
+                     "(a missing name or one that is not UTF-8, an integer above 2^63 - 1, a "
+                     "number that is not finite)",
+                     name);
   /* Never write what would not load again: the same checks as a reader's. */
   ckpt_manifest check;
   int rc = ckpt_manifest_decode(text, len, m->files == NULL ? CKPT_DECODE_NO_FILES : 0, &check, err,
                                 err_bytes);
   if (rc != 0) {
-    prefix_error(err, err_bytes, name);
+    ckpt_prefix_error(err, err_bytes, name);
     free(text);
     return rc;
   }
@@ -1076,7 +1075,7 @@ int ckpt_manifest_store(const char *dir, const char *file, const ckpt_manifest *
   char *path = join_path(dir, file);
   if (path == NULL) {
     free(text);
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   }
   rc = write_replace(path, text, len, name, err, err_bytes);
   free(path);
@@ -1106,34 +1105,36 @@ static void header_encode(const ckpt_shard_header *h, uint8_t *out) {
 static int header_decode(const uint8_t *in, const char *name, ckpt_shard_header *h,
                          uint64_t *file_bytes, char *err, size_t err_bytes) {
   if (memcmp(in, HEADER_MAGIC, sizeof HEADER_MAGIC) != 0)
-    return fail(err, err_bytes, -EBADMSG, "%s: not a zerod shard file (bad magic)", name);
+    return ckpt_fail(err, err_bytes, -EBADMSG, "%s: not a zerod shard file (bad magic)", name);
   uint64_t stored = get_le64(in + HEADER_CHECKSUM_AT);
   uint64_t actual = XXH64(in, HEADER_CHECKSUM_AT, 0);
   if (stored != actual)
-    return fail(err, err_bytes, -EBADMSG,
-                "%s: header checksum mismatch (stored %016" PRIx64 ", computed %016" PRIx64 ")",
-                name, stored, actual);
+    return ckpt_fail(err, err_bytes, -EBADMSG,
+                     "%s: header checksum mismatch (stored %016" PRIx64 ", computed %016" PRIx64
+                     ")",
+                     name, stored, actual);
   uint32_t version = get_le32(in + 8), block_bytes = get_le32(in + 20);
   if (version != CKPT_FORMAT_VERSION)
-    return fail(err, err_bytes, -EBADMSG, "%s: format version %" PRIu32 ", this reads %d", name,
-                version, CKPT_FORMAT_VERSION);
+    return ckpt_fail(err, err_bytes, -EBADMSG, "%s: format version %" PRIu32 ", this reads %d",
+                     name, version, CKPT_FORMAT_VERSION);
   if (block_bytes != CKPT_BLOCK_BYTES)
-    return fail(err, err_bytes, -EBADMSG, "%s: block size %" PRIu32 ", this reads %u", name,
-                block_bytes, CKPT_BLOCK_BYTES);
+    return ckpt_fail(err, err_bytes, -EBADMSG, "%s: block size %" PRIu32 ", this reads %u", name,
+                     block_bytes, CKPT_BLOCK_BYTES);
   for (size_t i = HEADER_FIXED_BYTES; i < HEADER_CHECKSUM_AT; i++)
     if (in[i] != 0)
-      return fail(err, err_bytes, -EBADMSG, "%s: reserved header byte %zu is not zero", name, i);
+      return ckpt_fail(err, err_bytes, -EBADMSG, "%s: reserved header byte %zu is not zero", name,
+                       i);
   h->rank = get_le32(in + 12);
   h->world_size = get_le32(in + 16);
   h->job_id = get_le64(in + 24);
   h->step = get_le64(in + 32);
   h->data_bytes = get_le64(in + 40);
   if (h->world_size == 0 || h->world_size > MAX_WORLD_SIZE || h->rank >= h->world_size)
-    return fail(err, err_bytes, -EBADMSG, "%s: rank %" PRIu32 " of world size %" PRIu32, name,
-                h->rank, h->world_size);
+    return ckpt_fail(err, err_bytes, -EBADMSG, "%s: rank %" PRIu32 " of world size %" PRIu32, name,
+                     h->rank, h->world_size);
   if (shard_file_bytes(h->data_bytes, file_bytes) != 0)
-    return fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " data bytes is too large", name,
-                h->data_bytes);
+    return ckpt_fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " data bytes is too large", name,
+                     h->data_bytes);
   return 0;
 }
 
@@ -1189,7 +1190,7 @@ static int writer_pwrite(ckpt_writer *w, const uint8_t *bytes, size_t len, char 
                          size_t err_bytes) {
   int rc = ckpt_pwrite_all(w->fd, bytes, len, w->flushed_bytes);
   if (rc != 0)
-    return w->error = fail(err, err_bytes, rc, "%s: %s", w->name, strerror(-rc));
+    return w->error = ckpt_fail(err, err_bytes, rc, "%s: %s", w->name, strerror(-rc));
   w->flushed_bytes += len;
   uint64_t whole = w->flushed_bytes & ~(uint64_t)(WRITEBACK_ALIGN - 1);
   if (whole > w->writeback_from) {
@@ -1238,14 +1239,14 @@ int ckpt_writer_open(const char *path, const ckpt_shard_header *h, ckpt_writer *
   const char *name = ckpt_base_name(path);
   uint64_t file_bytes;
   if (h->world_size == 0 || h->world_size > MAX_WORLD_SIZE || h->rank >= h->world_size)
-    return fail(err, err_bytes, -EINVAL, "%s: rank %" PRIu32 " of world size %" PRIu32, name,
-                h->rank, h->world_size);
+    return ckpt_fail(err, err_bytes, -EINVAL, "%s: rank %" PRIu32 " of world size %" PRIu32, name,
+                     h->rank, h->world_size);
   if (shard_file_bytes(h->data_bytes, &file_bytes) != 0)
-    return fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " data bytes is too large", name,
-                h->data_bytes);
+    return ckpt_fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " data bytes is too large", name,
+                     h->data_bytes);
   ckpt_writer *w = calloc(1, sizeof *w);
   if (w == NULL)
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   w->fd = -1;
   w->data_bytes = h->data_bytes;
   w->nblocks = block_count(h->data_bytes);
@@ -1258,14 +1259,14 @@ int ckpt_writer_open(const char *path, const ckpt_shard_header *h, ckpt_writer *
   if (w->path == NULL || w->file_hash == NULL || w->block_hash == NULL || w->buf == NULL ||
       w->table == NULL) {
     writer_free(w);
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   }
   w->name = ckpt_base_name(w->path);
   XXH64_reset(w->file_hash, 0);
   XXH64_reset(w->block_hash, 0);
   w->fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (w->fd < 0) {
-    int rc = fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+    int rc = ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
     writer_free(w);
     return rc;
   }
@@ -1286,12 +1287,12 @@ int ckpt_writer_open(const char *path, const ckpt_shard_header *h, ckpt_writer *
 
 int ckpt_writer_write(ckpt_writer *w, const void *data, size_t bytes, char *err, size_t err_bytes) {
   if (w->error != 0)
-    return fail(err, err_bytes, w->error, "%s: an earlier write failed", w->name);
+    return ckpt_fail(err, err_bytes, w->error, "%s: an earlier write failed", w->name);
   if (bytes > w->data_bytes - w->data_written)
-    return fail(err, err_bytes, -ERANGE,
-                "%s: %zu more bytes would make %" PRIu64 " with %" PRIu64 " already written, "
-                "more than the header's %" PRIu64 " data bytes",
-                w->name, bytes, w->data_written + bytes, w->data_written, w->data_bytes);
+    return ckpt_fail(err, err_bytes, -ERANGE,
+                     "%s: %zu more bytes would make %" PRIu64 " with %" PRIu64 " already written, "
+                     "more than the header's %" PRIu64 " data bytes",
+                     w->name, bytes, w->data_written + bytes, w->data_written, w->data_bytes);
   const uint8_t *at = data;
   size_t left = bytes;
   while (left > 0) {
@@ -1321,11 +1322,11 @@ int ckpt_writer_finish(ckpt_writer *w, uint64_t *file_bytes, uint64_t *file_xxh6
                        size_t err_bytes) {
   int rc = 0;
   if (w->error != 0) {
-    rc = fail(err, err_bytes, w->error, "%s: an earlier write failed", w->name);
+    rc = ckpt_fail(err, err_bytes, w->error, "%s: an earlier write failed", w->name);
   } else if (w->data_written != w->data_bytes) {
-    rc = fail(err, err_bytes, -ERANGE,
-              "%s: finished after %" PRIu64 " of the header's %" PRIu64 " data bytes", w->name,
-              w->data_written, w->data_bytes);
+    rc = ckpt_fail(err, err_bytes, -ERANGE,
+                   "%s: finished after %" PRIu64 " of the header's %" PRIu64 " data bytes", w->name,
+                   w->data_written, w->data_bytes);
   }
   if (rc == 0 && w->block_fill > 0) {
     put_le64(w->table + 8 * w->blocks_done++, XXH64_digest(w->block_hash));
@@ -1341,12 +1342,12 @@ int ckpt_writer_finish(ckpt_writer *w, uint64_t *file_bytes, uint64_t *file_xxh6
       rc = writer_flush(w, err, err_bytes);
   }
   if (rc == 0 && fsync(w->fd) != 0)
-    rc = fail(err, err_bytes, -errno, "%s: fsync: %s", w->name, strerror(errno));
+    rc = ckpt_fail(err, err_bytes, -errno, "%s: fsync: %s", w->name, strerror(errno));
   if (rc == 0) {
     int fd = w->fd;
     w->fd = -1;
     if (close(fd) != 0)
-      rc = fail(err, err_bytes, -errno, "%s: close: %s", w->name, strerror(errno));
+      rc = ckpt_fail(err, err_bytes, -errno, "%s: close: %s", w->name, strerror(errno));
   }
   if (rc != 0) {
     ckpt_writer_abort(w);
@@ -1386,8 +1387,8 @@ struct ckpt_reader {
 /* Reports a read's outcome: 0, -errno, or 1 (end of file: truncated). */
 static int read_failed(int rc, const char *name, const char *what, char *err, size_t err_bytes) {
   if (rc > 0)
-    return fail(err, err_bytes, -ERANGE, "%s: truncated while reading %s", name, what);
-  return fail(err, err_bytes, rc, "%s: reading %s: %s", name, what, strerror(-rc));
+    return ckpt_fail(err, err_bytes, -ERANGE, "%s: truncated while reading %s", name, what);
+  return ckpt_fail(err, err_bytes, rc, "%s: reading %s: %s", name, what, strerror(-rc));
 }
 
 /* Checks a file's size against what the caller expects, before anything
@@ -1396,11 +1397,11 @@ static int read_failed(int rc, const char *name, const char *what, char *err, si
 static int check_size(uint64_t actual, uint64_t expect, const char *name, char *err,
                       size_t err_bytes) {
   if (actual < expect)
-    return fail(err, err_bytes, -ERANGE, "%s: truncated: %" PRIu64 " of %" PRIu64 " bytes", name,
-                actual, expect);
+    return ckpt_fail(err, err_bytes, -ERANGE, "%s: truncated: %" PRIu64 " of %" PRIu64 " bytes",
+                     name, actual, expect);
   if (actual > expect)
-    return fail(err, err_bytes, -ERANGE, "%s: too long: %" PRIu64 " bytes, expected %" PRIu64, name,
-                actual, expect);
+    return ckpt_fail(err, err_bytes, -ERANGE, "%s: too long: %" PRIu64 " bytes, expected %" PRIu64,
+                     name, actual, expect);
   return 0;
 }
 
@@ -1412,7 +1413,7 @@ static int read_table(int fd, const char *name, uint64_t data_bytes, uint8_t **t
   size_t table_bytes = (size_t)(8 * nblocks);
   uint8_t *bytes = malloc(table_bytes + FOOTER_BYTES);
   if (bytes == NULL)
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory for the block table", name);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory for the block table", name);
   int rc = ckpt_pread_all(fd, bytes, table_bytes + FOOTER_BYTES, CKPT_HEADER_BYTES + data_bytes);
   if (rc != 0) {
     free(bytes);
@@ -1421,10 +1422,10 @@ static int read_table(int fd, const char *name, uint64_t data_bytes, uint8_t **t
   uint64_t stored = get_le64(bytes + table_bytes), actual = XXH64(bytes, table_bytes, 0);
   if (stored != actual) {
     free(bytes);
-    return fail(err, err_bytes, -EBADMSG,
-                "%s: block table checksum mismatch (footer %016" PRIx64 ", computed %016" PRIx64
-                ")",
-                name, stored, actual);
+    return ckpt_fail(err, err_bytes, -EBADMSG,
+                     "%s: block table checksum mismatch (footer %016" PRIx64
+                     ", computed %016" PRIx64 ")",
+                     name, stored, actual);
   }
   *table = bytes;
   return 0;
@@ -1435,9 +1436,9 @@ static int check_block(const uint8_t *table, uint64_t block, const uint8_t *byte
   if (XXH64(bytes, len, 0) == get_le64(table + 8 * block))
     return 0;
   uint64_t start = block * CKPT_BLOCK_BYTES;
-  return fail(err, err_bytes, -EBADMSG,
-              "%s: block %" PRIu64 " (bytes %" PRIu64 "..%" PRIu64 ") checksum mismatch", name,
-              block, start, start + len);
+  return ckpt_fail(err, err_bytes, -EBADMSG,
+                   "%s: block %" PRIu64 " (bytes %" PRIu64 "..%" PRIu64 ") checksum mismatch", name,
+                   block, start, start + len);
 }
 
 /* Opens and checks everything but the data blocks: size, header, table. */
@@ -1447,15 +1448,15 @@ static int reader_check(ckpt_reader *r, const char *path, uint64_t expect_bytes,
   r->fd = open(path, O_RDONLY | O_CLOEXEC);
   struct stat st;
   if (r->fd < 0 || fstat(r->fd, &st) != 0)
-    return fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+    return ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
   if (!S_ISREG(st.st_mode))
-    return fail(err, err_bytes, -EINVAL, "%s: not a regular file", name);
+    return ckpt_fail(err, err_bytes, -EINVAL, "%s: not a regular file", name);
   int rc = check_size((uint64_t)st.st_size, expect_bytes, name, err, err_bytes);
   if (rc != 0)
     return rc;
   if (expect_bytes < CKPT_HEADER_BYTES)
-    return fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " bytes cannot hold a shard header", name,
-                expect_bytes);
+    return ckpt_fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " bytes cannot hold a shard header",
+                     name, expect_bytes);
   uint8_t header[CKPT_HEADER_BYTES];
   uint64_t file_bytes;
   if ((rc = ckpt_pread_all(r->fd, header, sizeof header, 0)) != 0)
@@ -1464,15 +1465,15 @@ static int reader_check(ckpt_reader *r, const char *path, uint64_t expect_bytes,
     return rc;
   if (r->header.rank != expect->rank || r->header.world_size != expect->world_size ||
       r->header.data_bytes != expect->data_bytes)
-    return fail(err, err_bytes, -EBADMSG,
-                "%s: header says rank %" PRIu32 " of %" PRIu32 " with %" PRIu64
-                " data bytes, expected rank %" PRIu32 " of %" PRIu32 " with %" PRIu64,
-                name, r->header.rank, r->header.world_size, r->header.data_bytes, expect->rank,
-                expect->world_size, expect->data_bytes);
+    return ckpt_fail(err, err_bytes, -EBADMSG,
+                     "%s: header says rank %" PRIu32 " of %" PRIu32 " with %" PRIu64
+                     " data bytes, expected rank %" PRIu32 " of %" PRIu32 " with %" PRIu64,
+                     name, r->header.rank, r->header.world_size, r->header.data_bytes, expect->rank,
+                     expect->world_size, expect->data_bytes);
   if (file_bytes != expect_bytes)
-    return fail(err, err_bytes, -ERANGE,
-                "%s: %" PRIu64 " data bytes make a file of %" PRIu64 " bytes, not %" PRIu64, name,
-                r->header.data_bytes, file_bytes, expect_bytes);
+    return ckpt_fail(err, err_bytes, -ERANGE,
+                     "%s: %" PRIu64 " data bytes make a file of %" PRIu64 " bytes, not %" PRIu64,
+                     name, r->header.data_bytes, file_bytes, expect_bytes);
   r->nblocks = block_count(r->header.data_bytes);
   return read_table(r->fd, name, r->header.data_bytes, &r->table, err, err_bytes);
 }
@@ -1483,7 +1484,7 @@ int ckpt_reader_open(const char *path, uint64_t expect_bytes, const ckpt_shard_h
   ckpt_reader *r = calloc(1, sizeof *r);
   if (r == NULL || (r->name = strdup(ckpt_base_name(path))) == NULL) {
     free(r);
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", ckpt_base_name(path));
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", ckpt_base_name(path));
   }
   r->cached_block = UINT64_MAX;
   int rc = reader_check(r, path, expect_bytes, expect, err, err_bytes);
@@ -1499,9 +1500,10 @@ int ckpt_reader_read(ckpt_reader *r, uint64_t offset, void *dst, size_t bytes, c
                      size_t err_bytes) {
   const uint64_t data_bytes = r->header.data_bytes;
   if (offset > data_bytes || bytes > data_bytes - offset)
-    return fail(err, err_bytes, -ERANGE,
-                "%s: bytes %" PRIu64 "..%" PRIu64 " are past the end of the data (%" PRIu64 ")",
-                r->name, offset, offset + (uint64_t)bytes, data_bytes);
+    return ckpt_fail(err, err_bytes, -ERANGE,
+                     "%s: bytes %" PRIu64 "..%" PRIu64 " are past the end of the data (%" PRIu64
+                     ")",
+                     r->name, offset, offset + (uint64_t)bytes, data_bytes);
   uint8_t *out = dst;
   while (bytes > 0) {
     uint64_t block = offset / CKPT_BLOCK_BYTES, start = block * CKPT_BLOCK_BYTES;
@@ -1528,7 +1530,7 @@ int ckpt_reader_read(ckpt_reader *r, uint64_t offset, void *dst, size_t bytes, c
     } else {
       if (block != r->cached_block) {
         if (r->block == NULL && (r->block = malloc(CKPT_BLOCK_BYTES)) == NULL)
-          return fail(err, err_bytes, -ENOMEM, "%s: out of memory", r->name);
+          return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", r->name);
         r->cached_block = UINT64_MAX;
         if ((rc = ckpt_pread_all(r->fd, r->block, block_len, CKPT_HEADER_BYTES + start)) != 0)
           return read_failed(rc, r->name, "data", err, err_bytes);
@@ -1571,15 +1573,15 @@ static int verify_structure(int fd, const ckpt_file_entry *entry, const char *na
                             char *err, size_t err_bytes) {
   struct stat st;
   if (fstat(fd, &st) != 0)
-    return fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+    return ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
   if (!S_ISREG(st.st_mode))
-    return fail(err, err_bytes, -EINVAL, "%s: not a regular file", name);
+    return ckpt_fail(err, err_bytes, -EINVAL, "%s: not a regular file", name);
   int rc = check_size((uint64_t)st.st_size, entry->bytes, name, err, err_bytes);
   if (rc != 0)
     return rc;
   if (entry->bytes < CKPT_HEADER_BYTES)
-    return fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " bytes cannot hold a shard header", name,
-                entry->bytes);
+    return ckpt_fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " bytes cannot hold a shard header",
+                     name, entry->bytes);
   uint64_t file_bytes;
   if ((rc = ckpt_pread_all(fd, header_bytes, CKPT_HEADER_BYTES, 0)) != 0)
     return read_failed(rc, name, "the header", err, err_bytes);
@@ -1588,12 +1590,12 @@ static int verify_structure(int fd, const ckpt_file_entry *entry, const char *na
   char expect_name[40];
   ckpt_shard_name(header->rank, header->world_size, expect_name, sizeof expect_name);
   if (strcmp(expect_name, entry->name) != 0)
-    return fail(err, err_bytes, -EBADMSG, "%s: header says rank %" PRIu32 " of %" PRIu32, name,
-                header->rank, header->world_size);
+    return ckpt_fail(err, err_bytes, -EBADMSG, "%s: header says rank %" PRIu32 " of %" PRIu32, name,
+                     header->rank, header->world_size);
   if (file_bytes != entry->bytes)
-    return fail(err, err_bytes, -ERANGE,
-                "%s: %" PRIu64 " data bytes make a file of %" PRIu64 " bytes, not %" PRIu64, name,
-                header->data_bytes, file_bytes, entry->bytes);
+    return ckpt_fail(err, err_bytes, -ERANGE,
+                     "%s: %" PRIu64 " data bytes make a file of %" PRIu64 " bytes, not %" PRIu64,
+                     name, header->data_bytes, file_bytes, entry->bytes);
   return read_table(fd, name, header->data_bytes, table, err, err_bytes);
 }
 
@@ -1601,11 +1603,11 @@ int ckpt_file_verify(const char *dir, const ckpt_file_entry *entry, char *err, s
   const char *name = ckpt_base_name(entry->name);
   char *path = join_path(dir, entry->name);
   if (path == NULL)
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   free(path);
   if (fd < 0)
-    return fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+    return ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
   /* One pass from start to end: let the kernel read ahead. */
   posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   uint8_t header_bytes[CKPT_HEADER_BYTES];
@@ -1614,7 +1616,7 @@ int ckpt_file_verify(const char *dir, const ckpt_file_entry *entry, char *err, s
   XXH64_state_t *file_hash = XXH64_createState();
   int rc = 0;
   if (file_hash == NULL || block == NULL)
-    rc = fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+    rc = ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   else
     rc = verify_structure(fd, entry, name, header_bytes, &header, &table, err, err_bytes);
   if (rc == 0) {
@@ -1638,9 +1640,9 @@ int ckpt_file_verify(const char *dir, const ckpt_file_entry *entry, char *err, s
       XXH64_update(file_hash, table, (size_t)(8 * nblocks + FOOTER_BYTES));
       uint64_t actual = XXH64_digest(file_hash);
       if (actual != entry->xxh64)
-        rc = fail(err, err_bytes, -EBADMSG,
-                  "%s: file checksum %016" PRIx64 ", but the manifest says %016" PRIx64, name,
-                  actual, entry->xxh64);
+        rc = ckpt_fail(err, err_bytes, -EBADMSG,
+                       "%s: file checksum %016" PRIx64 ", but the manifest says %016" PRIx64, name,
+                       actual, entry->xxh64);
     }
   }
   close(fd);
@@ -1667,7 +1669,7 @@ int ckpt_source_open(const char *dir, ckpt_source **out, char *err, size_t err_b
   ckpt_source *s = calloc(1, sizeof *s);
   if (s == NULL || (s->dir = strdup(dir)) == NULL) {
     free(s);
-    return fail(err, err_bytes, -ENOMEM, "out of memory opening %s", dir);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "out of memory opening %s", dir);
   }
   int rc = ckpt_manifest_load(dir, CKPT_MANIFEST_NAME, 0, &s->manifest, err, err_bytes);
   if (rc != 0) {
@@ -1679,7 +1681,7 @@ int ckpt_source_open(const char *dir, ckpt_source **out, char *err, size_t err_b
   s->readers = calloc(m->world_size, sizeof *s->readers);
   if (s->unit_offsets == NULL || s->readers == NULL) {
     ckpt_source_close(s);
-    return fail(err, err_bytes, -ENOMEM, "out of memory opening %s", dir);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "out of memory opening %s", dir);
   }
   /* ckpt_data_offset walks the units; a restore reads every unit, so the
    * offsets are summed once here. */
@@ -1706,7 +1708,7 @@ static int source_reader(ckpt_source *s, uint32_t k, ckpt_reader **out, char *er
   if (s->readers[k] == NULL) {
     char *path = join_path(s->dir, m->files[k].name);
     if (path == NULL)
-      return fail(err, err_bytes, -ENOMEM, "%s: out of memory", m->files[k].name);
+      return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", m->files[k].name);
     ckpt_shard_header expect = {.rank = k,
                                 .world_size = m->world_size,
                                 .job_id = m->job_id,
@@ -1719,10 +1721,10 @@ static int source_reader(ckpt_source *s, uint32_t k, ckpt_reader **out, char *er
       return rc;
     const ckpt_shard_header *h = ckpt_reader_header(r);
     if (h->job_id != m->job_id || h->step != m->step) {
-      rc = fail(err, err_bytes, -EBADMSG,
-                "%s: header says job id %" PRIu64 " at step %" PRIu64
-                ", the manifest job id %" PRIu64 " at step %" PRIu64,
-                m->files[k].name, h->job_id, h->step, m->job_id, m->step);
+      rc = ckpt_fail(err, err_bytes, -EBADMSG,
+                     "%s: header says job id %" PRIu64 " at step %" PRIu64
+                     ", the manifest job id %" PRIu64 " at step %" PRIu64,
+                     m->files[k].name, h->job_id, h->step, m->job_id, m->step);
       ckpt_reader_close(r);
       return rc;
     }
@@ -1737,14 +1739,15 @@ int ckpt_source_read(ckpt_source *s, unsigned unit, ckpt_state state, uint64_t f
   const ckpt_manifest *m = &s->manifest;
   int slot = state_slot(m, state);
   if (unit >= m->nunits)
-    return fail(err, err_bytes, -EINVAL, "checkpoint has no unit %u (it has %u)", unit, m->nunits);
+    return ckpt_fail(err, err_bytes, -EINVAL, "checkpoint has no unit %u (it has %u)", unit,
+                     m->nunits);
   if (slot < 0)
-    return fail(err, err_bytes, -EINVAL, "checkpoint has no state %d", (int)state);
+    return ckpt_fail(err, err_bytes, -EINVAL, "checkpoint has no state %d", (int)state);
   const ckpt_unit *u = &m->units[unit];
   if (from > to || to > u->padded_numel)
-    return fail(err, err_bytes, -ERANGE,
-                "unit '%s': elements %" PRIu64 "..%" PRIu64 " are outside 0..%" PRIu64, u->name,
-                from, to, u->padded_numel);
+    return ckpt_fail(err, err_bytes, -ERANGE,
+                     "unit '%s': elements %" PRIu64 "..%" PRIu64 " are outside 0..%" PRIu64,
+                     u->name, from, to, u->padded_numel);
   uint64_t state_offset = s->unit_offsets[unit] + (uint64_t)slot * u->shard_numel * 4;
   /* Rank k holds elements [k * shard_numel, (k + 1) * shard_numel). */
   while (from < to) {

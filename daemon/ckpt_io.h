@@ -6,6 +6,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Writes the message into err (if any) and returns rc. */
+__attribute__((format(printf, 4, 5))) int ckpt_fail(char *err, size_t err_bytes, int rc,
+                                                    const char *fmt, ...);
+/* Puts "prefix: " in front of the message already in err. */
+void ckpt_prefix_error(char *err, size_t err_bytes, const char *prefix);
 /* The part of path after its last '/', for messages. */
 const char *ckpt_base_name(const char *path);
 /* Whole transfers, going on after EINTR and short ones. pread returns 1 if

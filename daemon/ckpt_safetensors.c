@@ -55,25 +55,6 @@ static const dtype_info dtypes[] = {
  * Helpers
  * ------------------------------------------------------------------------ */
 
-__attribute__((format(printf, 4, 5))) static int fail(char *err, size_t err_bytes, int rc,
-                                                      const char *fmt, ...) {
-  if (err != NULL && err_bytes > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, err_bytes, fmt, ap);
-    va_end(ap);
-  }
-  return rc;
-}
-
-static void prefix_error(char *err, size_t err_bytes, const char *prefix) {
-  if (err == NULL || err_bytes == 0)
-    return;
-  char inner[512];
-  snprintf(inner, sizeof inner, "%s", err);
-  snprintf(err, err_bytes, "%s: %s", prefix, inner);
-}
-
 static const dtype_info *find_dtype(const char *name) {
   for (size_t i = 0; i < NDTYPES; i++)
     if (strcmp(dtypes[i].name, name) == 0)
@@ -120,13 +101,13 @@ static int decode_metadata(json_t *value, char *err, size_t err_bytes) {
   if (json_is_null(value))
     return 0;
   if (!json_is_object(value))
-    return fail(err, err_bytes, -EBADMSG, "\"" METADATA_KEY "\" is not an object");
+    return ckpt_fail(err, err_bytes, -EBADMSG, "\"" METADATA_KEY "\" is not an object");
   const char *key;
   json_t *entry;
   json_object_foreach(value, key, entry) {
     if (!json_is_string(entry))
-      return fail(err, err_bytes, -EBADMSG,
-                  "\"" METADATA_KEY "\" value of \"%.64s\" is not a string", key);
+      return ckpt_fail(err, err_bytes, -EBADMSG,
+                       "\"" METADATA_KEY "\" value of \"%.64s\" is not a string", key);
   }
   return 0;
 }
@@ -142,57 +123,58 @@ static int get_index(json_t *array, size_t i, uint64_t *out) {
 static int decode_tensor(const char *name, json_t *obj, uint64_t data_bytes, st_tensor *t,
                          char *err, size_t err_bytes) {
   if (name[0] == '\0')
-    return fail(err, err_bytes, -EBADMSG, "a tensor has an empty name");
+    return ckpt_fail(err, err_bytes, -EBADMSG, "a tensor has an empty name");
   if ((t->name = strdup(name)) == NULL)
-    return fail(err, err_bytes, -ENOMEM, "out of memory");
+    return ckpt_fail(err, err_bytes, -ENOMEM, "out of memory");
   if (!json_is_object(obj))
-    return fail(err, err_bytes, -EBADMSG, "tensor '%.128s' is not an object", name);
+    return ckpt_fail(err, err_bytes, -EBADMSG, "tensor '%.128s' is not an object", name);
   const char *key;
   json_t *value;
   json_object_foreach(obj, key, value) {
     if (strcmp(key, "dtype") != 0 && strcmp(key, "shape") != 0 && strcmp(key, "data_offsets") != 0)
-      return fail(err, err_bytes, -EBADMSG, "tensor '%.128s' has an unknown key \"%.64s\"", name,
-                  key);
+      return ckpt_fail(err, err_bytes, -EBADMSG, "tensor '%.128s' has an unknown key \"%.64s\"",
+                       name, key);
   }
   json_t *dtype = json_object_get(obj, "dtype"), *shape = json_object_get(obj, "shape"),
          *offsets = json_object_get(obj, "data_offsets");
   if (!json_is_string(dtype))
-    return fail(err, err_bytes, -EBADMSG, "tensor '%.128s' has no \"dtype\" string", name);
+    return ckpt_fail(err, err_bytes, -EBADMSG, "tensor '%.128s' has no \"dtype\" string", name);
   const dtype_info *info = find_dtype(json_string_value(dtype));
   if (info == NULL)
-    return fail(err, err_bytes, -EBADMSG, "tensor '%.128s' has an unknown dtype \"%.16s\"", name,
-                json_string_value(dtype));
+    return ckpt_fail(err, err_bytes, -EBADMSG, "tensor '%.128s' has an unknown dtype \"%.16s\"",
+                     name, json_string_value(dtype));
   t->dtype = info->dtype;
   snprintf(t->dtype_name, sizeof t->dtype_name, "%s", info->name);
   t->elem_bytes = info->elem_bytes;
   if (!json_is_array(shape) || json_array_size(shape) > CKPT_MAX_TENSOR_DIM)
-    return fail(err, err_bytes, -EBADMSG,
-                "tensor '%.128s': \"shape\" is not a list of at most %d dimensions", name,
-                CKPT_MAX_TENSOR_DIM);
+    return ckpt_fail(err, err_bytes, -EBADMSG,
+                     "tensor '%.128s': \"shape\" is not a list of at most %d dimensions", name,
+                     CKPT_MAX_TENSOR_DIM);
   t->ndim = (unsigned)json_array_size(shape);
   for (unsigned d = 0; d < t->ndim; d++)
     if (get_index(shape, d, &t->shape[d]) != 0)
-      return fail(err, err_bytes, -EBADMSG,
-                  "tensor '%.128s': \"shape\"[%u] is not a non-negative integer", name, d);
+      return ckpt_fail(err, err_bytes, -EBADMSG,
+                       "tensor '%.128s': \"shape\"[%u] is not a non-negative integer", name, d);
   uint64_t bytes;
   if (shape_size(t->shape, t->ndim, t->elem_bytes, &t->numel, &bytes) != 0)
-    return fail(err, err_bytes, -EBADMSG, "tensor '%.128s': its shape has too many elements", name);
+    return ckpt_fail(err, err_bytes, -EBADMSG, "tensor '%.128s': its shape has too many elements",
+                     name);
   if (!json_is_array(offsets) || json_array_size(offsets) != 2 ||
       get_index(offsets, 0, &t->begin) != 0 || get_index(offsets, 1, &t->end) != 0 ||
       t->begin > t->end)
-    return fail(err, err_bytes, -EBADMSG,
-                "tensor '%.128s': \"data_offsets\" is not [begin, end] with 0 <= begin <= end",
-                name);
+    return ckpt_fail(err, err_bytes, -EBADMSG,
+                     "tensor '%.128s': \"data_offsets\" is not [begin, end] with 0 <= begin <= end",
+                     name);
   if (t->end > data_bytes)
-    return fail(err, err_bytes, -ERANGE,
-                "tensor '%.128s': data_offsets [%" PRIu64 ", %" PRIu64
-                "] are out of bounds of the %" PRIu64 "-byte data",
-                name, t->begin, t->end, data_bytes);
+    return ckpt_fail(err, err_bytes, -ERANGE,
+                     "tensor '%.128s': data_offsets [%" PRIu64 ", %" PRIu64
+                     "] are out of bounds of the %" PRIu64 "-byte data",
+                     name, t->begin, t->end, data_bytes);
   if (t->end - t->begin != bytes)
-    return fail(err, err_bytes, -EBADMSG,
-                "tensor '%.128s': data_offsets hold %" PRIu64 " bytes, but %" PRIu64
-                " elements of %s need %" PRIu64,
-                name, t->end - t->begin, t->numel, t->dtype_name, bytes);
+    return ckpt_fail(err, err_bytes, -EBADMSG,
+                     "tensor '%.128s': data_offsets hold %" PRIu64 " bytes, but %" PRIu64
+                     " elements of %s need %" PRIu64,
+                     name, t->end - t->begin, t->numel, t->dtype_name, bytes);
   return 0;
 }
 
@@ -201,7 +183,7 @@ static int decode_tensor(const char *name, json_t *obj, uint64_t data_bytes, st_
 static int check_tiling(const st_file *f, char *err, size_t err_bytes) {
   const st_tensor **order = malloc((f->ntensors > 0 ? f->ntensors : 1) * sizeof *order);
   if (order == NULL)
-    return fail(err, err_bytes, -ENOMEM, "out of memory");
+    return ckpt_fail(err, err_bytes, -ENOMEM, "out of memory");
   for (unsigned i = 0; i < f->ntensors; i++)
     order[i] = &f->tensors[i];
   qsort(order, f->ntensors, sizeof *order, compare_by_offsets);
@@ -211,32 +193,33 @@ static int check_tiling(const st_file *f, char *err, size_t err_bytes) {
   for (unsigned i = 0; i < f->ntensors && rc == 0; i++) {
     const st_tensor *t = order[i];
     if (t->begin < covered)
-      rc = fail(err, err_bytes, -EBADMSG,
-                "tensor '%.128s' (bytes %" PRIu64 "..%" PRIu64 ") overlaps tensor '%.128s'",
-                t->name, t->begin, t->end, previous);
+      rc = ckpt_fail(err, err_bytes, -EBADMSG,
+                     "tensor '%.128s' (bytes %" PRIu64 "..%" PRIu64 ") overlaps tensor '%.128s'",
+                     t->name, t->begin, t->end, previous);
     else if (t->begin > covered)
-      rc = fail(err, err_bytes, -EBADMSG,
-                "data bytes %" PRIu64 "..%" PRIu64 " before tensor '%.128s' belong to no tensor",
-                covered, t->begin, t->name);
+      rc = ckpt_fail(err, err_bytes, -EBADMSG,
+                     "data bytes %" PRIu64 "..%" PRIu64
+                     " before tensor '%.128s' belong to no tensor",
+                     covered, t->begin, t->name);
     covered = t->end;
     previous = t->name;
   }
   if (rc == 0 && covered != f->data_bytes)
-    rc = fail(err, err_bytes, -EBADMSG,
-              "data bytes %" PRIu64 "..%" PRIu64 " at the end belong to no tensor", covered,
-              f->data_bytes);
+    rc = ckpt_fail(err, err_bytes, -EBADMSG,
+                   "data bytes %" PRIu64 "..%" PRIu64 " at the end belong to no tensor", covered,
+                   f->data_bytes);
   free(order);
   return rc;
 }
 
 static int decode_header(json_t *root, st_file *out, char *err, size_t err_bytes) {
   if (!json_is_object(root))
-    return fail(err, err_bytes, -EBADMSG, "header is not a JSON object");
+    return ckpt_fail(err, err_bytes, -EBADMSG, "header is not a JSON object");
   size_t count = json_object_size(root);
   if (json_object_get(root, METADATA_KEY) != NULL)
     count--;
   if (count > 0 && (out->tensors = calloc(count, sizeof *out->tensors)) == NULL)
-    return fail(err, err_bytes, -ENOMEM, "out of memory for %zu tensors", count);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "out of memory for %zu tensors", count);
   const char *key;
   json_t *value;
   int rc = 0;
@@ -257,7 +240,8 @@ static int decode_header(json_t *root, st_file *out, char *err, size_t err_bytes
    * promise of unique names independent of that flag. */
   for (unsigned i = 1; i < out->ntensors; i++)
     if (strcmp(out->tensors[i - 1].name, out->tensors[i].name) == 0)
-      return fail(err, err_bytes, -EBADMSG, "two tensors are named '%.128s'", out->tensors[i].name);
+      return ckpt_fail(err, err_bytes, -EBADMSG, "two tensors are named '%.128s'",
+                       out->tensors[i].name);
   return check_tiling(out, err, err_bytes);
 }
 
@@ -265,13 +249,13 @@ int st_header_decode(const char *json, size_t len, uint64_t data_bytes, st_file 
                      size_t err_bytes) {
   memset(out, 0, sizeof *out);
   if (len > CKPT_MAX_ST_HEADER_BYTES)
-    return fail(err, err_bytes, -ERANGE, "header of %zu bytes, more than the %u allowed", len,
-                CKPT_MAX_ST_HEADER_BYTES);
+    return ckpt_fail(err, err_bytes, -ERANGE, "header of %zu bytes, more than the %u allowed", len,
+                     CKPT_MAX_ST_HEADER_BYTES);
   json_error_t jerr;
   json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &jerr);
   if (root == NULL)
-    return fail(err, err_bytes, -EBADMSG, "header is not valid JSON: %s (line %d, column %d)",
-                jerr.text, jerr.line, jerr.column);
+    return ckpt_fail(err, err_bytes, -EBADMSG, "header is not valid JSON: %s (line %d, column %d)",
+                     jerr.text, jerr.line, jerr.column);
   out->data_start = 8 + (uint64_t)len;
   out->data_bytes = data_bytes;
   int rc = decode_header(root, out, err, err_bytes);
@@ -297,44 +281,44 @@ void st_file_free(st_file *f) {
 static int open_checked(int fd, const char *name, st_file *out, char *err, size_t err_bytes) {
   struct stat st;
   if (fstat(fd, &st) != 0)
-    return fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+    return ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
   if (!S_ISREG(st.st_mode))
-    return fail(err, err_bytes, -EINVAL, "%s: not a regular file", name);
+    return ckpt_fail(err, err_bytes, -EINVAL, "%s: not a regular file", name);
   uint64_t file_bytes = (uint64_t)st.st_size;
   if (file_bytes < 8)
-    return fail(err, err_bytes, -ERANGE,
-                "%s: truncated: %" PRIu64 " bytes, less than the 8-byte header size", name,
-                file_bytes);
+    return ckpt_fail(err, err_bytes, -ERANGE,
+                     "%s: truncated: %" PRIu64 " bytes, less than the 8-byte header size", name,
+                     file_bytes);
   uint8_t prefix[8];
   int rc = ckpt_pread_all(fd, prefix, sizeof prefix, 0);
   if (rc != 0)
-    return rc > 0 ? fail(err, err_bytes, -ERANGE, "%s: truncated while reading", name)
-                  : fail(err, err_bytes, rc, "%s: %s", name, strerror(-rc));
+    return rc > 0 ? ckpt_fail(err, err_bytes, -ERANGE, "%s: truncated while reading", name)
+                  : ckpt_fail(err, err_bytes, rc, "%s: %s", name, strerror(-rc));
   uint64_t header_bytes = 0;
   for (int i = 7; i >= 0; i--)
     header_bytes = header_bytes << 8 | prefix[i];
   if (header_bytes > CKPT_MAX_ST_HEADER_BYTES)
-    return fail(err, err_bytes, -ERANGE,
-                "%s: header of %" PRIu64 " bytes, more than the %u allowed", name, header_bytes,
-                CKPT_MAX_ST_HEADER_BYTES);
+    return ckpt_fail(err, err_bytes, -ERANGE,
+                     "%s: header of %" PRIu64 " bytes, more than the %u allowed", name,
+                     header_bytes, CKPT_MAX_ST_HEADER_BYTES);
   if (header_bytes > file_bytes - 8)
-    return fail(err, err_bytes, -ERANGE,
-                "%s: header size %" PRIu64 " is larger than the file (%" PRIu64 " bytes)", name,
-                header_bytes, file_bytes);
+    return ckpt_fail(err, err_bytes, -ERANGE,
+                     "%s: header size %" PRIu64 " is larger than the file (%" PRIu64 " bytes)",
+                     name, header_bytes, file_bytes);
   char *header = malloc(header_bytes > 0 ? (size_t)header_bytes : 1);
   if (header == NULL)
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   rc = ckpt_pread_all(fd, header, (size_t)header_bytes, 8);
   if (rc != 0) {
     free(header);
-    return rc > 0 ? fail(err, err_bytes, -ERANGE, "%s: truncated while reading", name)
-                  : fail(err, err_bytes, rc, "%s: %s", name, strerror(-rc));
+    return rc > 0 ? ckpt_fail(err, err_bytes, -ERANGE, "%s: truncated while reading", name)
+                  : ckpt_fail(err, err_bytes, rc, "%s: %s", name, strerror(-rc));
   }
   rc = st_header_decode(header, (size_t)header_bytes, file_bytes - 8 - header_bytes, out, err,
                         err_bytes);
   free(header);
   if (rc != 0)
-    prefix_error(err, err_bytes, name);
+    ckpt_prefix_error(err, err_bytes, name);
   return rc;
 }
 
@@ -344,7 +328,7 @@ int st_open(const char *path, st_file *out, int *fd, char *err, size_t err_bytes
   const char *name = ckpt_base_name(path);
   int file = open(path, O_RDONLY | O_CLOEXEC);
   if (file < 0)
-    return fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
+    return ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
   int rc = open_checked(file, name, out, err, err_bytes);
   if (rc != 0) {
     close(file);
@@ -372,14 +356,16 @@ const st_tensor *st_find(const st_file *f, const char *name) {
 int st_read_f32(int fd, const st_file *f, const st_tensor *t, uint64_t from, uint64_t to,
                 float *dst, char *err, size_t err_bytes) {
   if (t->dtype == ST_OTHER)
-    return fail(err, err_bytes, -EINVAL, "tensor '%.128s' is %s, which does not convert to fp32",
-                t->name, t->dtype_name);
+    return ckpt_fail(err, err_bytes, -EINVAL,
+                     "tensor '%.128s' is %s, which does not convert to fp32", t->name,
+                     t->dtype_name);
   if (from > to || to > t->numel)
-    return fail(err, err_bytes, -ERANGE,
-                "tensor '%.128s': elements %" PRIu64 "..%" PRIu64 " are outside 0..%" PRIu64,
-                t->name, from, to, t->numel);
+    return ckpt_fail(err, err_bytes, -ERANGE,
+                     "tensor '%.128s': elements %" PRIu64 "..%" PRIu64 " are outside 0..%" PRIu64,
+                     t->name, from, to, t->numel);
   if (t->end > f->data_bytes)
-    return fail(err, err_bytes, -ERANGE, "tensor '%.128s' is outside the file's data", t->name);
+    return ckpt_fail(err, err_bytes, -ERANGE, "tensor '%.128s' is outside the file's data",
+                     t->name);
   uint64_t offset = f->data_start + t->begin + from * t->elem_bytes;
   uint64_t count = to - from;
   int rc;
@@ -387,21 +373,21 @@ int st_read_f32(int fd, const st_file *f, const st_tensor *t, uint64_t from, uin
     /* Little-endian floats, as the file has them: read in place. */
     rc = ckpt_pread_all(fd, dst, (size_t)(count * 4), offset);
     if (rc != 0)
-      return rc > 0 ? fail(err, err_bytes, -ERANGE, "tensor '%.128s': file truncated", t->name)
-                    : fail(err, err_bytes, rc, "tensor '%.128s': %s", t->name, strerror(-rc));
+      return rc > 0 ? ckpt_fail(err, err_bytes, -ERANGE, "tensor '%.128s': file truncated", t->name)
+                    : ckpt_fail(err, err_bytes, rc, "tensor '%.128s': %s", t->name, strerror(-rc));
     return 0;
   }
   uint8_t *chunk = malloc(CONVERT_BUFFER_BYTES);
   if (chunk == NULL)
-    return fail(err, err_bytes, -ENOMEM, "out of memory");
+    return ckpt_fail(err, err_bytes, -ENOMEM, "out of memory");
   const uint64_t chunk_numel = CONVERT_BUFFER_BYTES / t->elem_bytes;
   rc = 0;
   while (count > 0 && rc == 0) {
     size_t n = (size_t)(count < chunk_numel ? count : chunk_numel);
     rc = ckpt_pread_all(fd, chunk, n * t->elem_bytes, offset);
     if (rc != 0) {
-      rc = rc > 0 ? fail(err, err_bytes, -ERANGE, "tensor '%.128s': file truncated", t->name)
-                  : fail(err, err_bytes, rc, "tensor '%.128s': %s", t->name, strerror(-rc));
+      rc = rc > 0 ? ckpt_fail(err, err_bytes, -ERANGE, "tensor '%.128s': file truncated", t->name)
+                  : ckpt_fail(err, err_bytes, rc, "tensor '%.128s': %s", t->name, strerror(-rc));
       break;
     }
     if (t->dtype == ST_F64) {
@@ -413,7 +399,7 @@ int st_read_f32(int fd, const st_file *f, const st_tensor *t, uint64_t from, uin
     } else {
       rc = zk_cast(NULL, dst, ZK_F32, chunk, t->dtype == ST_BF16 ? ZK_BF16 : ZK_F16, n);
       if (rc != 0)
-        rc = fail(err, err_bytes, rc, "tensor '%.128s': conversion failed", t->name);
+        rc = ckpt_fail(err, err_bytes, rc, "tensor '%.128s': conversion failed", t->name);
     }
     dst += n;
     offset += n * t->elem_bytes;
@@ -434,7 +420,7 @@ static json_t *build_header(const st_tensor *tensors, unsigned ntensors, json_t 
   json_t *root = json_object();
   if (root == NULL || (metadata != NULL && json_object_set(root, METADATA_KEY, metadata) != 0)) {
     json_decref(root);
-    fail(err, err_bytes, -ENOMEM, "out of memory");
+    ckpt_fail(err, err_bytes, -ENOMEM, "out of memory");
     return NULL;
   }
   uint64_t offset = 0;
@@ -446,7 +432,7 @@ static json_t *build_header(const st_tensor *tensors, unsigned ntensors, json_t 
              bytes <= (uint64_t)INT64_MAX - offset;
     if (!ok) {
       json_decref(root);
-      fail(err, err_bytes, -EINVAL, "tensor '%.128s' is too large", t->name);
+      ckpt_fail(err, err_bytes, -EINVAL, "tensor '%.128s' is too large", t->name);
       return NULL;
     }
     json_t *shape = json_array(), *offsets = json_array(), *obj = json_object();
@@ -465,7 +451,8 @@ static json_t *build_header(const st_tensor *tensors, unsigned ntensors, json_t 
     json_decref(obj);
     if (!ok) {
       json_decref(root);
-      fail(err, err_bytes, -EINVAL, "tensor '%.128s': cannot encode its header entry", t->name);
+      ckpt_fail(err, err_bytes, -EINVAL, "tensor '%.128s': cannot encode its header entry",
+                t->name);
       return NULL;
     }
     offset += bytes;
@@ -480,17 +467,18 @@ static int check_write_args(const st_tensor *tensors, unsigned ntensors, const c
   for (unsigned i = 0; i < ntensors; i++) {
     const st_tensor *t = &tensors[i];
     if (t->name == NULL || t->name[0] == '\0' || strcmp(t->name, METADATA_KEY) == 0)
-      return fail(err, err_bytes, -EINVAL, "tensor %u has no name, or the name " METADATA_KEY, i);
+      return ckpt_fail(err, err_bytes, -EINVAL, "tensor %u has no name, or the name " METADATA_KEY,
+                       i);
     if (t->dtype != ST_F32 && t->dtype != ST_BF16)
-      return fail(err, err_bytes, -EINVAL, "tensor '%.128s': only F32 and BF16 are written",
-                  t->name);
+      return ckpt_fail(err, err_bytes, -EINVAL, "tensor '%.128s': only F32 and BF16 are written",
+                       t->name);
     if (t->ndim > CKPT_MAX_TENSOR_DIM)
-      return fail(err, err_bytes, -EINVAL, "tensor '%.128s' has more than %d dimensions", t->name,
-                  CKPT_MAX_TENSOR_DIM);
+      return ckpt_fail(err, err_bytes, -EINVAL, "tensor '%.128s' has more than %d dimensions",
+                       t->name, CKPT_MAX_TENSOR_DIM);
   }
   const char **names = malloc((ntensors > 0 ? ntensors : 1) * sizeof *names);
   if (names == NULL)
-    return fail(err, err_bytes, -ENOMEM, "out of memory");
+    return ckpt_fail(err, err_bytes, -ENOMEM, "out of memory");
   for (unsigned i = 0; i < ntensors; i++)
     names[i] = tensors[i].name;
   /* Sort the names to find a repeat: a JSON object cannot hold two. */
@@ -503,14 +491,14 @@ static int check_write_args(const st_tensor *tensors, unsigned ntensors, const c
   int rc = 0;
   for (unsigned i = 1; i < ntensors && rc == 0; i++)
     if (strcmp(names[i - 1], names[i]) == 0)
-      rc = fail(err, err_bytes, -EINVAL, "two tensors are named '%.128s'", names[i]);
+      rc = ckpt_fail(err, err_bytes, -EINVAL, "two tensors are named '%.128s'", names[i]);
   free(names);
   if (rc != 0 || metadata_json == NULL)
     return rc;
   json_error_t jerr;
   *metadata = json_loads(metadata_json, JSON_REJECT_DUPLICATES, &jerr);
   if (*metadata == NULL)
-    return fail(err, err_bytes, -EINVAL, "metadata is not valid JSON: %s", jerr.text);
+    return ckpt_fail(err, err_bytes, -EINVAL, "metadata is not valid JSON: %s", jerr.text);
   if ((rc = decode_metadata(*metadata, err, err_bytes)) != 0) {
     json_decref(*metadata);
     *metadata = NULL;
@@ -525,29 +513,29 @@ static int write_tensor(int fd, const char *name, uint64_t *offset, const st_ten
                         st_fill_fn fill, void *arg, char *err, size_t err_bytes) {
   uint64_t numel = 0, bytes = 0;
   if (shape_size(t->shape, t->ndim, 4, &numel, &bytes) != 0 || numel > SIZE_MAX / 4)
-    return fail(err, err_bytes, -ENOMEM, "tensor '%.128s' does not fit in memory", t->name);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "tensor '%.128s' does not fit in memory", t->name);
   float *values = malloc(numel > 0 ? (size_t)numel * 4 : 1);
   uint16_t *converted = t->dtype == ST_BF16 ? malloc(CONVERT_BUFFER_BYTES) : NULL;
   if (values == NULL || (t->dtype == ST_BF16 && converted == NULL)) {
     free(values);
     free(converted);
-    return fail(err, err_bytes, -ENOMEM, "out of memory for tensor '%.128s'", t->name);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "out of memory for tensor '%.128s'", t->name);
   }
   int rc = fill(arg, i, values, numel, err, err_bytes);
   if (rc > 0)
-    rc = fail(err, err_bytes, -EINVAL, "filling tensor '%.128s' failed", t->name);
+    rc = ckpt_fail(err, err_bytes, -EINVAL, "filling tensor '%.128s' failed", t->name);
   if (rc == 0 && t->dtype == ST_F32) {
     if ((rc = ckpt_pwrite_all(fd, values, (size_t)numel * 4, *offset)) != 0)
-      rc = fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
+      rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
     *offset += numel * 4;
   }
   const size_t chunk_numel = CONVERT_BUFFER_BYTES / 2;
   for (uint64_t done = 0; rc == 0 && t->dtype == ST_BF16 && done < numel;) {
     size_t n = (size_t)(numel - done < chunk_numel ? numel - done : chunk_numel);
     if ((rc = zk_cast(NULL, converted, ZK_BF16, values + done, ZK_F32, n)) != 0)
-      rc = fail(err, err_bytes, rc, "tensor '%.128s': conversion to bf16 failed", t->name);
+      rc = ckpt_fail(err, err_bytes, rc, "tensor '%.128s': conversion to bf16 failed", t->name);
     else if ((rc = ckpt_pwrite_all(fd, converted, n * 2, *offset)) != 0)
-      rc = fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
+      rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
     *offset += n * 2;
     done += n;
   }
@@ -577,20 +565,20 @@ int st_write(const char *path, const st_tensor *tensors, unsigned ntensors,
   json_t *metadata;
   int rc = check_write_args(tensors, ntensors, metadata_json, &metadata, err, err_bytes);
   if (rc != 0) {
-    prefix_error(err, err_bytes, name);
+    ckpt_prefix_error(err, err_bytes, name);
     return rc;
   }
   uint64_t data_bytes;
   json_t *root = build_header(tensors, ntensors, metadata, &data_bytes, err, err_bytes);
   json_decref(metadata);
   if (root == NULL) {
-    prefix_error(err, err_bytes, name);
+    ckpt_prefix_error(err, err_bytes, name);
     return -EINVAL;
   }
   char *json = json_dumps(root, JSON_COMPACT | JSON_PRESERVE_ORDER);
   json_decref(root);
   if (json == NULL)
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   /* Padding the header with spaces to a multiple of 8 aligns the data
    * region, so that a reader may map it and use the floats in place. */
   size_t json_len = strlen(json), header_len = (json_len + 7) / 8 * 8;
@@ -600,7 +588,7 @@ int st_write(const char *path, const st_tensor *tensors, unsigned ntensors,
     free(json);
     free(header);
     free(tmp);
-    return fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   }
   for (int i = 0; i < 8; i++)
     header[i] = (uint8_t)((uint64_t)header_len >> (8 * i));
@@ -611,7 +599,7 @@ int st_write(const char *path, const st_tensor *tensors, unsigned ntensors,
 
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
-    rc = fail(err, err_bytes, -errno, "%s.tmp: %s", name, strerror(errno));
+    rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: %s", name, strerror(errno));
     free(header);
     free(tmp);
     return rc;
@@ -620,20 +608,20 @@ int st_write(const char *path, const st_tensor *tensors, unsigned ntensors,
   rc = ckpt_pwrite_all(fd, header, (size_t)offset, 0);
   free(header);
   if (rc != 0)
-    rc = fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
+    rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
   for (unsigned i = 0; rc == 0 && i < ntensors; i++)
     rc = write_tensor(fd, name, &offset, &tensors[i], i, fill, arg, err, err_bytes);
   if (rc == 0 && offset != 8 + header_len + data_bytes)
-    rc = fail(err, err_bytes, -EIO, "%s.tmp: wrote %" PRIu64 " bytes, expected %" PRIu64, name,
-              offset, 8 + header_len + data_bytes);
+    rc = ckpt_fail(err, err_bytes, -EIO, "%s.tmp: wrote %" PRIu64 " bytes, expected %" PRIu64, name,
+                   offset, 8 + header_len + data_bytes);
   if (rc == 0 && fsync(fd) != 0)
-    rc = fail(err, err_bytes, -errno, "%s.tmp: fsync: %s", name, strerror(errno));
+    rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: fsync: %s", name, strerror(errno));
   if (close(fd) != 0 && rc == 0)
-    rc = fail(err, err_bytes, -errno, "%s.tmp: close: %s", name, strerror(errno));
+    rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: close: %s", name, strerror(errno));
   if (rc == 0 && rename(tmp, path) != 0)
-    rc = fail(err, err_bytes, -errno, "%s: rename: %s", name, strerror(errno));
+    rc = ckpt_fail(err, err_bytes, -errno, "%s: rename: %s", name, strerror(errno));
   if (rc == 0 && (rc = fsync_parent(path)) != 0)
-    rc = fail(err, err_bytes, rc, "%s: fsync of its directory: %s", name, strerror(-rc));
+    rc = ckpt_fail(err, err_bytes, rc, "%s: fsync of its directory: %s", name, strerror(-rc));
   if (rc != 0)
     unlink(tmp);
   free(tmp);
