@@ -114,7 +114,8 @@ typedef struct ckpt_staged {
   ckpt_staged_unit *units;
   /* arrays: each state is its own hostmem_array_alloc, which a host
    * rank takes as it is (and frees what it held in its place); otherwise
-   * they all lie in mem, one hostmem_alloc. mem_bytes: all of them. */
+   * they all lie in mem, one hostmem_alloc. mem_bytes: all of them
+   * (mem's size). */
   int arrays;
   void *mem;
   size_t mem_bytes;

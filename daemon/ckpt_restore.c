@@ -99,47 +99,54 @@ static int optimizers_compatible(const char *saved, job_optimizer now) {
  * host device's own kind, which the rank takes as it is at the commit
  * instead of copying from it (exec.c); otherwise they share one buffer,
  * a cache line apart. Not zeroed: the reader zeroes what it does not read
- * (zero_between). ranges gets each state's memory in the order the reads
- * fill it, for a thread that faults it in ahead of them (hostmem_ahead):
- * fresh memory takes a page fault per 4 KiB, which inside the reads cost
- * more than the reads themselves (docs/benchmarks.md). */
+ * (zero_between). */
 static size_t staged_state_bytes(const unit_layout *l) {
   return (l->shard_numel * sizeof(float) + 63) & ~(size_t)63;
 }
 
-static int stage_memory(ckpt_staged *st, const int want[3], hostmem_range **ranges,
-                        unsigned *nranges) {
+static int stage_memory(ckpt_staged *st, const int want[3]) {
   size_t total = 0;
-  *nranges = 0;
-  if ((*ranges = calloc(3 * (size_t)st->nunits + 1, sizeof **ranges)) == NULL)
-    return -ENOMEM;
   for (unsigned u = 0; u < st->nunits; u++)
     for (int k = 0; k < 3; k++)
       if (want[k])
         total += staged_state_bytes(st->units[u].layout);
+  st->mem_bytes = total;
   if (total == 0)
     return 0;
-  uint8_t *at = NULL;
-  if (!st->arrays) {
-    if ((st->mem = hostmem_alloc(total)) == NULL)
-      return -ENOMEM;
-    st->mem_bytes = total;
-    at = st->mem;
-  }
+  if (!st->arrays && (st->mem = hostmem_alloc(total)) == NULL)
+    return -ENOMEM;
+  size_t at = 0;
   for (unsigned u = 0; u < st->nunits; u++)
     for (int k = 0; k < 3; k++) {
       if (!want[k])
         continue;
       size_t bytes = staged_state_bytes(st->units[u].layout);
-      float *p = st->arrays ? hostmem_array_alloc(bytes) : (float *)at;
+      float *p = st->arrays ? hostmem_array_alloc(bytes) : (float *)((uint8_t *)st->mem + at);
       if (p == NULL)
         return -ENOMEM;
       st->units[u].state[k] = p;
-      st->mem_bytes += st->arrays ? bytes : 0;
-      at += st->arrays ? 0 : bytes;
-      (*ranges)[(*nranges)++] = (hostmem_range){p, bytes};
+      at += bytes;
     }
   return 0;
+}
+
+/* A thread that faults the staged states in ahead of the reads, in the
+ * order they fill them: fresh memory takes a page fault per 4 KiB, which
+ * inside the reads cost more than the reads themselves
+ * (docs/benchmarks.md). NULL if none could be started. */
+static hostmem_ahead *stage_ahead(const ckpt_staged *st) {
+  hostmem_range *ranges = calloc(3 * (size_t)st->nunits + 1, sizeof *ranges);
+  if (ranges == NULL)
+    return NULL;
+  unsigned n = 0;
+  for (unsigned u = 0; u < st->nunits; u++)
+    for (int k = 0; k < 3; k++)
+      if (st->units[u].state[k] != NULL)
+        ranges[n++] =
+            (hostmem_range){st->units[u].state[k], staged_state_bytes(st->units[u].layout)};
+  hostmem_ahead *ahead = hostmem_populate_ahead_ranges(ranges, n);
+  free(ranges);
+  return ahead;
 }
 
 /* Zeroes elements [from, to) of a staged state: what no read fills. */
@@ -163,8 +170,6 @@ static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st
                            char *err, size_t err_bytes) {
   ckpt_source *src = NULL;
   hostmem_ahead *ahead = NULL;
-  hostmem_range *ranges = NULL;
-  unsigned nranges = 0;
   int rc = ckpt_source_open(source, &src, err, err_bytes);
   if (rc != 0)
     return fail(code, io_code(rc), rc);
@@ -252,11 +257,11 @@ static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st
   /* This rank's slice of every unit in the job's world, by state; beyond
    * the tensors (padding) it is zero. */
   const int want[3] = {1, need1 && m->has_moment1, need2 && m->has_moment2};
-  if ((rc = stage_memory(st, want, &ranges, &nranges)) != 0) {
+  if ((rc = stage_memory(st, want)) != 0) {
     rc = fail(code, RPC_RESOURCE_EXHAUSTED, rc);
     goto done;
   }
-  ahead = hostmem_populate_ahead_ranges(ranges, nranges);
+  ahead = stage_ahead(st);
   for (unsigned u = 0; u < m->nunits; u++) {
     const unit_layout *l = st->units[u].layout;
     uint64_t lo = (uint64_t)rank * l->shard_numel;
@@ -280,7 +285,6 @@ static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st
   rc = 0;
 done:
   hostmem_populate_stop(ahead);
-  free(ranges);
   free(units);
   ckpt_source_close(src);
   return rc;
@@ -291,8 +295,6 @@ static int read_safetensors(job *j, int rank, const char *source, ckpt_staged *s
   st_file f = {0};
   int fd = -1;
   hostmem_ahead *ahead = NULL;
-  hostmem_range *ranges = NULL;
-  unsigned nranges = 0;
   int rc = st_open(source, &f, &fd, err, err_bytes);
   if (rc != 0)
     return fail(code, rc == -ENOENT ? RPC_NOT_FOUND : RPC_INVALID_ARGUMENT, rc);
@@ -348,11 +350,11 @@ static int read_safetensors(job *j, int rank, const char *source, ckpt_staged *s
   st->step = 0; /* weights only: the optimizer starts over */
   for (unsigned u = 0; u < njob; u++)
     st->units[u].layout = units[u];
-  if ((rc = stage_memory(st, (const int[3]){1, 0, 0}, &ranges, &nranges)) != 0) {
+  if ((rc = stage_memory(st, (const int[3]){1, 0, 0})) != 0) {
     rc = fail(code, RPC_RESOURCE_EXHAUSTED, rc);
     goto done;
   }
-  ahead = hostmem_populate_ahead_ranges(ranges, nranges);
+  ahead = stage_ahead(st);
   for (unsigned u = 0; u < njob; u++) {
     const unit_layout *l = units[u];
     float *master = st->units[u].state[CKPT_MASTER];
@@ -377,7 +379,6 @@ static int read_safetensors(job *j, int rank, const char *source, ckpt_staged *s
   rc = 0;
 done:
   hostmem_populate_stop(ahead);
-  free(ranges);
   free(units);
   if (fd >= 0)
     close(fd);

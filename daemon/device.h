@@ -101,10 +101,10 @@ struct device {
   int ordinal; /* the CUDA device; -1 for the host */
 };
 
-/* Opens the host device of a rank, running kernels on `pool` (not owned). */
+/* Opens the host device of a rank, running kernels on `pool` (not owned).
+ * Its memory is hostmem's arrays (hostmem.h), so a host rank may take one
+ * made elsewhere as its own (a restore's staged values, exec.c). */
 int device_host_open(zk_pool *pool, device **out);
-/* A host device's memory is hostmem's arrays (hostmem.h): a host rank may
- * take one made elsewhere as its own (a restore's staged values, exec.c). */
 
 /* Opens GPU `ordinal` for the calling thread (it becomes the thread's
  * current device) with a stream of its own. Loads the CUDA module. Returns
