@@ -23,7 +23,8 @@
 #include "daemon.h"
 #include "ckpt_node.h"
 #include "log.h"
-#include "node.h"
+#include "cluster.h"
+#include "jobs.h"
 #include "pin.h"
 #include "cuda/zk_cuda.h"
 
@@ -503,7 +504,7 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
   char reason[128];
   snprintf(reason, sizeof reason, "zerod is shutting down (%s)", why);
   ipc_close_all(d, reason);
-  node_stop(d);
+  cluster_stop(d);
   if (d->coord != NULL) {
     coord_shutdown(d->coord);
     rpc_server_shutdown(d->control_server, on_control_server_done, d);
@@ -775,20 +776,25 @@ int main(int argc, char **argv) {
     fprintf(stderr, "zerod: rendezvous store: %s\n", strerror(-rc));
     return 1;
   }
-  rc = node_create(d, local_store, &d->rendezvous, err, sizeof err);
+  rc = cluster_create(d, local_store, &d->rendezvous, err, sizeof err);
   if (rc != 0) {
     fprintf(stderr, "zerod: rendezvous store: %s\n", err[0] ? err : strerror(-rc));
     return 1;
   }
-  exec_settings es = {.complete = ipc_complete,
-                      .threads_per_rank = o->threads_per_rank,
-                      .collective_timeout_ms = o->collective_timeout_ms,
-                      .comm_hostname = comm_host,
-                      .rendezvous = d->rendezvous,
-                      .device = o->device};
-  exec_configure(&es);
+  d->exec = (exec_settings){.complete = ipc_complete,
+                            .ctx = d,
+                            .ckpt = ckpt_node_hooks,
+                            .threads_per_rank = o->threads_per_rank,
+                            .collective_timeout_ms = o->collective_timeout_ms,
+                            .comm_hostname = comm_host,
+                            .rendezvous = d->rendezvous,
+                            .device = o->device};
 
-  rc = ipc_listen(d, err, sizeof err);
+  rc = ckpt_node_init(d, cluster_report);
+  if (rc == 0)
+    rc = ipc_listen(d, err, sizeof err);
+  else
+    snprintf(err, sizeof err, "cannot start: %s", uv_strerror(rc));
   if (rc != 0) {
     fprintf(stderr, "zerod: %s\n", err);
     return 1;
@@ -804,24 +810,24 @@ int main(int argc, char **argv) {
             "collective_timeout_s=%d max_live_bytes=%llu pid=%d",
             ZEROD_VERSION, mode, o->socket_path, o->coordinator, o->device, o->ranks,
             o->threads_per_rank, timeout_s, (unsigned long long)o->max_live_bytes, (int)getpid());
-  node_start(d);
+  cluster_start(d);
   uv_run(d->loop, UV_RUN_DEFAULT);
   /* The loop ends when every handle has closed and every threadpool read
    * has finished: nothing refers to the jobs any more. */
   while (d->jobs != NULL) {
     job *j = d->jobs;
     d->jobs = j->next;
-    job_destroy(j);
+    jobs_free(j);
   }
   while (d->retired != NULL) {
     job *j = d->retired;
     d->retired = j->next;
-    job_destroy(j);
+    jobs_free(j);
   }
   rc = uv_loop_close(d->loop);
   if (rc != 0)
     LOG_WARNF("loop closed with open handles", "err=%s", uv_err_name(rc));
-  node_destroy(d); /* and its store */
+  cluster_destroy(d); /* and its store */
   if (d->control_server != NULL)
     rpc_server_destroy(d->control_server);
   if (d->coord != NULL)

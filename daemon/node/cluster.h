@@ -1,4 +1,4 @@
-/* node: a node daemon's membership in a cluster (`zerod node`).
+/* cluster: a node daemon's membership in a cluster (`zerod node`).
  *
  * The node dials the coordinator (it is never dialled): it joins with retry
  * and backoff, renews its lease with heartbeats that report the state of
@@ -14,8 +14,8 @@
  * calls (Join, Heartbeat: on the libuv threadpool, one at a time) and the
  * Watch reader (its own thread, handing events to the loop through a locked
  * queue and a uv_async). */
-#ifndef ZEROD_NODE_H
-#define ZEROD_NODE_H
+#ifndef ZEROD_CLUSTER_H
+#define ZEROD_CLUSTER_H
 
 #include <stddef.h>
 
@@ -26,26 +26,26 @@ struct store;
  * (*rendezvous; the agent owns it), or uses local_store instead (zerod
  * standalone: every rank is in this process; the agent owns it too).
  * Nothing is sent yet. */
-int node_create(struct daemon *d, struct store *local_store, struct store **rendezvous, char *err,
-                size_t err_bytes);
+int cluster_create(struct daemon *d, struct store *local_store, struct store **rendezvous,
+                   char *err, size_t err_bytes);
 
 /* Starts joining (loop thread, after the IPC socket is listening); with the
  * coordinator in this process (d->coord), joins it at once. */
-void node_start(struct daemon *d);
+void cluster_start(struct daemon *d);
 
 /* A job's ranks are being built here: the coordinator hears as soon as they
  * are ready (or failed). */
-void node_job_added(struct daemon *d);
+void cluster_job_added(struct daemon *d);
 
 /* Sends a heartbeat now (unless one is in flight): the coordinator learns
  * at once that a job has gone from this node. */
-void node_report(struct daemon *d);
+void cluster_report(struct daemon *d);
 
 /* Shutdown, on the loop thread: leaves the cluster (one short blocking
  * call), stops the watch thread and closes the agent's handles. */
-void node_stop(struct daemon *d);
+void cluster_stop(struct daemon *d);
 
 /* Frees the agent and its store, after the loop has ended. */
-void node_destroy(struct daemon *d);
+void cluster_destroy(struct daemon *d);
 
-#endif /* ZEROD_NODE_H */
+#endif /* ZEROD_CLUSTER_H */

@@ -39,6 +39,7 @@
 #include <stdint.h>
 
 #include "ckpt.h"
+#include "exec.h"
 #include "job.h"
 #include "zerod/v1/control.pb-c.h"
 
@@ -46,10 +47,11 @@ struct daemon;
 
 /* ---- Loop thread ------------------------------------------------------------ */
 
-/* The async handle through which threads ask for a heartbeat. Shutdown
- * stops every job's shard writers (at their next chunk; their saves fail)
- * and closes it. */
-int ckpt_node_init(struct daemon *d);
+/* The async handle through which threads report progress: the loop then
+ * calls progress (cluster_report: a heartbeat at once). Shutdown stops
+ * every job's shard writers (at their next chunk; their saves fail) and
+ * closes it. */
+int ckpt_node_init(struct daemon *d, void (*progress)(struct daemon *d));
 void ckpt_node_shutdown(struct daemon *d);
 
 /* Whether j is being restored and not yet installed on all of this node's
@@ -73,6 +75,9 @@ int ckpt_node_job_init(job *j);
 void ckpt_node_job_free(job *j);
 
 /* ---- Executor threads ---------------------------------------------------------- */
+
+/* The functions below, as the ranks reach them (exec_settings.ckpt). */
+extern const exec_ckpt_hooks ckpt_node_hooks;
 
 /* Save id reached rank `rank` (global), whose copy will take `bytes`,
  * while a worker is attached: the copy is taken at the end of a step to
@@ -99,41 +104,5 @@ void ckpt_node_save_failed(job *j, int rank, uint64_t id, int code, const char *
  * (committed 1), or failed (code: a gRPC status; error names the cause). */
 void ckpt_node_restore_report(job *j, int rank, uint64_t id, int committed, uint64_t step, int code,
                               const char *error);
-
-/* What a rank read for a restore, in host memory, waiting for the commit. */
-typedef struct ckpt_staged_unit {
-  unit_layout *layout; /* the job's, or built from the manifest (owned) */
-  int owned;
-  float *state[3]; /* shard_numel each, by ckpt_state; NULL: zeros */
-} ckpt_staged_unit;
-
-typedef struct ckpt_staged {
-  uint64_t id;
-  uint64_t step; /* the job's step after the restore */
-  unsigned nunits;
-  ckpt_staged_unit *units;
-  /* arrays: each state is its own hostmem_array_alloc, which a host
-   * rank takes as it is (and frees what it held in its place); otherwise
-   * they all lie in mem, one hostmem_alloc. mem_bytes: all of them
-   * (mem's size). */
-  int arrays;
-  void *mem;
-  size_t mem_bytes;
-} ckpt_staged;
-
-/* Reads and verifies rank's part (global rank) of source (a checkpoint
- * directory or a safetensors file, by format) for job j, matching it to
- * the job's units (or, for a checkpoint and a job with none, to units built
- * from its manifest); host_arrays: into arrays a host rank can take (see
- * ckpt_staged). Returns 0, or a negative errno with a gRPC status in *code
- * and the reason in err. */
-int ckpt_restore_read(job *j, int rank, const char *source, int format, int host_arrays,
-                      ckpt_staged **out, int *code, char *err, size_t err_bytes);
-void ckpt_staged_free(ckpt_staged *s);
-
-/* The layout of job j (a manifest without files) with these units, as
- * rank 0 writes it during a save; NULL if out of memory. */
-ckpt_manifest *ckpt_layout_of(job *j, unit_layout *const *units, unsigned nunits, uint64_t step,
-                              uint64_t version);
 
 #endif /* ZEROD_CKPT_NODE_H */

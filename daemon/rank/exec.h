@@ -19,6 +19,7 @@
 #include <protobuf-c/protobuf-c.h>
 #include <stdint.h>
 
+#include "ckpt.h"
 #include "job.h"
 #include "zerod/v1/ipc.pb-c.h"
 
@@ -69,11 +70,33 @@ typedef struct exec_op {
 } exec_op;
 
 /* Called on the executor thread when an op is done (the daemon queues it
- * for the loop). */
-typedef void (*exec_complete_fn)(exec_op *op);
+ * for the loop); ctx is exec_settings.ctx. */
+typedef void (*exec_complete_fn)(void *ctx, exec_op *op);
 
+/* What a rank tells the node of its part in checkpoints, on the executor
+ * thread (node/ckpt_node.h implements them, and says what each means). The
+ * rank knows the save and restore orders only by id. */
+typedef struct exec_ckpt_hooks {
+  /* A save order reached a rank with a worker attached: its copy of
+   * `bytes` will be taken at the end of a step to come. */
+  void (*stage)(job *j, int rank, uint64_t id, uint64_t bytes);
+  /* Memory staged for that copy, or NULL (the rank allocates its own). */
+  void *(*staging)(job *j, int rank, uint64_t id, uint64_t bytes);
+  /* The copy was taken (ownership of data and layout passes), or failed. */
+  void (*saved)(job *j, int rank, uint64_t id, uint64_t step, void *data, uint64_t data_bytes,
+                ckpt_manifest *layout, int64_t stall_ms);
+  void (*save_failed)(job *j, int rank, uint64_t id, int code, const char *error);
+  /* A restore's part read (committed 0) or installed (1), or failed. */
+  void (*restore_report)(job *j, int rank, uint64_t id, int committed, uint64_t step, int code,
+                         const char *error);
+} exec_ckpt_hooks;
+
+/* How the ranks of a job run, set by whoever owns the job (the node
+ * daemon: node/jobs.c) and shared by all its ranks; it outlives them. */
 typedef struct exec_settings {
   exec_complete_fn complete;
+  void *ctx;
+  exec_ckpt_hooks ckpt;
   /* Where the ranks' shards live: "cuda" puts local rank i on GPU i
    * (device_cuda.c, NCCL); anything else (NULL, "cpu") keeps them in host
    * memory (device_host.c, Gloo). */
@@ -83,8 +106,6 @@ typedef struct exec_settings {
   const char *comm_hostname;
   store *rendezvous;
 } exec_settings;
-
-void exec_configure(const exec_settings *settings);
 
 exec_op *exec_op_new(op_kind kind, rank_state *rank);
 void exec_op_free(exec_op *op);

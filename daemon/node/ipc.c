@@ -21,11 +21,12 @@
 #include <unistd.h>
 
 #include "ckpt_node.h"
+#include "jobs.h"
 #include "coord.h"
 #include "daemon.h"
 #include "frame.h"
 #include "log.h"
-#include "node.h"
+#include "cluster.h"
 #include "pin.h"
 #include "reader.h"
 
@@ -221,10 +222,8 @@ static void send_error(session *s, uint64_t request_id, int status, const char *
 /* Completions from executors                                               */
 /* ------------------------------------------------------------------------ */
 
-static zdaemon *completion_daemon;
-
-void ipc_complete(exec_op *op) {
-  zdaemon *d = completion_daemon;
+void ipc_complete(void *daemon, exec_op *op) {
+  zdaemon *d = daemon;
   pthread_mutex_lock(&d->completion_mutex);
   op->next = NULL;
   if (d->completion_tail != NULL)
@@ -273,13 +272,6 @@ static void on_completion(uv_async_t *handle) {
 /* Requests                                                                 */
 /* ------------------------------------------------------------------------ */
 
-job *daemon_find_job(zdaemon *d, const char *name) {
-  for (job *j = d->jobs; j != NULL; j = j->next)
-    if (strcmp(j->name, name) == 0)
-      return j;
-  return NULL;
-}
-
 /* Constant-time comparison, so a token cannot be guessed byte by byte. */
 static int token_equal(const char *a, const char *b) {
   size_t la = strlen(a), lb = strlen(b);
@@ -287,20 +279,6 @@ static int token_equal(const char *a, const char *b) {
   for (size_t i = 0; i < la && i < lb; i++)
     diff |= (unsigned char)(a[i] ^ b[i]);
   return diff == 0;
-}
-
-/* Nobody is attached to a failed job any more: build fresh communicators
- * (a new generation) so new workers can resume from the kept state. */
-static void job_reset(job *j) {
-  j->generation++;
-  LOG_INFOF("job reset", "job=%s generation=%u", j->name, j->generation);
-  for (int r = 0; r < j->nranks; r++) {
-    exec_op *init = exec_op_new(OP_COMM_INIT, &j->ranks[r]);
-    if (init != NULL) {
-      init->generation = j->generation;
-      exec_submit(init);
-    }
-  }
 }
 
 static void submit_or_inline(session *s, exec_op *op) {
@@ -319,66 +297,6 @@ static void submit_or_inline(session *s, exec_op *op) {
     return;
   }
   exec_submit(op);
-}
-
-int daemon_job_start(zdaemon *d, const char *name, const char *token, const job_config *config,
-                     int world_size, int nranks, int first_rank, uint64_t id, unsigned generation,
-                     job **out, char *err, size_t err_bytes) {
-  job *j;
-  int rc = job_create(d, name, token, config, world_size, nranks, first_rank, id, &j);
-  if (rc != 0) {
-    snprintf(err, err_bytes, "%s", rc == -ENOMEM ? "out of memory" : "ranks do not fit the world");
-    return rc;
-  }
-  j->generation = generation;
-  for (int r = 0; r < j->nranks; r++) {
-    rc = exec_rank_start(&j->ranks[r]);
-    if (rc != 0) {
-      for (int k = 0; k < r; k++)
-        exec_rank_stop(&j->ranks[k]);
-      for (int k = 0; k < r; k++)
-        exec_rank_join(&j->ranks[k]);
-      job_destroy(j);
-      snprintf(err, err_bytes, "cannot start the executors: %s", strerror(-rc));
-      return rc;
-    }
-  }
-  for (int r = 0; r < j->nranks; r++) {
-    exec_op *init = exec_op_new(OP_COMM_INIT, &j->ranks[r]);
-    if (init == NULL) {
-      job_fail(j, 0, "out of memory");
-      continue;
-    }
-    init->generation = generation;
-    exec_submit(init);
-  }
-  j->next = d->jobs;
-  d->jobs = j;
-  LOG_INFOF("job created",
-            "job=%s id=%llu world_size=%d ranks=%d..%d optimizer=%s lr=%g working_dtype=%s "
-            "max_live_bytes=%llu max_grad_norm=%g",
-            j->name, (unsigned long long)j->id, j->world_size, j->first_rank,
-            j->first_rank + j->nranks - 1, job_optimizer_name(config->optimizer), config->lr,
-            zk_dtype_name(config->working_dtype), (unsigned long long)config->max_live_bytes,
-            config->max_grad_norm);
-  *out = j;
-  return 0;
-}
-
-void daemon_job_retire(zdaemon *d, job *j) {
-  for (job **p = &d->jobs; *p != NULL; p = &(*p)->next) {
-    if (*p != j)
-      continue;
-    *p = j->next;
-    j->next = d->retired;
-    d->retired = j;
-    pin_job_stop(j);
-    for (int r = 0; r < j->nranks; r++)
-      exec_rank_stop(&j->ranks[r]);
-    LOG_INFOF("job removed", "job=%s id=%llu", j->name, (unsigned long long)j->id);
-    node_report(d);
-    return;
-  }
 }
 
 /* zerod standalone: a job created by an attach is created on the
@@ -420,15 +338,15 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
     return NULL;
   }
   job *j;
-  if (daemon_job_start(d, req->job, req->token, &config, d->options.ranks, d->options.ranks, 0, id,
-                       generation, &j, err, sizeof err) != 0) {
+  if (jobs_start(d, req->job, req->token, &config, d->options.ranks, d->options.ranks, 0, id,
+                 generation, &j, err, sizeof err) != 0) {
     /* The coordinator's record stays: the watch builds the job from it
      * later, as it would one created with zerodctl. */
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "job '%s': %s",
                req->job, err);
     return NULL;
   }
-  node_job_added(d);
+  cluster_job_added(d);
   return j;
 }
 
@@ -441,7 +359,7 @@ static int job_usable_for_attach(session *s, uint64_t request_id, job *j) {
   char reason[512];
   int local_reset = !job_spans_nodes(j);
   if (local_reset && j->sessions == 0 && job_failed(j, j->generation, NULL, 0))
-    job_reset(j);
+    jobs_reset(j);
   if (!job_failed(j, j->generation, reason, sizeof reason))
     return 1;
   if (local_reset)
@@ -468,7 +386,7 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
                req->job);
     return;
   }
-  job *j = daemon_find_job(d, req->job);
+  job *j = jobs_find(d, req->job);
   if (j == NULL) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
                "no job named '%s' (a read-only session attaches to an existing job)", req->job);
@@ -532,7 +450,7 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
     return;
   }
   int created = 0;
-  job *j = daemon_find_job(d, req->job);
+  job *j = jobs_find(d, req->job);
   int nranks = j != NULL ? j->nranks : d->options.ranks;
   if ((int)req->local_rank >= nranks) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
@@ -940,7 +858,8 @@ static void session_close(session *s, const char *reason) {
     rs->session = NULL;
     s->job = NULL;
     if (--j->sessions == 0 && !d->stopping && j->deleted) {
-      daemon_job_retire(d, j);
+      jobs_retire(d, j);
+      cluster_report(d); /* the coordinator hears at once that it has gone */
     } else if (j->sessions == 0 && !d->stopping && !job_failed(j, j->generation, NULL, 0)) {
       /* The job is idle: give its buffers back to the system. */
       for (int r = 0; r < j->nranks; r++) {
@@ -949,7 +868,7 @@ static void session_close(session *s, const char *reason) {
           exec_submit(trim);
       }
     } else if (j->sessions == 0 && !d->stopping && !job_spans_nodes(j)) {
-      job_reset(j); /* a multi-node job does not reset alone (decisions.md) */
+      jobs_reset(j); /* a multi-node job does not reset alone (decisions.md) */
     }
   } else if (reason != NULL) {
     LOG_DEBUGF("connection closed", "session=%llu reason=\"%s\"", (unsigned long long)s->id,
@@ -1021,12 +940,10 @@ static void on_accept(uv_poll_t *handle, int status, int events) {
 /* ------------------------------------------------------------------------ */
 
 int ipc_listen(zdaemon *d, char *err, size_t err_bytes) {
-  completion_daemon = d;
   reader_configure(d->loop, deliver, d->options.collective_timeout_ms);
   pthread_mutex_init(&d->completion_mutex, NULL);
   uv_async_init(d->loop, &d->completion_async, on_completion);
   d->completion_async.data = d;
-  ckpt_node_init(d);
 
   /* The socket is bound and listening under a temporary name and then
    * renamed into place, so a worker that sees the path can connect at once

@@ -19,7 +19,6 @@
 #include "exec.h"
 #include "hostmem.h"
 #include "log.h"
-#include "node.h"
 #include "rpc.h"
 
 /* Data is handed to the shard writer in chunks of this size, and a save
@@ -96,16 +95,18 @@ typedef struct job_ckpt {
 
 /* Asks the loop for a heartbeat: progress is reported at once. */
 static void wake_loop(job *j) {
-  zdaemon *d = j->daemon;
+  zdaemon *d = j->owner;
   if (d != NULL && atomic_load(&d->ckpt_async_ready))
     uv_async_send(&d->ckpt_async);
 }
 
 static void on_ckpt_async(uv_async_t *h) {
-  node_report(h->data);
+  zdaemon *d = h->data;
+  d->ckpt_progress(d);
 }
 
-int ckpt_node_init(zdaemon *d) {
+int ckpt_node_init(zdaemon *d, void (*progress)(zdaemon *d)) {
+  d->ckpt_progress = progress;
   int rc = uv_async_init(d->loop, &d->ckpt_async, on_ckpt_async);
   if (rc != 0)
     return rc;
@@ -411,7 +412,7 @@ static void *writer_main(void *arg) {
   rs->layout = NULL;
   save_unref(j, s);
   /* Before this writer stops counting: once none does, the job and the
-   * loop's handle may go (stop_writers, then shutdown or job_destroy). */
+   * loop's handle may go (stop_writers, then shutdown or jobs_free). */
   wake_loop(j);
   c->writers--;
   pthread_cond_broadcast(&c->cond);
@@ -666,7 +667,7 @@ static void follow_restore(job *j, const Zerod__V1__Assignment *as) {
       snprintf(why, sizeof why,
                "%d worker(s) attached to job '%s' on node '%s': a job is restored with no "
                "worker attached",
-               j->sessions, j->name, j->daemon->options.node_name);
+               j->sessions, j->name, ((zdaemon *)j->owner)->options.node_name);
       for (int r = 0; r < j->nranks; r++)
         ckpt_node_restore_report(j, j->first_rank + r, o->id, 0, 0, RPC_FAILED_PRECONDITION, why);
       return;
@@ -809,67 +810,10 @@ void ckpt_node_reports_free(void *owned) {
   free(r);
 }
 
-/* ------------------------------------------------------------------------ */
-/* Layouts                                                                  */
-/* ------------------------------------------------------------------------ */
-
-ckpt_manifest *ckpt_layout_of(job *j, unit_layout *const *units, unsigned nunits, uint64_t step,
-                              uint64_t version) {
-  ckpt_manifest *m = calloc(1, sizeof *m);
-  if (m == NULL)
-    return NULL;
-  const job_config *cfg = &j->config;
-  m->format_version = CKPT_FORMAT_VERSION;
-  m->job = strdup(j->name);
-  m->name = strdup("layout"); /* the coordinator names the checkpoint */
-  m->job_id = j->id;
-  m->step = step;
-  m->version = version;
-  m->world_size = (uint32_t)j->world_size;
-  snprintf(m->config.optimizer, sizeof m->config.optimizer, "%s",
-           job_optimizer_name(cfg->optimizer));
-  m->config.lr = cfg->lr;
-  m->config.beta1 = cfg->beta1;
-  m->config.beta2 = cfg->beta2;
-  m->config.eps = cfg->eps;
-  m->config.weight_decay = cfg->weight_decay;
-  m->config.momentum = cfg->momentum;
-  m->config.dampening = cfg->dampening;
-  m->config.nesterov = cfg->nesterov;
-  snprintf(m->config.working_dtype, sizeof m->config.working_dtype, "%s",
-           cfg->working_dtype == ZK_BF16 ? "bf16" : "fp32");
-  m->config.max_grad_norm = cfg->max_grad_norm;
-  m->has_moment1 = cfg->optimizer != JOB_SGD || cfg->momentum != 0;
-  m->has_moment2 = cfg->optimizer != JOB_SGD;
-  m->nunits = nunits;
-  m->units = calloc(nunits ? nunits : 1, sizeof *m->units);
-  int ok = m->job != NULL && m->name != NULL && m->units != NULL;
-  for (unsigned u = 0; ok && u < nunits; u++) {
-    const unit_layout *l = units[u];
-    ckpt_unit *cu = &m->units[u];
-    cu->name = strdup(l->name);
-    cu->ntensors = l->ntensors;
-    cu->numel = l->numel;
-    cu->padded_numel = l->padded_numel;
-    cu->shard_numel = l->shard_numel;
-    cu->tensors = calloc(l->ntensors ? l->ntensors : 1, sizeof *cu->tensors);
-    ok = cu->name != NULL && cu->tensors != NULL;
-    for (unsigned t = 0; ok && t < l->ntensors; t++) {
-      const tensor_layout *tl = &l->tensors[t];
-      ckpt_tensor *ct = &cu->tensors[t];
-      ct->name = strdup(tl->name);
-      ct->ndim = tl->ndim;
-      memcpy(ct->shape, tl->shape, sizeof ct->shape[0] * tl->ndim);
-      ct->numel = tl->numel;
-      ct->offset = tl->offset;
-      ct->frozen = tl->frozen;
-      ok = ct->name != NULL;
-    }
-  }
-  if (!ok) {
-    ckpt_manifest_free(m);
-    free(m);
-    return NULL;
-  }
-  return m;
-}
+const exec_ckpt_hooks ckpt_node_hooks = {
+    .stage = ckpt_node_stage,
+    .staging = ckpt_node_staging,
+    .saved = ckpt_node_saved,
+    .save_failed = ckpt_node_save_failed,
+    .restore_report = ckpt_node_restore_report,
+};

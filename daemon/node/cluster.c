@@ -1,5 +1,5 @@
 /* node.c - a node daemon's membership in a cluster (see node.h). */
-#include "node.h"
+#include "cluster.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -12,6 +12,7 @@
 #include "coord.h"
 #include "ctl_decode.h"
 #include "daemon.h"
+#include "jobs.h"
 #include "log.h"
 #include "rpc.h"
 #include "store.h"
@@ -35,7 +36,7 @@ typedef struct watch_msg {
   rpc_result result;
 } watch_msg;
 
-typedef struct node_agent {
+typedef struct cluster_agent {
   zdaemon *d;
   rpc_channel *channel;
   store *rendezvous;
@@ -56,9 +57,9 @@ typedef struct node_agent {
   /* The one blocking call in flight on the threadpool. */
   uv_work_t work;
   int work_busy;
-  int report_again; /* node_report while a call was in flight */
+  int report_again; /* cluster_report while a call was in flight */
   const char *method;
-  void (*done)(struct node_agent *a);
+  void (*done)(struct cluster_agent *a);
   uint8_t *request, *reply;
   size_t request_bytes, reply_bytes;
   rpc_result result;
@@ -71,10 +72,10 @@ typedef struct node_agent {
   pthread_mutex_t mutex;
   watch_msg *head, *tail;
   uv_async_t watch_async;
-} node_agent;
+} cluster_agent;
 
-static void schedule(node_agent *a, int delay_ms);
-static void start_watch(node_agent *a);
+static void schedule(cluster_agent *a, int delay_ms);
+static void start_watch(cluster_agent *a);
 static void on_watch_retry(uv_timer_t *t);
 
 /* ------------------------------------------------------------------------ */
@@ -82,18 +83,18 @@ static void on_watch_retry(uv_timer_t *t);
 /* ------------------------------------------------------------------------ */
 
 static void work_run(uv_work_t *w) {
-  node_agent *a = w->data;
+  cluster_agent *a = w->data;
   a->reply = NULL;
   a->reply_bytes = 0;
   rpc_unary(a->channel, a->method, a->request, a->request_bytes, NODE_CALL_MS, &a->reply,
             &a->reply_bytes, &a->result);
 }
 
-static void on_join_done(node_agent *a);
-static void on_heartbeat_done(node_agent *a);
+static void on_join_done(cluster_agent *a);
+static void on_heartbeat_done(cluster_agent *a);
 
 static void work_done(uv_work_t *w, int status) {
-  node_agent *a = w->data;
+  cluster_agent *a = w->data;
   a->work_busy = 0;
   free(a->request);
   a->request = NULL;
@@ -107,8 +108,8 @@ static void work_done(uv_work_t *w, int status) {
 
 /* Runs method on the threadpool; done(a) follows on the loop with the
  * result in a->result and a->reply. */
-static int start_call(node_agent *a, const char *method, const ProtobufCMessage *req,
-                      void (*done)(node_agent *a)) {
+static int start_call(cluster_agent *a, const char *method, const ProtobufCMessage *req,
+                      void (*done)(cluster_agent *a)) {
   size_t len = protobuf_c_message_get_packed_size(req);
   a->request = malloc(len ? len : 1);
   if (a->request == NULL)
@@ -129,7 +130,7 @@ static int start_call(node_agent *a, const char *method, const ProtobufCMessage 
 }
 
 /* Logs a failed call once per change of its status. */
-static void log_failure(node_agent *a, const char *what) {
+static void log_failure(cluster_agent *a, const char *what) {
   if (a->result.status == a->last_status)
     return;
   a->last_status = a->result.status;
@@ -153,7 +154,7 @@ static void node_info(zdaemon *d, Zerod__V1__NodeInfo *info) {
   info->version = "0.1.0";
 }
 
-static void send_join(node_agent *a) {
+static void send_join(cluster_agent *a) {
   Zerod__V1__NodeInfo info;
   node_info(a->d, &info);
   Zerod__V1__JoinRequest req = ZEROD__V1__JOIN_REQUEST__INIT;
@@ -162,7 +163,7 @@ static void send_join(node_agent *a) {
     schedule(a, a->backoff_ms);
 }
 
-static void on_join_done(node_agent *a) {
+static void on_join_done(cluster_agent *a) {
   Zerod__V1__JoinReply *r = NULL;
   if (a->result.status == RPC_OK)
     r = zerod__v1__join_reply__unpack(NULL, a->reply_bytes, a->reply);
@@ -213,7 +214,7 @@ static size_t jobs_settled(zdaemon *d, size_t *njobs) {
 }
 
 static void on_settle_poll(uv_timer_t *t) {
-  node_agent *a = t->data;
+  cluster_agent *a = t->data;
   size_t njobs, settled = jobs_settled(a->d, &njobs);
   if (settled != a->reported_settled && !a->work_busy && a->state == NODE_MEMBER)
     schedule(a, 0);
@@ -221,7 +222,7 @@ static void on_settle_poll(uv_timer_t *t) {
     uv_timer_stop(t);
 }
 
-static void send_heartbeat(node_agent *a) {
+static void send_heartbeat(cluster_agent *a) {
   zdaemon *d = a->d;
   size_t njobs = 0;
   for (job *j = d->jobs; j != NULL; j = j->next)
@@ -270,9 +271,9 @@ static void send_heartbeat(node_agent *a) {
   free(errors);
 }
 
-static void stop_watch(node_agent *a);
+static void stop_watch(cluster_agent *a);
 
-static void on_heartbeat_done(node_agent *a) {
+static void on_heartbeat_done(cluster_agent *a) {
   if (a->result.status == RPC_NOT_FOUND) {
     char msg[600];
     LOG_WARNF("lease lost; joining again", "node=%s error=%s", a->d->options.node_name,
@@ -294,14 +295,14 @@ static void on_heartbeat_done(node_agent *a) {
   schedule(a, again ? 0 : a->lease_ttl_ms / 3);
 }
 
-void node_job_added(zdaemon *d) {
-  node_agent *a = d->cluster;
+void cluster_job_added(zdaemon *d) {
+  cluster_agent *a = d->cluster;
   if (a != NULL && a->state != NODE_STOPPED)
     uv_timer_start(&a->settle_timer, on_settle_poll, NODE_SETTLE_POLL_MS, NODE_SETTLE_POLL_MS);
 }
 
-void node_report(zdaemon *d) {
-  node_agent *a = d->cluster;
+void cluster_report(zdaemon *d) {
+  cluster_agent *a = d->cluster;
   if (a == NULL || a->state != NODE_MEMBER)
     return;
   if (a->work_busy)
@@ -311,7 +312,7 @@ void node_report(zdaemon *d) {
 }
 
 static void on_timer(uv_timer_t *t) {
-  node_agent *a = t->data;
+  cluster_agent *a = t->data;
   if (a->work_busy || a->state == NODE_STOPPED)
     return;
   if (a->state == NODE_JOINING)
@@ -320,7 +321,7 @@ static void on_timer(uv_timer_t *t) {
     send_heartbeat(a);
 }
 
-static void schedule(node_agent *a, int delay_ms) {
+static void schedule(cluster_agent *a, int delay_ms) {
   if (a->state != NODE_STOPPED)
     uv_timer_start(&a->timer, on_timer, (uint64_t)(delay_ms > 0 ? delay_ms : 0), 0);
 }
@@ -329,7 +330,7 @@ static void schedule(node_agent *a, int delay_ms) {
 /* Watch                                                                    */
 /* ------------------------------------------------------------------------ */
 
-static void push(node_agent *a, watch_msg *m) {
+static void push(cluster_agent *a, watch_msg *m) {
   pthread_mutex_lock(&a->mutex);
   if (a->tail != NULL)
     a->tail->next = m;
@@ -341,7 +342,7 @@ static void push(node_agent *a, watch_msg *m) {
 }
 
 static void *watch_main(void *arg) {
-  node_agent *a = arg;
+  cluster_agent *a = arg;
   for (;;) {
     watch_msg *m = calloc(1, sizeof *m);
     if (m == NULL) {
@@ -358,7 +359,7 @@ static void *watch_main(void *arg) {
   }
 }
 
-static void start_watch(node_agent *a) {
+static void start_watch(cluster_agent *a) {
   if (a->watch_running || a->state != NODE_MEMBER)
     return;
   Zerod__V1__WatchRequest req = ZEROD__V1__WATCH_REQUEST__INIT;
@@ -383,7 +384,7 @@ static void start_watch(node_agent *a) {
 }
 
 /* Cancels the stream and waits for the thread, which then exits at once. */
-static void stop_watch(node_agent *a) {
+static void stop_watch(cluster_agent *a) {
   if (!a->watch_running)
     return;
   rpc_stream_cancel(a->stream);
@@ -398,14 +399,14 @@ static void on_watch_retry(uv_timer_t *t) {
 }
 
 /* Makes the local jobs follow the coordinator's assignments. */
-static void reconcile(node_agent *a, const Zerod__V1__WatchEvent *ev) {
+static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
   zdaemon *d = a->d;
   for (size_t i = 0; i < ev->n_assignments; i++) {
     const Zerod__V1__Assignment *as = ev->assignments[i];
     const Zerod__V1__Job *pj = as->job;
     if (pj == NULL || pj->name == NULL)
       continue;
-    job *j = daemon_find_job(d, pj->name);
+    job *j = jobs_find(d, pj->name);
     if (j == NULL) {
       /* A job that is not (or no longer) healthy is not built here: its
        * other ranks are gone or failed, so a rendezvous could only time
@@ -426,11 +427,10 @@ static void reconcile(node_agent *a, const Zerod__V1__WatchEvent *ev) {
       if (rc == 0)
         rc = job_config_finish(&config, max_live, err, sizeof err);
       if (rc == 0)
-        rc =
-            daemon_job_start(d, pj->name, as->token, &config, (int)pj->world_size, (int)as->ranks,
-                             (int)as->first_rank, pj->id, (unsigned)pj->epoch, &j, err, sizeof err);
+        rc = jobs_start(d, pj->name, as->token, &config, (int)pj->world_size, (int)as->ranks,
+                        (int)as->first_rank, pj->id, (unsigned)pj->epoch, &j, err, sizeof err);
       if (rc == 0)
-        node_job_added(d);
+        cluster_job_added(d);
       if (rc != 0) {
         char msg[300];
         LOG_ERRORF("cannot host the job's ranks", "job=%s error=%s", pj->name,
@@ -469,13 +469,15 @@ static void reconcile(node_agent *a, const Zerod__V1__WatchEvent *ev) {
     /* Its workers get the reason; the job goes once the last one has
      * detached, and is no longer reported, so the deletion completes. */
     j->deleted = 1;
-    if (j->sessions == 0)
-      daemon_job_retire(d, j); /* and reports at once */
+    if (j->sessions == 0) {
+      jobs_retire(d, j);
+      cluster_report(d); /* the coordinator hears at once that it has gone */
+    }
   }
 }
 
 static void on_watch_async(uv_async_t *h) {
-  node_agent *a = h->data;
+  cluster_agent *a = h->data;
   pthread_mutex_lock(&a->mutex);
   watch_msg *m = a->head;
   a->head = a->tail = NULL;
@@ -519,8 +521,9 @@ static void on_watch_async(uv_async_t *h) {
 /* Lifecycle                                                                */
 /* ------------------------------------------------------------------------ */
 
-int node_create(zdaemon *d, store *local_store, store **rendezvous, char *err, size_t err_bytes) {
-  node_agent *a = calloc(1, sizeof *a);
+int cluster_create(zdaemon *d, store *local_store, store **rendezvous, char *err,
+                   size_t err_bytes) {
+  cluster_agent *a = calloc(1, sizeof *a);
   if (a == NULL) {
     snprintf(err, err_bytes, "out of memory");
     return -ENOMEM;
@@ -550,8 +553,8 @@ int node_create(zdaemon *d, store *local_store, store **rendezvous, char *err, s
   return 0;
 }
 
-void node_start(zdaemon *d) {
-  node_agent *a = d->cluster;
+void cluster_start(zdaemon *d) {
+  cluster_agent *a = d->cluster;
   if (d->coord != NULL) {
     /* The coordinator runs in this process: join it directly, so that the
      * node is a member before the first worker attaches; the lease is then
@@ -573,8 +576,8 @@ void node_start(zdaemon *d) {
   schedule(a, 0);
 }
 
-void node_stop(zdaemon *d) {
-  node_agent *a = d->cluster;
+void cluster_stop(zdaemon *d) {
+  cluster_agent *a = d->cluster;
   if (a == NULL || a->state == NODE_STOPPED)
     return;
   /* The in-process coordinator is stopping too; a blocking Leave from the
@@ -608,8 +611,8 @@ void node_stop(zdaemon *d) {
   uv_close((uv_handle_t *)&a->watch_async, NULL);
 }
 
-void node_destroy(zdaemon *d) {
-  node_agent *a = d->cluster;
+void cluster_destroy(zdaemon *d) {
+  cluster_agent *a = d->cluster;
   if (a == NULL)
     return;
   watch_msg *m = a->head;

@@ -31,7 +31,7 @@ typedef struct daemon_options {
 } daemon_options;
 
 struct session;
-struct node_agent;
+struct cluster_agent;
 
 typedef struct daemon {
   uv_loop_t *loop;
@@ -51,15 +51,18 @@ typedef struct daemon {
   /* Ops finished by executors, drained by the loop (completion_async). */
   pthread_mutex_t completion_mutex;
   exec_op *completion_head, *completion_tail;
+  /* How every job's ranks run and report (exec.h); the jobs point to it. */
+  exec_settings exec;
   uv_async_t completion_async;
   /* Checkpoint progress from executors and shard writers: a heartbeat at
    * once (ckpt_node.c). */
   uv_async_t ckpt_async;
   _Atomic int ckpt_async_ready;
+  void (*ckpt_progress)(struct daemon *d); /* on the loop, after ckpt_async */
 
   /* The coordinator client (zerod node, and zerod standalone, whose
    * coordinator runs in this process: coord, serving control_server). */
-  struct node_agent *cluster;
+  struct cluster_agent *cluster;
   struct coord *coord;
   struct rpc_server *control_server;
 
@@ -69,22 +72,9 @@ typedef struct daemon {
 } zdaemon; /* not "daemon": unistd.h declares daemon(3) */
 
 /* ipc.c */
-job *daemon_find_job(zdaemon *d, const char *name);
-/* Creates a job with nranks local ranks (global first_rank..), starts its
- * executors and their communicators of the given generation (the
- * rendezvous epoch: 0 standalone, the coordinator's job epoch in a
- * cluster), and adds it to d->jobs.
- * Returns 0 or a negative errno with a message in err. */
-int daemon_job_start(zdaemon *d, const char *name, const char *token, const job_config *config,
-                     int world_size, int nranks, int first_rank, uint64_t id, unsigned generation,
-                     job **out, char *err, size_t err_bytes);
-/* Takes a deleted job out of d->jobs (nothing finds it by name any more)
- * and stops its executors; call once nobody is attached. Its memory is
- * freed at exit. */
-void daemon_job_retire(zdaemon *d, job *j);
 int ipc_listen(zdaemon *d, char *err, size_t err_bytes);
 void ipc_close_all(zdaemon *d, const char *reason);
-void ipc_complete(exec_op *op); /* executor thread */
+void ipc_complete(void *daemon, exec_op *op); /* executor thread */
 void ipc_drain_completions(zdaemon *d);
 
 #endif /* ZEROD_DAEMON_H */

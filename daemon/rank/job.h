@@ -22,57 +22,18 @@
 #include <stdint.h>
 
 #include "comm.h"
+#include "config.h"
 #include "device.h"
+#include "layout.h"
 #include "zerod/v1/ipc.pb-c.h"
 #include "zk.h"
 
 #define JOB_MAX_UNITS 65536
 #define JOB_MAX_WORLD 64
-/* Tensors start at a multiple of this many elements (64 bytes of fp32), and
- * shards are multiples of it, so every shard and tensor is vector aligned. */
-#define JOB_ALIGN_NUMEL 16
 
 struct session;
 struct exec_op;
-struct daemon;
-
-typedef enum job_optimizer { JOB_ADAMW = 1, JOB_ADAM = 2, JOB_SGD = 3 } job_optimizer;
-
-typedef struct job_config {
-  job_optimizer optimizer;
-  double lr, beta1, beta2, eps, weight_decay;
-  double momentum, dampening;
-  int nesterov;
-  zk_dtype working_dtype; /* ZK_F32 or ZK_BF16; gradient buffers use it too */
-  uint64_t max_live_bytes;
-  double max_grad_norm;
-} job_config;
-
-typedef struct tensor_layout {
-  char *name;
-  uint64_t shape[8];
-  unsigned ndim;
-  uint64_t numel;
-  uint64_t offset; /* elements from the start of the flat buffer */
-  int frozen;
-} tensor_layout;
-
-typedef struct unit_layout {
-  uint32_t id;
-  char *name;
-  unsigned ntensors;
-  tensor_layout *tensors;
-  uint64_t numel;        /* end of the last tensor */
-  uint64_t packed_numel; /* sum of the tensors' numel (initial values) */
-  uint64_t padded_numel; /* multiple of world * JOB_ALIGN_NUMEL */
-  uint64_t shard_numel;
-  uint8_t *descriptor; /* canonical bytes compared across ranks */
-  size_t descriptor_bytes;
-  /* Ranks whose shard of the unit holds its initial values. A unit is
-   * listed (UNITS) and readable by read-only sessions once every rank has
-   * it; a rank counts itself when its registration is complete. */
-  _Atomic int ready_ranks;
-} unit_layout;
+struct exec_settings;
 
 /* A [begin, end) range of a shard, in shard elements. */
 typedef struct shard_range {
@@ -181,7 +142,11 @@ typedef struct rank_state {
 
 typedef struct job {
   struct job *next;
-  struct daemon *daemon;
+  /* How its ranks run and whom they report to (exec.h), and the owner's
+   * own pointer (the node daemon's): both set by the owner, which outlives
+   * the job. */
+  const struct exec_settings *exec;
+  void *owner;
   char *name;
   uint64_t id;
   char *token;
@@ -215,19 +180,6 @@ typedef struct job {
   _Atomic uint64_t latest_version; /* the highest version any rank reached */
 } job;
 
-/* Converts the protocol's config (NULL: all defaults) to a job_config;
- * call job_config_finish next. Returns 0 or -EINVAL with a message. */
-int job_config_from_proto(const Zerod__V1__JobConfig *proto, job_config *config, char *err,
-                          size_t err_bytes);
-
-/* Fills in torch.optim's defaults for zero fields; validates ranges.
- * Returns 0 or -EINVAL with a message in err. */
-int job_config_finish(job_config *config, uint64_t default_max_live_bytes, char *err,
-                      size_t err_bytes);
-
-/* "adamw", "adam" or "sgd": the name in logs and checkpoint manifests. */
-const char *job_optimizer_name(job_optimizer o);
-
 /* Whether some of the job's ranks live on other nodes. Such a job never
  * resets on one node alone (its communicators span the nodes, decisions.md),
  * a lost worker fails it at once (peers would wait in collectives), and
@@ -240,17 +192,13 @@ static inline int job_spans_nodes(const job *j) {
 /* Creates a job of world_size ranks of which this daemon hosts nranks,
  * global ranks first_rank.. (executors not started). -EINVAL if they do not
  * fit, -ENOMEM. */
-int job_create(struct daemon *daemon, const char *name, const char *token, const job_config *config,
-               int world_size, int nranks, int first_rank, uint64_t id, job **out);
-/* Frees a job whose executors have stopped. */
+int job_create(const struct exec_settings *exec, void *owner, const char *name, const char *token,
+               const job_config *config, int world_size, int nranks, int first_rank, uint64_t id,
+               job **out);
+/* Frees the job itself: call once its executors have stopped and freed
+ * their state (exec_rank_free), its pins are gone (pin_job_clear) and its
+ * owner has freed what it hung on the job (node/jobs.c does all of it). */
 void job_destroy(job *j);
-
-/* Builds a unit layout from names, shapes and flags; err on failure. */
-int unit_layout_build(const char *name, unsigned ntensors, const char *const *tensor_names,
-                      const uint64_t *const *shapes, const unsigned *ndims, const int *frozen,
-                      int world_size, uint64_t init_tag, unit_layout **out, char *err,
-                      size_t err_bytes);
-void unit_layout_free(unit_layout *layout);
 
 /* Marks the job failed in its current generation (first reason wins) and
  * wakes the readers waiting on its ranks. */

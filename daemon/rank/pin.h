@@ -55,10 +55,9 @@ typedef struct job_pin {
   int lost;                /* a snapshot could not be made (out of memory) */
 } job_pin;
 
-/* Sets up and tears down the job's locks and pin list (job_create and
- * job_destroy call them). */
-int pin_job_init(job *j);
-void pin_job_destroy(job *j);
+/* Frees the pins left in the job's list (before job_destroy, once every
+ * session is gone). The locks above are the job's (job_create makes them). */
+void pin_job_clear(job *j);
 
 /* ---- Writers: rank r's executor ---------------------------------------- */
 

@@ -18,7 +18,7 @@
 #include <unistd.h>
 
 #include "frame.h"
-#include "ckpt_node.h"
+#include "ckpt_job.h"
 #include "hostmem.h"
 #include "log.h"
 #include "pin.h"
@@ -26,11 +26,8 @@
 #include "rpc.h"
 #include "shm.h"
 
-static exec_settings settings = {.threads_per_rank = 1, .collective_timeout_ms = 60000};
-
-void exec_configure(const exec_settings *s) {
-  settings = *s;
-}
+/* The node's side of checkpoints, through the job's settings (exec.h). */
+#define CKPT_HOOK(name) rs->job->exec->ckpt.name
 
 exec_op *exec_op_new(op_kind kind, rank_state *rank) {
   exec_op *op = calloc(1, sizeof *op);
@@ -319,14 +316,16 @@ static int shard_create(rank_state *rs, const unit_layout *l) {
   uint64_t n = l->shard_numel;
   sh->master = zalloc(rs, n * 4);
   sh->grad_acc = zalloc(rs, n * 4);
-  int need_m1 = c->optimizer != JOB_SGD || c->momentum != 0;
-  sh->moment1 = need_m1 ? zalloc(rs, n * 4) : NULL;
-  sh->moment2 = c->optimizer != JOB_SGD ? zalloc(rs, n * 4) : NULL;
+  int has[JOB_NSTATES];
+  job_config_states(c, has);
+  sh->moment1 = has[JOB_STATE_MOMENT1] ? zalloc(rs, n * 4) : NULL;
+  sh->moment2 = has[JOB_STATE_MOMENT2] ? zalloc(rs, n * 4) : NULL;
   sh->working = c->working_dtype == ZK_F32 ? (void *)sh->master
                                            : zalloc(rs, n * zk_dtype_size(c->working_dtype));
   int err = 0;
-  if (sh->master == NULL || sh->grad_acc == NULL || (need_m1 && sh->moment1 == NULL) ||
-      (c->optimizer != JOB_SGD && sh->moment2 == NULL) || sh->working == NULL)
+  if (sh->master == NULL || sh->grad_acc == NULL ||
+      (has[JOB_STATE_MOMENT1] && sh->moment1 == NULL) ||
+      (has[JOB_STATE_MOMENT2] && sh->moment2 == NULL) || sh->working == NULL)
     err = -ENOMEM;
   /* Trainable ranges of this rank's shard, and the ranges of the whole flat
    * buffer that hold no trainable tensor (gaps, padding, frozen tensors):
@@ -799,21 +798,12 @@ static void log_progress(rank_state *rs, double grad_norm) {
  * host memory and hands it to its writer (ckpt_node.c). The executor runs
  * nothing else meanwhile, so no step changes the state being copied; this
  * is all the time a save holds training up. */
-/* The states a save copies, by ckpt_state: the master weights and the
- * moments the optimizer keeps. Returns how many. */
-static int snapshot_states(const job_config *c, int want[3]) {
-  want[0] = 1;
-  want[1] = c->optimizer != JOB_SGD || c->momentum != 0;
-  want[2] = c->optimizer != JOB_SGD;
-  return want[0] + want[1] + want[2];
-}
-
 /* The units of which rank rs holds a shard, in the job's order, and the
  * bytes of its copy for a save. NULL if out of memory. */
 static unit_layout **snapshot_units(rank_state *rs, unsigned *n, uint64_t *bytes) {
   job *j = rs->job;
   int want[3];
-  int nstates = snapshot_states(&j->config, want);
+  int nstates = job_config_states(&j->config, want);
   pthread_mutex_lock(&j->mutex);
   uint32_t nunits = j->nunits;
   unit_layout **units = malloc((nunits ? nunits : 1) * sizeof *units);
@@ -837,18 +827,18 @@ static void take_snapshot(rank_state *rs, uint64_t id) {
   if (job_failed(j, rs->generation, reason, sizeof reason)) {
     char why[600];
     snprintf(why, sizeof why, "job '%s' failed: %s", j->name, reason);
-    ckpt_node_save_failed(j, rs->rank, id, RPC_FAILED_PRECONDITION, why);
+    CKPT_HOOK(save_failed)(j, rs->rank, id, RPC_FAILED_PRECONDITION, why);
     return;
   }
   double t0 = monotonic_s();
   int want[3];
-  snapshot_states(&j->config, want);
+  job_config_states(&j->config, want);
   unsigned n = 0;
   uint64_t bytes = 0;
   unit_layout **units = snapshot_units(rs, &n, &bytes);
   /* Memory the rank's writer faulted in while the step ran, if the order
    * came early enough (ckpt_node_stage), else fresh. */
-  uint8_t *data = units != NULL ? ckpt_node_staging(j, rs->rank, id, bytes) : NULL;
+  uint8_t *data = units != NULL ? CKPT_HOOK(staging)(j, rs->rank, id, bytes) : NULL;
   int staged = data != NULL;
   if (units != NULL && data == NULL)
     data = hostmem_shared_alloc(bytes);
@@ -866,8 +856,13 @@ static void take_snapshot(rank_state *rs, uint64_t id) {
     }
   }
   ckpt_manifest *layout = NULL;
-  if (rc == 0 && rs->rank == 0 &&
-      (layout = ckpt_layout_of(j, units, n, rs->step, rs->version)) == NULL)
+  ckpt_job_view view = {.name = j->name,
+                        .id = j->id,
+                        .world_size = j->world_size,
+                        .config = &j->config,
+                        .units = units,
+                        .nunits = n};
+  if (rc == 0 && rs->rank == 0 && (layout = ckpt_layout_of(&view, rs->step, rs->version)) == NULL)
     rc = -ENOMEM;
   free(units);
   if (rc != 0) {
@@ -875,7 +870,7 @@ static void take_snapshot(rank_state *rs, uint64_t id) {
     char why[600];
     snprintf(why, sizeof why, "copying the shard state: %s",
              rc == -ENOMEM ? "out of host memory" : device_last_error(rs->dev));
-    ckpt_node_save_failed(j, rs->rank, id, RPC_RESOURCE_EXHAUSTED, why);
+    CKPT_HOOK(save_failed)(j, rs->rank, id, RPC_RESOURCE_EXHAUSTED, why);
     return;
   }
   int64_t stall_ms = (int64_t)((monotonic_s() - t0) * 1000);
@@ -883,7 +878,7 @@ static void take_snapshot(rank_state *rs, uint64_t id) {
              "job=%s rank=%d save=%llu step=%llu bytes=%llu staged=%d ms=%lld", j->name, rs->rank,
              (unsigned long long)id, (unsigned long long)rs->step, (unsigned long long)bytes,
              staged, (long long)stall_ms);
-  ckpt_node_saved(j, rs->rank, id, rs->step, data, bytes, layout, stall_ms);
+  CKPT_HOOK(saved)(j, rs->rank, id, rs->step, data, bytes, layout, stall_ms);
 }
 
 static void handle_step(rank_state *rs, exec_op *op) {
@@ -1083,42 +1078,6 @@ static int seed_master(rank_state *rs, const unit_layout *l, shard *sh, uint64_t
   return rc;
 }
 
-/* The first chunk index where two descriptors differ, or -1 if equal. */
-static int32_t descriptor_diff(const uint8_t *a, size_t a_bytes, const uint8_t *b, size_t b_bytes) {
-  size_t pa = 0, pb = 0;
-  for (int32_t chunk = 0;; chunk++) {
-    if (pa >= a_bytes && pb >= b_bytes)
-      return -1;
-    if (pa + 4 > a_bytes || pb + 4 > b_bytes)
-      return chunk;
-    uint32_t la = 0, lb = 0;
-    for (int i = 0; i < 4; i++) {
-      la |= (uint32_t)a[pa + (size_t)i] << (8 * i);
-      lb |= (uint32_t)b[pb + (size_t)i] << (8 * i);
-    }
-    if (la != lb || pa + 4 + la > a_bytes || pb + 4 + lb > b_bytes ||
-        memcmp(a + pa + 4, b + pb + 4, la) != 0)
-      return chunk;
-    pa += 4 + la;
-    pb += 4 + lb;
-  }
-}
-
-/* Describes tensor `index` of a layout for an error message. */
-static void describe_tensor(const unit_layout *l, int32_t index, char *out, size_t out_bytes) {
-  if (l == NULL || index < 0 || (unsigned)index >= l->ntensors) {
-    snprintf(out, out_bytes, "(none)");
-    return;
-  }
-  const tensor_layout *t = &l->tensors[index];
-  int n = snprintf(out, out_bytes, "'%s' shape [", t->name);
-  for (unsigned d = 0; d < t->ndim && n > 0 && (size_t)n < out_bytes; d++)
-    n += snprintf(out + n, out_bytes - (size_t)n, "%s%llu", d ? "," : "",
-                  (unsigned long long)t->shape[d]);
-  if (n > 0 && (size_t)n < out_bytes)
-    snprintf(out + n, out_bytes - (size_t)n, "]%s", t->frozen ? " frozen" : "");
-}
-
 static void handle_register(rank_state *rs, exec_op *op) {
   Zerod__V1__RegisterUnitRequest *req = (Zerod__V1__RegisterUnitRequest *)op->request;
   job *j = rs->job;
@@ -1205,11 +1164,12 @@ static void handle_register(rank_state *rs, exec_op *op) {
   }
   /* Only once rank 0's descriptor is here: after a failed broadcast
    * (a peer that never came, a timeout) there is none to compare with. */
-  int32_t my_code = local_rc != 0 ? -2
-                                  : (rc == 0 && head.desc_bytes > 0
-                                         ? descriptor_diff(mine->descriptor, mine->descriptor_bytes,
-                                                           root_desc, head.desc_bytes)
-                                         : -1);
+  int32_t my_code = local_rc != 0
+                        ? -2
+                        : (rc == 0 && head.desc_bytes > 0
+                               ? unit_layout_diff(mine->descriptor, mine->descriptor_bytes,
+                                                  root_desc, head.desc_bytes)
+                               : -1);
   codes = calloc((size_t)j->world_size, sizeof *codes);
   if (rc == 0 && codes == NULL)
     rc = -ENOMEM;
@@ -1247,7 +1207,7 @@ static void handle_register(rank_state *rs, exec_op *op) {
                  r, req->name, nt);
     } else {
       char here[320];
-      describe_tensor(mine, codes[r] - 1, here, sizeof here);
+      unit_layout_describe_tensor(mine, codes[r] - 1, here, sizeof here);
       exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
                  "unit '%s': layouts differ between ranks at tensor #%d: rank %d differs from "
                  "rank 0 (this rank %d has %s)",
@@ -1514,8 +1474,27 @@ static void handle_save(rank_state *rs, exec_op *op) {
   uint64_t bytes;
   unit_layout **units = snapshot_units(rs, &n, &bytes);
   if (units != NULL)
-    ckpt_node_stage(rs->job, rs->rank, op->ckpt_id, bytes);
+    CKPT_HOOK(stage)(rs->job, rs->rank, op->ckpt_id, bytes);
   free(units);
+}
+
+/* The job as checkpoints see it (ckpt_job.h), with a copy of its unit
+ * table taken under its mutex (the caller frees view->units). Returns 0 or
+ * -ENOMEM (view->units NULL). */
+static int job_view(job *j, ckpt_job_view *view) {
+  pthread_mutex_lock(&j->mutex);
+  uint32_t nunits = j->nunits;
+  unit_layout **units = malloc((nunits ? nunits : 1) * sizeof *units);
+  if (units != NULL && nunits > 0)
+    memcpy(units, j->units, nunits * sizeof *units);
+  pthread_mutex_unlock(&j->mutex);
+  *view = (ckpt_job_view){.name = j->name,
+                          .id = j->id,
+                          .world_size = j->world_size,
+                          .config = &j->config,
+                          .units = units,
+                          .nunits = nunits};
+  return units != NULL ? 0 : -ENOMEM;
 }
 
 static void handle_restore_read(rank_state *rs, exec_op *op) {
@@ -1525,8 +1504,16 @@ static void handle_restore_read(rank_state *rs, exec_op *op) {
   char err[512] = "";
   ckpt_staged *st = NULL;
   double t0 = monotonic_s();
-  int rc = ckpt_restore_read(rs->job, rs->rank, op->ckpt_source, op->ckpt_format,
-                             device_is_host(rs->dev), &st, &code, err, sizeof err);
+  ckpt_job_view view;
+  int rc = job_view(rs->job, &view) == 0
+               ? ckpt_restore_read(&view, rs->rank, op->ckpt_source, op->ckpt_format,
+                                   device_is_host(rs->dev), &st, &code, err, sizeof err)
+               : -ENOMEM;
+  if (view.units == NULL) {
+    code = RPC_RESOURCE_EXHAUSTED;
+    snprintf(err, sizeof err, "out of host memory");
+  }
+  free((void *)view.units);
   if (rc == 0) {
     st->id = op->ckpt_id;
     rs->ckpt_staged = st;
@@ -1534,8 +1521,9 @@ static void handle_restore_read(rank_state *rs, exec_op *op) {
                rs->rank, (unsigned long long)op->ckpt_id, st->mem_bytes,
                (monotonic_s() - t0) * 1e3);
   }
-  ckpt_node_restore_report(rs->job, rs->rank, op->ckpt_id, 0, rc == 0 ? st->step : 0,
-                           rc == 0 ? 0 : (code != 0 ? code : RPC_INTERNAL), err);
+  CKPT_HOOK(restore_report)
+  (rs->job, rs->rank, op->ckpt_id, 0, rc == 0 ? st->step : 0,
+   rc == 0 ? 0 : (code != 0 ? code : RPC_INTERNAL), err);
 }
 
 /* Installs what handle_restore_read staged: every rank of the job does
@@ -1547,8 +1535,8 @@ static void handle_restore_commit(rank_state *rs, exec_op *op) {
   char err[512] = "";
   int rc = 0;
   if (st == NULL || st->id != op->ckpt_id) {
-    ckpt_node_restore_report(j, rs->rank, op->ckpt_id, 0, 0, RPC_INTERNAL,
-                             "no values read for this restore on the rank");
+    CKPT_HOOK(restore_report)
+    (j, rs->rank, op->ckpt_id, 0, 0, RPC_INTERNAL, "no values read for this restore on the rank");
     return;
   }
   rs->ckpt_staged = NULL;
@@ -1623,11 +1611,11 @@ static void handle_restore_commit(rank_state *rs, exec_op *op) {
   free(fresh);
   if (rc != 0) {
     job_fail(j, rs->generation, "rank %d: restore: %s", rs->rank, err);
-    ckpt_node_restore_report(j, rs->rank, op->ckpt_id, 0, 0, RPC_INTERNAL, err);
+    CKPT_HOOK(restore_report)(j, rs->rank, op->ckpt_id, 0, 0, RPC_INTERNAL, err);
   } else {
     LOG_INFOF("restored", "job=%s rank=%d restore=%llu step=%llu units=%u", j->name, rs->rank,
               (unsigned long long)op->ckpt_id, (unsigned long long)st->step, st->nunits);
-    ckpt_node_restore_report(j, rs->rank, op->ckpt_id, 1, st->step, 0, NULL);
+    CKPT_HOOK(restore_report)(j, rs->rank, op->ckpt_id, 1, st->step, 0, NULL);
   }
   ckpt_staged_free(st);
 }
@@ -1646,16 +1634,16 @@ static void handle_comm_init(rank_state *rs, exec_op *op) {
   comm_options options = {.prefix = prefix,
                           .rank = rs->rank,
                           .world_size = rs->job->world_size,
-                          .timeout_ms = settings.collective_timeout_ms,
-                          .hostname = settings.comm_hostname};
+                          .timeout_ms = rs->job->exec->collective_timeout_ms,
+                          .hostname = rs->job->exec->comm_hostname};
   int rc;
   if (rs->dev == NULL) {
     snprintf(err, sizeof err, "%s", rs->device_error);
     rc = -ENODEV;
   } else if (device_is_host(rs->dev)) {
-    rc = comm_gloo_create(&options, settings.rendezvous, &rs->comm, err, sizeof err);
+    rc = comm_gloo_create(&options, rs->job->exec->rendezvous, &rs->comm, err, sizeof err);
   } else {
-    rc = comm_nccl_create(&options, settings.rendezvous, device_cuda_api(rs->dev),
+    rc = comm_nccl_create(&options, rs->job->exec->rendezvous, device_cuda_api(rs->dev),
                           device_cuda_stream(rs->dev), &rs->comm, err, sizeof err);
   }
   if (rc != 0) {
@@ -1698,8 +1686,9 @@ static void handle_comm_init(rank_state *rs, exec_op *op) {
 /* ------------------------------------------------------------------------ */
 
 static void finish(exec_op *op) {
+  const exec_settings *settings = op->rank->job->exec;
   if (op->session != NULL)
-    settings.complete(op);
+    settings->complete(settings->ctx, op);
   else
     exec_op_free(op);
 }
@@ -1775,7 +1764,7 @@ static void run_op(rank_state *rs, exec_op *op) {
  * communicator's creation, which fails the job with it. */
 static void open_device(rank_state *rs) {
   int rc;
-  if (settings.device != NULL && strcmp(settings.device, "cuda") == 0) {
+  if (rs->job->exec->device != NULL && strcmp(rs->job->exec->device, "cuda") == 0) {
     /* Local rank i binds GPU i (ARCHITECTURE §3). */
     int ordinal = rs->rank - rs->job->first_rank;
     rc = device_cuda_open(ordinal, &rs->dev, rs->device_error, sizeof rs->device_error);
@@ -1847,7 +1836,7 @@ static void *exec_main(void *arg) {
 }
 
 int exec_rank_start(rank_state *rs) {
-  int rc = zk_pool_create(settings.threads_per_rank, &rs->pool);
+  int rc = zk_pool_create(rs->job->exec->threads_per_rank, &rs->pool);
   if (rc != 0)
     return rc;
   rc = pthread_create(&rs->thread, NULL, exec_main, rs);

@@ -2,7 +2,7 @@
  * checkpoint or a safetensors file, read and verified into host memory on
  * the rank's executor, matched to the job's units, and staged until the
  * coordinator commits. */
-#include "ckpt_node.h"
+#include "ckpt_job.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -12,6 +12,7 @@
 
 #include "hostmem.h"
 #include "rpc.h"
+#include "zerod/v1/control.pb-c.h"
 
 /* ------------------------------------------------------------------------ */
 /* Restore: reading (executor thread)                                       */
@@ -155,37 +156,21 @@ static void zero_between(float *state, uint64_t from, uint64_t to) {
     memset(state + from, 0, (to - from) * sizeof(float));
 }
 
-/* The job's units, in id order (a copy of the table, which only grows). */
-static unit_layout **job_units(job *j, unsigned *n) {
-  pthread_mutex_lock(&j->mutex);
-  *n = j->nunits;
-  unit_layout **units = malloc((*n ? *n : 1) * sizeof *units);
-  if (units != NULL && *n > 0)
-    memcpy(units, j->units, *n * sizeof *units);
-  pthread_mutex_unlock(&j->mutex);
-  return units;
-}
-
-static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st, int *code,
-                           char *err, size_t err_bytes) {
+static int read_checkpoint(const ckpt_job_view *j, int rank, const char *source, ckpt_staged *st,
+                           int *code, char *err, size_t err_bytes) {
   ckpt_source *src = NULL;
   hostmem_ahead *ahead = NULL;
   int rc = ckpt_source_open(source, &src, err, err_bytes);
   if (rc != 0)
     return fail(code, io_code(rc), rc);
   const ckpt_manifest *m = ckpt_source_manifest(src);
-  const job_config *cfg = &j->config;
-  unit_layout **units = NULL;
-  unsigned njob = 0;
+  const job_config *cfg = j->config;
+  unit_layout *const *units = j->units;
+  unsigned njob = j->nunits;
   if (!optimizers_compatible(m->config.optimizer, cfg->optimizer)) {
     snprintf(err, err_bytes, "the checkpoint was saved by a job using %s; job '%s' uses %s",
              m->config.optimizer, j->name, job_optimizer_name(cfg->optimizer));
     rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
-    goto done;
-  }
-  units = job_units(j, &njob);
-  if (units == NULL) {
-    rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
     goto done;
   }
   if (njob != 0 && njob != m->nunits) {
@@ -200,8 +185,9 @@ static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st
     goto done;
   }
   st->step = m->step;
-  int need1 = cfg->optimizer != JOB_SGD || cfg->momentum != 0;
-  int need2 = cfg->optimizer != JOB_SGD;
+  int has[JOB_NSTATES];
+  job_config_states(cfg, has);
+  int need1 = has[JOB_STATE_MOMENT1], need2 = has[JOB_STATE_MOMENT2];
   for (unsigned u = 0; u < m->nunits; u++) {
     const ckpt_unit *cu = &m->units[u];
     ckpt_staged_unit *su = &st->units[u];
@@ -285,25 +271,20 @@ static int read_checkpoint(job *j, int rank, const char *source, ckpt_staged *st
   rc = 0;
 done:
   hostmem_populate_stop(ahead);
-  free(units);
   ckpt_source_close(src);
   return rc;
 }
 
-static int read_safetensors(job *j, int rank, const char *source, ckpt_staged *st, int *code,
-                            char *err, size_t err_bytes) {
+static int read_safetensors(const ckpt_job_view *j, int rank, const char *source, ckpt_staged *st,
+                            int *code, char *err, size_t err_bytes) {
   st_file f = {0};
   int fd = -1;
   hostmem_ahead *ahead = NULL;
   int rc = st_open(source, &f, &fd, err, err_bytes);
   if (rc != 0)
     return fail(code, rc == -ENOENT ? RPC_NOT_FOUND : RPC_INVALID_ARGUMENT, rc);
-  unsigned njob = 0;
-  unit_layout **units = job_units(j, &njob);
-  if (units == NULL) {
-    rc = fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
-    goto done;
-  }
+  unsigned njob = j->nunits;
+  unit_layout *const *units = j->units;
   if (njob == 0) {
     snprintf(err, err_bytes,
              "job '%s' has no units: its workers register them before it is initialised from a "
@@ -379,15 +360,14 @@ static int read_safetensors(job *j, int rank, const char *source, ckpt_staged *s
   rc = 0;
 done:
   hostmem_populate_stop(ahead);
-  free(units);
   if (fd >= 0)
     close(fd);
   st_file_free(&f);
   return rc;
 }
 
-int ckpt_restore_read(job *j, int rank, const char *source, int format, int host_arrays,
-                      ckpt_staged **out, int *code, char *err, size_t err_bytes) {
+int ckpt_restore_read(const ckpt_job_view *j, int rank, const char *source, int format,
+                      int host_arrays, ckpt_staged **out, int *code, char *err, size_t err_bytes) {
   *out = NULL;
   *code = 0;
   ckpt_staged *st = calloc(1, sizeof *st);

@@ -15,30 +15,6 @@
 /* Setup                                                                    */
 /* ------------------------------------------------------------------------ */
 
-int pin_job_init(job *j) {
-  j->rank_locks = calloc((size_t)j->nranks, sizeof *j->rank_locks);
-  if (j->rank_locks == NULL)
-    return -ENOMEM;
-  /* Writers first: a steady stream of readers must not hold a rank's step
-   * back. Readers take several rank locks only in rank order and writers
-   * hold one, so preferring writers cannot deadlock. */
-  pthread_rwlockattr_t rwattr;
-  pthread_rwlockattr_init(&rwattr);
-  pthread_rwlockattr_setkind_np(&rwattr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
-  for (int r = 0; r < j->nranks; r++)
-    pthread_rwlock_init(&j->rank_locks[r], &rwattr);
-  pthread_rwlockattr_destroy(&rwattr);
-  pthread_mutex_init(&j->pin_mutex, NULL);
-  /* Waits are bounded by a monotonic deadline, immune to clock changes. */
-  pthread_condattr_t cattr;
-  pthread_condattr_init(&cattr);
-  pthread_condattr_setclock(&cattr, CLOCK_MONOTONIC);
-  pthread_cond_init(&j->pin_cond, &cattr);
-  pthread_condattr_destroy(&cattr);
-  atomic_init(&j->latest_version, 0);
-  return 0;
-}
-
 static void snapshot_free(pin_snapshot *s) {
   for (uint32_t u = 0; u < s->nunits; u++)
     free(s->working[u]);
@@ -58,21 +34,13 @@ static void pin_free(job *j, job_pin *p) {
   free(p);
 }
 
-void pin_job_destroy(job *j) {
-  if (j->rank_locks == NULL)
-    return;
+void pin_job_clear(job *j) {
   /* Every session has let go of its pin by now; free what is left anyway. */
   while (j->pins != NULL) {
     job_pin *p = j->pins;
     j->pins = p->next;
     pin_free(j, p);
   }
-  for (int r = 0; r < j->nranks; r++)
-    pthread_rwlock_destroy(&j->rank_locks[r]);
-  free(j->rank_locks);
-  j->rank_locks = NULL;
-  pthread_mutex_destroy(&j->pin_mutex);
-  pthread_cond_destroy(&j->pin_cond);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -1,0 +1,103 @@
+/* Job configs: the protocol's JobConfig turned into a job_config, torch's
+ * defaults and the ranges torch.optim accepts (config.h). */
+#include "config.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *err,
+                          size_t err_bytes) {
+  memset(c, 0, sizeof *c);
+  c->working_dtype = ZK_F32;
+  if (pc == NULL)
+    return 0;
+  if (pc->optimizer != NULL) {
+    const Zerod__V1__OptimizerConfig *o = pc->optimizer;
+    c->optimizer = o->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED
+                       ? JOB_ADAMW
+                       : (job_optimizer)o->kind;
+    c->lr = o->lr;
+    c->beta1 = o->beta1;
+    c->beta2 = o->beta2;
+    c->eps = o->eps;
+    c->weight_decay =
+        o->has_weight_decay ? o->weight_decay : (c->optimizer == JOB_ADAMW ? 0.01 : 0.0);
+    c->momentum = o->momentum;
+    c->dampening = o->dampening;
+    c->nesterov = o->nesterov;
+  } else {
+    c->optimizer = JOB_ADAMW;
+    c->weight_decay = 0.01;
+  }
+  switch (pc->working_dtype) {
+  case ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED:
+  case ZEROD__V1__DTYPE__DTYPE_F32:
+    c->working_dtype = ZK_F32;
+    break;
+  case ZEROD__V1__DTYPE__DTYPE_BF16:
+    c->working_dtype = ZK_BF16;
+    break;
+  default:
+    snprintf(err, err_bytes, "working precision must be fp32 or bf16");
+    return -EINVAL;
+  }
+  c->max_live_bytes = pc->max_live_bytes;
+  c->max_grad_norm = pc->max_grad_norm;
+  return 0;
+}
+
+const char *job_optimizer_name(job_optimizer o) {
+  return o == JOB_ADAMW ? "adamw" : o == JOB_ADAM ? "adam" : "sgd";
+}
+
+int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err, size_t err_bytes) {
+  if (c->optimizer == 0)
+    c->optimizer = JOB_ADAMW;
+  if (c->optimizer != JOB_ADAMW && c->optimizer != JOB_ADAM && c->optimizer != JOB_SGD) {
+    snprintf(err, err_bytes, "unknown optimizer %d", (int)c->optimizer);
+    return -EINVAL;
+  }
+  if (c->lr == 0)
+    c->lr = 1e-3;
+  if (c->beta1 == 0)
+    c->beta1 = 0.9;
+  if (c->beta2 == 0)
+    c->beta2 = 0.999;
+  if (c->eps == 0)
+    c->eps = 1e-8;
+  if (c->max_live_bytes == 0)
+    c->max_live_bytes = default_max_live_bytes;
+  if (c->working_dtype != ZK_F32 && c->working_dtype != ZK_BF16) {
+    snprintf(err, err_bytes, "working precision must be fp32 or bf16");
+    return -EINVAL;
+  }
+  /* The checks torch.optim makes, so a bad config fails at creation and not
+   * at the first step. */
+  if (!(c->lr > 0) || !isfinite(c->lr)) {
+    snprintf(err, err_bytes, "invalid learning rate %g (must be > 0)", c->lr);
+    return -EINVAL;
+  }
+  if (!(c->beta1 >= 0 && c->beta1 < 1) || !(c->beta2 >= 0 && c->beta2 < 1)) {
+    snprintf(err, err_bytes, "invalid betas (%g, %g) (each in [0, 1))", c->beta1, c->beta2);
+    return -EINVAL;
+  }
+  if (!(c->eps >= 0) || !(c->weight_decay >= 0) || !(c->momentum >= 0) ||
+      !(c->max_grad_norm >= 0) || !isfinite(c->weight_decay)) {
+    snprintf(err, err_bytes, "eps, weight decay, momentum and max_grad_norm must be >= 0");
+    return -EINVAL;
+  }
+  if (c->optimizer == JOB_SGD && c->nesterov && (c->momentum <= 0 || c->dampening != 0)) {
+    snprintf(err, err_bytes, "nesterov momentum requires a momentum and zero dampening");
+    return -EINVAL;
+  }
+  return 0;
+}
+
+int job_config_states(const job_config *c, int has[JOB_NSTATES]) {
+  has[JOB_STATE_MASTER] = 1;
+  has[JOB_STATE_MOMENT1] = c->optimizer != JOB_SGD || c->momentum != 0;
+  has[JOB_STATE_MOMENT2] = c->optimizer != JOB_SGD;
+  return has[JOB_STATE_MASTER] + has[JOB_STATE_MOMENT1] + has[JOB_STATE_MOMENT2];
+}

@@ -1,0 +1,56 @@
+/* config: a job's optimizer and precision config (ARCHITECTURE §2), one
+ * copy of its defaults and rules for the node daemon and the coordinator.
+ *
+ * The protocol's JobConfig (ipc.proto; control.proto reuses it) becomes a
+ * job_config with job_config_from_proto; job_config_finish fills in
+ * torch.optim's defaults and refuses what torch.optim would refuse, so a
+ * bad config fails when the job is created and never at its first step. */
+#ifndef ZEROD_CONFIG_H
+#define ZEROD_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "zerod/v1/ipc.pb-c.h"
+#include "zk.h"
+
+typedef enum job_optimizer { JOB_ADAMW = 1, JOB_ADAM = 2, JOB_SGD = 3 } job_optimizer;
+
+typedef struct job_config {
+  job_optimizer optimizer;
+  double lr, beta1, beta2, eps, weight_decay;
+  double momentum, dampening;
+  int nesterov;
+  zk_dtype working_dtype; /* ZK_F32 or ZK_BF16; gradient buffers use it too */
+  uint64_t max_live_bytes;
+  double max_grad_norm;
+} job_config;
+
+/* Converts the protocol's config (NULL: all defaults) to a job_config;
+ * call job_config_finish next. Returns 0 or -EINVAL with a message. */
+int job_config_from_proto(const Zerod__V1__JobConfig *proto, job_config *config, char *err,
+                          size_t err_bytes);
+
+/* Fills in torch.optim's defaults for zero fields; validates ranges.
+ * Returns 0 or -EINVAL with a message in err. */
+int job_config_finish(job_config *config, uint64_t default_max_live_bytes, char *err,
+                      size_t err_bytes);
+
+/* "adamw", "adam" or "sgd": the name in logs and checkpoint manifests. */
+const char *job_optimizer_name(job_optimizer o);
+
+/* The per-element fp32 states a job keeps for each trainable parameter,
+ * in this order (the order of a checkpoint's shard data, ckpt.h):
+ *   JOB_STATE_MASTER   the master weights, always;
+ *   JOB_STATE_MOMENT1  Adam's first moment, or SGD's momentum buffer when
+ *                      the momentum is not zero;
+ *   JOB_STATE_MOMENT2  Adam's second moment.
+ * This is the one place that says which exist: the ranks allocate them,
+ * saves copy them, restores require them, manifests list them. */
+enum { JOB_STATE_MASTER = 0, JOB_STATE_MOMENT1 = 1, JOB_STATE_MOMENT2 = 2, JOB_NSTATES = 3 };
+
+/* Sets has[s] to 1 for each state the config keeps, 0 otherwise; returns
+ * how many it keeps. */
+int job_config_states(const job_config *config, int has[JOB_NSTATES]);
+
+#endif /* ZEROD_CONFIG_H */

@@ -1,0 +1,106 @@
+/* The node's jobs: the registry the loop keeps in the daemon (d->jobs),
+ * and each job's life from its creation to its free (see jobs.h). */
+#include "jobs.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ckpt_node.h"
+#include "daemon.h"
+#include "exec.h"
+#include "log.h"
+#include "pin.h"
+
+job *jobs_find(zdaemon *d, const char *name) {
+  for (job *j = d->jobs; j != NULL; j = j->next)
+    if (strcmp(j->name, name) == 0)
+      return j;
+  return NULL;
+}
+
+/* Nobody is attached to a failed job any more: build fresh communicators
+ * (a new generation) so new workers can resume from the kept state. */
+void jobs_reset(job *j) {
+  j->generation++;
+  LOG_INFOF("job reset", "job=%s generation=%u", j->name, j->generation);
+  for (int r = 0; r < j->nranks; r++) {
+    exec_op *init = exec_op_new(OP_COMM_INIT, &j->ranks[r]);
+    if (init != NULL) {
+      init->generation = j->generation;
+      exec_submit(init);
+    }
+  }
+}
+
+int jobs_start(zdaemon *d, const char *name, const char *token, const job_config *config,
+               int world_size, int nranks, int first_rank, uint64_t id, unsigned generation,
+               job **out, char *err, size_t err_bytes) {
+  job *j;
+  int rc = job_create(&d->exec, d, name, token, config, world_size, nranks, first_rank, id, &j);
+  if (rc == 0 && (rc = ckpt_node_job_init(j)) != 0)
+    jobs_free(j);
+  if (rc != 0) {
+    snprintf(err, err_bytes, "%s", rc == -ENOMEM ? "out of memory" : "ranks do not fit the world");
+    return rc;
+  }
+  j->generation = generation;
+  for (int r = 0; r < j->nranks; r++) {
+    rc = exec_rank_start(&j->ranks[r]);
+    if (rc != 0) {
+      for (int k = 0; k < r; k++)
+        exec_rank_stop(&j->ranks[k]);
+      for (int k = 0; k < r; k++)
+        exec_rank_join(&j->ranks[k]);
+      jobs_free(j);
+      snprintf(err, err_bytes, "cannot start the executors: %s", strerror(-rc));
+      return rc;
+    }
+  }
+  for (int r = 0; r < j->nranks; r++) {
+    exec_op *init = exec_op_new(OP_COMM_INIT, &j->ranks[r]);
+    if (init == NULL) {
+      job_fail(j, 0, "out of memory");
+      continue;
+    }
+    init->generation = generation;
+    exec_submit(init);
+  }
+  j->next = d->jobs;
+  d->jobs = j;
+  LOG_INFOF("job created",
+            "job=%s id=%llu world_size=%d ranks=%d..%d optimizer=%s lr=%g working_dtype=%s "
+            "max_live_bytes=%llu max_grad_norm=%g",
+            j->name, (unsigned long long)j->id, j->world_size, j->first_rank,
+            j->first_rank + j->nranks - 1, job_optimizer_name(config->optimizer), config->lr,
+            zk_dtype_name(config->working_dtype), (unsigned long long)config->max_live_bytes,
+            config->max_grad_norm);
+  *out = j;
+  return 0;
+}
+
+void jobs_retire(zdaemon *d, job *j) {
+  for (job **p = &d->jobs; *p != NULL; p = &(*p)->next) {
+    if (*p != j)
+      continue;
+    *p = j->next;
+    j->next = d->retired;
+    d->retired = j;
+    pin_job_stop(j);
+    for (int r = 0; r < j->nranks; r++)
+      exec_rank_stop(&j->ranks[r]);
+    LOG_INFOF("job removed", "job=%s id=%llu", j->name, (unsigned long long)j->id);
+    return;
+  }
+}
+
+void jobs_free(job *j) {
+  if (j == NULL)
+    return;
+  ckpt_node_job_free(j); /* waits for its shard writers */
+  if (j->ranks != NULL)
+    for (int r = 0; r < j->nranks; r++)
+      exec_rank_free(&j->ranks[r]);
+  pin_job_clear(j);
+  job_destroy(j);
+}

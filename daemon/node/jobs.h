@@ -1,0 +1,45 @@
+/* jobs: the node's job registry and each job's life (ARCHITECTURE §2).
+ *
+ * The loop owns the registry (d->jobs) and is the one owner of every job
+ * in it: it creates a job with its executors and checkpoint state
+ * (jobs_start), resets its communicators after a failure (jobs_reset),
+ * takes it out of the registry when it is deleted (jobs_retire) and frees
+ * it and everything hung on it (jobs_free). Everything here runs on the
+ * loop thread. */
+#ifndef ZEROD_JOBS_H
+#define ZEROD_JOBS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "job.h"
+
+struct daemon;
+
+/* The job of that name in the registry, or NULL. */
+job *jobs_find(struct daemon *d, const char *name);
+
+/* Creates a job with nranks local ranks (global first_rank..), starts its
+ * executors and their communicators of the given generation (the
+ * rendezvous epoch: 0 standalone, the coordinator's job epoch in a
+ * cluster), and adds it to d->jobs. Returns 0 or a negative errno with a
+ * message in err. */
+int jobs_start(struct daemon *d, const char *name, const char *token, const job_config *config,
+               int world_size, int nranks, int first_rank, uint64_t id, unsigned generation,
+               job **out, char *err, size_t err_bytes);
+
+/* Nobody is attached to a failed job any more: its ranks build fresh
+ * communicators (a new generation) so new workers resume from the kept
+ * state. */
+void jobs_reset(job *j);
+
+/* Takes a deleted job out of d->jobs (nothing finds it by name any more)
+ * and stops its executors; call once nobody is attached. */
+void jobs_retire(struct daemon *d, job *j);
+
+/* Frees a job whose executors have stopped and been joined: its
+ * checkpoint state (waiting for its shard writers), its ranks' state, its
+ * pins and the job. */
+void jobs_free(job *j);
+
+#endif /* ZEROD_JOBS_H */
