@@ -1,4 +1,4 @@
-/* zerodctl: the command line of the control plane (ARCHITECTURE §5).
+/* zerodctl: the command line of the control plane (docs/architecture.md).
  *
  * Each invocation makes one or two blocking unary calls to the coordinator
  * (rpc.h's client half, protobuf-c messages from control.proto and

@@ -782,6 +782,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   d->exec = (exec_settings){.complete = ipc_complete,
+                            .stopped = ipc_stopped,
                             .ctx = d,
                             .ckpt = ckpt_node_hooks,
                             .threads_per_rank = o->threads_per_rank,

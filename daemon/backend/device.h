@@ -1,4 +1,4 @@
-/* device: where a rank's shards live and its kernels run (ARCHITECTURE §4
+/* device: where a rank's shards live and its kernels run (docs/architecture.md
  * "Device").
  *
  * Each rank has one device, a small table of operations with two backends:

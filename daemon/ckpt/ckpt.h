@@ -1,4 +1,4 @@
-/* ckpt: the on-disk checkpoint formats (ARCHITECTURE §6,
+/* ckpt: the on-disk checkpoint formats (docs/architecture.md,
  * docs/checkpoints.md): shard files, manifest.json, and safetensors.
  *
  * Nothing here knows about jobs, ranks or threads: the daemon's ranks

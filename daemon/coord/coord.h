@@ -1,4 +1,4 @@
-/* coord: the coordinator (ARCHITECTURE §1, §5, §6) - membership, jobs, the
+/* coord: the coordinator (docs/architecture.md) - membership, jobs, the
  * rendezvous KV, checkpoints and health, served over gRPC (rpc.h).
  *
  * Everything here runs on the loop thread: the gRPC handlers are called

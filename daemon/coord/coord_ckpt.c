@@ -1,4 +1,4 @@
-/* The coordinator's side of checkpoints (ARCHITECTURE §6,
+/* The coordinator's side of checkpoints (docs/architecture.md,
  * docs/checkpoints.md): the Checkpoints service (Save, List, Delete,
  * Restore), the orders it gives the nodes through their Watch streams,
  * and the periodic checkpoints of a job's CheckpointPolicy.

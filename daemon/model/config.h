@@ -1,4 +1,4 @@
-/* config: a job's optimizer and precision config (ARCHITECTURE §2), one
+/* config: a job's optimizer and precision config (docs/architecture.md), one
  * copy of its defaults and rules for the node daemon and the coordinator.
  *
  * The protocol's JobConfig (ipc.proto; control.proto reuses it) becomes a

@@ -1,5 +1,5 @@
 /* layout: how a unit's tensors lie in its flat buffer and in the ranks'
- * shards (ARCHITECTURE §2).
+ * shards (docs/architecture.md).
  *
  * A unit is an ordered list of tensors laid out back to back in one flat
  * buffer (each tensor aligned), padded so that its length divides evenly

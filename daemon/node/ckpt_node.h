@@ -1,4 +1,4 @@
-/* ckpt_node: a node's part of checkpoints (ARCHITECTURE §6,
+/* ckpt_node: a node's part of checkpoints (docs/architecture.md,
  * docs/checkpoints.md).
  *
  * The coordinator orders saves and restores through the job's assignment

@@ -343,6 +343,7 @@ static void push(cluster_agent *a, watch_msg *m) {
 
 static void *watch_main(void *arg) {
   cluster_agent *a = arg;
+  pthread_setname_np(pthread_self(), "zd-watch");
   for (;;) {
     watch_msg *m = calloc(1, sizeof *m);
     if (m == NULL) {

@@ -10,6 +10,7 @@
 
 #include "exec.h"
 #include "job.h"
+#include "reader.h"
 #include "store.h"
 
 typedef struct daemon_options {
@@ -38,7 +39,7 @@ typedef struct daemon {
   daemon_options options;
   store *rendezvous;
   job *jobs;
-  job *retired; /* deleted jobs: executors stopped, freed at exit (after the loop) */
+  job *retired; /* deleted jobs, executors stopping: freed by jobs_reap, or at exit */
   uint64_t next_job_id;
 
   int listen_fd;
@@ -53,6 +54,8 @@ typedef struct daemon {
   exec_op *completion_head, *completion_tail;
   /* How every job's ranks run and report (exec.h); the jobs point to it. */
   exec_settings exec;
+  /* How read-only sessions' readers run and report (reader.h). */
+  reader_env readers;
   uv_async_t completion_async;
   /* Checkpoint progress from executors and shard writers: a heartbeat at
    * once (ckpt_node.c). */
@@ -67,7 +70,6 @@ typedef struct daemon {
   struct rpc_server *control_server;
 
   uv_signal_t sigint, sigterm;
-  uv_timer_t status_timer;
   int stopping;
 } zdaemon; /* not "daemon": unistd.h declares daemon(3) */
 
@@ -75,6 +77,11 @@ typedef struct daemon {
 int ipc_listen(zdaemon *d, char *err, size_t err_bytes);
 void ipc_close_all(zdaemon *d, const char *reason);
 void ipc_complete(void *daemon, exec_op *op); /* executor thread */
+/* Drains the completion queue, and frees the deleted jobs whose executors
+ * have stopped (jobs_reap). */
 void ipc_drain_completions(zdaemon *d);
+/* An executor is exiting (exec_settings.stopped; its thread): wakes the
+ * loop so that it can reap the job. */
+void ipc_stopped(void *daemon);
 
 #endif /* ZEROD_DAEMON_H */

@@ -1,5 +1,5 @@
-/* ipc: the local socket, worker sessions and request dispatch (ARCHITECTURE
- * §4 "IPC"; the protocol is docs/protocol.md).
+/* ipc: the local socket, worker sessions and request dispatch
+ * (docs/architecture.md; the protocol is docs/protocol.md).
  *
  * Everything here runs on the loop thread. A session is one worker
  * connection, driven by a uv_poll_t with recvmsg/sendmsg so descriptors
@@ -77,8 +77,13 @@ static void session_update_poll(session *s);
 
 static void session_free(session *s) {
   /* No op of the session is left (each holds a reference), so neither is
-   * a read of its reader. */
-  reader_destroy(s->read_only);
+   * a read of its reader: the job no longer has it. */
+  if (s->read_only != NULL) {
+    job *j = reader_job(s->read_only);
+    reader_destroy(s->read_only);
+    j->readers--;
+    jobs_reap(s->daemon); /* it may have been the last of a deleted job */
+  }
   zd_frame_reader_reset(&s->reader);
   while (s->out_head != NULL) {
     out_frame *f = s->out_head;
@@ -250,6 +255,11 @@ static void deliver(exec_op *op) {
   exec_op_free(op);
 }
 
+/* A read-only session's op, finished (reader_env.done). */
+static void deliver_reader_op(void *daemon, exec_op *op) {
+  deliver(op);
+}
+
 void ipc_drain_completions(zdaemon *d) {
   /* Take the whole queue at once: everything finished before this wakeup
    * is handled now (uv_async_send coalesces wakeups). */
@@ -262,6 +272,13 @@ void ipc_drain_completions(zdaemon *d) {
     deliver(op);
     op = next;
   }
+  /* The same wakeup tells of executors that have stopped (ipc_stopped). */
+  jobs_reap(d);
+}
+
+void ipc_stopped(void *daemon) {
+  zdaemon *d = daemon;
+  uv_async_send(&d->completion_async);
 }
 
 static void on_completion(uv_async_t *handle) {
@@ -407,7 +424,7 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
   if (!job_usable_for_attach(s, request_id, j))
     return;
   reader *r;
-  if (reader_create(j, s->id, req->pin, &r) != 0) {
+  if (reader_create(&d->readers, j, s->id, req->pin, &r) != 0) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
     return;
   }
@@ -580,12 +597,8 @@ static int is_request(uint16_t type) {
  * mutex. */
 static void handle_units(session *s, const zd_frame_header *h) {
   job *j = s->job;
-  pthread_mutex_lock(&j->mutex);
-  uint32_t nunits = j->nunits;
-  unit_layout **units = malloc((nunits ? nunits : 1) * sizeof *units);
-  if (units != NULL && nunits > 0)
-    memcpy(units, j->units, nunits * sizeof *units);
-  pthread_mutex_unlock(&j->mutex);
+  uint32_t nunits;
+  unit_layout **units = job_units_copy(j, &nunits);
   Zerod__V1__RegisterUnitReply *replies = calloc(nunits ? nunits : 1, sizeof *replies);
   Zerod__V1__RegisterUnitReply **listed = calloc(nunits ? nunits : 1, sizeof *listed);
   size_t count = 0;
@@ -832,7 +845,6 @@ static void session_close(session *s, const char *reason) {
       LOG_INFOF("reader disconnected", "job=%s pid=%d session=%llu reason=\"%s\"", j->name,
                 (int)s->pid, (unsigned long long)s->id, reason != NULL ? reason : "closed");
     reader_close(s->read_only);
-    j->readers--;
     s->job = NULL;
   } else if (s->job != NULL) {
     job *j = s->job;
@@ -940,7 +952,10 @@ static void on_accept(uv_poll_t *handle, int status, int events) {
 /* ------------------------------------------------------------------------ */
 
 int ipc_listen(zdaemon *d, char *err, size_t err_bytes) {
-  reader_configure(d->loop, deliver, d->options.collective_timeout_ms);
+  d->readers = (reader_env){.loop = d->loop,
+                            .done = deliver_reader_op,
+                            .ctx = d,
+                            .timeout_ms = d->options.collective_timeout_ms};
   pthread_mutex_init(&d->completion_mutex, NULL);
   uv_async_init(d->loop, &d->completion_async, on_completion);
   d->completion_async.data = d;

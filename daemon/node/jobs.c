@@ -3,6 +3,7 @@
 #include "jobs.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -91,6 +92,34 @@ void jobs_retire(zdaemon *d, job *j) {
       exec_rank_stop(&j->ranks[r]);
     LOG_INFOF("job removed", "job=%s id=%llu", j->name, (unsigned long long)j->id);
     return;
+  }
+}
+
+/* Whether nothing runs for retired job j any more: every executor has
+ * exited (its join returns at once) and no reader holds it. */
+static int reapable(const job *j) {
+  if (j->readers > 0)
+    return 0;
+  for (int r = 0; r < j->nranks; r++)
+    if (j->ranks[r].thread_started && !atomic_load(&j->ranks[r].stopped))
+      return 0;
+  return 1;
+}
+
+void jobs_reap(zdaemon *d) {
+  if (d->stopping)
+    return;
+  for (job **p = &d->retired; *p != NULL;) {
+    job *j = *p;
+    if (!reapable(j)) {
+      p = &j->next;
+      continue;
+    }
+    *p = j->next;
+    for (int r = 0; r < j->nranks; r++)
+      exec_rank_join(&j->ranks[r]);
+    LOG_INFOF("job freed", "job=%s id=%llu", j->name, (unsigned long long)j->id);
+    jobs_free(j);
   }
 }
 

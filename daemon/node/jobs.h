@@ -1,4 +1,4 @@
-/* jobs: the node's job registry and each job's life (ARCHITECTURE §2).
+/* jobs: the node's job registry and each job's life (docs/architecture.md).
  *
  * The loop owns the registry (d->jobs) and is the one owner of every job
  * in it: it creates a job with its executors and checkpoint state
@@ -34,8 +34,16 @@ int jobs_start(struct daemon *d, const char *name, const char *token, const job_
 void jobs_reset(job *j);
 
 /* Takes a deleted job out of d->jobs (nothing finds it by name any more)
- * and stops its executors; call once nobody is attached. */
+ * into d->retired and stops its executors; call once no worker is
+ * attached. The caller tells the coordinator (cluster_report). */
 void jobs_retire(struct daemon *d, job *j);
+
+/* Frees every retired job whose executors have all stopped and whose
+ * read-only sessions are all gone: joins the (exited) threads and calls
+ * jobs_free. Called on the loop when an executor stops and when a reader's
+ * state is freed; does nothing while the daemon stops (main frees what is
+ * left once the loop has ended). */
+void jobs_reap(struct daemon *d);
 
 /* Frees a job whose executors have stopped and been joined: its
  * checkpoint state (waiting for its shard writers), its ranks' state, its

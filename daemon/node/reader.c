@@ -24,6 +24,7 @@ typedef struct reader_buf {
 } reader_buf;
 
 struct reader {
+  const reader_env *env;
   job *job;
   uint64_t session_id;
   job_pin *pin; /* NULL: every gather serves the latest version */
@@ -46,20 +47,11 @@ struct reader {
   _Atomic int cancel; /* the session is closing: stop waiting */
 };
 
-static uv_loop_t *reader_loop;
-static reader_done_fn reader_done;
-static int reader_timeout_ms = 60000;
-
-void reader_configure(uv_loop_t *loop, reader_done_fn done, int collective_timeout_ms) {
-  reader_loop = loop;
-  reader_done = done;
-  reader_timeout_ms = collective_timeout_ms;
-}
-
-int reader_create(job *j, uint64_t session_id, int pin, reader **out) {
+int reader_create(const reader_env *env, job *j, uint64_t session_id, int pin, reader **out) {
   reader *r = calloc(1, sizeof *r);
   if (r == NULL)
     return -ENOMEM;
+  r->env = env;
   r->job = j;
   r->session_id = session_id;
   atomic_init(&r->cancel, 0);
@@ -73,6 +65,10 @@ int reader_create(job *j, uint64_t session_id, int pin, reader **out) {
   }
   *out = r;
   return 0;
+}
+
+job *reader_job(const reader *r) {
+  return r->job;
 }
 
 uint64_t reader_version(const reader *r, int *pinned) {
@@ -262,7 +258,7 @@ static void gather_copy(reader *r, exec_op *op) {
     r->buffer_bytes += b->region.bytes;
   }
   pin_read_control control = {
-      .generation = op->generation, .cancel = &r->cancel, .timeout_ms = reader_timeout_ms};
+      .generation = op->generation, .cancel = &r->cancel, .timeout_ms = r->env->timeout_ms};
   char err[512] = "";
   uint64_t served = UINT64_MAX;
   int status = pin_read_unit(j, r->pin, l, b->region.base, b->valid_version, &control, &served, err,
@@ -369,10 +365,10 @@ static void work_done(uv_work_t *req, int status) {
   /* Each queued op holds a reference on the session; without any, handing
    * this op back may free the session and the reader with it. */
   if (r->queue_head == NULL) {
-    reader_done(op);
+    r->env->done(r->env->ctx, op);
     return;
   }
-  reader_done(op);
+  r->env->done(r->env->ctx, op);
   pump(r);
 }
 
@@ -388,14 +384,14 @@ static void pump(reader *r) {
     int last = r->queue_head == NULL;
     if (!run_inline(r, op)) {
       r->running = op;
-      int rc = uv_queue_work(reader_loop, &r->work, work_run, work_done);
+      int rc = uv_queue_work(r->env->loop, &r->work, work_run, work_done);
       if (rc == 0)
         return;
       r->running = NULL;
       exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "cannot queue the read: %s",
                  uv_strerror(rc));
     }
-    reader_done(op);
+    r->env->done(r->env->ctx, op);
     if (last)
       return;
   }
@@ -421,7 +417,7 @@ void reader_close(reader *r) {
     exec_op *next = op->next;
     op->next = NULL;
     exec_error(op, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "the session is closing");
-    reader_done(op);
+    r->env->done(r->env->ctx, op);
     op = next;
   }
 }

@@ -1,5 +1,5 @@
 /* reader: read-only sessions (evaluation, inference, weight sync) — their
- * buffers, their pin and the order of their requests (ARCHITECTURE §7).
+ * buffers, their pin and the order of their requests (docs/architecture.md).
  *
  * A read-only session takes no rank and no part in the job's collectives.
  * Its GATHER assembles a unit from every rank's working-copy slice (pin.h)
@@ -28,16 +28,24 @@
 
 typedef struct reader reader;
 
-/* Called on the loop thread with each finished op (its reply encoded in
- * the op, or none for a session that is closing); takes the op. */
-typedef void (*reader_done_fn)(exec_op *op);
-
-void reader_configure(uv_loop_t *loop, reader_done_fn done, int collective_timeout_ms);
+/* Where readers run and report, set once by the daemon (it outlives every
+ * reader): the loop whose threadpool runs their copies, the function
+ * called on the loop thread with each finished op (its reply encoded in
+ * the op, or none for a session that is closing; it takes the op) and its
+ * ctx, and how long a gather waits for a lagging rank. */
+typedef struct reader_env {
+  uv_loop_t *loop;
+  void (*done)(void *ctx, exec_op *op);
+  void *ctx;
+  int timeout_ms;
+} reader_env;
 
 /* Creates the state of a read-only session of job j (loop thread). With
  * `pin`, the latest version is pinned for every later gather. Returns 0 or
  * -ENOMEM. */
-int reader_create(job *j, uint64_t session_id, int pin, reader **out);
+int reader_create(const reader_env *env, job *j, uint64_t session_id, int pin, reader **out);
+/* The job the reader reads. */
+job *reader_job(const reader *r);
 /* The pinned version, or the latest version when nothing is pinned. */
 uint64_t reader_version(const reader *r, int *pinned);
 

@@ -1,4 +1,4 @@
-/* exec: one ordered executor per (job, rank) (ARCHITECTURE §4).
+/* exec: one ordered executor per (job, rank) (docs/architecture.md).
  *
  * The loop thread turns requests into exec_ops and submits them; the rank's
  * executor thread runs them in submission order (kernels from kernels/ and
@@ -95,6 +95,9 @@ typedef struct exec_ckpt_hooks {
  * daemon: node/jobs.c) and shared by all its ranks; it outlives them. */
 typedef struct exec_settings {
   exec_complete_fn complete;
+  /* Called on the executor thread as it exits after OP_STOP (its
+   * rank_state.stopped is set): the owner may join it now. */
+  void (*stopped)(void *ctx);
   void *ctx;
   exec_ckpt_hooks ckpt;
   /* Where the ranks' shards live: "cuda" puts local rank i on GPU i

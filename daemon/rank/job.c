@@ -182,3 +182,14 @@ unit_layout *job_unit(job *j, uint32_t unit_id) {
   pthread_mutex_unlock(&j->mutex);
   return l;
 }
+
+unit_layout **job_units_copy(job *j, uint32_t *n) {
+  pthread_mutex_lock(&j->mutex);
+  uint32_t nunits = j->nunits;
+  unit_layout **units = malloc((nunits ? nunits : 1) * sizeof *units);
+  if (units != NULL && nunits > 0)
+    memcpy(units, j->units, nunits * sizeof *units);
+  pthread_mutex_unlock(&j->mutex);
+  *n = nunits;
+  return units;
+}

@@ -1,4 +1,4 @@
-/* job: the data model of the node daemon (ARCHITECTURE §2).
+/* job: the data model of the node daemon (docs/architecture.md).
  *
  * A job is a named training state: an optimizer and precision config, a
  * world of ranks, and its units. A unit is an ordered list of tensors laid
@@ -84,7 +84,8 @@ typedef struct rank_state {
   pthread_mutex_t queue_mutex;
   pthread_cond_t queue_cond;
   struct exec_op *queue_head, *queue_tail;
-  _Atomic int busy; /* ops submitted and not finished */
+  _Atomic int busy;    /* ops submitted and not finished */
+  _Atomic int stopped; /* the thread has run OP_STOP and is exiting */
 
   /* Executor-owned state. The device is opened by the executor thread
    * when it starts and closed when it stops; every array below that holds
@@ -165,7 +166,7 @@ typedef struct job {
 
   int sessions; /* loop-owned: attached read-write sessions */
   int deleted;  /* loop-owned: deleted on the coordinator; retired once nobody is attached */
-  int readers;  /* loop-owned: attached read-only sessions */
+  int readers;  /* loop-owned: read-only sessions whose state is not yet freed */
   /* Loop-owned: the id of the restore in progress (attaches are refused
    * until it ends), 0 if none. */
   uint64_t restoring;
@@ -212,5 +213,9 @@ int job_failed(job *j, unsigned generation, char *reason, size_t reason_bytes);
  * *conflict = 1 if the name exists with a different layout. */
 unit_layout *job_publish_unit(job *j, unit_layout *layout, int *existed, int *conflict);
 unit_layout *job_unit(job *j, uint32_t unit_id);
+/* A copy of the unit table, in id order, taken under the job's mutex (the
+ * layouts are immutable once published, so only the table is copied); the
+ * caller frees it. NULL if out of memory; *n is set either way. */
+unit_layout **job_units_copy(job *j, uint32_t *n);
 
 #endif /* ZEROD_JOB_H */

@@ -1,6 +1,6 @@
 /* pin: the versions of a job's working copies, the versions that read-only
  * sessions pin, and the assembly of a unit at a version from every rank's
- * working-copy slice (ARCHITECTURE §2 "Version", §7).
+ * working-copy slice (docs/architecture.md).
  *
  * A rank's version goes up by one each time its executor rewrites its
  * working copies (a step, a LOAD_UNIT). Ranks meet in a collective before

@@ -1,6 +1,6 @@
 /* pool: a rank's shared buffers (memfd regions, or GPU allocations exported
  * with CUDA IPC, device.h) — gathered units and gradient buffers —
- * bounded by the job's max_live_bytes (ARCHITECTURE §2).
+ * bounded by the job's max_live_bytes (docs/architecture.md).
  *
  * The pool belongs to the rank's executor (or to the loop while the
  * executor is idle, see exec.h). Every decision here (reuse, eviction,

@@ -41,6 +41,7 @@ static void pool_work(zk_pool *pool, zk_task_fn fn, void *ctx, int n_tasks) {
 static void *pool_worker_main(void *arg) {
   zk_pool *pool = arg;
   uint64_t seen = 0;
+  pthread_setname_np(pthread_self(), "zd-kernel"); /* for top -H, gdb, tests */
   pthread_mutex_lock(&pool->mutex);
   for (;;) {
     while (pool->generation == seen && !pool->stopping)

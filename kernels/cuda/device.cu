@@ -1,7 +1,7 @@
 /* device.cu - the version 2 device entries of libzerod_cuda.so: the current
  * device, streams, events, asynchronous copies and CUDA IPC, the pieces of
  * the daemon's CUDA device backend and of the ordering between the daemon
- * and its workers (ARCHITECTURE.md §4).
+ * and its workers (docs/architecture.md).
  *
  * Thin wrappers: each checks what the runtime would not report clearly (a
  * NULL out-parameter, an empty copy), makes one runtime call and turns a

@@ -1,7 +1,7 @@
 /* test_cuda_ipc.c - the version 2 device entries of libzerod_cuda.so:
  * streams, events, asynchronous copies, and CUDA IPC between two processes
  * on one GPU, the way the daemon and a worker share buffers and order their
- * work (ARCHITECTURE.md §4).
+ * work (docs/architecture.md).
  *
  * The two-process test runs this program a second time as the importer.
  * CUDA does not survive fork(): a child that inherits an initialised

@@ -1,7 +1,7 @@
 /* test_daemon_cuda.c - zerod --device cuda end to end: a real daemon whose
  * rank lives on GPU 0, a worker (this program) that reaches the daemon's
  * buffers through CUDA IPC, and the same training run on a --device cpu
- * daemon as the reference (ARCHITECTURE.md §3, §4).
+ * daemon as the reference (docs/architecture.md).
  *
  * The worker registers a small unit with rank 0's initial values, then for
  * a few AdamW steps: gathers it (on the GPU daemon: a device pointer opened

@@ -1,4 +1,4 @@
-"""Checkpoints end to end (ARCHITECTURE §6, docs/checkpoints.md): real
+"""Checkpoints end to end (docs/architecture.md, docs/checkpoints.md): real
 standalone daemons, real workers (zerod-mlp-train), the Checkpoints service
 over gRPC from the .proto files, and the files on disk read back here.
 

@@ -7,6 +7,7 @@ the daemon, and deleting a job fails its workers and removes it.
 """
 
 import json
+import os
 import subprocess
 import time
 
@@ -109,3 +110,49 @@ def test_deleted_job_goes_and_its_name_can_be_reused(start_daemon):
     # A new attach makes a new job, not the deleted one back.
     train(d, 1, job="gone", steps=2)
     assert jobs(d)["gone"]["id"] != first_id
+
+
+def thread_names(pid):
+    names = []
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:
+            pass  # exited meanwhile
+    return names
+
+
+def job_threads(pid):
+    """The threads that belong to jobs: executors, their kernel pools and
+    the threads they start (named by the daemon; the rest are the daemon's
+    own, gRPC's and libuv's threadpool, which start lazily and stay)."""
+    return [n for n in thread_names(pid) if n in ("zd-exec", "zd-kernel")]
+
+
+def resident_kib(pid):
+    with open("/proc/%d/status" % pid) as f:
+        return int(next(line.split()[1] for line in f if line.startswith("VmRSS:")))
+
+
+def test_deleted_job_is_freed_at_once_not_at_exit(start_daemon):
+    # A deleted job's executors and kernel threads are joined and its
+    # memory returned as soon as nobody uses it: a long-running daemon
+    # where jobs come and go must not keep every job it ever had.
+    d = start_daemon(ranks=2, extra=["--threads-per-rank", "2"])
+    pid = d.proc.pid
+    assert job_threads(pid) == []
+    train(d, 2, job="big", steps=2, extra=["--hidden", "1024"])
+    # Two executors, each with one kernel pool worker besides itself (and
+    # Gloo's threads, which take their creator's name, zd-exec).
+    names = job_threads(pid)
+    assert names.count("zd-exec") >= 2 and names.count("zd-kernel") == 2, thread_names(pid)
+    rss_with_job = resident_kib(pid)
+    zerodctl(d, "jobs", "delete", "big")
+    wait_for("the job to be freed", lambda: 'msg="job freed" job=big' in d.read_log(), timeout_s=10)
+    assert job_threads(pid) == [], thread_names(pid)
+    # Its shards (two ranks of a 1024-wide MLP: master weights, Adam
+    # moments, accumulators, buffers: several MB) were given back.
+    assert resident_kib(pid) < rss_with_job, (rss_with_job, resident_kib(pid))
+    # The daemon goes on serving: the name makes a new job that trains.
+    train(d, 2, job="big", steps=2)

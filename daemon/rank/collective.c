@@ -1,0 +1,66 @@
+/* Collectives on host values (outcome codes, descriptors, norms, step
+ * counts) between the ranks of a job, through the rank's communicator: a
+ * GPU rank passes them through a host staging buffer. */
+#include "exec_impl.h"
+
+/* Outcome codes, step counts, layout descriptors and the gradient norm live
+ * in host memory. A host rank's communicator (Gloo) takes them in place; a
+ * GPU rank's (NCCL) takes device memory only, so they pass through a
+ * staging area on the rank's device, copied there and back. A failed copy
+ * is a failed collective: the job fails either way. */
+static int staging_reserve(rank_state *rs, size_t bytes) {
+  if (bytes <= rs->staging_bytes)
+    return 0;
+  device_free(rs->dev, rs->staging);
+  rs->staging = NULL;
+  rs->staging_bytes = 0;
+  int rc = device_alloc(rs->dev, bytes, &rs->staging);
+  if (rc == 0)
+    rs->staging_bytes = bytes;
+  return rc;
+}
+
+/* recv holds world_size * bytes_per_rank; this rank's part is taken from
+ * recv + rank * bytes_per_rank (the in-place form of comm_all_gather). */
+int exec__host_all_gather(rank_state *rs, void *recv, size_t bytes_per_rank) {
+  uint8_t *mine = (uint8_t *)recv + (size_t)rs->rank * bytes_per_rank;
+  size_t total = (size_t)rs->job->world_size * bytes_per_rank;
+  if (device_is_host(rs->dev))
+    return comm_all_gather(rs->comm, mine, recv, bytes_per_rank);
+  int rc = exec__dev_call(rs, staging_reserve(rs, total));
+  uint8_t *staged_mine = (uint8_t *)rs->staging + (size_t)rs->rank * bytes_per_rank;
+  if (rc == 0)
+    rc = exec__dev_call(rs, device_upload(rs->dev, staged_mine, mine, bytes_per_rank));
+  if (rc == 0)
+    rc = comm_all_gather(rs->comm, staged_mine, rs->staging, bytes_per_rank);
+  if (rc == 0)
+    rc = exec__dev_call(rs, device_download(rs->dev, recv, rs->staging, total));
+  return rc;
+}
+
+int exec__host_broadcast(rank_state *rs, void *buf, size_t bytes, int root) {
+  if (device_is_host(rs->dev))
+    return comm_broadcast(rs->comm, buf, bytes, root);
+  int rc = exec__dev_call(rs, staging_reserve(rs, bytes));
+  if (rc == 0 && rs->rank == root)
+    rc = exec__dev_call(rs, device_upload(rs->dev, rs->staging, buf, bytes));
+  if (rc == 0)
+    rc = comm_broadcast(rs->comm, rs->staging, bytes, root);
+  if (rc == 0 && rs->rank != root)
+    rc = exec__dev_call(rs, device_download(rs->dev, buf, rs->staging, bytes));
+  return rc;
+}
+
+int exec__host_all_reduce_f64(rank_state *rs, double *buf, size_t count, comm_op op) {
+  if (device_is_host(rs->dev))
+    return comm_all_reduce(rs->comm, buf, count, COMM_F64, op);
+  size_t bytes = count * sizeof *buf;
+  int rc = exec__dev_call(rs, staging_reserve(rs, bytes));
+  if (rc == 0)
+    rc = exec__dev_call(rs, device_upload(rs->dev, rs->staging, buf, bytes));
+  if (rc == 0)
+    rc = comm_all_reduce(rs->comm, rs->staging, count, COMM_F64, op);
+  if (rc == 0)
+    rc = exec__dev_call(rs, device_download(rs->dev, buf, rs->staging, bytes));
+  return rc;
+}

@@ -1,0 +1,150 @@
+/* exec_impl: what the files of the executor share (the files of rank/), and nothing
+ * else includes. Every function here runs on the rank's executor thread
+ * (or on the loop while the executor is idle: exec_try_inline), takes the
+ * rank it works for, and is named exec__ (internal, like libuv's uv__).
+ * exec.c runs the queue and calls the handlers; each handler answers its
+ * op through exec_reply or exec_error (reply.c). */
+#ifndef ZEROD_EXEC_IMPL_H
+#define ZEROD_EXEC_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "comm.h"
+#include "exec.h"
+#include "job.h"
+
+/* The node's side of checkpoints, through the job's settings (exec.h). */
+#define CKPT_HOOK(name) rs->job->exec->ckpt.name
+
+/* ---- reply.c: replies and failures ------------------------------------------- */
+
+/* Checks the job's failure state; answers ABORTED and returns 1 if failed. */
+int exec__op_job_failed(rank_state *rs, exec_op *op);
+
+/* Passes a device call's result through, noting a failure so that the
+ * collective it belongs to reports the device's error (op_comm_failed). */
+int exec__dev_call(rank_state *rs, int rc);
+
+/* The rank's device failed (a GPU error is usually sticky, and the ranks'
+ * states would drift apart): the job fails, and the op is answered. */
+void exec__op_device_failed(rank_state *rs, exec_op *op, const char *what, int err);
+
+/* A collective failed: the job is failed for every rank (the communicator is
+ * broken), and this op is answered with the reason. */
+void exec__op_comm_failed(rank_state *rs, exec_op *op, const char *what, int err);
+
+/* ---- shard.c: shards and scratch --------------------------------------------- */
+
+/* Frees a shard's arrays (its working copy too, unless it is the master). */
+void exec__shard_free(rank_state *rs, shard *sh);
+
+/* Creates the rank's shard of unit l (zeroed; the table grows as needed),
+ * with its trainable and zeroed ranges. 0 or -ENOMEM. */
+int exec__shard_create(rank_state *rs, const unit_layout *l);
+
+/* Makes the rank's fp32 scratch hold numel elements and its shard scratch
+ * shard_numel. 0 or -ENOMEM. */
+int exec__grow_scratch(rank_state *rs, uint64_t numel, uint64_t shard_numel);
+
+/* Casts the master shard into the working copy (bf16 working precision). */
+int exec__refresh_working(rank_state *rs, const unit_layout *l, shard *sh);
+
+/* The rank's shard of a registered unit (and its layout in *out), or NULL
+ * with op answered (unknown unit, or not registered here). */
+shard *exec__lookup_shard(rank_state *rs, exec_op *op, uint32_t unit_id, unit_layout **out);
+
+/* ---- collective.c: collectives on host values -------------------------------- */
+
+/* recv holds world_size * bytes_per_rank; this rank's part is taken from
+ * recv + rank * bytes_per_rank (the in-place form of comm_all_gather). */
+int exec__host_all_gather(rank_state *rs, void *recv, size_t bytes_per_rank);
+
+/* root's bytes into buf on every rank. 0 or a negative errno. */
+int exec__host_broadcast(rank_state *rs, void *buf, size_t bytes, int root);
+
+/* An all-reduce of count doubles with op. 0 or a negative errno. */
+int exec__host_all_reduce_f64(rank_state *rs, double *buf, size_t count, comm_op op);
+
+/* ---- gather.c: gathered and gradient buffers --------------------------------- */
+
+/* Gathers ahead the unit after unit_id in the recorded order, if the
+ * pool has room; failures are dropped (the gather itself will report). */
+void exec__prefetch_unit(rank_state *rs, uint32_t unit_id);
+
+/* Returns 1 if handled, 0 if it needs the executor (a cache miss inline). */
+int exec__handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *prefetch_next);
+
+/* RELEASE: the worker let go of a gathered buffer (it stays cached). */
+void exec__handle_release(rank_state *rs, exec_op *op);
+
+/* Returns 1 if handled, 0 if it needs the executor (inline, a GPU rank
+ * that must allocate the buffer on its device). */
+int exec__handle_grad_buffer(rank_state *rs, exec_op *op, int inline_only);
+
+/* ---- reduce.c ---------------------------------------------------------------- */
+
+/* REDUCE: the unit's gradient buffer is reduce-scattered and added to the
+ * rank's fp32 accumulator. */
+void exec__handle_reduce(rank_state *rs, exec_op *op);
+
+/* ---- step.c ------------------------------------------------------------------ */
+
+/* Seconds on the monotonic clock. */
+double exec__monotonic_s(void);
+
+/* STEP: the optimizer step of every shard the rank holds, the save order
+ * the ranks agree on taken at its end. */
+void exec__handle_step(rank_state *rs, exec_op *op);
+
+/* ---- register.c: registration and loads -------------------------------------- */
+
+/* REGISTER_UNIT: the ranks agree on the unit's layout and create and
+ * initialise its shards (or find it registered already). */
+void exec__handle_register(rank_state *rs, exec_op *op);
+
+/* LOAD_UNIT: rank 0's fp32 values become the unit's master weights and
+ * working copy on every rank (frozen tensors included); the optimizer
+ * state and the gradient accumulators stay. The version goes up, so no
+ * cached gather of the old values is served again, and a pin of the old
+ * version keeps them (copy on write, as in a step). */
+void exec__handle_load(rank_state *rs, exec_op *op);
+
+/* ---- session.c: sessions and the communicator -------------------------------- */
+
+/* A worker session attached to the rank. */
+void exec__handle_session_begin(rank_state *rs, exec_op *op);
+
+/* It left: what it held is released, and a save waiting for a step that
+ * will not come is taken now. */
+void exec__handle_session_end(rank_state *rs, exec_op *op);
+
+/* Builds the rank's communicator of op->generation (a reset builds a new
+ * one) and has the ranks agree on their step counts. */
+void exec__handle_comm_init(rank_state *rs, exec_op *op);
+
+/* ---- snapshot.c: checkpoints ------------------------------------------------- */
+
+/* Copies the rank's shard state (master weights, then the moments the
+ * optimizer keeps, unit by unit: the shard file's data order, ckpt.h) to
+ * host memory and hands it to its writer (the ckpt hooks). The executor
+ * runs nothing else meanwhile, so no step changes the state being copied;
+ * this is all the time a save holds training up. */
+void exec__take_snapshot(rank_state *rs, uint64_t id);
+
+/* A save order reached the rank: with no worker attached no step will
+ * come, so the copy is taken now (in queue order, before any op of a
+ * worker that attaches later). With one, it is taken at the end of a step
+ * to come, and the rank's writer faults its memory in meanwhile. */
+void exec__handle_save(rank_state *rs, exec_op *op);
+
+/* Reads and verifies the rank's part of a restore's source into host
+ * memory, and reports. */
+void exec__handle_restore_read(rank_state *rs, exec_op *op);
+
+/* Installs what exec__handle_restore_read staged: every rank of the job does
+ * this once all have read and verified their part. A failure here leaves
+ * ranks that installed and ranks that did not, so the job fails. */
+void exec__handle_restore_commit(rank_state *rs, exec_op *op);
+
+#endif /* ZEROD_EXEC_IMPL_H */

@@ -1,0 +1,253 @@
+/* GATHER, RELEASE and GRAD_BUFFER: a unit's full working values in a
+ * buffer the worker maps (served from the pool's cache when its version is
+ * current, else all-gathered), the gradient buffer the worker writes, and
+ * prefetching along the gather order recorded before the first step. */
+#include "exec_impl.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "pool.h"
+
+/* Bytes of a unit's gathered or gradient buffer (working precision). */
+static uint64_t unit_buffer_bytes(const rank_state *rs, const unit_layout *l) {
+  return l->padded_numel * zk_dtype_size(rs->job->config.working_dtype);
+}
+
+/* Describes the buffer to the session the first time it gets it: a host
+ * buffer's descriptor goes with the reply frame (op->reply_fd); a GPU
+ * buffer's CUDA IPC handles go in *cuda, which the caller attaches to the
+ * reply when this returns 1 for a GPU rank. Returns 1 if the session is
+ * told now, 0 if it was before, or -1 with the op answered. */
+static int reply_buffer(rank_state *rs, exec_op *op, pool_buf *b, Zerod__V1__CudaBuffer *cuda) {
+  if (b->sent_session == op->session_id)
+    return 0;
+  if (!device_is_host(rs->dev)) {
+    cuda->mem_handle.data = b->buf.mem_handle;
+    cuda->mem_handle.len = sizeof b->buf.mem_handle;
+    cuda->device = rs->dev->ordinal;
+    cuda->event_handle.data = b->buf.event_handle;
+    cuda->event_handle.len = sizeof b->buf.event_handle;
+    b->sent_session = op->session_id;
+    return 1;
+  }
+  op->reply_fd = dup(b->buf.fd);
+  if (op->reply_fd < 0) {
+    /* The buffer is already counted as held on this rank and on its peers;
+     * rather than let their accounting drift apart, the job stops here (and
+     * resets when its workers have left). */
+    int err = errno;
+    job_fail(rs->job, rs->generation, "rank %d: cannot pass a buffer to the worker: %s", rs->rank,
+             strerror(err));
+    exec_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "cannot pass the buffer to the worker: %s",
+               strerror(err));
+    return -1;
+  }
+  b->sent_session = op->session_id;
+  return 1;
+}
+
+static void order_record(rank_state *rs, uint32_t unit_id) {
+  if (rs->order_complete || rs->order_len >= (1u << 20))
+    return;
+  if (rs->order_len == rs->order_cap) {
+    size_t cap = rs->order_cap ? rs->order_cap * 2 : 64;
+    uint32_t *grown = realloc(rs->order, cap * sizeof *grown);
+    if (grown == NULL)
+      return;
+    rs->order = grown;
+    rs->order_cap = cap;
+  }
+  rs->order[rs->order_len++] = unit_id;
+}
+
+/* The unit that followed unit_id in the recorded order, from the cursor on;
+ * -1 if there is none. */
+static int64_t order_next(rank_state *rs, uint32_t unit_id) {
+  if (!rs->order_complete || rs->order_len == 0)
+    return -1;
+  for (size_t k = 0; k < rs->order_len; k++) {
+    size_t pos = (rs->order_cursor + k) % rs->order_len;
+    if (rs->order[pos] == unit_id) {
+      rs->order_cursor = (pos + 1) % rs->order_len;
+      return rs->order[rs->order_cursor];
+    }
+  }
+  return -1;
+}
+
+/* Fills a gathered buffer with the unit's working copy of every rank. On a
+ * GPU rank the stream first waits for the worker's last use of the buffer
+ * (its reads of the values gathered there before) and records the buffer's
+ * event once the values are in; the values are complete when this returns
+ * (the collective waits for itself, the rest is synchronised). */
+static int fill_gathered(rank_state *rs, const unit_layout *l, shard *sh, pool_buf *b) {
+  size_t elem = zk_dtype_size(rs->job->config.working_dtype);
+  size_t shard_bytes = l->shard_numel * elem;
+  uint8_t *base = b->buf.base;
+  uint8_t *mine = base + (size_t)rs->rank * shard_bytes;
+  int rc = exec__dev_call(rs, device_buffer_wait(rs->dev, &b->buf));
+  if (rc == 0)
+    rc = exec__dev_call(rs, device_copy(rs->dev, mine, sh->working, shard_bytes));
+  if (rc == 0)
+    rc = comm_all_gather(rs->comm, mine, base, shard_bytes);
+  if (rc == 0)
+    rc = exec__dev_call(rs, device_buffer_publish(rs->dev, &b->buf));
+  if (rc == 0)
+    rc = exec__dev_call(rs, device_sync(rs->dev));
+  return rc;
+}
+
+void exec__prefetch_unit(rank_state *rs, uint32_t unit_id) {
+  unit_layout *l = job_unit(rs->job, unit_id);
+  if (l == NULL || unit_id >= rs->nshards || !rs->shards[unit_id].present)
+    return;
+  shard *sh = &rs->shards[unit_id];
+  if (sh->gather_buf >= 0 && rs->bufs[sh->gather_buf].valid_version == rs->version)
+    return;
+  if (job_failed(rs->job, rs->generation, NULL, 0) || rs->comm == NULL)
+    return;
+  char why[256];
+  int64_t slot =
+      pool_acquire(rs, BUF_GATHER, unit_buffer_bytes(rs, l), l->name, 1, why, sizeof why);
+  if (slot < 0)
+    return;
+  pool_buf *b = &rs->bufs[slot];
+  int err = fill_gathered(rs, l, sh, b);
+  if (err != 0) {
+    job_fail(rs->job, rs->generation, "rank %d: prefetch of unit '%s': %s", rs->rank, l->name,
+             rs->failed_on_device ? device_last_error(rs->dev) : comm_last_error(rs->comm));
+    return;
+  }
+  b->unit = unit_id;
+  b->valid_version = rs->version;
+  b->last_use = ++rs->tick;
+  sh->gather_buf = slot;
+  LOG_DEBUGF("prefetched", "job=%s rank=%d unit=%u version=%llu", rs->job->name, rs->rank, unit_id,
+             (unsigned long long)rs->version);
+}
+
+static void attach_dropped(rank_state *rs, uint32_t **ids, size_t *n) {
+  *ids = rs->dropped_ids;
+  *n = rs->ndropped;
+}
+
+/* Returns 1 if handled, 0 if it needs the executor (a cache miss inline). */
+int exec__handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *prefetch_next) {
+  Zerod__V1__GatherRequest *req = (Zerod__V1__GatherRequest *)op->request;
+  *prefetch_next = -1;
+  if (exec__op_job_failed(rs, op))
+    return 1;
+  unit_layout *l;
+  shard *sh = exec__lookup_shard(rs, op, req->unit_id, &l);
+  if (sh == NULL)
+    return 1;
+  if (sh->gather_held) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+               "unit '%s' is already gathered by this session; release it first", l->name);
+    return 1;
+  }
+  int hit = sh->gather_buf >= 0 && rs->bufs[sh->gather_buf].valid_version == rs->version;
+  if (!hit) {
+    if (inline_only)
+      return 0;
+    char why[256];
+    int64_t slot =
+        pool_acquire(rs, BUF_GATHER, unit_buffer_bytes(rs, l), l->name, 0, why, sizeof why);
+    if (slot < 0) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
+      return 1;
+    }
+    int err = fill_gathered(rs, l, sh, &rs->bufs[slot]);
+    if (err != 0) {
+      exec__op_comm_failed(rs, op, "all_gather", err);
+      return 1;
+    }
+    rs->bufs[slot].unit = req->unit_id;
+    rs->bufs[slot].valid_version = rs->version;
+    sh->gather_buf = slot;
+  }
+  pool_buf *b = &rs->bufs[sh->gather_buf];
+  pool_ref(rs, b);
+  sh->gather_held = 1;
+  order_record(rs, req->unit_id);
+  Zerod__V1__CudaBuffer cuda = ZEROD__V1__CUDA_BUFFER__INIT;
+  int first = reply_buffer(rs, op, b, &cuda);
+  if (first < 0)
+    return 1;
+  Zerod__V1__GatherReply reply = ZEROD__V1__GATHER_REPLY__INIT;
+  reply.unit_id = req->unit_id;
+  reply.buffer_id = b->id;
+  reply.buffer_bytes = b->buf.bytes;
+  reply.version = rs->version;
+  if (first && !device_is_host(rs->dev))
+    reply.cuda = &cuda;
+  attach_dropped(rs, &reply.dropped_buffer_ids, &reply.n_dropped_buffer_ids);
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, &reply.base);
+  if (op->reply_frame != NULL)
+    rs->ndropped = 0;
+  *prefetch_next = order_next(rs, req->unit_id);
+  return 1;
+}
+
+void exec__handle_release(rank_state *rs, exec_op *op) {
+  Zerod__V1__ReleaseRequest *req = (Zerod__V1__ReleaseRequest *)op->request;
+  unit_layout *l;
+  shard *sh = exec__lookup_shard(rs, op, req->unit_id, &l);
+  if (sh == NULL)
+    return;
+  if (!sh->gather_held || sh->gather_buf < 0) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+               "release of unit '%s', which this session does not hold", l->name);
+    return;
+  }
+  pool_unref(rs, &rs->bufs[sh->gather_buf]);
+  sh->gather_held = 0;
+  Zerod__V1__ReleaseReply reply = ZEROD__V1__RELEASE_REPLY__INIT;
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_RELEASE_REPLY, &reply.base);
+}
+
+/* Returns 1 if handled, 0 if it needs the executor (inline, a GPU rank
+ * that must allocate the buffer on its device). */
+int exec__handle_grad_buffer(rank_state *rs, exec_op *op, int inline_only) {
+  Zerod__V1__GradBufferRequest *req = (Zerod__V1__GradBufferRequest *)op->request;
+  if (exec__op_job_failed(rs, op))
+    return 1;
+  unit_layout *l;
+  shard *sh = exec__lookup_shard(rs, op, req->unit_id, &l);
+  if (sh == NULL)
+    return 1;
+  if (sh->grad_buf < 0) {
+    if (inline_only && !device_is_host(rs->dev))
+      return 0;
+    char why[256];
+    int64_t slot =
+        pool_acquire(rs, BUF_GRAD, unit_buffer_bytes(rs, l), l->name, 0, why, sizeof why);
+    if (slot < 0) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
+      return 1;
+    }
+    rs->bufs[slot].unit = req->unit_id;
+    pool_ref(rs, &rs->bufs[slot]);
+    sh->grad_buf = slot;
+  }
+  pool_buf *b = &rs->bufs[sh->grad_buf];
+  Zerod__V1__CudaBuffer cuda = ZEROD__V1__CUDA_BUFFER__INIT;
+  int first = reply_buffer(rs, op, b, &cuda);
+  if (first < 0)
+    return 1;
+  Zerod__V1__GradBufferReply reply = ZEROD__V1__GRAD_BUFFER_REPLY__INIT;
+  reply.unit_id = req->unit_id;
+  reply.buffer_id = b->id;
+  reply.buffer_bytes = b->buf.bytes;
+  if (first && !device_is_host(rs->dev))
+    reply.cuda = &cuda;
+  attach_dropped(rs, &reply.dropped_buffer_ids, &reply.n_dropped_buffer_ids);
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER_REPLY, &reply.base);
+  if (op->reply_frame != NULL)
+    rs->ndropped = 0;
+  return 1;
+}

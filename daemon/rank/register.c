@@ -1,0 +1,427 @@
+/* REGISTER_UNIT and LOAD_UNIT: the ranks agree on a unit's layout
+ * (descriptors compared through a collective), create its shards and
+ * initialise them from a seed or from rank 0's values. */
+#include "exec_impl.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "pin.h"
+#include "shm.h"
+
+/* A counter-based normal generator: value k of a unit depends only on the
+ * seed, the unit's name and k, so every rank computes its own slice and the
+ * result does not depend on the world size. */
+static uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+static float seeded_normal(uint64_t key, uint64_t index) {
+  uint64_t a = splitmix64(key ^ (index * 2 + 0) * 0xd1342543de82ef95ull);
+  uint64_t b = splitmix64(key ^ (index * 2 + 1) * 0xd1342543de82ef95ull);
+  double u1 = ((double)(a >> 11) + 1.0) / 9007199254740993.0; /* (0, 1] */
+  double u2 = (double)(b >> 11) / 9007199254740992.0;
+  return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+static uint64_t fnv1a(const char *s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (; *s != '\0'; s++)
+    h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
+  return h;
+}
+
+/* Rank 0 lays its packed fp32 values of unit l (the tensors back to back,
+ * as a worker sends them) out in the flat buffer, gaps and padding zero,
+ * and broadcasts it into every rank's scratch (padded_numel floats, grown
+ * by the caller); every rank then takes its slice from there. A host rank 0
+ * lays the values out in its scratch directly, a GPU rank 0 in host memory
+ * that it then copies to its device. */
+static int broadcast_values(rank_state *rs, const unit_layout *l, const float *packed) {
+  size_t bytes = l->padded_numel * sizeof(float);
+  int rc = 0;
+  if (rs->rank == 0) {
+    float *layout = device_is_host(rs->dev) ? rs->scratch : malloc(bytes ? bytes : 1);
+    if (layout == NULL)
+      rc = -ENOMEM;
+    if (rc == 0) {
+      memset(layout, 0, bytes);
+      uint64_t at = 0;
+      for (unsigned t = 0; t < l->ntensors; t++) {
+        memcpy(layout + l->tensors[t].offset, packed + at, l->tensors[t].numel * sizeof(float));
+        at += l->tensors[t].numel;
+      }
+    }
+    if (rc == 0 && layout != rs->scratch)
+      rc = device_upload(rs->dev, rs->scratch, layout, bytes);
+    if (layout != rs->scratch)
+      free(layout);
+    exec__dev_call(rs, rc);
+  }
+  /* A rank 0 that failed above still takes part, so that its peers do not
+   * wait for it; the job fails all the same. */
+  int comm_rc = comm_broadcast(rs->comm, rs->scratch, bytes, 0);
+  return rc != 0 ? rc : comm_rc;
+}
+
+/* The initial values of INIT_SEEDED_NORMAL for this rank's slice of unit
+ * l, into its (zero-filled) master shard: on a GPU rank they are computed
+ * in host memory and copied over. */
+static int seed_master(rank_state *rs, const unit_layout *l, shard *sh, uint64_t seed,
+                       double init_std) {
+  uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
+  float *values = device_is_host(rs->dev) ? sh->master : calloc(l->shard_numel + 1, sizeof(float));
+  if (values == NULL)
+    return -ENOMEM;
+  uint64_t key = splitmix64(seed) ^ fnv1a(l->name);
+  for (unsigned t = 0; t < l->ntensors; t++) {
+    const tensor_layout *tl = &l->tensors[t];
+    uint64_t b = tl->offset > lo ? tl->offset : lo;
+    uint64_t e =
+        tl->offset + tl->numel < lo + l->shard_numel ? tl->offset + tl->numel : lo + l->shard_numel;
+    for (uint64_t k = b; k < e; k++)
+      values[k - lo] = (float)init_std * seeded_normal(key, k);
+  }
+  int rc = 0;
+  if (values != sh->master) {
+    rc = device_upload(rs->dev, sh->master, values, l->shard_numel * sizeof(float));
+    free(values);
+  }
+  return rc;
+}
+
+void exec__handle_register(rank_state *rs, exec_op *op) {
+  Zerod__V1__RegisterUnitRequest *req = (Zerod__V1__RegisterUnitRequest *)op->request;
+  job *j = rs->job;
+  unit_layout *mine = NULL;
+  float *packed = NULL;
+  uint8_t *root_desc = NULL;
+  int root_desc_owned = 0;
+  int32_t *codes = NULL;
+  char err[512] = "";
+  if (exec__op_job_failed(rs, op))
+    return;
+
+  /* 1. The local layout. A local failure still takes part in the
+   *    collectives below, so that the other ranks fail with it instead of
+   *    waiting for this one. */
+  unsigned nt = (unsigned)req->n_tensors;
+  const char **names = calloc(nt ? nt : 1, sizeof *names);
+  const uint64_t **shapes = calloc(nt ? nt : 1, sizeof *shapes);
+  unsigned *ndims = calloc(nt ? nt : 1, sizeof *ndims);
+  int *frozen = calloc(nt ? nt : 1, sizeof *frozen);
+  int local_rc = -ENOMEM;
+  int init = req->init == ZEROD__V1__INIT_MODE__INIT_UNSPECIFIED
+                 ? ZEROD__V1__INIT_MODE__INIT_FROM_RANK0
+                 : (int)req->init;
+  uint64_t init_tag =
+      (uint64_t)init ^
+      (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL ? (req->seed * 31) ^ fnv1a("std") : 0);
+  if (names != NULL && shapes != NULL && ndims != NULL && frozen != NULL) {
+    for (unsigned t = 0; t < nt; t++) {
+      names[t] = req->tensors[t]->name;
+      shapes[t] = req->tensors[t]->shape;
+      ndims[t] = (unsigned)req->tensors[t]->n_shape;
+      frozen[t] = req->tensors[t]->frozen;
+    }
+    local_rc = unit_layout_build(req->name, nt, names, shapes, ndims, frozen, j->world_size,
+                                 init_tag, &mine, err, sizeof err);
+  }
+  free(names);
+  free(shapes);
+  free(ndims);
+  free(frozen);
+  if (local_rc != 0 && err[0] == '\0')
+    snprintf(err, sizeof err, "%s", strerror(-local_rc));
+
+  /* 2. Rank 0 reads its initial values before anything is broadcast, so a
+   *    bad descriptor fails the registration on every rank alike. */
+  int32_t init_status = 0;
+  if (rs->rank == 0 && local_rc == 0 && init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0) {
+    if (op->in_fd < 0) {
+      init_status = -EINVAL;
+      snprintf(err, sizeof err,
+               "INIT_FROM_RANK0 needs rank 0's initial values (one memfd with %llu floats)",
+               (unsigned long long)mine->packed_numel);
+    } else {
+      packed = malloc(mine->packed_numel * sizeof(float) + 1);
+      init_status =
+          packed == NULL ? -ENOMEM : shm_read_fd(op->in_fd, packed, mine->packed_numel * 4);
+      if (init_status != 0)
+        snprintf(err, sizeof err, "reading rank 0's initial values (%llu bytes expected): %s",
+                 (unsigned long long)mine->packed_numel * 4,
+                 init_status == -EINVAL ? "file too short" : strerror(-init_status));
+    }
+  }
+
+  /* 3. Rank 0's descriptor to everyone; every rank compares it with its
+   *    own; the comparison results go to everyone. */
+  struct {
+    uint64_t desc_bytes;
+    int32_t layout_ok;
+    int32_t init_status;
+  } head = {0, 0, 0};
+  if (rs->rank == 0) {
+    head.layout_ok = local_rc == 0;
+    head.desc_bytes = local_rc == 0 ? mine->descriptor_bytes : 0;
+    head.init_status = init_status;
+  }
+  int rc = exec__host_broadcast(rs, &head, sizeof head, 0);
+  if (rc == 0 && head.desc_bytes > (64u << 20))
+    rc = -EPROTO;
+  if (rc == 0 && head.desc_bytes > 0) {
+    root_desc_owned = rs->rank != 0;
+    root_desc = rs->rank == 0 ? mine->descriptor : malloc(head.desc_bytes);
+    rc = root_desc == NULL ? -ENOMEM : exec__host_broadcast(rs, root_desc, head.desc_bytes, 0);
+  }
+  /* Only once rank 0's descriptor is here: after a failed broadcast
+   * (a peer that never came, a timeout) there is none to compare with. */
+  int32_t my_code = local_rc != 0
+                        ? -2
+                        : (rc == 0 && head.desc_bytes > 0
+                               ? unit_layout_diff(mine->descriptor, mine->descriptor_bytes,
+                                                  root_desc, head.desc_bytes)
+                               : -1);
+  codes = calloc((size_t)j->world_size, sizeof *codes);
+  if (rc == 0 && codes == NULL)
+    rc = -ENOMEM;
+  if (rc == 0) {
+    codes[rs->rank] = my_code;
+    rc = exec__host_all_gather(rs, codes, sizeof *codes);
+  }
+  if (rc != 0) {
+    exec__op_comm_failed(rs, op, "register (layout exchange)", rc);
+    goto done;
+  }
+  if (!head.layout_ok) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name,
+               rs->rank == 0 ? err : "rank 0's layout is invalid");
+    goto done;
+  }
+  if (head.init_status != 0) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name,
+               rs->rank == 0 ? err : "rank 0's initial values are unusable");
+    goto done;
+  }
+  for (int r = 0; r < j->world_size; r++) {
+    if (codes[r] == -1)
+      continue;
+    if (r == rs->rank && codes[r] == -2) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name, err);
+    } else if (codes[r] == -2) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                 "unit '%s': the layout registered on rank %d is invalid", req->name, r);
+    } else if (codes[r] == 0) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                 "unit layouts differ between ranks: rank %d registered a different unit name, "
+                 "tensor count or initialisation than rank 0 (this rank: unit '%s' with %u "
+                 "tensors)",
+                 r, req->name, nt);
+    } else {
+      char here[320];
+      unit_layout_describe_tensor(mine, codes[r] - 1, here, sizeof here);
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                 "unit '%s': layouts differ between ranks at tensor #%d: rank %d differs from "
+                 "rank 0 (this rank %d has %s)",
+                 req->name, codes[r] - 1, r, rs->rank, here);
+    }
+    goto done;
+  }
+
+  /* 4. Publish (or find) the unit; create this rank's shard. */
+  int existed = 0, conflict = 0;
+  unit_layout *l = job_publish_unit(j, mine, &existed, &conflict);
+  if (l == NULL) {
+    exec_error(op,
+               conflict ? ZEROD__V1__STATUS__STATUS_ALREADY_EXISTS
+                        : ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+               conflict ? "unit '%s' is already registered with a different layout"
+                        : "unit '%s': too many units (at most %d)",
+               req->name, JOB_MAX_UNITS);
+    goto done;
+  }
+  mine = NULL; /* freed by job_publish_unit if it existed, else owned by the job */
+  int fresh = l->id >= rs->nshards || !rs->shards[l->id].present;
+  if (fresh) {
+    /* Readers of this rank look at the shard table under its lock. */
+    pin_lock_shards(rs);
+    rc = exec__shard_create(rs, l);
+    pin_unlock_shards(rs);
+    if (rc == 0)
+      rc = exec__grow_scratch(
+          rs, init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0 ? l->padded_numel : 0, 0);
+    if (rc != 0) {
+      job_fail(j, rs->generation, "rank %d: out of memory for unit '%s'", rs->rank, l->name);
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                 "out of memory for the shard of unit '%s' (%llu elements)", l->name,
+                 (unsigned long long)l->shard_numel);
+      goto done;
+    }
+    shard *sh = &rs->shards[l->id];
+    uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
+    if (init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0) {
+      /* 5. Rank 0's values to every rank. */
+      rc = broadcast_values(rs, l, packed);
+      if (rc != 0) {
+        exec__op_comm_failed(rs, op, "register (initial values)", rc);
+        goto done;
+      }
+      rc = device_copy(rs->dev, sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
+    } else if (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL) {
+      rc = seed_master(rs, l, sh, req->seed, req->init_std);
+    }
+    if (rc == 0)
+      rc = exec__refresh_working(rs, l, sh);
+    /* Readers copy the shard from other threads once the unit is ready. */
+    if (rc == 0)
+      rc = device_sync(rs->dev);
+    if (rc != 0) {
+      exec__op_device_failed(rs, op, "register (initial values)", rc);
+      goto done;
+    }
+    /* No reader looks at the shard before this: the unit becomes readable
+     * (and listed) once every rank has counted itself. */
+    atomic_fetch_add(&l->ready_ranks, 1);
+  }
+  {
+    Zerod__V1__RegisterUnitReply reply = ZEROD__V1__REGISTER_UNIT_REPLY__INIT;
+    if (exec_unit_reply(j, l, &reply) != 0) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+      goto done;
+    }
+    reply.existed = !fresh;
+    exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT_REPLY, &reply.base);
+    exec_unit_reply_free(&reply);
+    LOG_DEBUGF("unit registered", "job=%s rank=%d unit=%u numel=%llu", j->name, rs->rank, l->id,
+               (unsigned long long)l->numel);
+  }
+done:
+  if (root_desc_owned)
+    free(root_desc);
+  unit_layout_free(mine);
+  free(packed);
+  free(codes);
+}
+
+/* Outcomes of a LOAD_UNIT's local checks, exchanged between the ranks. */
+enum {
+  LOAD_OK = 0,
+  LOAD_UNKNOWN_UNIT = 1,
+  LOAD_NO_VALUES = 2,    /* rank 0 sent no descriptor */
+  LOAD_SHORT_VALUES = 3, /* rank 0's descriptor is too short or unreadable */
+  LOAD_NO_MEMORY = 4,
+};
+
+/* LOAD_UNIT: rank 0's fp32 values become the unit's master weights and
+ * working copy on every rank (frozen tensors included); the optimizer
+ * state and the gradient accumulators stay. The version goes up, so no
+ * cached gather of the old values is served again, and a pin of the old
+ * version keeps them (copy on write, as in a step). */
+void exec__handle_load(rank_state *rs, exec_op *op) {
+  Zerod__V1__LoadUnitRequest *req = (Zerod__V1__LoadUnitRequest *)op->request;
+  job *j = rs->job;
+  if (exec__op_job_failed(rs, op))
+    return;
+  unit_layout *l = job_unit(j, req->unit_id);
+  int32_t code = LOAD_OK;
+  char err[512] = "";
+  float *packed = NULL;
+  int32_t *codes = NULL;
+  if (l == NULL || l->id >= rs->nshards || !rs->shards[l->id].present) {
+    code = LOAD_UNKNOWN_UNIT;
+  } else if (rs->rank == 0 && op->in_fd < 0) {
+    code = LOAD_NO_VALUES;
+  } else if (rs->rank == 0) {
+    packed = malloc(l->packed_numel * sizeof(float) + 1);
+    int rc = packed == NULL ? -ENOMEM : shm_read_fd(op->in_fd, packed, l->packed_numel * 4);
+    if (rc == -ENOMEM) {
+      code = LOAD_NO_MEMORY;
+    } else if (rc != 0) {
+      code = LOAD_SHORT_VALUES;
+      snprintf(err, sizeof err, "%s", rc == -EINVAL ? "file too short" : strerror(-rc));
+    }
+  }
+  if (code == LOAD_OK && exec__grow_scratch(rs, l->padded_numel, 0) != 0)
+    code = LOAD_NO_MEMORY;
+
+  /* Every rank learns every rank's outcome before anything is broadcast,
+   * so all of them fail or none does. The all-gather also means every rank
+   * has finished its previous write before any rank starts this one. */
+  codes = calloc((size_t)j->world_size, sizeof *codes);
+  if (codes == NULL) {
+    job_fail(j, rs->generation, "rank %d: out of memory", rs->rank);
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    goto done;
+  }
+  codes[rs->rank] = code;
+  int rc = exec__host_all_gather(rs, codes, sizeof *codes);
+  if (rc != 0) {
+    exec__op_comm_failed(rs, op, "load_unit (check)", rc);
+    goto done;
+  }
+  for (int r = 0; r < j->world_size; r++) {
+    const char *name = l != NULL ? l->name : "?";
+    switch (codes[r]) {
+    case LOAD_OK:
+      continue;
+    case LOAD_UNKNOWN_UNIT:
+      exec_error(op, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
+                 "load_unit: unknown unit id %u (register it first)", req->unit_id);
+      break;
+    case LOAD_NO_VALUES:
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                 "load_unit of unit '%s' needs rank 0's values (one descriptor with %llu fp32 "
+                 "values, the tensors back to back)",
+                 name, l != NULL ? (unsigned long long)l->packed_numel : 0ull);
+      break;
+    case LOAD_SHORT_VALUES:
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                 "load_unit of unit '%s': reading rank 0's values (%llu bytes expected): %s", name,
+                 l != NULL ? (unsigned long long)l->packed_numel * 4 : 0ull,
+                 r == rs->rank ? err : "file too short or unreadable");
+      break;
+    default:
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                 "load_unit of unit '%s': rank %d is out of memory", name, r);
+      break;
+    }
+    goto done;
+  }
+
+  rc = broadcast_values(rs, l, packed);
+  if (rc != 0) {
+    exec__op_comm_failed(rs, op, "load_unit (values)", rc);
+    goto done;
+  }
+  shard *sh = &rs->shards[l->id];
+  uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
+  pin_begin_write(rs);
+  rc = device_copy(rs->dev, sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
+  if (rc == 0)
+    rc = exec__refresh_working(rs, l, sh);
+  /* Readers copy the working copy once the write lock is released. */
+  if (rc == 0)
+    rc = device_sync(rs->dev);
+  pin_end_write(rs);
+  if (rc != 0) {
+    exec__op_device_failed(rs, op, "load_unit", rc);
+    goto done;
+  }
+  LOG_DEBUGF("unit loaded", "job=%s rank=%d unit=%u version=%llu", j->name, rs->rank, l->id,
+             (unsigned long long)rs->version);
+  Zerod__V1__LoadUnitReply reply = ZEROD__V1__LOAD_UNIT_REPLY__INIT;
+  reply.unit_id = l->id;
+  reply.version = rs->version;
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT_REPLY, &reply.base);
+done:
+  free(packed);
+  free(codes);
+}

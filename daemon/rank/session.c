@@ -1,0 +1,123 @@
+/* A worker's session on the rank (begin; end: what it held is released,
+ * a save waiting for the step is taken), and the rank's communicator,
+ * built anew for each generation of the job. */
+#include "exec_impl.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "log.h"
+#include "pool.h"
+
+void exec__handle_session_begin(rank_state *rs, exec_op *op) {
+  rs->session_id = op->session_id;
+  rs->ndropped = 0;
+  Zerod__V1__OptimizerConfig opt;
+  Zerod__V1__JobConfig config;
+  exec_job_config(rs->job, rs->lr, rs->max_grad_norm, &config, &opt);
+  Zerod__V1__AttachReply reply = ZEROD__V1__ATTACH_REPLY__INIT;
+  reply.job_id = rs->job->id;
+  reply.rank = (uint32_t)rs->rank;
+  reply.world_size = (uint32_t)rs->job->world_size;
+  reply.version = rs->version;
+  reply.config = &config;
+  reply.created = op->job_created;
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, &reply.base);
+}
+
+void exec__handle_session_end(rank_state *rs, exec_op *op) {
+  for (uint32_t u = 0; u < rs->nshards; u++) {
+    shard *sh = &rs->shards[u];
+    if (!sh->present)
+      continue;
+    if (sh->gather_held && sh->gather_buf >= 0)
+      pool_unref(rs, &rs->bufs[sh->gather_buf]);
+    sh->gather_held = 0;
+    if (sh->grad_buf >= 0) {
+      pool_unref(rs, &rs->bufs[sh->grad_buf]);
+      rs->bufs[sh->grad_buf].unit = -1;
+      sh->grad_buf = -1;
+    }
+  }
+  rs->ndropped = 0;
+  rs->session_id = 0;
+  /* A save waiting for this rank's next step takes its copy now: without a
+   * worker there is no next step. */
+  uint64_t pending = atomic_load(&rs->ckpt_pending);
+  if (pending > rs->ckpt_taken)
+    exec__take_snapshot(rs, pending);
+  /* A job that failed (e.g. its worker died) closes this rank's
+   * communicator, so peers blocked in a collective with this rank fail now
+   * rather than at their timeout. */
+  if (rs->comm != NULL && job_failed(rs->job, rs->generation, NULL, 0)) {
+    comm_destroy(rs->comm);
+    rs->comm = NULL;
+  }
+  if (op->session != NULL) {
+    Zerod__V1__DetachReply reply = ZEROD__V1__DETACH_REPLY__INIT;
+    exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_DETACH_REPLY, &reply.base);
+  }
+}
+
+void exec__handle_comm_init(rank_state *rs, exec_op *op) {
+  if (rs->comm != NULL) {
+    comm_destroy(rs->comm);
+    rs->comm = NULL;
+  }
+  rs->generation = op->generation;
+  /* "<job>/<generation>/": the rendezvous namespace (job, epoch) that the
+   * coordinator's store splits it into (store_grpc.c). Job names hold no
+   * '/'. */
+  char prefix[128], err[512] = "";
+  snprintf(prefix, sizeof prefix, "%s/%u", rs->job->name, rs->generation);
+  comm_options options = {.prefix = prefix,
+                          .rank = rs->rank,
+                          .world_size = rs->job->world_size,
+                          .timeout_ms = rs->job->exec->collective_timeout_ms,
+                          .hostname = rs->job->exec->comm_hostname};
+  int rc;
+  if (rs->dev == NULL) {
+    snprintf(err, sizeof err, "%s", rs->device_error);
+    rc = -ENODEV;
+  } else if (device_is_host(rs->dev)) {
+    rc = comm_gloo_create(&options, rs->job->exec->rendezvous, &rs->comm, err, sizeof err);
+  } else {
+    rc = comm_nccl_create(&options, rs->job->exec->rendezvous, device_cuda_api(rs->dev),
+                          device_cuda_stream(rs->dev), &rs->comm, err, sizeof err);
+  }
+  if (rc != 0) {
+    rs->comm = NULL;
+    job_fail(rs->job, rs->generation, "rank %d: communicator: %s", rs->rank, err);
+    LOG_ERRORF("communicator failed", "job=%s rank=%d generation=%u", rs->job->name, rs->rank,
+               rs->generation);
+    return;
+  }
+  /* After a reset the ranks' pools may differ (their last ops failed at
+   * different points); trimming them makes their next decisions agree
+   * again. The step counts must agree too. */
+  pool_trim(rs);
+  int64_t *steps = calloc((size_t)rs->job->world_size, sizeof *steps);
+  if (steps == NULL) {
+    job_fail(rs->job, rs->generation, "rank %d: out of memory", rs->rank);
+    return;
+  }
+  steps[rs->rank] = (int64_t)rs->step;
+  rc = exec__host_all_gather(rs, steps, sizeof *steps);
+  for (int r = 0; rc == 0 && r < rs->job->world_size; r++)
+    if (steps[r] != steps[0]) {
+      job_fail(rs->job, rs->generation,
+               "ranks disagree on the step count (rank 0: %lld, rank %d: %lld)",
+               (long long)steps[0], r, (long long)steps[r]);
+      break;
+    }
+  if (rc != 0)
+    job_fail(rs->job, rs->generation, "rank %d: communicator check: %s", rs->rank,
+             rs->failed_on_device ? device_last_error(rs->dev) : comm_last_error(rs->comm));
+  free(steps);
+  if (rc == 0 && !job_failed(rs->job, rs->generation, NULL, 0))
+    atomic_store(&rs->comm_ready, rs->generation + 1);
+  LOG_DEBUGF("communicator ready", "job=%s rank=%d generation=%u", rs->job->name, rs->rank,
+             rs->generation);
+}

@@ -1,0 +1,144 @@
+/* Shards: a rank's state for each unit (master weights, moments, gradient
+ * accumulator, working copy) in its device's memory, the ranges of it the
+ * optimizer updates and those a reduce zeroes, and the rank's scratch. */
+#include "exec_impl.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Zero-filled memory of the rank's device, or NULL. */
+static void *zalloc(rank_state *rs, uint64_t bytes) {
+  void *p = NULL;
+  return device_alloc(rs->dev, bytes, &p) == 0 ? p : NULL;
+}
+
+void exec__shard_free(rank_state *rs, shard *sh) {
+  if (sh->working != (void *)sh->master)
+    device_free(rs->dev, sh->working);
+  device_free(rs->dev, sh->master);
+  device_free(rs->dev, sh->moment1);
+  device_free(rs->dev, sh->moment2);
+  device_free(rs->dev, sh->grad_acc);
+  free(sh->trainable);
+  free(sh->zero_ranges);
+  memset(sh, 0, sizeof *sh);
+  sh->gather_buf = -1;
+  sh->grad_buf = -1;
+}
+
+static int ranges_push(shard_range **ranges, unsigned *n, uint64_t begin, uint64_t end) {
+  if (begin >= end)
+    return 0;
+  if (*n > 0 && (*ranges)[*n - 1].end == begin) {
+    (*ranges)[*n - 1].end = end;
+    return 0;
+  }
+  shard_range *grown = realloc(*ranges, (*n + 1) * sizeof *grown);
+  if (grown == NULL)
+    return -ENOMEM;
+  grown[*n].begin = begin;
+  grown[*n].end = end;
+  *ranges = grown;
+  (*n)++;
+  return 0;
+}
+
+int exec__shard_create(rank_state *rs, const unit_layout *l) {
+  if (l->id >= rs->nshards) {
+    uint32_t cap = rs->nshards ? rs->nshards : 16;
+    while (cap <= l->id)
+      cap *= 2;
+    shard *grown = realloc(rs->shards, cap * sizeof *grown);
+    if (grown == NULL)
+      return -ENOMEM;
+    for (uint32_t i = rs->nshards; i < cap; i++) {
+      memset(&grown[i], 0, sizeof grown[i]);
+      grown[i].gather_buf = -1;
+      grown[i].grad_buf = -1;
+    }
+    rs->shards = grown;
+    rs->nshards = cap;
+  }
+  shard *sh = &rs->shards[l->id];
+  const job_config *c = &rs->job->config;
+  uint64_t n = l->shard_numel;
+  sh->master = zalloc(rs, n * 4);
+  sh->grad_acc = zalloc(rs, n * 4);
+  int has[JOB_NSTATES];
+  job_config_states(c, has);
+  sh->moment1 = has[JOB_STATE_MOMENT1] ? zalloc(rs, n * 4) : NULL;
+  sh->moment2 = has[JOB_STATE_MOMENT2] ? zalloc(rs, n * 4) : NULL;
+  sh->working = c->working_dtype == ZK_F32 ? (void *)sh->master
+                                           : zalloc(rs, n * zk_dtype_size(c->working_dtype));
+  int err = 0;
+  if (sh->master == NULL || sh->grad_acc == NULL ||
+      (has[JOB_STATE_MOMENT1] && sh->moment1 == NULL) ||
+      (has[JOB_STATE_MOMENT2] && sh->moment2 == NULL) || sh->working == NULL)
+    err = -ENOMEM;
+  /* Trainable ranges of this rank's shard, and the ranges of the whole flat
+   * buffer that hold no trainable tensor (gaps, padding, frozen tensors):
+   * gradients there are zeroed before a reduce. */
+  uint64_t lo = (uint64_t)rs->rank * n, hi = lo + n, cursor = 0;
+  for (unsigned t = 0; t < l->ntensors && err == 0; t++) {
+    const tensor_layout *tl = &l->tensors[t];
+    err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, cursor, tl->offset);
+    if (tl->frozen) {
+      if (err == 0)
+        err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, tl->offset, tl->offset + tl->numel);
+    } else {
+      uint64_t b = tl->offset > lo ? tl->offset : lo;
+      uint64_t e = tl->offset + tl->numel < hi ? tl->offset + tl->numel : hi;
+      if (b < e && err == 0)
+        err = ranges_push(&sh->trainable, &sh->ntrainable, b - lo, e - lo);
+    }
+    cursor = tl->offset + tl->numel;
+  }
+  if (err == 0)
+    err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, cursor, l->padded_numel);
+  if (err != 0) {
+    exec__shard_free(rs, sh);
+    return err;
+  }
+  sh->present = 1;
+  sh->gather_buf = -1;
+  sh->grad_buf = -1;
+  return 0;
+}
+
+int exec__grow_scratch(rank_state *rs, uint64_t numel, uint64_t shard_numel) {
+  if (numel > rs->scratch_numel) {
+    device_free(rs->dev, rs->scratch);
+    rs->scratch = zalloc(rs, numel * 4);
+    rs->scratch_numel = rs->scratch != NULL ? numel : 0;
+    if (rs->scratch == NULL)
+      return -ENOMEM;
+  }
+  if (shard_numel > rs->shard_scratch_numel) {
+    device_free(rs->dev, rs->shard_scratch);
+    rs->shard_scratch = zalloc(rs, shard_numel * 4);
+    rs->shard_scratch_numel = rs->shard_scratch != NULL ? shard_numel : 0;
+    if (rs->shard_scratch == NULL)
+      return -ENOMEM;
+  }
+  return 0;
+}
+
+/* Casts the master shard into the working copy (bf16 working precision). */
+int exec__refresh_working(rank_state *rs, const unit_layout *l, shard *sh) {
+  if (sh->working == (void *)sh->master)
+    return 0;
+  return device_cast(rs->dev, sh->working, rs->job->config.working_dtype, sh->master, ZK_F32,
+                     l->shard_numel);
+}
+
+shard *exec__lookup_shard(rank_state *rs, exec_op *op, uint32_t unit_id, unit_layout **out) {
+  unit_layout *l = job_unit(rs->job, unit_id);
+  if (l == NULL || unit_id >= rs->nshards || !rs->shards[unit_id].present) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_NOT_FOUND, "unknown unit id %u (register it first)",
+               unit_id);
+    return NULL;
+  }
+  *out = l;
+  return &rs->shards[unit_id];
+}

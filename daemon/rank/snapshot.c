@@ -1,0 +1,252 @@
+/* Checkpoints from a rank's side: the copy of its shard state for a save
+ * (taken between steps, handed to the node's writer through the job's
+ * checkpoint hooks), and a restore's reading and installing. */
+#include "exec_impl.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ckpt_job.h"
+#include "hostmem.h"
+#include "log.h"
+#include "pin.h"
+#include "rpc.h"
+
+/* The units of which rank rs holds a shard, in the job's order, and the
+ * bytes of its copy for a save. NULL if out of memory. */
+static unit_layout **snapshot_units(rank_state *rs, unsigned *n, uint64_t *bytes) {
+  job *j = rs->job;
+  int want[3];
+  int nstates = job_config_states(&j->config, want);
+  uint32_t nunits;
+  unit_layout **units = job_units_copy(j, &nunits);
+  *n = 0;
+  *bytes = 0;
+  for (uint32_t u = 0; units != NULL && u < nunits; u++)
+    if (u < rs->nshards && rs->shards[u].present) {
+      units[(*n)++] = units[u];
+      *bytes += units[u]->shard_numel * 4 * (uint64_t)nstates;
+    }
+  return units;
+}
+
+void exec__take_snapshot(rank_state *rs, uint64_t id) {
+  job *j = rs->job;
+  rs->ckpt_taken = id;
+  char reason[512] = "";
+  if (job_failed(j, rs->generation, reason, sizeof reason)) {
+    char why[600];
+    snprintf(why, sizeof why, "job '%s' failed: %s", j->name, reason);
+    CKPT_HOOK(save_failed)(j, rs->rank, id, RPC_FAILED_PRECONDITION, why);
+    return;
+  }
+  double t0 = exec__monotonic_s();
+  int want[3];
+  job_config_states(&j->config, want);
+  unsigned n = 0;
+  uint64_t bytes = 0;
+  unit_layout **units = snapshot_units(rs, &n, &bytes);
+  /* Memory the rank's writer faulted in while the step ran, if the order
+   * came early enough (ckpt_node_stage), else fresh. */
+  uint8_t *data = units != NULL ? CKPT_HOOK(staging)(j, rs->rank, id, bytes) : NULL;
+  int staged = data != NULL;
+  if (units != NULL && data == NULL)
+    data = hostmem_shared_alloc(bytes);
+  int rc = data != NULL ? 0 : -ENOMEM;
+  uint8_t *at = data;
+  for (unsigned k = 0; rc == 0 && k < n; k++) {
+    shard *sh = &rs->shards[units[k]->id];
+    size_t b = units[k]->shard_numel * sizeof(float);
+    const float *states[3] = {sh->master, sh->moment1, sh->moment2};
+    for (int s = 0; rc == 0 && s < 3; s++) {
+      if (!want[s])
+        continue;
+      rc = device_download(rs->dev, at, states[s], b);
+      at += b;
+    }
+  }
+  ckpt_manifest *layout = NULL;
+  ckpt_job_view view = {.name = j->name,
+                        .id = j->id,
+                        .world_size = j->world_size,
+                        .config = &j->config,
+                        .units = units,
+                        .nunits = n};
+  if (rc == 0 && rs->rank == 0 && (layout = ckpt_layout_of(&view, rs->step, rs->version)) == NULL)
+    rc = -ENOMEM;
+  free(units);
+  if (rc != 0) {
+    hostmem_shared_unref(data);
+    char why[600];
+    snprintf(why, sizeof why, "copying the shard state: %s",
+             rc == -ENOMEM ? "out of host memory" : device_last_error(rs->dev));
+    CKPT_HOOK(save_failed)(j, rs->rank, id, RPC_RESOURCE_EXHAUSTED, why);
+    return;
+  }
+  int64_t stall_ms = (int64_t)((exec__monotonic_s() - t0) * 1000);
+  LOG_DEBUGF("shard copied for a save",
+             "job=%s rank=%d save=%llu step=%llu bytes=%llu staged=%d ms=%lld", j->name, rs->rank,
+             (unsigned long long)id, (unsigned long long)rs->step, (unsigned long long)bytes,
+             staged, (long long)stall_ms);
+  CKPT_HOOK(saved)(j, rs->rank, id, rs->step, data, bytes, layout, stall_ms);
+}
+
+/* A save order reached the rank: with no worker attached no step will
+ * come, so the copy is taken now (in queue order, before any op of a
+ * worker that attaches later). With one, it is taken at the end of a step
+ * to come, and the rank's writer faults its memory in meanwhile. */
+void exec__handle_save(rank_state *rs, exec_op *op) {
+  if (op->ckpt_id <= rs->ckpt_taken || atomic_load(&rs->ckpt_pending) < op->ckpt_id)
+    return;
+  if (rs->session_id == 0) {
+    exec__take_snapshot(rs, op->ckpt_id);
+    return;
+  }
+  unsigned n;
+  uint64_t bytes;
+  unit_layout **units = snapshot_units(rs, &n, &bytes);
+  if (units != NULL)
+    CKPT_HOOK(stage)(rs->job, rs->rank, op->ckpt_id, bytes);
+  free(units);
+}
+
+/* The job as checkpoints see it (ckpt_job.h), with a copy of its unit
+ * table taken under its mutex (the caller frees view->units). Returns 0 or
+ * -ENOMEM (view->units NULL). */
+static int job_view(job *j, ckpt_job_view *view) {
+  uint32_t nunits;
+  unit_layout **units = job_units_copy(j, &nunits);
+  *view = (ckpt_job_view){.name = j->name,
+                          .id = j->id,
+                          .world_size = j->world_size,
+                          .config = &j->config,
+                          .units = units,
+                          .nunits = nunits};
+  return units != NULL ? 0 : -ENOMEM;
+}
+
+void exec__handle_restore_read(rank_state *rs, exec_op *op) {
+  ckpt_staged_free(rs->ckpt_staged);
+  rs->ckpt_staged = NULL;
+  int code = 0;
+  char err[512] = "";
+  ckpt_staged *st = NULL;
+  double t0 = exec__monotonic_s();
+  ckpt_job_view view;
+  int rc = job_view(rs->job, &view) == 0
+               ? ckpt_restore_read(&view, rs->rank, op->ckpt_source, op->ckpt_format,
+                                   device_is_host(rs->dev), &st, &code, err, sizeof err)
+               : -ENOMEM;
+  if (view.units == NULL) {
+    code = RPC_RESOURCE_EXHAUSTED;
+    snprintf(err, sizeof err, "out of host memory");
+  }
+  free((void *)view.units);
+  if (rc == 0) {
+    st->id = op->ckpt_id;
+    rs->ckpt_staged = st;
+    LOG_DEBUGF("read for a restore", "job=%s rank=%d restore=%llu bytes=%zu ms=%.1f", rs->job->name,
+               rs->rank, (unsigned long long)op->ckpt_id, st->mem_bytes,
+               (exec__monotonic_s() - t0) * 1e3);
+  }
+  CKPT_HOOK(restore_report)
+  (rs->job, rs->rank, op->ckpt_id, 0, rc == 0 ? st->step : 0,
+   rc == 0 ? 0 : (code != 0 ? code : RPC_INTERNAL), err);
+}
+
+/* Installs what exec__handle_restore_read staged: every rank of the job does
+ * this once all have read and verified their part. A failure here leaves
+ * ranks that installed and ranks that did not, so the job fails. */
+void exec__handle_restore_commit(rank_state *rs, exec_op *op) {
+  job *j = rs->job;
+  ckpt_staged *st = rs->ckpt_staged;
+  char err[512] = "";
+  int rc = 0;
+  if (st == NULL || st->id != op->ckpt_id) {
+    CKPT_HOOK(restore_report)
+    (j, rs->rank, op->ckpt_id, 0, 0, RPC_INTERNAL, "no values read for this restore on the rank");
+    return;
+  }
+  rs->ckpt_staged = NULL;
+  unsigned char *fresh = calloc(st->nunits + 1, 1);
+  if (fresh == NULL)
+    rc = -ENOMEM;
+  for (unsigned u = 0; rc == 0 && u < st->nunits; u++) {
+    ckpt_staged_unit *su = &st->units[u];
+    if (su->owned) {
+      int existed = 0, conflict = 0;
+      unit_layout *l = job_publish_unit(j, su->layout, &existed, &conflict);
+      if (l == NULL) {
+        snprintf(err, sizeof err, "unit '%s': %s", su->layout->name,
+                 conflict ? "registered meanwhile with a different layout" : "too many units");
+        rc = -EINVAL;
+        break;
+      }
+      su->owned = 0; /* the job's now (or freed, if it existed) */
+      su->layout = l;
+    }
+    const unit_layout *l = su->layout;
+    if (l->id >= rs->nshards || !rs->shards[l->id].present) {
+      pin_lock_shards(rs);
+      rc = exec__shard_create(rs, l);
+      pin_unlock_shards(rs);
+      fresh[u] = rc == 0;
+      if (rc != 0)
+        snprintf(err, sizeof err, "out of memory for the shard of unit '%s'", l->name);
+    }
+  }
+  if (rc == 0) {
+    pin_begin_write(rs);
+    for (unsigned u = 0; rc == 0 && u < st->nunits; u++) {
+      ckpt_staged_unit *su = &st->units[u];
+      const unit_layout *l = su->layout;
+      shard *sh = &rs->shards[l->id];
+      size_t bytes = l->shard_numel * sizeof(float);
+      float **dst[3] = {&sh->master, &sh->moment1, &sh->moment2};
+      float *master = sh->master;
+      for (int k = 0; rc == 0 && k < 3; k++) {
+        if (*dst[k] == NULL)
+          continue;
+        if (su->state[k] == NULL) {
+          rc = device_zero(rs->dev, *dst[k], bytes);
+        } else if (st->arrays) {
+          /* A host rank takes the staged array as it is; the one it held
+           * goes with the staging, freed once the rank has reported. */
+          float *held = *dst[k];
+          *dst[k] = su->state[k];
+          su->state[k] = held;
+        } else {
+          rc = device_upload(rs->dev, *dst[k], su->state[k], bytes);
+        }
+      }
+      if (sh->working == (void *)master)
+        sh->working = sh->master;
+      if (rc == 0)
+        rc = device_zero(rs->dev, sh->grad_acc, bytes);
+      if (rc == 0)
+        rc = exec__refresh_working(rs, l, sh);
+    }
+    if (rc == 0)
+      rc = device_sync(rs->dev);
+    if (rc != 0)
+      snprintf(err, sizeof err, "installing the restored values: %s", device_last_error(rs->dev));
+    rs->step = st->step;
+    pin_end_write(rs);
+  }
+  for (unsigned u = 0; rc == 0 && u < st->nunits; u++)
+    if (fresh[u])
+      atomic_fetch_add(&st->units[u].layout->ready_ranks, 1);
+  free(fresh);
+  if (rc != 0) {
+    job_fail(j, rs->generation, "rank %d: restore: %s", rs->rank, err);
+    CKPT_HOOK(restore_report)(j, rs->rank, op->ckpt_id, 0, 0, RPC_INTERNAL, err);
+  } else {
+    LOG_INFOF("restored", "job=%s rank=%d restore=%llu step=%llu units=%u", j->name, rs->rank,
+              (unsigned long long)op->ckpt_id, (unsigned long long)st->step, st->nunits);
+    CKPT_HOOK(restore_report)(j, rs->rank, op->ckpt_id, 1, st->step, 0, NULL);
+  }
+  ckpt_staged_free(st);
+}

@@ -1,0 +1,181 @@
+/* STEP: the all-reduce of the gradient norm (with the save orders the
+ * ranks know of), clipping, the optimizer update of every shard and the
+ * new working copies; the progress log. */
+#include "exec_impl.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#include "log.h"
+#include "pin.h"
+
+/* Every PROGRESS_EVERY_STEPS steps rank 0 logs where the job is and how
+ * fast it goes, so an operator sees training progress in the daemon's log
+ * without asking the workers. */
+#define PROGRESS_EVERY_STEPS 100
+
+double exec__monotonic_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void log_progress(rank_state *rs, double grad_norm) {
+  if (rs->rank != 0)
+    return;
+  double now = exec__monotonic_s();
+  if (rs->progress_since_s == 0) {
+    rs->progress_since_s = now;
+    rs->progress_since_step = rs->step;
+    return;
+  }
+  if (rs->step % PROGRESS_EVERY_STEPS != 0)
+    return;
+  double elapsed = now - rs->progress_since_s;
+  double rate = elapsed > 0 ? (double)(rs->step - rs->progress_since_step) / elapsed : 0;
+  LOG_INFOF("job progress",
+            "job=%s step=%llu grad_norm=%.4g lr=%g steps_per_s=%.2f live_bytes=%llu", rs->job->name,
+            (unsigned long long)rs->step, grad_norm, rs->lr, rate,
+            (unsigned long long)rs->live_bytes);
+  rs->progress_since_s = now;
+  rs->progress_since_step = rs->step;
+}
+
+void exec__handle_step(rank_state *rs, exec_op *op) {
+  Zerod__V1__StepRequest *req = (Zerod__V1__StepRequest *)op->request;
+  if (exec__op_job_failed(rs, op))
+    return;
+  if ((req->set_lr && !(req->lr > 0 && isfinite(req->lr))) ||
+      (req->set_max_grad_norm && !(req->max_grad_norm >= 0)) ||
+      !(req->grad_scale >= 0 && isfinite(req->grad_scale))) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "step: lr must be > 0, max_grad_norm >= 0 and grad_scale >= 0 and finite");
+    return;
+  }
+  if (req->set_lr)
+    rs->lr = req->lr;
+  if (req->set_max_grad_norm)
+    rs->max_grad_norm = req->max_grad_norm;
+  double grad_scale = req->grad_scale == 0 ? 1.0 : req->grad_scale;
+
+  /* The global norm: every rank's partial sum of squares over its shards
+   * (in unit order, each sum deterministic), all-reduced. */
+  device *dev = rs->dev;
+  double local_sumsq = 0;
+  int err = device_sumsq_begin(dev);
+  for (uint32_t u = 0; u < rs->nshards && err == 0; u++) {
+    shard *sh = &rs->shards[u];
+    if (sh->present)
+      err = device_sumsq_add(dev, sh->grad_acc, job_unit(rs->job, u)->shard_numel);
+  }
+  if (err == 0)
+    err = device_sumsq_end(dev, &local_sumsq);
+  if (err != 0) {
+    exec__op_device_failed(rs, op, "step (gradient norm)", err);
+    return;
+  }
+  /* The same all-reduce agrees on a checkpoint: a rank that knows of a
+   * save order adds its id and a count, and every rank takes its copy at
+   * the end of this step (ckpt_node.h). The coordinator has one save of a
+   * job in flight at a time, so the ids summed are all the same. */
+  uint64_t pending = atomic_load(&rs->ckpt_pending);
+  if (pending <= rs->ckpt_taken)
+    pending = 0;
+  double reduced[3] = {local_sumsq, (double)pending, pending != 0 ? 1.0 : 0.0};
+  err = exec__host_all_reduce_f64(rs, reduced, 3, COMM_SUM);
+  if (err != 0) {
+    exec__op_comm_failed(rs, op, "all_reduce (gradient norm)", err);
+    return;
+  }
+  local_sumsq = reduced[0];
+  uint64_t save_id = reduced[2] > 0 ? (uint64_t)llround(reduced[1] / reduced[2]) : 0;
+  double grad_norm = sqrt(local_sumsq) / grad_scale;
+  int skipped = !isfinite(local_sumsq);
+  if (!skipped) {
+    double coef = 1.0;
+    if (rs->max_grad_norm > 0) {
+      coef = rs->max_grad_norm / (grad_norm + 1e-6);
+      if (coef > 1.0)
+        coef = 1.0;
+    }
+    const job_config *c = &rs->job->config;
+    int64_t step_number = (int64_t)rs->step + 1;
+    /* The version goes up here, after the all-reduce: every rank has
+     * finished its previous write, so ranks stay within one version. A
+     * pin of the current version gets this rank's slices first. */
+    pin_begin_write(rs);
+    for (uint32_t u = 0; u < rs->nshards; u++) {
+      shard *sh = &rs->shards[u];
+      if (!sh->present)
+        continue;
+      for (unsigned k = 0; k < sh->ntrainable; k++) {
+        uint64_t b = sh->trainable[k].begin, n = sh->trainable[k].end - b;
+        size_t welem = zk_dtype_size(c->working_dtype);
+        void *working =
+            sh->working == (void *)sh->master ? NULL : (uint8_t *)sh->working + b * welem;
+        zk_dtype wdtype = working != NULL ? c->working_dtype : ZK_DTYPE_NONE;
+        int rc;
+        if (c->optimizer == JOB_SGD) {
+          zk_sgd_hparams hp = {.lr = rs->lr,
+                               .momentum = c->momentum,
+                               .dampening = c->dampening,
+                               .weight_decay = c->weight_decay,
+                               .nesterov = c->nesterov,
+                               .step = step_number,
+                               .grad_scale = coef / grad_scale};
+          rc = device_sgd_step(dev, &hp, sh->master + b, sh->moment1 ? sh->moment1 + b : NULL,
+                               sh->grad_acc + b, working, wdtype, n);
+        } else {
+          zk_adam_hparams hp = {.lr = rs->lr,
+                                .beta1 = c->beta1,
+                                .beta2 = c->beta2,
+                                .eps = c->eps,
+                                .weight_decay = c->weight_decay,
+                                .decoupled_weight_decay = c->optimizer == JOB_ADAMW,
+                                .step = step_number,
+                                .grad_scale = coef / grad_scale};
+          rc = device_adam_step(dev, &hp, sh->master + b, sh->moment1 + b, sh->moment2 + b,
+                                sh->grad_acc + b, working, wdtype, n);
+        }
+        if (rc != 0) {
+          /* The hyper-parameters were checked at creation; a failure here
+           * would leave ranks inconsistent, so the job stops. */
+          device_sync(dev);
+          pin_end_write(rs);
+          exec__op_device_failed(rs, op, "optimizer step", rc);
+          return;
+        }
+      }
+    }
+    /* Readers copy the working copies once the write lock is released. */
+    int rc = device_sync(dev);
+    pin_end_write(rs);
+    if (rc != 0) {
+      exec__op_device_failed(rs, op, "optimizer step", rc);
+      return;
+    }
+    rs->step++;
+    log_progress(rs, grad_norm);
+  }
+  for (uint32_t u = 0; u < rs->nshards && err == 0; u++) {
+    shard *sh = &rs->shards[u];
+    if (sh->present)
+      err = device_zero(dev, sh->grad_acc, job_unit(rs->job, u)->shard_numel * sizeof(float));
+  }
+  if (err == 0)
+    err = device_sync(dev);
+  if (err != 0) {
+    exec__op_device_failed(rs, op, "step (clearing the gradients)", err);
+    return;
+  }
+  rs->order_complete = 1;
+  if (save_id > rs->ckpt_taken)
+    exec__take_snapshot(rs, save_id);
+  Zerod__V1__StepReply reply = ZEROD__V1__STEP_REPLY__INIT;
+  reply.step = rs->step;
+  reply.version = rs->version;
+  reply.grad_norm = grad_norm;
+  reply.skipped = skipped;
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_STEP_REPLY, &reply.base);
+}
