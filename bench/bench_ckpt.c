@@ -15,12 +15,12 @@
  *  3. the parts: memcpy, XXH64 once, the writer's two hashes (block table
  *     and whole file), and the copy a save takes while training waits:
  *     into memory faulted in beforehand (hostmem_alloc, hostmem_populate,
- *     untimed: the rank's writer does it while the step runs), as exec.c's
+ *     untimed: the rank's writer does it while the step runs), as rank/snapshot.c's
  *     take_snapshot does when the order came early enough, and into fresh
  *     memory (malloc + memcpy of S, when it did not), each with its share
  *     of the whole save (copy + write); and a restore's staging: ckpt_source
  *     into one hostmem buffer faulted in by a thread ahead of the reads
- *     (hostmem_populate_ahead), as ckpt_restore.c's read_checkpoint does, and
+ *     (hostmem_populate_ahead), as ckpt/restore.c's read_checkpoint does, and
  *     into a fresh calloc'd buffer per unit and state (what it did before).
  *  4. prototypes (--no-prototypes skips them): the writer's work rebuilt
  *     here (hashing, then pwrites), then with sync_file_range to start
@@ -77,7 +77,7 @@
 #include "ckpt.h"
 #include "hostmem.h"
 
-#define CHUNK      (8u << 20) /* ckpt_node.c's WRITE_CHUNK, and the raw I/O size */
+#define CHUNK      (8u << 20) /* node/ckpt_node_impl.h's WRITE_CHUNK, and the raw I/O size */
 #define NUNITS     16u
 #define NSTATES    3u /* master, moment1, moment2 (AdamW) */
 #define MAX_ROUNDS 64
@@ -343,7 +343,7 @@ static double ckpt_source_all(int cold) {
 
 /* The same into one buffer for every unit and state, faulted in by a
  * thread ahead of the reads, as a restore stages what it reads
- * (ckpt_restore.c read_checkpoint); freed untimed. */
+ * (ckpt/restore.c read_checkpoint); freed untimed. */
 static double ckpt_source_staged(void) {
   drop_cache(shard_path);
   char err[512];
@@ -493,7 +493,7 @@ static double t_writer_hashes(void) {
   return t;
 }
 
-/* The copy a save takes while the rank's steps wait (exec.c
+/* The copy a save takes while the rank's steps wait (rank/snapshot.c
  * take_snapshot on a host rank: malloc of the shard bytes, then a copy of
  * each state into it). Freed outside the timing. */
 /* The snapshot into fresh memory (staged 0), or into memory faulted in

@@ -12,7 +12,7 @@
  * each call after a barrier, following two warm-up calls. The rounds
  * interleave the baseline with our calls so that a noisy neighbour slows
  * both alike, and each figure is the median over the rounds. Output: one
- * JSON object per line (STYLE.md).
+ * JSON object per line (docs/benchmarks.md).
  *
  * Usage: bench_comm [--unit-mib N] [--world N] [--iters N] [--rounds N]
  */

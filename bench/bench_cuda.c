@@ -11,7 +11,7 @@
  *
  * Each figure is the median over several repeats of the time per call,
  * measured with a stream synchronisation and clock_gettime around a batch of
- * calls after a warm-up. Output: one JSON object per line (STYLE.md); without
+ * calls after a warm-up. Output: one JSON object per line (docs/benchmarks.md); without
  * a usable GPU a single {"bench":"adamw_cuda","skipped":...} line, exit 0.
  *
  * The program links only the CPU kernel library and reaches the GPU through

@@ -7,7 +7,7 @@
  * A STREAM triad over the same bytes is printed too, for comparison with
  * published figures; it under-counts write-allocate traffic, so it is not
  * the target's baseline. Each figure is the median of several timed runs
- * after a warm-up. Output: one JSON object per line (STYLE.md).
+ * after a warm-up. Output: one JSON object per line (docs/benchmarks.md).
  *
  * Usage: bench_kernels [--state-mib N] [--reps N]
  */

@@ -457,7 +457,7 @@ static int checkpoint_timeout_ms;       /* zerod standalone: --checkpoint-timeou
  * process and on this loop, in memory only (standalone jobs are created by
  * their workers and live as long as the daemon), serving gRPC on
  * DIR/control.sock so that zerodctl works against a standalone daemon too.
- * This node joins it like any node (node.c), with a local rendezvous. */
+ * This node joins it like any node (node/cluster.c), with a local rendezvous. */
 static int start_local_coordinator(zdaemon *d, char *err, size_t err_bytes) {
   daemon_options *o = &d->options;
   if (snprintf(control_socket, sizeof control_socket, "%s/control.sock", o->dir) >=

@@ -3,10 +3,10 @@
  *
  * Each rank has one device, a small table of operations with two backends:
  * device_host.c (host memory; the CPU drivers of kernels/ on the rank's
- * thread pool, the very calls exec.c made before there was a device layer,
+ * thread pool, the very calls the executor made before there was a device layer,
  * so host ranks compute the same bits as before) and device_cuda.c (GPU i
  * for local rank i; the CUDA module's entries, enqueued on the rank's own
- * stream). exec.c holds "device pointers" (host memory for the host backend,
+ * stream). The rank (rank/) holds "device pointers" (host memory for the host backend,
  * GPU memory for CUDA) and never dereferences them: it passes them to these
  * operations and to comm.h, whose backend matches the device (Gloo for the
  * host, NCCL for CUDA).
@@ -103,7 +103,7 @@ struct device {
 
 /* Opens the host device of a rank, running kernels on `pool` (not owned).
  * Its memory is hostmem's arrays (hostmem.h), so a host rank may take one
- * made elsewhere as its own (a restore's staged values, exec.c). */
+ * made elsewhere as its own (a restore's staged values, rank/snapshot.c). */
 int device_host_open(zk_pool *pool, device **out);
 
 /* Opens GPU `ordinal` for the calling thread (it becomes the thread's

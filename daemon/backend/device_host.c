@@ -1,6 +1,6 @@
 /* The host device (see device.h): shards in host memory, the CPU drivers of
  * kernels/ on the rank's thread pool, gathered and gradient buffers in
- * memfd regions. Every operation is the call exec.c made before there was
+ * memfd regions. Every operation is the call the executor made before there was
  * a device layer, so host ranks compute exactly the same bits; nothing is
  * asynchronous, so sync and the buffer events do nothing. */
 #include <errno.h>
@@ -102,7 +102,7 @@ static int host_accumulate(device *dev, float *acc, const float *src, size_t num
 }
 
 /* Each array's sum is taken on its own and the sums are added in call
- * order, as exec.c added them before: the norm keeps its bits. */
+ * order, as the executor added them before: the norm keeps its bits. */
 static int host_sumsq_begin(device *dev) {
   ((host_device *)dev)->sumsq_total = 0;
   return 0;

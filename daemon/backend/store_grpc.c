@@ -2,7 +2,7 @@
  * cluster: the coordinator's Rendezvous service over gRPC (rpc.h).
  *
  * Keys arrive as "<job>/<epoch>/<rest>" (the communicator prefix that
- * exec.c builds, then Gloo's own key) and are sent as the namespaced
+ * rank/session.c builds, then Gloo's own key) and are sent as the namespaced
  * (job, epoch, key) triple the service stores them under, so that deleting
  * a job on the coordinator deletes its keys too.
  *

@@ -54,7 +54,7 @@ void hostmem_shared_ref(void *p);
 void hostmem_shared_unref(void *p);
 
 /* The arrays a host rank keeps its state in (device_host.c), and a
- * restore's staged values, which a host rank takes as its own (exec.c):
+ * restore's staged values, which a host rank takes as its own (rank/snapshot.c):
  * 64-byte aligned and padded to 64 bytes, NOT zeroed. From 1 MiB they are
  * mappings of their own (given back to the kernel when freed, and zero
  * when fresh; hostmem_array_mapped), smaller ones come from the heap.

@@ -98,7 +98,7 @@ static int optimizers_compatible(const char *saved, job_optimizer now) {
 /* Points the states wanted of every staged unit (layouts set) at memory
  * for their values. On a host rank (st->arrays) each is an array of the
  * host device's own kind, which the rank takes as it is at the commit
- * instead of copying from it (exec.c); otherwise they share one buffer,
+ * instead of copying from it (rank/snapshot.c); otherwise they share one buffer,
  * a cache line apart. Not zeroed: the reader zeroes what it does not read
  * (zero_between). */
 static size_t staged_state_bytes(const unit_layout *l) {

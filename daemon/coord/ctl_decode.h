@@ -109,7 +109,7 @@ ctl_checkpoint_ref ctl_parse_checkpoint_ref(const char *ref, char *job_out, char
  * whole heartbeat refused. */
 void ctl_text_sanitize(char *s, size_t max_bytes);
 
-/* Checks a job config the way the node daemon's job_config_finish (job.c)
+/* Checks a job config the way the node daemon's job_config_finish (model/config.c)
  * will, so that a config that a node would refuse is refused at CreateJob
  * and never assigned: same ranges, same messages. NULL (every default) is
  * valid. Returns 0 or -EINVAL with a message in err. */

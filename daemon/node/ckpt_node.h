@@ -10,7 +10,7 @@
  * optimizer's moments) to host memory at the same step, on its executor,
  * so no step runs meanwhile; the copy is then written to the order's
  * directory by a thread of its own while training goes on. The ranks agree
- * on the step through the step's own all-reduce (exec.c): a rank that knows
+ * on the step through the step's own all-reduce (rank/step.c): a rank that knows
  * of an order adds its id there, and every rank takes its copy at the end
  * of that step. A rank with no worker attached takes it at once (OP_SAVE),
  * or when its worker detaches; one with a worker has its writer fault in

@@ -1,4 +1,4 @@
-/* node.c - a node daemon's membership in a cluster (see node.h). */
+/* cluster - a node daemon's membership in a cluster (see cluster.h). */
 #include "cluster.h"
 
 #include <errno.h>

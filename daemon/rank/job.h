@@ -78,7 +78,7 @@ typedef struct rank_state {
   struct job *job;
   int rank;
 
-  /* Executor (exec.c). */
+  /* Executor (exec.c, the queue). */
   pthread_t thread;
   int thread_started;
   pthread_mutex_t queue_mutex;
@@ -170,7 +170,7 @@ typedef struct job {
   /* Loop-owned: the id of the restore in progress (attaches are refused
    * until it ends), 0 if none. */
   uint64_t restoring;
-  struct job_ckpt *ckpt; /* the node's checkpoint work for the job (ckpt_node.c) */
+  struct job_ckpt *ckpt; /* the node's checkpoint work for the job (node/ckpt_node.c) */
 
   /* Versions and pins (pin.c; pin.h has the locking rules). */
   pthread_rwlock_t *rank_locks; /* [nranks], by local index */

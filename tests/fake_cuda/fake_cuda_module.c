@@ -1,6 +1,6 @@
 /* fake_cuda_module.c - a stand-in for libzerod_cuda.so on machines without
- * a GPU, so that zerod's GPU code paths (daemon/device_cuda.c, the CUDA
- * branches of exec.c, CUDA IPC in libzerod) run in CPU-only CI.
+ * a GPU, so that zerod's GPU code paths (daemon/backend/device_cuda.c, the CUDA
+ * branches of rank/, CUDA IPC in libzerod) run in CPU-only CI.
  *
  * It exports zk_cuda_get_api like the real module (kernels/cuda/zk_cuda.h)
  * and is loaded the same way, with ZEROD_CUDA_MODULE pointing at it. Its

@@ -1,4 +1,4 @@
-/* The NCCL backend of comm.h (daemon/comm_nccl.c) without a GPU.
+/* The NCCL backend of comm.h (daemon/backend/comm_nccl.c) without a GPU.
  *
  * comm_nccl.c reaches CUDA and NCCL only through the module's table
  * (zk_cuda.h), so a fake table stands in for the module here: its "device
