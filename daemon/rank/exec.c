@@ -889,7 +889,7 @@ static void handle_step(rank_state *rs, exec_op *op) {
       (req->set_max_grad_norm && !(req->max_grad_norm >= 0)) ||
       !(req->grad_scale >= 0 && isfinite(req->grad_scale))) {
     exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "step: lr must be > 0, max_grad_norm >= 0 and grad_scale >= 0 and finite");
+               "lr must be > 0, max_grad_norm >= 0 and grad_scale >= 0 and finite");
     return;
   }
   if (req->set_lr)
