@@ -75,8 +75,11 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
     return -EINVAL;
   }
   /* The checks torch.optim makes, so a bad config fails at creation and not
-   * at the first step. Each message names the field and its range and has
-   * no prefix: callers say whose config it is ("job 'x': ..."). */
+   * at the first step, and finiteness, which torch does not check: an
+   * infinite momentum or a NaN dampening turns the weights into NaN, and a
+   * checkpoint's manifest (JSON) cannot hold a non-finite number, so every
+   * save of such a job would fail. Each message names the field and its
+   * range and has no prefix: callers say whose config it is ("job 'x': "). */
   if (!(c->lr > 0) || !isfinite(c->lr)) {
     snprintf(err, err_bytes, "invalid learning rate %g (must be > 0 and finite)", c->lr);
     return -EINVAL;
@@ -85,20 +88,25 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
     snprintf(err, err_bytes, "invalid betas (%g, %g) (each in [0, 1))", c->beta1, c->beta2);
     return -EINVAL;
   }
-  if (!(c->eps >= 0)) {
-    snprintf(err, err_bytes, "invalid eps %g (must be >= 0)", c->eps);
+  if (!(c->eps >= 0) || !isfinite(c->eps)) {
+    snprintf(err, err_bytes, "invalid eps %g (must be >= 0 and finite)", c->eps);
     return -EINVAL;
   }
   if (!(c->weight_decay >= 0) || !isfinite(c->weight_decay)) {
     snprintf(err, err_bytes, "invalid weight decay %g (must be >= 0 and finite)", c->weight_decay);
     return -EINVAL;
   }
-  if (!(c->momentum >= 0)) {
-    snprintf(err, err_bytes, "invalid momentum %g (must be >= 0)", c->momentum);
+  if (!(c->momentum >= 0) || !isfinite(c->momentum)) {
+    snprintf(err, err_bytes, "invalid momentum %g (must be >= 0 and finite)", c->momentum);
     return -EINVAL;
   }
-  if (!(c->max_grad_norm >= 0)) {
-    snprintf(err, err_bytes, "invalid max_grad_norm %g (must be >= 0; 0 is off)", c->max_grad_norm);
+  if (!isfinite(c->dampening)) {
+    snprintf(err, err_bytes, "invalid dampening %g (must be finite)", c->dampening);
+    return -EINVAL;
+  }
+  if (!(c->max_grad_norm >= 0) || !isfinite(c->max_grad_norm)) {
+    snprintf(err, err_bytes, "invalid max_grad_norm %g (must be >= 0 and finite; 0 is off)",
+             c->max_grad_norm);
     return -EINVAL;
   }
   if (c->optimizer == JOB_SGD && c->nesterov && (c->momentum <= 0 || c->dampening != 0)) {

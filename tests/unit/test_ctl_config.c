@@ -57,7 +57,9 @@ static const row rows[] = {
     {"adam ignores nesterov", .kind = ADAM, .nesterov = 1},
     {"betas at zero", .beta1 = -0.0, .beta2 = -0.0},
     {"eps zero", .eps = 0},
-    /* Where the earlier copy in ctl_decode.c was stricter than the node. */
+    {"negative dampening", .kind = SGD, .momentum = 0.9, .dampening = -1},
+    /* Refused: where an earlier copy in ctl_decode.c disagreed with the
+     * node (it refused them, the node did not). */
     {"infinite eps", .eps = INFINITY},
     {"infinite momentum", .kind = SGD, .momentum = INFINITY},
     {"infinite max_grad_norm", .max_grad_norm = INFINITY},
@@ -145,7 +147,7 @@ static void test_check_job_config_is_the_nodes_rule(void **state) {
   }
   /* The table's refusals are refusals (a node that accepts everything
    * would agree with a coordinator that does too). */
-  assert_int_equal(refused, 23);
+  assert_int_equal(refused, 28);
 }
 
 /* The same through CreateJob's decoder: the bytes a client sends. */

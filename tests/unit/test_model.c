@@ -313,7 +313,14 @@ static void test_config_rejects_negative_eps(void **state) {
   (void)state;
   job_config c = finished(JOB_ADAMW);
   c.eps = -1e-8;
-  expect_refused(c, "invalid eps -1e-08 (must be >= 0)");
+  expect_refused(c, "invalid eps -1e-08 (must be >= 0 and finite)");
+}
+
+static void test_config_rejects_infinite_eps(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAM);
+  c.eps = INFINITY;
+  expect_refused(c, "invalid eps inf (must be >= 0 and finite)");
 }
 
 static void test_config_rejects_negative_weight_decay(void **state) {
@@ -334,21 +341,54 @@ static void test_config_rejects_negative_momentum(void **state) {
   (void)state;
   job_config c = finished(JOB_SGD);
   c.momentum = -0.9;
-  expect_refused(c, "invalid momentum -0.9 (must be >= 0)");
+  expect_refused(c, "invalid momentum -0.9 (must be >= 0 and finite)");
+}
+
+static void test_config_rejects_infinite_momentum(void **state) {
+  (void)state;
+  job_config c = finished(JOB_SGD);
+  c.momentum = INFINITY;
+  expect_refused(c, "invalid momentum inf (must be >= 0 and finite)");
+}
+
+static void test_config_rejects_nan_dampening(void **state) {
+  (void)state;
+  job_config c = finished(JOB_SGD);
+  c.momentum = 0.9;
+  c.dampening = NAN;
+  expect_refused(c, "invalid dampening nan (must be finite)");
+}
+
+static void test_config_accepts_any_finite_dampening(void **state) {
+  (void)state;
+  /* torch.optim.SGD checks no range for it. */
+  job_config c = finished(JOB_SGD);
+  c.momentum = 0.9;
+  c.dampening = -2;
+  expect_accepted(c);
+  c.dampening = 3;
+  expect_accepted(c);
 }
 
 static void test_config_rejects_negative_max_grad_norm(void **state) {
   (void)state;
   job_config c = finished(JOB_ADAMW);
   c.max_grad_norm = -1;
-  expect_refused(c, "invalid max_grad_norm -1 (must be >= 0; 0 is off)");
+  expect_refused(c, "invalid max_grad_norm -1 (must be >= 0 and finite; 0 is off)");
 }
 
 static void test_config_rejects_nan_max_grad_norm(void **state) {
   (void)state;
   job_config c = finished(JOB_ADAMW);
   c.max_grad_norm = NAN;
-  expect_refused(c, "invalid max_grad_norm nan (must be >= 0; 0 is off)");
+  expect_refused(c, "invalid max_grad_norm nan (must be >= 0 and finite; 0 is off)");
+}
+
+static void test_config_rejects_infinite_max_grad_norm(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  c.max_grad_norm = INFINITY;
+  expect_refused(c, "invalid max_grad_norm inf (must be >= 0 and finite; 0 is off)");
 }
 
 static void test_config_rejects_nesterov_without_momentum(void **state) {
@@ -734,11 +774,16 @@ int main(void) {
       cmocka_unit_test(test_config_rejects_nan_beta),
       cmocka_unit_test(test_config_accepts_betas_just_below_one),
       cmocka_unit_test(test_config_rejects_negative_eps),
+      cmocka_unit_test(test_config_rejects_infinite_eps),
       cmocka_unit_test(test_config_rejects_negative_weight_decay),
       cmocka_unit_test(test_config_rejects_infinite_weight_decay),
       cmocka_unit_test(test_config_rejects_negative_momentum),
+      cmocka_unit_test(test_config_rejects_infinite_momentum),
+      cmocka_unit_test(test_config_rejects_nan_dampening),
+      cmocka_unit_test(test_config_accepts_any_finite_dampening),
       cmocka_unit_test(test_config_rejects_negative_max_grad_norm),
       cmocka_unit_test(test_config_rejects_nan_max_grad_norm),
+      cmocka_unit_test(test_config_rejects_infinite_max_grad_norm),
       cmocka_unit_test(test_config_rejects_nesterov_without_momentum),
       cmocka_unit_test(test_config_rejects_nesterov_with_dampening),
       cmocka_unit_test(test_config_accepts_nesterov_with_momentum),
