@@ -6,11 +6,11 @@
 #include "ctl_decode.h"
 
 #include <errno.h>
-#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "config.h"
 #include "rpc.h"
 
 /* ------------------------------------------------------------------------ */
@@ -190,47 +190,16 @@ static int check_key(const char *s, int allow_empty, char *err, size_t err_bytes
 /* ------------------------------------------------------------------------ */
 
 int ctl_check_job_config(const Zerod__V1__JobConfig *pc, char *err, size_t err_bytes) {
-  if (pc == NULL)
-    return 0;
-  /* Mirrors job_config_from_proto + job_config_finish (job.c), which the
-   * node runs when it builds the job: zero means torch.optim's default.
-   * The coordinator does not link job.c (it lives in zd_daemon with the
-   * node's executors, and zd_daemon links zd_coord, not the other way
-   * round), so the ranges are repeated here. They are stricter about
-   * infinities, which the node would only trip over at the first step. */
-  if (pc->working_dtype != ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED &&
-      pc->working_dtype != ZEROD__V1__DTYPE__DTYPE_F32 &&
-      pc->working_dtype != ZEROD__V1__DTYPE__DTYPE_BF16)
-    return fail(err, err_bytes, "working precision must be fp32 or bf16");
-  if (!(pc->max_grad_norm >= 0) || !isfinite(pc->max_grad_norm))
-    return fail(err, err_bytes, "max_grad_norm must be >= 0 and finite (got %g)",
-                pc->max_grad_norm);
-  const Zerod__V1__OptimizerConfig *o = pc->optimizer;
-  if (o == NULL)
-    return 0;
-  int kind = (int)o->kind;
-  if (kind != ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED &&
-      kind != ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW &&
-      kind != ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAM &&
-      kind != ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD)
-    return fail(err, err_bytes, "unknown optimizer %d", kind);
-  double lr = o->lr == 0 ? 1e-3 : o->lr;
-  double beta1 = o->beta1 == 0 ? 0.9 : o->beta1;
-  double beta2 = o->beta2 == 0 ? 0.999 : o->beta2;
-  if (!(lr > 0) || !isfinite(lr))
-    return fail(err, err_bytes, "invalid learning rate %g (must be > 0)", lr);
-  if (!(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1))
-    return fail(err, err_bytes, "invalid betas (%g, %g) (each in [0, 1))", beta1, beta2);
-  if (!(o->eps >= 0) || !(o->weight_decay >= 0) || !(o->momentum >= 0) || !isfinite(o->eps) ||
-      !isfinite(o->weight_decay) || !isfinite(o->momentum))
-    return fail(err, err_bytes,
-                "eps, weight decay, momentum and max_grad_norm must be >= 0 and finite");
-  if (!isfinite(o->dampening))
-    return fail(err, err_bytes, "dampening must be finite");
-  if (kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD && o->nesterov &&
-      (o->momentum <= 0 || o->dampening != 0))
-    return fail(err, err_bytes, "nesterov momentum requires a momentum and zero dampening");
-  return 0;
+  /* The node's own rules (model/config.c), run as a node runs them when it
+   * builds the job's ranks, so that a config a node would refuse is refused
+   * here and never assigned. They are the only copy: nothing about a
+   * config's values is checked here besides them. The default
+   * max_live_bytes is the node's (0 here: no rule depends on it). */
+  job_config config;
+  int rc = job_config_from_proto(pc, &config, err, err_bytes);
+  if (rc == 0)
+    rc = job_config_finish(&config, 0, err, err_bytes);
+  return rc;
 }
 
 /* ------------------------------------------------------------------------ */

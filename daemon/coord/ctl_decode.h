@@ -109,10 +109,11 @@ ctl_checkpoint_ref ctl_parse_checkpoint_ref(const char *ref, char *job_out, char
  * whole heartbeat refused. */
 void ctl_text_sanitize(char *s, size_t max_bytes);
 
-/* Checks a job config the way the node daemon's job_config_finish (model/config.c)
- * will, so that a config that a node would refuse is refused at CreateJob
- * and never assigned: same ranges, same messages. NULL (every default) is
- * valid. Returns 0 or -EINVAL with a message in err. */
+/* Checks a job config with the node's rules: job_config_from_proto and
+ * job_config_finish (model/config.c), the one copy of the ranges, so that a
+ * config that a node would refuse is refused at CreateJob and never
+ * assigned, with the node's message. NULL (every default) is valid.
+ * Returns 0 or -EINVAL with a message in err. */
 int ctl_check_job_config(const Zerod__V1__JobConfig *config, char *err, size_t err_bytes);
 
 /* Checks a stored job (from the state file) like a CreateJob request, plus

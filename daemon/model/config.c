@@ -9,7 +9,11 @@
 
 int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *err,
                           size_t err_bytes) {
+  /* No config, or one without an optimizer, is AdamW with its default
+   * weight decay, as in torch.optim. */
   memset(c, 0, sizeof *c);
+  c->optimizer = JOB_ADAMW;
+  c->weight_decay = 0.01;
   c->working_dtype = ZK_F32;
   if (pc == NULL)
     return 0;
@@ -27,9 +31,6 @@ int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *e
     c->momentum = o->momentum;
     c->dampening = o->dampening;
     c->nesterov = o->nesterov;
-  } else {
-    c->optimizer = JOB_ADAMW;
-    c->weight_decay = 0.01;
   }
   switch (pc->working_dtype) {
   case ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED:
@@ -74,18 +75,38 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
     return -EINVAL;
   }
   /* The checks torch.optim makes, so a bad config fails at creation and not
-   * at the first step. */
+   * at the first step, and finiteness, which torch does not check: an
+   * infinite momentum or a NaN dampening turns the weights into NaN, and a
+   * checkpoint's manifest (JSON) cannot hold a non-finite number, so every
+   * save of such a job would fail. Each message names the field and its
+   * range and has no prefix: callers say whose config it is ("job 'x': "). */
   if (!(c->lr > 0) || !isfinite(c->lr)) {
-    snprintf(err, err_bytes, "invalid learning rate %g (must be > 0)", c->lr);
+    snprintf(err, err_bytes, "invalid learning rate %g (must be > 0 and finite)", c->lr);
     return -EINVAL;
   }
   if (!(c->beta1 >= 0 && c->beta1 < 1) || !(c->beta2 >= 0 && c->beta2 < 1)) {
     snprintf(err, err_bytes, "invalid betas (%g, %g) (each in [0, 1))", c->beta1, c->beta2);
     return -EINVAL;
   }
-  if (!(c->eps >= 0) || !(c->weight_decay >= 0) || !(c->momentum >= 0) ||
-      !(c->max_grad_norm >= 0) || !isfinite(c->weight_decay)) {
-    snprintf(err, err_bytes, "eps, weight decay, momentum and max_grad_norm must be >= 0");
+  if (!(c->eps >= 0) || !isfinite(c->eps)) {
+    snprintf(err, err_bytes, "invalid eps %g (must be >= 0 and finite)", c->eps);
+    return -EINVAL;
+  }
+  if (!(c->weight_decay >= 0) || !isfinite(c->weight_decay)) {
+    snprintf(err, err_bytes, "invalid weight decay %g (must be >= 0 and finite)", c->weight_decay);
+    return -EINVAL;
+  }
+  if (!(c->momentum >= 0) || !isfinite(c->momentum)) {
+    snprintf(err, err_bytes, "invalid momentum %g (must be >= 0 and finite)", c->momentum);
+    return -EINVAL;
+  }
+  if (!isfinite(c->dampening)) {
+    snprintf(err, err_bytes, "invalid dampening %g (must be finite)", c->dampening);
+    return -EINVAL;
+  }
+  if (!(c->max_grad_norm >= 0) || !isfinite(c->max_grad_norm)) {
+    snprintf(err, err_bytes, "invalid max_grad_norm %g (must be >= 0 and finite; 0 is off)",
+             c->max_grad_norm);
     return -EINVAL;
   }
   if (c->optimizer == JOB_SGD && c->nesterov && (c->momentum <= 0 || c->dampening != 0)) {

@@ -26,13 +26,16 @@ typedef struct job_config {
   double max_grad_norm;
 } job_config;
 
-/* Converts the protocol's config (NULL: all defaults) to a job_config;
- * call job_config_finish next. Returns 0 or -EINVAL with a message. */
+/* Converts the protocol's config (NULL: all defaults, as an empty one) to
+ * a job_config; call job_config_finish next. Returns 0 or -EINVAL with a
+ * message. */
 int job_config_from_proto(const Zerod__V1__JobConfig *proto, job_config *config, char *err,
                           size_t err_bytes);
 
-/* Fills in torch.optim's defaults for zero fields; validates ranges.
- * Returns 0 or -EINVAL with a message in err. */
+/* Fills in torch.optim's defaults for zero fields; validates ranges: the
+ * one copy of them, which the coordinator's CreateJob uses too. Returns 0
+ * or -EINVAL with a message in err that names the field and its range,
+ * without a prefix (callers add whose config it is: "job 'x': ..."). */
 int job_config_finish(job_config *config, uint64_t default_max_live_bytes, char *err,
                       size_t err_bytes);
 

@@ -1,0 +1,814 @@
+/* The model library (daemon/model): job configs and unit layouts.
+ *
+ * config.c: job_config_from_proto's defaults (AdamW, weight decay 0.01 for
+ * AdamW only unless has_weight_decay), job_config_finish's torch.optim
+ * defaults and each of its refusals, with the exact message (no prefix:
+ * callers add "job 'x': "), and job_config_states for each optimizer.
+ * layout.c: tensor offsets and shard sizes, frozen flags, refusals, the
+ * descriptor diff and the tensor description used in mismatch errors. */
+#include <errno.h>
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "config.h"
+#include "layout.h"
+
+/* ------------------------------------------------------------------------
+ * Helpers
+ * ------------------------------------------------------------------------ */
+
+#define DEFAULT_MAX_LIVE ((uint64_t)1 << 30)
+
+/* A config as a worker or zerodctl sends it: every field zero (default). */
+typedef struct proto_config {
+  Zerod__V1__JobConfig config;
+  Zerod__V1__OptimizerConfig optimizer;
+} proto_config;
+
+static void proto_init(proto_config *p, Zerod__V1__OptimizerKind kind) {
+  zerod__v1__job_config__init(&p->config);
+  zerod__v1__optimizer_config__init(&p->optimizer);
+  p->optimizer.kind = kind;
+  p->config.optimizer = &p->optimizer;
+}
+
+static job_config from_proto_ok(const Zerod__V1__JobConfig *pc) {
+  job_config c;
+  char err[256] = "";
+  int rc = job_config_from_proto(pc, &c, err, sizeof err);
+  if (rc != 0)
+    fail_msg("job_config_from_proto refused: %s", err);
+  return c;
+}
+
+/* A finished config of the optimizer with every other field at its
+ * default, which each refusal test then breaks in one place. */
+static job_config finished(job_optimizer o) {
+  job_config c;
+  memset(&c, 0, sizeof c);
+  c.optimizer = o;
+  c.working_dtype = ZK_F32;
+  char err[256] = "";
+  if (job_config_finish(&c, DEFAULT_MAX_LIVE, err, sizeof err) != 0)
+    fail_msg("job_config_finish refused the defaults: %s", err);
+  return c;
+}
+
+/* job_config_finish refuses c with exactly the message want. */
+static void expect_refused(job_config c, const char *want) {
+  char err[256] = "";
+  assert_int_equal(job_config_finish(&c, DEFAULT_MAX_LIVE, err, sizeof err), -EINVAL);
+  assert_string_equal(err, want);
+}
+
+static void expect_accepted(job_config c) {
+  char err[256] = "";
+  int rc = job_config_finish(&c, DEFAULT_MAX_LIVE, err, sizeof err);
+  if (rc != 0)
+    fail_msg("refused: %s", err);
+}
+
+/* ------------------------------------------------------------------------
+ * job_config_from_proto
+ * ------------------------------------------------------------------------ */
+
+static void test_from_proto_null_is_adamw_with_weight_decay(void **state) {
+  (void)state;
+  job_config c = from_proto_ok(NULL);
+  assert_int_equal(c.optimizer, JOB_ADAMW);
+  assert_true(c.weight_decay == 0.01);
+  assert_int_equal(c.working_dtype, ZK_F32);
+  /* The rest is left for job_config_finish. */
+  assert_true(c.lr == 0 && c.beta1 == 0 && c.beta2 == 0 && c.eps == 0);
+  assert_true(c.momentum == 0 && c.dampening == 0 && c.nesterov == 0);
+  assert_true(c.max_live_bytes == 0 && c.max_grad_norm == 0);
+}
+
+static void test_from_proto_without_optimizer_is_adamw(void **state) {
+  (void)state;
+  Zerod__V1__JobConfig pc = ZEROD__V1__JOB_CONFIG__INIT;
+  pc.working_dtype = ZEROD__V1__DTYPE__DTYPE_BF16;
+  job_config c = from_proto_ok(&pc);
+  assert_int_equal(c.optimizer, JOB_ADAMW);
+  assert_true(c.weight_decay == 0.01);
+  assert_int_equal(c.working_dtype, ZK_BF16);
+}
+
+/* A worker that attaches without a config gets what an empty config (and
+ * the coordinator's CreateJob without one) gets. */
+static void test_from_proto_null_is_an_empty_config(void **state) {
+  (void)state;
+  Zerod__V1__JobConfig empty = ZEROD__V1__JOB_CONFIG__INIT;
+  job_config a = from_proto_ok(NULL), b = from_proto_ok(&empty);
+  char err[256] = "";
+  assert_int_equal(job_config_finish(&a, DEFAULT_MAX_LIVE, err, sizeof err), 0);
+  assert_int_equal(job_config_finish(&b, DEFAULT_MAX_LIVE, err, sizeof err), 0);
+  assert_memory_equal(&a, &b, sizeof a);
+}
+
+static void test_from_proto_unspecified_kind_is_adamw(void **state) {
+  (void)state;
+  proto_config p;
+  proto_init(&p, ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED);
+  job_config c = from_proto_ok(&p.config);
+  assert_int_equal(c.optimizer, JOB_ADAMW);
+  assert_true(c.weight_decay == 0.01);
+}
+
+static void test_from_proto_sgd_and_adam_have_no_default_weight_decay(void **state) {
+  (void)state;
+  proto_config p;
+  proto_init(&p, ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD);
+  job_config c = from_proto_ok(&p.config);
+  assert_int_equal(c.optimizer, JOB_SGD);
+  assert_true(c.weight_decay == 0);
+  proto_init(&p, ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAM);
+  c = from_proto_ok(&p.config);
+  assert_int_equal(c.optimizer, JOB_ADAM);
+  assert_true(c.weight_decay == 0);
+}
+
+static void test_from_proto_honors_has_weight_decay(void **state) {
+  (void)state;
+  proto_config p;
+  /* An explicit 0 turns AdamW's decay off. */
+  proto_init(&p, ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW);
+  p.optimizer.has_weight_decay = 1;
+  p.optimizer.weight_decay = 0;
+  assert_true(from_proto_ok(&p.config).weight_decay == 0);
+  /* An explicit value is kept for SGD. */
+  proto_init(&p, ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD);
+  p.optimizer.has_weight_decay = 1;
+  p.optimizer.weight_decay = 1e-4;
+  assert_true(from_proto_ok(&p.config).weight_decay == 1e-4);
+  /* Without has_weight_decay the field is ignored. */
+  proto_init(&p, ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD);
+  p.optimizer.weight_decay = 1e-4;
+  assert_true(from_proto_ok(&p.config).weight_decay == 0);
+}
+
+static void test_from_proto_copies_every_field(void **state) {
+  (void)state;
+  proto_config p;
+  proto_init(&p, ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD);
+  p.optimizer.lr = 0.5;
+  p.optimizer.beta1 = 0.8;
+  p.optimizer.beta2 = 0.99;
+  p.optimizer.eps = 1e-6;
+  p.optimizer.momentum = 0.9;
+  p.optimizer.dampening = 0.1;
+  p.optimizer.nesterov = 1;
+  p.config.working_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
+  p.config.max_live_bytes = 12345;
+  p.config.max_grad_norm = 2.5;
+  job_config c = from_proto_ok(&p.config);
+  assert_int_equal(c.optimizer, JOB_SGD);
+  assert_true(c.lr == 0.5 && c.beta1 == 0.8 && c.beta2 == 0.99 && c.eps == 1e-6);
+  assert_true(c.momentum == 0.9 && c.dampening == 0.1);
+  assert_int_equal(c.nesterov, 1);
+  assert_int_equal(c.working_dtype, ZK_F32);
+  assert_int_equal(c.max_live_bytes, 12345);
+  assert_true(c.max_grad_norm == 2.5);
+}
+
+static void test_from_proto_rejects_bad_working_dtype(void **state) {
+  (void)state;
+  Zerod__V1__JobConfig pc = ZEROD__V1__JOB_CONFIG__INIT;
+  pc.working_dtype = ZEROD__V1__DTYPE__DTYPE_F16;
+  job_config c;
+  char err[256] = "";
+  assert_int_equal(job_config_from_proto(&pc, &c, err, sizeof err), -EINVAL);
+  assert_string_equal(err, "working precision must be fp32 or bf16");
+}
+
+/* ------------------------------------------------------------------------
+ * job_config_finish: defaults
+ * ------------------------------------------------------------------------ */
+
+static void test_config_finish_fills_torch_defaults(void **state) {
+  (void)state;
+  job_config c;
+  memset(&c, 0, sizeof c);
+  char err[256] = "";
+  assert_int_equal(job_config_finish(&c, DEFAULT_MAX_LIVE, err, sizeof err), 0);
+  assert_int_equal(c.optimizer, JOB_ADAMW);
+  assert_true(c.lr == 1e-3);
+  assert_true(c.beta1 == 0.9);
+  assert_true(c.beta2 == 0.999);
+  assert_true(c.eps == 1e-8);
+  assert_int_equal(c.max_live_bytes, DEFAULT_MAX_LIVE);
+  assert_int_equal(c.working_dtype, ZK_F32);
+  assert_true(c.weight_decay == 0 && c.momentum == 0 && c.max_grad_norm == 0);
+}
+
+static void test_config_finish_keeps_set_values(void **state) {
+  (void)state;
+  job_config c;
+  memset(&c, 0, sizeof c);
+  c.optimizer = JOB_ADAM;
+  c.lr = 3e-4;
+  c.beta1 = 0.8;
+  c.beta2 = 0.95;
+  c.eps = 1e-6;
+  c.weight_decay = 0.1;
+  c.max_live_bytes = 77;
+  c.max_grad_norm = 1;
+  c.working_dtype = ZK_BF16;
+  char err[256] = "";
+  assert_int_equal(job_config_finish(&c, DEFAULT_MAX_LIVE, err, sizeof err), 0);
+  assert_int_equal(c.optimizer, JOB_ADAM);
+  assert_true(c.lr == 3e-4 && c.beta1 == 0.8 && c.beta2 == 0.95 && c.eps == 1e-6);
+  assert_true(c.weight_decay == 0.1 && c.max_grad_norm == 1);
+  assert_int_equal(c.max_live_bytes, 77);
+  assert_int_equal(c.working_dtype, ZK_BF16);
+}
+
+/* The proto path end to end: an empty SGD config finishes as torch.optim.SGD
+ * with lr 1e-3 and no decay. */
+static void test_config_from_proto_then_finish(void **state) {
+  (void)state;
+  proto_config p;
+  proto_init(&p, ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD);
+  job_config c = from_proto_ok(&p.config);
+  char err[256] = "";
+  assert_int_equal(job_config_finish(&c, DEFAULT_MAX_LIVE, err, sizeof err), 0);
+  assert_int_equal(c.optimizer, JOB_SGD);
+  assert_true(c.lr == 1e-3 && c.weight_decay == 0 && c.momentum == 0);
+  assert_string_equal(job_optimizer_name(c.optimizer), "sgd");
+  assert_string_equal(job_optimizer_name(JOB_ADAMW), "adamw");
+  assert_string_equal(job_optimizer_name(JOB_ADAM), "adam");
+}
+
+/* ------------------------------------------------------------------------
+ * job_config_finish: refusals
+ * ------------------------------------------------------------------------ */
+
+static void test_config_rejects_negative_lr(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  c.lr = -1;
+  expect_refused(c, "invalid learning rate -1 (must be > 0 and finite)");
+}
+
+static void test_config_rejects_infinite_lr(void **state) {
+  (void)state;
+  job_config c = finished(JOB_SGD);
+  c.lr = INFINITY;
+  expect_refused(c, "invalid learning rate inf (must be > 0 and finite)");
+}
+
+static void test_config_rejects_nan_lr(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAM);
+  c.lr = NAN;
+  expect_refused(c, "invalid learning rate nan (must be > 0 and finite)");
+}
+
+static void test_config_zero_lr_is_the_default(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  c.lr = 0;
+  expect_accepted(c);
+  c.lr = -0.0;
+  expect_accepted(c);
+}
+
+static void test_config_rejects_beta1_of_one(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  c.beta1 = 1;
+  expect_refused(c, "invalid betas (1, 0.999) (each in [0, 1))");
+}
+
+static void test_config_rejects_negative_beta2(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAM);
+  c.beta2 = -0.5;
+  expect_refused(c, "invalid betas (0.9, -0.5) (each in [0, 1))");
+}
+
+static void test_config_rejects_nan_beta(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAM);
+  c.beta1 = NAN;
+  expect_refused(c, "invalid betas (nan, 0.999) (each in [0, 1))");
+}
+
+static void test_config_accepts_betas_just_below_one(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  c.beta1 = nextafter(1.0, 0.0);
+  c.beta2 = nextafter(1.0, 0.0);
+  expect_accepted(c);
+}
+
+static void test_config_rejects_negative_eps(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  c.eps = -1e-8;
+  expect_refused(c, "invalid eps -1e-08 (must be >= 0 and finite)");
+}
+
+static void test_config_rejects_infinite_eps(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAM);
+  c.eps = INFINITY;
+  expect_refused(c, "invalid eps inf (must be >= 0 and finite)");
+}
+
+static void test_config_rejects_negative_weight_decay(void **state) {
+  (void)state;
+  job_config c = finished(JOB_SGD);
+  c.weight_decay = -0.01;
+  expect_refused(c, "invalid weight decay -0.01 (must be >= 0 and finite)");
+}
+
+static void test_config_rejects_infinite_weight_decay(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  c.weight_decay = INFINITY;
+  expect_refused(c, "invalid weight decay inf (must be >= 0 and finite)");
+}
+
+static void test_config_rejects_negative_momentum(void **state) {
+  (void)state;
+  job_config c = finished(JOB_SGD);
+  c.momentum = -0.9;
+  expect_refused(c, "invalid momentum -0.9 (must be >= 0 and finite)");
+}
+
+static void test_config_rejects_infinite_momentum(void **state) {
+  (void)state;
+  job_config c = finished(JOB_SGD);
+  c.momentum = INFINITY;
+  expect_refused(c, "invalid momentum inf (must be >= 0 and finite)");
+}
+
+static void test_config_rejects_nan_dampening(void **state) {
+  (void)state;
+  job_config c = finished(JOB_SGD);
+  c.momentum = 0.9;
+  c.dampening = NAN;
+  expect_refused(c, "invalid dampening nan (must be finite)");
+}
+
+static void test_config_accepts_any_finite_dampening(void **state) {
+  (void)state;
+  /* torch.optim.SGD checks no range for it. */
+  job_config c = finished(JOB_SGD);
+  c.momentum = 0.9;
+  c.dampening = -2;
+  expect_accepted(c);
+  c.dampening = 3;
+  expect_accepted(c);
+}
+
+static void test_config_rejects_negative_max_grad_norm(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  c.max_grad_norm = -1;
+  expect_refused(c, "invalid max_grad_norm -1 (must be >= 0 and finite; 0 is off)");
+}
+
+static void test_config_rejects_nan_max_grad_norm(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  c.max_grad_norm = NAN;
+  expect_refused(c, "invalid max_grad_norm nan (must be >= 0 and finite; 0 is off)");
+}
+
+static void test_config_rejects_infinite_max_grad_norm(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  c.max_grad_norm = INFINITY;
+  expect_refused(c, "invalid max_grad_norm inf (must be >= 0 and finite; 0 is off)");
+}
+
+static void test_config_rejects_nesterov_without_momentum(void **state) {
+  (void)state;
+  job_config c = finished(JOB_SGD);
+  c.nesterov = 1;
+  expect_refused(c, "nesterov momentum requires a momentum and zero dampening");
+}
+
+static void test_config_rejects_nesterov_with_dampening(void **state) {
+  (void)state;
+  job_config c = finished(JOB_SGD);
+  c.nesterov = 1;
+  c.momentum = 0.9;
+  c.dampening = 0.1;
+  expect_refused(c, "nesterov momentum requires a momentum and zero dampening");
+}
+
+static void test_config_accepts_nesterov_with_momentum(void **state) {
+  (void)state;
+  job_config c = finished(JOB_SGD);
+  c.nesterov = 1;
+  c.momentum = 0.9;
+  expect_accepted(c);
+  /* Adam ignores nesterov, as it ignores momentum. */
+  c = finished(JOB_ADAM);
+  c.nesterov = 1;
+  expect_accepted(c);
+}
+
+static void test_config_rejects_unknown_optimizer(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  c.optimizer = (job_optimizer)9;
+  expect_refused(c, "unknown optimizer 9");
+  /* From the protocol too: an unknown kind is not taken for AdamW. */
+  proto_config p;
+  proto_init(&p, (Zerod__V1__OptimizerKind)7);
+  c = from_proto_ok(&p.config);
+  expect_refused(c, "unknown optimizer 7");
+}
+
+static void test_config_rejects_bad_working_dtype(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  c.working_dtype = ZK_F16;
+  expect_refused(c, "working precision must be fp32 or bf16");
+}
+
+/* ------------------------------------------------------------------------
+ * job_config_states
+ * ------------------------------------------------------------------------ */
+
+static void expect_states(job_config c, int master, int moment1, int moment2) {
+  int has[JOB_NSTATES] = {-1, -1, -1};
+  assert_int_equal(job_config_states(&c, has), master + moment1 + moment2);
+  assert_int_equal(has[JOB_STATE_MASTER], master);
+  assert_int_equal(has[JOB_STATE_MOMENT1], moment1);
+  assert_int_equal(has[JOB_STATE_MOMENT2], moment2);
+}
+
+static void test_states_of_adamw_and_adam(void **state) {
+  (void)state;
+  expect_states(finished(JOB_ADAMW), 1, 1, 1);
+  expect_states(finished(JOB_ADAM), 1, 1, 1);
+}
+
+static void test_states_of_sgd_without_momentum(void **state) {
+  (void)state;
+  expect_states(finished(JOB_SGD), 1, 0, 0);
+}
+
+static void test_states_of_sgd_with_momentum(void **state) {
+  (void)state;
+  job_config c = finished(JOB_SGD);
+  c.momentum = 0.9;
+  expect_states(c, 1, 1, 0);
+}
+
+/* ------------------------------------------------------------------------
+ * unit_layout_build
+ * ------------------------------------------------------------------------ */
+
+/* Up to 4 tensors with up to 3 dimensions each. */
+typedef struct layout_spec {
+  const char *names[4];
+  uint64_t shapes[4][3];
+  unsigned ndims[4];
+  int frozen[4];
+} layout_spec;
+
+static int build(const char *name, const layout_spec *s, unsigned n, int world, uint64_t tag,
+                 unit_layout **out, char *err, size_t err_bytes) {
+  const uint64_t *shapes[4];
+  for (unsigned t = 0; t < 4; t++)
+    shapes[t] = s->shapes[t];
+  return unit_layout_build(name, n, s->names, shapes, s->ndims, s->frozen, world, tag, out, err,
+                           err_bytes);
+}
+
+static unit_layout *build_ok(const char *name, const layout_spec *s, unsigned n, int world,
+                             uint64_t tag) {
+  unit_layout *l = NULL;
+  char err[256] = "";
+  int rc = build(name, s, n, world, tag, &l, err, sizeof err);
+  if (rc != 0)
+    fail_msg("unit_layout_build refused: %s", err);
+  return l;
+}
+
+static void expect_build_refused(const layout_spec *s, unsigned n, const char *want) {
+  unit_layout *l = NULL;
+  char err[256] = "";
+  assert_int_equal(build("u", s, n, 2, 0, &l, err, sizeof err), -EINVAL);
+  assert_null(l);
+  assert_string_equal(err, want);
+}
+
+/* 3, 17 and 16 elements: 0, then the next multiples of 16. */
+static const layout_spec three = {
+    .names = {"a", "b", "c"},
+    .shapes = {{3}, {17}, {4, 4}},
+    .ndims = {1, 1, 2},
+    .frozen = {0, 7, 0},
+};
+
+static void test_layout_aligns_tensor_offsets(void **state) {
+  (void)state;
+  unit_layout *l = build_ok("u", &three, 3, 1, 0);
+  assert_string_equal(l->name, "u");
+  assert_int_equal(l->ntensors, 3);
+  assert_int_equal(l->tensors[0].offset, 0);
+  assert_int_equal(l->tensors[1].offset, 16);
+  assert_int_equal(l->tensors[2].offset, 48);
+  for (unsigned t = 0; t < 3; t++)
+    assert_int_equal(l->tensors[t].offset % JOB_ALIGN_NUMEL, 0);
+  assert_int_equal(l->tensors[0].numel, 3);
+  assert_int_equal(l->tensors[1].numel, 17);
+  assert_int_equal(l->tensors[2].numel, 16);
+  assert_int_equal(l->tensors[2].ndim, 2);
+  assert_int_equal(l->tensors[2].shape[0], 4);
+  assert_int_equal(l->tensors[2].shape[1], 4);
+  assert_int_equal(l->numel, 64);
+  assert_int_equal(l->packed_numel, 36);
+  unit_layout_free(l);
+}
+
+static void test_layout_pads_to_a_multiple_of_the_world(void **state) {
+  (void)state;
+  for (int world = 1; world <= 7; world++) {
+    unit_layout *l = build_ok("u", &three, 3, world, 0);
+    uint64_t step = (uint64_t)world * JOB_ALIGN_NUMEL;
+    assert_int_equal(l->padded_numel % step, 0);
+    assert_true(l->padded_numel >= l->numel);
+    assert_true(l->padded_numel < l->numel + step);
+    assert_int_equal(l->shard_numel * (uint64_t)world, l->padded_numel);
+    assert_int_equal(l->shard_numel % JOB_ALIGN_NUMEL, 0);
+    unit_layout_free(l);
+  }
+  /* 64 elements: 1 rank x 64, 3 ranks x 32 (96), 5 ranks x 16 (80). */
+  unit_layout *l = build_ok("u", &three, 3, 3, 0);
+  assert_int_equal(l->padded_numel, 96);
+  assert_int_equal(l->shard_numel, 32);
+  unit_layout_free(l);
+  l = build_ok("u", &three, 3, 5, 0);
+  assert_int_equal(l->padded_numel, 80);
+  assert_int_equal(l->shard_numel, 16);
+  unit_layout_free(l);
+}
+
+static void test_layout_keeps_frozen_flags(void **state) {
+  (void)state;
+  unit_layout *l = build_ok("u", &three, 3, 2, 0);
+  assert_int_equal(l->tensors[0].frozen, 0);
+  assert_int_equal(l->tensors[1].frozen, 1); /* any non-zero flag is 1 */
+  assert_int_equal(l->tensors[2].frozen, 0);
+  unit_layout_free(l);
+}
+
+static void test_layout_scalar_has_one_element(void **state) {
+  (void)state;
+  layout_spec s = {.names = {"s"}, .ndims = {0}};
+  unit_layout *l = build_ok("u", &s, 1, 4, 0);
+  assert_int_equal(l->tensors[0].numel, 1);
+  assert_int_equal(l->numel, 1);
+  assert_int_equal(l->padded_numel, 4 * JOB_ALIGN_NUMEL);
+  assert_int_equal(l->shard_numel, JOB_ALIGN_NUMEL);
+  unit_layout_free(l);
+}
+
+static void test_layout_rejects_a_repeated_tensor_name(void **state) {
+  (void)state;
+  layout_spec s = {.names = {"w", "b", "w"}, .shapes = {{2}, {2}, {2}}, .ndims = {1, 1, 1}};
+  expect_build_refused(&s, 3, "unit 'u': tensor name 'w' appears twice");
+}
+
+static void test_layout_rejects_a_zero_dimension(void **state) {
+  (void)state;
+  layout_spec s = {.names = {"w", "b"}, .shapes = {{2}, {3, 0}}, .ndims = {1, 2}};
+  expect_build_refused(&s, 2, "unit 'u' tensor 'b': dimension 1 is 0 (must be 1..2^48)");
+}
+
+static void test_layout_rejects_a_tensor_over_2_48_elements(void **state) {
+  (void)state;
+  layout_spec s = {.names = {"w"}, .shapes = {{1u << 24, 1u << 24, 2}}, .ndims = {3}};
+  expect_build_refused(&s, 1, "unit 'u' tensor 'w': dimension 2 is 2 (must be 1..2^48)");
+  /* One dimension of 2^48 + 1 on its own. */
+  layout_spec one = {.names = {"w"}, .shapes = {{((uint64_t)1 << 48) + 1}}, .ndims = {1}};
+  expect_build_refused(&one, 1,
+                       "unit 'u' tensor 'w': dimension 0 is 281474976710657 (must be 1..2^48)");
+}
+
+static void test_layout_accepts_exactly_2_48_elements(void **state) {
+  (void)state;
+  layout_spec s = {.names = {"w"}, .shapes = {{(uint64_t)1 << 48}}, .ndims = {1}};
+  unit_layout *l = build_ok("u", &s, 1, 64, 0);
+  assert_int_equal(l->numel, (uint64_t)1 << 48);
+  assert_int_equal(l->padded_numel, (uint64_t)1 << 48);
+  unit_layout_free(l);
+}
+
+static void test_layout_rejects_a_unit_over_2_48_elements(void **state) {
+  (void)state;
+  /* Each tensor fits; together (with the alignment) they do not. */
+  uint64_t half = ((uint64_t)1 << 47) + 1;
+  layout_spec s = {.names = {"a", "b"}, .shapes = {{half}, {half}}, .ndims = {1, 1}};
+  expect_build_refused(&s, 2, "unit 'u' has more than 2^48 elements");
+}
+
+/* ------------------------------------------------------------------------
+ * unit_layout_diff
+ * ------------------------------------------------------------------------ */
+
+static int32_t diff(const unit_layout *a, const unit_layout *b) {
+  return unit_layout_diff(a->descriptor, a->descriptor_bytes, b->descriptor, b->descriptor_bytes);
+}
+
+static void test_diff_of_equal_descriptors_is_minus_one(void **state) {
+  (void)state;
+  unit_layout *a = build_ok("u", &three, 3, 2, 5);
+  unit_layout *b = build_ok("u", &three, 3, 2, 5);
+  assert_int_equal(diff(a, b), -1);
+  assert_int_equal(diff(a, a), -1);
+  assert_int_equal(unit_layout_diff(NULL, 0, NULL, 0), -1);
+  unit_layout_free(a);
+  unit_layout_free(b);
+}
+
+static void test_descriptor_does_not_depend_on_the_world(void **state) {
+  (void)state;
+  unit_layout *a = build_ok("u", &three, 3, 1, 0);
+  unit_layout *b = build_ok("u", &three, 3, 8, 0);
+  assert_int_equal(diff(a, b), -1);
+  unit_layout_free(a);
+  unit_layout_free(b);
+}
+
+static void test_diff_finds_the_unit_chunk(void **state) {
+  (void)state;
+  unit_layout *a = build_ok("u", &three, 3, 2, 0);
+  unit_layout *name = build_ok("v", &three, 3, 2, 0);
+  unit_layout *tag = build_ok("u", &three, 3, 2, 1);
+  unit_layout *fewer = build_ok("u", &three, 2, 2, 0);
+  assert_int_equal(diff(a, name), 0);
+  assert_int_equal(diff(a, tag), 0);
+  assert_int_equal(diff(a, fewer), 0); /* the tensor count is the unit's */
+  unit_layout_free(a);
+  unit_layout_free(name);
+  unit_layout_free(tag);
+  unit_layout_free(fewer);
+}
+
+static void test_diff_finds_the_first_differing_tensor(void **state) {
+  (void)state;
+  unit_layout *a = build_ok("u", &three, 3, 2, 0);
+  layout_spec s = three;
+  s.shapes[1][0] = 18; /* tensor 1's shape */
+  unit_layout *shape = build_ok("u", &s, 3, 2, 0);
+  assert_int_equal(diff(a, shape), 2);
+  s = three;
+  s.frozen[2] = 1; /* tensor 2's flag */
+  unit_layout *frozen = build_ok("u", &s, 3, 2, 0);
+  assert_int_equal(diff(a, frozen), 3);
+  assert_int_equal(diff(frozen, a), 3);
+  s = three;
+  s.names[0] = "z"; /* tensor 0's name, and tensor 2's flag after it */
+  s.frozen[2] = 1;
+  unit_layout *renamed = build_ok("u", &s, 3, 2, 0);
+  assert_int_equal(diff(a, renamed), 1);
+  unit_layout_free(a);
+  unit_layout_free(shape);
+  unit_layout_free(frozen);
+  unit_layout_free(renamed);
+}
+
+static void test_diff_of_a_truncated_descriptor(void **state) {
+  (void)state;
+  unit_layout *a = build_ok("u", &three, 3, 2, 0);
+  /* The first two chunks (unit, tensor 0) of a, then nothing: chunk 2 is
+   * missing on one side. */
+  size_t cut = 0;
+  for (int chunk = 0; chunk < 2; chunk++) {
+    uint32_t len = 0;
+    for (int i = 0; i < 4; i++)
+      len |= (uint32_t)a->descriptor[cut + (size_t)i] << (8 * i);
+    cut += 4 + len;
+  }
+  assert_int_equal(unit_layout_diff(a->descriptor, a->descriptor_bytes, a->descriptor, cut), 2);
+  assert_int_equal(unit_layout_diff(a->descriptor, cut, a->descriptor, a->descriptor_bytes), 2);
+  /* A chunk cut inside its bytes differs where it is cut. */
+  assert_int_equal(unit_layout_diff(a->descriptor, a->descriptor_bytes, a->descriptor, cut + 5), 2);
+  assert_int_equal(unit_layout_diff(a->descriptor, a->descriptor_bytes, a->descriptor, 0), 0);
+  unit_layout_free(a);
+}
+
+/* ------------------------------------------------------------------------
+ * unit_layout_describe_tensor
+ * ------------------------------------------------------------------------ */
+
+static void test_describe_tensor(void **state) {
+  (void)state;
+  layout_spec s = {.names = {"w", "b", "s"},
+                   .shapes = {{3, 4, 5}, {5}},
+                   .ndims = {3, 1, 0},
+                   .frozen = {0, 1, 0}};
+  unit_layout *l = build_ok("u", &s, 3, 2, 0);
+  char out[128];
+  unit_layout_describe_tensor(l, 0, out, sizeof out);
+  assert_string_equal(out, "'w' shape [3,4,5]");
+  unit_layout_describe_tensor(l, 1, out, sizeof out);
+  assert_string_equal(out, "'b' shape [5] frozen");
+  unit_layout_describe_tensor(l, 2, out, sizeof out);
+  assert_string_equal(out, "'s' shape []");
+  unit_layout_free(l);
+}
+
+static void test_describe_tensor_out_of_range_is_none(void **state) {
+  (void)state;
+  unit_layout *l = build_ok("u", &three, 3, 2, 0);
+  char out[64];
+  unit_layout_describe_tensor(l, 3, out, sizeof out);
+  assert_string_equal(out, "(none)");
+  unit_layout_describe_tensor(l, -1, out, sizeof out);
+  assert_string_equal(out, "(none)");
+  unit_layout_describe_tensor(NULL, 0, out, sizeof out);
+  assert_string_equal(out, "(none)");
+  unit_layout_free(l);
+}
+
+static void test_describe_tensor_is_cut_to_the_buffer(void **state) {
+  (void)state;
+  layout_spec s = {.names = {"weight"}, .shapes = {{1000, 1000, 1000}}, .ndims = {3}};
+  unit_layout *l = build_ok("u", &s, 1, 2, 0);
+  char out[32];
+  memset(out, 'x', sizeof out);
+  unit_layout_describe_tensor(l, 0, out, 8);
+  assert_string_equal(out, "'weight");
+  assert_int_equal(out[8], 'x'); /* nothing written past out_bytes */
+  unit_layout_describe_tensor(l, 0, out, 22);
+  assert_string_equal(out, "'weight' shape [1000,");
+  unit_layout_free(l);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_from_proto_null_is_adamw_with_weight_decay),
+      cmocka_unit_test(test_from_proto_without_optimizer_is_adamw),
+      cmocka_unit_test(test_from_proto_null_is_an_empty_config),
+      cmocka_unit_test(test_from_proto_unspecified_kind_is_adamw),
+      cmocka_unit_test(test_from_proto_sgd_and_adam_have_no_default_weight_decay),
+      cmocka_unit_test(test_from_proto_honors_has_weight_decay),
+      cmocka_unit_test(test_from_proto_copies_every_field),
+      cmocka_unit_test(test_from_proto_rejects_bad_working_dtype),
+      cmocka_unit_test(test_config_finish_fills_torch_defaults),
+      cmocka_unit_test(test_config_finish_keeps_set_values),
+      cmocka_unit_test(test_config_from_proto_then_finish),
+      cmocka_unit_test(test_config_rejects_negative_lr),
+      cmocka_unit_test(test_config_rejects_infinite_lr),
+      cmocka_unit_test(test_config_rejects_nan_lr),
+      cmocka_unit_test(test_config_zero_lr_is_the_default),
+      cmocka_unit_test(test_config_rejects_beta1_of_one),
+      cmocka_unit_test(test_config_rejects_negative_beta2),
+      cmocka_unit_test(test_config_rejects_nan_beta),
+      cmocka_unit_test(test_config_accepts_betas_just_below_one),
+      cmocka_unit_test(test_config_rejects_negative_eps),
+      cmocka_unit_test(test_config_rejects_infinite_eps),
+      cmocka_unit_test(test_config_rejects_negative_weight_decay),
+      cmocka_unit_test(test_config_rejects_infinite_weight_decay),
+      cmocka_unit_test(test_config_rejects_negative_momentum),
+      cmocka_unit_test(test_config_rejects_infinite_momentum),
+      cmocka_unit_test(test_config_rejects_nan_dampening),
+      cmocka_unit_test(test_config_accepts_any_finite_dampening),
+      cmocka_unit_test(test_config_rejects_negative_max_grad_norm),
+      cmocka_unit_test(test_config_rejects_nan_max_grad_norm),
+      cmocka_unit_test(test_config_rejects_infinite_max_grad_norm),
+      cmocka_unit_test(test_config_rejects_nesterov_without_momentum),
+      cmocka_unit_test(test_config_rejects_nesterov_with_dampening),
+      cmocka_unit_test(test_config_accepts_nesterov_with_momentum),
+      cmocka_unit_test(test_config_rejects_unknown_optimizer),
+      cmocka_unit_test(test_config_rejects_bad_working_dtype),
+      cmocka_unit_test(test_states_of_adamw_and_adam),
+      cmocka_unit_test(test_states_of_sgd_without_momentum),
+      cmocka_unit_test(test_states_of_sgd_with_momentum),
+      cmocka_unit_test(test_layout_aligns_tensor_offsets),
+      cmocka_unit_test(test_layout_pads_to_a_multiple_of_the_world),
+      cmocka_unit_test(test_layout_keeps_frozen_flags),
+      cmocka_unit_test(test_layout_scalar_has_one_element),
+      cmocka_unit_test(test_layout_rejects_a_repeated_tensor_name),
+      cmocka_unit_test(test_layout_rejects_a_zero_dimension),
+      cmocka_unit_test(test_layout_rejects_a_tensor_over_2_48_elements),
+      cmocka_unit_test(test_layout_accepts_exactly_2_48_elements),
+      cmocka_unit_test(test_layout_rejects_a_unit_over_2_48_elements),
+      cmocka_unit_test(test_diff_of_equal_descriptors_is_minus_one),
+      cmocka_unit_test(test_descriptor_does_not_depend_on_the_world),
+      cmocka_unit_test(test_diff_finds_the_unit_chunk),
+      cmocka_unit_test(test_diff_finds_the_first_differing_tensor),
+      cmocka_unit_test(test_diff_of_a_truncated_descriptor),
+      cmocka_unit_test(test_describe_tensor),
+      cmocka_unit_test(test_describe_tensor_out_of_range_is_none),
+      cmocka_unit_test(test_describe_tensor_is_cut_to_the_buffer),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
