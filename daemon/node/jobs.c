@@ -61,7 +61,7 @@ int jobs_start(zdaemon *d, const char *name, const char *token, const job_config
   for (int r = 0; r < j->nranks; r++) {
     exec_op *init = exec_op_new(OP_COMM_INIT, &j->ranks[r]);
     if (init == NULL) {
-      job_fail(j, 0, "out of memory");
+      job_fail(j, generation, "out of memory");
       continue;
     }
     init->generation = generation;
