@@ -65,6 +65,12 @@ static void on_complete(void *ctx, exec_op *op) {
   pthread_mutex_unlock(&q->mutex);
 }
 
+/* exec_settings.stopped: executors tell the loop they exited. */
+static _Atomic int executors_stopped;
+static void on_stopped(void *ctx) {
+  atomic_fetch_add(&executors_stopped, 1);
+}
+
 static double now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -131,7 +137,9 @@ static int setup_daemon(void **state) {
   d->lock_fd = -1;
   d->rendezvous = fx->st;
   d->next_job_id = 1;
+  atomic_store(&executors_stopped, 0);
   d->exec = (exec_settings){.complete = on_complete,
+                            .stopped = on_stopped,
                             .ctx = &fx->q,
                             .ckpt = ckpt_node_hooks,
                             .device = "cpu",
@@ -343,6 +351,60 @@ static void test_retire_removes_the_job_and_stops_its_executors(void **state) {
   wait_comm_ready(again, 0);
 }
 
+/* Waits until `n` executors have called exec_settings.stopped. */
+static void wait_executors_stopped(int n) {
+  double t0 = now_ms();
+  while (atomic_load(&executors_stopped) < n) {
+    if (now_ms() - t0 > COLLECTIVE_MS)
+      fail_msg("%d of %d executors stopped after %.0f ms", atomic_load(&executors_stopped), n,
+               now_ms() - t0);
+    usleep(1000);
+  }
+}
+
+static void test_reap_frees_a_retired_job_once_its_executors_stopped(void **state) {
+  fixture *fx = *state;
+  zdaemon *d = &fx->d;
+  job *a = start_job(fx, "alpha", 2, 0);
+  job *b = start_job(fx, "beta", 1, 0);
+  wait_comm_ready(a, 0);
+  jobs_retire(d, a);
+  wait_executors_stopped(2);
+  for (int r = 0; r < a->nranks; r++)
+    assert_true(atomic_load(&a->ranks[r].stopped));
+  jobs_reap(d); /* joins and frees it: ASan's leak check holds it to that */
+  assert_null(d->retired);
+  assert_ptr_equal(jobs_find(d, "beta"), b);
+  expect_ranks_answer(fx, b);
+}
+
+static void test_reap_keeps_a_retired_job_a_reader_holds(void **state) {
+  fixture *fx = *state;
+  zdaemon *d = &fx->d;
+  job *a = start_job(fx, "alpha", 1, 0);
+  wait_comm_ready(a, 0);
+  a->readers = 1; /* a read-only session whose state is not yet freed */
+  jobs_retire(d, a);
+  wait_executors_stopped(1);
+  jobs_reap(d);
+  assert_ptr_equal(d->retired, a); /* the reader may still read its memory */
+  a->readers = 0;
+  jobs_reap(d);
+  assert_null(d->retired);
+}
+
+static void test_reap_does_nothing_while_the_daemon_stops(void **state) {
+  fixture *fx = *state;
+  zdaemon *d = &fx->d;
+  job *a = start_job(fx, "alpha", 1, 0);
+  jobs_retire(d, a);
+  wait_executors_stopped(1);
+  d->stopping = 1; /* shutdown joins and frees every job itself */
+  jobs_reap(d);
+  assert_ptr_equal(d->retired, a);
+  d->stopping = 0;
+}
+
 static void test_retire_twice_changes_nothing(void **state) {
   fixture *fx = *state;
   zdaemon *d = &fx->d;
@@ -392,6 +454,9 @@ int main(void) {
       JOBS_TEST(test_start_adds_a_job_that_find_finds_by_name),
       JOBS_TEST(test_second_job_with_another_name_coexists),
       JOBS_TEST(test_retire_removes_the_job_and_stops_its_executors),
+      JOBS_TEST(test_reap_frees_a_retired_job_once_its_executors_stopped),
+      JOBS_TEST(test_reap_keeps_a_retired_job_a_reader_holds),
+      JOBS_TEST(test_reap_does_nothing_while_the_daemon_stops),
       JOBS_TEST(test_retire_twice_changes_nothing),
       JOBS_TEST(test_reset_builds_the_next_generation),
       JOBS_TEST(test_start_refuses_ranks_that_do_not_fit),
