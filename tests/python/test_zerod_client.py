@@ -69,6 +69,20 @@ def test_errors_carry_the_daemons_message(start_daemon):
         zerod.Client(os.path.join(str(daemon.dir), "missing.sock"))
 
 
+def test_step_error_names_the_step_once(start_daemon):
+    """The daemon's message is the detail; libzerod adds the request's name
+    once ("step: step: ..." before)."""
+    daemon = start_daemon(ranks=1)
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("j")
+        for bad in ({"lr": 0.0}, {"lr": -1.0}, {"max_grad_norm": -1.0}):
+            with pytest.raises(zerod.InvalidArgumentError) as err:
+                job.step(**bad)
+            assert err.value.message == ("step: lr must be > 0, max_grad_norm >= 0 and "
+                                         "grad_scale >= 0 and finite")
+        assert job.step(lr=0.5).step == 1  # the session goes on
+
+
 def test_pip_install(tmp_path):
     """`pip install client/python` into a fresh virtual environment (with
     the system's site packages for numpy), then import it from elsewhere."""
