@@ -54,6 +54,7 @@ void exec_op_free(exec_op *op) {
     close(op->reply_fd);
   free(op->reply_frame);
   free(op->ckpt_source);
+  free(op->warning);
   free(op);
 }
 
@@ -1460,6 +1461,8 @@ static void handle_session_begin(rank_state *rs, exec_op *op) {
   reply.version = rs->version;
   reply.config = &config;
   reply.created = op->job_created;
+  if (op->warning != NULL)
+    reply.warning = op->warning;
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, &reply.base);
 }
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -81,6 +82,24 @@ def test_step_error_names_the_step_once(start_daemon):
             assert err.value.message == ("step: lr must be > 0, max_grad_norm >= 0 and "
                                          "grad_scale >= 0 and finite")
         assert job.step(lr=0.5).step == 1  # the session goes on
+
+
+def test_attach_to_a_job_with_another_config_warns(start_daemon):
+    daemon = start_daemon(ranks=1)
+    with zerod.Client(daemon.socket) as client:
+        first = client.attach("cfg", config=zerod.JobConfig(optimizer="sgd", lr=0.25))
+        assert first.attach_warning is None
+        first.detach()
+    with zerod.Client(daemon.socket) as client:
+        with pytest.warns(UserWarning, match=r"lr 0\.5 \(the job's 0\.25\)") as caught:
+            job = client.attach("cfg", config=zerod.JobConfig(optimizer="sgd", lr=0.5))
+        assert len(caught) == 1 and job.attach_warning == str(caught[0].message)
+        assert "optimizer" not in job.attach_warning
+        job.detach()
+    with zerod.Client(daemon.socket) as client, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        job = client.attach("cfg", config=zerod.JobConfig(optimizer="sgd", lr=0.25))
+        assert job.attach_warning is None
 
 
 def test_pip_install(tmp_path):
