@@ -39,6 +39,9 @@ Prints JSON lines. ZEROD_BIN_DIR names the build's bin/ directory; the
 files go in a new directory under --dir (default $ZEROD_BENCH_CKPT_DIR, else
 the build directory above bin/, which is on a disk where /tmp may be a
 tmpfs); it is removed at the end (--keep keeps it, with the daemon's log).
+The daemon's state directory, which holds its sockets, is a short one of
+its own under $TMPDIR or /tmp: a Unix socket's path is at most 107 bytes,
+which a checkout in a deep directory would exceed.
 """
 
 import argparse
@@ -291,7 +294,7 @@ def main():
     if fs == "tmpfs":
         print("bench_checkpoint: WARNING: %s is a tmpfs: nothing reaches a disk; pass --dir"
               % tmp, file=sys.stderr)
-    state = os.path.join(tmp, "state")
+    state = tempfile.mkdtemp(prefix="zerod-bench-")  # sockets: a short path (see above)
     ckpt_dir = os.path.join(tmp, "checkpoints")
     log_path = os.path.join(tmp, "zerod.log")
     daemon = subprocess.Popen(
@@ -315,6 +318,7 @@ def main():
         except subprocess.TimeoutExpired:
             daemon.kill()
             daemon.wait()
+        shutil.rmtree(state, ignore_errors=True)
         if args.keep:
             print("bench_checkpoint: kept " + tmp, file=sys.stderr)
         else:

@@ -203,7 +203,9 @@ struct zd_job {
   unsigned rank;
   unsigned world_size;
   uint64_t version;
-  client_unit *units; /* sorted by unit id */
+  zd_job_config config; /* the job's, as the attach reply had it */
+  char *attach_warning; /* AttachReply.warning; NULL if none */
+  client_unit *units;   /* sorted by unit id */
   size_t unit_count;
   size_t unit_capacity;
 };
@@ -786,6 +788,7 @@ static void job_free(zd_job *job) {
     unit_free(&job->units[u]);
   free(job->units);
   free(job->name);
+  free(job->attach_warning);
   free(job);
 }
 
@@ -858,6 +861,37 @@ static zd_status fill_job_config(const zd_job_config *caller_config, Zerod__V1__
   config->max_live_bytes = local.max_live_bytes;
   config->max_grad_norm = local.max_grad_norm;
   return ZD_OK;
+}
+
+/* The reverse of fill_job_config: the job's effective config from an
+ * AttachReply (a daemon sends it with every default filled in; one that
+ * sent none leaves every field zero, which zd_job_config documents as the
+ * defaults). */
+static void job_config_from_reply(const Zerod__V1__JobConfig *config, zd_job_config *out) {
+  memset(out, 0, sizeof *out);
+  out->struct_size = sizeof *out;
+  if (config == NULL)
+    return;
+  const Zerod__V1__OptimizerConfig *optimizer = config->optimizer;
+  if (optimizer != NULL) {
+    out->optimizer = optimizer->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED
+                         ? ZD_ADAMW
+                         : (zd_optimizer)optimizer->kind;
+    out->lr = optimizer->lr;
+    out->beta1 = optimizer->beta1;
+    out->beta2 = optimizer->beta2;
+    out->eps = optimizer->eps;
+    out->weight_decay = optimizer->weight_decay;
+    out->has_weight_decay = optimizer->has_weight_decay;
+    out->momentum = optimizer->momentum;
+    out->dampening = optimizer->dampening;
+    out->nesterov = optimizer->nesterov;
+  }
+  out->working_dtype = config->working_dtype == ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED
+                           ? ZD_F32
+                           : (zd_dtype)config->working_dtype;
+  out->max_live_bytes = config->max_live_bytes;
+  out->max_grad_norm = config->max_grad_norm;
 }
 
 zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, zd_job **out) {
@@ -948,6 +982,13 @@ zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, 
   job->rank = reply->rank;
   job->world_size = reply->world_size;
   job->version = job->pinned ? reply->pinned_version : reply->version;
+  job_config_from_reply(reply->config, &job->config);
+  if (reply->warning != NULL && reply->warning[0] != '\0' &&
+      (job->attach_warning = strdup(reply->warning)) == NULL) {
+    protobuf_c_message_free_unpacked(reply_msg, NULL);
+    job_free(job);
+    return set_error(ZD_E_NOMEM, "%s: out of memory", what);
+  }
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   job->next = client->jobs;
   client->jobs = job;
@@ -969,6 +1010,26 @@ uint64_t zd_job_version(const zd_job *job) {
 
 int zd_job_read_only(const zd_job *job) {
   return job != NULL ? job->read_only : 0;
+}
+
+zd_status zd_job_effective_config(const zd_job *job, zd_job_config *out) {
+  if (job == NULL || out == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT, "job config: job and out must not be NULL");
+  /* The caller's struct_size says how much of the struct it has; like the
+   * options structs, one larger than this library knows is refused. */
+  size_t size = out->struct_size;
+  if (size < sizeof out->struct_size || size > sizeof *out)
+    return set_error(ZD_E_INVALID_ARGUMENT,
+                     "job config: struct_size %zu is not in %zu..%zu; initialise it with "
+                     "ZD_JOB_CONFIG_INIT",
+                     size, sizeof out->struct_size, sizeof *out);
+  memcpy((char *)out + sizeof out->struct_size, (const char *)&job->config + sizeof size,
+         size - sizeof size);
+  return ZD_OK;
+}
+
+const char *zd_job_attach_warning(const zd_job *job) {
+  return job != NULL ? job->attach_warning : NULL;
 }
 
 /* Common entry checks of the calls on an attached job. */

@@ -17,6 +17,7 @@
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "coord.h"
@@ -465,6 +466,18 @@ static int start_local_coordinator(zdaemon *d, char *err, size_t err_bytes) {
       snprintf(o->coordinator, sizeof o->coordinator, "unix:%s", control_socket) >=
           (int)sizeof o->coordinator) {
     snprintf(err, err_bytes, "state directory path too long for a socket");
+    control_socket[0] = '\0';
+    return -ENAMETOOLONG;
+  }
+  /* The socket is bound at this path, which must fit a sockaddr_un with its
+   * NUL; said before anything is started, in ipc.c's words for the workers'
+   * socket (the path cut at 256 bytes in the message, which has room for
+   * no more). */
+  struct sockaddr_un unix_addr;
+  if (strlen(control_socket) >= sizeof unix_addr.sun_path) {
+    snprintf(err, err_bytes,
+             "socket path '%.256s' is longer than %zu bytes (choose a shorter --dir)",
+             control_socket, sizeof unix_addr.sun_path - 1);
     control_socket[0] = '\0';
     return -ENAMETOOLONG;
   }

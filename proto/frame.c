@@ -438,6 +438,12 @@ static int check_bounds(uint16_t type, const ProtobufCMessage *message, const ch
       return fail(why, "notice message longer than 1024 bytes", -EBADMSG);
     return 0;
   }
+  case ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY: {
+    const Zerod__V1__AttachReply *reply = (const Zerod__V1__AttachReply *)message;
+    if (!string_within(reply->warning, ZD_MAX_MESSAGE_BYTES))
+      return fail(why, "attach warning longer than 1024 bytes", -EBADMSG);
+    return 0;
+  }
   case ZEROD__V1__MSG_TYPE__MSG_ATTACH: {
     const Zerod__V1__AttachRequest *attach = (const Zerod__V1__AttachRequest *)message;
     if ((rc = check_job_name(attach->job, why)) != 0)

@@ -86,9 +86,10 @@ typedef enum zd_init {
 typedef struct zd_client zd_client;
 typedef struct zd_job zd_job;
 
-/* Job configuration, used when zd_attach creates the job. Zero fields take
- * the defaults of torch.optim. Initialise with ZD_JOB_CONFIG_INIT so that
- * struct_size is set. */
+/* Job configuration, used when zd_attach creates the job (attaching to an
+ * existing job with another one gets a warning, zd_job_attach_warning).
+ * Zero fields take the defaults of torch.optim. Initialise with
+ * ZD_JOB_CONFIG_INIT so that struct_size is set. */
 typedef struct zd_job_config {
   size_t struct_size;
   zd_optimizer optimizer; /* default AdamW */
@@ -248,7 +249,8 @@ ZD_API void zd_close(zd_client *client);
 /* Attaches to a job (one attached job per connection: attach another job on
  * another zd_connect). The zd_job belongs to the client and stays valid,
  * even after zd_detach, until zd_close. options->config may be NULL (the
- * defaults); it is only used when the job is created. */
+ * defaults); it is only used when the job is created (see
+ * zd_job_attach_warning and zd_job_effective_config). */
 ZD_API zd_status zd_attach(zd_client *client, const zd_attach_options *options, zd_job **out);
 
 /* Global rank and world size of an attached job (a read-only job takes no
@@ -259,6 +261,19 @@ ZD_API unsigned zd_job_rank(const zd_job *job);
 ZD_API unsigned zd_job_world_size(const zd_job *job);
 ZD_API uint64_t zd_job_version(const zd_job *job);
 ZD_API int zd_job_read_only(const zd_job *job);
+
+/* The job's effective config, as the daemon sent it in reply to the attach
+ * (its defaults filled in; lr and max_grad_norm as the rank had them then):
+ * the one the job trains with, whatever options->config the attach passed,
+ * which is used only when the attach creates the job. out->struct_size must
+ * be set (ZD_JOB_CONFIG_INIT); fields past it are left alone. Works on a
+ * detached job too. */
+ZD_API zd_status zd_job_effective_config(const zd_job *job, zd_job_config *out);
+/* The daemon's warning about this attach, or NULL if it gave none: the job
+ * existed with a config other than options->config, which was therefore
+ * not used; the text names the fields that differ (zd_job_effective_config
+ * has the job's). Belongs to the library; valid until zd_close. */
+ZD_API const char *zd_job_attach_warning(const zd_job *job);
 
 /* Fetches the job's unit table from the daemon, so that a read-only job can
  * gather units it did not register (a read-write job knows its own). Units

@@ -251,7 +251,10 @@ static void send_heartbeat(cluster_agent *a) {
       st->error = errors[i];
     }
     st->ready = job_ready(j) && st->error[0] == '\0';
-    st->step = atomic_load(&j->latest_version);
+    /* Completed steps, as control.proto says, of the node's first rank
+     * (the ranks are at most one step apart); the version would count
+     * loads and restores as steps. */
+    st->step = atomic_load(&j->ranks[0].step);
     ckpt_node_reports(j, st, &ckpt_reports[i]);
     ptrs[i++] = st;
   }

@@ -453,6 +453,75 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
               (int)s->pid, (int)s->uid, (unsigned long long)s->id);
 }
 
+/* Appends ", NAME VALUE (the job's VALUE)" to a config warning. */
+static void append_difference(char *text, size_t text_bytes, char *fields, size_t fields_bytes,
+                              const char *name, const char *want, const char *have) {
+  size_t len = strlen(text), flen = strlen(fields);
+  if (len < text_bytes)
+    snprintf(text + len, text_bytes - len, "%s%s %s (the job's %s)", flen ? ", " : "", name, want,
+             have);
+  if (flen < fields_bytes)
+    snprintf(fields + flen, fields_bytes - flen, "%s%s", flen ? "," : "", name);
+}
+
+/* A read-write attach to a job that exists uses the job's config, not the
+ * one it sent (only a creating attach's counts), so a worker that asked for
+ * other hyper-parameters would train with the job's without knowing. The
+ * attach's config, defaults filled in, is compared with the job's: fields
+ * gets the names of those that differ (comma-separated, for the log),
+ * warning a sentence for the worker (AttachReply.warning, within an error
+ * message's 1024 bytes). Returns 0 if they are the same. */
+static int config_differences(zdaemon *d, const job *j, const Zerod__V1__JobConfig *proto,
+                              char *fields, size_t fields_bytes, char *warning,
+                              size_t warning_bytes) {
+  job_config want;
+  char err[256] = "";
+  fields[0] = '\0';
+  if (job_config_from_proto(proto, &want, err, sizeof err) != 0 ||
+      job_config_finish(&want, d->options.max_live_bytes, err, sizeof err) != 0) {
+    snprintf(fields, fields_bytes, "invalid");
+    snprintf(warning, warning_bytes,
+             "job '%s' exists: this attach's config was not used (it is invalid: %s); the "
+             "job's config is in the reply",
+             j->name, err);
+    return 1;
+  }
+  const job_config *have = &j->config;
+  char list[768] = "", a[64], b[64];
+#define DIFFERS(name, cond, fmt, x, y)                                                             \
+  if (cond) {                                                                                      \
+    snprintf(a, sizeof a, fmt, x);                                                                 \
+    snprintf(b, sizeof b, fmt, y);                                                                 \
+    append_difference(list, sizeof list, fields, fields_bytes, name, a, b);                        \
+  }
+  DIFFERS("optimizer", want.optimizer != have->optimizer, "%s", job_optimizer_name(want.optimizer),
+          job_optimizer_name(have->optimizer));
+  DIFFERS("lr", want.lr != have->lr, "%g", want.lr, have->lr);
+  DIFFERS("beta1", want.beta1 != have->beta1, "%g", want.beta1, have->beta1);
+  DIFFERS("beta2", want.beta2 != have->beta2, "%g", want.beta2, have->beta2);
+  DIFFERS("eps", want.eps != have->eps, "%g", want.eps, have->eps);
+  DIFFERS("weight_decay", want.weight_decay != have->weight_decay, "%g", want.weight_decay,
+          have->weight_decay);
+  DIFFERS("momentum", want.momentum != have->momentum, "%g", want.momentum, have->momentum);
+  DIFFERS("dampening", want.dampening != have->dampening, "%g", want.dampening, have->dampening);
+  DIFFERS("nesterov", want.nesterov != have->nesterov, "%s", want.nesterov ? "true" : "false",
+          have->nesterov ? "true" : "false");
+  DIFFERS("working_dtype", want.working_dtype != have->working_dtype, "%s",
+          zk_dtype_name(want.working_dtype), zk_dtype_name(have->working_dtype));
+  DIFFERS("max_live_bytes", want.max_live_bytes != have->max_live_bytes, "%llu",
+          (unsigned long long)want.max_live_bytes, (unsigned long long)have->max_live_bytes);
+  DIFFERS("max_grad_norm", want.max_grad_norm != have->max_grad_norm, "%g", want.max_grad_norm,
+          have->max_grad_norm);
+#undef DIFFERS
+  if (fields[0] == '\0')
+    return 0;
+  snprintf(warning, warning_bytes,
+           "job '%s' exists with another config; this attach's was not used: %s (the reply's "
+           "config is the job's)",
+           j->name, list);
+  return 1;
+}
+
 static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
                           Zerod__V1__AttachRequest *req) {
   zdaemon *d = s->daemon;
@@ -526,9 +595,18 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
   op->request_id = request_id;
   op->flags = flags;
   op->job_created = created;
+  char fields[256], warning[ZD_MAX_MESSAGE_BYTES + 1];
+  int differs =
+      !created && req->config != NULL &&
+      config_differences(d, j, req->config, fields, sizeof fields, warning, sizeof warning);
+  if (differs)
+    op->warning = strdup(warning); /* without it (no memory) the reply only lacks the warning */
   submit_or_inline(s, op);
   LOG_INFOF("worker attached", "job=%s rank=%d pid=%d uid=%d session=%llu", j->name, rs->rank,
             (int)s->pid, (int)s->uid, (unsigned long long)s->id);
+  if (differs)
+    LOG_WARNF("attach config differs from the job's; the job's is used",
+              "job=%s rank=%d pid=%d fields=%s", j->name, rs->rank, (int)s->pid, fields);
 }
 
 static op_kind kind_of(uint16_t type) {

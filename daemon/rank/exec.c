@@ -38,6 +38,7 @@ void exec_op_free(exec_op *op) {
     close(op->reply_fd);
   free(op->reply_frame);
   free(op->ckpt_source);
+  free(op->warning);
   free(op);
 }
 

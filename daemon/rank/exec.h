@@ -58,6 +58,7 @@ typedef struct exec_op {
   unsigned generation;       /* OP_COMM_INIT: the new one; reader ops: the job's at submission */
   uint32_t prefetch_unit;
   int job_created;   /* OP_SESSION_BEGIN: the attach created the job */
+  char *warning;     /* OP_SESSION_BEGIN: AttachReply.warning, owned; NULL if none */
   uint64_t ckpt_id;  /* checkpoint ops: the order's id */
   char *ckpt_source; /* OP_RESTORE_READ: owned */
   int ckpt_format;   /* OP_RESTORE_READ: Zerod__V1__RestoreFormat */

@@ -107,7 +107,11 @@ typedef struct rank_state {
   uint32_t *dropped_ids; /* freed buffers the session still maps */
   size_t ndropped, dropped_cap;
   uint64_t session_id;
-  uint64_t step;
+  /* Completed optimizer steps (after a restore: the checkpoint's). Written
+   * by the executor; atomic because the loop reads it for the node's
+   * heartbeat reports (JobStatus.step). Not the version, which loads and
+   * restores move too. */
+  _Atomic uint64_t step;
   /* generation + 1 once this rank's communicator of that generation is
    * built; read by the loop for the node's heartbeat reports. */
   _Atomic unsigned comm_ready;

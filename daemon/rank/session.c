@@ -24,6 +24,8 @@ void exec__handle_session_begin(rank_state *rs, exec_op *op) {
   reply.version = rs->version;
   reply.config = &config;
   reply.created = op->job_created;
+  if (op->warning != NULL)
+    reply.warning = op->warning;
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, &reply.base);
 }
 

@@ -49,8 +49,10 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
   if ((req->set_lr && !(req->lr > 0 && isfinite(req->lr))) ||
       (req->set_max_grad_norm && !(req->max_grad_norm >= 0)) ||
       !(req->grad_scale >= 0 && isfinite(req->grad_scale))) {
+    /* No "step: " here: the client names the request it failed (libzerod
+     * prefixes "step: "), as for every other request's errors. */
     exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "step: lr must be > 0, max_grad_norm >= 0 and grad_scale >= 0 and finite");
+               "lr must be > 0, max_grad_norm >= 0 and grad_scale >= 0 and finite");
     return;
   }
   if (req->set_lr)

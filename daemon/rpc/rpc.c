@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/un.h>
 
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
@@ -764,6 +765,21 @@ int rpc_server_create(uv_loop_t *loop, const char *addr, rpc_server **out, char 
   }
   if (strlen(addr) >= RPC_MAX_ADDR_BYTES) {
     snprintf(err, err_bytes, "rpc server: address longer than %d bytes", RPC_MAX_ADDR_BYTES - 1);
+    return -ENAMETOOLONG;
+  }
+  /* gRPC binds the path of a unix: address ("unix:PATH" or
+   * "unix://ABSOLUTE_PATH") as it is, so it must fit a sockaddr_un with its
+   * NUL. Said here, with the limit, because gRPC's own refusal only comes
+   * back from grpc_server_add_http2_port as "cannot listen". */
+  const char *unix_path = NULL;
+  if (strncmp(addr, "unix://", 7) == 0)
+    unix_path = addr + 7;
+  else if (strncmp(addr, "unix:", 5) == 0)
+    unix_path = addr + 5;
+  struct sockaddr_un unix_addr;
+  if (unix_path != NULL && strlen(unix_path) >= sizeof unix_addr.sun_path) {
+    snprintf(err, err_bytes, "rpc server: socket path '%s' is longer than %zu bytes", unix_path,
+             sizeof unix_addr.sun_path - 1);
     return -ENAMETOOLONG;
   }
   rpc_server *s = calloc(1, sizeof(*s));

@@ -56,6 +56,24 @@ def listed(daemon, job=""):
     return ck.List(pb.control.ListCheckpointsRequest(job=job), timeout=30).checkpoints
 
 
+def job_step(daemon, job):
+    pb, _, jobs = stub(daemon)
+    return jobs.GetJob(pb.control.GetJobRequest(name=job), timeout=10).step
+
+
+def wait_step(daemon, job, step, timeout_s=20):
+    """Waits until GetJob says `step`: the node reports it in its next
+    heartbeat (every lease TTL / 3, 3.3 s in a standalone daemon)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = job_step(daemon, job)
+        if got == step:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("GetJob says step %d, expected %d" % (got, step))
+        time.sleep(0.1)
+
+
 def train(daemon, ranks, job, steps, extra=(), background=False):
     args = [binary("zerod-mlp-train"), "--socket", daemon.socket, "--job", job, "--steps",
             str(steps), "--hidden", "64", "--batch", "8"] + list(extra)
@@ -116,6 +134,23 @@ def test_round_trip_is_bit_exact(start_daemon, tmp_path):
     m3, got = load_checkpoint(third.checkpoint.path)
     assert m2["states"] == ["master", "moment1", "moment2"]
     assert got == want  # master weights and both Adam moments, bit for bit
+
+
+def test_get_job_step_counts_completed_steps_across_a_restore(start_daemon):
+    # JobStatus.step is completed optimizer steps, not the rank's version
+    # (which the restore moves up too): after a restore it is the
+    # checkpoint's step, and training goes on counting from there.
+    d = start_daemon(ranks=2)
+    train(d, 2, "steps", 4)
+    wait_step(d, "steps", 4)
+    assert save(d, "steps", "at4").checkpoint.step == 4
+    train(d, 2, "steps", 3)
+    wait_step(d, "steps", 7)
+    assert restore(d, "steps", "at4").step == 4
+    assert job_step(d, "steps") == 4
+    out = train(d, 2, "steps", 2)
+    assert "done: 2 steps" in out
+    wait_step(d, "steps", 6)
 
 
 def test_save_while_training_and_restore(start_daemon):

@@ -343,3 +343,39 @@ def test_a_burst_of_pipelined_requests_is_answered_in_full(start_daemon):
     assert seen == set(range(1000, 1200))
     c.close()
     assert_serving(d)
+
+
+def test_attach_with_another_config_gets_a_warning_and_the_jobs_config(start_daemon):
+    # The config of an attach that does not create the job is not used; one
+    # that differs from the job's is reported in AttachReply.warning (field
+    # 9) and in a warn line of the daemon's log, naming the fields.
+    def lr(value):
+        return z.field_double(2, value)  # OptimizerConfig.lr
+
+    d = start_daemon()
+    c = attach(d, job="cfg", optimizer=lr(0.25))
+    c.expect_ok(z.DETACH)
+    c.close()
+    c = z.Conn(d.socket)
+    fields, _ = c.expect_ok(z.ATTACH, z.attach_request("cfg", 0, optimizer=lr(0.5),
+                                                       max_live_bytes=1 << 20))
+    warning = fields.get(9, [b""])[0].decode()
+    assert warning.startswith("job 'cfg' exists with another config; this attach's was not "
+                              "used: lr 0.5 (the job's 0.25), max_live_bytes 1048576 (the job's "), \
+        warning
+    config = z.decode(fields[5][0])
+    assert struct.unpack("<d", z.decode(config[1][0])[2][0])[0] == 0.25  # the job's lr
+    c.expect_ok(z.DETACH)
+    c.close()
+    log = d.read_log()
+    assert ('level=warn msg="attach config differs from the job\'s; the job\'s is used" '
+            'job=cfg rank=0 pid=') in log, log
+    assert "fields=lr,max_live_bytes\n" in log, log
+    # The same config, or none, says nothing.
+    for same in (z.attach_request("cfg", 0, optimizer=lr(0.25)), z.attach_request("cfg", 0)):
+        c = z.Conn(d.socket)
+        fields, _ = c.expect_ok(z.ATTACH, same)
+        assert 9 not in fields
+        c.expect_ok(z.DETACH)
+        c.close()
+    assert d.read_log().count("attach config differs") == 1

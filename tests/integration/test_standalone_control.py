@@ -156,3 +156,21 @@ def test_deleted_job_is_freed_at_once_not_at_exit(start_daemon):
     assert resident_kib(pid) < rss_with_job, (rss_with_job, resident_kib(pid))
     # The daemon goes on serving: the name makes a new job that trains.
     train(d, 2, job="big", steps=2)
+
+
+def test_state_dir_too_deep_for_the_control_socket_says_the_limit(tmp_path):
+    # DIR/control.sock is 120 bytes, over a Unix socket path's 107; the
+    # workers' socket is elsewhere and short. The daemon refuses to start
+    # and names the limit, before it tries to listen.
+    socket_path = str(tmp_path / "w.sock")
+    depth = 120 - len(str(tmp_path)) - len("/control.sock") - 1
+    assert depth > 0, "tmp_path is too long for this test: %s" % tmp_path
+    state = tmp_path / ("d" * depth)
+    control = str(state / "control.sock")
+    assert len(control) == 120
+    proc = subprocess.run([binary("zerod"), "standalone", "--dir", str(state), "--socket",
+                           socket_path], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1, proc.stderr
+    assert ("socket path '%s' is longer than 107 bytes" % control) in proc.stderr, proc.stderr
+    assert "in use" not in proc.stderr
+    assert not os.path.exists(socket_path)

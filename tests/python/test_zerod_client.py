@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -67,6 +68,38 @@ def test_errors_carry_the_daemons_message(start_daemon):
             zerod.JobConfig(optimizer="lamb")._to_c()
     with pytest.raises(zerod.UnavailableError):
         zerod.Client(os.path.join(str(daemon.dir), "missing.sock"))
+
+
+def test_step_error_names_the_step_once(start_daemon):
+    """The daemon's message is the detail; libzerod adds the request's name
+    once ("step: step: ..." before)."""
+    daemon = start_daemon(ranks=1)
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("j")
+        for bad in ({"lr": 0.0}, {"lr": -1.0}, {"max_grad_norm": -1.0}):
+            with pytest.raises(zerod.InvalidArgumentError) as err:
+                job.step(**bad)
+            assert err.value.message == ("step: lr must be > 0, max_grad_norm >= 0 and "
+                                         "grad_scale >= 0 and finite")
+        assert job.step(lr=0.5).step == 1  # the session goes on
+
+
+def test_attach_to_a_job_with_another_config_warns(start_daemon):
+    daemon = start_daemon(ranks=1)
+    with zerod.Client(daemon.socket) as client:
+        first = client.attach("cfg", config=zerod.JobConfig(optimizer="sgd", lr=0.25))
+        assert first.attach_warning is None
+        first.detach()
+    with zerod.Client(daemon.socket) as client:
+        with pytest.warns(UserWarning, match=r"lr 0\.5 \(the job's 0\.25\)") as caught:
+            job = client.attach("cfg", config=zerod.JobConfig(optimizer="sgd", lr=0.5))
+        assert len(caught) == 1 and job.attach_warning == str(caught[0].message)
+        assert "optimizer" not in job.attach_warning
+        job.detach()
+    with zerod.Client(daemon.socket) as client, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        job = client.attach("cfg", config=zerod.JobConfig(optimizer="sgd", lr=0.25))
+        assert job.attach_warning is None
 
 
 def test_pip_install(tmp_path):

@@ -71,6 +71,8 @@ typedef struct fake_daemon {
   unsigned attach_rank;
   unsigned attach_world_size;
   int attach_read_only_lie;     /* answer read_only the other way round */
+  int attach_config;            /* send a config (SGD, see fake_attach_config) */
+  const char *attach_warning;   /* AttachReply.warning; NULL: none */
   uint64_t latest_version;      /* the job's version (attach, units, pin); 0: 3 */
   uint64_t pinned_version;      /* AttachReply.pinned_version */
   int alternate_gather_buffers; /* switch each unit's buffer at every gather */
@@ -347,6 +349,22 @@ static int fake_handle(fake_daemon *fake, const zd_frame_header *header, Protobu
     reply.read_only = (request->mode == ZEROD__V1__ATTACH_MODE__ATTACH_READ_ONLY) !=
                       (fake->attach_read_only_lie != 0);
     reply.pinned_version = request->pin ? fake->pinned_version : 0;
+    Zerod__V1__JobConfig config = ZEROD__V1__JOB_CONFIG__INIT;
+    Zerod__V1__OptimizerConfig optimizer = ZEROD__V1__OPTIMIZER_CONFIG__INIT;
+    if (fake->attach_config) {
+      optimizer.kind = ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD;
+      optimizer.lr = 0.25;
+      optimizer.has_weight_decay = 1;
+      optimizer.momentum = 0.9;
+      optimizer.nesterov = 1;
+      config.optimizer = &optimizer;
+      config.working_dtype = ZEROD__V1__DTYPE__DTYPE_BF16;
+      config.max_live_bytes = 1 << 20;
+      config.max_grad_norm = 1.5;
+      reply.config = &config;
+    }
+    if (fake->attach_warning != NULL)
+      reply.warning = (char *)fake->attach_warning;
     fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, id, &reply.base, NULL, 0);
     return fake->close_after_attach;
   }
@@ -1065,6 +1083,60 @@ static void test_gpu_buffer_with_a_descriptor_too_is_a_protocol_error(void **sta
   fake_destroy(fake);
 }
 
+/* The attach reply's config is the job's effective one, and its warning
+ * (the attach's config was not used) reaches the worker; both stay after
+ * detach. */
+static void test_attach_keeps_the_jobs_config_and_the_daemons_warning(void **state) {
+  static const char warning[] = "job 'test' exists with another config; this attach's was not "
+                                "used: lr 0.001 (the job's 0.25)";
+  fake_daemon *fake = fake_create();
+  fake->attach_config = 1;
+  fake->attach_warning = warning;
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_job(client);
+  assert_string_equal(zd_job_attach_warning(job), warning);
+  zd_job_config config = ZD_JOB_CONFIG_INIT;
+  assert_int_equal(zd_job_effective_config(job, &config), ZD_OK);
+  assert_int_equal(config.struct_size, sizeof config);
+  assert_int_equal(config.optimizer, ZD_SGD);
+  assert_true(config.lr == 0.25 && config.momentum == 0.9 && config.nesterov == 1);
+  assert_true(config.weight_decay == 0 && config.has_weight_decay == 1);
+  assert_int_equal(config.working_dtype, ZD_BF16);
+  assert_int_equal(config.max_live_bytes, 1 << 20);
+  assert_true(config.max_grad_norm == 1.5);
+  assert_int_equal(zd_detach(job), ZD_OK);
+  assert_string_equal(zd_job_attach_warning(job), warning);
+
+  /* An older caller's smaller struct gets the fields it has, no more; a
+   * size outside what this library knows is refused. */
+  zd_job_config older = ZD_JOB_CONFIG_INIT;
+  older.struct_size = offsetof(zd_job_config, beta1);
+  older.beta1 = 7;
+  assert_int_equal(zd_job_effective_config(job, &older), ZD_OK);
+  assert_true(older.lr == 0.25 && older.beta1 == 7);
+  older.struct_size = 0;
+  assert_int_equal(zd_job_effective_config(job, &older), ZD_E_INVALID_ARGUMENT);
+  older.struct_size = sizeof older + 8;
+  assert_int_equal(zd_job_effective_config(job, &older), ZD_E_INVALID_ARGUMENT);
+  assert_message_contains("ZD_JOB_CONFIG_INIT");
+  assert_int_equal(zd_job_effective_config(NULL, &config), ZD_E_INVALID_ARGUMENT);
+  assert_null(zd_job_attach_warning(NULL));
+  zd_close(client);
+  fake_join(fake);
+  fake_destroy(fake);
+
+  /* No warning: NULL. */
+  fake = fake_create();
+  fake_start(fake);
+  client = connect_to(fake);
+  job = attach_job(client);
+  assert_null(zd_job_attach_warning(job));
+  zd_close(client);
+  fake_join(fake);
+  fake_destroy(fake);
+}
+
 static void test_read_only_attach_sends_mode_and_pin(void **state) {
   fake_daemon *fake = fake_create();
   fake->latest_version = 9;
@@ -1747,6 +1819,7 @@ int main(void) {
       cmocka_unit_test(test_gpu_buffer_without_cuda_fails_with_the_reason),
       cmocka_unit_test(test_gpu_buffer_with_a_descriptor_too_is_a_protocol_error),
       cmocka_unit_test(test_read_only_attach_sends_mode_and_pin),
+      cmocka_unit_test(test_attach_keeps_the_jobs_config_and_the_daemons_warning),
       cmocka_unit_test(test_attach_reply_with_the_other_mode_is_a_protocol_error),
       cmocka_unit_test(test_read_only_job_refuses_writes_without_asking),
       cmocka_unit_test(test_list_units_builds_the_unit_table),

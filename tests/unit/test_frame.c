@@ -1591,8 +1591,14 @@ static void test_error_message_over_1024_bytes_is_a_bad_message(void **state) {
   expect_why(why, "1024");
   s.notice.message = text;
   assert_int_equal(unpack_packed(ZEROD__V1__MSG_TYPE__MSG_NOTICE, &s.notice.base, &why), -EBADMSG);
+  s.attach_reply.warning = text;
+  assert_int_equal(unpack_packed(ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, &s.attach_reply.base, &why),
+                   -EBADMSG);
+  expect_why(why, "attach warning longer than 1024");
   text[ZD_MAX_MESSAGE_BYTES] = '\0';
   assert_int_equal(unpack_packed(ZEROD__V1__MSG_TYPE__MSG_ERROR, &s.error.base, &why), 0);
+  assert_int_equal(unpack_packed(ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, &s.attach_reply.base, &why),
+                   0);
 }
 
 static void test_tensor_placement_outside_its_unit_is_a_bad_message(void **state) {

@@ -380,6 +380,33 @@ static void test_add_method_rejects_bad_input(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* A unix: path that does not fit a sockaddr_un is refused when the server
+ * is created, with the limit, rather than as "cannot listen" at start. */
+static void test_create_refuses_a_unix_path_too_long_for_a_socket(void **state) {
+  uv_loop_t loop;
+  rpc_server *s = NULL;
+  char err[512] = "";
+  char addr[200], path[150];
+
+  assert_int_equal(uv_loop_init(&loop), 0);
+  memset(path, 'x', sizeof path - 1);
+  path[0] = '/';
+  path[108] = '\0'; /* 108 bytes: one more than sun_path holds with its NUL */
+  snprintf(addr, sizeof addr, "unix:%s", path);
+  assert_int_equal(rpc_server_create(&loop, addr, &s, err, sizeof err), -ENAMETOOLONG);
+  assert_null(s);
+  assert_non_null(strstr(err, "is longer than 107 bytes"));
+  assert_non_null(strstr(err, path));
+  snprintf(addr, sizeof addr, "unix://%s", path);
+  assert_int_equal(rpc_server_create(&loop, addr, &s, err, sizeof err), -ENAMETOOLONG);
+  /* 107 bytes fit. */
+  path[107] = '\0';
+  snprintf(addr, sizeof addr, "unix:%s", path);
+  assert_int_equal(rpc_server_create(&loop, addr, &s, err, sizeof err), 0);
+  rpc_server_destroy(s);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 static void test_start_fails_on_a_port_in_use(void **state) {
   fixture *fx = *state;
   uv_loop_t loop;
@@ -987,6 +1014,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_status_names),
       cmocka_unit_test(test_add_method_rejects_bad_input),
+      cmocka_unit_test(test_create_refuses_a_unix_path_too_long_for_a_socket),
       cmocka_unit_test_setup_teardown(test_start_fails_on_a_port_in_use, setup_server,
                                       teardown_server),
       cmocka_unit_test_setup_teardown(test_unary_echo_round_trip, setup_server, teardown_server),

@@ -165,6 +165,7 @@ _SIGNATURES = {
     "zd_job_world_size": (c_uint, [c_void_p]),
     "zd_job_version": (c_uint64, [c_void_p]),
     "zd_job_read_only": (c_int, [c_void_p]),
+    "zd_job_attach_warning": (c_char_p, [c_void_p]),
     "zd_list_units": (c_int, [c_void_p, _P(c_uint)]),
     "zd_job_unit_count": (c_uint, [c_void_p]),
     "zd_job_unit_info": (c_int, [c_void_p, c_uint, _P(UnitInfo)]),

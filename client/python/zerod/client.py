@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -155,10 +156,12 @@ class Client:
                stable_addresses: bool = True) -> "Job":
         """Attaches to `job` as local `rank` (one job per client).
 
-        With ``create`` a missing job is created with `config`. A read-only
-        attachment (``read_only=True``) takes no rank and cannot change the
-        job; with ``pin`` all its gathers come from one version, pinned now
-        and moved by :meth:`Job.pin`. ``stable_addresses`` (the default here,
+        With ``create`` a missing job is created with `config`; a job that
+        exists keeps its own, and if `config` differs from it the daemon
+        says so (``Job.attach_warning``, also issued as a ``UserWarning``).
+        A read-only attachment (``read_only=True``) takes no rank and cannot
+        change the job; with ``pin`` all its gathers come from one version,
+        pinned now and moved by :meth:`Job.pin`. ``stable_addresses`` (the default here,
         unlike the C library's) keeps each unit's gathered view at one
         address, which zerod.torch needs; it costs an mmap per gather.
         """
@@ -179,6 +182,8 @@ class Client:
                "attach to job %s" % job)
         attached = Job(self, handle.value, job, config)
         self._jobs.append(attached)
+        if attached.attach_warning is not None:
+            warnings.warn(attached.attach_warning, stacklevel=2)
         return attached
 
     def close(self) -> None:
@@ -218,6 +223,11 @@ class Job:
         self.rank: int = self._lib.zd_job_rank(handle)
         self.world_size: int = self._lib.zd_job_world_size(handle)
         self.read_only: bool = bool(self._lib.zd_job_read_only(handle))
+        warning = self._lib.zd_job_attach_warning(handle)
+        # The daemon's word that `config` was not used (the job existed with
+        # another one); None if it had nothing to say.
+        self.attach_warning: Optional[str] = (warning.decode("utf-8", "replace")
+                                              if warning else None)
         self._units: Dict[int, Unit] = {}
         self._refresh_units()
 
