@@ -173,6 +173,23 @@ void exec_job_config(const job *j, double lr, double max_grad_norm, Zerod__V1__J
   config->max_grad_norm = max_grad_norm;
 }
 
+/* Replaces the rank's communicator (NULL: none) and destroys the old one.
+ * The swap is under comm_lock because exec_rank_stop, on the loop thread,
+ * may be aborting the old one; once the lock is ours it is done, and it
+ * will find only the new one. A communicator built while the rank is
+ * stopping is aborted at once: what the executor runs with it before
+ * OP_STOP (the step-count check of a build) must not wait for peers that
+ * stop too. */
+static void set_comm(rank_state *rs, comm *c) {
+  pthread_mutex_lock(&rs->comm_lock);
+  comm *old = rs->comm;
+  rs->comm = c;
+  if (c != NULL && atomic_load(&rs->stopping))
+    comm_abort(c);
+  pthread_mutex_unlock(&rs->comm_lock);
+  comm_destroy(old);
+}
+
 /* Checks the job's failure state; answers ABORTED and returns 1 if failed. */
 static int op_job_failed(rank_state *rs, exec_op *op) {
   char reason[512];
@@ -211,8 +228,12 @@ static void op_comm_failed(rank_state *rs, exec_op *op, const char *what, int er
                                 : strerror(-err));
   char reason[512] = "";
   job_failed(rs->job, rs->generation, reason, sizeof reason);
-  LOG_ERRORF("collective failed", "job=%s rank=%d op=%s err=%d", rs->job->name, rs->rank, what,
-             err);
+  if (atomic_load(&rs->stopping)) /* aborted by the daemon's stop, not a failure */
+    LOG_INFOF("collective aborted; zerod is stopping", "job=%s rank=%d op=%s", rs->job->name,
+              rs->rank, what);
+  else
+    LOG_ERRORF("collective failed", "job=%s rank=%d op=%s err=%d", rs->job->name, rs->rank, what,
+               err);
   exec_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "job '%s' failed: %s", rs->job->name, reason);
 }
 
@@ -1490,10 +1511,8 @@ static void handle_session_end(rank_state *rs, exec_op *op) {
   /* A job that failed (e.g. its worker died) closes this rank's
    * communicator, so peers blocked in a collective with this rank fail now
    * rather than at their timeout. */
-  if (rs->comm != NULL && job_failed(rs->job, rs->generation, NULL, 0)) {
-    comm_destroy(rs->comm);
-    rs->comm = NULL;
-  }
+  if (rs->comm != NULL && job_failed(rs->job, rs->generation, NULL, 0))
+    set_comm(rs, NULL);
   if (op->session != NULL) {
     Zerod__V1__DetachReply reply = ZEROD__V1__DETACH_REPLY__INIT;
     exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_DETACH_REPLY, &reply.base);
@@ -1638,10 +1657,8 @@ static void handle_restore_commit(rank_state *rs, exec_op *op) {
 }
 
 static void handle_comm_init(rank_state *rs, exec_op *op) {
-  if (rs->comm != NULL) {
-    comm_destroy(rs->comm);
-    rs->comm = NULL;
-  }
+  if (rs->comm != NULL)
+    set_comm(rs, NULL);
   rs->generation = op->generation;
   /* "<job>/<generation>/": the rendezvous namespace (job, epoch) that the
    * coordinator's store splits it into (store_grpc.c). Job names hold no
@@ -1654,22 +1671,27 @@ static void handle_comm_init(rank_state *rs, exec_op *op) {
                           .timeout_ms = settings.collective_timeout_ms,
                           .hostname = settings.comm_hostname};
   int rc;
+  comm *built = NULL;
   if (rs->dev == NULL) {
     snprintf(err, sizeof err, "%s", rs->device_error);
     rc = -ENODEV;
   } else if (device_is_host(rs->dev)) {
-    rc = comm_gloo_create(&options, settings.rendezvous, &rs->comm, err, sizeof err);
+    rc = comm_gloo_create(&options, settings.rendezvous, &built, err, sizeof err);
   } else {
     rc = comm_nccl_create(&options, settings.rendezvous, device_cuda_api(rs->dev),
-                          device_cuda_stream(rs->dev), &rs->comm, err, sizeof err);
+                          device_cuda_stream(rs->dev), &built, err, sizeof err);
   }
   if (rc != 0) {
-    rs->comm = NULL;
     job_fail(rs->job, rs->generation, "rank %d: communicator: %s", rs->rank, err);
-    LOG_ERRORF("communicator failed", "job=%s rank=%d generation=%u", rs->job->name, rs->rank,
-               rs->generation);
+    if (atomic_load(&rs->stopping)) /* the rendezvous gave up: the daemon is stopping */
+      LOG_INFOF("communicator not built; zerod is stopping", "job=%s rank=%d generation=%u",
+                rs->job->name, rs->rank, rs->generation);
+    else
+      LOG_ERRORF("communicator failed", "job=%s rank=%d generation=%u", rs->job->name, rs->rank,
+                 rs->generation);
     return;
   }
+  set_comm(rs, built);
   /* After a reset the ranks' pools may differ (their last ops failed at
    * different points); trimming them makes their next decisions agree
    * again. The step counts must agree too. */
@@ -1838,9 +1860,7 @@ static void *exec_main(void *arg) {
     if (op->kind == OP_STOP) {
       /* Closing the communicator's connections wakes any peer rank blocked
        * on this one at once, instead of at its timeout. */
-      if (rs->comm != NULL)
-        comm_destroy(rs->comm);
-      rs->comm = NULL;
+      set_comm(rs, NULL);
       close_device(rs);
       exec_op_free(op);
       atomic_fetch_sub(&rs->busy, 1);
@@ -1910,6 +1930,7 @@ int exec_try_inline(exec_op *op) {
 void exec_rank_stop(rank_state *rs) {
   if (!rs->thread_started)
     return;
+  atomic_store(&rs->stopping, 1);
   pthread_mutex_lock(&rs->queue_mutex);
   exec_op *dropped = rs->queue_head;
   rs->queue_head = rs->queue_tail = NULL;
@@ -1922,6 +1943,16 @@ void exec_rank_stop(rank_state *rs) {
     finish(dropped);
     dropped = next;
   }
+  /* An op still running may be a collective whose peers will not come
+   * (their executors are stopping too, or they are on nodes whose workers
+   * are gone): aborting the communicator makes it return now, not at the
+   * collective timeout; comm_abort only raises flags and wakes waiters, so
+   * the loop can call it. A communicator still being built gives up in its
+   * rendezvous once the store is stopped (node_stop), or is aborted by
+   * set_comm when it is done. */
+  pthread_mutex_lock(&rs->comm_lock);
+  comm_abort(rs->comm);
+  pthread_mutex_unlock(&rs->comm_lock);
   exec_op *stop = exec_op_new(OP_STOP, rs);
   if (stop != NULL)
     exec_submit(stop);

@@ -130,6 +130,7 @@ int job_create(struct daemon *daemon, const char *name, const char *token, const
     rs->max_grad_norm = config->max_grad_norm;
     pthread_mutex_init(&rs->queue_mutex, NULL);
     pthread_cond_init(&rs->queue_cond, NULL);
+    pthread_mutex_init(&rs->comm_lock, NULL);
   }
   if (pin_job_init(j) != 0 || ckpt_node_job_init(j) != 0) {
     job_destroy(j);
@@ -148,6 +149,7 @@ void job_destroy(job *j) {
       exec_rank_free(&j->ranks[r]);
       pthread_mutex_destroy(&j->ranks[r].queue_mutex);
       pthread_cond_destroy(&j->ranks[r].queue_cond);
+      pthread_mutex_destroy(&j->ranks[r].comm_lock);
     }
     pthread_mutex_destroy(&j->mutex);
   }

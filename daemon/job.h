@@ -124,6 +124,11 @@ typedef struct rank_state {
   pthread_cond_t queue_cond;
   struct exec_op *queue_head, *queue_tail;
   _Atomic int busy; /* ops submitted and not finished */
+  /* Set once the rank is told to stop (exec_rank_stop), which aborts its
+   * communicator from the loop thread; comm_lock keeps the executor from
+   * replacing or freeing `comm` meanwhile. */
+  _Atomic int stopping;
+  pthread_mutex_t comm_lock;
 
   /* Executor-owned state. The device is opened by the executor thread
    * when it starts and closed when it stops; every array below that holds
