@@ -207,3 +207,8 @@ void comm_destroy(comm *c) {
   if (c != NULL)
     c->ops->destroy(c);
 }
+
+void comm_abort(comm *c) {
+  if (c != NULL && c->ops->cancel != NULL)
+    c->ops->cancel(c);
+}

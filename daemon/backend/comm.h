@@ -77,4 +77,13 @@ int comm_world_size(const comm *c);
 const char *comm_last_error(const comm *c);
 void comm_destroy(comm *c);
 
+/* Makes the collective in progress on c, if any, and every later one fail
+ * at once (-ECANCELED) instead of waiting for peers that may never come:
+ * the daemon's shutdown, whose executors must not wait out a collective
+ * timeout. The one exception to "calls from the executor thread only": it
+ * may be called from any thread, while the executor is inside a call, but
+ * never at the same time as comm_destroy(c). It returns without waiting for
+ * the call in progress; c stays to be destroyed by its owner. */
+void comm_abort(comm *c);
+
 #endif /* ZEROD_COMM_H */

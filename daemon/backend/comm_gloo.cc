@@ -21,8 +21,13 @@
  *  - A send is only put on the wire once the peer has posted the matching
  *    receive, so a peer that stops calling shows up as a timeout on our side.
  *  - Gloo writes with writev(2) without MSG_NOSIGNAL: the process must ignore
- *    SIGPIPE, or a peer that dies mid-transfer kills the daemon. */
+ *    SIGPIPE, or a peer that dies mid-transfer kills the daemon.
+ *  - An unbound buffer's abortWaitRecv/abortWaitSend make its wait in
+ *    progress (or its next) return false, from any thread; a buffer
+ *    destroyed with operations pending cuts the pairs' references to it
+ *    first, so a collective may throw out of any of its waits (comm_abort). */
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdarg>
@@ -31,9 +36,11 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <system_error>
+#include <unordered_set>
 #include <vector>
 
 #include <gloo/allgather.h>
@@ -71,6 +78,130 @@ constexpr uint64_t kReduceScatterSlotBase = uint64_t{0x40} << 56;
  * comm_gloo_create returns within about timeout_ms. */
 constexpr int kConnectTimeoutDivisor = 5;
 
+/* ---- abort ------------------------------------------------------------- */
+
+/* The message of the exception that makes a collective fail on comm_abort. */
+constexpr const char kAbortedMessage[] = "communicator aborted";
+
+class AbortableBuffer;
+
+/* comm_abort must wake the owner's waits from another thread. Gloo's own
+ * way (an exception on every pair, as after a timeout) is protected and in
+ * headers Debian does not ship whole (tcp/pair.h includes a missing
+ * gloo/common/memory.h), so the transport context is wrapped in this
+ * decorator once the mesh is connected: every unbound buffer (Gloo's
+ * algorithms and ours make all their transfers through them) is created
+ * through it and kept in a list while it lives, and abort() sets a flag
+ * and makes their waits return (abortWaitRecv, abortWaitSend), which then
+ * throw, as does every later wait. After the throw the algorithm unwinds
+ * as it does after a timeout: its buffers cut off the references the pairs
+ * still hold when they are destroyed, and comm_break closes the
+ * connections. */
+class AbortableContext final : public gloo::transport::Context {
+public:
+  explicit AbortableContext(std::shared_ptr<gloo::transport::Context> inner)
+      : gloo::transport::Context(inner->rank, inner->size), inner_(std::move(inner)) {
+    setTimeout(inner_->getTimeout());
+  }
+
+  std::unique_ptr<gloo::transport::Pair> &getPair(int peer) override {
+    return inner_->getPair(peer);
+  }
+  std::unique_ptr<gloo::transport::Pair> &createPair(int peer) override {
+    return inner_->createPair(peer);
+  }
+  std::unique_ptr<gloo::transport::UnboundBuffer> createUnboundBuffer(void *ptr,
+                                                                      size_t bytes) override;
+
+  /* From any thread. */
+  void abort() noexcept;
+
+  void throw_if_aborted() const {
+    if (aborted_.load())
+      throw gloo::IoException(kAbortedMessage);
+  }
+  void add(AbortableBuffer *buffer) {
+    std::lock_guard<std::mutex> lock(live_mutex_);
+    live_.insert(buffer);
+  }
+  void remove(AbortableBuffer *buffer) {
+    std::lock_guard<std::mutex> lock(live_mutex_);
+    live_.erase(buffer);
+  }
+
+private:
+  std::shared_ptr<gloo::transport::Context> inner_;
+  std::atomic<bool> aborted_{false};
+  std::mutex live_mutex_; /* held by abort() while it wakes the buffers */
+  std::unordered_set<AbortableBuffer *> live_;
+};
+
+/* A transport's unbound buffer, forwarded to, whose waits throw once the
+ * context is aborted. */
+class AbortableBuffer final : public gloo::transport::UnboundBuffer {
+public:
+  AbortableBuffer(AbortableContext *owner, std::unique_ptr<gloo::transport::UnboundBuffer> inner)
+      : gloo::transport::UnboundBuffer(inner->ptr, inner->size), owner_(owner),
+        inner_(std::move(inner)) {
+    owner_->add(this);
+  }
+  /* Waits for an abort() that is waking this buffer, before inner_ goes. */
+  ~AbortableBuffer() override {
+    owner_->remove(this);
+  }
+
+  bool waitRecv(int *rank, std::chrono::milliseconds timeout) override {
+    owner_->throw_if_aborted();
+    bool done = inner_->waitRecv(rank, timeout);
+    owner_->throw_if_aborted();
+    return done;
+  }
+  bool waitSend(int *rank, std::chrono::milliseconds timeout) override {
+    owner_->throw_if_aborted();
+    bool done = inner_->waitSend(rank, timeout);
+    owner_->throw_if_aborted();
+    return done;
+  }
+  void abortWaitRecv() override {
+    inner_->abortWaitRecv();
+  }
+  void abortWaitSend() override {
+    inner_->abortWaitSend();
+  }
+  void send(int dstRank, uint64_t slot, size_t offset, size_t nbytes) override {
+    inner_->send(dstRank, slot, offset, nbytes);
+  }
+  void recv(int srcRank, uint64_t slot, size_t offset, size_t nbytes) override {
+    inner_->recv(srcRank, slot, offset, nbytes);
+  }
+  void recv(std::vector<int> srcRanks, uint64_t slot, size_t offset, size_t nbytes) override {
+    inner_->recv(std::move(srcRanks), slot, offset, nbytes);
+  }
+
+private:
+  AbortableContext *owner_;
+  std::unique_ptr<gloo::transport::UnboundBuffer> inner_;
+};
+
+std::unique_ptr<gloo::transport::UnboundBuffer>
+AbortableContext::createUnboundBuffer(void *ptr, size_t bytes) {
+  return std::unique_ptr<gloo::transport::UnboundBuffer>(
+      new AbortableBuffer(this, inner_->createUnboundBuffer(ptr, bytes)));
+}
+
+void AbortableContext::abort() noexcept {
+  aborted_.store(true);
+  std::lock_guard<std::mutex> lock(live_mutex_);
+  for (AbortableBuffer *buffer : live_) {
+    try {
+      buffer->abortWaitRecv();
+      buffer->abortWaitSend();
+    } catch (...) {
+      /* Gloo's aborts only set a flag under a lock. */
+    }
+  }
+}
+
 /* The communicator: the common part (comm_impl.h) as its base, so that the
  * C side's comm * is a GlooComm * after a static_cast. Allocated with new,
  * freed by the destroy operation. The device is declared before the context
@@ -79,6 +210,7 @@ constexpr int kConnectTimeoutDivisor = 5;
 struct GlooComm : comm {
   std::shared_ptr<gloo::transport::Device> device;
   std::shared_ptr<gloo::rendezvous::Context> context;
+  AbortableContext *abortable = nullptr; /* the context's transport, once connected */
   /* Landing buffers of the reduce-scatter, grown on demand. */
   std::unique_ptr<float[]> scratch;
   size_t scratch_numel = 0;
@@ -146,6 +278,8 @@ std::string strip_gloo_location(const std::string &what) {
  * with a message that names the peer where the algorithm lets us. */
 int fail_from_gloo(GlooComm *c, const char *op_name, const std::string &what, const PeerHint &hint,
                    steady_clock::time_point started) {
+  if (contains(what, kAbortedMessage))
+    return comm_break(c, -ECANCELED, "%s: communicator aborted", op_name);
   const auto elapsed_ms =
       std::chrono::duration_cast<milliseconds>(steady_clock::now() - started).count();
   if (is_timeout_message(what) || elapsed_ms >= c->timeout_ms) {
@@ -292,6 +426,14 @@ public:
     if (transportContext_)
       transportContext_->setTimeout(timeout);
   }
+
+  /* Puts the connected transport behind an AbortableContext (comm_abort);
+   * after set_transport_timeout, which it copies. */
+  AbortableContext *make_abortable() {
+    auto abortable = std::make_shared<AbortableContext>(transportContext_);
+    transportContext_ = abortable;
+    return abortable.get();
+  }
 };
 
 /* Connects the full mesh, then (after a barrier, when every rank has read
@@ -317,6 +459,7 @@ void connect_mesh(GlooComm *c, const comm_options *options, store *st, const cha
   context->connectFullMesh(adapter, c->device);
   context->setTimeout(timeout);
   context->set_transport_timeout(timeout);
+  c->abortable = context->make_abortable();
 
   if (options->world_size > 1) {
     gloo::BarrierOptions barrier_options(c->context);
@@ -551,6 +694,14 @@ int gloo_barrier(comm *base) {
   });
 }
 
+/* The cancel operation (comm_abort), from another thread: the owner's
+ * waits throw, and run_collective breaks the communicator. */
+void cancel_calls(comm *base) noexcept {
+  GlooComm *c = gloo_of(base);
+  if (c->abortable != nullptr)
+    c->abortable->abort();
+}
+
 /* Gloo's destructors close the sockets and join the device's event-loop
  * thread (which wakes every 10 ms); none of them waits for a peer, so this
  * returns promptly even after a timeout or a peer's death. */
@@ -579,6 +730,7 @@ constexpr comm_ops make_gloo_ops() {
   ops.barrier = gloo_barrier;
   ops.abort = close_connections;
   ops.destroy = gloo_destroy;
+  ops.cancel = cancel_calls;
   return ops;
 }
 

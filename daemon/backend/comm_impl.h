@@ -46,6 +46,10 @@ typedef struct comm_ops {
   void (*abort)(comm *c);
   /* Frees the communicator, healthy or broken, without waiting for peers. */
   void (*destroy)(comm *c);
+  /* comm_abort: called from another thread, possibly while the owner is
+   * inside a collective, which must then return at once; later calls fail
+   * fast. Touches only what is safe to touch concurrently with a call. */
+  void (*cancel)(comm *c);
 } comm_ops;
 
 struct comm {

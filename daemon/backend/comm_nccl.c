@@ -33,6 +33,7 @@
  * whose current device is the rank's device (the module's entries act on
  * the calling thread's current device). */
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +63,8 @@ typedef struct nccl_comm {
   void *done_event;    /* recorded after each collective */
   void *barrier_value; /* 8 device bytes that the barrier all-reduces */
   int device;          /* for messages; -1 if unknown */
+  /* Set by comm_abort, from another thread: the owner's waits give up. */
+  _Atomic int cancelled;
 } nccl_comm;
 
 static nccl_comm *nccl_of(comm *c) {
@@ -102,6 +105,10 @@ static int wait_collective(nccl_comm *nc, const char *op_name) {
     if (rc != -EAGAIN)
       return comm_break(c, rc, "%s: CUDA error while waiting for the collective: %s", op_name,
                         api->last_error());
+    /* comm_abort: the abort that comm_break makes here, on the owner's
+     * thread, stops the collective's kernels. */
+    if (atomic_load(&nc->cancelled))
+      return comm_break(c, -ECANCELED, "%s: communicator aborted", op_name);
     /* A dead peer shows as the communicator's asynchronous error, while
      * our event would simply never complete. */
     rc = api->nccl_status(nc->nccl);
@@ -200,6 +207,12 @@ static void nccl_abort_op(comm *c) {
   }
 }
 
+/* comm_abort: only a flag, which the owner's wait polls; NCCL's own abort
+ * is left to the owner's thread (comm_break), whose device is current. */
+static void nccl_cancel_op(comm *c) {
+  atomic_store(&nccl_of(c)->cancelled, 1);
+}
+
 /* Also the cleanup of a half-built communicator: every field may be NULL.
  * A broken (or never connected) communicator is aborted, a healthy one
  * finalized and destroyed. cudaFree waits for the device, so the barrier
@@ -230,6 +243,7 @@ static const comm_ops nccl_ops = {
     .barrier = nccl_barrier_op,
     .abort = nccl_abort_op,
     .destroy = nccl_destroy_op,
+    .cancel = nccl_cancel_op,
 };
 
 /* ---- creation ------------------------------------------------------------------ */

@@ -30,6 +30,11 @@ struct store {
 /* An in-process store: a hash table under a mutex, waiters on a condition
  * variable. */
 int store_mem_create(store **out);
+/* Makes waits for a key that is not there give up at once (-ECANCELED),
+ * those in progress and later ones; keys that are there are still read, so
+ * ranks that have all published finish their rendezvous. The daemon is
+ * stopping: a rank must not wait for peers whose executors stop first. */
+void store_mem_stop(store *st);
 
 /* The coordinator's Rendezvous service (store_grpc.c): keys must be
  * "<job>/<epoch>/<key>". The channel stays the caller's and must outlive

@@ -43,6 +43,7 @@ typedef struct store_mem {
   store_mem_entry **buckets;
   size_t bucket_count; /* a power of two */
   size_t entry_count;
+  int stopping; /* store_mem_stop: waits give up */
 } store_mem;
 
 /* ---- the table ---------------------------------------------------------- */
@@ -194,6 +195,10 @@ static int store_mem_get(store *st, const char *key, void **value, size_t *value
       rc = -ETIMEDOUT;
       break;
     }
+    if (sm->stopping) {
+      rc = -ECANCELED;
+      break;
+    }
     /* Spurious wakeups and sets of other keys land here too; the loop
      * re-checks, and the absolute deadline keeps the total wait bounded. */
     int wait_rc = timeout_ms < 0 ? pthread_cond_wait(&sm->key_set, &sm->mutex)
@@ -217,6 +222,14 @@ static int store_mem_get(store *st, const char *key, void **value, size_t *value
   }
   pthread_mutex_unlock(&sm->mutex);
   return rc;
+}
+
+void store_mem_stop(store *st) {
+  store_mem *sm = (store_mem *)st;
+  pthread_mutex_lock(&sm->mutex);
+  sm->stopping = 1;
+  pthread_cond_broadcast(&sm->key_set);
+  pthread_mutex_unlock(&sm->mutex);
 }
 
 static int store_mem_delete_prefix(store *st, const char *prefix) {

@@ -588,8 +588,11 @@ void cluster_stop(zdaemon *d) {
    * loop thread could not be answered (its handlers run on this loop). */
   int was_member = a->state == NODE_MEMBER && d->coord == NULL;
   a->state = NODE_STOPPED;
+  /* Ranks in a rendezvous give up rather than wait for peers that stop. */
   if (d->coord == NULL)
     store_grpc_stop(a->rendezvous);
+  else
+    store_mem_stop(a->rendezvous);
   stop_watch(a);
   if (was_member) {
     Zerod__V1__LeaveRequest req = ZEROD__V1__LEAVE_REQUEST__INIT;

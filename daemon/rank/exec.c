@@ -182,9 +182,7 @@ static void *exec_main(void *arg) {
     if (op->kind == OP_STOP) {
       /* Closing the communicator's connections wakes any peer rank blocked
        * on this one at once, instead of at its timeout. */
-      if (rs->comm != NULL)
-        comm_destroy(rs->comm);
-      rs->comm = NULL;
+      exec__set_comm(rs, NULL);
       close_device(rs);
       exec_op_free(op);
       atomic_fetch_sub(&rs->busy, 1);
@@ -257,6 +255,7 @@ int exec_try_inline(exec_op *op) {
 void exec_rank_stop(rank_state *rs) {
   if (!rs->thread_started)
     return;
+  atomic_store(&rs->stopping, 1);
   pthread_mutex_lock(&rs->queue_mutex);
   exec_op *dropped = rs->queue_head;
   rs->queue_head = rs->queue_tail = NULL;
@@ -269,6 +268,16 @@ void exec_rank_stop(rank_state *rs) {
     finish(dropped);
     dropped = next;
   }
+  /* An op still running may be a collective whose peers will not come
+   * (their executors are stopping too, or they are on nodes whose workers
+   * are gone): aborting the communicator makes it return now, not at the
+   * collective timeout; comm_abort only raises flags and wakes waiters, so
+   * the loop can call it. A communicator still being built gives up in its
+   * rendezvous once the store is stopped (cluster_stop), or is aborted by
+   * exec__set_comm when it is done. */
+  pthread_mutex_lock(&rs->comm_lock);
+  comm_abort(rs->comm);
+  pthread_mutex_unlock(&rs->comm_lock);
   exec_op *stop = exec_op_new(OP_STOP, rs);
   if (stop != NULL)
     exec_submit(stop);

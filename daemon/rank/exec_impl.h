@@ -113,6 +113,15 @@ void exec__handle_load(rank_state *rs, exec_op *op);
 /* ---- session.c: sessions and the communicator -------------------------------- */
 
 /* A worker session attached to the rank. */
+/* Replaces the rank's communicator (NULL: none) and destroys the old one.
+ * The swap is under comm_lock because exec_rank_stop, on the loop thread,
+ * may be aborting the old one; once the lock is ours it is done, and it
+ * will find only the new one. A communicator built while the rank is
+ * stopping is aborted at once: what the executor runs with it before
+ * OP_STOP (the step-count check of a build) must not wait for peers that
+ * stop too. */
+void exec__set_comm(rank_state *rs, comm *c);
+
 void exec__handle_session_begin(rank_state *rs, exec_op *op);
 
 /* It left: what it held is released, and a save waiting for a step that

@@ -67,6 +67,7 @@ int job_create(const struct exec_settings *exec, void *owner, const char *name, 
     rs->max_grad_norm = config->max_grad_norm;
     pthread_mutex_init(&rs->queue_mutex, NULL);
     pthread_cond_init(&rs->queue_cond, NULL);
+    pthread_mutex_init(&rs->comm_lock, NULL);
   }
   if (init_rank_locks(j) != 0) {
     job_destroy(j);
@@ -83,6 +84,7 @@ void job_destroy(job *j) {
     for (int r = 0; r < j->nranks; r++) {
       pthread_mutex_destroy(&j->ranks[r].queue_mutex);
       pthread_cond_destroy(&j->ranks[r].queue_cond);
+      pthread_mutex_destroy(&j->ranks[r].comm_lock);
     }
     pthread_mutex_destroy(&j->mutex);
   }

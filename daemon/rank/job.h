@@ -86,6 +86,11 @@ typedef struct rank_state {
   struct exec_op *queue_head, *queue_tail;
   _Atomic int busy;    /* ops submitted and not finished */
   _Atomic int stopped; /* the thread has run OP_STOP and is exiting */
+  /* Set once the rank is told to stop (exec_rank_stop), which aborts its
+   * communicator from the loop thread; comm_lock keeps the executor from
+   * replacing or freeing `comm` meanwhile. */
+  _Atomic int stopping;
+  pthread_mutex_t comm_lock;
 
   /* Executor-owned state. The device is opened by the executor thread
    * when it starts and closed when it stops; every array below that holds

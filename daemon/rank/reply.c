@@ -162,7 +162,11 @@ void exec__op_comm_failed(rank_state *rs, exec_op *op, const char *what, int err
                                 : strerror(-err));
   char reason[512] = "";
   job_failed(rs->job, rs->generation, reason, sizeof reason);
-  LOG_ERRORF("collective failed", "job=%s rank=%d op=%s err=%d", rs->job->name, rs->rank, what,
-             err);
+  if (atomic_load(&rs->stopping)) /* aborted by the daemon's stop, not a failure */
+    LOG_INFOF("collective aborted; zerod is stopping", "job=%s rank=%d op=%s", rs->job->name,
+              rs->rank, what);
+  else
+    LOG_ERRORF("collective failed", "job=%s rank=%d op=%s err=%d", rs->job->name, rs->rank, what,
+               err);
   exec_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "job '%s' failed: %s", rs->job->name, reason);
 }

@@ -11,6 +11,16 @@
 #include "log.h"
 #include "pool.h"
 
+void exec__set_comm(rank_state *rs, comm *c) {
+  pthread_mutex_lock(&rs->comm_lock);
+  comm *old = rs->comm;
+  rs->comm = c;
+  if (c != NULL && atomic_load(&rs->stopping))
+    comm_abort(c);
+  pthread_mutex_unlock(&rs->comm_lock);
+  comm_destroy(old);
+}
+
 void exec__handle_session_begin(rank_state *rs, exec_op *op) {
   rs->session_id = op->session_id;
   rs->ndropped = 0;
@@ -53,10 +63,8 @@ void exec__handle_session_end(rank_state *rs, exec_op *op) {
   /* A job that failed (e.g. its worker died) closes this rank's
    * communicator, so peers blocked in a collective with this rank fail now
    * rather than at their timeout. */
-  if (rs->comm != NULL && job_failed(rs->job, rs->generation, NULL, 0)) {
-    comm_destroy(rs->comm);
-    rs->comm = NULL;
-  }
+  if (rs->comm != NULL && job_failed(rs->job, rs->generation, NULL, 0))
+    exec__set_comm(rs, NULL);
   if (op->session != NULL) {
     Zerod__V1__DetachReply reply = ZEROD__V1__DETACH_REPLY__INIT;
     exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_DETACH_REPLY, &reply.base);
@@ -64,10 +72,8 @@ void exec__handle_session_end(rank_state *rs, exec_op *op) {
 }
 
 void exec__handle_comm_init(rank_state *rs, exec_op *op) {
-  if (rs->comm != NULL) {
-    comm_destroy(rs->comm);
-    rs->comm = NULL;
-  }
+  if (rs->comm != NULL)
+    exec__set_comm(rs, NULL);
   rs->generation = op->generation;
   /* "<job>/<generation>/": the rendezvous namespace (job, epoch) that the
    * coordinator's store splits it into (store_grpc.c). Job names hold no
@@ -80,22 +86,27 @@ void exec__handle_comm_init(rank_state *rs, exec_op *op) {
                           .timeout_ms = rs->job->exec->collective_timeout_ms,
                           .hostname = rs->job->exec->comm_hostname};
   int rc;
+  comm *built = NULL;
   if (rs->dev == NULL) {
     snprintf(err, sizeof err, "%s", rs->device_error);
     rc = -ENODEV;
   } else if (device_is_host(rs->dev)) {
-    rc = comm_gloo_create(&options, rs->job->exec->rendezvous, &rs->comm, err, sizeof err);
+    rc = comm_gloo_create(&options, rs->job->exec->rendezvous, &built, err, sizeof err);
   } else {
     rc = comm_nccl_create(&options, rs->job->exec->rendezvous, device_cuda_api(rs->dev),
-                          device_cuda_stream(rs->dev), &rs->comm, err, sizeof err);
+                          device_cuda_stream(rs->dev), &built, err, sizeof err);
   }
   if (rc != 0) {
-    rs->comm = NULL;
     job_fail(rs->job, rs->generation, "rank %d: communicator: %s", rs->rank, err);
-    LOG_ERRORF("communicator failed", "job=%s rank=%d generation=%u", rs->job->name, rs->rank,
-               rs->generation);
+    if (atomic_load(&rs->stopping)) /* the rendezvous gave up: the daemon is stopping */
+      LOG_INFOF("communicator not built; zerod is stopping", "job=%s rank=%d generation=%u",
+                rs->job->name, rs->rank, rs->generation);
+    else
+      LOG_ERRORF("communicator failed", "job=%s rank=%d generation=%u", rs->job->name, rs->rank,
+                 rs->generation);
     return;
   }
+  exec__set_comm(rs, built);
   /* After a reset the ranks' pools may differ (their last ops failed at
    * different points); trimming them makes their next decisions agree
    * again. The step counts must agree too. */

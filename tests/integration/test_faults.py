@@ -3,7 +3,9 @@
 The daemon must keep running, tell the dead worker's peers (an error, not a
 hang), free the buffers of the job once nobody is attached to it, keep
 serving a second job that trains at the same time, and let new workers
-attach to the first job and go on from the state it kept.
+attach to the first job and go on from the state it kept. And SIGTERM stops
+it within 2 s whatever it is doing, a collective that cannot complete
+included.
 """
 
 import os
@@ -13,6 +15,8 @@ import sys
 import time
 
 import pytest
+
+import zdraw as z
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = [sys.executable, os.path.join(HERE, "fault_worker.py")]
@@ -110,3 +114,112 @@ def test_peer_that_never_attaches_times_out_the_registration(start_daemon):
     for proc in both:
         rc, out, err = finish(proc)
         assert rc == 0 and "OK" in out, (rc, out, err, d.read_log())
+
+
+# SIGTERM must end the daemon within this, in every state: a rank blocked
+# in a collective or a rendezvous must not wait out the collective timeout
+# (60 s here, the default).
+SHUTDOWN_S = 2.0
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def wait_log(daemon, text, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while text not in daemon.read_log():
+        assert time.monotonic() < deadline, "no %r in the log:\n%s" % (text, daemon.read_log())
+        time.sleep(0.02)
+
+
+def assert_exits_quickly_on_sigterm(daemon, state):
+    started = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    # A daemon that waits out the collective timeout still exits; the
+    # assertion below then says how long it took.
+    rc = daemon.proc.wait(timeout=COLLECTIVE_TIMEOUT_S + 60)
+    took = time.monotonic() - started
+    log = daemon.read_log()
+    assert rc == 0, "zerod exited %d:\n%s" % (rc, log)
+    assert took < SHUTDOWN_S, "zerod took %.1f s to stop on SIGTERM (%s):\n%s" % (
+        took, state, log[-4000:])
+    assert "msg=stopped" in log
+
+
+def raw_attach(daemon, job, rank, **kw):
+    c = z.Conn(daemon.socket, timeout=120)
+    c.expect_ok(z.ATTACH, z.attach_request(job, rank, **kw))
+    return c
+
+
+@pytest.mark.parametrize("state", ["idle", "training", "after_reset", "reset_behind_collectives",
+                                   "blocked_in_collective"])
+def test_sigterm_stops_the_daemon_within_2s(start_daemon, state):
+    d = start_daemon(ranks=2, timeout_s=COLLECTIVE_TIMEOUT_S)
+    workers, conns = [], []
+    if state == "idle":
+        # A job that trained, its workers gone: nothing runs.
+        for proc in [spawn(d.socket, "idle", r, 2) for r in range(2)]:
+            rc, out, err = finish(proc)
+            assert rc == 0, (out, err)
+    elif state == "training":
+        workers = [spawn(d.socket, "busy", r, 10 ** 6) for r in range(2)]
+        for w in workers:
+            assert w.stdout.readline().strip() == "READY"
+        time.sleep(0.5)
+    elif state == "after_reset":
+        # Rank 0's worker dies in a reduce; rank 1's gets ABORTED and goes;
+        # the job resets and builds new communicators: SIGTERM then.
+        workers = [spawn(d.socket, "reset", 1, 10 ** 6)]
+        rc, out, err = finish(spawn(d.socket, "reset", 0, 10 ** 6, "reduce", 3))
+        assert rc == -9, (out, err)
+        wait_log(d, 'msg="job reset" job=reset')
+    elif state == "reset_behind_collectives":
+        # Both ranks wait in collectives that cannot complete (rank 0 in a
+        # gather's all-gather, rank 1 in a step's all-reduce) when both
+        # workers die: the job resets, and its new communicators queue
+        # behind those collectives, which only the timeout would end.
+        conns = [raw_attach(d, "stuck", r) for r in range(2)]
+        request = z.register_request("u", (("w", (64,)),), z.INIT_ZEROS)
+        ids = [c.send(z.REGISTER_UNIT, request) for c in conns]
+        replies = [c.recv() for c in conns]
+        assert [(t, rid) for t, rid, _, _ in replies] == [(z.REGISTER_UNIT_REPLY, i) for i in ids]
+        conns[0].send(z.GATHER, z.unit_request(replies[0][2].get(1, [0])[0]))
+        conns[1].send(z.STEP)
+        time.sleep(0.5)
+        for c in conns:
+            c.close()
+        wait_log(d, 'msg="job reset" job=stuck')
+    else:
+        # Rank 1's worker registers a unit, a collective; rank 0's worker
+        # never comes.
+        conns = [raw_attach(d, "alone", 1)]
+        conns[0].send(z.REGISTER_UNIT, z.register_request("u", (("w", (64,)),), z.INIT_ZEROS))
+        time.sleep(0.5)
+    assert_exits_quickly_on_sigterm(d, state)
+    for c in conns:
+        c.close()
+    for w in workers:
+        rc, out, err = finish(w)
+        assert rc in (1, 3), (rc, out, err)  # told, or cut off: never a hang
+
+
+def test_sigterm_stops_a_node_blocked_in_a_collective_within_2s(cluster):
+    # A job across two nodes: node a's rank waits in a collective for node
+    # b's rank, whose worker never comes. Nothing on node a can wake it but
+    # the abort of its communicator.
+    from test_cluster import TOKEN, Control
+
+    cluster.start_coordinator()
+    a = cluster.start_node("node-a", ranks=1, timeout_s=COLLECTIVE_TIMEOUT_S)
+    cluster.start_node("node-b", ranks=1, timeout_s=COLLECTIVE_TIMEOUT_S)
+    ctl = Control(cluster.coordinator.address)
+    try:
+        ctl.wait("2 members", lambda: ctl.members()[0] == ["node-a", "node-b"])
+        ctl.create_job("spread", 2, 1, ["node-a", "node-b"])
+        ctl.wait_state("spread", "JOB_STATE_READY")
+    finally:
+        ctl.close()
+    c = raw_attach(a, "spread", 0, create=False, token=TOKEN)
+    c.send(z.REGISTER_UNIT, z.register_request("u", (("w", (64,)),), z.INIT_ZEROS))
+    time.sleep(0.5)
+    assert_exits_quickly_on_sigterm(a, "a rank in a collective with a rank on another node")
+    c.close()

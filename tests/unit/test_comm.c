@@ -284,6 +284,45 @@ static void test_store_rejects_oversized_keys(void **state) {
   st->ops->destroy(st);
 }
 
+typedef struct stopping_store {
+  store *st;
+  int delay_ms;
+} stopping_store;
+
+static void *stop_after_delay(void *arg) {
+  stopping_store *ss = arg;
+  sleep_ms(ss->delay_ms);
+  store_mem_stop(ss->st);
+  return NULL;
+}
+
+/* A stopping daemon's rendezvous must not wait for peers that stop too:
+ * a wait for a missing key gives up when the store stops, and later ones
+ * at once; keys that are there are still read. */
+static void test_store_stop_ends_waits_for_missing_keys(void **state) {
+  store *st = NULL;
+  assert_int_equal(store_mem_create(&st), 0);
+  assert_int_equal(st->ops->set(st, "there", "x", 1), 0);
+  stopping_store ss = {st, 50};
+  pthread_t stopper;
+  assert_int_equal(pthread_create(&stopper, NULL, stop_after_delay, &ss), 0);
+  void *value = NULL;
+  size_t value_bytes = 0;
+  double started_ms = now_ms();
+  assert_int_equal(st->ops->get(st, "missing", &value, &value_bytes, 20000), -ECANCELED);
+  double waited_ms = now_ms() - started_ms;
+  pthread_join(stopper, NULL);
+  if (waited_ms > 2000)
+    fail_msg("get should give up when the store stops (~50 ms), took %.0f ms", waited_ms);
+  started_ms = now_ms();
+  assert_int_equal(st->ops->get(st, "missing", &value, &value_bytes, 20000), -ECANCELED);
+  assert_true(now_ms() - started_ms < 50);
+  assert_int_equal(st->ops->get(st, "there", &value, &value_bytes, 20000), 0);
+  assert_int_equal(value_bytes, 1);
+  free(value);
+  st->ops->destroy(st);
+}
+
 /* ---- all-gather ------------------------------------------------------------ */
 
 typedef struct gather_case {
@@ -686,6 +725,109 @@ static void test_late_rank_fails_fast_after_its_peer_timed_out(void **state) {
     fail_msg("rank 1 should fail fast, took %.0f ms (timeout 1000 ms)", ss.late_ms);
 }
 
+/* comm_abort, the daemon's stop: rank 1 builds its communicator and stops
+ * calling (like a peer whose worker is gone); rank 0 enters a collective
+ * with it and waits, and rank 1's thread aborts rank 0's communicator. The
+ * call returns at once, not at the 20 s timeout, and later calls fail
+ * fast. */
+typedef enum abort_call {
+  ABORT_ALL_GATHER,
+  ABORT_REDUCE_SCATTER,
+  ABORT_ALL_REDUCE,
+  ABORT_BROADCAST,
+  ABORT_BARRIER,
+  ABORT_CALLS
+} abort_call;
+
+typedef struct abort_state {
+  abort_call call;
+  _Atomic(comm *) victim; /* rank 0's communicator, once rank 0 is about to call */
+  atomic_int aborted;     /* rank 1 has returned from comm_abort */
+  int first_rc, second_rc;
+  double first_ms, second_ms;
+  char first_error[256];
+} abort_state;
+
+static int call_collective(comm *c, abort_call call) {
+  float floats[2 * 64] = {0};
+  uint8_t bytes[2 * 64] = {0};
+  switch (call) {
+  case ABORT_ALL_GATHER:
+    return comm_all_gather(c, bytes, bytes, 64);
+  case ABORT_REDUCE_SCATTER:
+    return comm_reduce_scatter_f32(c, floats, floats + 64, 32);
+  case ABORT_ALL_REDUCE:
+    return comm_all_reduce(c, floats, 64, COMM_F32, COMM_SUM);
+  case ABORT_BROADCAST:
+    return comm_broadcast(c, bytes, 64, 1);
+  default:
+    return comm_barrier(c);
+  }
+}
+
+static void abort_body(rank_ctx *rc) {
+  abort_state *as = rc->run->user;
+  if (rc->rank == 1) {
+    rc->keep_comm = true; /* silent, connected */
+    comm *victim;
+    while ((victim = atomic_load(&as->victim)) == NULL)
+      sleep_ms(1);
+    sleep_ms(100); /* rank 0 is waiting in its call by now */
+    comm_abort(victim);
+    atomic_store(&as->aborted, 1);
+    return;
+  }
+  atomic_store(&as->victim, rc->c);
+  double started_ms = now_ms();
+  as->first_rc = call_collective(rc->c, as->call);
+  as->first_ms = now_ms() - started_ms;
+  snprintf(as->first_error, sizeof as->first_error, "%s", comm_last_error(rc->c));
+  started_ms = now_ms();
+  as->second_rc = comm_barrier(rc->c);
+  as->second_ms = now_ms() - started_ms;
+  /* comm_abort and comm_destroy never overlap (comm.h). */
+  while (atomic_load(&as->aborted) == 0)
+    sleep_ms(1);
+}
+
+static void test_abort_ends_a_collective_waiting_for_a_silent_peer(void **state) {
+  for (int call = 0; call < ABORT_CALLS; call++) {
+    abort_state as = {.call = (abort_call)call};
+    run_world(2, DEFAULT_TIMEOUT_MS, abort_body, &as);
+    if (as.first_rc != -ECANCELED)
+      fail_msg("call %d returned %d (%s), want -ECANCELED", call, as.first_rc, as.first_error);
+    if (as.first_ms > 2000)
+      fail_msg("call %d should return at the abort (~100 ms), took %.0f ms", call, as.first_ms);
+    assert_non_null(strstr(as.first_error, "communicator aborted"));
+    assert_int_equal(as.second_rc, -ECANCELED);
+    if (as.second_ms > 50)
+      fail_msg("a call after the abort should fail fast, took %.0f ms", as.second_ms);
+  }
+}
+
+/* A rank in the rendezvous whose peer never comes gives up when the store
+ * stops (the daemon's stop), not at the timeout. */
+static void test_create_gives_up_when_the_store_stops(void **state) {
+  store *st = NULL;
+  assert_int_equal(store_mem_create(&st), 0);
+  stopping_store ss = {st, 100};
+  pthread_t stopper;
+  assert_int_equal(pthread_create(&stopper, NULL, stop_after_delay, &ss), 0);
+  comm_options options = {
+      .prefix = "test/stopped", .rank = 0, .world_size = 2, .timeout_ms = DEFAULT_TIMEOUT_MS};
+  comm *c = NULL;
+  char err[256] = "";
+  double started_ms = now_ms();
+  int rc = comm_gloo_create(&options, st, &c, err, sizeof err);
+  double took_ms = now_ms() - started_ms;
+  pthread_join(stopper, NULL);
+  assert_int_equal(rc, -ECANCELED);
+  assert_null(c);
+  if (took_ms > 2000)
+    fail_msg("create should give up when the store stops (~100 ms), took %.0f ms", took_ms);
+  st->ops->destroy(st);
+}
+
 static void invalid_arguments_body(rank_ctx *rc) {
   int call_rc = comm_broadcast(rc->c, "x", 1, 5);
   RANK_CHECK(rc, call_rc == -EINVAL, "broadcast from root 5 of 1 returned %d", call_rc);
@@ -710,6 +852,7 @@ int main(void) {
       cmocka_unit_test(test_store_set_replaces_and_keeps_many_keys),
       cmocka_unit_test(test_store_delete_prefix_removes_only_matching_keys),
       cmocka_unit_test(test_store_rejects_oversized_keys),
+      cmocka_unit_test(test_store_stop_ends_waits_for_missing_keys),
       cmocka_unit_test(test_all_gather_in_place_collects_every_rank_slice),
       cmocka_unit_test(test_all_gather_out_of_place_collects_every_rank_slice),
       cmocka_unit_test(test_reduce_scatter_sums_every_rank_slice),
@@ -724,6 +867,8 @@ int main(void) {
       cmocka_unit_test(test_create_removes_its_rendezvous_keys),
       cmocka_unit_test(test_all_gather_times_out_when_a_peer_stops_calling),
       cmocka_unit_test(test_late_rank_fails_fast_after_its_peer_timed_out),
+      cmocka_unit_test(test_abort_ends_a_collective_waiting_for_a_silent_peer),
+      cmocka_unit_test(test_create_gives_up_when_the_store_stops),
       cmocka_unit_test(test_bad_arguments_fail_and_break_the_communicator),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
