@@ -2,7 +2,6 @@
 #include "cluster.h"
 
 #include <errno.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,15 +25,6 @@
 #define NODE_SETTLE_POLL_MS 10  /* while a job's ranks are being built */
 
 typedef enum node_state { NODE_JOINING, NODE_MEMBER, NODE_STOPPED } node_state;
-
-/* One event from the watch thread: a WatchEvent's bytes, or the end. */
-typedef struct watch_msg {
-  struct watch_msg *next;
-  uint8_t *bytes;
-  size_t len;
-  int end;
-  rpc_result result;
-} watch_msg;
 
 typedef struct cluster_agent {
   zdaemon *d;
@@ -64,14 +54,10 @@ typedef struct cluster_agent {
   size_t request_bytes, reply_bytes;
   rpc_result result;
 
-  /* The watch thread and its queue. */
-  pthread_t watch_thread;
-  int watch_running;
+  /* The Watch stream, read by a thread of its own (rpc_follow); NULL when
+   * not watching. */
+  rpc_follower *watch;
   uint64_t watch_session;
-  rpc_stream *stream;
-  pthread_mutex_t mutex;
-  watch_msg *head, *tail;
-  uv_async_t watch_async;
 } cluster_agent;
 
 static void schedule(cluster_agent *a, int delay_ms);
@@ -333,38 +319,11 @@ static void schedule(cluster_agent *a, int delay_ms) {
 /* Watch                                                                    */
 /* ------------------------------------------------------------------------ */
 
-static void push(cluster_agent *a, watch_msg *m) {
-  pthread_mutex_lock(&a->mutex);
-  if (a->tail != NULL)
-    a->tail->next = m;
-  else
-    a->head = m;
-  a->tail = m;
-  pthread_mutex_unlock(&a->mutex);
-  uv_async_send(&a->watch_async);
-}
-
-static void *watch_main(void *arg) {
-  cluster_agent *a = arg;
-  pthread_setname_np(pthread_self(), "zd-watch");
-  for (;;) {
-    watch_msg *m = calloc(1, sizeof *m);
-    if (m == NULL) {
-      usleep(10000); /* out of memory: the event waits in gRPC meanwhile */
-      continue;
-    }
-    if (rpc_stream_read(a->stream, &m->bytes, &m->len, &m->result) == 1) {
-      push(a, m);
-      continue;
-    }
-    m->end = 1;
-    push(a, m);
-    return NULL;
-  }
-}
+static void on_watch_event(void *ctx, const uint8_t *bytes, size_t len);
+static void on_watch_end(void *ctx, const rpc_result *result);
 
 static void start_watch(cluster_agent *a) {
-  if (a->watch_running || a->state != NODE_MEMBER)
+  if (a->watch != NULL || a->state != NODE_MEMBER)
     return;
   Zerod__V1__WatchRequest req = ZEROD__V1__WATCH_REQUEST__INIT;
   req.node = a->d->options.node_name;
@@ -374,28 +333,19 @@ static void start_watch(cluster_agent *a) {
   if (len > sizeof buf)
     return;
   protobuf_c_message_pack(&req.base, buf);
-  if (rpc_stream_open(a->channel, "/zerod.v1.Cluster/Watch", buf, len, 0, &a->stream) != 0) {
+  if (rpc_follow(a->d->loop, a->channel, "/zerod.v1.Cluster/Watch", buf, len, "zd-watch",
+                 on_watch_event, on_watch_end, a, &a->watch) != 0) {
+    a->watch = NULL;
     uv_timer_start(&a->watch_timer, on_watch_retry, NODE_WATCH_RETRY_MS, 0);
     return;
   }
-  if (pthread_create(&a->watch_thread, NULL, watch_main, a) != 0) {
-    rpc_stream_close(a->stream);
-    a->stream = NULL;
-    return;
-  }
-  a->watch_running = 1;
   a->watch_session = a->session;
 }
 
-/* Cancels the stream and waits for the thread, which then exits at once. */
+/* Cancels the stream; its thread ends at once. */
 static void stop_watch(cluster_agent *a) {
-  if (!a->watch_running)
-    return;
-  rpc_stream_cancel(a->stream);
-  pthread_join(a->watch_thread, NULL);
-  rpc_stream_close(a->stream);
-  a->stream = NULL;
-  a->watch_running = 0;
+  rpc_follow_stop(a->watch);
+  a->watch = NULL;
 }
 
 static void on_watch_retry(uv_timer_t *t) {
@@ -480,44 +430,31 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
   }
 }
 
-static void on_watch_async(uv_async_t *h) {
-  cluster_agent *a = h->data;
-  pthread_mutex_lock(&a->mutex);
-  watch_msg *m = a->head;
-  a->head = a->tail = NULL;
-  pthread_mutex_unlock(&a->mutex);
-  while (m != NULL) {
-    watch_msg *next = m->next;
-    if (!m->end) {
-      Zerod__V1__WatchEvent *ev = zerod__v1__watch_event__unpack(NULL, m->len, m->bytes);
-      if (ev != NULL) {
-        LOG_DEBUGF("watch event", "epoch=%llu assignments=%zu",
-                   ev->view != NULL ? (unsigned long long)ev->view->epoch : 0ULL,
-                   ev->n_assignments);
-        if (a->state == NODE_MEMBER)
-          reconcile(a, ev);
-        zerod__v1__watch_event__free_unpacked(ev, NULL);
-      } else {
-        LOG_WARNF("unreadable watch event", "bytes=%zu", m->len);
-      }
-    } else if (a->watch_running) {
-      pthread_join(a->watch_thread, NULL);
-      rpc_stream_close(a->stream);
-      a->stream = NULL;
-      a->watch_running = 0;
-      /* NOT_FOUND: the lease is gone; the next heartbeat joins again and
-       * starts a new watch. */
-      if (a->state == NODE_MEMBER && m->result.status != RPC_CANCELLED &&
-          m->result.status != RPC_NOT_FOUND) {
-        char msg[600];
-        LOG_WARNF("watch ended", "status=%s error=%s", rpc_status_name(m->result.status),
-                  log_quote(m->result.message, msg, sizeof msg));
-        uv_timer_start(&a->watch_timer, on_watch_retry, NODE_WATCH_RETRY_MS, 0);
-      }
-    }
-    free(m->bytes);
-    free(m);
-    m = next;
+static void on_watch_event(void *ctx, const uint8_t *bytes, size_t len) {
+  cluster_agent *a = ctx;
+  Zerod__V1__WatchEvent *ev = zerod__v1__watch_event__unpack(NULL, len, bytes);
+  if (ev == NULL) {
+    LOG_WARNF("unreadable watch event", "bytes=%zu", len);
+    return;
+  }
+  LOG_DEBUGF("watch event", "epoch=%llu assignments=%zu",
+             ev->view != NULL ? (unsigned long long)ev->view->epoch : 0ULL, ev->n_assignments);
+  if (a->state == NODE_MEMBER)
+    reconcile(a, ev);
+  zerod__v1__watch_event__free_unpacked(ev, NULL);
+}
+
+static void on_watch_end(void *ctx, const rpc_result *result) {
+  cluster_agent *a = ctx;
+  a->watch = NULL; /* the follower is gone */
+  /* NOT_FOUND: the lease is gone; the next heartbeat joins again and
+   * starts a new watch. */
+  if (a->state == NODE_MEMBER && result->status != RPC_CANCELLED &&
+      result->status != RPC_NOT_FOUND) {
+    char msg[600];
+    LOG_WARNF("watch ended", "status=%s error=%s", rpc_status_name(result->status),
+              log_quote(result->message, msg, sizeof msg));
+    uv_timer_start(&a->watch_timer, on_watch_retry, NODE_WATCH_RETRY_MS, 0);
   }
 }
 
@@ -546,12 +483,10 @@ int cluster_create(zdaemon *d, store *local_store, store **rendezvous, char *err
     free(a);
     return rc;
   }
-  pthread_mutex_init(&a->mutex, NULL);
   uv_timer_init(d->loop, &a->timer);
   uv_timer_init(d->loop, &a->watch_timer);
   uv_timer_init(d->loop, &a->settle_timer);
-  uv_async_init(d->loop, &a->watch_async, on_watch_async);
-  a->timer.data = a->watch_timer.data = a->settle_timer.data = a->watch_async.data = a;
+  a->timer.data = a->watch_timer.data = a->settle_timer.data = a;
   d->cluster = a;
   *rendezvous = a->rendezvous;
   return 0;
@@ -615,23 +550,14 @@ void cluster_stop(zdaemon *d) {
   uv_close((uv_handle_t *)&a->timer, NULL);
   uv_close((uv_handle_t *)&a->watch_timer, NULL);
   uv_close((uv_handle_t *)&a->settle_timer, NULL);
-  uv_close((uv_handle_t *)&a->watch_async, NULL);
 }
 
 void cluster_destroy(zdaemon *d) {
   cluster_agent *a = d->cluster;
   if (a == NULL)
     return;
-  watch_msg *m = a->head;
-  while (m != NULL) {
-    watch_msg *next = m->next;
-    free(m->bytes);
-    free(m);
-    m = next;
-  }
   a->rendezvous->ops->destroy(a->rendezvous);
   rpc_channel_destroy(a->channel);
-  pthread_mutex_destroy(&a->mutex);
   free(a);
   d->cluster = NULL;
 }

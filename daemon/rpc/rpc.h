@@ -14,7 +14,8 @@
  * Client. Blocking calls, thread-safe, from any thread but the loop's: each
  * call has its own completion queue and a deadline. Server-streaming calls
  * are read one message at a time, blocking, by one thread; another thread
- * may cancel them.
+ * may cancel them. A loop follows a stream with rpc_follow (follow.c): a
+ * thread of its own reads it and hands each message to the loop.
  *
  * Status codes are grpc_status_code values (0 OK, 3 INVALID_ARGUMENT,
  * 4 DEADLINE_EXCEEDED, 5 NOT_FOUND, 6 ALREADY_EXISTS, 9 FAILED_PRECONDITION,
@@ -180,6 +181,32 @@ void rpc_stream_cancel(rpc_stream *st);
 /* Frees the stream (cancelling it first if it has not ended). Not while
  * another thread is in rpc_stream_read. */
 void rpc_stream_close(rpc_stream *st);
+
+/* ------------------------------------------------------------------------ */
+/* Streams followed on a loop                                               */
+/* ------------------------------------------------------------------------ */
+
+/* A server-streaming call read by a thread of its own (named thread_name,
+ * for top -H), each message handed to the loop thread: on_message(ctx,
+ * bytes, len) for every message in order (the bytes are the follower's,
+ * valid during the call), then on_end(ctx, result) once when the stream
+ * ends (result->status RPC_OK for a clean end, RPC_UNAVAILABLE when the
+ * server went away, ...). The follower frees itself after on_end; the
+ * caller forgets it then. Only the loop thread calls these functions. */
+typedef struct rpc_follower rpc_follower;
+typedef void (*rpc_follow_message_fn)(void *ctx, const uint8_t *bytes, size_t len);
+typedef void (*rpc_follow_end_fn)(void *ctx, const rpc_result *result);
+
+/* Opens the stream and starts its thread. Returns 0 or a negative errno
+ * (nothing is called back then). */
+int rpc_follow(uv_loop_t *loop, rpc_channel *ch, const char *method, const void *request,
+               size_t request_bytes, const char *thread_name, rpc_follow_message_fn on_message,
+               rpc_follow_end_fn on_end, void *ctx, rpc_follower **out);
+
+/* Cancels a follower whose on_end has not been called: joins its thread
+ * (which ends at once) and frees it once its handle has closed. Nothing is
+ * called back after it returns, not even on_end. */
+void rpc_follow_stop(rpc_follower *f);
 
 /* gRPC's library init/shutdown are reference counted by rpc_server_create/
  * rpc_channel_create and their destroy functions; nothing to call. */

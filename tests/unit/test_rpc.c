@@ -595,6 +595,84 @@ static void test_stream_sends_n_messages_then_ok(void **state) {
   assert_int_equal(atomic_load(&fx->oversize_send_rc), -EMSGSIZE);
 }
 
+/* rpc_follow: a stream read by a thread of its own, handed to a loop. */
+typedef struct follow_state {
+  rpc_follower *follower;
+  uint32_t messages;
+  int out_of_order;
+  int ends;
+  int end_status;
+  uint32_t stop_after; /* 0: never */
+} follow_state;
+
+static void follow_message(void *ctx, const uint8_t *bytes, size_t len) {
+  follow_state *fs = ctx;
+  uint32_t index = UINT32_MAX;
+  if (len == sizeof index)
+    memcpy(&index, bytes, sizeof index);
+  if (index != fs->messages && fs->stop_after == 0)
+    fs->out_of_order = 1;
+  fs->messages++;
+  if (fs->stop_after != 0 && fs->messages == fs->stop_after)
+    rpc_follow_stop(fs->follower);
+}
+
+static void follow_end(void *ctx, const rpc_result *result) {
+  follow_state *fs = ctx;
+  fs->ends++;
+  fs->end_status = result->status;
+}
+
+static void test_follow_hands_every_message_then_the_end_to_the_loop(void **state) {
+  fixture *fx = *state;
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  follow_state fs = {0};
+  assert_int_equal(rpc_follow(&loop, fx->channel, "/test.Echo/Count", NULL, 0, "zd-test-follow",
+                              follow_message, follow_end, &fs, &fs.follower),
+                   0);
+  /* The follower's handle is the loop's only one: the loop ends once the
+   * stream has ended and the follower has freed itself. */
+  assert_int_equal(uv_run(&loop, UV_RUN_DEFAULT), 0);
+  assert_int_equal(fs.messages, STREAM_COUNT);
+  assert_false(fs.out_of_order);
+  assert_int_equal(fs.ends, 1);
+  assert_int_equal(fs.end_status, RPC_OK);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+static void test_follow_stop_ends_the_stream_without_callbacks(void **state) {
+  fixture *fx = *state;
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  /* The ticker sends until cancelled: stopping the follower is what ends it. */
+  follow_state fs = {.stop_after = 3};
+  assert_int_equal(rpc_follow(&loop, fx->channel, "/test.Echo/Ticker", NULL, 0, "zd-test-follow",
+                              follow_message, follow_end, &fs, &fs.follower),
+                   0);
+  assert_int_equal(uv_run(&loop, UV_RUN_DEFAULT), 0);
+  assert_int_equal(fs.messages, 3); /* none after the stop, though more were queued */
+  assert_int_equal(fs.ends, 0);     /* and no end */
+  assert_int_equal(uv_loop_close(&loop), 0);
+  if (!wait_for(&fx->ticker_cancelled, 1, WAIT_MS))
+    fail_msg("the server did not see the stream cancelled");
+}
+
+static void test_follow_of_an_unknown_method_ends_unimplemented(void **state) {
+  fixture *fx = *state;
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  follow_state fs = {0};
+  assert_int_equal(rpc_follow(&loop, fx->channel, "/test.Echo/Nope", NULL, 0, "zd-test-follow",
+                              follow_message, follow_end, &fs, &fs.follower),
+                   0);
+  assert_int_equal(uv_run(&loop, UV_RUN_DEFAULT), 0);
+  assert_int_equal(fs.messages, 0);
+  assert_int_equal(fs.ends, 1);
+  assert_int_equal(fs.end_status, RPC_UNIMPLEMENTED);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 static void test_stream_queue_is_bounded(void **state) {
   fixture *fx = *state;
   rpc_stream *st = NULL;
@@ -1030,6 +1108,12 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_stream_sends_n_messages_then_ok, setup_server,
                                       teardown_server),
       cmocka_unit_test_setup_teardown(test_stream_queue_is_bounded, setup_server, teardown_server),
+      cmocka_unit_test_setup_teardown(test_follow_hands_every_message_then_the_end_to_the_loop,
+                                      setup_server, teardown_server),
+      cmocka_unit_test_setup_teardown(test_follow_stop_ends_the_stream_without_callbacks,
+                                      setup_server, teardown_server),
+      cmocka_unit_test_setup_teardown(test_follow_of_an_unknown_method_ends_unimplemented,
+                                      setup_server, teardown_server),
       cmocka_unit_test_setup_teardown(test_client_cancels_a_stream, setup_server, teardown_server),
       cmocka_unit_test_setup_teardown(test_cancel_before_read_and_close_without_reading,
                                       setup_server, teardown_server),
