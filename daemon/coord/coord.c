@@ -18,6 +18,7 @@
  * Those are rare operator actions, and answering them only once the state
  * is durable is the point, so the write is done in line rather than on
  * the thread pool. */
+#include "config.h"
 #include "coord_impl.h"
 
 #include <errno.h>
@@ -1032,37 +1033,22 @@ static void on_lease_timer(uv_timer_t *timer) {
 /* Jobs                                                                     */
 /* ------------------------------------------------------------------------ */
 
-/* Fills an effective config (torch.optim's defaults for zero fields, as
- * the node's job_config_finish will) so that GetJob shows what will run.
- * in has been validated by ctl_check_job_config. */
+/* Fills an effective config (torch.optim's defaults for zero fields: the
+ * node's job_config_finish itself, model/config.c) so that GetJob shows
+ * what will run. in has been validated by ctl_check_job_config. */
 static void effective_config(const Zerod__V1__JobConfig *in, Zerod__V1__JobConfig *out,
                              Zerod__V1__OptimizerConfig *opt) {
-  zerod__v1__job_config__init(out);
-  zerod__v1__optimizer_config__init(opt);
-  if (in != NULL) {
-    out->working_dtype = in->working_dtype;
-    out->max_live_bytes = in->max_live_bytes;
-    out->max_grad_norm = in->max_grad_norm;
-    if (in->optimizer != NULL)
-      *opt = *in->optimizer;
+  /* max_live_bytes stays 0 when it is: each node then uses its own
+   * default. */
+  job_config c;
+  char err[256];
+  if (job_config_from_proto(in, &c, err, sizeof err) != 0 ||
+      job_config_finish(&c, 0, err, sizeof err) != 0) {
+    /* Not reached: ctl_check_job_config made the same two calls. */
+    job_config_from_proto(NULL, &c, err, sizeof err);
+    job_config_finish(&c, 0, err, sizeof err);
   }
-  if (out->working_dtype == ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED)
-    out->working_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
-  if (opt->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED)
-    opt->kind = ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW;
-  if (opt->lr == 0)
-    opt->lr = 1e-3;
-  if (opt->beta1 == 0)
-    opt->beta1 = 0.9;
-  if (opt->beta2 == 0)
-    opt->beta2 = 0.999;
-  if (opt->eps == 0)
-    opt->eps = 1e-8;
-  if (!opt->has_weight_decay) {
-    opt->weight_decay = opt->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW ? 0.01 : 0.0;
-    opt->has_weight_decay = 1;
-  }
-  out->optimizer = opt;
+  job_config_to_proto(&c, out, opt);
 }
 
 /* Picks the job's nodes into chosen[nodes] (names owned by the members),

@@ -122,3 +122,36 @@ int job_config_states(const job_config *c, int has[JOB_NSTATES]) {
   has[JOB_STATE_MOMENT2] = c->optimizer != JOB_SGD;
   return has[JOB_STATE_MASTER] + has[JOB_STATE_MOMENT1] + has[JOB_STATE_MOMENT2];
 }
+
+Zerod__V1__Dtype job_dtype_to_proto(zk_dtype d) {
+  switch (d) {
+  case ZK_F32:
+    return ZEROD__V1__DTYPE__DTYPE_F32;
+  case ZK_BF16:
+    return ZEROD__V1__DTYPE__DTYPE_BF16;
+  case ZK_F16:
+    return ZEROD__V1__DTYPE__DTYPE_F16;
+  default:
+    return ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED;
+  }
+}
+
+void job_config_to_proto(const job_config *c, Zerod__V1__JobConfig *out,
+                         Zerod__V1__OptimizerConfig *opt) {
+  zerod__v1__optimizer_config__init(opt);
+  opt->kind = (Zerod__V1__OptimizerKind)c->optimizer;
+  opt->lr = c->lr;
+  opt->beta1 = c->beta1;
+  opt->beta2 = c->beta2;
+  opt->eps = c->eps;
+  opt->weight_decay = c->weight_decay;
+  opt->has_weight_decay = 1;
+  opt->momentum = c->momentum;
+  opt->dampening = c->dampening;
+  opt->nesterov = c->nesterov;
+  zerod__v1__job_config__init(out);
+  out->optimizer = opt;
+  out->working_dtype = job_dtype_to_proto(c->working_dtype);
+  out->max_live_bytes = c->max_live_bytes;
+  out->max_grad_norm = c->max_grad_norm;
+}

@@ -39,6 +39,15 @@ int job_config_from_proto(const Zerod__V1__JobConfig *proto, job_config *config,
 int job_config_finish(job_config *config, uint64_t default_max_live_bytes, char *err,
                       size_t err_bytes);
 
+/* The protocol's JobConfig of a finished config, every field set (weight
+ * decay included: has_weight_decay), as GetJob and AttachReply show what
+ * will run. opt becomes config->optimizer; nothing is allocated. */
+void job_config_to_proto(const job_config *config, Zerod__V1__JobConfig *out,
+                         Zerod__V1__OptimizerConfig *opt);
+
+/* The protocol's name of a working dtype (UNSPECIFIED for none it has). */
+Zerod__V1__Dtype job_dtype_to_proto(zk_dtype d);
+
 /* "adamw", "adam" or "sgd": the name in logs and checkpoint manifests. */
 const char *job_optimizer_name(job_optimizer o);
 

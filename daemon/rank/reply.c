@@ -53,19 +53,6 @@ void exec_error(exec_op *op, int status, const char *fmt, ...) {
     op->reply_frame = NULL;
 }
 
-static Zerod__V1__Dtype proto_dtype(zk_dtype d) {
-  switch (d) {
-  case ZK_F32:
-    return ZEROD__V1__DTYPE__DTYPE_F32;
-  case ZK_BF16:
-    return ZEROD__V1__DTYPE__DTYPE_BF16;
-  case ZK_F16:
-    return ZEROD__V1__DTYPE__DTYPE_F16;
-  default:
-    return ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED;
-  }
-}
-
 int exec_unit_reply(const job *j, const unit_layout *l, Zerod__V1__RegisterUnitReply *reply) {
   Zerod__V1__TensorPlacement *placements = calloc(l->ntensors, sizeof *placements);
   Zerod__V1__TensorPlacement **ptrs = calloc(l->ntensors, sizeof *ptrs);
@@ -90,8 +77,8 @@ int exec_unit_reply(const job *j, const unit_layout *l, Zerod__V1__RegisterUnitR
   reply->shard_numel = l->shard_numel;
   reply->n_tensors = l->ntensors;
   reply->tensors = ptrs;
-  reply->working_dtype = proto_dtype(j->config.working_dtype);
-  reply->grad_dtype = proto_dtype(j->config.working_dtype);
+  reply->working_dtype = job_dtype_to_proto(j->config.working_dtype);
+  reply->grad_dtype = job_dtype_to_proto(j->config.working_dtype);
   return 0;
 }
 
@@ -105,22 +92,8 @@ void exec_unit_reply_free(Zerod__V1__RegisterUnitReply *reply) {
 
 void exec_job_config(const job *j, double lr, double max_grad_norm, Zerod__V1__JobConfig *config,
                      Zerod__V1__OptimizerConfig *opt) {
-  const job_config *c = &j->config;
-  zerod__v1__optimizer_config__init(opt);
-  opt->kind = (Zerod__V1__OptimizerKind)c->optimizer;
+  job_config_to_proto(&j->config, config, opt);
   opt->lr = lr;
-  opt->beta1 = c->beta1;
-  opt->beta2 = c->beta2;
-  opt->eps = c->eps;
-  opt->weight_decay = c->weight_decay;
-  opt->has_weight_decay = 1;
-  opt->momentum = c->momentum;
-  opt->dampening = c->dampening;
-  opt->nesterov = c->nesterov;
-  zerod__v1__job_config__init(config);
-  config->optimizer = opt;
-  config->working_dtype = proto_dtype(c->working_dtype);
-  config->max_live_bytes = c->max_live_bytes;
   config->max_grad_norm = max_grad_norm;
 }
 

@@ -250,6 +250,60 @@ static void test_config_from_proto_then_finish(void **state) {
  * job_config_finish: refusals
  * ------------------------------------------------------------------------ */
 
+/* What GetJob and AttachReply show reads back as the same config. */
+static void test_config_to_proto_round_trips(void **state) {
+  static const job_config configs[] = {
+      {.optimizer = JOB_ADAMW,
+       .lr = 3e-4,
+       .beta1 = 0.8,
+       .beta2 = 0.95,
+       .eps = 1e-6,
+       .weight_decay = 0.1,
+       .working_dtype = ZK_BF16,
+       .max_live_bytes = 1 << 20,
+       .max_grad_norm = 1.0},
+      {.optimizer = JOB_ADAM,
+       .lr = 1e-3,
+       .beta1 = 0.9,
+       .beta2 = 0.999,
+       .eps = 1e-8,
+       .working_dtype = ZK_F32},
+      {.optimizer = JOB_SGD,
+       .lr = 0.1,
+       .beta1 = 0.9,
+       .beta2 = 0.999,
+       .eps = 1e-8,
+       .momentum = 0.9,
+       .nesterov = 1,
+       .working_dtype = ZK_F32},
+      {.optimizer = JOB_SGD,
+       .lr = 0.1,
+       .beta1 = 0.9,
+       .beta2 = 0.999,
+       .eps = 1e-8,
+       .momentum = 0.5,
+       .dampening = 0.25,
+       .weight_decay = 0,
+       .working_dtype = ZK_F32},
+  };
+  for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++) {
+    Zerod__V1__JobConfig proto;
+    Zerod__V1__OptimizerConfig opt;
+    job_config_to_proto(&configs[i], &proto, &opt);
+    assert_ptr_equal(proto.optimizer, &opt);
+    assert_true(opt.has_weight_decay); /* SGD's 0 must not read back as a default */
+    job_config back;
+    char err[256] = "";
+    if (job_config_from_proto(&proto, &back, err, sizeof err) != 0 ||
+        job_config_finish(&back, 0, err, sizeof err) != 0)
+      fail_msg("config %zu: %s", i, err);
+    if (memcmp(&back, &configs[i], sizeof back) != 0)
+      fail_msg("config %zu does not read back the same (lr %g/%g, wd %g/%g, dtype %d/%d)", i,
+               back.lr, configs[i].lr, back.weight_decay, configs[i].weight_decay,
+               back.working_dtype, configs[i].working_dtype);
+  }
+}
+
 static void test_config_rejects_negative_lr(void **state) {
   (void)state;
   job_config c = finished(JOB_ADAMW);
@@ -765,6 +819,7 @@ int main(void) {
       cmocka_unit_test(test_config_finish_fills_torch_defaults),
       cmocka_unit_test(test_config_finish_keeps_set_values),
       cmocka_unit_test(test_config_from_proto_then_finish),
+      cmocka_unit_test(test_config_to_proto_round_trips),
       cmocka_unit_test(test_config_rejects_negative_lr),
       cmocka_unit_test(test_config_rejects_infinite_lr),
       cmocka_unit_test(test_config_rejects_nan_lr),
