@@ -522,19 +522,7 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
     coord_shutdown(d->coord);
     rpc_server_shutdown(d->control_server, on_control_server_done, d);
   }
-  /* Readers waiting for a rank give up now rather than at their timeout. */
-  for (job *j = d->jobs; j != NULL; j = j->next)
-    pin_job_stop(j);
-  /* Stop every rank of every job before joining any (see exec.h). */
-  for (job *j = d->jobs; j != NULL; j = j->next)
-    for (int r = 0; r < j->nranks; r++)
-      exec_rank_stop(&j->ranks[r]);
-  for (job *j = d->jobs; j != NULL; j = j->next)
-    for (int r = 0; r < j->nranks; r++)
-      exec_rank_join(&j->ranks[r]);
-  for (job *j = d->retired; j != NULL; j = j->next) /* stopped when retired */
-    for (int r = 0; r < j->nranks; r++)
-      exec_rank_join(&j->ranks[r]);
+  jobs_stop_all(d);
   ipc_drain_completions(d);
   ckpt_node_shutdown(d); /* shard writers stop at their next chunk */
   /* The jobs are freed once the loop has ended (main): read-only sessions'
@@ -828,16 +816,7 @@ int main(int argc, char **argv) {
   uv_run(d->loop, UV_RUN_DEFAULT);
   /* The loop ends when every handle has closed and every threadpool read
    * has finished: nothing refers to the jobs any more. */
-  while (d->jobs != NULL) {
-    job *j = d->jobs;
-    d->jobs = j->next;
-    jobs_free(j);
-  }
-  while (d->retired != NULL) {
-    job *j = d->retired;
-    d->retired = j->next;
-    jobs_free(j);
-  }
+  jobs_free_all(d);
   rc = uv_loop_close(d->loop);
   if (rc != 0)
     LOG_WARNF("loop closed with open handles", "err=%s", uv_err_name(rc));

@@ -133,3 +133,30 @@ void jobs_free(job *j) {
   pin_job_clear(j);
   job_destroy(j);
 }
+
+void jobs_stop_all(zdaemon *d) {
+  for (job *j = d->jobs; j != NULL; j = j->next)
+    pin_job_stop(j);
+  for (job *j = d->jobs; j != NULL; j = j->next)
+    for (int r = 0; r < j->nranks; r++)
+      exec_rank_stop(&j->ranks[r]);
+  for (job *j = d->jobs; j != NULL; j = j->next)
+    for (int r = 0; r < j->nranks; r++)
+      exec_rank_join(&j->ranks[r]);
+  for (job *j = d->retired; j != NULL; j = j->next) /* stopped when retired */
+    for (int r = 0; r < j->nranks; r++)
+      exec_rank_join(&j->ranks[r]);
+}
+
+void jobs_free_all(zdaemon *d) {
+  while (d->jobs != NULL) {
+    job *j = d->jobs;
+    d->jobs = j->next;
+    jobs_free(j);
+  }
+  while (d->retired != NULL) {
+    job *j = d->retired;
+    d->retired = j->next;
+    jobs_free(j);
+  }
+}

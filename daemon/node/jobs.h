@@ -45,6 +45,16 @@ void jobs_retire(struct daemon *d, job *j);
  * left once the loop has ended). */
 void jobs_reap(struct daemon *d);
 
+/* Shutdown (loop thread): read-only sessions waiting for a rank give up,
+ * every rank of every job is stopped before any is joined (a rank blocked
+ * in a collective wakes when its peers abort theirs, exec.h), and then
+ * every executor, retired jobs' included, is joined. */
+void jobs_stop_all(struct daemon *d);
+
+/* Frees every job, live and retired, once the loop has ended: nothing
+ * refers to them any more. */
+void jobs_free_all(struct daemon *d);
+
 /* Frees a job whose executors have stopped and been joined: its
  * checkpoint state (waiting for its shard writers), its ranks' state, its
  * pins and the job. */

@@ -25,6 +25,8 @@
 
 #include <cmocka.h>
 
+#include "test_clock.h"
+
 #include "comm.h"
 #include "store.h"
 
@@ -32,17 +34,6 @@
 #define DEFAULT_TIMEOUT_MS 20000
 
 /* ---- helpers -------------------------------------------------------------- */
-
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
 
 static void *xmalloc(size_t bytes) {
   void *p = malloc(bytes > 0 ? bytes : 1);

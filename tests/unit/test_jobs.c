@@ -31,6 +31,8 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+
+#include "test_clock.h"
 #include <uv.h>
 
 #include "ckpt_node.h"
@@ -69,17 +71,6 @@ static void on_complete(void *ctx, exec_op *op) {
 static _Atomic int executors_stopped;
 static void on_stopped(void *ctx) {
   atomic_fetch_add(&executors_stopped, 1);
-}
-
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
 }
 
 /* The op of `rs` with `request_id`, waiting up to WAIT_MS; NULL if none. */
@@ -151,38 +142,18 @@ static int setup_daemon(void **state) {
   return 0;
 }
 
-/* The daemon's shutdown (main.c): readers give up, every rank of every job
- * is stopped before any is joined, retired jobs were stopped when retired;
- * then every job is freed. */
+/* The daemon's shutdown (main.c): jobs_stop_all, the completions drained,
+ * then jobs_free_all. */
 static int teardown_daemon(void **state) {
   fixture *fx = *state;
   zdaemon *d = &fx->d;
-  for (job *j = d->jobs; j != NULL; j = j->next)
-    pin_job_stop(j);
-  for (job *j = d->jobs; j != NULL; j = j->next)
-    for (int r = 0; r < j->nranks; r++)
-      exec_rank_stop(&j->ranks[r]);
-  for (job *j = d->jobs; j != NULL; j = j->next)
-    for (int r = 0; r < j->nranks; r++)
-      exec_rank_join(&j->ranks[r]);
-  for (job *j = d->retired; j != NULL; j = j->next)
-    for (int r = 0; r < j->nranks; r++)
-      exec_rank_join(&j->ranks[r]);
+  jobs_stop_all(d);
   while (fx->q.head != NULL) {
     exec_op *op = fx->q.head;
     fx->q.head = op->next;
     exec_op_free(op);
   }
-  while (d->jobs != NULL) {
-    job *j = d->jobs;
-    d->jobs = j->next;
-    jobs_free(j);
-  }
-  while (d->retired != NULL) {
-    job *j = d->retired;
-    d->retired = j->next;
-    jobs_free(j);
-  }
+  jobs_free_all(d);
   assert_int_equal(uv_loop_close(&fx->loop), 0);
   fx->st->ops->destroy(fx->st);
   pthread_mutex_destroy(&fx->q.mutex);

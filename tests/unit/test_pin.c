@@ -25,6 +25,8 @@
 
 #include <cmocka.h>
 
+#include "test_clock.h"
+
 #include "config.h"
 #include "device.h"
 #include "exec.h"
@@ -42,17 +44,6 @@ typedef struct fixture {
   job *j;
   unit_layout *l; /* the job's */
 } fixture;
-
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
 
 static float value_at(uint64_t version, uint64_t k) {
   return (float)(version * 1000 + k);

@@ -40,6 +40,8 @@
 
 #include <cmocka.h>
 
+#include "test_clock.h"
+
 #include "config.h"
 #include "exec.h"
 #include "frame.h"
@@ -110,17 +112,6 @@ static void queue_destroy(done_queue *q) {
   queue_drain(q);
   pthread_mutex_destroy(&q->mutex);
   pthread_cond_destroy(&q->cond);
-}
-
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
 }
 
 /* Takes the op of `rs` with `request_id` off the queue, waiting up to
