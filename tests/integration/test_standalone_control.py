@@ -142,6 +142,7 @@ def test_deleted_job_is_freed_at_once_not_at_exit(start_daemon):
     d = start_daemon(ranks=2, extra=["--threads-per-rank", "2"])
     pid = d.proc.pid
     assert job_threads(pid) == []
+    rss_before = resident_kib(pid)
     train(d, 2, job="big", steps=2, extra=["--hidden", "1024"])
     # Two executors, each with one kernel pool worker besides itself (and
     # Gloo's threads, which take their creator's name, zd-exec).
@@ -152,8 +153,11 @@ def test_deleted_job_is_freed_at_once_not_at_exit(start_daemon):
     wait_for("the job to be freed", lambda: 'msg="job freed" job=big' in d.read_log(), timeout_s=10)
     assert job_threads(pid) == [], thread_names(pid)
     # Its shards (two ranks of a 1024-wide MLP: master weights, Adam
-    # moments, accumulators, buffers: several MB) were given back.
-    assert resident_kib(pid) < rss_with_job, (rss_with_job, resident_kib(pid))
+    # moments, accumulators, buffers: about 60 MB) were given back: at least
+    # half of what the job added (the allocator and gRPC keep some).
+    rss_after = resident_kib(pid)
+    assert rss_after < rss_before + (rss_with_job - rss_before) // 2, \
+        (rss_before, rss_with_job, rss_after)
     # The daemon goes on serving: the name makes a new job that trains.
     train(d, 2, job="big", steps=2)
 
