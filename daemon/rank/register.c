@@ -374,7 +374,7 @@ void exec__handle_load(rank_state *rs, exec_op *op) {
       continue;
     case LOAD_UNKNOWN_UNIT:
       exec_error(op, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
-                 "load_unit: unknown unit id %u (register it first)", req->unit_id);
+                 "unknown unit id %u (register it first)", req->unit_id);
       break;
     case LOAD_NO_VALUES:
       exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,

@@ -513,6 +513,9 @@ def test_load_unit_sets_values_that_gathers_return_and_training_continues(start_
     # Errors, the same on both ranks, and the job goes on.
     for reply in on_all_ranks(ranks, lambda r, s: s.call(z.LOAD_UNIT, z.unit_request(9))):
         assert_error(reply, "NOT_FOUND", "unknown unit id 9")
+        # The client names the request ("load unit 9: ..."): the daemon's
+        # message does not name it again.
+        assert "load" not in z.message_of(reply[1]), z.message_of(reply[1])
     for reply in load(None):
         assert_error(reply, "INVALID_ARGUMENT", "rank 0's values", "43")
     short = z.memfd_with(packed[:40])
