@@ -17,7 +17,6 @@
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include "coord.h"
@@ -26,7 +25,6 @@
 #include "log.h"
 #include "cluster.h"
 #include "jobs.h"
-#include "pin.h"
 #include "cuda/zk_cuda.h"
 
 #define ZEROD_VERSION "0.1.0"
@@ -469,18 +467,6 @@ static int start_local_coordinator(zdaemon *d, char *err, size_t err_bytes) {
     control_socket[0] = '\0';
     return -ENAMETOOLONG;
   }
-  /* The socket is bound at this path, which must fit a sockaddr_un with its
-   * NUL; said before anything is started, in ipc.c's words for the workers'
-   * socket (the path cut at 256 bytes in the message, which has room for
-   * no more). */
-  struct sockaddr_un unix_addr;
-  if (strlen(control_socket) >= sizeof unix_addr.sun_path) {
-    snprintf(err, err_bytes,
-             "socket path '%.256s' is longer than %zu bytes (choose a shorter --dir)",
-             control_socket, sizeof unix_addr.sun_path - 1);
-    control_socket[0] = '\0';
-    return -ENAMETOOLONG;
-  }
   /* A socket left by a daemon that died; the state directory's lock says
    * that no live one uses it. */
   unlink(control_socket);
@@ -494,6 +480,8 @@ static int start_local_coordinator(zdaemon *d, char *err, size_t err_bytes) {
   if (rc != 0)
     return rc;
   rc = rpc_server_create(d->loop, o->coordinator, &d->control_server, err, err_bytes);
+  if (rc == -ENAMETOOLONG) /* DIR/control.sock does not fit a Unix socket's path */
+    snprintf(err + strlen(err), err_bytes - strlen(err), " (choose a shorter --dir)");
   if (rc == 0)
     rc = coord_register(d->coord, d->control_server);
   int port = 0;
