@@ -155,3 +155,49 @@ void job_config_to_proto(const job_config *c, Zerod__V1__JobConfig *out,
   out->max_live_bytes = c->max_live_bytes;
   out->max_grad_norm = c->max_grad_norm;
 }
+
+/* Appends ", NAME VALUE (the job's VALUE)" to text and ",NAME" to fields. */
+static void append_difference(char *text, size_t text_bytes, char *fields, size_t fields_bytes,
+                              const char *name, const char *want, const char *have) {
+  size_t len = strlen(text), flen = strlen(fields);
+  if (len < text_bytes)
+    snprintf(text + len, text_bytes - len, "%s%s %s (the job's %s)", flen ? ", " : "", name, want,
+             have);
+  if (flen < fields_bytes)
+    snprintf(fields + flen, fields_bytes - flen, "%s%s", flen ? "," : "", name);
+}
+
+int job_config_diff(const job_config *want, const job_config *have, char *fields,
+                    size_t fields_bytes, char *text, size_t text_bytes) {
+  char a[64], b[64];
+  int n = 0;
+  fields[0] = '\0';
+  text[0] = '\0';
+#define DIFFERS(name, cond, fmt, x, y)                                                             \
+  if (cond) {                                                                                      \
+    snprintf(a, sizeof a, fmt, x);                                                                 \
+    snprintf(b, sizeof b, fmt, y);                                                                 \
+    append_difference(text, text_bytes, fields, fields_bytes, name, a, b);                         \
+    n++;                                                                                           \
+  }
+  DIFFERS("optimizer", want->optimizer != have->optimizer, "%s",
+          job_optimizer_name(want->optimizer), job_optimizer_name(have->optimizer));
+  DIFFERS("lr", want->lr != have->lr, "%g", want->lr, have->lr);
+  DIFFERS("beta1", want->beta1 != have->beta1, "%g", want->beta1, have->beta1);
+  DIFFERS("beta2", want->beta2 != have->beta2, "%g", want->beta2, have->beta2);
+  DIFFERS("eps", want->eps != have->eps, "%g", want->eps, have->eps);
+  DIFFERS("weight_decay", want->weight_decay != have->weight_decay, "%g", want->weight_decay,
+          have->weight_decay);
+  DIFFERS("momentum", want->momentum != have->momentum, "%g", want->momentum, have->momentum);
+  DIFFERS("dampening", want->dampening != have->dampening, "%g", want->dampening, have->dampening);
+  DIFFERS("nesterov", want->nesterov != have->nesterov, "%s", want->nesterov ? "true" : "false",
+          have->nesterov ? "true" : "false");
+  DIFFERS("working_dtype", want->working_dtype != have->working_dtype, "%s",
+          zk_dtype_name(want->working_dtype), zk_dtype_name(have->working_dtype));
+  DIFFERS("max_live_bytes", want->max_live_bytes != have->max_live_bytes, "%llu",
+          (unsigned long long)want->max_live_bytes, (unsigned long long)have->max_live_bytes);
+  DIFFERS("max_grad_norm", want->max_grad_norm != have->max_grad_norm, "%g", want->max_grad_norm,
+          have->max_grad_norm);
+#undef DIFFERS
+  return n;
+}

@@ -48,6 +48,13 @@ void job_config_to_proto(const job_config *config, Zerod__V1__JobConfig *out,
 /* The protocol's name of a working dtype (UNSPECIFIED for none it has). */
 Zerod__V1__Dtype job_dtype_to_proto(zk_dtype d);
 
+/* Compares two finished configs field by field: fields gets the names of
+ * those that differ, comma-separated ("lr,max_live_bytes"), and text one
+ * "NAME WANT (the job's HAVE)" per field, comma-separated. Returns how many
+ * differ (0: the same; both strings then empty). */
+int job_config_diff(const job_config *want, const job_config *have, char *fields,
+                    size_t fields_bytes, char *text, size_t text_bytes);
+
 /* "adamw", "adam" or "sgd": the name in logs and checkpoint manifests. */
 const char *job_optimizer_name(job_optimizer o);
 

@@ -453,17 +453,6 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
               (int)s->pid, (int)s->uid, (unsigned long long)s->id);
 }
 
-/* Appends ", NAME VALUE (the job's VALUE)" to a config warning. */
-static void append_difference(char *text, size_t text_bytes, char *fields, size_t fields_bytes,
-                              const char *name, const char *want, const char *have) {
-  size_t len = strlen(text), flen = strlen(fields);
-  if (len < text_bytes)
-    snprintf(text + len, text_bytes - len, "%s%s %s (the job's %s)", flen ? ", " : "", name, want,
-             have);
-  if (flen < fields_bytes)
-    snprintf(fields + flen, fields_bytes - flen, "%s%s", flen ? "," : "", name);
-}
-
 /* A read-write attach to a job that exists uses the job's config, not the
  * one it sent (only a creating attach's counts), so a worker that asked for
  * other hyper-parameters would train with the job's without knowing. The
@@ -486,34 +475,8 @@ static int config_differences(zdaemon *d, const job *j, const Zerod__V1__JobConf
              j->name, err);
     return 1;
   }
-  const job_config *have = &j->config;
-  char list[768] = "", a[64], b[64];
-#define DIFFERS(name, cond, fmt, x, y)                                                             \
-  if (cond) {                                                                                      \
-    snprintf(a, sizeof a, fmt, x);                                                                 \
-    snprintf(b, sizeof b, fmt, y);                                                                 \
-    append_difference(list, sizeof list, fields, fields_bytes, name, a, b);                        \
-  }
-  DIFFERS("optimizer", want.optimizer != have->optimizer, "%s", job_optimizer_name(want.optimizer),
-          job_optimizer_name(have->optimizer));
-  DIFFERS("lr", want.lr != have->lr, "%g", want.lr, have->lr);
-  DIFFERS("beta1", want.beta1 != have->beta1, "%g", want.beta1, have->beta1);
-  DIFFERS("beta2", want.beta2 != have->beta2, "%g", want.beta2, have->beta2);
-  DIFFERS("eps", want.eps != have->eps, "%g", want.eps, have->eps);
-  DIFFERS("weight_decay", want.weight_decay != have->weight_decay, "%g", want.weight_decay,
-          have->weight_decay);
-  DIFFERS("momentum", want.momentum != have->momentum, "%g", want.momentum, have->momentum);
-  DIFFERS("dampening", want.dampening != have->dampening, "%g", want.dampening, have->dampening);
-  DIFFERS("nesterov", want.nesterov != have->nesterov, "%s", want.nesterov ? "true" : "false",
-          have->nesterov ? "true" : "false");
-  DIFFERS("working_dtype", want.working_dtype != have->working_dtype, "%s",
-          zk_dtype_name(want.working_dtype), zk_dtype_name(have->working_dtype));
-  DIFFERS("max_live_bytes", want.max_live_bytes != have->max_live_bytes, "%llu",
-          (unsigned long long)want.max_live_bytes, (unsigned long long)have->max_live_bytes);
-  DIFFERS("max_grad_norm", want.max_grad_norm != have->max_grad_norm, "%g", want.max_grad_norm,
-          have->max_grad_norm);
-#undef DIFFERS
-  if (fields[0] == '\0')
+  char list[768];
+  if (job_config_diff(&want, &j->config, fields, fields_bytes, list, sizeof list) == 0)
     return 0;
   snprintf(warning, warning_bytes,
            "job '%s' exists with another config; this attach's was not used: %s (the reply's "

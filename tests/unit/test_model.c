@@ -304,6 +304,29 @@ static void test_config_to_proto_round_trips(void **state) {
   }
 }
 
+static void test_config_diff_names_each_differing_field(void **state) {
+  job_config have = {.optimizer = JOB_ADAMW,
+                     .lr = 1e-3,
+                     .beta1 = 0.9,
+                     .beta2 = 0.999,
+                     .eps = 1e-8,
+                     .weight_decay = 0.01,
+                     .working_dtype = ZK_F32,
+                     .max_live_bytes = 1024};
+  job_config want = have;
+  char fields[128], text[512];
+  assert_int_equal(job_config_diff(&want, &have, fields, sizeof fields, text, sizeof text), 0);
+  assert_string_equal(fields, "");
+  assert_string_equal(text, "");
+  want.lr = 0.5;
+  want.working_dtype = ZK_BF16;
+  want.nesterov = 1;
+  assert_int_equal(job_config_diff(&want, &have, fields, sizeof fields, text, sizeof text), 3);
+  assert_string_equal(fields, "lr,nesterov,working_dtype");
+  assert_string_equal(text, "lr 0.5 (the job's 0.001), nesterov true (the job's false), "
+                            "working_dtype bf16 (the job's f32)");
+}
+
 static void test_config_rejects_negative_lr(void **state) {
   (void)state;
   job_config c = finished(JOB_ADAMW);
@@ -820,6 +843,7 @@ int main(void) {
       cmocka_unit_test(test_config_finish_keeps_set_values),
       cmocka_unit_test(test_config_from_proto_then_finish),
       cmocka_unit_test(test_config_to_proto_round_trips),
+      cmocka_unit_test(test_config_diff_names_each_differing_field),
       cmocka_unit_test(test_config_rejects_negative_lr),
       cmocka_unit_test(test_config_rejects_infinite_lr),
       cmocka_unit_test(test_config_rejects_nan_lr),
