@@ -4,6 +4,7 @@
 
 #include <limits.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <sys/types.h>
 #include <uv.h>
@@ -52,6 +53,7 @@ typedef struct daemon {
   /* Ops finished by executors, drained by the loop (completion_async). */
   pthread_mutex_t completion_mutex;
   exec_op *completion_head, *completion_tail;
+  _Atomic int executors_stopped; /* an executor exited since the last drain */
   /* How every job's ranks run and report (exec.h); the jobs point to it. */
   exec_settings exec;
   /* How read-only sessions' readers run and report (reader.h). */

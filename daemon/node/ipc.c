@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -272,12 +273,15 @@ void ipc_drain_completions(zdaemon *d) {
     deliver(op);
     op = next;
   }
-  /* The same wakeup tells of executors that have stopped (ipc_stopped). */
-  jobs_reap(d);
+  /* The same wakeup tells of executors that have stopped (ipc_stopped):
+   * only then is there a retired job to look at. */
+  if (atomic_exchange(&d->executors_stopped, 0))
+    jobs_reap(d);
 }
 
 void ipc_stopped(void *daemon) {
   zdaemon *d = daemon;
+  atomic_store(&d->executors_stopped, 1);
   uv_async_send(&d->completion_async);
 }
 
