@@ -15,7 +15,9 @@
 #include "job.h"
 
 /* The node's side of checkpoints, through the job's settings (exec.h). */
-#define CKPT_HOOK(name) rs->job->exec->ckpt.name
+static inline const exec_ckpt_hooks *exec__ckpt(const rank_state *rs) {
+  return &rs->job->exec->ckpt;
+}
 
 /* ---- reply.c: replies and failures ------------------------------------------- */
 

@@ -373,8 +373,8 @@ void exec__handle_load(rank_state *rs, exec_op *op) {
     case LOAD_OK:
       continue;
     case LOAD_UNKNOWN_UNIT:
-      exec_error(op, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
-                 "unknown unit id %u (register it first)", req->unit_id);
+      exec_error(op, ZEROD__V1__STATUS__STATUS_NOT_FOUND, "unknown unit id %u (register it first)",
+                 req->unit_id);
       break;
     case LOAD_NO_VALUES:
       exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,

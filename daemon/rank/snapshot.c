@@ -40,7 +40,7 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
   if (job_failed(j, rs->generation, reason, sizeof reason)) {
     char why[600];
     snprintf(why, sizeof why, "job '%s' failed: %s", j->name, reason);
-    CKPT_HOOK(save_failed)(j, rs->rank, id, RPC_FAILED_PRECONDITION, why);
+    exec__ckpt(rs)->save_failed(j, rs->rank, id, RPC_FAILED_PRECONDITION, why);
     return;
   }
   double t0 = exec__monotonic_s();
@@ -51,7 +51,7 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
   unit_layout **units = snapshot_units(rs, &n, &bytes);
   /* Memory the rank's writer faulted in while the step ran, if the order
    * came early enough (ckpt_node_stage), else fresh. */
-  uint8_t *data = units != NULL ? CKPT_HOOK(staging)(j, rs->rank, id, bytes) : NULL;
+  uint8_t *data = units != NULL ? exec__ckpt(rs)->staging(j, rs->rank, id, bytes) : NULL;
   int staged = data != NULL;
   if (units != NULL && data == NULL)
     data = hostmem_shared_alloc(bytes);
@@ -83,7 +83,7 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
     char why[600];
     snprintf(why, sizeof why, "copying the shard state: %s",
              rc == -ENOMEM ? "out of host memory" : device_last_error(rs->dev));
-    CKPT_HOOK(save_failed)(j, rs->rank, id, RPC_RESOURCE_EXHAUSTED, why);
+    exec__ckpt(rs)->save_failed(j, rs->rank, id, RPC_RESOURCE_EXHAUSTED, why);
     return;
   }
   int64_t stall_ms = (int64_t)((exec__monotonic_s() - t0) * 1000);
@@ -91,7 +91,7 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
              "job=%s rank=%d save=%llu step=%llu bytes=%llu staged=%d ms=%lld", j->name, rs->rank,
              (unsigned long long)id, (unsigned long long)rs->step, (unsigned long long)bytes,
              staged, (long long)stall_ms);
-  CKPT_HOOK(saved)(j, rs->rank, id, rs->step, data, bytes, layout, stall_ms);
+  exec__ckpt(rs)->saved(j, rs->rank, id, rs->step, data, bytes, layout, stall_ms);
 }
 
 /* A save order reached the rank: with no worker attached no step will
@@ -109,7 +109,7 @@ void exec__handle_save(rank_state *rs, exec_op *op) {
   uint64_t bytes;
   unit_layout **units = snapshot_units(rs, &n, &bytes);
   if (units != NULL)
-    CKPT_HOOK(stage)(rs->job, rs->rank, op->ckpt_id, bytes);
+    exec__ckpt(rs)->stage(rs->job, rs->rank, op->ckpt_id, bytes);
   free(units);
 }
 
@@ -152,9 +152,8 @@ void exec__handle_restore_read(rank_state *rs, exec_op *op) {
                rs->rank, (unsigned long long)op->ckpt_id, st->mem_bytes,
                (exec__monotonic_s() - t0) * 1e3);
   }
-  CKPT_HOOK(restore_report)
-  (rs->job, rs->rank, op->ckpt_id, 0, rc == 0 ? st->step : 0,
-   rc == 0 ? 0 : (code != 0 ? code : RPC_INTERNAL), err);
+  exec__ckpt(rs)->restore_report(rs->job, rs->rank, op->ckpt_id, 0, rc == 0 ? st->step : 0,
+                                 rc == 0 ? 0 : (code != 0 ? code : RPC_INTERNAL), err);
 }
 
 /* Installs what exec__handle_restore_read staged: every rank of the job does
@@ -166,8 +165,8 @@ void exec__handle_restore_commit(rank_state *rs, exec_op *op) {
   char err[512] = "";
   int rc = 0;
   if (st == NULL || st->id != op->ckpt_id) {
-    CKPT_HOOK(restore_report)
-    (j, rs->rank, op->ckpt_id, 0, 0, RPC_INTERNAL, "no values read for this restore on the rank");
+    exec__ckpt(rs)->restore_report(j, rs->rank, op->ckpt_id, 0, 0, RPC_INTERNAL,
+                                   "no values read for this restore on the rank");
     return;
   }
   rs->ckpt_staged = NULL;
@@ -242,11 +241,11 @@ void exec__handle_restore_commit(rank_state *rs, exec_op *op) {
   free(fresh);
   if (rc != 0) {
     job_fail(j, rs->generation, "rank %d: restore: %s", rs->rank, err);
-    CKPT_HOOK(restore_report)(j, rs->rank, op->ckpt_id, 0, 0, RPC_INTERNAL, err);
+    exec__ckpt(rs)->restore_report(j, rs->rank, op->ckpt_id, 0, 0, RPC_INTERNAL, err);
   } else {
     LOG_INFOF("restored", "job=%s rank=%d restore=%llu step=%llu units=%u", j->name, rs->rank,
               (unsigned long long)op->ckpt_id, (unsigned long long)st->step, st->nunits);
-    CKPT_HOOK(restore_report)(j, rs->rank, op->ckpt_id, 1, st->step, 0, NULL);
+    exec__ckpt(rs)->restore_report(j, rs->rank, op->ckpt_id, 1, st->step, 0, NULL);
   }
   ckpt_staged_free(st);
 }
