@@ -149,21 +149,21 @@ static exec_op *queue_take(done_queue *q, const rank_state *rs, uint64_t request
   }
 }
 
-/* ---- Checkpoint hooks: stubs that count their calls -------------------------- */
+/* ---- Checkpoint hooks: the node's side, replaced by counters -------------------------- */
 
 static atomic_int ckpt_hook_calls;
 
-static void stub_stage(job *j, int rank, uint64_t id, uint64_t bytes) {
+static void counting_stage(job *j, int rank, uint64_t id, uint64_t bytes) {
   atomic_fetch_add(&ckpt_hook_calls, 1);
 }
 
-static void *stub_staging(job *j, int rank, uint64_t id, uint64_t bytes) {
+static void *counting_staging(job *j, int rank, uint64_t id, uint64_t bytes) {
   atomic_fetch_add(&ckpt_hook_calls, 1);
   return NULL;
 }
 
-static void stub_saved(job *j, int rank, uint64_t id, uint64_t step, void *data,
-                       uint64_t data_bytes, ckpt_manifest *layout, int64_t stall_ms) {
+static void counting_saved(job *j, int rank, uint64_t id, uint64_t step, void *data,
+                           uint64_t data_bytes, ckpt_manifest *layout, int64_t stall_ms) {
   atomic_fetch_add(&ckpt_hook_calls, 1);
   /* Ownership of the copy and the layout passes to the hook. */
   hostmem_shared_unref(data);
@@ -173,20 +173,20 @@ static void stub_saved(job *j, int rank, uint64_t id, uint64_t step, void *data,
   }
 }
 
-static void stub_save_failed(job *j, int rank, uint64_t id, int code, const char *error) {
+static void counting_save_failed(job *j, int rank, uint64_t id, int code, const char *error) {
   atomic_fetch_add(&ckpt_hook_calls, 1);
 }
 
-static void stub_restore_report(job *j, int rank, uint64_t id, int committed, uint64_t step,
-                                int code, const char *error) {
+static void counting_restore_report(job *j, int rank, uint64_t id, int committed, uint64_t step,
+                                    int code, const char *error) {
   atomic_fetch_add(&ckpt_hook_calls, 1);
 }
 
-static const exec_ckpt_hooks stub_hooks = {.stage = stub_stage,
-                                           .staging = stub_staging,
-                                           .saved = stub_saved,
-                                           .save_failed = stub_save_failed,
-                                           .restore_report = stub_restore_report};
+static const exec_ckpt_hooks counting_hooks = {.stage = counting_stage,
+                                               .staging = counting_staging,
+                                               .saved = counting_saved,
+                                               .save_failed = counting_save_failed,
+                                               .restore_report = counting_restore_report};
 
 /* ---- A job and its executors ------------------------------------------------------ */
 
@@ -229,7 +229,7 @@ static fixture *fixture_open(int world) {
   assert_int_equal(store_mem_create(&fx->st), 0);
   fx->exec = (exec_settings){.complete = on_complete,
                              .ctx = &fx->q,
-                             .ckpt = stub_hooks,
+                             .ckpt = counting_hooks,
                              .device = "cpu",
                              .threads_per_rank = 1,
                              .collective_timeout_ms = COLLECTIVE_MS,
