@@ -443,6 +443,10 @@ typedef struct ctl {
   const char *export_checkpoint; /* NULL: the job's state now */
   const char *export_dtype;      /* NULL: fp32 */
   bool export_overwrite;
+  /* How to reach the coordinator (docs/security.md). */
+  bool use_tls;
+  rpc_tls tls;
+  char token[RPC_MAX_TOKEN_BYTES + 1]; /* "": none */
 } ctl;
 
 /* Prints the one error line for a failed call and returns its exit status. */
@@ -473,7 +477,8 @@ static int call(ctl *c, const char *method, const ProtobufCMessage *request,
 
   if (c->channel == NULL) {
     char err[256] = "";
-    int rc = rpc_channel_create(c->coordinator, &c->channel, err, sizeof err);
+    rpc_channel_options options = {.tls = c->use_tls ? &c->tls : NULL, .token = c->token};
+    int rc = rpc_channel_create_with(c->coordinator, &options, &c->channel, err, sizeof err);
     if (rc != 0)
       return fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s", c->coordinator,
                        err[0] != '\0' ? err : strerror(-rc));
@@ -838,6 +843,7 @@ static void json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   json_close(j, '}');
   json_u64(j, "step", job->step);
   json_u64(j, "epoch", job->epoch);
+  json_str(j, "tenant", job->tenant);
   json_i64(j, "created_unix_ms", job->created_unix_ms);
   const Zerod__V1__CheckpointPolicy *policy = job->checkpoint_policy;
   json_open(j, "checkpoint_policy", '{');
@@ -931,6 +937,7 @@ static void print_job(const Zerod__V1__Job *job) {
     print_field("max live bytes", "node default");
   print_field("step", "%" PRIu64, job->step);
   print_field("epoch", "%" PRIu64, job->epoch);
+  print_field("tenant", "%s", job->tenant[0] != '\0' ? job->tenant : "none (admins only)");
   print_field("created", "%s", format_unix_ms(job->created_unix_ms, text, sizeof text));
   print_policy(job->checkpoint_policy);
 }
@@ -1037,7 +1044,8 @@ static int cmd_jobs_delete(ctl *c, int argc, char **argv) {
 /* The options of `jobs create`, as given (checked in cmd_jobs_create). */
 typedef struct create_options {
   const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
-      *precision, *max_grad_norm, *max_live_bytes, *token, *every_steps, *every_seconds, *keep;
+      *precision, *max_grad_norm, *max_live_bytes, *token, *tenant, *every_steps, *every_seconds,
+      *keep;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
 } create_options;
@@ -1203,6 +1211,11 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
     if (!valid_token(o->token))
       return bad_create_value("--token", o->token, "1..256 printable characters, no spaces");
     request.token = (char *)o->token;
+  }
+  if (o->tenant != NULL) {
+    if (!valid_name(o->tenant))
+      return bad_create_value("--tenant", o->tenant, "1..64 of [A-Za-z0-9._-]");
+    request.tenant = (char *)o->tenant;
   }
 
   Zerod__V1__CreateJobReply *reply;
@@ -1552,6 +1565,15 @@ static const char general_usage[] =
     "  -j, --json                   print one JSON object (for scripts)\n"
     "  -t, --timeout SECONDS        deadline of each call [default 10; checkpoint save\n"
     "                               and restore, and export 600]\n"
+    "      --tls-ca FILE            reach the coordinator over TLS, verifying it with\n"
+    "                               this CA (PEM) [ZEROD_TLS_CA]\n"
+    "      --tls-cert FILE          client certificate for mutual TLS [ZEROD_TLS_CERT]\n"
+    "      --tls-key FILE           its private key [ZEROD_TLS_KEY]\n"
+    "      --tls-server-name NAME   name to expect in the coordinator's certificate\n"
+    "                               [ZEROD_TLS_SERVER_NAME, default: its host]\n"
+    "      --auth-token-file FILE   bearer token of your principal [ZEROD_AUTH_TOKEN_FILE,\n"
+    "                               or the token itself in ZEROD_AUTH_TOKEN]\n"
+    "      --insecure               allow plain TCP to a coordinator on another host\n"
     "  -h, --help                   print help (of a command, after it) and exit\n"
     "      --version                print the version and exit\n"
     "\n"
@@ -1580,6 +1602,8 @@ static const char create_usage[] =
     "  --max-live-bytes SIZE    gathered + gradient buffers per rank, e.g. 512M, 4G\n"
     "                           [default: the node's]\n"
     "  --token T                the owner token [default: the coordinator makes one]\n"
+    "  --tenant T               the tenant that owns the job [default: yours; an admin\n"
+    "                           may name any]\n"
     "  --checkpoint-every-steps N\n"
     "                           checkpoint the job (auto-<step>) every N steps\n"
     "  --checkpoint-every-seconds S\n"
@@ -1623,12 +1647,20 @@ enum {
   OPT_MAX_GRAD_NORM,
   OPT_MAX_LIVE_BYTES,
   OPT_TOKEN,
+  OPT_TENANT,
   OPT_EVERY_STEPS,
   OPT_EVERY_SECONDS,
   OPT_KEEP,
   OPT_CHECKPOINT,
   OPT_DTYPE,
   OPT_OVERWRITE,
+  /* how to reach the coordinator (any command) */
+  OPT_TLS_CA,
+  OPT_TLS_CERT,
+  OPT_TLS_KEY,
+  OPT_TLS_SERVER_NAME,
+  OPT_AUTH_TOKEN_FILE,
+  OPT_INSECURE,
 };
 
 static const struct option long_options[] = {
@@ -1651,6 +1683,7 @@ static const struct option long_options[] = {
     {"max-grad-norm", required_argument, NULL, OPT_MAX_GRAD_NORM},
     {"max-live-bytes", required_argument, NULL, OPT_MAX_LIVE_BYTES},
     {"token", required_argument, NULL, OPT_TOKEN},
+    {"tenant", required_argument, NULL, OPT_TENANT},
     {"checkpoint-every-steps", required_argument, NULL, OPT_EVERY_STEPS},
     {"checkpoint-every-seconds", required_argument, NULL, OPT_EVERY_SECONDS},
     {"checkpoint-keep", required_argument, NULL, OPT_KEEP},
@@ -1658,6 +1691,12 @@ static const struct option long_options[] = {
     {"checkpoint", required_argument, NULL, OPT_CHECKPOINT},
     {"dtype", required_argument, NULL, OPT_DTYPE},
     {"overwrite", no_argument, NULL, OPT_OVERWRITE},
+    {"tls-ca", required_argument, NULL, OPT_TLS_CA},
+    {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
+    {"tls-key", required_argument, NULL, OPT_TLS_KEY},
+    {"tls-server-name", required_argument, NULL, OPT_TLS_SERVER_NAME},
+    {"auth-token-file", required_argument, NULL, OPT_AUTH_TOKEN_FILE},
+    {"insecure", no_argument, NULL, OPT_INSECURE},
     {NULL, 0, NULL, 0},
 };
 
@@ -1700,6 +1739,9 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_TOKEN:
     slot = &o->token;
+    break;
+  case OPT_TENANT:
+    slot = &o->tenant;
     break;
   case OPT_EVERY_STEPS:
     slot = &o->every_steps;
@@ -1768,11 +1810,49 @@ static const command *find_command(int argc, char **argv, int *words) {
   return NULL;
 }
 
+/* The environment fills the TLS flags not given; the token comes from a
+ * file or ZEROD_AUTH_TOKEN. Plain transport to another host needs
+ * --insecure. Returns 0 or the usage exit status. */
+static int security_setup(ctl *c, const char *token_file, bool insecure) {
+  if (c->tls.ca_file == NULL)
+    c->tls.ca_file = getenv("ZEROD_TLS_CA");
+  if (c->tls.cert_file == NULL)
+    c->tls.cert_file = getenv("ZEROD_TLS_CERT");
+  if (c->tls.key_file == NULL)
+    c->tls.key_file = getenv("ZEROD_TLS_KEY");
+  if (c->tls.server_name == NULL)
+    c->tls.server_name = getenv("ZEROD_TLS_SERVER_NAME");
+  if (token_file == NULL)
+    token_file = getenv("ZEROD_AUTH_TOKEN_FILE");
+  const char *env_insecure = getenv("ZEROD_INSECURE");
+  insecure |= env_insecure != NULL && strcmp(env_insecure, "1") == 0;
+  c->use_tls = c->tls.ca_file != NULL || c->tls.cert_file != NULL || c->tls.key_file != NULL ||
+               c->tls.server_name != NULL;
+  if (!c->use_tls && !insecure && !rpc_address_is_local(c->coordinator))
+    return usage_error("the coordinator %s is on another host: reach it over TLS (--tls-ca, and "
+                       "--tls-cert/--tls-key for mutual TLS) or pass --insecure",
+                       c->coordinator);
+  if (token_file != NULL) {
+    char err[PATH_MAX + 128];
+    if (rpc_read_token_file(token_file, c->token, sizeof c->token, err, sizeof err) != 0)
+      return usage_error("%s", err);
+  } else {
+    const char *token = getenv("ZEROD_AUTH_TOKEN");
+    if (token != NULL && token[0] != '\0') {
+      if (strlen(token) >= sizeof c->token)
+        return usage_error("ZEROD_AUTH_TOKEN is longer than %d bytes", RPC_MAX_TOKEN_BYTES);
+      snprintf(c->token, sizeof c->token, "%s", token);
+    }
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   ctl c = {.coordinator = NULL, .timeout_s = CTL_DEFAULT_TIMEOUT_S};
   create_options create = {0};
   const char *coordinator_from = "--coordinator";
-  bool help = false, version = false, timeout_given = false;
+  bool help = false, version = false, timeout_given = false, insecure = false;
+  const char *token_file = NULL;
   char spelled[64];
   owned_option owned[] = {{"jobs create", OPT_NODES, OPT_KEEP, ""},
                           {"export", OPT_CHECKPOINT, OPT_OVERWRITE, ""}};
@@ -1806,6 +1886,24 @@ int main(int argc, char **argv) {
       break;
     case OPT_VERSION:
       version = true;
+      break;
+    case OPT_TLS_CA:
+      c.tls.ca_file = optarg;
+      break;
+    case OPT_TLS_CERT:
+      c.tls.cert_file = optarg;
+      break;
+    case OPT_TLS_KEY:
+      c.tls.key_file = optarg;
+      break;
+    case OPT_TLS_SERVER_NAME:
+      c.tls.server_name = optarg;
+      break;
+    case OPT_AUTH_TOKEN_FILE:
+      token_file = optarg;
+      break;
+    case OPT_INSECURE:
+      insecure = true;
       break;
     case OPT_CHECKPOINT:
     case OPT_DTYPE:
@@ -1900,6 +1998,9 @@ int main(int argc, char **argv) {
   if (!valid_target(c.coordinator))
     return usage_error("invalid %s '%s': expected HOST:PORT or unix:PATH", coordinator_from,
                        c.coordinator);
+  int rc = security_setup(&c, token_file, insecure);
+  if (rc != 0)
+    return rc;
   c.timeout_ms = (int)(c.timeout_s * 1000.0 + 0.999);
   if (c.timeout_ms < 1)
     c.timeout_ms = 1;
@@ -1913,7 +2014,6 @@ int main(int argc, char **argv) {
     return fail_line(CTL_EXIT_FAILED, "setenv: %s", strerror(errno));
   log_set_level(LOG_ERROR);
 
-  int rc;
   if (cmd->run != NULL)
     rc = cmd->run(&c, n_args, args);
   else

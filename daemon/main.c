@@ -73,6 +73,16 @@ static void usage(FILE *out) {
           "                          zerod node, that other nodes reach it on)\n"
           "                          [ZEROD_COMM_HOST, default 127.0.0.1]\n"
           "  --log-level LEVEL       debug, info, warn or error [ZEROD_LOG_LEVEL, default info]\n"
+          "  --tls-ca FILE           zerod node: reach the coordinator over TLS, verifying it\n"
+          "                          with this CA (PEM) [ZEROD_TLS_CA]\n"
+          "  --tls-cert FILE         zerod node: client certificate for mutual TLS\n"
+          "  --tls-key FILE          ... and its key [ZEROD_TLS_CERT, ZEROD_TLS_KEY]\n"
+          "  --tls-server-name NAME  zerod node: the name to expect in the coordinator's\n"
+          "                          certificate [ZEROD_TLS_SERVER_NAME, default: its host]\n"
+          "  --auth-token-file FILE  zerod node: bearer token for the coordinator [ZEROD_AUTH_\n"
+          "                          TOKEN_FILE, or the token itself in ZEROD_AUTH_TOKEN]\n"
+          "  --insecure              zerod node: allow plain TCP to a coordinator on another\n"
+          "                          host [ZEROD_INSECURE=1]\n"
           "  --version               print the version and exit\n"
           "  -h, --help              print this help and exit\n"
           "\n"
@@ -158,6 +168,98 @@ static const char *env_or(const char *flag, const char *name) {
 static int bad_value(const char *flag, const char *value, const char *expected) {
   fprintf(stderr, "zerod: invalid %s '%s' (%s)\n", flag, value, expected);
   return 2;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Control-plane security flags (docs/security.md)                          */
+/* ------------------------------------------------------------------------ */
+
+enum {
+  SEC_TLS_CA = 3000,
+  SEC_TLS_CERT,
+  SEC_TLS_KEY,
+  SEC_TLS_SERVER_NAME,
+  SEC_TLS_CLIENT_CA,
+  SEC_TLS_REQUIRE_CLIENT_CERT,
+  SEC_TOKEN_FILE,
+  SEC_AUTH_FILE,
+  SEC_INSECURE,
+};
+
+/* The flags as given (NULL: not given); the environment fills the rest. */
+typedef struct security_flags {
+  const char *tls_ca, *tls_cert, *tls_key, *tls_server_name, *tls_client_ca, *token_file,
+      *auth_file;
+  int require_client_cert, insecure;
+} security_flags;
+
+#define SECURITY_CLIENT_OPTIONS                                                                    \
+  {"tls-ca", required_argument, NULL, SEC_TLS_CA},                                                 \
+      {"tls-cert", required_argument, NULL, SEC_TLS_CERT},                                         \
+      {"tls-key", required_argument, NULL, SEC_TLS_KEY},                                           \
+      {"tls-server-name", required_argument, NULL, SEC_TLS_SERVER_NAME},                           \
+      {"auth-token-file", required_argument, NULL, SEC_TOKEN_FILE}, {                              \
+    "insecure", no_argument, NULL, SEC_INSECURE                                                    \
+  }
+#define SECURITY_SERVER_OPTIONS                                                                    \
+  {"tls-cert", required_argument, NULL, SEC_TLS_CERT},                                             \
+      {"tls-key", required_argument, NULL, SEC_TLS_KEY},                                           \
+      {"tls-client-ca", required_argument, NULL, SEC_TLS_CLIENT_CA},                               \
+      {"tls-require-client-cert", no_argument, NULL, SEC_TLS_REQUIRE_CLIENT_CERT},                 \
+      {"auth-file", required_argument, NULL, SEC_AUTH_FILE}, {                                     \
+    "insecure", no_argument, NULL, SEC_INSECURE                                                    \
+  }
+
+/* Takes option c if it is a security flag: returns 1, else 0. */
+static int security_option(int c, const char *arg, security_flags *f) {
+  switch (c) {
+  case SEC_TLS_CA:
+    f->tls_ca = arg;
+    return 1;
+  case SEC_TLS_CERT:
+    f->tls_cert = arg;
+    return 1;
+  case SEC_TLS_KEY:
+    f->tls_key = arg;
+    return 1;
+  case SEC_TLS_SERVER_NAME:
+    f->tls_server_name = arg;
+    return 1;
+  case SEC_TLS_CLIENT_CA:
+    f->tls_client_ca = arg;
+    return 1;
+  case SEC_TLS_REQUIRE_CLIENT_CERT:
+    f->require_client_cert = 1;
+    return 1;
+  case SEC_TOKEN_FILE:
+    f->token_file = arg;
+    return 1;
+  case SEC_AUTH_FILE:
+    f->auth_file = arg;
+    return 1;
+  case SEC_INSECURE:
+    f->insecure = 1;
+    return 1;
+  default:
+    return 0;
+  }
+}
+
+static int env_flag(const char *name) {
+  const char *v = getenv(name);
+  return v != NULL && (strcmp(v, "1") == 0 || strcmp(v, "true") == 0 || strcmp(v, "yes") == 0);
+}
+
+static void security_from_env(security_flags *f) {
+  f->tls_ca = env_or(f->tls_ca, "ZEROD_TLS_CA");
+  f->tls_cert = env_or(f->tls_cert, "ZEROD_TLS_CERT");
+  f->tls_key = env_or(f->tls_key, "ZEROD_TLS_KEY");
+  f->tls_server_name = env_or(f->tls_server_name, "ZEROD_TLS_SERVER_NAME");
+  f->tls_client_ca = env_or(f->tls_client_ca, "ZEROD_TLS_CLIENT_CA");
+  f->token_file = env_or(f->token_file, "ZEROD_AUTH_TOKEN_FILE");
+  f->auth_file = env_or(f->auth_file, "ZEROD_AUTH_FILE");
+  f->require_client_cert |= env_flag("ZEROD_TLS_REQUIRE_CLIENT_CERT");
+  f->insecure |= env_flag("ZEROD_INSECURE");
 }
 
 /* --checkpoint-timeout: seconds, 1..86400, into milliseconds. */
@@ -265,6 +367,16 @@ static void coordinator_usage(FILE *out) {
           "  --checkpoint-timeout S  longest a checkpoint save or restore may take\n"
           "                          [ZEROD_CHECKPOINT_TIMEOUT, default 600]\n"
           "  --log-level LEVEL       debug, info, warn or error [ZEROD_LOG_LEVEL, default info]\n"
+          "  --tls-cert FILE         serve TLS with this certificate chain (PEM) [ZEROD_TLS_CERT]\n"
+          "  --tls-key FILE          ... and its private key [ZEROD_TLS_KEY]\n"
+          "  --tls-client-ca FILE    verify client certificates signed by this CA; a verified\n"
+          "                          certificate's CN names a principal [ZEROD_TLS_CLIENT_CA]\n"
+          "  --tls-require-client-cert  refuse clients without one (mutual TLS)\n"
+          "                          [ZEROD_TLS_REQUIRE_CLIENT_CERT=1]\n"
+          "  --auth-file FILE        principals: who may do what (docs/security.md)\n"
+          "                          [ZEROD_AUTH_FILE; none: every caller may do everything]\n"
+          "  --insecure              allow plain TCP and no --auth-file on an address other\n"
+          "                          hosts can reach (logged as a warning) [ZEROD_INSECURE=1]\n"
           "  -h, --help              print this help and exit\n"
           "\n"
           "SIGINT or SIGTERM shut down cleanly: watches end, calls in flight are cancelled.\n");
@@ -311,9 +423,11 @@ static int run_coordinator(int argc, char **argv) {
       {"checkpoint-dir", required_argument, NULL, C_CHECKPOINT_DIR},
       {"checkpoint-timeout", required_argument, NULL, C_CHECKPOINT_TIMEOUT},
       {"log-level", required_argument, NULL, C_LOG_LEVEL},
+      SECURITY_SERVER_OPTIONS,
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
+  security_flags sec = {0};
   const char *listen_flag = NULL, *dir_flag = NULL, *ttl_flag = NULL, *level_flag = NULL;
   const char *checkpoint_dir_flag = NULL, *checkpoint_timeout_flag = NULL;
   int c;
@@ -341,6 +455,8 @@ static int run_coordinator(int argc, char **argv) {
       coordinator_usage(stdout);
       return 0;
     default:
+      if (security_option(c, optarg, &sec))
+        break;
       coordinator_usage(stderr);
       return 2;
     }
@@ -378,6 +494,39 @@ static int run_coordinator(int argc, char **argv) {
   if (parse_checkpoint_timeout(checkpoint_timeout_flag, &co.checkpoint_timeout_ms) != 0)
     return 2;
 
+  /* Who can reach the listener, and what they may do (docs/security.md):
+   * plain transport and no principals only where nobody else can reach
+   * it, or when the operator says so. */
+  security_from_env(&sec);
+  rpc_tls tls = {.cert_file = sec.tls_cert,
+                 .key_file = sec.tls_key,
+                 .ca_file = sec.tls_client_ca,
+                 .require_client_cert = sec.require_client_cert};
+  int use_tls = sec.tls_cert != NULL || sec.tls_key != NULL;
+  if (!use_tls && (sec.tls_client_ca != NULL || sec.require_client_cert)) {
+    fprintf(stderr, "zerod: --tls-client-ca and --tls-require-client-cert need --tls-cert and "
+                    "--tls-key\n");
+    return 2;
+  }
+  int local = rpc_address_is_local(listen_addr);
+  if (!use_tls && !local && !sec.insecure) {
+    fprintf(stderr,
+            "zerod: --listen %s is reachable from other hosts: serve TLS (--tls-cert, --tls-key) "
+            "or pass --insecure\n",
+            listen_addr);
+    return 2;
+  }
+  if (sec.auth_file == NULL && !local && !sec.insecure) {
+    fprintf(stderr,
+            "zerod: --listen %s is reachable from other hosts and no principals are configured: "
+            "anyone could delete any job. Pass --auth-file (docs/security.md) or --insecure\n",
+            listen_addr);
+    return 2;
+  }
+  if (sec.auth_file != NULL &&
+      snprintf(co.auth_file, sizeof co.auth_file, "%s", sec.auth_file) >= (int)sizeof co.auth_file)
+    return bad_value("--auth-file", sec.auth_file, "path too long");
+
   int rc = mkdir_p(co.state_dir);
   if (rc != 0) {
     fprintf(stderr, "zerod: cannot create state directory %s: %s\n", co.state_dir, strerror(-rc));
@@ -401,6 +550,8 @@ static int run_coordinator(int argc, char **argv) {
     goto out_lock;
   }
   rc = rpc_server_create(p.loop, listen_addr, &p.server, err, sizeof err);
+  if (rc == 0 && use_tls)
+    rc = rpc_server_set_tls(p.server, &tls, err, sizeof err);
   if (rc == 0)
     rc = coord_register(p.coord, p.server);
   int port = 0;
@@ -421,6 +572,13 @@ static int run_coordinator(int argc, char **argv) {
   p.sigint.data = p.sigterm.data = &p;
   uv_signal_start(&p.sigint, on_coordinator_signal, SIGINT);
   uv_signal_start(&p.sigterm, on_coordinator_signal, SIGTERM);
+  if (!use_tls && !local)
+    LOG_WARNF("serving the control plane in plain text (--insecure): tokens and job data cross "
+              "the network readable by anyone on the path",
+              "address=%s", listen_addr);
+  if (sec.auth_file == NULL && !local)
+    LOG_WARNF("no principals configured (--insecure): every caller may do everything", "address=%s",
+              listen_addr);
   LOG_INFOF("coordinator listening",
             "address=%.*s:%d state_dir=%s checkpoint_dir=%s lease_ttl_ms=%d version=%s pid=%d",
             (int)(colon - listen_addr), listen_addr, port, co.state_dir, co.checkpoint_dir,
@@ -546,9 +704,11 @@ int main(int argc, char **argv) {
       {"device", required_argument, NULL, OPT_DEVICE},
       {"checkpoint-dir", required_argument, NULL, OPT_CHECKPOINT_DIR},
       {"checkpoint-timeout", required_argument, NULL, OPT_CHECKPOINT_TIMEOUT},
+      SECURITY_CLIENT_OPTIONS,
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
+  security_flags sec = {0};
   int c;
   while ((c = getopt_long(argc, argv, "h", long_options, NULL)) != -1) {
     switch (c) {
@@ -604,6 +764,8 @@ int main(int argc, char **argv) {
       usage(stdout);
       return 0;
     default:
+      if (security_option(c, optarg, &sec))
+        break;
       usage(stderr);
       return 2;
     }
@@ -691,6 +853,50 @@ int main(int argc, char **argv) {
   } else if (raw.coordinator != NULL) {
     fprintf(stderr, "zerod: --coordinator needs 'zerod node' (standalone runs its own)\n");
     return 2;
+  }
+  security_from_env(&sec);
+  int tls_flags = sec.tls_ca != NULL || sec.tls_cert != NULL || sec.tls_key != NULL ||
+                  sec.tls_server_name != NULL;
+  if (strcmp(mode, "node") != 0 && (tls_flags || sec.token_file != NULL)) {
+    fprintf(stderr,
+            "zerod: --tls-* and --auth-token-file are how 'zerod node' reaches its coordinator "
+            "(standalone's is in the same process)\n");
+    return 2;
+  }
+  if (strcmp(mode, "node") == 0) {
+    if (tls_flags) {
+      o->use_tls = 1;
+      if ((sec.tls_ca != NULL &&
+           snprintf(o->tls_ca, sizeof o->tls_ca, "%s", sec.tls_ca) >= (int)sizeof o->tls_ca) ||
+          (sec.tls_cert != NULL && snprintf(o->tls_cert, sizeof o->tls_cert, "%s", sec.tls_cert) >=
+                                       (int)sizeof o->tls_cert) ||
+          (sec.tls_key != NULL &&
+           snprintf(o->tls_key, sizeof o->tls_key, "%s", sec.tls_key) >= (int)sizeof o->tls_key) ||
+          (sec.tls_server_name != NULL &&
+           snprintf(o->tls_server_name, sizeof o->tls_server_name, "%s", sec.tls_server_name) >=
+               (int)sizeof o->tls_server_name))
+        return bad_value("--tls-*", "", "a path or name too long");
+    } else if (!rpc_address_is_local(o->coordinator) && !sec.insecure) {
+      fprintf(stderr,
+              "zerod: the coordinator %s is on another host: reach it over TLS (--tls-ca, and "
+              "--tls-cert/--tls-key for mutual TLS) or pass --insecure\n",
+              o->coordinator);
+      return 2;
+    }
+    /* The token comes from a file or the environment, never argv (which
+     * every user of the host can read in /proc). */
+    const char *token = getenv("ZEROD_AUTH_TOKEN");
+    if (sec.token_file != NULL) {
+      char err[PATH_MAX + 128];
+      if (rpc_read_token_file(sec.token_file, o->token, sizeof o->token, err, sizeof err) != 0) {
+        fprintf(stderr, "zerod: %s\n", err);
+        return 2;
+      }
+    } else if (token != NULL && token[0] != '\0') {
+      if (strlen(token) >= sizeof o->token)
+        return bad_value("ZEROD_AUTH_TOKEN", "...", "at most 512 bytes");
+      snprintf(o->token, sizeof o->token, "%s", token);
+    }
   }
   if (strcmp(mode, "node") == 0 && (raw.checkpoint_dir != NULL || raw.checkpoint_timeout != NULL)) {
     /* A node saves where its coordinator's orders say. */

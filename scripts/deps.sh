@@ -31,7 +31,7 @@ set -euo pipefail
 
 task=${1:-build}
 packages=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-  libgloo-dev libgrpc-dev libjansson-dev libxxhash-dev)
+  libgloo-dev libgrpc-dev libjansson-dev libxxhash-dev libssl-dev)
 case "$task" in
 build) ;;
 demo) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread) ;;
@@ -39,7 +39,7 @@ bench) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread pytho
   python3-protobuf protobuf-compiler protobuf-compiler-grpc) ;;
 test) packages+=(libcmocka-dev python3 python3-torch python3-numpy libopenblas0-pthread python3-pytest
   python3-venv python3-pip python3-setuptools python3-wheel python3-grpcio python3-protobuf
-  protobuf-compiler protobuf-compiler-grpc) ;;
+  protobuf-compiler protobuf-compiler-grpc openssl) ;;
 fuzz) packages+=(libcmocka-dev clang libclang-rt-dev) ;;
 *)
   echo "deps.sh: unknown task '$task' (build, test, demo, bench, fuzz)" >&2

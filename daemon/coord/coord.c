@@ -769,19 +769,59 @@ out:
 /* Request plumbing                                                         */
 /* ------------------------------------------------------------------------ */
 
+/* A call of a principal ended (rpc_call_on_free). */
+static void call_done(void *arg) {
+  unsigned *calls = arg;
+  (*calls)--;
+}
+
 void *coord__begin(coord *c, rpc_call *call, const char *path, const uint8_t *request,
                    size_t request_bytes) {
   if (c->shutting_down) {
     rpc_call_finish(call, RPC_UNAVAILABLE, "coordinator shutting down", NULL, 0);
     return NULL;
   }
-  ProtobufCMessage *msg = NULL;
   char err[512];
-  int status = ctl_decode(path, request, request_bytes, &msg, err, sizeof err);
+  coord_caller who;
+  int status = coord__identify(c, call, &who, err, sizeof err);
+  if (status != 0) {
+    LOG_WARNF("call refused", "method=%s peer=%s status=UNAUTHENTICATED reason=\"%s\"", path,
+              rpc_call_peer(call), err);
+    rpc_call_finish(call, status, err, NULL, 0);
+    return NULL;
+  }
+  ProtobufCMessage *msg = NULL;
+  status = ctl_decode(path, request, request_bytes, &msg, err, sizeof err);
   if (status != 0) {
     rpc_call_finish(call, status, err, NULL, 0);
     return NULL;
   }
+  char audit[512];
+  status = coord__authorize(c, &who, path, msg, audit, sizeof audit, err, sizeof err);
+  if (status != 0) {
+    LOG_WARNF("call refused", "method=%s principal=%s status=%s reason=\"%s\"", path, who.name,
+              rpc_status_name(status), err);
+    if (audit[0] != '\0')
+      rpc_call_audit(call, who.name, audit);
+    rpc_call_finish(call, status, err, NULL, 0);
+    ctl_free(msg);
+    return NULL;
+  }
+  /* Heartbeats are a node's lease: never held back by its other calls. */
+  if (who.index >= 0 && strcmp(path, CTL_HEARTBEAT) != 0) {
+    unsigned *calls = &c->calls[who.index];
+    if (*calls >= COORD_MAX_CALLS_PER_PRINCIPAL) {
+      coord__finish_error(call, RPC_RESOURCE_EXHAUSTED,
+                          "principal %s has %u calls in flight (at most %d)", who.name, *calls,
+                          COORD_MAX_CALLS_PER_PRINCIPAL);
+      ctl_free(msg);
+      return NULL;
+    }
+    (*calls)++;
+    rpc_call_on_free(call, call_done, calls);
+  }
+  if (audit[0] != '\0')
+    rpc_call_audit(call, who.name, audit);
   return msg;
 }
 
@@ -987,8 +1027,17 @@ static void on_get_view(rpc_call *call, const uint8_t *request, size_t request_b
   ProtobufCMessage *req = coord__begin(c, call, CTL_GET_VIEW, request, request_bytes);
   if (req == NULL)
     return;
+  coord_caller who;
+  char err[256];
+  coord__identify(c, call, &who, err, sizeof err);
   view_msg v;
   if (view_build(c, &v) == 0) {
+    /* A session is what Heartbeat, Leave and Watch take: only nodes and
+     * admins see them. */
+    if (who.role != AUTH_ADMIN && who.role != AUTH_NODE) {
+      for (size_t i = 0; i < v.view.n_members; i++)
+        v.members[i].session = 0;
+    }
     coord__finish_message(call, &v.view.base);
     view_free(&v);
   } else {
@@ -1095,8 +1144,8 @@ static int place_job(coord *c, const Zerod__V1__CreateJobRequest *req, const cha
  * token_as_given (an in-process create, whose workers attached without
  * one). Returns 0 with the job in *out, or an RPC status with the reason in
  * err and nothing changed. */
-static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, int token_as_given,
-                      const cjob **out, char *err, size_t err_bytes) {
+static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const char *tenant,
+                      int token_as_given, const cjob **out, char *err, size_t err_bytes) {
   long at = find_job_index(c, req->name);
   if (at >= 0) {
     snprintf(err, err_bytes, "job '%s' %s", req->name,
@@ -1154,6 +1203,7 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, int toke
   job.placement = placement_pointers;
   job.created_unix_ms = coord__unix_ms();
   job.epoch = 1;
+  job.tenant = (char *)tenant;
   /* Kept with the job (and so in the state file) only when it asks for
    * something: an all-zero policy is no policy. */
   const Zerod__V1__CheckpointPolicy *policy = req->checkpoint_policy;
@@ -1184,8 +1234,8 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, int toke
   memmove(&c->jobs[at + 1], &c->jobs[at], (c->njobs - (size_t)at) * sizeof *c->jobs);
   c->jobs[at] = j;
   c->njobs++;
-  LOG_INFOF("job created", "job=%s id=%" PRIu64 " nodes=%u ranks_per_node=%u", req->name,
-            j->msg->id, req->nodes, req->ranks_per_node);
+  LOG_INFOF("job created", "job=%s id=%" PRIu64 " nodes=%u ranks_per_node=%u tenant=%s", req->name,
+            j->msg->id, req->nodes, req->ranks_per_node, tenant);
   derive_job(c, j);
   coord__mark_job_watches(c, j);
   *out = j;
@@ -1197,9 +1247,14 @@ static void on_create_job(rpc_call *call, const uint8_t *request, size_t request
   Zerod__V1__CreateJobRequest *req = coord__begin(c, call, CTL_CREATE_JOB, request, request_bytes);
   if (req == NULL)
     return;
-  const cjob *j;
+  /* coord__begin let the caller make it: an admin names any tenant or
+   * none, a tenant its own (or none, meaning its own). */
+  coord_caller who;
   char err[PATH_MAX + 256];
-  int status = create_job(c, req, 0, &j, err, sizeof err);
+  coord__identify(c, call, &who, err, sizeof err);
+  const char *tenant = req->tenant[0] != '\0' ? req->tenant : who.tenant;
+  const cjob *j;
+  int status = create_job(c, req, tenant, 0, &j, err, sizeof err);
   if (status != 0) {
     coord__finish_error(call, status, "%s", err);
   } else {
@@ -1230,7 +1285,7 @@ int coord_create_job_local(coord *c, const char *name, const char *token,
   req.n_node_names = 1;
   req.node_names = nodes;
   const cjob *j;
-  int status = create_job(c, &req, 1, &j, err, err_bytes);
+  int status = create_job(c, &req, "", 1, &j, err, err_bytes);
   if (status == 0) {
     *id_out = j->msg->id;
     *epoch_out = j->epoch;
@@ -1254,6 +1309,19 @@ static void on_get_job(rpc_call *call, const uint8_t *request, size_t request_by
   ctl_free(&req->base);
 }
 
+/* ListJobs shows each caller the jobs it may read; a node, those placed
+ * on it. */
+static int job_listed_for(const coord_caller *who, const cjob *j) {
+  if (who->role == AUTH_NODE) {
+    for (size_t i = 0; i < j->msg->n_placement; i++) {
+      if (who->any_node || strcmp(who->name, j->msg->placement[i]->node) == 0)
+        return 1;
+    }
+    return 0;
+  }
+  return coord__may_read_job(who, j);
+}
+
 static void on_list_jobs(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
   ProtobufCMessage *req = coord__begin(c, call, CTL_LIST_JOBS, request, request_bytes);
@@ -1264,12 +1332,19 @@ static void on_list_jobs(rpc_call *call, const uint8_t *request, size_t request_
   if (views == NULL || pointers == NULL) {
     coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
   } else {
+    coord_caller who;
+    char err[256];
+    coord__identify(c, call, &who, err, sizeof err);
+    size_t n = 0;
     for (size_t i = 0; i < c->njobs; i++) {
-      job_view(c->jobs[i], &views[i]);
-      pointers[i] = &views[i];
+      if (!job_listed_for(&who, c->jobs[i]))
+        continue;
+      job_view(c->jobs[i], &views[n]);
+      pointers[n] = &views[n];
+      n++;
     }
     Zerod__V1__ListJobsReply reply = ZEROD__V1__LIST_JOBS_REPLY__INIT;
-    reply.n_jobs = c->njobs;
+    reply.n_jobs = n;
     reply.jobs = pointers;
     coord__finish_message(call, &reply.base);
   }
@@ -1621,6 +1696,18 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
   c->next_job_id = 1;
   snprintf(c->state_path, sizeof c->state_path, "%s/coordinator.pb", options->state_dir);
   snprintf(c->tmp_path, sizeof c->tmp_path, "%s/coordinator.pb.tmp", options->state_dir);
+  if (options->auth_file[0] != '\0') {
+    if ((rc = auth_load(options->auth_file, &c->auth, err, err_bytes)) != 0)
+      goto fail;
+    c->calls = calloc(auth_count(c->auth) ? auth_count(c->auth) : 1, sizeof *c->calls);
+    if (c->calls == NULL) {
+      snprintf(err, err_bytes, "out of memory");
+      rc = -ENOMEM;
+      goto fail;
+    }
+    LOG_INFOF("principals loaded", "path=%s principals=%zu", options->auth_file,
+              auth_count(c->auth));
+  }
 
   if (options->state_dir[0] == '\0')
     goto loaded; /* in memory only */
@@ -1675,6 +1762,8 @@ fail:
   for (size_t i = 0; i < c->njobs; i++)
     job_free(c, c->jobs[i]);
   free(c->jobs);
+  auth_free(c->auth);
+  free(c->calls);
   free(c);
   return rc;
 }
@@ -1704,6 +1793,11 @@ int coord_register(coord *c, rpc_server *server) {
     if (rc != 0)
       return rc;
   }
+  /* These answer while other clients flood the server (rpc.h). */
+  rpc_server_set_priority(server, CTL_HEALTH_CHECK);
+  rpc_server_set_priority(server, CTL_HEARTBEAT);
+  rpc_server_set_priority(server, CTL_JOIN);
+  rpc_server_set_priority(server, CTL_WATCH);
   return coord__ckpt_register(c, server);
 }
 
@@ -1737,5 +1831,7 @@ void coord_destroy(coord *c) {
   for (size_t i = 0; i < c->njobs; i++)
     job_free(c, c->jobs[i]);
   free(c->jobs);
+  auth_free(c->auth);
+  free(c->calls);
   free(c);
 }

@@ -48,6 +48,9 @@ typedef struct coord_options {
    * FAILED_PRECONDITION). */
   char checkpoint_dir[PATH_MAX];
   int checkpoint_timeout_ms; /* longest a save or restore may take; 0: 600 s */
+  /* The principals file (coord/auth.h, docs/security.md); "": none, and
+   * every caller may do everything (a loopback or --insecure setup). */
+  char auth_file[PATH_MAX];
 } coord_options;
 
 /* Loads the state directory (creating it if needed), removes what a crash

@@ -1535,6 +1535,7 @@ typedef struct list_work {
   rpc_call *call; /* NULL once the client went away */
   char dir[PATH_MAX];
   char job[CTL_NAME_MAX_BYTES + 1]; /* "": every job */
+  coord_caller who;                 /* sees the checkpoints of the jobs it may read */
   /* Out */
   int status;
   char message[256];
@@ -1648,24 +1649,30 @@ static void list_done(ckpt_work *base) {
     if (checkpoints == NULL || pointers == NULL || paths == NULL) {
       rpc_call_finish(w->call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory", NULL, 0);
     } else {
+      size_t n = 0;
       for (size_t i = 0; i < w->count; i++) {
         const listed *item = &w->items[i];
-        Zerod__V1__Checkpoint *out = &checkpoints[i];
+        /* A deleted job's checkpoints have no tenant left: an admin's. */
+        const cjob *j = coord__find_job(c, item->job);
+        if (!w->who.trusted &&
+            (j == NULL ? w->who.role != AUTH_ADMIN : !coord__may_read_job(&w->who, j)))
+          continue;
+        Zerod__V1__Checkpoint *out = &checkpoints[n];
         zerod__v1__checkpoint__init(out);
-        snprintf(paths[i], sizeof paths[i], "%s/%s/%s", c->options.checkpoint_dir, item->job,
+        snprintf(paths[n], sizeof paths[n], "%s/%s/%s", c->options.checkpoint_dir, item->job,
                  item->name);
         out->job = (char *)item->job;
         out->name = (char *)item->name;
-        out->path = paths[i];
+        out->path = paths[n];
         out->step = item->step;
         out->world_size = item->world_size;
         out->bytes = item->bytes;
         out->created_unix_ms = item->created_unix_ms;
         out->job_id = item->job_id;
-        pointers[i] = out;
+        pointers[n++] = out;
       }
       Zerod__V1__ListCheckpointsReply reply = ZEROD__V1__LIST_CHECKPOINTS_REPLY__INIT;
-      reply.n_checkpoints = w->count;
+      reply.n_checkpoints = n;
       reply.checkpoints = pointers;
       coord__finish_message(w->call, &reply.base);
     }
@@ -1703,6 +1710,8 @@ static void on_list(rpc_call *call, const uint8_t *request, size_t request_bytes
     w->call = call;
     snprintf(w->dir, sizeof w->dir, "%s", c->options.checkpoint_dir);
     snprintf(w->job, sizeof w->job, "%s", req->job);
+    char err[256];
+    coord__identify(c, call, &w->who, err, sizeof err);
     rpc_call_set_cancel(call, on_list_cancelled, w);
     queue_work(c, &w->base);
   }

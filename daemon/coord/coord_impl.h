@@ -13,6 +13,7 @@
 
 #include <stdint.h>
 
+#include "auth.h"
 #include "coord.h"
 
 /* Limits (docs/control-plane.md, "Limits"). */
@@ -28,6 +29,9 @@
 #define COORD_SWEEP_MAX_MS     250
 #define COORD_REASON_BYTES     1024
 #define COORD_TOKEN_HEX_DIGITS 32
+/* Calls one principal may have in flight (heartbeats aside); more are
+ * answered RESOURCE_EXHAUSTED (docs/security.md, "Exhaustion"). */
+#define COORD_MAX_CALLS_PER_PRINCIPAL 1024
 
 /* What a member's last heartbeat said about one job. */
 typedef struct job_report {
@@ -122,6 +126,11 @@ struct coord {
   uint64_t next_order_id;
   unsigned ckpt_work; /* thread-pool requests not yet completed */
 
+  /* Principals (--auth-file); NULL: none configured, every caller is
+   * trusted. calls[i]: calls in flight of principal i. */
+  auth_table *auth;
+  unsigned *calls;
+
   uv_timer_t lease_timer; /* the lease sweep */
   uv_timer_t flush_timer; /* sends the dirty Watch streams their events */
   int open_handles;
@@ -145,6 +154,36 @@ void coord__finish_error(rpc_call *call, int status, const char *fmt, ...)
  * coordinator shuts down) answers the call and returns NULL. */
 void *coord__begin(coord *c, rpc_call *call, const char *path, const uint8_t *request,
                    size_t request_bytes);
+
+/* The caller of a call as the policy sees it (authz.c). */
+typedef struct coord_caller {
+  auth_role role;
+  /* Every check passes: a caller on the Unix socket (whose mode is the
+   * access control), or any caller when no principals are configured. */
+  int trusted;
+  int any_node; /* a node principal named "*" */
+  long index;   /* the principal's index in the table, or -1 */
+  char name[AUTH_NAME_MAX_BYTES + 1];
+  char tenant[AUTH_NAME_MAX_BYTES + 1];
+} coord_caller;
+
+/* Identifies the caller of call from its bearer token or its verified
+ * client certificate. Returns 0, or RPC_UNAUTHENTICATED with the reason
+ * in err (no credentials, an unknown token or certificate). */
+int coord__identify(coord *c, rpc_call *call, coord_caller *out, char *err, size_t err_bytes);
+
+/* Decides whether who may make the request msg of the method at path
+ * (the rules: authz.c). Returns 0 or RPC_PERMISSION_DENIED with the
+ * reason in err. audit receives what a changing call is about ("job=x"),
+ * "" for a call that changes nothing. */
+int coord__authorize(coord *c, const coord_caller *who, const char *path,
+                     const ProtobufCMessage *msg, char *audit, size_t audit_bytes, char *err,
+                     size_t err_bytes);
+
+/* Whether who may read (get, list, export) or own (delete, save,
+ * restore) job j. */
+int coord__may_read_job(const coord_caller *who, const cjob *j);
+int coord__may_own_job(const coord_caller *who, const cjob *j);
 
 member *coord__find_member(const coord *c, const char *name);
 cjob *coord__find_job(const coord *c, const char *name);

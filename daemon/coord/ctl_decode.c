@@ -337,6 +337,8 @@ static int check_create_job(const ProtobufCMessage *msg, char *err, size_t err_b
     rc = check_token(r->token, 1, err, err_bytes);
   if (rc != 0)
     return rc;
+  if (r->tenant[0] != '\0' && !ctl_valid_job_dir_name(r->tenant))
+    return fail(err, err_bytes, "tenant must be 1..64 of [A-Za-z0-9._-], not '.' or '..'");
   if (r->n_node_names != 0 && r->n_node_names != r->nodes)
     return fail(err, err_bytes, "node_names lists %zu nodes but nodes is %u", r->n_node_names,
                 r->nodes);
@@ -610,6 +612,8 @@ int ctl_check_stored_job(const Zerod__V1__StoredJob *stored, char *err, size_t e
     return fail(err, err_bytes, "job '%s': %s", j->name, inner);
   if (j->id == 0)
     return fail(err, err_bytes, "job '%s' has id 0", j->name);
+  if (j->tenant[0] != '\0' && !ctl_valid_job_dir_name(j->tenant))
+    return fail(err, err_bytes, "job '%s' has an invalid tenant", j->name);
   if (j->world_size != j->nodes * j->ranks_per_node || j->n_placement != j->nodes)
     return fail(err, err_bytes, "job '%s': world and placement disagree", j->name);
   for (size_t i = 0; i < j->n_placement; i++) {

@@ -10,6 +10,7 @@
 #include <uv.h>
 
 #include "exec.h"
+#include "rpc.h"
 #include "job.h"
 #include "reader.h"
 #include "store.h"
@@ -30,6 +31,13 @@ typedef struct daemon_options {
   char coordinator[256];
   char node_name[65];
   char comm_host[256];
+  /* zerod node: how it reaches the coordinator (docs/security.md). TLS
+   * when use_tls (tls_ca "": the system's roots; tls_cert and tls_key "":
+   * no client certificate); token "": none. */
+  int use_tls;
+  char tls_ca[PATH_MAX], tls_cert[PATH_MAX], tls_key[PATH_MAX];
+  char tls_server_name[256];
+  char token[RPC_MAX_TOKEN_BYTES + 1];
 } daemon_options;
 
 struct session;

@@ -40,6 +40,7 @@
 #include <grpc/support/time.h>
 
 #include "log.h"
+#include "tls.h"
 
 /* Bounds. Method paths are short ASCII names; a daemon serves a few dozen
  * methods; status messages are one line for a human. */
@@ -55,10 +56,8 @@
 /* A client reconnects to a restarted daemon within this, instead of gRPC's
  * default backoff that grows to two minutes. */
 #define RPC_MAX_RECONNECT_MS 5000
-/* Calls in flight on one server (armed requests included); more are
- * answered RESOURCE_EXHAUSTED at once. Watch streams are long-lived, so
- * this is far above what a cluster's workers and tools hold open. */
-#define RPC_MAX_CALLS 4096
+/* Audit lines carry who and what; longer values are cut. */
+#define RPC_MAX_AUDIT_BYTES 256
 
 static const char *const status_names[] = {
     "OK",
@@ -182,6 +181,79 @@ static void message_limit_args(grpc_arg *arg_storage, size_t *n_args) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Credentials from rpc_tls (tls.h)                                         */
+/* ------------------------------------------------------------------------ */
+
+static int tls_set(const char *s) {
+  return s != NULL && s[0] != '\0';
+}
+
+static int server_credentials(const rpc_tls *tls, grpc_server_credentials **out, char *err,
+                              size_t err_bytes) {
+  *out = NULL;
+  if (!tls_set(tls->cert_file) || !tls_set(tls->key_file)) {
+    snprintf(err, err_bytes, "TLS needs both a certificate and its key");
+    return -EINVAL;
+  }
+  if (tls->require_client_cert && !tls_set(tls->ca_file)) {
+    snprintf(err, err_bytes, "mutual TLS needs the CA that signs client certificates");
+    return -EINVAL;
+  }
+  char *cert = NULL, *key = NULL, *ca = NULL;
+  int rc = tls_read_pem(tls->cert_file, "certificate", &cert, err, err_bytes);
+  if (rc == 0)
+    rc = tls_read_pem(tls->key_file, "private key", &key, err, err_bytes);
+  if (rc == 0 && tls_set(tls->ca_file))
+    rc = tls_read_pem(tls->ca_file, "client CA", &ca, err, err_bytes);
+  if (rc == 0) {
+    grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
+    grpc_ssl_client_certificate_request_type request =
+        ca == NULL                 ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+        : tls->require_client_cert ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                   : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY;
+    *out = grpc_ssl_server_credentials_create_ex(ca, &pair, 1, request, NULL);
+    if (*out == NULL) {
+      snprintf(err, err_bytes, "gRPC refused the TLS material (%s, %s)", tls->cert_file,
+               tls->key_file);
+      rc = -EINVAL;
+    }
+  }
+  free(cert);
+  free(key);
+  free(ca);
+  return rc;
+}
+
+static int channel_credentials(const rpc_tls *tls, grpc_channel_credentials **out, char *err,
+                               size_t err_bytes) {
+  *out = NULL;
+  if (tls_set(tls->cert_file) != tls_set(tls->key_file)) {
+    snprintf(err, err_bytes, "a client certificate needs its key, and a key its certificate");
+    return -EINVAL;
+  }
+  char *cert = NULL, *key = NULL, *ca = NULL;
+  int rc = 0;
+  if (tls_set(tls->ca_file))
+    rc = tls_read_pem(tls->ca_file, "CA certificate", &ca, err, err_bytes);
+  if (rc == 0 && tls_set(tls->cert_file))
+    rc = tls_read_pem(tls->cert_file, "certificate", &cert, err, err_bytes);
+  if (rc == 0 && tls_set(tls->key_file))
+    rc = tls_read_pem(tls->key_file, "private key", &key, err, err_bytes);
+  if (rc == 0) {
+    grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
+    *out = grpc_ssl_credentials_create(ca, cert != NULL ? &pair : NULL, NULL, NULL);
+    if (*out == NULL) {
+      snprintf(err, err_bytes, "gRPC refused the TLS material");
+      rc = -EINVAL;
+    }
+  }
+  free(cert);
+  free(key);
+  free(ca);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------ */
 /* Server: types                                                            */
 /* ------------------------------------------------------------------------ */
 
@@ -210,6 +282,7 @@ typedef struct rpc_method {
   rpc_kind kind;
   rpc_handler handler;
   void *arg;
+  int priority; /* may use the reserved calls (rpc_server_set_priority) */
 } rpc_method;
 
 typedef enum server_state {
@@ -227,6 +300,7 @@ struct rpc_server {
   rpc_method methods[RPC_MAX_METHODS];
   unsigned method_count;
   server_state state;
+  grpc_server_credentials *creds; /* rpc_server_set_tls; NULL: plain */
 
   grpc_server *server;
   grpc_completion_queue *cq;
@@ -259,6 +333,12 @@ struct rpc_call {
   const rpc_method *method; /* NULL: unknown method */
   char *peer;               /* gpr_malloc'd by gRPC */
   gpr_timespec deadline;    /* monotonic; tv_sec INT64_MAX when none */
+  rpc_transport transport;
+  char cert_name[256]; /* the verified client certificate's CN, or "" */
+  char *audit_who;     /* rpc_call_audit; NULL: not audited */
+  char *audit_what;
+  void (*on_free)(void *arg);
+  void *on_free_arg;
 
   rpc_tag tag_new, tag_request, tag_close, tag_write, tag_status;
   unsigned outstanding; /* batches started whose tag is not yet handled */
@@ -315,6 +395,11 @@ static void call_drop_writes(rpc_call *call) {
 
 static void call_free(rpc_call *call) {
   rpc_server *s = call->server;
+
+  if (call->on_free != NULL)
+    call->on_free(call->on_free_arg);
+  free(call->audit_who);
+  free(call->audit_what);
 
   if (call->call != NULL)
     grpc_call_unref(call->call);
@@ -490,6 +575,39 @@ static const rpc_method *server_find_method(const rpc_server *s, grpc_slice path
   return NULL;
 }
 
+/* Reads what the transport knows of the caller: Unix socket, plain TCP
+ * or TLS, and over TLS the common name of a client certificate gRPC has
+ * verified (GRPC_SSL_REQUEST_*_AND_VERIFY: a certificate that does not
+ * verify never gets this far). */
+static void call_read_auth(rpc_call *call) {
+  call->transport = RPC_TRANSPORT_PLAIN;
+  call->cert_name[0] = '\0';
+  if (call->peer != NULL && strncmp(call->peer, "unix:", 5) == 0) {
+    call->transport = RPC_TRANSPORT_UNIX;
+    return;
+  }
+  grpc_auth_context *ctx = grpc_call_auth_context(call->call);
+  if (ctx == NULL)
+    return;
+  grpc_auth_property_iterator it =
+      grpc_auth_context_find_properties_by_name(ctx, GRPC_TRANSPORT_SECURITY_TYPE_PROPERTY_NAME);
+  const grpc_auth_property *p = grpc_auth_property_iterator_next(&it);
+  if (p != NULL && p->value_length == strlen(GRPC_SSL_TRANSPORT_SECURITY_TYPE) &&
+      memcmp(p->value, GRPC_SSL_TRANSPORT_SECURITY_TYPE, p->value_length) == 0) {
+    call->transport = RPC_TRANSPORT_TLS;
+    it = grpc_auth_context_find_properties_by_name(ctx, GRPC_X509_CN_PROPERTY_NAME);
+    p = grpc_auth_property_iterator_next(&it);
+    /* A name with a NUL inside, or one too long to be a principal's, is
+     * no name: the call is then as one without a certificate. */
+    if (p != NULL && p->value_length > 0 && p->value_length < sizeof call->cert_name &&
+        memchr(p->value, '\0', p->value_length) == NULL) {
+      memcpy(call->cert_name, p->value, p->value_length);
+      call->cert_name[p->value_length] = '\0';
+    }
+  }
+  grpc_auth_context_release(ctx);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Server: events                                                           */
 /* ------------------------------------------------------------------------ */
@@ -515,6 +633,7 @@ static void on_new_call(rpc_call *call, int success) {
   else
     call->deadline = gpr_convert_clock_type(deadline, GPR_CLOCK_MONOTONIC);
   call->method = server_find_method(s, call->details.method);
+  call_read_auth(call);
 
   /* RECV_CLOSE_ON_SERVER goes first and alone: it completes when the call
    * ends for any reason, which is how a cancellation is noticed while the
@@ -535,10 +654,13 @@ static void on_new_call(rpc_call *call, int success) {
     return;
   }
 
-  if (s->live_calls > RPC_MAX_CALLS) {
+  unsigned limit = RPC_MAX_CALLS;
+  if (call->method != NULL && call->method->priority)
+    limit += RPC_RESERVED_CALLS;
+  if (s->live_calls > limit) {
     char message[96];
     snprintf(message, sizeof message, "server busy: %u calls in flight", s->live_calls);
-    LOG_WARNF("rpc call refused", "reason=busy calls=%u limit=%d", s->live_calls, RPC_MAX_CALLS);
+    LOG_WARNF("rpc call refused", "reason=busy calls=%u limit=%u", s->live_calls, limit);
     call_set_status(call, RPC_RESOURCE_EXHAUSTED, message);
     call_send_status(call);
     return;
@@ -827,6 +949,39 @@ int rpc_server_add_method(rpc_server *s, const char *path, rpc_kind kind, rpc_ha
   return 0;
 }
 
+int rpc_server_set_priority(rpc_server *s, const char *path) {
+  if (s == NULL || path == NULL)
+    return -EINVAL;
+  size_t path_bytes = strlen(path);
+  for (unsigned i = 0; i < s->method_count; i++) {
+    if (s->methods[i].path_bytes == path_bytes &&
+        memcmp(s->methods[i].path, path, path_bytes) == 0) {
+      s->methods[i].priority = 1;
+      return 0;
+    }
+  }
+  return -ENOENT;
+}
+
+int rpc_server_set_tls(rpc_server *s, const rpc_tls *tls, char *err, size_t err_bytes) {
+  if (s == NULL || tls == NULL) {
+    snprintf(err, err_bytes, "rpc server: no TLS settings");
+    return -EINVAL;
+  }
+  if (s->state != SERVER_CREATED) {
+    snprintf(err, err_bytes, "rpc server %s: TLS must be set before it starts", s->addr);
+    return -EBUSY;
+  }
+  grpc_server_credentials *creds;
+  int rc = server_credentials(tls, &creds, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (s->creds != NULL)
+    grpc_server_credentials_release(s->creds);
+  s->creds = creds;
+  return 0;
+}
+
 int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes) {
   int rc;
 
@@ -869,7 +1024,7 @@ int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes) {
     goto fail_thread_not_started;
   }
 
-  grpc_arg args[3];
+  grpc_arg args[8];
   size_t n_args;
   message_limit_args(args, &n_args);
   /* Without this, a second daemon on the same port would bind too and
@@ -878,13 +1033,33 @@ int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes) {
   args[n_args].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
   args[n_args].value.integer = 0;
   n_args++;
+  args[n_args].type = GRPC_ARG_INTEGER;
+  args[n_args].key = (char *)GRPC_ARG_MAX_CONCURRENT_STREAMS;
+  args[n_args].value.integer = RPC_MAX_STREAMS_PER_CONNECTION;
+  n_args++;
+  args[n_args].type = GRPC_ARG_INTEGER;
+  args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_TIME_MS;
+  args[n_args].value.integer = RPC_KEEPALIVE_MS;
+  n_args++;
+  args[n_args].type = GRPC_ARG_INTEGER;
+  args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_TIMEOUT_MS;
+  args[n_args].value.integer = RPC_KEEPALIVE_TIMEOUT_MS;
+  n_args++;
+  /* Watch streams and waiting Gets send nothing for long stretches: the
+   * server's pings must be allowed then too. */
+  args[n_args].type = GRPC_ARG_INTEGER;
+  args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS;
+  args[n_args].value.integer = 1;
+  n_args++;
   grpc_channel_args channel_args = {.num_args = n_args, .args = args};
 
   s->server = grpc_server_create(&channel_args, NULL);
   grpc_server_register_completion_queue(s->server, s->cq, NULL);
-  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  grpc_server_credentials *creds =
+      s->creds != NULL ? s->creds : grpc_insecure_server_credentials_create();
   int bound_port = grpc_server_add_http2_port(s->server, s->addr, creds);
-  grpc_server_credentials_release(creds);
+  if (creds != s->creds)
+    grpc_server_credentials_release(creds);
   if (bound_port == 0) {
     snprintf(err, err_bytes, "rpc server: cannot listen on %s (in use, or a bad address)", s->addr);
     rc = -EADDRINUSE;
@@ -904,8 +1079,8 @@ int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes) {
   }
   if (port != NULL)
     *port = bound_port;
-  LOG_INFOF("rpc server listening", "addr=%s port=%d methods=%u", s->addr, bound_port,
-            s->method_count);
+  LOG_INFOF("rpc server listening", "addr=%s port=%d methods=%u transport=%s", s->addr, bound_port,
+            s->method_count, s->creds != NULL ? "tls" : "plain");
   return 0;
 
 fail_thread_started:
@@ -966,6 +1141,8 @@ void rpc_server_destroy(rpc_server *s) {
     LOG_ERRORF("rpc server destroyed before its shutdown finished; leaking it", "addr=%s", s->addr);
     return;
   }
+  if (s->creds != NULL)
+    grpc_server_credentials_release(s->creds);
   uv_mutex_destroy(&s->lock);
   free(s);
   grpc_shutdown(); /* balances rpc_server_create */
@@ -984,6 +1161,16 @@ void rpc_call_finish(rpc_call *call, int status, const char *message, const void
     return;
   }
   call->finished = 1;
+  if (call->audit_who != NULL) {
+    char quoted[RPC_MAX_STATUS_BYTES];
+    LOG_INFOF("audit", "method=%s principal=%s %s status=%s message=%s", call->method->path,
+              call->audit_who, call->audit_what,
+              call->cancelled ? "CANCELLED" : rpc_status_name(status),
+              log_quote(call->cancelled   ? "cancelled by the client"
+                        : message != NULL ? message
+                                          : "",
+                        quoted, sizeof quoted));
+  }
   if (call->cancelled) {
     call_maybe_free(call);
     return;
@@ -1053,12 +1240,70 @@ const char *rpc_call_peer(const rpc_call *call) {
   return call->peer != NULL ? call->peer : "unknown";
 }
 
+rpc_transport rpc_call_transport(const rpc_call *call) {
+  return call->transport;
+}
+
+const char *rpc_call_cert_name(const rpc_call *call) {
+  return call->cert_name;
+}
+
+int rpc_call_metadata(const rpc_call *call, const char *key, char *out, size_t out_bytes) {
+  size_t key_bytes = strlen(key);
+  for (size_t i = 0; i < call->request_metadata.count; i++) {
+    const grpc_metadata *md = &call->request_metadata.metadata[i];
+    if (GRPC_SLICE_LENGTH(md->key) != key_bytes ||
+        memcmp(GRPC_SLICE_START_PTR(md->key), key, key_bytes) != 0)
+      continue;
+    size_t n = GRPC_SLICE_LENGTH(md->value);
+    if (n >= out_bytes)
+      return -E2BIG;
+    if (memchr(GRPC_SLICE_START_PTR(md->value), '\0', n) != NULL)
+      return -EBADMSG;
+    memcpy(out, GRPC_SLICE_START_PTR(md->value), n);
+    out[n] = '\0';
+    return (int)n;
+  }
+  return -ENOENT;
+}
+
+static char *dup_bounded(const char *s) {
+  size_t n = strnlen(s != NULL ? s : "", RPC_MAX_AUDIT_BYTES);
+  char *copy = malloc(n + 1);
+  if (copy != NULL) {
+    memcpy(copy, s != NULL ? s : "", n);
+    copy[n] = '\0';
+  }
+  return copy;
+}
+
+void rpc_call_audit(rpc_call *call, const char *who, const char *what) {
+  free(call->audit_who);
+  free(call->audit_what);
+  call->audit_who = dup_bounded(who);
+  call->audit_what = dup_bounded(what);
+  if (call->audit_who == NULL || call->audit_what == NULL) {
+    LOG_ERRORF("audit line lost (out of memory)", "method=%s principal=%s", call->method->path,
+               who);
+    free(call->audit_who);
+    free(call->audit_what);
+    call->audit_who = call->audit_what = NULL;
+  }
+}
+
+void rpc_call_on_free(rpc_call *call, void (*fn)(void *arg), void *arg) {
+  call->on_free = fn;
+  call->on_free_arg = arg;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Client                                                                   */
 /* ------------------------------------------------------------------------ */
 
 struct rpc_channel {
   grpc_channel *channel;
+  grpc_metadata auth; /* "authorization: Bearer ..." */
+  size_t n_auth;      /* 1 when auth is set */
 };
 
 struct rpc_stream {
@@ -1117,7 +1362,31 @@ static void pluck_queue_destroy(grpc_completion_queue *cq) {
 }
 
 int rpc_channel_create(const char *target, rpc_channel **out, char *err, size_t err_bytes) {
+  return rpc_channel_create_with(target, NULL, out, err, err_bytes);
+}
+
+/* A token goes into an HTTP/2 header: printable ASCII only. */
+static int token_valid(const char *token) {
+  size_t n = strlen(token);
+  if (n > RPC_MAX_TOKEN_BYTES)
+    return 0;
+  for (size_t i = 0; i < n; i++) {
+    if (token[i] < 0x21 || token[i] > 0x7e)
+      return 0;
+  }
+  return 1;
+}
+
+int rpc_channel_create_with(const char *target, const rpc_channel_options *options,
+                            rpc_channel **out, char *err, size_t err_bytes) {
   *out = NULL;
+  const char *token = options != NULL ? options->token : NULL;
+  if (token != NULL && token[0] != '\0' && !token_valid(token)) {
+    snprintf(err, err_bytes,
+             "rpc channel: the token must be 1..%d bytes of printable ASCII without spaces",
+             RPC_MAX_TOKEN_BYTES);
+    return -EINVAL;
+  }
   if (target == NULL || target[0] == '\0' || strlen(target) >= RPC_MAX_ADDR_BYTES) {
     snprintf(err, err_bytes, "rpc channel: target missing or longer than %d bytes",
              RPC_MAX_ADDR_BYTES - 1);
@@ -1130,15 +1399,32 @@ int rpc_channel_create(const char *target, rpc_channel **out, char *err, size_t 
   }
 
   grpc_init_logged(); /* balanced in rpc_channel_destroy */
-  grpc_arg args[3];
+  grpc_arg args[4];
   size_t n_args;
   message_limit_args(args, &n_args);
   args[n_args].type = GRPC_ARG_INTEGER;
   args[n_args].key = (char *)GRPC_ARG_MAX_RECONNECT_BACKOFF_MS;
   args[n_args].value.integer = RPC_MAX_RECONNECT_MS;
   n_args++;
+  const rpc_tls *tls = options != NULL ? options->tls : NULL;
+  if (tls != NULL && tls->server_name != NULL && tls->server_name[0] != '\0') {
+    args[n_args].type = GRPC_ARG_STRING;
+    args[n_args].key = (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+    args[n_args].value.string = (char *)tls->server_name;
+    n_args++;
+  }
   grpc_channel_args channel_args = {.num_args = n_args, .args = args};
-  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  grpc_channel_credentials *creds = NULL;
+  if (tls != NULL) {
+    int rc = channel_credentials(tls, &creds, err, err_bytes);
+    if (rc != 0) {
+      free(ch);
+      grpc_shutdown();
+      return rc;
+    }
+  } else {
+    creds = grpc_insecure_credentials_create();
+  }
   ch->channel = grpc_channel_create(target, creds, &channel_args);
   grpc_channel_credentials_release(creds);
   if (ch->channel == NULL) {
@@ -1146,6 +1432,13 @@ int rpc_channel_create(const char *target, rpc_channel **out, char *err, size_t 
     free(ch);
     grpc_shutdown();
     return -EINVAL;
+  }
+  if (token != NULL && token[0] != '\0') {
+    char value[RPC_MAX_TOKEN_BYTES + 8];
+    snprintf(value, sizeof value, "Bearer %s", token);
+    ch->auth.key = grpc_slice_from_static_string("authorization");
+    ch->auth.value = grpc_slice_from_copied_string(value);
+    ch->n_auth = 1;
   }
   *out = ch;
   return 0;
@@ -1155,6 +1448,8 @@ void rpc_channel_destroy(rpc_channel *ch) {
   if (ch == NULL)
     return;
   grpc_channel_destroy(ch->channel);
+  if (ch->n_auth > 0)
+    grpc_slice_unref(ch->auth.value);
   free(ch);
   grpc_shutdown();
 }
@@ -1200,6 +1495,8 @@ int rpc_unary(rpc_channel *ch, const char *method, const void *request, size_t r
   grpc_op ops[6];
   memset(ops, 0, sizeof ops);
   ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[0].data.send_initial_metadata.count = ch->n_auth;
+  ops[0].data.send_initial_metadata.metadata = ch->n_auth > 0 ? &ch->auth : NULL;
   ops[1].op = GRPC_OP_SEND_MESSAGE;
   ops[1].data.send_message.send_message = request_buffer;
   ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -1287,6 +1584,8 @@ int rpc_stream_open(rpc_channel *ch, const char *method, const void *request, si
   grpc_op ops[4];
   memset(ops, 0, sizeof ops);
   ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[0].data.send_initial_metadata.count = ch->n_auth;
+  ops[0].data.send_initial_metadata.metadata = ch->n_auth > 0 ? &ch->auth : NULL;
   ops[1].op = GRPC_OP_SEND_MESSAGE;
   ops[1].data.send_message.send_message = request_buffer;
   ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;

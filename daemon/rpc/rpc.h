@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "tls.h"
+
 enum {
   RPC_OK = 0,
   RPC_CANCELLED = 1,
@@ -50,6 +52,22 @@ enum {
 /* Largest message either side sends or accepts (requests over it fail
  * with RESOURCE_EXHAUSTED before a handler sees them). */
 #define RPC_MAX_MESSAGE_BYTES (4u << 20)
+
+/* Calls in flight on one server (docs/security.md, "Exhaustion"): more are
+ * answered RESOURCE_EXHAUSTED at once, except calls of priority methods
+ * (rpc_server_set_priority), which may use RPC_RESERVED_CALLS more, so
+ * that health checks and node heartbeats answer while others flood. */
+#define RPC_MAX_CALLS      4096
+#define RPC_RESERVED_CALLS 1024
+/* Streams one client connection may have open at once (HTTP/2
+ * SETTINGS_MAX_CONCURRENT_STREAMS): a gRPC client queues the rest until
+ * one ends, so one connection cannot take every call slot. */
+#define RPC_MAX_STREAMS_PER_CONNECTION 100
+/* The server pings a connection idle this long, and closes it when the
+ * ping is not answered within RPC_KEEPALIVE_TIMEOUT_MS: a peer that
+ * vanished (a node whose host died) does not hold its calls for ever. */
+#define RPC_KEEPALIVE_MS         30000
+#define RPC_KEEPALIVE_TIMEOUT_MS 10000
 
 /* Returns the canonical name of a status code ("NOT_FOUND"), or "UNKNOWN". */
 const char *rpc_status_name(int code);
@@ -75,8 +93,9 @@ typedef void (*rpc_handler)(rpc_call *call, const uint8_t *request, size_t reque
 typedef void (*rpc_cancel_cb)(rpc_call *call, void *arg);
 
 /* Creates a server that will listen on addr ("0.0.0.0:7070", "127.0.0.1:0"
- * for any free port). Insecure credentials (TLS is a later issue).
- * Returns 0 or a negative errno with a message in err. */
+ * for any free port, "unix:/path"). Plain (insecure) transport unless
+ * rpc_server_set_tls is called before rpc_server_start. Returns 0 or a
+ * negative errno with a message in err. */
 int rpc_server_create(uv_loop_t *loop, const char *addr, rpc_server **out, char *err,
                       size_t err_bytes);
 
@@ -84,6 +103,17 @@ int rpc_server_create(uv_loop_t *loop, const char *addr, rpc_server **out, char 
  * rpc_server_start. Calls to unregistered methods get UNIMPLEMENTED. */
 int rpc_server_add_method(rpc_server *s, const char *path, rpc_kind kind, rpc_handler handler,
                           void *arg);
+
+/* Marks a registered method as one that must keep answering while other
+ * clients flood the server (health checks, node heartbeats): its calls
+ * may use RPC_RESERVED_CALLS calls beyond RPC_MAX_CALLS. */
+int rpc_server_set_priority(rpc_server *s, const char *path);
+
+/* Serves with TLS (mutual TLS with tls->ca_file and
+ * tls->require_client_cert) instead of plain transport. Before
+ * rpc_server_start. Returns 0 or a negative errno with a message in err
+ * (an unreadable file, a missing key). */
+int rpc_server_set_tls(rpc_server *s, const rpc_tls *tls, char *err, size_t err_bytes);
 
 /* Binds, starts the completion-queue thread and begins accepting calls.
  * *port receives the bound port (useful with port 0). On failure the
@@ -132,16 +162,57 @@ int64_t rpc_call_remaining_ms(const rpc_call *call);
 /* The peer's address as gRPC reports it ("ipv4:127.0.0.1:51234"). */
 const char *rpc_call_peer(const rpc_call *call);
 
+/* How the call came in: over a Unix socket, over TCP in plain text, or
+ * over TLS; and, over TLS, the subject common name of the client's
+ * certificate, which gRPC has verified against the server's client CA
+ * ("" when the client sent none). */
+typedef enum rpc_transport {
+  RPC_TRANSPORT_PLAIN = 0,
+  RPC_TRANSPORT_UNIX = 1,
+  RPC_TRANSPORT_TLS = 2,
+} rpc_transport;
+rpc_transport rpc_call_transport(const rpc_call *call);
+const char *rpc_call_cert_name(const rpc_call *call);
+
+/* Copies the value of the request metadata key (lower case, e.g.
+ * "authorization") into out with a NUL. Returns its length, -ENOENT when
+ * the call has no such key, -E2BIG when it does not fit, -EBADMSG when the
+ * value holds a NUL byte. With several values, the first. */
+int rpc_call_metadata(const rpc_call *call, const char *key, char *out, size_t out_bytes);
+
+/* Marks the call for the audit log: when it is finished (or cancelled),
+ * one line "audit" is logged with the method, who (a principal), what (the
+ * object: "job=x"), the status and its message. who and what are copied. */
+void rpc_call_audit(rpc_call *call, const char *who, const char *what);
+
+/* fn(arg) runs once, on the loop thread, when the call is freed (after
+ * rpc_call_finish, or after its cancellation). One per call; for
+ * per-client accounting of calls in flight. */
+void rpc_call_on_free(rpc_call *call, void (*fn)(void *arg), void *arg);
+
 /* ------------------------------------------------------------------------ */
 /* Client                                                                   */
 /* ------------------------------------------------------------------------ */
 
 typedef struct rpc_channel rpc_channel;
 
-/* target: "host:port" (insecure). Returns 0 or a negative errno. The channel
- * connects lazily; every call may be made from any thread. Destroy it only
- * after its calls have returned and its streams are closed. */
+/* target: "host:port" or "unix:PATH", plain transport, no credentials.
+ * Returns 0 or a negative errno. The channel connects lazily; every call
+ * may be made from any thread. Destroy it only after its calls have
+ * returned and its streams are closed. */
 int rpc_channel_create(const char *target, rpc_channel **out, char *err, size_t err_bytes);
+
+typedef struct rpc_channel_options {
+  const rpc_tls *tls; /* NULL: plain transport */
+  /* Sent as "authorization: Bearer TOKEN" with every call; NULL or "":
+   * none. At most RPC_MAX_TOKEN_BYTES of printable ASCII. */
+  const char *token;
+} rpc_channel_options;
+
+/* As rpc_channel_create, with TLS and a bearer token (options may be
+ * NULL). A TLS file that cannot be read fails here. */
+int rpc_channel_create_with(const char *target, const rpc_channel_options *options,
+                            rpc_channel **out, char *err, size_t err_bytes);
 void rpc_channel_destroy(rpc_channel *ch);
 
 /* The result of a call: status code, the server's message (or gRPC's own,

@@ -1,0 +1,78 @@
+/* auth: who a control-plane caller is (docs/security.md).
+ *
+ * The coordinator knows its principals from a file (--auth-file), one per
+ * line:
+ *
+ *   # name     role    tenant   credential
+ *   ops        admin   -        token-sha256:<64 hex digits>
+ *   alice      tenant  team-a   token-sha256:<64 hex digits>
+ *   dash       reader  team-a   cert:dashboard.team-a
+ *   node-1     node    -        cert:node-1
+ *   *          node    -        token-sha256:<64 hex digits>
+ *
+ * A caller is identified by a bearer token ("authorization: Bearer T" in
+ * the call's metadata), matched by its SHA-256 (the file never holds a
+ * token), or else by the subject common name of a client certificate that
+ * TLS has verified. Roles:
+ *   admin   the cluster and every job;
+ *   node    the Cluster service as the node of its name ("*": any name)
+ *           and the rendezvous of the jobs placed on that node;
+ *   tenant  creates jobs, which belong to its tenant, and has every right
+ *           over its tenant's jobs;
+ *   reader  reads its tenant's jobs: get, list, export.
+ * What each RPC needs is in coord/authz.c and docs/security.md. This file
+ * only parses the table and answers "who is this". */
+#ifndef ZEROD_COORD_AUTH_H
+#define ZEROD_COORD_AUTH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum auth_role {
+  AUTH_NONE = 0,
+  AUTH_READER = 1,
+  AUTH_TENANT = 2,
+  AUTH_NODE = 3,
+  AUTH_ADMIN = 4,
+} auth_role;
+
+#define AUTH_NAME_MAX_BYTES 64   /* principal and tenant names: as job names */
+#define AUTH_CERT_MAX_BYTES 255  /* a certificate's common name */
+#define AUTH_MAX_PRINCIPALS 4096 /* lines of the file that name one */
+
+typedef struct auth_principal {
+  char name[AUTH_NAME_MAX_BYTES + 1]; /* "*" for a node: any node name */
+  auth_role role;
+  char tenant[AUTH_NAME_MAX_BYTES + 1]; /* tenant and reader; "" otherwise */
+  int by_cert;                          /* 1: cert_name; 0: token_sha256 */
+  uint8_t token_sha256[32];
+  char cert_name[AUTH_CERT_MAX_BYTES + 1];
+} auth_principal;
+
+typedef struct auth_table auth_table;
+
+/* Reads the principals file. Returns 0 with the table, or a negative
+ * errno with "FILE:LINE: what is wrong" in err: unknown role, bad name,
+ * a tenant missing (tenant, reader) or given (admin, node), a credential
+ * that is neither token-sha256:<64 hex> nor cert:<name>, a duplicate
+ * name or credential. */
+int auth_load(const char *path, auth_table **out, char *err, size_t err_bytes);
+void auth_free(auth_table *t);
+size_t auth_count(const auth_table *t);
+
+/* The principal whose token's SHA-256 is that of token, or NULL. */
+const auth_principal *auth_by_token(const auth_table *t, const char *token, size_t token_bytes);
+
+/* The principal with certificate name cn, or NULL. */
+const auth_principal *auth_by_cert(const auth_table *t, const char *cn);
+
+/* The index of p (from auth_by_*) in the table, 0..auth_count-1. */
+size_t auth_index(const auth_table *t, const auth_principal *p);
+
+/* "admin", "node", "tenant", "reader", "none". */
+const char *auth_role_name(auth_role role);
+
+/* SHA-256 of bytes (OpenSSL). */
+void auth_sha256(const void *bytes, size_t n, uint8_t out[32]);
+
+#endif /* ZEROD_COORD_AUTH_H */

@@ -1,0 +1,311 @@
+/* authz: who may make which control-plane call (docs/security.md).
+ *
+ * coord__begin calls coord__identify, then ctl_decode, then
+ * coord__authorize, for every request but health checks: a handler only
+ * runs for a caller allowed to make its request. Calls that change state
+ * are marked for the audit log here too, so that no handler can forget.
+ *
+ * The rules, by method:
+ *   Join, Heartbeat, Watch  a node principal of the request's node name
+ *                           (Watch replies carry the owner tokens of the
+ *                           node's jobs: not even an admin gets them)
+ *   Leave                   that node, or an admin
+ *   GetView                 anyone authenticated (sessions only for nodes
+ *                           and admins: on_get_view)
+ *   CreateJob               a tenant (for its own tenant) or an admin
+ *   GetJob                  a reader of the job's tenant and up
+ *   ListJobs                anyone; each sees the jobs it may read
+ *   DeleteJob               the job's tenant or an admin
+ *   Put, Get, Delete (KV)   a node the job is placed on, or an admin
+ *   Save, Delete checkpoint the job's tenant or an admin
+ *   Restore                 the job's tenant or an admin, who must also
+ *                           be able to read the source (another job's
+ *                           checkpoint: that job; a path: admins only)
+ *   Export                  a reader of the job's tenant and up, with the
+ *                           same rule for the source
+ *   List checkpoints        of a job: a reader of it; of every job: each
+ *                           sees those of the jobs it may read
+ * A job with no tenant is an admin's alone. A caller on the Unix socket
+ * (zerod standalone's control socket, mode 0600/0660) and any caller of a
+ * coordinator without principals (--auth-file) is trusted: every check
+ * passes. */
+#include <stdio.h>
+#include <string.h>
+
+#include "coord_impl.h"
+#include "ctl_decode.h"
+#include "log.h"
+
+/* Reads the bearer token of the call. Returns its length, 0 when there
+ * is none, or -1 when the header is malformed (err says how). */
+static int bearer_token(rpc_call *call, char *out, size_t out_bytes, char *err, size_t err_bytes) {
+  char value[RPC_MAX_TOKEN_BYTES + 32];
+  int n = rpc_call_metadata(call, "authorization", value, sizeof value);
+  if (n == -ENOENT)
+    return 0;
+  if (n < 0) {
+    snprintf(err, err_bytes, "the authorization header is %s",
+             n == -E2BIG ? "too long" : "not text");
+    return -1;
+  }
+  static const char prefix[] = "Bearer ";
+  if (strncmp(value, prefix, sizeof prefix - 1) != 0 || value[sizeof prefix - 1] == '\0') {
+    snprintf(err, err_bytes, "the authorization header must be 'Bearer <token>'");
+    return -1;
+  }
+  const char *token = value + sizeof prefix - 1;
+  size_t len = strlen(token);
+  if (len >= out_bytes) {
+    snprintf(err, err_bytes, "the bearer token is too long");
+    return -1;
+  }
+  memcpy(out, token, len + 1);
+  return (int)len;
+}
+
+static void caller_from(const coord *c, coord_caller *out, const auth_principal *p) {
+  memset(out, 0, sizeof *out);
+  out->index = (long)auth_index(c->auth, p);
+  out->role = p->role;
+  snprintf(out->name, sizeof out->name, "%s", p->name);
+  snprintf(out->tenant, sizeof out->tenant, "%s", p->tenant);
+  out->any_node = p->role == AUTH_NODE && strcmp(p->name, "*") == 0;
+}
+
+int coord__identify(coord *c, rpc_call *call, coord_caller *out, char *err, size_t err_bytes) {
+  memset(out, 0, sizeof *out);
+  out->index = -1;
+  if (rpc_call_transport(call) == RPC_TRANSPORT_UNIX || c->auth == NULL) {
+    out->role = AUTH_ADMIN;
+    out->trusted = 1;
+    snprintf(out->name, sizeof out->name, "%s",
+             rpc_call_transport(call) == RPC_TRANSPORT_UNIX ? "local" : "anyone");
+    return 0;
+  }
+  char token[RPC_MAX_TOKEN_BYTES + 1];
+  int n = bearer_token(call, token, sizeof token, err, err_bytes);
+  if (n < 0)
+    return RPC_UNAUTHENTICATED;
+  if (n > 0) {
+    const auth_principal *p = auth_by_token(c->auth, token, (size_t)n);
+    memset(token, 0, sizeof token);
+    if (p == NULL) {
+      snprintf(err, err_bytes, "the bearer token is not one of a known principal");
+      return RPC_UNAUTHENTICATED;
+    }
+    caller_from(c, out, p);
+    return 0;
+  }
+  const char *cn = rpc_call_cert_name(call);
+  if (cn[0] != '\0') {
+    const auth_principal *p = auth_by_cert(c->auth, cn);
+    if (p == NULL) {
+      snprintf(err, err_bytes, "the client certificate (CN=%s) is not one of a known principal",
+               cn);
+      return RPC_UNAUTHENTICATED;
+    }
+    caller_from(c, out, p);
+    return 0;
+  }
+  snprintf(err, err_bytes,
+           "no credentials: send a bearer token (zerodctl --token, ZEROD_TOKEN) or a client "
+           "certificate");
+  return RPC_UNAUTHENTICATED;
+}
+
+int coord__may_read_job(const coord_caller *who, const cjob *j) {
+  if (who->role == AUTH_ADMIN)
+    return 1;
+  if (who->role != AUTH_TENANT && who->role != AUTH_READER)
+    return 0;
+  return j->msg->tenant[0] != '\0' && strcmp(j->msg->tenant, who->tenant) == 0;
+}
+
+int coord__may_own_job(const coord_caller *who, const cjob *j) {
+  if (who->role == AUTH_ADMIN)
+    return 1;
+  return who->role == AUTH_TENANT && j->msg->tenant[0] != '\0' &&
+         strcmp(j->msg->tenant, who->tenant) == 0;
+}
+
+/* Whether who is a node principal for the node named node. */
+static int is_node(const coord_caller *who, const char *node) {
+  return who->role == AUTH_NODE && (who->any_node || strcmp(who->name, node) == 0);
+}
+
+static int deny(char *err, size_t err_bytes, const coord_caller *who, const char *what) {
+  if (who->tenant[0] != '\0')
+    snprintf(err, err_bytes, "%s %s of tenant %s may not %s", auth_role_name(who->role), who->name,
+             who->tenant, what);
+  else
+    snprintf(err, err_bytes, "%s %s may not %s", auth_role_name(who->role), who->name, what);
+  return RPC_PERMISSION_DENIED;
+}
+
+/* A job-scoped call: the job must exist for the rule to say anything (a
+ * missing job is the handler's NOT_FOUND, which says no more than a
+ * CreateJob of that name would). */
+static int job_rule(const coord *c, const coord_caller *who, const char *job, int need_owner,
+                    const char *verb, char *err, size_t err_bytes) {
+  const cjob *j = coord__find_job(c, job);
+  if (j == NULL)
+    return 0;
+  if (need_owner ? coord__may_own_job(who, j) : coord__may_read_job(who, j))
+    return 0;
+  char what[160];
+  snprintf(what, sizeof what, "%s job '%s'", verb, job);
+  return deny(err, err_bytes, who, what);
+}
+
+/* The source of a Restore or an Export: another job's checkpoint needs
+ * that job to be readable (a deleted job's, an admin); a path, an admin. */
+static int source_rule(const coord *c, const coord_caller *who, const char *ref, char *err,
+                       size_t err_bytes) {
+  if (ref == NULL || ref[0] == '\0' || who->role == AUTH_ADMIN)
+    return 0;
+  char job[CTL_NAME_MAX_BYTES + 1], name[CTL_NAME_MAX_BYTES + 1];
+  switch (ctl_parse_checkpoint_ref(ref, job, name)) {
+  case CTL_REF_JOB_NAME: {
+    const cjob *j = coord__find_job(c, job);
+    if (j != NULL && coord__may_read_job(who, j))
+      return 0;
+    char what[200];
+    snprintf(what, sizeof what, "read the checkpoints of job '%s'%s", job,
+             j == NULL ? " (deleted jobs' checkpoints are an admin's)" : "");
+    return deny(err, err_bytes, who, what);
+  }
+  case CTL_REF_PATH:
+    return deny(err, err_bytes, who, "restore or export from a path (an admin may)");
+  default:
+    return 0; /* a name of the job itself, or invalid: the handler says */
+  }
+}
+
+static int node_rule(const coord_caller *who, const char *node, int admin_too, const char *verb,
+                     char *err, size_t err_bytes) {
+  if (is_node(who, node) || (admin_too && who->role == AUTH_ADMIN))
+    return 0;
+  char what[160];
+  snprintf(what, sizeof what, "%s as node '%s'", verb, node);
+  return deny(err, err_bytes, who, what);
+}
+
+static int kv_rule(const coord *c, const coord_caller *who, const char *job, char *err,
+                   size_t err_bytes) {
+  if (who->role == AUTH_ADMIN)
+    return 0;
+  const cjob *j = coord__find_job(c, job);
+  if (who->role == AUTH_NODE && j != NULL) {
+    for (size_t i = 0; i < j->msg->n_placement; i++) {
+      if (is_node(who, j->msg->placement[i]->node))
+        return 0;
+    }
+  }
+  if (who->role == AUTH_NODE && j == NULL)
+    return 0; /* NOT_FOUND from the handler */
+  char what[160];
+  snprintf(what, sizeof what, "use the rendezvous of job '%s' (only its nodes may)", job);
+  return deny(err, err_bytes, who, what);
+}
+
+int coord__authorize(coord *c, const coord_caller *who, const char *path,
+                     const ProtobufCMessage *msg, char *audit, size_t audit_bytes, char *err,
+                     size_t err_bytes) {
+  audit[0] = '\0';
+#define IS(p) (strcmp(path, (p)) == 0)
+  /* What the audit line says a changing call was about. */
+  if (IS(CTL_JOIN)) {
+    const Zerod__V1__JoinRequest *r = (const void *)msg;
+    snprintf(audit, audit_bytes, "node=%s", r->node->name);
+  } else if (IS(CTL_LEAVE)) {
+    snprintf(audit, audit_bytes, "node=%s", ((const Zerod__V1__LeaveRequest *)msg)->node);
+  } else if (IS(CTL_CREATE_JOB)) {
+    const Zerod__V1__CreateJobRequest *r = (const void *)msg;
+    snprintf(audit, audit_bytes, "job=%s tenant=%s", r->name,
+             r->tenant[0] != '\0' ? r->tenant : who->tenant);
+  } else if (IS(CTL_DELETE_JOB)) {
+    snprintf(audit, audit_bytes, "job=%s", ((const Zerod__V1__DeleteJobRequest *)msg)->name);
+  } else if (IS(CTL_PUT)) {
+    const Zerod__V1__PutRequest *r = (const void *)msg;
+    snprintf(audit, audit_bytes, "job=%s key=%.64s", r->job, r->key);
+  } else if (IS(CTL_DELETE)) {
+    const Zerod__V1__DeleteRequest *r = (const void *)msg;
+    snprintf(audit, audit_bytes, "job=%s key=%.64s", r->job, r->key);
+  } else if (IS(CTL_SAVE)) {
+    const Zerod__V1__SaveRequest *r = (const void *)msg;
+    snprintf(audit, audit_bytes, "job=%s checkpoint=%s", r->job, r->name);
+  } else if (IS(CTL_DELETE_CHECKPOINT)) {
+    const Zerod__V1__DeleteCheckpointRequest *r = (const void *)msg;
+    snprintf(audit, audit_bytes, "job=%s checkpoint=%s", r->job, r->name);
+  } else if (IS(CTL_RESTORE)) {
+    const Zerod__V1__RestoreRequest *r = (const void *)msg;
+    snprintf(audit, audit_bytes, "job=%s source=%.200s", r->job, r->checkpoint);
+  } else if (IS(CTL_EXPORT)) {
+    const Zerod__V1__ExportRequest *r = (const void *)msg;
+    snprintf(audit, audit_bytes, "job=%s source=%.120s path=%.200s", r->job, r->checkpoint,
+             r->path);
+  }
+  if (who->trusted)
+    return 0;
+
+  if (IS(CTL_JOIN))
+    return node_rule(who, ((const Zerod__V1__JoinRequest *)msg)->node->name, 0, "join", err,
+                     err_bytes);
+  if (IS(CTL_HEARTBEAT))
+    return node_rule(who, ((const Zerod__V1__HeartbeatRequest *)msg)->node, 0, "heartbeat", err,
+                     err_bytes);
+  if (IS(CTL_WATCH))
+    return node_rule(who, ((const Zerod__V1__WatchRequest *)msg)->node, 0, "watch", err, err_bytes);
+  if (IS(CTL_LEAVE))
+    return node_rule(who, ((const Zerod__V1__LeaveRequest *)msg)->node, 1, "leave", err, err_bytes);
+  if (IS(CTL_GET_VIEW) || IS(CTL_LIST_JOBS))
+    return 0; /* filtered by the handler */
+  if (IS(CTL_CREATE_JOB)) {
+    const Zerod__V1__CreateJobRequest *r = (const void *)msg;
+    if (who->role == AUTH_ADMIN)
+      return 0;
+    if (who->role != AUTH_TENANT)
+      return deny(err, err_bytes, who, "create jobs (tenants and admins may)");
+    if (r->tenant[0] != '\0' && strcmp(r->tenant, who->tenant) != 0) {
+      char what[160];
+      snprintf(what, sizeof what, "create a job for tenant %s", r->tenant);
+      return deny(err, err_bytes, who, what);
+    }
+    return 0;
+  }
+  if (IS(CTL_GET_JOB))
+    return job_rule(c, who, ((const Zerod__V1__GetJobRequest *)msg)->name, 0, "read", err,
+                    err_bytes);
+  if (IS(CTL_DELETE_JOB))
+    return job_rule(c, who, ((const Zerod__V1__DeleteJobRequest *)msg)->name, 1, "delete", err,
+                    err_bytes);
+  if (IS(CTL_PUT))
+    return kv_rule(c, who, ((const Zerod__V1__PutRequest *)msg)->job, err, err_bytes);
+  if (IS(CTL_GET))
+    return kv_rule(c, who, ((const Zerod__V1__GetRequest *)msg)->job, err, err_bytes);
+  if (IS(CTL_DELETE))
+    return kv_rule(c, who, ((const Zerod__V1__DeleteRequest *)msg)->job, err, err_bytes);
+  if (IS(CTL_SAVE))
+    return job_rule(c, who, ((const Zerod__V1__SaveRequest *)msg)->job, 1, "save", err, err_bytes);
+  if (IS(CTL_DELETE_CHECKPOINT))
+    return job_rule(c, who, ((const Zerod__V1__DeleteCheckpointRequest *)msg)->job, 1,
+                    "delete checkpoints of", err, err_bytes);
+  if (IS(CTL_LIST_CHECKPOINTS)) {
+    const char *job = ((const Zerod__V1__ListCheckpointsRequest *)msg)->job;
+    return job[0] != '\0' ? job_rule(c, who, job, 0, "list checkpoints of", err, err_bytes) : 0;
+  }
+  if (IS(CTL_RESTORE)) {
+    const Zerod__V1__RestoreRequest *r = (const void *)msg;
+    int rc = job_rule(c, who, r->job, 1, "restore", err, err_bytes);
+    return rc != 0 ? rc : source_rule(c, who, r->checkpoint, err, err_bytes);
+  }
+  if (IS(CTL_EXPORT)) {
+    const Zerod__V1__ExportRequest *r = (const void *)msg;
+    int rc = job_rule(c, who, r->job, 0, "export", err, err_bytes);
+    return rc != 0 ? rc : source_rule(c, who, r->checkpoint, err, err_bytes);
+  }
+#undef IS
+  /* A method without a rule is refused: a new method must get one. */
+  snprintf(err, err_bytes, "no authorization rule for %s", path);
+  return RPC_PERMISSION_DENIED;
+}
