@@ -53,6 +53,9 @@
  * arrive with none armed in its own queue, so this only saves a loop
  * wakeup per call under bursts. */
 #define RPC_ARMED_REQUESTS 4
+/* How often a server checks that its listener still accepts, and retries
+ * listening again after it had to stop (docs/security.md, "Exhaustion"). */
+#define RPC_LISTENER_CHECK_MS 250
 /* A client reconnects to a restarted daemon within this, instead of gRPC's
  * default backoff that grows to two minutes. */
 #define RPC_MAX_RECONNECT_MS 5000
@@ -92,7 +95,16 @@ const char *rpc_status_name(int code) {
 /* gRPC logs through gpr_log (to stderr in its own format, from its own
  * threads); send those lines through log.h instead, so the daemon's
  * stderr stays logfmt. */
+/* How many times gRPC said it stopped accepting connections. gRPC 1.51
+ * closes its acceptor for good on any accept4 error but EAGAIN and EINTR
+ * (EMFILE included: one moment without free descriptors and the server
+ * never accepts again); it says so only in this log line. Every running
+ * server watches the count and, when it moves, restarts its listener. */
+static atomic_uint accept_failures;
+
 static void grpc_log_to_logfmt(gpr_log_func_args *args) {
+  if (args->message != NULL && strstr(args->message, "Failed accept4") != NULL)
+    atomic_fetch_add(&accept_failures, 1);
   log_level level = LOG_DEBUG;
   if (args->severity == GPR_LOG_SEVERITY_ERROR)
     level = LOG_ERROR;
@@ -288,6 +300,8 @@ typedef struct rpc_method {
 typedef enum server_state {
   SERVER_CREATED,    /* methods may be added; not listening */
   SERVER_RUNNING,    /* accepting calls */
+  SERVER_RESTARTING, /* the listener died: draining the old gRPC server */
+  SERVER_REBINDING,  /* no gRPC server: listening again, retried on the timer */
   SERVER_DRAINING,   /* shutdown asked: waiting for gRPC's tag and our calls */
   SERVER_CQ_CLOSING, /* server destroyed, queue shut down: waiting for thread */
   SERVER_CLOSING,    /* thread joined: waiting for the async handle to close */
@@ -300,7 +314,11 @@ struct rpc_server {
   rpc_method methods[RPC_MAX_METHODS];
   unsigned method_count;
   server_state state;
-  grpc_server_credentials *creds; /* rpc_server_set_tls; NULL: plain */
+  grpc_server_credentials *creds;          /* rpc_server_set_tls; NULL: plain */
+  char bound_addr[RPC_MAX_ADDR_BYTES + 8]; /* addr with the port it got (for listening again) */
+  unsigned seen_accept_failures;           /* accept_failures when last checked */
+  uv_timer_t *listener_timer;              /* on the heap, like wakeup; NULL before start */
+  int closing_handles;                     /* handles whose close callback is due */
 
   grpc_server *server;
   grpc_completion_queue *cq;
@@ -839,17 +857,61 @@ static void cq_thread_main(void *arg) {
 /* Server: lifecycle                                                        */
 /* ------------------------------------------------------------------------ */
 
-static void on_wakeup_closed(uv_handle_t *handle) {
+static void on_handle_closed(uv_handle_t *handle) {
   rpc_server *s = handle->data;
 
   free(handle);
   if (s == NULL)
     return; /* a failed start: the server may be gone already */
+  if (--s->closing_handles > 0)
+    return;
   s->wakeup = NULL;
+  s->listener_timer = NULL;
   s->state = SERVER_DONE;
   LOG_INFOF("rpc server stopped", "addr=%s", s->addr);
   if (s->done != NULL)
     s->done(s->done_arg); /* may destroy s */
+}
+
+static int server_listen(rpc_server *s, const char *addr, int *port, char *err, size_t err_bytes);
+
+/* The old gRPC server is gone: listen on the same address and port again.
+ * While descriptors are short this fails; the timer retries. */
+static void server_rebind(rpc_server *s) {
+  char err[256];
+  int port = 0;
+  int rc = server_listen(s, s->bound_addr, &port, err, sizeof err);
+  if (rc == -EADDRINUSE) {
+    LOG_WARNF("rpc server cannot listen again yet; retrying", "addr=%s err=\"%s\"", s->bound_addr,
+              err);
+    return;
+  }
+  if (rc != 0)
+    LOG_ERRORF("rpc server listening again without a call requested", "addr=%s err=\"%s\"",
+               s->bound_addr, err);
+  LOG_WARNF("rpc server listening again", "addr=%s port=%d", s->bound_addr, port);
+}
+
+/* The listener timer: a listener that gRPC closed is replaced by a whole
+ * new gRPC server on the same address (gRPC offers no way to re-open one
+ * listener); calls in flight are cancelled on the way, and clients
+ * reconnect. A server without a listener tries again each tick. */
+static void on_listener_timer(uv_timer_t *timer) {
+  rpc_server *s = timer->data;
+  if (s->state == SERVER_REBINDING) {
+    server_rebind(s);
+    return;
+  }
+  unsigned failures = atomic_load(&accept_failures);
+  if (failures == s->seen_accept_failures || s->state != SERVER_RUNNING)
+    return;
+  s->seen_accept_failures = failures;
+  LOG_WARNF("rpc server stopped accepting connections (gRPC closed its listener); restarting it",
+            "addr=%s calls=%u", s->bound_addr, s->live_calls);
+  s->state = SERVER_RESTARTING;
+  s->shutdown_notified = 0;
+  grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
+  grpc_server_cancel_all_calls(s->server);
 }
 
 /* Moves shutdown along as far as it can go now. The order is gRPC's:
@@ -857,8 +919,16 @@ static void on_wakeup_closed(uv_handle_t *handle) {
  * server destroyed, then the queue shut down and drained by the thread,
  * then the thread joined and the queue destroyed. */
 static void server_advance_shutdown(rpc_server *s) {
+  if (s->state == SERVER_RESTARTING && s->shutdown_notified && s->live_calls == 0) {
+    grpc_server_destroy(s->server); /* closes the dead listener */
+    s->server = NULL;
+    s->state = SERVER_REBINDING;
+    server_rebind(s);
+    return;
+  }
   if (s->state == SERVER_DRAINING && s->shutdown_notified && s->live_calls == 0) {
-    grpc_server_destroy(s->server);
+    if (s->server != NULL)
+      grpc_server_destroy(s->server);
     s->server = NULL;
     grpc_completion_queue_shutdown(s->cq);
     s->state = SERVER_CQ_CLOSING;
@@ -874,7 +944,12 @@ static void server_advance_shutdown(rpc_server *s) {
     grpc_completion_queue_destroy(s->cq);
     s->cq = NULL;
     s->state = SERVER_CLOSING;
-    uv_close((uv_handle_t *)s->wakeup, on_wakeup_closed);
+    s->closing_handles = 1;
+    if (s->listener_timer != NULL) {
+      s->closing_handles++;
+      uv_close((uv_handle_t *)s->listener_timer, on_handle_closed);
+    }
+    uv_close((uv_handle_t *)s->wakeup, on_handle_closed);
   }
 }
 
@@ -946,6 +1021,67 @@ int rpc_server_add_method(rpc_server *s, const char *path, rpc_kind kind, rpc_ha
   m->kind = kind;
   m->handler = handler;
   m->arg = arg;
+  return 0;
+}
+
+/* Creates the gRPC server on the queue, listening on addr, starts it and
+ * arms requests; state becomes SERVER_RUNNING. Returns 0 with *port, or
+ * -EADDRINUSE (nothing left behind: no gRPC server), or -EIO when not
+ * even one request could be armed (the server runs; the caller shuts it
+ * down). */
+static int server_listen(rpc_server *s, const char *addr, int *port, char *err, size_t err_bytes) {
+  grpc_arg args[8];
+  size_t n_args;
+  message_limit_args(args, &n_args);
+  /* Without this, a second daemon on the same port would bind too and
+   * steal half the connections. */
+  args[n_args].type = GRPC_ARG_INTEGER;
+  args[n_args].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
+  args[n_args].value.integer = 0;
+  n_args++;
+  args[n_args].type = GRPC_ARG_INTEGER;
+  args[n_args].key = (char *)GRPC_ARG_MAX_CONCURRENT_STREAMS;
+  args[n_args].value.integer = RPC_MAX_STREAMS_PER_CONNECTION;
+  n_args++;
+  args[n_args].type = GRPC_ARG_INTEGER;
+  args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_TIME_MS;
+  args[n_args].value.integer = RPC_KEEPALIVE_MS;
+  n_args++;
+  args[n_args].type = GRPC_ARG_INTEGER;
+  args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_TIMEOUT_MS;
+  args[n_args].value.integer = RPC_KEEPALIVE_TIMEOUT_MS;
+  n_args++;
+  /* Watch streams and waiting Gets send nothing for long stretches: the
+   * server's pings must be allowed then too. */
+  args[n_args].type = GRPC_ARG_INTEGER;
+  args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS;
+  args[n_args].value.integer = 1;
+  n_args++;
+  grpc_channel_args channel_args = {.num_args = n_args, .args = args};
+
+  s->server = grpc_server_create(&channel_args, NULL);
+  grpc_server_register_completion_queue(s->server, s->cq, NULL);
+  grpc_server_credentials *creds =
+      s->creds != NULL ? s->creds : grpc_insecure_server_credentials_create();
+  int bound_port = grpc_server_add_http2_port(s->server, addr, creds);
+  if (creds != s->creds)
+    grpc_server_credentials_release(creds);
+  if (bound_port == 0) {
+    snprintf(err, err_bytes, "rpc server: cannot listen on %s (in use, or a bad address)", addr);
+    grpc_server_destroy(s->server); /* no listener was added */
+    s->server = NULL;
+    return -EADDRINUSE;
+  }
+
+  grpc_server_start(s->server);
+  s->state = SERVER_RUNNING;
+  for (int i = 0; i < RPC_ARMED_REQUESTS; i++) {
+    if (server_arm_request(s) < 0 && i == 0) {
+      snprintf(err, err_bytes, "rpc server %s: cannot request calls", addr);
+      return -EIO;
+    }
+  }
+  *port = bound_port;
   return 0;
 }
 
@@ -1024,58 +1160,34 @@ int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes) {
     goto fail_thread_not_started;
   }
 
-  grpc_arg args[8];
-  size_t n_args;
-  message_limit_args(args, &n_args);
-  /* Without this, a second daemon on the same port would bind too and
-   * steal half the connections. */
-  args[n_args].type = GRPC_ARG_INTEGER;
-  args[n_args].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
-  args[n_args].value.integer = 0;
-  n_args++;
-  args[n_args].type = GRPC_ARG_INTEGER;
-  args[n_args].key = (char *)GRPC_ARG_MAX_CONCURRENT_STREAMS;
-  args[n_args].value.integer = RPC_MAX_STREAMS_PER_CONNECTION;
-  n_args++;
-  args[n_args].type = GRPC_ARG_INTEGER;
-  args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_TIME_MS;
-  args[n_args].value.integer = RPC_KEEPALIVE_MS;
-  n_args++;
-  args[n_args].type = GRPC_ARG_INTEGER;
-  args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_TIMEOUT_MS;
-  args[n_args].value.integer = RPC_KEEPALIVE_TIMEOUT_MS;
-  n_args++;
-  /* Watch streams and waiting Gets send nothing for long stretches: the
-   * server's pings must be allowed then too. */
-  args[n_args].type = GRPC_ARG_INTEGER;
-  args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS;
-  args[n_args].value.integer = 1;
-  n_args++;
-  grpc_channel_args channel_args = {.num_args = n_args, .args = args};
-
-  s->server = grpc_server_create(&channel_args, NULL);
-  grpc_server_register_completion_queue(s->server, s->cq, NULL);
-  grpc_server_credentials *creds =
-      s->creds != NULL ? s->creds : grpc_insecure_server_credentials_create();
-  int bound_port = grpc_server_add_http2_port(s->server, s->addr, creds);
-  if (creds != s->creds)
-    grpc_server_credentials_release(creds);
-  if (bound_port == 0) {
-    snprintf(err, err_bytes, "rpc server: cannot listen on %s (in use, or a bad address)", s->addr);
-    rc = -EADDRINUSE;
+  int bound_port = 0;
+  rc = server_listen(s, s->addr, &bound_port, err, err_bytes);
+  if (rc == -EADDRINUSE)
     goto fail_thread_started;
+  if (rc != 0) {
+    /* No armed request would make a server that never answers. Shut it
+     * down properly; the caller's shutdown and destroy then complete. */
+    rpc_server_shutdown(s, NULL, NULL);
+    return -EIO;
   }
-
-  grpc_server_start(s->server);
-  s->state = SERVER_RUNNING;
-  for (int i = 0; i < RPC_ARMED_REQUESTS; i++) {
-    if (server_arm_request(s) < 0 && i == 0) {
-      /* No armed request would make a server that never answers. Shut it
-       * down properly; the caller's shutdown and destroy then complete. */
-      snprintf(err, err_bytes, "rpc server %s: cannot request calls", s->addr);
-      rpc_server_shutdown(s, NULL, NULL);
-      return -EIO;
-    }
+  /* Listening again after gRPC closed the listener must get the same
+   * port, not another free one. */
+  snprintf(s->bound_addr, sizeof s->bound_addr, "%s", s->addr);
+  size_t addr_len = strlen(s->addr);
+  if (strncmp(s->addr, "unix:", 5) != 0 && addr_len >= 2 &&
+      strcmp(s->addr + addr_len - 2, ":0") == 0)
+    snprintf(s->bound_addr, sizeof s->bound_addr, "%.*s:%d", (int)(addr_len - 2), s->addr,
+             bound_port);
+  s->seen_accept_failures = atomic_load(&accept_failures);
+  s->listener_timer = malloc(sizeof *s->listener_timer);
+  if (s->listener_timer != NULL) {
+    uv_timer_init(s->loop, s->listener_timer);
+    s->listener_timer->data = s;
+    uv_timer_start(s->listener_timer, on_listener_timer, RPC_LISTENER_CHECK_MS,
+                   RPC_LISTENER_CHECK_MS);
+    uv_unref((uv_handle_t *)s->listener_timer); /* the server's calls keep the loop alive */
+  } else {
+    LOG_WARNF("rpc server without its listener check (out of memory)", "addr=%s", s->addr);
   }
   if (port != NULL)
     *port = bound_port;
@@ -1084,8 +1196,6 @@ int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes) {
   return 0;
 
 fail_thread_started:
-  grpc_server_destroy(s->server); /* no listener was added */
-  s->server = NULL;
   grpc_completion_queue_shutdown(s->cq);
   uv_thread_join(&s->cq_thread);
 fail_thread_not_started:
@@ -1093,7 +1203,7 @@ fail_thread_not_started:
   s->cq = NULL;
   s->cq_thread_exited = 0;
   s->wakeup->data = NULL;
-  uv_close((uv_handle_t *)s->wakeup, on_wakeup_closed);
+  uv_close((uv_handle_t *)s->wakeup, on_handle_closed);
   s->wakeup = NULL;
   return rc;
 }
@@ -1115,6 +1225,21 @@ void rpc_server_shutdown(rpc_server *s, void (*done)(void *arg), void *arg) {
     LOG_INFOF("rpc server shutting down", "addr=%s calls=%u", s->addr, s->live_calls);
     grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
     grpc_server_cancel_all_calls(s->server);
+    return;
+  case SERVER_RESTARTING:
+    /* gRPC is already shutting the old server down: wait for it as for a
+     * shutdown. */
+    s->done = done;
+    s->done_arg = arg;
+    s->state = SERVER_DRAINING;
+    return;
+  case SERVER_REBINDING:
+    /* No gRPC server to shut down. */
+    s->done = done;
+    s->done_arg = arg;
+    s->state = SERVER_DRAINING;
+    s->shutdown_notified = 1;
+    server_advance_shutdown(s);
     return;
   case SERVER_DONE:
     if (done != NULL)

@@ -487,3 +487,34 @@ def test_flood_of_streams_leaves_health_and_heartbeats(secured):
         for f in held:
             f.cancel()
         flood.close()
+
+
+def test_listener_recovers_after_running_out_of_descriptors(cluster):
+    """gRPC closes its listener for good on EMFILE; the coordinator notices
+    and listens again, and answers within 5 s of descriptors being free."""
+    import resource
+    import socket
+    coord = cluster.start_coordinator()
+    resource.prlimit(coord.proc.pid, resource.RLIMIT_NOFILE, (64, 64))
+    held = []
+    try:
+        for _ in range(120):
+            held.append(socket.create_connection(("127.0.0.1", coord.port), timeout=5))
+        wait_for(lambda: "Failed accept4" in coord.read_log(), "the coordinator to hit EMFILE")
+    finally:
+        for s in held:
+            s.close()
+    freed = time.monotonic()
+    mods = ctlproto.load()
+    while True:
+        ch = grpc.insecure_channel(coord.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        try:
+            reply = mods.health_grpc.HealthStub(ch).Check(mods.health.HealthCheckRequest(),
+                                                          timeout=1)
+            assert reply.status == mods.health.HealthCheckResponse.SERVING
+            break
+        except grpc.RpcError:
+            assert time.monotonic() - freed < 5.0, coord.read_log()
+        finally:
+            ch.close()
+    assert "rpc server listening again" in coord.read_log()
