@@ -219,6 +219,7 @@ struct zd_client {
   int sock;
   int dead;
   char dead_reason[LAST_ERROR_BYTES];
+  zd_status dead_status; /* what calls on a dead client return; 0: ZD_E_UNAVAILABLE */
   uint64_t next_request_id;
   zd_frame_reader reader;
 
@@ -392,7 +393,19 @@ static void client_mark_dead(zd_client *client, const char *format, ...) {
 }
 
 static zd_status client_dead_error(const zd_client *client, const char *what) {
-  return set_error(ZD_E_UNAVAILABLE, "%s: %s", what, client->dead_reason);
+  return set_error(client->dead_status != ZD_OK ? client->dead_status : ZD_E_UNAVAILABLE, "%s: %s",
+                   what, client->dead_reason);
+}
+
+/* A notice that ends the session: the daemon shutting down (UNAVAILABLE),
+ * or refusing the connection (RESOURCE_EXHAUSTED: --max-sessions). */
+static void client_mark_dead_by_notice(zd_client *client, int proto_status, const char *message) {
+  if (proto_status == ZEROD__V1__STATUS__STATUS_UNAVAILABLE) {
+    client_mark_dead(client, "daemon is shutting down: %s", message);
+  } else {
+    client_mark_dead(client, "zerod refused the session: %s", message);
+    client->dead_status = status_from_proto(proto_status);
+  }
 }
 
 /* Makes room for one more expected id before the request goes out, so that
@@ -423,10 +436,11 @@ static void expected_remove(zd_client *client, uint64_t request_id) {
     client->expected_ids[index] = client->expected_ids[--client->expected_count];
 }
 
-/* The daemon's shutdown notice usually sits in the receive queue when a
- * send fails because the daemon closed its end, and it says far more than
- * "connection closed". This reads what is left without blocking and returns
- * the notice's message if one is there. */
+/* The daemon's shutdown notice (or its refusal of the connection) usually
+ * sits in the receive queue when a send fails because the daemon closed
+ * its end, and it says far more than "connection closed". This reads what
+ * is left without blocking and returns the notice's status (0: none) and
+ * message. */
 static int drain_for_notice(zd_client *client, char *message, size_t message_bytes) {
   int found = 0;
   int flags = fcntl(client->sock, F_GETFL);
@@ -446,9 +460,9 @@ static int drain_for_notice(zd_client *client, char *message, size_t message_byt
     if (header.type == ZEROD__V1__MSG_TYPE__MSG_NOTICE &&
         zd_msg_unpack(header.type, payload, header.payload_bytes, &decoded, &why) == 0) {
       const Zerod__V1__Notice *notice = (const Zerod__V1__Notice *)decoded;
-      if (notice->status == ZEROD__V1__STATUS__STATUS_UNAVAILABLE) {
+      if (notice->status != ZEROD__V1__STATUS__STATUS_OK) {
         snprintf(message, message_bytes, "%s", notice->message);
-        found = 1;
+        found = (int)notice->status;
       }
       protobuf_c_message_free_unpacked(decoded, NULL);
     }
@@ -471,8 +485,9 @@ static zd_status client_send(zd_client *client, uint16_t type, const ProtobufCMe
                          msg, fds, nfds, -1);
   if (rc == -EPIPE || rc == -ECONNRESET || rc == -ENOTCONN) {
     char notice[LAST_ERROR_BYTES];
-    if (drain_for_notice(client, notice, sizeof notice))
-      client_mark_dead(client, "daemon is shutting down: %s", notice);
+    int notice_status = drain_for_notice(client, notice, sizeof notice);
+    if (notice_status != 0)
+      client_mark_dead_by_notice(client, notice_status, notice);
     else
       client_mark_dead(client, "zerod closed the connection");
     return client_dead_error(client, what);
@@ -593,11 +608,12 @@ static zd_status client_route_frame(zd_client *client, const char *what, stashed
 
   zd_status status = ZD_OK;
   if (type == ZEROD__V1__MSG_TYPE__MSG_NOTICE) {
-    /* Notices other than a shutdown are informational; libzerod has no log
-     * of its own, so they are dropped. */
+    /* A notice with a status ends the session (a shutdown, a refused
+     * connection); others are informational and, libzerod having no log
+     * of its own, dropped. */
     const Zerod__V1__Notice *notice = (const Zerod__V1__Notice *)decoded;
-    if (notice->status == ZEROD__V1__STATUS__STATUS_UNAVAILABLE) {
-      client_mark_dead(client, "daemon is shutting down: %s", notice->message);
+    if (notice->status != ZEROD__V1__STATUS__STATUS_OK) {
+      client_mark_dead_by_notice(client, notice->status, notice->message);
       status = client_dead_error(client, what);
     }
   } else if (type == ZEROD__V1__MSG_TYPE__MSG_ERROR) {

@@ -955,6 +955,23 @@ static void on_accept(uv_poll_t *handle, int status, int events) {
     }
     if (d->stopping || d->nsessions >= d->options.max_sessions) {
       LOG_WARNF("connection refused", "sessions=%d max=%d", d->nsessions, d->options.max_sessions);
+      /* Say why before closing: the worker reports this, not a bare
+       * "connection closed". A short wait: a refused peer is not worth
+       * blocking the loop for. */
+      Zerod__V1__Notice notice = ZEROD__V1__NOTICE__INIT;
+      char text[160];
+      if (d->stopping) {
+        notice.status = ZEROD__V1__STATUS__STATUS_UNAVAILABLE;
+        snprintf(text, sizeof text, "zerod is shutting down");
+      } else {
+        notice.status = ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED;
+        snprintf(text, sizeof text,
+                 "zerod has %d worker sessions, the most --max-sessions allows; try again when "
+                 "one ends",
+                 d->nsessions);
+      }
+      notice.message = text;
+      zd_frame_send(fd, ZEROD__V1__MSG_TYPE__MSG_NOTICE, 0, 0, &notice.base, NULL, 0, 100);
       close(fd);
       continue;
     }

@@ -270,11 +270,21 @@ def test_read_only_sessions_count_against_max_sessions(start_daemon):
     d = start_daemon(extra=["--max-sessions", "2"])
     owner = trainer(d, "job")
     r = reader(d, "job")
+    # The third is refused with the reason, in a notice, then closed.
     third = z.Conn(d.socket)
+    t, _, fields, _ = third.recv()
+    assert t == z.NOTICE and z.status_of(fields) == "RESOURCE_EXHAUSTED", (t, fields)
+    assert "--max-sessions" in z.message_of(fields), z.message_of(fields)
     with pytest.raises((z.Closed, ConnectionResetError, BrokenPipeError)):
         third.send(z.ATTACH, z.read_only_attach_request("job"))
         third.recv()
     third.close()
+    # A worker through libzerod reports that reason, not a closed connection.
+    proc = subprocess.run([binary("zerod-mlp-train"), "--socket", d.socket, "--job", "job2",
+                           "--local-rank", "0", "--steps", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "--max-sessions" in proc.stderr and "refused" in proc.stderr, proc.stderr
     r.close()
     owner.close()
 
