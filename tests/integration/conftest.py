@@ -126,11 +126,12 @@ class Coordinator:
     log); restarts keep that port, so clients and nodes find it again. Each
     start has its own log file; read_log() reads the current one."""
 
-    def __init__(self, tmp_path, lease_ttl_s=2.0, state_dir=None):
+    def __init__(self, tmp_path, lease_ttl_s=2.0, state_dir=None, extra=()):
         self.dir = tmp_path / ("coordinator-%d" % time.monotonic_ns())
         self.dir.mkdir()
         self.state_dir = state_dir or self.dir / "state"
         self.lease_ttl_s = lease_ttl_s
+        self.extra = list(extra)
         self.port = 0
         self.address = None
         self.logs = []
@@ -143,7 +144,8 @@ class Coordinator:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [binary("zerod"), "coordinator", "--listen", "127.0.0.1:%d" % self.port,
-             "--state-dir", str(self.state_dir), "--lease-ttl", str(self.lease_ttl_s)],
+             "--state-dir", str(self.state_dir), "--lease-ttl", str(self.lease_ttl_s)]
+            + self.extra,
             stderr=self.log)
         deadline = time.monotonic() + 30
         while True:
@@ -201,8 +203,8 @@ def cluster(tmp_path):
             self.coordinator = None
             self.nodes = []
 
-        def start_coordinator(self, lease_ttl_s=2.0):
-            self.coordinator = Coordinator(tmp_path, lease_ttl_s)
+        def start_coordinator(self, lease_ttl_s=2.0, extra=()):
+            self.coordinator = Coordinator(tmp_path, lease_ttl_s, extra=extra)
             return self.coordinator
 
         def start_node(self, name, ranks=1, timeout_s=20, extra=()):
