@@ -1407,22 +1407,10 @@ static int cmd_export(ctl *c, int argc, char **argv) {
                       ? ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_BF16
                       : ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_F32;
   request.overwrite = c->export_overwrite;
-  /* The coordinator writes the file: a relative path is taken from here,
-   * which is right when both see this directory (a standalone zerod). */
-  char path[CTL_PATH_MAX_BYTES + 2];
-  if (argv[1][0] == '/') {
-    snprintf(path, sizeof path, "%s", argv[1]);
-  } else {
-    char cwd[CTL_PATH_MAX_BYTES];
-    if (getcwd(cwd, sizeof cwd) == NULL)
-      return fail_line(CTL_EXIT_FAILED, "%s: cannot make '%s' absolute: %s", c->command, argv[1],
-                       strerror(errno));
-    if (snprintf(path, sizeof path, "%s/%s", strcmp(cwd, "/") == 0 ? "" : cwd, argv[1]) >
-        CTL_PATH_MAX_BYTES)
-      return usage_error("%s: the path of '%s' is longer than %d bytes", c->command, argv[1],
-                         CTL_PATH_MAX_BYTES);
-  }
-  request.path = path;
+  /* The coordinator writes the file, inside its export roots: a relative
+   * path is sent as it is, and taken inside the first of them
+   * (docs/checkpoints.md, "Where files may be read and written"). */
+  request.path = argv[1];
   Zerod__V1__ExportReply *reply;
   int rc = call(c, "/zerod.v1.Checkpoints/Export", &request.base,
                 &zerod__v1__export_reply__descriptor, (ProtobufCMessage **)&reply);
@@ -1549,13 +1537,16 @@ static const char general_usage[] =
     "  checkpoint restore JOB CHECKPOINT\n"
     "                           restore a ready job from NAME, OTHERJOB/NAME, or an\n"
     "                           absolute path (a checkpoint directory or a\n"
-    "                           .safetensors file); waits (600 s unless --timeout)\n"
+    "                           .safetensors file inside the coordinator's checkpoint\n"
+    "                           directory or export roots); waits (600 s unless\n"
+    "                           --timeout)\n"
     "  export JOB FILE [--checkpoint CHECKPOINT] [--dtype fp32|bf16] [--overwrite]\n"
     "                           write the full weights of JOB's state now (or of\n"
     "                           CHECKPOINT: NAME, OTHERJOB/NAME or a directory) to\n"
     "                           one safetensors FILE, written by the coordinator\n"
-    "                           (relative: from this directory); waits (600 s\n"
-    "                           unless --timeout)\n"
+    "                           inside its export roots (relative: inside the\n"
+    "                           first; default root: its checkpoint directory);\n"
+    "                           waits (600 s unless --timeout)\n"
     "  health [SERVICE]         grpc.health.v1 check; exit 0 only when SERVING\n"
     "\n"
     "options (before or after the command):\n"

@@ -24,6 +24,7 @@
 #include "ckpt_node.h"
 #include "log.h"
 #include "cluster.h"
+#include "filemode.h"
 #include "jobs.h"
 #include "cuda/zk_cuda.h"
 
@@ -35,6 +36,7 @@ static void usage(FILE *out) {
           "       zerod node --coordinator HOST:PORT [options]\n"
           "       zerod coordinator [--listen ADDR] [--state-dir DIR] [--lease-ttl S]\n"
           "                         [--checkpoint-dir DIR] [--checkpoint-timeout S]\n"
+          "                         [--export-root DIR]... [--file-mode MODE]\n"
           "                         (zerod coordinator --help)\n"
           "\n"
           "Runs a zerod node daemon with its rendezvous in one process (standalone mode):\n"
@@ -65,6 +67,15 @@ static void usage(FILE *out) {
           "                          [ZEROD_CHECKPOINT_DIR, default DIR/checkpoints]\n"
           "  --checkpoint-timeout S  standalone: longest a checkpoint save or restore may\n"
           "                          take [ZEROD_CHECKPOINT_TIMEOUT, default 600]\n"
+          "  --export-root DIR       standalone: a directory Export may write in, and Restore\n"
+          "                          and Export may read a checkpoint path from (besides the\n"
+          "                          checkpoint directory); repeat for more; a relative\n"
+          "                          export path is taken inside the first. Paths through\n"
+          "                          '..' or a symbolic link are refused [ZEROD_EXPORT_ROOT,\n"
+          "                          DIRs separated by ':'; default: the checkpoint dir]\n"
+          "  --file-mode MODE        mode of the files written (checkpoints, exports, state),\n"
+          "                          octal; directories get x where it has r (0640: 0750)\n"
+          "                          [ZEROD_FILE_MODE, default 0600]\n"
           "  --coordinator HOST:PORT zerod node: the coordinator to join\n"
           "                          [ZEROD_COORDINATOR]\n"
           "  --name NAME             zerod node: this node's name, unique in the cluster\n"
@@ -154,11 +165,16 @@ enum {
   OPT_DEVICE,
   OPT_CHECKPOINT_DIR,
   OPT_CHECKPOINT_TIMEOUT,
+  OPT_EXPORT_ROOT,
+  OPT_FILE_MODE,
 };
 
 typedef struct raw_options {
   const char *ranks, *dir, *socket, *socket_group, *threads, *timeout, *max_live, *max_sessions,
-      *comm_host, *log_level, *coordinator, *name, *device, *checkpoint_dir, *checkpoint_timeout;
+      *comm_host, *log_level, *coordinator, *name, *device, *checkpoint_dir, *checkpoint_timeout,
+      *file_mode;
+  const char *export_roots[COORD_MAX_EXPORT_ROOTS + 1]; /* one more: to say there are too many */
+  unsigned n_export_roots;
 } raw_options;
 
 static const char *env_or(const char *flag, const char *name) {
@@ -272,6 +288,64 @@ static int parse_checkpoint_timeout(const char *flag, int *timeout_ms) {
   return 0;
 }
 
+/* --file-mode (or ZEROD_FILE_MODE): set for the whole process, before
+ * anything is written. */
+static int file_mode_option(const char *flag) {
+  const char *v = env_or(flag, "ZEROD_FILE_MODE");
+  mode_t mode = FILEMODE_DEFAULT;
+  if (v != NULL && filemode_parse(v, &mode) != 0)
+    return bad_value("--file-mode", v,
+                     "octal permissions with the owner's rw and no write for others, e.g. 0640");
+  filemode_set(mode);
+  return 0;
+}
+
+/* --export-root, repeated, else ZEROD_EXPORT_ROOT (directories separated
+ * by ':'): directories that exist, made canonical (realpath), so that a
+ * client's path is compared with what the filesystem holds. Prints the
+ * error and returns nonzero on failure. */
+static int export_roots_option(const char *const *flags, unsigned nflags, coord_options *co) {
+  char env_copy[COORD_MAX_EXPORT_ROOTS * PATH_MAX];
+  const char *given[COORD_MAX_EXPORT_ROOTS + 1];
+  unsigned n = 0;
+  const char *env = getenv("ZEROD_EXPORT_ROOT");
+  if (nflags > 0) {
+    for (; n < nflags && n <= COORD_MAX_EXPORT_ROOTS; n++)
+      given[n] = flags[n];
+  } else if (env != NULL && env[0] != '\0') {
+    if (snprintf(env_copy, sizeof env_copy, "%s", env) >= (int)sizeof env_copy)
+      return bad_value("ZEROD_EXPORT_ROOT", env, "too long");
+    char *save = NULL;
+    for (char *dir = strtok_r(env_copy, ":", &save); dir != NULL && n <= COORD_MAX_EXPORT_ROOTS;
+         dir = strtok_r(NULL, ":", &save))
+      given[n++] = dir;
+  }
+  if (n > COORD_MAX_EXPORT_ROOTS) {
+    fprintf(stderr, "zerod: at most %d export roots\n", COORD_MAX_EXPORT_ROOTS);
+    return 2;
+  }
+  for (unsigned i = 0; i < n; i++) {
+    char resolved[PATH_MAX];
+    struct stat st;
+    const char *why = NULL;
+    if (given[i][0] == '\0')
+      why = "empty";
+    else if (realpath(given[i], resolved) == NULL || stat(resolved, &st) != 0)
+      why = strerror(errno); /* not created: an operator's directory */
+    else if (!S_ISDIR(st.st_mode))
+      why = "not a directory";
+    if (why != NULL) {
+      fprintf(stderr, "zerod: --export-root %s: %s\n", given[i], why);
+      return 1;
+    }
+    if (strlen(resolved) > PATH_MAX - 512)
+      return bad_value("--export-root", resolved, "path too long");
+    snprintf(co->export_roots[i], sizeof co->export_roots[i], "%s", resolved);
+  }
+  co->n_export_roots = n;
+  return 0;
+}
+
 static int mkdir_p(const char *path);
 
 /* The checkpoint directory: the flag, else ZEROD_CHECKPOINT_DIR, else
@@ -299,19 +373,21 @@ static int checkpoint_dir_option(const char *flag, const char *fallback, char *o
   return 0;
 }
 
+/* mkdir -p, the directories made with the directory mode (filemode.h). */
 static int mkdir_p(const char *path) {
   char tmp[PATH_MAX];
   snprintf(tmp, sizeof tmp, "%s", path);
+  int rc;
   for (char *p = tmp + 1; *p != '\0'; p++) {
     if (*p != '/')
       continue;
     *p = '\0';
-    if (mkdir(tmp, 0700) != 0 && errno != EEXIST)
-      return -errno;
+    if ((rc = filemode_mkdirat(AT_FDCWD, tmp)) != 0 && rc != -EEXIST)
+      return rc;
     *p = '/';
   }
-  if (mkdir(tmp, 0700) != 0 && errno != EEXIST)
-    return -errno;
+  if ((rc = filemode_mkdirat(AT_FDCWD, tmp)) != 0 && rc != -EEXIST)
+    return rc;
   return 0;
 }
 
@@ -366,6 +442,15 @@ static void coordinator_usage(FILE *out) {
           "                          [ZEROD_CHECKPOINT_DIR, default STATE-DIR/checkpoints]\n"
           "  --checkpoint-timeout S  longest a checkpoint save or restore may take\n"
           "                          [ZEROD_CHECKPOINT_TIMEOUT, default 600]\n"
+          "  --export-root DIR       a directory Export may write in, and Restore and Export\n"
+          "                          may read a checkpoint path from (besides the checkpoint\n"
+          "                          directory); repeat for more (at most 8); a relative\n"
+          "                          export path is taken inside the first. Paths through\n"
+          "                          '..' or a symbolic link are refused [ZEROD_EXPORT_ROOT,\n"
+          "                          DIRs separated by ':'; default: the checkpoint dir]\n"
+          "  --file-mode MODE        mode of the files written (checkpoints, exports, the\n"
+          "                          state file), octal; directories get x where it has r\n"
+          "                          (0640: 0750) [ZEROD_FILE_MODE, default 0600]\n"
           "  --log-level LEVEL       debug, info, warn or error [ZEROD_LOG_LEVEL, default info]\n"
           "  --tls-cert FILE         serve TLS with this certificate chain (PEM) [ZEROD_TLS_CERT]\n"
           "  --tls-key FILE          ... and its private key [ZEROD_TLS_KEY]\n"
@@ -414,7 +499,9 @@ static int run_coordinator(int argc, char **argv) {
     C_LEASE_TTL,
     C_LOG_LEVEL,
     C_CHECKPOINT_DIR,
-    C_CHECKPOINT_TIMEOUT
+    C_CHECKPOINT_TIMEOUT,
+    C_EXPORT_ROOT,
+    C_FILE_MODE
   };
   static const struct option long_options[] = {
       {"listen", required_argument, NULL, C_LISTEN},
@@ -422,6 +509,8 @@ static int run_coordinator(int argc, char **argv) {
       {"lease-ttl", required_argument, NULL, C_LEASE_TTL},
       {"checkpoint-dir", required_argument, NULL, C_CHECKPOINT_DIR},
       {"checkpoint-timeout", required_argument, NULL, C_CHECKPOINT_TIMEOUT},
+      {"export-root", required_argument, NULL, C_EXPORT_ROOT},
+      {"file-mode", required_argument, NULL, C_FILE_MODE},
       {"log-level", required_argument, NULL, C_LOG_LEVEL},
       SECURITY_SERVER_OPTIONS,
       {"help", no_argument, NULL, 'h'},
@@ -429,7 +518,9 @@ static int run_coordinator(int argc, char **argv) {
   };
   security_flags sec = {0};
   const char *listen_flag = NULL, *dir_flag = NULL, *ttl_flag = NULL, *level_flag = NULL;
-  const char *checkpoint_dir_flag = NULL, *checkpoint_timeout_flag = NULL;
+  const char *checkpoint_dir_flag = NULL, *checkpoint_timeout_flag = NULL, *file_mode_flag = NULL;
+  const char *export_root_flags[COORD_MAX_EXPORT_ROOTS + 1];
+  unsigned n_export_root_flags = 0;
   int c;
   while ((c = getopt_long(argc, argv, "h", long_options, NULL)) != -1) {
     switch (c) {
@@ -450,6 +541,13 @@ static int run_coordinator(int argc, char **argv) {
       break;
     case C_CHECKPOINT_TIMEOUT:
       checkpoint_timeout_flag = optarg;
+      break;
+    case C_EXPORT_ROOT:
+      if (n_export_root_flags <= COORD_MAX_EXPORT_ROOTS)
+        export_root_flags[n_export_root_flags++] = optarg;
+      break;
+    case C_FILE_MODE:
+      file_mode_flag = optarg;
       break;
     case 'h':
       coordinator_usage(stdout);
@@ -493,6 +591,8 @@ static int run_coordinator(int argc, char **argv) {
 
   if (parse_checkpoint_timeout(checkpoint_timeout_flag, &co.checkpoint_timeout_ms) != 0)
     return 2;
+  if (file_mode_option(file_mode_flag) != 0)
+    return 2;
 
   /* Who can reach the listener, and what they may do (docs/security.md):
    * plain transport and no principals only where nobody else can reach
@@ -527,7 +627,10 @@ static int run_coordinator(int argc, char **argv) {
       snprintf(co.auth_file, sizeof co.auth_file, "%s", sec.auth_file) >= (int)sizeof co.auth_file)
     return bad_value("--auth-file", sec.auth_file, "path too long");
 
-  int rc = mkdir_p(co.state_dir);
+  int rc = export_roots_option(export_root_flags, n_export_root_flags, &co);
+  if (rc != 0)
+    return rc;
+  rc = mkdir_p(co.state_dir);
   if (rc != 0) {
     fprintf(stderr, "zerod: cannot create state directory %s: %s\n", co.state_dir, strerror(-rc));
     return 1;
@@ -609,6 +712,7 @@ static char comm_host[256] = "127.0.0.1";
 static char control_socket[PATH_MAX];   /* zerod standalone's control-plane socket */
 static const char *checkpoint_dir_flag; /* zerod standalone: --checkpoint-dir, if given */
 static int checkpoint_timeout_ms;       /* zerod standalone: --checkpoint-timeout */
+static raw_options raw;                 /* the flags, as given */
 
 /* zerod standalone: the same coordinator as `zerod coordinator`, in this
  * process and on this loop, in memory only (standalone jobs are created by
@@ -628,10 +732,17 @@ static int start_local_coordinator(zdaemon *d, char *err, size_t err_bytes) {
   /* A socket left by a daemon that died; the state directory's lock says
    * that no live one uses it. */
   unlink(control_socket);
-  coord_options co = {.lease_ttl_ms = 10000, .checkpoint_timeout_ms = checkpoint_timeout_ms};
+  /* Static: a coord_options holds the export roots' paths, too big for
+   * the stack of a function that the loop's callbacks nest under. */
+  static coord_options co;
+  co = (coord_options){.lease_ttl_ms = 10000, .checkpoint_timeout_ms = checkpoint_timeout_ms};
   if (checkpoint_dir_option(checkpoint_dir_flag, o->dir, co.checkpoint_dir,
                             sizeof co.checkpoint_dir) != 0) {
     snprintf(err, err_bytes, "no usable checkpoint directory");
+    return -EINVAL;
+  }
+  if (export_roots_option(raw.export_roots, raw.n_export_roots, &co) != 0) {
+    snprintf(err, err_bytes, "no usable export root");
     return -EINVAL;
   }
   int rc = coord_create(d->loop, &co, &d->coord, err, err_bytes);
@@ -686,7 +797,6 @@ static void on_signal(uv_signal_t *handle, int signum) {
 int main(int argc, char **argv) {
   if (argc > 1 && strcmp(argv[1], "coordinator") == 0)
     return run_coordinator(argc - 1, argv + 1);
-  raw_options raw = {0};
   static const struct option long_options[] = {
       {"ranks", required_argument, NULL, OPT_RANKS},
       {"dir", required_argument, NULL, OPT_DIR},
@@ -705,6 +815,8 @@ int main(int argc, char **argv) {
       {"checkpoint-dir", required_argument, NULL, OPT_CHECKPOINT_DIR},
       {"checkpoint-timeout", required_argument, NULL, OPT_CHECKPOINT_TIMEOUT},
       SECURITY_CLIENT_OPTIONS,
+      {"export-root", required_argument, NULL, OPT_EXPORT_ROOT},
+      {"file-mode", required_argument, NULL, OPT_FILE_MODE},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
@@ -756,6 +868,13 @@ int main(int argc, char **argv) {
       break;
     case OPT_CHECKPOINT_TIMEOUT:
       raw.checkpoint_timeout = optarg;
+      break;
+    case OPT_EXPORT_ROOT:
+      if (raw.n_export_roots <= COORD_MAX_EXPORT_ROOTS)
+        raw.export_roots[raw.n_export_roots++] = optarg;
+      break;
+    case OPT_FILE_MODE:
+      raw.file_mode = optarg;
       break;
     case OPT_VERSION:
       printf("zerod %s\n", ZEROD_VERSION);
@@ -898,12 +1017,16 @@ int main(int argc, char **argv) {
       snprintf(o->token, sizeof o->token, "%s", token);
     }
   }
-  if (strcmp(mode, "node") == 0 && (raw.checkpoint_dir != NULL || raw.checkpoint_timeout != NULL)) {
+  if (strcmp(mode, "node") == 0 &&
+      (raw.checkpoint_dir != NULL || raw.checkpoint_timeout != NULL || raw.n_export_roots > 0)) {
     /* A node saves where its coordinator's orders say. */
-    fprintf(stderr, "zerod: --checkpoint-dir and --checkpoint-timeout are the coordinator's "
-                    "(zerod coordinator or standalone), not a node's\n");
+    fprintf(stderr, "zerod: --checkpoint-dir, --checkpoint-timeout and --export-root are the "
+                    "coordinator's (zerod coordinator or standalone), not a node's\n");
     return 2;
   }
+  /* A node writes shard files and layouts with it too. */
+  if (file_mode_option(raw.file_mode) != 0)
+    return 2;
   if (strcmp(mode, "node") != 0) {
     checkpoint_dir_flag = raw.checkpoint_dir;
     if (parse_checkpoint_timeout(raw.checkpoint_timeout, &checkpoint_timeout_ms) != 0)

@@ -51,6 +51,7 @@
  * meaning that an old reader refuses instead of ignoring. */
 #include "ckpt.h"
 #include "ckpt_io.h"
+#include "filemode.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -978,7 +979,9 @@ int ckpt_manifest_load(const char *dir, const char *file, int flags, ckpt_manife
   char *path = join_path(dir, file);
   if (path == NULL)
     return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  /* O_NOFOLLOW here and for every file of a checkpoint: a checkpoint's
+   * files are regular files in its directory, never links to elsewhere. */
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   free(path);
   if (fd < 0)
     return ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
@@ -1030,14 +1033,16 @@ static int write_replace(const char *path, const void *bytes, size_t len, const 
   memcpy(tmp, path, path_len);
   memcpy(tmp + path_len, ".tmp", 5);
   /* O_TRUNC, not O_EXCL: a .tmp left by a crash is ours to replace. */
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, filemode_file());
   int rc = 0;
   if (fd < 0) {
     rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: %s", name, strerror(errno));
     free(tmp);
     return rc;
   }
-  if ((rc = ckpt_pwrite_all(fd, bytes, len, 0)) != 0)
+  if ((rc = filemode_fix_file(fd)) != 0)
+    rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: fchmod: %s", name, strerror(-rc));
+  else if ((rc = ckpt_pwrite_all(fd, bytes, len, 0)) != 0)
     rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
   else if (fsync(fd) != 0)
     rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: fsync: %s", name, strerror(errno));
@@ -1264,11 +1269,17 @@ int ckpt_writer_open(const char *path, const ckpt_shard_header *h, ckpt_writer *
   w->name = ckpt_base_name(w->path);
   XXH64_reset(w->file_hash, 0);
   XXH64_reset(w->block_hash, 0);
-  w->fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  w->fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, filemode_file());
   if (w->fd < 0) {
     int rc = ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
     writer_free(w);
     return rc;
+  }
+  int mode_rc = filemode_fix_file(w->fd);
+  if (mode_rc != 0) {
+    ckpt_fail(err, err_bytes, mode_rc, "%s: fchmod: %s", name, strerror(-mode_rc));
+    ckpt_writer_abort(w);
+    return mode_rc;
   }
   /* The header goes out at once, so that a full or read-only filesystem
    * shows up before any data is copied. */
@@ -1445,7 +1456,7 @@ static int check_block(const uint8_t *table, uint64_t block, const uint8_t *byte
 static int reader_check(ckpt_reader *r, const char *path, uint64_t expect_bytes,
                         const ckpt_shard_header *expect, char *err, size_t err_bytes) {
   const char *name = r->name;
-  r->fd = open(path, O_RDONLY | O_CLOEXEC);
+  r->fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   struct stat st;
   if (r->fd < 0 || fstat(r->fd, &st) != 0)
     return ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
@@ -1604,7 +1615,7 @@ int ckpt_file_verify(const char *dir, const ckpt_file_entry *entry, char *err, s
   char *path = join_path(dir, entry->name);
   if (path == NULL)
     return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   free(path);
   if (fd < 0)
     return ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));

@@ -137,7 +137,8 @@ void ckpt_manifest_free(ckpt_manifest *m);
  * CKPT_DECODE_NO_FILES; at most CKPT_MAX_MANIFEST_BYTES) and decodes it. */
 int ckpt_manifest_load(const char *dir, const char *file, int flags, ckpt_manifest *out, char *err,
                        size_t err_bytes);
-/* Writes dir/file (write to a temporary name, fsync, rename, fsync dir).
+/* Writes dir/file (write to a temporary name, fsync, rename, fsync dir),
+ * mode filemode_file() (default 0600).
  * A manifest with files == NULL is written without its "files" (a layout). */
 int ckpt_manifest_store(const char *dir, const char *file, const ckpt_manifest *m, char *err,
                         size_t err_bytes);
@@ -159,7 +160,8 @@ typedef struct ckpt_shard_header {
 
 /* Writes one shard file sequentially with pwrite: the header now, data as
  * it comes (any chunk sizes), then the table and footer at finish, which
- * also fsyncs the file. The file is created with O_EXCL (mode 0600). */
+ * also fsyncs the file. The file is created with O_EXCL | O_NOFOLLOW, mode
+ * filemode_file() (default 0600). */
 typedef struct ckpt_writer ckpt_writer;
 int ckpt_writer_open(const char *path, const ckpt_shard_header *h, ckpt_writer **out, char *err,
                      size_t err_bytes);
@@ -259,9 +261,16 @@ int st_read_f32(int fd, const st_file *f, const st_tensor *t, uint64_t from, uin
  * ST_BF16, shape; offsets are assigned here, in the given order), padded
  * with spaces to a multiple of 8, then each tensor's data from the
  * callback, which fills numel values of tensor i as fp32 (converted to
- * bf16 here for ST_BF16). Written to path.tmp, fsynced, renamed. */
+ * bf16 here for ST_BF16). st_write_at writes name.tmp in the directory
+ * dir_fd (created with O_EXCL | O_NOFOLLOW, a leftover .tmp removed
+ * first, mode filemode_file()), fsyncs it, renames it to name with
+ * renameat in the same directory, and fsyncs the directory: a symbolic
+ * link at name is replaced, never followed. st_write does the same in
+ * path's directory. */
 typedef int (*st_fill_fn)(void *arg, unsigned i, float *dst, uint64_t numel, char *err,
                           size_t err_bytes);
+int st_write_at(int dir_fd, const char *name, const st_tensor *tensors, unsigned ntensors,
+                const char *metadata_json, st_fill_fn fill, void *arg, char *err, size_t err_bytes);
 int st_write(const char *path, const st_tensor *tensors, unsigned ntensors,
              const char *metadata_json, st_fill_fn fill, void *arg, char *err, size_t err_bytes);
 
@@ -274,14 +283,15 @@ typedef struct ckpt_export_info {
 } ckpt_export_info;
 
 /* Writes the master weights of the checkpoint in dir to the safetensors
- * file path (st_write: path.tmp, fsynced, renamed): every tensor of every
+ * file out_name in the directory out_dir_fd (st_write_at: name.tmp,
+ * fsynced, renamed in that directory): every tensor of every
  * unit, in manifest order, named and shaped as registered, as dtype (ST_F32
  * or ST_BF16, rounded to nearest even). Every byte read is checked against
  * the shard files' block checksums. The file's __metadata__ holds "format":
  * "pt", and the job, step and (label non-NULL) checkpoint as zerod.job,
  * zerod.step and zerod.checkpoint. Tensors are filled one at a time, so
  * memory is the largest tensor's fp32 size. */
-int ckpt_export(const char *dir, const char *path, st_dtype dtype, const char *label,
-                ckpt_export_info *out, char *err, size_t err_bytes);
+int ckpt_export(const char *dir, int out_dir_fd, const char *out_name, st_dtype dtype,
+                const char *label, ckpt_export_info *out, char *err, size_t err_bytes);
 
 #endif /* ZEROD_CKPT_H */

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 
 #include "ckpt.h"
@@ -49,11 +50,11 @@ static char *export_metadata(const ckpt_manifest *m, const char *label) {
   return text;
 }
 
-int ckpt_export(const char *dir, const char *path, st_dtype dtype, const char *label,
-                ckpt_export_info *out, char *err, size_t err_bytes) {
+int ckpt_export(const char *dir, int out_dir_fd, const char *out_name, st_dtype dtype,
+                const char *label, ckpt_export_info *out, char *err, size_t err_bytes) {
   memset(out, 0, sizeof *out);
   if (dtype != ST_F32 && dtype != ST_BF16) {
-    snprintf(err, err_bytes, "%s: only F32 and BF16 are exported", ckpt_base_name(path));
+    snprintf(err, err_bytes, "%s: only F32 and BF16 are exported", out_name);
     return -EINVAL;
   }
   ckpt_source *source = NULL;
@@ -70,7 +71,7 @@ int ckpt_export(const char *dir, const char *path, st_dtype dtype, const char *l
   x.tensor_of = calloc(n > 0 ? n : 1, sizeof *x.tensor_of);
   char *metadata = export_metadata(m, label);
   if (tensors == NULL || x.unit_of == NULL || x.tensor_of == NULL || metadata == NULL) {
-    snprintf(err, err_bytes, "%s: out of memory", ckpt_base_name(path));
+    snprintf(err, err_bytes, "%s: out of memory", out_name);
     rc = -ENOMEM;
     goto done;
   }
@@ -87,12 +88,13 @@ int ckpt_export(const char *dir, const char *path, st_dtype dtype, const char *l
       x.tensor_of[i] = t;
     }
   }
-  rc = st_write(path, tensors, n, metadata, fill_tensor, &x, err, err_bytes);
+  rc = st_write_at(out_dir_fd, out_name, tensors, n, metadata, fill_tensor, &x, err, err_bytes);
   if (rc == 0) {
     struct stat st;
     out->tensors = n;
     out->step = m->step;
-    out->bytes = stat(path, &st) == 0 ? (uint64_t)st.st_size : 0;
+    out->bytes =
+        fstatat(out_dir_fd, out_name, &st, AT_SYMLINK_NOFOLLOW) == 0 ? (uint64_t)st.st_size : 0;
   }
 done:
   free(metadata);

@@ -15,6 +15,7 @@
  * too, and files written here satisfy it by construction. */
 #include "ckpt.h"
 #include "ckpt_io.h"
+#include "filemode.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -326,7 +327,7 @@ int st_open(const char *path, st_file *out, int *fd, char *err, size_t err_bytes
   memset(out, 0, sizeof *out);
   *fd = -1;
   const char *name = ckpt_base_name(path);
-  int file = open(path, O_RDONLY | O_CLOEXEC);
+  int file = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (file < 0)
     return ckpt_fail(err, err_bytes, -errno, "%s: %s", name, strerror(errno));
   int rc = open_checked(file, name, out, err, err_bytes);
@@ -544,24 +545,9 @@ static int write_tensor(int fd, const char *name, uint64_t *offset, const st_ten
   return rc;
 }
 
-static int fsync_parent(const char *path) {
-  const char *slash = strrchr(path, '/');
-  char *dir =
-      slash == NULL ? strdup(".") : strndup(path, slash == path ? 1 : (size_t)(slash - path));
-  if (dir == NULL)
-    return -ENOMEM;
-  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  free(dir);
-  if (fd < 0)
-    return -errno;
-  int rc = fsync(fd) == 0 ? 0 : -errno;
-  close(fd);
-  return rc;
-}
-
-int st_write(const char *path, const st_tensor *tensors, unsigned ntensors,
-             const char *metadata_json, st_fill_fn fill, void *arg, char *err, size_t err_bytes) {
-  const char *name = ckpt_base_name(path);
+int st_write_at(int dir_fd, const char *name, const st_tensor *tensors, unsigned ntensors,
+                const char *metadata_json, st_fill_fn fill, void *arg, char *err,
+                size_t err_bytes) {
   json_t *metadata;
   int rc = check_write_args(tensors, ntensors, metadata_json, &metadata, err, err_bytes);
   if (rc != 0) {
@@ -583,7 +569,7 @@ int st_write(const char *path, const st_tensor *tensors, unsigned ntensors,
    * region, so that a reader may map it and use the floats in place. */
   size_t json_len = strlen(json), header_len = (json_len + 7) / 8 * 8;
   uint8_t *header = malloc(8 + header_len);
-  char *tmp = malloc(strlen(path) + 5);
+  char *tmp = malloc(strlen(name) + 5);
   if (header == NULL || tmp == NULL) {
     free(json);
     free(header);
@@ -595,9 +581,21 @@ int st_write(const char *path, const st_tensor *tensors, unsigned ntensors,
   memcpy(header + 8, json, json_len);
   memset(header + 8 + json_len, ' ', header_len - json_len);
   free(json);
-  snprintf(tmp, strlen(path) + 5, "%s.tmp", path);
+  snprintf(tmp, strlen(name) + 5, "%s.tmp", name);
 
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  /* The file is written next to its name and renamed into place, all
+   * relative to dir_fd: never through a symbolic link, and a name that is
+   * one (or a hard link to a file elsewhere) is replaced, not written
+   * through. A .tmp left by a crash is removed first rather than
+   * truncated, for the same reason. */
+  if (unlinkat(dir_fd, tmp, 0) != 0 && errno != ENOENT) {
+    rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: %s", name, strerror(errno));
+    free(header);
+    free(tmp);
+    return rc;
+  }
+  int fd =
+      openat(dir_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, filemode_file());
   if (fd < 0) {
     rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: %s", name, strerror(errno));
     free(header);
@@ -605,10 +603,11 @@ int st_write(const char *path, const st_tensor *tensors, unsigned ntensors,
     return rc;
   }
   uint64_t offset = 8 + header_len;
-  rc = ckpt_pwrite_all(fd, header, (size_t)offset, 0);
-  free(header);
-  if (rc != 0)
+  if ((rc = filemode_fix_file(fd)) != 0)
+    rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: fchmod: %s", name, strerror(-rc));
+  else if ((rc = ckpt_pwrite_all(fd, header, (size_t)offset, 0)) != 0)
     rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
+  free(header);
   for (unsigned i = 0; rc == 0 && i < ntensors; i++)
     rc = write_tensor(fd, name, &offset, &tensors[i], i, fill, arg, err, err_bytes);
   if (rc == 0 && offset != 8 + header_len + data_bytes)
@@ -618,12 +617,30 @@ int st_write(const char *path, const st_tensor *tensors, unsigned ntensors,
     rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: fsync: %s", name, strerror(errno));
   if (close(fd) != 0 && rc == 0)
     rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: close: %s", name, strerror(errno));
-  if (rc == 0 && rename(tmp, path) != 0)
+  if (rc == 0 && renameat(dir_fd, tmp, dir_fd, name) != 0)
     rc = ckpt_fail(err, err_bytes, -errno, "%s: rename: %s", name, strerror(errno));
-  if (rc == 0 && (rc = fsync_parent(path)) != 0)
-    rc = ckpt_fail(err, err_bytes, rc, "%s: fsync of its directory: %s", name, strerror(-rc));
+  if (rc == 0 && fsync(dir_fd) != 0)
+    rc = ckpt_fail(err, err_bytes, -errno, "%s: fsync of its directory: %s", name, strerror(errno));
   if (rc != 0)
-    unlink(tmp);
+    unlinkat(dir_fd, tmp, 0);
   free(tmp);
+  return rc;
+}
+
+int st_write(const char *path, const st_tensor *tensors, unsigned ntensors,
+             const char *metadata_json, st_fill_fn fill, void *arg, char *err, size_t err_bytes) {
+  const char *name = ckpt_base_name(path);
+  const char *slash = strrchr(path, '/');
+  char *dir =
+      slash == NULL ? strdup(".") : strndup(path, slash == path ? 1 : (size_t)(slash - path));
+  if (dir == NULL)
+    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
+  int dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  int rc = dir_fd < 0 ? ckpt_fail(err, err_bytes, -errno, "%s: %s", dir, strerror(errno)) : 0;
+  free(dir);
+  if (rc == 0) {
+    rc = st_write_at(dir_fd, name, tensors, ntensors, metadata_json, fill, arg, err, err_bytes);
+    close(dir_fd);
+  }
   return rc;
 }

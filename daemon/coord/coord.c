@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include "ctl_decode.h"
+#include "filemode.h"
 #include "log.h"
 
 static void reconcile(coord *c, const char *node);
@@ -570,8 +571,11 @@ static int state_write(coord *c, const cjob *add, const cjob *skip, uint64_t nex
   zerod__v1__coordinator_state__pack(&state, buf);
 
   step = "open";
-  fd = open(c->tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  fd = open(c->tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, filemode_file());
   if (fd < 0)
+    goto out_errno;
+  step = "fchmod";
+  if ((errno = -filemode_fix_file(fd)) != 0)
     goto out_errno;
   step = "write";
   for (size_t done = 0; done < len;) {
@@ -1719,9 +1723,8 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
       continue;
     char saved = *p;
     *p = '\0';
-    if (mkdir(path, 0700) != 0 && errno != EEXIST) {
-      rc = -errno;
-      snprintf(err, err_bytes, "cannot create %s: %s", path, strerror(errno));
+    if ((rc = filemode_mkdirat(AT_FDCWD, path)) != 0 && rc != -EEXIST) {
+      snprintf(err, err_bytes, "cannot create %s: %s", path, strerror(-rc));
       goto fail;
     }
     *p = saved;

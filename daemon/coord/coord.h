@@ -38,6 +38,8 @@
 
 typedef struct coord coord;
 
+#define COORD_MAX_EXPORT_ROOTS 8 /* --export-root, repeated */
+
 typedef struct coord_options {
   char state_dir[PATH_MAX]; /* created if missing; holds coordinator.pb; "": in memory only
                                (zerod standalone's coordinator) */
@@ -51,6 +53,14 @@ typedef struct coord_options {
   /* The principals file (coord/auth.h, docs/security.md); "": none, and
    * every caller may do everything (a loopback or --insecure setup). */
   char auth_file[PATH_MAX];
+  /* Where Export may write its file, and, with checkpoint_dir, where
+   * Restore and Export may read a checkpoint named by an absolute path
+   * (docs/checkpoints.md, "Where files may be read and written"). Absolute
+   * paths of existing directories without symbolic links (realpath), the
+   * first of which holds an export given as a relative path. None:
+   * checkpoint_dir is the only root, for exports too. */
+  char export_roots[COORD_MAX_EXPORT_ROOTS][PATH_MAX];
+  unsigned n_export_roots;
 } coord_options;
 
 /* Loads the state directory (creating it if needed), removes what a crash

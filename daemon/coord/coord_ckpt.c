@@ -41,9 +41,11 @@
 #include <unistd.h>
 
 #include "ckpt.h"
+#include "confine.h"
 #include "coord_impl.h"
 #include "crashpoint.h"
 #include "ctl_decode.h"
+#include "filemode.h"
 #include "log.h"
 
 #define CKPT_DEFAULT_TIMEOUT_MS (600 * 1000)
@@ -76,9 +78,13 @@ typedef struct rank_report {
   char file[CTL_FILE_MAX_BYTES + 1];
 } rank_report;
 
-/* Where and how an Export writes its file. */
+/* Where and how an Export writes its file: path is canonical (an export
+ * root, then the rest without "." or ".." or empty components), and its
+ * first root_len bytes are the root, which the file is opened from
+ * (confine.h). */
 typedef struct export_spec {
   char path[PATH_MAX];
+  size_t root_len;
   st_dtype dtype;
   int overwrite;
 } export_spec;
@@ -353,7 +359,8 @@ static int fsync_dir(const char *path) {
   return rc;
 }
 
-/* mkdir -p with mode 0700. Returns 0 or a negative errno. */
+/* mkdir -p with the directory mode (filemode.h). Returns 0 or a negative
+ * errno. */
 static int make_dirs(const char *path) {
   char buf[PATH_MAX];
   if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
@@ -363,8 +370,9 @@ static int make_dirs(const char *path) {
       continue;
     char saved = *p;
     *p = '\0';
-    if (mkdir(buf, 0700) != 0 && errno != EEXIST)
-      return -errno;
+    int rc = filemode_mkdirat(AT_FDCWD, buf);
+    if (rc != 0 && rc != -EEXIST)
+      return rc;
     *p = saved;
     if (saved == '\0')
       return 0;
@@ -580,10 +588,8 @@ static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int p
   path_format(o->dir, sizeof o->dir, "%s/%s.tmp-%" PRIu64, job_dir, stem, o->id);
   const char *failed_path = job_dir;
   int rc = make_dirs(job_dir);
-  if (rc == 0 && mkdir(o->dir, 0700) != 0) {
-    rc = -errno;
+  if (rc == 0 && (rc = filemode_mkdirat(AT_FDCWD, o->dir)) != 0)
     failed_path = o->dir;
-  }
   if (rc != 0) {
     snprintf(err, err_bytes, "cannot create %s: %s", failed_path, strerror(-rc));
     o->dir[0] = '\0'; /* nothing of ours to remove */
@@ -1022,7 +1028,7 @@ static int ends_with(const char *s, const char *suffix) {
 /* The source of a Restore or an Export, stat'ed. Returns 0 or the status
  * in result. */
 static int stat_source(const char *source, struct stat *st, work_result *result) {
-  if (stat(source, st) == 0)
+  if (lstat(source, st) == 0)
     return 0;
   if (errno == ENOENT || errno == ENOTDIR)
     return work_fail(result, RPC_NOT_FOUND, "no checkpoint at %s", source);
@@ -1190,46 +1196,194 @@ static void restore_progress(coord *c, ckpt_order *o) {
   order_free(c, o);
 }
 
-/* Resolves a RestoreRequest.checkpoint of job into an absolute path (in
- * out). Returns 0 or a status with the reason in err. */
+/* ------------------------------------------------------------------------ */
+/* Paths from clients (confine.h, docs/checkpoints.md)                      */
+/* ------------------------------------------------------------------------ */
+
+/* The roots Export may write in: the export roots, or the checkpoint
+ * directory if none is configured. Returns how many. */
+static unsigned write_roots(const coord *c, const char **roots) {
+  if (c->options.n_export_roots == 0) {
+    roots[0] = c->options.checkpoint_dir;
+    return 1;
+  }
+  for (unsigned i = 0; i < c->options.n_export_roots; i++)
+    roots[i] = c->options.export_roots[i];
+  return c->options.n_export_roots;
+}
+
+/* The roots a checkpoint named by its path may be read from: the
+ * checkpoint directory and the export roots (what an Export wrote may be
+ * restored). Returns how many. */
+static unsigned read_roots(const coord *c, const char **roots) {
+  roots[0] = c->options.checkpoint_dir;
+  for (unsigned i = 0; i < c->options.n_export_roots; i++)
+    roots[i + 1] = c->options.export_roots[i];
+  return 1 + c->options.n_export_roots;
+}
+
+/* "a, b, c", for messages. */
+static void roots_text(const char *const *roots, unsigned nroots, char *out, size_t out_bytes) {
+  size_t len = 0;
+  out[0] = '\0';
+  for (unsigned i = 0; i < nroots && len < out_bytes; i++) {
+    int n = snprintf(out + len, out_bytes - len, "%s%s", i > 0 ? ", " : "", roots[i]);
+    if (n < 0)
+      break;
+    len += (size_t)n;
+  }
+}
+
+/* Places a client's path in roots (what names them, "export roots", is
+ * for messages): out gets the canonical path (root, then the rest of
+ * path, normalized) and *root_len the root's length in it. what ("export
+ * path") names the path in messages. Text only: nothing is opened.
+ * Returns 0, or a gRPC status with the reason in err. */
+static int place_path(const char *what, const char *path, const char *const *roots, unsigned nroots,
+                      const char *roots_name, char *out, size_t out_bytes, size_t *root_len,
+                      char *err, size_t err_bytes) {
+  char rel[PATH_MAX];
+  char allowed[1024];
+  int root = confine_locate(path, roots, nroots, rel, sizeof rel);
+  if (root < 0) {
+    roots_text(roots, nroots, allowed, sizeof allowed);
+    if (root == -EACCES)
+      snprintf(err, err_bytes, "%s %s is outside the %s (%s)", what, path, roots_name, allowed);
+    else if (root == -EPERM)
+      snprintf(err, err_bytes, "%s %s has a '..' component: it must name a file inside the %s (%s)",
+               what, path, roots_name, allowed);
+    else
+      snprintf(err, err_bytes, "%s %s: %s", what, path,
+               root == -ENAMETOOLONG ? "too long" : "not a path");
+    return root == -EACCES || root == -EPERM ? RPC_PERMISSION_DENIED : RPC_INVALID_ARGUMENT;
+  }
+  const char *r = roots[root];
+  int root_is_slash = strcmp(r, "/") == 0;
+  int n = snprintf(out, out_bytes, "%s%s%s", root_is_slash ? "" : r,
+                   rel[0] != '\0' || root_is_slash ? "/" : "", rel);
+  if (n < 0 || (size_t)n >= out_bytes || (size_t)n > CTL_PATH_MAX_BYTES) {
+    snprintf(err, err_bytes, "%s %s: too long", what, path);
+    return RPC_INVALID_ARGUMENT;
+  }
+  *root_len = strlen(r);
+  return 0;
+}
+
+/* Opens the directory that holds the last component of path (canonical,
+ * its root the first root_len bytes) from its root, never following a
+ * symbolic link (confine_open_parent). Returns 0 with *dir_fd (to close)
+ * and *name pointing into path, or a gRPC status with the reason in
+ * result. */
+static int open_parent(const char *what, const char *path, size_t root_len, int *dir_fd,
+                       const char **name, work_result *result) {
+  char root[PATH_MAX];
+  snprintf(root, sizeof root, "%.*s", (int)root_len, path);
+  const char *rel = path + root_len;
+  if (*rel == '/')
+    rel++;
+  int root_fd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (root_fd < 0)
+    return work_fail(result, errno == ENOENT ? RPC_FAILED_PRECONDITION : io_status(errno),
+                     "cannot open the root %s: %s", root, strerror(errno));
+  size_t bad_len = 0;
+  int rc = confine_open_parent(root_fd, rel, dir_fd, name, &bad_len);
+  close(root_fd);
+  if (rc == 0)
+    return 0;
+  int bad = (int)((size_t)(rel - path) + bad_len); /* the failed component, in path */
+  switch (rc) {
+  case -ELOOP:
+    return work_fail(result, RPC_PERMISSION_DENIED,
+                     "%s %s goes through a symbolic link at %.*s, which is never followed", what,
+                     path, bad, path);
+  case -ENOENT:
+  case -ENOTDIR:
+    return work_fail(result, RPC_NOT_FOUND, "%.*s: no such directory (it must exist)", bad, path);
+  case -EACCES:
+  case -EPERM:
+    return work_fail(result, RPC_PERMISSION_DENIED, "%s %s: cannot open %.*s: %s", what, path, bad,
+                     path, strerror(-rc));
+  default:
+    return work_fail(result, io_status(-rc), "%s %s: cannot open %.*s: %s", what, path, bad, path,
+                     strerror(-rc));
+  }
+}
+
+/* Checks a checkpoint to read (a directory or a .safetensors file) at
+ * path, canonical, inside a root: no component of it, the last included,
+ * is a symbolic link. missing words NOT_FOUND ("%s" is path). Returns 0 or
+ * a gRPC status with the reason in err. */
+static int check_source_path(const char *path, size_t root_len, const char *missing, char *err,
+                             size_t err_bytes) {
+  work_result result = {0};
+  int dir_fd;
+  const char *name;
+  if (open_parent("checkpoint path", path, root_len, &dir_fd, &name, &result) != 0) {
+    if (result.status == RPC_NOT_FOUND)
+      snprintf(err, err_bytes, missing, path);
+    else
+      snprintf(err, err_bytes, "%s", result.message);
+    return result.status;
+  }
+  struct stat st;
+  int rc = fstatat(dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 ? 0 : -errno;
+  close(dir_fd);
+  if (rc == -ENOENT || rc == -ENOTDIR) {
+    snprintf(err, err_bytes, missing, path);
+    return RPC_NOT_FOUND;
+  }
+  if (rc != 0) {
+    snprintf(err, err_bytes, "cannot stat %s: %s", path, strerror(-rc));
+    return rc == -EACCES ? RPC_PERMISSION_DENIED : io_status(-rc);
+  }
+  if (S_ISLNK(st.st_mode)) {
+    snprintf(err, err_bytes, "checkpoint path %s is a symbolic link, which is never followed",
+             path);
+    return RPC_PERMISSION_DENIED;
+  }
+  return 0;
+}
+
+/* Resolves a RestoreRequest.checkpoint (or ExportRequest.checkpoint) of
+ * job into the canonical path of the checkpoint (in out): a name is
+ * looked up in the checkpoint directory; a path must lie inside the
+ * checkpoint directory or an export root, without "..", and is read
+ * through no symbolic link. The path travels to the nodes, which must
+ * find the same thing, and Delete recognizes it. Returns 0 or a status
+ * with the reason in err. */
 static int resolve_source(const coord *c, const char *job, const char *ref, char *out,
                           size_t out_bytes, char *err, size_t err_bytes) {
   char other_job[CTL_NAME_MAX_BYTES + 1], name[CTL_NAME_MAX_BYTES + 1];
+  const char *roots[COORD_MAX_EXPORT_ROOTS + 1];
+  size_t root_len = strlen(c->options.checkpoint_dir);
+  const char *missing = "no checkpoint at %s";
+  int status;
   switch (ctl_parse_checkpoint_ref(ref, other_job, name)) {
   case CTL_REF_NAME:
     path_format(out, out_bytes, "%s/%s/%s", c->options.checkpoint_dir, job, name);
-    return 0;
+    break;
   case CTL_REF_JOB_NAME:
     path_format(out, out_bytes, "%s/%s/%s", c->options.checkpoint_dir, other_job, name);
-    return 0;
+    break;
   case CTL_REF_PATH:
+    status =
+        place_path("checkpoint path", ref, roots, read_roots(c, roots),
+                   "roots checkpoints are read from", out, out_bytes, &root_len, err, err_bytes);
+    if (status != 0)
+      return status;
+    missing = "%s: no such checkpoint or file";
     break;
   default:
     snprintf(err, err_bytes, "invalid checkpoint reference");
     return RPC_INVALID_ARGUMENT;
   }
-  /* The path travels to the nodes, which must find the same thing: it is
-   * resolved here once (symbolic links, "..") so that everyone reads what
-   * the coordinator checked, and so that Delete recognizes it. */
-  char resolved[PATH_MAX];
-  if (realpath(ref, resolved) == NULL) {
-    int errnum = errno;
-    snprintf(err, err_bytes, "%s: %s", ref,
-             errnum == ENOENT || errnum == ENOTDIR ? "no such checkpoint or file"
-                                                   : strerror(errnum));
-    return errnum == ENOENT || errnum == ENOTDIR ? RPC_NOT_FOUND
-           : errnum == EACCES                    ? RPC_PERMISSION_DENIED
-                                                 : RPC_INVALID_ARGUMENT;
-  }
-  const char *base = strrchr(resolved, '/');
-  base = base != NULL ? base + 1 : resolved;
+  if ((status = check_source_path(out, root_len, missing, err, err_bytes)) != 0)
+    return status;
+  const char *base = strrchr(out, '/');
+  base = base != NULL ? base + 1 : out;
   if (strstr(base, ".tmp-") != NULL || strstr(base, ".deleting-") != NULL) {
-    snprintf(err, err_bytes, "%s is an unfinished save or a deleted checkpoint", resolved);
+    snprintf(err, err_bytes, "%s is an unfinished save or a deleted checkpoint", out);
     return RPC_NOT_FOUND;
-  }
-  if (snprintf(out, out_bytes, "%s", resolved) >= (int)out_bytes) {
-    snprintf(err, err_bytes, "checkpoint path is too long");
-    return RPC_INVALID_ARGUMENT;
   }
   return 0;
 }
@@ -1287,37 +1441,52 @@ static void on_restore(rpc_call *call, const uint8_t *request, size_t request_by
 /* Export                                                                   */
 /* ------------------------------------------------------------------------ */
 
-/* Whether an export may write path: its directory exists, and path is
- * not a directory, nor a file unless overwrite. Returns 0 or the status in
- * result. */
-static int export_target_check(const export_spec *ex, work_result *result) {
+/* Opens the directory an export writes in and checks the name it will
+ * write (export_spec): the directory exists and is reached through no
+ * symbolic link, and the name is not a symbolic link, a directory or
+ * anything but a regular file, nor an existing file unless overwrite.
+ * Returns 0 with *dir_fd (to close) and *name, or the status in result. */
+static int export_target_open(const export_spec *ex, int *dir_fd, const char **name,
+                              work_result *result) {
   const char *path = ex->path;
+  if (open_parent("export path", path, ex->root_len, dir_fd, name, result) != 0)
+    return result->status;
   struct stat st;
-  const char *slash = strrchr(path, '/');
-  char parent[PATH_MAX];
-  snprintf(parent, sizeof parent, "%.*s", slash == path ? 1 : (int)(slash - path), path);
-  if (stat(parent, &st) != 0 || !S_ISDIR(st.st_mode))
-    return work_fail(result, RPC_NOT_FOUND, "%s: no such directory (it must exist)", parent);
-  if (lstat(path, &st) == 0) {
-    if (S_ISDIR(st.st_mode))
-      return work_fail(result, RPC_INVALID_ARGUMENT, "%s is a directory", path);
-    if (!ex->overwrite)
-      return work_fail(result, RPC_ALREADY_EXISTS, "%s exists (overwrite replaces it)", path);
+  int status = 0;
+  if (fstatat(*dir_fd, *name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+    if (S_ISLNK(st.st_mode))
+      status = work_fail(result, RPC_PERMISSION_DENIED,
+                         "export path %s is a symbolic link, which is never written through "
+                         "(remove it to write there)",
+                         path);
+    else if (S_ISDIR(st.st_mode))
+      status = work_fail(result, RPC_INVALID_ARGUMENT, "%s is a directory", path);
+    else if (!S_ISREG(st.st_mode))
+      status = work_fail(result, RPC_INVALID_ARGUMENT, "%s is not a regular file", path);
+    else if (!ex->overwrite)
+      status = work_fail(result, RPC_ALREADY_EXISTS, "%s exists (overwrite replaces it)", path);
   } else if (errno != ENOENT) {
-    return work_fail(result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+    status = work_fail(result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
   }
-  return 0;
+  if (status != 0)
+    close(*dir_fd);
+  return status;
 }
 
-/* Writes the checkpoint in dir to the safetensors file path, checked
- * first with export_target_check. On the thread pool. Returns 0 or the
- * status in result. */
+/* Writes the checkpoint in dir to the safetensors file of ex, checked
+ * first by export_target_open; the file is written and renamed into place
+ * relative to the directory opened there (st_write_at), so that a
+ * symbolic link swapped in after the check is replaced, not followed. On
+ * the thread pool. Returns 0 or the status in result. */
 static int export_to_file(const char *dir, const export_spec *ex, const char *label,
                           ckpt_export_info *info, work_result *result) {
-  if (export_target_check(ex, result) != 0)
+  int dir_fd;
+  const char *name;
+  if (export_target_open(ex, &dir_fd, &name, result) != 0)
     return result->status;
   char err[CKPT_MESSAGE_BYTES - 64];
-  int rc = ckpt_export(dir, ex->path, ex->dtype, label, info, err, sizeof err);
+  int rc = ckpt_export(dir, dir_fd, name, ex->dtype, label, info, err, sizeof err);
+  close(dir_fd);
   if (rc == 0)
     return 0;
   /* Reading: a missing, damaged or short shard file. Writing: the file's
@@ -1414,22 +1583,35 @@ static void on_export(rpc_call *call, const uint8_t *request, size_t request_byt
   export_spec ex = {.dtype =
                         req->dtype == ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_BF16 ? ST_BF16 : ST_F32,
                     .overwrite = req->overwrite};
-  snprintf(ex.path, sizeof ex.path, "%s", req->path); /* <= CTL_PATH_MAX_BYTES: decoded */
+  const char *roots[COORD_MAX_EXPORT_ROOTS];
+  size_t path_len = strlen(req->path);
   if (c->options.checkpoint_dir[0] == '\0') {
     snprintf(err, sizeof err, "this coordinator has no checkpoint directory");
     status = RPC_FAILED_PRECONDITION;
-  } else if (req->checkpoint[0] == '\0') {
+  } else if (path_len > 0 && req->path[path_len - 1] == '/') {
+    snprintf(err, sizeof err, "export path %s names a directory; it must name a file", req->path);
+    status = RPC_INVALID_ARGUMENT;
+  } else {
+    /* Relative: inside the first export root. */
+    status = place_path("export path", req->path, roots, write_roots(c, roots), "export roots",
+                        ex.path, sizeof ex.path, &ex.root_len, err, sizeof err);
+  }
+  if (status == 0 && req->checkpoint[0] == '\0') {
     /* The job's state now: saved into a temporary checkpoint, which the
      * commit exports and removes. */
     cjob *j = NULL;
     work_result target = {0};
+    int dir_fd;
+    const char *name;
     status = order_precheck(c, req->job, &j, err, sizeof err);
     /* Checked again before writing; here so that a mistake costs no save. */
-    if (status == 0 && (status = export_target_check(&ex, &target)) != 0)
+    if (status == 0 && (status = export_target_open(&ex, &dir_fd, &name, &target)) != 0)
       snprintf(err, sizeof err, "%s", target.message);
+    else if (status == 0)
+      close(dir_fd);
     if (status == 0)
       status = save_start(c, j, "", call, 0, &ex, err, sizeof err);
-  } else {
+  } else if (status == 0) {
     export_work *w = calloc(1, sizeof *w);
     if (w == NULL) {
       snprintf(err, sizeof err, "coordinator out of memory");
@@ -2018,6 +2200,18 @@ int coord__ckpt_init(coord *c, char *err, size_t err_bytes) {
     snprintf(err, err_bytes, "the checkpoint directory's path is longer than %d bytes",
              PATH_MAX - 512);
     return -ENAMETOOLONG;
+  }
+  for (unsigned i = 0; i < c->options.n_export_roots; i++) {
+    const char *root = c->options.export_roots[i];
+    if (root[0] != '/' || strlen(root) > PATH_MAX - 512) {
+      snprintf(err, err_bytes, "export root %s: not an absolute path of at most %d bytes", root,
+               PATH_MAX - 512);
+      return -EINVAL;
+    }
+  }
+  if (c->options.n_export_roots > COORD_MAX_EXPORT_ROOTS) {
+    snprintf(err, err_bytes, "more than %d export roots", COORD_MAX_EXPORT_ROOTS);
+    return -EINVAL;
   }
   int rc = make_dirs(dir);
   if (rc != 0) {

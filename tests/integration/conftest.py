@@ -127,11 +127,11 @@ class Coordinator:
     start has its own log file; read_log() reads the current one."""
 
     def __init__(self, tmp_path, lease_ttl_s=2.0, state_dir=None, extra=()):
-        self.extra = list(extra)
         self.dir = tmp_path / ("coordinator-%d" % time.monotonic_ns())
         self.dir.mkdir()
         self.state_dir = state_dir or self.dir / "state"
         self.lease_ttl_s = lease_ttl_s
+        self.extra = list(extra)
         self.port = 0
         self.address = None
         self.logs = []

@@ -228,8 +228,10 @@ def restores_to(step, errors=None, commit_errors=None):
 def coordinator(tmp_path):
     started = []
 
-    def start(state_dir=None):
-        c = Coordinator(tmp_path, tc.TTL_S, state_dir)
+    def start(state_dir=None, extra=()):
+        # The tests export to and restore from files in tmp_path.
+        c = Coordinator(tmp_path, tc.TTL_S, state_dir,
+                        extra=["--export-root", str(tmp_path)] + list(extra))
         started.append(c)
         return c
 
@@ -318,7 +320,6 @@ def test_save_refuses_malformed_requests(coord, job, name, fragment):
     ("Restore", C.RestoreRequest(job="j", checkpoint="/tmp/a\nb")),
     ("Restore", C.RestoreRequest(job="j", checkpoint="/" + "x" * 4000)),
     ("Export", C.ExportRequest(job="j", path="")),
-    ("Export", C.ExportRequest(job="j", path="relative.safetensors")),
     ("Export", C.ExportRequest(job="j", path="/tmp/a\nb.safetensors")),
     ("Export", C.ExportRequest(job="j", path="/" + "x" * 4000)),
     ("Export", C.ExportRequest(job="j", path="/tmp/x.safetensors", dtype=7)),
@@ -520,6 +521,23 @@ def test_save_writes_the_manifest_and_renames_the_directory(coord, nodes):
     # A name as asked.
     reply = coord.ckpt.Save(C.SaveRequest(job="j", name="best"), timeout=30)
     assert reply.checkpoint.name == "best"
+
+
+def mode_of(path):
+    return os.stat(path).st_mode & 0o7777
+
+
+@pytest.mark.parametrize("file_mode, dir_mode", [(None, 0o700), ("0640", 0o750)])
+def test_what_the_coordinator_writes_has_the_file_mode(coordinator, nodes, file_mode, dir_mode):
+    coord = coordinator(extra=["--file-mode", file_mode] if file_mode else [])
+    made = ready_job(coord, nodes, step=42)
+    for n in made:
+        n.on_save = writes_shards(42)
+    cp = coord.ckpt.Save(C.SaveRequest(job="j", name="m"), timeout=30).checkpoint
+    want = 0o600 if file_mode is None else int(file_mode, 8)
+    assert mode_of(coord.state_dir / "coordinator.pb") == want
+    assert mode_of(os.path.join(cp.path, "manifest.json")) == want
+    assert mode_of(cp.path) == dir_mode and mode_of(coord.checkpoints / "j") == dir_mode
 
 
 def test_a_rank_error_fails_the_save_and_removes_its_directory(coord, nodes):

@@ -36,9 +36,9 @@ TTL_S = 2.0  # lease TTL of the coordinators under test
 class Coordinator(conftest.Coordinator):
     """conftest's coordinator with grpcio stubs on its address."""
 
-    def __init__(self, tmp_path, ttl_s=TTL_S, state_dir=None):
+    def __init__(self, tmp_path, ttl_s=TTL_S, state_dir=None, extra=()):
         self.channel = None
-        super().__init__(tmp_path, lease_ttl_s=ttl_s, state_dir=state_dir)
+        super().__init__(tmp_path, lease_ttl_s=ttl_s, state_dir=state_dir, extra=extra)
 
     def start(self):
         super().start()

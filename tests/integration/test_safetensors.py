@@ -29,6 +29,15 @@ from conftest import binary
 from test_checkpoint import HEADER, load_checkpoint, save, restore, listed, stub, train, wait_ready
 
 
+@pytest.fixture
+def start_daemon(start_daemon, tmp_path):
+    """conftest's, with tmp_path as the export root: the tests export to
+    and restore from files there."""
+    def start(ranks=1, timeout_s=10, extra=()):
+        return start_daemon(ranks, timeout_s, ["--export-root", str(tmp_path)] + list(extra))
+    return start
+
+
 def export(daemon, job, path, checkpoint="", dtype="fp32", overwrite=False, timeout=120):
     pb, ck, _ = stub(daemon)
     dt = pb.control.EXPORT_DTYPE_BF16 if dtype == "bf16" else pb.control.EXPORT_DTYPE_F32
@@ -113,8 +122,9 @@ def test_zerodctl_export(start_daemon, tmp_path):
     train(d, 1, "cli", 3)
     wait_ready(d, "cli")
     ctl = [binary("zerodctl"), "--coordinator", "unix:%s/control.sock" % d.dir]
-    # A relative FILE is taken from zerodctl's directory.
-    proc = subprocess.run(ctl + ["--json", "export", "cli", "cli.safetensors"], cwd=tmp_path,
+    # A relative FILE is taken inside the coordinator's export root, not
+    # zerodctl's directory.
+    proc = subprocess.run(ctl + ["--json", "export", "cli", "cli.safetensors"], cwd=d.dir,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     reply = json.loads(proc.stdout)
@@ -155,8 +165,10 @@ def test_export_errors(start_daemon, tmp_path):
          grpc.StatusCode.NOT_FOUND, "no-such-dir"),
         (dict(path=tmp_path / "x.safetensors", checkpoint="missing"),
          grpc.StatusCode.NOT_FOUND, "missing"),
-        (dict(path="relative.safetensors", checkpoint="c"),
-         grpc.StatusCode.INVALID_ARGUMENT, "absolute"),
+        (dict(path=str(tmp_path) + "/../x.safetensors", checkpoint="c"),
+         grpc.StatusCode.PERMISSION_DENIED, "'..'"),
+        (dict(path=str(tmp_path) + "/", checkpoint="c"),
+         grpc.StatusCode.INVALID_ARGUMENT, "names a directory"),
         (dict(path=tmp_path, checkpoint="c", overwrite=True),
          grpc.StatusCode.INVALID_ARGUMENT, "is a directory"),
     ]

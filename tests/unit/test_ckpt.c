@@ -1446,11 +1446,13 @@ static void test_export_writes_every_tensor_from_the_rank_files(void **state) {
   build_manifest(&m, 3, source_units, 2, 1);
   write_checkpoint(dir, &m, m.step);
   char *out = path_in(dir, "out.safetensors");
+  int dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  assert_true(dir_fd >= 0);
   for (int d = 0; d < 2; d++) {
     st_dtype dtype = d == 0 ? ST_F32 : ST_BF16;
     ckpt_export_info info;
     char err[512] = "";
-    int rc = ckpt_export(dir, out, dtype, "cp", &info, err, sizeof err);
+    int rc = ckpt_export(dir, dir_fd, "out.safetensors", dtype, "cp", &info, err, sizeof err);
     if (rc != 0)
       test_fail("export: %s", err);
     assert_int_equal(info.tensors, 3);
@@ -1502,9 +1504,10 @@ static void test_export_writes_every_tensor_from_the_rank_files(void **state) {
   flip_byte(shard, CKPT_HEADER_BYTES + 10);
   ckpt_export_info info;
   char err[512] = "";
-  expect_error(ckpt_export(dir, out, ST_F32, NULL, &info, err, sizeof err), -EBADMSG, err,
-               m.files[1].name);
+  expect_error(ckpt_export(dir, dir_fd, "out.safetensors", ST_F32, NULL, &info, err, sizeof err),
+               -EBADMSG, err, m.files[1].name);
   assert_false(file_exists(out));
+  close(dir_fd);
   free(shard);
   free(out);
   ckpt_manifest_free(&m);
