@@ -256,6 +256,10 @@ const auth_principal *auth_by_token(const auth_table *t, const char *token, size
   return found;
 }
 
+const auth_principal *auth_at(const auth_table *t, size_t i) {
+  return &t->principals[i];
+}
+
 size_t auth_index(const auth_table *t, const auth_principal *p) {
   return (size_t)(p - t->principals);
 }

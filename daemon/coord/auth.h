@@ -59,6 +59,8 @@ typedef struct auth_table auth_table;
 int auth_load(const char *path, auth_table **out, char *err, size_t err_bytes);
 void auth_free(auth_table *t);
 size_t auth_count(const auth_table *t);
+/* Principal i, 0 <= i < auth_count(t). */
+const auth_principal *auth_at(const auth_table *t, size_t i);
 
 /* The principal whose token's SHA-256 is that of token, or NULL. */
 const auth_principal *auth_by_token(const auth_table *t, const char *token, size_t token_bytes);

@@ -22,13 +22,15 @@
  *                           be able to read the source (another job's
  *                           checkpoint: that job; a path: admins only)
  *   Export                  a reader of the job's tenant and up, with the
- *                           same rule for the source
+ *                           same rule for the source; a tenant's or a
+ *                           reader's file goes in <export root>/<tenant>/
  *   List checkpoints        of a job: a reader of it; of every job: each
  *                           sees those of the jobs it may read
  * A job with no tenant is an admin's alone. A caller on the Unix socket
  * (zerod standalone's control socket, mode 0600/0660) and any caller of a
  * coordinator without principals (--auth-file) is trusted: every check
  * passes. */
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -181,6 +183,39 @@ static int source_rule(const coord *c, const coord_caller *who, const char *ref,
   }
 }
 
+/* Where a tenant or a reader may export: its tenant's directory in an
+ * export root (made at start, coord_create), never the checkpoint
+ * directory, where another job's files live. A relative path is taken in
+ * the first root, so it must start with "<tenant>/". */
+static int export_path_rule(const coord *c, const coord_caller *who, const char *path, char *err,
+                            size_t err_bytes) {
+  if (who->role == AUTH_ADMIN)
+    return 0;
+  const coord_options *o = &c->options;
+  size_t tenant_len = strlen(who->tenant);
+  if (o->n_export_roots > 0) {
+    if (path[0] != '/') {
+      if (strncmp(path, who->tenant, tenant_len) == 0 && path[tenant_len] == '/')
+        return 0;
+    } else {
+      for (unsigned i = 0; i < o->n_export_roots; i++) {
+        size_t root_len = strlen(o->export_roots[i]);
+        if (strncmp(path, o->export_roots[i], root_len) == 0 && path[root_len] == '/' &&
+            strncmp(path + root_len + 1, who->tenant, tenant_len) == 0 &&
+            path[root_len + 1 + tenant_len] == '/')
+          return 0;
+      }
+    }
+  }
+  char what[PATH_MAX + 200];
+  if (o->n_export_roots == 0)
+    snprintf(what, sizeof what, "export (this coordinator has no --export-root for tenants)");
+  else
+    snprintf(what, sizeof what, "export to %s: a tenant's exports go in %s/%s/ (or a path %s/...)",
+             path, o->export_roots[0], who->tenant, who->tenant);
+  return deny(err, err_bytes, who, what);
+}
+
 static int node_rule(const coord_caller *who, const char *node, int admin_too, const char *verb,
                      char *err, size_t err_bytes) {
   if (is_node(who, node) || (admin_too && who->role == AUTH_ADMIN))
@@ -302,7 +337,9 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
   if (IS(CTL_EXPORT)) {
     const Zerod__V1__ExportRequest *r = (const void *)msg;
     int rc = job_rule(c, who, r->job, 0, "export", err, err_bytes);
-    return rc != 0 ? rc : source_rule(c, who, r->checkpoint, err, err_bytes);
+    if (rc == 0)
+      rc = source_rule(c, who, r->checkpoint, err, err_bytes);
+    return rc != 0 ? rc : export_path_rule(c, who, r->path, err, err_bytes);
   }
 #undef IS
   /* A method without a rule is refused: a new method must get one. */

@@ -1682,6 +1682,34 @@ static void on_health_check(rpc_call *call, const uint8_t *request, size_t reque
 /* Lifecycle                                                                */
 /* ------------------------------------------------------------------------ */
 
+/* Each tenant's directory in the first export root, where its exports go
+ * (authz.c), made if missing with the daemon's directory mode. */
+static int make_tenant_dirs(coord *c, char *err, size_t err_bytes) {
+  if (c->auth == NULL || c->options.n_export_roots == 0)
+    return 0;
+  const char *root = c->options.export_roots[0];
+  int fd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    snprintf(err, err_bytes, "cannot open the export root %s: %s", root, strerror(e));
+    return -e;
+  }
+  int rc = 0;
+  for (size_t i = 0; i < auth_count(c->auth) && rc == 0; i++) {
+    const char *tenant = auth_at(c->auth, i)->tenant;
+    if (tenant[0] == '\0')
+      continue;
+    rc = filemode_mkdirat(fd, tenant);
+    if (rc == -EEXIST)
+      rc = 0;
+    if (rc != 0)
+      snprintf(err, err_bytes, "cannot make the tenant directory %s/%s: %s", root, tenant,
+               strerror(-rc));
+  }
+  close(fd);
+  return rc;
+}
+
 int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, char *err,
                  size_t err_bytes) {
   *out = NULL;
@@ -1712,6 +1740,8 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
     LOG_INFOF("principals loaded", "path=%s principals=%zu", options->auth_file,
               auth_count(c->auth));
   }
+  if ((rc = make_tenant_dirs(c, err, err_bytes)) != 0)
+    goto fail;
 
   if (options->state_dir[0] == '\0')
     goto loaded; /* in memory only */

@@ -109,7 +109,11 @@ def secured(cluster, tmp_path):
     """A coordinator with principals on loopback, node-a joined with its
     token, and job 'sec' of tenant team-a made by alice, ready."""
     principals = write_principals(tmp_path / "principals")
-    coord = cluster.start_coordinator(extra=["--auth-file", str(principals)])
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    coord = cluster.start_coordinator(extra=["--auth-file", str(principals),
+                                             "--export-root", str(exports)])
+    coord.exports = exports
     node = cluster.start_node("node-a", ranks=1,
                               extra=["--auth-token-file", token_file(tmp_path, "node-a")])
     channel = grpc.insecure_channel(coord.address)
@@ -240,11 +244,26 @@ def test_every_rpc_checks_its_caller(secured):
     row("Restore from a path", lambda c: c.call(c.ckpt.Restore, pb.RestoreRequest(
         job="sec", checkpoint=str(ckpt_dir / "sec" / saved[0])), timeout=60),
         expect(UNAUTHENTICATED, DENIED, DENIED, DENIED, OK))
-    exports = ckpt_dir / "exports"
-    exports.mkdir()
+    # Each tenant's exports go in its own directory of the export root,
+    # made at start with the daemon's directory mode.
+    exports = coord.exports
+    assert (exports / "team-a").is_dir() and (exports / "team-b").is_dir()
+    assert (exports / "team-a").stat().st_mode & 0o777 == 0o700
     row("Export", lambda c: c.call(c.ckpt.Export, pb.ExportRequest(
-        job="sec", checkpoint=saved[0], path=str(exports / "w.safetensors"), overwrite=True),
+        job="sec", checkpoint=saved[0], path="team-a/w.safetensors", overwrite=True),
         timeout=60), expect(UNAUTHENTICATED, DENIED, OK, OK, OK))
+    assert (exports / "team-a" / "w.safetensors").stat().st_size > 0
+    for who in ["ann", "alice"]:
+        c = callers[who]
+        for path in ["team-b/w.safetensors", "w.safetensors", str(exports / "w.safetensors"),
+                     str(ckpt_dir / "w.safetensors")]:
+            code, _, details = c.call(c.ckpt.Export, pb.ExportRequest(
+                job="sec", checkpoint=saved[0], path=path), timeout=60)
+            assert code == DENIED and "team-a" in details, (who, path, details)
+    admin = callers["admin"]
+    code, _, details = admin.call(admin.ckpt.Export, pb.ExportRequest(
+        job="sec", checkpoint=saved[0], path=str(exports / "all.safetensors")), timeout=60)
+    assert code == OK, details  # an admin writes anywhere in the roots
     # The owner deletes the first checkpoint, the admin the second.
     victims = {id(callers["admin"]): saved[1]}
     row("Delete checkpoint", lambda c: c.call(c.ckpt.Delete, pb.DeleteCheckpointRequest(
