@@ -1184,8 +1184,12 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const ch
   Zerod__V1__OptimizerConfig optimizer;
   effective_config(req->config, &config, &optimizer);
   Zerod__V1__Quotas quotas = ZEROD__V1__QUOTAS__INIT;
-  if (req->quotas != NULL)
+  if (req->quotas != NULL) {
     quotas.max_live_bytes = req->quotas->max_live_bytes;
+    quotas.max_host_bytes = req->quotas->max_host_bytes;
+    quotas.max_device_bytes = req->quotas->max_device_bytes;
+    quotas.max_sessions = req->quotas->max_sessions;
+  }
   Zerod__V1__RankPlacement placement[CTL_MAX_RANKS];
   Zerod__V1__RankPlacement *placement_pointers[CTL_MAX_RANKS];
   for (uint32_t i = 0; i < req->nodes; i++) {

@@ -383,6 +383,12 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
       if (rc == 0)
         rc = jobs_start(d, pj->name, as->token, &config, (int)pj->world_size, (int)as->ranks,
                         (int)as->first_rank, pj->id, (unsigned)pj->epoch, &j, err, sizeof err);
+      if (rc == 0 && pj->quotas != NULL) {
+        /* Before any worker can attach: this loop turn made the job. */
+        j->quota_host_bytes = pj->quotas->max_host_bytes;
+        j->quota_device_bytes = pj->quotas->max_device_bytes;
+        j->quota_sessions = pj->quotas->max_sessions;
+      }
       if (rc == 0)
         cluster_job_added(d);
       if (rc != 0) {

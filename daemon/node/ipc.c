@@ -395,6 +395,18 @@ static int job_usable_for_attach(session *s, uint64_t request_id, job *j) {
   return 0;
 }
 
+/* The job's max_sessions quota (control.proto Quotas) counts read-write
+ * and read-only sessions on this node. Returns 1 if one more fits, else
+ * answers RESOURCE_EXHAUSTED naming the quota and returns 0. */
+static int job_has_session_room(session *s, uint64_t request_id, const job *j) {
+  if (j->quota_sessions == 0 || (uint32_t)(j->sessions + j->readers) < j->quota_sessions)
+    return 1;
+  send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+             "job '%s' has %d sessions on this node, as many as its max_sessions quota (%u) allows",
+             j->name, j->sessions + j->readers, j->quota_sessions);
+  return 0;
+}
+
 /* A read-only session: no rank, no collectives. It joins an existing job
  * only, and answers at once from the loop (pinning takes the job's pin
  * mutex, which is never held for long; see pin.h). */
@@ -425,7 +437,7 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
                req->job);
     return;
   }
-  if (!job_usable_for_attach(s, request_id, j))
+  if (!job_usable_for_attach(s, request_id, j) || !job_has_session_room(s, request_id, j))
     return;
   reader *r;
   if (reader_create(&d->readers, j, s->id, req->pin, &r) != 0) {
@@ -548,6 +560,8 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
                (int)rs->session->pid);
     return;
   }
+  if (!job_has_session_room(s, request_id, j))
+    return;
   s->job = j;
   s->rank = rs;
   rs->session = s;

@@ -44,6 +44,9 @@ void exec__shard_free(rank_state *rs, shard *sh);
 /* Creates the rank's shard of unit l (zeroed; the table grows as needed),
  * with its trainable and zeroed ranges. 0 or -ENOMEM. */
 int exec__shard_create(rank_state *rs, const unit_layout *l);
+/* Bytes of device (or host) memory the shard of l takes on rs: master,
+ * gradient accumulator, the optimizer's moments, a bf16 working copy. */
+uint64_t exec__shard_bytes(const rank_state *rs, const unit_layout *l);
 
 /* Makes the rank's fp32 scratch hold numel elements and its shard scratch
  * shard_numel. 0 or -ENOMEM. */

@@ -133,6 +133,17 @@ int job_failed(job *j, unsigned generation, char *reason, size_t reason_bytes) {
   return failed;
 }
 
+unit_layout *job_unit_named(job *j, const char *name) {
+  unit_layout *found = NULL;
+  pthread_mutex_lock(&j->mutex);
+  for (uint32_t u = 0; u < j->nunits && found == NULL; u++) {
+    if (strcmp(j->units[u]->name, name) == 0)
+      found = j->units[u];
+  }
+  pthread_mutex_unlock(&j->mutex);
+  return found;
+}
+
 unit_layout *job_publish_unit(job *j, unit_layout *layout, int *existed, int *conflict) {
   *existed = 0;
   *conflict = 0;

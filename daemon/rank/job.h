@@ -72,6 +72,7 @@ typedef struct shard {
   int64_t gather_buf; /* pool index of the gathered buffer, or -1 */
   int gather_held;    /* the worker holds it (between gather and release) */
   int64_t grad_buf;   /* pool index of the gradient buffer held, or -1 */
+  uint64_t bytes;     /* exec__shard_bytes, counted in the rank's state_bytes */
 } shard;
 
 typedef struct rank_state {
@@ -124,6 +125,7 @@ typedef struct rank_state {
    * pin_begin_write under the job's pin_mutex, where readers look at it;
    * the executor reads it freely. */
   uint64_t version;
+  uint64_t state_bytes; /* executor-owned: bytes of its shards (exec__shard_bytes) */
   double lr, max_grad_norm;
   double progress_since_s; /* monotonic time of the last progress line */
   uint64_t progress_since_step;
@@ -161,6 +163,11 @@ typedef struct job {
   uint64_t id;
   char *token;
   job_config config;
+  /* Quotas (control.proto Quotas), set by the owner before any session
+   * attaches; 0: no limit. Shard state per rank in host or device memory,
+   * whichever holds the rank's shards; sessions on this node. */
+  uint64_t quota_host_bytes, quota_device_bytes;
+  uint32_t quota_sessions;
   int world_size;    /* ranks of the job, on every node */
   int nranks;        /* ranks hosted here: global ranks first_rank.. */
   int first_rank;    /* first_rank + nranks - 1; standalone: 0 and world_size */
@@ -222,6 +229,8 @@ int job_failed(job *j, unsigned generation, char *reason, size_t reason_bytes);
  * *conflict = 1 if the name exists with a different layout. */
 unit_layout *job_publish_unit(job *j, unit_layout *layout, int *existed, int *conflict);
 unit_layout *job_unit(job *j, uint32_t unit_id);
+/* The published unit named name, or NULL (under the job's mutex). */
+unit_layout *job_unit_named(job *j, const char *name);
 /* A copy of the unit table, in id order, taken under the job's mutex (the
  * layouts are immutable once published, so only the table is copied); the
  * caller frees it. NULL if out of memory; *n is set either way. */

@@ -4,6 +4,7 @@
 #include "exec_impl.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -236,7 +237,26 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
     goto done;
   }
 
-  /* 4. Publish (or find) the unit; create this rank's shard. */
+  /* 4. The job's quota on shard state, before anything is published or
+   * allocated: a refused unit leaves no trace. Every rank decides alike
+   * (the same layout, the same units, the same accounting). */
+  uint64_t quota = device_is_host(rs->dev) ? j->quota_host_bytes : j->quota_device_bytes;
+  if (quota != 0) {
+    const unit_layout *have = job_unit_named(j, req->name);
+    int here = have != NULL && have->id < rs->nshards && rs->shards[have->id].present;
+    uint64_t need = here ? 0 : exec__shard_bytes(rs, mine);
+    if (rs->state_bytes + need > quota) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                 "unit '%s' needs %" PRIu64 " bytes of shard state on rank %d, over the job's "
+                 "%s quota of %" PRIu64 " bytes per rank (%" PRIu64 " in use)",
+                 req->name, need, rs->rank,
+                 device_is_host(rs->dev) ? "max_host_bytes" : "max_device_bytes", quota,
+                 rs->state_bytes);
+      goto done;
+    }
+  }
+
+  /* 5. Publish (or find) the unit; create this rank's shard. */
   int existed = 0, conflict = 0;
   unit_layout *l = job_publish_unit(j, mine, &existed, &conflict);
   if (l == NULL) {
@@ -268,7 +288,7 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
     shard *sh = &rs->shards[l->id];
     uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
     if (init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0) {
-      /* 5. Rank 0's values to every rank. */
+      /* 6. Rank 0's values to every rank. */
       rc = broadcast_values(rs, l, packed);
       if (rc != 0) {
         exec__op_comm_failed(rs, op, "register (initial values)", rc);

@@ -13,7 +13,20 @@ static void *zalloc(rank_state *rs, uint64_t bytes) {
   return device_alloc(rs->dev, bytes, &p) == 0 ? p : NULL;
 }
 
+uint64_t exec__shard_bytes(const rank_state *rs, const unit_layout *l) {
+  const job_config *c = &rs->job->config;
+  int has[JOB_NSTATES];
+  job_config_states(c, has);
+  uint64_t per_element = 4 + 4; /* master, gradient accumulator */
+  per_element += has[JOB_STATE_MOMENT1] ? 4 : 0;
+  per_element += has[JOB_STATE_MOMENT2] ? 4 : 0;
+  per_element += c->working_dtype == ZK_F32 ? 0 : zk_dtype_size(c->working_dtype);
+  return l->shard_numel * per_element;
+}
+
 void exec__shard_free(rank_state *rs, shard *sh) {
+  if (sh->master != NULL && rs->state_bytes >= sh->bytes)
+    rs->state_bytes -= sh->bytes;
   if (sh->working != (void *)sh->master)
     device_free(rs->dev, sh->working);
   device_free(rs->dev, sh->master);
@@ -103,6 +116,8 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
   sh->present = 1;
   sh->gather_buf = -1;
   sh->grad_buf = -1;
+  sh->bytes = exec__shard_bytes(rs, l);
+  rs->state_bytes += sh->bytes;
   return 0;
 }
 
