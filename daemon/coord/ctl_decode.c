@@ -560,15 +560,15 @@ int ctl_decode_message(const ProtobufCMessageDescriptor *desc, const uint8_t *by
                        ProtobufCMessage **out, char *err, size_t err_bytes) {
   *out = NULL;
   int rc = zd_pb_check_strings(desc, bytes, nbytes, err, err_bytes);
-  if (rc == -EBADMSG)
-    return fail(err, err_bytes, "not a valid %s message", desc->name);
-  if (rc != 0)
-    return -EBADMSG;
   static const uint8_t empty[1];
   ProtobufCMessage *msg =
-      protobuf_c_message_unpack(desc, NULL, nbytes, bytes != NULL ? bytes : empty);
-  if (msg == NULL)
-    return fail(err, err_bytes, "not a valid %s message", desc->name);
+      rc == 0 ? protobuf_c_message_unpack(desc, NULL, nbytes, bytes != NULL ? bytes : empty) : NULL;
+  if (msg == NULL) {
+    /* A bad string keeps the walker's message, which names the field. */
+    if (rc == 0 || rc == -EBADMSG)
+      snprintf(err, err_bytes, "not a valid %s message", desc->name);
+    return -EBADMSG;
+  }
   *out = msg;
   return 0;
 }
