@@ -563,7 +563,8 @@ int ctl_decode_message(const ProtobufCMessageDescriptor *desc, const uint8_t *by
   static const uint8_t empty[1];
   ProtobufCMessage *msg =
       rc == 0 ? protobuf_c_message_unpack(desc, NULL, nbytes, bytes != NULL ? bytes : empty) : NULL;
-  if (msg == NULL) {
+  if (msg == NULL || has_field_zero(msg)) {
+    ctl_free(msg);
     /* A bad string keeps the walker's message, which names the field. */
     if (rc == 0 || rc == -EBADMSG)
       snprintf(err, err_bytes, "not a valid %s message", desc->name);

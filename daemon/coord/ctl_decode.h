@@ -79,7 +79,9 @@ int ctl_decode(const char *path, const uint8_t *bytes, size_t nbytes, ProtobufCM
  * fields mean is the caller's to check. Returns 0 with *out set (free
  * with ctl_free), or -EBADMSG with *out NULL and a message in err that
  * names the bad field or says the bytes are not a valid message of desc's
- * type. Never reads outside bytes[0, nbytes). */
+ * type (which includes an unknown field numbered 0, as for requests: it
+ * would not survive being packed again). Never reads outside
+ * bytes[0, nbytes). */
 int ctl_decode_message(const ProtobufCMessageDescriptor *desc, const uint8_t *bytes, size_t nbytes,
                        ProtobufCMessage **out, char *err, size_t err_bytes);
 

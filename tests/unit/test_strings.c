@@ -456,6 +456,15 @@ static void test_watch_event_with_a_bad_job_name_is_refused(void **state) {
                                       err, sizeof err),
                    -EBADMSG);
   assert_string_equal(err, "not a valid zerod.v1.WatchEvent message");
+  /* An unknown field numbered 0 (a zero tag in two bytes, which protobuf-c
+   * takes but would pack as the one-byte zero tag it refuses), as
+   * ctl_decode refuses it in requests; found by fuzz_control. */
+  const uint8_t field_zero[] = {0x80, 0x00, 0x00};
+  assert_int_equal(ctl_decode_message(&zerod__v1__watch_event__descriptor, field_zero,
+                                      sizeof field_zero, &out, err, sizeof err),
+                   -EBADMSG);
+  assert_null(out);
+  assert_string_equal(err, "not a valid zerod.v1.WatchEvent message");
   free(p.bytes);
 }
 
