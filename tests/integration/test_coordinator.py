@@ -758,6 +758,22 @@ def test_a_state_file_of_another_format_version_is_refused(tmp_path):
     assert proc.returncode != 0 and "format version 99" in proc.stderr, proc.stderr
 
 
+def test_a_state_file_with_a_nul_in_a_job_name_is_refused(tmp_path):
+    """The state file is bytes from outside too: a job name with a NUL in
+    it would load as the name before the NUL."""
+    state = tmp_path / "state"
+    state.mkdir()
+    data = raw_request(C.CoordinatorState(format_version=1, next_job_id=2, jobs=[
+        C.StoredJob(job=C.Job(name="aXb", id=1), token="t")]), "aXb", b"a\x00b")
+    (state / "coordinator.pb").write_bytes(data)
+    proc = subprocess.run([binary("zerod"), "coordinator", "--listen", "127.0.0.1:0",
+                           "--state-dir", str(state)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0
+    assert ("coordinator.pb is corrupt: field 'jobs[0].job.name' of zerod.v1.CoordinatorState "
+            "contains a NUL byte at byte 1") in proc.stderr, proc.stderr
+
+
 def test_a_failed_state_write_fails_the_rpc_and_changes_nothing(coord, nodes):
     nodes(coord, "a")
     create_job(coord, "kept")
