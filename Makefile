@@ -91,7 +91,8 @@ fuzz:
 	  echo "== $$f ($(FUZZ_SECONDS) s)"; \
 	  mkdir -p $(FUZZ_BUILD)/corpus/$$(basename $$f); \
 	  $$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
-	    $(FUZZ_BUILD)/corpus/$$(basename $$f) || exit 1; \
+	    $(FUZZ_BUILD)/corpus/$$(basename $$f) \
+	    $$(test -d tests/fuzz/seeds/$$(basename $$f) && echo tests/fuzz/seeds/$$(basename $$f)) || exit 1; \
 	done
 
 format:

@@ -11,6 +11,8 @@
  * both use this file, so a worker and the daemon agree on what is valid. */
 #include "frame.h"
 
+#include "pbcheck.h"
+
 #include <errno.h>
 #include <poll.h>
 #include <stdbool.h>
@@ -225,9 +227,9 @@ static void budget_free(void *allocator_data, void *pointer) {
   free(pointer);
 }
 
-/* The C string fields come from protobuf-c with a terminating NUL; an
- * embedded NUL simply ends the string early, which is what every C reader
- * of the field would see, so lengths are measured with a bounded strlen. */
+/* The C string fields come from protobuf-c with a terminating NUL, and
+ * zd_pb_check_strings has refused any with a NUL inside before unpacking,
+ * so strlen is every string's whole length; it is bounded all the same. */
 static bool string_within(const char *text, size_t max_bytes) {
   return text != NULL && strnlen(text, max_bytes + 1) <= max_bytes;
 }
@@ -479,6 +481,17 @@ int zd_msg_unpack(uint16_t type, const uint8_t *payload, size_t payload_bytes,
   if (payload == NULL && payload_bytes != 0)
     return fail(why, "no payload bytes", -EINVAL);
 
+  /* protobuf-c would cut a string at a NUL byte (a job "a\0zzz" would be
+   * job "a") and takes any bytes as UTF-8, so the strings are checked in
+   * the bytes first. The message names the field, so it is built per call,
+   * in a buffer of the calling thread that *why points to. */
+  static _Thread_local char string_why[320];
+  int rc = zd_pb_check_strings(desc, payload, payload_bytes, string_why, sizeof string_why);
+  if (rc == -EBADMSG)
+    return fail(why, "payload is not a valid protobuf message of its type", -EBADMSG);
+  if (rc != 0)
+    return fail(why, string_why, -EBADMSG);
+
   unpack_budget budget = {.left_bytes = UNPACK_BUDGET_BYTES};
   ProtobufCAllocator allocator = {
       .alloc = budget_alloc, .free = budget_free, .allocator_data = &budget};
@@ -489,7 +502,7 @@ int zd_msg_unpack(uint16_t type, const uint8_t *payload, size_t payload_bytes,
       return fail(why, "payload needs more than 16 MiB to decode", -EBADMSG);
     return fail(why, "payload is not a valid protobuf message of its type", -EBADMSG);
   }
-  int rc = check_bounds(type, message, why);
+  rc = check_bounds(type, message, why);
   if (rc != 0) {
     protobuf_c_message_free_unpacked(message, NULL);
     return rc;

@@ -82,18 +82,22 @@ const ProtobufCMessageDescriptor *zd_msg_descriptor(uint16_t type);
 int zd_msg_fd_range(uint16_t type, unsigned *min_fds, unsigned *max_fds);
 
 /* Unpacks a payload as the message of `type` and checks the bounds above
- * (string lengths, counts, dims, valid UTF-8 is not required): names and
- * tokens within their caps, job names non-empty in [A-Za-z0-9._-] and not
- * "." or "..", units and tensors with non-empty names, 1..4096 tensors of
+ * (string lengths, counts, dims): every string field, at any depth, free
+ * of NUL bytes and well-formed UTF-8 (pbcheck.h; checked in the bytes,
+ * before unpacking, since protobuf-c would cut a string at a NUL), names
+ * and tokens within their caps, job names non-empty in [A-Za-z0-9._-] and
+ * not "." or "..", units and tensors with non-empty names, 1..4096 tensors of
  * at most 8 dims, each dim >= 1, at most ZD_MAX_NUMEL elements per tensor
  * and per unit, tensor placements inside their unit, every enum field (at
  * any depth) a value ipc.proto defines, and unknown fields (kept, for newer
  * peers) only with field numbers 1..2^29-1. Decoding allocates at most
  * 16 MiB whatever the payload. Returns 0 and the message in *out (free with
  * protobuf_c_message_free_unpacked(*out, NULL)), or a negative errno with
- * *why set and *out NULL: -EPROTO for an unknown type, -EBADMSG for a
- * payload that does not decode or breaks a bound, -EMSGSIZE for a payload
- * over ZD_FRAME_MAX_PAYLOAD. */
+ * *why set and *out NULL (*why points to a static message, or for a bad
+ * string to one in a buffer of the calling thread that names the field and
+ * lives until that thread's next call): -EPROTO for an unknown type,
+ * -EBADMSG for a payload that does not decode or breaks a bound (a bad
+ * string included), -EMSGSIZE for a payload over ZD_FRAME_MAX_PAYLOAD. */
 int zd_msg_unpack(uint16_t type, const uint8_t *payload, size_t payload_bytes,
                   ProtobufCMessage **out, const char **why);
 

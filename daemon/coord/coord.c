@@ -460,6 +460,9 @@ static void derive_job(coord *c, cjob *j) {
     state = ZEROD__V1__JOB_STATE__JOB_STATE_READY;
     reason[0] = '\0';
   }
+  /* A node's error may have been cut inside a UTF-8 character above, and
+   * the reason goes to nodes and clients whose decoders refuse that. */
+  ctl_text_sanitize(reason, sizeof reason - 1);
   if (have_step)
     j->step = step;
   if (state != j->state || strcmp(reason, j->reason) != 0) {
@@ -705,13 +708,17 @@ static int state_load(coord *c, char *err, size_t err_bytes) {
     }
     done += (size_t)n;
   }
-  state = zerod__v1__coordinator_state__unpack(NULL, len, buf);
-  if (state == NULL) {
+  /* The file is outside bytes too: its strings are checked as a request's
+   * are, so that a job name with a NUL in it cannot come back as another. */
+  char why[384];
+  ProtobufCMessage *decoded = NULL;
+  if (ctl_decode_message(&zerod__v1__coordinator_state__descriptor, buf, len, &decoded, why,
+                         sizeof why) != 0) {
     rc = -EBADMSG;
-    snprintf(err, err_bytes, "%s is corrupt (not a zerod.v1.CoordinatorState message)",
-             c->state_path);
+    snprintf(err, err_bytes, "%s is corrupt: %s", c->state_path, why);
     goto out;
   }
+  state = (Zerod__V1__CoordinatorState *)decoded;
   if (state->format_version != COORD_STATE_FORMAT) {
     rc = -EBADMSG;
     snprintf(err, err_bytes, "%s has format version %u (this coordinator reads %d)", c->state_path,
@@ -732,7 +739,6 @@ static int state_load(coord *c, char *err, size_t err_bytes) {
   }
   uint64_t next_id = state->next_job_id ? state->next_job_id : 1;
   for (size_t i = 0; i < state->n_jobs; i++) {
-    char why[384];
     const Zerod__V1__StoredJob *s = state->jobs[i];
     if (s == NULL || ctl_check_stored_job(s, why, sizeof why) != 0) {
       rc = -EBADMSG;

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "config.h"
+#include "pbcheck.h"
 #include "rpc.h"
 
 /* ------------------------------------------------------------------------ */
@@ -79,56 +80,11 @@ ctl_checkpoint_ref ctl_parse_checkpoint_ref(const char *ref, char *job_out, char
   return CTL_REF_JOB_NAME;
 }
 
-/* The length of the well-formed UTF-8 character at p[0, len) (no overlong
- * forms, no surrogates, nothing above U+10FFFF), or 0 if there is none. */
-static size_t utf8_char(const unsigned char *p, size_t len) {
-  unsigned char c = p[0];
-  size_t extra;
-  uint32_t cp;
-  if (c < 0x80)
-    return 1;
-  if (c >= 0xc2 && c <= 0xdf) {
-    extra = 1;
-    cp = c & 0x1f;
-  } else if (c >= 0xe0 && c <= 0xef) {
-    extra = 2;
-    cp = c & 0x0f;
-  } else if (c >= 0xf0 && c <= 0xf4) {
-    extra = 3;
-    cp = c & 0x07;
-  } else {
-    return 0;
-  }
-  if (len <= extra)
-    return 0;
-  for (size_t k = 1; k <= extra; k++) {
-    if ((p[k] & 0xc0) != 0x80)
-      return 0;
-    cp = (cp << 6) | (p[k] & 0x3f);
-  }
-  if ((extra == 2 && cp < 0x800) || (extra == 3 && cp < 0x10000) || cp > 0x10ffff ||
-      (cp >= 0xd800 && cp <= 0xdfff))
-    return 0;
-  return extra + 1;
-}
-
-/* Returns 1 if s[0, len) is well-formed UTF-8. Strings that the
- * coordinator echoes to other clients must be: proto3 clients (Python's
- * protobuf among them) refuse a message whose string field is not, so one
- * bad Join would otherwise break every later GetView. */
-static int valid_utf8(const char *s, size_t len) {
-  const unsigned char *p = (const unsigned char *)s;
-  for (size_t i = 0, n; i < len; i += n)
-    if ((n = utf8_char(p + i, len - i)) == 0)
-      return 0;
-  return 1;
-}
-
 void ctl_text_sanitize(char *s, size_t max_bytes) {
   unsigned char *p = (unsigned char *)s;
   size_t len = strlen(s);
   for (size_t i = 0, n; i < len; i += n) {
-    n = utf8_char(p + i, len - i);
+    n = zd_utf8_char(p + i, len - i);
     if (n == 0 || (n == 1 && (p[i] < 0x20 || p[i] == 0x7f))) {
       p[i] = '?';
       n = 1;
@@ -154,7 +110,7 @@ static int check_text(const char *field, const char *s, size_t min_bytes, size_t
   for (size_t i = 0; i < len; i++)
     if ((unsigned char)s[i] < 0x20 || s[i] == 0x7f)
       return fail(err, err_bytes, "%s contains a control character", field);
-  if (!valid_utf8(s, len))
+  if (!zd_utf8_valid(s, len))
     return fail(err, err_bytes, "%s is not valid UTF-8", field);
   return 0;
 }
@@ -180,7 +136,7 @@ static int check_key(const char *s, int allow_empty, char *err, size_t err_bytes
     return fail(err, err_bytes, "key must not be empty (1..%d bytes)", CTL_KEY_MAX_BYTES);
   if (len > CTL_KEY_MAX_BYTES)
     return fail(err, err_bytes, "key is %zu bytes long (at most %d)", len, CTL_KEY_MAX_BYTES);
-  if (!valid_utf8(s, len))
+  if (!zd_utf8_valid(s, len))
     return fail(err, err_bytes, "key is not valid UTF-8");
   return 0;
 }
@@ -573,6 +529,15 @@ int ctl_decode(const char *path, const uint8_t *bytes, size_t nbytes, ProtobufCM
     snprintf(err, err_bytes, "request is %zu bytes (at most %u)", nbytes, RPC_MAX_MESSAGE_BYTES);
     return RPC_INVALID_ARGUMENT;
   }
+  /* protobuf-c would cut a string at a NUL byte (GetJob of "a\0zzz"
+   * would find job "a") and takes any bytes as UTF-8, so every string is
+   * checked in the bytes first; the message names the field. */
+  int rc = zd_pb_check_strings(m->request, bytes, nbytes, err, err_bytes);
+  if (rc != 0) {
+    if (rc == -EBADMSG)
+      snprintf(err, err_bytes, "request is not a valid %s message", m->request->name);
+    return RPC_INVALID_ARGUMENT;
+  }
   /* protobuf-c reads nothing past nbytes; an empty request is the message
    * with every field at its default (and bytes may then be NULL). */
   static const uint8_t empty[1];
@@ -587,6 +552,24 @@ int ctl_decode(const char *path, const uint8_t *bytes, size_t nbytes, ProtobufCM
   if (m->check(msg, err, err_bytes) != 0) {
     protobuf_c_message_free_unpacked(msg, NULL);
     return RPC_INVALID_ARGUMENT;
+  }
+  *out = msg;
+  return 0;
+}
+
+int ctl_decode_message(const ProtobufCMessageDescriptor *desc, const uint8_t *bytes, size_t nbytes,
+                       ProtobufCMessage **out, char *err, size_t err_bytes) {
+  *out = NULL;
+  int rc = zd_pb_check_strings(desc, bytes, nbytes, err, err_bytes);
+  static const uint8_t empty[1];
+  ProtobufCMessage *msg =
+      rc == 0 ? protobuf_c_message_unpack(desc, NULL, nbytes, bytes != NULL ? bytes : empty) : NULL;
+  if (msg == NULL || has_field_zero(msg)) {
+    ctl_free(msg);
+    /* A bad string keeps the walker's message, which names the field. */
+    if (rc == 0 || rc == -EBADMSG)
+      snprintf(err, err_bytes, "not a valid %s message", desc->name);
+    return -EBADMSG;
   }
   *out = msg;
   return 0;

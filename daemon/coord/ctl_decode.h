@@ -71,7 +71,21 @@ const ProtobufCMessageDescriptor *ctl_method_request(unsigned i);
 int ctl_decode(const char *path, const uint8_t *bytes, size_t nbytes, ProtobufCMessage **out,
                char *err, size_t err_bytes);
 
-/* Frees a message from ctl_decode (NULL is allowed). */
+/* Unpacks a control-plane message that is not a request but comes from
+ * outside the process all the same: a reply or a Watch event the
+ * coordinator sent a node, or the coordinator's state file. Like a
+ * request, every string in it must be free of NUL bytes and well-formed
+ * UTF-8 (zd_pb_check_strings, before protobuf-c unpacks it); what the
+ * fields mean is the caller's to check. Returns 0 with *out set (free
+ * with ctl_free), or -EBADMSG with *out NULL and a message in err that
+ * names the bad field or says the bytes are not a valid message of desc's
+ * type (which includes an unknown field numbered 0, as for requests: it
+ * would not survive being packed again). Never reads outside
+ * bytes[0, nbytes). */
+int ctl_decode_message(const ProtobufCMessageDescriptor *desc, const uint8_t *bytes, size_t nbytes,
+                       ProtobufCMessage **out, char *err, size_t err_bytes);
+
+/* Frees a message from ctl_decode or ctl_decode_message (NULL is allowed). */
 void ctl_free(ProtobufCMessage *msg);
 
 /* Returns 1 if s is a valid node or job name: 1..64 bytes of

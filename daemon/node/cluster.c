@@ -151,11 +151,16 @@ static void send_join(cluster_agent *a) {
 
 static void on_join_done(cluster_agent *a) {
   Zerod__V1__JoinReply *r = NULL;
-  if (a->result.status == RPC_OK)
-    r = zerod__v1__join_reply__unpack(NULL, a->reply_bytes, a->reply);
+  if (a->result.status == RPC_OK) {
+    char why[320];
+    ProtobufCMessage *decoded = NULL;
+    if (ctl_decode_message(&zerod__v1__join_reply__descriptor, a->reply, a->reply_bytes, &decoded,
+                           why, sizeof why) == 0)
+      r = (Zerod__V1__JoinReply *)decoded;
+    else
+      snprintf(a->result.message, sizeof a->result.message, "unreadable JoinReply: %s", why);
+  }
   if (r == NULL) {
-    if (a->result.status == RPC_OK)
-      snprintf(a->result.message, sizeof a->result.message, "unreadable JoinReply");
     log_failure(a, "join");
     a->backoff_ms =
         a->backoff_ms * 2 > NODE_BACKOFF_MAX_MS ? NODE_BACKOFF_MAX_MS : a->backoff_ms * 2;
@@ -173,7 +178,7 @@ static void on_join_done(cluster_agent *a) {
             a->d->options.node_name, a->d->options.coordinator, (unsigned long long)a->session,
             r->view != NULL ? (unsigned long long)r->view->epoch : 0ULL,
             r->view != NULL ? r->view->n_members : 0, a->lease_ttl_ms);
-  zerod__v1__join_reply__free_unpacked(r, NULL);
+  ctl_free(&r->base);
   start_watch(a);
   schedule(a, a->lease_ttl_ms / 3);
 }
@@ -438,16 +443,24 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
 
 static void on_watch_event(void *ctx, const uint8_t *bytes, size_t len) {
   cluster_agent *a = ctx;
-  Zerod__V1__WatchEvent *ev = zerod__v1__watch_event__unpack(NULL, len, bytes);
-  if (ev == NULL) {
-    LOG_WARNF("unreadable watch event", "bytes=%zu", len);
+  /* Job names from the event become local jobs, so a name cut short at a
+   * NUL byte must not be taken for another job's: the event is checked
+   * like any bytes from outside (ctl_decode_message). */
+  char why[320];
+  ProtobufCMessage *decoded = NULL;
+  if (ctl_decode_message(&zerod__v1__watch_event__descriptor, bytes, len, &decoded, why,
+                         sizeof why) != 0) {
+    char quoted[400];
+    LOG_WARNF("unreadable watch event", "bytes=%zu error=%s", len,
+              log_quote(why, quoted, sizeof quoted));
     return;
   }
+  Zerod__V1__WatchEvent *ev = (Zerod__V1__WatchEvent *)decoded;
   LOG_DEBUGF("watch event", "epoch=%llu assignments=%zu",
              ev->view != NULL ? (unsigned long long)ev->view->epoch : 0ULL, ev->n_assignments);
   if (a->state == NODE_MEMBER)
     reconcile(a, ev);
-  zerod__v1__watch_event__free_unpacked(ev, NULL);
+  ctl_free(decoded);
 }
 
 static void on_watch_end(void *ctx, const rpc_result *result) {

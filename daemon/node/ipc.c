@@ -26,6 +26,7 @@
 #include "coord.h"
 #include "daemon.h"
 #include "frame.h"
+#include "pbcheck.h"
 #include "log.h"
 #include "cluster.h"
 #include "pin.h"
@@ -218,6 +219,9 @@ static void send_error(session *s, uint64_t request_id, int status, const char *
   va_start(ap, fmt);
   vsnprintf(message, sizeof message, fmt, ap);
   va_end(ap);
+  /* The worker's decoder refuses an Error whose message is not UTF-8, and
+   * vsnprintf may have cut one inside a character (a long unit name). */
+  zd_utf8_sanitize(message);
   Zerod__V1__Error err = ZEROD__V1__ERROR__INIT;
   err.status = (Zerod__V1__Status)status;
   err.message = message;

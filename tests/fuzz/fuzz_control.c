@@ -1,13 +1,17 @@
 /* Fuzz target: the control plane's request decoders (daemon/ctl_decode.c),
- * fed the bytes any gRPC client could send the coordinator, and the state
- * file decoder the coordinator runs at start.
+ * fed the bytes any gRPC client could send the coordinator, the state file
+ * decoder the coordinator runs at start, and the node's decoding of what
+ * the coordinator sends it (WatchEvent, JoinReply).
  *
  * The first input byte picks what the rest is: a request of one of the
- * CTL_NMETHODS methods, an unknown method path, or a CoordinatorState (the
- * coordinator.pb file, checked job by job as coord.c loads it). Decoding
- * must never crash, leak or read outside the buffer; a request it accepts
- * must be accepted again once re-encoded (validation depends only on the
- * message), and a refusal must come with a status and a message.
+ * CTL_NMETHODS methods, an unknown method path, a CoordinatorState (the
+ * coordinator.pb file, checked job by job as coord.c loads it), or a
+ * WatchEvent or JoinReply as a node decodes them (cluster.c, through
+ * ctl_decode_message). Decoding must never crash, leak or read outside the
+ * buffer; a request it accepts must be accepted again once re-encoded
+ * (validation depends only on the message), every string of what it
+ * accepts must be NUL-free, well-formed UTF-8 (proto/pbcheck.c), and a
+ * refusal must come with a status and a message.
  *
  * Random bytes are seldom a well-formed message whose names and ranges
  * pass, so with bit 7 of the first byte set the rest of the input instead
@@ -22,6 +26,7 @@
 #include <string.h>
 
 #include "ctl_decode.h"
+#include "pbcheck.h"
 #include "rpc.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -95,12 +100,14 @@ static double pick_double(source *s) {
 }
 
 /* Text: mostly the name alphabet, sometimes bytes that are not (spaces,
- * control characters, UTF-8 and broken UTF-8), at lengths around the
- * limits. */
+ * control characters, NUL, UTF-8 and broken UTF-8: overlong forms,
+ * surrogates, code points above U+10FFFF, cut sequences), at lengths
+ * around the limits. */
 static void put_text(sink *k, source *s) {
   static const uint16_t lengths[] = {0, 1, 2, 63, 64, 65, 255, 256, 257, 511, 512, 513, 1025};
   static const char alphabet[] = "abcxyzAZ09._-";
-  static const uint8_t odd[] = {' ', '/', '\n', 0x7f, 0xc3, 0xa9, 0xe2, 0x82, 0xac, 0xff, 0x80};
+  static const uint8_t odd[] = {' ',  '/',  '\n', 0x7f, 0xc3, 0xa9, 0xe2, 0x82, 0xac,
+                                0xff, 0x80, 0x00, 0xc0, 0xaf, 0xed, 0xa0, 0xf4, 0x90};
   uint8_t how = take(s);
   size_t len = how < 160 ? how % 12 : lengths[how % (sizeof lengths / sizeof lengths[0])];
   put_varint(k, len);
@@ -183,8 +190,40 @@ static void encode_message(const ProtobufCMessageDescriptor *d, source *s, sink 
 /* The checks                                                               */
 /* ------------------------------------------------------------------------ */
 
+/* Every string of an accepted message is NUL-free, well-formed UTF-8: its
+ * bytes, packed again, pass the string check. */
+static void check_strings_again(const ProtobufCMessage *msg) {
+  size_t packed_bytes = protobuf_c_message_get_packed_size(msg);
+  uint8_t *packed = malloc(packed_bytes ? packed_bytes : 1);
+  if (packed == NULL)
+    return;
+  protobuf_c_message_pack(msg, packed);
+  char err[512];
+  if (zd_pb_check_strings(msg->descriptor, packed, packed_bytes, err, sizeof err) != 0)
+    abort();
+  free(packed);
+}
+
+/* A message from outside that is not a request (ctl_decode_message): the
+ * state file, or what the coordinator sends a node. A refusal says why. */
+static ProtobufCMessage *fuzz_message(const ProtobufCMessageDescriptor *desc, const uint8_t *bytes,
+                                      size_t nbytes) {
+  ProtobufCMessage *msg = NULL;
+  char err[512] = "";
+  if (ctl_decode_message(desc, bytes, nbytes, &msg, err, sizeof err) != 0) {
+    if (msg != NULL || err[0] == '\0')
+      abort();
+    return NULL;
+  }
+  if (msg == NULL)
+    abort();
+  check_strings_again(msg);
+  return msg;
+}
+
 static void fuzz_state_file(const uint8_t *bytes, size_t nbytes) {
-  Zerod__V1__CoordinatorState *state = zerod__v1__coordinator_state__unpack(NULL, nbytes, bytes);
+  Zerod__V1__CoordinatorState *state = (Zerod__V1__CoordinatorState *)fuzz_message(
+      &zerod__v1__coordinator_state__descriptor, bytes, nbytes);
   if (state == NULL)
     return;
   char err[512];
@@ -211,6 +250,7 @@ static void fuzz_request(const char *path, const uint8_t *bytes, size_t nbytes) 
   }
   if (msg == NULL)
     abort();
+  check_strings_again(msg);
   size_t packed_bytes = protobuf_c_message_get_packed_size(msg);
   uint8_t *packed = malloc(packed_bytes ? packed_bytes : 1);
   if (packed != NULL) {
@@ -224,29 +264,49 @@ static void fuzz_request(const char *path, const uint8_t *bytes, size_t nbytes) 
   ctl_free(msg);
 }
 
+/* The messages from outside that are not requests, after the methods and
+ * the unknown path in the selector's range: the state file, and what a
+ * node decodes from the coordinator (cluster.c). reconcile(), which acts
+ * on a WatchEvent, needs a whole daemon and is left out; the decoding is
+ * what sees the bytes. */
+static const ProtobufCMessageDescriptor *const others[] = {
+    &zerod__v1__coordinator_state__descriptor,
+    &zerod__v1__watch_event__descriptor,
+    &zerod__v1__join_reply__descriptor,
+};
+#define N_OTHERS (sizeof others / sizeof others[0])
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size < 1)
     return 0;
-  unsigned selector = data[0] % (CTL_NMETHODS + 2);
+  unsigned selector = data[0] % (CTL_NMETHODS + 1 + N_OTHERS);
+  const ProtobufCMessageDescriptor *other =
+      selector > CTL_NMETHODS ? others[selector - CTL_NMETHODS - 1] : NULL;
   /* An exact-size copy, so that AddressSanitizer sees any over-read. */
   size_t nbytes = size - 1;
   uint8_t *bytes = malloc(nbytes ? nbytes : 1);
   if (bytes == NULL)
     return 0;
   memcpy(bytes, data + 1, nbytes);
-  if ((data[0] & 0x80) != 0 && selector < CTL_NMETHODS) {
+  if ((data[0] & 0x80) != 0 && selector != CTL_NMETHODS) {
     /* Structured: the input steers an encoder of the method's request
-     * (every method ctl_decode knows, the Checkpoints ones included). */
+     * (every method ctl_decode knows, the Checkpoints ones included) or of
+     * the other message. */
     sink *encoded = malloc(sizeof *encoded);
     if (encoded != NULL) {
       source steer = {bytes, nbytes};
       encoded->len = 0;
-      encode_message(ctl_method_request(selector), &steer, encoded, 0);
+      encode_message(other != NULL ? other : ctl_method_request(selector), &steer, encoded, 0);
       /* Again an exact-size copy for AddressSanitizer. */
       uint8_t *exact = malloc(encoded->len ? encoded->len : 1);
       if (exact != NULL) {
         memcpy(exact, encoded->bytes, encoded->len);
-        fuzz_request(ctl_method_path(selector), exact, encoded->len);
+        if (other == &zerod__v1__coordinator_state__descriptor)
+          fuzz_state_file(exact, encoded->len);
+        else if (other != NULL)
+          ctl_free(fuzz_message(other, exact, encoded->len));
+        else
+          fuzz_request(ctl_method_path(selector), exact, encoded->len);
         free(exact);
       }
       free(encoded);
@@ -255,8 +315,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fuzz_request(ctl_method_path(selector), bytes, nbytes);
   } else if (selector == CTL_NMETHODS) {
     fuzz_request("/zerod.v1.Cluster/NoSuchMethod", bytes, nbytes);
-  } else {
+  } else if (other == &zerod__v1__coordinator_state__descriptor) {
     fuzz_state_file(bytes, nbytes);
+  } else {
+    ctl_free(fuzz_message(other, bytes, nbytes));
   }
   free(bytes);
   return 0;

@@ -311,6 +311,61 @@ def test_garbage_bytes_are_invalid_argument(coord):
     coord.health.Check(pb.health.HealthCheckRequest(), timeout=10)
 
 
+def raw_request(message, placeholder, replacement):
+    """message serialized with the bytes of `replacement` (NULs, invalid
+    UTF-8: Python's protobuf refuses to serialize those in a str field) in
+    place of `placeholder`, which must be as long."""
+    assert len(placeholder.encode()) == len(replacement)
+    data = message.SerializeToString()
+    assert data.count(placeholder.encode()) == 1
+    return data.replace(placeholder.encode(), replacement)
+
+
+def call_raw(coord, method, data):
+    """Calls method with request bytes as they are (identity serializers)."""
+    return coord.channel.unary_unary(method)(data, timeout=10)
+
+
+def test_strings_with_a_nul_byte_are_invalid_argument_and_do_not_name_another_job(coord, nodes):
+    """protobuf-c would cut "a\0zzz" to "a": the coordinator refuses such
+    strings in the bytes, so GetJob and DeleteJob of "a\0zzz" never reach
+    job "a", which is still there afterwards."""
+    nodes(coord, "n0")
+    create_job(coord, "a")
+    for method, message, placeholder, replacement, field in [
+        ("/zerod.v1.Jobs/CreateJob",
+         C.CreateJobRequest(name="aXb", nodes=1, ranks_per_node=1), "aXb", b"a\x00b",
+         "field 'name' of zerod.v1.CreateJobRequest contains a NUL byte at byte 1"),
+        ("/zerod.v1.Jobs/GetJob", C.GetJobRequest(name="aXzzz"), "aXzzz", b"a\x00zzz",
+         "field 'name' of zerod.v1.GetJobRequest contains a NUL byte at byte 1"),
+        ("/zerod.v1.Jobs/DeleteJob", C.DeleteJobRequest(name="aXzzz"), "aXzzz", b"a\x00zzz",
+         "field 'name' of zerod.v1.DeleteJobRequest contains a NUL byte at byte 1"),
+        ("/zerod.v1.Checkpoints/Export",
+         C.ExportRequest(job="a", path="/tmp/x.safetensorsXjunk"), "/tmp/x.safetensorsXjunk",
+         b"/tmp/x.safetensors\x00junk",
+         "field 'path' of zerod.v1.ExportRequest contains a NUL byte at byte 18"),
+        # Invalid UTF-8 the same way: a surrogate, in a nested repeated field.
+        ("/zerod.v1.Cluster/Join",
+         C.JoinRequest(node=C.NodeInfo(name="n9", address="h", ranks=1, devices=[
+             C.Device(kind="cpu", name="ok"), C.Device(kind="cpu", name="XYZ")])),
+         "XYZ", b"\xed\xa0\x80",
+         "field 'node.devices[1].name' of zerod.v1.JoinRequest is not valid UTF-8 (at byte 0)"),
+    ]:
+        data = raw_request(message, placeholder, replacement)
+        details = expect_error(S.INVALID_ARGUMENT, call_raw, coord, method, data)
+        assert details == field, "%s: %s" % (method, details)
+    # Job "a" was neither read nor deleted in place of "a\0zzz".
+    assert job_state(coord, "a").name == "a"
+    assert [j.name for j in coord.jobs.ListJobs(C.ListJobsRequest(), timeout=10).jobs] == ["a"]
+    assert "n9" not in [m.node.name for m in
+                        coord.cluster.GetView(C.GetViewRequest(), timeout=10).members]
+    # Valid multi-byte UTF-8 passes the check: an unknown service, not a
+    # refused request.
+    expect_error(S.NOT_FOUND, coord.health.Check,
+                 pb.health.HealthCheckRequest(service="zerod.v1.\u00e9\u20ac\U0001f600"),
+                 timeout=10)
+
+
 def test_heartbeat_keeps_a_member_past_its_ttl(coord, nodes):
     a = nodes(coord, "a")
     time.sleep(TTL_S * 2)
@@ -701,6 +756,22 @@ def test_a_state_file_of_another_format_version_is_refused(tmp_path):
                            "--state-dir", str(state)], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode != 0 and "format version 99" in proc.stderr, proc.stderr
+
+
+def test_a_state_file_with_a_nul_in_a_job_name_is_refused(tmp_path):
+    """The state file is bytes from outside too: a job name with a NUL in
+    it would load as the name before the NUL."""
+    state = tmp_path / "state"
+    state.mkdir()
+    data = raw_request(C.CoordinatorState(format_version=1, next_job_id=2, jobs=[
+        C.StoredJob(job=C.Job(name="aXb", id=1), token="t")]), "aXb", b"a\x00b")
+    (state / "coordinator.pb").write_bytes(data)
+    proc = subprocess.run([binary("zerod"), "coordinator", "--listen", "127.0.0.1:0",
+                           "--state-dir", str(state)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0
+    assert ("coordinator.pb is corrupt: field 'jobs[0].job.name' of zerod.v1.CoordinatorState "
+            "contains a NUL byte at byte 1") in proc.stderr, proc.stderr
 
 
 def test_a_failed_state_write_fails_the_rpc_and_changes_nothing(coord, nodes):

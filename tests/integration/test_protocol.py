@@ -107,6 +107,33 @@ def test_garbage_protobuf_is_answered_and_the_session_goes_on(start_daemon):
     assert_serving(d)
 
 
+@pytest.mark.parametrize("job, token, message", [
+    # protobuf-c would cut the name at the NUL: "a\0b" would attach to "a".
+    (b"a\x00b", b"", "field 'job' of zerod.v1.AttachRequest contains a NUL byte at byte 1"),
+    (b"j", b"tok\x00en", "field 'token' of zerod.v1.AttachRequest contains a NUL byte at byte 3"),
+    (b"j\xc0\xaf", b"", "field 'job' of zerod.v1.AttachRequest is not valid UTF-8 (at byte 1)"),
+    (b"j", b"\xed\xa0\x80", "field 'token' of zerod.v1.AttachRequest is not valid UTF-8 (at byte 0)"),
+])
+def test_attach_with_a_nul_or_invalid_utf8_string_is_refused(start_daemon, job, token, message):
+    d = start_daemon()
+    # Job "a" exists, so a name cut at the NUL would find it.
+    owner = attach(d, job="a")
+    c = z.Conn(d.socket)
+    assert_error(c.call(z.ATTACH, z.attach_request(job, 0, token=token)), "INVALID_ARGUMENT",
+                 message)
+    # The session goes on: a well-formed attach on the same connection works.
+    c.expect_ok(z.ATTACH, z.attach_request("j", 0))
+    c.close()
+    # And a string inside a nested, repeated field: RegisterUnit's tensors[1].name.
+    bad_unit = z.register_request("u", (("w", (4,)), ("x", (4,))))
+    bad_unit = bad_unit.replace(b"\x0a\x01x", b"\x0a\x01\x00", 1)
+    assert_error(owner.call(z.REGISTER_UNIT, bad_unit), "INVALID_ARGUMENT",
+                 "field 'tensors[1].name' of zerod.v1.RegisterUnitRequest contains a NUL byte")
+    owner.expect_ok(z.DETACH)
+    owner.close()
+    assert_serving(d)
+
+
 def test_unknown_and_reply_types_are_refused(start_daemon):
     d = start_daemon()
     c = z.Conn(d.socket)
