@@ -29,6 +29,7 @@
 #include "grpc/health/v1/health.pb-c.h"
 #include "log.h"
 #include "rpc.h"
+#include "size.h"
 #include "zerod/v1/control.pb-c.h"
 
 #ifndef ZEROD_VERSION
@@ -580,47 +581,6 @@ static int parse_double(const char *s, double lo, double hi, bool hi_open, doubl
   if (errno != 0 || end == s || *end != '\0' || v != v || v < lo || v > hi || (hi_open && v == hi))
     return -1;
   *out = v;
-  return 0;
-}
-
-/* Sizes with binary suffixes, like zerod's --max-live-bytes: 4096, 512K,
- * 512M, 4G, 1T (also 4GiB, 4GB). Must be > 0. */
-static int parse_size(const char *s, uint64_t *out) {
-  char *end;
-  errno = 0;
-  if (s[0] == '-' || s[0] == '+')
-    return -1;
-  double v = strtod(s, &end);
-  if (errno != 0 || end == s || !(v > 0))
-    return -1;
-  double multiplier = 1;
-  switch (*end) {
-  case 'k':
-  case 'K':
-    multiplier = 1024.0, end++;
-    break;
-  case 'm':
-  case 'M':
-    multiplier = 1024.0 * 1024, end++;
-    break;
-  case 'g':
-  case 'G':
-    multiplier = 1024.0 * 1024 * 1024, end++;
-    break;
-  case 't':
-  case 'T':
-    multiplier = 1024.0 * 1024 * 1024 * 1024, end++;
-    break;
-  default:
-    break;
-  }
-  if (multiplier > 1 && *end == 'i')
-    end++;
-  if (*end == 'B')
-    end++;
-  if (*end != '\0' || v * multiplier > 1e18 || v * multiplier < 1)
-    return -1;
-  *out = (uint64_t)(v * multiplier);
   return 0;
 }
 
@@ -1184,7 +1144,7 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
     return bad_create_value("--max-grad-norm", o->max_grad_norm, "a number >= 0 (0: off)");
   if (o->max_live_bytes != NULL) {
     uint64_t bytes;
-    if (parse_size(o->max_live_bytes, &bytes) != 0)
+    if (size_parse(o->max_live_bytes, &bytes) != 0)
       return bad_create_value("--max-live-bytes", o->max_live_bytes, "a size such as 512M or 4G");
     /* Both fields carry the same per-rank budget (ipc.proto's JobConfig and
      * control.proto's Quotas); set both so that the job's config, as the

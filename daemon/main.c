@@ -23,6 +23,7 @@
 #include "daemon.h"
 #include "ckpt_node.h"
 #include "log.h"
+#include "size.h"
 #include "cluster.h"
 #include "filemode.h"
 #include "jobs.h"
@@ -99,43 +100,6 @@ static void usage(FILE *out) {
           "\n"
           "Logs go to stderr, one logfmt line per event. SIGINT or SIGTERM shut down cleanly:\n"
           "workers are told, executors stopped, shared memory freed, the socket removed.\n");
-}
-
-static int parse_size(const char *s, uint64_t *out) {
-  char *end;
-  errno = 0;
-  double v = strtod(s, &end);
-  if (errno != 0 || end == s || !(v > 0))
-    return -1;
-  double mult = 1;
-  switch (*end) {
-  case 'k':
-  case 'K':
-    mult = 1024.0, end++;
-    break;
-  case 'm':
-  case 'M':
-    mult = 1024.0 * 1024, end++;
-    break;
-  case 'g':
-  case 'G':
-    mult = 1024.0 * 1024 * 1024, end++;
-    break;
-  case 't':
-  case 'T':
-    mult = 1024.0 * 1024 * 1024 * 1024, end++;
-    break;
-  default:
-    break;
-  }
-  if (*end == 'i' || *end == 'B')
-    end++;
-  if (*end == 'B')
-    end++;
-  if (*end != '\0' || v * mult > 1e18)
-    return -1;
-  *out = (uint64_t)(v * mult);
-  return 0;
 }
 
 static int parse_int(const char *s, int lo, int hi, int *out) {
@@ -949,7 +913,7 @@ int main(int argc, char **argv) {
   o->collective_timeout_ms = timeout_s * 1000;
   o->max_live_bytes = (uint64_t)2 << 30;
   if ((v = env_or(raw.max_live, "ZEROD_MAX_LIVE_BYTES")) != NULL &&
-      parse_size(v, &o->max_live_bytes) != 0)
+      size_parse(v, &o->max_live_bytes) != 0)
     return bad_value("--max-live-bytes", v, "a size such as 512M or 4G");
   o->max_sessions = 1024;
   if ((v = env_or(raw.max_sessions, "ZEROD_MAX_SESSIONS")) != NULL &&
