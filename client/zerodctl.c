@@ -800,6 +800,9 @@ static void json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   json_close(j, '}');
   json_open(j, "quotas", '{');
   json_u64(j, "max_live_bytes", job->quotas != NULL ? job->quotas->max_live_bytes : 0);
+  json_u64(j, "max_host_bytes", job->quotas != NULL ? job->quotas->max_host_bytes : 0);
+  json_u64(j, "max_device_bytes", job->quotas != NULL ? job->quotas->max_device_bytes : 0);
+  json_u64(j, "max_sessions", job->quotas != NULL ? job->quotas->max_sessions : 0);
   json_close(j, '}');
   json_u64(j, "step", job->step);
   json_u64(j, "epoch", job->epoch);
@@ -897,6 +900,14 @@ static void print_job(const Zerod__V1__Job *job) {
     print_field("max live bytes", "node default");
   print_field("step", "%" PRIu64, job->step);
   print_field("epoch", "%" PRIu64, job->epoch);
+  if (job->quotas != NULL && job->quotas->max_host_bytes != 0)
+    print_field("max host bytes", "%s",
+                format_bytes(job->quotas->max_host_bytes, text, sizeof text));
+  if (job->quotas != NULL && job->quotas->max_device_bytes != 0)
+    print_field("max device bytes", "%s",
+                format_bytes(job->quotas->max_device_bytes, text, sizeof text));
+  if (job->quotas != NULL && job->quotas->max_sessions != 0)
+    print_field("max sessions", "%u", job->quotas->max_sessions);
   print_field("tenant", "%s", job->tenant[0] != '\0' ? job->tenant : "none (admins only)");
   print_field("created", "%s", format_unix_ms(job->created_unix_ms, text, sizeof text));
   print_policy(job->checkpoint_policy);
@@ -1004,8 +1015,8 @@ static int cmd_jobs_delete(ctl *c, int argc, char **argv) {
 /* The options of `jobs create`, as given (checked in cmd_jobs_create). */
 typedef struct create_options {
   const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
-      *precision, *max_grad_norm, *max_live_bytes, *token, *tenant, *every_steps, *every_seconds,
-      *keep;
+      *precision, *max_grad_norm, *max_live_bytes, *max_host_bytes, *max_device_bytes,
+      *max_sessions, *token, *tenant, *every_steps, *every_seconds, *keep;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
 } create_options;
@@ -1151,6 +1162,24 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
      * nodes receive it, agrees with its quota. */
     config.max_live_bytes = bytes;
     quotas.max_live_bytes = bytes;
+    request.quotas = &quotas;
+  }
+  const struct {
+    const char *value, *flag;
+    uint64_t *field;
+  } byte_quotas[] = {{o->max_host_bytes, "--max-host-bytes", &quotas.max_host_bytes},
+                     {o->max_device_bytes, "--max-device-bytes", &quotas.max_device_bytes}};
+  for (size_t i = 0; i < sizeof byte_quotas / sizeof byte_quotas[0]; i++) {
+    if (byte_quotas[i].value == NULL)
+      continue;
+    if (size_parse(byte_quotas[i].value, byte_quotas[i].field) != 0)
+      return bad_create_value(byte_quotas[i].flag, byte_quotas[i].value,
+                              "a size such as 512M or 4G");
+    request.quotas = &quotas;
+  }
+  if (o->max_sessions != NULL) {
+    if (parse_u32(o->max_sessions, 1, 1000000, &quotas.max_sessions) != 0)
+      return bad_create_value("--max-sessions", o->max_sessions, "1..1000000");
     request.quotas = &quotas;
   }
   request.config = &config;
@@ -1551,6 +1580,9 @@ static const char create_usage[] =
     "  --precision P            working copy precision: fp32 or bf16 [default fp32]\n"
     "  --max-grad-norm X        clip the global gradient norm to X [default: off]\n"
     "  --max-live-bytes SIZE    gathered + gradient buffers per rank, e.g. 512M, 4G\n"
+    "  --max-host-bytes SIZE    shard state per rank in host memory (quota)\n"
+    "  --max-device-bytes SIZE  shard state per rank in GPU memory (quota)\n"
+    "  --max-sessions N         workers attached to the job on one node (quota)\n"
     "                           [default: the node's]\n"
     "  --token T                the owner token [default: the coordinator makes one]\n"
     "  --tenant T               the tenant that owns the job [default: yours; an admin\n"
@@ -1597,6 +1629,9 @@ enum {
   OPT_PRECISION,
   OPT_MAX_GRAD_NORM,
   OPT_MAX_LIVE_BYTES,
+  OPT_MAX_HOST_BYTES,
+  OPT_MAX_DEVICE_BYTES,
+  OPT_MAX_SESSIONS,
   OPT_TOKEN,
   OPT_TENANT,
   OPT_EVERY_STEPS,
@@ -1633,6 +1668,9 @@ static const struct option long_options[] = {
     {"precision", required_argument, NULL, OPT_PRECISION},
     {"max-grad-norm", required_argument, NULL, OPT_MAX_GRAD_NORM},
     {"max-live-bytes", required_argument, NULL, OPT_MAX_LIVE_BYTES},
+    {"max-host-bytes", required_argument, NULL, OPT_MAX_HOST_BYTES},
+    {"max-device-bytes", required_argument, NULL, OPT_MAX_DEVICE_BYTES},
+    {"max-sessions", required_argument, NULL, OPT_MAX_SESSIONS},
     {"token", required_argument, NULL, OPT_TOKEN},
     {"tenant", required_argument, NULL, OPT_TENANT},
     {"checkpoint-every-steps", required_argument, NULL, OPT_EVERY_STEPS},
@@ -1687,6 +1725,15 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_MAX_LIVE_BYTES:
     slot = &o->max_live_bytes;
+    break;
+  case OPT_MAX_HOST_BYTES:
+    slot = &o->max_host_bytes;
+    break;
+  case OPT_MAX_DEVICE_BYTES:
+    slot = &o->max_device_bytes;
+    break;
+  case OPT_MAX_SESSIONS:
+    slot = &o->max_sessions;
     break;
   case OPT_TOKEN:
     slot = &o->token;

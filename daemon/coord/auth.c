@@ -11,6 +11,7 @@
 #include <openssl/evp.h>
 
 #include "ctl_decode.h"
+#include "size.h"
 
 /* A line of the file is a few hundred bytes at most; longer is a mistake. */
 #define AUTH_LINE_MAX_BYTES 1024
@@ -18,7 +19,17 @@
 struct auth_table {
   auth_principal *principals;
   size_t count;
+  auth_quota *quotas;
+  size_t nquotas;
 };
+
+static const char *const quota_names[AUTH_NQUOTAS] = {"jobs", "sessions", "host-bytes",
+                                                      "device-bytes", "live-bytes"};
+
+const char *auth_quota_name(auth_quota_kind kind) {
+  return kind < AUTH_NQUOTAS ? quota_names[kind] : "?";
+}
+
 
 const char *auth_role_name(auth_role role) {
   switch (role) {
@@ -75,6 +86,49 @@ static int fail(char *err, size_t err_bytes, const char *path, unsigned line, co
   return -EINVAL;
 }
 
+/* Parses "quota TENANT key=value..." (fields after the first) into q.
+ * Returns 0 or a negative errno with the message in err. */
+static int parse_quota(char **fields, unsigned n, const char *path, unsigned lineno, auth_quota *q,
+                       char *err, size_t err_bytes) {
+  memset(q, 0, sizeof *q);
+  if (n < 2 || !ctl_valid_job_dir_name(fields[1]))
+    return fail(err, err_bytes, path, lineno, "a quota line is 'quota TENANT key=value...'");
+  snprintf(q->tenant, sizeof q->tenant, "%s", fields[1]);
+  for (unsigned i = 2; i < n; i++) {
+    char *eq = strchr(fields[i], '=');
+    if (eq == NULL)
+      return fail(err, err_bytes, path, lineno, "'%s' is not key=value", fields[i]);
+    *eq = '\0';
+    const char *value = eq + 1;
+    int kind = -1;
+    for (int k = 0; k < AUTH_NQUOTAS; k++)
+      if (strcmp(fields[i], quota_names[k]) == 0)
+        kind = k;
+    if (kind < 0)
+      return fail(err, err_bytes, path, lineno,
+                  "unknown quota '%s' (jobs, sessions, host-bytes, device-bytes, live-bytes)",
+                  fields[i]);
+    if (q->limited & (1u << kind))
+      return fail(err, err_bytes, path, lineno, "quota '%s' is given twice", fields[i]);
+    uint64_t v = 0;
+    if (kind == AUTH_QUOTA_JOBS || kind == AUTH_QUOTA_SESSIONS) {
+      char *end;
+      errno = 0;
+      unsigned long long n_value = strtoull(value, &end, 10);
+      if (value[0] < '0' || value[0] > '9' || *end != '\0' || errno != 0 || n_value > 1000000)
+        return fail(err, err_bytes, path, lineno, "%s must be a count, 0..1000000, not '%s'",
+                    fields[i], value);
+      v = n_value;
+    } else if (strcmp(value, "0") != 0 && size_parse(value, &v) != 0) {
+      return fail(err, err_bytes, path, lineno, "%s must be a size such as 64G, not '%s'",
+                  fields[i], value);
+    }
+    q->limited |= 1u << kind;
+    q->limit[kind] = v;
+  }
+  return 0;
+}
+
 /* Parses the credential field into p. Returns 0 or -1. */
 static int parse_credential(const char *s, auth_principal *p) {
   static const char token_prefix[] = "token-sha256:";
@@ -106,21 +160,25 @@ static int parse_credential(const char *s, auth_principal *p) {
 
 /* Parses one line with its fields split on blanks into p. Returns 1 for a
  * principal, 0 for a blank or comment line, or a negative errno. */
-static int parse_line(char *line, const char *path, unsigned lineno, auth_principal *p, char *err,
-                      size_t err_bytes) {
-  char *fields[5];
+static int parse_line(char *line, const char *path, unsigned lineno, auth_principal *p,
+                      auth_quota *q, char *err, size_t err_bytes) {
+  char *fields[2 + AUTH_NQUOTAS + 1];
   unsigned n = 0;
   char *save = NULL;
   for (char *tok = strtok_r(line, " \t\r\n", &save); tok != NULL;
        tok = strtok_r(NULL, " \t\r\n", &save)) {
     if (tok[0] == '#')
       break;
-    if (n == 4)
+    if (n == sizeof fields / sizeof fields[0] || (n == 4 && strcmp(fields[0], "quota") != 0))
       return fail(err, err_bytes, path, lineno, "more than 4 fields (name role tenant credential)");
     fields[n++] = tok;
   }
   if (n == 0)
     return 0;
+  if (strcmp(fields[0], "quota") == 0) {
+    int rc = parse_quota(fields, n, path, lineno, q, err, err_bytes);
+    return rc != 0 ? rc : 2;
+  }
   if (n != 4)
     return fail(err, err_bytes, path, lineno, "expected 4 fields (name role tenant credential)");
   memset(p, 0, sizeof *p);
@@ -176,24 +234,42 @@ int auth_load(const char *path, auth_table **out, char *err, size_t err_bytes) {
       goto out;
     }
     auth_principal p;
-    int got = parse_line(line, path, lineno, &p, err, err_bytes);
+    auth_quota q;
+    int got = parse_line(line, path, lineno, &p, &q, err, err_bytes);
     if (got < 0) {
       rc = got;
       goto out;
     }
     if (got == 0)
       continue;
+    if (got == 2) {
+      if (auth_quota_of(t, q.tenant) != NULL) {
+        rc = fail(err, err_bytes, path, lineno, "tenant %s has two quota lines", q.tenant);
+        goto out;
+      }
+      auth_quota *grown = realloc(t->quotas, (t->nquotas + 1) * sizeof *grown);
+      if (grown == NULL || t->nquotas >= AUTH_MAX_PRINCIPALS) {
+        if (grown != NULL)
+          t->quotas = grown;
+        snprintf(err, err_bytes, "too many quota lines in %s", path);
+        rc = -ENOMEM;
+        goto out;
+      }
+      t->quotas = grown;
+      t->quotas[t->nquotas++] = q;
+      continue;
+    }
     for (size_t i = 0; i < t->count; i++) {
-      const auth_principal *q = &t->principals[i];
-      if (strcmp(q->name, p.name) == 0) {
+      const auth_principal *other = &t->principals[i];
+      if (strcmp(other->name, p.name) == 0) {
         rc = fail(err, err_bytes, path, lineno, "principal '%s' is defined twice", p.name);
         goto out;
       }
-      if (q->by_cert == p.by_cert &&
-          (p.by_cert ? strcmp(q->cert_name, p.cert_name) == 0
-                     : memcmp(q->token_sha256, p.token_sha256, 32) == 0)) {
+      if (other->by_cert == p.by_cert &&
+          (p.by_cert ? strcmp(other->cert_name, p.cert_name) == 0
+                     : memcmp(other->token_sha256, p.token_sha256, 32) == 0)) {
         rc = fail(err, err_bytes, path, lineno, "'%s' has the same credential as '%s'", p.name,
-                  q->name);
+                  other->name);
         goto out;
       }
     }
@@ -235,7 +311,15 @@ void auth_free(auth_table *t) {
   if (t->principals != NULL)
     OPENSSL_cleanse(t->principals, t->count * sizeof *t->principals);
   free(t->principals);
+  free(t->quotas);
   free(t);
+}
+
+const auth_quota *auth_quota_of(const auth_table *t, const char *tenant) {
+  for (size_t i = 0; i < t->nquotas; i++)
+    if (strcmp(t->quotas[i].tenant, tenant) == 0)
+      return &t->quotas[i];
+  return NULL;
 }
 
 size_t auth_count(const auth_table *t) {

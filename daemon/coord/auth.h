@@ -20,8 +20,15 @@
  *   tenant  creates jobs, which belong to its tenant, and has every right
  *           over its tenant's jobs;
  *   reader  reads its tenant's jobs: get, list, export.
- * What each RPC needs is in coord/authz.c and docs/security.md. This file
- * only parses the table and answers "who is this". */
+ * What each RPC needs is in coord/authz.c and docs/security.md.
+ *
+ * A tenant's quotas are a line of their own (every key optional):
+ *
+ *   quota team-a jobs=4 sessions=64 host-bytes=256G device-bytes=320G live-bytes=64G
+ *
+ * Checked when a job is created (coord.c): the tenant's jobs, and the sums
+ * over them of each job's per-rank quota times its ranks (sessions: per
+ * node, times its nodes). This file parses them; it decides nothing. */
 #ifndef ZEROD_COORD_AUTH_H
 #define ZEROD_COORD_AUTH_H
 
@@ -49,6 +56,26 @@ typedef struct auth_principal {
   char cert_name[AUTH_CERT_MAX_BYTES + 1];
 } auth_principal;
 
+/* A tenant's quotas; a field is a limit only where its bit is set in
+ * limited (a limit may be 0: jobs=0 allows none). */
+typedef enum auth_quota_kind {
+  AUTH_QUOTA_JOBS = 0,
+  AUTH_QUOTA_SESSIONS,
+  AUTH_QUOTA_HOST_BYTES,
+  AUTH_QUOTA_DEVICE_BYTES,
+  AUTH_QUOTA_LIVE_BYTES,
+  AUTH_NQUOTAS,
+} auth_quota_kind;
+
+typedef struct auth_quota {
+  char tenant[AUTH_NAME_MAX_BYTES + 1];
+  unsigned limited; /* 1 << auth_quota_kind */
+  uint64_t limit[AUTH_NQUOTAS];
+} auth_quota;
+
+/* "jobs", "sessions", "host-bytes", "device-bytes", "live-bytes". */
+const char *auth_quota_name(auth_quota_kind kind);
+
 typedef struct auth_table auth_table;
 
 /* Reads the principals file. Returns 0 with the table, or a negative
@@ -64,6 +91,9 @@ const auth_principal *auth_at(const auth_table *t, size_t i);
 
 /* The principal whose token's SHA-256 is that of token, or NULL. */
 const auth_principal *auth_by_token(const auth_table *t, const char *token, size_t token_bytes);
+
+/* The quotas of tenant, or NULL when it has none. */
+const auth_quota *auth_quota_of(const auth_table *t, const char *tenant);
 
 /* The principal with certificate name cn, or NULL. */
 const auth_principal *auth_by_cert(const auth_table *t, const char *cn);

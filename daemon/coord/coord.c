@@ -1154,6 +1154,80 @@ static int place_job(coord *c, const Zerod__V1__CreateJobRequest *req, const cha
  * token_as_given (an in-process create, whose workers attached without
  * one). Returns 0 with the job in *out, or an RPC status with the reason in
  * err and nothing changed. */
+/* What a job asks of its tenant's quotas: its per-rank (per-node for
+ * sessions) quota times its ranks (nodes). live-bytes falls back to the
+ * config's max_live_bytes. */
+static uint64_t job_quota_use(auth_quota_kind kind, const Zerod__V1__Quotas *q,
+                              const Zerod__V1__JobConfig *config, uint32_t nodes,
+                              uint32_t ranks_per_node) {
+  uint64_t world = (uint64_t)nodes * ranks_per_node;
+  switch (kind) {
+  case AUTH_QUOTA_JOBS:
+    return 1;
+  case AUTH_QUOTA_SESSIONS:
+    return q != NULL ? (uint64_t)q->max_sessions * nodes : 0;
+  case AUTH_QUOTA_HOST_BYTES:
+    return q != NULL ? q->max_host_bytes * world : 0;
+  case AUTH_QUOTA_DEVICE_BYTES:
+    return q != NULL ? q->max_device_bytes * world : 0;
+  case AUTH_QUOTA_LIVE_BYTES: {
+    uint64_t live = q != NULL ? q->max_live_bytes : 0;
+    if (live == 0 && config != NULL)
+      live = config->max_live_bytes;
+    return live * world;
+  }
+  default:
+    return 0;
+  }
+}
+
+/* The per-job quota a tenant's quota of kind needs set, as zerodctl
+ * spells it. */
+static const char *const quota_flags[AUTH_NQUOTAS] = {
+    NULL, "max_sessions (--max-sessions)", "max_host_bytes (--max-host-bytes)",
+    "max_device_bytes (--max-device-bytes)", "max_live_bytes (--max-live-bytes)"};
+
+/* Admits a job of tenant against the tenant's quotas (auth.h): each
+ * limit must hold with the job's share added. Returns 0, or
+ * RESOURCE_EXHAUSTED naming the quota, or INVALID_ARGUMENT when the
+ * tenant's limit needs a per-job quota the request leaves unset (a job
+ * without it could use any amount). */
+static int tenant_admit(const coord *c, const char *tenant, const Zerod__V1__CreateJobRequest *req,
+                        char *err, size_t err_bytes) {
+  if (c->auth == NULL || tenant[0] == '\0')
+    return 0;
+  const auth_quota *q = auth_quota_of(c->auth, tenant);
+  if (q == NULL)
+    return 0;
+  for (int k = 0; k < AUTH_NQUOTAS; k++) {
+    if (!(q->limited & (1u << k)))
+      continue;
+    uint64_t want = job_quota_use((auth_quota_kind)k, req->quotas, req->config, req->nodes,
+                                  req->ranks_per_node);
+    if (want == 0 && k != AUTH_QUOTA_JOBS) {
+      snprintf(err, err_bytes, "tenant %s has a %s quota: the job must set quotas.%s", tenant,
+               auth_quota_name((auth_quota_kind)k), quota_flags[k]);
+      return RPC_INVALID_ARGUMENT;
+    }
+    uint64_t used = 0;
+    for (size_t i = 0; i < c->njobs; i++) {
+      const cjob *j = c->jobs[i];
+      if (j->deleting || strcmp(j->msg->tenant, tenant) != 0)
+        continue;
+      used += job_quota_use((auth_quota_kind)k, j->msg->quotas, j->msg->config, j->msg->nodes,
+                            j->msg->ranks_per_node);
+    }
+    if (used + want > q->limit[k]) {
+      snprintf(err, err_bytes,
+               "tenant %s's %s quota is %" PRIu64 "; its jobs use %" PRIu64
+               " and this one asks %" PRIu64,
+               tenant, auth_quota_name((auth_quota_kind)k), q->limit[k], used, want);
+      return RPC_RESOURCE_EXHAUSTED;
+    }
+  }
+  return 0;
+}
+
 static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const char *tenant,
                       int token_as_given, const cjob **out, char *err, size_t err_bytes) {
   long at = find_job_index(c, req->name);
@@ -1166,8 +1240,11 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const ch
     snprintf(err, err_bytes, "the coordinator has %zu jobs (at most %d)", c->njobs, COORD_MAX_JOBS);
     return RPC_RESOURCE_EXHAUSTED;
   }
+  int status = tenant_admit(c, tenant, req, err, err_bytes);
+  if (status != 0)
+    return status;
   const char *chosen[CTL_MAX_RANKS];
-  int status = place_job(c, req, chosen, err, err_bytes);
+  status = place_job(c, req, chosen, err, err_bytes);
   if (status != 0)
     return status;
 
