@@ -8,9 +8,9 @@
 #include <string.h>
 
 #include <openssl/crypto.h>
-#include <openssl/evp.h>
 
 #include "ctl_decode.h"
+#include "digest.h"
 #include "size.h"
 
 /* A line of the file is a few hundred bytes at most; longer is a mistake. */
@@ -29,7 +29,6 @@ static const char *const quota_names[AUTH_NQUOTAS] = {"jobs", "sessions", "host-
 const char *auth_quota_name(auth_quota_kind kind) {
   return kind < AUTH_NQUOTAS ? quota_names[kind] : "?";
 }
-
 
 const char *auth_role_name(auth_role role) {
   switch (role) {
@@ -57,9 +56,7 @@ static auth_role role_from_name(const char *s) {
 }
 
 void auth_sha256(const void *bytes, size_t n, uint8_t out[32]) {
-  unsigned int len = 32;
-  /* EVP_Digest with SHA-256 cannot fail on valid arguments. */
-  EVP_Digest(bytes, n, out, &len, EVP_sha256(), NULL);
+  digest_sha256(bytes, n, out);
 }
 
 static int hex_value(int c) {

@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include "ctl_decode.h"
+#include "digest.h"
 #include "filemode.h"
 #include "log.h"
 
@@ -279,7 +280,7 @@ static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size
     job_view(j, &jobs[count]);
     zerod__v1__assignment__init(&assignments[count]);
     assignments[count].job = &jobs[count];
-    assignments[count].token = j->token;
+    assignments[count].token_sha256 = j->token_sha256;
     assignments[count].first_rank = j->msg->placement[at]->first_rank;
     assignments[count].ranks = j->msg->placement[at]->ranks;
     coord__ckpt_assignment(j, &assignments[count]);
@@ -496,7 +497,7 @@ static void job_free(coord *c, cjob *j) {
   kv_clear(c, j);
   waiters_end(j, RPC_NOT_FOUND, "the job is gone");
   ctl_free(&j->msg->base);
-  free(j->token);
+  free(j->token_sha256);
   free(j->marks);
   free(j);
 }
@@ -558,7 +559,7 @@ static int state_write(coord *c, const cjob *add, const cjob *skip, uint64_t nex
     jobs[count].epoch = j->epoch;
     zerod__v1__stored_job__init(&stored[count]);
     stored[count].job = &jobs[count];
-    stored[count].token = j->token;
+    stored[count].token_sha256 = j->token_sha256;
     pointers[count] = &stored[count];
     count++;
   }
@@ -643,15 +644,17 @@ static int compare_jobs(const void *a, const void *b) {
   return strcmp((*(cjob *const *)a)->msg->name, (*(cjob *const *)b)->msg->name);
 }
 
-static cjob *job_new(Zerod__V1__Job *msg, const char *token) {
+/* token_sha256: the owner token's hash, 64 hex digits (the token itself
+ * is never kept). */
+static cjob *job_new(Zerod__V1__Job *msg, const char *token_sha256) {
   cjob *j = calloc(1, sizeof *j);
   if (j == NULL)
     return NULL;
   j->msg = msg;
-  j->token = strdup(token);
+  j->token_sha256 = strdup(token_sha256);
   j->marks = calloc(msg->n_placement ? msg->n_placement : 1, sizeof *j->marks);
-  if (j->token == NULL || j->marks == NULL) {
-    free(j->token);
+  if (j->token_sha256 == NULL || j->marks == NULL) {
+    free(j->token_sha256);
     free(j->marks);
     free(j);
     return NULL;
@@ -746,7 +749,12 @@ static int state_load(coord *c, char *err, size_t err_bytes) {
       goto out;
     }
     Zerod__V1__Job *copy = message_copy(&s->job->base);
-    cjob *j = copy != NULL ? job_new(copy, s->token) : NULL;
+    /* Files from before tokens were hashed hold the token itself. */
+    char hashed[DIGEST_HEX_BYTES];
+    if (s->token_sha256[0] == '\0')
+      digest_sha256_hex(s->token, hashed);
+    cjob *j =
+        copy != NULL ? job_new(copy, s->token_sha256[0] != '\0' ? s->token_sha256 : hashed) : NULL;
     if (j == NULL) {
       ctl_free(copy ? &copy->base : NULL);
       rc = -ENOMEM;
@@ -1229,7 +1237,8 @@ static int tenant_admit(const coord *c, const char *tenant, const Zerod__V1__Cre
 }
 
 static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const char *tenant,
-                      int token_as_given, const cjob **out, char *err, size_t err_bytes) {
+                      int token_as_given, const cjob **out, char *token_out, char *err,
+                      size_t err_bytes) {
   long at = find_job_index(c, req->name);
   if (at >= 0) {
     snprintf(err, err_bytes, "job '%s' %s", req->name,
@@ -1301,7 +1310,9 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const ch
   if (policy != NULL && (policy->every_steps != 0 || policy->every_seconds != 0))
     job.checkpoint_policy = (Zerod__V1__CheckpointPolicy *)policy;
   Zerod__V1__Job *copy = message_copy(&job.base);
-  cjob *j = copy != NULL ? job_new(copy, token) : NULL;
+  char token_sha256[DIGEST_HEX_BYTES];
+  digest_sha256_hex(token, token_sha256);
+  cjob *j = copy != NULL ? job_new(copy, token_sha256) : NULL;
   if (j == NULL) {
     ctl_free(copy ? &copy->base : NULL);
     snprintf(err, err_bytes, "coordinator out of memory");
@@ -1329,6 +1340,7 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const ch
             j->msg->id, req->nodes, req->ranks_per_node, tenant);
   derive_job(c, j);
   coord__mark_job_watches(c, j);
+  memcpy(token_out, token, strlen(token) + 1);
   *out = j;
   return 0;
 }
@@ -1345,7 +1357,8 @@ static void on_create_job(rpc_call *call, const uint8_t *request, size_t request
   coord__identify(c, call, &who, err, sizeof err);
   const char *tenant = req->tenant[0] != '\0' ? req->tenant : who.tenant;
   const cjob *j;
-  int status = create_job(c, req, tenant, 0, &j, err, sizeof err);
+  char token[CTL_TOKEN_MAX_BYTES + 1];
+  int status = create_job(c, req, tenant, 0, &j, token, err, sizeof err);
   if (status != 0) {
     coord__finish_error(call, status, "%s", err);
   } else {
@@ -1353,7 +1366,7 @@ static void on_create_job(rpc_call *call, const uint8_t *request, size_t request
     job_view(j, &view);
     Zerod__V1__CreateJobReply reply = ZEROD__V1__CREATE_JOB_REPLY__INIT;
     reply.job = &view;
-    reply.token = j->token;
+    reply.token = token; /* the only time it leaves the coordinator */
     coord__finish_message(call, &reply.base);
   }
   ctl_free(&req->base);
@@ -1376,7 +1389,8 @@ int coord_create_job_local(coord *c, const char *name, const char *token,
   req.n_node_names = 1;
   req.node_names = nodes;
   const cjob *j;
-  int status = create_job(c, &req, "", 1, &j, err, err_bytes);
+  char given[CTL_TOKEN_MAX_BYTES + 1];
+  int status = create_job(c, &req, "", 1, &j, given, err, err_bytes);
   if (status == 0) {
     *id_out = j->msg->id;
     *epoch_out = j->epoch;

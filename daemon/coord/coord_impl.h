@@ -92,8 +92,8 @@ typedef struct cjob {
   /* Owned copy of the job as stored; its state, reason, step and epoch
    * fields are unused, the ones below are what replies carry. */
   Zerod__V1__Job *msg;
-  char *token;      /* owned */
-  node_mark *marks; /* [msg->n_placement] */
+  char *token_sha256; /* owned: the owner token's SHA-256, 64 hex digits */
+  node_mark *marks;   /* [msg->n_placement] */
   int deleting;
   Zerod__V1__JobState state;
   char reason[COORD_REASON_BYTES];

@@ -12,6 +12,7 @@
 #include "ctl_decode.h"
 #include "daemon.h"
 #include "jobs.h"
+#include "digest.h"
 #include "log.h"
 #include "rpc.h"
 #include "store.h"
@@ -379,6 +380,12 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
         continue;
       job_config config;
       char err[256] = "";
+      /* The token's hash; an older coordinator sends the token itself. */
+      char token_sha256[DIGEST_HEX_BYTES];
+      if (digest_is_hex(as->token_sha256))
+        memcpy(token_sha256, as->token_sha256, sizeof token_sha256);
+      else
+        digest_sha256_hex(as->token, token_sha256);
       uint64_t max_live = pj->quotas != NULL && pj->quotas->max_live_bytes != 0
                               ? pj->quotas->max_live_bytes
                               : d->options.max_live_bytes;
@@ -386,7 +393,7 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
       if (rc == 0)
         rc = job_config_finish(&config, max_live, err, sizeof err);
       if (rc == 0)
-        rc = jobs_start(d, pj->name, as->token, &config, (int)pj->world_size, (int)as->ranks,
+        rc = jobs_start(d, pj->name, token_sha256, &config, (int)pj->world_size, (int)as->ranks,
                         (int)as->first_rank, pj->id, (unsigned)pj->epoch, &j, err, sizeof err);
       if (rc == 0 && pj->quotas != NULL) {
         /* Before any worker can attach: this loop turn made the job. */

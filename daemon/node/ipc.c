@@ -27,6 +27,7 @@
 #include "daemon.h"
 #include "frame.h"
 #include "pbcheck.h"
+#include "digest.h"
 #include "log.h"
 #include "cluster.h"
 #include "pin.h"
@@ -297,15 +298,6 @@ static void on_completion(uv_async_t *handle) {
 /* Requests                                                                 */
 /* ------------------------------------------------------------------------ */
 
-/* Constant-time comparison, so a token cannot be guessed byte by byte. */
-static int token_equal(const char *a, const char *b) {
-  size_t la = strlen(a), lb = strlen(b);
-  unsigned char diff = la != lb;
-  for (size_t i = 0; i < la && i < lb; i++)
-    diff |= (unsigned char)(a[i] ^ b[i]);
-  return diff == 0;
-}
-
 static void submit_or_inline(session *s, exec_op *op) {
   s->refs++;
   s->inflight++;
@@ -363,7 +355,9 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
     return NULL;
   }
   job *j;
-  if (jobs_start(d, req->job, req->token, &config, d->options.ranks, d->options.ranks, 0, id,
+  char token_sha256[DIGEST_HEX_BYTES];
+  digest_sha256_hex(req->token, token_sha256);
+  if (jobs_start(d, req->job, token_sha256, &config, d->options.ranks, d->options.ranks, 0, id,
                  generation, &j, err, sizeof err) != 0) {
     /* The coordinator's record stays: the watch builds the job from it
      * later, as it would one created with zerodctl. */
@@ -429,7 +423,7 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
                "no job named '%s' (a read-only session attaches to an existing job)", req->job);
     return;
   }
-  if (!token_equal(j->token, req->token)) {
+  if (!digest_matches(j->token_sha256, req->token)) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
                "wrong token for job '%s'", req->job);
     return;
@@ -544,7 +538,7 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
     if (j == NULL)
       return;
     created = 1;
-  } else if (!token_equal(j->token, req->token)) {
+  } else if (!digest_matches(j->token_sha256, req->token)) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
                "wrong token for job '%s'", req->job);
     return;

@@ -34,11 +34,12 @@ void jobs_reset(job *j) {
   }
 }
 
-int jobs_start(zdaemon *d, const char *name, const char *token, const job_config *config,
+int jobs_start(zdaemon *d, const char *name, const char *token_sha256, const job_config *config,
                int world_size, int nranks, int first_rank, uint64_t id, unsigned generation,
                job **out, char *err, size_t err_bytes) {
   job *j;
-  int rc = job_create(&d->exec, d, name, token, config, world_size, nranks, first_rank, id, &j);
+  int rc =
+      job_create(&d->exec, d, name, token_sha256, config, world_size, nranks, first_rank, id, &j);
   if (rc == 0 && (rc = ckpt_node_job_init(j)) != 0)
     jobs_free(j);
   if (rc != 0) {

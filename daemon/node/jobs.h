@@ -24,9 +24,9 @@ job *jobs_find(struct daemon *d, const char *name);
  * rendezvous epoch: 0 standalone, the coordinator's job epoch in a
  * cluster), and adds it to d->jobs. Returns 0 or a negative errno with a
  * message in err. */
-int jobs_start(struct daemon *d, const char *name, const char *token, const job_config *config,
-               int world_size, int nranks, int first_rank, uint64_t id, unsigned generation,
-               job **out, char *err, size_t err_bytes);
+int jobs_start(struct daemon *d, const char *name, const char *token_sha256,
+               const job_config *config, int world_size, int nranks, int first_rank, uint64_t id,
+               unsigned generation, job **out, char *err, size_t err_bytes);
 
 /* Nobody is attached to a failed job any more: its ranks build fresh
  * communicators (a new generation) so new workers resume from the kept

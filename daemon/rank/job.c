@@ -35,9 +35,9 @@ static int init_rank_locks(job *j) {
   return 0;
 }
 
-int job_create(const struct exec_settings *exec, void *owner, const char *name, const char *token,
-               const job_config *config, int world_size, int nranks, int first_rank, uint64_t id,
-               job **out) {
+int job_create(const struct exec_settings *exec, void *owner, const char *name,
+               const char *token_sha256, const job_config *config, int world_size, int nranks,
+               int first_rank, uint64_t id, job **out) {
   if (nranks < 1 || first_rank < 0 || first_rank + nranks > world_size)
     return -EINVAL;
   job *j = calloc(1, sizeof *j);
@@ -46,7 +46,7 @@ int job_create(const struct exec_settings *exec, void *owner, const char *name, 
   j->exec = exec;
   j->owner = owner;
   j->name = strdup(name);
-  j->token = strdup(token != NULL ? token : "");
+  j->token_sha256 = strdup(token_sha256);
   j->config = *config;
   j->world_size = world_size;
   j->nranks = nranks;
@@ -54,7 +54,7 @@ int job_create(const struct exec_settings *exec, void *owner, const char *name, 
   j->id = id;
   j->failed_generation = -1;
   j->ranks = calloc((size_t)nranks, sizeof *j->ranks);
-  if (j->name == NULL || j->token == NULL || j->ranks == NULL) {
+  if (j->name == NULL || j->token_sha256 == NULL || j->ranks == NULL) {
     job_destroy(j);
     return -ENOMEM;
   }
@@ -100,7 +100,7 @@ void job_destroy(job *j) {
   free(j->units);
   free(j->ranks);
   free(j->name);
-  free(j->token);
+  free(j->token_sha256);
   free(j);
 }
 

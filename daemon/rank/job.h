@@ -161,7 +161,7 @@ typedef struct job {
   void *owner;
   char *name;
   uint64_t id;
-  char *token;
+  char *token_sha256; /* the owner token's SHA-256, 64 hex digits (digest.h) */
   job_config config;
   /* Quotas (control.proto Quotas), set by the owner before any session
    * attaches; 0: no limit. Shard state per rank in host or device memory,
@@ -209,9 +209,9 @@ static inline int job_spans_nodes(const job *j) {
 /* Creates a job of world_size ranks of which this daemon hosts nranks,
  * global ranks first_rank.. (executors not started). -EINVAL if they do not
  * fit, -ENOMEM. */
-int job_create(const struct exec_settings *exec, void *owner, const char *name, const char *token,
-               const job_config *config, int world_size, int nranks, int first_rank, uint64_t id,
-               job **out);
+int job_create(const struct exec_settings *exec, void *owner, const char *name,
+               const char *token_sha256, const job_config *config, int world_size, int nranks,
+               int first_rank, uint64_t id, job **out);
 /* Frees the job itself: call once its executors have stopped and freed
  * their state (exec_rank_free), its pins are gone (pin_job_clear) and its
  * owner has freed what it hung on the job (node/jobs.c does all of it). */

@@ -7,6 +7,7 @@ without a sanitizer report. Timing assertions are loose on purpose: the
 machines that run this are small and shared.
 """
 
+import hashlib
 import os
 import queue
 import re
@@ -458,7 +459,9 @@ def test_watch_delivers_assignments_when_a_job_is_created(coord, nodes):
     assert job.reason == "waiting for nodes a, b to build the job's ranks"
     event = a.event_where(lambda e: len(e.assignments) == 1)
     assignment = event.assignments[0]
-    assert assignment.job.name == "train" and assignment.token == reply.token
+    assert assignment.job.name == "train" and assignment.token == ""
+    # Only the token's hash leaves the coordinator after CreateJob.
+    assert assignment.token_sha256 == hashlib.sha256(reply.token.encode()).hexdigest()
     assert (assignment.first_rank, assignment.ranks) == (0, 2)
     event = b.watch()  # a watch opened later gets the assignment at once
     assert [x.first_rank for x in event.assignments] == [2]
@@ -730,7 +733,7 @@ def test_jobs_survive_a_sigkill_and_nodes_join_again(coordinator, nodes):
         n.start_heartbeats()
     wait_job_state(coord, "j", C.JOB_STATE_READY)
     event = a.watch()
-    assert event.assignments[0].token == "tok-123"
+    assert event.assignments[0].token_sha256 == hashlib.sha256(b"tok-123").hexdigest()
     # Ids are never reused after a restart.
     assert create_job(coord, "new").job.id > created.job.id
 

@@ -307,12 +307,15 @@ def test_every_rpc_checks_its_caller(secured):
     node_caller = callers["node-a"]
     code, event = node_caller.stream(node_caller.cluster.Watch,
                                      pb.WatchRequest(node="node-a", session=session))
-    assert code == OK and any(a.token == OWNER_TOKEN for a in event.assignments)
+    assert code == OK and any(a.token_sha256 == sha(OWNER_TOKEN) for a in event.assignments)
     for who, c in callers.items():
         if who in ("node-a",):
             continue
         for reply in c.replies:
             assert OWNER_TOKEN.encode() not in reply, "a reply to %s holds the token" % who
+    # The coordinator keeps the token's hash only, on disk too.
+    state = (coord.state_dir / "coordinator.pb").read_bytes()
+    assert OWNER_TOKEN.encode() not in state and sha(OWNER_TOKEN).encode() in state
 
     # Health needs no credentials (probes).
     h = callers[None]

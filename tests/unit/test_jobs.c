@@ -249,7 +249,7 @@ static void test_start_adds_a_job_that_find_finds_by_name(void **state) {
   assert_ptr_equal(jobs_find(d, "alpha"), j);
   assert_ptr_equal(d->jobs, j);
   assert_string_equal(j->name, "alpha");
-  assert_string_equal(j->token, "token");
+  assert_string_equal(j->token_sha256, "token");
   assert_ptr_equal(j->owner, d);
   assert_ptr_equal(j->exec, &d->exec);
   assert_non_null(j->ckpt); /* the job's checkpoint state, made by jobs_start */
