@@ -1030,7 +1030,7 @@ int rpc_server_add_method(rpc_server *s, const char *path, rpc_kind kind, rpc_ha
  * even one request could be armed (the server runs; the caller shuts it
  * down). */
 static int server_listen(rpc_server *s, const char *addr, int *port, char *err, size_t err_bytes) {
-  grpc_arg args[8];
+  grpc_arg args[9];
   size_t n_args;
   message_limit_args(args, &n_args);
   /* Without this, a second daemon on the same port would bind too and
@@ -1056,6 +1056,10 @@ static int server_listen(rpc_server *s, const char *addr, int *port, char *err, 
   args[n_args].type = GRPC_ARG_INTEGER;
   args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS;
   args[n_args].value.integer = 1;
+  n_args++;
+  args[n_args].type = GRPC_ARG_INTEGER;
+  args[n_args].key = (char *)GRPC_ARG_MAX_CONNECTION_IDLE_MS;
+  args[n_args].value.integer = RPC_MAX_CONNECTION_IDLE_MS;
   n_args++;
   grpc_channel_args channel_args = {.num_args = n_args, .args = args};
 

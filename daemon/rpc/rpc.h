@@ -68,6 +68,10 @@ enum {
  * vanished (a node whose host died) does not hold its calls for ever. */
 #define RPC_KEEPALIVE_MS         30000
 #define RPC_KEEPALIVE_TIMEOUT_MS 10000
+/* A connection with no call for this long is closed (a client that
+ * connected and went quiet holds a descriptor for nothing); clients
+ * reconnect on their next call. */
+#define RPC_MAX_CONNECTION_IDLE_MS 300000
 
 /* Returns the canonical name of a status code ("NOT_FOUND"), or "UNKNOWN". */
 const char *rpc_status_name(int code);

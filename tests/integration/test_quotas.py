@@ -76,6 +76,37 @@ def test_tenant_quotas(cluster, tmp_path):
     channel.close()
 
 
+def test_tenant_byte_quotas_of_each_kind(cluster, tmp_path):
+    principals = write_principals(tmp_path / "principals", [
+        "quota team-a device-bytes=1G live-bytes=64M"])
+    coord = cluster.start_coordinator(extra=["--auth-file", str(principals)])
+    cluster.start_node("node-a", ranks=2,
+                       extra=["--auth-token-file", token_file(tmp_path, "node-a")])
+    channel = grpc.insecure_channel(coord.address)
+    alice = Caller(channel, "alice")
+    pb = alice.pb
+    wait_for(lambda: len(alice.call(alice.cluster.GetView, pb.GetViewRequest())[1].members) == 1,
+             "node-a to join")
+    mib = 1024 * 1024
+    code, _, details = create(alice, "d1", ranks=2, max_device_bytes=256 * mib,
+                              max_live_bytes=16 * mib)
+    assert code == grpc.StatusCode.OK, details
+    code, _, details = create(alice, "d2", ranks=2, max_device_bytes=512 * mib,
+                              max_live_bytes=8 * mib)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "device-bytes quota" in details, details
+    code, _, details = create(alice, "d2", ranks=2, max_device_bytes=128 * mib,
+                              max_live_bytes=32 * mib)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "live-bytes quota" in details, details
+    # The job's config may carry the live budget instead of its quotas.
+    code, _, details = alice.call(alice.jobs.CreateJob, pb.CreateJobRequest(
+        name="d2", nodes=1, ranks_per_node=2, quotas=pb.Quotas(max_device_bytes=128 * mib),
+        config=alice.ipc.JobConfig(max_live_bytes=8 * mib)))
+    assert code == grpc.StatusCode.OK, details
+    names = [j.name for j in alice.call(alice.jobs.ListJobs, pb.ListJobsRequest())[1].jobs]
+    assert names == ["d1", "d2"]
+    channel.close()
+
+
 def test_job_quotas_on_the_node(cluster, tmp_path):
     cluster.start_coordinator()
     node = cluster.start_node("node-q", ranks=2)

@@ -37,6 +37,7 @@ TOKENS = {
     "ann": "ann-secret-cdef",  # reader of team-a
     "node-a": "node-a-secret-1111",
     "node-c": "node-c-secret-2222",  # a node no job is placed on
+    "node-b": "node-b-secret-3333",  # the TLS test's node (a principal there only)
 }
 OWNER_TOKEN = "owner-token-of-job-sec"  # the job's token, for workers
 
@@ -403,21 +404,32 @@ def pki(tmp_path):
     return d
 
 
-def test_mutual_tls_cluster_trains(cluster, pki, tmp_path):
-    principals = write_principals(tmp_path / "principals",
-                                  ["node-b node  - cert:node-b", "ops admin - cert:ops"])
+@pytest.mark.parametrize("mode", ["tls", "mtls"])
+def test_tls_cluster_trains(cluster, pki, tmp_path, mode):
+    """TLS: the node and zerodctl verify the coordinator and authenticate
+    with bearer tokens. Mutual TLS: with their certificates, which the
+    coordinator requires."""
+    if mode == "mtls":
+        principals = write_principals(tmp_path / "principals",
+                                      ["node-b node  - cert:node-b", "ops admin - cert:ops"])
+        client_auth = ["--tls-client-ca", str(pki / "ca.crt"), "--tls-require-client-cert"]
+        node_auth = ["--tls-cert", str(pki / "node-b.crt"), "--tls-key", str(pki / "node-b.key")]
+        ctl_auth = ["--tls-cert", str(pki / "ops.crt"), "--tls-key", str(pki / "ops.key")]
+    else:
+        principals = write_principals(tmp_path / "principals", [
+            "node-b node - token-sha256:%s" % sha(TOKENS["node-b"])])
+        client_auth = []
+        node_auth = ["--auth-token-file", token_file(tmp_path, "node-b")]
+        ctl_auth = ["--auth-token-file", token_file(tmp_path, "admin")]
     cluster.start_coordinator(extra=[
         "--auth-file", str(principals), "--tls-cert", str(pki / "server.crt"),
-        "--tls-key", str(pki / "server.key"), "--tls-client-ca", str(pki / "ca.crt"),
-        "--tls-require-client-cert"])
+        "--tls-key", str(pki / "server.key")] + client_auth)
     coord = cluster.coordinator
     address = "localhost:%d" % coord.port
     cluster.coordinator.address = address
-    node = cluster.start_node("node-b", ranks=2, extra=[
-        "--tls-ca", str(pki / "ca.crt"), "--tls-cert", str(pki / "node-b.crt"),
-        "--tls-key", str(pki / "node-b.key")])
-    ctl = [binary("zerodctl"), "-c", address, "--tls-ca", str(pki / "ca.crt"),
-           "--tls-cert", str(pki / "ops.crt"), "--tls-key", str(pki / "ops.key")]
+    node = cluster.start_node("node-b", ranks=2,
+                              extra=["--tls-ca", str(pki / "ca.crt")] + node_auth)
+    ctl = [binary("zerodctl"), "-c", address, "--tls-ca", str(pki / "ca.crt")] + ctl_auth
     deadline = time.monotonic() + 30
     while "node-b" not in run_worker(ctl + ["members"], check=False).stdout:
         assert time.monotonic() < deadline, node.read_log()
@@ -442,9 +454,23 @@ def test_mutual_tls_cluster_trains(cluster, pki, tmp_path):
         assert time.monotonic() < deadline, node.read_log()
         time.sleep(0.1)
 
-    # Without a client certificate, with one from another CA, or in plain
-    # text, nothing gets through.
+    # A plain-text client gets nowhere either way.
     mods = ctlproto.load()
+    ch = grpc.insecure_channel(address)
+    with pytest.raises(grpc.RpcError):
+        mods.control_grpc.ClusterStub(ch).GetView(mods.control.GetViewRequest(), timeout=5)
+    ch.close()
+    if mode == "tls":
+        # A TLS client without a token is refused by the policy instead.
+        ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(
+            root_certificates=(pki / "ca.crt").read_bytes()))
+        with pytest.raises(grpc.RpcError) as e:
+            mods.control_grpc.JobsStub(ch).ListJobs(mods.control.ListJobsRequest(), timeout=5)
+        assert e.value.code() == UNAUTHENTICATED
+        ch.close()
+        return
+    # Without a client certificate, or with one from another CA, nothing
+    # gets through.
     for creds in [grpc.ssl_channel_credentials(root_certificates=(pki / "ca.crt").read_bytes()),
                   grpc.ssl_channel_credentials(
                       root_certificates=(pki / "ca.crt").read_bytes(),
@@ -455,10 +481,6 @@ def test_mutual_tls_cluster_trains(cluster, pki, tmp_path):
             mods.control_grpc.ClusterStub(ch).GetView(mods.control.GetViewRequest(), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         ch.close()
-    ch = grpc.insecure_channel(address)
-    with pytest.raises(grpc.RpcError):
-        mods.control_grpc.ClusterStub(ch).GetView(mods.control.GetViewRequest(), timeout=5)
-    ch.close()
     rogue = cluster.start_node("node-b2", ranks=1, extra=[
         "--tls-ca", str(pki / "ca.crt"), "--tls-cert", str(pki / "rogue.crt"),
         "--tls-key", str(pki / "rogue.key")])

@@ -162,6 +162,51 @@ static void test_mistakes_name_their_line(void **state) {
   assert_non_null(strstr(err, "cannot read the principals file"));
 }
 
+static void test_quota_lines(void **state) {
+  (void)state;
+  auth_table *t = NULL;
+  char err[512] = "";
+  const char *text = "quota team-a jobs=4 sessions=16 host-bytes=64G live-bytes=512M\n"
+                     "quota team-b jobs=0   # none at all\n"
+                     "ops admin - cert:ops\n";
+  assert_int_equal(auth_load(write_file("quotas", text), &t, err, sizeof err), 0);
+  assert_int_equal(auth_count(t), 1); /* quota lines are not principals */
+  const auth_quota *q = auth_quota_of(t, "team-a");
+  assert_non_null(q);
+  assert_int_equal(q->limited, (1u << AUTH_QUOTA_JOBS) | (1u << AUTH_QUOTA_SESSIONS) |
+                                   (1u << AUTH_QUOTA_HOST_BYTES) | (1u << AUTH_QUOTA_LIVE_BYTES));
+  assert_int_equal(q->limit[AUTH_QUOTA_JOBS], 4);
+  assert_int_equal(q->limit[AUTH_QUOTA_SESSIONS], 16);
+  assert_int_equal(q->limit[AUTH_QUOTA_HOST_BYTES], 64ull << 30);
+  assert_int_equal(q->limit[AUTH_QUOTA_LIVE_BYTES], 512ull << 20);
+  q = auth_quota_of(t, "team-b");
+  assert_non_null(q);
+  assert_int_equal(q->limited, 1u << AUTH_QUOTA_JOBS);
+  assert_int_equal(q->limit[AUTH_QUOTA_JOBS], 0);
+  assert_null(auth_quota_of(t, "team-c"));
+  auth_free(t);
+
+  struct {
+    const char *text, *words;
+  } bad[] = {
+      {"quota\n", "a quota line is"},
+      {"quota ..\n", "a quota line is"},
+      {"quota t jobs\n", "'jobs' is not key=value"},
+      {"quota t cpus=4\n", "unknown quota 'cpus'"},
+      {"quota t jobs=-1\n", "jobs must be a count"},
+      {"quota t jobs=2 jobs=3\n", "quota 'jobs' is given twice"},
+      {"quota t host-bytes=lots\n", "host-bytes must be a size"},
+      {"quota t jobs=1\nquota t jobs=2\n", "tenant t has two quota lines"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    t = NULL;
+    assert_int_not_equal(auth_load(write_file("badq", bad[i].text), &t, err, sizeof err), 0);
+    assert_null(t);
+    if (strstr(err, bad[i].words) == NULL)
+      fail_msg("case %zu: got '%s', want '%s'", i, err, bad[i].words);
+  }
+}
+
 static void test_token_files(void **state) {
   (void)state;
   char token[RPC_MAX_TOKEN_BYTES + 1], err[512];
@@ -205,9 +250,8 @@ static void test_local_addresses(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_good_file),
-      cmocka_unit_test(test_mistakes_name_their_line),
-      cmocka_unit_test(test_token_files),
+      cmocka_unit_test(test_good_file),       cmocka_unit_test(test_mistakes_name_their_line),
+      cmocka_unit_test(test_quota_lines),     cmocka_unit_test(test_token_files),
       cmocka_unit_test(test_local_addresses),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
