@@ -608,6 +608,14 @@ static int run_coordinator(int argc, char **argv) {
   if (lock_state_dir(lock_path, co.state_dir, &lock_fd) != 0)
     return 1;
 
+  /* Every client connection holds a descriptor: take the whole allowance
+   * (running out is survived, docs/security.md, but costs every call in
+   * flight). */
+  struct rlimit nofile;
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &nofile);
+  }
   coordinator_process p = {.loop = uv_default_loop()};
   char err[512] = "";
   int status = 1;
