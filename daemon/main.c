@@ -23,6 +23,7 @@
 #include "daemon.h"
 #include "ckpt_node.h"
 #include "log.h"
+#include "pbcheck.h"
 #include "size.h"
 #include "cluster.h"
 #include "filemode.h"
@@ -333,6 +334,10 @@ static int checkpoint_dir_option(const char *flag, const char *fallback, char *o
   }
   if (strlen(resolved) >= out_bytes - 512)
     return bad_value("--checkpoint-dir", resolved, "path too long");
+  /* The path travels to the nodes in every save order, a string field:
+   * they refuse one that is not UTF-8 (docs/control-plane.md). */
+  if (!zd_utf8_valid(resolved, strlen(resolved)))
+    return bad_value("--checkpoint-dir", resolved, "a path in UTF-8");
   snprintf(out, out_bytes, "%s", resolved);
   return 0;
 }

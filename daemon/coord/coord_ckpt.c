@@ -1595,6 +1595,19 @@ static void on_export(rpc_call *call, const uint8_t *request, size_t request_byt
     /* Relative: inside the first export root. */
     status = place_path("export path", req->path, roots, write_roots(c, roots), "export roots",
                         ex.path, sizeof ex.path, &ex.root_len, err, sizeof err);
+    /* Never into a job's checkpoint directory, whose files an export
+     * would replace: <checkpoint-dir>/FILE is fine, <checkpoint-dir>/X/...
+     * is not (X is, or may become, a job's). */
+    size_t ckpt_len = strlen(c->options.checkpoint_dir);
+    if (status == 0 && strncmp(ex.path, c->options.checkpoint_dir, ckpt_len) == 0 &&
+        ex.path[ckpt_len] == '/' && strchr(ex.path + ckpt_len + 1, '/') != NULL) {
+      snprintf(err, sizeof err,
+               "export path %.1500s is inside a job's directory of the checkpoint directory "
+               "%.1500s, whose "
+               "files an export must not replace",
+               ex.path, c->options.checkpoint_dir);
+      status = RPC_PERMISSION_DENIED;
+    }
   }
   if (status == 0 && req->checkpoint[0] == '\0') {
     /* The job's state now: saved into a temporary checkpoint, which the

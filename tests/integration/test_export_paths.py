@@ -176,6 +176,16 @@ def test_checkpoint_files_are_private_by_default(start_daemon):
         assert mode_of(os.path.join(cp.path, name)) == 0o600, name
     reply = export(d, "q", "q.safetensors", checkpoint="c")
     assert mode_of(reply.path) == 0o600
+    # Never into a job's checkpoint directory: not over a manifest, not
+    # next to it, even with overwrite.
+    manifest = os.path.join(cp.path, "manifest.json")
+    before = open(manifest, "rb").read()
+    for target in [manifest, os.path.join(cp.path, "x.safetensors"),
+                   os.path.join(os.path.dirname(cp.path), "y.safetensors"), "q/c/manifest.json"]:
+        expect_denied(export, d, "q", target, checkpoint="c", overwrite=True,
+                      fragment="inside a job's directory of the checkpoint directory")
+    assert open(manifest, "rb").read() == before
+    assert not os.path.exists(os.path.join(cp.path, "x.safetensors"))
 
 
 @pytest.mark.parametrize("args, code, words", [
