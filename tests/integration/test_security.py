@@ -562,3 +562,38 @@ def test_listener_recovers_after_running_out_of_descriptors(cluster):
         finally:
             ch.close()
     assert "rpc server listening again" in coord.read_log()
+
+
+def test_one_principal_cannot_take_every_call(secured):
+    """Many connections of one principal: past 1024 calls in flight its
+    calls are refused, naming it; other principals and heartbeats go on."""
+    callers, coord, node = secured
+    pb = callers["admin"].pb
+    mods = ctlproto.load()
+    md = (("authorization", "Bearer " + TOKENS["node-a"]),)
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.insecure_channel(coord.address, options=own) for _ in range(11)]
+    held = []
+    try:
+        for n, ch in enumerate(channels):
+            kv = mods.control_grpc.RendezvousStub(ch)
+            held += [kv.Get.future(pb.GetRequest(job="sec", epoch=7, key="k%d-%d" % (n, i),
+                                                 wait=True), metadata=md, timeout=30)
+                     for i in range(100)]
+        # 1100 asked, 1024 allowed: the rest end at once.
+        wait_for(lambda: sum(f.done() for f in held) >= 1100 - 1024, "refusals")
+        refused = [f for f in held if f.done()]
+        assert all(f.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for f in refused)
+        assert "principal node-a has 1024 calls in flight" in refused[0].details()
+        alice = callers["alice"]
+        code, _, details = alice.call(alice.jobs.GetJob, pb.GetJobRequest(name="sec"))
+        assert code == OK, details
+        time.sleep(3)  # over a lease TTL: heartbeats of node-a went through
+        admin = callers["admin"]
+        view = admin.call(admin.cluster.GetView, pb.GetViewRequest())[1]
+        assert [m.node.name for m in view.members] == ["node-a"]
+    finally:
+        for f in held:
+            f.cancel()
+        for ch in channels:
+            ch.close()
