@@ -243,43 +243,70 @@ static int kv_rule(const coord *c, const coord_caller *who, const char *job, cha
   return deny(err, err_bytes, who, what);
 }
 
+/* "k=v k=v" of the fields that are set, each value quoted as log.h
+ * quotes (a path with a space stays one value), for the audit line; ""
+ * when none is set (a call that changes nothing). */
+static void audit_fields(char *out, size_t out_bytes, const char *const (*fields)[2], size_t n) {
+  size_t len = 0;
+  out[0] = '\0';
+  for (size_t i = 0; i < n; i++) {
+    if (fields[i][1] == NULL)
+      continue;
+    char quoted[512];
+    int w = snprintf(out + len, out_bytes - len, "%s%s=%s", len > 0 ? " " : "", fields[i][0],
+                     log_quote(fields[i][1], quoted, sizeof quoted));
+    if (w < 0 || (size_t)w >= out_bytes - len)
+      return;
+    len += (size_t)w;
+  }
+}
+
 int coord__authorize(coord *c, const coord_caller *who, const char *path,
                      const ProtobufCMessage *msg, char *audit, size_t audit_bytes, char *err,
                      size_t err_bytes) {
   audit[0] = '\0';
 #define IS(p) (strcmp(path, (p)) == 0)
   /* What the audit line says a changing call was about. */
+  const char *job = NULL, *node = NULL, *key = NULL, *checkpoint = NULL, *source = NULL,
+             *target = NULL, *tenant = NULL;
   if (IS(CTL_JOIN)) {
-    const Zerod__V1__JoinRequest *r = (const void *)msg;
-    snprintf(audit, audit_bytes, "node=%s", r->node->name);
+    node = ((const Zerod__V1__JoinRequest *)msg)->node->name;
   } else if (IS(CTL_LEAVE)) {
-    snprintf(audit, audit_bytes, "node=%s", ((const Zerod__V1__LeaveRequest *)msg)->node);
+    node = ((const Zerod__V1__LeaveRequest *)msg)->node;
   } else if (IS(CTL_CREATE_JOB)) {
     const Zerod__V1__CreateJobRequest *r = (const void *)msg;
-    snprintf(audit, audit_bytes, "job=%s tenant=%s", r->name,
-             r->tenant[0] != '\0' ? r->tenant : who->tenant);
+    job = r->name;
+    tenant = r->tenant[0] != '\0' ? r->tenant : who->tenant;
   } else if (IS(CTL_DELETE_JOB)) {
-    snprintf(audit, audit_bytes, "job=%s", ((const Zerod__V1__DeleteJobRequest *)msg)->name);
+    job = ((const Zerod__V1__DeleteJobRequest *)msg)->name;
   } else if (IS(CTL_PUT)) {
-    const Zerod__V1__PutRequest *r = (const void *)msg;
-    snprintf(audit, audit_bytes, "job=%s key=%.64s", r->job, r->key);
+    job = ((const Zerod__V1__PutRequest *)msg)->job;
+    key = ((const Zerod__V1__PutRequest *)msg)->key;
   } else if (IS(CTL_DELETE)) {
-    const Zerod__V1__DeleteRequest *r = (const void *)msg;
-    snprintf(audit, audit_bytes, "job=%s key=%.64s", r->job, r->key);
+    job = ((const Zerod__V1__DeleteRequest *)msg)->job;
+    key = ((const Zerod__V1__DeleteRequest *)msg)->key;
   } else if (IS(CTL_SAVE)) {
-    const Zerod__V1__SaveRequest *r = (const void *)msg;
-    snprintf(audit, audit_bytes, "job=%s checkpoint=%s", r->job, r->name);
+    job = ((const Zerod__V1__SaveRequest *)msg)->job;
+    checkpoint = ((const Zerod__V1__SaveRequest *)msg)->name;
   } else if (IS(CTL_DELETE_CHECKPOINT)) {
-    const Zerod__V1__DeleteCheckpointRequest *r = (const void *)msg;
-    snprintf(audit, audit_bytes, "job=%s checkpoint=%s", r->job, r->name);
+    job = ((const Zerod__V1__DeleteCheckpointRequest *)msg)->job;
+    checkpoint = ((const Zerod__V1__DeleteCheckpointRequest *)msg)->name;
   } else if (IS(CTL_RESTORE)) {
-    const Zerod__V1__RestoreRequest *r = (const void *)msg;
-    snprintf(audit, audit_bytes, "job=%s source=%.200s", r->job, r->checkpoint);
+    job = ((const Zerod__V1__RestoreRequest *)msg)->job;
+    source = ((const Zerod__V1__RestoreRequest *)msg)->checkpoint;
   } else if (IS(CTL_EXPORT)) {
-    const Zerod__V1__ExportRequest *r = (const void *)msg;
-    snprintf(audit, audit_bytes, "job=%s source=%.120s path=%.200s", r->job, r->checkpoint,
-             r->path);
+    job = ((const Zerod__V1__ExportRequest *)msg)->job;
+    source = ((const Zerod__V1__ExportRequest *)msg)->checkpoint;
+    target = ((const Zerod__V1__ExportRequest *)msg)->path;
   }
+  const char *fields[][2] = {{"node", node},
+                             {"job", job},
+                             {"tenant", tenant},
+                             {"key", key},
+                             {"checkpoint", checkpoint},
+                             {"source", source},
+                             {"path", target}};
+  audit_fields(audit, audit_bytes, fields, sizeof fields / sizeof fields[0]);
   if (who->trusted)
     return 0;
 
@@ -326,8 +353,9 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
     return job_rule(c, who, ((const Zerod__V1__DeleteCheckpointRequest *)msg)->job, 1,
                     "delete checkpoints of", err, err_bytes);
   if (IS(CTL_LIST_CHECKPOINTS)) {
-    const char *job = ((const Zerod__V1__ListCheckpointsRequest *)msg)->job;
-    return job[0] != '\0' ? job_rule(c, who, job, 0, "list checkpoints of", err, err_bytes) : 0;
+    const char *listed = ((const Zerod__V1__ListCheckpointsRequest *)msg)->job;
+    return listed[0] != '\0' ? job_rule(c, who, listed, 0, "list checkpoints of", err, err_bytes)
+                             : 0;
   }
   if (IS(CTL_RESTORE)) {
     const Zerod__V1__RestoreRequest *r = (const void *)msg;

@@ -181,15 +181,19 @@ static int buffer_to_malloc(grpc_byte_buffer *buffer, uint8_t **out, size_t *out
   return 0;
 }
 
+/* Appends an integer channel arg (key is one of gRPC's constants). */
+static void arg_int(grpc_arg *args, size_t *n_args, const char *key, int value) {
+  args[*n_args].type = GRPC_ARG_INTEGER;
+  args[*n_args].key = (char *)key;
+  args[*n_args].value.integer = value;
+  (*n_args)++;
+}
+
 /* Builds the channel args both sides share; args points into arg_storage. */
 static void message_limit_args(grpc_arg *arg_storage, size_t *n_args) {
-  arg_storage[0].type = GRPC_ARG_INTEGER;
-  arg_storage[0].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-  arg_storage[0].value.integer = (int)RPC_MAX_MESSAGE_BYTES;
-  arg_storage[1].type = GRPC_ARG_INTEGER;
-  arg_storage[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-  arg_storage[1].value.integer = (int)RPC_MAX_MESSAGE_BYTES;
-  *n_args = 2;
+  *n_args = 0;
+  arg_int(arg_storage, n_args, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, (int)RPC_MAX_MESSAGE_BYTES);
+  arg_int(arg_storage, n_args, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, (int)RPC_MAX_MESSAGE_BYTES);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1035,32 +1039,14 @@ static int server_listen(rpc_server *s, const char *addr, int *port, char *err, 
   message_limit_args(args, &n_args);
   /* Without this, a second daemon on the same port would bind too and
    * steal half the connections. */
-  args[n_args].type = GRPC_ARG_INTEGER;
-  args[n_args].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
-  args[n_args].value.integer = 0;
-  n_args++;
-  args[n_args].type = GRPC_ARG_INTEGER;
-  args[n_args].key = (char *)GRPC_ARG_MAX_CONCURRENT_STREAMS;
-  args[n_args].value.integer = RPC_MAX_STREAMS_PER_CONNECTION;
-  n_args++;
-  args[n_args].type = GRPC_ARG_INTEGER;
-  args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_TIME_MS;
-  args[n_args].value.integer = RPC_KEEPALIVE_MS;
-  n_args++;
-  args[n_args].type = GRPC_ARG_INTEGER;
-  args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_TIMEOUT_MS;
-  args[n_args].value.integer = RPC_KEEPALIVE_TIMEOUT_MS;
-  n_args++;
+  arg_int(args, &n_args, GRPC_ARG_ALLOW_REUSEPORT, 0);
+  arg_int(args, &n_args, GRPC_ARG_MAX_CONCURRENT_STREAMS, RPC_MAX_STREAMS_PER_CONNECTION);
+  arg_int(args, &n_args, GRPC_ARG_KEEPALIVE_TIME_MS, RPC_KEEPALIVE_MS);
+  arg_int(args, &n_args, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, RPC_KEEPALIVE_TIMEOUT_MS);
   /* Watch streams and waiting Gets send nothing for long stretches: the
    * server's pings must be allowed then too. */
-  args[n_args].type = GRPC_ARG_INTEGER;
-  args[n_args].key = (char *)GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS;
-  args[n_args].value.integer = 1;
-  n_args++;
-  args[n_args].type = GRPC_ARG_INTEGER;
-  args[n_args].key = (char *)GRPC_ARG_MAX_CONNECTION_IDLE_MS;
-  args[n_args].value.integer = RPC_MAX_CONNECTION_IDLE_MS;
-  n_args++;
+  arg_int(args, &n_args, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  arg_int(args, &n_args, GRPC_ARG_MAX_CONNECTION_IDLE_MS, RPC_MAX_CONNECTION_IDLE_MS);
   grpc_channel_args channel_args = {.num_args = n_args, .args = args};
 
   s->server = grpc_server_create(&channel_args, NULL);
@@ -1531,10 +1517,7 @@ int rpc_channel_create_with(const char *target, const rpc_channel_options *optio
   grpc_arg args[4];
   size_t n_args;
   message_limit_args(args, &n_args);
-  args[n_args].type = GRPC_ARG_INTEGER;
-  args[n_args].key = (char *)GRPC_ARG_MAX_RECONNECT_BACKOFF_MS;
-  args[n_args].value.integer = RPC_MAX_RECONNECT_MS;
-  n_args++;
+  arg_int(args, &n_args, GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RPC_MAX_RECONNECT_MS);
   const rpc_tls *tls = options != NULL ? options->tls : NULL;
   if (tls != NULL && tls->server_name != NULL && tls->server_name[0] != '\0') {
     args[n_args].type = GRPC_ARG_STRING;
