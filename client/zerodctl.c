@@ -1012,6 +1012,28 @@ static int cmd_jobs_delete(ctl *c, int argc, char **argv) {
   return 0;
 }
 
+static int cmd_jobs_read_token(ctl *c, int argc, char **argv) {
+  (void)argc;
+  Zerod__V1__IssueReadTokenRequest request = ZEROD__V1__ISSUE_READ_TOKEN_REQUEST__INIT;
+  request.job = argv[0];
+  Zerod__V1__IssueReadTokenReply *reply;
+  int rc = call(c, "/zerod.v1.Jobs/IssueReadToken", &request.base,
+                &zerod__v1__issue_read_token_reply__descriptor, (ProtobufCMessage **)&reply);
+  if (rc != 0)
+    return rc;
+  if (c->json) {
+    json_out j = {.out = stdout};
+    json_open(&j, NULL, '{');
+    json_str(&j, "job", argv[0]);
+    json_str(&j, "read_token", reply->token);
+    json_close(&j, '}');
+  } else {
+    printf("%s\n", reply->token);
+  }
+  zerod__v1__issue_read_token_reply__free_unpacked(reply, NULL);
+  return 0;
+}
+
 /* The options of `jobs create`, as given (checked in cmd_jobs_create). */
 typedef struct create_options {
   const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
@@ -1517,6 +1539,7 @@ static const char general_usage[] =
     "  jobs get NAME            one job in full: placement, config, state\n"
     "  jobs create NAME [opts]  create a job (see zerodctl jobs create --help)\n"
     "  jobs delete NAME         delete a job\n"
+    "  jobs read-token NAME     a new token that attaches read-only sessions only\n"
     "  checkpoint save JOB [NAME]\n"
     "                           checkpoint a ready job (NAME default: step-<step>);\n"
     "                           waits for it (600 s unless --timeout)\n"
@@ -1606,6 +1629,7 @@ static const command commands[] = {
     {"jobs get", 1, 1, " NAME", cmd_jobs_get},
     {"jobs create", 1, 1, " NAME [options]", NULL}, /* takes its options: cmd_jobs_create */
     {"jobs delete", 1, 1, " NAME", cmd_jobs_delete},
+    {"jobs read-token", 1, 1, " NAME", cmd_jobs_read_token},
     {"checkpoint save", 1, 2, " JOB [NAME]", cmd_checkpoint_save},
     {"checkpoint list", 0, 1, " [JOB]", cmd_checkpoint_list},
     {"checkpoint delete", 2, 2, " JOB NAME", cmd_checkpoint_delete},

@@ -16,6 +16,7 @@
  *   GetJob                  a reader of the job's tenant and up
  *   ListJobs                anyone; each sees the jobs it may read
  *   DeleteJob               the job's tenant or an admin
+ *   IssueReadToken          a reader of the job's tenant and up
  *   Put, Get, Delete (KV)   a node the job is placed on, or an admin
  *   Save, Delete checkpoint the job's tenant or an admin
  *   Restore                 the job's tenant or an admin, who must also
@@ -279,6 +280,8 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
     tenant = r->tenant[0] != '\0' ? r->tenant : who->tenant;
   } else if (IS(CTL_DELETE_JOB)) {
     job = ((const Zerod__V1__DeleteJobRequest *)msg)->name;
+  } else if (IS(CTL_ISSUE_READ_TOKEN)) {
+    job = ((const Zerod__V1__IssueReadTokenRequest *)msg)->job;
   } else if (IS(CTL_PUT)) {
     job = ((const Zerod__V1__PutRequest *)msg)->job;
     key = ((const Zerod__V1__PutRequest *)msg)->key;
@@ -338,6 +341,9 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
   if (IS(CTL_GET_JOB))
     return job_rule(c, who, ((const Zerod__V1__GetJobRequest *)msg)->name, 0, "read", err,
                     err_bytes);
+  if (IS(CTL_ISSUE_READ_TOKEN))
+    return job_rule(c, who, ((const Zerod__V1__IssueReadTokenRequest *)msg)->job, 0,
+                    "get read tokens of", err, err_bytes);
   if (IS(CTL_DELETE_JOB))
     return job_rule(c, who, ((const Zerod__V1__DeleteJobRequest *)msg)->name, 1, "delete", err,
                     err_bytes);

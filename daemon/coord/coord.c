@@ -281,6 +281,8 @@ static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size
     zerod__v1__assignment__init(&assignments[count]);
     assignments[count].job = &jobs[count];
     assignments[count].token_sha256 = j->token_sha256;
+    assignments[count].n_read_token_sha256 = j->n_read_tokens;
+    assignments[count].read_token_sha256 = (char **)j->read_token_ptrs;
     assignments[count].first_rank = j->msg->placement[at]->first_rank;
     assignments[count].ranks = j->msg->placement[at]->ranks;
     coord__ckpt_assignment(j, &assignments[count]);
@@ -498,6 +500,7 @@ static void job_free(coord *c, cjob *j) {
   waiters_end(j, RPC_NOT_FOUND, "the job is gone");
   ctl_free(&j->msg->base);
   free(j->token_sha256);
+  free(j->read_tokens);
   free(j->marks);
   free(j);
 }
@@ -560,6 +563,8 @@ static int state_write(coord *c, const cjob *add, const cjob *skip, uint64_t nex
     zerod__v1__stored_job__init(&stored[count]);
     stored[count].job = &jobs[count];
     stored[count].token_sha256 = j->token_sha256;
+    stored[count].n_read_token_sha256 = j->n_read_tokens;
+    stored[count].read_token_sha256 = (char **)j->read_token_ptrs;
     pointers[count] = &stored[count];
     count++;
   }
@@ -642,6 +647,25 @@ out:
 
 static int compare_jobs(const void *a, const void *b) {
   return strcmp((*(cjob *const *)a)->msg->name, (*(cjob *const *)b)->msg->name);
+}
+
+/* Adds a read token's hash (64 hex digits) to j, dropping the oldest when
+ * it has COORD_MAX_READ_TOKENS. Returns 0 or -ENOMEM. */
+static int job_add_read_token(cjob *j, const char *hash) {
+  if (j->read_tokens == NULL) {
+    j->read_tokens = calloc(COORD_MAX_READ_TOKENS, sizeof *j->read_tokens);
+    if (j->read_tokens == NULL)
+      return -ENOMEM;
+    for (size_t i = 0; i < COORD_MAX_READ_TOKENS; i++)
+      j->read_token_ptrs[i] = j->read_tokens[i];
+  }
+  if (j->n_read_tokens == COORD_MAX_READ_TOKENS) {
+    memmove(j->read_tokens[0], j->read_tokens[1],
+            (COORD_MAX_READ_TOKENS - 1) * sizeof j->read_tokens[0]);
+    j->n_read_tokens--;
+  }
+  snprintf(j->read_tokens[j->n_read_tokens++], DIGEST_HEX_BYTES, "%s", hash);
+  return 0;
 }
 
 /* token_sha256: the owner token's hash, 64 hex digits (the token itself
@@ -762,6 +786,13 @@ static int state_load(coord *c, char *err, size_t err_bytes) {
       goto out;
     }
     c->jobs[c->njobs++] = j;
+    for (size_t t = 0; t < s->n_read_token_sha256; t++) {
+      if (job_add_read_token(j, s->read_token_sha256[t]) != 0) {
+        rc = -ENOMEM;
+        snprintf(err, err_bytes, "out of memory loading %s", c->state_path);
+        goto out;
+      }
+    }
     if (j->msg->id >= next_id)
       next_id = j->msg->id + 1;
   }
@@ -1427,6 +1458,53 @@ static int job_listed_for(const coord_caller *who, const cjob *j) {
   return coord__may_read_job(who, j);
 }
 
+/* A new read token for a job: made here, its hash kept (durably, before
+ * the reply) and sent to the job's nodes, the token itself given to the
+ * caller alone. */
+static void on_issue_read_token(rpc_call *call, const uint8_t *request, size_t request_bytes,
+                                void *arg) {
+  coord *c = arg;
+  Zerod__V1__IssueReadTokenRequest *req =
+      coord__begin(c, call, CTL_ISSUE_READ_TOKEN, request, request_bytes);
+  if (req == NULL)
+    return;
+  cjob *j = coord__find_job(c, req->job);
+  char token[COORD_TOKEN_HEX_DIGITS + 1], hash[DIGEST_HEX_BYTES], err[512];
+  uint8_t raw[COORD_TOKEN_HEX_DIGITS / 2];
+  if (j == NULL || j->deleting) {
+    coord__finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->job);
+  } else if (random_bytes(raw, sizeof raw) != 0) {
+    coord__finish_error(call, RPC_UNAVAILABLE, "cannot make a token: %s", strerror(errno));
+  } else {
+    for (size_t i = 0; i < sizeof raw; i++)
+      snprintf(token + 2 * i, 3, "%02x", raw[i]);
+    digest_sha256_hex(token, hash);
+    /* Kept only once stored: a token that a restart would forget is no
+     * token to give out. */
+    char dropped[DIGEST_HEX_BYTES] = "";
+    if (j->n_read_tokens == COORD_MAX_READ_TOKENS)
+      memcpy(dropped, j->read_tokens[0], sizeof dropped);
+    if (job_add_read_token(j, hash) != 0) {
+      coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    } else if (state_write(c, NULL, NULL, c->next_job_id, err, sizeof err) != 0) {
+      j->n_read_tokens--;
+      if (dropped[0] != '\0') {
+        memmove(j->read_tokens[1], j->read_tokens[0], j->n_read_tokens * sizeof j->read_tokens[0]);
+        memcpy(j->read_tokens[0], dropped, sizeof dropped);
+        j->n_read_tokens++;
+      }
+      coord__finish_error(call, RPC_UNAVAILABLE, "%s", err);
+    } else {
+      coord__mark_job_watches(c, j);
+      Zerod__V1__IssueReadTokenReply reply = ZEROD__V1__ISSUE_READ_TOKEN_REPLY__INIT;
+      reply.token = token;
+      coord__finish_message(call, &reply.base);
+    }
+  }
+  memset(token, 0, sizeof token);
+  ctl_free(&req->base);
+}
+
 static void on_list_jobs(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
   ProtobufCMessage *req = coord__begin(c, call, CTL_LIST_JOBS, request, request_bytes);
@@ -1917,6 +1995,7 @@ int coord_register(coord *c, rpc_server *server) {
       {CTL_GET_JOB, RPC_UNARY, on_get_job},
       {CTL_LIST_JOBS, RPC_UNARY, on_list_jobs},
       {CTL_DELETE_JOB, RPC_UNARY, on_delete_job},
+      {CTL_ISSUE_READ_TOKEN, RPC_UNARY, on_issue_read_token},
       {CTL_PUT, RPC_UNARY, on_put},
       {CTL_GET, RPC_UNARY, on_get},
       {CTL_DELETE, RPC_UNARY, on_delete},

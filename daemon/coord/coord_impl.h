@@ -15,6 +15,7 @@
 
 #include "auth.h"
 #include "coord.h"
+#include "digest.h"
 
 /* Limits (docs/control-plane.md, "Limits"). */
 #define COORD_MAX_MEMBERS      4096
@@ -29,6 +30,7 @@
 #define COORD_SWEEP_MAX_MS     250
 #define COORD_REASON_BYTES     1024
 #define COORD_TOKEN_HEX_DIGITS 32
+#define COORD_MAX_READ_TOKENS  64 /* per job: IssueReadToken keeps the newest */
 /* Calls one principal may have in flight (heartbeats aside); more are
  * answered RESOURCE_EXHAUSTED (docs/security.md, "Exhaustion"). */
 #define COORD_MAX_CALLS_PER_PRINCIPAL 1024
@@ -93,7 +95,12 @@ typedef struct cjob {
    * fields are unused, the ones below are what replies carry. */
   Zerod__V1__Job *msg;
   char *token_sha256; /* owned: the owner token's SHA-256, 64 hex digits */
-  node_mark *marks;   /* [msg->n_placement] */
+  /* SHA-256s of its read tokens, oldest first (NULL until the first):
+   * [COORD_MAX_READ_TOKENS] strings, pointers for the messages. */
+  char (*read_tokens)[DIGEST_HEX_BYTES];
+  char *read_token_ptrs[COORD_MAX_READ_TOKENS];
+  size_t n_read_tokens;
+  node_mark *marks; /* [msg->n_placement] */
   int deleting;
   Zerod__V1__JobState state;
   char reason[COORD_REASON_BYTES];

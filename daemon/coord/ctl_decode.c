@@ -317,6 +317,10 @@ static int check_delete_job(const ProtobufCMessage *msg, char *err, size_t err_b
   return check_name("name", ((const Zerod__V1__DeleteJobRequest *)msg)->name, err, err_bytes);
 }
 
+static int check_issue_read_token(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  return check_name("job", ((const Zerod__V1__IssueReadTokenRequest *)msg)->job, err, err_bytes);
+}
+
 static int check_put(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
   const Zerod__V1__PutRequest *r = (const Zerod__V1__PutRequest *)msg;
   int rc = check_name("job", r->job, err, err_bytes);
@@ -464,6 +468,8 @@ static const ctl_method methods[CTL_NMETHODS] = {
     {CTL_GET_JOB, &zerod__v1__get_job_request__descriptor, check_get_job},
     {CTL_LIST_JOBS, &zerod__v1__list_jobs_request__descriptor, check_nothing},
     {CTL_DELETE_JOB, &zerod__v1__delete_job_request__descriptor, check_delete_job},
+    {CTL_ISSUE_READ_TOKEN, &zerod__v1__issue_read_token_request__descriptor,
+     check_issue_read_token},
     {CTL_PUT, &zerod__v1__put_request__descriptor, check_put},
     {CTL_GET, &zerod__v1__get_request__descriptor, check_get},
     {CTL_DELETE, &zerod__v1__delete_request__descriptor, check_delete},
@@ -597,6 +603,9 @@ int ctl_check_stored_job(const Zerod__V1__StoredJob *stored, char *err, size_t e
   if (stored->token_sha256[0] != '\0' ? !digest_is_hex(stored->token_sha256)
                                       : check_token(stored->token, 0, inner, sizeof inner) != 0)
     return fail(err, err_bytes, "job '%s': its owner token's hash is not 64 hex digits", j->name);
+  for (size_t i = 0; i < stored->n_read_token_sha256; i++)
+    if (!digest_is_hex(stored->read_token_sha256[i]))
+      return fail(err, err_bytes, "job '%s': a read token's hash is not 64 hex digits", j->name);
   if (j->id == 0)
     return fail(err, err_bytes, "job '%s' has id 0", j->name);
   if (j->tenant[0] != '\0' && !ctl_valid_job_dir_name(j->tenant))

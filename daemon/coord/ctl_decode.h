@@ -29,6 +29,7 @@
 #define CTL_GET_JOB           "/zerod.v1.Jobs/GetJob"
 #define CTL_LIST_JOBS         "/zerod.v1.Jobs/ListJobs"
 #define CTL_DELETE_JOB        "/zerod.v1.Jobs/DeleteJob"
+#define CTL_ISSUE_READ_TOKEN  "/zerod.v1.Jobs/IssueReadToken"
 #define CTL_PUT               "/zerod.v1.Rendezvous/Put"
 #define CTL_GET               "/zerod.v1.Rendezvous/Get"
 #define CTL_DELETE            "/zerod.v1.Rendezvous/Delete"
@@ -55,7 +56,7 @@
 #define CTL_PATH_MAX_BYTES    4000 /* RestoreRequest.checkpoint as a path, ExportRequest.path */
 
 /* The number of methods ctl_decode knows (the paths above). */
-#define CTL_NMETHODS 18
+#define CTL_NMETHODS 19
 
 /* The path of method i (0 <= i < CTL_NMETHODS), and the descriptor of its
  * request message, for tests and fuzzing; NULL past the end. */

@@ -402,6 +402,8 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
         j->quota_sessions = pj->quotas->max_sessions;
       }
       if (rc == 0)
+        jobs_set_read_tokens(j, as->read_token_sha256, as->n_read_token_sha256);
+      if (rc == 0)
         cluster_job_added(d);
       if (rc != 0) {
         char msg[300];
@@ -414,6 +416,8 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
       job_fail(j, j->generation, "job '%s' was deleted and re-created on the coordinator", j->name);
       continue;
     }
+    if (jobs_set_read_tokens(j, as->read_token_sha256, as->n_read_token_sha256) != 0)
+      LOG_WARNF("read tokens not updated (out of memory)", "job=%s", j->name);
     ckpt_node_orders(j, as);
     /* A job with ranks here only is degraded by nothing but this node's own
      * report of its failure, which it already knows; it resets locally, and

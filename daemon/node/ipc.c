@@ -393,6 +393,14 @@ static int job_usable_for_attach(session *s, uint64_t request_id, job *j) {
   return 0;
 }
 
+/* Whether token is one of j's read tokens (its hash among theirs). */
+static int is_read_token(const job *j, const char *token) {
+  int found = 0;
+  for (size_t i = 0; i < j->n_read_tokens; i++)
+    found |= digest_matches(j->read_token_sha256[i], token);
+  return found;
+}
+
 /* The job's max_sessions quota (control.proto Quotas) counts read-write
  * and read-only sessions on this node. Returns 1 if one more fits, else
  * answers RESOURCE_EXHAUSTED naming the quota and returns 0. */
@@ -423,7 +431,8 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
                "no job named '%s' (a read-only session attaches to an existing job)", req->job);
     return;
   }
-  if (!digest_matches(j->token_sha256, req->token)) {
+  /* The owner token, or a read token (which admits nothing else). */
+  if (!digest_matches(j->token_sha256, req->token) && !is_read_token(j, req->token)) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
                "wrong token for job '%s'", req->job);
     return;
@@ -540,7 +549,10 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
     created = 1;
   } else if (!digest_matches(j->token_sha256, req->token)) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
-               "wrong token for job '%s'", req->job);
+               is_read_token(j, req->token)
+                   ? "job '%s': a read token attaches read-only sessions only"
+                   : "wrong token for job '%s'",
+               req->job);
     return;
   }
   if (!job_usable_for_attach(s, request_id, j))

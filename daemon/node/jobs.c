@@ -5,10 +5,12 @@
 #include <errno.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ckpt_node.h"
 #include "daemon.h"
+#include "digest.h"
 #include "exec.h"
 #include "log.h"
 #include "pin.h"
@@ -32,6 +34,23 @@ void jobs_reset(job *j) {
       exec_submit(init);
     }
   }
+}
+
+int jobs_set_read_tokens(job *j, char *const *hashes, size_t n) {
+  char(*copy)[65] = NULL;
+  size_t kept = 0;
+  if (n > 0) {
+    copy = calloc(n, sizeof *copy);
+    if (copy == NULL)
+      return -ENOMEM;
+    for (size_t i = 0; i < n; i++)
+      if (digest_is_hex(hashes[i]))
+        memcpy(copy[kept++], hashes[i], 65);
+  }
+  free(j->read_token_sha256);
+  j->read_token_sha256 = copy;
+  j->n_read_tokens = kept;
+  return 0;
 }
 
 int jobs_start(zdaemon *d, const char *name, const char *token_sha256, const job_config *config,

@@ -19,6 +19,11 @@ struct daemon;
 /* The job of that name in the registry, or NULL. */
 job *jobs_find(struct daemon *d, const char *name);
 
+/* Replaces j's read-token hashes with the n in hashes (the coordinator's
+ * Assignment; those that are not 64 hex digits are skipped). Loop thread.
+ * Returns 0 or -ENOMEM (j keeps its old ones). */
+int jobs_set_read_tokens(job *j, char *const *hashes, size_t n);
+
 /* Creates a job with nranks local ranks (global first_rank..), starts its
  * executors and their communicators of the given generation (the
  * rendezvous epoch: 0 standalone, the coordinator's job epoch in a

@@ -80,6 +80,7 @@ int job_create(const struct exec_settings *exec, void *owner, const char *name,
 void job_destroy(job *j) {
   if (j == NULL)
     return;
+  free(j->read_token_sha256);
   if (j->ranks != NULL) {
     for (int r = 0; r < j->nranks; r++) {
       pthread_mutex_destroy(&j->ranks[r].queue_mutex);

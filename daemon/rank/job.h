@@ -162,6 +162,10 @@ typedef struct job {
   char *name;
   uint64_t id;
   char *token_sha256; /* the owner token's SHA-256, 64 hex digits (digest.h) */
+  /* Loop-owned: SHA-256s of the read tokens, which attach read-only
+   * sessions only (the coordinator's IssueReadToken; jobs_set_read_tokens). */
+  char (*read_token_sha256)[65];
+  size_t n_read_tokens;
   job_config config;
   /* Quotas (control.proto Quotas), set by the owner before any session
    * attaches; 0: no limit. Shard state per rank in host or device memory,

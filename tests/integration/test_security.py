@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 import ctlproto
+import zdraw as z
 from conftest import binary, run_worker
 
 OK = grpc.StatusCode.OK
@@ -217,6 +218,30 @@ def test_every_rpc_checks_its_caller(secured):
                      == NOT_FOUND, "victim to be gone")
         return result
 
+    # Read tokens: a reader's way to attach read-only sessions.
+    row("IssueReadToken", lambda c: c.call(c.jobs.IssueReadToken,
+                                           pb.IssueReadTokenRequest(job="sec")),
+        expect(UNAUTHENTICATED, DENIED, OK, OK, OK))
+    ann = callers["ann"]
+    code, issued, _ = ann.call(ann.jobs.IssueReadToken, pb.IssueReadTokenRequest(job="sec"))
+    read_token = issued.token
+    assert code == OK and len(read_token) == 32 and read_token != OWNER_TOKEN
+
+    def attach(read_only):
+        conn = z.Conn(node.socket)
+        payload = (z.read_only_attach_request("sec", token=read_token) if read_only
+                   else z.attach_request("sec", 0, create=False, token=read_token))
+        t, fields, _ = conn.call(z.ATTACH, payload)
+        conn.close()
+        return t, fields
+
+    # The node learns the token's hash with the job's next watch event.
+    wait_for(lambda: attach(True)[0] == z.ATTACH_REPLY, "the read token to reach node-a")
+    t, fields = attach(False)
+    assert t == z.ERROR and z.status_of(fields) == "PERMISSION_DENIED"
+    assert "read-only sessions only" in z.message_of(fields), z.message_of(fields)
+    ann.replies.clear()  # IssueReadToken's replies hold read tokens, never owner tokens
+
     row("DeleteJob", delete_victim, expect(UNAUTHENTICATED, DENIED, DENIED, OK, OK),
         fresh=fresh_victim)
 
@@ -317,6 +342,7 @@ def test_every_rpc_checks_its_caller(secured):
     # The coordinator keeps the token's hash only, on disk too.
     state = (coord.state_dir / "coordinator.pb").read_bytes()
     assert OWNER_TOKEN.encode() not in state and sha(OWNER_TOKEN).encode() in state
+    assert read_token.encode() not in state and sha(read_token).encode() in state
 
     # Health needs no credentials (probes).
     h = callers[None]
@@ -425,11 +451,12 @@ def test_tls_cluster_trains(cluster, pki, tmp_path, mode):
         "--auth-file", str(principals), "--tls-cert", str(pki / "server.crt"),
         "--tls-key", str(pki / "server.key")] + client_auth)
     coord = cluster.coordinator
-    address = "localhost:%d" % coord.port
-    cluster.coordinator.address = address
-    node = cluster.start_node("node-b", ranks=2,
-                              extra=["--tls-ca", str(pki / "ca.crt")] + node_auth)
-    ctl = [binary("zerodctl"), "-c", address, "--tls-ca", str(pki / "ca.crt")] + ctl_auth
+    # By IP, checking the certificate's DNS name (--tls-server-name): no
+    # resolver involved (c-ares leaks a few bytes on exit under ASan).
+    address = coord.address
+    tls = ["--tls-ca", str(pki / "ca.crt"), "--tls-server-name", "localhost"]
+    node = cluster.start_node("node-b", ranks=2, extra=tls + node_auth)
+    ctl = [binary("zerodctl"), "-c", address] + tls + ctl_auth
     deadline = time.monotonic() + 30
     while "node-b" not in run_worker(ctl + ["members"], check=False).stdout:
         assert time.monotonic() < deadline, node.read_log()
@@ -481,9 +508,8 @@ def test_tls_cluster_trains(cluster, pki, tmp_path, mode):
             mods.control_grpc.ClusterStub(ch).GetView(mods.control.GetViewRequest(), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         ch.close()
-    rogue = cluster.start_node("node-b2", ranks=1, extra=[
-        "--tls-ca", str(pki / "ca.crt"), "--tls-cert", str(pki / "rogue.crt"),
-        "--tls-key", str(pki / "rogue.key")])
+    rogue = cluster.start_node("node-b2", ranks=1, extra=tls + [
+        "--tls-cert", str(pki / "rogue.crt"), "--tls-key", str(pki / "rogue.key")])
     time.sleep(2)
     members = run_worker(ctl + ["members"]).stdout
     assert "node-b2" not in members and "node-b" in members, members
