@@ -268,8 +268,11 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
   audit[0] = '\0';
 #define IS(p) (strcmp(path, (p)) == 0)
   /* What the audit line says a changing call was about. */
-  const char *job = NULL, *node = NULL, *key = NULL, *checkpoint = NULL, *source = NULL,
-             *target = NULL, *tenant = NULL;
+  /* Rendezvous Puts and Deletes are not audited: they are the nodes'
+   * own traffic while communicators are built, as heartbeats are their
+   * leases (a refused one is logged as refused, coord__begin). */
+  const char *job = NULL, *node = NULL, *checkpoint = NULL, *source = NULL, *target = NULL,
+             *tenant = NULL;
   if (IS(CTL_JOIN)) {
     node = ((const Zerod__V1__JoinRequest *)msg)->node->name;
   } else if (IS(CTL_LEAVE)) {
@@ -282,12 +285,6 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
     job = ((const Zerod__V1__DeleteJobRequest *)msg)->name;
   } else if (IS(CTL_ISSUE_READ_TOKEN)) {
     job = ((const Zerod__V1__IssueReadTokenRequest *)msg)->job;
-  } else if (IS(CTL_PUT)) {
-    job = ((const Zerod__V1__PutRequest *)msg)->job;
-    key = ((const Zerod__V1__PutRequest *)msg)->key;
-  } else if (IS(CTL_DELETE)) {
-    job = ((const Zerod__V1__DeleteRequest *)msg)->job;
-    key = ((const Zerod__V1__DeleteRequest *)msg)->key;
   } else if (IS(CTL_SAVE)) {
     job = ((const Zerod__V1__SaveRequest *)msg)->job;
     checkpoint = ((const Zerod__V1__SaveRequest *)msg)->name;
@@ -302,13 +299,9 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
     source = ((const Zerod__V1__ExportRequest *)msg)->checkpoint;
     target = ((const Zerod__V1__ExportRequest *)msg)->path;
   }
-  const char *fields[][2] = {{"node", node},
-                             {"job", job},
-                             {"tenant", tenant},
-                             {"key", key},
-                             {"checkpoint", checkpoint},
-                             {"source", source},
-                             {"path", target}};
+  const char *fields[][2] = {{"node", node},     {"job", job},
+                             {"tenant", tenant}, {"checkpoint", checkpoint},
+                             {"source", source}, {"path", target}};
   audit_fields(audit, audit_bytes, fields, sizeof fields / sizeof fields[0]);
   if (who->trusted)
     return 0;
