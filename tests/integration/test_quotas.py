@@ -26,6 +26,14 @@ def create(c, name, nodes=1, ranks=1, **quotas):
         quotas=pb.Quotas(**quotas) if quotas else None))
 
 
+def wait_all_ready(admin):
+    """Every job built on its node (a node stopped while a job's Gloo
+    communicator is still connecting waits out the collective timeout)."""
+    pb = admin.pb
+    wait_for(lambda: all(j.state == pb.JOB_STATE_READY for j in admin.call(
+        admin.jobs.ListJobs, pb.ListJobsRequest())[1].jobs), "every job to be ready")
+
+
 def test_tenant_quotas(cluster, tmp_path):
     principals = write_principals(tmp_path / "principals", [
         "quota team-a jobs=2 host-bytes=1M sessions=3",
@@ -73,6 +81,7 @@ def test_tenant_quotas(cluster, tmp_path):
     assert code == grpc.StatusCode.OK, details
     # An admin's job of no tenant counts against nobody.
     assert create(admin, "free", ranks=2)[0] == grpc.StatusCode.OK
+    wait_all_ready(admin)
     channel.close()
 
 
@@ -104,6 +113,7 @@ def test_tenant_byte_quotas_of_each_kind(cluster, tmp_path):
     assert code == grpc.StatusCode.OK, details
     names = [j.name for j in alice.call(alice.jobs.ListJobs, pb.ListJobsRequest())[1].jobs]
     assert names == ["d1", "d2"]
+    wait_all_ready(alice)
     channel.close()
 
 
