@@ -65,6 +65,19 @@ static int random_bytes(void *buf, size_t len) {
   return 0;
 }
 
+/* A new token: COORD_TOKEN_HEX_DIGITS random hex digits into out
+ * (COORD_TOKEN_HEX_DIGITS + 1 bytes). Returns 0 or a negative errno
+ * (errno set). */
+static int random_token(char *out) {
+  uint8_t raw[COORD_TOKEN_HEX_DIGITS / 2];
+  int rc = random_bytes(raw, sizeof raw);
+  if (rc != 0)
+    return rc;
+  for (size_t i = 0; i < sizeof raw; i++)
+    snprintf(out + 2 * i, 3, "%02x", raw[i]);
+  return 0;
+}
+
 /* Returns a copy of msg made by packing and unpacking it, so that the copy
  * is one protobuf-c allocation tree (freed with ctl_free), or NULL. */
 static void *message_copy(const ProtobufCMessage *msg) {
@@ -1292,13 +1305,10 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const ch
   if (req->token[0] != '\0' || token_as_given) {
     snprintf(token, sizeof token, "%s", req->token);
   } else {
-    uint8_t raw[COORD_TOKEN_HEX_DIGITS / 2];
-    if (random_bytes(raw, sizeof raw) != 0) {
+    if (random_token(token) != 0) {
       snprintf(err, err_bytes, "cannot make a token: %s", strerror(errno));
       return RPC_UNAVAILABLE;
     }
-    for (size_t i = 0; i < sizeof raw; i++)
-      snprintf(token + 2 * i, 3, "%02x", raw[i]);
   }
 
   /* The job as stored, built on the stack and copied into one allocation
@@ -1470,14 +1480,11 @@ static void on_issue_read_token(rpc_call *call, const uint8_t *request, size_t r
     return;
   cjob *j = coord__find_job(c, req->job);
   char token[COORD_TOKEN_HEX_DIGITS + 1], hash[DIGEST_HEX_BYTES], err[512];
-  uint8_t raw[COORD_TOKEN_HEX_DIGITS / 2];
   if (j == NULL || j->deleting) {
     coord__finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->job);
-  } else if (random_bytes(raw, sizeof raw) != 0) {
+  } else if (random_token(token) != 0) {
     coord__finish_error(call, RPC_UNAVAILABLE, "cannot make a token: %s", strerror(errno));
   } else {
-    for (size_t i = 0; i < sizeof raw; i++)
-      snprintf(token + 2 * i, 3, "%02x", raw[i]);
     digest_sha256_hex(token, hash);
     /* Kept only once stored: a token that a restart would forget is no
      * token to give out. */
