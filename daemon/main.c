@@ -22,6 +22,7 @@
 #include "coord.h"
 #include "daemon.h"
 #include "ckpt_node.h"
+#include "health.h"
 #include "log.h"
 #include "pbcheck.h"
 #include "size.h"
@@ -86,6 +87,10 @@ static void usage(FILE *out) {
           "                          zerod node, that other nodes reach it on)\n"
           "                          [ZEROD_COMM_HOST, default 127.0.0.1]\n"
           "  --log-level LEVEL       debug, info, warn or error [ZEROD_LOG_LEVEL, default info]\n"
+          "  --health-listen ADDR    serve grpc.health.v1 for probes on ADDR (HOST:PORT,\n"
+          "                          unix:PATH): SERVING while a member of the cluster (node)\n"
+          "                          or ready (standalone), NOT_SERVING while joining or\n"
+          "                          draining [ZEROD_HEALTH_LISTEN, default: none]\n"
           "  --tls-ca FILE           zerod node: reach the coordinator over TLS, verifying it\n"
           "                          with this CA (PEM) [ZEROD_TLS_CA]\n"
           "  --tls-cert FILE         zerod node: client certificate for mutual TLS\n"
@@ -124,6 +129,7 @@ enum {
   OPT_MAX_SESSIONS,
   OPT_COMM_HOST,
   OPT_LOG_LEVEL,
+  OPT_HEALTH_LISTEN,
   OPT_VERSION,
   OPT_COORDINATOR,
   OPT_NAME,
@@ -137,7 +143,7 @@ enum {
 typedef struct raw_options {
   const char *ranks, *dir, *socket, *socket_group, *threads, *timeout, *max_live, *max_sessions,
       *comm_host, *log_level, *coordinator, *name, *device, *checkpoint_dir, *checkpoint_timeout,
-      *file_mode;
+      *file_mode, *health_listen;
   const char *export_roots[COORD_MAX_EXPORT_ROOTS + 1]; /* one more: to say there are too many */
   unsigned n_export_roots;
 } raw_options;
@@ -751,6 +757,11 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
   char reason[128];
   snprintf(reason, sizeof reason, "zerod is shutting down (%s)", why);
   ipc_close_all(d, reason);
+  /* Draining: probes see NOT_SERVING, then the probe listener goes. */
+  if (d->health_server != NULL) {
+    health_shutdown(d->health);
+    rpc_server_shutdown(d->health_server, on_control_server_done, d);
+  }
   cluster_stop(d);
   if (d->coord != NULL) {
     coord_shutdown(d->coord);
@@ -785,6 +796,7 @@ int main(int argc, char **argv) {
       {"max-sessions", required_argument, NULL, OPT_MAX_SESSIONS},
       {"comm-host", required_argument, NULL, OPT_COMM_HOST},
       {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
+      {"health-listen", required_argument, NULL, OPT_HEALTH_LISTEN},
       {"version", no_argument, NULL, OPT_VERSION},
       {"coordinator", required_argument, NULL, OPT_COORDINATOR},
       {"name", required_argument, NULL, OPT_NAME},
@@ -827,6 +839,9 @@ int main(int argc, char **argv) {
       break;
     case OPT_COMM_HOST:
       raw.comm_host = optarg;
+      break;
+    case OPT_HEALTH_LISTEN:
+      raw.health_listen = optarg;
       break;
     case OPT_LOG_LEVEL:
       raw.log_level = optarg;
@@ -1095,12 +1110,31 @@ int main(int argc, char **argv) {
     fprintf(stderr, "zerod: %s\n", err);
     return 1;
   }
+  int health_port = 0;
+  const char *health_listen = env_or(raw.health_listen, "ZEROD_HEALTH_LISTEN");
+  if (health_listen != NULL && health_listen[0] != '\0') {
+    /* The probe listener serves grpc.health.v1 only, and no secret: plain
+     * text on any address is fine (Kubernetes' gRPC probes use no TLS). */
+    static const char *const services[] = {"zerod.v1.Node"};
+    rc = rpc_server_create(d->loop, health_listen, &d->health_server, err, sizeof err);
+    if (rc == 0)
+      rc = health_register(d->health_server, services, 1, &d->health);
+    if (rc == 0)
+      rc = rpc_server_start(d->health_server, &health_port, err, sizeof err);
+    if (rc != 0) {
+      fprintf(stderr, "zerod: --health-listen %s: %s\n", health_listen,
+              err[0] != '\0' ? err : strerror(-rc));
+      return 1;
+    }
+  }
   uv_signal_init(d->loop, &d->sigint);
   uv_signal_init(d->loop, &d->sigterm);
   d->sigint.data = d->sigterm.data = d;
   uv_signal_start(&d->sigint, on_signal, SIGINT);
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
 
+  if (d->health_server != NULL)
+    LOG_INFOF("health listening", "address=%s port=%d", health_listen, health_port);
   LOG_INFOF("zerod ready",
             "version=%s mode=%s socket=%s control=%s device=%s ranks=%d threads_per_rank=%d "
             "collective_timeout_s=%d max_live_bytes=%llu pid=%d",
@@ -1115,6 +1149,9 @@ int main(int argc, char **argv) {
   if (rc != 0)
     LOG_WARNF("loop closed with open handles", "err=%s", uv_err_name(rc));
   cluster_destroy(d); /* and its store */
+  if (d->health_server != NULL)
+    rpc_server_destroy(d->health_server);
+  health_free(d->health);
   if (d->control_server != NULL)
     rpc_server_destroy(d->control_server);
   if (d->coord != NULL)

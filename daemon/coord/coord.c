@@ -36,6 +36,7 @@
 #include "ctl_decode.h"
 #include "digest.h"
 #include "filemode.h"
+#include "health.h"
 #include "log.h"
 
 static void reconcile(coord *c, const char *node);
@@ -1834,36 +1835,6 @@ static const char *const health_services[] = {
     "grpc.health.v1.Health",
 };
 
-static void on_health_check(rpc_call *call, const uint8_t *request, size_t request_bytes,
-                            void *arg) {
-  coord *c = arg;
-  /* Health answers during shutdown too (NOT_SERVING), so it decodes on
-   * its own rather than through coord__begin(). */
-  ProtobufCMessage *msg = NULL;
-  char err[512];
-  int status = ctl_decode(CTL_HEALTH_CHECK, request, request_bytes, &msg, err, sizeof err);
-  if (status != 0) {
-    rpc_call_finish(call, status, err, NULL, 0);
-    return;
-  }
-  const Grpc__Health__V1__HealthCheckRequest *req =
-      (const Grpc__Health__V1__HealthCheckRequest *)msg;
-  int known = 0;
-  for (size_t i = 0; i < sizeof health_services / sizeof health_services[0]; i++)
-    known |= strcmp(req->service, health_services[i]) == 0;
-  if (!known) {
-    /* The standard's answer for a service the server does not know. */
-    coord__finish_error(call, RPC_NOT_FOUND, "unknown service '%s'", req->service);
-  } else {
-    Grpc__Health__V1__HealthCheckResponse reply = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
-    reply.status = c->shutting_down
-                       ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING
-                       : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
-    coord__finish_message(call, &reply.base);
-  }
-  ctl_free(msg);
-}
-
 /* ------------------------------------------------------------------------ */
 /* Lifecycle                                                                */
 /* ------------------------------------------------------------------------ */
@@ -2006,15 +1977,19 @@ int coord_register(coord *c, rpc_server *server) {
       {CTL_PUT, RPC_UNARY, on_put},
       {CTL_GET, RPC_UNARY, on_get},
       {CTL_DELETE, RPC_UNARY, on_delete},
-      {CTL_HEALTH_CHECK, RPC_UNARY, on_health_check},
   };
   for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
     int rc = rpc_server_add_method(server, methods[i].path, methods[i].kind, methods[i].handler, c);
     if (rc != 0)
       return rc;
   }
+  /* Health (Check and Watch): SERVING until coord_shutdown. */
+  int rc = health_register(server, health_services,
+                           sizeof health_services / sizeof health_services[0], &c->health);
+  if (rc != 0)
+    return rc;
+  health_set(c->health, 1);
   /* These answer while other clients flood the server (rpc.h). */
-  rpc_server_set_priority(server, CTL_HEALTH_CHECK);
   rpc_server_set_priority(server, CTL_HEARTBEAT);
   rpc_server_set_priority(server, CTL_JOIN);
   rpc_server_set_priority(server, CTL_WATCH);
@@ -2030,6 +2005,7 @@ void coord_shutdown(coord *c) {
   if (c == NULL || c->shutting_down)
     return;
   c->shutting_down = 1;
+  health_shutdown(c->health);
   for (size_t i = 0; i < c->nmembers; i++)
     watch_end(c->members[i], RPC_UNAVAILABLE, "coordinator shutting down");
   for (size_t i = 0; i < c->njobs; i++)
@@ -2044,6 +2020,7 @@ void coord_destroy(coord *c) {
     return;
   if (c->open_handles != 0)
     LOG_ERRORF("coordinator freed with open timers", "handles=%d", c->open_handles);
+  health_free(c->health);
   coord__ckpt_destroy(c);
   for (size_t i = 0; i < c->nmembers; i++)
     member_free(c->members[i]);

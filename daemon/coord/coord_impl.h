@@ -137,6 +137,7 @@ struct coord {
    * trusted. calls[i]: calls in flight of principal i. */
   auth_table *auth;
   unsigned *calls;
+  struct health *health; /* grpc.health.v1 (health.h) */
 
   uv_timer_t lease_timer; /* the lease sweep */
   uv_timer_t flush_timer; /* sends the dirty Watch streams their events */

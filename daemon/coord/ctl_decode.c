@@ -474,6 +474,7 @@ static const ctl_method methods[CTL_NMETHODS] = {
     {CTL_GET, &zerod__v1__get_request__descriptor, check_get},
     {CTL_DELETE, &zerod__v1__delete_request__descriptor, check_delete},
     {CTL_HEALTH_CHECK, &grpc__health__v1__health_check_request__descriptor, check_health},
+    {CTL_HEALTH_WATCH, &grpc__health__v1__health_check_request__descriptor, check_health},
     {CTL_SAVE, &zerod__v1__save_request__descriptor, check_save},
     {CTL_LIST_CHECKPOINTS, &zerod__v1__list_checkpoints_request__descriptor,
      check_list_checkpoints},

@@ -34,6 +34,7 @@
 #define CTL_GET               "/zerod.v1.Rendezvous/Get"
 #define CTL_DELETE            "/zerod.v1.Rendezvous/Delete"
 #define CTL_HEALTH_CHECK      "/grpc.health.v1.Health/Check"
+#define CTL_HEALTH_WATCH      "/grpc.health.v1.Health/Watch"
 #define CTL_SAVE              "/zerod.v1.Checkpoints/Save"
 #define CTL_LIST_CHECKPOINTS  "/zerod.v1.Checkpoints/List"
 #define CTL_DELETE_CHECKPOINT "/zerod.v1.Checkpoints/Delete"
@@ -56,7 +57,7 @@
 #define CTL_PATH_MAX_BYTES    4000 /* RestoreRequest.checkpoint as a path, ExportRequest.path */
 
 /* The number of methods ctl_decode knows (the paths above). */
-#define CTL_NMETHODS 19
+#define CTL_NMETHODS 20
 
 /* The path of method i (0 <= i < CTL_NMETHODS), and the descriptor of its
  * request message, for tests and fuzzing; NULL past the end. */

@@ -13,6 +13,7 @@
 #include "daemon.h"
 #include "jobs.h"
 #include "digest.h"
+#include "health.h"
 #include "log.h"
 #include "rpc.h"
 #include "store.h"
@@ -171,6 +172,7 @@ static void on_join_done(cluster_agent *a) {
   a->session = r->session;
   a->lease_ttl_ms = r->lease_ttl_ms > 0 ? (int)r->lease_ttl_ms : 10000;
   a->state = NODE_MEMBER;
+  health_set(a->d->health, 1);
   a->backoff_ms = NODE_BACKOFF_MIN_MS;
   a->last_status = RPC_OK;
   LOG_INFOF("joined the cluster",
@@ -275,6 +277,7 @@ static void on_heartbeat_done(cluster_agent *a) {
               log_quote(a->result.message, msg, sizeof msg));
     stop_watch(a);
     a->state = NODE_JOINING;
+    health_set(a->d->health, 0);
     a->last_status = RPC_OK;
     schedule(a, 0);
     return;
@@ -540,6 +543,7 @@ void cluster_start(zdaemon *d) {
     int status = coord_join_local(d->coord, &info, &a->session, &a->lease_ttl_ms, err, sizeof err);
     if (status == 0) {
       a->state = NODE_MEMBER;
+      health_set(d->health, 1);
       start_watch(a);
       schedule(a, a->lease_ttl_ms / 3);
       return;
@@ -559,6 +563,7 @@ void cluster_stop(zdaemon *d) {
    * loop thread could not be answered (its handlers run on this loop). */
   int was_member = a->state == NODE_MEMBER && d->coord == NULL;
   a->state = NODE_STOPPED;
+  health_set(a->d->health, 0);
   /* Ranks in a rendezvous give up rather than wait for peers that stop. */
   if (d->coord == NULL)
     store_grpc_stop(a->rendezvous);

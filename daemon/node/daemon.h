@@ -78,6 +78,10 @@ typedef struct daemon {
   struct cluster_agent *cluster;
   struct coord *coord;
   struct rpc_server *control_server;
+  /* --health-listen: the probe listener and its status (health.h); NULL
+   * without the flag. cluster.c sets the status. */
+  struct rpc_server *health_server;
+  struct health *health;
 
   uv_signal_t sigint, sigterm;
   int stopping;

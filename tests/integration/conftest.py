@@ -126,13 +126,13 @@ class Coordinator:
     log); restarts keep that port, so clients and nodes find it again. Each
     start has its own log file; read_log() reads the current one."""
 
-    def __init__(self, tmp_path, lease_ttl_s=2.0, state_dir=None, extra=()):
+    def __init__(self, tmp_path, lease_ttl_s=2.0, state_dir=None, extra=(), port=0):
         self.dir = tmp_path / ("coordinator-%d" % time.monotonic_ns())
         self.dir.mkdir()
         self.state_dir = state_dir or self.dir / "state"
         self.lease_ttl_s = lease_ttl_s
         self.extra = list(extra)
-        self.port = 0
+        self.port = port
         self.address = None
         self.logs = []
         self.proc = None
@@ -203,8 +203,8 @@ def cluster(tmp_path):
             self.coordinator = None
             self.nodes = []
 
-        def start_coordinator(self, lease_ttl_s=2.0, extra=()):
-            self.coordinator = Coordinator(tmp_path, lease_ttl_s, extra=extra)
+        def start_coordinator(self, lease_ttl_s=2.0, extra=(), port=0):
+            self.coordinator = Coordinator(tmp_path, lease_ttl_s, extra=extra, port=port)
             return self.coordinator
 
         def start_node(self, name, ranks=1, timeout_s=20, extra=()):
