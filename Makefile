@@ -9,6 +9,10 @@
 #                   ranks and 2 worker processes
 #   make demo-mlp   the same with the C example (an MLP, workers in C)
 #   make bench      run the benchmarks (JSON lines)
+#   make install    build, then install zerod, zerodctl, libzerod, zerod.h,
+#                   zerod.pc and the CUDA module under PREFIX (default: the
+#                   configured CMAKE_INSTALL_PREFIX, /usr/local); DESTDIR is
+#                   honoured (docs/operations.md, "Install")
 #   make test-gpu   run the GPU tests, failing (not skipping) without a GPU
 #   make fuzz       build the libFuzzer targets with clang and run each briefly
 #   make format     clang-format every C/CUDA source
@@ -18,10 +22,11 @@ ASAN_BUILD ?= build/asan
 FUZZ_BUILD ?= build/fuzz
 CMAKE_ARGS ?=
 FUZZ_SECONDS ?= 60
+PREFIX     ?=
 GENERATOR  := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 CTEST      := ctest --output-on-failure --timeout 900
 
-.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench fuzz format clean
+.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench install fuzz format clean
 
 all: build
 
@@ -78,6 +83,11 @@ bench:
 	scripts/bench_e2e.sh $(BUILD)
 	ZEROD_BIN_DIR=$(BUILD)/bin ZEROD_LIBRARY=$(CURDIR)/$(BUILD)/lib/libzerod.so /usr/bin/python3 bench/bench_torch_lm.py
 	@if [ -x $(BUILD)/bench/bench_cuda ]; then $(BUILD)/bench/bench_cuda; fi
+
+# cmake --install reads DESTDIR from the environment, where make puts a
+# DESTDIR given on its command line.
+install: build
+	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX),)
 
 $(FUZZ_BUILD)/CMakeCache.txt:
 	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) $(GENERATOR) -DCMAKE_BUILD_TYPE=RelWithDebInfo \

@@ -9,11 +9,16 @@
  * 1. $ZEROD_CUDA_MODULE, when set: the one place looked at, so that a
  *    wrong setting is reported rather than silently replaced;
  * 2. next to the library or program that contains this loader (an installed
- *    libzerod_kernels.so and its module sit in one directory);
- * 3. the build tree that this loader was compiled in
+ *    libzerod.so and its module sit in one directory, the install's libdir);
+ * 3. in the install's libdir as seen from that directory
+ *    (ZK_CUDA_MODULE_REL_DIR, set by kernels/CMakeLists.txt to the path
+ *    from bindir to libdir, e.g. ../lib): an installed zerod, which links
+ *    this loader statically, finds the module installed with it wherever
+ *    the tree was installed (cmake --install --prefix, DESTDIR) or moved;
+ * 4. the build tree that this loader was compiled in
  *    (ZK_CUDA_MODULE_BUILD_DIR, set by kernels/CMakeLists.txt), so tests and
  *    benchmarks find a freshly built module without any setup;
- * 4. the dynamic linker's search path (LD_LIBRARY_PATH, ld.so.cache).
+ * 5. the dynamic linker's search path (LD_LIBRARY_PATH, ld.so.cache).
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -29,6 +34,9 @@
 
 #ifndef ZK_CUDA_MODULE_BUILD_DIR
 #define ZK_CUDA_MODULE_BUILD_DIR ""
+#endif
+#ifndef ZK_CUDA_MODULE_REL_DIR
+#define ZK_CUDA_MODULE_REL_DIR ""
 #endif
 
 static pthread_once_t load_once = PTHREAD_ONCE_INIT;
@@ -102,6 +110,15 @@ static void *open_module(char *path_out, size_t path_len) {
         set_why("%s: %s", path_out, dl_reason());
       return handle;
     }
+    if (ZK_CUDA_MODULE_REL_DIR[0] != '\0') {
+      snprintf(path_out, path_len, "%s%s/%s", dir, ZK_CUDA_MODULE_REL_DIR, ZK_CUDA_MODULE_NAME);
+      handle = open_module_at(path_out, &missing);
+      if (handle != NULL || !missing) {
+        if (handle == NULL)
+          set_why("%s: %s", path_out, dl_reason());
+        return handle;
+      }
+    }
   }
 
   if (ZK_CUDA_MODULE_BUILD_DIR[0] != '\0') {
@@ -158,14 +175,16 @@ static void load_module(void) {
    * state, possibly threads of its own), and unloading it under its feet is
    * not safe: the module stays loaded even when no device is usable. */
   int count = 0;
+  /* The reasons name the module too: which copy was loaded is what tells
+   * an installed program's module apart from a build tree's. */
   int rc = api->device_count(&count);
   if (rc != 0) {
-    set_why("%s", api->last_error());
+    set_why("%s: %s", path, api->last_error());
     load_status = -ENODEV;
     return;
   }
   if (count <= 0) {
-    set_why("the CUDA runtime reports no device");
+    set_why("%s: the CUDA runtime reports no device", path);
     load_status = -ENODEV;
     return;
   }

@@ -143,8 +143,9 @@ typedef struct zk_cuda_api {
 typedef const zk_cuda_api *(*zk_cuda_get_api_fn)(int version);
 
 /* Loader, part of the CPU kernel library (no CUDA needed to build or run it).
- * Opens the module ($ZEROD_CUDA_MODULE if set, else the copy installed or
- * built next to the library, else the dynamic linker's search path), checks
+ * Opens the module ($ZEROD_CUDA_MODULE if set, else the copy next to the
+ * library or program, else the installed one in libdir as seen from bindir,
+ * else the build tree's, else the dynamic linker's search path), checks
  * its version and that at least one device is usable. On failure returns a
  * negative errno (-ENOENT: no module, -ENODEV: no usable GPU, -EPROTO: wrong
  * version) and writes the reason to why (if not NULL). The module stays
