@@ -91,6 +91,8 @@ static void usage(FILE *out) {
           "                          unix:PATH): SERVING while a member of the cluster (node)\n"
           "                          or ready (standalone), NOT_SERVING while joining or\n"
           "                          draining [ZEROD_HEALTH_LISTEN, default: none]\n"
+          "  --log-format FORMAT     logfmt or json (one JSON object per line)\n"
+          "                          [ZEROD_LOG_FORMAT, default logfmt]\n"
           "  --tls-ca FILE           zerod node: reach the coordinator over TLS, verifying it\n"
           "                          with this CA (PEM) [ZEROD_TLS_CA]\n"
           "  --tls-cert FILE         zerod node: client certificate for mutual TLS\n"
@@ -104,7 +106,7 @@ static void usage(FILE *out) {
           "  --version               print the version and exit\n"
           "  -h, --help              print this help and exit\n"
           "\n"
-          "Logs go to stderr, one logfmt line per event. SIGINT or SIGTERM shut down cleanly:\n"
+          "Logs go to stderr, one line per event. SIGINT or SIGTERM shut down cleanly:\n"
           "workers are told, executors stopped, shared memory freed, the socket removed.\n");
 }
 
@@ -130,6 +132,7 @@ enum {
   OPT_COMM_HOST,
   OPT_LOG_LEVEL,
   OPT_HEALTH_LISTEN,
+  OPT_LOG_FORMAT,
   OPT_VERSION,
   OPT_COORDINATOR,
   OPT_NAME,
@@ -142,14 +145,35 @@ enum {
 
 typedef struct raw_options {
   const char *ranks, *dir, *socket, *socket_group, *threads, *timeout, *max_live, *max_sessions,
-      *comm_host, *log_level, *coordinator, *name, *device, *checkpoint_dir, *checkpoint_timeout,
-      *file_mode, *health_listen;
+      *comm_host, *log_level, *log_format, *coordinator, *name, *device, *checkpoint_dir,
+      *checkpoint_timeout, *file_mode, *health_listen;
   const char *export_roots[COORD_MAX_EXPORT_ROOTS + 1]; /* one more: to say there are too many */
   unsigned n_export_roots;
 } raw_options;
 
 static const char *env_or(const char *flag, const char *name) {
   return flag != NULL ? flag : getenv(name);
+}
+
+static int bad_value(const char *flag, const char *value, const char *expected);
+
+/* --log-level and --log-format (or their variables), before anything is
+ * logged. 0, or bad_value's exit status. */
+static int apply_log_flags(const char *level_flag, const char *format_flag) {
+  const char *v;
+  if ((v = env_or(level_flag, "ZEROD_LOG_LEVEL")) != NULL) {
+    int level = log_parse_level(v);
+    if (level < 0)
+      return bad_value("--log-level", v, "debug, info, warn or error");
+    log_set_level((log_level)level);
+  }
+  if ((v = env_or(format_flag, "ZEROD_LOG_FORMAT")) != NULL) {
+    int format = log_parse_format(v);
+    if (format < 0)
+      return bad_value("--log-format", v, "logfmt or json");
+    log_set_format((log_format)format);
+  }
+  return 0;
 }
 
 static int bad_value(const char *flag, const char *value, const char *expected) {
@@ -427,6 +451,8 @@ static void coordinator_usage(FILE *out) {
           "                          state file), octal; directories get x where it has r\n"
           "                          (0640: 0750) [ZEROD_FILE_MODE, default 0600]\n"
           "  --log-level LEVEL       debug, info, warn or error [ZEROD_LOG_LEVEL, default info]\n"
+          "  --log-format FORMAT     logfmt or json (one JSON object per line)\n"
+          "                          [ZEROD_LOG_FORMAT, default logfmt]\n"
           "  --tls-cert FILE         serve TLS with this certificate chain (PEM) [ZEROD_TLS_CERT]\n"
           "  --tls-key FILE          ... and its private key [ZEROD_TLS_KEY]\n"
           "  --tls-client-ca FILE    verify client certificates signed by this CA; a verified\n"
@@ -473,6 +499,7 @@ static int run_coordinator(int argc, char **argv) {
     C_STATE_DIR,
     C_LEASE_TTL,
     C_LOG_LEVEL,
+    C_LOG_FORMAT,
     C_CHECKPOINT_DIR,
     C_CHECKPOINT_TIMEOUT,
     C_EXPORT_ROOT,
@@ -487,12 +514,14 @@ static int run_coordinator(int argc, char **argv) {
       {"export-root", required_argument, NULL, C_EXPORT_ROOT},
       {"file-mode", required_argument, NULL, C_FILE_MODE},
       {"log-level", required_argument, NULL, C_LOG_LEVEL},
+      {"log-format", required_argument, NULL, C_LOG_FORMAT},
       SECURITY_SERVER_OPTIONS,
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
   security_flags sec = {0};
-  const char *listen_flag = NULL, *dir_flag = NULL, *ttl_flag = NULL, *level_flag = NULL;
+  const char *listen_flag = NULL, *dir_flag = NULL, *ttl_flag = NULL, *level_flag = NULL,
+             *format_flag = NULL;
   const char *checkpoint_dir_flag = NULL, *checkpoint_timeout_flag = NULL, *file_mode_flag = NULL;
   const char *export_root_flags[COORD_MAX_EXPORT_ROOTS + 1];
   unsigned n_export_root_flags = 0;
@@ -510,6 +539,9 @@ static int run_coordinator(int argc, char **argv) {
       break;
     case C_LOG_LEVEL:
       level_flag = optarg;
+      break;
+    case C_LOG_FORMAT:
+      format_flag = optarg;
       break;
     case C_CHECKPOINT_DIR:
       checkpoint_dir_flag = optarg;
@@ -538,13 +570,10 @@ static int run_coordinator(int argc, char **argv) {
     fprintf(stderr, "zerod coordinator: unexpected argument '%s'\n", argv[optind]);
     return 2;
   }
+  int log_rc = apply_log_flags(level_flag, format_flag);
+  if (log_rc != 0)
+    return log_rc;
   const char *v;
-  if ((v = env_or(level_flag, "ZEROD_LOG_LEVEL")) != NULL) {
-    int level = log_parse_level(v);
-    if (level < 0)
-      return bad_value("--log-level", v, "debug, info, warn or error");
-    log_set_level((log_level)level);
-  }
   coord_options co = {.lease_ttl_ms = 10000};
   if ((v = env_or(ttl_flag, "ZEROD_LEASE_TTL")) != NULL) {
     char *end;
@@ -797,6 +826,7 @@ int main(int argc, char **argv) {
       {"comm-host", required_argument, NULL, OPT_COMM_HOST},
       {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
       {"health-listen", required_argument, NULL, OPT_HEALTH_LISTEN},
+      {"log-format", required_argument, NULL, OPT_LOG_FORMAT},
       {"version", no_argument, NULL, OPT_VERSION},
       {"coordinator", required_argument, NULL, OPT_COORDINATOR},
       {"name", required_argument, NULL, OPT_NAME},
@@ -845,6 +875,9 @@ int main(int argc, char **argv) {
       break;
     case OPT_LOG_LEVEL:
       raw.log_level = optarg;
+      break;
+    case OPT_LOG_FORMAT:
+      raw.log_format = optarg;
       break;
     case OPT_COORDINATOR:
       raw.coordinator = optarg;
@@ -896,6 +929,10 @@ int main(int argc, char **argv) {
   daemon_options *o = &d->options;
   d->listen_fd = -1;
   d->lock_fd = -1;
+  /* First: the device probe below may already log. */
+  int log_rc = apply_log_flags(raw.log_level, raw.log_format);
+  if (log_rc != 0)
+    return log_rc;
   const char *v;
   o->ranks = 1;
   if ((v = env_or(raw.ranks, "ZEROD_RANKS")) != NULL &&
@@ -947,12 +984,6 @@ int main(int argc, char **argv) {
   if ((v = env_or(raw.max_sessions, "ZEROD_MAX_SESSIONS")) != NULL &&
       parse_int(v, 1, 1 << 20, &o->max_sessions) != 0)
     return bad_value("--max-sessions", v, "1..1048576");
-  if ((v = env_or(raw.log_level, "ZEROD_LOG_LEVEL")) != NULL) {
-    int level = log_parse_level(v);
-    if (level < 0)
-      return bad_value("--log-level", v, "debug, info, warn or error");
-    log_set_level((log_level)level);
-  }
   if ((v = env_or(raw.comm_host, "ZEROD_COMM_HOST")) != NULL)
     snprintf(comm_host, sizeof comm_host, "%s", v);
   snprintf(o->comm_host, sizeof o->comm_host, "%s", comm_host);
