@@ -11,7 +11,11 @@
 #                           gRPC's Python plugin for the control-plane tests
 #                           that use only the .proto files; and, from PyPI
 #                           (Debian has no package), the safetensors library
-#                           that checks zerod's exports and imports
+#                           that checks zerod's exports and imports; kubectl
+#                           (Debian's kubernetes-client, unless a kubectl is
+#                           already on PATH) and, in its own virtual
+#                           environment .venv-deploy, kubernetes-validate from
+#                           PyPI for the deploy/ manifests test
 #   scripts/deps.sh demo    build + Debian's PyTorch and numpy (the example
 #                           trains a torch model through zerod)
 #   scripts/deps.sh bench   demo's (the DDP comparison) + test's gRPC Python tools
@@ -39,7 +43,11 @@ bench) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread pytho
   python3-protobuf protobuf-compiler protobuf-compiler-grpc) ;;
 test) packages+=(libcmocka-dev python3 python3-torch python3-numpy libopenblas0-pthread python3-pytest
   python3-venv python3-pip python3-setuptools python3-wheel python3-grpcio python3-protobuf
-  protobuf-compiler protobuf-compiler-grpc openssl) ;;
+  protobuf-compiler protobuf-compiler-grpc openssl python3-yaml python3-attr
+  python3-typing-extensions python3-importlib-resources python3-packaging)
+  # Any kubectl with kustomize renders deploy/; Debian's would conflict with
+  # one installed from another source (the same /usr/bin/kubectl).
+  command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client) ;;
 fuzz) packages+=(libcmocka-dev clang libclang-rt-dev) ;;
 *)
   echo "deps.sh: unknown task '$task' (build, test, demo, bench, fuzz)" >&2
@@ -72,7 +80,29 @@ for spec in "${pip_packages[@]}"; do
   [ "$have" = "$version" ] || pip_missing+=("$spec")
 done
 
+# kubernetes-validate needs a newer jsonschema (and referencing, rpds-py) than
+# Debian's: those go into a virtual environment of their own, used only by the
+# deploy.manifests test, so Debian's interpreter keeps Debian's jsonschema.
+# It sees Debian's PyYAML, attrs, packaging and the rest (system site packages).
+root=$(cd "$(dirname "$0")/.." && pwd)
+deploy_venv=$root/.venv-deploy
+deploy_pip=(kubernetes-validate==1.37.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
+  referencing==0.37.0 rpds-py==2026.9.1)
+install_deploy_venv() {
+  [ "$task" = test ] || return 0
+  local want have
+  want=$(printf '%s\n' "${deploy_pip[@]}" | sort)
+  have=$("$deploy_venv/bin/python" -m pip freeze --local --disable-pip-version-check 2>/dev/null | sort || true)
+  [ "$want" = "$have" ] && return 0
+  echo "deps: making $deploy_venv (${deploy_pip[*]})"
+  rm -rf "$deploy_venv"
+  /usr/bin/python3 -m venv --system-site-packages "$deploy_venv"
+  "$deploy_venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+    --only-binary=:all: "${deploy_pip[@]}"
+}
+
 install_pip() {
+  install_deploy_venv
   [ ${#pip_missing[@]} -gt 0 ] || return 0
   local where=(--break-system-packages)
   [ "$(id -u)" -eq 0 ] || where+=(--user)
