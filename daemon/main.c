@@ -450,6 +450,9 @@ static void coordinator_usage(FILE *out) {
           "  --file-mode MODE        mode of the files written (checkpoints, exports, the\n"
           "                          state file), octal; directories get x where it has r\n"
           "                          (0640: 0750) [ZEROD_FILE_MODE, default 0600]\n"
+          "  --health-listen ADDR    also serve grpc.health.v1 alone, in plain text, on ADDR\n"
+          "                          (for Kubernetes' gRPC probes, which speak no TLS)\n"
+          "                          [ZEROD_HEALTH_LISTEN, default: none]\n"
           "  --log-level LEVEL       debug, info, warn or error [ZEROD_LOG_LEVEL, default info]\n"
           "  --log-format FORMAT     logfmt or json (one JSON object per line)\n"
           "                          [ZEROD_LOG_FORMAT, default logfmt]\n"
@@ -472,6 +475,8 @@ typedef struct coordinator_process {
   uv_loop_t *loop;
   coord *coord;
   rpc_server *server;
+  rpc_server *health_server; /* --health-listen, or NULL */
+  health *health;
   uv_signal_t sigint, sigterm;
   int stopping;
 } coordinator_process;
@@ -487,6 +492,10 @@ static void on_coordinator_signal(uv_signal_t *handle, int signum) {
     return;
   p->stopping = 1;
   LOG_INFOF("shutting down", "reason=%s", signum == SIGINT ? "SIGINT" : "SIGTERM");
+  if (p->health_server != NULL) {
+    health_shutdown(p->health);
+    rpc_server_shutdown(p->health_server, on_coordinator_server_done, p);
+  }
   coord_shutdown(p->coord);
   rpc_server_shutdown(p->server, on_coordinator_server_done, p);
   uv_close((uv_handle_t *)&p->sigint, NULL);
@@ -503,7 +512,8 @@ static int run_coordinator(int argc, char **argv) {
     C_CHECKPOINT_DIR,
     C_CHECKPOINT_TIMEOUT,
     C_EXPORT_ROOT,
-    C_FILE_MODE
+    C_FILE_MODE,
+    C_HEALTH_LISTEN
   };
   static const struct option long_options[] = {
       {"listen", required_argument, NULL, C_LISTEN},
@@ -513,6 +523,7 @@ static int run_coordinator(int argc, char **argv) {
       {"checkpoint-timeout", required_argument, NULL, C_CHECKPOINT_TIMEOUT},
       {"export-root", required_argument, NULL, C_EXPORT_ROOT},
       {"file-mode", required_argument, NULL, C_FILE_MODE},
+      {"health-listen", required_argument, NULL, C_HEALTH_LISTEN},
       {"log-level", required_argument, NULL, C_LOG_LEVEL},
       {"log-format", required_argument, NULL, C_LOG_FORMAT},
       SECURITY_SERVER_OPTIONS,
@@ -522,7 +533,8 @@ static int run_coordinator(int argc, char **argv) {
   security_flags sec = {0};
   const char *listen_flag = NULL, *dir_flag = NULL, *ttl_flag = NULL, *level_flag = NULL,
              *format_flag = NULL;
-  const char *checkpoint_dir_flag = NULL, *checkpoint_timeout_flag = NULL, *file_mode_flag = NULL;
+  const char *checkpoint_dir_flag = NULL, *checkpoint_timeout_flag = NULL, *file_mode_flag = NULL,
+             *health_flag = NULL;
   const char *export_root_flags[COORD_MAX_EXPORT_ROOTS + 1];
   unsigned n_export_root_flags = 0;
   int c;
@@ -555,6 +567,9 @@ static int run_coordinator(int argc, char **argv) {
       break;
     case C_FILE_MODE:
       file_mode_flag = optarg;
+      break;
+    case C_HEALTH_LISTEN:
+      health_flag = optarg;
       break;
     case 'h':
       coordinator_usage(stdout);
@@ -682,6 +697,32 @@ static int run_coordinator(int argc, char **argv) {
     uv_run(p.loop, UV_RUN_DEFAULT);
     goto out_free;
   }
+  /* A probe listener of its own (plain text, grpc.health.v1 only):
+   * Kubernetes' gRPC probes speak no TLS, and the main port may. */
+  const char *health_listen = env_or(health_flag, "ZEROD_HEALTH_LISTEN");
+  if (health_listen != NULL && health_listen[0] != '\0') {
+    static const char *const services[] = {"zerod.v1.Cluster", "zerod.v1.Jobs",
+                                           "zerod.v1.Rendezvous", "zerod.v1.Checkpoints"};
+    int health_port = 0;
+    rc = rpc_server_create(p.loop, health_listen, &p.health_server, err, sizeof err);
+    if (rc == 0)
+      rc = health_register(p.health_server, services, sizeof services / sizeof services[0],
+                           &p.health);
+    if (rc == 0)
+      rc = rpc_server_start(p.health_server, &health_port, err, sizeof err);
+    if (rc != 0) {
+      fprintf(stderr, "zerod: --health-listen %s: %s\n", health_listen,
+              err[0] ? err : strerror(-rc));
+      coord_shutdown(p.coord);
+      rpc_server_shutdown(p.server, on_coordinator_server_done, &p);
+      if (p.health_server != NULL)
+        rpc_server_shutdown(p.health_server, on_coordinator_server_done, &p);
+      uv_run(p.loop, UV_RUN_DEFAULT);
+      goto out_free;
+    }
+    health_set(p.health, 1);
+    LOG_INFOF("health listening", "address=%s port=%d", health_listen, health_port);
+  }
   uv_signal_init(p.loop, &p.sigint);
   uv_signal_init(p.loop, &p.sigterm);
   p.sigint.data = p.sigterm.data = &p;
@@ -703,6 +744,9 @@ static int run_coordinator(int argc, char **argv) {
 out_free:
   if (p.server != NULL)
     rpc_server_destroy(p.server);
+  if (p.health_server != NULL)
+    rpc_server_destroy(p.health_server);
+  health_free(p.health);
   coord_destroy(p.coord);
   rc = uv_loop_close(p.loop);
   if (rc != 0)

@@ -145,8 +145,11 @@ def test_coordinator(overlay):
                  "--checkpoint-dir=/var/lib/zerod/checkpoints",
                  "--tls-cert=/etc/zerod/tls/tls.crt", "--tls-key=/etc/zerod/tls/tls.key",
                  "--tls-client-ca=/etc/zerod/tls/ca.crt",
-                 "--auth-file=/etc/zerod/auth/principals"]:
+                 "--auth-file=/etc/zerod/auth/principals", "--health-listen=0.0.0.0:7073"]:
         assert flag in args, flag
+    # The probes ask the plain-text health listener (the main port is TLS).
+    for probe in ["startupProbe", "readinessProbe", "livenessProbe"]:
+        assert coord[probe]["grpc"]["port"] == 7073, probe
     mounts = {m["name"]: m["mountPath"] for m in coord["volumeMounts"]}
     assert mounts["state"] == "/var/lib/zerod/state"
     # The coordinator and every node see checkpoints on one RWX volume at

@@ -105,3 +105,37 @@ def test_coordinator_check_and_watch(cluster):
         assert next(unknown).status == SERVICE_UNKNOWN
         known.cancel()
         unknown.cancel()
+
+
+def test_coordinator_probe_listener_in_plain_text(cluster, tmp_path):
+    """With TLS on its main port, the coordinator's probes use a listener
+    of their own (Kubernetes' gRPC probes speak no TLS)."""
+    import subprocess
+    d = tmp_path / "pki"
+    d.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "s.key", "-out",
+                    "s.crt", "-days", "1", "-subj", "/CN=localhost"],
+                   cwd=d, check=True, capture_output=True)
+    coord = cluster.start_coordinator(extra=[
+        "--tls-cert", str(d / "s.crt"), "--tls-key", str(d / "s.key"),
+        "--health-listen", "127.0.0.1:0"])
+    address = "127.0.0.1:%d" % health_port(coord)
+    assert check(address) == SERVING
+    assert check(address, "zerod.v1.Jobs") == SERVING
+    # The main port is TLS only: a plain-text probe gets nothing there.
+    with pytest.raises(grpc.RpcError):
+        check(coord.address)
+    mods = ctlproto.load()
+    ch = grpc.insecure_channel(address)
+    watch = mods.health_grpc.HealthStub(ch).Watch(mods.health.HealthCheckRequest(), timeout=30)
+    assert next(watch).status == SERVING
+    coord.proc.send_signal(signal.SIGTERM)
+    statuses = []
+    with pytest.raises(grpc.RpcError) as e:
+        for reply in watch:
+            statuses.append(reply.status)
+    assert statuses == [NOT_SERVING] and e.value.code() == grpc.StatusCode.UNAVAILABLE
+    ch.close()
+    coord.proc.wait(timeout=30)
+    assert coord.proc.returncode == 0
