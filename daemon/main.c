@@ -481,6 +481,24 @@ typedef struct coordinator_process {
   int stopping;
 } coordinator_process;
 
+/* --health-listen: a server of its own that serves grpc.health.v1 alone
+ * (coord/health.c), on loop, not yet serving. Returns 0, or 1 with the
+ * reason on stderr; on failure *server may still need its shutdown. */
+static int start_health_listener(uv_loop_t *loop, const char *addr, const char *const *services,
+                                 size_t nservices, rpc_server **server, health **h, int *port) {
+  char err[512] = "";
+  int rc = rpc_server_create(loop, addr, server, err, sizeof err);
+  if (rc == 0)
+    rc = health_register(*server, services, nservices, h);
+  if (rc == 0)
+    rc = rpc_server_start(*server, port, err, sizeof err);
+  if (rc != 0) {
+    fprintf(stderr, "zerod: --health-listen %s: %s\n", addr, err[0] ? err : strerror(-rc));
+    return 1;
+  }
+  return 0;
+}
+
 static void on_coordinator_server_done(void *arg) {
   (void)arg;
   LOG_INFOF("coordinator stopped serving", NULL);
@@ -704,15 +722,8 @@ static int run_coordinator(int argc, char **argv) {
     static const char *const services[] = {"zerod.v1.Cluster", "zerod.v1.Jobs",
                                            "zerod.v1.Rendezvous", "zerod.v1.Checkpoints"};
     int health_port = 0;
-    rc = rpc_server_create(p.loop, health_listen, &p.health_server, err, sizeof err);
-    if (rc == 0)
-      rc = health_register(p.health_server, services, sizeof services / sizeof services[0],
-                           &p.health);
-    if (rc == 0)
-      rc = rpc_server_start(p.health_server, &health_port, err, sizeof err);
-    if (rc != 0) {
-      fprintf(stderr, "zerod: --health-listen %s: %s\n", health_listen,
-              err[0] ? err : strerror(-rc));
+    if (start_health_listener(p.loop, health_listen, services, sizeof services / sizeof services[0],
+                              &p.health_server, &p.health, &health_port) != 0) {
       coord_shutdown(p.coord);
       rpc_server_shutdown(p.server, on_coordinator_server_done, &p);
       if (p.health_server != NULL)
@@ -1191,16 +1202,9 @@ int main(int argc, char **argv) {
     /* The probe listener serves grpc.health.v1 only, and no secret: plain
      * text on any address is fine (Kubernetes' gRPC probes use no TLS). */
     static const char *const services[] = {"zerod.v1.Node"};
-    rc = rpc_server_create(d->loop, health_listen, &d->health_server, err, sizeof err);
-    if (rc == 0)
-      rc = health_register(d->health_server, services, 1, &d->health);
-    if (rc == 0)
-      rc = rpc_server_start(d->health_server, &health_port, err, sizeof err);
-    if (rc != 0) {
-      fprintf(stderr, "zerod: --health-listen %s: %s\n", health_listen,
-              err[0] != '\0' ? err : strerror(-rc));
+    if (start_health_listener(d->loop, health_listen, services, 1, &d->health_server, &d->health,
+                              &health_port) != 0)
       return 1;
-    }
   }
   uv_signal_init(d->loop, &d->sigint);
   uv_signal_init(d->loop, &d->sigterm);
