@@ -840,6 +840,12 @@ static void call_done(void *arg) {
 
 void *coord__begin(coord *c, rpc_call *call, const char *path, const uint8_t *request,
                    size_t request_bytes) {
+  coord_caller who;
+  return coord__begin_as(c, call, path, request, request_bytes, &who);
+}
+
+void *coord__begin_as(coord *c, rpc_call *call, const char *path, const uint8_t *request,
+                      size_t request_bytes, coord_caller *caller) {
   if (c->shutting_down) {
     rpc_call_finish(call, RPC_UNAVAILABLE, "coordinator shutting down", NULL, 0);
     return NULL;
@@ -885,6 +891,7 @@ void *coord__begin(coord *c, rpc_call *call, const char *path, const uint8_t *re
   }
   if (audit[0] != '\0')
     rpc_call_audit(call, who.name, audit);
+  *caller = who;
   return msg;
 }
 
@@ -1087,12 +1094,10 @@ static void on_leave(rpc_call *call, const uint8_t *request, size_t request_byte
 
 static void on_get_view(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  ProtobufCMessage *req = coord__begin(c, call, CTL_GET_VIEW, request, request_bytes);
+  coord_caller who;
+  ProtobufCMessage *req = coord__begin_as(c, call, CTL_GET_VIEW, request, request_bytes, &who);
   if (req == NULL)
     return;
-  coord_caller who;
-  char err[256];
-  coord__identify(c, call, &who, err, sizeof err);
   view_msg v;
   if (view_build(c, &v) == 0) {
     /* A session is what Heartbeat, Leave and Watch take: only nodes and
@@ -1389,14 +1394,14 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const ch
 
 static void on_create_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__CreateJobRequest *req = coord__begin(c, call, CTL_CREATE_JOB, request, request_bytes);
+  coord_caller who;
+  Zerod__V1__CreateJobRequest *req =
+      coord__begin_as(c, call, CTL_CREATE_JOB, request, request_bytes, &who);
   if (req == NULL)
     return;
-  /* coord__begin let the caller make it: an admin names any tenant or
+  /* coord__begin_as let the caller make it: an admin names any tenant or
    * none, a tenant its own (or none, meaning its own). */
-  coord_caller who;
   char err[PATH_MAX + 256];
-  coord__identify(c, call, &who, err, sizeof err);
   const char *tenant = req->tenant[0] != '\0' ? req->tenant : who.tenant;
   const cjob *j;
   char token[CTL_TOKEN_MAX_BYTES + 1];
@@ -1515,7 +1520,8 @@ static void on_issue_read_token(rpc_call *call, const uint8_t *request, size_t r
 
 static void on_list_jobs(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  ProtobufCMessage *req = coord__begin(c, call, CTL_LIST_JOBS, request, request_bytes);
+  coord_caller who;
+  ProtobufCMessage *req = coord__begin_as(c, call, CTL_LIST_JOBS, request, request_bytes, &who);
   if (req == NULL)
     return;
   Zerod__V1__Job *views = calloc(c->njobs ? c->njobs : 1, sizeof *views);
@@ -1523,9 +1529,6 @@ static void on_list_jobs(rpc_call *call, const uint8_t *request, size_t request_
   if (views == NULL || pointers == NULL) {
     coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
   } else {
-    coord_caller who;
-    char err[256];
-    coord__identify(c, call, &who, err, sizeof err);
     size_t n = 0;
     for (size_t i = 0; i < c->njobs; i++) {
       if (!job_listed_for(&who, c->jobs[i]))

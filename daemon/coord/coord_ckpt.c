@@ -1888,8 +1888,9 @@ static void on_list_cancelled(rpc_call *call, void *arg) {
 
 static void on_list(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
+  coord_caller who;
   Zerod__V1__ListCheckpointsRequest *req =
-      coord__begin(c, call, CTL_LIST_CHECKPOINTS, request, request_bytes);
+      coord__begin_as(c, call, CTL_LIST_CHECKPOINTS, request, request_bytes, &who);
   if (req == NULL)
     return;
   list_work *w = NULL;
@@ -1905,8 +1906,7 @@ static void on_list(rpc_call *call, const uint8_t *request, size_t request_bytes
     w->call = call;
     snprintf(w->dir, sizeof w->dir, "%s", c->options.checkpoint_dir);
     snprintf(w->job, sizeof w->job, "%s", req->job);
-    char err[256];
-    coord__identify(c, call, &w->who, err, sizeof err);
+    w->who = who;
     rpc_call_set_cancel(call, on_list_cancelled, w);
     queue_work(c, &w->base);
   }

@@ -158,11 +158,6 @@ void coord__finish_message(rpc_call *call, const ProtobufCMessage *msg);
 void coord__finish_error(rpc_call *call, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* Decodes the request of the method at path; on failure (or while the
- * coordinator shuts down) answers the call and returns NULL. */
-void *coord__begin(coord *c, rpc_call *call, const char *path, const uint8_t *request,
-                   size_t request_bytes);
-
 /* The caller of a call as the policy sees it (authz.c). */
 typedef struct coord_caller {
   auth_role role;
@@ -174,6 +169,17 @@ typedef struct coord_caller {
   char name[AUTH_NAME_MAX_BYTES + 1];
   char tenant[AUTH_NAME_MAX_BYTES + 1];
 } coord_caller;
+
+/* Identifies the caller, decodes the request of the method at path and
+ * checks that the caller may make it (coord__authorize, and its calls in
+ * flight); on failure (or while the coordinator shuts down) answers the
+ * call and returns NULL. A call that changes state is marked for the
+ * audit log. coord__begin_as also gives the caller to a handler whose
+ * answer depends on it (listings, CreateJob's tenant). */
+void *coord__begin(coord *c, rpc_call *call, const char *path, const uint8_t *request,
+                   size_t request_bytes);
+void *coord__begin_as(coord *c, rpc_call *call, const char *path, const uint8_t *request,
+                      size_t request_bytes, coord_caller *caller);
 
 /* Identifies the caller of call from its bearer token or its verified
  * client certificate. Returns 0, or RPC_UNAUTHENTICATED with the reason
