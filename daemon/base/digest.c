@@ -35,10 +35,6 @@ int digest_is_hex(const char *s) {
   return 1;
 }
 
-int digest_matches(const char *hex, const char *secret) {
-  char got[DIGEST_HEX_BYTES];
-  digest_sha256_hex(secret, got);
-  int same = digest_is_hex(hex) && CRYPTO_memcmp(got, hex, 64) == 0;
-  OPENSSL_cleanse(got, sizeof got);
-  return same;
+int digest_hex_equal(const char *a, const char *b) {
+  return digest_is_hex(a) && digest_is_hex(b) && CRYPTO_memcmp(a, b, 64) == 0;
 }

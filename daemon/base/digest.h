@@ -17,8 +17,8 @@ void digest_sha256_hex(const char *s, char out[DIGEST_HEX_BYTES]);
 /* Whether s is 64 lower-case hex digits. */
 int digest_is_hex(const char *s);
 
-/* Whether the SHA-256 of secret is hex (64 hex digits), compared in
- * constant time. */
-int digest_matches(const char *hex, const char *secret);
+/* Whether two digests of digest_sha256_hex are the same (both 64 hex
+ * digits), compared in constant time. */
+int digest_hex_equal(const char *a, const char *b);
 
 #endif /* ZEROD_DIGEST_H */

@@ -55,10 +55,6 @@ static auth_role role_from_name(const char *s) {
   return AUTH_NONE;
 }
 
-void auth_sha256(const void *bytes, size_t n, uint8_t out[32]) {
-  digest_sha256(bytes, n, out);
-}
-
 static int hex_value(int c) {
   if (c >= '0' && c <= '9')
     return c - '0';
@@ -325,7 +321,7 @@ size_t auth_count(const auth_table *t) {
 
 const auth_principal *auth_by_token(const auth_table *t, const char *token, size_t token_bytes) {
   uint8_t digest[32];
-  auth_sha256(token, token_bytes, digest);
+  digest_sha256(token, token_bytes, digest);
   /* Every entry is compared, in constant time each, so the time taken
    * says nothing about which digest bytes matched. */
   const auth_principal *found = NULL;

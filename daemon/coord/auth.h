@@ -104,7 +104,4 @@ size_t auth_index(const auth_table *t, const auth_principal *p);
 /* "admin", "node", "tenant", "reader", "none". */
 const char *auth_role_name(auth_role role);
 
-/* SHA-256 of bytes (OpenSSL). */
-void auth_sha256(const void *bytes, size_t n, uint8_t out[32]);
-
 #endif /* ZEROD_COORD_AUTH_H */

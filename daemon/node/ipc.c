@@ -393,12 +393,18 @@ static int job_usable_for_attach(session *s, uint64_t request_id, job *j) {
   return 0;
 }
 
-/* Whether token is one of j's read tokens (its hash among theirs). */
-static int is_read_token(const job *j, const char *token) {
-  int found = 0;
+/* What a worker's token admits to j: its owner token attaches anything, a
+ * read token (IssueReadToken) read-only sessions. The job keeps hashes
+ * only; the token is hashed once and compared in constant time. */
+typedef enum token_kind { TOKEN_NONE, TOKEN_OWNER, TOKEN_READ } token_kind;
+
+static token_kind token_of(const job *j, const char *token) {
+  char hash[DIGEST_HEX_BYTES];
+  digest_sha256_hex(token, hash);
+  int read = 0;
   for (size_t i = 0; i < j->n_read_tokens; i++)
-    found |= digest_matches(j->read_token_sha256[i], token);
-  return found;
+    read |= digest_hex_equal(j->read_token_sha256[i], hash);
+  return digest_hex_equal(j->token_sha256, hash) ? TOKEN_OWNER : read ? TOKEN_READ : TOKEN_NONE;
 }
 
 /* The job's max_sessions quota (control.proto Quotas) counts read-write
@@ -432,7 +438,7 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
     return;
   }
   /* The owner token, or a read token (which admits nothing else). */
-  if (!digest_matches(j->token_sha256, req->token) && !is_read_token(j, req->token)) {
+  if (token_of(j, req->token) == TOKEN_NONE) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
                "wrong token for job '%s'", req->job);
     return;
@@ -547,13 +553,15 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
     if (j == NULL)
       return;
     created = 1;
-  } else if (!digest_matches(j->token_sha256, req->token)) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
-               is_read_token(j, req->token)
-                   ? "job '%s': a read token attaches read-only sessions only"
-                   : "wrong token for job '%s'",
-               req->job);
-    return;
+  } else {
+    token_kind kind = token_of(j, req->token);
+    if (kind != TOKEN_OWNER) {
+      send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
+                 kind == TOKEN_READ ? "job '%s': a read token attaches read-only sessions only"
+                                    : "wrong token for job '%s'",
+                 req->job);
+      return;
+    }
   }
   if (!job_usable_for_attach(s, request_id, j))
     return;

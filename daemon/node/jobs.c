@@ -37,7 +37,7 @@ void jobs_reset(job *j) {
 }
 
 int jobs_set_read_tokens(job *j, char *const *hashes, size_t n) {
-  char(*copy)[65] = NULL;
+  char(*copy)[DIGEST_HEX_BYTES] = NULL;
   size_t kept = 0;
   if (n > 0) {
     copy = calloc(n, sizeof *copy);
@@ -45,7 +45,7 @@ int jobs_set_read_tokens(job *j, char *const *hashes, size_t n) {
       return -ENOMEM;
     for (size_t i = 0; i < n; i++)
       if (digest_is_hex(hashes[i]))
-        memcpy(copy[kept++], hashes[i], 65);
+        memcpy(copy[kept++], hashes[i], DIGEST_HEX_BYTES);
   }
   free(j->read_token_sha256);
   j->read_token_sha256 = copy;

@@ -24,6 +24,7 @@
 #include "comm.h"
 #include "config.h"
 #include "device.h"
+#include "digest.h"
 #include "layout.h"
 #include "zerod/v1/ipc.pb-c.h"
 #include "zk.h"
@@ -164,7 +165,7 @@ typedef struct job {
   char *token_sha256; /* the owner token's SHA-256, 64 hex digits (digest.h) */
   /* Loop-owned: SHA-256s of the read tokens, which attach read-only
    * sessions only (the coordinator's IssueReadToken; jobs_set_read_tokens). */
-  char (*read_token_sha256)[65];
+  char (*read_token_sha256)[DIGEST_HEX_BYTES];
   size_t n_read_tokens;
   job_config config;
   /* Quotas (control.proto Quotas), set by the owner before any session

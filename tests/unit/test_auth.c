@@ -22,6 +22,7 @@
 #include <cmocka.h>
 
 #include "auth.h"
+#include "digest.h"
 #include "rpc.h"
 
 static char dir[] = "/tmp/zerod-test-auth-XXXXXX";
@@ -49,19 +50,12 @@ static const char *write_file(const char *name, const char *text) {
   return path;
 }
 
-static void hex_sha256(const char *token, char out[65]) {
-  uint8_t digest[32];
-  auth_sha256(token, strlen(token), digest);
-  for (int i = 0; i < 32; i++)
-    snprintf(out + 2 * i, 3, "%02x", digest[i]);
-}
-
 static void test_good_file(void **state) {
   (void)state;
   char admin[65], alice[65], nodes[65], text[1024];
-  hex_sha256("admin-token", admin);
-  hex_sha256("alice-token", alice);
-  hex_sha256("node-token", nodes);
+  digest_sha256_hex("admin-token", admin);
+  digest_sha256_hex("alice-token", alice);
+  digest_sha256_hex("node-token", nodes);
   snprintf(text, sizeof text,
            "# the cluster's principals\n"
            "\n"
@@ -112,9 +106,9 @@ static void test_good_file(void **state) {
 static void test_mistakes_name_their_line(void **state) {
   (void)state;
   char h[65];
-  hex_sha256("x", h);
+  digest_sha256_hex("x", h);
   char other[65];
-  hex_sha256("y", other);
+  digest_sha256_hex("y", other);
   struct {
     const char *text;
     const char *words; /* in the message, after "FILE:LINE: " */
