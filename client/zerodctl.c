@@ -1836,36 +1836,16 @@ static const command *find_command(int argc, char **argv, int *words) {
  * file or ZEROD_AUTH_TOKEN. Plain transport to another host needs
  * --insecure. Returns 0 or the usage exit status. */
 static int security_setup(ctl *c, const char *token_file, bool insecure) {
-  if (c->tls.ca_file == NULL)
-    c->tls.ca_file = getenv("ZEROD_TLS_CA");
-  if (c->tls.cert_file == NULL)
-    c->tls.cert_file = getenv("ZEROD_TLS_CERT");
-  if (c->tls.key_file == NULL)
-    c->tls.key_file = getenv("ZEROD_TLS_KEY");
-  if (c->tls.server_name == NULL)
-    c->tls.server_name = getenv("ZEROD_TLS_SERVER_NAME");
-  if (token_file == NULL)
-    token_file = getenv("ZEROD_AUTH_TOKEN_FILE");
-  const char *env_insecure = getenv("ZEROD_INSECURE");
-  insecure |= env_insecure != NULL && strcmp(env_insecure, "1") == 0;
-  c->use_tls = c->tls.ca_file != NULL || c->tls.cert_file != NULL || c->tls.key_file != NULL ||
-               c->tls.server_name != NULL;
-  if (!c->use_tls && !insecure && !rpc_address_is_local(c->coordinator))
+  char err[PATH_MAX + 128];
+  int use_tls = 0;
+  if (rpc_client_credentials(&c->tls, token_file, &use_tls, c->token, sizeof c->token, err,
+                             sizeof err) != 0)
+    return usage_error("%s", err);
+  c->use_tls = use_tls != 0;
+  if (!c->use_tls && !insecure && !rpc_insecure_from_env() && !rpc_address_is_local(c->coordinator))
     return usage_error("the coordinator %s is on another host: reach it over TLS (--tls-ca, and "
                        "--tls-cert/--tls-key for mutual TLS) or pass --insecure",
                        c->coordinator);
-  if (token_file != NULL) {
-    char err[PATH_MAX + 128];
-    if (rpc_read_token_file(token_file, c->token, sizeof c->token, err, sizeof err) != 0)
-      return usage_error("%s", err);
-  } else {
-    const char *token = getenv("ZEROD_AUTH_TOKEN");
-    if (token != NULL && token[0] != '\0') {
-      if (strlen(token) >= sizeof c->token)
-        return usage_error("ZEROD_AUTH_TOKEN is longer than %d bytes", RPC_MAX_TOKEN_BYTES);
-      snprintf(c->token, sizeof c->token, "%s", token);
-    }
-  }
   return 0;
 }
 

@@ -261,16 +261,15 @@ static int env_flag(const char *name) {
   return v != NULL && (strcmp(v, "1") == 0 || strcmp(v, "true") == 0 || strcmp(v, "yes") == 0);
 }
 
-static void security_from_env(security_flags *f) {
-  f->tls_ca = env_or(f->tls_ca, "ZEROD_TLS_CA");
+/* The coordinator's listener flags not given, from the environment (a
+ * node's client settings: rpc_client_credentials). */
+static void server_security_from_env(security_flags *f) {
   f->tls_cert = env_or(f->tls_cert, "ZEROD_TLS_CERT");
   f->tls_key = env_or(f->tls_key, "ZEROD_TLS_KEY");
-  f->tls_server_name = env_or(f->tls_server_name, "ZEROD_TLS_SERVER_NAME");
   f->tls_client_ca = env_or(f->tls_client_ca, "ZEROD_TLS_CLIENT_CA");
-  f->token_file = env_or(f->token_file, "ZEROD_AUTH_TOKEN_FILE");
   f->auth_file = env_or(f->auth_file, "ZEROD_AUTH_FILE");
   f->require_client_cert |= env_flag("ZEROD_TLS_REQUIRE_CLIENT_CERT");
-  f->insecure |= env_flag("ZEROD_INSECURE");
+  f->insecure |= rpc_insecure_from_env();
 }
 
 /* --checkpoint-timeout: seconds, 1..86400, into milliseconds. */
@@ -634,7 +633,7 @@ static int run_coordinator(int argc, char **argv) {
   /* Who can reach the listener, and what they may do (docs/security.md):
    * plain transport and no principals only where nobody else can reach
    * it, or when the operator says so. */
-  security_from_env(&sec);
+  server_security_from_env(&sec);
   rpc_tls tls = {.cert_file = sec.tls_cert,
                  .key_file = sec.tls_key,
                  .ca_file = sec.tls_client_ca,
@@ -1051,7 +1050,6 @@ int main(int argc, char **argv) {
     fprintf(stderr, "zerod: --coordinator needs 'zerod node' (standalone runs its own)\n");
     return 2;
   }
-  security_from_env(&sec);
   int tls_flags = sec.tls_ca != NULL || sec.tls_cert != NULL || sec.tls_key != NULL ||
                   sec.tls_server_name != NULL;
   if (strcmp(mode, "node") != 0 && (tls_flags || sec.token_file != NULL)) {
@@ -1061,38 +1059,25 @@ int main(int argc, char **argv) {
     return 2;
   }
   if (strcmp(mode, "node") == 0) {
-    if (tls_flags) {
-      o->use_tls = 1;
-      if ((sec.tls_ca != NULL &&
-           snprintf(o->tls_ca, sizeof o->tls_ca, "%s", sec.tls_ca) >= (int)sizeof o->tls_ca) ||
-          (sec.tls_cert != NULL && snprintf(o->tls_cert, sizeof o->tls_cert, "%s", sec.tls_cert) >=
-                                       (int)sizeof o->tls_cert) ||
-          (sec.tls_key != NULL &&
-           snprintf(o->tls_key, sizeof o->tls_key, "%s", sec.tls_key) >= (int)sizeof o->tls_key) ||
-          (sec.tls_server_name != NULL &&
-           snprintf(o->tls_server_name, sizeof o->tls_server_name, "%s", sec.tls_server_name) >=
-               (int)sizeof o->tls_server_name))
-        return bad_value("--tls-*", "", "a path or name too long");
-    } else if (!rpc_address_is_local(o->coordinator) && !sec.insecure) {
+    /* Flags, else the environment (rpc_client_credentials). The paths
+     * point into argv or the environment, which live as long as we do. */
+    o->tls = (rpc_tls){.ca_file = sec.tls_ca,
+                       .cert_file = sec.tls_cert,
+                       .key_file = sec.tls_key,
+                       .server_name = sec.tls_server_name};
+    char err[PATH_MAX + 128];
+    if (rpc_client_credentials(&o->tls, sec.token_file, &o->use_tls, o->token, sizeof o->token, err,
+                               sizeof err) != 0) {
+      fprintf(stderr, "zerod: %s\n", err);
+      return 2;
+    }
+    if (!o->use_tls && !sec.insecure && !rpc_insecure_from_env() &&
+        !rpc_address_is_local(o->coordinator)) {
       fprintf(stderr,
               "zerod: the coordinator %s is on another host: reach it over TLS (--tls-ca, and "
               "--tls-cert/--tls-key for mutual TLS) or pass --insecure\n",
               o->coordinator);
       return 2;
-    }
-    /* The token comes from a file or the environment, never argv (which
-     * every user of the host can read in /proc). */
-    const char *token = getenv("ZEROD_AUTH_TOKEN");
-    if (sec.token_file != NULL) {
-      char err[PATH_MAX + 128];
-      if (rpc_read_token_file(sec.token_file, o->token, sizeof o->token, err, sizeof err) != 0) {
-        fprintf(stderr, "zerod: %s\n", err);
-        return 2;
-      }
-    } else if (token != NULL && token[0] != '\0') {
-      if (strlen(token) >= sizeof o->token)
-        return bad_value("ZEROD_AUTH_TOKEN", "...", "at most 512 bytes");
-      snprintf(o->token, sizeof o->token, "%s", token);
     }
   }
   if (strcmp(mode, "node") == 0 &&

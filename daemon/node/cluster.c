@@ -506,11 +506,7 @@ int cluster_create(zdaemon *d, store *local_store, store **rendezvous, char *err
   a->backoff_ms = NODE_BACKOFF_MIN_MS;
   a->last_status = RPC_OK;
   const daemon_options *o = &d->options;
-  rpc_tls tls = {.ca_file = o->tls_ca[0] != '\0' ? o->tls_ca : NULL,
-                 .cert_file = o->tls_cert[0] != '\0' ? o->tls_cert : NULL,
-                 .key_file = o->tls_key[0] != '\0' ? o->tls_key : NULL,
-                 .server_name = o->tls_server_name[0] != '\0' ? o->tls_server_name : NULL};
-  rpc_channel_options channel = {.tls = o->use_tls ? &tls : NULL, .token = o->token};
+  rpc_channel_options channel = {.tls = o->use_tls ? &o->tls : NULL, .token = o->token};
   int rc = rpc_channel_create_with(o->coordinator, &channel, &a->channel, err, err_bytes);
   if (rc == 0 && local_store != NULL)
     a->rendezvous = local_store;

@@ -31,12 +31,10 @@ typedef struct daemon_options {
   char coordinator[256];
   char node_name[65];
   char comm_host[256];
-  /* zerod node: how it reaches the coordinator (docs/security.md). TLS
-   * when use_tls (tls_ca "": the system's roots; tls_cert and tls_key "":
-   * no client certificate); token "": none. */
+  /* zerod node: how it reaches the coordinator (docs/security.md): tls
+   * when use_tls (rpc_client_credentials); token "": none. */
   int use_tls;
-  char tls_ca[PATH_MAX], tls_cert[PATH_MAX], tls_key[PATH_MAX];
-  char tls_server_name[256];
+  rpc_tls tls;
   char token[RPC_MAX_TOKEN_BYTES + 1];
 } daemon_options;
 

@@ -128,3 +128,37 @@ int rpc_read_token_file(const char *path, char *out, size_t out_bytes, char *err
   memcpy(out, start, len + 1);
   return 0;
 }
+
+static const char *env_or_keep(const char *given, const char *name) {
+  return given != NULL ? given : getenv(name);
+}
+
+int rpc_client_credentials(rpc_tls *tls, const char *token_file, int *use_tls, char *token,
+                           size_t token_bytes, char *err, size_t err_bytes) {
+  tls->ca_file = env_or_keep(tls->ca_file, "ZEROD_TLS_CA");
+  tls->cert_file = env_or_keep(tls->cert_file, "ZEROD_TLS_CERT");
+  tls->key_file = env_or_keep(tls->key_file, "ZEROD_TLS_KEY");
+  tls->server_name = env_or_keep(tls->server_name, "ZEROD_TLS_SERVER_NAME");
+  *use_tls = tls->ca_file != NULL || tls->cert_file != NULL || tls->key_file != NULL ||
+             tls->server_name != NULL;
+  token[0] = '\0';
+  token_file = env_or_keep(token_file, "ZEROD_AUTH_TOKEN_FILE");
+  if (token_file != NULL)
+    return rpc_read_token_file(token_file, token, token_bytes, err, err_bytes);
+  /* The token itself from the environment, never argv (which every user
+   * of the host can read in /proc). */
+  const char *env = getenv("ZEROD_AUTH_TOKEN");
+  if (env != NULL && env[0] != '\0') {
+    if (strlen(env) >= token_bytes || strlen(env) > RPC_MAX_TOKEN_BYTES) {
+      snprintf(err, err_bytes, "ZEROD_AUTH_TOKEN is longer than %d bytes", RPC_MAX_TOKEN_BYTES);
+      return -EINVAL;
+    }
+    memcpy(token, env, strlen(env) + 1);
+  }
+  return 0;
+}
+
+int rpc_insecure_from_env(void) {
+  const char *v = getenv("ZEROD_INSECURE");
+  return v != NULL && (strcmp(v, "1") == 0 || strcmp(v, "true") == 0 || strcmp(v, "yes") == 0);
+}

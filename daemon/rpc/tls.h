@@ -42,6 +42,18 @@ int rpc_address_is_local(const char *addr);
  * host can read). Returns 0 or a negative errno with a message in err. */
 int rpc_read_token_file(const char *path, char *out, size_t out_bytes, char *err, size_t err_bytes);
 
+/* A client's credentials (zerod node, zerodctl): the fields of tls not
+ * given by flags are read from ZEROD_TLS_CA, ZEROD_TLS_CERT,
+ * ZEROD_TLS_KEY and ZEROD_TLS_SERVER_NAME, and *use_tls says whether any
+ * is set; the bearer token is read from token_file (NULL:
+ * ZEROD_AUTH_TOKEN_FILE), else taken from ZEROD_AUTH_TOKEN, else "".
+ * Returns 0 or a negative errno with a message in err. */
+int rpc_client_credentials(rpc_tls *tls, const char *token_file, int *use_tls, char *token,
+                           size_t token_bytes, char *err, size_t err_bytes);
+
+/* Whether ZEROD_INSECURE is 1, true or yes (--insecure). */
+int rpc_insecure_from_env(void);
+
 /* Reads a PEM file (what names it in errors, "certificate") into a
  * malloc'd NUL-terminated string. Returns 0 or a negative errno with a
  * message in err naming the file. */
