@@ -226,19 +226,21 @@ static int node_rule(const coord_caller *who, const char *node, int admin_too, c
   return deny(err, err_bytes, who, what);
 }
 
+int coord__placed_on(const coord_caller *who, const cjob *j) {
+  for (size_t i = 0; i < j->msg->n_placement; i++) {
+    if (is_node(who, j->msg->placement[i]->node))
+      return 1;
+  }
+  return 0;
+}
+
 static int kv_rule(const coord *c, const coord_caller *who, const char *job, char *err,
                    size_t err_bytes) {
   if (who->role == AUTH_ADMIN)
     return 0;
   const cjob *j = coord__find_job(c, job);
-  if (who->role == AUTH_NODE && j != NULL) {
-    for (size_t i = 0; i < j->msg->n_placement; i++) {
-      if (is_node(who, j->msg->placement[i]->node))
-        return 0;
-    }
-  }
-  if (who->role == AUTH_NODE && j == NULL)
-    return 0; /* NOT_FOUND from the handler */
+  if (who->role == AUTH_NODE && (j == NULL || coord__placed_on(who, j)))
+    return 0; /* j == NULL: NOT_FOUND from the handler */
   char what[160];
   snprintf(what, sizeof what, "use the rendezvous of job '%s' (only its nodes may)", job);
   return deny(err, err_bytes, who, what);

@@ -1464,14 +1464,7 @@ static void on_get_job(rpc_call *call, const uint8_t *request, size_t request_by
 /* ListJobs shows each caller the jobs it may read; a node, those placed
  * on it. */
 static int job_listed_for(const coord_caller *who, const cjob *j) {
-  if (who->role == AUTH_NODE) {
-    for (size_t i = 0; i < j->msg->n_placement; i++) {
-      if (who->any_node || strcmp(who->name, j->msg->placement[i]->node) == 0)
-        return 1;
-    }
-    return 0;
-  }
-  return coord__may_read_job(who, j);
+  return who->role == AUTH_NODE ? coord__placed_on(who, j) : coord__may_read_job(who, j);
 }
 
 /* A new read token for a job: made here, its hash kept (durably, before

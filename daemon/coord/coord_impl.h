@@ -198,6 +198,8 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
  * restore) job j. */
 int coord__may_read_job(const coord_caller *who, const cjob *j);
 int coord__may_own_job(const coord_caller *who, const cjob *j);
+/* Whether who is a node principal of one of j's placement nodes. */
+int coord__placed_on(const coord_caller *who, const cjob *j);
 
 member *coord__find_member(const coord *c, const char *name);
 cjob *coord__find_job(const coord *c, const char *name);
