@@ -1,0 +1,42 @@
+/* rpc_impl: what the server (rpc.c) and the client (client.c) sides of
+ * the rpc library share. Private to daemon/rpc/: the only header with gRPC
+ * types in it. */
+#ifndef ZEROD_RPC_IMPL_H
+#define ZEROD_RPC_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+
+#include "tls.h"
+
+/* Method paths and addresses: short ASCII names. */
+#define RPC_MAX_PATH_BYTES 256
+#define RPC_MAX_ADDR_BYTES 256
+
+/* grpc_init with gRPC's logging routed to log.h (set once per process);
+ * balanced by grpc_shutdown. */
+void rpc__grpc_init(void);
+
+/* A new byte buffer holding a copy of bytes (the caller destroys it). */
+grpc_byte_buffer *rpc__buffer_from_bytes(const void *bytes, size_t n_bytes);
+
+/* Copies buffer into a malloc'd array (NULL for an empty message).
+ * Returns 0, -EPROTO (unreadable), -EMSGSIZE (over the limit), -ENOMEM. */
+int rpc__buffer_to_malloc(grpc_byte_buffer *buffer, uint8_t **out, size_t *out_bytes);
+
+/* Appends an integer channel arg (key is one of gRPC's constants). */
+void rpc__arg_int(grpc_arg *args, size_t *n_args, const char *key, int value);
+
+/* The channel args both sides share (message size limits): args[0..1]. */
+void rpc__message_limit_args(grpc_arg *arg_storage, size_t *n_args);
+
+/* Channel credentials for tls (ca_file NULL: the system's roots). Returns
+ * 0 with *out (the caller releases it) or a negative errno with a message
+ * in err. */
+int rpc__channel_credentials(const rpc_tls *tls, grpc_channel_credentials **out, char *err,
+                             size_t err_bytes);
+
+#endif /* ZEROD_RPC_IMPL_H */
