@@ -24,6 +24,7 @@
 #include "ckpt_node.h"
 #include "health.h"
 #include "log.h"
+#include "metrics_http.h"
 #include "pbcheck.h"
 #include "size.h"
 #include "cluster.h"
@@ -91,6 +92,9 @@ static void usage(FILE *out) {
           "                          unix:PATH): SERVING while a member of the cluster (node)\n"
           "                          or ready (standalone), NOT_SERVING while joining or\n"
           "                          draining [ZEROD_HEALTH_LISTEN, default: none]\n"
+          "  --metrics-listen ADDR   serve Prometheus metrics at http://ADDR/metrics (HOST:PORT,\n"
+          "                          :PORT for every address) [ZEROD_METRICS_LISTEN, default:\n"
+          "                          none]\n"
           "  --log-format FORMAT     logfmt or json (one JSON object per line)\n"
           "                          [ZEROD_LOG_FORMAT, default logfmt]\n"
           "  --tls-ca FILE           zerod node: reach the coordinator over TLS, verifying it\n"
@@ -132,6 +136,7 @@ enum {
   OPT_COMM_HOST,
   OPT_LOG_LEVEL,
   OPT_HEALTH_LISTEN,
+  OPT_METRICS_LISTEN,
   OPT_LOG_FORMAT,
   OPT_VERSION,
   OPT_COORDINATOR,
@@ -146,7 +151,7 @@ enum {
 typedef struct raw_options {
   const char *ranks, *dir, *socket, *socket_group, *threads, *timeout, *max_live, *max_sessions,
       *comm_host, *log_level, *log_format, *coordinator, *name, *device, *checkpoint_dir,
-      *checkpoint_timeout, *file_mode, *health_listen;
+      *checkpoint_timeout, *file_mode, *health_listen, *metrics_listen;
   const char *export_roots[COORD_MAX_EXPORT_ROOTS + 1]; /* one more: to say there are too many */
   unsigned n_export_roots;
 } raw_options;
@@ -452,6 +457,9 @@ static void coordinator_usage(FILE *out) {
           "  --health-listen ADDR    also serve grpc.health.v1 alone, in plain text, on ADDR\n"
           "                          (for Kubernetes' gRPC probes, which speak no TLS)\n"
           "                          [ZEROD_HEALTH_LISTEN, default: none]\n"
+          "  --metrics-listen ADDR   serve Prometheus metrics at http://ADDR/metrics (HOST:PORT,\n"
+          "                          :PORT for every address) [ZEROD_METRICS_LISTEN, default:\n"
+          "                          none]\n"
           "  --log-level LEVEL       debug, info, warn or error [ZEROD_LOG_LEVEL, default info]\n"
           "  --log-format FORMAT     logfmt or json (one JSON object per line)\n"
           "                          [ZEROD_LOG_FORMAT, default logfmt]\n"
@@ -476,6 +484,8 @@ typedef struct coordinator_process {
   rpc_server *server;
   rpc_server *health_server; /* --health-listen, or NULL */
   health *health;
+  metrics *metrics; /* --metrics-listen, or NULL */
+  metrics_http *metrics_http;
   uv_signal_t sigint, sigterm;
   int stopping;
 } coordinator_process;
@@ -498,6 +508,40 @@ static int start_health_listener(uv_loop_t *loop, const char *addr, const char *
   return 0;
 }
 
+/* --metrics-listen: a registry (with zerod_build_info) served over HTTP
+ * on loop for Prometheus. Nothing when addr is NULL or empty. Returns 0,
+ * or 1 with the reason on stderr. */
+static int start_metrics(uv_loop_t *loop, const char *addr, const char *mode, metrics **m,
+                         metrics_http **http) {
+  *m = NULL;
+  *http = NULL;
+  if (addr == NULL || addr[0] == '\0')
+    return 0;
+  *m = metrics_create();
+  if (*m == NULL) {
+    fprintf(stderr, "zerod: --metrics-listen: out of memory\n");
+    return 1;
+  }
+  static const char *const labels[] = {"version", "mode", NULL};
+  const char *const values[] = {ZEROD_VERSION, mode, NULL};
+  metric_set(metric_family_kept(metrics_family(*m, METRIC_GAUGE, "zerod_build_info",
+                                               "1, labelled with the version and mode that run.",
+                                               labels, NULL, 0),
+                                values),
+             1);
+  char err[512] = "";
+  int port = 0;
+  int rc = metrics_http_start(loop, *m, addr, http, &port, err, sizeof err);
+  if (rc != 0) {
+    fprintf(stderr, "zerod: --metrics-listen %s: %s\n", addr, err[0] ? err : strerror(-rc));
+    metrics_free(*m);
+    *m = NULL;
+    return 1;
+  }
+  LOG_INFOF("metrics listening", "address=%s port=%d path=/metrics", addr, port);
+  return 0;
+}
+
 static void on_coordinator_server_done(void *arg) {
   (void)arg;
   LOG_INFOF("coordinator stopped serving", NULL);
@@ -513,10 +557,24 @@ static void on_coordinator_signal(uv_signal_t *handle, int signum) {
     health_shutdown(p->health);
     rpc_server_shutdown(p->health_server, on_coordinator_server_done, p);
   }
+  metrics_http_stop(p->metrics_http);
+  p->metrics_http = NULL;
   coord_shutdown(p->coord);
   rpc_server_shutdown(p->server, on_coordinator_server_done, p);
   uv_close((uv_handle_t *)&p->sigint, NULL);
   uv_close((uv_handle_t *)&p->sigterm, NULL);
+}
+
+/* Start failed after the server began serving: stop what was started
+ * (nothing was accepted yet) and let the loop finish closing it. */
+static void abandon_start(coordinator_process *p) {
+  metrics_http_stop(p->metrics_http);
+  p->metrics_http = NULL;
+  coord_shutdown(p->coord);
+  rpc_server_shutdown(p->server, on_coordinator_server_done, p);
+  if (p->health_server != NULL)
+    rpc_server_shutdown(p->health_server, on_coordinator_server_done, p);
+  uv_run(p->loop, UV_RUN_DEFAULT);
 }
 
 static int run_coordinator(int argc, char **argv) {
@@ -530,7 +588,8 @@ static int run_coordinator(int argc, char **argv) {
     C_CHECKPOINT_TIMEOUT,
     C_EXPORT_ROOT,
     C_FILE_MODE,
-    C_HEALTH_LISTEN
+    C_HEALTH_LISTEN,
+    C_METRICS_LISTEN
   };
   static const struct option long_options[] = {
       {"listen", required_argument, NULL, C_LISTEN},
@@ -541,6 +600,7 @@ static int run_coordinator(int argc, char **argv) {
       {"export-root", required_argument, NULL, C_EXPORT_ROOT},
       {"file-mode", required_argument, NULL, C_FILE_MODE},
       {"health-listen", required_argument, NULL, C_HEALTH_LISTEN},
+      {"metrics-listen", required_argument, NULL, C_METRICS_LISTEN},
       {"log-level", required_argument, NULL, C_LOG_LEVEL},
       {"log-format", required_argument, NULL, C_LOG_FORMAT},
       SECURITY_SERVER_OPTIONS,
@@ -551,7 +611,7 @@ static int run_coordinator(int argc, char **argv) {
   const char *listen_flag = NULL, *dir_flag = NULL, *ttl_flag = NULL, *level_flag = NULL,
              *format_flag = NULL;
   const char *checkpoint_dir_flag = NULL, *checkpoint_timeout_flag = NULL, *file_mode_flag = NULL,
-             *health_flag = NULL;
+             *health_flag = NULL, *metrics_flag = NULL;
   const char *export_root_flags[COORD_MAX_EXPORT_ROOTS + 1];
   unsigned n_export_root_flags = 0;
   int c;
@@ -584,6 +644,9 @@ static int run_coordinator(int argc, char **argv) {
       break;
     case C_FILE_MODE:
       file_mode_flag = optarg;
+      break;
+    case C_METRICS_LISTEN:
+      metrics_flag = optarg;
       break;
     case C_HEALTH_LISTEN:
       health_flag = optarg;
@@ -701,6 +764,7 @@ static int run_coordinator(int argc, char **argv) {
     rc = rpc_server_set_tls(p.server, &tls, err, sizeof err);
   if (rc == 0)
     rc = coord_register(p.coord, p.server);
+
   int port = 0;
   if (rc == 0)
     rc = rpc_server_start(p.server, &port, err, sizeof err);
@@ -723,15 +787,19 @@ static int run_coordinator(int argc, char **argv) {
     int health_port = 0;
     if (start_health_listener(p.loop, health_listen, services, sizeof services / sizeof services[0],
                               &p.health_server, &p.health, &health_port) != 0) {
-      coord_shutdown(p.coord);
-      rpc_server_shutdown(p.server, on_coordinator_server_done, &p);
-      if (p.health_server != NULL)
-        rpc_server_shutdown(p.health_server, on_coordinator_server_done, &p);
-      uv_run(p.loop, UV_RUN_DEFAULT);
+      abandon_start(&p);
       goto out_free;
     }
     health_set(p.health, 1);
     LOG_INFOF("health listening", "address=%s port=%d", health_listen, health_port);
+  }
+  /* Calls are handled on this loop, so the server's observer may be set
+   * now that it serves. */
+  if (start_metrics(p.loop, env_or(metrics_flag, "ZEROD_METRICS_LISTEN"), "coordinator", &p.metrics,
+                    &p.metrics_http) != 0 ||
+      coord_metrics_start(p.coord, p.server, p.metrics) != 0) {
+    abandon_start(&p);
+    goto out_free;
   }
   uv_signal_init(p.loop, &p.sigint);
   uv_signal_init(p.loop, &p.sigterm);
@@ -757,7 +825,9 @@ out_free:
   if (p.health_server != NULL)
     rpc_server_destroy(p.health_server);
   health_free(p.health);
+  coord_metrics_stop(p.coord);
   coord_destroy(p.coord);
+  metrics_free(p.metrics);
   rc = uv_loop_close(p.loop);
   if (rc != 0)
     LOG_WARNF("loop closed with open handles", "err=%s", uv_err_name(rc));
@@ -819,6 +889,8 @@ static int start_local_coordinator(zdaemon *d, char *err, size_t err_bytes) {
     snprintf(err + strlen(err), err_bytes - strlen(err), " (choose a shorter --dir)");
   if (rc == 0)
     rc = coord_register(d->coord, d->control_server);
+  if (rc == 0)
+    rc = coord_metrics_start(d->coord, d->control_server, d->metrics);
   int port = 0;
   if (rc == 0)
     rc = rpc_server_start(d->control_server, &port, err, err_bytes);
@@ -840,6 +912,8 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
   char reason[128];
   snprintf(reason, sizeof reason, "zerod is shutting down (%s)", why);
   ipc_close_all(d, reason);
+  metrics_http_stop(d->metrics_http);
+  d->metrics_http = NULL;
   /* Draining: probes see NOT_SERVING, then the probe listener goes. */
   if (d->health_server != NULL) {
     health_shutdown(d->health);
@@ -880,6 +954,7 @@ int main(int argc, char **argv) {
       {"comm-host", required_argument, NULL, OPT_COMM_HOST},
       {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
       {"health-listen", required_argument, NULL, OPT_HEALTH_LISTEN},
+      {"metrics-listen", required_argument, NULL, OPT_METRICS_LISTEN},
       {"log-format", required_argument, NULL, OPT_LOG_FORMAT},
       {"version", no_argument, NULL, OPT_VERSION},
       {"coordinator", required_argument, NULL, OPT_COORDINATOR},
@@ -926,6 +1001,9 @@ int main(int argc, char **argv) {
       break;
     case OPT_HEALTH_LISTEN:
       raw.health_listen = optarg;
+      break;
+    case OPT_METRICS_LISTEN:
+      raw.metrics_listen = optarg;
       break;
     case OPT_LOG_LEVEL:
       raw.log_level = optarg;
@@ -1144,6 +1222,9 @@ int main(int argc, char **argv) {
     setrlimit(RLIMIT_NOFILE, &nofile);
   }
   d->loop = uv_default_loop();
+  if (start_metrics(d->loop, env_or(raw.metrics_listen, "ZEROD_METRICS_LISTEN"), mode, &d->metrics,
+                    &d->metrics_http) != 0)
+    return 1;
   char err[512] = "";
   if (o->coordinator[0] == '\0') {
     rc = start_local_coordinator(d, err, sizeof err);
@@ -1171,6 +1252,10 @@ int main(int argc, char **argv) {
                             .comm_hostname = comm_host,
                             .rendezvous = d->rendezvous,
                             .device = o->device};
+  if (jobs_metrics_start(d) != 0) {
+    fprintf(stderr, "zerod: metrics: out of memory\n");
+    return 1;
+  }
 
   rc = ckpt_node_init(d, cluster_report);
   if (rc == 0)
@@ -1208,6 +1293,7 @@ int main(int argc, char **argv) {
   uv_run(d->loop, UV_RUN_DEFAULT);
   /* The loop ends when every handle has closed and every threadpool read
    * has finished: nothing refers to the jobs any more. */
+  jobs_metrics_stop(d);
   jobs_free_all(d);
   rc = uv_loop_close(d->loop);
   if (rc != 0)
@@ -1218,8 +1304,11 @@ int main(int argc, char **argv) {
   health_free(d->health);
   if (d->control_server != NULL)
     rpc_server_destroy(d->control_server);
-  if (d->coord != NULL)
+  if (d->coord != NULL) {
+    coord_metrics_stop(d->coord);
     coord_destroy(d->coord);
+  }
+  metrics_free(d->metrics);
   if (control_socket[0] != '\0')
     unlink(control_socket);
   pthread_mutex_destroy(&d->completion_mutex);

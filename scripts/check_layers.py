@@ -29,13 +29,14 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "daemon")
 ALLOWED = {
     "base": set(),
     "rpc": {"base"},
+    "metrics": {"base"},
     "model": set(),
     "ckpt": {"model", "base", "rpc"},
     "backend": {"base", "rpc"},
-    "rank": {"backend", "ckpt", "model", "base", "rpc"},
-    "coord": {"ckpt", "model", "rpc", "base"},
-    "node": {"rank", "coord", "backend", "ckpt", "model", "rpc", "base"},
-    ".": {"node", "rank", "coord", "backend", "ckpt", "model", "rpc", "base"},  # main.c
+    "rank": {"backend", "ckpt", "model", "metrics", "base", "rpc"},
+    "coord": {"ckpt", "model", "metrics", "rpc", "base"},
+    "node": {"rank", "coord", "backend", "ckpt", "model", "metrics", "rpc", "base"},
+    ".": {"node", "rank", "coord", "backend", "ckpt", "model", "metrics", "rpc", "base"},  # main.c
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

@@ -35,7 +35,7 @@ set -euo pipefail
 
 task=${1:-build}
 packages=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-  libgloo-dev libgrpc-dev libjansson-dev libxxhash-dev libssl-dev)
+  libgloo-dev libgrpc-dev libjansson-dev libxxhash-dev libssl-dev libmicrohttpd-dev libcurl4-openssl-dev)
 case "$task" in
 build) ;;
 demo) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread) ;;
@@ -44,7 +44,7 @@ bench) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread pytho
 test) packages+=(libcmocka-dev python3 python3-torch python3-numpy libopenblas0-pthread python3-pytest
   python3-venv python3-pip python3-setuptools python3-wheel python3-grpcio python3-protobuf
   protobuf-compiler protobuf-compiler-grpc openssl python3-yaml python3-attr
-  python3-typing-extensions python3-importlib-resources python3-packaging)
+  python3-typing-extensions python3-importlib-resources python3-packaging prometheus)
   # Any kubectl with kustomize renders deploy/; Debian's would conflict with
   # one installed from another source (the same /usr/bin/kubectl).
   command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client) ;;

@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "metrics.h"
 #include "rpc.h"
 #include "zerod/v1/control.pb-c.h"
 
@@ -89,6 +90,14 @@ int coord_join_local(coord *c, const Zerod__V1__NodeInfo *node, uint64_t *sessio
 int coord_create_job_local(coord *c, const char *name, const char *token,
                            const Zerod__V1__JobConfig *config, const char *node, uint32_t ranks,
                            uint64_t *id_out, uint64_t *epoch_out, char *err, size_t err_bytes);
+
+/* Publishes the coordinator's figures in m (docs/operations.md,
+ * "Metrics"): members, jobs by state and checkpoint operations through a
+ * collector, and the calls of server (its control server; NULL: none) by
+ * method and status. Loop thread. 0 or -ENOMEM; m NULL: nothing. */
+int coord_metrics_start(coord *c, rpc_server *server, metrics *m);
+/* Stops publishing (before coord_destroy, and before m is freed). */
+void coord_metrics_stop(coord *c);
 
 /* Starts shutting down: health turns NOT_SERVING, every Watch stream ends
  * with UNAVAILABLE ("coordinator shutting down"), waiting Gets and

@@ -149,6 +149,11 @@ static int64_t elapsed_ms(uint64_t since_ns) {
   return (int64_t)((uv_hrtime() - since_ns) / 1000000);
 }
 
+/* The operation an order counts as in the metrics. */
+static const char *order_operation(const ckpt_order *o) {
+  return o->kind == ORDER_RESTORE ? "restore" : o->is_export ? "export" : "save";
+}
+
 /* The job whose order o is, or NULL once it no longer is. */
 static cjob *order_job(const coord *c, const ckpt_order *o) {
   if (!o->attached)
@@ -236,6 +241,7 @@ static void order_fail(coord *c, ckpt_order *o, int status, const char *fmt, ...
   LOG_WARNF("checkpoint order failed", "job=%s order=%" PRIu64 " kind=%s status=%s err=%s", o->job,
             o->id, order_noun(o), rpc_status_name(status),
             log_quote(message, quoted, sizeof quoted));
+  coord__metrics_checkpoint(c, order_operation(o), 0, 0, 0);
   order_answer_error(o, status, message);
   cjob *j = order_job(c, o);
   if (o->periodic && j != NULL)
@@ -852,6 +858,7 @@ static void commit_done(ckpt_work *base) {
               " stall_ms=%" PRId64 " total_ms=%" PRId64 " path=%s",
               o->job, o->id, w->exported.step, w->exported.tensors, w->exported.bytes, stall_ms,
               w->total_ms, w->export.path);
+    coord__metrics_checkpoint(o->c, "export", 1, (double)w->total_ms / 1e3, w->exported.bytes);
     if (o->call != NULL) {
       export_reply(o->call, w->export.path, &w->exported, w->total_ms, "");
       o->call = NULL;
@@ -862,6 +869,7 @@ static void commit_done(ckpt_work *base) {
               "job=%s order=%" PRIu64 " name=%s step=%" PRIu64 " bytes=%" PRIu64
               " stall_ms=%" PRId64 " total_ms=%" PRId64 " path=%s",
               o->job, o->id, w->final_name, w->step, w->bytes, stall_ms, w->total_ms, w->final_dir);
+    coord__metrics_checkpoint(o->c, "save", 1, (double)w->total_ms / 1e3, w->bytes);
     if (o->call != NULL) {
       Zerod__V1__Checkpoint checkpoint = ZEROD__V1__CHECKPOINT__INIT;
       checkpoint.job = w->job;
@@ -1177,6 +1185,7 @@ static void restore_progress(coord *c, ckpt_order *o) {
   LOG_INFOF("checkpoint restored",
             "job=%s order=%" PRIu64 " source=%s step=%" PRIu64 " total_ms=%" PRId64, o->job, o->id,
             o->dir, step, total_ms);
+  coord__metrics_checkpoint(c, "restore", 1, (double)total_ms / 1e3, 0);
   cjob *j = order_job(c, o);
   if (j != NULL) {
     /* The job is at the restored step now (its nodes' next reports say so
@@ -1543,7 +1552,9 @@ static void export_done(ckpt_work *base) {
   if (w->result.status != 0) {
     LOG_WARNF("export failed", "source=%s path=%s error=\"%s\"", w->source, w->export.path,
               w->result.message);
+    coord__metrics_checkpoint(c, "export", 0, 0, 0);
   } else {
+    coord__metrics_checkpoint(c, "export", 1, (double)w->total_ms / 1e3, w->info.bytes);
     LOG_INFOF("checkpoint exported",
               "source=%s step=%" PRIu64 " tensors=%u bytes=%" PRIu64 " total_ms=%" PRId64
               " path=%s",

@@ -137,7 +137,8 @@ struct coord {
    * trusted. calls[i]: calls in flight of principal i. */
   auth_table *auth;
   unsigned *calls;
-  struct health *health; /* grpc.health.v1 (health.h) */
+  struct health *health;         /* grpc.health.v1 (health.h) */
+  struct coord_metrics *metrics; /* coord_metrics.c; NULL: none */
 
   uv_timer_t lease_timer; /* the lease sweep */
   uv_timer_t flush_timer; /* sends the dirty Watch streams their events */
@@ -151,6 +152,11 @@ struct coord {
 /* ------------------------------------------------------------------------ */
 
 int64_t coord__unix_ms(void);
+
+/* A checkpoint operation ("save", "restore", "export") ended
+ * (coord_metrics.c); seconds and bytes count for successes only. */
+void coord__metrics_checkpoint(coord *c, const char *operation, int ok, double seconds,
+                               uint64_t bytes);
 
 /* Answers a unary call with msg, or with RESOURCE_EXHAUSTED when it would
  * be larger than gRPC lets either side send. */

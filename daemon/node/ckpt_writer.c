@@ -23,6 +23,7 @@
 #include "exec.h"
 #include "hostmem.h"
 #include "log.h"
+#include "rank_metrics.h"
 #include "rpc.h"
 
 /* Asks the loop for a heartbeat: progress is reported at once. */
@@ -243,6 +244,8 @@ static void *writer_main(void *arg) {
               (unsigned long long)s->id, log_quote(err, msg, sizeof msg));
   } else {
     crash_point("node-shard-written");
+    rank_metrics_ckpt_written(&j->ranks[local], (rs->layout_ms + rs->data_ms + rs->sync_ms) / 1e3,
+                              rs->bytes);
     LOG_INFOF("shard saved",
               "job=%s rank=%d save=%llu step=%llu bytes=%llu layout_ms=%.1f data_ms=%.1f "
               "sync_ms=%.1f",
@@ -366,6 +369,7 @@ void ckpt_node_saved(job *j, int rank, uint64_t id, uint64_t step, void *data, u
   rs->state = SAVE_WRITING;
   rs->step = step;
   rs->stall_ms = stall_ms;
+  rank_metrics_ckpt_stall(&j->ranks[local], (double)stall_ms / 1e3);
   rs->data = data;
   rs->data_bytes = data_bytes;
   rs->layout = layout;

@@ -12,6 +12,7 @@
 #include "exec.h"
 #include "rpc.h"
 #include "job.h"
+#include "metrics.h"
 #include "reader.h"
 #include "store.h"
 
@@ -80,6 +81,12 @@ typedef struct daemon {
    * without the flag. cluster.c sets the status. */
   struct rpc_server *health_server;
   struct health *health;
+
+  /* Prometheus (rank_metrics.h, jobs_metrics_start); NULL without
+   * --metrics-listen. The registry outlives the jobs (main frees it). */
+  metrics *metrics;
+  struct metrics_http *metrics_http;
+  metric_series *m_jobs_active, *m_jobs_retired, *m_sessions;
 
   uv_signal_t sigint, sigterm;
   int stopping;

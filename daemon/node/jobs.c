@@ -14,6 +14,7 @@
 #include "exec.h"
 #include "log.h"
 #include "pin.h"
+#include "rank_metrics.h"
 
 job *jobs_find(zdaemon *d, const char *name) {
   for (job *j = d->jobs; j != NULL; j = j->next)
@@ -61,6 +62,8 @@ int jobs_start(zdaemon *d, const char *name, const char *token_sha256, const job
       job_create(&d->exec, d, name, token_sha256, config, world_size, nranks, first_rank, id, &j);
   if (rc == 0 && (rc = ckpt_node_job_init(j)) != 0)
     jobs_free(j);
+  if (rc == 0)
+    rank_metrics_open(j, d->metrics, strcmp(d->options.device, "cuda") == 0 ? "device" : "host");
   if (rc != 0) {
     snprintf(err, err_bytes, "%s", rc == -ENOMEM ? "out of memory" : "ranks do not fit the world");
     return rc;
@@ -147,6 +150,7 @@ void jobs_free(job *j) {
   if (j == NULL)
     return;
   ckpt_node_job_free(j); /* waits for its shard writers */
+  rank_metrics_close(j);
   if (j->ranks != NULL)
     for (int r = 0; r < j->nranks; r++)
       exec_rank_free(&j->ranks[r]);
@@ -179,4 +183,42 @@ void jobs_free_all(zdaemon *d) {
     d->retired = j->next;
     jobs_free(j);
   }
+}
+
+/* ---- Metrics ------------------------------------------------------------------ */
+
+static void collect(void *arg) {
+  zdaemon *d = arg;
+  int active = 0, retired = 0;
+  for (job *j = d->jobs; j != NULL; j = j->next, active++)
+    rank_metrics_loop(j);
+  for (job *j = d->retired; j != NULL; j = j->next, retired++)
+    rank_metrics_loop(j);
+  metric_set(d->m_jobs_active, active);
+  metric_set(d->m_jobs_retired, retired);
+  metric_set(d->m_sessions, d->nsessions);
+}
+
+int jobs_metrics_start(zdaemon *d) {
+  if (d->metrics == NULL)
+    return 0;
+  static const char *const state[] = {"state", NULL};
+  metric_family *jobs = metrics_family(
+      d->metrics, METRIC_GAUGE, "zerod_node_jobs",
+      "Jobs on this node: active, or retired (deleted, their executors stopping).", state, NULL, 0);
+  const char *const active[] = {"active", NULL}, *const retired[] = {"retired", NULL};
+  d->m_jobs_active = metric_family_kept(jobs, active);
+  d->m_jobs_retired = metric_family_kept(jobs, retired);
+  d->m_sessions = metric_series_get(
+      metrics_family(d->metrics, METRIC_GAUGE, "zerod_node_sessions",
+                     "Worker connections to this node's socket (read-write and read-only).", NULL,
+                     NULL, 0),
+      NULL);
+  return metrics_add_collector(d->metrics, collect, d);
+}
+
+void jobs_metrics_stop(zdaemon *d) {
+  metrics_remove_collector(d->metrics, collect, d);
+  metric_series_put(d->m_sessions);
+  d->m_sessions = NULL;
 }

@@ -60,6 +60,12 @@ void jobs_stop_all(struct daemon *d);
  * refers to them any more. */
 void jobs_free_all(struct daemon *d);
 
+/* Publishes the node's figures in d->metrics (jobs, sessions; each job's
+ * and rank's own come with the job, rank_metrics.h): a collector that
+ * reads the registry on the loop before each scrape. Stop before the
+ * registry is freed. 0 or -ENOMEM. */
+int jobs_metrics_start(struct daemon *d);
+void jobs_metrics_stop(struct daemon *d);
 /* Frees a job whose executors have stopped and been joined: its
  * checkpoint state (waiting for its shard writers), its ranks' state, its
  * pins and the job. */

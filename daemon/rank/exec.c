@@ -15,6 +15,7 @@
 #include "log.h"
 #include "pin.h"
 #include "pool.h"
+#include "rank_metrics.h"
 
 exec_op *exec_op_new(op_kind kind, rank_state *rank) {
   exec_op *op = calloc(1, sizeof *op);
@@ -24,6 +25,7 @@ exec_op *exec_op_new(op_kind kind, rank_state *rank) {
   op->rank = rank;
   op->in_fd = -1;
   op->reply_fd = -1;
+  op->made_at = metrics_now();
   return op;
 }
 
@@ -42,8 +44,33 @@ void exec_op_free(exec_op *op) {
   free(op);
 }
 
+/* An op is answered: its latency, or its error, in the rank's metrics. */
+static void metered(const exec_op *op) {
+  rank_timer timer;
+  switch (op->kind) {
+  case OP_GATHER:
+    timer = RANK_GATHER;
+    break;
+  case OP_REDUCE:
+    timer = RANK_REDUCE;
+    break;
+  case OP_STEP:
+    timer = RANK_STEP;
+    break;
+  case OP_REGISTER:
+  case OP_LOAD:
+    timer = RANK_REGISTER;
+    break;
+  default:
+    timer = RANK_UNTIMED;
+    break;
+  }
+  rank_metrics_op(op->rank, timer, op->status, op->made_at);
+}
+
 static void finish(exec_op *op) {
   const exec_settings *settings = op->rank->job->exec;
+  metered(op);
   if (op->session != NULL)
     settings->complete(settings->ctx, op);
   else
@@ -111,6 +138,7 @@ static void run_op(rank_state *rs, exec_op *op) {
   /* The reply goes out before the prefetch starts: the worker computes on
    * this unit while the next one is gathered. */
   finish(op);
+  rank_metrics_state(rs);
   rs->failed_on_device = 0;
   if (next >= 0)
     exec__prefetch_unit(rs, (uint32_t)next);
@@ -240,6 +268,8 @@ int exec_try_inline(exec_op *op) {
   default:
     return 0;
   }
+  metered(op);
+  rank_metrics_state(rs);
   if (next >= 0) {
     /* The executor is idle, so this prefetch runs right after the gather,
      * exactly where the executor would have run it. */

@@ -62,6 +62,7 @@ typedef struct exec_op {
   uint64_t ckpt_id;  /* checkpoint ops: the order's id */
   char *ckpt_source; /* OP_RESTORE_READ: owned */
   int ckpt_format;   /* OP_RESTORE_READ: Zerod__V1__RestoreFormat */
+  double made_at;    /* metrics_now() when made: the request's arrival */
 
   /* Result, filled by the handler. */
   int status;           /* Zerod__V1__Status */

@@ -13,6 +13,7 @@
 #include "comm.h"
 #include "exec.h"
 #include "job.h"
+#include "rank_metrics.h"
 
 /* The node's side of checkpoints, through the job's settings (exec.h). */
 static inline const exec_ckpt_hooks *exec__ckpt(const rank_state *rs) {

@@ -35,6 +35,8 @@
 struct session;
 struct exec_op;
 struct exec_settings;
+struct rank_series;
+struct job_series;
 
 /* A [begin, end) range of a shard, in shard elements. */
 typedef struct shard_range {
@@ -151,6 +153,8 @@ typedef struct rank_state {
 
   /* Loop-owned. */
   struct session *session; /* the attached read-write session */
+
+  struct rank_series *metrics; /* its Prometheus series (rank_metrics.h); NULL: none */
 } rank_state;
 
 typedef struct job {
@@ -200,6 +204,8 @@ typedef struct job {
   struct job_pin *pins;
   int pins_stopping;               /* the daemon is stopping: readers give up */
   _Atomic uint64_t latest_version; /* the highest version any rank reached */
+
+  struct job_series *metrics; /* its Prometheus series (rank_metrics.h); NULL: none */
 } job;
 
 /* Whether some of the job's ranks live on other nodes. Such a job never

@@ -321,6 +321,8 @@ struct rpc_server {
   unsigned seen_accept_failures;           /* accept_failures when last checked */
   uv_timer_t *listener_timer;              /* on the heap, like wakeup; NULL before start */
   int closing_handles;                     /* handles whose close callback is due */
+  rpc_observer observer;                   /* rpc_server_set_observer; NULL: none */
+  void *observer_arg;
 
   grpc_server *server;
   grpc_completion_queue *cq;
@@ -353,6 +355,7 @@ struct rpc_call {
   const rpc_method *method; /* NULL: unknown method */
   char *peer;               /* gpr_malloc'd by gRPC */
   gpr_timespec deadline;    /* monotonic; tv_sec INT64_MAX when none */
+  uint64_t arrived_ns;      /* uv_hrtime when matched */
   rpc_transport transport;
   char cert_name[256]; /* the verified client certificate's CN, or "" */
   char *audit_who;     /* rpc_call_audit; NULL: not audited */
@@ -647,6 +650,7 @@ static void on_new_call(rpc_call *call, int success) {
     LOG_ERRORF("rpc cannot re-arm request_call", "addr=%s armed_less_one=1", s->addr);
 
   call->peer = grpc_call_get_peer(call->call);
+  call->arrived_ns = uv_hrtime();
   gpr_timespec deadline = call->details.deadline;
   if (deadline.tv_sec == INT64_MAX)
     call->deadline = gpr_inf_future(GPR_CLOCK_MONOTONIC);
@@ -681,6 +685,8 @@ static void on_new_call(rpc_call *call, int success) {
     char message[96];
     snprintf(message, sizeof message, "server busy: %u calls in flight", s->live_calls);
     LOG_WARNF("rpc call refused", "reason=busy calls=%u limit=%u", s->live_calls, limit);
+    if (s->observer != NULL && call->method != NULL)
+      s->observer(s->observer_arg, call->method->path, RPC_RESOURCE_EXHAUSTED, 0);
     call_set_status(call, RPC_RESOURCE_EXHAUSTED, message);
     call_send_status(call);
     return;
@@ -1073,6 +1079,11 @@ static int server_listen(rpc_server *s, const char *addr, int *port, char *err, 
   return 0;
 }
 
+void rpc_server_set_observer(rpc_server *s, rpc_observer fn, void *arg) {
+  s->observer = fn;
+  s->observer_arg = arg;
+}
+
 int rpc_server_set_priority(rpc_server *s, const char *path) {
   if (s == NULL || path == NULL)
     return -EINVAL;
@@ -1274,6 +1285,10 @@ void rpc_call_finish(rpc_call *call, int status, const char *message, const void
     return;
   }
   call->finished = 1;
+  rpc_server *s = call->server;
+  if (s->observer != NULL)
+    s->observer(s->observer_arg, call->method->path, call->cancelled ? RPC_CANCELLED : status,
+                (double)(uv_hrtime() - call->arrived_ns) * 1e-9);
   if (call->audit_who != NULL) {
     char quoted[RPC_MAX_STATUS_BYTES];
     LOG_INFOF("audit", "method=%s principal=%s %s status=%s message=%s", call->method->path,

@@ -113,6 +113,12 @@ int rpc_server_add_method(rpc_server *s, const char *path, rpc_kind kind, rpc_ha
  * may use RPC_RESERVED_CALLS calls beyond RPC_MAX_CALLS. */
 int rpc_server_set_priority(rpc_server *s, const char *path);
 
+/* Called on the loop as each call ends: its method's full path, the status
+ * it ended with (CANCELLED if the client went away; refusals when the
+ * server is busy included) and the seconds since it arrived (metrics). */
+typedef void (*rpc_observer)(void *arg, const char *method, int status, double seconds);
+void rpc_server_set_observer(rpc_server *s, rpc_observer fn, void *arg);
+
 /* Serves with TLS (mutual TLS with tls->ca_file and
  * tls->require_client_cert) instead of plain transport. Before
  * rpc_server_start. Returns 0 or a negative errno with a message in err

@@ -1,0 +1,252 @@
+/* A job's and its ranks' series (rank_metrics.h). */
+#include "rank_metrics.h"
+
+#include <ctype.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "job.h"
+
+static const char *const rank_labels[] = {"zerod_job", "rank", NULL};
+
+static const char *const collective_names[RANK_NCOLLECTIVES] = {
+    [RANK_ALL_GATHER] = "all_gather",
+    [RANK_REDUCE_SCATTER] = "reduce_scatter",
+    [RANK_BROADCAST] = "broadcast",
+    [RANK_ALL_REDUCE] = "all_reduce",
+};
+
+static metric_series *series(metrics *m, metric_type type, const char *name, const char *help,
+                             const char *const *labels, const char *const *values) {
+  return metric_series_get(metrics_family(m, type, name, help, labels, NULL, 0), values);
+}
+
+static void open_rank(metrics *m, rank_state *rs, rank_series *s, const char *memory) {
+  char rank[16];
+  snprintf(rank, sizeof rank, "%d", rs->rank);
+  const char *const v[] = {rs->job->name, rank, NULL};
+  s->steps = series(m, METRIC_COUNTER, "zerod_steps_total", "Optimizer steps the rank completed.",
+                    rank_labels, v);
+  s->step = series(m, METRIC_GAUGE, "zerod_step",
+                   "The rank's completed optimizer steps (a restore sets it to the checkpoint's).",
+                   rank_labels, v);
+  s->step_seconds = series(m, METRIC_HISTOGRAM, "zerod_step_duration_seconds",
+                           "Time from a step request's arrival to its answer (the gradient "
+                           "norm's all-reduce, clipping and the optimizer).",
+                           rank_labels, v);
+  s->gather_seconds = series(m, METRIC_HISTOGRAM, "zerod_gather_duration_seconds",
+                             "Time from a gather request's arrival to its answer (queueing, and "
+                             "the all-gather unless the unit was cached or prefetched).",
+                             rank_labels, v);
+  s->reduce_seconds = series(m, METRIC_HISTOGRAM, "zerod_reduce_duration_seconds",
+                             "Time from a reduce request's arrival to its answer (queueing and "
+                             "the reduce-scatter).",
+                             rank_labels, v);
+  s->register_seconds =
+      series(m, METRIC_HISTOGRAM, "zerod_register_duration_seconds",
+             "Time from a unit registration's arrival to its answer.", rank_labels, v);
+  static const char *const coll_labels[] = {"zerod_job", "rank", "collective", "level", NULL};
+  for (int c = 0; c < RANK_NCOLLECTIVES; c++) {
+    /* level: every collective spans the job's world today; the node-local
+     * and cross-node levels of a hierarchical collective get their own. */
+    const char *const cv[] = {rs->job->name, rank, collective_names[c], "world", NULL};
+    s->collective_bytes[c] =
+        series(m, METRIC_COUNTER, "zerod_collective_bytes_total",
+               "Payload bytes of the rank's collectives: the gathered buffer of an all-gather, "
+               "the input of a reduce-scatter, the buffer of a broadcast or all-reduce.",
+               coll_labels, cv);
+    s->collectives[c] = series(m, METRIC_COUNTER, "zerod_collectives_total",
+                               "Collectives the rank ran.", coll_labels, cv);
+  }
+  static const char *const mem_labels[] = {"zerod_job", "rank", "memory", NULL};
+  const char *const mv[] = {rs->job->name, rank, memory, NULL};
+  s->shard_bytes = series(m, METRIC_GAUGE, "zerod_shard_bytes",
+                          "Bytes of the rank's shards (master weights, optimizer moments, "
+                          "gradient accumulators, working copies), by the memory that holds them.",
+                          mem_labels, mv);
+  s->pool_bytes =
+      series(m, METRIC_GAUGE, "zerod_buffer_bytes",
+             "Bytes of the rank's gathered and gradient buffers, live or cached.", mem_labels, mv);
+  s->live_bytes = series(m, METRIC_GAUGE, "zerod_live_gathered_bytes",
+                         "Bytes of the rank's buffers a worker holds now (the job's "
+                         "max_live_bytes bounds them).",
+                         rank_labels, v);
+  s->queue_depth = series(m, METRIC_GAUGE, "zerod_queue_depth",
+                          "Requests queued or running on the rank's executor.", rank_labels, v);
+  s->attached =
+      series(m, METRIC_GAUGE, "zerod_worker_attached",
+             "1 while a read-write worker session is attached to the rank.", rank_labels, v);
+  s->ckpt_write_seconds =
+      series(m, METRIC_HISTOGRAM, "zerod_checkpoint_write_duration_seconds",
+             "Time to write and sync the rank's shard file of a checkpoint.", rank_labels, v);
+  s->ckpt_stall_seconds = series(m, METRIC_HISTOGRAM, "zerod_checkpoint_stall_seconds",
+                                 "Time a save's copy held up the rank's step.", rank_labels, v);
+  s->ckpt_bytes = series(m, METRIC_COUNTER, "zerod_checkpoint_written_bytes_total",
+                         "Bytes of shard files the rank wrote for checkpoints.", rank_labels, v);
+  static const char *const err_labels[] = {"zerod_job", "rank", "code", NULL};
+  s->errors = metrics_family(m, METRIC_COUNTER, "zerod_request_errors_total",
+                             "Worker requests to the rank answered with an error, by status code.",
+                             err_labels, NULL, 0);
+}
+
+static void close_rank(rank_series *s) {
+  metric_series *all[] = {s->steps,
+                          s->step,
+                          s->step_seconds,
+                          s->gather_seconds,
+                          s->reduce_seconds,
+                          s->register_seconds,
+                          s->shard_bytes,
+                          s->pool_bytes,
+                          s->live_bytes,
+                          s->queue_depth,
+                          s->attached,
+                          s->ckpt_write_seconds,
+                          s->ckpt_stall_seconds,
+                          s->ckpt_bytes};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+    metric_series_put(all[i]);
+  for (int c = 0; c < RANK_NCOLLECTIVES; c++) {
+    metric_series_put(s->collective_bytes[c]);
+    metric_series_put(s->collectives[c]);
+  }
+  for (int c = 0; c < RANK_METRICS_CODES; c++)
+    metric_series_put(atomic_load(&s->error_series[c]));
+  free(s);
+}
+
+void rank_metrics_open(job *j, metrics *m, const char *memory) {
+  if (m == NULL)
+    return;
+  static const char *const job_labels[] = {"zerod_job", NULL};
+  const char *const v[] = {j->name, NULL};
+  if ((j->metrics = calloc(1, sizeof *j->metrics)) == NULL)
+    return;
+  j->metrics->readers =
+      series(m, METRIC_GAUGE, "zerod_read_only_sessions",
+             "Read-only sessions attached to the job on this node.", job_labels, v);
+  for (int r = 0; r < j->nranks; r++) {
+    rank_state *rs = &j->ranks[r];
+    if ((rs->metrics = calloc(1, sizeof *rs->metrics)) != NULL)
+      open_rank(m, rs, rs->metrics, memory);
+  }
+}
+
+void rank_metrics_close(job *j) {
+  if (j->metrics != NULL)
+    metric_series_put(j->metrics->readers);
+  free(j->metrics);
+  j->metrics = NULL;
+  for (int r = 0; r < j->nranks; r++) {
+    if (j->ranks[r].metrics != NULL)
+      close_rank(j->ranks[r].metrics);
+    j->ranks[r].metrics = NULL;
+  }
+}
+
+/* "STATUS_INVALID_ARGUMENT" -> "invalid_argument". */
+static void code_name(int status, char *out, size_t out_bytes) {
+  const ProtobufCEnumValue *v =
+      protobuf_c_enum_descriptor_get_value(&zerod__v1__status__descriptor, status);
+  const char *name = v != NULL ? v->name : "unknown";
+  if (strncmp(name, "STATUS_", 7) == 0)
+    name += 7;
+  size_t i = 0;
+  for (; name[i] != '\0' && i + 1 < out_bytes; i++)
+    out[i] = (char)tolower((unsigned char)name[i]);
+  out[i] = '\0';
+}
+
+static void count_error(rank_state *rs, int status) {
+  rank_series *s = rs->metrics;
+  if (s->errors == NULL || status < 0 || status >= RANK_METRICS_CODES)
+    return;
+  metric_series *e = atomic_load(&s->error_series[status]);
+  if (e == NULL) {
+    char rank[16], code[48];
+    snprintf(rank, sizeof rank, "%d", rs->rank);
+    code_name(status, code, sizeof code);
+    const char *const v[] = {rs->job->name, rank, code, NULL};
+    metric_series *made = metric_series_get(s->errors, v);
+    if (made == NULL)
+      return;
+    /* Another thread may have made it first: theirs is kept. */
+    if (atomic_compare_exchange_strong(&s->error_series[status], &e, made))
+      e = made;
+    else
+      metric_series_put(made);
+  }
+  metric_add(e, 1);
+}
+
+void rank_metrics_op(rank_state *rs, rank_timer timer, int status, double made_at) {
+  if (rs == NULL || rs->metrics == NULL)
+    return;
+  rank_series *s = rs->metrics;
+  if (status != ZEROD__V1__STATUS__STATUS_OK) {
+    count_error(rs, status);
+    return;
+  }
+  metric_series *h = NULL;
+  switch (timer) {
+  case RANK_GATHER:
+    h = s->gather_seconds;
+    break;
+  case RANK_REDUCE:
+    h = s->reduce_seconds;
+    break;
+  case RANK_STEP:
+    h = s->step_seconds;
+    metric_add(s->steps, 1);
+    break;
+  case RANK_REGISTER:
+    h = s->register_seconds;
+    break;
+  case RANK_UNTIMED:
+    return;
+  }
+  metric_observe(h, metrics_now() - made_at);
+}
+
+void rank_metrics_state(rank_state *rs) {
+  rank_series *s = rs->metrics;
+  if (s == NULL)
+    return;
+  metric_set(s->step, (double)atomic_load(&rs->step));
+  metric_set(s->shard_bytes, (double)rs->state_bytes);
+  metric_set(s->pool_bytes, (double)rs->pool_bytes);
+  metric_set(s->live_bytes, (double)rs->live_bytes);
+}
+
+void rank_metrics_collective(rank_state *rs, rank_collective which, uint64_t bytes) {
+  if (rs->metrics == NULL)
+    return;
+  metric_add(rs->metrics->collective_bytes[which], (double)bytes);
+  metric_add(rs->metrics->collectives[which], 1);
+}
+
+void rank_metrics_ckpt_written(rank_state *rs, double seconds, uint64_t bytes) {
+  if (rs->metrics == NULL)
+    return;
+  metric_observe(rs->metrics->ckpt_write_seconds, seconds);
+  metric_add(rs->metrics->ckpt_bytes, (double)bytes);
+}
+
+void rank_metrics_ckpt_stall(rank_state *rs, double seconds) {
+  if (rs->metrics != NULL)
+    metric_observe(rs->metrics->ckpt_stall_seconds, seconds);
+}
+
+void rank_metrics_loop(job *j) {
+  if (j->metrics != NULL)
+    metric_set(j->metrics->readers, j->readers);
+  for (int r = 0; r < j->nranks; r++) {
+    rank_state *rs = &j->ranks[r];
+    if (rs->metrics == NULL)
+      continue;
+    metric_set(rs->metrics->queue_depth, atomic_load(&rs->busy));
+    metric_set(rs->metrics->attached, rs->session != NULL);
+  }
+}

@@ -1,0 +1,82 @@
+/* rank_metrics: a job's and its ranks' Prometheus series (metrics.h;
+ * their names and meaning are listed in docs/operations.md, "Metrics").
+ *
+ * Labels: zerod_job (the job's name: Prometheus keeps `job` for the scrape
+ * job) and rank (the global rank). The job's owner makes the series after
+ * job_create and drops them before job_destroy (node/jobs.c), so a job's
+ * figures leave the exposition when the job leaves the node. A job
+ * without series (metrics off, or out of memory) is fine: every function
+ * here then does nothing.
+ *
+ * Threads: rank_metrics_op and rank_metrics_collective update atomics and
+ * run on any thread; rank_metrics_state reads the rank's executor-owned
+ * fields and runs where the rank's state is (its executor, or the loop
+ * while the executor is idle); rank_metrics_loop reads loop-owned fields. */
+#ifndef ZEROD_RANK_METRICS_H
+#define ZEROD_RANK_METRICS_H
+
+#include <stdint.h>
+
+#include "metrics.h"
+
+struct rank_state;
+struct job;
+
+/* Status codes counted by name (Zerod__V1__Status values below this). */
+#define RANK_METRICS_CODES 16
+
+typedef enum rank_collective {
+  RANK_ALL_GATHER,
+  RANK_REDUCE_SCATTER,
+  RANK_BROADCAST,
+  RANK_ALL_REDUCE,
+  RANK_NCOLLECTIVES
+} rank_collective;
+
+/* The ops whose latency has a histogram. */
+typedef enum rank_timer {
+  RANK_UNTIMED,
+  RANK_GATHER,
+  RANK_REDUCE,
+  RANK_STEP,
+  RANK_REGISTER, /* registrations and loads */
+} rank_timer;
+
+typedef struct rank_series {
+  metric_series *steps, *step;
+  metric_series *step_seconds, *gather_seconds, *reduce_seconds, *register_seconds;
+  metric_series *collective_bytes[RANK_NCOLLECTIVES], *collectives[RANK_NCOLLECTIVES];
+  metric_series *shard_bytes, *pool_bytes, *live_bytes, *queue_depth, *attached;
+  metric_series *ckpt_write_seconds, *ckpt_stall_seconds, *ckpt_bytes;
+  /* Errors by status code, made on first use by whichever thread answers
+   * one. */
+  metric_family *errors;
+  _Atomic(metric_series *) error_series[RANK_METRICS_CODES];
+} rank_series;
+
+typedef struct job_series {
+  metric_series *readers;
+} job_series;
+
+/* Makes the series of a job and of all its ranks in m (none when m is
+ * NULL); memory: where the ranks' shards are, "host" or "device". Before
+ * the ranks start. rank_metrics_close drops them, after they stopped. */
+void rank_metrics_open(struct job *j, metrics *m, const char *memory);
+void rank_metrics_close(struct job *j);
+
+/* An op is answered with status: its latency since made_at (metrics_now)
+ * if it succeeded and has a timer (a step counts one step), else its
+ * error by code. */
+void rank_metrics_op(struct rank_state *rs, rank_timer timer, int status, double made_at);
+/* After an op: the gauges that follow the rank's own state. */
+void rank_metrics_state(struct rank_state *rs);
+/* A collective of the rank moved bytes (its payload on this rank). */
+void rank_metrics_collective(struct rank_state *rs, rank_collective which, uint64_t bytes);
+/* A checkpoint's shard file was written (the node's shard writer). */
+void rank_metrics_ckpt_written(struct rank_state *rs, double seconds, uint64_t bytes);
+/* A save's copy stalled the rank's steps this long. */
+void rank_metrics_ckpt_stall(struct rank_state *rs, double seconds);
+/* Loop thread: queue depth, sessions. */
+void rank_metrics_loop(struct job *j);
+
+#endif /* ZEROD_RANK_METRICS_H */
