@@ -30,6 +30,7 @@
 #include "log.h"
 #include "rpc.h"
 #include "size.h"
+#include "top.h"
 #include "zerod/v1/control.pb-c.h"
 
 #ifndef ZEROD_VERSION
@@ -1560,6 +1561,9 @@ static const char general_usage[] =
     "                           first; default root: its checkpoint directory);\n"
     "                           waits (600 s unless --timeout)\n"
     "  health [SERVICE]         grpc.health.v1 check; exit 0 only when SERVING\n"
+    "  top [--metrics HOST:PORT]...\n"
+    "                           a live table of jobs and ranks from the daemons'\n"
+    "                           metrics (its options follow it: zerodctl top --help)\n"
     "\n"
     "options (before or after the command):\n"
     "  -c, --coordinator HOST:PORT  the coordinator, or unix:DIR/control.sock for a\n"
@@ -1850,6 +1854,10 @@ static int security_setup(ctl *c, const char *token_file, bool insecure) {
 }
 
 int main(int argc, char **argv) {
+  /* top reads the daemons' metrics, not the coordinator: options of its
+   * own, after it. */
+  if (argc > 1 && strcmp(argv[1], "top") == 0)
+    return ctl_top(argc - 1, argv + 1);
   ctl c = {.coordinator = NULL, .timeout_s = CTL_DEFAULT_TIMEOUT_S};
   create_options create = {0};
   const char *coordinator_from = "--coordinator";
@@ -1960,6 +1968,8 @@ int main(int argc, char **argv) {
                              ? "checkpoint: which one? save, list, delete or restore"
                              : "checkpoint: unknown command '%s' (save, list, delete or restore)",
                          n_args > 1 ? args[1] : "");
+    if (strcmp(args[0], "top") == 0)
+      return usage_error("top: its options go after it: zerodctl top [--json] ...");
     return usage_error("unknown command '%s' (see zerodctl --help)", args[0]);
   }
   c.command = cmd->name;

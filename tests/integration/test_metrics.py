@@ -12,6 +12,7 @@
 """
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -257,3 +258,87 @@ def test_a_bad_listen_address_is_refused(tmp_path):
                               timeout=30)
         assert proc.returncode == 1, proc.stderr
         assert "--metrics-listen %s" % addr in proc.stderr and why in proc.stderr, proc.stderr
+
+
+def ctl_top(*args, env_metrics=None):
+    env = dict(os.environ)
+    env.pop("ZEROD_METRICS", None)
+    if env_metrics is not None:
+        env["ZEROD_METRICS"] = env_metrics
+    return subprocess.run([binary("zerodctl"), "top"] + list(args), capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+def test_zerodctl_top_shows_training(start_daemon):
+    d = start_daemon(ranks=2, extra=["--metrics-listen", "127.0.0.1:0"])
+    port = metrics_port(d.read_log)
+    target = "127.0.0.1:%d" % port
+    workers = [subprocess.Popen(
+        [binary("zerod-mlp-train"), "--socket", d.socket, "--job", "topjob", "--local-rank",
+         str(rank), "--steps", "100000", "--batch", "64", "--log-every", "1000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for rank in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            _, _, text = scrape(port)
+            if "zerod_step{" in text and value(text, "zerod_node_sessions") == 2:
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.1)
+        # JSON: one object, rates over the interval while both ranks train.
+        top = ctl_top("--metrics", target, "--once", "--interval", "1", "--json")
+        assert top.returncode == 0, top.stderr
+        lines = top.stdout.splitlines()
+        assert len(lines) == 1, top.stdout
+        snap = json.loads(lines[0])
+        assert snap["targets"][0]["ok"] and snap["targets"][0]["mode"] == "standalone"
+        assert snap["targets"][0]["sessions"] == 2
+        ranks = [r for r in snap["ranks"] if r["job"] == "topjob"]
+        assert sorted(r["rank"] for r in ranks) == [0, 1], snap
+        for r in ranks:
+            assert r["steps_per_s"] > 0 and r["step"] > 0, r
+            assert r["gather_ms"] > 0 and r["reduce_ms"] > 0 and r["step_ms"] > 0, r
+            assert r["moved_bytes_per_s"] > 0 and r["shard_bytes"] > 0, r
+            assert r["worker_attached"] is True and r["errors"] == 0, r
+        # The table, twice, from ZEROD_METRICS, one job only.
+        top = ctl_top("--count", "2", "--interval", "0.3", "--job", "topjob",
+                      env_metrics=target)
+        assert top.returncode == 0, top.stderr
+        assert top.stdout.count("zerodctl top: 1 target") == 2, top.stdout
+        rows = [l.split() for l in top.stdout.splitlines() if l.startswith("topjob")]
+        assert len(rows) == 4 and {r[1] for r in rows} == {"0", "1"}, top.stdout
+        assert all(r[-2] == "yes" for r in rows), top.stdout
+        assert re.search(r"^%s\s+standalone\s" % re.escape(target), top.stdout, re.M)
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+
+
+def test_zerodctl_top_failures(start_daemon):
+    d = start_daemon(extra=["--metrics-listen", "127.0.0.1:0"])
+    port = metrics_port(d.read_log)
+    dead = "127.0.0.1:%d" % free_port()
+    top = ctl_top("--metrics", dead, "--once", "--interval", "0.2")
+    assert top.returncode == 1 and top.stderr.startswith("zerodctl: top: %s: " % dead), top
+    assert "unreachable" in top.stdout
+    # Not Prometheus' format: the daemon's index page.
+    top = ctl_top("--metrics", "http://127.0.0.1:%d/" % port, "--once", "--interval", "0.2")
+    assert top.returncode == 1 and "not Prometheus' text format: line 1" in top.stderr, top
+    # One target down of two: the table goes on.
+    top = ctl_top("--metrics", dead, "--metrics", "127.0.0.1:%d" % port, "--once", "--json",
+                  "--interval", "0.2")
+    assert top.returncode == 0, top.stderr
+    snap = json.loads(top.stdout)
+    assert [t["ok"] for t in snap["targets"]] == [False, True]
+    assert "connect" in snap["targets"][0]["error"].lower()
+    for args, why in ((["--once"], "no target"),
+                      (["--metrics", "x", "--once"], "expected HOST:PORT"),
+                      (["--metrics", "ftp://h:1/", "--once"], "only http"),
+                      (["--metrics", dead, "--interval", "0"], "invalid --interval"),
+                      (["--metrics", dead, "--count", "0"], "invalid --count"),
+                      (["--metrics", dead, "extra"], "unexpected argument")):
+        top = ctl_top(*args)
+        assert top.returncode == 2 and why in top.stderr, (args, top.stderr)
+    wrong = subprocess.run([binary("zerodctl"), "--json", "top"], capture_output=True, text=True)
+    assert wrong.returncode == 2 and "after it" in wrong.stderr, wrong.stderr
