@@ -18,6 +18,7 @@ VALIDATE_PYTHON = os.environ.get("ZEROD_DEPLOY_PYTHON",
 # 1.27) and the newest kubernetes-validate knows.
 K8S_VERSIONS = ["1.30.0", "latest"]
 OVERLAYS = ["cpu", "gpu"]
+BIN = os.environ.get("ZEROD_BIN_DIR", os.path.join(SOURCE, "build", "release", "bin"))
 
 
 def kubectl():
@@ -31,6 +32,18 @@ def render(overlay):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def assert_flags_exist(args, *mode):
+    """Every --flag the manifest passes is one the binary's help lists."""
+    zerod = os.path.join(BIN, "zerod")
+    assert os.path.exists(zerod), "zerod not built (ZEROD_BIN_DIR=%s)" % BIN
+    help_text = subprocess.run([zerod, *mode, "--help"], capture_output=True, text=True,
+                               check=True).stdout
+    for a in args:
+        if a.startswith("--"):
+            flag = a.split("=", 1)[0]
+            assert flag + " " in help_text, "%s is not a flag of zerod %s" % (flag, " ".join(mode))
 
 
 def find(docs, kind, name):
@@ -106,8 +119,8 @@ def test_node_daemonset(overlay):
                  "--tls-key=/etc/zerod/tls/tls.key",
                  "--auth-token-file=/etc/zerod/token/token"]:
         assert flag in args, flag
-    # No flag the binary does not have yet (metrics come later).
-    assert not any(a.startswith("--metrics") for a in args)
+    assert "--metrics-listen=0.0.0.0:9464" in args
+    assert_flags_exist(args[1:])
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in node["env"]}
     assert env == {"NODE_NAME": "spec.nodeName", "POD_IP": "status.podIP"}
     assert node["startupProbe"]["grpc"]["port"] == 7072
@@ -145,8 +158,10 @@ def test_coordinator(overlay):
                  "--checkpoint-dir=/var/lib/zerod/checkpoints",
                  "--tls-cert=/etc/zerod/tls/tls.crt", "--tls-key=/etc/zerod/tls/tls.key",
                  "--tls-client-ca=/etc/zerod/tls/ca.crt",
-                 "--auth-file=/etc/zerod/auth/principals", "--health-listen=0.0.0.0:7073"]:
+                 "--auth-file=/etc/zerod/auth/principals", "--health-listen=0.0.0.0:7073",
+                 "--metrics-listen=0.0.0.0:9464"]:
         assert flag in args, flag
+    assert_flags_exist(args[1:], "coordinator")
     # The probes ask the plain-text health listener (the main port is TLS).
     for probe in ["startupProbe", "readinessProbe", "livenessProbe"]:
         assert coord[probe]["grpc"]["port"] == 7073, probe
