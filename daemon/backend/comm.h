@@ -53,6 +53,21 @@ struct zk_cuda_api;
 int comm_nccl_create(const comm_options *options, store *st, const struct zk_cuda_api *api,
                      void *stream, comm **out, char *err, size_t err_bytes);
 
+/* The ranks of a job that are threads of this process, all of its ranks
+ * (a job on one node, host memory): a group that their communicators
+ * share, made by whoever owns the job and handed to each rank. The
+ * collectives are copies and rank-order sums in the process's memory
+ * (comm_local.c), bit for bit the Gloo backend's results. */
+typedef struct comm_local_group comm_local_group;
+int comm_local_group_create(int world_size, comm_local_group **out);
+void comm_local_group_ref(comm_local_group *g);
+void comm_local_group_unref(comm_local_group *g);
+/* Creates options->rank's communicator in group (which it references);
+ * blocks until every rank of the group has called it (or the timeout).
+ * options->prefix and hostname are unused. */
+int comm_local_create(const comm_options *options, comm_local_group *group, comm **out, char *err,
+                      size_t err_bytes);
+
 /* recv holds world_size * bytes_per_rank; rank r's send lands at
  * recv + r * bytes_per_rank. send may point there already (in place). */
 int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank);

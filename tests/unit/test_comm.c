@@ -1,8 +1,12 @@
-/* The Gloo communicator (comm.h) and the in-process store (store.h).
+/* The communicators (comm.h): Gloo, and the local backend of ranks that are
+ * threads of one process (comm_local.c); and the in-process store
+ * (store.h).
  *
  * Every collective test runs `world` ranks as threads of this process, each
- * creating its own communicator through one shared store_mem, the way the
- * daemon hosts several ranks of a job. cmocka's assertions may only fail on
+ * creating its own communicator through one shared store_mem (Gloo) or one
+ * local group, the way the daemon hosts several ranks of a job; the
+ * collective and failure tests run once per backend, and the local
+ * backend's sums are checked bit for bit against Gloo's. cmocka's assertions may only fail on
  * the test's own thread, so rank threads record their first failure in
  * their rank_ctx and the test thread reports it after joining them.
  *
@@ -78,8 +82,12 @@ typedef struct rank_ctx {
 
 typedef void (*rank_body)(rank_ctx *rc);
 
+/* The backend the world runs use: set by each test's setup. */
+static bool use_local;
+
 struct world_run {
   store *st;
+  comm_local_group *group; /* the local backend's */
   int world;
   int timeout_ms;
   rank_body body;
@@ -120,9 +128,11 @@ static void *rank_main(void *arg) {
                           .world_size = run->world,
                           .timeout_ms = run->timeout_ms};
   char err[256];
-  int create_rc = comm_gloo_create(&options, run->st, &rc->c, err, sizeof err);
+  int create_rc = use_local ? comm_local_create(&options, run->group, &rc->c, err, sizeof err)
+                            : comm_gloo_create(&options, run->st, &rc->c, err, sizeof err);
   if (create_rc != 0) {
-    rank_fail(rc, "comm_gloo_create returned %d: %s", create_rc, err);
+    rank_fail(rc, "creating the %s communicator returned %d: %s", use_local ? "local" : "gloo",
+              create_rc, err);
     return NULL;
   }
   run->body(rc);
@@ -138,6 +148,8 @@ static void *rank_main(void *arg) {
  * destroyed after the join. */
 static void run_world_in(store *st, int world, int timeout_ms, rank_body body, void *user) {
   world_run run = {.st = st, .world = world, .timeout_ms = timeout_ms, .body = body, .user = user};
+  if (use_local)
+    assert_int_equal(comm_local_group_create(world, &run.group), 0);
   pthread_t threads[MAX_WORLD];
   for (int r = 0; r < world; r++) {
     run.ranks[r].run = &run;
@@ -148,6 +160,7 @@ static void run_world_in(store *st, int world, int timeout_ms, rank_body body, v
     pthread_join(threads[r], NULL);
   for (int r = 0; r < world; r++)
     comm_destroy(run.ranks[r].c);
+  comm_local_group_unref(run.group);
   for (int r = 0; r < world; r++)
     if (run.ranks[r].failure[0] != '\0')
       fail_msg("world %d, rank %d: %s", world, r, run.ranks[r].failure);
@@ -833,6 +846,158 @@ static void test_bad_arguments_fail_and_break_the_communicator(void **state) {
   run_world(1, DEFAULT_TIMEOUT_MS, invalid_arguments_body, NULL);
 }
 
+/* ---- the local backend ------------------------------------------------------ */
+
+static int gloo_backend(void **state) {
+  (void)state;
+  use_local = false;
+  return 0;
+}
+
+static int local_backend(void **state) {
+  (void)state;
+  use_local = true;
+  return 0;
+}
+
+/* Sums of values that round: the local backend's reduce-scatter must add
+ * them in the same order as Gloo's (rank order), to the bit. */
+#define BITS_WORLD 3
+#define BITS_SHARD 10007
+
+typedef struct bits_state {
+  float *inputs[BITS_WORLD]; /* each BITS_WORLD * BITS_SHARD */
+  float results[BITS_WORLD][BITS_SHARD];
+  double norms[BITS_WORLD][4];
+} bits_state;
+
+static void bits_body(rank_ctx *rc) {
+  bits_state *bs = rc->run->user;
+  RANK_CALL(
+      rc, comm_reduce_scatter_f32(rc->c, bs->inputs[rc->rank], bs->results[rc->rank], BITS_SHARD));
+  double *norms = bs->norms[rc->rank];
+  for (int i = 0; i < 4; i++)
+    norms[i] = 1.0 / (3.0 + rc->rank + i * 7.0);
+  RANK_CALL(rc, comm_all_reduce(rc->c, norms, 4, COMM_F64, COMM_SUM));
+}
+
+static void test_local_sums_bit_for_bit_as_gloo(void **state) {
+  (void)state;
+  static bits_state gloo, local;
+  uint64_t seed = 42;
+  for (int r = 0; r < BITS_WORLD; r++) {
+    gloo.inputs[r] = xmalloc(sizeof(float) * BITS_WORLD * BITS_SHARD);
+    local.inputs[r] = xmalloc(sizeof(float) * BITS_WORLD * BITS_SHARD);
+    for (size_t i = 0; i < (size_t)BITS_WORLD * BITS_SHARD; i++) {
+      /* Magnitudes from 1e-4 to 1e4: sums that round differently in
+       * another order. */
+      double u = (double)(rng_next(&seed) >> 11) / 9007199254740992.0;
+      gloo.inputs[r][i] = local.inputs[r][i] = (float)((u - 0.5) * pow(10.0, (double)(i % 9) - 4));
+    }
+  }
+  use_local = false;
+  run_world(BITS_WORLD, DEFAULT_TIMEOUT_MS, bits_body, &gloo);
+  use_local = true;
+  run_world(BITS_WORLD, DEFAULT_TIMEOUT_MS, bits_body, &local);
+  for (int r = 0; r < BITS_WORLD; r++)
+    for (size_t i = 0; i < BITS_SHARD; i++) {
+      size_t at = (size_t)r * BITS_SHARD + i;
+      float want = (local.inputs[0][at] + local.inputs[1][at]) + local.inputs[2][at];
+      if (memcmp(&want, &gloo.results[r][i], sizeof want) != 0 ||
+          memcmp(&want, &local.results[r][i], sizeof want) != 0)
+        fail_msg("rank %d element %zu: sequential %a, gloo %a, local %a", r, i, (double)want,
+                 (double)gloo.results[r][i], (double)local.results[r][i]);
+    }
+  /* all_reduce: Gloo's is a ring (the order depends on the rank); the
+   * local backend's is rank order on every rank, like its reduce-scatter. */
+  for (int r = 0; r < BITS_WORLD; r++)
+    for (int i = 0; i < 4; i++) {
+      double want = (1.0 / (3.0 + i * 7.0) + 1.0 / (4.0 + i * 7.0)) + 1.0 / (5.0 + i * 7.0);
+      assert_memory_equal(&local.norms[r][i], &want, sizeof want);
+      assert_true(fabs(gloo.norms[r][i] - want) <= 1e-15);
+    }
+  /* And the order matters: a reversed sum differs somewhere. */
+  size_t differs = 0;
+  for (size_t i = 0; i < BITS_SHARD; i++) {
+    float forward = (local.inputs[0][i] + local.inputs[1][i]) + local.inputs[2][i];
+    float backward = (local.inputs[2][i] + local.inputs[1][i]) + local.inputs[0][i];
+    differs += forward != backward;
+  }
+  assert_true(differs > 0);
+  for (int r = 0; r < BITS_WORLD; r++) {
+    free(gloo.inputs[r]);
+    free(local.inputs[r]);
+  }
+}
+
+static void test_local_create_waits_for_every_rank_then_times_out(void **state) {
+  (void)state;
+  comm_local_group *g = NULL;
+  assert_int_equal(comm_local_group_create(2, &g), 0);
+  comm_options options = {.rank = 0, .world_size = 2, .timeout_ms = 300};
+  comm *c = NULL;
+  char err[256] = "";
+  double started_ms = now_ms();
+  int rc = comm_local_create(&options, g, &c, err, sizeof err);
+  double took_ms = now_ms() - started_ms;
+  assert_int_equal(rc, -ETIMEDOUT);
+  assert_null(c);
+  if (took_ms < 250 || took_ms > 3000)
+    fail_msg("create should give up after about 300 ms, took %.0f ms", took_ms);
+  if (strstr(err, "rendezvous: timed out after 300 ms waiting for rank 1") == NULL)
+    fail_msg("the error should name the missing rank, got \"%s\"", err);
+  /* Bad options are refused before anything waits. */
+  options.rank = 2;
+  assert_int_equal(comm_local_create(&options, g, &c, err, sizeof err), -EINVAL);
+  assert_non_null(strstr(err, "rank 2 of 2"));
+  options = (comm_options){.rank = 0, .world_size = 3, .timeout_ms = 300};
+  assert_int_equal(comm_local_create(&options, g, &c, err, sizeof err), -EINVAL);
+  options = (comm_options){.rank = 0, .world_size = 2, .timeout_ms = 0};
+  assert_int_equal(comm_local_create(&options, g, &c, err, sizeof err), -EINVAL);
+  comm_local_group_unref(g);
+}
+
+/* A rank that leaves (its communicator destroyed: its job failed) wakes a
+ * peer waiting for it at once. */
+typedef struct leave_state {
+  atomic_int waiting;
+  int rc;
+  double ms;
+  char error[256];
+} leave_state;
+
+static void leave_body(rank_ctx *rc) {
+  leave_state *ls = rc->run->user;
+  if (rc->rank == 1) {
+    while (atomic_load(&ls->waiting) == 0)
+      sleep_ms(1);
+    sleep_ms(100);
+    comm_destroy(rc->c);
+    rc->c = NULL;
+    return;
+  }
+  uint8_t bytes[2 * 16];
+  atomic_store(&ls->waiting, 1);
+  double started_ms = now_ms();
+  ls->rc = comm_all_gather(rc->c, bytes, bytes, 16);
+  ls->ms = now_ms() - started_ms;
+  snprintf(ls->error, sizeof ls->error, "%s", comm_last_error(rc->c));
+}
+
+static void test_local_peer_leaving_fails_a_waiting_rank_at_once(void **state) {
+  (void)state;
+  leave_state ls = {0};
+  use_local = true;
+  run_world(2, DEFAULT_TIMEOUT_MS, leave_body, &ls);
+  assert_int_equal(ls.rc, -ECONNRESET);
+  if (ls.ms > 2000)
+    fail_msg("the waiting rank should fail when its peer leaves (~100 ms), took %.0f ms", ls.ms);
+  assert_non_null(strstr(ls.error, "all_gather: rank 1 left"));
+}
+
+#define BOTH(test)                                                                                 \
+  cmocka_unit_test_setup(test, gloo_backend), cmocka_unit_test_setup(test, local_backend)
+
 int main(void) {
   /* Gloo writes to sockets without MSG_NOSIGNAL; the daemon ignores SIGPIPE
    * for the same reason. */
@@ -844,23 +1009,26 @@ int main(void) {
       cmocka_unit_test(test_store_delete_prefix_removes_only_matching_keys),
       cmocka_unit_test(test_store_rejects_oversized_keys),
       cmocka_unit_test(test_store_stop_ends_waits_for_missing_keys),
-      cmocka_unit_test(test_all_gather_in_place_collects_every_rank_slice),
-      cmocka_unit_test(test_all_gather_out_of_place_collects_every_rank_slice),
-      cmocka_unit_test(test_reduce_scatter_sums_every_rank_slice),
-      cmocka_unit_test(test_reduce_scatter_sums_a_large_shard),
-      cmocka_unit_test(test_reduce_scatter_in_place_into_own_shard),
-      cmocka_unit_test(test_reduce_scatter_is_deterministic_run_to_run),
-      cmocka_unit_test(test_all_reduce_combines_every_dtype_and_op),
-      cmocka_unit_test(test_broadcast_from_a_nonzero_root_reaches_every_rank),
-      cmocka_unit_test(test_barrier_waits_for_every_rank),
-      cmocka_unit_test(test_create_times_out_when_a_rank_is_missing),
-      cmocka_unit_test(test_create_rejects_bad_options),
-      cmocka_unit_test(test_create_removes_its_rendezvous_keys),
-      cmocka_unit_test(test_all_gather_times_out_when_a_peer_stops_calling),
-      cmocka_unit_test(test_late_rank_fails_fast_after_its_peer_timed_out),
-      cmocka_unit_test(test_abort_ends_a_collective_waiting_for_a_silent_peer),
-      cmocka_unit_test(test_create_gives_up_when_the_store_stops),
-      cmocka_unit_test(test_bad_arguments_fail_and_break_the_communicator),
+      BOTH(test_all_gather_in_place_collects_every_rank_slice),
+      BOTH(test_all_gather_out_of_place_collects_every_rank_slice),
+      BOTH(test_reduce_scatter_sums_every_rank_slice),
+      BOTH(test_reduce_scatter_sums_a_large_shard),
+      BOTH(test_reduce_scatter_in_place_into_own_shard),
+      BOTH(test_reduce_scatter_is_deterministic_run_to_run),
+      BOTH(test_all_reduce_combines_every_dtype_and_op),
+      BOTH(test_broadcast_from_a_nonzero_root_reaches_every_rank),
+      BOTH(test_barrier_waits_for_every_rank),
+      cmocka_unit_test_setup(test_create_times_out_when_a_rank_is_missing, gloo_backend),
+      cmocka_unit_test_setup(test_create_rejects_bad_options, gloo_backend),
+      cmocka_unit_test_setup(test_create_removes_its_rendezvous_keys, gloo_backend),
+      BOTH(test_all_gather_times_out_when_a_peer_stops_calling),
+      BOTH(test_late_rank_fails_fast_after_its_peer_timed_out),
+      BOTH(test_abort_ends_a_collective_waiting_for_a_silent_peer),
+      cmocka_unit_test_setup(test_create_gives_up_when_the_store_stops, gloo_backend),
+      BOTH(test_bad_arguments_fail_and_break_the_communicator),
+      cmocka_unit_test(test_local_sums_bit_for_bit_as_gloo),
+      cmocka_unit_test(test_local_create_waits_for_every_rank_then_times_out),
+      cmocka_unit_test(test_local_peer_leaving_fails_a_waiting_rank_at_once),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

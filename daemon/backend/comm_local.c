@@ -1,0 +1,350 @@
+/* comm_local - the collectives between ranks that are threads of one
+ * process (comm.h: comm_local_create): a node daemon's host ranks of a job
+ * whose ranks all live on this node.
+ *
+ * No transport: each collective publishes the rank's buffers in the
+ * group's slots, meets its peers at a barrier, reads what it needs from
+ * their buffers (copies for a gather or a broadcast, sums in rank order
+ * for a reduction) and meets them at a second barrier, after which nobody
+ * reads its buffers any more and it may return. A reduction adds the ranks'
+ * values in rank order, ((g0 + g1) + g2) + ..., element by element: the
+ * same bits as the Gloo backend and a sequential sum.
+ *
+ * A barrier that waits longer than the communicator's timeout breaks the
+ * group for every rank (-ETIMEDOUT), as a stuck peer does over Gloo; so do
+ * an abort (comm_abort, a failure on any rank) and a rank leaving
+ * (comm_destroy): its peers' calls fail at once instead of waiting. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "comm_impl.h"
+
+/* A reduction works through its slice in chunks of this many elements, so
+ * that the running sum stays in cache while each rank's values are added. */
+#define SUM_CHUNK 8192
+
+typedef struct slot {
+  const void *send;
+  void *recv;
+} slot;
+
+struct comm_local_group {
+  pthread_mutex_t mutex;
+  pthread_cond_t cond;
+  int world_size;
+  int refs;
+  uint64_t arrived, phase; /* the barrier: arrivals in this phase, phases done */
+  int error;               /* 0, or why the group broke (every rank fails with it) */
+  char why[256];
+  slot *slots;       /* [world_size], each written by its rank between barriers */
+  uint64_t *arrival; /* [world_size]: the phase + 1 of each rank's last arrival */
+};
+
+typedef struct local_comm {
+  comm base;
+  comm_local_group *group;
+} local_comm;
+
+int comm_local_group_create(int world_size, comm_local_group **out) {
+  *out = NULL;
+  if (world_size < 1 || world_size > COMM_MAX_WORLD_SIZE)
+    return -EINVAL;
+  comm_local_group *g = calloc(1, sizeof *g);
+  if (g == NULL || (g->slots = calloc((size_t)world_size, sizeof *g->slots)) == NULL ||
+      (g->arrival = calloc((size_t)world_size, sizeof *g->arrival)) == NULL) {
+    if (g != NULL)
+      free(g->slots);
+    free(g);
+    return -ENOMEM;
+  }
+  pthread_mutex_init(&g->mutex, NULL);
+  pthread_condattr_t attr;
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_cond_init(&g->cond, &attr);
+  pthread_condattr_destroy(&attr);
+  g->world_size = world_size;
+  g->refs = 1;
+  *out = g;
+  return 0;
+}
+
+void comm_local_group_ref(comm_local_group *g) {
+  pthread_mutex_lock(&g->mutex);
+  g->refs++;
+  pthread_mutex_unlock(&g->mutex);
+}
+
+void comm_local_group_unref(comm_local_group *g) {
+  if (g == NULL)
+    return;
+  pthread_mutex_lock(&g->mutex);
+  int last = --g->refs == 0;
+  pthread_mutex_unlock(&g->mutex);
+  if (!last)
+    return;
+  pthread_mutex_destroy(&g->mutex);
+  pthread_cond_destroy(&g->cond);
+  free(g->slots);
+  free(g->arrival);
+  free(g);
+}
+
+/* Breaks the group for every rank (the first reason wins) and wakes them. */
+static void group_break(comm_local_group *g, int error, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void group_break(comm_local_group *g, int error, const char *fmt, ...) {
+  pthread_mutex_lock(&g->mutex);
+  if (g->error == 0) {
+    g->error = error;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g->why, sizeof g->why, fmt, ap);
+    va_end(ap);
+  }
+  pthread_cond_broadcast(&g->cond);
+  pthread_mutex_unlock(&g->mutex);
+}
+
+/* Waits for every rank of the group to arrive for the collective what. 0,
+ * or the group's error, after which the caller's communicator is broken
+ * with its reason (worded as the Gloo backend words it). */
+static int barrier(local_comm *lc, const char *what) {
+  comm_local_group *g = lc->group;
+  struct timespec deadline;
+  clock_gettime(CLOCK_MONOTONIC, &deadline);
+  deadline.tv_sec += lc->base.timeout_ms / 1000;
+  deadline.tv_nsec += (long)(lc->base.timeout_ms % 1000) * 1000000L;
+  if (deadline.tv_nsec >= 1000000000L) {
+    deadline.tv_sec++;
+    deadline.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&g->mutex);
+  int rc = g->error;
+  if (rc == 0) {
+    uint64_t phase = g->phase;
+    g->arrival[lc->base.rank] = phase + 1;
+    if (++g->arrived == (uint64_t)g->world_size) {
+      g->arrived = 0;
+      g->phase++;
+      pthread_cond_broadcast(&g->cond);
+    } else {
+      while (g->phase == phase && g->error == 0) {
+        if (pthread_cond_timedwait(&g->cond, &g->mutex, &deadline) == ETIMEDOUT &&
+            g->phase == phase && g->error == 0) {
+          int missing = 0;
+          while (missing < g->world_size && g->arrival[missing] == phase + 1)
+            missing++;
+          g->error = -ETIMEDOUT;
+          snprintf(g->why, sizeof g->why,
+                   "timed out after %d ms waiting for rank %d (peer dead or not calling)",
+                   lc->base.timeout_ms, missing);
+          pthread_cond_broadcast(&g->cond);
+        }
+      }
+      rc = g->phase != phase ? 0 : g->error;
+    }
+  }
+  char why[sizeof g->why];
+  memcpy(why, g->why, sizeof why);
+  pthread_mutex_unlock(&g->mutex);
+  if (rc == -ECANCELED)
+    return comm_break(&lc->base, rc, "%s: communicator aborted", what);
+  if (rc != 0)
+    return comm_break(&lc->base, rc, "%s: %s", what, why);
+  return 0;
+}
+
+/* Publishes the rank's buffers and meets the others: after it, every
+ * rank's slot is readable until the closing barrier. */
+static int publish(local_comm *lc, const char *what, const void *send, void *recv) {
+  lc->group->slots[lc->base.rank] = (slot){.send = send, .recv = recv};
+  return barrier(lc, what);
+}
+
+static int local_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank) {
+  local_comm *lc = (local_comm *)c;
+  int rc = publish(lc, "all_gather", send, recv);
+  if (rc != 0)
+    return rc;
+  const slot *slots = lc->group->slots;
+  for (int r = 0; r < c->world_size; r++) {
+    uint8_t *to = (uint8_t *)recv + (size_t)r * bytes_per_rank;
+    if (slots[r].send != to)
+      memcpy(to, slots[r].send, bytes_per_rank);
+  }
+  return barrier(lc, "all_gather");
+}
+
+static int local_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_numel) {
+  local_comm *lc = (local_comm *)c;
+  int rc = publish(lc, "reduce_scatter", send, recv);
+  if (rc != 0)
+    return rc;
+  const slot *slots = lc->group->slots;
+  size_t base = (size_t)c->rank * shard_numel;
+  /* The sum of a chunk is made aside: recv may be this rank's own slice of
+   * its send (in place), whose values are still to be added. */
+  float acc[SUM_CHUNK];
+  for (size_t at = 0; at < shard_numel; at += SUM_CHUNK) {
+    size_t n = shard_numel - at < SUM_CHUNK ? shard_numel - at : SUM_CHUNK;
+    memcpy(acc, (const float *)slots[0].send + base + at, n * sizeof(float));
+    for (int r = 1; r < c->world_size; r++) {
+      const float *from = (const float *)slots[r].send + base + at;
+      for (size_t i = 0; i < n; i++)
+        acc[i] += from[i];
+    }
+    memcpy(recv + at, acc, n * sizeof(float));
+  }
+  return barrier(lc, "reduce_scatter");
+}
+
+/* out = op over the ranks' bufs, in rank order. */
+#define REDUCE_INTO(type, out, count, op)                                                          \
+  do {                                                                                             \
+    type *o = (type *)(out);                                                                       \
+    memcpy(o, slots[0].recv, (count) * sizeof(type));                                              \
+    for (int r = 1; r < c->world_size; r++) {                                                      \
+      const type *v = (const type *)slots[r].recv;                                                 \
+      for (size_t i = 0; i < (count); i++)                                                         \
+        o[i] = (op) == COMM_SUM   ? (type)(o[i] + v[i])                                            \
+               : (op) == COMM_MAX ? (o[i] > v[i] ? o[i] : v[i])                                    \
+                                  : (o[i] < v[i] ? o[i] : v[i]);                                   \
+    }                                                                                              \
+  } while (0)
+
+static size_t dtype_bytes(comm_dtype dtype) {
+  switch (dtype) {
+  case COMM_F32:
+    return 4;
+  case COMM_F64:
+  case COMM_I64:
+    return 8;
+  case COMM_U8:
+    return 1;
+  }
+  return 1;
+}
+
+static int local_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op) {
+  local_comm *lc = (local_comm *)c;
+  size_t bytes = count * dtype_bytes(dtype);
+  /* Everyone reads every buf: the result waits in a buffer of this rank's
+   * own until the closing barrier. */
+  void *out = malloc(bytes);
+  if (out == NULL)
+    return comm_break(c, -ENOMEM, "local: all_reduce of %zu bytes: out of memory", bytes);
+  int rc = publish(lc, "all_reduce", NULL, buf);
+  if (rc != 0) {
+    free(out);
+    return rc;
+  }
+  const slot *slots = lc->group->slots;
+  switch (dtype) {
+  case COMM_F32:
+    REDUCE_INTO(float, out, count, op);
+    break;
+  case COMM_F64:
+    REDUCE_INTO(double, out, count, op);
+    break;
+  case COMM_I64:
+    REDUCE_INTO(int64_t, out, count, op);
+    break;
+  case COMM_U8:
+    REDUCE_INTO(uint8_t, out, count, op);
+    break;
+  }
+  rc = barrier(lc, "all_reduce");
+  if (rc == 0)
+    memcpy(buf, out, bytes);
+  free(out);
+  return rc;
+}
+
+static int local_broadcast(comm *c, void *buf, size_t bytes, int root) {
+  local_comm *lc = (local_comm *)c;
+  int rc = publish(lc, "broadcast", NULL, buf);
+  if (rc != 0)
+    return rc;
+  if (c->rank != root)
+    memcpy(buf, lc->group->slots[root].recv, bytes);
+  return barrier(lc, "broadcast");
+}
+
+static int local_barrier(comm *c) {
+  return barrier((local_comm *)c, "barrier");
+}
+
+static void local_abort(comm *c) {
+  local_comm *lc = (local_comm *)c;
+  group_break(lc->group, -ECONNABORTED, "rank %d failed: %s", c->rank, c->last_error);
+}
+
+static void local_cancel(comm *c) {
+  local_comm *lc = (local_comm *)c;
+  group_break(lc->group, -ECANCELED, "rank %d's communicator was aborted", c->rank);
+}
+
+static void local_destroy(comm *c) {
+  local_comm *lc = (local_comm *)c;
+  /* A peer still waiting for this rank would wait in vain. */
+  group_break(lc->group, -ECONNRESET, "rank %d left", c->rank);
+  comm_local_group_unref(lc->group);
+  free(lc);
+}
+
+static const comm_ops local_ops = {
+    .name = "local",
+    .all_gather = local_all_gather,
+    .reduce_scatter_f32 = local_reduce_scatter_f32,
+    .all_reduce = local_all_reduce,
+    .broadcast = local_broadcast,
+    .barrier = local_barrier,
+    .abort = local_abort,
+    .destroy = local_destroy,
+    .cancel = local_cancel,
+};
+
+int comm_local_create(const comm_options *options, comm_local_group *group, comm **out, char *err,
+                      size_t err_bytes) {
+  if (out != NULL)
+    *out = NULL;
+  if (options == NULL || group == NULL || out == NULL) {
+    comm_format_error(err, err_bytes, "create: options, group and out must not be NULL");
+    return -EINVAL;
+  }
+  if (options->world_size != group->world_size || options->rank < 0 ||
+      options->rank >= options->world_size) {
+    comm_format_error(err, err_bytes, "create: rank %d of %d does not fit a group of %d",
+                      options->rank, options->world_size, group->world_size);
+    return -EINVAL;
+  }
+  if (options->timeout_ms <= 0 || options->timeout_ms > COMM_MAX_TIMEOUT_MS) {
+    comm_format_error(err, err_bytes, "create: timeout must be 1..%d ms", COMM_MAX_TIMEOUT_MS);
+    return -EINVAL;
+  }
+  local_comm *lc = calloc(1, sizeof *lc);
+  if (lc == NULL) {
+    comm_format_error(err, err_bytes, "create: out of memory");
+    return -ENOMEM;
+  }
+  comm_init_base(&lc->base, &local_ops, options);
+  comm_local_group_ref(group);
+  lc->group = group;
+  /* The rendezvous: every rank has its communicator before any uses it. */
+  int rc = barrier(lc, "rendezvous");
+  if (rc != 0) {
+    comm_format_error(err, err_bytes, "%s", lc->base.last_error);
+    comm_local_group_unref(group);
+    free(lc);
+    return rc;
+  }
+  *out = &lc->base;
+  return 0;
+}
