@@ -15,6 +15,11 @@
 #                   honoured (docs/operations.md, "Install")
 #   make test-gpu   run the GPU tests, failing (not skipping) without a GPU
 #   make fuzz       build the libFuzzer targets with clang and run each briefly
+#   make image      build, then make an OCI image of the installed tree on a
+#                   minimal Debian bookworm root (mmdebstrap, buildah; no
+#                   container daemon): build/image/zerod-VERSION.oci.tar and
+#                   localhost/zerod:VERSION in buildah's storage under
+#                   build/image/storage (docs/operations.md, "Image"); root
 #   make format     clang-format every C/CUDA source
 
 BUILD      ?= build/release
@@ -23,10 +28,12 @@ FUZZ_BUILD ?= build/fuzz
 CMAKE_ARGS ?=
 FUZZ_SECONDS ?= 60
 PREFIX     ?=
+IMAGE_DIR  ?= build/image
 GENERATOR  := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 CTEST      := ctest --output-on-failure --timeout 900
 
-.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench install fuzz format clean
+.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench install image fuzz format \
+  clean
 
 all: build
 
@@ -88,6 +95,11 @@ bench:
 # DESTDIR given on its command line.
 install: build
 	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX),)
+
+image:
+	scripts/deps.sh image
+	$(MAKE) build
+	ZEROD_IMAGE_DIR=$(IMAGE_DIR) scripts/image.sh $(BUILD)
 
 $(FUZZ_BUILD)/CMakeCache.txt:
 	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) $(GENERATOR) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
