@@ -15,6 +15,14 @@
 #                   honoured (docs/operations.md, "Install")
 #   make test-gpu   run the GPU tests, failing (not skipping) without a GPU
 #   make fuzz       build the libFuzzer targets with clang and run each briefly
+#   make image      build, then make an OCI image of the installed tree on a
+#                   minimal Debian bookworm root (mmdebstrap, buildah; no
+#                   container daemon): build/image/zerod-VERSION.oci.tar and
+#                   localhost/zerod:VERSION in buildah's storage under
+#                   build/image/storage (docs/operations.md, "Image"); root
+#   make test-image unpack that image (umoci) and run its programs in it as its
+#                   user: versions, files, config, and the C example trained
+#                   through the image's zerod; makes the image if it is missing
 #   make format     clang-format every C/CUDA source
 
 BUILD      ?= build/release
@@ -23,10 +31,13 @@ FUZZ_BUILD ?= build/fuzz
 CMAKE_ARGS ?=
 FUZZ_SECONDS ?= 60
 PREFIX     ?=
+IMAGE_DIR  ?= build/image
+VERSION    := $(shell sed -n 's/^project(zerod VERSION \([0-9][0-9.]*\)[ )].*/\1/p' CMakeLists.txt)
 GENERATOR  := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 CTEST      := ctest --output-on-failure --timeout 900
 
-.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench install fuzz format clean
+.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench install image test-image fuzz \
+  format clean
 
 all: build
 
@@ -88,6 +99,19 @@ bench:
 # DESTDIR given on its command line.
 install: build
 	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX),)
+
+image:
+	scripts/deps.sh image
+	$(MAKE) build
+	ZEROD_IMAGE_DIR=$(IMAGE_DIR) scripts/image.sh $(BUILD)
+
+# Not part of `make test`: the image is made from Debian packages downloaded
+# each time, and the test needs root.
+test-image:
+	scripts/deps.sh image
+	$(MAKE) build
+	@test -f $(IMAGE_DIR)/zerod-$(VERSION).oci.tar || $(MAKE) image
+	tests/image/run_image_test.sh $(IMAGE_DIR)/zerod-$(VERSION).oci.tar $(BUILD)
 
 $(FUZZ_BUILD)/CMakeCache.txt:
 	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) $(GENERATOR) -DCMAKE_BUILD_TYPE=RelWithDebInfo \

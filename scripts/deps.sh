@@ -21,6 +21,10 @@
 #   scripts/deps.sh bench   demo's (the DDP comparison) + test's gRPC Python tools
 #                           (the cluster benchmark drives the coordinator)
 #   scripts/deps.sh fuzz    build + clang and its libFuzzer runtime
+#   scripts/deps.sh image   build + mmdebstrap (the image's Debian root file
+#                           system), buildah (commits it as an OCI image,
+#                           without a container daemon) and umoci (unpacks the
+#                           image for `make test-image`)
 #
 # Idempotent: it asks dpkg what is installed, runs `apt-get update` only when
 # a missing package is unknown to apt's current lists, and installs nothing
@@ -49,8 +53,9 @@ test) packages+=(libcmocka-dev python3 python3-torch python3-numpy libopenblas0-
   # one installed from another source (the same /usr/bin/kubectl).
   command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client) ;;
 fuzz) packages+=(libcmocka-dev clang libclang-rt-dev) ;;
+image) packages+=(mmdebstrap buildah umoci) ;;
 *)
-  echo "deps.sh: unknown task '$task' (build, test, demo, bench, fuzz)" >&2
+  echo "deps.sh: unknown task '$task' (build, test, demo, bench, fuzz, image)" >&2
   exit 2
   ;;
 esac

@@ -4,6 +4,7 @@ the Kubernetes schemas in strict mode (kubernetes-validate, offline), and the
 parts zerod depends on are where the daemons expect them."""
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -72,6 +73,26 @@ def validate(tmp_path, name, docs):
         assert proc.returncode == 0, f"{name} against Kubernetes {version}:\n{out}"
         # One INFO line per valid document; anything else is a finding.
         assert out.count("INFO") == len(docs) and "ERROR" not in out and "WARN" not in out, out
+
+
+def project_version():
+    with open(os.path.join(SOURCE, "CMakeLists.txt")) as f:
+        return re.search(r"project\(zerod VERSION ([0-9.]+)", f.read()).group(1)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_zerod_image_is_the_one_make_image_builds(overlay):
+    # `make image` tags localhost/zerod:VERSION (scripts/image.sh); the
+    # busybox init container is the only other image.
+    expected = f"localhost/zerod:{project_version()}"
+    images = set()
+    for doc in render(overlay):
+        if doc["kind"] in ("StatefulSet", "DaemonSet"):
+            images.update(c["image"] for c in doc["spec"]["template"]["spec"]["containers"])
+    assert images == {expected}, images
+    with open(os.path.join(DEPLOY, "examples", "train-job.yaml")) as f:
+        job = next(d for d in yaml.safe_load_all(f) if d)
+    assert [c["image"] for c in job["spec"]["template"]["spec"]["containers"]] == [expected]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
