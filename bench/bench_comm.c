@@ -1,5 +1,11 @@
-/* bench_comm - zerod's Gloo collectives against raw Gloo, measured in the
- * same run on the same machine.
+/* bench_comm - zerod's Gloo collectives against raw Gloo, and its local
+ * collectives (ranks that are threads of one process, comm_local.c)
+ * against memcpy, measured in the same run on the same machine.
+ *
+ * The local all-gather of a 64 MiB unit between 2 ranks is compared with
+ * one memcpy of the same 64 MiB on one thread (the target: at least 0.7x
+ * of it), as the daemon runs it: in place, each rank's slice already in its
+ * gathered buffer.
  *
  * The all-gather of one unit (64 MiB gathered, over 2 ranks by default) is
  * compared with gloo_raw_allgather, Gloo's own all-gather called directly
@@ -39,6 +45,7 @@ typedef enum bench_op { OP_ALL_GATHER, OP_ALL_GATHER_IN_PLACE, OP_REDUCE_SCATTER
 
 typedef struct bench_run {
   store *st;
+  comm_local_group *group; /* the local backend's; NULL: Gloo */
   const char *prefix;
   int world;
   int iters;
@@ -87,7 +94,8 @@ static void *rank_main(void *arg) {
                           .timeout_ms = BENCH_TIMEOUT};
   char err[256];
   comm *c = NULL;
-  br->error = comm_gloo_create(&options, run->st, &c, err, sizeof err);
+  br->error = run->group != NULL ? comm_local_create(&options, run->group, &c, err, sizeof err)
+                                 : comm_gloo_create(&options, run->st, &c, err, sizeof err);
   if (br->error != 0) {
     fprintf(stderr, "bench_comm: rank %d: %s\n", br->rank, err);
     return NULL;
@@ -121,13 +129,15 @@ static void *rank_main(void *arg) {
 
 /* Runs one benchmark on `world` rank threads; returns the median seconds
  * per call on rank 0, or a negative value on failure. */
-static double measure(bench_op op, size_t bytes_per_rank, int world, int iters) {
+static double measure(bench_op op, bool local, size_t bytes_per_rank, int world, int iters) {
   static int run_id;
   char prefix[64];
   snprintf(prefix, sizeof prefix, "bench/%d", run_id++);
   bench_run run = {
       .prefix = prefix, .world = world, .iters = iters, .op = op, .bytes_per_rank = bytes_per_rank};
   if (store_mem_create(&run.st) != 0)
+    return -1.0;
+  if (local && comm_local_group_create(world, &run.group) != 0)
     return -1.0;
   bench_rank ranks[MAX_WORLD];
   pthread_t threads[MAX_WORLD];
@@ -144,7 +154,28 @@ static double measure(bench_op op, size_t bytes_per_rank, int world, int iters) 
     failed |= ranks[r].error != 0;
   }
   run.st->ops->destroy(run.st);
+  comm_local_group_unref(run.group);
   return failed ? -1.0 : bench_median(ranks[0].seconds, iters);
+}
+
+/* The baseline of the local collectives: one memcpy of `bytes` on this
+ * thread, both buffers faulted in; the median over iters calls. */
+static double measure_memcpy(size_t bytes, int iters) {
+  void *from = alloc_pages(bytes), *to = alloc_pages(bytes);
+  double seconds[MAX_ITERS];
+  for (int call = 0; call < WARMUP_CALLS + iters; call++) {
+    double t0 = bench_now_s();
+    memcpy(to, from, bytes);
+    double took = bench_now_s() - t0;
+    if (call >= WARMUP_CALLS)
+      seconds[call - WARMUP_CALLS] = took;
+  }
+  /* Keep the copy from being optimised away. */
+  volatile unsigned char sink = ((unsigned char *)to)[bytes / 2];
+  (void)sink;
+  free(from);
+  free(to);
+  return bench_median(seconds, iters);
 }
 
 static void print_ratio(const char *bench, int world, size_t bytes_per_rank, double value,
@@ -193,18 +224,26 @@ int main(int argc, char **argv) {
   const double gathered_bytes = (double)bytes_per_rank * world;
 
   double raw_s[MAX_ROUNDS], ours_s[MAX_ROUNDS], in_place_s[MAX_ROUNDS], scatter_s[MAX_ROUNDS];
+  double memcpy_s[MAX_ROUNDS], local_s[MAX_ROUNDS], local_scatter_s[MAX_ROUNDS];
   for (int round = 0; round < rounds; round++) {
     /* Odd rounds run the baseline second, so that neither side always runs
      * on a machine just woken (or just heated) by the other. */
     if (round % 2 == 1)
-      ours_s[round] = measure(OP_ALL_GATHER, bytes_per_rank, world, iters);
+      ours_s[round] = measure(OP_ALL_GATHER, false, bytes_per_rank, world, iters);
     if (gloo_raw_allgather(bytes_per_rank, world, iters, &raw_s[round]) != 0)
       return 1;
     if (round % 2 == 0)
-      ours_s[round] = measure(OP_ALL_GATHER, bytes_per_rank, world, iters);
-    in_place_s[round] = measure(OP_ALL_GATHER_IN_PLACE, bytes_per_rank, world, iters);
-    scatter_s[round] = measure(OP_REDUCE_SCATTER, bytes_per_rank, world, iters);
-    if (ours_s[round] < 0 || in_place_s[round] < 0 || scatter_s[round] < 0)
+      ours_s[round] = measure(OP_ALL_GATHER, false, bytes_per_rank, world, iters);
+    in_place_s[round] = measure(OP_ALL_GATHER_IN_PLACE, false, bytes_per_rank, world, iters);
+    scatter_s[round] = measure(OP_REDUCE_SCATTER, false, bytes_per_rank, world, iters);
+    if (round % 2 == 1)
+      local_s[round] = measure(OP_ALL_GATHER_IN_PLACE, true, bytes_per_rank, world, iters);
+    memcpy_s[round] = measure_memcpy(bytes_per_rank * (size_t)world, iters);
+    if (round % 2 == 0)
+      local_s[round] = measure(OP_ALL_GATHER_IN_PLACE, true, bytes_per_rank, world, iters);
+    local_scatter_s[round] = measure(OP_REDUCE_SCATTER, true, bytes_per_rank, world, iters);
+    if (ours_s[round] < 0 || in_place_s[round] < 0 || scatter_s[round] < 0 || local_s[round] < 0 ||
+        local_scatter_s[round] < 0)
       return 1;
   }
   const double t_raw = bench_median(raw_s, rounds);
@@ -221,5 +260,14 @@ int main(int argc, char **argv) {
    * input, the same count the baseline all-gather assembles. */
   print_ratio("comm_reduce_scatter_f32", world, bytes_per_rank, gathered_bytes / t_scatter / 1e9,
               "gloo_raw_allgather", raw_gbs, 0.0);
+  const double memcpy_gbs = gathered_bytes / bench_median(memcpy_s, rounds) / 1e9;
+  print_ratio("comm_local_all_gather_in_place", world, bytes_per_rank,
+              gathered_bytes / bench_median(local_s, rounds) / 1e9, "memcpy", memcpy_gbs, 0.7);
+  print_ratio("comm_local_reduce_scatter_f32", world, bytes_per_rank,
+              gathered_bytes / bench_median(local_scatter_s, rounds) / 1e9, "memcpy", memcpy_gbs,
+              0.0);
+  print_ratio("comm_local_all_gather_in_place", world, bytes_per_rank,
+              gathered_bytes / bench_median(local_s, rounds) / 1e9, "comm_all_gather_in_place",
+              gathered_bytes / t_in_place / 1e9, 0.0);
   return 0;
 }

@@ -62,6 +62,9 @@ typedef struct comm_local_group comm_local_group;
 int comm_local_group_create(int world_size, comm_local_group **out);
 void comm_local_group_ref(comm_local_group *g);
 void comm_local_group_unref(comm_local_group *g);
+/* Fails every call in the group, rendezvous included, at once and from now
+ * on (-ECANCELED): the daemon's stop. Any thread. */
+void comm_local_group_cancel(comm_local_group *g);
 /* Creates options->rank's communicator in group (which it references);
  * blocks until every rank of the group has called it (or the timeout).
  * options->prefix and hostname are unused. */

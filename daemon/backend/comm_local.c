@@ -29,9 +29,16 @@
  * that the running sum stays in cache while each rank's values are added. */
 #define SUM_CHUNK 8192
 
+/* What a rank published for the collective under way: its buffers, and
+ * the call, which every rank must have made alike before any reads a
+ * peer's buffer (ranks whose workers sent different requests would
+ * otherwise read past each other's buffers). */
 typedef struct slot {
   const void *send;
   void *recv;
+  const char *what; /* the collective's name (a literal) */
+  size_t size;      /* bytes per rank, elements, or bytes */
+  int dtype, op, root;
 } slot;
 
 struct comm_local_group {
@@ -115,6 +122,10 @@ static void group_break(comm_local_group *g, int error, const char *fmt, ...) {
 /* Waits for every rank of the group to arrive for the collective what. 0,
  * or the group's error, after which the caller's communicator is broken
  * with its reason (worded as the Gloo backend words it). */
+void comm_local_group_cancel(comm_local_group *g) {
+  group_break(g, -ECANCELED, "the group was cancelled");
+}
+
 static int barrier(local_comm *lc, const char *what) {
   comm_local_group *g = lc->group;
   struct timespec deadline;
@@ -161,16 +172,34 @@ static int barrier(local_comm *lc, const char *what) {
   return 0;
 }
 
-/* Publishes the rank's buffers and meets the others: after it, every
- * rank's slot is readable until the closing barrier. */
-static int publish(local_comm *lc, const char *what, const void *send, void *recv) {
-  lc->group->slots[lc->base.rank] = (slot){.send = send, .recv = recv};
-  return barrier(lc, what);
+/* Publishes the rank's buffers and its call and meets the others: after
+ * it, every rank's slot is readable until the closing barrier. If the
+ * ranks made different calls, every one of them sees it in the same slots
+ * and fails (-EPROTO), and none reads a peer's buffer. */
+static int publish(local_comm *lc, slot mine) {
+  comm_local_group *g = lc->group;
+  g->slots[lc->base.rank] = mine;
+  int rc = barrier(lc, mine.what);
+  if (rc != 0)
+    return rc;
+  for (int r = 0; r < g->world_size; r++) {
+    const slot *s = &g->slots[r];
+    if (strcmp(s->what, mine.what) != 0 || s->size != mine.size || s->dtype != mine.dtype ||
+        s->op != mine.op || s->root != mine.root) {
+      group_break(g, -EPROTO, "ranks are out of step");
+      return comm_break(&lc->base, -EPROTO,
+                        "%s: ranks are out of step: rank %d called %s (size %zu), rank %d %s "
+                        "(size %zu)",
+                        mine.what, lc->base.rank, mine.what, mine.size, r, s->what, s->size);
+    }
+  }
+  return 0;
 }
 
 static int local_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank) {
   local_comm *lc = (local_comm *)c;
-  int rc = publish(lc, "all_gather", send, recv);
+  int rc =
+      publish(lc, (slot){.send = send, .recv = recv, .what = "all_gather", .size = bytes_per_rank});
   if (rc != 0)
     return rc;
   const slot *slots = lc->group->slots;
@@ -184,7 +213,8 @@ static int local_all_gather(comm *c, const void *send, void *recv, size_t bytes_
 
 static int local_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_numel) {
   local_comm *lc = (local_comm *)c;
-  int rc = publish(lc, "reduce_scatter", send, recv);
+  int rc = publish(
+      lc, (slot){.send = send, .recv = recv, .what = "reduce_scatter", .size = shard_numel});
   if (rc != 0)
     return rc;
   const slot *slots = lc->group->slots;
@@ -240,7 +270,9 @@ static int local_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, 
   void *out = malloc(bytes);
   if (out == NULL)
     return comm_break(c, -ENOMEM, "local: all_reduce of %zu bytes: out of memory", bytes);
-  int rc = publish(lc, "all_reduce", NULL, buf);
+  int rc = publish(
+      lc,
+      (slot){.recv = buf, .what = "all_reduce", .size = count, .dtype = (int)dtype, .op = (int)op});
   if (rc != 0) {
     free(out);
     return rc;
@@ -269,7 +301,7 @@ static int local_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, 
 
 static int local_broadcast(comm *c, void *buf, size_t bytes, int root) {
   local_comm *lc = (local_comm *)c;
-  int rc = publish(lc, "broadcast", NULL, buf);
+  int rc = publish(lc, (slot){.recv = buf, .what = "broadcast", .size = bytes, .root = root});
   if (rc != 0)
     return rc;
   if (c->rank != root)
@@ -278,7 +310,11 @@ static int local_broadcast(comm *c, void *buf, size_t bytes, int root) {
 }
 
 static int local_barrier(comm *c) {
-  return barrier((local_comm *)c, "barrier");
+  /* Published too, so that a rank in a barrier and a peer in another
+   * collective find out instead of reading stale slots. */
+  local_comm *lc = (local_comm *)c;
+  int rc = publish(lc, (slot){.what = "barrier"});
+  return rc != 0 ? rc : barrier(lc, "barrier");
 }
 
 static void local_abort(comm *c) {

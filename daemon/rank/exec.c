@@ -308,6 +308,11 @@ void exec_rank_stop(rank_state *rs) {
   pthread_mutex_lock(&rs->comm_lock);
   comm_abort(rs->comm);
   pthread_mutex_unlock(&rs->comm_lock);
+  /* A local communicator still in its rendezvous has no comm to abort. */
+  pthread_mutex_lock(&rs->job->mutex);
+  if (rs->job->local_group != NULL)
+    comm_local_group_cancel(rs->job->local_group);
+  pthread_mutex_unlock(&rs->job->mutex);
   exec_op *stop = exec_op_new(OP_STOP, rs);
   if (stop != NULL)
     exec_submit(stop);

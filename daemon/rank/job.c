@@ -98,11 +98,30 @@ void job_destroy(job *j) {
   }
   for (uint32_t u = 0; u < j->nunits; u++)
     unit_layout_free(j->units[u]);
+  comm_local_group_unref(j->local_group);
   free(j->units);
   free(j->ranks);
   free(j->name);
   free(j->token_sha256);
   free(j);
+}
+
+comm_local_group *job_local_group(job *j, unsigned generation) {
+  pthread_mutex_lock(&j->mutex);
+  if (j->local_group == NULL || j->local_generation != generation) {
+    comm_local_group *g = NULL;
+    if (comm_local_group_create(j->world_size, &g) != 0) {
+      pthread_mutex_unlock(&j->mutex);
+      return NULL;
+    }
+    comm_local_group_unref(j->local_group);
+    j->local_group = g;
+    j->local_generation = generation;
+  }
+  comm_local_group *g = j->local_group;
+  comm_local_group_ref(g);
+  pthread_mutex_unlock(&j->mutex);
+  return g;
 }
 
 /* ------------------------------------------------------------------------ */

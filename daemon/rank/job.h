@@ -182,11 +182,15 @@ typedef struct job {
   int first_rank;    /* first_rank + nranks - 1; standalone: 0 and world_size */
   rank_state *ranks; /* [nranks], ranks[i].rank == first_rank + i */
 
-  pthread_mutex_t mutex; /* units, failure state */
+  pthread_mutex_t mutex; /* units, failure state, the local group */
   unit_layout **units;
   uint32_t nunits, units_cap;
   unsigned generation;    /* current communicator generation (loop writes) */
   long failed_generation; /* -1, or the generation that failed */
+  /* A job whose ranks are all here, in host memory: the group their
+   * communicators of local_generation share (comm_local.c), or NULL. */
+  comm_local_group *local_group;
+  unsigned local_generation;
   char fail_reason[512];
 
   int sessions; /* loop-owned: attached read-write sessions */
@@ -207,6 +211,11 @@ typedef struct job {
 
   struct job_series *metrics; /* its Prometheus series (rank_metrics.h); NULL: none */
 } job;
+
+/* A reference to the local group of the job's communicators of
+ * generation (made by the first rank to ask for it; the previous
+ * generation's is let go), or NULL if out of memory. */
+comm_local_group *job_local_group(job *j, unsigned generation);
 
 /* Whether some of the job's ranks live on other nodes. Such a job never
  * resets on one node alone (its communicators span the nodes, decisions.md),

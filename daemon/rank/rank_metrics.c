@@ -49,9 +49,11 @@ static void open_rank(metrics *m, rank_state *rs, rank_series *s, const char *me
              "Time from a unit registration's arrival to its answer.", rank_labels, v);
   static const char *const coll_labels[] = {"zerod_job", "rank", "collective", "level", NULL};
   for (int c = 0; c < RANK_NCOLLECTIVES; c++) {
-    /* level: every collective spans the job's world today; the node-local
-     * and cross-node levels of a hierarchical collective get their own. */
-    const char *const cv[] = {rs->job->name, rank, collective_names[c], "world", NULL};
+    /* level: "node" when every rank of the job is on this node (the
+     * local backend, or NCCL inside the node), "world" when the job's
+     * communicator spans nodes. */
+    const char *level = job_spans_nodes(rs->job) ? "world" : "node";
+    const char *const cv[] = {rs->job->name, rank, collective_names[c], level, NULL};
     s->collective_bytes[c] =
         series(m, METRIC_COUNTER, "zerod_collective_bytes_total",
                "Payload bytes of the rank's collectives: the gathered buffer of an all-gather, "

@@ -90,6 +90,16 @@ void exec__handle_comm_init(rank_state *rs, exec_op *op) {
   if (rs->dev == NULL) {
     snprintf(err, sizeof err, "%s", rs->device_error);
     rc = -ENODEV;
+  } else if (device_is_host(rs->dev) && !job_spans_nodes(rs->job)) {
+    /* Every rank is a thread of this process: shared memory, no sockets. */
+    comm_local_group *g = job_local_group(rs->job, rs->generation);
+    if (g == NULL) {
+      snprintf(err, sizeof err, "out of memory");
+      rc = -ENOMEM;
+    } else {
+      rc = comm_local_create(&options, g, &built, err, sizeof err);
+      comm_local_group_unref(g);
+    }
   } else if (device_is_host(rs->dev)) {
     rc = comm_gloo_create(&options, rs->job->exec->rendezvous, &built, err, sizeof err);
   } else {

@@ -995,6 +995,46 @@ static void test_local_peer_leaving_fails_a_waiting_rank_at_once(void **state) {
   assert_non_null(strstr(ls.error, "all_gather: rank 1 left"));
 }
 
+/* Ranks whose workers sent different requests call different collectives:
+ * every rank fails with -EPROTO, and none reads past a peer's buffer. */
+typedef struct mismatch_state {
+  int second; /* rank 1's call: 0 all_reduce, 1 barrier, 2 all_gather of another size */
+  int rc[2];
+  char error[2][256];
+} mismatch_state;
+
+static void mismatch_body(rank_ctx *rc) {
+  mismatch_state *ms = rc->run->user;
+  uint8_t gathered[2 * 64] = {0};
+  double sums[4] = {0};
+  int got;
+  if (rc->rank == 0)
+    got = comm_all_gather(rc->c, gathered, gathered, 64);
+  else if (ms->second == 0)
+    got = comm_all_reduce(rc->c, sums, 4, COMM_F64, COMM_SUM);
+  else if (ms->second == 1)
+    got = comm_barrier(rc->c);
+  else
+    got = comm_all_gather(rc->c, gathered + 32, gathered, 32);
+  ms->rc[rc->rank] = got;
+  snprintf(ms->error[rc->rank], sizeof ms->error[rc->rank], "%s", comm_last_error(rc->c));
+}
+
+static void test_local_ranks_out_of_step_fail_without_touching_buffers(void **state) {
+  (void)state;
+  use_local = true;
+  for (int second = 0; second < 3; second++) {
+    mismatch_state ms = {.second = second};
+    run_world(2, DEFAULT_TIMEOUT_MS, mismatch_body, &ms);
+    for (int r = 0; r < 2; r++) {
+      if (ms.rc[r] != -EPROTO)
+        fail_msg("case %d, rank %d: returned %d (%s), want -EPROTO", second, r, ms.rc[r],
+                 ms.error[r]);
+      assert_non_null(strstr(ms.error[r], "out of step"));
+    }
+  }
+}
+
 #define BOTH(test)                                                                                 \
   cmocka_unit_test_setup(test, gloo_backend), cmocka_unit_test_setup(test, local_backend)
 
@@ -1029,6 +1069,7 @@ int main(void) {
       cmocka_unit_test(test_local_sums_bit_for_bit_as_gloo),
       cmocka_unit_test(test_local_create_waits_for_every_rank_then_times_out),
       cmocka_unit_test(test_local_peer_leaving_fails_a_waiting_rank_at_once),
+      cmocka_unit_test(test_local_ranks_out_of_step_fail_without_touching_buffers),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
