@@ -1305,6 +1305,7 @@ static zd_status unit_from_reply(client_unit *unit, const char *unit_name,
 
 /* The most units a job has (the daemon's limit, docs/protocol.md). */
 #define MAX_UNITS_PER_JOB 65536
+#define MAX_WORLD_SIZE    64 /* ranks of a job (the daemon's JOB_MAX_WORLD) */
 
 /* frame.c checks a RegisterUnitReply's placements when it decodes one, but
  * not the same message nested in a UnitsReply, so a listed unit gets the
@@ -1593,6 +1594,68 @@ zd_status zd_pin(zd_job *job, uint64_t *version) {
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   if (version != NULL)
     *version = job->version;
+  return client_finish(job->client);
+}
+
+/* A counter's name from the daemon, into a fixed field: refused when it
+ * does not fit (a daemon that sends one is broken). */
+static int copy_name(char *to, size_t to_bytes, const char *from) {
+  size_t n = strlen(from);
+  if (n == 0 || n >= to_bytes)
+    return -1;
+  memcpy(to, from, n + 1);
+  return 0;
+}
+
+zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, unsigned *nranks) {
+  char what[ZD_MAX_JOB_NAME_BYTES + 32];
+  snprintf(what, sizeof what, "stats of job %s", job != NULL ? job->name : "(null)");
+  zd_status status = job_check(job, what);
+  if (status != ZD_OK)
+    return status;
+  if ((out == NULL && max > 0) || nranks == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT, "%s: out (for max > 0) and nranks must not be NULL",
+                     what);
+  Zerod__V1__StatsRequest request = ZEROD__V1__STATS_REQUEST__INIT;
+  ProtobufCMessage *reply_msg;
+  int fds[ZD_FRAME_MAX_FDS];
+  unsigned nfds;
+  status = client_call(job->client, ZEROD__V1__MSG_TYPE__MSG_STATS, &request.base, NULL, 0,
+                       ZEROD__V1__MSG_TYPE__MSG_STATS_REPLY, what, &reply_msg, fds, &nfds);
+  if (status != ZD_OK)
+    return status;
+  const Zerod__V1__StatsReply *reply = (const Zerod__V1__StatsReply *)reply_msg;
+  const char *why = reply->n_ranks > MAX_WORLD_SIZE ? "more ranks than a job has" : NULL;
+  for (size_t r = 0; why == NULL && r < reply->n_ranks; r++) {
+    const Zerod__V1__RankStats *rank = reply->ranks[r];
+    if (rank->n_counters > ZD_MAX_COLLECTIVE_COUNTERS) {
+      why = "more counters than there are levels and collectives";
+      break;
+    }
+    if (r >= max)
+      continue;
+    zd_rank_stats *o = &out[r];
+    memset(o, 0, sizeof *o);
+    o->rank = rank->rank;
+    o->step = rank->step;
+    o->ncounters = (unsigned)rank->n_counters;
+    for (size_t k = 0; k < rank->n_counters; k++) {
+      const Zerod__V1__CollectiveCounter *c = rank->counters[k];
+      if (copy_name(o->counters[k].level, sizeof o->counters[k].level, c->level) != 0 ||
+          copy_name(o->counters[k].collective, sizeof o->counters[k].collective, c->collective) !=
+              0) {
+        why = "a counter's name is empty or too long";
+        break;
+      }
+      o->counters[k].bytes = c->bytes;
+      o->counters[k].calls = c->calls;
+    }
+  }
+  size_t listed = reply->n_ranks;
+  protobuf_c_message_free_unpacked(reply_msg, NULL);
+  if (why != NULL)
+    return client_protocol_error(job->client, what, "the stats reply has %s", why);
+  *nranks = (unsigned)listed;
   return client_finish(job->client);
 }
 

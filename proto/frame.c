@@ -164,6 +164,10 @@ const ProtobufCMessageDescriptor *zd_msg_descriptor(uint16_t type) {
     return &zerod__v1__load_unit_request__descriptor;
   case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT_REPLY:
     return &zerod__v1__load_unit_reply__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_STATS:
+    return &zerod__v1__stats_request__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_STATS_REPLY:
+    return &zerod__v1__stats_reply__descriptor;
   default:
     return NULL;
   }

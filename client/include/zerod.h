@@ -293,6 +293,34 @@ ZD_API zd_status zd_job_unit_info(const zd_job *job, unsigned index, zd_unit_inf
  * their old values until gathered again. */
 ZD_API zd_status zd_pin(zd_job *job, uint64_t *version);
 
+/* What one rank's collectives moved since the job was created on its node
+ * (zd_job_stats): per communicator level ("node": every rank of the job on
+ * that node; "world": a communicator spanning nodes) and collective
+ * ("all_gather": units gathered, "reduce_scatter": gradients, "broadcast":
+ * initial values and loads, "control": small host collectives such as
+ * layout checks and gradient norms), the payload bytes on that rank and
+ * the calls. Only non-zero counters are listed. */
+#define ZD_MAX_COLLECTIVE_COUNTERS 16
+
+typedef struct zd_collective_counter {
+  char level[16];
+  char collective[24];
+  uint64_t bytes;
+  uint64_t calls;
+} zd_collective_counter;
+
+typedef struct zd_rank_stats {
+  unsigned rank; /* global */
+  uint64_t step; /* completed optimizer steps */
+  unsigned ncounters;
+  zd_collective_counter counters[ZD_MAX_COLLECTIVE_COUNTERS];
+} zd_rank_stats;
+
+/* The counters of every rank of the job on the daemon this job is attached
+ * to, in rank order: the first `max` into out, and how many ranks there
+ * are into *nranks. Read-write and read-only jobs alike. */
+ZD_API zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, unsigned *nranks);
+
 /* Sets a registered unit's values from rank 0's fp32 values (the tensors'
  * values back to back in order, as ZD_INIT_FROM_RANK0 takes them; ignored
  * and may be NULL on other ranks, NULL on rank 0 is ZD_E_INVALID_ARGUMENT).

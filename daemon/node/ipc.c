@@ -31,6 +31,7 @@
 #include "log.h"
 #include "cluster.h"
 #include "pin.h"
+#include "rank_metrics.h"
 #include "reader.h"
 
 /* Requests a session may have queued before it is told to wait. */
@@ -662,6 +663,7 @@ static int is_request(uint16_t type) {
   case ZEROD__V1__MSG_TYPE__MSG_UNITS:
   case ZEROD__V1__MSG_TYPE__MSG_PIN:
   case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT:
+  case ZEROD__V1__MSG_TYPE__MSG_STATS:
     return 1;
   default:
     return 0;
@@ -718,6 +720,64 @@ static void handle_units(session *s, const zd_frame_header *h) {
   free(listed);
   free(replies);
   free(units);
+}
+
+/* STATS, from any attached session, answered on the loop from the
+ * counters the ranks keep (atomics): every local rank of the job, with
+ * its non-zero counters. */
+static void handle_stats(session *s, const zd_frame_header *h) {
+  job *j = s->job;
+  enum { PER_RANK = JOB_COUNTER_LEVELS * JOB_COUNTER_KINDS };
+  Zerod__V1__RankStats *ranks = calloc((size_t)j->nranks, sizeof *ranks);
+  Zerod__V1__RankStats **listed = calloc((size_t)j->nranks, sizeof *listed);
+  Zerod__V1__CollectiveCounter *counters = calloc((size_t)j->nranks * PER_RANK, sizeof *counters);
+  Zerod__V1__CollectiveCounter **counter_ptrs =
+      calloc((size_t)j->nranks * PER_RANK, sizeof *counter_ptrs);
+  if (ranks == NULL || listed == NULL || counters == NULL || counter_ptrs == NULL) {
+    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    goto out;
+  }
+  for (int r = 0; r < j->nranks; r++) {
+    rank_state *rs = &j->ranks[r];
+    Zerod__V1__RankStats *rank = &ranks[r];
+    zerod__v1__rank_stats__init(rank);
+    rank->rank = (uint32_t)rs->rank;
+    rank->step = atomic_load(&rs->step);
+    rank->counters = &counter_ptrs[r * PER_RANK];
+    for (int level = 0; level < JOB_COUNTER_LEVELS; level++)
+      for (int kind = 0; kind < JOB_COUNTER_KINDS; kind++) {
+        uint64_t calls = atomic_load_explicit(&rs->coll_calls[level][kind], memory_order_relaxed);
+        if (calls == 0)
+          continue;
+        Zerod__V1__CollectiveCounter *c = &counters[r * PER_RANK + (int)rank->n_counters];
+        zerod__v1__collective_counter__init(c);
+        c->level = (char *)rank_level_names[level];
+        c->collective = (char *)rank_collective_names[kind];
+        c->bytes = atomic_load_explicit(&rs->coll_bytes[level][kind], memory_order_relaxed);
+        c->calls = calls;
+        rank->counters[rank->n_counters++] = c;
+      }
+    listed[r] = rank;
+  }
+  if (!(h->flags & ZD_FRAME_F_NO_REPLY)) {
+    Zerod__V1__StatsReply reply = ZEROD__V1__STATS_REPLY__INIT;
+    reply.n_ranks = (size_t)j->nranks;
+    reply.ranks = listed;
+    uint8_t *frame;
+    size_t bytes;
+    int rc = zd_frame_encode(ZEROD__V1__MSG_TYPE__MSG_STATS_REPLY, h->request_id, 0, 0, &reply.base,
+                             &frame, &bytes);
+    if (rc == 0)
+      session_send(s, frame, bytes, -1);
+    else
+      send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INTERNAL,
+                 "cannot encode the stats: %s", strerror(-rc));
+  }
+out:
+  free(counter_ptrs);
+  free(counters);
+  free(listed);
+  free(ranks);
 }
 
 static void close_fds(int *fds, unsigned nfds) {
@@ -783,6 +843,10 @@ static void dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int
   }
   if (h->type == ZEROD__V1__MSG_TYPE__MSG_UNITS) {
     handle_units(s, h);
+    goto out;
+  }
+  if (h->type == ZEROD__V1__MSG_TYPE__MSG_STATS) {
+    handle_stats(s, h);
     goto out;
   }
   if (s->read_only != NULL && write_request_name(h->type) != NULL) {

@@ -25,7 +25,7 @@ static int staging_reserve(rank_state *rs, size_t bytes) {
 int exec__host_all_gather(rank_state *rs, void *recv, size_t bytes_per_rank) {
   uint8_t *mine = (uint8_t *)recv + (size_t)rs->rank * bytes_per_rank;
   size_t total = (size_t)rs->job->world_size * bytes_per_rank;
-  rank_metrics_collective(rs, RANK_ALL_GATHER, total);
+  rank_metrics_collective(rs, RANK_CONTROL, total);
   if (device_is_host(rs->dev))
     return comm_all_gather(rs->comm, mine, recv, bytes_per_rank);
   int rc = exec__dev_call(rs, staging_reserve(rs, total));
@@ -40,7 +40,7 @@ int exec__host_all_gather(rank_state *rs, void *recv, size_t bytes_per_rank) {
 }
 
 int exec__host_broadcast(rank_state *rs, void *buf, size_t bytes, int root) {
-  rank_metrics_collective(rs, RANK_BROADCAST, bytes);
+  rank_metrics_collective(rs, RANK_CONTROL, bytes);
   if (device_is_host(rs->dev))
     return comm_broadcast(rs->comm, buf, bytes, root);
   int rc = exec__dev_call(rs, staging_reserve(rs, bytes));
@@ -54,7 +54,7 @@ int exec__host_broadcast(rank_state *rs, void *buf, size_t bytes, int root) {
 }
 
 int exec__host_all_reduce_f64(rank_state *rs, double *buf, size_t count, comm_op op) {
-  rank_metrics_collective(rs, RANK_ALL_REDUCE, count * sizeof *buf);
+  rank_metrics_collective(rs, RANK_CONTROL, count * sizeof *buf);
   if (device_is_host(rs->dev))
     return comm_all_reduce(rs->comm, buf, count, COMM_F64, op);
   size_t bytes = count * sizeof *buf;

@@ -29,8 +29,10 @@
 #include "zerod/v1/ipc.pb-c.h"
 #include "zk.h"
 
-#define JOB_MAX_UNITS 65536
-#define JOB_MAX_WORLD 64
+#define JOB_MAX_UNITS      65536
+#define JOB_MAX_WORLD      64
+#define JOB_COUNTER_LEVELS 2 /* node, world */
+#define JOB_COUNTER_KINDS  4 /* rank_collective */
 
 struct session;
 struct exec_op;
@@ -150,6 +152,12 @@ typedef struct rank_state {
   _Atomic uint64_t ckpt_pending;
   uint64_t ckpt_taken;
   struct ckpt_staged *ckpt_staged;
+
+  /* Collectives run, by level (0: every rank on this node, 1: spanning
+   * nodes) and kind (rank_collective): bytes and calls. Counted by the
+   * executor, read by the loop (STATS). */
+  _Atomic uint64_t coll_bytes[JOB_COUNTER_LEVELS][JOB_COUNTER_KINDS];
+  _Atomic uint64_t coll_calls[JOB_COUNTER_LEVELS][JOB_COUNTER_KINDS];
 
   /* Loop-owned. */
   struct session *session; /* the attached read-write session */

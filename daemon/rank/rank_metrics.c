@@ -11,11 +11,17 @@
 
 static const char *const rank_labels[] = {"zerod_job", "rank", NULL};
 
-static const char *const collective_names[RANK_NCOLLECTIVES] = {
+const char *const rank_level_names[2] = {"node", "world"};
+
+int rank_level(const rank_state *rs) {
+  return job_spans_nodes(rs->job) ? 1 : 0;
+}
+
+const char *const rank_collective_names[RANK_NCOLLECTIVES] = {
     [RANK_ALL_GATHER] = "all_gather",
     [RANK_REDUCE_SCATTER] = "reduce_scatter",
     [RANK_BROADCAST] = "broadcast",
-    [RANK_ALL_REDUCE] = "all_reduce",
+    [RANK_CONTROL] = "control",
 };
 
 static metric_series *series(metrics *m, metric_type type, const char *name, const char *help,
@@ -49,15 +55,13 @@ static void open_rank(metrics *m, rank_state *rs, rank_series *s, const char *me
              "Time from a unit registration's arrival to its answer.", rank_labels, v);
   static const char *const coll_labels[] = {"zerod_job", "rank", "collective", "level", NULL};
   for (int c = 0; c < RANK_NCOLLECTIVES; c++) {
-    /* level: "node" when every rank of the job is on this node (the
-     * local backend, or NCCL inside the node), "world" when the job's
-     * communicator spans nodes. */
-    const char *level = job_spans_nodes(rs->job) ? "world" : "node";
-    const char *const cv[] = {rs->job->name, rank, collective_names[c], level, NULL};
+    const char *const cv[] = {rs->job->name, rank, rank_collective_names[c],
+                              rank_level_names[rank_level(rs)], NULL};
     s->collective_bytes[c] =
         series(m, METRIC_COUNTER, "zerod_collective_bytes_total",
-               "Payload bytes of the rank's collectives: the gathered buffer of an all-gather, "
-               "the input of a reduce-scatter, the buffer of a broadcast or all-reduce.",
+               "Payload bytes of the rank's collectives: the gathered buffer of a unit's "
+               "all-gather, the gradients' input of a reduce-scatter, the values of a "
+               "broadcast; control: the small host collectives (layouts, step counts, norms).",
                coll_labels, cv);
     s->collectives[c] = series(m, METRIC_COUNTER, "zerod_collectives_total",
                                "Collectives the rank ran.", coll_labels, cv);
@@ -223,6 +227,9 @@ void rank_metrics_state(rank_state *rs) {
 }
 
 void rank_metrics_collective(rank_state *rs, rank_collective which, uint64_t bytes) {
+  int level = rank_level(rs);
+  atomic_fetch_add_explicit(&rs->coll_bytes[level][which], bytes, memory_order_relaxed);
+  atomic_fetch_add_explicit(&rs->coll_calls[level][which], 1, memory_order_relaxed);
   if (rs->metrics == NULL)
     return;
   metric_add(rs->metrics->collective_bytes[which], (double)bytes);

@@ -28,10 +28,18 @@ struct job;
 typedef enum rank_collective {
   RANK_ALL_GATHER,
   RANK_REDUCE_SCATTER,
-  RANK_BROADCAST,
-  RANK_ALL_REDUCE,
-  RANK_NCOLLECTIVES
+  RANK_BROADCAST, /* initial values, loads */
+  RANK_CONTROL,   /* small host collectives: layouts, step counts, norms */
+  RANK_NCOLLECTIVES /* == JOB_COUNTER_KINDS */
 } rank_collective;
+
+/* The names of the kinds and levels, for STATS and the metrics' labels. */
+extern const char *const rank_collective_names[RANK_NCOLLECTIVES];
+extern const char *const rank_level_names[2];
+
+/* The level a rank's collectives count at: 0 ("node") when every rank of
+ * its job is on this node, 1 ("world") when the job spans nodes. */
+int rank_level(const struct rank_state *rs);
 
 /* The ops whose latency has a histogram. */
 typedef enum rank_timer {
@@ -70,7 +78,8 @@ void rank_metrics_close(struct job *j);
 void rank_metrics_op(struct rank_state *rs, rank_timer timer, int status, double made_at);
 /* After an op: the gauges that follow the rank's own state. */
 void rank_metrics_state(struct rank_state *rs);
-/* A collective of the rank moved bytes (its payload on this rank). */
+/* A collective of the rank moved bytes (its payload on this rank): in the
+ * rank's counters (STATS), and in its series when metrics are on. */
 void rank_metrics_collective(struct rank_state *rs, rank_collective which, uint64_t bytes);
 /* A checkpoint's shard file was written (the node's shard writer). */
 void rank_metrics_ckpt_written(struct rank_state *rs, double seconds, uint64_t bytes);

@@ -122,3 +122,50 @@ def test_pip_install(tmp_path):
                            capture_output=True, text=True, cwd=str(tmp_path), env=env)
     assert probe.returncode == 0, probe.stderr
     assert str(venv) in probe.stdout.splitlines()[0]
+
+
+def test_stats_count_the_bytes_each_collective_moved(start_daemon):
+    """Two ranks in one daemon: every unit gather, gradient reduce and step
+    shows in the counters, at the node level only, with the exact payload
+    bytes (a unit's padded fp32 buffer per gather and per reduce)."""
+    import threading
+
+    daemon = start_daemon(ranks=2)
+    n = 1000
+    results, errors = {}, []
+
+    def rank(r):
+        try:
+            with zerod.Client(daemon.socket) as client:
+                job = client.attach("stats", rank=r,
+                                    config=zerod.JobConfig(optimizer="sgd", lr=0.1))
+                unit = job.register("layer", [("w", (n,))], init="zeros")
+                for _ in range(3):
+                    with unit.gather():
+                        pass
+                    grads = unit.grad_buffer()
+                    grads.arrays()["w"][...] = 1.0
+                    unit.reduce()
+                    job.step()
+                results[r] = (job.stats(), unit.padded_numel)
+        except Exception as e:  # reported on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    stats, padded = results[0]
+    assert [s["rank"] for s in stats] == [0, 1] and all(s["step"] == 3 for s in stats)
+    unit_bytes = padded * 4
+    for s in stats:
+        c = s["counters"]
+        assert all(level == "node" for level, _ in c), c
+        # The first gather of each step is an all-gather (the step made the
+        # cached copy stale); gradients go once per step.
+        assert c[("node", "all_gather")] == {"bytes": 3 * unit_bytes, "calls": 3}, c
+        assert c[("node", "reduce_scatter")] == {"bytes": 3 * unit_bytes, "calls": 3}, c
+        assert c[("node", "control")]["calls"] >= 3  # a norm per step, layout checks
+        assert ("node", "broadcast") not in c  # zeros: no initial values to send

@@ -199,6 +199,10 @@ typedef struct samples {
   Zerod__V1__StepReply step_reply;
   Zerod__V1__DetachRequest detach;
   Zerod__V1__DetachReply detach_reply;
+  Zerod__V1__StatsRequest stats;
+  Zerod__V1__StatsReply stats_reply;
+  Zerod__V1__RankStats rank_stats, *rank_stats_list[1];
+  Zerod__V1__CollectiveCounter counter, *counter_list[1];
 } samples;
 
 static void init_samples(samples *s) {
@@ -341,14 +345,32 @@ static void init_samples(samples *s) {
   s->step_reply.skipped = 1;
   zerod__v1__detach_request__init(&s->detach);
   zerod__v1__detach_reply__init(&s->detach_reply);
+  zerod__v1__stats_request__init(&s->stats);
+  zerod__v1__collective_counter__init(&s->counter);
+  s->counter.level = "node";
+  s->counter.collective = "all_gather";
+  s->counter.bytes = 3ull << 33;
+  s->counter.calls = 12;
+  s->counter_list[0] = &s->counter;
+  zerod__v1__rank_stats__init(&s->rank_stats);
+  s->rank_stats.rank = 5;
+  s->rank_stats.step = 77;
+  s->rank_stats.n_counters = 1;
+  s->rank_stats.counters = s->counter_list;
+  s->rank_stats_list[0] = &s->rank_stats;
+  zerod__v1__stats_reply__init(&s->stats_reply);
+  s->stats_reply.n_ranks = 1;
+  s->stats_reply.ranks = s->rank_stats_list;
 }
+
+#define SAMPLE_TYPES 20
 
 typedef struct typed_sample {
   uint16_t type;
   const ProtobufCMessage *msg;
 } typed_sample;
 
-static size_t all_samples(const samples *s, typed_sample out[18]) {
+static size_t all_samples(const samples *s, typed_sample out[SAMPLE_TYPES]) {
   const typed_sample table[] = {
       {ZEROD__V1__MSG_TYPE__MSG_ERROR, &s->error.base},
       {ZEROD__V1__MSG_TYPE__MSG_NOTICE, &s->notice.base},
@@ -368,6 +390,8 @@ static size_t all_samples(const samples *s, typed_sample out[18]) {
       {ZEROD__V1__MSG_TYPE__MSG_STEP_REPLY, &s->step_reply.base},
       {ZEROD__V1__MSG_TYPE__MSG_DETACH, &s->detach.base},
       {ZEROD__V1__MSG_TYPE__MSG_DETACH_REPLY, &s->detach_reply.base},
+      {ZEROD__V1__MSG_TYPE__MSG_STATS, &s->stats.base},
+      {ZEROD__V1__MSG_TYPE__MSG_STATS_REPLY, &s->stats_reply.base},
   };
   memcpy(out, table, sizeof table);
   return sizeof table / sizeof table[0];
@@ -450,7 +474,7 @@ static void test_header_checks_run_in_documented_order(void **state) {
 
 static void test_fd_ranges_follow_the_protocol(void **state) {
   samples s;
-  typed_sample table[18];
+  typed_sample table[SAMPLE_TYPES];
   init_samples(&s);
   size_t n = all_samples(&s, table);
   for (size_t i = 0; i < n; i++) {
@@ -468,7 +492,7 @@ static void test_fd_ranges_follow_the_protocol(void **state) {
 }
 
 static void test_unknown_message_type_has_no_descriptor_and_does_not_unpack(void **state) {
-  const uint16_t unknown[] = {ZEROD__V1__MSG_TYPE__MSG_NONE, 3, 15, 38, 0x7fff, 0xffff};
+  const uint16_t unknown[] = {ZEROD__V1__MSG_TYPE__MSG_NONE, 3, 15, 40, 0x7fff, 0xffff};
   for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
     assert_null(zd_msg_descriptor(unknown[i]));
     unsigned min_fds, max_fds;
@@ -569,7 +593,7 @@ static void round_trip(int sock[2], uint16_t type, const ProtobufCMessage *msg, 
 
 static void test_every_message_type_round_trips_with_0_1_and_4_fds(void **state) {
   samples s;
-  typed_sample table[18];
+  typed_sample table[SAMPLE_TYPES];
   init_samples(&s);
   size_t n = all_samples(&s, table);
   int open_before = count_open_fds();
@@ -585,7 +609,7 @@ static void test_every_message_type_round_trips_with_0_1_and_4_fds(void **state)
 
 static void test_encoded_frame_equals_what_send_puts_on_the_wire(void **state) {
   samples s;
-  typed_sample table[18];
+  typed_sample table[SAMPLE_TYPES];
   init_samples(&s);
   size_t n = all_samples(&s, table);
   int sock[2];

@@ -148,6 +148,27 @@ class UnitInfo(ctypes.Structure):
     ]
 
 
+MAX_COLLECTIVE_COUNTERS = 16  # ZD_MAX_COLLECTIVE_COUNTERS
+
+
+class CollectiveCounter(ctypes.Structure):
+    _fields_ = [
+        ("level", ctypes.c_char * 16),
+        ("collective", ctypes.c_char * 24),
+        ("bytes", c_uint64),
+        ("calls", c_uint64),
+    ]
+
+
+class RankStats(ctypes.Structure):
+    _fields_ = [
+        ("rank", c_uint),
+        ("step", c_uint64),
+        ("ncounters", c_uint),
+        ("counters", CollectiveCounter * MAX_COLLECTIVE_COUNTERS),
+    ]
+
+
 def sized(struct_type: type) -> ctypes.Structure:
     """A zeroed options struct with its struct_size set (ZD_SIZED_INIT)."""
     value = struct_type()
@@ -170,6 +191,7 @@ _SIGNATURES = {
     "zd_job_unit_count": (c_uint, [c_void_p]),
     "zd_job_unit_info": (c_int, [c_void_p, c_uint, _P(UnitInfo)]),
     "zd_pin": (c_int, [c_void_p, _P(c_uint64)]),
+    "zd_job_stats": (c_int, [c_void_p, _P(RankStats), c_uint, _P(c_uint)]),
     "zd_load_unit": (c_int, [c_void_p, c_uint32, c_void_p, _P(c_uint64)]),
     "zd_register_unit": (c_int, [c_void_p, _P(UnitDesc), _P(c_uint32)]),
     "zd_gather": (c_int, [c_void_p, c_uint32, _P(View)]),

@@ -308,6 +308,25 @@ class Job:
         raise InvalidArgumentError("job %s has no unit named %r (known: %s)" %
                                    (self.name, name, ", ".join(u.name for u in self.units)))
 
+    def stats(self) -> List[Dict[str, Any]]:
+        """What the collectives of the job's ranks on this daemon moved
+        since the job was created there, one dict per rank in rank order:
+        ``{"rank": 0, "step": 12, "counters": {("node", "all_gather"):
+        {"bytes": ..., "calls": ...}, ...}}`` (levels "node" and "world";
+        only non-zero counters)."""
+        entries = (_lib.RankStats * 64)()
+        count = ctypes.c_uint()
+        _check(self._lib.zd_job_stats(self._handle, entries, 64, ctypes.byref(count)), "stats")
+        result = []
+        for entry in entries[:min(count.value, 64)]:
+            counters = {}
+            for c in entry.counters[:entry.ncounters]:
+                counters[(c.level.decode(), c.collective.decode())] = {
+                    "bytes": int(c.bytes), "calls": int(c.calls)}
+            result.append({"rank": int(entry.rank), "step": int(entry.step),
+                           "counters": counters})
+        return result
+
     def pin(self) -> int:
         """Read-only jobs: pins the latest version for the gathers that
         follow and returns it."""
