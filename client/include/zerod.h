@@ -294,8 +294,9 @@ ZD_API zd_status zd_job_unit_info(const zd_job *job, unsigned index, zd_unit_inf
 ZD_API zd_status zd_pin(zd_job *job, uint64_t *version);
 
 /* What one rank's collectives moved since the job was created on its node
- * (zd_job_stats): per communicator level ("node": every rank of the job on
- * that node; "world": a communicator spanning nodes) and collective
+ * (zd_job_stats): per communicator level ("node": between ranks on that
+ * node; "cross": between nodes, in a hierarchical collective; "world": a
+ * flat communicator spanning nodes) and collective
  * ("all_gather": units gathered, "reduce_scatter": gradients, "broadcast":
  * initial values and loads, "control": small host collectives such as
  * layout checks and gradient norms), the payload bytes on that rank and

@@ -22,6 +22,15 @@ void comm_init_base(comm *c, const comm_ops *ops, const comm_options *options) {
   c->timeout_ms = options->timeout_ms;
   c->broken_error = 0;
   c->last_error[0] = '\0';
+  c->level = options->level;
+  c->moved = 0;
+}
+
+/* A collective that succeeded moved its payload. */
+static int counted(comm *c, int rc, uint64_t bytes) {
+  if (rc == 0)
+    comm_count(c, bytes);
+  return rc;
 }
 
 int comm_break(comm *c, int error, const char *fmt, ...) {
@@ -120,7 +129,7 @@ int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank
     return comm_break(c, -EINVAL,
                       "all_gather: send overlaps recv but is not this rank's slice (rank %d)",
                       c->rank);
-  return c->ops->all_gather(c, send, recv, bytes_per_rank);
+  return counted(c, c->ops->all_gather(c, send, recv, bytes_per_rank), gathered_bytes);
 }
 
 int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_numel) {
@@ -145,7 +154,7 @@ int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_nume
     return comm_break(c, -EINVAL,
                       "reduce_scatter: recv overlaps send but is not this rank's shard (rank %d)",
                       c->rank);
-  return c->ops->reduce_scatter_f32(c, send, recv, shard_numel);
+  return counted(c, c->ops->reduce_scatter_f32(c, send, recv, shard_numel), shard_bytes * world);
 }
 
 int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op) {
@@ -164,7 +173,7 @@ int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op 
     return comm_break(c, -EINVAL, "all_reduce: buf must not be NULL");
   if (count > SIZE_MAX / element_bytes)
     return comm_break(c, -EOVERFLOW, "all_reduce: %zu elements overflow", count);
-  return c->ops->all_reduce(c, buf, count, dtype, op);
+  return counted(c, c->ops->all_reduce(c, buf, count, dtype, op), count * element_bytes);
 }
 
 int comm_broadcast(comm *c, void *buf, size_t bytes, int root) {
@@ -178,7 +187,7 @@ int comm_broadcast(comm *c, void *buf, size_t bytes, int root) {
     return 0;
   if (buf == NULL)
     return comm_break(c, -EINVAL, "broadcast: buf must not be NULL");
-  return c->ops->broadcast(c, buf, bytes, root);
+  return counted(c, c->ops->broadcast(c, buf, bytes, root), bytes);
 }
 
 int comm_barrier(comm *c) {
@@ -201,6 +210,19 @@ int comm_world_size(const comm *c) {
 
 const char *comm_last_error(const comm *c) {
   return c != NULL ? c->last_error : "comm: NULL communicator";
+}
+
+void comm_take_bytes(comm *c, uint64_t bytes[COMM_LEVELS]) {
+  for (int l = 0; l < COMM_LEVELS; l++)
+    bytes[l] = 0;
+  if (c == NULL)
+    return;
+  if (c->ops->take_bytes != NULL) {
+    c->ops->take_bytes(c, bytes);
+    return;
+  }
+  bytes[c->level] = c->moved;
+  c->moved = 0;
 }
 
 void comm_destroy(comm *c) {

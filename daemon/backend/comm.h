@@ -26,6 +26,16 @@
 typedef struct comm comm;
 
 typedef enum comm_dtype { COMM_F32, COMM_F64, COMM_U8, COMM_I64 } comm_dtype;
+
+/* Where a communicator's traffic goes, for its byte counts: between ranks
+ * on one node, between nodes (the cross-node half of a hierarchical
+ * collective), or over a flat communicator whose ranks span nodes. */
+typedef enum comm_level {
+  COMM_LEVEL_NODE,
+  COMM_LEVEL_CROSS,
+  COMM_LEVEL_WORLD,
+  COMM_LEVELS
+} comm_level;
 typedef enum comm_op { COMM_SUM, COMM_MAX, COMM_MIN } comm_op;
 
 typedef struct comm_options {
@@ -33,6 +43,7 @@ typedef struct comm_options {
   int rank, world_size;
   int timeout_ms;       /* per call, and for the rendezvous */
   const char *hostname; /* address to listen on; NULL: 127.0.0.1 */
+  comm_level level;     /* what its bytes count as (comm_take_bytes) */
 } comm_options;
 
 /* Creates a Gloo communicator; blocks until all world_size ranks have
@@ -89,6 +100,13 @@ int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_nume
 int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op);
 int comm_broadcast(comm *c, void *buf, size_t bytes, int root);
 int comm_barrier(comm *c);
+
+/* The payload bytes its collectives moved, per level, since the last call
+ * (which zeroes them): a gather's whole gathered buffer, a reduce-scatter's
+ * whole input, an all-reduce's or broadcast's buffer; a hierarchical
+ * communicator reports each of its halves at its own level. Executor
+ * thread. */
+void comm_take_bytes(comm *c, uint64_t bytes[COMM_LEVELS]);
 
 int comm_rank(const comm *c);
 int comm_world_size(const comm *c);

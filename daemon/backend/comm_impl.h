@@ -50,6 +50,9 @@ typedef struct comm_ops {
    * inside a collective, which must then return at once; later calls fail
    * fast. Touches only what is safe to touch concurrently with a call. */
   void (*cancel)(comm *c);
+  /* comm_take_bytes of a communicator made of others (NULL: its own
+   * counts, which comm.c keeps after each successful call). */
+  void (*take_bytes)(comm *c, uint64_t bytes[COMM_LEVELS]);
 } comm_ops;
 
 struct comm {
@@ -59,6 +62,8 @@ struct comm {
   int timeout_ms;
   /* 0, or the negative errno of the failure that broke the communicator. */
   int broken_error;
+  comm_level level; /* options->level */
+  uint64_t moved;   /* payload bytes since the last comm_take_bytes */
   char last_error[512];
 };
 
@@ -77,6 +82,12 @@ int comm_check_options(const comm_options *options, const store *st, comm **out,
 /* snprintf into a caller's error buffer that may be NULL or empty. */
 __attribute__((format(printf, 3, 4))) void comm_format_error(char *err, size_t err_bytes,
                                                              const char *fmt, ...);
+
+/* Adds bytes to c's count (comm.c does it for the collectives it passes
+ * on; a backend that moves bytes outside them counts them itself). */
+static inline void comm_count(comm *c, uint64_t bytes) {
+  c->moved += bytes;
+}
 
 /* Bytes of one element of dtype, 0 for an unknown dtype. */
 size_t comm_dtype_bytes(comm_dtype dtype);

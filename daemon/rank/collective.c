@@ -20,14 +20,19 @@ static int staging_reserve(rank_state *rs, size_t bytes) {
   return rc;
 }
 
+/* The bytes a control collective moved, in the rank's counters. */
+static int counted(rank_state *rs, int rc) {
+  rank_metrics_collective(rs, RANK_CONTROL);
+  return rc;
+}
+
 /* recv holds world_size * bytes_per_rank; this rank's part is taken from
  * recv + rank * bytes_per_rank (the in-place form of comm_all_gather). */
 int exec__host_all_gather(rank_state *rs, void *recv, size_t bytes_per_rank) {
   uint8_t *mine = (uint8_t *)recv + (size_t)rs->rank * bytes_per_rank;
   size_t total = (size_t)rs->job->world_size * bytes_per_rank;
-  rank_metrics_collective(rs, RANK_CONTROL, total);
   if (device_is_host(rs->dev))
-    return comm_all_gather(rs->comm, mine, recv, bytes_per_rank);
+    return counted(rs, comm_all_gather(rs->comm, mine, recv, bytes_per_rank));
   int rc = exec__dev_call(rs, staging_reserve(rs, total));
   uint8_t *staged_mine = (uint8_t *)rs->staging + (size_t)rs->rank * bytes_per_rank;
   if (rc == 0)
@@ -36,13 +41,12 @@ int exec__host_all_gather(rank_state *rs, void *recv, size_t bytes_per_rank) {
     rc = comm_all_gather(rs->comm, staged_mine, rs->staging, bytes_per_rank);
   if (rc == 0)
     rc = exec__dev_call(rs, device_download(rs->dev, recv, rs->staging, total));
-  return rc;
+  return counted(rs, rc);
 }
 
 int exec__host_broadcast(rank_state *rs, void *buf, size_t bytes, int root) {
-  rank_metrics_collective(rs, RANK_CONTROL, bytes);
   if (device_is_host(rs->dev))
-    return comm_broadcast(rs->comm, buf, bytes, root);
+    return counted(rs, comm_broadcast(rs->comm, buf, bytes, root));
   int rc = exec__dev_call(rs, staging_reserve(rs, bytes));
   if (rc == 0 && rs->rank == root)
     rc = exec__dev_call(rs, device_upload(rs->dev, rs->staging, buf, bytes));
@@ -50,13 +54,12 @@ int exec__host_broadcast(rank_state *rs, void *buf, size_t bytes, int root) {
     rc = comm_broadcast(rs->comm, rs->staging, bytes, root);
   if (rc == 0 && rs->rank != root)
     rc = exec__dev_call(rs, device_download(rs->dev, buf, rs->staging, bytes));
-  return rc;
+  return counted(rs, rc);
 }
 
 int exec__host_all_reduce_f64(rank_state *rs, double *buf, size_t count, comm_op op) {
-  rank_metrics_collective(rs, RANK_CONTROL, count * sizeof *buf);
   if (device_is_host(rs->dev))
-    return comm_all_reduce(rs->comm, buf, count, COMM_F64, op);
+    return counted(rs, comm_all_reduce(rs->comm, buf, count, COMM_F64, op));
   size_t bytes = count * sizeof *buf;
   int rc = exec__dev_call(rs, staging_reserve(rs, bytes));
   if (rc == 0)
@@ -65,5 +68,5 @@ int exec__host_all_reduce_f64(rank_state *rs, double *buf, size_t count, comm_op
     rc = comm_all_reduce(rs->comm, rs->staging, count, COMM_F64, op);
   if (rc == 0)
     rc = exec__dev_call(rs, device_download(rs->dev, buf, rs->staging, bytes));
-  return rc;
+  return counted(rs, rc);
 }

@@ -92,8 +92,10 @@ static int fill_gathered(rank_state *rs, const unit_layout *l, shard *sh, pool_b
   int rc = exec__dev_call(rs, device_buffer_wait(rs->dev, &b->buf));
   if (rc == 0)
     rc = exec__dev_call(rs, device_copy(rs->dev, mine, sh->working, shard_bytes));
-  if (rc == 0 && (rc = comm_all_gather(rs->comm, mine, base, shard_bytes)) == 0)
-    rank_metrics_collective(rs, RANK_ALL_GATHER, (uint64_t)rs->job->world_size * shard_bytes);
+  if (rc == 0) {
+    rc = comm_all_gather(rs->comm, mine, base, shard_bytes);
+    rank_metrics_collective(rs, RANK_ALL_GATHER);
+  }
   if (rc == 0)
     rc = exec__dev_call(rs, device_buffer_publish(rs->dev, &b->buf));
   if (rc == 0)

@@ -31,7 +31,7 @@
 
 #define JOB_MAX_UNITS      65536
 #define JOB_MAX_WORLD      64
-#define JOB_COUNTER_LEVELS 2 /* node, world */
+#define JOB_COUNTER_LEVELS 3 /* comm_level: node, cross, world */
 #define JOB_COUNTER_KINDS  4 /* rank_collective */
 
 struct session;
@@ -153,9 +153,8 @@ typedef struct rank_state {
   uint64_t ckpt_taken;
   struct ckpt_staged *ckpt_staged;
 
-  /* Collectives run, by level (0: every rank on this node, 1: spanning
-   * nodes) and kind (rank_collective): bytes and calls. Counted by the
-   * executor, read by the loop (STATS). */
+  /* Collectives run, by level (comm_level) and kind (rank_collective):
+   * bytes and calls. Counted by the executor, read by the loop (STATS). */
   _Atomic uint64_t coll_bytes[JOB_COUNTER_LEVELS][JOB_COUNTER_KINDS];
   _Atomic uint64_t coll_calls[JOB_COUNTER_LEVELS][JOB_COUNTER_KINDS];
 

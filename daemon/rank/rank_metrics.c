@@ -11,11 +11,9 @@
 
 static const char *const rank_labels[] = {"zerod_job", "rank", NULL};
 
-const char *const rank_level_names[2] = {"node", "world"};
-
-int rank_level(const rank_state *rs) {
-  return job_spans_nodes(rs->job) ? 1 : 0;
-}
+const char *const rank_level_names[COMM_LEVELS] = {"node", "cross", "world"};
+_Static_assert(JOB_COUNTER_LEVELS == COMM_LEVELS, "a counter per comm_level");
+_Static_assert(JOB_COUNTER_KINDS == RANK_NCOLLECTIVES, "a counter per rank_collective");
 
 const char *const rank_collective_names[RANK_NCOLLECTIVES] = {
     [RANK_ALL_GATHER] = "all_gather",
@@ -54,18 +52,22 @@ static void open_rank(metrics *m, rank_state *rs, rank_series *s, const char *me
       series(m, METRIC_HISTOGRAM, "zerod_register_duration_seconds",
              "Time from a unit registration's arrival to its answer.", rank_labels, v);
   static const char *const coll_labels[] = {"zerod_job", "rank", "collective", "level", NULL};
-  for (int c = 0; c < RANK_NCOLLECTIVES; c++) {
-    const char *const cv[] = {rs->job->name, rank, rank_collective_names[c],
-                              rank_level_names[rank_level(rs)], NULL};
-    s->collective_bytes[c] =
-        series(m, METRIC_COUNTER, "zerod_collective_bytes_total",
-               "Payload bytes of the rank's collectives: the gathered buffer of a unit's "
-               "all-gather, the gradients' input of a reduce-scatter, the values of a "
-               "broadcast; control: the small host collectives (layouts, step counts, norms).",
-               coll_labels, cv);
-    s->collectives[c] = series(m, METRIC_COUNTER, "zerod_collectives_total",
-                               "Collectives the rank ran.", coll_labels, cv);
-  }
+  /* A job on this node alone moves nothing between nodes: its series
+   * are the node level's only. */
+  for (int level = 0; level < COMM_LEVELS; level++)
+    for (int c = 0; c < RANK_NCOLLECTIVES && (level == COMM_LEVEL_NODE || job_spans_nodes(rs->job));
+         c++) {
+      const char *const cv[] = {rs->job->name, rank, rank_collective_names[c],
+                                rank_level_names[level], NULL};
+      s->collective_bytes[level][c] =
+          series(m, METRIC_COUNTER, "zerod_collective_bytes_total",
+                 "Payload bytes of the rank's collectives: the gathered buffer of a unit's "
+                 "all-gather, the gradients' input of a reduce-scatter, the values of a "
+                 "broadcast; control: the small host collectives (layouts, step counts, norms).",
+                 coll_labels, cv);
+      s->collectives[level][c] = series(m, METRIC_COUNTER, "zerod_collectives_total",
+                                        "Collectives the rank ran.", coll_labels, cv);
+    }
   static const char *const mem_labels[] = {"zerod_job", "rank", "memory", NULL};
   const char *const mv[] = {rs->job->name, rank, memory, NULL};
   s->shard_bytes = series(m, METRIC_GAUGE, "zerod_shard_bytes",
@@ -114,10 +116,11 @@ static void close_rank(rank_series *s) {
                           s->ckpt_bytes};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
     metric_series_put(all[i]);
-  for (int c = 0; c < RANK_NCOLLECTIVES; c++) {
-    metric_series_put(s->collective_bytes[c]);
-    metric_series_put(s->collectives[c]);
-  }
+  for (int level = 0; level < COMM_LEVELS; level++)
+    for (int c = 0; c < RANK_NCOLLECTIVES; c++) {
+      metric_series_put(s->collective_bytes[level][c]);
+      metric_series_put(s->collectives[level][c]);
+    }
   for (int c = 0; c < RANK_METRICS_CODES; c++)
     metric_series_put(atomic_load(&s->error_series[c]));
   free(s);
@@ -226,14 +229,19 @@ void rank_metrics_state(rank_state *rs) {
   metric_set(s->live_bytes, (double)rs->live_bytes);
 }
 
-void rank_metrics_collective(rank_state *rs, rank_collective which, uint64_t bytes) {
-  int level = rank_level(rs);
-  atomic_fetch_add_explicit(&rs->coll_bytes[level][which], bytes, memory_order_relaxed);
-  atomic_fetch_add_explicit(&rs->coll_calls[level][which], 1, memory_order_relaxed);
-  if (rs->metrics == NULL)
-    return;
-  metric_add(rs->metrics->collective_bytes[which], (double)bytes);
-  metric_add(rs->metrics->collectives[which], 1);
+void rank_metrics_collective(rank_state *rs, rank_collective which) {
+  uint64_t bytes[COMM_LEVELS];
+  comm_take_bytes(rs->comm, bytes);
+  for (int level = 0; level < COMM_LEVELS; level++) {
+    if (bytes[level] == 0)
+      continue;
+    atomic_fetch_add_explicit(&rs->coll_bytes[level][which], bytes[level], memory_order_relaxed);
+    atomic_fetch_add_explicit(&rs->coll_calls[level][which], 1, memory_order_relaxed);
+    if (rs->metrics != NULL) {
+      metric_add(rs->metrics->collective_bytes[level][which], (double)bytes[level]);
+      metric_add(rs->metrics->collectives[level][which], 1);
+    }
+  }
 }
 
 void rank_metrics_ckpt_written(rank_state *rs, double seconds, uint64_t bytes) {

@@ -17,6 +17,7 @@
 
 #include <stdint.h>
 
+#include "comm.h"
 #include "metrics.h"
 
 struct rank_state;
@@ -28,18 +29,14 @@ struct job;
 typedef enum rank_collective {
   RANK_ALL_GATHER,
   RANK_REDUCE_SCATTER,
-  RANK_BROADCAST, /* initial values, loads */
-  RANK_CONTROL,   /* small host collectives: layouts, step counts, norms */
+  RANK_BROADCAST,   /* initial values, loads */
+  RANK_CONTROL,     /* small host collectives: layouts, step counts, norms */
   RANK_NCOLLECTIVES /* == JOB_COUNTER_KINDS */
 } rank_collective;
 
 /* The names of the kinds and levels, for STATS and the metrics' labels. */
 extern const char *const rank_collective_names[RANK_NCOLLECTIVES];
-extern const char *const rank_level_names[2];
-
-/* The level a rank's collectives count at: 0 ("node") when every rank of
- * its job is on this node, 1 ("world") when the job spans nodes. */
-int rank_level(const struct rank_state *rs);
+extern const char *const rank_level_names[COMM_LEVELS];
 
 /* The ops whose latency has a histogram. */
 typedef enum rank_timer {
@@ -53,7 +50,8 @@ typedef enum rank_timer {
 typedef struct rank_series {
   metric_series *steps, *step;
   metric_series *step_seconds, *gather_seconds, *reduce_seconds, *register_seconds;
-  metric_series *collective_bytes[RANK_NCOLLECTIVES], *collectives[RANK_NCOLLECTIVES];
+  metric_series *collective_bytes[COMM_LEVELS][RANK_NCOLLECTIVES];
+  metric_series *collectives[COMM_LEVELS][RANK_NCOLLECTIVES];
   metric_series *shard_bytes, *pool_bytes, *live_bytes, *queue_depth, *attached;
   metric_series *ckpt_write_seconds, *ckpt_stall_seconds, *ckpt_bytes;
   /* Errors by status code, made on first use by whichever thread answers
@@ -78,9 +76,10 @@ void rank_metrics_close(struct job *j);
 void rank_metrics_op(struct rank_state *rs, rank_timer timer, int status, double made_at);
 /* After an op: the gauges that follow the rank's own state. */
 void rank_metrics_state(struct rank_state *rs);
-/* A collective of the rank moved bytes (its payload on this rank): in the
- * rank's counters (STATS), and in its series when metrics are on. */
-void rank_metrics_collective(struct rank_state *rs, rank_collective which, uint64_t bytes);
+/* A collective of the rank of kind `which` has returned: the bytes its
+ * communicator moved for it (comm_take_bytes, by level) go into the
+ * rank's counters (STATS), and into its series when metrics are on. */
+void rank_metrics_collective(struct rank_state *rs, rank_collective which);
 /* A checkpoint's shard file was written (the node's shard writer). */
 void rank_metrics_ckpt_written(struct rank_state *rs, double seconds, uint64_t bytes);
 /* A save's copy stalled the rank's steps this long. */

@@ -49,7 +49,7 @@ void exec__handle_reduce(rank_state *rs, exec_op *op) {
     exec__op_comm_failed(rs, op, "reduce_scatter", err);
     return;
   }
-  rank_metrics_collective(rs, RANK_REDUCE_SCATTER, l->padded_numel * sizeof(float));
+  rank_metrics_collective(rs, RANK_REDUCE_SCATTER);
   err = device_accumulate(dev, sh->grad_acc, rs->shard_scratch, l->shard_numel);
   if (err == 0)
     err = device_buffer_publish(dev, &b->buf);

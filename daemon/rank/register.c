@@ -70,8 +70,7 @@ static int broadcast_values(rank_state *rs, const unit_layout *l, const float *p
   /* A rank 0 that failed above still takes part, so that its peers do not
    * wait for it; the job fails all the same. */
   int comm_rc = comm_broadcast(rs->comm, rs->scratch, bytes, 0);
-  if (comm_rc == 0)
-    rank_metrics_collective(rs, RANK_BROADCAST, bytes);
+  rank_metrics_collective(rs, RANK_BROADCAST);
   return rc != 0 ? rc : comm_rc;
 }
 

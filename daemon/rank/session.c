@@ -84,7 +84,8 @@ void exec__handle_comm_init(rank_state *rs, exec_op *op) {
                           .rank = rs->rank,
                           .world_size = rs->job->world_size,
                           .timeout_ms = rs->job->exec->collective_timeout_ms,
-                          .hostname = rs->job->exec->comm_hostname};
+                          .hostname = rs->job->exec->comm_hostname,
+                          .level = job_spans_nodes(rs->job) ? COMM_LEVEL_WORLD : COMM_LEVEL_NODE};
   int rc;
   comm *built = NULL;
   if (rs->dev == NULL) {

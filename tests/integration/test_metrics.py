@@ -181,6 +181,8 @@ def test_prometheus_scrapes_a_training_daemon(start_daemon, prometheus):
     latency = list(p50.values())[0]
     assert 0 < latency < 60, p50
     moved = prom.query('zerod_collective_bytes_total{zerod_job="prom",collective="all_gather"}')
+    # One node: node level only (no cross-node or flat spanning series).
+    assert {json.loads(k)["level"] for k in moved} == {"node"}, moved
     assert len(moved) == 2 and min(moved.values()) > 0, moved
     held = prom.query('zerod_shard_bytes{zerod_job="prom",memory="host"}')
     assert len(held) == 2 and min(held.values()) > 0, held

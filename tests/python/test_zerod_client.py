@@ -133,6 +133,9 @@ def test_stats_count_the_bytes_each_collective_moved(start_daemon):
     daemon = start_daemon(ranks=2)
     n = 1000
     results, errors = {}, []
+    # Both ranks have had their last step answered (so counted) before
+    # either asks.
+    done = threading.Barrier(2, timeout=60)
 
     def rank(r):
         try:
@@ -147,6 +150,7 @@ def test_stats_count_the_bytes_each_collective_moved(start_daemon):
                     grads.arrays()["w"][...] = 1.0
                     unit.reduce()
                     job.step()
+                done.wait()
                 results[r] = (job.stats(), unit.padded_numel)
         except Exception as e:  # reported on the test's thread
             errors.append(e)
