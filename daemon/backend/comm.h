@@ -82,6 +82,15 @@ void comm_local_group_cancel(comm_local_group *g);
 int comm_local_create(const comm_options *options, comm_local_group *group, comm **out, char *err,
                       size_t err_bytes);
 
+/* A hierarchical communicator (comm_hier.c) for a job of N nodes with L
+ * ranks each: local, this node's L ranks (comm_local_create, level node),
+ * and cross, the N ranks with this local index on every node (Gloo, level
+ * cross); options->rank must be node * L + local rank. Gathers are exact;
+ * reduce-scatter sums each node's ranks first, then the nodes (a fixed
+ * order, not the flat rank order). Takes both, even on failure. */
+int comm_hier_create(const comm_options *options, comm *local, comm *cross, comm **out, char *err,
+                     size_t err_bytes);
+
 /* recv holds world_size * bytes_per_rank; rank r's send lands at
  * recv + r * bytes_per_rank. send may point there already (in place). */
 int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank);

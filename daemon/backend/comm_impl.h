@@ -83,6 +83,16 @@ int comm_check_options(const comm_options *options, const store *st, comm **out,
 __attribute__((format(printf, 3, 4))) void comm_format_error(char *err, size_t err_bytes,
                                                              const char *fmt, ...);
 
+/* comm_local.c, for comm_hier.c: a collective of the caller's own making
+ * between the local group's ranks. comm_local_begin publishes `mine` (and
+ * `size`, which every rank must pass alike with the same `what`), meets the
+ * ranks and sets *peers to every rank's `mine` ([world_size]; valid until
+ * comm_local_end), which meets them again: after it nobody reads another's
+ * buffer. Bytes are not counted (the caller does: comm_count). */
+int comm_local_begin(comm *local, const char *what, const void *mine, size_t size,
+                     const void *const **peers);
+int comm_local_end(comm *local, const char *what);
+
 /* Adds bytes to c's count (comm.c does it for the collectives it passes
  * on; a backend that moves bytes outside them counts them itself). */
 static inline void comm_count(comm *c, uint64_t bytes) {

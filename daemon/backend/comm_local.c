@@ -56,6 +56,7 @@ struct comm_local_group {
 typedef struct local_comm {
   comm base;
   comm_local_group *group;
+  const void **peers; /* [world_size]: comm_local_begin's answer */
 } local_comm;
 
 int comm_local_group_create(int world_size, comm_local_group **out) {
@@ -332,7 +333,28 @@ static void local_destroy(comm *c) {
   /* A peer still waiting for this rank would wait in vain. */
   group_break(lc->group, -ECONNRESET, "rank %d left", c->rank);
   comm_local_group_unref(lc->group);
+  free(lc->peers);
   free(lc);
+}
+
+int comm_local_begin(comm *c, const char *what, const void *mine, size_t size,
+                     const void *const **peers) {
+  local_comm *lc = (local_comm *)c;
+  if (c->broken_error != 0)
+    return c->broken_error;
+  int rc = publish(lc, (slot){.send = mine, .what = what, .size = size});
+  if (rc != 0)
+    return rc;
+  for (int r = 0; r < c->world_size; r++)
+    lc->peers[r] = lc->group->slots[r].send;
+  *peers = lc->peers;
+  return 0;
+}
+
+int comm_local_end(comm *c, const char *what) {
+  if (c->broken_error != 0)
+    return c->broken_error;
+  return barrier((local_comm *)c, what);
 }
 
 static const comm_ops local_ops = {
@@ -366,6 +388,10 @@ int comm_local_create(const comm_options *options, comm_local_group *group, comm
     return -EINVAL;
   }
   local_comm *lc = calloc(1, sizeof *lc);
+  if (lc != NULL && (lc->peers = calloc((size_t)options->world_size, sizeof *lc->peers)) == NULL) {
+    free(lc);
+    lc = NULL;
+  }
   if (lc == NULL) {
     comm_format_error(err, err_bytes, "create: out of memory");
     return -ENOMEM;
@@ -378,6 +404,7 @@ int comm_local_create(const comm_options *options, comm_local_group *group, comm
   if (rc != 0) {
     comm_format_error(err, err_bytes, "%s", lc->base.last_error);
     comm_local_group_unref(group);
+    free(lc->peers);
     free(lc);
     return rc;
   }

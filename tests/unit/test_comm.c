@@ -82,12 +82,19 @@ typedef struct rank_ctx {
 
 typedef void (*rank_body)(rank_ctx *rc);
 
-/* The backend the world runs use: set by each test's setup. */
-static bool use_local;
+/* The backend the world runs use: set by each test's setup. The
+ * hierarchical one runs `world` ranks as nodes of 2 ranks each (of 1 for
+ * an odd world): a local group per node, a Gloo communicator per local
+ * index. */
+typedef enum backend { GLOO, LOCAL, HIER } backend;
+static backend use_backend;
+#define use_local (use_backend == LOCAL)
 
 struct world_run {
   store *st;
-  comm_local_group *group; /* the local backend's */
+  comm_local_group *group;                  /* the local backend's */
+  comm_local_group *node_groups[MAX_WORLD]; /* the hierarchical one's, per node */
+  int local_size;
   int world;
   int timeout_ms;
   rank_body body;
@@ -128,11 +135,34 @@ static void *rank_main(void *arg) {
                           .world_size = run->world,
                           .timeout_ms = run->timeout_ms};
   char err[256];
-  int create_rc = use_local ? comm_local_create(&options, run->group, &rc->c, err, sizeof err)
-                            : comm_gloo_create(&options, run->st, &rc->c, err, sizeof err);
+  int create_rc;
+  if (use_backend == HIER) {
+    int L = run->local_size, l = rc->rank % L, n = rc->rank / L;
+    comm_options local_options = {
+        .rank = l, .world_size = L, .timeout_ms = run->timeout_ms, .level = COMM_LEVEL_NODE};
+    char prefix[64];
+    snprintf(prefix, sizeof prefix, "test/hier/x%d", l);
+    comm_options cross_options = {.prefix = prefix,
+                                  .rank = n,
+                                  .world_size = run->world / L,
+                                  .timeout_ms = run->timeout_ms,
+                                  .level = COMM_LEVEL_CROSS};
+    comm *local = NULL, *cross = NULL;
+    create_rc = comm_local_create(&local_options, run->node_groups[n], &local, err, sizeof err);
+    if (create_rc == 0 &&
+        (create_rc = comm_gloo_create(&cross_options, run->st, &cross, err, sizeof err)) != 0)
+      comm_destroy(local);
+    if (create_rc == 0)
+      create_rc = comm_hier_create(&options, local, cross, &rc->c, err, sizeof err);
+  } else if (use_backend == LOCAL) {
+    create_rc = comm_local_create(&options, run->group, &rc->c, err, sizeof err);
+  } else {
+    create_rc = comm_gloo_create(&options, run->st, &rc->c, err, sizeof err);
+  }
   if (create_rc != 0) {
-    rank_fail(rc, "creating the %s communicator returned %d: %s", use_local ? "local" : "gloo",
-              create_rc, err);
+    static const char *const names[] = {"gloo", "local", "hierarchical"};
+    rank_fail(rc, "creating the %s communicator returned %d: %s", names[use_backend], create_rc,
+              err);
     return NULL;
   }
   run->body(rc);
@@ -150,6 +180,10 @@ static void run_world_in(store *st, int world, int timeout_ms, rank_body body, v
   world_run run = {.st = st, .world = world, .timeout_ms = timeout_ms, .body = body, .user = user};
   if (use_local)
     assert_int_equal(comm_local_group_create(world, &run.group), 0);
+  run.local_size = world % 2 == 0 ? 2 : 1;
+  if (use_backend == HIER)
+    for (int n = 0; n < world / run.local_size; n++)
+      assert_int_equal(comm_local_group_create(run.local_size, &run.node_groups[n]), 0);
   pthread_t threads[MAX_WORLD];
   for (int r = 0; r < world; r++) {
     run.ranks[r].run = &run;
@@ -161,6 +195,8 @@ static void run_world_in(store *st, int world, int timeout_ms, rank_body body, v
   for (int r = 0; r < world; r++)
     comm_destroy(run.ranks[r].c);
   comm_local_group_unref(run.group);
+  for (int n = 0; n < MAX_WORLD; n++)
+    comm_local_group_unref(run.node_groups[n]);
   for (int r = 0; r < world; r++)
     if (run.ranks[r].failure[0] != '\0')
       fail_msg("world %d, rank %d: %s", world, r, run.ranks[r].failure);
@@ -459,19 +495,26 @@ static void reduce_scatter_twice_body(rank_ctx *rc) {
   if (rc->failure[0] == '\0' && memcmp(first, second, shard * sizeof(float)) != 0)
     rank_fail(rc, "two reduce-scatters of the same data gave different bits");
   /* The bits are those of a sequential sum in rank order, as one process
-   * adding the ranks' gradients would compute them. */
-  float *want = xmalloc(shard * sizeof(float));
+   * adding the ranks' gradients would compute them; the hierarchical
+   * backend's, of each node's ranks in order, then of the nodes in order. */
+  const int L = use_backend == HIER ? rc->run->local_size : rc->run->world;
+  float *want = xmalloc(shard * sizeof(float)), *node = xmalloc(shard * sizeof(float));
   for (int r = 0; r < rc->run->world; r++) {
     uint64_t seed = 1000u + (uint64_t)r;
+    size_t begin = (size_t)rc->rank * shard;
     for (size_t j = 0; j < total; j++) {
       float v = (float)((double)(rng_next(&seed) >> 11) * 0x1p-53 - 0.5) * 3.0f;
-      size_t begin = (size_t)rc->rank * shard;
       if (j >= begin && j < begin + shard)
-        want[j - begin] = r == 0 ? v : want[j - begin] + v;
+        node[j - begin] = r % L == 0 ? v : node[j - begin] + v;
     }
+    if (r % L == L - 1)
+      for (size_t i = 0; i < shard; i++)
+        want[i] = r / L == 0 ? node[i] : want[i] + node[i];
   }
   if (rc->failure[0] == '\0' && memcmp(first, want, shard * sizeof(float)) != 0)
-    rank_fail(rc, "the sum is not the rank-order sequential sum");
+    rank_fail(rc, "the sum is not the %s sum",
+              use_backend == HIER ? "nodes-then-ranks" : "rank-order sequential");
+  free(node);
   free(want);
   free(send);
   free(first);
@@ -850,13 +893,19 @@ static void test_bad_arguments_fail_and_break_the_communicator(void **state) {
 
 static int gloo_backend(void **state) {
   (void)state;
-  use_local = false;
+  use_backend = GLOO;
   return 0;
 }
 
 static int local_backend(void **state) {
   (void)state;
-  use_local = true;
+  use_backend = LOCAL;
+  return 0;
+}
+
+static int hier_backend(void **state) {
+  (void)state;
+  use_backend = HIER;
   return 0;
 }
 
@@ -895,9 +944,9 @@ static void test_local_sums_bit_for_bit_as_gloo(void **state) {
       gloo.inputs[r][i] = local.inputs[r][i] = (float)((u - 0.5) * pow(10.0, (double)(i % 9) - 4));
     }
   }
-  use_local = false;
+  use_backend = GLOO;
   run_world(BITS_WORLD, DEFAULT_TIMEOUT_MS, bits_body, &gloo);
-  use_local = true;
+  use_backend = LOCAL;
   run_world(BITS_WORLD, DEFAULT_TIMEOUT_MS, bits_body, &local);
   for (int r = 0; r < BITS_WORLD; r++)
     for (size_t i = 0; i < BITS_SHARD; i++) {
@@ -987,7 +1036,7 @@ static void leave_body(rank_ctx *rc) {
 static void test_local_peer_leaving_fails_a_waiting_rank_at_once(void **state) {
   (void)state;
   leave_state ls = {0};
-  use_local = true;
+  use_backend = LOCAL;
   run_world(2, DEFAULT_TIMEOUT_MS, leave_body, &ls);
   assert_int_equal(ls.rc, -ECONNRESET);
   if (ls.ms > 2000)
@@ -1022,7 +1071,7 @@ static void mismatch_body(rank_ctx *rc) {
 
 static void test_local_ranks_out_of_step_fail_without_touching_buffers(void **state) {
   (void)state;
-  use_local = true;
+  use_backend = LOCAL;
   for (int second = 0; second < 3; second++) {
     mismatch_state ms = {.second = second};
     run_world(2, DEFAULT_TIMEOUT_MS, mismatch_body, &ms);
@@ -1035,8 +1084,48 @@ static void test_local_ranks_out_of_step_fail_without_touching_buffers(void **st
   }
 }
 
+/* Bytes by level: 2 nodes of 2 ranks. Cross-node, each rank moves N = 2
+ * slices of a gather and 2 shards of a reduce, where a flat communicator
+ * moves W = 4. */
+typedef struct levels_state {
+  uint64_t gather[MAX_WORLD][COMM_LEVELS], reduce[MAX_WORLD][COMM_LEVELS];
+} levels_state;
+
+static void levels_body(rank_ctx *rc) {
+  levels_state *ls = rc->run->user;
+  uint64_t ignored[COMM_LEVELS];
+  comm_take_bytes(rc->c, ignored); /* the rendezvous */
+  uint8_t gathered[4 * 100] = {0};
+  float grads[4 * 25] = {0}, mine[25];
+  RANK_CALL(rc, comm_all_gather(rc->c, gathered + rc->rank * 100, gathered, 100));
+  comm_take_bytes(rc->c, ls->gather[rc->rank]);
+  RANK_CALL(rc, comm_reduce_scatter_f32(rc->c, grads, mine, 25));
+  comm_take_bytes(rc->c, ls->reduce[rc->rank]);
+}
+
+static void test_hier_moves_n_slices_across_nodes(void **state) {
+  (void)state;
+  levels_state ls = {0};
+  use_backend = HIER;
+  run_world(4, DEFAULT_TIMEOUT_MS, levels_body, &ls);
+  for (int r = 0; r < 4; r++) {
+    assert_int_equal(ls.gather[r][COMM_LEVEL_CROSS], 2 * 100);
+    assert_int_equal(ls.gather[r][COMM_LEVEL_NODE], 4 * 100);
+    assert_int_equal(ls.gather[r][COMM_LEVEL_WORLD], 0);
+    assert_int_equal(ls.reduce[r][COMM_LEVEL_CROSS], 2 * 25 * sizeof(float));
+    assert_int_equal(ls.reduce[r][COMM_LEVEL_NODE], 4 * 25 * sizeof(float));
+  }
+  /* A flat communicator counts everything at its own level. */
+  memset(&ls, 0, sizeof ls);
+  use_backend = GLOO;
+  run_world(4, DEFAULT_TIMEOUT_MS, levels_body, &ls);
+  assert_int_equal(ls.gather[0][COMM_LEVEL_NODE], 4 * 100);
+  assert_int_equal(ls.reduce[0][COMM_LEVEL_NODE], 4 * 25 * sizeof(float));
+}
+
 #define BOTH(test)                                                                                 \
-  cmocka_unit_test_setup(test, gloo_backend), cmocka_unit_test_setup(test, local_backend)
+  cmocka_unit_test_setup(test, gloo_backend), cmocka_unit_test_setup(test, local_backend),         \
+      cmocka_unit_test_setup(test, hier_backend)
 
 int main(void) {
   /* Gloo writes to sockets without MSG_NOSIGNAL; the daemon ignores SIGPIPE
@@ -1070,6 +1159,7 @@ int main(void) {
       cmocka_unit_test(test_local_create_waits_for_every_rank_then_times_out),
       cmocka_unit_test(test_local_peer_leaving_fails_a_waiting_rank_at_once),
       cmocka_unit_test(test_local_ranks_out_of_step_fail_without_touching_buffers),
+      cmocka_unit_test(test_hier_moves_n_slices_across_nodes),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,219 @@
+/* comm_hier - a hierarchical communicator (comm.h: comm_hier_create): the
+ * ranks of one node (a local communicator, comm_local.c) composed with one
+ * cross-node communicator per local rank index (the ranks with the same
+ * local index on every node, Gloo), the way NCCL, Horovod and ZeRO++ build
+ * hierarchical collectives. Global rank g = n * L + l for local rank l of
+ * L on node n of N.
+ *
+ * all_gather: the cross-node all-gather of each rank's slice among its
+ *   local index (N slices), then a local exchange that puts every node's
+ *   slice of every local rank in place. Exact: the bytes are the flat
+ *   collective's. Cross-node traffic per rank: N slices, not W.
+ * reduce_scatter_f32: each local rank sums, over the node's ranks in local
+ *   order, the slices its local index owns on every node (N slices), then
+ *   the cross-node reduce-scatter (Gloo's, node order) gives each rank its
+ *   own. The sum is (g(0,0) + g(0,1) + ...) + (g(1,0) + ...) + ...: fixed,
+ *   so deterministic from run to run, but not the flat rank-order sum
+ *   ((g0 + g1) + g2) + ... (docs/decisions.md, "Collectives"). Cross-node
+ *   traffic per rank: N slices of the unit, not W.
+ * all_reduce: the local all-reduce, then the cross-node one.
+ * broadcast: the root's local index broadcasts across nodes, then every
+ *   node broadcasts from that local rank.
+ *
+ * A failure of either half breaks the whole: both halves are aborted, so
+ * the peers of each fail at once too. */
+#include <errno.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm_impl.h"
+
+/* Sums are made in chunks of this many floats, kept in cache while every
+ * local rank's values are added. */
+#define SUM_CHUNK 8192
+
+typedef struct hier_comm {
+  comm base;
+  comm *local, *cross;
+  int l, L, n, N;
+  void *scratch;
+  size_t scratch_bytes;
+} hier_comm;
+
+static int grow_scratch(hier_comm *h, size_t bytes, const char *what) {
+  if (bytes <= h->scratch_bytes)
+    return 0;
+  void *grown = realloc(h->scratch, bytes);
+  if (grown == NULL)
+    return comm_break(&h->base, -ENOMEM, "%s: %zu bytes of scratch: out of memory", what, bytes);
+  h->scratch = grown;
+  h->scratch_bytes = bytes;
+  return 0;
+}
+
+/* A half failed: the whole breaks with its reason. */
+static int half_failed(hier_comm *h, const char *half, int rc, const comm *sub) {
+  return comm_break(&h->base, rc, "%s (%s): %s", half, sub == h->local ? "node" : "cross-node",
+                    comm_last_error(sub));
+}
+
+static int hier_all_gather(comm *c, const void *send, void *recv, size_t b) {
+  hier_comm *h = (hier_comm *)c;
+  int rc = grow_scratch(h, (size_t)h->N * b, "all_gather");
+  if (rc != 0)
+    return rc;
+  /* This rank's slice, and those of its local index on the other nodes. */
+  if ((rc = comm_all_gather(h->cross, send, h->scratch, b)) != 0)
+    return half_failed(h, "all_gather", rc, h->cross);
+  const void *const *peers;
+  if ((rc = comm_local_begin(h->local, "all_gather", h->scratch, b, &peers)) != 0)
+    return half_failed(h, "all_gather", rc, h->local);
+  for (int l = 0; l < h->L; l++)
+    for (int n = 0; n < h->N; n++)
+      memcpy((uint8_t *)recv + ((size_t)n * h->L + l) * b, (const uint8_t *)peers[l] + n * b, b);
+  if ((rc = comm_local_end(h->local, "all_gather")) != 0)
+    return half_failed(h, "all_gather", rc, h->local);
+  comm_count(h->local, (uint64_t)c->world_size * b);
+  return 0;
+}
+
+static int hier_reduce_scatter_f32(comm *c, float *send, float *recv, size_t s) {
+  hier_comm *h = (hier_comm *)c;
+  int rc = grow_scratch(h, (size_t)h->N * s * sizeof(float), "reduce_scatter");
+  if (rc != 0)
+    return rc;
+  float *partial = h->scratch;
+  const void *const *peers;
+  if ((rc = comm_local_begin(h->local, "reduce_scatter", send, s, &peers)) != 0)
+    return half_failed(h, "reduce_scatter", rc, h->local);
+  /* partial[n] = the node's ranks' slices (n, l), summed in local order. */
+  for (int n = 0; n < h->N; n++) {
+    size_t base = ((size_t)n * h->L + h->l) * s;
+    float *out = partial + (size_t)n * s;
+    for (size_t at = 0; at < s; at += SUM_CHUNK) {
+      size_t k = s - at < SUM_CHUNK ? s - at : SUM_CHUNK;
+      memcpy(out + at, (const float *)peers[0] + base + at, k * sizeof(float));
+      for (int l = 1; l < h->L; l++) {
+        const float *from = (const float *)peers[l] + base + at;
+        for (size_t i = 0; i < k; i++)
+          out[at + i] += from[i];
+      }
+    }
+  }
+  if ((rc = comm_local_end(h->local, "reduce_scatter")) != 0)
+    return half_failed(h, "reduce_scatter", rc, h->local);
+  comm_count(h->local, (uint64_t)c->world_size * s * sizeof(float));
+  if ((rc = comm_reduce_scatter_f32(h->cross, partial, recv, s)) != 0)
+    return half_failed(h, "reduce_scatter", rc, h->cross);
+  return 0;
+}
+
+static int hier_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op) {
+  hier_comm *h = (hier_comm *)c;
+  int rc = comm_all_reduce(h->local, buf, count, dtype, op);
+  if (rc != 0)
+    return half_failed(h, "all_reduce", rc, h->local);
+  if ((rc = comm_all_reduce(h->cross, buf, count, dtype, op)) != 0)
+    return half_failed(h, "all_reduce", rc, h->cross);
+  return 0;
+}
+
+static int hier_broadcast(comm *c, void *buf, size_t bytes, int root) {
+  hier_comm *h = (hier_comm *)c;
+  int root_node = root / h->L, root_local = root % h->L, rc;
+  if (h->l == root_local && (rc = comm_broadcast(h->cross, buf, bytes, root_node)) != 0)
+    return half_failed(h, "broadcast", rc, h->cross);
+  if ((rc = comm_broadcast(h->local, buf, bytes, root_local)) != 0)
+    return half_failed(h, "broadcast", rc, h->local);
+  return 0;
+}
+
+static int hier_barrier(comm *c) {
+  hier_comm *h = (hier_comm *)c;
+  int rc = comm_barrier(h->local);
+  if (rc != 0)
+    return half_failed(h, "barrier", rc, h->local);
+  if ((rc = comm_barrier(h->cross)) != 0)
+    return half_failed(h, "barrier", rc, h->cross);
+  if ((rc = comm_barrier(h->local)) != 0)
+    return half_failed(h, "barrier", rc, h->local);
+  return 0;
+}
+
+/* Either half's failure, or an abort: both halves stop, so that the peers
+ * of each (this node's ranks, this local index's ranks on other nodes)
+ * fail at once too. */
+static void hier_abort(comm *c) {
+  hier_comm *h = (hier_comm *)c;
+  comm_abort(h->local);
+  comm_abort(h->cross);
+}
+
+static void hier_destroy(comm *c) {
+  hier_comm *h = (hier_comm *)c;
+  comm_destroy(h->local);
+  comm_destroy(h->cross);
+  free(h->scratch);
+  free(h);
+}
+
+static void hier_take_bytes(comm *c, uint64_t bytes[COMM_LEVELS]) {
+  hier_comm *h = (hier_comm *)c;
+  uint64_t local[COMM_LEVELS], cross[COMM_LEVELS];
+  comm_take_bytes(h->local, local);
+  comm_take_bytes(h->cross, cross);
+  for (int l = 0; l < COMM_LEVELS; l++)
+    bytes[l] = local[l] + cross[l];
+}
+
+static const comm_ops hier_ops = {
+    .name = "hierarchical",
+    .all_gather = hier_all_gather,
+    .reduce_scatter_f32 = hier_reduce_scatter_f32,
+    .all_reduce = hier_all_reduce,
+    .broadcast = hier_broadcast,
+    .barrier = hier_barrier,
+    .abort = hier_abort,
+    .destroy = hier_destroy,
+    .cancel = hier_abort,
+    .take_bytes = hier_take_bytes,
+};
+
+int comm_hier_create(const comm_options *options, comm *local, comm *cross, comm **out, char *err,
+                     size_t err_bytes) {
+  if (out != NULL)
+    *out = NULL;
+  int rc = -EINVAL;
+  if (options == NULL || local == NULL || cross == NULL || out == NULL) {
+    comm_format_error(err, err_bytes, "create: options, local, cross and out must not be NULL");
+    goto fail;
+  }
+  int L = comm_world_size(local), l = comm_rank(local);
+  int N = comm_world_size(cross), n = comm_rank(cross);
+  if (options->world_size != L * N || options->rank != n * L + l) {
+    comm_format_error(err, err_bytes,
+                      "create: rank %d of %d is not local rank %d of %d on node %d of %d",
+                      options->rank, options->world_size, l, L, n, N);
+    goto fail;
+  }
+  hier_comm *h = calloc(1, sizeof *h);
+  if (h == NULL) {
+    comm_format_error(err, err_bytes, "create: out of memory");
+    rc = -ENOMEM;
+    goto fail;
+  }
+  comm_init_base(&h->base, &hier_ops, options);
+  h->local = local;
+  h->cross = cross;
+  h->l = l;
+  h->L = L;
+  h->n = n;
+  h->N = N;
+  *out = &h->base;
+  return 0;
+fail:
+  comm_destroy(local);
+  comm_destroy(cross);
+  return rc;
+}
