@@ -876,6 +876,12 @@ static zd_status fill_job_config(const zd_job_config *caller_config, Zerod__V1__
   config->working_dtype = (Zerod__V1__Dtype)local.working_dtype;
   config->max_live_bytes = local.max_live_bytes;
   config->max_grad_norm = local.max_grad_norm;
+  if ((int)local.collectives < 0 || local.collectives > ZD_COLLECTIVES_FLAT)
+    return set_error(ZD_E_INVALID_ARGUMENT,
+                     "attach: config.collectives %d is not ZD_COLLECTIVES_HIERARCHICAL or "
+                     "ZD_COLLECTIVES_FLAT",
+                     (int)local.collectives);
+  config->collectives = (Zerod__V1__Collectives)local.collectives;
   return ZD_OK;
 }
 
@@ -908,6 +914,9 @@ static void job_config_from_reply(const Zerod__V1__JobConfig *config, zd_job_con
                            : (zd_dtype)config->working_dtype;
   out->max_live_bytes = config->max_live_bytes;
   out->max_grad_norm = config->max_grad_norm;
+  out->collectives = config->collectives == ZEROD__V1__COLLECTIVES__COLLECTIVES_UNSPECIFIED
+                         ? ZD_COLLECTIVES_HIERARCHICAL
+                         : (zd_collectives)config->collectives;
 }
 
 zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, zd_job **out) {

@@ -796,6 +796,9 @@ static void json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   json_bool(j, "nesterov", opt->nesterov);
   json_close(j, '}');
   json_str(j, "precision", precision_name(config->working_dtype));
+  json_str(j, "collectives",
+           config->collectives == ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT ? "flat"
+                                                                           : "hierarchical");
   json_u64(j, "max_live_bytes", config->max_live_bytes);
   json_f64(j, "max_grad_norm", config->max_grad_norm);
   json_close(j, '}');
@@ -890,6 +893,9 @@ static void print_job(const Zerod__V1__Job *job) {
   else
     print_field("weight decay", "%g (default)", adamw ? 0.01 : 0.0);
   print_field("precision", "%s", precision_name(config->working_dtype));
+  print_field("collectives", "%s",
+              config->collectives == ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT ? "flat"
+                                                                              : "hierarchical");
   if (config->max_grad_norm > 0)
     print_field("max grad norm", "%g", config->max_grad_norm);
   else
@@ -1038,7 +1044,7 @@ static int cmd_jobs_read_token(ctl *c, int argc, char **argv) {
 /* The options of `jobs create`, as given (checked in cmd_jobs_create). */
 typedef struct create_options {
   const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
-      *precision, *max_grad_norm, *max_live_bytes, *max_host_bytes, *max_device_bytes,
+      *precision, *collectives, *max_grad_norm, *max_live_bytes, *max_host_bytes, *max_device_bytes,
       *max_sessions, *token, *tenant, *every_steps, *every_seconds, *keep;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
@@ -1172,6 +1178,14 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
       config.working_dtype = ZEROD__V1__DTYPE__DTYPE_BF16;
     else
       return bad_create_value("--precision", o->precision, "fp32 or bf16");
+  }
+  if (o->collectives != NULL) {
+    if (strcmp(o->collectives, "hierarchical") == 0)
+      config.collectives = ZEROD__V1__COLLECTIVES__COLLECTIVES_HIERARCHICAL;
+    else if (strcmp(o->collectives, "flat") == 0)
+      config.collectives = ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT;
+    else
+      return bad_create_value("--collectives", o->collectives, "hierarchical or flat");
   }
   if (o->max_grad_norm != NULL &&
       parse_double(o->max_grad_norm, 0, 1e12, false, &config.max_grad_norm) != 0)
@@ -1605,6 +1619,9 @@ static const char create_usage[] =
     "  --eps X                  adamw and adam [default 1e-08]\n"
     "  --momentum X             sgd [default 0]\n"
     "  --precision P            working copy precision: fp32 or bf16 [default fp32]\n"
+    "  --collectives C          hierarchical (node first, then across nodes: fewer\n"
+    "                           bytes between nodes) or flat (sums in rank order,\n"
+    "                           bit-identical to one process) [default hierarchical]\n"
     "  --max-grad-norm X        clip the global gradient norm to X [default: off]\n"
     "  --max-live-bytes SIZE    gathered + gradient buffers per rank, e.g. 512M, 4G\n"
     "  --max-host-bytes SIZE    shard state per rank in host memory (quota)\n"
@@ -1655,6 +1672,7 @@ enum {
   OPT_EPS,
   OPT_MOMENTUM,
   OPT_PRECISION,
+  OPT_COLLECTIVES,
   OPT_MAX_GRAD_NORM,
   OPT_MAX_LIVE_BYTES,
   OPT_MAX_HOST_BYTES,
@@ -1694,6 +1712,7 @@ static const struct option long_options[] = {
     {"eps", required_argument, NULL, OPT_EPS},
     {"momentum", required_argument, NULL, OPT_MOMENTUM},
     {"precision", required_argument, NULL, OPT_PRECISION},
+    {"collectives", required_argument, NULL, OPT_COLLECTIVES},
     {"max-grad-norm", required_argument, NULL, OPT_MAX_GRAD_NORM},
     {"max-live-bytes", required_argument, NULL, OPT_MAX_LIVE_BYTES},
     {"max-host-bytes", required_argument, NULL, OPT_MAX_HOST_BYTES},
@@ -1747,6 +1766,9 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_PRECISION:
     slot = &o->precision;
+    break;
+  case OPT_COLLECTIVES:
+    slot = &o->collectives;
     break;
   case OPT_MAX_GRAD_NORM:
     slot = &o->max_grad_norm;

@@ -33,6 +33,7 @@ typedef struct ref_tensor {
   float *exp_avg_sq; /* Adam second moment */
   void *working;     /* the working copy, fp32 or bf16 */
   float *grad_sum;   /* sum of the ranks' gradients */
+  float *node_sum;   /* --ranks-per-node: the sum of one node's ranks' gradients */
 } ref_tensor;
 
 static void usage(FILE *out) {
@@ -47,6 +48,9 @@ static void usage(FILE *out) {
                "                      the max of |a-b|/max(|b|,1e-3) (b: this reference) and exit\n"
                "                      1 if it is above the tolerance\n"
                "  --tolerance X       for --compare (default 1e-6)\n"
+               "  --ranks-per-node L  sum the gradients as a hierarchical communicator does:\n"
+               "                      each node's L ranks in order, then the nodes in order\n"
+               "                      (default: every rank in rank order)\n"
                "  --help              this text\n\n");
   mlp_config_usage(out);
 }
@@ -66,6 +70,7 @@ static void tensor_init(ref_tensor *tensor, size_t numel, const float *values, i
   tensor->exp_avg = xcalloc(numel, sizeof(float));
   tensor->exp_avg_sq = xcalloc(numel, sizeof(float));
   tensor->grad_sum = xcalloc(numel, sizeof(float));
+  tensor->node_sum = xcalloc(numel, sizeof(float));
   memcpy(tensor->master, values, numel * sizeof(float));
   /* The daemon's first working copy is rank 0's values cast once. */
   if (bf16) {
@@ -82,6 +87,7 @@ static void tensor_free(ref_tensor *tensor) {
   free(tensor->exp_avg);
   free(tensor->exp_avg_sq);
   free(tensor->grad_sum);
+  free(tensor->node_sum);
   free(tensor->working);
 }
 
@@ -95,14 +101,28 @@ static const float *working_f32(const ref_tensor *tensor, int bf16, float *scrat
 }
 
 /* Adds one rank's gradient into the sum, after rounding it to the dtype
- * the worker writes into its gradient buffer. */
-static void accumulate_grad(ref_tensor *tensor, float *grad, int bf16, uint16_t *bf16_scratch) {
+ * the worker writes into its gradient buffer: in rank order, or with
+ * ranks_per_node L, into its node's sum, which goes into the total after
+ * the node's last rank. */
+static void accumulate_grad(ref_tensor *tensor, float *grad, int bf16, uint16_t *bf16_scratch,
+                            int rank, int ranks_per_node) {
   if (bf16) {
     mlp_f32_to_bf16(grad, bf16_scratch, tensor->numel);
     mlp_bf16_to_f32(bf16_scratch, grad, tensor->numel);
   }
-  for (size_t i = 0; i < tensor->numel; i++)
-    tensor->grad_sum[i] += grad[i];
+  if (ranks_per_node <= 1) {
+    for (size_t i = 0; i < tensor->numel; i++)
+      tensor->grad_sum[i] += grad[i];
+    return;
+  }
+  if (rank % ranks_per_node == 0)
+    memcpy(tensor->node_sum, grad, tensor->numel * sizeof(float));
+  else
+    for (size_t i = 0; i < tensor->numel; i++)
+      tensor->node_sum[i] += grad[i];
+  if (rank % ranks_per_node == ranks_per_node - 1)
+    for (size_t i = 0; i < tensor->numel; i++)
+      tensor->grad_sum[i] += tensor->node_sum[i];
 }
 
 static int optimizer_step(const mlp_config *config, ref_tensor *tensor, int64_t step,
@@ -185,19 +205,27 @@ static int compare_with(const char *path, const float *reference, size_t total, 
 }
 
 int main(int argc, char **argv) {
-  enum { OPT_WORLD = MLP_OPT_COMMON_END, OPT_OUT, OPT_COMPARE, OPT_TOLERANCE, OPT_HELP };
+  enum {
+    OPT_WORLD = MLP_OPT_COMMON_END,
+    OPT_OUT,
+    OPT_COMPARE,
+    OPT_TOLERANCE,
+    OPT_RANKS_PER_NODE,
+    OPT_HELP
+  };
   static const struct option long_options[] = {
       MLP_COMMON_LONG_OPTIONS,
       {"world", required_argument, NULL, OPT_WORLD},
       {"out", required_argument, NULL, OPT_OUT},
       {"compare", required_argument, NULL, OPT_COMPARE},
       {"tolerance", required_argument, NULL, OPT_TOLERANCE},
+      {"ranks-per-node", required_argument, NULL, OPT_RANKS_PER_NODE},
       {"help", no_argument, NULL, OPT_HELP},
       {NULL, 0, NULL, 0},
   };
   mlp_config config;
   mlp_config_defaults(&config);
-  int world = 1;
+  int world = 1, ranks_per_node = 1;
   const char *out_path = NULL;
   const char *compare_path = NULL;
   double tolerance = 1e-6;
@@ -214,6 +242,13 @@ int main(int argc, char **argv) {
       world = (int)strtol(optarg, &end, 10);
       if (*end != '\0' || world < 1 || world > 4096) {
         fprintf(stderr, "%s: --world must be 1..4096\n", prog);
+        return 2;
+      }
+      break;
+    case OPT_RANKS_PER_NODE:
+      ranks_per_node = (int)strtol(optarg, &end, 10);
+      if (*end != '\0' || ranks_per_node < 1 || ranks_per_node > 4096) {
+        fprintf(stderr, "%s: --ranks-per-node must be 1..4096\n", prog);
         return 2;
       }
       break;
@@ -246,6 +281,11 @@ int main(int argc, char **argv) {
   if (config.global_batch % world != 0) {
     fprintf(stderr, "%s: the global batch (%d) must divide evenly by the world size (%d)\n", prog,
             config.global_batch, world);
+    return 2;
+  }
+  if (world % ranks_per_node != 0) {
+    fprintf(stderr, "%s: --ranks-per-node (%d) must divide the world size (%d)\n", prog,
+            ranks_per_node, world);
     return 2;
   }
   int local_batch = config.global_batch / world;
@@ -309,8 +349,10 @@ int main(int argc, char **argv) {
       loss_sum += mlp_loss(&work, targets, config.global_batch);
       for (int l = layers - 1; l >= 0; l--) {
         mlp_backward_layer(&work, l, weights[l], work.weight_grad, work.bias_grad);
-        accumulate_grad(&tensors[2 * l], work.weight_grad, config.bf16, bf16_scratch);
-        accumulate_grad(&tensors[2 * l + 1], work.bias_grad, config.bf16, bf16_scratch);
+        accumulate_grad(&tensors[2 * l], work.weight_grad, config.bf16, bf16_scratch, rank,
+                        ranks_per_node);
+        accumulate_grad(&tensors[2 * l + 1], work.bias_grad, config.bf16, bf16_scratch, rank,
+                        ranks_per_node);
       }
     }
     free(weights);

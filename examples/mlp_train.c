@@ -76,6 +76,9 @@ static void usage(FILE *out) {
           "  --dump FILE         after the last step, write all parameters (raw little-endian\n"
           "                      fp32, every layer's weight then bias) to FILE; rank 0\n"
           "                      writes, every rank takes part in the final gathers\n"
+          "  --stats             after the last step, print what the collectives of the\n"
+          "                      job's ranks on this daemon moved (zd_job_stats), one\n"
+          "                      line per rank, level and collective\n"
           "  --help              this text\n\n"
           "Rank 0 prints a line per logged step: the loss is the mean over rank 0's own\n"
           "samples (its share of the global batch), grad_norm is the global gradient norm\n"
@@ -256,6 +259,24 @@ static int dump_params(worker *w, const char *path) {
   return 0;
 }
 
+/* --stats: "stats rank R level L collective C bytes B calls N" lines. */
+static int print_stats(worker *w) {
+  zd_rank_stats ranks[64];
+  unsigned n = 0;
+  if (zd_job_stats(w->job, ranks, 64, &n) != ZD_OK) {
+    fprintf(stderr, "%s: zd_job_stats: %s\n", prog, zd_last_error());
+    return -1;
+  }
+  for (unsigned r = 0; r < n && r < 64; r++)
+    for (unsigned k = 0; k < ranks[r].ncounters; k++)
+      printf("stats rank %u level %s collective %s bytes %llu calls %llu\n", ranks[r].rank,
+             ranks[r].counters[k].level, ranks[r].counters[k].collective,
+             (unsigned long long)ranks[r].counters[k].bytes,
+             (unsigned long long)ranks[r].counters[k].calls);
+  fflush(stdout);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   enum {
     OPT_SOCKET = MLP_OPT_COMMON_END,
@@ -265,6 +286,7 @@ int main(int argc, char **argv) {
     OPT_NO_CREATE,
     OPT_DUMP,
     OPT_TOKEN,
+    OPT_STATS,
     OPT_HELP
   };
   static const struct option long_options[] = {
@@ -276,6 +298,7 @@ int main(int argc, char **argv) {
       {"no-create", no_argument, NULL, OPT_NO_CREATE},
       {"dump", required_argument, NULL, OPT_DUMP},
       {"token", required_argument, NULL, OPT_TOKEN},
+      {"stats", no_argument, NULL, OPT_STATS},
       {"help", no_argument, NULL, OPT_HELP},
       {NULL, 0, NULL, 0},
   };
@@ -287,7 +310,7 @@ int main(int argc, char **argv) {
   const char *dump_path = NULL;
   const char *token = getenv("ZEROD_TOKEN");
   unsigned local_rank = 0;
-  int create = 1;
+  int create = 1, stats = 0;
   int opt;
   while ((opt = getopt_long(argc, argv, "h", long_options, NULL)) != -1) {
     int handled = mlp_config_option(&w.config, opt, optarg, prog);
@@ -323,6 +346,9 @@ int main(int argc, char **argv) {
       break;
     case OPT_TOKEN:
       token = optarg;
+      break;
+    case OPT_STATS:
+      stats = 1;
       break;
     case 'h':
     case OPT_HELP:
@@ -417,6 +443,8 @@ int main(int argc, char **argv) {
            first_loss, last_loss, config->steps / train_s);
 
   int status = dump_params(&w, dump_path) == 0 ? 0 : 1;
+  if (stats && print_stats(&w) != 0)
+    status = 1;
   ZD_CHECK(zd_detach(w.job), "zd_detach");
   zd_close(client);
   free(inputs);

@@ -90,6 +90,18 @@ typedef struct zd_job zd_job;
  * existing job with another one gets a warning, zd_job_attach_warning).
  * Zero fields take the defaults of torch.optim. Initialise with
  * ZD_JOB_CONFIG_INIT so that struct_size is set. */
+/* How the collectives of a job whose ranks span nodes are built (a job on
+ * one node shares memory between its ranks either way). Hierarchical (the
+ * default): each node's ranks first, then across nodes, N slices crossing
+ * where a flat communicator sends W; gradient sums node by node (the same
+ * bits run to run). Flat: one communicator over every rank, sums in rank
+ * order, bit-identical to one process summing the ranks in order. */
+typedef enum zd_collectives {
+  ZD_COLLECTIVES_DEFAULT = 0,
+  ZD_COLLECTIVES_HIERARCHICAL = 1,
+  ZD_COLLECTIVES_FLAT = 2,
+} zd_collectives;
+
 typedef struct zd_job_config {
   size_t struct_size;
   zd_optimizer optimizer; /* default AdamW */
@@ -101,6 +113,7 @@ typedef struct zd_job_config {
   zd_dtype working_dtype;  /* F32 (default) or BF16 */
   uint64_t max_live_bytes; /* 0: the daemon's default */
   double max_grad_norm;    /* 0: no clipping */
+  zd_collectives collectives;
 } zd_job_config;
 
 #define ZD_JOB_CONFIG_INIT ZD_SIZED_INIT(zd_job_config)

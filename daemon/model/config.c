@@ -46,6 +46,18 @@ int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *e
   }
   c->max_live_bytes = pc->max_live_bytes;
   c->max_grad_norm = pc->max_grad_norm;
+  switch (pc->collectives) {
+  case ZEROD__V1__COLLECTIVES__COLLECTIVES_UNSPECIFIED:
+  case ZEROD__V1__COLLECTIVES__COLLECTIVES_HIERARCHICAL:
+    c->collectives = JOB_HIERARCHICAL;
+    break;
+  case ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT:
+    c->collectives = JOB_FLAT;
+    break;
+  default:
+    snprintf(err, err_bytes, "unknown collectives %d (hierarchical or flat)", (int)pc->collectives);
+    return -EINVAL;
+  }
   return 0;
 }
 
@@ -58,6 +70,12 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
     c->optimizer = JOB_ADAMW;
   if (c->optimizer != JOB_ADAMW && c->optimizer != JOB_ADAM && c->optimizer != JOB_SGD) {
     snprintf(err, err_bytes, "unknown optimizer %d", (int)c->optimizer);
+    return -EINVAL;
+  }
+  if (c->collectives == 0)
+    c->collectives = JOB_HIERARCHICAL;
+  if (c->collectives != JOB_HIERARCHICAL && c->collectives != JOB_FLAT) {
+    snprintf(err, err_bytes, "unknown collectives %d (hierarchical or flat)", (int)c->collectives);
     return -EINVAL;
   }
   if (c->lr == 0)
@@ -154,6 +172,11 @@ void job_config_to_proto(const job_config *c, Zerod__V1__JobConfig *out,
   out->working_dtype = job_dtype_to_proto(c->working_dtype);
   out->max_live_bytes = c->max_live_bytes;
   out->max_grad_norm = c->max_grad_norm;
+  out->collectives = (Zerod__V1__Collectives)c->collectives;
+}
+
+const char *job_collectives_name(job_collectives c) {
+  return c == JOB_FLAT ? "flat" : "hierarchical";
 }
 
 /* Appends ", NAME VALUE (the job's VALUE)" to text and ",NAME" to fields. */
@@ -198,6 +221,8 @@ int job_config_diff(const job_config *want, const job_config *have, char *fields
           (unsigned long long)want->max_live_bytes, (unsigned long long)have->max_live_bytes);
   DIFFERS("max_grad_norm", want->max_grad_norm != have->max_grad_norm, "%g", want->max_grad_norm,
           have->max_grad_norm);
+  DIFFERS("collectives", want->collectives != have->collectives, "%s",
+          job_collectives_name(want->collectives), job_collectives_name(have->collectives));
 #undef DIFFERS
   return n;
 }

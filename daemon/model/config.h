@@ -16,6 +16,8 @@
 
 typedef enum job_optimizer { JOB_ADAMW = 1, JOB_ADAM = 2, JOB_SGD = 3 } job_optimizer;
 
+typedef enum job_collectives { JOB_HIERARCHICAL = 1, JOB_FLAT = 2 } job_collectives;
+
 typedef struct job_config {
   job_optimizer optimizer;
   double lr, beta1, beta2, eps, weight_decay;
@@ -24,6 +26,7 @@ typedef struct job_config {
   zk_dtype working_dtype; /* ZK_F32 or ZK_BF16; gradient buffers use it too */
   uint64_t max_live_bytes;
   double max_grad_norm;
+  job_collectives collectives; /* for a job whose ranks span nodes */
 } job_config;
 
 /* Converts the protocol's config (NULL: all defaults, as an empty one) to
@@ -54,6 +57,9 @@ Zerod__V1__Dtype job_dtype_to_proto(zk_dtype d);
  * differ (0: the same; both strings then empty). */
 int job_config_diff(const job_config *want, const job_config *have, char *fields,
                     size_t fields_bytes, char *text, size_t text_bytes);
+
+/* "hierarchical" or "flat". */
+const char *job_collectives_name(job_collectives c);
 
 /* "adamw", "adam" or "sgd": the name in logs and checkpoint manifests. */
 const char *job_optimizer_name(job_optimizer o);

@@ -110,7 +110,7 @@ comm_local_group *job_local_group(job *j, unsigned generation) {
   pthread_mutex_lock(&j->mutex);
   if (j->local_group == NULL || j->local_generation != generation) {
     comm_local_group *g = NULL;
-    if (comm_local_group_create(j->world_size, &g) != 0) {
+    if (comm_local_group_create(j->nranks, &g) != 0) {
       pthread_mutex_unlock(&j->mutex);
       return NULL;
     }

@@ -194,8 +194,9 @@ typedef struct job {
   uint32_t nunits, units_cap;
   unsigned generation;    /* current communicator generation (loop writes) */
   long failed_generation; /* -1, or the generation that failed */
-  /* A job whose ranks are all here, in host memory: the group their
-   * communicators of local_generation share (comm_local.c), or NULL. */
+  /* Host ranks: the group the communicators of local_generation of the
+   * job's ranks here share (comm_local.c: all of the job's ranks, or this
+   * node's half of a hierarchical communicator), or NULL. */
   comm_local_group *local_group;
   unsigned local_generation;
   char fail_reason[512];

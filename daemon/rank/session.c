@@ -71,6 +71,56 @@ void exec__handle_session_end(rank_state *rs, exec_op *op) {
   }
 }
 
+/* This node's ranks of the job, sharing memory: local rank
+ * rs->rank - first_rank of nranks. */
+static int local_comm(rank_state *rs, const comm_options *global, comm **out, char *err,
+                      size_t err_bytes) {
+  comm_local_group *g = job_local_group(rs->job, rs->generation);
+  if (g == NULL) {
+    snprintf(err, err_bytes, "out of memory");
+    return -ENOMEM;
+  }
+  comm_options options = *global;
+  options.rank = rs->rank - rs->job->first_rank;
+  options.world_size = rs->job->nranks;
+  options.level = COMM_LEVEL_NODE;
+  int rc = comm_local_create(&options, g, out, err, err_bytes);
+  comm_local_group_unref(g);
+  return rc;
+}
+
+/* A job on N nodes of L ranks each (CreateJob places nodes * ranks_per_node
+ * ranks, node by node): the node's ranks share memory, and the ranks with
+ * this local index on every node form a Gloo communicator of their own
+ * ("<job>/<generation>/x<index>" in the rendezvous). */
+static int hierarchical_comm(rank_state *rs, const comm_options *global, comm **out, char *err,
+                             size_t err_bytes) {
+  const job *j = rs->job;
+  int L = j->nranks, l = rs->rank - j->first_rank;
+  if (j->world_size % L != 0 || j->first_rank % L != 0) {
+    snprintf(err, err_bytes, "ranks %d..%d of %d are not one node of equal ones", j->first_rank,
+             j->first_rank + L - 1, j->world_size);
+    return -EINVAL;
+  }
+  comm *local = NULL, *cross = NULL;
+  int rc = local_comm(rs, global, &local, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  char prefix[160];
+  snprintf(prefix, sizeof prefix, "%s/x%d", global->prefix, l);
+  comm_options options = *global;
+  options.prefix = prefix;
+  options.rank = j->first_rank / L;
+  options.world_size = j->world_size / L;
+  options.level = COMM_LEVEL_CROSS;
+  rc = comm_gloo_create(&options, j->exec->rendezvous, &cross, err, err_bytes);
+  if (rc != 0) {
+    comm_destroy(local);
+    return rc;
+  }
+  return comm_hier_create(global, local, cross, out, err, err_bytes);
+}
+
 void exec__handle_comm_init(rank_state *rs, exec_op *op) {
   if (rs->comm != NULL)
     exec__set_comm(rs, NULL);
@@ -93,14 +143,9 @@ void exec__handle_comm_init(rank_state *rs, exec_op *op) {
     rc = -ENODEV;
   } else if (device_is_host(rs->dev) && !job_spans_nodes(rs->job)) {
     /* Every rank is a thread of this process: shared memory, no sockets. */
-    comm_local_group *g = job_local_group(rs->job, rs->generation);
-    if (g == NULL) {
-      snprintf(err, sizeof err, "out of memory");
-      rc = -ENOMEM;
-    } else {
-      rc = comm_local_create(&options, g, &built, err, sizeof err);
-      comm_local_group_unref(g);
-    }
+    rc = local_comm(rs, &options, &built, err, sizeof err);
+  } else if (device_is_host(rs->dev) && rs->job->config.collectives == JOB_HIERARCHICAL) {
+    rc = hierarchical_comm(rs, &options, &built, err, sizeof err);
   } else if (device_is_host(rs->dev)) {
     rc = comm_gloo_create(&options, rs->job->exec->rendezvous, &built, err, sizeof err);
   } else {

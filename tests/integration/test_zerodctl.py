@@ -173,7 +173,7 @@ def test_jobs_create_list_get_delete(coordinator, nodes):
                       "--optimizer", "adamw", "--lr", "0.0003", "--betas", "0.9,0.95",
                       "--weight-decay", "0.1", "--eps", "1e-6", "--precision", "bf16",
                       "--max-grad-norm", "1.0", "--max-live-bytes", "512M",
-                      "--token", "llm-secret", address=addr)
+                      "--collectives", "flat", "--token", "llm-secret", address=addr)
     assert created["token"] == "llm-secret"
     job = created["job"]
     assert job["name"] == "llm" and job["world_size"] == 4
@@ -185,6 +185,7 @@ def test_jobs_create_list_get_delete(coordinator, nodes):
     assert (opt["beta1"], opt["beta2"], opt["eps"]) == (0.9, 0.95, 1e-6)
     assert opt["weight_decay"] == 0.1 and opt["has_weight_decay"] is True
     assert job["config"]["precision"] == "bf16"
+    assert job["config"]["collectives"] == "flat"
     assert job["config"]["max_grad_norm"] == 1.0
     assert job["config"]["max_live_bytes"] == 512 << 20
     assert job["state"] in ("creating", "ready", "degraded")
@@ -220,7 +221,8 @@ def test_jobs_create_list_get_delete(coordinator, nodes):
     described = ok("jobs", "get", "llm", address=addr).splitlines()
     for line in ("name: llm", "world size: 4", "placement:", "  node-a: ranks 0-1",
                  "  node-b: ranks 2-3", "optimizer: adamw", "lr: 0.0003", "betas: 0.9,0.95",
-                 "precision: bf16", "max grad norm: 1", "max live bytes: 512.0 MiB"):
+                 "precision: bf16", "collectives: flat", "max grad norm: 1",
+                 "max live bytes: 512.0 MiB"):
         assert line in described, "%r missing from:\n%s" % (line, "\n".join(described))
 
     assert ok_json("jobs", "delete", "llm", address=addr) == {"deleted": "llm"}
@@ -275,6 +277,7 @@ def test_create_without_room_fails_with_the_coordinators_reason(coordinator, nod
     ["jobs", "create", "x", "--optimizer", "lion"],
     ["jobs", "create", "x", "--betas", "0.9"],
     ["jobs", "create", "x", "--precision", "fp8"],
+    ["jobs", "create", "x", "--collectives", "ring"],
     ["jobs", "create", "x", "--max-live-bytes", "lots"],
     ["--timeout", "-1", "health"],
     ["--coordinator", "no-port", "health"],

@@ -49,6 +49,7 @@ class JobConfig(ctypes.Structure):
         ("working_dtype", c_int),
         ("max_live_bytes", c_uint64),
         ("max_grad_norm", c_double),
+        ("collectives", c_int),
     ]
 
 

@@ -46,6 +46,9 @@ def default_socket() -> str:
     return _lib.load().zd_default_socket().decode()
 
 
+_COLLECTIVES = {"hierarchical": 1, "flat": 2}
+
+
 @dataclass
 class JobConfig:
     """A job's optimizer and precision, used when an attach creates the job.
@@ -55,6 +58,9 @@ class JobConfig:
     working precision of gathered buffers ("float32" or "bfloat16");
     ``max_live_bytes`` bounds the gathered and gradient buffers per rank (0:
     the daemon's default); ``max_grad_norm`` > 0 clips every step.
+    ``collectives`` is how a job on several nodes sums: "hierarchical" (the
+    default: node by node, fewer bytes between nodes) or "flat" (every rank
+    in rank order, bit-identical to one process).
     """
 
     optimizer: str = "adamw"
@@ -68,6 +74,7 @@ class JobConfig:
     dtype: str = "float32"
     max_live_bytes: int = 0
     max_grad_norm: float = 0.0
+    collectives: str = "hierarchical"
 
     def _to_c(self) -> _lib.JobConfig:
         if self.optimizer not in _OPTIMIZERS:
@@ -88,6 +95,10 @@ class JobConfig:
         c.working_dtype = _DTYPE_CODES[self.dtype]
         c.max_live_bytes = int(self.max_live_bytes)
         c.max_grad_norm = float(self.max_grad_norm)
+        if self.collectives not in _COLLECTIVES:
+            raise InvalidArgumentError("collectives must be 'hierarchical' or 'flat', not %r" %
+                                       self.collectives)
+        c.collectives = _COLLECTIVES[self.collectives]
         return c
 
 
