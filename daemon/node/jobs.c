@@ -141,8 +141,12 @@ void jobs_reap(zdaemon *d) {
     *p = j->next;
     for (int r = 0; r < j->nranks; r++)
       exec_rank_join(&j->ranks[r]);
-    LOG_INFOF("job freed", "job=%s id=%llu", j->name, (unsigned long long)j->id);
+    /* Logged once it is true: its kernel threads joined, its memory back. */
+    char name[128];
+    snprintf(name, sizeof name, "%s", j->name);
+    unsigned long long id = (unsigned long long)j->id;
     jobs_free(j);
+    LOG_INFOF("job freed", "job=%s id=%llu", name, id);
   }
 }
 
