@@ -882,6 +882,8 @@ static zd_status fill_job_config(const zd_job_config *caller_config, Zerod__V1__
                      "ZD_COLLECTIVES_FLAT",
                      (int)local.collectives);
   config->collectives = (Zerod__V1__Collectives)local.collectives;
+  config->quantized_weights = local.quantized_weights != 0;
+  config->quantization_block = local.quantization_block;
   return ZD_OK;
 }
 
@@ -917,6 +919,8 @@ static void job_config_from_reply(const Zerod__V1__JobConfig *config, zd_job_con
   out->collectives = config->collectives == ZEROD__V1__COLLECTIVES__COLLECTIVES_UNSPECIFIED
                          ? ZD_COLLECTIVES_HIERARCHICAL
                          : (zd_collectives)config->collectives;
+  out->quantized_weights = config->quantized_weights;
+  out->quantization_block = config->quantization_block;
 }
 
 zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, zd_job **out) {

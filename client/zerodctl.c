@@ -799,6 +799,8 @@ static void json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   json_str(j, "collectives",
            config->collectives == ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT ? "flat"
                                                                            : "hierarchical");
+  json_bool(j, "quantized_weights", config->quantized_weights);
+  json_u64(j, "quantization_block", config->quantization_block);
   json_u64(j, "max_live_bytes", config->max_live_bytes);
   json_f64(j, "max_grad_norm", config->max_grad_norm);
   json_close(j, '}');
@@ -896,6 +898,8 @@ static void print_job(const Zerod__V1__Job *job) {
   print_field("collectives", "%s",
               config->collectives == ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT ? "flat"
                                                                               : "hierarchical");
+  if (config->quantized_weights)
+    print_field("quantized weights", "int8, blocks of %u", config->quantization_block);
   if (config->max_grad_norm > 0)
     print_field("max grad norm", "%g", config->max_grad_norm);
   else
@@ -1044,8 +1048,9 @@ static int cmd_jobs_read_token(ctl *c, int argc, char **argv) {
 /* The options of `jobs create`, as given (checked in cmd_jobs_create). */
 typedef struct create_options {
   const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
-      *precision, *collectives, *max_grad_norm, *max_live_bytes, *max_host_bytes, *max_device_bytes,
-      *max_sessions, *token, *tenant, *every_steps, *every_seconds, *keep;
+      *precision, *collectives, *quantized_weights, *quantization_block, *max_grad_norm,
+      *max_live_bytes, *max_host_bytes, *max_device_bytes, *max_sessions, *token, *tenant,
+      *every_steps, *every_seconds, *keep;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
 } create_options;
@@ -1186,6 +1191,15 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
       config.collectives = ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT;
     else
       return bad_create_value("--collectives", o->collectives, "hierarchical or flat");
+  }
+  config.quantized_weights = o->quantized_weights != NULL;
+  if (o->quantization_block != NULL) {
+    double block;
+    if (parse_double(o->quantization_block, 2, 1 << 20, false, &block) != 0 ||
+        block != (uint32_t)block || (uint32_t)block % 2 != 0)
+      return bad_create_value("--quantization-block", o->quantization_block,
+                              "an even number of elements, 2..1048576");
+    config.quantization_block = (uint32_t)block;
   }
   if (o->max_grad_norm != NULL &&
       parse_double(o->max_grad_norm, 0, 1e12, false, &config.max_grad_norm) != 0)
@@ -1622,6 +1636,9 @@ static const char create_usage[] =
     "  --collectives C          hierarchical (node first, then across nodes: fewer\n"
     "                           bytes between nodes) or flat (sums in rank order,\n"
     "                           bit-identical to one process) [default hierarchical]\n"
+    "  --quantized-weights      ZeRO++ qwZ: all-gather weights as int8 blocks (jobs on\n"
+    "                           several nodes)\n"
+    "  --quantization-block N   elements per quantization block [default 256]\n"
     "  --max-grad-norm X        clip the global gradient norm to X [default: off]\n"
     "  --max-live-bytes SIZE    gathered + gradient buffers per rank, e.g. 512M, 4G\n"
     "  --max-host-bytes SIZE    shard state per rank in host memory (quota)\n"
@@ -1673,6 +1690,8 @@ enum {
   OPT_MOMENTUM,
   OPT_PRECISION,
   OPT_COLLECTIVES,
+  OPT_QUANTIZED_WEIGHTS,
+  OPT_QUANTIZATION_BLOCK,
   OPT_MAX_GRAD_NORM,
   OPT_MAX_LIVE_BYTES,
   OPT_MAX_HOST_BYTES,
@@ -1713,6 +1732,8 @@ static const struct option long_options[] = {
     {"momentum", required_argument, NULL, OPT_MOMENTUM},
     {"precision", required_argument, NULL, OPT_PRECISION},
     {"collectives", required_argument, NULL, OPT_COLLECTIVES},
+    {"quantized-weights", no_argument, NULL, OPT_QUANTIZED_WEIGHTS},
+    {"quantization-block", required_argument, NULL, OPT_QUANTIZATION_BLOCK},
     {"max-grad-norm", required_argument, NULL, OPT_MAX_GRAD_NORM},
     {"max-live-bytes", required_argument, NULL, OPT_MAX_LIVE_BYTES},
     {"max-host-bytes", required_argument, NULL, OPT_MAX_HOST_BYTES},
@@ -1769,6 +1790,13 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_COLLECTIVES:
     slot = &o->collectives;
+    break;
+  case OPT_QUANTIZED_WEIGHTS:
+    slot = &o->quantized_weights;
+    value = "on";
+    break;
+  case OPT_QUANTIZATION_BLOCK:
+    slot = &o->quantization_block;
     break;
   case OPT_MAX_GRAD_NORM:
     slot = &o->max_grad_norm;

@@ -114,6 +114,12 @@ typedef struct zd_job_config {
   uint64_t max_live_bytes; /* 0: the daemon's default */
   double max_grad_norm;    /* 0: no clipping */
   zd_collectives collectives;
+  /* ZeRO++ qwZ, for a job whose ranks span nodes: units are all-gathered as
+   * int8 blocks of quantization_block elements (0: 256), each with an fp32
+   * scale, and dequantized into the gathered buffer (every element within
+   * half a step, 0.5001 * max|block| / 127, of its master weight). */
+  int quantized_weights;
+  unsigned quantization_block;
 } zd_job_config;
 
 #define ZD_JOB_CONFIG_INIT ZD_SIZED_INIT(zd_job_config)

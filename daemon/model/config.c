@@ -46,6 +46,8 @@ int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *e
   }
   c->max_live_bytes = pc->max_live_bytes;
   c->max_grad_norm = pc->max_grad_norm;
+  c->quantized_weights = pc->quantized_weights;
+  c->quantization_block = pc->quantization_block;
   switch (pc->collectives) {
   case ZEROD__V1__COLLECTIVES__COLLECTIVES_UNSPECIFIED:
   case ZEROD__V1__COLLECTIVES__COLLECTIVES_HIERARCHICAL:
@@ -76,6 +78,13 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
     c->collectives = JOB_HIERARCHICAL;
   if (c->collectives != JOB_HIERARCHICAL && c->collectives != JOB_FLAT) {
     snprintf(err, err_bytes, "unknown collectives %d (hierarchical or flat)", (int)c->collectives);
+    return -EINVAL;
+  }
+  if (c->quantization_block == 0)
+    c->quantization_block = JOB_DEFAULT_QUANTIZATION_BLOCK;
+  if (c->quantization_block % 2 != 0 || c->quantization_block > (1u << 20)) {
+    snprintf(err, err_bytes, "invalid quantization_block %u (an even number, 2..1048576)",
+             c->quantization_block);
     return -EINVAL;
   }
   if (c->lr == 0)
@@ -173,6 +182,8 @@ void job_config_to_proto(const job_config *c, Zerod__V1__JobConfig *out,
   out->max_live_bytes = c->max_live_bytes;
   out->max_grad_norm = c->max_grad_norm;
   out->collectives = (Zerod__V1__Collectives)c->collectives;
+  out->quantized_weights = c->quantized_weights != 0;
+  out->quantization_block = c->quantization_block;
 }
 
 const char *job_collectives_name(job_collectives c) {
@@ -223,6 +234,10 @@ int job_config_diff(const job_config *want, const job_config *have, char *fields
           have->max_grad_norm);
   DIFFERS("collectives", want->collectives != have->collectives, "%s",
           job_collectives_name(want->collectives), job_collectives_name(have->collectives));
+  DIFFERS("quantized_weights", want->quantized_weights != have->quantized_weights, "%s",
+          want->quantized_weights ? "true" : "false", have->quantized_weights ? "true" : "false");
+  DIFFERS("quantization_block", want->quantization_block != have->quantization_block, "%u",
+          want->quantization_block, have->quantization_block);
 #undef DIFFERS
   return n;
 }

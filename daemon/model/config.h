@@ -27,7 +27,11 @@ typedef struct job_config {
   uint64_t max_live_bytes;
   double max_grad_norm;
   job_collectives collectives; /* for a job whose ranks span nodes */
+  int quantized_weights;       /* qwZ, for a job whose ranks span nodes */
+  uint32_t quantization_block; /* elements per block; finish: 256 */
 } job_config;
+
+#define JOB_DEFAULT_QUANTIZATION_BLOCK 256
 
 /* Converts the protocol's config (NULL: all defaults, as an empty one) to
  * a job_config; call job_config_finish next. Returns 0 or -EINVAL with a

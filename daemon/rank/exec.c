@@ -339,6 +339,11 @@ void exec_rank_free(rank_state *rs) {
   rs->dropped_ids = NULL;
   free(rs->order);
   rs->order = NULL;
+  free(rs->qgather);
+  free(rs->qdequant);
+  rs->qgather = NULL;
+  rs->qdequant = NULL;
+  rs->qgather_bytes = rs->qdequant_numel = 0;
   ckpt_staged_free(rs->ckpt_staged);
   rs->ckpt_staged = NULL;
   zk_pool_destroy(rs->pool);

@@ -84,7 +84,56 @@ static int64_t order_next(rank_state *rs, uint32_t unit_id) {
  * (its reads of the values gathered there before) and records the buffer's
  * event once the values are in; the values are complete when this returns
  * (the collective waits for itself, the rest is synchronised). */
+/* qwZ: every rank quantizes its master shard to int8 blocks, the quantized
+ * shards are all-gathered (a job spanning nodes: hierarchically, so what
+ * crosses nodes is int8 plus a scale per block), and each is dequantized
+ * into its place in the gathered buffer, on every rank alike. Host ranks. */
+static int fill_gathered_quantized(rank_state *rs, const unit_layout *l, shard *sh, pool_buf *b) {
+  const job_config *config = &rs->job->config;
+  zk_qformat fmt = {.bits = 8, .mode = ZK_QSYM, .block_numel = config->quantization_block};
+  size_t q = zk_quant_bytes(&fmt, l->shard_numel);
+  size_t world = (size_t)rs->job->world_size;
+  if (q == 0)
+    return -EINVAL;
+  if (q * world > rs->qgather_bytes) {
+    uint8_t *grown = realloc(rs->qgather, q * world);
+    if (grown == NULL)
+      return -ENOMEM;
+    rs->qgather = grown;
+    rs->qgather_bytes = q * world;
+  }
+  int bf16 = config->working_dtype == ZK_BF16;
+  if (bf16 && l->shard_numel > rs->qdequant_numel) {
+    float *grown = realloc(rs->qdequant, l->shard_numel * sizeof *grown);
+    if (grown == NULL)
+      return -ENOMEM;
+    rs->qdequant = grown;
+    rs->qdequant_numel = l->shard_numel;
+  }
+  uint8_t *mine = rs->qgather + (size_t)rs->rank * q;
+  int rc = zk_quantize(rs->pool, &fmt, sh->master, l->shard_numel, mine, q, NULL);
+  if (rc == 0)
+    rc = exec__dev_call(rs, device_buffer_wait(rs->dev, &b->buf));
+  if (rc == 0) {
+    rc = comm_all_gather(rs->comm, mine, rs->qgather, q);
+    rank_metrics_collective(rs, RANK_ALL_GATHER);
+  }
+  size_t elem = zk_dtype_size(config->working_dtype);
+  for (size_t r = 0; rc == 0 && r < world; r++) {
+    void *slot = (uint8_t *)b->buf.base + r * l->shard_numel * elem;
+    float *to = bf16 ? rs->qdequant : slot;
+    rc = zk_dequantize(rs->pool, &fmt, rs->qgather + r * q, q, to, l->shard_numel);
+    if (rc == 0 && bf16)
+      rc = zk_cast(rs->pool, slot, ZK_BF16, rs->qdequant, ZK_F32, l->shard_numel);
+  }
+  if (rc == 0)
+    rc = exec__dev_call(rs, device_buffer_publish(rs->dev, &b->buf));
+  return rc;
+}
+
 static int fill_gathered(rank_state *rs, const unit_layout *l, shard *sh, pool_buf *b) {
+  if (rs->job->config.quantized_weights && job_spans_nodes(rs->job) && device_is_host(rs->dev))
+    return fill_gathered_quantized(rs, l, sh, b);
   size_t elem = zk_dtype_size(rs->job->config.working_dtype);
   size_t shard_bytes = l->shard_numel * elem;
   uint8_t *base = b->buf.base;

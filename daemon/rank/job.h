@@ -140,6 +140,12 @@ typedef struct rank_state {
   uint64_t shard_scratch_numel;
   void *staging; /* GPU ranks: small collectives on host values pass here */
   size_t staging_bytes;
+  /* qwZ (gather.c): every rank's quantized shard, and a dequantized one
+   * for a bf16 working copy. Host memory. */
+  uint8_t *qgather;
+  size_t qgather_bytes;
+  float *qdequant;
+  size_t qdequant_numel;
   uint32_t *order; /* gather order recorded before the first step */
   size_t order_len, order_cap;
   int order_complete;

@@ -50,6 +50,8 @@ class JobConfig(ctypes.Structure):
         ("max_live_bytes", c_uint64),
         ("max_grad_norm", c_double),
         ("collectives", c_int),
+        ("quantized_weights", c_int),
+        ("quantization_block", c_uint),
     ]
 
 

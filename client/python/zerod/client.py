@@ -60,7 +60,9 @@ class JobConfig:
     the daemon's default); ``max_grad_norm`` > 0 clips every step.
     ``collectives`` is how a job on several nodes sums: "hierarchical" (the
     default: node by node, fewer bytes between nodes) or "flat" (every rank
-    in rank order, bit-identical to one process).
+    in rank order, bit-identical to one process). ``quantized_weights``
+    (ZeRO++ qwZ) all-gathers a multi-node job's weights as int8 blocks of
+    ``quantization_block`` elements (0: 256).
     """
 
     optimizer: str = "adamw"
@@ -75,6 +77,8 @@ class JobConfig:
     max_live_bytes: int = 0
     max_grad_norm: float = 0.0
     collectives: str = "hierarchical"
+    quantized_weights: bool = False
+    quantization_block: int = 0
 
     def _to_c(self) -> _lib.JobConfig:
         if self.optimizer not in _OPTIMIZERS:
@@ -99,6 +103,8 @@ class JobConfig:
             raise InvalidArgumentError("collectives must be 'hierarchical' or 'flat', not %r" %
                                        self.collectives)
         c.collectives = _COLLECTIVES[self.collectives]
+        c.quantized_weights = int(bool(self.quantized_weights))
+        c.quantization_block = int(self.quantization_block)
         return c
 
 
