@@ -884,6 +884,8 @@ static zd_status fill_job_config(const zd_job_config *caller_config, Zerod__V1__
   config->collectives = (Zerod__V1__Collectives)local.collectives;
   config->quantized_weights = local.quantized_weights != 0;
   config->quantization_block = local.quantization_block;
+  config->quantized_gradients = local.quantized_gradients;
+  config->gradient_comm_dtype = (Zerod__V1__Dtype)local.gradient_comm_dtype;
   return ZD_OK;
 }
 
@@ -921,6 +923,10 @@ static void job_config_from_reply(const Zerod__V1__JobConfig *config, zd_job_con
                          : (zd_collectives)config->collectives;
   out->quantized_weights = config->quantized_weights;
   out->quantization_block = config->quantization_block;
+  out->quantized_gradients = config->quantized_gradients;
+  out->gradient_comm_dtype = config->gradient_comm_dtype == ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED
+                                 ? ZD_F32
+                                 : (zd_dtype)config->gradient_comm_dtype;
 }
 
 zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, zd_job **out) {

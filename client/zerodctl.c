@@ -801,6 +801,8 @@ static void json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
                                                                            : "hierarchical");
   json_bool(j, "quantized_weights", config->quantized_weights);
   json_u64(j, "quantization_block", config->quantization_block);
+  json_u64(j, "quantized_gradients", config->quantized_gradients);
+  json_str(j, "gradient_comm_dtype", precision_name(config->gradient_comm_dtype));
   json_u64(j, "max_live_bytes", config->max_live_bytes);
   json_f64(j, "max_grad_norm", config->max_grad_norm);
   json_close(j, '}');
@@ -900,6 +902,11 @@ static void print_job(const Zerod__V1__Job *job) {
                                                                               : "hierarchical");
   if (config->quantized_weights)
     print_field("quantized weights", "int8, blocks of %u", config->quantization_block);
+  if (config->quantized_gradients != 0)
+    print_field("quantized gradients", "int%u, blocks of %u", config->quantized_gradients,
+                config->quantization_block);
+  else if (config->gradient_comm_dtype == ZEROD__V1__DTYPE__DTYPE_BF16)
+    print_field("gradients between nodes", "bf16");
   if (config->max_grad_norm > 0)
     print_field("max grad norm", "%g", config->max_grad_norm);
   else
@@ -1048,9 +1055,9 @@ static int cmd_jobs_read_token(ctl *c, int argc, char **argv) {
 /* The options of `jobs create`, as given (checked in cmd_jobs_create). */
 typedef struct create_options {
   const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
-      *precision, *collectives, *quantized_weights, *quantization_block, *max_grad_norm,
-      *max_live_bytes, *max_host_bytes, *max_device_bytes, *max_sessions, *token, *tenant,
-      *every_steps, *every_seconds, *keep;
+      *precision, *collectives, *quantized_weights, *quantization_block, *quantized_gradients,
+      *gradient_comm_dtype, *max_grad_norm, *max_live_bytes, *max_host_bytes, *max_device_bytes,
+      *max_sessions, *token, *tenant, *every_steps, *every_seconds, *keep;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
 } create_options;
@@ -1200,6 +1207,22 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
       return bad_create_value("--quantization-block", o->quantization_block,
                               "an even number of elements, 2..1048576");
     config.quantization_block = (uint32_t)block;
+  }
+  if (o->quantized_gradients != NULL) {
+    if (strcmp(o->quantized_gradients, "8") == 0)
+      config.quantized_gradients = 8;
+    else if (strcmp(o->quantized_gradients, "4") == 0)
+      config.quantized_gradients = 4;
+    else
+      return bad_create_value("--quantized-gradients", o->quantized_gradients, "8 or 4 (bits)");
+  }
+  if (o->gradient_comm_dtype != NULL) {
+    if (strcmp(o->gradient_comm_dtype, "fp32") == 0)
+      config.gradient_comm_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
+    else if (strcmp(o->gradient_comm_dtype, "bf16") == 0)
+      config.gradient_comm_dtype = ZEROD__V1__DTYPE__DTYPE_BF16;
+    else
+      return bad_create_value("--gradient-comm-dtype", o->gradient_comm_dtype, "fp32 or bf16");
   }
   if (o->max_grad_norm != NULL &&
       parse_double(o->max_grad_norm, 0, 1e12, false, &config.max_grad_norm) != 0)
@@ -1639,6 +1662,9 @@ static const char create_usage[] =
     "  --quantized-weights      ZeRO++ qwZ: all-gather weights as int8 blocks (jobs on\n"
     "                           several nodes)\n"
     "  --quantization-block N   elements per quantization block [default 256]\n"
+    "  --quantized-gradients B  ZeRO++ qgZ: gradients cross nodes as B-bit blocks (8 or\n"
+    "                           4; jobs on several nodes, hierarchical)\n"
+    "  --gradient-comm-dtype D  without qgZ: fp32 (exact) or bf16 [default fp32]\n"
     "  --max-grad-norm X        clip the global gradient norm to X [default: off]\n"
     "  --max-live-bytes SIZE    gathered + gradient buffers per rank, e.g. 512M, 4G\n"
     "  --max-host-bytes SIZE    shard state per rank in host memory (quota)\n"
@@ -1692,6 +1718,8 @@ enum {
   OPT_COLLECTIVES,
   OPT_QUANTIZED_WEIGHTS,
   OPT_QUANTIZATION_BLOCK,
+  OPT_QUANTIZED_GRADIENTS,
+  OPT_GRADIENT_COMM_DTYPE,
   OPT_MAX_GRAD_NORM,
   OPT_MAX_LIVE_BYTES,
   OPT_MAX_HOST_BYTES,
@@ -1734,6 +1762,8 @@ static const struct option long_options[] = {
     {"collectives", required_argument, NULL, OPT_COLLECTIVES},
     {"quantized-weights", no_argument, NULL, OPT_QUANTIZED_WEIGHTS},
     {"quantization-block", required_argument, NULL, OPT_QUANTIZATION_BLOCK},
+    {"quantized-gradients", required_argument, NULL, OPT_QUANTIZED_GRADIENTS},
+    {"gradient-comm-dtype", required_argument, NULL, OPT_GRADIENT_COMM_DTYPE},
     {"max-grad-norm", required_argument, NULL, OPT_MAX_GRAD_NORM},
     {"max-live-bytes", required_argument, NULL, OPT_MAX_LIVE_BYTES},
     {"max-host-bytes", required_argument, NULL, OPT_MAX_HOST_BYTES},
@@ -1797,6 +1827,12 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_QUANTIZATION_BLOCK:
     slot = &o->quantization_block;
+    break;
+  case OPT_QUANTIZED_GRADIENTS:
+    slot = &o->quantized_gradients;
+    break;
+  case OPT_GRADIENT_COMM_DTYPE:
+    slot = &o->gradient_comm_dtype;
     break;
   case OPT_MAX_GRAD_NORM:
     slot = &o->max_grad_norm;

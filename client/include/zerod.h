@@ -120,6 +120,12 @@ typedef struct zd_job_config {
    * half a step, 0.5001 * max|block| / 127, of its master weight). */
   int quantized_weights;
   unsigned quantization_block;
+  /* ZeRO++ qgZ, for a hierarchical job on several nodes: 0 (off), 8 or 4:
+   * each node's partial gradient sums cross nodes as int8/int4 blocks and
+   * are summed in fp32 after. Without it, gradient_comm_dtype ZD_BF16
+   * sends them in bf16 (default ZD_F32: exact). */
+  unsigned quantized_gradients;
+  zd_dtype gradient_comm_dtype;
 } zd_job_config;
 
 #define ZD_JOB_CONFIG_INIT ZD_SIZED_INIT(zd_job_config)

@@ -157,6 +157,31 @@ int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_nume
   return counted(c, c->ops->reduce_scatter_f32(c, send, recv, shard_numel), shard_bytes * world);
 }
 
+int comm_reduce_scatter_f32_wire(comm *c, float *send, float *recv, size_t shard_numel,
+                                 const comm_wire *wire) {
+  if (c == NULL || wire == NULL || wire->format == COMM_WIRE_F32 ||
+      c->ops->reduce_scatter_wire == NULL)
+    return comm_reduce_scatter_f32(c, send, recv, shard_numel);
+  if (c->broken_error != 0)
+    return c->broken_error;
+  if (shard_numel == 0)
+    return 0;
+  if (send == NULL || recv == NULL)
+    return comm_break(c, -EINVAL, "reduce_scatter: send and recv must not be NULL");
+  if (shard_numel > SIZE_MAX / sizeof(float) / (size_t)c->world_size)
+    return comm_break(c, -EOVERFLOW, "reduce_scatter: %zu floats per shard overflow", shard_numel);
+  const float *own_shard = send + (size_t)c->rank * shard_numel;
+  if (recv != own_shard && ranges_overlap(send, shard_numel * sizeof(float) * c->world_size, recv,
+                                          shard_numel * sizeof(float)))
+    return comm_break(c, -EINVAL,
+                      "reduce_scatter: recv overlaps send but is not this rank's shard (rank %d)",
+                      c->rank);
+  if (wire->format != COMM_WIRE_BF16 && wire->format != COMM_WIRE_INT8 &&
+      wire->format != COMM_WIRE_INT4)
+    return comm_break(c, -EINVAL, "reduce_scatter: unknown wire format %d", (int)wire->format);
+  return c->ops->reduce_scatter_wire(c, send, recv, shard_numel, wire);
+}
+
 int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op) {
   if (c == NULL)
     return -EINVAL;
@@ -174,6 +199,26 @@ int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op 
   if (count > SIZE_MAX / element_bytes)
     return comm_break(c, -EOVERFLOW, "all_reduce: %zu elements overflow", count);
   return counted(c, c->ops->all_reduce(c, buf, count, dtype, op), count * element_bytes);
+}
+
+int comm_all_to_all(comm *c, const void *send, void *recv, size_t bytes_per_rank) {
+  if (c == NULL)
+    return -EINVAL;
+  if (c->broken_error != 0)
+    return c->broken_error;
+  if (c->ops->all_to_all == NULL)
+    return comm_break(c, -ENOSYS, "all_to_all: the %s backend has none", c->ops->name);
+  if (bytes_per_rank == 0)
+    return 0;
+  if (send == NULL || recv == NULL)
+    return comm_break(c, -EINVAL, "all_to_all: send and recv must not be NULL");
+  if (bytes_per_rank > SIZE_MAX / (size_t)c->world_size)
+    return comm_break(c, -EOVERFLOW, "all_to_all: %zu bytes per rank times %d ranks overflows",
+                      bytes_per_rank, c->world_size);
+  const size_t total = bytes_per_rank * (size_t)c->world_size;
+  if (ranges_overlap(send, total, recv, total))
+    return comm_break(c, -EINVAL, "all_to_all: send and recv overlap");
+  return counted(c, c->ops->all_to_all(c, send, recv, bytes_per_rank), total);
 }
 
 int comm_broadcast(comm *c, void *buf, size_t bytes, int root) {

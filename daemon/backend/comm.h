@@ -105,6 +105,33 @@ int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank
  * modified. */
 int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_numel);
 
+/* How the cross-node half of a hierarchical reduce-scatter travels (ZeRO++
+ * qgZ, and plain bf16 gradients): each node's partial sums are encoded,
+ * exchanged with one all-to-all per local index, decoded and summed in fp32
+ * in node order. The node half stays fp32 in shared memory. */
+typedef enum comm_wire_format {
+  COMM_WIRE_F32 = 0, /* exact: the rank-order reduce-scatter */
+  COMM_WIRE_BF16,
+  COMM_WIRE_INT8, /* blocks with an fp32 scale each (zk_quantize, symmetric) */
+  COMM_WIRE_INT4,
+} comm_wire_format;
+
+typedef struct comm_wire {
+  comm_wire_format format;
+  size_t block; /* elements per block, int8/int4 (even) */
+} comm_wire;
+
+/* comm_reduce_scatter_f32 whose cross-node half travels as wire says, on a
+ * hierarchical communicator; any other communicator (and COMM_WIRE_F32, or
+ * wire NULL) reduces exactly. */
+int comm_reduce_scatter_f32_wire(comm *c, float *send, float *recv, size_t shard_numel,
+                                 const comm_wire *wire);
+
+/* send holds world_size chunks of bytes_per_rank, chunk j for rank j; recv
+ * receives chunk r from each rank r (its own from itself). send and recv
+ * do not overlap. Gloo and local backends; -ENOSYS on others. */
+int comm_all_to_all(comm *c, const void *send, void *recv, size_t bytes_per_rank);
+
 /* In place. */
 int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op);
 int comm_broadcast(comm *c, void *buf, size_t bytes, int root);

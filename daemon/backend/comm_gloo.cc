@@ -72,6 +72,7 @@ using steady_clock = std::chrono::steady_clock;
  * same slots call after call is safe because calls on a communicator are
  * sequential and Gloo matches sends to receives in order within a slot. */
 constexpr uint64_t kReduceScatterSlotBase = uint64_t{0x40} << 56;
+constexpr uint64_t kAllToAllSlot = uint64_t{0x41} << 56;
 
 /* The connect phase of Gloo's rendezvous waits five times the context
  * timeout; the context timeout is divided by this while connecting so that
@@ -554,6 +555,38 @@ void ordered_reduce_scatter_f32(GlooComm *c, float *send, float *scratch, float 
     send_buffer->waitSend(remaining_until(deadline));
 }
 
+/* ---- all-to-all -------------------------------------------------------------- */
+
+/* Chunk j of send goes to rank j, chunk j of recv comes from rank j: every
+ * send and every receive posted at once on two unbound buffers, then
+ * waited for. No deadlock: nothing is waited for before everything is
+ * posted. */
+void all_to_all_bytes(GlooComm *c, const void *send, void *recv, size_t bytes, PeerHint &hint) {
+  const auto &context = c->context;
+  const int world = c->world_size;
+  const int rank = c->rank;
+  const auto deadline = steady_clock::now() + milliseconds(c->timeout_ms);
+  const size_t total = bytes * static_cast<size_t>(world);
+  memcpy(static_cast<uint8_t *>(recv) + static_cast<size_t>(rank) * bytes,
+         static_cast<const uint8_t *>(send) + static_cast<size_t>(rank) * bytes, bytes);
+  if (world == 1)
+    return;
+  auto send_buffer = context->createUnboundBuffer(const_cast<void *>(send), total);
+  auto recv_buffer = context->createUnboundBuffer(recv, total);
+  for (int j = 0; j < world; j++)
+    if (j != rank) {
+      recv_buffer->recv(j, kAllToAllSlot, static_cast<size_t>(j) * bytes, bytes);
+      send_buffer->send(j, kAllToAllSlot, static_cast<size_t>(j) * bytes, bytes);
+    }
+  for (int k = 0; k < world - 1; k++) {
+    hint.recv_rank = (rank + 1 + k) % world;
+    recv_buffer->waitRecv(remaining_until(deadline));
+  }
+  hint.recv_rank = -1;
+  for (int k = 0; k < world - 1; k++)
+    send_buffer->waitSend(remaining_until(deadline));
+}
+
 /* ---- all-reduce ------------------------------------------------------------ */
 
 using ReduceFn = void (*)(void *, const void *, const void *, size_t);
@@ -642,6 +675,13 @@ int gloo_reduce_scatter_f32(comm *base, float *send, float *recv, size_t shard_n
   });
 }
 
+int gloo_all_to_all(comm *base, const void *send, void *recv, size_t bytes_per_rank) {
+  GlooComm *c = gloo_of(base);
+  return run_collective(c, "all_to_all", [&](PeerHint &hint) {
+    all_to_all_bytes(c, send, recv, bytes_per_rank, hint);
+  });
+}
+
 int gloo_all_reduce(comm *base, void *buf, size_t count, comm_dtype dtype, comm_op op) {
   GlooComm *c = gloo_of(base);
   return run_collective(c, "all_reduce", [&](PeerHint &) {
@@ -726,6 +766,7 @@ constexpr comm_ops make_gloo_ops() {
   ops.all_gather = gloo_all_gather;
   ops.reduce_scatter_f32 = gloo_reduce_scatter_f32;
   ops.all_reduce = gloo_all_reduce;
+  ops.all_to_all = gloo_all_to_all;
   ops.broadcast = gloo_broadcast;
   ops.barrier = gloo_barrier;
   ops.abort = close_connections;

@@ -16,6 +16,11 @@
  *   so deterministic from run to run, but not the flat rank-order sum
  *   ((g0 + g1) + g2) + ... (docs/decisions.md, "Collectives"). Cross-node
  *   traffic per rank: N slices of the unit, not W.
+ * reduce_scatter_wire (ZeRO++ qgZ, bf16 gradients): the same node half;
+ *   then each rank encodes its N partial sums (bf16, or int8/int4 blocks
+ *   with an fp32 scale each), one all-to-all per local index sends partial
+ *   n to node n, and each rank decodes the N it got and sums them in fp32
+ *   in node order. Cross-node bytes: N encoded slices.
  * all_reduce: the local all-reduce, then the cross-node one.
  * broadcast: the root's local index broadcasts across nodes, then every
  *   node broadcasts from that local rank.
@@ -28,6 +33,7 @@
 #include <string.h>
 
 #include "comm_impl.h"
+#include "zk.h"
 
 /* Sums are made in chunks of this many floats, kept in cache while every
  * local rank's values are added. */
@@ -78,13 +84,11 @@ static int hier_all_gather(comm *c, const void *send, void *recv, size_t b) {
   return 0;
 }
 
-static int hier_reduce_scatter_f32(comm *c, float *send, float *recv, size_t s) {
-  hier_comm *h = (hier_comm *)c;
-  int rc = grow_scratch(h, (size_t)h->N * s * sizeof(float), "reduce_scatter");
-  if (rc != 0)
-    return rc;
-  float *partial = h->scratch;
+/* The node half of a reduce-scatter: partial[n * s ..] = the node's ranks'
+ * slices (n, l) summed in local order, for every node n. */
+static int node_partials(hier_comm *h, float *send, float *partial, size_t s) {
   const void *const *peers;
+  int rc;
   if ((rc = comm_local_begin(h->local, "reduce_scatter", send, s, &peers)) != 0)
     return half_failed(h, "reduce_scatter", rc, h->local);
   /* partial[n] = the node's ranks' slices (n, l), summed in local order. */
@@ -103,9 +107,68 @@ static int hier_reduce_scatter_f32(comm *c, float *send, float *recv, size_t s) 
   }
   if ((rc = comm_local_end(h->local, "reduce_scatter")) != 0)
     return half_failed(h, "reduce_scatter", rc, h->local);
-  comm_count(h->local, (uint64_t)c->world_size * s * sizeof(float));
+  comm_count(h->local, (uint64_t)h->base.world_size * s * sizeof(float));
+  return 0;
+}
+
+static int hier_reduce_scatter_f32(comm *c, float *send, float *recv, size_t s) {
+  hier_comm *h = (hier_comm *)c;
+  int rc = grow_scratch(h, (size_t)h->N * s * sizeof(float), "reduce_scatter");
+  if (rc != 0)
+    return rc;
+  float *partial = h->scratch;
+  if ((rc = node_partials(h, send, partial, s)) != 0)
+    return rc;
   if ((rc = comm_reduce_scatter_f32(h->cross, partial, recv, s)) != 0)
     return half_failed(h, "reduce_scatter", rc, h->cross);
+  return 0;
+}
+
+/* Bytes of s elements encoded as wire says, 0 if the format is bad. */
+static size_t wire_bytes(const comm_wire *wire, zk_qformat *fmt, size_t s) {
+  if (wire->format == COMM_WIRE_BF16)
+    return s * 2;
+  *fmt = (zk_qformat){
+      .bits = wire->format == COMM_WIRE_INT4 ? 4 : 8, .mode = ZK_QSYM, .block_numel = wire->block};
+  return zk_quant_bytes(fmt, s);
+}
+
+static int hier_reduce_scatter_wire(comm *c, float *send, float *recv, size_t s,
+                                    const comm_wire *wire) {
+  hier_comm *h = (hier_comm *)c;
+  zk_qformat fmt = {0};
+  size_t q = wire_bytes(wire, &fmt, s);
+  if (q == 0)
+    return comm_break(c, -EINVAL, "reduce_scatter: bad wire block %zu", wire->block);
+  size_t N = (size_t)h->N, partial_bytes = N * s * sizeof(float);
+  /* partials | encoded out | encoded in | one decoded slice */
+  int rc = grow_scratch(h, partial_bytes + 2 * N * q + s * sizeof(float), "reduce_scatter");
+  if (rc != 0)
+    return rc;
+  float *partial = h->scratch;
+  uint8_t *out = (uint8_t *)h->scratch + partial_bytes, *in = out + N * q;
+  float *decoded = (float *)(in + N * q);
+  if ((rc = node_partials(h, send, partial, s)) != 0)
+    return rc;
+  for (size_t n = 0; n < N && rc == 0; n++)
+    rc = wire->format == COMM_WIRE_BF16
+             ? zk_cast(NULL, out + n * q, ZK_BF16, partial + n * s, ZK_F32, s)
+             : zk_quantize(NULL, &fmt, partial + n * s, s, out + n * q, q, NULL);
+  if (rc != 0)
+    return comm_break(c, rc, "reduce_scatter: encoding the partial sums failed");
+  if ((rc = comm_all_to_all(h->cross, out, in, q)) != 0)
+    return half_failed(h, "reduce_scatter", rc, h->cross);
+  /* recv may be this rank's slice of send, which the node half has read. */
+  for (size_t n = 0; n < N && rc == 0; n++) {
+    float *to = n == 0 ? recv : decoded;
+    rc = wire->format == COMM_WIRE_BF16 ? zk_cast(NULL, to, ZK_F32, in + n * q, ZK_BF16, s)
+                                        : zk_dequantize(NULL, &fmt, in + n * q, q, to, s);
+    if (rc == 0 && n > 0)
+      for (size_t i = 0; i < s; i++)
+        recv[i] += decoded[i];
+  }
+  if (rc != 0)
+    return comm_break(c, rc, "reduce_scatter: decoding the partial sums failed");
   return 0;
 }
 
@@ -171,6 +234,7 @@ static const comm_ops hier_ops = {
     .name = "hierarchical",
     .all_gather = hier_all_gather,
     .reduce_scatter_f32 = hier_reduce_scatter_f32,
+    .reduce_scatter_wire = hier_reduce_scatter_wire,
     .all_reduce = hier_all_reduce,
     .broadcast = hier_broadcast,
     .barrier = hier_barrier,

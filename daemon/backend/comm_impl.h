@@ -38,6 +38,12 @@ typedef struct comm_ops {
   int (*all_gather)(comm *c, const void *send, void *recv, size_t bytes_per_rank);
   int (*reduce_scatter_f32)(comm *c, float *send, float *recv, size_t shard_numel);
   int (*all_reduce)(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op);
+  /* A reduce-scatter whose cross-node half travels encoded (hierarchical
+   * communicators; NULL elsewhere: the exact one is used). */
+  int (*reduce_scatter_wire)(comm *c, float *send, float *recv, size_t shard_numel,
+                             const comm_wire *wire);
+  /* NULL where the backend has none: comm_all_to_all fails with -ENOSYS. */
+  int (*all_to_all)(comm *c, const void *send, void *recv, size_t bytes_per_rank);
   int (*broadcast)(comm *c, void *buf, size_t bytes, int root);
   int (*barrier)(comm *c);
   /* Called once, by comm_break, when the communicator breaks: stops every

@@ -300,6 +300,18 @@ static int local_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, 
   return rc;
 }
 
+static int local_all_to_all(comm *c, const void *send, void *recv, size_t bytes) {
+  local_comm *lc = (local_comm *)c;
+  int rc = publish(lc, (slot){.send = send, .recv = recv, .what = "all_to_all", .size = bytes});
+  if (rc != 0)
+    return rc;
+  const slot *slots = lc->group->slots;
+  for (int r = 0; r < c->world_size; r++)
+    memcpy((uint8_t *)recv + (size_t)r * bytes,
+           (const uint8_t *)slots[r].send + (size_t)c->rank * bytes, bytes);
+  return barrier(lc, "all_to_all");
+}
+
 static int local_broadcast(comm *c, void *buf, size_t bytes, int root) {
   local_comm *lc = (local_comm *)c;
   int rc = publish(lc, (slot){.recv = buf, .what = "broadcast", .size = bytes, .root = root});
@@ -362,6 +374,7 @@ static const comm_ops local_ops = {
     .all_gather = local_all_gather,
     .reduce_scatter_f32 = local_reduce_scatter_f32,
     .all_reduce = local_all_reduce,
+    .all_to_all = local_all_to_all,
     .broadcast = local_broadcast,
     .barrier = local_barrier,
     .abort = local_abort,

@@ -48,6 +48,19 @@ int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *e
   c->max_grad_norm = pc->max_grad_norm;
   c->quantized_weights = pc->quantized_weights;
   c->quantization_block = pc->quantization_block;
+  c->quantized_gradients = pc->quantized_gradients;
+  switch (pc->gradient_comm_dtype) {
+  case ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED:
+  case ZEROD__V1__DTYPE__DTYPE_F32:
+    c->gradient_comm_dtype = ZK_F32;
+    break;
+  case ZEROD__V1__DTYPE__DTYPE_BF16:
+    c->gradient_comm_dtype = ZK_BF16;
+    break;
+  default:
+    snprintf(err, err_bytes, "gradient_comm_dtype must be fp32 or bf16");
+    return -EINVAL;
+  }
   switch (pc->collectives) {
   case ZEROD__V1__COLLECTIVES__COLLECTIVES_UNSPECIFIED:
   case ZEROD__V1__COLLECTIVES__COLLECTIVES_HIERARCHICAL:
@@ -85,6 +98,17 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
   if (c->quantization_block % 2 != 0 || c->quantization_block > (1u << 20)) {
     snprintf(err, err_bytes, "invalid quantization_block %u (an even number, 2..1048576)",
              c->quantization_block);
+    return -EINVAL;
+  }
+  if (c->quantized_gradients != 0 && c->quantized_gradients != 8 && c->quantized_gradients != 4) {
+    snprintf(err, err_bytes, "invalid quantized_gradients %u (0: off, 8 or 4 bits)",
+             c->quantized_gradients);
+    return -EINVAL;
+  }
+  if (c->gradient_comm_dtype == 0)
+    c->gradient_comm_dtype = ZK_F32;
+  if (c->gradient_comm_dtype != ZK_F32 && c->gradient_comm_dtype != ZK_BF16) {
+    snprintf(err, err_bytes, "gradient_comm_dtype must be fp32 or bf16");
     return -EINVAL;
   }
   if (c->lr == 0)
@@ -184,6 +208,8 @@ void job_config_to_proto(const job_config *c, Zerod__V1__JobConfig *out,
   out->collectives = (Zerod__V1__Collectives)c->collectives;
   out->quantized_weights = c->quantized_weights != 0;
   out->quantization_block = c->quantization_block;
+  out->quantized_gradients = c->quantized_gradients;
+  out->gradient_comm_dtype = job_dtype_to_proto(c->gradient_comm_dtype);
 }
 
 const char *job_collectives_name(job_collectives c) {
@@ -238,6 +264,10 @@ int job_config_diff(const job_config *want, const job_config *have, char *fields
           want->quantized_weights ? "true" : "false", have->quantized_weights ? "true" : "false");
   DIFFERS("quantization_block", want->quantization_block != have->quantization_block, "%u",
           want->quantization_block, have->quantization_block);
+  DIFFERS("quantized_gradients", want->quantized_gradients != have->quantized_gradients, "%u",
+          want->quantized_gradients, have->quantized_gradients);
+  DIFFERS("gradient_comm_dtype", want->gradient_comm_dtype != have->gradient_comm_dtype, "%s",
+          zk_dtype_name(want->gradient_comm_dtype), zk_dtype_name(have->gradient_comm_dtype));
 #undef DIFFERS
   return n;
 }

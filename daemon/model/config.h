@@ -26,9 +26,11 @@ typedef struct job_config {
   zk_dtype working_dtype; /* ZK_F32 or ZK_BF16; gradient buffers use it too */
   uint64_t max_live_bytes;
   double max_grad_norm;
-  job_collectives collectives; /* for a job whose ranks span nodes */
-  int quantized_weights;       /* qwZ, for a job whose ranks span nodes */
-  uint32_t quantization_block; /* elements per block; finish: 256 */
+  job_collectives collectives;  /* for a job whose ranks span nodes */
+  int quantized_weights;        /* qwZ, for a job whose ranks span nodes */
+  uint32_t quantization_block;  /* elements per block; finish: 256 */
+  uint32_t quantized_gradients; /* qgZ: 0, 8 or 4 */
+  zk_dtype gradient_comm_dtype; /* ZK_F32 or ZK_BF16 (finish: F32) */
 } job_config;
 
 #define JOB_DEFAULT_QUANTIZATION_BLOCK 256

@@ -44,7 +44,17 @@ void exec__handle_reduce(rank_state *rs, exec_op *op) {
     exec__op_device_failed(rs, op, "reduce", err);
     return;
   }
-  err = comm_reduce_scatter_f32(rs->comm, send, rs->shard_scratch, l->shard_numel);
+  /* qgZ or bf16 gradients: how a hierarchical communicator's cross-node
+   * half travels (any other communicator reduces exactly). */
+  const job_config *config = &rs->job->config;
+  comm_wire wire = {.format = COMM_WIRE_F32, .block = config->quantization_block};
+  if (config->quantized_gradients == 8)
+    wire.format = COMM_WIRE_INT8;
+  else if (config->quantized_gradients == 4)
+    wire.format = COMM_WIRE_INT4;
+  else if (config->gradient_comm_dtype == ZK_BF16)
+    wire.format = COMM_WIRE_BF16;
+  err = comm_reduce_scatter_f32_wire(rs->comm, send, rs->shard_scratch, l->shard_numel, &wire);
   if (err != 0) {
     exec__op_comm_failed(rs, op, "reduce_scatter", err);
     return;

@@ -183,17 +183,20 @@ def final_loss(out):
     return float(m.group(1))
 
 
-def test_quantized_weights_cross_nodes_in_int8(cluster, control, tmp_path):
-    """ZeRO++ qwZ on 2 nodes x 2 ranks: the weights cross between nodes as
-    int8 blocks (at most 0.53x the bytes of bf16 gathers, counted by the
-    ranks), and training lands within 2% of the loss without it."""
+def test_zeropp_quantizes_what_crosses_nodes(cluster, control, tmp_path):
+    """ZeRO++ on 2 nodes x 2 ranks: with qwZ the weights cross between nodes
+    as int8 blocks (at most 0.53x the bytes of bf16 gathers), with int4 qgZ
+    the gradients do (at most 0.3x the bytes of bf16 gradients), counted by
+    the ranks; training with either lands within 2% of the loss without."""
     cluster.start_coordinator()
     nodes = [cluster.start_node("node-%s" % n, ranks=2) for n in "ab"]
     ctl = control()
     ctl.wait("2 members", lambda: ctl.members()[0] == ["node-a", "node-b"])
     runs = {}
     for name, config in (("plain", {}), ("bf16", {"working_dtype": ctl.ipc.DTYPE_BF16}),
-                         ("qwz", {"quantized_weights": True})):
+                         ("qwz", {"quantized_weights": True}),
+                         ("bf16grads", {"gradient_comm_dtype": ctl.ipc.DTYPE_BF16}),
+                         ("qgz4", {"quantized_gradients": 4})):
         ctl.create_job(name, 2, 2, **config)
         ctl.wait_state(name, "JOB_STATE_READY")
         procs = []
@@ -203,12 +206,19 @@ def test_quantized_weights_cross_nodes_in_int8(cluster, control, tmp_path):
         stats = stats_of(results[0][1])
         runs[name] = (final_loss(results[0][1]),
                       sum(stats[(r, "cross", "all_gather")][0] for r in range(2)),
-                      sum(stats[(r, "node", "all_gather")][1] for r in range(2)))
-    (plain_loss, _, plain_calls), (_, bf16_bytes, bf16_calls), (qwz_loss, qwz_bytes, qwz_calls) = (
-        runs["plain"], runs["bf16"], runs["qwz"])
+                      sum(stats[(r, "node", "all_gather")][1] for r in range(2)),
+                      sum(stats[(r, "cross", "reduce_scatter")][0] for r in range(2)))
+    plain_loss, _, plain_calls, fp32_grads = runs["plain"]
+    _, bf16_bytes, bf16_calls, _ = runs["bf16"]
+    qwz_loss, qwz_bytes, qwz_calls, _ = runs["qwz"]
     assert plain_calls == bf16_calls == qwz_calls, runs  # the same gathers
     assert qwz_bytes <= 0.53 * bf16_bytes, runs
     assert abs(qwz_loss - plain_loss) <= 0.02 * plain_loss, runs
+    bf16_grads = runs["bf16grads"][3]
+    qgz_loss, _, _, qgz_grads = runs["qgz4"]
+    assert bf16_grads == fp32_grads // 2, runs
+    assert qgz_grads <= 0.3 * bf16_grads, runs
+    assert abs(qgz_loss - plain_loss) <= 0.02 * plain_loss, runs
 
 
 def test_quantized_weights_stay_within_half_a_step(cluster, control):

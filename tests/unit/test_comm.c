@@ -33,6 +33,7 @@
 
 #include "comm.h"
 #include "store.h"
+#include "zk.h"
 
 #define MAX_WORLD          4
 #define DEFAULT_TIMEOUT_MS 20000
@@ -1123,6 +1124,111 @@ static void test_hier_moves_n_slices_across_nodes(void **state) {
   assert_int_equal(ls.reduce[0][COMM_LEVEL_NODE], 4 * 25 * sizeof(float));
 }
 
+/* all_to_all: chunk j of rank r's send lands as chunk r of rank j's recv. */
+static void all_to_all_body(rank_ctx *rc) {
+  const int W = rc->run->world;
+  const size_t b = 1000;
+  uint8_t *send = xmalloc(b * (size_t)W), *recv = xmalloc(b * (size_t)W);
+  memset(send, 0, b * (size_t)W);
+  for (int j = 0; j < W; j++)
+    memset(send + (size_t)j * b, rc->rank * 16 + j, b);
+  RANK_CALL(rc, comm_all_to_all(rc->c, send, recv, b));
+  for (int r = 0; r < W; r++)
+    for (size_t i = 0; i < b; i++)
+      RANK_CHECK(rc, recv[(size_t)r * b + i] == (uint8_t)(r * 16 + rc->rank),
+                 "chunk %d byte %zu is %u, want %u", r, i, recv[(size_t)r * b + i],
+                 (unsigned)(r * 16 + rc->rank));
+  free(send);
+  free(recv);
+}
+
+static void test_all_to_all_swaps_every_chunk(void **state) {
+  (void)state;
+  for (int world = 1; world <= 4; world++)
+    run_world(world, DEFAULT_TIMEOUT_MS, all_to_all_body, NULL);
+}
+
+/* qgZ on 2 nodes of 2 ranks: each node's partial sums cross as int8, int4
+ * or bf16 blocks; the result is within the encoding's bound of the exact
+ * sum (half a step of each node's partial, summed over the nodes), and the
+ * cross-node bytes are the encoded ones. */
+typedef struct wire_state {
+  comm_wire wire;
+  uint64_t cross[4];
+  double worst_excess[4];
+} wire_state;
+
+#define WIRE_SHARD 3001
+
+static float wire_value(int rank, size_t j) {
+  uint64_t seed = 77 + (uint64_t)rank * 1000003 + j;
+  return (float)(((double)(rng_next(&seed) >> 11) * 0x1p-53 - 0.5) * (1 + (double)(j % 7)));
+}
+
+static void wire_body(rank_ctx *rc) {
+  wire_state *ws = rc->run->user;
+  const int W = 4, L = 2;
+  float *send = xmalloc(sizeof(float) * WIRE_SHARD * W), recv[WIRE_SHARD];
+  for (size_t j = 0; j < (size_t)WIRE_SHARD * W; j++)
+    send[j] = wire_value(rc->rank, j);
+  uint64_t bytes[COMM_LEVELS];
+  comm_take_bytes(rc->c, bytes);
+  RANK_CALL(rc, comm_reduce_scatter_f32_wire(rc->c, send, recv, WIRE_SHARD, &ws->wire));
+  comm_take_bytes(rc->c, bytes);
+  ws->cross[rc->rank] = bytes[COMM_LEVEL_CROSS];
+  /* The bound: per node, half a step of its partial's block (int), or
+   * bf16's half ulp (2^-9 relative). */
+  int qmax = ws->wire.format == COMM_WIRE_INT4 ? 7 : 127;
+  double worst = -1e30;
+  size_t block = ws->wire.block != 0 ? ws->wire.block : WIRE_SHARD; /* bf16: no blocks */
+  for (size_t i0 = 0; i0 < WIRE_SHARD; i0 += block) {
+    size_t end = i0 + block < WIRE_SHARD ? i0 + block : WIRE_SHARD;
+    double bound[2] = {0, 0};
+    for (int n = 0; n < 2; n++) {
+      double m = 0;
+      for (size_t i = i0; i < end; i++) {
+        size_t at = (size_t)rc->rank * WIRE_SHARD + i;
+        double p = (double)(float)(wire_value(n * L, at) + wire_value(n * L + 1, at));
+        m = fabs(p) > m ? fabs(p) : m;
+      }
+      bound[n] = 0.5001 * m / qmax;
+    }
+    for (size_t i = i0; i < end; i++) {
+      size_t at = (size_t)rc->rank * WIRE_SHARD + i;
+      double exact = 0, b = 0;
+      for (int n = 0; n < 2; n++) {
+        float p = wire_value(n * L, at) + wire_value(n * L + 1, at);
+        exact += p;
+        b += ws->wire.format == COMM_WIRE_BF16 ? fabs(p) * 0x1p-8 : bound[n];
+      }
+      double excess = fabs(recv[i] - exact) - (b + 1e-6 * fabs(exact));
+      worst = excess > worst ? excess : worst;
+    }
+  }
+  ws->worst_excess[rc->rank] = worst;
+  free(send);
+}
+
+static void test_hier_reduce_scatter_on_the_wire(void **state) {
+  (void)state;
+  use_backend = HIER;
+  const comm_wire wires[] = {{COMM_WIRE_INT8, 64}, {COMM_WIRE_INT4, 64}, {COMM_WIRE_BF16, 0}};
+  for (size_t k = 0; k < 3; k++) {
+    wire_state ws = {.wire = wires[k]};
+    run_world(4, DEFAULT_TIMEOUT_MS, wire_body, &ws);
+    zk_qformat fmt = {.bits = wires[k].format == COMM_WIRE_INT4 ? 4 : 8,
+                      .mode = ZK_QSYM,
+                      .block_numel = wires[k].block};
+    size_t q =
+        wires[k].format == COMM_WIRE_BF16 ? WIRE_SHARD * 2 : zk_quant_bytes(&fmt, WIRE_SHARD);
+    for (int r = 0; r < 4; r++) {
+      if (ws.worst_excess[r] > 0)
+        fail_msg("wire %zu, rank %d: an element is %g past the bound", k, r, ws.worst_excess[r]);
+      assert_int_equal(ws.cross[r], 2 * q); /* N = 2 encoded slices */
+    }
+  }
+}
+
 #define BOTH(test)                                                                                 \
   cmocka_unit_test_setup(test, gloo_backend), cmocka_unit_test_setup(test, local_backend),         \
       cmocka_unit_test_setup(test, hier_backend)
@@ -1160,6 +1266,9 @@ int main(void) {
       cmocka_unit_test(test_local_peer_leaving_fails_a_waiting_rank_at_once),
       cmocka_unit_test(test_local_ranks_out_of_step_fail_without_touching_buffers),
       cmocka_unit_test(test_hier_moves_n_slices_across_nodes),
+      cmocka_unit_test_setup(test_all_to_all_swaps_every_chunk, gloo_backend),
+      cmocka_unit_test_setup(test_all_to_all_swaps_every_chunk, local_backend),
+      cmocka_unit_test(test_hier_reduce_scatter_on_the_wire),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

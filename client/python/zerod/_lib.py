@@ -52,6 +52,8 @@ class JobConfig(ctypes.Structure):
         ("collectives", c_int),
         ("quantized_weights", c_int),
         ("quantization_block", c_uint),
+        ("quantized_gradients", c_uint),
+        ("gradient_comm_dtype", c_int),
     ]
 
 

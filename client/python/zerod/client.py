@@ -62,7 +62,9 @@ class JobConfig:
     default: node by node, fewer bytes between nodes) or "flat" (every rank
     in rank order, bit-identical to one process). ``quantized_weights``
     (ZeRO++ qwZ) all-gathers a multi-node job's weights as int8 blocks of
-    ``quantization_block`` elements (0: 256).
+    ``quantization_block`` elements (0: 256); ``quantized_gradients`` (qgZ:
+    0, 8 or 4 bits) sends its partial gradient sums between nodes
+    quantized, and ``gradient_comm_dtype="bfloat16"`` in bf16.
     """
 
     optimizer: str = "adamw"
@@ -79,6 +81,8 @@ class JobConfig:
     collectives: str = "hierarchical"
     quantized_weights: bool = False
     quantization_block: int = 0
+    quantized_gradients: int = 0
+    gradient_comm_dtype: str = "float32"
 
     def _to_c(self) -> _lib.JobConfig:
         if self.optimizer not in _OPTIMIZERS:
@@ -105,6 +109,14 @@ class JobConfig:
         c.collectives = _COLLECTIVES[self.collectives]
         c.quantized_weights = int(bool(self.quantized_weights))
         c.quantization_block = int(self.quantization_block)
+        if self.quantized_gradients not in (0, 4, 8):
+            raise InvalidArgumentError("quantized_gradients must be 0, 4 or 8, not %r" %
+                                       self.quantized_gradients)
+        c.quantized_gradients = int(self.quantized_gradients)
+        if self.gradient_comm_dtype not in ("float32", "bfloat16"):
+            raise InvalidArgumentError("gradient_comm_dtype must be 'float32' or 'bfloat16', "
+                                       "not %r" % self.gradient_comm_dtype)
+        c.gradient_comm_dtype = _DTYPE_CODES[self.gradient_comm_dtype]
         return c
 
 
