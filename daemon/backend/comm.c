@@ -132,7 +132,9 @@ int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank
   return counted(c, c->ops->all_gather(c, send, recv, bytes_per_rank), gathered_bytes);
 }
 
-int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_numel) {
+/* The checks of a reduce-scatter, exact or on the wire: 1 to go on, 0 for
+ * nothing to do, or a negative errno (the communicator broken). */
+static int reduce_scatter_checked(comm *c, float *send, float *recv, size_t shard_numel) {
   if (c == NULL)
     return -EINVAL;
   if (c->broken_error != 0)
@@ -154,7 +156,15 @@ int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_nume
     return comm_break(c, -EINVAL,
                       "reduce_scatter: recv overlaps send but is not this rank's shard (rank %d)",
                       c->rank);
-  return counted(c, c->ops->reduce_scatter_f32(c, send, recv, shard_numel), shard_bytes * world);
+  return 1;
+}
+
+int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_numel) {
+  int rc = reduce_scatter_checked(c, send, recv, shard_numel);
+  if (rc <= 0)
+    return rc;
+  return counted(c, c->ops->reduce_scatter_f32(c, send, recv, shard_numel),
+                 shard_numel * sizeof(float) * (size_t)c->world_size);
 }
 
 int comm_reduce_scatter_f32_wire(comm *c, float *send, float *recv, size_t shard_numel,
@@ -162,23 +172,13 @@ int comm_reduce_scatter_f32_wire(comm *c, float *send, float *recv, size_t shard
   if (c == NULL || wire == NULL || wire->format == COMM_WIRE_F32 ||
       c->ops->reduce_scatter_wire == NULL)
     return comm_reduce_scatter_f32(c, send, recv, shard_numel);
-  if (c->broken_error != 0)
-    return c->broken_error;
-  if (shard_numel == 0)
-    return 0;
-  if (send == NULL || recv == NULL)
-    return comm_break(c, -EINVAL, "reduce_scatter: send and recv must not be NULL");
-  if (shard_numel > SIZE_MAX / sizeof(float) / (size_t)c->world_size)
-    return comm_break(c, -EOVERFLOW, "reduce_scatter: %zu floats per shard overflow", shard_numel);
-  const float *own_shard = send + (size_t)c->rank * shard_numel;
-  if (recv != own_shard && ranges_overlap(send, shard_numel * sizeof(float) * c->world_size, recv,
-                                          shard_numel * sizeof(float)))
-    return comm_break(c, -EINVAL,
-                      "reduce_scatter: recv overlaps send but is not this rank's shard (rank %d)",
-                      c->rank);
+  int rc = reduce_scatter_checked(c, send, recv, shard_numel);
+  if (rc <= 0)
+    return rc;
   if (wire->format != COMM_WIRE_BF16 && wire->format != COMM_WIRE_INT8 &&
       wire->format != COMM_WIRE_INT4)
     return comm_break(c, -EINVAL, "reduce_scatter: unknown wire format %d", (int)wire->format);
+  /* Its halves count their own bytes (comm_take_bytes). */
   return c->ops->reduce_scatter_wire(c, send, recv, shard_numel, wire);
 }
 
