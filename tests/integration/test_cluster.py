@@ -203,20 +203,22 @@ def test_zeropp_quantizes_what_crosses_nodes(cluster, control, tmp_path):
         for node in nodes:
             procs += start_workers(node, name, 2, extra=["--stats"])
         results = finish(procs, nodes)
+        # Bytes per call: a worker reads the counters when it is done, and
+        # its peer rank may still be running a prefetch, so totals may
+        # differ by a call from run to run; a call's bytes do not.
         stats = stats_of(results[0][1])
-        runs[name] = (final_loss(results[0][1]),
-                      sum(stats[(r, "cross", "all_gather")][0] for r in range(2)),
-                      sum(stats[(r, "node", "all_gather")][1] for r in range(2)),
-                      sum(stats[(r, "cross", "reduce_scatter")][0] for r in range(2)))
-    plain_loss, _, plain_calls, fp32_grads = runs["plain"]
-    _, bf16_bytes, bf16_calls, _ = runs["bf16"]
-    qwz_loss, qwz_bytes, qwz_calls, _ = runs["qwz"]
-    assert plain_calls == bf16_calls == qwz_calls, runs  # the same gathers
-    assert qwz_bytes <= 0.53 * bf16_bytes, runs
+        gather = stats[(0, "cross", "all_gather")]
+        reduce = stats[(0, "cross", "reduce_scatter")]
+        runs[name] = (final_loss(results[0][1]), gather[0] / gather[1], reduce[0] / reduce[1])
+    plain_loss, fp32_gather, fp32_grads = runs["plain"]
+    _, bf16_gather, _ = runs["bf16"]
+    qwz_loss, qwz_gather, _ = runs["qwz"]
+    assert bf16_gather == fp32_gather / 2, runs
+    assert qwz_gather <= 0.53 * bf16_gather, runs
     assert abs(qwz_loss - plain_loss) <= 0.02 * plain_loss, runs
-    bf16_grads = runs["bf16grads"][3]
-    qgz_loss, _, _, qgz_grads = runs["qgz4"]
-    assert bf16_grads == fp32_grads // 2, runs
+    bf16_grads = runs["bf16grads"][2]
+    qgz_loss, _, qgz_grads = runs["qgz4"]
+    assert bf16_grads == fp32_grads / 2, runs
     assert qgz_grads <= 0.3 * bf16_grads, runs
     assert abs(qgz_loss - plain_loss) <= 0.02 * plain_loss, runs
 
