@@ -58,17 +58,23 @@ static void on_interrupt(int sig) {
   interrupted = 1;
 }
 
+/* Text from a target, safe for a terminal: control bytes become '?'. */
+static void safe(const char *s, char *out, size_t out_bytes) {
+  size_t i = 0;
+  for (; s[i] != '\0' && i + 1 < out_bytes; i++)
+    out[i] = (unsigned char)s[i] < 0x20 || (unsigned char)s[i] == 0x7f ? '?' : s[i];
+  out[i] = '\0';
+}
+
 static int top_fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int top_fail(int status, const char *fmt, ...) {
-  char line[1024];
+  char line[1024], shown[1024];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(line, sizeof line, fmt, ap);
   va_end(ap);
-  for (char *p = line; *p != '\0'; p++)
-    if ((unsigned char)*p < 0x20 || (unsigned char)*p == 0x7f)
-      *p = '?';
-  fprintf(stderr, "zerodctl: top: %s\n", line);
+  safe(line, shown, sizeof shown);
+  fprintf(stderr, "zerodctl: top: %s\n", shown);
   return status;
 }
 
@@ -313,14 +319,6 @@ static double node_jobs(const target *t) {
 }
 
 /* ---- Output --------------------------------------------------------------------- */
-
-/* Text from a target, safe for a terminal: control bytes become '?'. */
-static void safe(const char *s, char *out, size_t out_bytes) {
-  size_t i = 0;
-  for (; s[i] != '\0' && i + 1 < out_bytes; i++)
-    out[i] = (unsigned char)s[i] < 0x20 || (unsigned char)s[i] == 0x7f ? '?' : s[i];
-  out[i] = '\0';
-}
 
 static void fmt_bytes(double v, char *out, size_t n) {
   static const char *const units[] = {"", "K", "M", "G", "T", "P"};

@@ -173,6 +173,21 @@ void rpc_channel_destroy(rpc_channel *ch) {
   grpc_shutdown();
 }
 
+/* The first four ops of every client call, unary or streaming: the
+ * channel's metadata (its bearer token), the one request, the half-close,
+ * and the server's initial metadata into initial_metadata. */
+static void request_ops(rpc_channel *ch, grpc_byte_buffer *request,
+                        grpc_metadata_array *initial_metadata, grpc_op ops[4]) {
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[0].data.send_initial_metadata.count = ch->n_auth;
+  ops[0].data.send_initial_metadata.metadata = ch->n_auth > 0 ? &ch->auth : NULL;
+  ops[1].op = GRPC_OP_SEND_MESSAGE;
+  ops[1].data.send_message.send_message = request;
+  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = initial_metadata;
+}
+
 int rpc_unary(rpc_channel *ch, const char *method, const void *request, size_t request_bytes,
               int timeout_ms, uint8_t **reply, size_t *reply_bytes, rpc_result *result) {
   rpc_result local_result;
@@ -213,14 +228,7 @@ int rpc_unary(rpc_channel *ch, const char *method, const void *request, size_t r
 
   grpc_op ops[6];
   memset(ops, 0, sizeof ops);
-  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-  ops[0].data.send_initial_metadata.count = ch->n_auth;
-  ops[0].data.send_initial_metadata.metadata = ch->n_auth > 0 ? &ch->auth : NULL;
-  ops[1].op = GRPC_OP_SEND_MESSAGE;
-  ops[1].data.send_message.send_message = request_buffer;
-  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-  ops[3].data.recv_initial_metadata.recv_initial_metadata = &initial_metadata;
+  request_ops(ch, request_buffer, &initial_metadata, ops);
   ops[4].op = GRPC_OP_RECV_MESSAGE;
   ops[4].data.recv_message.recv_message = &reply_buffer;
   ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
@@ -302,14 +310,7 @@ int rpc_stream_open(rpc_channel *ch, const char *method, const void *request, si
   grpc_byte_buffer *request_buffer = rpc__buffer_from_bytes(request, request_bytes);
   grpc_op ops[4];
   memset(ops, 0, sizeof ops);
-  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-  ops[0].data.send_initial_metadata.count = ch->n_auth;
-  ops[0].data.send_initial_metadata.metadata = ch->n_auth > 0 ? &ch->auth : NULL;
-  ops[1].op = GRPC_OP_SEND_MESSAGE;
-  ops[1].data.send_message.send_message = request_buffer;
-  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-  ops[3].data.recv_initial_metadata.recv_initial_metadata = &st->initial_metadata;
+  request_ops(ch, request_buffer, &st->initial_metadata, ops);
   grpc_call_error err = grpc_call_start_batch(st->call, ops, 4, &st->start_pending, NULL);
   grpc_byte_buffer_destroy(request_buffer);
   if (err == GRPC_CALL_OK)
