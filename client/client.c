@@ -886,6 +886,7 @@ static zd_status fill_job_config(const zd_job_config *caller_config, Zerod__V1__
   config->quantization_block = local.quantization_block;
   config->quantized_gradients = local.quantized_gradients;
   config->gradient_comm_dtype = (Zerod__V1__Dtype)local.gradient_comm_dtype;
+  config->hpz_partition_size = local.hpz_partition_size;
   return ZD_OK;
 }
 
@@ -927,6 +928,7 @@ static void job_config_from_reply(const Zerod__V1__JobConfig *config, zd_job_con
   out->gradient_comm_dtype = config->gradient_comm_dtype == ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED
                                  ? ZD_F32
                                  : (zd_dtype)config->gradient_comm_dtype;
+  out->hpz_partition_size = config->hpz_partition_size;
 }
 
 zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, zd_job **out) {
@@ -1657,6 +1659,8 @@ zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, unsigned *
     memset(o, 0, sizeof *o);
     o->rank = rank->rank;
     o->step = rank->step;
+    o->pool_bytes = rank->pool_bytes;
+    o->secondary_bytes = rank->secondary_bytes;
     o->ncounters = (unsigned)rank->n_counters;
     for (size_t k = 0; k < rank->n_counters; k++) {
       const Zerod__V1__CollectiveCounter *c = rank->counters[k];

@@ -803,6 +803,7 @@ static void json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   json_u64(j, "quantization_block", config->quantization_block);
   json_u64(j, "quantized_gradients", config->quantized_gradients);
   json_str(j, "gradient_comm_dtype", precision_name(config->gradient_comm_dtype));
+  json_u64(j, "hpz_partition_size", config->hpz_partition_size);
   json_u64(j, "max_live_bytes", config->max_live_bytes);
   json_f64(j, "max_grad_norm", config->max_grad_norm);
   json_close(j, '}');
@@ -907,6 +908,8 @@ static void print_job(const Zerod__V1__Job *job) {
                 config->quantization_block);
   else if (config->gradient_comm_dtype == ZEROD__V1__DTYPE__DTYPE_BF16)
     print_field("gradients between nodes", "bf16");
+  if (config->hpz_partition_size > 1)
+    print_field("hpZ", "secondary partition over %u ranks of a node", config->hpz_partition_size);
   if (config->max_grad_norm > 0)
     print_field("max grad norm", "%g", config->max_grad_norm);
   else
@@ -1056,8 +1059,8 @@ static int cmd_jobs_read_token(ctl *c, int argc, char **argv) {
 typedef struct create_options {
   const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
       *precision, *collectives, *quantized_weights, *quantization_block, *quantized_gradients,
-      *gradient_comm_dtype, *max_grad_norm, *max_live_bytes, *max_host_bytes, *max_device_bytes,
-      *max_sessions, *token, *tenant, *every_steps, *every_seconds, *keep;
+      *gradient_comm_dtype, *hpz_partition_size, *max_grad_norm, *max_live_bytes, *max_host_bytes,
+      *max_device_bytes, *max_sessions, *token, *tenant, *every_steps, *every_seconds, *keep;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
 } create_options;
@@ -1223,6 +1226,11 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
       config.gradient_comm_dtype = ZEROD__V1__DTYPE__DTYPE_BF16;
     else
       return bad_create_value("--gradient-comm-dtype", o->gradient_comm_dtype, "fp32 or bf16");
+  }
+  if (o->hpz_partition_size != NULL) {
+    if (parse_u32(o->hpz_partition_size, 1, CTL_MAX_RANKS, &config.hpz_partition_size) != 0)
+      return bad_create_value("--hpz-partition-size", o->hpz_partition_size,
+                              "1 (off) or the job's ranks per node");
   }
   if (o->max_grad_norm != NULL &&
       parse_double(o->max_grad_norm, 0, 1e12, false, &config.max_grad_norm) != 0)
@@ -1665,6 +1673,9 @@ static const char create_usage[] =
     "  --quantized-gradients B  ZeRO++ qgZ: gradients cross nodes as B-bit blocks (8 or\n"
     "                           4; jobs on several nodes, hierarchical)\n"
     "  --gradient-comm-dtype D  without qgZ: fp32 (exact) or bf16 [default fp32]\n"
+    "  --hpz-partition-size L   ZeRO++ hpZ: keep a secondary partition over the L ranks\n"
+    "                           of each node, so backward gathers stay in the node\n"
+    "                           (L: --ranks-per-node; 1: off) [default 1]\n"
     "  --max-grad-norm X        clip the global gradient norm to X [default: off]\n"
     "  --max-live-bytes SIZE    gathered + gradient buffers per rank, e.g. 512M, 4G\n"
     "  --max-host-bytes SIZE    shard state per rank in host memory (quota)\n"
@@ -1720,6 +1731,7 @@ enum {
   OPT_QUANTIZATION_BLOCK,
   OPT_QUANTIZED_GRADIENTS,
   OPT_GRADIENT_COMM_DTYPE,
+  OPT_HPZ_PARTITION_SIZE,
   OPT_MAX_GRAD_NORM,
   OPT_MAX_LIVE_BYTES,
   OPT_MAX_HOST_BYTES,
@@ -1764,6 +1776,7 @@ static const struct option long_options[] = {
     {"quantization-block", required_argument, NULL, OPT_QUANTIZATION_BLOCK},
     {"quantized-gradients", required_argument, NULL, OPT_QUANTIZED_GRADIENTS},
     {"gradient-comm-dtype", required_argument, NULL, OPT_GRADIENT_COMM_DTYPE},
+    {"hpz-partition-size", required_argument, NULL, OPT_HPZ_PARTITION_SIZE},
     {"max-grad-norm", required_argument, NULL, OPT_MAX_GRAD_NORM},
     {"max-live-bytes", required_argument, NULL, OPT_MAX_LIVE_BYTES},
     {"max-host-bytes", required_argument, NULL, OPT_MAX_HOST_BYTES},
@@ -1833,6 +1846,9 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_GRADIENT_COMM_DTYPE:
     slot = &o->gradient_comm_dtype;
+    break;
+  case OPT_HPZ_PARTITION_SIZE:
+    slot = &o->hpz_partition_size;
     break;
   case OPT_MAX_GRAD_NORM:
     slot = &o->max_grad_norm;

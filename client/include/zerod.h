@@ -126,6 +126,12 @@ typedef struct zd_job_config {
    * sends them in bf16 (default ZD_F32: exact). */
   unsigned quantized_gradients;
   zd_dtype gradient_comm_dtype;
+  /* ZeRO++ hpZ, for a hierarchical job of host ranks on several nodes: 0
+   * or 1 (off), or the job's ranks per node. A unit's first gather at a
+   * version keeps each rank's 1/L slice of it (counted in max_live_bytes,
+   * evicted like a cached gather); a later gather of that version while
+   * the slices are kept (the backward pass) stays inside the node. */
+  unsigned hpz_partition_size;
 } zd_job_config;
 
 #define ZD_JOB_CONFIG_INIT ZD_SIZED_INIT(zd_job_config)
@@ -340,6 +346,11 @@ typedef struct zd_rank_stats {
   uint64_t step; /* completed optimizer steps */
   unsigned ncounters;
   zd_collective_counter counters[ZD_MAX_COLLECTIVE_COUNTERS];
+  /* The rank's buffer pool after its last request (gathered units,
+   * gradient buffers, hpZ secondary partitions; at most the job's
+   * max_live_bytes), and the secondary partitions among them. */
+  uint64_t pool_bytes;
+  uint64_t secondary_bytes;
 } zd_rank_stats;
 
 /* The counters of every rank of the job on the daemon this job is attached

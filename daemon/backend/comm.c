@@ -24,6 +24,7 @@ void comm_init_base(comm *c, const comm_ops *ops, const comm_options *options) {
   c->last_error[0] = '\0';
   c->level = options->level;
   c->moved = 0;
+  c->node_ranks = 0;
 }
 
 /* A collective that succeeded moved its payload. */
@@ -130,6 +131,25 @@ int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank
                       "all_gather: send overlaps recv but is not this rank's slice (rank %d)",
                       c->rank);
   return counted(c, c->ops->all_gather(c, send, recv, bytes_per_rank), gathered_bytes);
+}
+
+int comm_node_ranks(const comm *c) {
+  return c != NULL ? c->node_ranks : 0;
+}
+
+int comm_all_gather_node(comm *c, const void *send, void *recv, size_t bytes_per_rank) {
+  if (c == NULL)
+    return -EINVAL;
+  if (c->broken_error != 0)
+    return c->broken_error;
+  if (c->ops->all_gather_node == NULL)
+    return comm_break(c, -ENOSYS, "all_gather_node: the %s backend has no node half", c->ops->name);
+  if (bytes_per_rank == 0)
+    return 0;
+  if (send == NULL || recv == NULL)
+    return comm_break(c, -EINVAL, "all_gather_node: send and recv must not be NULL");
+  /* The node half checks the rest, as for any all-gather of its own. */
+  return c->ops->all_gather_node(c, send, recv, bytes_per_rank);
 }
 
 /* The checks of a reduce-scatter, exact or on the wire: 1 to go on, 0 for

@@ -95,6 +95,17 @@ int comm_hier_create(const comm_options *options, comm *local, comm *cross, comm
  * recv + r * bytes_per_rank. send may point there already (in place). */
 int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank);
 
+/* The ranks of this rank's node in a hierarchical communicator (its L),
+ * 0 for any other. */
+int comm_node_ranks(const comm *c);
+
+/* An all-gather among the ranks of this rank's node only, on a
+ * hierarchical communicator (ZeRO++ hpZ's gathers from secondary
+ * partitions): recv holds L * bytes_per_rank, local rank l's send lands at
+ * recv + l * bytes_per_rank; send may be this rank's slot (in place). Its
+ * bytes count at the node level. -ENOSYS on any other communicator. */
+int comm_all_gather_node(comm *c, const void *send, void *recv, size_t bytes_per_rank);
+
 /* Sums world_size shards of fp32 element-wise: send holds
  * world_size * shard_numel floats, recv receives this rank's shard (the sum
  * of every rank's [rank * shard_numel, (rank+1) * shard_numel) slice),

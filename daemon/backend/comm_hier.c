@@ -21,6 +21,7 @@
  *   with an fp32 scale each), one all-to-all per local index sends partial
  *   n to node n, and each rank decodes the N it got and sums them in fp32
  *   in node order. Cross-node bytes: N encoded slices.
+ * all_gather_node (hpZ): the local all-gather alone.
  * all_reduce: the local all-reduce, then the cross-node one.
  * broadcast: the root's local index broadcasts across nodes, then every
  *   node broadcasts from that local rank.
@@ -82,6 +83,13 @@ static int hier_all_gather(comm *c, const void *send, void *recv, size_t b) {
     return half_failed(h, "all_gather", rc, h->local);
   comm_count(h->local, (uint64_t)c->world_size * b);
   return 0;
+}
+
+/* hpZ: the node half alone. */
+static int hier_all_gather_node(comm *c, const void *send, void *recv, size_t b) {
+  hier_comm *h = (hier_comm *)c;
+  int rc = comm_all_gather(h->local, send, recv, b);
+  return rc == 0 ? 0 : half_failed(h, "all_gather_node", rc, h->local);
 }
 
 /* The node half of a reduce-scatter: partial[n * s ..] = the node's ranks'
@@ -233,6 +241,7 @@ static void hier_take_bytes(comm *c, uint64_t bytes[COMM_LEVELS]) {
 static const comm_ops hier_ops = {
     .name = "hierarchical",
     .all_gather = hier_all_gather,
+    .all_gather_node = hier_all_gather_node,
     .reduce_scatter_f32 = hier_reduce_scatter_f32,
     .reduce_scatter_wire = hier_reduce_scatter_wire,
     .all_reduce = hier_all_reduce,
@@ -268,6 +277,7 @@ int comm_hier_create(const comm_options *options, comm *local, comm *cross, comm
     goto fail;
   }
   comm_init_base(&h->base, &hier_ops, options);
+  h->base.node_ranks = L;
   h->local = local;
   h->cross = cross;
   h->l = l;

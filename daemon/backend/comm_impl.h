@@ -42,6 +42,10 @@ typedef struct comm_ops {
    * communicators; NULL elsewhere: the exact one is used). */
   int (*reduce_scatter_wire)(comm *c, float *send, float *recv, size_t shard_numel,
                              const comm_wire *wire);
+  /* The node half's all-gather (hierarchical communicators; NULL
+   * elsewhere: comm_all_gather_node fails with -ENOSYS). Counts its own
+   * bytes, at the node level. */
+  int (*all_gather_node)(comm *c, const void *send, void *recv, size_t bytes_per_rank);
   /* NULL where the backend has none: comm_all_to_all fails with -ENOSYS. */
   int (*all_to_all)(comm *c, const void *send, void *recv, size_t bytes_per_rank);
   int (*broadcast)(comm *c, void *buf, size_t bytes, int root);
@@ -69,6 +73,7 @@ struct comm {
   /* 0, or the negative errno of the failure that broke the communicator. */
   int broken_error;
   comm_level level; /* options->level */
+  int node_ranks;   /* a hierarchical communicator's L; 0 for others */
   uint64_t moved;   /* payload bytes since the last comm_take_bytes */
   char last_error[512];
 };

@@ -294,6 +294,13 @@ static int check_create_job(const ProtobufCMessage *msg, char *err, size_t err_b
     rc = check_token(r->token, 1, err, err_bytes);
   if (rc != 0)
     return rc;
+  /* hpZ's secondary group is the ranks of one node, as in ZeRO++. */
+  uint32_t hpz = r->config != NULL ? r->config->hpz_partition_size : 0;
+  if (hpz > 1 && hpz != r->ranks_per_node)
+    return fail(err, err_bytes,
+                "hpz_partition_size is %u; it must be 1 (off) or the job's ranks_per_node (%u): "
+                "the secondary partition is spread over the ranks of one node",
+                hpz, r->ranks_per_node);
   if (r->tenant[0] != '\0' && !ctl_valid_job_dir_name(r->tenant))
     return fail(err, err_bytes, "tenant must be 1..64 of [A-Za-z0-9._-], not '.' or '..'");
   if (r->n_node_names != 0 && r->n_node_names != r->nodes)

@@ -49,6 +49,7 @@ int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *e
   c->quantized_weights = pc->quantized_weights;
   c->quantization_block = pc->quantization_block;
   c->quantized_gradients = pc->quantized_gradients;
+  c->hpz_partition_size = pc->hpz_partition_size;
   switch (pc->gradient_comm_dtype) {
   case ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED:
   case ZEROD__V1__DTYPE__DTYPE_F32:
@@ -109,6 +110,21 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
     c->gradient_comm_dtype = ZK_F32;
   if (c->gradient_comm_dtype != ZK_F32 && c->gradient_comm_dtype != ZK_BF16) {
     snprintf(err, err_bytes, "gradient_comm_dtype must be fp32 or bf16");
+    return -EINVAL;
+  }
+  if (c->hpz_partition_size == 0)
+    c->hpz_partition_size = 1;
+  if (c->hpz_partition_size > 1 && c->collectives == JOB_FLAT) {
+    snprintf(err, err_bytes,
+             "hpz_partition_size %u needs hierarchical collectives (its gathers stay inside "
+             "the node); this job's are flat",
+             c->hpz_partition_size);
+    return -EINVAL;
+  }
+  if (c->hpz_partition_size > JOB_MAX_HPZ_PARTITION_SIZE) {
+    snprintf(err, err_bytes,
+             "invalid hpz_partition_size %u (1: off, or the job's ranks per node, at most %d)",
+             c->hpz_partition_size, JOB_MAX_HPZ_PARTITION_SIZE);
     return -EINVAL;
   }
   if (c->lr == 0)
@@ -210,6 +226,7 @@ void job_config_to_proto(const job_config *c, Zerod__V1__JobConfig *out,
   out->quantization_block = c->quantization_block;
   out->quantized_gradients = c->quantized_gradients;
   out->gradient_comm_dtype = job_dtype_to_proto(c->gradient_comm_dtype);
+  out->hpz_partition_size = c->hpz_partition_size;
 }
 
 const char *job_collectives_name(job_collectives c) {
@@ -268,6 +285,8 @@ int job_config_diff(const job_config *want, const job_config *have, char *fields
           want->quantized_gradients, have->quantized_gradients);
   DIFFERS("gradient_comm_dtype", want->gradient_comm_dtype != have->gradient_comm_dtype, "%s",
           zk_dtype_name(want->gradient_comm_dtype), zk_dtype_name(have->gradient_comm_dtype));
+  DIFFERS("hpz_partition_size", want->hpz_partition_size != have->hpz_partition_size, "%u",
+          want->hpz_partition_size, have->hpz_partition_size);
 #undef DIFFERS
   return n;
 }

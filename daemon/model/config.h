@@ -31,9 +31,11 @@ typedef struct job_config {
   uint32_t quantization_block;  /* elements per block; finish: 256 */
   uint32_t quantized_gradients; /* qgZ: 0, 8 or 4 */
   zk_dtype gradient_comm_dtype; /* ZK_F32 or ZK_BF16 (finish: F32) */
+  uint32_t hpz_partition_size;  /* hpZ: 1 (off; finish: 0 -> 1) or ranks per node */
 } job_config;
 
 #define JOB_DEFAULT_QUANTIZATION_BLOCK 256
+#define JOB_MAX_HPZ_PARTITION_SIZE     4096
 
 /* Converts the protocol's config (NULL: all defaults, as an empty one) to
  * a job_config; call job_config_finish next. Returns 0 or -EINVAL with a

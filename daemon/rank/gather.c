@@ -1,6 +1,7 @@
 /* GATHER, RELEASE and GRAD_BUFFER: a unit's full working values in a
  * buffer the worker maps (served from the pool's cache when its version is
- * current, else all-gathered), the gradient buffer the worker writes, and
+ * current, else all-gathered: from the node's hpZ secondary partitions
+ * when they hold that version), the gradient buffer the worker writes, and
  * prefetching along the gather order recorded before the first step. */
 #include "exec_impl.h"
 
@@ -152,6 +153,80 @@ static int fill_gathered(rank_state *rs, const unit_layout *l, shard *sh, pool_b
   return rc;
 }
 
+/* ZeRO++ hpZ: a unit's secondary partition is the 1/L slice of its
+ * gathered values that this rank keeps for its node (local rank l keeps
+ * [l * P / L, (l + 1) * P / L) of the padded unit), in the pool. */
+static uint64_t secondary_bytes(const rank_state *rs, const unit_layout *l) {
+  return unit_buffer_bytes(rs, l) / (uint64_t)rs->hpz_ranks;
+}
+
+static pool_buf *valid_secondary(rank_state *rs, const shard *sh) {
+  if (rs->hpz_ranks <= 1 || sh->secondary_buf < 0)
+    return NULL;
+  pool_buf *s = &rs->bufs[sh->secondary_buf];
+  return s->valid_version == rs->version ? s : NULL;
+}
+
+/* The gather inside the node: every local rank's slice, no bytes between
+ * nodes; the values are those the gather across nodes put there. */
+static int fill_from_secondary(rank_state *rs, const unit_layout *l, pool_buf *s, pool_buf *b) {
+  int rc = exec__dev_call(rs, device_buffer_wait(rs->dev, &b->buf));
+  if (rc == 0) {
+    rc = comm_all_gather_node(rs->comm, s->buf.base, b->buf.base, secondary_bytes(rs, l));
+    rank_metrics_collective(rs, RANK_ALL_GATHER);
+  }
+  if (rc == 0)
+    rc = exec__dev_call(rs, device_buffer_publish(rs->dev, &b->buf));
+  s->last_use = ++rs->tick;
+  return rc;
+}
+
+/* After a gather across nodes: keeps this rank's slice if the pool has
+ * room for it, evicting cached gathers but no other current slice
+ * (POOL_SECONDARY). Without room the next gather crosses nodes again.
+ * Every rank of the job decides alike (pool.h), so their next gathers of
+ * the unit agree on where they go. The gathered buffer is bufs[gathered]
+ * (an index: acquiring may move the pool's table). */
+static void keep_secondary(rank_state *rs, const unit_layout *l, shard *sh, int64_t gathered) {
+  uint64_t bytes = secondary_bytes(rs, l);
+  int64_t slot = sh->secondary_buf;
+  if (slot < 0) {
+    char why[256];
+    /* The gathered buffer is not held yet (the caller hands it out
+     * next): it must not be the slice's victim. */
+    rs->bufs[gathered].refs++;
+    slot = pool_acquire(rs, BUF_SECONDARY, bytes, l->name, POOL_SECONDARY, why, sizeof why);
+    rs->bufs[gathered].refs--;
+    if (slot < 0)
+      return;
+  }
+  pool_buf *s = &rs->bufs[slot];
+  size_t local = (size_t)(rs->rank % rs->hpz_ranks);
+  memcpy(s->buf.base, (const uint8_t *)rs->bufs[gathered].buf.base + local * bytes, bytes);
+  s->unit = l->id;
+  s->valid_version = rs->version;
+  s->last_use = ++rs->tick;
+  sh->secondary_buf = slot;
+}
+
+/* Fills the buffer in slot with the unit's values at the rank's version
+ * (from its secondary partition when hpZ kept a current one) and makes it
+ * the unit's cached gather. */
+static int gather_unit(rank_state *rs, const unit_layout *l, shard *sh, int64_t slot) {
+  pool_buf *b = &rs->bufs[slot];
+  pool_buf *s = valid_secondary(rs, sh);
+  int rc = s != NULL ? fill_from_secondary(rs, l, s, b) : fill_gathered(rs, l, sh, b);
+  if (rc != 0)
+    return rc;
+  b->unit = l->id;
+  b->valid_version = rs->version;
+  b->last_use = ++rs->tick;
+  sh->gather_buf = slot;
+  if (s == NULL && rs->hpz_ranks > 1)
+    keep_secondary(rs, l, sh, slot);
+  return 0;
+}
+
 void exec__prefetch_unit(rank_state *rs, uint32_t unit_id) {
   unit_layout *l = job_unit(rs->job, unit_id);
   if (l == NULL || unit_id >= rs->nshards || !rs->shards[unit_id].present)
@@ -162,21 +237,16 @@ void exec__prefetch_unit(rank_state *rs, uint32_t unit_id) {
   if (job_failed(rs->job, rs->generation, NULL, 0) || rs->comm == NULL)
     return;
   char why[256];
-  int64_t slot =
-      pool_acquire(rs, BUF_GATHER, unit_buffer_bytes(rs, l), l->name, 1, why, sizeof why);
+  int64_t slot = pool_acquire(rs, BUF_GATHER, unit_buffer_bytes(rs, l), l->name, POOL_PREFETCH, why,
+                              sizeof why);
   if (slot < 0)
     return;
-  pool_buf *b = &rs->bufs[slot];
-  int err = fill_gathered(rs, l, sh, b);
+  int err = gather_unit(rs, l, sh, slot);
   if (err != 0) {
     job_fail(rs->job, rs->generation, "rank %d: prefetch of unit '%s': %s", rs->rank, l->name,
              rs->failed_on_device ? device_last_error(rs->dev) : comm_last_error(rs->comm));
     return;
   }
-  b->unit = unit_id;
-  b->valid_version = rs->version;
-  b->last_use = ++rs->tick;
-  sh->gather_buf = slot;
   LOG_DEBUGF("prefetched", "job=%s rank=%d unit=%u version=%llu", rs->job->name, rs->rank, unit_id,
              (unsigned long long)rs->version);
 }
@@ -206,20 +276,17 @@ int exec__handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *p
     if (inline_only)
       return 0;
     char why[256];
-    int64_t slot =
-        pool_acquire(rs, BUF_GATHER, unit_buffer_bytes(rs, l), l->name, 0, why, sizeof why);
+    int64_t slot = pool_acquire(rs, BUF_GATHER, unit_buffer_bytes(rs, l), l->name, POOL_DEMAND, why,
+                                sizeof why);
     if (slot < 0) {
       exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
       return 1;
     }
-    int err = fill_gathered(rs, l, sh, &rs->bufs[slot]);
+    int err = gather_unit(rs, l, sh, slot);
     if (err != 0) {
       exec__op_comm_failed(rs, op, "all_gather", err);
       return 1;
     }
-    rs->bufs[slot].unit = req->unit_id;
-    rs->bufs[slot].valid_version = rs->version;
-    sh->gather_buf = slot;
   }
   pool_buf *b = &rs->bufs[sh->gather_buf];
   pool_ref(rs, b);
@@ -276,7 +343,7 @@ int exec__handle_grad_buffer(rank_state *rs, exec_op *op, int inline_only) {
       return 0;
     char why[256];
     int64_t slot =
-        pool_acquire(rs, BUF_GRAD, unit_buffer_bytes(rs, l), l->name, 0, why, sizeof why);
+        pool_acquire(rs, BUF_GRAD, unit_buffer_bytes(rs, l), l->name, POOL_DEMAND, why, sizeof why);
     if (slot < 0) {
       exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
       return 1;

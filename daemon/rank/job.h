@@ -45,7 +45,9 @@ typedef struct shard_range {
   uint64_t begin, end;
 } shard_range;
 
-typedef enum buf_kind { BUF_GATHER, BUF_GRAD } buf_kind;
+/* Gathered units, gradient buffers, and hpZ secondary partitions (a
+ * rank's slice of a gathered unit, kept for gathers inside the node). */
+typedef enum buf_kind { BUF_GATHER, BUF_GRAD, BUF_SECONDARY } buf_kind;
 
 /* One buffer of a rank's pool: a memfd region on a host rank, an
  * IPC-exported allocation on a GPU rank (device.h). */
@@ -54,7 +56,7 @@ typedef struct pool_buf {
   device_buffer buf;
   buf_kind kind;
   int64_t unit;           /* unit it holds or -1 */
-  uint64_t valid_version; /* BUF_GATHER: version of its values; UINT64_MAX: none */
+  uint64_t valid_version; /* gather, secondary: version of its values; UINT64_MAX: none */
   int refs;               /* > 0: live (held by the worker) */
   uint64_t last_use;      /* LRU tick */
   uint64_t sent_session;  /* session that already received the fd or handles */
@@ -74,10 +76,11 @@ typedef struct shard {
   shard_range *zero_ranges; /* full-buffer ranges zeroed before a reduce
                                (alignment gaps, padding, frozen tensors) */
   unsigned nzero_ranges;
-  int64_t gather_buf; /* pool index of the gathered buffer, or -1 */
-  int gather_held;    /* the worker holds it (between gather and release) */
-  int64_t grad_buf;   /* pool index of the gradient buffer held, or -1 */
-  uint64_t bytes;     /* exec__shard_bytes, counted in the rank's state_bytes */
+  int64_t gather_buf;    /* pool index of the gathered buffer, or -1 */
+  int gather_held;       /* the worker holds it (between gather and release) */
+  int64_t grad_buf;      /* pool index of the gradient buffer held, or -1 */
+  int64_t secondary_buf; /* pool index of its hpZ secondary partition, or -1 */
+  uint64_t bytes;        /* exec__shard_bytes, counted in the rank's state_bytes */
 } shard;
 
 typedef struct rank_state {
@@ -146,6 +149,11 @@ typedef struct rank_state {
   size_t qgather_bytes;
   float *qdequant;
   size_t qdequant_numel;
+  /* hpZ (gather.c): the node's ranks that hold a unit's secondary
+   * partition (L, set when the communicator is built), 0 when off; the
+   * pool bytes its slices take (executor-owned). */
+  int hpz_ranks;
+  uint64_t secondary_bytes;
   uint32_t *order; /* gather order recorded before the first step */
   size_t order_len, order_cap;
   int order_complete;
@@ -163,6 +171,9 @@ typedef struct rank_state {
    * bytes and calls. Counted by the executor, read by the loop (STATS). */
   _Atomic uint64_t coll_bytes[JOB_COUNTER_LEVELS][JOB_COUNTER_KINDS];
   _Atomic uint64_t coll_calls[JOB_COUNTER_LEVELS][JOB_COUNTER_KINDS];
+  /* The pool's bytes and the secondary partitions' after the last op,
+   * for STATS (the executor writes them, the loop reads). */
+  _Atomic uint64_t stat_pool_bytes, stat_secondary_bytes;
 
   /* Loop-owned. */
   struct session *session; /* the attached read-write session */

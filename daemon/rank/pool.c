@@ -13,22 +13,42 @@ static uint64_t page_round(uint64_t bytes) {
   return bytes == 0 ? p : (bytes + p - 1) / p * p;
 }
 
-/* A buffer no longer holds its unit's gathered values. */
+/* A buffer no longer holds its unit's gathered values (or its secondary
+ * partition). */
 static void forget_unit(rank_state *rs, uint32_t slot) {
   pool_buf *b = &rs->bufs[slot];
-  if (b->kind == BUF_GATHER && b->unit >= 0 && (uint64_t)b->unit < rs->nshards &&
-      rs->shards[b->unit].gather_buf == (int64_t)slot)
-    rs->shards[b->unit].gather_buf = -1;
+  if (b->unit >= 0 && (uint64_t)b->unit < rs->nshards) {
+    shard *sh = &rs->shards[b->unit];
+    if (b->kind == BUF_GATHER && sh->gather_buf == (int64_t)slot)
+      sh->gather_buf = -1;
+    if (b->kind == BUF_SECONDARY && sh->secondary_buf == (int64_t)slot)
+      sh->secondary_buf = -1;
+  }
   b->unit = -1;
   b->valid_version = UINT64_MAX;
 }
 
-/* Free buffers may be reused or evicted; a prefetch spares valid cache
- * entries, which a worker is about to gather. */
-static int available(const rank_state *rs, const pool_buf *b, int prefetch) {
+/* Free buffers may be reused or evicted (pool_mode): a prefetch spares
+ * current cache entries, which a worker is about to gather; an hpZ slice
+ * spares the other slices (it would only push one out for another). */
+static int available(const rank_state *rs, const pool_buf *b, pool_mode mode) {
   if (!b->in_use || b->refs > 0)
     return 0;
-  return !(prefetch && b->kind == BUF_GATHER && b->valid_version == rs->version);
+  if (b->kind == BUF_GRAD || b->valid_version != rs->version)
+    return 1;
+  return mode == POOL_DEMAND || (mode == POOL_SECONDARY && b->kind == BUF_GATHER);
+}
+
+/* Eviction order: current hpZ secondary partitions last (they are small
+ * and outlive the gathers they came from: the backward pass needs them
+ * after the forward's buffers are gone), least recently used first within
+ * each. */
+static int evict_before(const rank_state *rs, const pool_buf *a, const pool_buf *b) {
+  int keep_a = a->kind == BUF_SECONDARY && a->valid_version == rs->version;
+  int keep_b = b->kind == BUF_SECONDARY && b->valid_version == rs->version;
+  if (keep_a != keep_b)
+    return keep_b;
+  return a->last_use < b->last_use;
 }
 
 /* Frees a free buffer. If the attached session was sent its descriptor (or
@@ -50,27 +70,32 @@ static void drop(rank_state *rs, uint32_t slot) {
       rs->dropped_ids[rs->ndropped++] = b->id;
   }
   rs->pool_bytes -= b->buf.bytes;
+  if (b->kind == BUF_SECONDARY)
+    rs->secondary_bytes -= b->buf.bytes;
   device_buffer_destroy(rs->dev, &b->buf);
   memset(b, 0, sizeof *b);
   b->unit = -1;
 }
 
+static const char *const kind_what[] = {"gathering", "a gradient buffer for",
+                                        "the secondary partition of"};
+static const char *const kind_name[] = {"gather", "grad", "hpz"};
+
 int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *unit_name,
-                     int prefetch, char *err, size_t err_bytes) {
+                     pool_mode mode, char *err, size_t err_bytes) {
   const uint64_t cap = rs->job->config.max_live_bytes;
   uint64_t need = page_round(bytes);
   if (rs->live_bytes + need > cap) {
     snprintf(err, err_bytes,
              "%s unit '%s' needs %" PRIu64 " bytes but %" PRIu64 " of the job's max_live_bytes "
              "%" PRIu64 " are held; release units first",
-             kind == BUF_GATHER ? "gathering" : "a gradient buffer for", unit_name, need,
-             rs->live_bytes, cap);
+             kind_what[kind], unit_name, need, rs->live_bytes, cap);
     return -1;
   }
   int64_t best = -1;
   for (uint32_t i = 0; i < rs->nbufs; i++) {
     pool_buf *b = &rs->bufs[i];
-    if (!available(rs, b, prefetch) || b->kind != kind || b->buf.bytes < need ||
+    if (!available(rs, b, mode) || b->kind != kind || b->buf.bytes < need ||
         b->buf.bytes > 2 * need)
       continue;
     if (best < 0 || b->last_use < rs->bufs[best].last_use)
@@ -83,8 +108,8 @@ int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *
   while (rs->pool_bytes + need > cap) {
     int64_t victim = -1;
     for (uint32_t i = 0; i < rs->nbufs; i++)
-      if (available(rs, &rs->bufs[i], prefetch) &&
-          (victim < 0 || rs->bufs[i].last_use < rs->bufs[victim].last_use))
+      if (available(rs, &rs->bufs[i], mode) &&
+          (victim < 0 || evict_before(rs, &rs->bufs[i], &rs->bufs[victim])))
         victim = i;
     if (victim < 0) {
       snprintf(err, err_bytes,
@@ -113,8 +138,7 @@ int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *
   pool_buf *b = &rs->bufs[slot];
   /* A memfd's name shows in /proc/<pid>/fd, which makes leaks easy to see. */
   char name[96];
-  snprintf(name, sizeof name, "zerod-%.64s-r%d-%s", rs->job->name, rs->rank,
-           kind == BUF_GATHER ? "gather" : "grad");
+  snprintf(name, sizeof name, "zerod-%.64s-r%d-%s", rs->job->name, rs->rank, kind_name[kind]);
   int rc = device_buffer_create(rs->dev, &b->buf, name, need);
   if (rc != 0) {
     snprintf(err, err_bytes, "cannot create a %" PRIu64 "-byte %s buffer for unit '%s': %s", need,
@@ -130,6 +154,8 @@ int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *
   b->refs = 0;
   b->sent_session = 0;
   rs->pool_bytes += b->buf.bytes;
+  if (kind == BUF_SECONDARY)
+    rs->secondary_bytes += b->buf.bytes;
   return slot;
 }
 
@@ -166,5 +192,5 @@ void pool_free_all(rank_state *rs) {
   rs->bufs = NULL;
   rs->dropped_ids = NULL;
   rs->nbufs = 0;
-  rs->pool_bytes = rs->live_bytes = 0;
+  rs->pool_bytes = rs->live_bytes = rs->secondary_bytes = 0;
 }

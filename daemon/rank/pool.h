@@ -15,15 +15,23 @@
 
 #include "job.h"
 
+/* What an acquisition may reuse or evict, besides free buffers that hold
+ * nothing current (stale gathers and slices, gradient buffers). */
+typedef enum pool_mode {
+  POOL_DEMAND,    /* a worker waits for it: any free buffer */
+  POOL_PREFETCH,  /* ahead of need: no current gather or secondary slice */
+  POOL_SECONDARY, /* an hpZ slice: current gathers, not other current slices */
+} pool_mode;
+
 /* Finds or makes a free buffer of at least `bytes` for `kind`: the least
  * recently used free buffer that fits without wasting more than half of it,
- * else a new one after evicting free buffers (least recently used first)
- * until the pool fits under the cap. With `prefetch` a valid cached gather
- * is never reused or evicted. Returns the slot, or -1 with a message naming
- * unit_name in err (-ENOSPC semantics: the caller answers
- * RESOURCE_EXHAUSTED, or stays quiet for a prefetch). */
+ * else a new one after evicting free buffers (least recently used first,
+ * current hpZ secondary slices last) until the pool fits under the cap.
+ * Returns the slot, or -1 with a message naming unit_name in err (-ENOSPC
+ * semantics: the caller answers RESOURCE_EXHAUSTED, or stays quiet for a
+ * prefetch or a slice). */
 int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *unit_name,
-                     int prefetch, char *err, size_t err_bytes);
+                     pool_mode mode, char *err, size_t err_bytes);
 
 /* A holder takes or gives back a buffer; live_bytes counts held buffers. */
 void pool_ref(rank_state *rs, pool_buf *b);

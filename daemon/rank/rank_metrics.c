@@ -76,7 +76,13 @@ static void open_rank(metrics *m, rank_state *rs, rank_series *s, const char *me
                           mem_labels, mv);
   s->pool_bytes =
       series(m, METRIC_GAUGE, "zerod_buffer_bytes",
-             "Bytes of the rank's gathered and gradient buffers, live or cached.", mem_labels, mv);
+             "Bytes of the rank's gathered and gradient buffers and hpZ secondary partitions, "
+             "live or cached.",
+             mem_labels, mv);
+  s->secondary_bytes = series(m, METRIC_GAUGE, "zerod_hpz_secondary_bytes",
+                              "Bytes of the rank's ZeRO++ hpZ secondary partitions (part of "
+                              "zerod_buffer_bytes).",
+                              mem_labels, mv);
   s->live_bytes = series(m, METRIC_GAUGE, "zerod_live_gathered_bytes",
                          "Bytes of the rank's buffers a worker holds now (the job's "
                          "max_live_bytes bounds them).",
@@ -108,6 +114,7 @@ static void close_rank(rank_series *s) {
                           s->register_seconds,
                           s->shard_bytes,
                           s->pool_bytes,
+                          s->secondary_bytes,
                           s->live_bytes,
                           s->queue_depth,
                           s->attached,
@@ -220,12 +227,15 @@ void rank_metrics_op(rank_state *rs, rank_timer timer, int status, double made_a
 }
 
 void rank_metrics_state(rank_state *rs) {
+  atomic_store_explicit(&rs->stat_pool_bytes, rs->pool_bytes, memory_order_relaxed);
+  atomic_store_explicit(&rs->stat_secondary_bytes, rs->secondary_bytes, memory_order_relaxed);
   rank_series *s = rs->metrics;
   if (s == NULL)
     return;
   metric_set(s->step, (double)atomic_load(&rs->step));
   metric_set(s->shard_bytes, (double)rs->state_bytes);
   metric_set(s->pool_bytes, (double)rs->pool_bytes);
+  metric_set(s->secondary_bytes, (double)rs->secondary_bytes);
   metric_set(s->live_bytes, (double)rs->live_bytes);
 }
 

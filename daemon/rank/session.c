@@ -163,6 +163,21 @@ void exec__handle_comm_init(rank_state *rs, exec_op *op) {
     return;
   }
   exec__set_comm(rs, built);
+  /* hpZ's secondary partitions are gathered by the node half of a
+   * hierarchical communicator (host ranks); CreateJob refuses a size other
+   * than the ranks per node. */
+  rs->hpz_ranks = 0;
+  uint32_t hpz = rs->job->config.hpz_partition_size;
+  if (hpz > 1 && job_spans_nodes(rs->job)) {
+    int L = comm_node_ranks(built);
+    if (L > 1 && (uint32_t)L == hpz)
+      rs->hpz_ranks = L;
+    else if (rs->rank == rs->job->first_rank)
+      LOG_WARNF("hpZ is off for this job", "job=%s hpz_partition_size=%u ranks_per_node=%d why=%s",
+                rs->job->name, hpz, rs->job->nranks,
+                L == 0 ? "its communicator has no node half (GPU ranks: NCCL)"
+                       : "the size is not the job's ranks per node");
+  }
   /* After a reset the ranks' pools may differ (their last ops failed at
    * different points); trimming them makes their next decisions agree
    * again. The step counts must agree too. */

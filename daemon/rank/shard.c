@@ -38,6 +38,7 @@ void exec__shard_free(rank_state *rs, shard *sh) {
   memset(sh, 0, sizeof *sh);
   sh->gather_buf = -1;
   sh->grad_buf = -1;
+  sh->secondary_buf = -1;
 }
 
 static int ranges_push(shard_range **ranges, unsigned *n, uint64_t begin, uint64_t end) {
@@ -69,6 +70,7 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
       memset(&grown[i], 0, sizeof grown[i]);
       grown[i].gather_buf = -1;
       grown[i].grad_buf = -1;
+      grown[i].secondary_buf = -1;
     }
     rs->shards = grown;
     rs->nshards = cap;
@@ -116,6 +118,7 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
   sh->present = 1;
   sh->gather_buf = -1;
   sh->grad_buf = -1;
+  sh->secondary_buf = -1;
   sh->bytes = exec__shard_bytes(rs, l);
   rs->state_bytes += sh->bytes;
   return 0;

@@ -99,8 +99,21 @@ def start_daemon(tmp_path):
         return d
 
     yield start
-    for d in daemons:
-        d.stop()
+    stop_all(daemons)
+
+
+def stop_all(processes):
+    """Stops every process in order, even when one fails its checks (a
+    crashed daemon must not leave the others running), and then raises the
+    first failure."""
+    failures = []
+    for p in processes:
+        try:
+            p.stop()
+        except Exception as e:  # noqa: BLE001 - reported after the others stop
+            failures.append(e)
+    if failures:
+        raise failures[0]
 
 
 def run_worker(args, timeout=300, check=True):
@@ -217,7 +230,4 @@ def cluster(tmp_path):
 
     c = Cluster()
     yield c
-    for d in c.nodes:
-        d.stop()
-    if c.coordinator is not None:
-        c.coordinator.stop()
+    stop_all(c.nodes + ([c.coordinator] if c.coordinator is not None else []))

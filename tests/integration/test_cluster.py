@@ -278,6 +278,145 @@ def test_quantized_weights_stay_within_half_a_step(cluster, control):
         c.close()
 
 
+class Ranks:
+    """Raw sessions, one per rank of a job, driven in lockstep: a request
+    goes to every rank before any reply is read (collectives)."""
+
+    def __init__(self, nodes, job, ranks_per_node):
+        self.conns = []
+        for node in nodes:
+            for r in range(ranks_per_node):
+                c = z.Conn(node.socket)
+                c.expect_ok(z.ATTACH, z.attach_request(job, r, token=TOKEN))
+                self.conns.append(c)
+
+    def all(self, msg_type, payloads, fds=None):
+        """Sends payloads[i] to rank i, then returns the replies' (fields,
+        fds) in rank order."""
+        ids = [c.send(msg_type, p, fds=(fds[i] if fds and fds[i] is not None else ()))
+               for i, (c, p) in enumerate(zip(self.conns, payloads))]
+        out = []
+        for c, rid in zip(self.conns, ids):
+            t, got_rid, fields, got = c.recv()
+            assert got_rid == rid and t == msg_type + 1, (t, z.message_of(fields))
+            out.append((fields, got))
+        return out
+
+    def gather(self, unit, numel):
+        """Gathers unit on every rank, reads its first numel floats on each,
+        and releases it."""
+        values = []
+        for fields, fds in self.all(z.GATHER, [z.unit_request(unit)] * len(self.conns)):
+            if fds:  # the first gather into a buffer passes its descriptor
+                self.fds[fields[2][0]] = fds[0]
+            m = mmap.mmap(self.fds[fields[2][0]], fields[3][0], prot=mmap.PROT_READ)
+            values.append(m[:4 * numel])
+            m.close()
+        self.all(z.RELEASE, [z.unit_request(unit)] * len(self.conns))
+        return values
+
+    def stats(self, node_index, ranks_per_node):
+        fields, _ = self.conns[node_index * ranks_per_node].expect_ok(z.STATS)
+        return z.rank_stats(fields)
+
+    fds = None
+
+    def close(self):
+        for c in self.conns:
+            c.close()
+
+
+def cross_gathered(stats):
+    return sum(r["counters"].get(("cross", "all_gather"), (0, 0))[0] for r in stats)
+
+
+def node_gathered(stats):
+    return sum(r["counters"].get(("node", "all_gather"), (0, 0))[0] for r in stats)
+
+
+def test_hpz_keeps_backward_gathers_inside_the_node(cluster, control):
+    """ZeRO++ hpZ on 2 nodes x 2 ranks: after a unit's gather across nodes
+    (the forward) and the eviction of its buffer, its next gather at the
+    same version (the backward) is made from the node's secondary
+    partition: no bytes cross between nodes, the values are the forward's
+    bit for bit, and the slices are counted in the pool under
+    max_live_bytes. Without hpZ the same gather crosses nodes again."""
+    cluster.start_coordinator()
+    nodes = [cluster.start_node("node-%s" % n, ranks=2) for n in "ab"]
+    ctl = control()
+    ctl.wait("2 members", lambda: ctl.members()[0] == ["node-a", "node-b"])
+    numel = 4096  # a 16 KiB gathered buffer, an 8 KiB slice per rank
+    # Room for one gathered buffer and both units' slices, not two buffers.
+    cap = 36 * 1024
+    for name, hpz in (("hpz", 2), ("nohpz", 1)):
+        ctl.create_job(name, 2, 2, hpz_partition_size=hpz, max_live_bytes=cap)
+        ctl.wait_state(name, "JOB_STATE_READY")
+        ranks = Ranks(nodes, name, 2)
+        ranks.fds = {}
+        units = []
+        for u in ("a", "b"):
+            request = z.register_request(u, (("w", (numel,)),), init=z.INIT_SEEDED_NORMAL,
+                                         seed=7, std=0.5)
+            replies = ranks.all(z.REGISTER_UNIT, [request] * 4)
+            units.append(replies[0][0].get(1, [0])[0])
+        # Forward: a, then b (whose buffer evicts a's).
+        forward_a = ranks.gather(units[0], numel)
+        ranks.gather(units[1], numel)
+        before = [ranks.stats(n, 2) for n in (0, 1)]
+        # Backward: b (cached), then a.
+        ranks.gather(units[1], numel)
+        backward_a = ranks.gather(units[0], numel)
+        after = [ranks.stats(n, 2) for n in (0, 1)]
+        assert backward_a == forward_a and len(set(forward_a)) == 1
+        crossed = sum(cross_gathered(a) - cross_gathered(b) for a, b in zip(after, before))
+        inside = sum(node_gathered(a) - node_gathered(b) for a, b in zip(after, before))
+        for r in after[0] + after[1]:
+            assert r["pool_bytes"] <= cap, r
+        if hpz > 1:
+            assert crossed == 0 and inside == 4 * 4 * numel, (before, after)
+            for r in after[0] + after[1]:
+                assert r["secondary_bytes"] == 2 * 4 * numel // 2, r
+        else:
+            assert crossed > 0, (before, after)
+            assert all(r["secondary_bytes"] == 0 for r in after[0] + after[1]), after
+        ranks.close()
+        for fd in ranks.fds.values():
+            os.close(fd)
+    # The secondary group is the ranks of one node.
+    with pytest.raises(grpc.RpcError) as e:
+        ctl.create_job("odd", 2, 2, hpz_partition_size=4)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ranks_per_node" in e.value.details(), e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        ctl.create_job("flat", 2, 2, hpz_partition_size=2, collectives=ctl.ipc.COLLECTIVES_FLAT)
+    assert "hierarchical" in e.value.details(), e.value.details()
+
+
+def test_hpz_trains_like_without(cluster, control, tmp_path):
+    """Training an 8-layer MLP on 2 nodes x 2 ranks with hpZ, under a
+    max_live_bytes that evicts gathered layers before the backward pass
+    needs them: the same parameters bit for bit as without hpZ, and fewer
+    gathers cross between nodes (the backward's come from the slices)."""
+    cluster.start_coordinator()
+    nodes = [cluster.start_node("node-%s" % n, ranks=2) for n in "ab"]
+    ctl = control()
+    ctl.wait("2 members", lambda: ctl.members()[0] == ["node-a", "node-b"])
+    cap = 500 * 1024  # about 7 of the 8 layers' gathered buffers
+    crossing = {}
+    for name, hpz in (("hpz", 2), ("nohpz", 1)):
+        ctl.create_job(name, 2, 2, hpz_partition_size=hpz, max_live_bytes=cap)
+        ctl.wait_state(name, "JOB_STATE_READY")
+        procs = []
+        for i, node in enumerate(nodes):
+            procs += start_workers(node, name, 2, tmp_path / (name + ".bin") if i == 0 else None,
+                                   extra=["--stats", "--layers", "8"])
+        results = finish(procs, nodes)
+        stats = stats_of(results[0][1])
+        crossing[name] = stats[(0, "cross", "all_gather")][1]
+    assert (tmp_path / "hpz.bin").read_bytes() == (tmp_path / "nohpz.bin").read_bytes()
+    assert crossing["hpz"] < crossing["nohpz"], crossing
+
+
 def test_unassigned_job_and_wrong_rank_are_refused(cluster, control):
     cluster.start_coordinator()
     a = cluster.start_node("node-a", ranks=1)

@@ -26,6 +26,7 @@ DETACH, DETACH_REPLY = 30, 31
 UNITS, UNITS_REPLY = 32, 33
 PIN, PIN_REPLY = 34, 35
 LOAD_UNIT, LOAD_UNIT_REPLY = 36, 37
+STATS, STATS_REPLY = 38, 39
 
 READ_WRITE, READ_ONLY = 0, 1
 NO_REPLY = 0x01
@@ -254,6 +255,23 @@ class Conn:
             raise AssertionError("expected a reply to type %d, got %s: %s" % (
                 msg_type, status_of(fields), message_of(fields)))
         return fields, got
+
+
+def rank_stats(fields):
+    """A STATS reply's ranks: [{"rank", "step", "counters": {(level,
+    collective): (bytes, calls)}, "pool_bytes", "secondary_bytes"}]."""
+    ranks = []
+    for raw in fields.get(1, []):
+        r = decode(raw)
+        counters = {}
+        for c in r.get(3, []):
+            c = decode(c)
+            counters[(c[1][0].decode(), c[2][0].decode())] = (c.get(3, [0])[0],
+                                                              c.get(4, [0])[0])
+        ranks.append({"rank": r.get(1, [0])[0], "step": r.get(2, [0])[0],
+                      "counters": counters, "pool_bytes": r.get(4, [0])[0],
+                      "secondary_bytes": r.get(5, [0])[0]})
+    return ranks
 
 
 def status_of(fields):

@@ -102,6 +102,34 @@ def test_attach_to_a_job_with_another_config_warns(start_daemon):
         assert job.attach_warning is None
 
 
+def test_zeropp_settings_reach_the_job(start_daemon):
+    """The ZeRO++ switches travel to the daemon and back (the job's config),
+    the daemon's own checks answer through the client, and STATS reports
+    the pool (no secondary partitions on one node)."""
+    daemon = start_daemon(ranks=1)
+    config = zerod.JobConfig(quantized_weights=True, quantization_block=64,
+                             quantized_gradients=4, hpz_partition_size=2)
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("zpp", config=config)
+        unit = job.register("u", [("w", (64,))], values=np.ones(64, dtype=np.float32))
+        unit.gather()
+        unit.release()
+        stats = job.stats()
+        assert stats[0]["pool_bytes"] > 0 and stats[0]["secondary_bytes"] == 0, stats
+        job.detach()
+    with zerod.Client(daemon.socket) as client:
+        with pytest.warns(UserWarning, match=r"hpz_partition_size 1 \(the job's 2\)"):
+            job = client.attach("zpp", config=zerod.JobConfig(
+                quantized_weights=True, quantization_block=64, quantized_gradients=4))
+        job.detach()
+    with zerod.Client(daemon.socket) as client:
+        with pytest.raises(zerod.InvalidArgumentError, match="needs hierarchical collectives"):
+            client.attach("flat", config=zerod.JobConfig(collectives="flat",
+                                                         hpz_partition_size=2))
+    with pytest.raises(zerod.InvalidArgumentError, match="hpz_partition_size"):
+        zerod.JobConfig(hpz_partition_size=-1)._to_c()
+
+
 def test_pip_install(tmp_path):
     """`pip install client/python` into a fresh virtual environment (with
     the system's site packages for numpy), then import it from elsewhere."""

@@ -36,6 +36,8 @@ typedef struct row {
   int dtype;
   double max_grad_norm;
   uint64_t max_live_bytes;
+  int collectives;
+  uint32_t hpz;
 } row;
 
 #define SGD   ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD
@@ -43,6 +45,7 @@ typedef struct row {
 #define ADAMW ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW
 #define F16   ZEROD__V1__DTYPE__DTYPE_F16
 #define BF16  ZEROD__V1__DTYPE__DTYPE_BF16
+#define FLAT  ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT
 
 static const row rows[] = {
     /* Accepted. */
@@ -90,6 +93,10 @@ static const row rows[] = {
     {"unknown optimizer and bad max_grad_norm", .kind = 9, .max_grad_norm = -1},
     {"bad lr and bad betas", .lr = -1, .beta1 = 2},
     {"bad eps and bad momentum", .kind = SGD, .eps = -1, .momentum = -1},
+    {"hpz, hierarchical", .hpz = 1},
+    {"hpz on flat collectives", .hpz = 2, .collectives = FLAT},
+    {"hpz off on flat collectives", .hpz = 1, .collectives = FLAT},
+    {"hpz over the limit", .hpz = 5000},
 };
 
 typedef struct built {
@@ -105,6 +112,8 @@ static const Zerod__V1__JobConfig *build(const row *r, built *b) {
   b->config.working_dtype = (Zerod__V1__Dtype)r->dtype;
   b->config.max_grad_norm = r->max_grad_norm;
   b->config.max_live_bytes = r->max_live_bytes;
+  b->config.collectives = (Zerod__V1__Collectives)r->collectives;
+  b->config.hpz_partition_size = r->hpz;
   if (!r->no_optimizer) {
     Zerod__V1__OptimizerConfig *o = &b->optimizer;
     o->kind = (Zerod__V1__OptimizerKind)r->kind;
@@ -147,7 +156,7 @@ static void test_check_job_config_is_the_nodes_rule(void **state) {
   }
   /* The table's refusals are refusals (a node that accepts everything
    * would agree with a coordinator that does too). */
-  assert_int_equal(refused, 28);
+  assert_int_equal(refused, 30);
 }
 
 /* The same through CreateJob's decoder: the bytes a client sends. */

@@ -266,7 +266,8 @@ static void test_config_to_proto_round_trips(void **state) {
        .quantized_weights = 1,
        .quantization_block = 128,
        .quantized_gradients = 4,
-       .gradient_comm_dtype = ZK_F32},
+       .gradient_comm_dtype = ZK_F32,
+       .hpz_partition_size = 1},
       {.optimizer = JOB_ADAM,
        .lr = 1e-3,
        .beta1 = 0.9,
@@ -275,7 +276,8 @@ static void test_config_to_proto_round_trips(void **state) {
        .working_dtype = ZK_F32,
        .collectives = JOB_HIERARCHICAL,
        .quantization_block = 256,
-       .gradient_comm_dtype = ZK_BF16},
+       .gradient_comm_dtype = ZK_BF16,
+       .hpz_partition_size = 2},
       {.optimizer = JOB_SGD,
        .lr = 0.1,
        .beta1 = 0.9,
@@ -288,7 +290,8 @@ static void test_config_to_proto_round_trips(void **state) {
        .quantized_weights = 1,
        .quantization_block = 128,
        .quantized_gradients = 4,
-       .gradient_comm_dtype = ZK_F32},
+       .gradient_comm_dtype = ZK_F32,
+       .hpz_partition_size = 1},
       {.optimizer = JOB_SGD,
        .lr = 0.1,
        .beta1 = 0.9,
@@ -300,7 +303,8 @@ static void test_config_to_proto_round_trips(void **state) {
        .working_dtype = ZK_F32,
        .collectives = JOB_HIERARCHICAL,
        .quantization_block = 256,
-       .gradient_comm_dtype = ZK_BF16},
+       .gradient_comm_dtype = ZK_BF16,
+       .hpz_partition_size = 1},
   };
   for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++) {
     Zerod__V1__JobConfig proto;
@@ -341,6 +345,23 @@ static void test_config_diff_names_each_differing_field(void **state) {
   assert_string_equal(fields, "lr,nesterov,working_dtype");
   assert_string_equal(text, "lr 0.5 (the job's 0.001), nesterov true (the job's false), "
                             "working_dtype bf16 (the job's f32)");
+}
+
+/* hpZ: 0 reads as 1 (off, DeepSpeed's default); flat collectives have no
+ * node half to gather from. */
+static void test_config_hpz_partition_size(void **state) {
+  (void)state;
+  job_config c = finished(JOB_ADAMW);
+  assert_int_equal(c.hpz_partition_size, 1);
+  c.hpz_partition_size = 8;
+  expect_accepted(c);
+  c.collectives = JOB_FLAT;
+  expect_refused(c, "hpz_partition_size 8 needs hierarchical collectives (its gathers stay "
+                    "inside the node); this job's are flat");
+  c.collectives = JOB_HIERARCHICAL;
+  c.hpz_partition_size = JOB_MAX_HPZ_PARTITION_SIZE + 1;
+  expect_refused(c, "invalid hpz_partition_size 4097 (1: off, or the job's ranks per node, at "
+                    "most 4096)");
 }
 
 static void test_config_rejects_negative_lr(void **state) {
@@ -860,6 +881,7 @@ int main(void) {
       cmocka_unit_test(test_config_from_proto_then_finish),
       cmocka_unit_test(test_config_to_proto_round_trips),
       cmocka_unit_test(test_config_diff_names_each_differing_field),
+      cmocka_unit_test(test_config_hpz_partition_size),
       cmocka_unit_test(test_config_rejects_negative_lr),
       cmocka_unit_test(test_config_rejects_infinite_lr),
       cmocka_unit_test(test_config_rejects_nan_lr),

@@ -54,6 +54,7 @@ class JobConfig(ctypes.Structure):
         ("quantization_block", c_uint),
         ("quantized_gradients", c_uint),
         ("gradient_comm_dtype", c_int),
+        ("hpz_partition_size", c_uint),
     ]
 
 
@@ -171,6 +172,8 @@ class RankStats(ctypes.Structure):
         ("step", c_uint64),
         ("ncounters", c_uint),
         ("counters", CollectiveCounter * MAX_COLLECTIVE_COUNTERS),
+        ("pool_bytes", c_uint64),
+        ("secondary_bytes", c_uint64),
     ]
 
 

@@ -65,6 +65,9 @@ class JobConfig:
     ``quantization_block`` elements (0: 256); ``quantized_gradients`` (qgZ:
     0, 8 or 4 bits) sends its partial gradient sums between nodes
     quantized, and ``gradient_comm_dtype="bfloat16"`` in bf16.
+    ``hpz_partition_size`` (hpZ: 0 or 1 off, else the job's ranks per node)
+    keeps a per-node secondary partition of each gathered unit so that its
+    later gathers at the same version (the backward pass) stay in the node.
     """
 
     optimizer: str = "adamw"
@@ -83,6 +86,7 @@ class JobConfig:
     quantization_block: int = 0
     quantized_gradients: int = 0
     gradient_comm_dtype: str = "float32"
+    hpz_partition_size: int = 0
 
     def _to_c(self) -> _lib.JobConfig:
         if self.optimizer not in _OPTIMIZERS:
@@ -117,6 +121,10 @@ class JobConfig:
             raise InvalidArgumentError("gradient_comm_dtype must be 'float32' or 'bfloat16', "
                                        "not %r" % self.gradient_comm_dtype)
         c.gradient_comm_dtype = _DTYPE_CODES[self.gradient_comm_dtype]
+        if int(self.hpz_partition_size) < 0:
+            raise InvalidArgumentError("hpz_partition_size must be 0 or more, not %r" %
+                                       self.hpz_partition_size)
+        c.hpz_partition_size = int(self.hpz_partition_size)
         return c
 
 
@@ -341,8 +349,10 @@ class Job:
         """What the collectives of the job's ranks on this daemon moved
         since the job was created there, one dict per rank in rank order:
         ``{"rank": 0, "step": 12, "counters": {("node", "all_gather"):
-        {"bytes": ..., "calls": ...}, ...}}`` (levels "node" and "world";
-        only non-zero counters)."""
+        {"bytes": ..., "calls": ...}, ...}, "pool_bytes": ...,
+        "secondary_bytes": ...}`` (levels "node", "cross" and "world"; only
+        non-zero counters; the rank's buffer pool and the hpZ secondary
+        partitions in it, after its last request)."""
         entries = (_lib.RankStats * 64)()
         count = ctypes.c_uint()
         _check(self._lib.zd_job_stats(self._handle, entries, 64, ctypes.byref(count)), "stats")
@@ -353,7 +363,8 @@ class Job:
                 counters[(c.level.decode(), c.collective.decode())] = {
                     "bytes": int(c.bytes), "calls": int(c.calls)}
             result.append({"rank": int(entry.rank), "step": int(entry.step),
-                           "counters": counters})
+                           "counters": counters, "pool_bytes": int(entry.pool_bytes),
+                           "secondary_bytes": int(entry.secondary_bytes)})
         return result
 
     def pin(self) -> int:
