@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The PyTorch transformer example through zerod against torch DDP (Gloo).
+"""The PyTorch transformer example through zerod against torch DDP and FSDP2 (Gloo).
 
 In one run, trains the same model (examples/python/lm.py), with the same
 global batches, ranks and threads, for the same number of steps:
@@ -7,6 +7,10 @@ global batches, ranks and threads, for the same number of steps:
   zerod  a standalone daemon with R ranks and R worker processes, the code
          of examples/python/train_lm.py (the benchmark starts it the same way);
   ddp    torch.nn.parallel.DistributedDataParallel on Gloo, R processes;
+  fsdp2  torch FSDP2 (fully_shard, one per block and one for the rest) on
+         Gloo, with torch 2.6 or later (run the benchmark with that torch's
+         Python: `make bench` does, from the virtual environment that
+         `scripts/deps.sh torch2` makes);
   fsdp   torch FSDP on Gloo, if this torch can run it on CPU (torch 1.13
          cannot: the benchmark says why in a "skipped" line).
 
@@ -48,6 +52,7 @@ sys.path.insert(0, str(REPO_ROOT / "examples" / "python"))
 from launch import Cluster, LaunchError  # noqa: E402
 
 KIB_PER_MIB = 1024.0
+TORCH = "torch ?"  # the version the workers run, set by main
 
 # A one-process FSDP step on CPU with Gloo; its last line of output says
 # what failed, if anything.
@@ -58,6 +63,22 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 model = FullyShardedDataParallel(torch.nn.Linear(8, 8))
+model(torch.ones(2, 8)).sum().backward()
+print("ok")
+"""
+
+# The same with FSDP2's fully_shard (torch 2.6 and later).
+FSDP2_PROBE = r"""
+import os, sys, tempfile
+import torch, torch.distributed as dist
+try:
+    from torch.distributed.fsdp import fully_shard
+except Exception as e:
+    sys.exit("no torch.distributed.fsdp.fully_shard (FSDP2 needs torch 2.6 or later; "
+             "scripts/deps.sh torch2 makes .venv-torch2 with one): %s" % type(e).__name__)
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+model = fully_shard(torch.nn.Linear(8, 8))
 model(torch.ones(2, 8)).sum().backward()
 print("ok")
 """
@@ -85,10 +106,10 @@ def probe(code: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
                           timeout=timeout_s, env=env)
 
 
-def fsdp_unavailable_reason() -> Optional[str]:
-    """None if FSDP runs one CPU step with Gloo here; else what went wrong."""
+def fsdp_unavailable_reason(code: str = FSDP_PROBE) -> Optional[str]:
+    """None if FSDP (or FSDP2) runs one CPU step with Gloo here; else what went wrong."""
     try:
-        result = probe(FSDP_PROBE)
+        result = probe(code)
     except subprocess.TimeoutExpired:
         return "a one-process FSDP step on CPU did not finish in 120 s"
     if result.returncode == 0 and result.stdout.strip().endswith("ok"):
@@ -235,7 +256,9 @@ def run_backend(backend: str, args: argparse.Namespace, workdir: Path) -> Dict:
 # --------------------------------------------------------------------------
 
 
-BENCH_NAMES = {"zerod": "zerod", "ddp": "torch_ddp_gloo", "fsdp": "torch_fsdp_gloo"}
+BENCH_NAMES = {"zerod": "zerod", "ddp": "torch_ddp_gloo", "fsdp2": "torch_fsdp2_gloo",
+               "fsdp": "torch_fsdp_gloo"}
+PROBES = {"fsdp": FSDP_PROBE, "fsdp2": FSDP2_PROBE}
 
 
 def mib(kib: float) -> float:
@@ -252,7 +275,7 @@ def summary(backend: str, rounds: List[Dict], args: argparse.Namespace, blas: st
         "bench": "torch_lm", "backend": BENCH_NAMES[backend], "params": rounds[0]["params"],
         "ranks": args.ranks, "threads": args.threads, "global_batch": args.batch,
         "context": args.context, "steps": args.steps, "warmup_steps": args.warmup_steps,
-        "blas": blas, "metric": "steps/s", "value": round(rate, 3),
+        "blas": blas, "torch": TORCH, "metric": "steps/s", "value": round(rate, 3),
         "tokens_per_s": round(rate * args.batch * args.context),
         "peak_pss_mib": mib(statistics.median(pss)),
         "peak_rss_mib": {n: mib(statistics.median(r["peak_rss_kib"][n] for r in rounds)) for n in names},
@@ -263,13 +286,14 @@ def summary(backend: str, rounds: List[Dict], args: argparse.Namespace, blas: st
     }
 
 
-def ratio_line(zerod: Dict, ddp: Dict) -> Dict:
+def ratio_line(zerod: Dict, other: Dict, backend: str) -> Dict:
     return {
-        "bench": "torch_lm_zerod_vs_ddp", "metric": "steps/s", "value": zerod["value"],
-        "baseline": "torch_ddp_gloo", "baseline_value": ddp["value"],
-        "ratio": round(zerod["value"] / ddp["value"], 3),
-        "peak_pss_mib": zerod["peak_pss_mib"], "baseline_peak_pss_mib": ddp["peak_pss_mib"],
-        "peak_pss_ratio": round(zerod["peak_pss_mib"] / ddp["peak_pss_mib"], 3),
+        "bench": f"torch_lm_zerod_vs_{backend}", "metric": "steps/s", "value": zerod["value"],
+        "baseline": other["backend"], "baseline_value": other["value"],
+        "ratio": round(zerod["value"] / other["value"], 3),
+        "peak_pss_mib": zerod["peak_pss_mib"], "baseline_peak_pss_mib": other["peak_pss_mib"],
+        "peak_pss_ratio": round(zerod["peak_pss_mib"] / other["peak_pss_mib"], 3),
+        "torch": zerod["torch"],
     }
 
 
@@ -288,7 +312,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps per backend")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first")
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds; figures are medians")
-    p.add_argument("--backends", default="zerod,ddp,fsdp", help="comma-separated: zerod, ddp, fsdp")
+    p.add_argument("--backends", default="zerod,ddp,fsdp2,fsdp",
+                   help="comma-separated: zerod, ddp, fsdp2, fsdp")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker, kernel "
                    "threads per daemon rank")
@@ -308,20 +333,23 @@ def parse_args() -> argparse.Namespace:
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = set(args.backends) - set(BENCH_NAMES)
     if unknown:
-        p.error(f"unknown backends {sorted(unknown)}: choose from zerod, ddp, fsdp")
+        p.error(f"unknown backends {sorted(unknown)}: choose from zerod, ddp, fsdp2, fsdp")
     return args
 
 
 def main() -> int:
+    global TORCH
     args = parse_args()
+    TORCH = torch_version()
     blas = torch_blas()
     backends = list(args.backends)
     failed = False
-    if "fsdp" in backends:
-        reason = fsdp_unavailable_reason()
-        if reason is not None:
-            backends.remove("fsdp")
-            emit({"bench": "torch_lm", "backend": BENCH_NAMES["fsdp"], "skipped": reason})
+    for fsdp in ("fsdp2", "fsdp"):
+        if fsdp in backends:
+            reason = fsdp_unavailable_reason(PROBES[fsdp])
+            if reason is not None:
+                backends.remove(fsdp)
+                emit({"bench": "torch_lm", "backend": BENCH_NAMES[fsdp], "skipped": reason})
     rounds: Dict[str, List[Dict]] = {b: [] for b in backends}
     with tempfile.TemporaryDirectory(prefix="zerod-bench-lm-") as workdir:
         for round_index in range(args.rounds):
@@ -341,8 +369,9 @@ def main() -> int:
     lines = {b: summary(b, rounds[b], args, blas) for b in backends}
     for line in lines.values():
         emit(line)
-    if "zerod" in lines and "ddp" in lines:
-        emit(ratio_line(lines["zerod"], lines["ddp"]))
+    for other in ("ddp", "fsdp2", "fsdp"):
+        if "zerod" in lines and other in lines:
+            emit(ratio_line(lines["zerod"], lines[other], other))
     return 1 if failed else 0
 
 

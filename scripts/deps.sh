@@ -19,7 +19,12 @@
 #   scripts/deps.sh demo    build + Debian's PyTorch and numpy (the example
 #                           trains a torch model through zerod)
 #   scripts/deps.sh bench   demo's (the DDP comparison) + test's gRPC Python tools
-#                           (the cluster benchmark drives the coordinator)
+#                           (the cluster benchmark drives the coordinator), and
+#                           torch2's virtual environment
+#   scripts/deps.sh torch2  a virtual environment .venv-torch2 with a current
+#                           torch from PyPI (and numpy), for the FSDP2 comparison
+#                           (Debian's torch 1.13 has no fully_shard); PyPI's wheel
+#                           brings about 3 GB of CUDA libraries, unused here
 #   scripts/deps.sh fuzz    build + clang and its libFuzzer runtime
 #   scripts/deps.sh image   build + mmdebstrap (the image's Debian root file
 #                           system), buildah (commits it as an OCI image,
@@ -52,10 +57,11 @@ test) packages+=(libcmocka-dev python3 python3-torch python3-numpy libopenblas0-
   # Any kubectl with kustomize renders deploy/; Debian's would conflict with
   # one installed from another source (the same /usr/bin/kubectl).
   command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client) ;;
+torch2) packages+=(python3 python3-venv python3-pip) ;;
 fuzz) packages+=(libcmocka-dev clang libclang-rt-dev) ;;
 image) packages+=(mmdebstrap buildah umoci) ;;
 *)
-  echo "deps.sh: unknown task '$task' (build, test, demo, bench, fuzz, image)" >&2
+  echo "deps.sh: unknown task '$task' (build, test, demo, bench, torch2, fuzz, image)" >&2
   exit 2
   ;;
 esac
@@ -106,8 +112,29 @@ install_deploy_venv() {
     --only-binary=:all: "${deploy_pip[@]}"
 }
 
+# A current torch for the FSDP2 comparison, in its own environment (no
+# system site packages: Debian's torch 1.13 must not shadow it). Pinned; pip
+# resolves its dependencies (the CUDA libraries among them) from PyPI.
+torch2_venv=$root/.venv-torch2
+torch2_pip=(torch==2.15.0 numpy==2.4.6)
+install_torch2_venv() {
+  [ "$task" = torch2 ] || [ "$task" = bench ] || return 0
+  local want=ok have
+  have=$("$torch2_venv/bin/python" -c "
+import importlib.metadata as m
+print('ok' if (m.version('torch'), m.version('numpy')) == ('${torch2_pip[0]#*==}', '${torch2_pip[1]#*==}') else 'no')
+" 2>/dev/null || true)
+  [ "$want" = "$have" ] && return 0
+  echo "deps: making $torch2_venv (${torch2_pip[*]}; about 3 GB with torch's CUDA libraries)"
+  rm -rf "$torch2_venv"
+  /usr/bin/python3 -m venv "$torch2_venv"
+  "$torch2_venv/bin/python" -m pip install -q --disable-pip-version-check --only-binary=:all: \
+    "${torch2_pip[@]}"
+}
+
 install_pip() {
   install_deploy_venv
+  install_torch2_venv
   [ ${#pip_missing[@]} -gt 0 ] || return 0
   local where=(--break-system-packages)
   [ "$(id -u)" -eq 0 ] || where+=(--user)

@@ -33,7 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 
 def _threads_from_argv(argv: List[str]) -> str:
@@ -58,7 +58,7 @@ import lm  # noqa: E402
 from launch import Cluster, LaunchError, find_zerod_binary  # noqa: E402
 from progress import Progress, format_count  # noqa: E402
 
-BACKENDS = ("zerod", "ddp", "plain", "fsdp")
+BACKENDS = ("zerod", "ddp", "plain", "fsdp", "fsdp2")
 CLIENT_PYTHON = lm.REPO_ROOT / "client" / "python"
 
 
@@ -73,8 +73,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=BACKENDS, default="zerod",
                    help="zerod: through a zerod daemon; ddp: torch DDP on Gloo; plain: one "
                         "process, no zerod; fsdp: torch FSDP on Gloo (needs a torch whose "
-                        "FSDP runs on CPU; torch 1.13's does not)")
-    p.add_argument("--ranks", type=int, default=2, help="worker processes (zerod, ddp, fsdp)")
+                        "FSDP runs on CPU; torch 1.13's does not); fsdp2: torch's "
+                        "fully_shard on Gloo (torch 2.6 or later)")
+    p.add_argument("--ranks", type=int, default=2, help="worker processes (zerod, ddp, fsdp, fsdp2)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--context", type=int, default=128, help="sequence length, in bytes")
@@ -101,6 +102,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    "else build/release/bin/zerod)")
     p.add_argument("--socket", help="attach to this running daemon instead of starting one")
     p.add_argument("--job", default="lm", help="zerod job name")
+    p.add_argument("--token", default=os.environ.get("ZEROD_TOKEN"),
+                   help="the job's owner token (a job made by `zerodctl jobs create`; "
+                   "default $ZEROD_TOKEN)")
     p.add_argument("--result-json", help="(benchmarks) each worker writes its figures to "
                    "this path with .rankR appended")
     # Internal: set by the launcher for its worker processes.
@@ -144,6 +148,8 @@ class Backend:
     clip_in_worker: bool = True
     grad_norm: Callable[[], Optional[float]] = lambda: None
     closers: List[Callable[[], None]] = field(default_factory=list)
+    # zerod: this rank's collective bytes by "level/collective" (Job.stats).
+    collective_bytes: Callable[[], Dict[str, int]] = lambda: {}
 
     def close(self) -> None:
         """Releases the backend's resources, most recent first."""
@@ -197,6 +203,27 @@ def setup_fsdp(model: torch.nn.Module, args: argparse.Namespace) -> Backend:
                    world_size=dist.get_world_size(), closers=[dist.destroy_process_group])
 
 
+def setup_fsdp2(model: torch.nn.Module, args: argparse.Namespace) -> Backend:
+    """FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.6+) on Gloo: each block
+    sharded on its own, then the rest of the model; AdamW on the DTensor shards."""
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as e:
+        raise SystemExit(f"--backend fsdp2 needs torch 2.6 or later (this is {torch.__version__}): {e}")
+    _init_gloo(args)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in model.modules():
+        if isinstance(module, lm.Block):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return Backend(model, model, torch_adamw(model.parameters(), args), rank=dist.get_rank(),
+                   world_size=dist.get_world_size(), closers=[dist.destroy_process_group])
+
+
 def setup_zerod(model: torch.nn.Module, args: argparse.Namespace) -> Backend:
     """Attaches to the daemon, shards the model by block and makes the optimizer.
 
@@ -214,7 +241,8 @@ def setup_zerod(model: torch.nn.Module, args: argparse.Namespace) -> Backend:
     try:
         config = zerod.JobConfig(optimizer="adamw", lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                                  weight_decay=args.weight_decay, max_grad_norm=args.clip)
-        job = client.attach(args.job, rank=args.local_rank, create=True, config=config)
+        job = client.attach(args.job, rank=args.local_rank, token=args.token, create=True,
+                            config=config)
         backend_closers.append(job.detach)
         sharded = zerod.torch.shard(model, job, units=[lm.Block])
         optimizer = zerod.torch.Optimizer(sharded)
@@ -222,12 +250,19 @@ def setup_zerod(model: torch.nn.Module, args: argparse.Namespace) -> Backend:
         for close in reversed(backend_closers):
             close()
         raise
+
+    def collective_bytes() -> Dict[str, int]:
+        mine = [r for r in job.stats() if r["rank"] == job.rank]
+        return {f"{level}/{kind}": c["bytes"]
+                for r in mine for (level, kind), c in r["counters"].items()}
+
     return Backend(sharded, sharded, optimizer, rank=job.rank, world_size=job.world_size,
                    clip_in_worker=False, grad_norm=lambda: optimizer.last_step.grad_norm,
-                   closers=backend_closers)
+                   closers=backend_closers, collective_bytes=collective_bytes)
 
 
-SETUP = {"plain": setup_plain, "ddp": setup_ddp, "fsdp": setup_fsdp, "zerod": setup_zerod}
+SETUP = {"plain": setup_plain, "ddp": setup_ddp, "fsdp": setup_fsdp, "fsdp2": setup_fsdp2,
+         "zerod": setup_zerod}
 
 
 # --------------------------------------------------------------------------
@@ -249,6 +284,7 @@ class RunResult:
     final_loss: float
     val_loss: Optional[float]
     peak_rss_kib: int = 0
+    collective_bytes: Dict[str, int] = field(default_factory=dict)
 
 
 def peak_rss_kib(pid: str = "self") -> int:
@@ -371,7 +407,8 @@ def train(backend: Backend, args: argparse.Namespace, params: int, report: Repor
                f"{args.steps / train_s:.2f} steps/s")
     return RunResult(rank=backend.rank, world_size=backend.world_size, backend=args.backend,
                      params=params, steps=args.steps, step_end_s=step_end_s, train_s=train_s,
-                     final_loss=loss_value, val_loss=val_loss)
+                     final_loss=loss_value, val_loss=val_loss,
+                     collective_bytes=backend.collective_bytes())
 
 
 def train_step(backend: Backend, args: argparse.Namespace, train_data: torch.Tensor,
