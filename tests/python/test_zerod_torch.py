@@ -137,6 +137,31 @@ def test_state_dict_round_trip(start_daemon):
     client.close()
 
 
+def test_sharded_parameters_keep_their_shapes(start_daemon):
+    """After shard, parameters keep their shapes and numel (parameter counts
+    are the model's), take no memory, and read as NaN outside a forward
+    pass; state_dict() has the values."""
+    client, job = attach(start_daemon(ranks=1))
+    reference = TinyLM()
+    shapes = {n: tuple(p.shape) for n, p in reference.named_parameters()}
+    count = sum(p.numel() for p in reference.parameters())
+    values = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    model = zerod.torch.shard(reference, job)
+    assert {n: tuple(p.shape) for n, p in model.module.named_parameters()} == shapes
+    assert sum(p.numel() for p in model.parameters()) == count
+    first = next(iter(model.parameters())).data.data_ptr()
+    for p in model.parameters():  # all one element, broadcast
+        assert p.data.stride() == (0,) * p.dim() and p.data.data_ptr() == first
+        assert torch.isnan(p.data).all()
+    state = model.state_dict()
+    for name, value in values.items():
+        assert torch.equal(state[name], value), name
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    model(tokens, tokens).backward()
+    assert all(torch.isnan(p.data).all() for p in model.parameters())
+    client.close()
+
+
 def test_parameter_replaced_after_sharding(start_daemon):
     client, job = attach(start_daemon(ranks=1))
     model = zerod.torch.shard(TinyLM(), job)

@@ -17,10 +17,14 @@ How it works (FSDP's scheme, with the daemon holding the shards):
 * :func:`shard` groups the parameters into units (one per module with
   parameters, or per module chosen by `units`), registers every unit with
   the daemon (rank 0's values become everyone's initial values) and
-  replaces each parameter's data with an empty tensor.
+  replaces each parameter's data with a placeholder of its shape that
+  takes no memory: one NaN, broadcast (so ``numel()``, ``shape`` and
+  parameter counts stay those of the model, as with FSDP2, and reading the
+  values outside a forward pass gives NaN, not numbers that look right;
+  :meth:`ShardedModule.state_dict` gathers the real ones).
 * A forward pre-hook on a unit's module gathers the unit and points its
   parameters at the gathered buffer (shared memory, no copy); the forward
-  hook releases it and empties the parameters again.
+  hook releases it and puts the placeholders back.
 * A hook on the module's outputs gathers the unit again when backward
   reaches it. The gathered view always lies at the same address
   (``stable_addresses``), so tensors that autograd saved during the forward
@@ -200,7 +204,8 @@ class _State:
         self.handle = job._handle
         self.units = units
         self.dtype: Optional[torch.dtype] = None
-        self.empty: Optional[torch.Tensor] = None
+        # One NaN, broadcast to each parameter's shape while it is not bound.
+        self.placeholder: Optional[torch.Tensor] = None
         self.backward_queued = False
         self.grad_flat: Dict[Tuple[int, int], torch.Tensor] = {}
         # Forward order of the units (first time each ran in this pass), so
@@ -249,7 +254,7 @@ class _State:
                         (ref.path, tuple(view.shape),
                          tuple(now.shape) if now is not None else None))
             data = param.data
-            if data.numel() != 0 and data.data_ptr() != view.data_ptr():
+            if data.data_ptr() not in (view.data_ptr(), self.placeholder.data_ptr()):
                 raise ShardingError(
                     "parameter %s changed after zerod.torch.shard (registered shape %s, now %s); "
                     "its values live in zerod: change them with load_state_dict" %
@@ -258,7 +263,7 @@ class _State:
 
     def unbind(self, unit: _ShardedUnit) -> None:
         for param in unit.params:
-            param.data = self.empty
+            param.data = self.placeholder.expand(param.shape)
 
     def release(self, unit: _ShardedUnit) -> None:
         self.unbind(unit)
@@ -510,7 +515,7 @@ def shard(model: nn.Module, job: Job, units: UnitsPolicy = "per-module") -> Shar
     else:
         _register(job, plan)
     state.dtype = _TORCH_DTYPES[plan[0].zunit._dtype_code] if plan else torch.float32
-    state.empty = torch.empty(0, dtype=state.dtype)
+    state.placeholder = torch.full((1,), float("nan"), dtype=state.dtype)
     for unit in plan:
         for param in unit.params:
             param.grad = None
@@ -519,8 +524,7 @@ def shard(model: nn.Module, job: Job, units: UnitsPolicy = "per-module") -> Shar
         # While the parameters still have their full shapes and the working
         # dtype: autograd records both in each AccumulateGrad node.
         _install_hooks(state, unit)
-        for param in unit.params:
-            param.data = state.empty
+        state.unbind(unit)
     return ShardedModule(model, state)
 
 
