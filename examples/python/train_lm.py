@@ -18,6 +18,12 @@ everything worked.
 `--backend plain` trains the same model on the same global batches in this
 one process with torch.optim.AdamW, as a reference; `--backend ddp` uses
 torch's DistributedDataParallel on Gloo with the same number of processes.
+
+Under torchrun every process is a worker (rank and world size from torchrun's
+environment); the zerod backend then attaches to a running daemon:
+
+    zerod standalone --ranks 2 &
+    torchrun --standalone --nproc-per-node 2 examples/python/train_lm.py --socket .zerod/zerod.sock
 """
 
 from __future__ import annotations
@@ -113,6 +119,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--store", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: a worker of its world
+        args.worker = True
+        args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        args.world_size = args.ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.backend == "zerod" and args.socket is None:
+            p.error("under torchrun the zerod backend attaches to a running daemon: pass --socket")
     for name in ("ranks", "steps", "batch", "context", "threads", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -169,8 +181,13 @@ def setup_plain(model: torch.nn.Module, args: argparse.Namespace) -> Backend:
 
 
 def _init_gloo(args: argparse.Namespace) -> None:
-    """Joins the torch.distributed group through the launcher's FileStore."""
+    """Joins the torch.distributed group through the launcher's FileStore
+    (torchrun's environment when there is no store)."""
     import torch.distributed as dist
+
+    if args.store is None:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        return
 
     store = dist.FileStore(args.store, args.world_size)
     dist.init_process_group("gloo", store=store, rank=args.local_rank,

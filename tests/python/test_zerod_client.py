@@ -130,6 +130,33 @@ def test_zeropp_settings_reach_the_job(start_daemon):
         zerod.JobConfig(hpz_partition_size=-1)._to_c()
 
 
+def test_attach_takes_torchruns_environment(start_daemon, monkeypatch):
+    """Without a rank, attach takes torchrun's LOCAL_RANK; WORLD_SIZE must
+    be the job's; a RANK other than the job's global rank warns."""
+    daemon = start_daemon(ranks=2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("env")
+        assert job.rank == 1
+        job.detach()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with zerod.Client(daemon.socket) as client:
+        with pytest.raises(zerod.InvalidArgumentError, match="WORLD_SIZE is 3 but job env has 2"):
+            client.attach("env")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with zerod.Client(daemon.socket) as client:
+        with pytest.warns(UserWarning, match="RANK is 0 but this worker is rank 1"):
+            job = client.attach("env")
+        job.detach()
+    monkeypatch.setenv("LOCAL_RANK", "one")
+    with zerod.Client(daemon.socket) as client:
+        with pytest.raises(zerod.InvalidArgumentError, match="LOCAL_RANK='one'"):
+            client.attach("env")
+        job = client.attach("env", rank=0)  # an explicit rank wins
+        assert job.rank == 0
+
+
 def test_pip_install(tmp_path):
     """`pip install client/python` into a fresh virtual environment (with
     the system's site packages for numpy), then import it from elsewhere."""

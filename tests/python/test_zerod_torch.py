@@ -4,6 +4,7 @@ parameters; errors must name what went wrong."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -160,6 +161,31 @@ def test_sharded_parameters_keep_their_shapes(start_daemon):
     model(tokens, tokens).backward()
     assert all(torch.isnan(p.data).all() for p in model.parameters())
     client.close()
+
+
+def test_torchrun_launches_the_example(start_daemon, tmp_path):
+    """`torchrun --nproc-per-node 2 examples/python/train_lm.py --socket S`:
+    each process is a worker, its rank from torchrun's environment, and
+    both train through the daemon."""
+    daemon = start_daemon(ranks=2)
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python",
+                           "train_lm.py")
+    env = worker_env()
+    env.pop("ZEROD_TOKEN", None)
+    proc = subprocess.run(
+        # --redirects/--tee 1: torch 1.13's launcher on Python 3.11 cannot parse
+        # its own default "0" (Std.NONE is no longer iterated), so say 1 (stdout).
+        [python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "--redirects", "1", "--tee", "1", "--log_dir", str(tmp_path / "logs"), example, "--socket", daemon.socket, "--job", "torchrun", "--steps", "3",
+         "--batch", "4", "--context", "32", "--d-model", "32", "--layers", "1", "--heads", "2",
+         "--eval-every", "0", "--sample-bytes", "0", "--log-every", "1",
+         "--result-json", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "trained 3 steps" in proc.stdout, proc.stdout
+    ranks = sorted(json.loads((tmp_path / ("run.rank%d" % r)).read_text())["rank"]
+                   for r in range(2))
+    assert ranks == [0, 1]
 
 
 def test_parameter_replaced_after_sharding(start_daemon):

@@ -153,6 +153,21 @@ class TensorInfo:
 TensorSpec = Union[Tuple[str, Sequence[int]], Tuple[str, Sequence[int], bool]]
 
 
+def _env_int(name: str) -> Optional[int]:
+    """A launcher's integer variable (torchrun's LOCAL_RANK, RANK,
+    WORLD_SIZE), None when unset."""
+    text = os.environ.get(name)
+    if text is None or text.strip() == "":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidArgumentError("%s=%r is not an integer" % (name, text)) from None
+    if value < 0:
+        raise InvalidArgumentError("%s=%d is negative" % (name, value))
+    return value
+
+
 def _pack(values: Union[np.ndarray, Sequence[np.ndarray]], expected: int, what: str) -> np.ndarray:
     """Tensor values as one contiguous float32 array of `expected` elements."""
     if isinstance(values, np.ndarray):
@@ -188,10 +203,18 @@ class Client:
         self._handle = handle.value
         self._jobs: List[Job] = []
 
-    def attach(self, job: str, *, rank: int = 0, token: Optional[str] = None, create: bool = True,
+    def attach(self, job: str, *, rank: Optional[int] = None, token: Optional[str] = None,
+               create: bool = True,
                config: Optional[JobConfig] = None, read_only: bool = False, pin: bool = True,
                stable_addresses: bool = True) -> "Job":
         """Attaches to `job` as local `rank` (one job per client).
+
+        `rank` is the rank's index on this daemon; None takes torchrun's
+        ``LOCAL_RANK`` (0 when unset). Where the launcher also sets
+        ``WORLD_SIZE`` it must be the job's world size (else
+        InvalidArgumentError, naming both); a ``RANK`` other than the job's
+        global rank for this local rank only warns: the job's placement of
+        nodes decides global ranks, so shard data by ``Job.rank``.
 
         With ``create`` a missing job is created with `config`; a job that
         exists keeps its own, and if `config` differs from it the daemon
@@ -203,6 +226,8 @@ class Client:
         address, which zerod.torch needs; it costs an mmap per gather.
         """
         self._require_open("attach")
+        if rank is None:
+            rank = 0 if read_only else (_env_int("LOCAL_RANK") or 0)
         options = _lib.sized(_lib.AttachOptions)
         options.job = job.encode()
         options.local_rank = int(rank)
@@ -221,7 +246,26 @@ class Client:
         self._jobs.append(attached)
         if attached.attach_warning is not None:
             warnings.warn(attached.attach_warning, stacklevel=2)
+        if not read_only:
+            self._check_launcher(attached)
         return attached
+
+    def _check_launcher(self, job: "Job") -> None:
+        """torchrun's WORLD_SIZE and RANK against the job's."""
+        try:
+            world, global_rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+        except InvalidArgumentError:
+            job.detach()
+            raise
+        if world is not None and world != job.world_size:
+            job.detach()
+            raise InvalidArgumentError(
+                "the launcher's WORLD_SIZE is %d but job %s has %d ranks: start as many "
+                "workers as the job has ranks" % (world, job.name, job.world_size))
+        if global_rank is not None and global_rank != job.rank:
+            warnings.warn("the launcher's RANK is %d but this worker is rank %d of job %s "
+                          "(the job's placement decides global ranks): shard data by "
+                          "Job.rank" % (global_rank, job.rank, job.name), stacklevel=3)
 
     def close(self) -> None:
         """Detaches every job and closes the connection. Views of gathered
