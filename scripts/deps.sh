@@ -4,7 +4,8 @@
 #   scripts/deps.sh build   compilers, CMake, Ninja, pkg-config, and the libraries
 #                           the daemon links: libuv, protobuf-c, Gloo, gRPC C core,
 #                           jansson (manifest.json, safetensors headers), xxhash
-#   scripts/deps.sh test    build + cmocka, and Debian's CPU-only PyTorch,
+#   scripts/deps.sh test    build + cmocka, torch2's environment (the second
+#                           torch lane of the Python tests), and Debian's CPU-only PyTorch,
 #                           numpy and pytest for the torch parity tests, and
 #                           venv, pip and setuptools for the package's
 #                           install test; grpcio, protobuf and protoc with
@@ -22,9 +23,11 @@
 #                           (the cluster benchmark drives the coordinator), and
 #                           torch2's virtual environment
 #   scripts/deps.sh torch2  a virtual environment .venv-torch2 with a current
-#                           torch from PyPI (and numpy), for the FSDP2 comparison
-#                           (Debian's torch 1.13 has no fully_shard); PyPI's wheel
-#                           brings about 3 GB of CUDA libraries, unused here
+#                           torch from PyPI (numpy, pytest): the Python tests'
+#                           second lane, and the FSDP2 comparison (Debian's torch
+#                           1.13 has no fully_shard); PyPI's wheel brings about
+#                           3 GB of CUDA libraries, unused here (pip's cache keeps
+#                           them for the next environment on the machine)
 #   scripts/deps.sh fuzz    build + clang and its libFuzzer runtime
 #   scripts/deps.sh image   build + mmdebstrap (the image's Debian root file
 #                           system), buildah (commits it as an OCI image,
@@ -116,14 +119,15 @@ install_deploy_venv() {
 # system site packages: Debian's torch 1.13 must not shadow it). Pinned; pip
 # resolves its dependencies (the CUDA libraries among them) from PyPI.
 torch2_venv=$root/.venv-torch2
-torch2_pip=(torch==2.15.0 numpy==2.4.6)
+torch2_pip=(torch==2.15.0 numpy==2.4.6 pytest==9.0.1)
 install_torch2_venv() {
-  [ "$task" = torch2 ] || [ "$task" = bench ] || return 0
+  [ "$task" = torch2 ] || [ "$task" = bench ] || [ "$task" = test ] || return 0
   local want=ok have
   have=$("$torch2_venv/bin/python" -c "
-import importlib.metadata as m
-print('ok' if (m.version('torch'), m.version('numpy')) == ('${torch2_pip[0]#*==}', '${torch2_pip[1]#*==}') else 'no')
-" 2>/dev/null || true)
+import importlib.metadata as m, sys
+want = dict(s.split('==') for s in sys.argv[1:])
+print('ok' if all(m.version(n) == v for n, v in want.items()) else 'no')
+" "${torch2_pip[@]}" 2>/dev/null || true)
   [ "$want" = "$have" ] && return 0
   echo "deps: making $torch2_venv (${torch2_pip[*]}; about 3 GB with torch's CUDA libraries)"
   rm -rf "$torch2_venv"
