@@ -1683,9 +1683,31 @@ zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, unsigned *
 }
 
 zd_status zd_load_unit(zd_job *job, zd_unit unit_id, const float *values, uint64_t *version) {
+  return zd_load_state(job, unit_id, ZD_STATE_WEIGHTS, values, NULL, version);
+}
+
+static uint64_t unit_values_numel(const client_unit *unit) {
+  uint64_t numel = 0;
+  for (unsigned t = 0; t < unit->ntensors; t++)
+    numel += unit->info_tensors[t].numel;
+  return numel;
+}
+
+/* unit_call_begin of a writable call on one of the unit's states. */
+static zd_status state_call_begin(zd_job *job, zd_unit unit_id, const char *verb,
+                                  zd_unit_state state, char *what, size_t what_bytes,
+                                  client_unit **unit) {
+  zd_status status = unit_call_begin(job, unit_id, verb, 1, what, what_bytes, unit);
+  if (status == ZD_OK && ((int)state < ZD_STATE_WEIGHTS || state > ZD_STATE_MOMENT2))
+    status = set_error(ZD_E_INVALID_ARGUMENT, "%s: unknown state %d", what, (int)state);
+  return status;
+}
+
+zd_status zd_load_state(zd_job *job, zd_unit unit_id, zd_unit_state state, const float *values,
+                        const uint64_t *step, uint64_t *version) {
   char what[64];
   client_unit *unit;
-  zd_status status = unit_call_begin(job, unit_id, "load", 1, what, sizeof what, &unit);
+  zd_status status = state_call_begin(job, unit_id, "load", state, what, sizeof what, &unit);
   if (status != ZD_OK)
     return status;
   /* Like ZD_INIT_FROM_RANK0: rank 0 sends every tensor's values back to
@@ -1694,14 +1716,15 @@ zd_status zd_load_unit(zd_job *job, zd_unit unit_id, const float *values, uint64
   if (sends_values && values == NULL)
     return set_error(ZD_E_INVALID_ARGUMENT,
                      "%s: rank 0 must pass the unit's values (values is NULL)", what);
-  uint64_t values_numel = 0;
-  for (unsigned t = 0; t < unit->ntensors; t++)
-    values_numel += unit->info_tensors[t].numel;
+  uint64_t values_numel = unit_values_numel(unit);
   int values_fd = -1;
   if (sends_values && (status = make_init_memfd(values, values_numel, what, &values_fd)) != ZD_OK)
     return status;
   Zerod__V1__LoadUnitRequest request = ZEROD__V1__LOAD_UNIT_REQUEST__INIT;
   request.unit_id = unit_id;
+  request.state = (Zerod__V1__UnitState)state;
+  request.set_step = step != NULL;
+  request.step = step != NULL ? *step : 0;
   ProtobufCMessage *reply_msg;
   int fds[ZD_FRAME_MAX_FDS];
   unsigned nfds;
@@ -1722,6 +1745,60 @@ zd_status zd_load_unit(zd_job *job, zd_unit unit_id, const float *values, uint64
   job->version = reply_version;
   if (version != NULL)
     *version = reply_version;
+  return client_finish(job->client);
+}
+
+zd_status zd_read_state(zd_job *job, zd_unit unit_id, zd_unit_state state, float *out, size_t numel,
+                        uint64_t *step) {
+  char what[64];
+  client_unit *unit;
+  zd_status status =
+      state_call_begin(job, unit_id, "read state of", state, what, sizeof what, &unit);
+  if (status != ZD_OK)
+    return status;
+  uint64_t want = unit_values_numel(unit);
+  if (out == NULL || numel != want)
+    return set_error(ZD_E_INVALID_ARGUMENT, "%s: out must hold the unit's %llu values (numel %zu)",
+                     what, (unsigned long long)want, numel);
+  Zerod__V1__ReadStateRequest request = ZEROD__V1__READ_STATE_REQUEST__INIT;
+  request.unit_id = unit_id;
+  request.state = (Zerod__V1__UnitState)state;
+  ProtobufCMessage *reply_msg;
+  int fds[ZD_FRAME_MAX_FDS];
+  unsigned nfds;
+  status = client_call(job->client, ZEROD__V1__MSG_TYPE__MSG_READ_STATE, &request.base, NULL, 0,
+                       ZEROD__V1__MSG_TYPE__MSG_READ_STATE_REPLY, what, &reply_msg, fds, &nfds);
+  if (status != ZD_OK)
+    return status;
+  const Zerod__V1__ReadStateReply *reply = (const Zerod__V1__ReadStateReply *)reply_msg;
+  uint32_t reply_unit = reply->unit_id;
+  uint64_t reply_numel = reply->numel, reply_step = reply->step;
+  protobuf_c_message_free_unpacked(reply_msg, NULL);
+  const char *bad = reply_unit != unit_id ? "the reply is for another unit"
+                    : nfds != 1           ? "the reply carries no values"
+                    : reply_numel != want ? "the reply's value count is not the unit's"
+                                          : NULL;
+  if (bad != NULL) {
+    for (unsigned i = 0; i < nfds; i++)
+      close(fds[i]);
+    return client_protocol_error(job->client, what, "%s", bad);
+  }
+  /* pread, never mmap: like the daemon with a worker's descriptors. */
+  size_t bytes = (size_t)want * sizeof(float), done = 0;
+  while (done < bytes) {
+    ssize_t got = pread(fds[0], (char *)out + done, bytes - done, (off_t)done);
+    if (got < 0 && errno == EINTR)
+      continue;
+    if (got <= 0) {
+      int err = got < 0 ? errno : EIO;
+      close(fds[0]);
+      return set_error(ZD_E_IO, "%s: reading the values: %s", what, strerror(err));
+    }
+    done += (size_t)got;
+  }
+  close(fds[0]);
+  if (step != NULL)
+    *step = reply_step;
   return client_finish(job->client);
 }
 

@@ -168,6 +168,10 @@ const ProtobufCMessageDescriptor *zd_msg_descriptor(uint16_t type) {
     return &zerod__v1__stats_request__descriptor;
   case ZEROD__V1__MSG_TYPE__MSG_STATS_REPLY:
     return &zerod__v1__stats_reply__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_READ_STATE:
+    return &zerod__v1__read_state_request__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_READ_STATE_REPLY:
+    return &zerod__v1__read_state_reply__descriptor;
   default:
     return NULL;
   }
@@ -181,11 +185,13 @@ int zd_msg_fd_range(uint16_t type, unsigned *min_fds, unsigned *max_fds) {
   /* Rank 0's initial values travel with REGISTER_UNIT (INIT_FROM_RANK0
    * only) and LOAD_UNIT, and a buffer's memfd travels with its reply the first time the
    * session sees that buffer (a GPU buffer's CUDA IPC handles travel in the
-   * reply instead); later replies name it by buffer_id only. */
+   * reply instead); later replies name it by buffer_id only. A
+   * READ_STATE reply carries its values in a memfd of its own. */
   case ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT:
   case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT:
   case ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY:
   case ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER_REPLY:
+  case ZEROD__V1__MSG_TYPE__MSG_READ_STATE_REPLY:
     max = 1;
     break;
   default:

@@ -366,6 +366,30 @@ ZD_API zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, uns
  * by one (*version, may be NULL). */
 ZD_API zd_status zd_load_unit(zd_job *job, zd_unit unit, const float *values, uint64_t *version);
 
+/* A unit's fp32 arrays in the daemon (zd_load_state, zd_read_state). */
+typedef enum zd_unit_state {
+  ZD_STATE_WEIGHTS = 0, /* the master weights */
+  ZD_STATE_MOMENT1 = 1, /* Adam/AdamW exp_avg; SGD with momentum: momentum_buffer */
+  ZD_STATE_MOMENT2 = 2, /* Adam/AdamW exp_avg_sq */
+} zd_unit_state;
+
+/* zd_load_unit for any state: rank 0's values (packed as zd_load_unit's)
+ * become the unit's weights (the version goes up) or one of its optimizer
+ * moments (it does not). With step non-NULL the job's completed-step count
+ * becomes *step on every rank (all ranks must pass the same), so that the
+ * next step's bias correction continues from a saved optimizer's. A moment
+ * the job's optimizer does not keep is ZD_E_INVALID_ARGUMENT. Collective. */
+ZD_API zd_status zd_load_state(zd_job *job, zd_unit unit, zd_unit_state state, const float *values,
+                               const uint64_t *step, uint64_t *version);
+
+/* Reads a unit's weights or one of its optimizer moments in fp32, whole
+ * (gathered from every rank's shard), into out: the tensors' values back to
+ * back, as zd_load_state takes them; numel must be their sum (the unit's
+ * tensors' numel). *step (may be NULL) gets the job's completed steps.
+ * Collective over the job's ranks; host ranks only for now. */
+ZD_API zd_status zd_read_state(zd_job *job, zd_unit unit, zd_unit_state state, float *out,
+                               size_t numel, uint64_t *step);
+
 /* Registers a unit (a collective: every rank registers the same units in
  * the same order). A layout that differs between ranks fails with
  * ZD_E_INVALID_ARGUMENT naming the unit and the first differing tensor. */

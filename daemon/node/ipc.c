@@ -625,6 +625,8 @@ static op_kind kind_of(uint16_t type) {
     return OP_STEP;
   case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT:
     return OP_LOAD;
+  case ZEROD__V1__MSG_TYPE__MSG_READ_STATE:
+    return OP_READ_STATE;
   case ZEROD__V1__MSG_TYPE__MSG_PIN:
     return OP_PIN;
   default:
@@ -645,6 +647,8 @@ static const char *write_request_name(uint16_t type) {
     return "step";
   case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT:
     return "load_unit";
+  case ZEROD__V1__MSG_TYPE__MSG_READ_STATE:
+    return "read_state"; /* a collective of the job's ranks */
   default:
     return NULL;
   }
@@ -664,6 +668,7 @@ static int is_request(uint16_t type) {
   case ZEROD__V1__MSG_TYPE__MSG_PIN:
   case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT:
   case ZEROD__V1__MSG_TYPE__MSG_STATS:
+  case ZEROD__V1__MSG_TYPE__MSG_READ_STATE:
     return 1;
   default:
     return 0;

@@ -59,6 +59,7 @@ static void metered(const exec_op *op) {
     break;
   case OP_REGISTER:
   case OP_LOAD:
+  case OP_READ_STATE:
     timer = RANK_REGISTER;
     break;
   default:
@@ -113,6 +114,9 @@ static void run_op(rank_state *rs, exec_op *op) {
     break;
   case OP_LOAD:
     exec__handle_load(rs, op);
+    break;
+  case OP_READ_STATE:
+    exec__handle_read_state(rs, op);
     break;
   case OP_PIN: /* read-only sessions' ops never reach an executor */
     break;

@@ -49,6 +49,14 @@ int exec__shard_create(rank_state *rs, const unit_layout *l);
  * gradient accumulator, the optimizer's moments, a bf16 working copy. */
 uint64_t exec__shard_bytes(const rank_state *rs, const unit_layout *l);
 
+/* The shard's fp32 array of a state (JOB_STATE_MASTER, _MOMENT1,
+ * _MOMENT2: UnitState's numbers), or NULL where the job's optimizer keeps
+ * no such state. */
+float *exec__shard_state(rank_state *rs, shard *sh, uint32_t state);
+
+/* The words LOAD_UNIT and READ_STATE name a state with in messages. */
+const char *exec__state_name(const rank_state *rs, uint32_t state);
+
 /* Makes the rank's fp32 scratch hold numel elements and its shard scratch
  * shard_numel. 0 or -ENOMEM. */
 int exec__grow_scratch(rank_state *rs, uint64_t numel, uint64_t shard_numel);
@@ -93,6 +101,13 @@ int exec__handle_grad_buffer(rank_state *rs, exec_op *op, int inline_only);
 /* REDUCE: the unit's gradient buffer is reduce-scattered and added to the
  * rank's fp32 accumulator. */
 void exec__handle_reduce(rank_state *rs, exec_op *op);
+
+/* ---- state.c ----------------------------------------------------------------- */
+
+/* READ_STATE: the unit's fp32 weights or one of its optimizer moments,
+ * gathered from every rank's shard, the tensors back to back in a memfd
+ * that goes with the reply. */
+void exec__handle_read_state(rank_state *rs, exec_op *op);
 
 /* ---- step.c ------------------------------------------------------------------ */
 

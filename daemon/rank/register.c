@@ -339,13 +339,16 @@ enum {
   LOAD_NO_VALUES = 2,    /* rank 0 sent no descriptor */
   LOAD_SHORT_VALUES = 3, /* rank 0's descriptor is too short or unreadable */
   LOAD_NO_MEMORY = 4,
+  LOAD_NO_STATE = 5, /* the job's optimizer keeps no such state */
 };
 
 /* LOAD_UNIT: rank 0's fp32 values become the unit's master weights and
  * working copy on every rank (frozen tensors included); the optimizer
  * state and the gradient accumulators stay. The version goes up, so no
  * cached gather of the old values is served again, and a pin of the old
- * version keeps them (copy on write, as in a step). */
+ * version keeps them (copy on write, as in a step). With another state the
+ * values become that optimizer moment instead, and the version stays; with
+ * set_step the job's step count becomes req->step. */
 void exec__handle_load(rank_state *rs, exec_op *op) {
   Zerod__V1__LoadUnitRequest *req = (Zerod__V1__LoadUnitRequest *)op->request;
   job *j = rs->job;
@@ -358,6 +361,8 @@ void exec__handle_load(rank_state *rs, exec_op *op) {
   int32_t *codes = NULL;
   if (l == NULL || l->id >= rs->nshards || !rs->shards[l->id].present) {
     code = LOAD_UNKNOWN_UNIT;
+  } else if (exec__shard_state(rs, &rs->shards[l->id], req->state) == NULL) {
+    code = LOAD_NO_STATE;
   } else if (rs->rank == 0 && op->in_fd < 0) {
     code = LOAD_NO_VALUES;
   } else if (rs->rank == 0) {
@@ -409,6 +414,11 @@ void exec__handle_load(rank_state *rs, exec_op *op) {
                  l != NULL ? (unsigned long long)l->packed_numel * 4 : 0ull,
                  r == rs->rank ? err : "file too short or unreadable");
       break;
+    case LOAD_NO_STATE:
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                 "load_unit of unit '%s': the job's optimizer (%s) keeps no %s", name,
+                 job_optimizer_name(j->config.optimizer), exec__state_name(rs, req->state));
+      break;
     default:
       exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
                  "load_unit of unit '%s': rank %d is out of memory", name, r);
@@ -424,20 +434,30 @@ void exec__handle_load(rank_state *rs, exec_op *op) {
   }
   shard *sh = &rs->shards[l->id];
   uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
-  pin_begin_write(rs);
-  rc = device_copy(rs->dev, sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
-  if (rc == 0)
-    rc = exec__refresh_working(rs, l, sh);
-  /* Readers copy the working copy once the write lock is released. */
-  if (rc == 0)
-    rc = device_sync(rs->dev);
-  pin_end_write(rs);
+  if ((uint32_t)req->state == JOB_STATE_MASTER) {
+    pin_begin_write(rs);
+    rc = device_copy(rs->dev, sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
+    if (rc == 0)
+      rc = exec__refresh_working(rs, l, sh);
+    /* Readers copy the working copy once the write lock is released. */
+    if (rc == 0)
+      rc = device_sync(rs->dev);
+    pin_end_write(rs);
+  } else {
+    /* A moment: no working copy changes, so readers see no new version. */
+    rc = device_copy(rs->dev, exec__shard_state(rs, sh, req->state), rs->scratch + lo,
+                     l->shard_numel * sizeof(float));
+    if (rc == 0)
+      rc = device_sync(rs->dev);
+  }
+  if (rc == 0 && req->set_step)
+    atomic_store(&rs->step, req->step);
   if (rc != 0) {
     exec__op_device_failed(rs, op, "load_unit", rc);
     goto done;
   }
-  LOG_DEBUGF("unit loaded", "job=%s rank=%d unit=%u version=%llu", j->name, rs->rank, l->id,
-             (unsigned long long)rs->version);
+  LOG_DEBUGF("unit loaded", "job=%s rank=%d unit=%u state=%s version=%llu", j->name, rs->rank,
+             l->id, exec__state_name(rs, req->state), (unsigned long long)rs->version);
   Zerod__V1__LoadUnitReply reply = ZEROD__V1__LOAD_UNIT_REPLY__INIT;
   reply.unit_id = l->id;
   reply.version = rs->version;

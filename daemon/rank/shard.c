@@ -160,3 +160,27 @@ shard *exec__lookup_shard(rank_state *rs, exec_op *op, uint32_t unit_id, unit_la
   *out = l;
   return &rs->shards[unit_id];
 }
+
+float *exec__shard_state(rank_state *rs, shard *sh, uint32_t state) {
+  int has[JOB_NSTATES];
+  job_config_states(&rs->job->config, has);
+  if (state >= JOB_NSTATES || !has[state])
+    return NULL;
+  return state == JOB_STATE_MASTER    ? sh->master
+         : state == JOB_STATE_MOMENT1 ? sh->moment1
+                                      : sh->moment2;
+}
+
+const char *exec__state_name(const rank_state *rs, uint32_t state) {
+  int sgd = rs->job->config.optimizer == JOB_SGD;
+  switch (state) {
+  case JOB_STATE_MASTER:
+    return "weights";
+  case JOB_STATE_MOMENT1:
+    return sgd ? "momentum_buffer" : "exp_avg";
+  case JOB_STATE_MOMENT2:
+    return "exp_avg_sq";
+  default:
+    return "unknown state";
+  }
+}

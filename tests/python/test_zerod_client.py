@@ -157,6 +157,61 @@ def test_attach_takes_torchruns_environment(start_daemon, monkeypatch):
         assert job.rank == 0
 
 
+def test_optimizer_state_reads_back_and_loads(start_daemon):
+    """READ_STATE returns a unit's fp32 weights and AdamW moments, packed;
+    LOAD_UNIT puts them (and the step count) into another job, which then
+    steps to the same bits as the first."""
+    daemon = start_daemon(ranks=1)
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((5, 3)).astype(np.float32)
+    b = rng.standard_normal(3).astype(np.float32)
+    grads = [rng.standard_normal(18).astype(np.float32) for _ in range(2)]
+    config = zerod.JobConfig(lr=0.01, betas=(0.9, 0.999), weight_decay=0.1)
+
+    def step(job, unit, g):
+        buf = unit.grad_buffer().arrays()
+        buf["w"][...] = g[:15].reshape(5, 3)
+        buf["b"][...] = g[15:]
+        unit.reduce()
+        job.step()
+
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("a", config=config)
+        unit = job.register("u", [("w", (5, 3)), ("b", (3,))], values=[w, b])
+        step(job, unit, grads[0])
+        m, at = unit.read_state("exp_avg")
+        v, _ = unit.read_state("exp_avg_sq")
+        weights, _ = unit.read_state("weights")
+        assert at == 1 and m.dtype == np.float32 and m.shape == (18,)
+        # Step 1 of AdamW from zero moments, in fp32.
+        np.testing.assert_array_equal(m, np.float32(0.1) * grads[0])
+        np.testing.assert_array_equal(v, (np.float32(0.001) * grads[0]) * grads[0])
+        with unit.gather() as g:
+            np.testing.assert_array_equal(weights, np.concatenate(
+                [g.arrays()["w"].ravel(), g.arrays()["b"]]))
+        step(job, unit, grads[1])
+        final_a = unit.read_state("weights")[0]
+        with pytest.raises(zerod.InvalidArgumentError, match="state must be one of"):
+            unit.read_state("momentum")
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("b", config=config)
+        unit = job.register("u", [("w", (5, 3)), ("b", (3,))], init="zeros")
+        unit.load(weights)
+        unit.load(m, state="exp_avg")
+        assert unit.load(v, state="exp_avg_sq", step=1) == 1  # moments leave the version
+        step(job, unit, grads[1])
+        np.testing.assert_array_equal(unit.read_state("weights")[0], final_a)
+        assert unit.read_state("exp_avg")[1] == 2
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("plain-sgd", config=zerod.JobConfig(optimizer="sgd", lr=0.1))
+        unit = job.register("u", [("w", (4,))], init="zeros")
+        with pytest.raises(zerod.InvalidArgumentError, match=r"\(sgd\) keeps no momentum_buffer"):
+            unit.read_state("momentum_buffer")
+        with pytest.raises(zerod.InvalidArgumentError, match="keeps no exp_avg_sq"):
+            unit.load(np.zeros(4, np.float32), state="exp_avg_sq")
+        assert unit.read_state("weights")[0].tolist() == [0.0] * 4  # the session goes on
+
+
 def test_pip_install(tmp_path):
     """`pip install client/python` into a fresh virtual environment (with
     the system's site packages for numpy), then import it from elsewhere."""

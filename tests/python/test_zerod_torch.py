@@ -15,7 +15,7 @@ from torch import nn
 import zerod
 import zerod.torch
 from conftest import python, start_daemon, worker_env  # noqa: F401 (fixture)
-from torch_models import Block, TinyLM, train
+from torch_models import Block, TinyLM, batch, train
 
 torch.set_num_threads(1)
 LR = 1e-2
@@ -135,6 +135,67 @@ def test_state_dict_round_trip(start_daemon):
     assert torch.equal(partial["head.weight"], got["head.weight"])
     with pytest.raises(RuntimeError, match=r"size mismatch for head\.weight"):
         model.load_state_dict({**got, "head.weight": torch.zeros(3, 3)})
+    client.close()
+
+
+def steps_from(model, opt, first, count, batch_size=8):
+    for step in range(first, first + count):
+        tokens, targets = batch(step, batch_size)
+        model(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_optimizer_state_saves_and_resumes_bit_exact(start_daemon, tmp_path):
+    """torch.save of the model's and the optimizer's state_dict after 3
+    steps, torch.load into a fresh job and model, 3 more steps: the same
+    bits as 6 steps without a stop. The optimizer state has torch.optim's
+    keys and shapes, and its moments agree with torch.optim.AdamW's."""
+    daemon = start_daemon(ranks=1)
+    client, job = attach(daemon, job="straight")
+    model = zerod.torch.shard(TinyLM(), job)
+    opt = zerod.torch.Optimizer(model)
+    steps_from(model, opt, 0, 6)
+    straight = model.state_dict()
+    client.close()
+
+    client, job = attach(daemon, job="first")
+    model = zerod.torch.shard(TinyLM(), job)
+    opt = zerod.torch.Optimizer(model)
+    steps_from(model, opt, 0, 3)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    saved = opt.state_dict()
+    client.close()
+
+    reference = TinyLM()
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    steps_from(reference, torch_opt, 0, 3)
+    theirs = torch_opt.state_dict()
+    assert sorted(saved["state"]) == sorted(theirs["state"])
+    for index, entry in theirs["state"].items():
+        assert sorted(saved["state"][index]) == sorted(entry), index
+        assert float(saved["state"][index]["step"]) == float(entry["step"]) == 3.0
+        for name in ("exp_avg", "exp_avg_sq"):
+            ours, want = saved["state"][index][name], entry[name]
+            assert ours.shape == want.shape and ours.dtype == torch.float32
+            scale = float(want.abs().max())
+            assert float((ours - want).abs().max()) <= 1e-5 * scale, (index, name)
+    assert saved["param_groups"][0]["params"] == theirs["param_groups"][0]["params"]
+
+    loaded = torch.load(tmp_path / "ckpt.pt")
+    client, job = attach(daemon, job="resumed")
+    model = zerod.torch.shard(TinyLM(seed=5), job)
+    opt = zerod.torch.Optimizer(model)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["opt"])
+    steps_from(model, opt, 3, 3)
+    assert max_rel_diff(model.state_dict(), straight) == 0
+    with pytest.raises(zerod.ShardingError, match="parameters were stepped"):
+        bad = {"state": {**loaded["opt"]["state"]}, "param_groups": loaded["opt"]["param_groups"]}
+        bad["state"][0] = {**bad["state"][0], "step": torch.tensor(7.0)}
+        opt.load_state_dict(bad)
+    with pytest.raises(zerod.ShardingError, match="has 1 parameters"):
+        opt.load_state_dict({"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]})
     client.close()
 
 

@@ -202,6 +202,8 @@ typedef struct samples {
   Zerod__V1__StatsRequest stats;
   Zerod__V1__StatsReply stats_reply;
   Zerod__V1__RankStats rank_stats, *rank_stats_list[1];
+  Zerod__V1__ReadStateRequest read_state;
+  Zerod__V1__ReadStateReply read_state_reply;
   Zerod__V1__CollectiveCounter counter, *counter_list[1];
 } samples;
 
@@ -361,9 +363,17 @@ static void init_samples(samples *s) {
   zerod__v1__stats_reply__init(&s->stats_reply);
   s->stats_reply.n_ranks = 1;
   s->stats_reply.ranks = s->rank_stats_list;
+  zerod__v1__read_state_request__init(&s->read_state);
+  s->read_state.unit_id = 3;
+  s->read_state.state = ZEROD__V1__UNIT_STATE__UNIT_STATE_MOMENT2;
+  zerod__v1__read_state_reply__init(&s->read_state_reply);
+  s->read_state_reply.unit_id = 3;
+  s->read_state_reply.state = ZEROD__V1__UNIT_STATE__UNIT_STATE_MOMENT2;
+  s->read_state_reply.step = 1001;
+  s->read_state_reply.numel = 5ull << 30;
 }
 
-#define SAMPLE_TYPES 20
+#define SAMPLE_TYPES 22
 
 typedef struct typed_sample {
   uint16_t type;
@@ -392,6 +402,8 @@ static size_t all_samples(const samples *s, typed_sample out[SAMPLE_TYPES]) {
       {ZEROD__V1__MSG_TYPE__MSG_DETACH_REPLY, &s->detach_reply.base},
       {ZEROD__V1__MSG_TYPE__MSG_STATS, &s->stats.base},
       {ZEROD__V1__MSG_TYPE__MSG_STATS_REPLY, &s->stats_reply.base},
+      {ZEROD__V1__MSG_TYPE__MSG_READ_STATE, &s->read_state.base},
+      {ZEROD__V1__MSG_TYPE__MSG_READ_STATE_REPLY, &s->read_state_reply.base},
   };
   memcpy(out, table, sizeof table);
   return sizeof table / sizeof table[0];
@@ -482,7 +494,8 @@ static void test_fd_ranges_follow_the_protocol(void **state) {
     assert_int_equal(zd_msg_fd_range(table[i].type, &min_fds, &max_fds), 0);
     bool carries_fd = table[i].type == ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT ||
                       table[i].type == ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY ||
-                      table[i].type == ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER_REPLY;
+                      table[i].type == ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER_REPLY ||
+                      table[i].type == ZEROD__V1__MSG_TYPE__MSG_READ_STATE_REPLY;
     assert_int_equal(min_fds, 0);
     if (max_fds != (carries_fd ? 1u : 0u))
       fail_msg("type %u: expected at most %u fds, got %u", table[i].type, carries_fd ? 1 : 0,
@@ -492,7 +505,7 @@ static void test_fd_ranges_follow_the_protocol(void **state) {
 }
 
 static void test_unknown_message_type_has_no_descriptor_and_does_not_unpack(void **state) {
-  const uint16_t unknown[] = {ZEROD__V1__MSG_TYPE__MSG_NONE, 3, 15, 40, 0x7fff, 0xffff};
+  const uint16_t unknown[] = {ZEROD__V1__MSG_TYPE__MSG_NONE, 3, 15, 42, 0x7fff, 0xffff};
   for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
     assert_null(zd_msg_descriptor(unknown[i]));
     unsigned min_fds, max_fds;

@@ -127,6 +127,23 @@ class JobConfig:
         c.hpz_partition_size = int(self.hpz_partition_size)
         return c
 
+    @classmethod
+    def _from_c(cls, c: _lib.JobConfig) -> "JobConfig":
+        optimizers = {code: name for name, code in _OPTIMIZERS.items()}
+        collectives = {code: name for name, code in _COLLECTIVES.items()}
+        return cls(optimizer=optimizers.get(int(c.optimizer), "adamw"), lr=float(c.lr),
+                   betas=(float(c.beta1), float(c.beta2)), eps=float(c.eps),
+                   weight_decay=float(c.weight_decay), momentum=float(c.momentum),
+                   dampening=float(c.dampening), nesterov=bool(c.nesterov),
+                   dtype=_DTYPE_NAMES.get(int(c.working_dtype), "float32"),
+                   max_live_bytes=int(c.max_live_bytes), max_grad_norm=float(c.max_grad_norm),
+                   collectives=collectives.get(int(c.collectives), "hierarchical"),
+                   quantized_weights=bool(c.quantized_weights),
+                   quantization_block=int(c.quantization_block),
+                   quantized_gradients=int(c.quantized_gradients),
+                   gradient_comm_dtype=_DTYPE_NAMES.get(int(c.gradient_comm_dtype), "float32"),
+                   hpz_partition_size=int(c.hpz_partition_size))
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -166,6 +183,16 @@ def _env_int(name: str) -> Optional[int]:
     if value < 0:
         raise InvalidArgumentError("%s=%d is negative" % (name, value))
     return value
+
+
+_STATES = {"weights": 0, "exp_avg": 1, "momentum_buffer": 1, "exp_avg_sq": 2}
+
+
+def _state_code(state: str, what: str) -> int:
+    if state not in _STATES:
+        raise InvalidArgumentError("%s: state must be one of %s, not %r" %
+                                   (what, ", ".join(_STATES), state))
+    return _STATES[state]
 
 
 def _pack(values: Union[np.ndarray, Sequence[np.ndarray]], expected: int, what: str) -> np.ndarray:
@@ -311,6 +338,14 @@ class Job:
                                               if warning else None)
         self._units: Dict[int, Unit] = {}
         self._refresh_units()
+
+    @property
+    def effective_config(self) -> JobConfig:
+        """The job's config as the daemon runs it (every default filled in;
+        `config` is what this attach asked for)."""
+        c = _lib.sized(_lib.JobConfig)
+        _check(self._lib.zd_job_effective_config(self._handle, ctypes.byref(c)), "job config")
+        return JobConfig._from_c(c)
 
     @property
     def version(self) -> int:
@@ -499,19 +534,46 @@ class Unit:
         fn = self.job._lib.zd_reduce if wait else self.job._lib.zd_reduce_async
         _check(fn(self.job._handle, self.id), "reduce %s" % self.name)
 
-    def load(self, values: Union[np.ndarray, Sequence[np.ndarray], None]) -> int:
+    def load(self, values: Union[np.ndarray, Sequence[np.ndarray], None], *,
+             state: str = "weights", step: Optional[int] = None) -> int:
         """Sets the unit's values from rank 0's `values` (as in
-        :meth:`Job.register`; other ranks pass None). Collective; returns
-        the job's new version."""
+        :meth:`Job.register`; other ranks pass None). `state` is what they
+        replace: ``"weights"`` (the fp32 master and the working copy; the
+        version goes up), ``"exp_avg"`` / ``"momentum_buffer"`` or
+        ``"exp_avg_sq"`` (the optimizer's moments). With `step` the job's
+        completed-step count becomes `step` (the next step's bias correction
+        continues from it). Collective; returns the job's version."""
+        code = _state_code(state, "load %s" % self.name)
         ptr = None
         packed = None
         if values is not None:
-            packed = _pack(values, sum(t.numel for t in self.tensors), "load %s" % self.name)
+            packed = _pack(values, self.numel_packed, "load %s" % self.name)
             ptr = packed.ctypes.data
         version = ctypes.c_uint64()
-        _check(self.job._lib.zd_load_unit(self.job._handle, self.id, ptr, ctypes.byref(version)),
+        step_value = ctypes.c_uint64(int(step)) if step is not None else None
+        _check(self.job._lib.zd_load_state(self.job._handle, self.id, code, ptr,
+                                           ctypes.byref(step_value) if step_value is not None
+                                           else None, ctypes.byref(version)),
                "load %s" % self.name)
         return int(version.value)
+
+    def read_state(self, state: str = "weights") -> Tuple[np.ndarray, int]:
+        """The unit's fp32 weights (``"weights"``) or an optimizer moment
+        (``"exp_avg"`` / ``"momentum_buffer"``, ``"exp_avg_sq"``), whole:
+        the tensors' values back to back, and the job's completed steps.
+        Collective over the job's ranks."""
+        code = _state_code(state, "read state of %s" % self.name)
+        out = np.empty(self.numel_packed, dtype=np.float32)
+        step = ctypes.c_uint64()
+        _check(self.job._lib.zd_read_state(self.job._handle, self.id, code, out.ctypes.data,
+                                           out.size, ctypes.byref(step)),
+               "read %s of %s" % (state, self.name))
+        return out, int(step.value)
+
+    @property
+    def numel_packed(self) -> int:
+        """The unit's tensors' elements, summed (its values back to back)."""
+        return sum(t.numel for t in self.tensors)
 
     def __repr__(self) -> str:
         return "<zerod.Unit %s: %d tensors, %d elements, %s>" % (

@@ -657,6 +657,110 @@ class Optimizer(torch.optim.Optimizer):
             for param in group["params"]:
                 param.grad = None
 
+    # -- state_dict --------------------------------------------------------------
+
+    def _moments(self) -> List[str]:
+        """torch's names of the per-parameter state the job's optimizer keeps."""
+        config = self._job.effective_config
+        if config.optimizer in ("adam", "adamw"):
+            return ["exp_avg", "exp_avg_sq"]
+        return ["momentum_buffer"] if config.momentum != 0 else []
+
+    def _trainable(self) -> Iterator[Tuple[int, "_ShardedUnit", int, int, int]]:
+        """(index in param_groups[0]["params"], unit, tensor index, offset
+        in the unit's packed values, numel) of every trainable parameter."""
+        index_of = {id(p): i for i, p in enumerate(self.param_groups[0]["params"])}
+        for unit in self._model._zerod.units:
+            at = 0
+            for k, (param, t) in enumerate(zip(unit.params, unit.zunit.tensors)):
+                if id(param) in index_of:
+                    yield index_of[id(param)], unit, k, at, t.numel
+                at += t.numel
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch.optim's format: ``{"state": {index: {"step": tensor(n.),
+        "exp_avg": ..., "exp_avg_sq": ...}}, "param_groups": [{"lr": ...,
+        "params": [indices]}]}`` (SGD: ``"momentum_buffer"``), the daemon's
+        fp32 moments gathered whole. Where the working copy is not fp32 each
+        entry also has ``"master"``: the fp32 weights, which the model's
+        state_dict rounds. A collective: every rank calls it."""
+        if len(self.param_groups) != 1:
+            raise ShardingError("zerod jobs have one parameter group")
+        names = self._moments()
+        master = self._model._zerod.dtype != torch.float32
+        read: Dict[Tuple[int, str], Tuple[np.ndarray, int]] = {}
+        step = 0
+        for unit in self._model._zerod.units:
+            for name in names + (["weights"] if master else []):
+                values, step = unit.zunit.read_state(name)
+                read[(id(unit), name)] = (values, step)
+        state: Dict[int, Dict[str, Any]] = {}
+        for index, unit, k, at, numel in self._trainable():
+            shape = unit.shapes[k]
+            entry: Dict[str, Any] = {"step": torch.tensor(float(step))}
+            for name in names + (["master"] if master else []):
+                values = read[(id(unit), "weights" if name == "master" else name)][0]
+                entry[name] = torch.from_numpy(values[at:at + numel].copy()).view(shape)
+            state[index] = entry
+        config = self._job.effective_config
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        group.update(betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+        if config.optimizer == "sgd":
+            group.update(momentum=config.momentum, dampening=config.dampening,
+                         nesterov=config.nesterov)
+        group["params"] = list(range(len(self.param_groups[0]["params"])))
+        return {"state": state, "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads what state_dict returned (or torch.optim's AdamW/Adam/SGD
+        state for the same parameters, in the same order): the moments and
+        the step count go to the daemon, the group's lr to this optimizer,
+        "master" (if present) to the fp32 weights. Checked whole on every
+        rank before the first collective; every rank must pass the same."""
+        groups = state_dict.get("param_groups")
+        ours = self.param_groups[0]["params"]
+        if not isinstance(groups, list) or len(groups) != 1:
+            raise ShardingError("the state has %s parameter groups; zerod jobs have one" %
+                                (len(groups) if isinstance(groups, list) else "no"))
+        if len(groups[0].get("params", [])) != len(ours):
+            raise ShardingError("the state's group has %d parameters, this optimizer %d" %
+                                (len(groups[0].get("params", [])), len(ours)))
+        position = {saved: i for i, saved in enumerate(groups[0]["params"])}
+        saved_state = {position[k]: v for k, v in state_dict.get("state", {}).items()
+                       if k in position}
+        names = self._moments()
+        steps = {float(entry["step"]) for entry in saved_state.values() if "step" in entry}
+        if len(steps) > 1:
+            raise ShardingError("the state's parameters were stepped %s times: a zerod job "
+                                "steps all its parameters together" % sorted(steps))
+        step = int(steps.pop()) if steps else None
+        packed: Dict[Tuple[int, str], np.ndarray] = {}
+        for index, unit, k, at, numel in self._trainable():
+            entry = saved_state.get(index, {})
+            for name in names + ["master"]:
+                if name not in entry:
+                    continue
+                value = entry[name]
+                if tuple(value.shape) != tuple(unit.shapes[k]):
+                    raise ShardingError("%s of %s has shape %s, the parameter %s" %
+                                        (name, unit.names[k], tuple(value.shape),
+                                         tuple(unit.shapes[k])))
+                key = (id(unit), name)
+                if key not in packed:
+                    packed[key] = np.zeros(unit.zunit.numel_packed, dtype=np.float32)
+                packed[key][at:at + numel] = value.detach().float().reshape(-1).numpy()
+        for unit in self._model._zerod.units:
+            if (id(unit), "master") in packed:
+                unit.zunit.load(packed[(id(unit), "master")])
+            for name in names:
+                if (id(unit), name) in packed or step is not None:
+                    values = packed.get((id(unit), name))
+                    if values is None:
+                        values = np.zeros(unit.zunit.numel_packed, dtype=np.float32)
+                    unit.zunit.load(values, state=name, step=step)
+        if "lr" in groups[0]:
+            self.param_groups[0]["lr"] = float(groups[0]["lr"])
+
 
 def state_dict_from(job: Job) -> "OrderedDict[str, torch.Tensor]":
     """Every tensor of `job` as torch tensors (copies), by the names the
