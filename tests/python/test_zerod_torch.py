@@ -199,6 +199,36 @@ def test_optimizer_state_saves_and_resumes_bit_exact(start_daemon, tmp_path):
     client.close()
 
 
+def test_optimizer_state_keeps_the_fp32_master_of_a_bf16_job(start_daemon, tmp_path):
+    """A bf16 working copy rounds the model's state_dict; the optimizer's
+    carries the fp32 master, so a resumed run still matches bit for bit."""
+    daemon = start_daemon(ranks=1)
+    runs = {}
+    for name, stop in (("straight", None), ("first", 2)):
+        client, job = attach(daemon, job=name, dtype="bfloat16")
+        model = zerod.torch.shard(TinyLM().to(torch.bfloat16), job)
+        opt = zerod.torch.Optimizer(model)
+        steps_from(model, opt, 0, 4 if stop is None else stop)
+        runs[name] = (model.state_dict(), opt.state_dict())
+        client.close()
+    model_state, opt_state = runs["first"]
+    entry = opt_state["state"][0]
+    assert entry["master"].dtype == torch.float32 and entry["master"].shape == entry["exp_avg"].shape
+    assert next(iter(model_state.values())).dtype == torch.bfloat16
+    torch.save(runs["first"], tmp_path / "bf16.pt")
+    model_state, opt_state = torch.load(tmp_path / "bf16.pt")
+    client, job = attach(daemon, job="resumed", dtype="bfloat16")
+    model = zerod.torch.shard(TinyLM(seed=9).to(torch.bfloat16), job)
+    opt = zerod.torch.Optimizer(model)
+    model.load_state_dict(model_state)
+    opt.load_state_dict(opt_state)
+    steps_from(model, opt, 2, 2)
+    assert max_rel_diff(model.state_dict(), runs["straight"][0]) == 0
+    assert max_rel_diff({k: v["master"] for k, v in opt.state_dict()["state"].items()},
+                        {k: v["master"] for k, v in runs["straight"][1]["state"].items()}) == 0
+    client.close()
+
+
 def test_sharded_parameters_keep_their_shapes(start_daemon):
     """After shard, parameters keep their shapes and numel (parameter counts
     are the model's), take no memory, and read as NaN outside a forward
