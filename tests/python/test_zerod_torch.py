@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -226,6 +227,68 @@ def test_optimizer_state_keeps_the_fp32_master_of_a_bf16_job(start_daemon, tmp_p
     assert max_rel_diff(model.state_dict(), runs["straight"][0]) == 0
     assert max_rel_diff({k: v["master"] for k, v in opt.state_dict()["state"].items()},
                         {k: v["master"] for k, v in runs["straight"][1]["state"].items()}) == 0
+    client.close()
+
+
+@pytest.mark.parametrize("how", ["no_sync", "set_requires_gradient_sync"])
+def test_no_sync_accumulates_without_collectives(start_daemon, how):
+    """Two ranks, four micro-batches a step, the first three under no_sync
+    (or with gradient sync off): what reducing every micro-batch gives (the
+    ranks' sums in another order: to 1e-5), with a quarter of the reduces."""
+    daemon = start_daemon(ranks=2)
+    results = {}
+    for mode in ("every", how):
+        out = [None, None]
+        # Built here: TinyLM seeds torch's global generator, which two
+        # threads must not share.
+        plain_models = [TinyLM(), TinyLM()]
+
+        def run(rank):
+            client, job = attach(daemon, job=mode, rank=rank)
+            model = zerod.torch.shard(plain_models[rank], job)
+            opt = zerod.torch.Optimizer(model)
+            for step in range(3):
+                for micro in range(4):
+                    tokens, targets = batch(step * 4 + micro, 16, rank, 2)
+                    last = micro == 3
+                    if mode == "no_sync" and not last:
+                        with model.no_sync():
+                            (model(tokens, targets) / 4).backward()
+                    else:
+                        if mode == "set_requires_gradient_sync":
+                            model.set_requires_gradient_sync(last)
+                        (model(tokens, targets) / 4).backward()
+                opt.step()
+                opt.zero_grad()
+            state = model.state_dict()
+            calls = sum(c["calls"] for r in job.stats() if r["rank"] == rank
+                        for (level, kind), c in r["counters"].items() if kind == "reduce_scatter")
+            out[rank] = (state, calls)
+            client.close()
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert out[0] is not None and out[1] is not None, "a rank failed (see its thread)"
+        results[mode] = out[0]
+    every, quiet = results["every"], results[how]
+    assert max_rel_diff(quiet[0], every[0]) <= 1e-5  # measured: 1.2e-6
+    assert quiet[1] > 0 and quiet[1] * 4 == every[1], (quiet[1], every[1])
+
+
+def test_step_refuses_gradients_left_in_no_sync(start_daemon):
+    client, job = attach(start_daemon(ranks=1))
+    model = zerod.torch.shard(TinyLM(), job)
+    opt = zerod.torch.Optimizer(model)
+    tokens, targets = batch(0, 4)
+    with model.no_sync():
+        model(tokens, targets).backward()
+    with pytest.raises(zerod.ShardingError, match="accumulated under no_sync"):
+        opt.step()
+    model(tokens, targets).backward()
+    opt.step()  # the next synchronizing backward reduces the sum
     client.close()
 
 

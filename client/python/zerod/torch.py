@@ -39,6 +39,7 @@ in the same order): gathers and reduces are collectives of the job.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -98,6 +99,9 @@ class _ShardedUnit:
         self.prefetch: Optional[_lib.Pending] = None  # a gather sent ahead of backward
         self.grad_params = 0  # parameters that need a gradient
         self.grads_ready = 0
+        # Its gradient buffer holds micro-batches' gradients that no reduce
+        # has taken yet (backward passes under no_sync).
+        self.accumulated = False
         self.grad_hooks: List[Any] = []  # keeps the AccumulateGrad nodes alive
 
 
@@ -213,6 +217,9 @@ class _State:
         # over the current unit's gradients.
         self.forward_order: List[_ShardedUnit] = []
         self.in_forward_order: set = set()
+        # False under no_sync(): backward adds the gradients into the units'
+        # gradient buffers and reduces nothing.
+        self.sync = True
 
     # -- gathering and binding -------------------------------------------------
 
@@ -325,7 +332,8 @@ class _State:
             self.push(unit)
 
     def push(self, unit: _ShardedUnit) -> None:
-        """Hands the unit's gradients to the daemon and releases it."""
+        """Hands the unit's gradients to the daemon and releases it; under
+        no_sync, adds them into its gradient buffer and reduces nothing."""
         view = _lib.View()
         _check(self.lib.zd_grad_buffer(self.handle, unit.zunit.id, ctypes.byref(view)),
                "gradient buffer of %s" % unit.name)
@@ -346,13 +354,19 @@ class _State:
                 t = unit.zunit.tensors[i]
                 dst = flat[t.offset:t.offset + t.numel]
                 if param.grad is None:
-                    dst.zero_()
+                    if not unit.accumulated:
+                        dst.zero_()
+                elif unit.accumulated:
+                    dst.add_(param.grad.reshape(-1))  # the order DDP's .grad sums in
+                    param.grad = None
                 else:
                     dst.copy_(param.grad.reshape(-1))
                     param.grad = None
-        # One-way: backward goes on while the daemon reduces; the step (or
-        # the unit's next gradient buffer) waits for it.
-        _check(self.lib.zd_reduce_async(self.handle, unit.zunit.id), "reduce %s" % unit.name)
+        if self.sync:
+            # One-way: backward goes on while the daemon reduces; the step
+            # (or the unit's next gradient buffer) waits for it.
+            _check(self.lib.zd_reduce_async(self.handle, unit.zunit.id), "reduce %s" % unit.name)
+        unit.accumulated = not self.sync
         unit.grads_ready = 0
         if unit.bwd_gathered:
             unit.bwd_gathered = False
@@ -382,6 +396,10 @@ class _State:
     def pending(self) -> List[str]:
         return [u.name for u in self.units if u.bwd_gathered or u.grads_ready]
 
+    def unreduced(self) -> List[str]:
+        """Units whose gradient buffers hold no_sync micro-batches."""
+        return [u.name for u in self.units if u.accumulated]
+
 
 class ShardedModule(nn.Module):
     """A module whose parameters live in zerod (see :func:`shard`).
@@ -408,6 +426,25 @@ class ShardedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's switch: False makes the backward passes that follow add
+        their gradients into the units' gradient buffers (shared memory in
+        the daemon's pool, counted in max_live_bytes) and reduce nothing;
+        the first backward with True adds its own and reduces the sum."""
+        self._zerod.sync = bool(requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's gradient accumulation: backward passes inside accumulate
+        without a collective; the next one outside reduces their sum with
+        its own (every rank must run the same passes inside and outside)."""
+        previous = self._zerod.sync
+        self._zerod.sync = False
+        try:
+            yield
+        finally:
+            self._zerod.sync = previous
 
     def _full_values(self) -> Dict[int, torch.Tensor]:
         """id(parameter) -> a copy of its full value, from the service."""
@@ -634,6 +671,11 @@ class Optimizer(torch.optim.Optimizer):
         pending = self._model._zerod.pending()
         if pending:
             raise ShardingError("step() while units %s still wait for gradients" % pending)
+        unreduced = self._model._zerod.unreduced()
+        if unreduced:
+            raise ShardingError(
+                "step() with gradients of units %s accumulated under no_sync and not reduced: "
+                "run the last micro-batch's backward outside no_sync (as with DDP)" % unreduced)
         if len(self.param_groups) != 1:
             raise ShardingError("zerod jobs have one parameter group")
         lr = float(self.param_groups[0]["lr"])
