@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+import zipfile
 
 import numpy as np
 import pytest
@@ -212,26 +213,63 @@ def test_optimizer_state_reads_back_and_loads(start_daemon):
         assert unit.read_state("weights")[0].tolist() == [0.0] * 4  # the session goes on
 
 
-def test_pip_install(tmp_path):
-    """`pip install client/python` into a fresh virtual environment (with
-    the system's site packages for numpy), then import it from elsewhere."""
+def test_pip_install(tmp_path, start_daemon):
+    """`pip wheel client/python` builds a platform wheel with libzerod.so in
+    it (the package's build step runs CMake; here on this build tree); a
+    fresh virtual environment (the system's site packages for numpy) that
+    installs it imports zerod from there and trains a step without
+    ZEROD_LIBRARY."""
     source = tmp_path / "src"
     # A copy, so that the build's by-products stay out of the checkout.
     shutil.copytree(PACKAGE_DIR, source, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info",
                                                                         "build"))
+    build_tree = os.path.dirname(os.path.dirname(os.environ["ZEROD_LIBRARY"]))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ZEROD_LIBRARY")}
+    wheels = tmp_path / "wheels"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                            "--no-build-isolation", "--no-index", "-q", "-w", str(wheels),
+                            str(source)], capture_output=True, text=True,
+                           env=dict(env, ZEROD_CMAKE_BUILD_DIR=build_tree))
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = wheels.glob("zerod-*.whl")
+    assert not wheel.name.endswith("-any.whl"), wheel.name  # it carries a shared object
+    with zipfile.ZipFile(wheel) as z:
+        assert "zerod/lib/libzerod.so" in z.namelist()
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps",
-                          "--no-build-isolation", "--no-index", "-q", str(source)],
-                         capture_output=True, text=True)
+                          "--no-index", "-q", str(wheel)], capture_output=True, text=True)
     assert pip.returncode == 0, pip.stdout + pip.stderr
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    probe = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import zerod, zerod.client; print(zerod.__file__); "
-                            "print(zerod.default_socket())"],
+    daemon = start_daemon(ranks=1)
+    program = (
+        "import sys, numpy as np, zerod, zerod._lib as L\n"
+        "lib = L.load()\n"
+        "print(zerod.__file__); print(lib._name)\n"
+        "with zerod.Client(sys.argv[1]) as c:\n"
+        "    job = c.attach('wheel', config=zerod.JobConfig(optimizer='sgd', lr=0.5))\n"
+        "    u = job.register('u', [('w', (4,))], values=np.ones(4, np.float32))\n"
+        "    u.grad_buffer().arrays()['w'][...] = 1.0\n"
+        "    u.reduce()\n"
+        "    print(job.step().step, u.read_state()[0].tolist())\n")
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", program, daemon.socket],
                            capture_output=True, text=True, cwd=str(tmp_path), env=env)
     assert probe.returncode == 0, probe.stderr
-    assert str(venv) in probe.stdout.splitlines()[0]
+    module, library, result = probe.stdout.splitlines()
+    assert module.startswith(str(venv)) and library.startswith(str(venv)), probe.stdout
+    assert result == "1 [0.5, 0.5, 0.5, 0.5]"
+
+
+def test_pip_install_without_the_project_says_what_it_needs(tmp_path):
+    source = tmp_path / "src"
+    shutil.copytree(PACKAGE_DIR, source, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info",
+                                                                        "build"))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "ZEROD_CMAKE_BUILD_DIR", "ZEROD_SOURCE_DIR")}
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                            "--no-build-isolation", "--no-index", "-w", str(tmp_path / "w"),
+                            str(source)], capture_output=True, text=True, env=env)
+    assert built.returncode != 0
+    assert "set ZEROD_SOURCE_DIR to a zerod checkout" in built.stdout + built.stderr
 
 
 def test_stats_count_the_bytes_each_collective_moved(start_daemon):

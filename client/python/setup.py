@@ -1,0 +1,85 @@
+"""Builds the zerod package with libzerod.so inside it.
+
+The Python code calls libzerod (the C client library) through ctypes, so a
+wheel carries the library as zerod/lib/libzerod.so, built here with the
+repository's CMake project:
+
+- ``ZEROD_CMAKE_BUILD_DIR`` names a configured build tree: its ``zerod``
+  target is built (a no-op when it is current) and its library copied;
+- otherwise the project at ``ZEROD_SOURCE_DIR`` (default: the repository
+  this directory belongs to) is configured in a build directory of its own
+  (``build/cmake`` here) with only what the library needs, and built.
+
+A source tree without the project (a copy of this directory alone) and no
+build tree named is an error that says so. The library links the system's
+libprotobuf-c: the wheel is for the distribution it was built on, not a
+manylinux wheel.
+"""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+from setuptools.dist import Distribution
+
+HERE = Path(__file__).resolve().parent
+LIBRARY = "libzerod.so"
+
+
+def _run(cmd):
+    print("zerod: " + " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True)
+
+
+def _source_dir() -> Path:
+    explicit = os.environ.get("ZEROD_SOURCE_DIR")
+    root = Path(explicit) if explicit else HERE.parent.parent
+    cmakelists = root / "CMakeLists.txt"
+    if not cmakelists.is_file() or "project(zerod" not in cmakelists.read_text():
+        raise SystemExit(
+            "zerod: building the package needs libzerod from zerod's CMake project, and %s is "
+            "not it: set ZEROD_SOURCE_DIR to a zerod checkout, or ZEROD_CMAKE_BUILD_DIR to a "
+            "configured build tree" % root)
+    return root
+
+
+def build_library() -> Path:
+    """Builds libzerod and returns the path of the shared object."""
+    tree = os.environ.get("ZEROD_CMAKE_BUILD_DIR")
+    if tree:
+        build = Path(tree)
+    else:
+        source = _source_dir()
+        build = HERE / "build" / "cmake"
+        if not (build / "CMakeCache.txt").exists():
+            generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+            _run(["cmake", "-S", source, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release",
+                  "-DZEROD_TESTS=OFF", "-DZEROD_BENCH=OFF", "-DZEROD_CUDA=OFF"])
+    _run(["cmake", "--build", build, "--target", "zerod"])
+    library = build / "lib" / LIBRARY
+    if not library.exists():
+        raise SystemExit("zerod: the build made no %s" % library)
+    return library.resolve()
+
+
+class BuildWithLibrary(build_py):
+    """build_py, plus libzerod.so in the package's lib/ directory."""
+
+    def run(self):
+        super().run()
+        target = Path(self.build_lib) / "zerod" / "lib"
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(build_library(), target / LIBRARY)
+
+
+class BinaryDistribution(Distribution):
+    """The wheel holds a shared object: platform-specific, not pure Python."""
+
+    def has_ext_modules(self):
+        return True
+
+
+setup(cmdclass={"build_py": BuildWithLibrary}, distclass=BinaryDistribution)
