@@ -2353,6 +2353,11 @@ zd_status zd_step(zd_job *job, const zd_step_options *caller_options, zd_step_re
   request.set_max_grad_norm = options.set_max_grad_norm != 0;
   request.max_grad_norm = options.max_grad_norm;
   request.grad_scale = options.grad_scale;
+  if (options.ngroup_lr != 0 && options.group_lr == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT, "step: group_lr is NULL with ngroup_lr %u",
+                     options.ngroup_lr);
+  request.n_group_lr = options.ngroup_lr;
+  request.group_lr = (double *)options.group_lr;
   ProtobufCMessage *reply_msg;
   int fds[ZD_FRAME_MAX_FDS];
   unsigned nfds;
@@ -2370,6 +2375,85 @@ zd_status zd_step(zd_job *job, const zd_step_options *caller_options, zd_step_re
   }
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   return client_finish(job->client);
+}
+
+zd_status zd_set_groups(zd_job *job, const zd_param_group *groups, unsigned ngroups,
+                        const zd_unit *units, const unsigned *const *tensor_groups,
+                        unsigned nunits) {
+  const char *what = "set groups";
+  zd_status status = job_check_writable(job, what);
+  if (status != ZD_OK)
+    return status;
+  if (groups == NULL || ngroups == 0 || (nunits != 0 && (units == NULL || tensor_groups == NULL)))
+    return set_error(ZD_E_INVALID_ARGUMENT, "%s: groups, units and tensor_groups must be given",
+                     what);
+  Zerod__V1__OptimizerConfig *configs = calloc(ngroups, sizeof *configs);
+  Zerod__V1__OptimizerConfig **config_ptrs = calloc(ngroups, sizeof *config_ptrs);
+  Zerod__V1__UnitGroups *unit_groups = calloc(nunits + 1, sizeof *unit_groups);
+  Zerod__V1__UnitGroups **unit_ptrs = calloc(nunits + 1, sizeof *unit_ptrs);
+  uint32_t **indices = calloc(nunits + 1, sizeof *indices);
+  if (configs == NULL || config_ptrs == NULL || unit_groups == NULL || unit_ptrs == NULL ||
+      indices == NULL) {
+    status = set_error(ZD_E_NOMEM, "%s: out of memory", what);
+    goto done;
+  }
+  for (unsigned g = 0; g < ngroups; g++) {
+    Zerod__V1__OptimizerConfig *c = &configs[g];
+    zerod__v1__optimizer_config__init(c);
+    c->lr = groups[g].lr;
+    c->beta1 = groups[g].beta1;
+    c->beta2 = groups[g].beta2;
+    c->eps = groups[g].eps;
+    c->weight_decay = groups[g].weight_decay;
+    c->has_weight_decay = groups[g].has_weight_decay != 0;
+    c->momentum = groups[g].momentum;
+    c->dampening = groups[g].dampening;
+    c->nesterov = groups[g].nesterov != 0;
+    config_ptrs[g] = c;
+  }
+  for (unsigned u = 0; u < nunits; u++) {
+    client_unit *unit = job_find_unit(job, units[u]);
+    if (unit == NULL) {
+      status = set_error(ZD_E_INVALID_ARGUMENT, "%s: unit %u is not known to this job", what,
+                         (unsigned)units[u]);
+      goto done;
+    }
+    indices[u] = calloc(unit->ntensors + 1, sizeof *indices[u]);
+    if (indices[u] == NULL) {
+      status = set_error(ZD_E_NOMEM, "%s: out of memory", what);
+      goto done;
+    }
+    for (unsigned t = 0; t < unit->ntensors; t++)
+      indices[u][t] = tensor_groups[u][t];
+    zerod__v1__unit_groups__init(&unit_groups[u]);
+    unit_groups[u].unit_id = units[u];
+    unit_groups[u].n_tensor_group = unit->ntensors;
+    unit_groups[u].tensor_group = indices[u];
+    unit_ptrs[u] = &unit_groups[u];
+  }
+  Zerod__V1__SetGroupsRequest request = ZEROD__V1__SET_GROUPS_REQUEST__INIT;
+  request.n_groups = ngroups;
+  request.groups = config_ptrs;
+  request.n_units = nunits;
+  request.units = unit_ptrs;
+  ProtobufCMessage *reply_msg;
+  int fds[ZD_FRAME_MAX_FDS];
+  unsigned nfds;
+  status = client_call(job->client, ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS, &request.base, NULL, 0,
+                       ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS_REPLY, what, &reply_msg, fds, &nfds);
+  if (status == ZD_OK) {
+    protobuf_c_message_free_unpacked(reply_msg, NULL);
+    status = client_finish(job->client);
+  }
+done:
+  for (unsigned u = 0; indices != NULL && u < nunits; u++)
+    free(indices[u]);
+  free(indices);
+  free(unit_ptrs);
+  free(unit_groups);
+  free(config_ptrs);
+  free(configs);
+  return status;
 }
 
 zd_status zd_detach(zd_job *job) {

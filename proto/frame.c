@@ -172,6 +172,10 @@ const ProtobufCMessageDescriptor *zd_msg_descriptor(uint16_t type) {
     return &zerod__v1__read_state_request__descriptor;
   case ZEROD__V1__MSG_TYPE__MSG_READ_STATE_REPLY:
     return &zerod__v1__read_state_reply__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS:
+    return &zerod__v1__set_groups_request__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS_REPLY:
+    return &zerod__v1__set_groups_reply__descriptor;
   default:
     return NULL;
   }

@@ -232,6 +232,10 @@ typedef struct zd_step_options {
   int set_max_grad_norm;
   double max_grad_norm;
   double grad_scale; /* 0 or 1: none */
+  /* Every parameter group's learning rate from this step on (zd_set_groups;
+   * ngroup_lr 0: unchanged, else the number of groups). */
+  const double *group_lr;
+  unsigned ngroup_lr;
 } zd_step_options;
 
 #define ZD_STEP_OPTIONS_INIT ZD_SIZED_INIT(zd_step_options)
@@ -365,6 +369,30 @@ ZD_API zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, uns
  * copy change, the optimizer state does not, and the job's version goes up
  * by one (*version, may be NULL). */
 ZD_API zd_status zd_load_unit(zd_job *job, zd_unit unit, const float *values, uint64_t *version);
+
+/* torch.optim's parameter groups: each its own hyper-parameters, the job's
+ * algorithm. Zero lr, beta1, beta2 and eps are the job's; weight_decay is
+ * the job's unless has_weight_decay; momentum, dampening and nesterov are
+ * taken as given. */
+typedef struct zd_param_group {
+  double lr, beta1, beta2, eps;
+  double weight_decay;
+  int has_weight_decay;
+  double momentum, dampening;
+  int nesterov;
+} zd_param_group;
+
+/* The job's parameter groups (1..64) and, for each listed unit, the group
+ * of each of its tensors (tensor_groups[i]: that unit's tensor count of
+ * indices, in its tensor order); units left out are all in group 0. The
+ * steps that follow run each tensor with its group's hyper-parameters;
+ * zd_step_options.group_lr sets their learning rates. Every rank must send
+ * the same (checked like a job config: ZD_E_INVALID_ARGUMENT names the
+ * group or tensor). The groups last while the job's ranks do on this daemon
+ * (not through a restart or restore: send them again). */
+ZD_API zd_status zd_set_groups(zd_job *job, const zd_param_group *groups, unsigned ngroups,
+                               const zd_unit *units, const unsigned *const *tensor_groups,
+                               unsigned nunits);
 
 /* A unit's fp32 arrays in the daemon (zd_load_state, zd_read_state). */
 typedef enum zd_unit_state {

@@ -290,3 +290,43 @@ int job_config_diff(const job_config *want, const job_config *have, char *fields
 #undef DIFFERS
   return n;
 }
+
+void job_group_of_config(const job_config *c, double lr, job_group *out) {
+  out->lr = lr;
+  out->beta1 = c->beta1;
+  out->beta2 = c->beta2;
+  out->eps = c->eps;
+  out->weight_decay = c->weight_decay;
+  out->momentum = c->momentum;
+  out->dampening = c->dampening;
+  out->nesterov = c->nesterov;
+}
+
+int job_group_from_proto(const job_config *job, const Zerod__V1__OptimizerConfig *o, job_group *out,
+                         char *err, size_t err_bytes) {
+  if (o->kind != ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED &&
+      (job_optimizer)o->kind != job->optimizer) {
+    snprintf(err, err_bytes, "a group's optimizer must be the job's (%s): one algorithm per job",
+             job_optimizer_name(job->optimizer));
+    return -EINVAL;
+  }
+  if (job->optimizer == JOB_SGD && job->momentum == 0 && o->momentum != 0) {
+    snprintf(err, err_bytes,
+             "a group's momentum needs a job that keeps momentum buffers (the job's momentum "
+             "is 0: create it with momentum > 0)");
+    return -EINVAL;
+  }
+  job_config c = *job;
+  c.lr = o->lr != 0 ? o->lr : job->lr;
+  c.beta1 = o->beta1 != 0 ? o->beta1 : job->beta1;
+  c.beta2 = o->beta2 != 0 ? o->beta2 : job->beta2;
+  c.eps = o->eps != 0 ? o->eps : job->eps;
+  c.weight_decay = o->has_weight_decay ? o->weight_decay : job->weight_decay;
+  c.momentum = o->momentum;
+  c.dampening = o->dampening;
+  c.nesterov = o->nesterov;
+  int rc = job_config_finish(&c, c.max_live_bytes, err, err_bytes);
+  if (rc == 0)
+    job_group_of_config(&c, c.lr, out);
+  return rc;
+}

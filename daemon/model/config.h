@@ -34,6 +34,16 @@ typedef struct job_config {
   uint32_t hpz_partition_size;  /* hpZ: 1 (off; finish: 0 -> 1) or ranks per node */
 } job_config;
 
+/* A parameter group's hyper-parameters (zerod.torch.Optimizer's groups,
+ * torch.optim's); the algorithm is the job's. */
+typedef struct job_group {
+  double lr, beta1, beta2, eps, weight_decay;
+  double momentum, dampening;
+  int nesterov;
+} job_group;
+
+#define JOB_MAX_GROUPS 64
+
 #define JOB_DEFAULT_QUANTIZATION_BLOCK 256
 #define JOB_MAX_HPZ_PARTITION_SIZE     4096
 
@@ -49,6 +59,16 @@ int job_config_from_proto(const Zerod__V1__JobConfig *proto, job_config *config,
  * without a prefix (callers add whose config it is: "job 'x': ..."). */
 int job_config_finish(job_config *config, uint64_t default_max_live_bytes, char *err,
                       size_t err_bytes);
+
+/* The group a SetGroupsRequest's OptimizerConfig describes for a job of
+ * finished config job: zero lr, betas and eps are the job's, weight decay
+ * the job's unless has_weight_decay; checked as job_config_finish checks a
+ * config. Returns 0 or -EINVAL with a message. */
+int job_group_from_proto(const job_config *job, const Zerod__V1__OptimizerConfig *o, job_group *out,
+                         char *err, size_t err_bytes);
+
+/* Group 0 of a job that has no groups of its own: its config, lr. */
+void job_group_of_config(const job_config *config, double lr, job_group *out);
 
 /* The protocol's JobConfig of a finished config, every field set (weight
  * decay included: has_weight_decay), as GetJob and AttachReply show what

@@ -627,6 +627,8 @@ static op_kind kind_of(uint16_t type) {
     return OP_LOAD;
   case ZEROD__V1__MSG_TYPE__MSG_READ_STATE:
     return OP_READ_STATE;
+  case ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS:
+    return OP_SET_GROUPS;
   case ZEROD__V1__MSG_TYPE__MSG_PIN:
     return OP_PIN;
   default:
@@ -649,6 +651,8 @@ static const char *write_request_name(uint16_t type) {
     return "load_unit";
   case ZEROD__V1__MSG_TYPE__MSG_READ_STATE:
     return "read_state"; /* a collective of the job's ranks */
+  case ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS:
+    return "set_groups";
   default:
     return NULL;
   }
@@ -669,6 +673,7 @@ static int is_request(uint16_t type) {
   case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT:
   case ZEROD__V1__MSG_TYPE__MSG_STATS:
   case ZEROD__V1__MSG_TYPE__MSG_READ_STATE:
+  case ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS:
     return 1;
   default:
     return 0;

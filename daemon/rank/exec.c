@@ -118,6 +118,9 @@ static void run_op(rank_state *rs, exec_op *op) {
   case OP_READ_STATE:
     exec__handle_read_state(rs, op);
     break;
+  case OP_SET_GROUPS:
+    exec__handle_set_groups(rs, op);
+    break;
   case OP_PIN: /* read-only sessions' ops never reach an executor */
     break;
   case OP_TRIM:
@@ -345,6 +348,7 @@ void exec_rank_free(rank_state *rs) {
   rs->order = NULL;
   free(rs->qgather);
   free(rs->qdequant);
+  free(rs->groups);
   rs->qgather = NULL;
   rs->qdequant = NULL;
   rs->qgather_bytes = rs->qdequant_numel = 0;

@@ -49,6 +49,12 @@ int exec__shard_create(rank_state *rs, const unit_layout *l);
  * gradient accumulator, the optimizer's moments, a bf16 working copy. */
 uint64_t exec__shard_bytes(const rank_state *rs, const unit_layout *l);
 
+/* Recomputes the shard's trainable ranges with each tensor's parameter
+ * group (tensor_group[t], one per tensor of l; NULL: all in group 0), so
+ * that no range spans two groups. 0 or -ENOMEM (the ranges unchanged). */
+int exec__shard_set_groups(rank_state *rs, const unit_layout *l, shard *sh,
+                           const uint32_t *tensor_group);
+
 /* The shard's fp32 array of a state (JOB_STATE_MASTER, _MOMENT1,
  * _MOMENT2: UnitState's numbers), or NULL where the job's optimizer keeps
  * no such state. */
@@ -108,6 +114,14 @@ void exec__handle_reduce(rank_state *rs, exec_op *op);
  * gathered from every rank's shard, the tensors back to back in a memfd
  * that goes with the reply. */
 void exec__handle_read_state(rank_state *rs, exec_op *op);
+
+/* ---- groups.c ---------------------------------------------------------------- */
+
+/* SET_GROUPS: the job's parameter groups and each tensor's group. */
+void exec__handle_set_groups(rank_state *rs, exec_op *op);
+
+/* Group g's hyper-parameters for the next step (g < max(1, ngroups)). */
+void exec__group(const rank_state *rs, uint32_t g, job_group *out);
 
 /* ---- step.c ------------------------------------------------------------------ */
 

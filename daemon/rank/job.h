@@ -43,6 +43,7 @@ struct job_series;
 /* A [begin, end) range of a shard, in shard elements. */
 typedef struct shard_range {
   uint64_t begin, end;
+  uint32_t group; /* trainable ranges: the parameter group of its tensor */
 } shard_range;
 
 /* Gathered units, gradient buffers, and hpZ secondary partitions (a
@@ -133,8 +134,12 @@ typedef struct rank_state {
    * pin_begin_write under the job's pin_mutex, where readers look at it;
    * the executor reads it freely. */
   uint64_t version;
-  uint64_t state_bytes; /* executor-owned: bytes of its shards (exec__shard_bytes) */
-  double lr, max_grad_norm;
+  uint64_t state_bytes;     /* executor-owned: bytes of its shards (exec__shard_bytes) */
+  double lr, max_grad_norm; /* lr: group 0's */
+  /* SET_GROUPS' parameter groups (groups[0].lr unused: lr is group 0's);
+   * none (0): one group, the job's config. Executor-owned. */
+  job_group *groups;
+  unsigned ngroups;
   double progress_since_s; /* monotonic time of the last progress line */
   uint64_t progress_since_step;
   float *scratch; /* fp32, scratch_numel: initial values, reduce input */

@@ -41,10 +41,11 @@ void exec__shard_free(rank_state *rs, shard *sh) {
   sh->secondary_buf = -1;
 }
 
-static int ranges_push(shard_range **ranges, unsigned *n, uint64_t begin, uint64_t end) {
+static int ranges_push(shard_range **ranges, unsigned *n, uint64_t begin, uint64_t end,
+                       uint32_t group) {
   if (begin >= end)
     return 0;
-  if (*n > 0 && (*ranges)[*n - 1].end == begin) {
+  if (*n > 0 && (*ranges)[*n - 1].end == begin && (*ranges)[*n - 1].group == group) {
     (*ranges)[*n - 1].end = end;
     return 0;
   }
@@ -53,6 +54,7 @@ static int ranges_push(shard_range **ranges, unsigned *n, uint64_t begin, uint64
     return -ENOMEM;
   grown[*n].begin = begin;
   grown[*n].end = end;
+  grown[*n].group = group;
   *ranges = grown;
   (*n)++;
   return 0;
@@ -91,26 +93,21 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
       (has[JOB_STATE_MOMENT1] && sh->moment1 == NULL) ||
       (has[JOB_STATE_MOMENT2] && sh->moment2 == NULL) || sh->working == NULL)
     err = -ENOMEM;
-  /* Trainable ranges of this rank's shard, and the ranges of the whole flat
-   * buffer that hold no trainable tensor (gaps, padding, frozen tensors):
-   * gradients there are zeroed before a reduce. */
-  uint64_t lo = (uint64_t)rs->rank * n, hi = lo + n, cursor = 0;
+  /* The ranges of the whole flat buffer that hold no trainable tensor
+   * (gaps, padding, frozen tensors): gradients there are zeroed before a
+   * reduce. */
+  uint64_t cursor = 0;
   for (unsigned t = 0; t < l->ntensors && err == 0; t++) {
     const tensor_layout *tl = &l->tensors[t];
-    err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, cursor, tl->offset);
-    if (tl->frozen) {
-      if (err == 0)
-        err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, tl->offset, tl->offset + tl->numel);
-    } else {
-      uint64_t b = tl->offset > lo ? tl->offset : lo;
-      uint64_t e = tl->offset + tl->numel < hi ? tl->offset + tl->numel : hi;
-      if (b < e && err == 0)
-        err = ranges_push(&sh->trainable, &sh->ntrainable, b - lo, e - lo);
-    }
+    err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, cursor, tl->offset, 0);
+    if (tl->frozen && err == 0)
+      err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, tl->offset, tl->offset + tl->numel, 0);
     cursor = tl->offset + tl->numel;
   }
   if (err == 0)
-    err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, cursor, l->padded_numel);
+    err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, cursor, l->padded_numel, 0);
+  if (err == 0)
+    err = exec__shard_set_groups(rs, l, sh, NULL);
   if (err != 0) {
     exec__shard_free(rs, sh);
     return err;
@@ -159,6 +156,28 @@ shard *exec__lookup_shard(rank_state *rs, exec_op *op, uint32_t unit_id, unit_la
   }
   *out = l;
   return &rs->shards[unit_id];
+}
+
+int exec__shard_set_groups(rank_state *rs, const unit_layout *l, shard *sh,
+                           const uint32_t *tensor_group) {
+  shard_range *ranges = NULL;
+  unsigned n = 0;
+  uint64_t lo = (uint64_t)rs->rank * l->shard_numel, hi = lo + l->shard_numel;
+  for (unsigned t = 0; t < l->ntensors; t++) {
+    const tensor_layout *tl = &l->tensors[t];
+    if (tl->frozen)
+      continue;
+    uint64_t b = tl->offset > lo ? tl->offset : lo;
+    uint64_t e = tl->offset + tl->numel < hi ? tl->offset + tl->numel : hi;
+    if (b < e && ranges_push(&ranges, &n, b - lo, e - lo, tensor_group ? tensor_group[t] : 0)) {
+      free(ranges);
+      return -ENOMEM;
+    }
+  }
+  free(sh->trainable);
+  sh->trainable = ranges;
+  sh->ntrainable = n;
+  return 0;
 }
 
 float *exec__shard_state(rank_state *rs, shard *sh, uint32_t state) {

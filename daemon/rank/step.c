@@ -46,7 +46,16 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
   Zerod__V1__StepRequest *req = (Zerod__V1__StepRequest *)op->request;
   if (exec__op_job_failed(rs, op))
     return;
-  if ((req->set_lr && !(req->lr > 0 && isfinite(req->lr))) ||
+  int bad_group_lr = 0;
+  for (size_t g = 0; g < req->n_group_lr; g++)
+    bad_group_lr |= !(req->group_lr[g] > 0 && isfinite(req->group_lr[g]));
+  unsigned ngroups = rs->ngroups ? rs->ngroups : 1;
+  if (req->n_group_lr != 0 && req->n_group_lr != ngroups) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "%zu group learning rates for %u parameter groups", req->n_group_lr, ngroups);
+    return;
+  }
+  if ((req->set_lr && !(req->lr > 0 && isfinite(req->lr))) || bad_group_lr ||
       (req->set_max_grad_norm && !(req->max_grad_norm >= 0)) ||
       !(req->grad_scale >= 0 && isfinite(req->grad_scale))) {
     /* No "step: " here: the client names the request it failed (libzerod
@@ -57,6 +66,12 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
   }
   if (req->set_lr)
     rs->lr = req->lr;
+  for (size_t g = 0; g < req->n_group_lr; g++) {
+    if (g == 0)
+      rs->lr = req->group_lr[0];
+    else
+      rs->groups[g].lr = req->group_lr[g];
+  }
   if (req->set_max_grad_norm)
     rs->max_grad_norm = req->max_grad_norm;
   double grad_scale = req->grad_scale == 0 ? 1.0 : req->grad_scale;
@@ -113,27 +128,29 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
         continue;
       for (unsigned k = 0; k < sh->ntrainable; k++) {
         uint64_t b = sh->trainable[k].begin, n = sh->trainable[k].end - b;
+        job_group grp;
+        exec__group(rs, sh->trainable[k].group, &grp);
         size_t welem = zk_dtype_size(c->working_dtype);
         void *working =
             sh->working == (void *)sh->master ? NULL : (uint8_t *)sh->working + b * welem;
         zk_dtype wdtype = working != NULL ? c->working_dtype : ZK_DTYPE_NONE;
         int rc;
         if (c->optimizer == JOB_SGD) {
-          zk_sgd_hparams hp = {.lr = rs->lr,
-                               .momentum = c->momentum,
-                               .dampening = c->dampening,
-                               .weight_decay = c->weight_decay,
-                               .nesterov = c->nesterov,
+          zk_sgd_hparams hp = {.lr = grp.lr,
+                               .momentum = grp.momentum,
+                               .dampening = grp.dampening,
+                               .weight_decay = grp.weight_decay,
+                               .nesterov = grp.nesterov,
                                .step = step_number,
                                .grad_scale = coef / grad_scale};
           rc = device_sgd_step(dev, &hp, sh->master + b, sh->moment1 ? sh->moment1 + b : NULL,
                                sh->grad_acc + b, working, wdtype, n);
         } else {
-          zk_adam_hparams hp = {.lr = rs->lr,
-                                .beta1 = c->beta1,
-                                .beta2 = c->beta2,
-                                .eps = c->eps,
-                                .weight_decay = c->weight_decay,
+          zk_adam_hparams hp = {.lr = grp.lr,
+                                .beta1 = grp.beta1,
+                                .beta2 = grp.beta2,
+                                .eps = grp.eps,
+                                .weight_decay = grp.weight_decay,
                                 .decoupled_weight_decay = c->optimizer == JOB_ADAMW,
                                 .step = step_number,
                                 .grad_scale = coef / grad_scale};

@@ -213,6 +213,32 @@ def test_optimizer_state_reads_back_and_loads(start_daemon):
         assert unit.read_state("weights")[0].tolist() == [0.0] * 4  # the session goes on
 
 
+def test_parameter_groups_are_checked_like_a_config(start_daemon):
+    daemon = start_daemon(ranks=1)
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("groups", config=zerod.JobConfig(optimizer="sgd", lr=0.1))
+        unit = job.register("u", [("w", (4,)), ("b", (2,))], init="zeros")
+        with pytest.raises(zerod.InvalidArgumentError, match=r"group 1: invalid weight decay -1"):
+            job.set_groups([{}, {"weight_decay": -1.0}], {unit.id: [0, 1]})
+        with pytest.raises(zerod.InvalidArgumentError, match="keeps momentum buffers"):
+            job.set_groups([{}, {"momentum": 0.9}], {unit.id: [0, 1]})
+        with pytest.raises(zerod.InvalidArgumentError, match=r"tensor 'b' of unit 'u' is in group 2"):
+            job.set_groups([{}, {}], {unit.id: [0, 2]})
+        with pytest.raises(zerod.InvalidArgumentError, match="has 2 tensors, 1 groups given"):
+            job.set_groups([{}, {}], {unit.id: [0]})
+        job.set_groups([{"lr": 0.1}, {"lr": 0.5}], {unit.id: [0, 1]})
+        grads = unit.grad_buffer().arrays()
+        grads["w"][...] = 1.0
+        grads["b"][...] = 1.0
+        unit.reduce()
+        with pytest.raises(zerod.InvalidArgumentError, match="1 group learning rates for 2"):
+            job.step(group_lrs=[0.1])
+        job.step()
+        # SGD: each tensor moved by its own group's lr.
+        np.testing.assert_array_equal(unit.read_state()[0],
+                                      np.array([-0.1] * 4 + [-0.5] * 2, dtype=np.float32))
+
+
 def test_pip_install(tmp_path, start_daemon):
     """`pip wheel client/python` builds a platform wheel with libzerod.so in
     it (the package's build step runs CMake; here on this build tree); a

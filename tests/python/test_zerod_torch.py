@@ -87,6 +87,55 @@ def test_accumulation_clipping_schedule_match_torch(start_daemon):
     assert opt.last_step.grad_norm > 0.05
 
 
+def decay_groups(model, lr):
+    """The usual recipe: no weight decay on norms and biases, and those at
+    twice the learning rate (so that both hyper-parameters differ)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if name.endswith("bias") or ".norm" in name or name.startswith("norm")
+         else decay).append(p)
+    return [{"params": decay, "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 2 * lr}]
+
+
+def test_param_groups_match_torch_adamw(start_daemon):
+    """Two parameter groups (no decay on norms and biases, another lr) and a
+    per-group LambdaLR schedule: the weights of torch.optim.AdamW with the
+    same groups, and the optimizer state has both groups."""
+    lambdas = [lambda s: 1.0, lambda s: 0.8 ** s]
+    reference = TinyLM()
+    opt = torch.optim.AdamW(decay_groups(reference, LR), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
+    for step in range(10):
+        tokens, targets = batch(step, 8)
+        reference(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    client, job = attach(start_daemon(ranks=1))
+    model = zerod.torch.shard(TinyLM(), job)
+    zopt = zerod.torch.Optimizer(model, decay_groups(model.module, LR), lr=LR)
+    zsched = torch.optim.lr_scheduler.LambdaLR(zopt, lambdas)
+    for step in range(10):
+        tokens, targets = batch(step, 8)
+        model(tokens, targets).backward()
+        zopt.step()
+        zopt.zero_grad()
+        zsched.step()
+    assert max_rel_diff(model.state_dict(), reference.state_dict()) <= 1e-6
+    saved = zopt.state_dict()
+    assert [g["weight_decay"] for g in saved["param_groups"]] == [0.1, 0.0]
+    assert [len(g["params"]) for g in saved["param_groups"]] == [
+        len(g["params"]) for g in opt.state_dict()["param_groups"]]
+    with pytest.raises(zerod.ShardingError, match="takes its parameter groups when it is made"):
+        zopt.add_param_group({"params": []})
+    with pytest.raises(zerod.InvalidArgumentError, match="are in no group"):
+        zerod.torch.Optimizer(model, decay_groups(model.module, LR)[:1])
+    with pytest.raises(zerod.InvalidArgumentError, match="unknown optimizer options"):
+        zerod.torch.Optimizer(model, lr=LR, amsgrad=True)
+    client.close()
+
+
 def test_tied_weights(start_daemon):
     expected, _ = plain(steps=10, tie=True)
     got, _, _ = through_zerod(start_daemon(ranks=1), steps=10, tie=True)

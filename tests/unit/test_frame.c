@@ -204,6 +204,11 @@ typedef struct samples {
   Zerod__V1__RankStats rank_stats, *rank_stats_list[1];
   Zerod__V1__ReadStateRequest read_state;
   Zerod__V1__ReadStateReply read_state_reply;
+  Zerod__V1__SetGroupsRequest set_groups;
+  Zerod__V1__OptimizerConfig group, *group_list[1];
+  Zerod__V1__UnitGroups unit_groups, *unit_groups_list[1];
+  uint32_t tensor_group[3];
+  Zerod__V1__SetGroupsReply set_groups_reply;
   Zerod__V1__CollectiveCounter counter, *counter_list[1];
 } samples;
 
@@ -371,9 +376,28 @@ static void init_samples(samples *s) {
   s->read_state_reply.state = ZEROD__V1__UNIT_STATE__UNIT_STATE_MOMENT2;
   s->read_state_reply.step = 1001;
   s->read_state_reply.numel = 5ull << 30;
+  zerod__v1__optimizer_config__init(&s->group);
+  s->group.lr = 3e-4;
+  s->group.has_weight_decay = 1;
+  s->group_list[0] = &s->group;
+  zerod__v1__unit_groups__init(&s->unit_groups);
+  s->unit_groups.unit_id = 2;
+  s->tensor_group[0] = 0;
+  s->tensor_group[1] = 1;
+  s->tensor_group[2] = 0;
+  s->unit_groups.n_tensor_group = 3;
+  s->unit_groups.tensor_group = s->tensor_group;
+  s->unit_groups_list[0] = &s->unit_groups;
+  zerod__v1__set_groups_request__init(&s->set_groups);
+  s->set_groups.n_groups = 1;
+  s->set_groups.groups = s->group_list;
+  s->set_groups.n_units = 1;
+  s->set_groups.units = s->unit_groups_list;
+  zerod__v1__set_groups_reply__init(&s->set_groups_reply);
+  s->set_groups_reply.groups = 2;
 }
 
-#define SAMPLE_TYPES 22
+#define SAMPLE_TYPES 24
 
 typedef struct typed_sample {
   uint16_t type;
@@ -404,6 +428,8 @@ static size_t all_samples(const samples *s, typed_sample out[SAMPLE_TYPES]) {
       {ZEROD__V1__MSG_TYPE__MSG_STATS_REPLY, &s->stats_reply.base},
       {ZEROD__V1__MSG_TYPE__MSG_READ_STATE, &s->read_state.base},
       {ZEROD__V1__MSG_TYPE__MSG_READ_STATE_REPLY, &s->read_state_reply.base},
+      {ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS, &s->set_groups.base},
+      {ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS_REPLY, &s->set_groups_reply.base},
   };
   memcpy(out, table, sizeof table);
   return sizeof table / sizeof table[0];
@@ -505,7 +531,7 @@ static void test_fd_ranges_follow_the_protocol(void **state) {
 }
 
 static void test_unknown_message_type_has_no_descriptor_and_does_not_unpack(void **state) {
-  const uint16_t unknown[] = {ZEROD__V1__MSG_TYPE__MSG_NONE, 3, 15, 42, 0x7fff, 0xffff};
+  const uint16_t unknown[] = {ZEROD__V1__MSG_TYPE__MSG_NONE, 3, 15, 44, 0x7fff, 0xffff};
   for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
     assert_null(zd_msg_descriptor(unknown[i]));
     unsigned min_fds, max_fds;

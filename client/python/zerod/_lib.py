@@ -126,6 +126,22 @@ class StepOptions(ctypes.Structure):
         ("set_max_grad_norm", c_int),
         ("max_grad_norm", c_double),
         ("grad_scale", c_double),
+        ("group_lr", ctypes.POINTER(c_double)),
+        ("ngroup_lr", c_uint),
+    ]
+
+
+class ParamGroup(ctypes.Structure):
+    _fields_ = [
+        ("lr", c_double),
+        ("beta1", c_double),
+        ("beta2", c_double),
+        ("eps", c_double),
+        ("weight_decay", c_double),
+        ("has_weight_decay", c_int),
+        ("momentum", c_double),
+        ("dampening", c_double),
+        ("nesterov", c_int),
     ]
 
 
@@ -202,6 +218,8 @@ _SIGNATURES = {
     "zd_job_stats": (c_int, [c_void_p, _P(RankStats), c_uint, _P(c_uint)]),
     "zd_job_effective_config": (c_int, [c_void_p, _P(JobConfig)]),
     "zd_load_unit": (c_int, [c_void_p, c_uint32, c_void_p, _P(c_uint64)]),
+    "zd_set_groups": (c_int, [c_void_p, _P(ParamGroup), c_uint, _P(c_uint32),
+                              _P(_P(c_uint)), c_uint]),
     "zd_load_state": (c_int, [c_void_p, c_uint32, c_int, c_void_p, _P(c_uint64), _P(c_uint64)]),
     "zd_read_state": (c_int, [c_void_p, c_uint32, c_int, c_void_p, c_size_t, _P(c_uint64)]),
     "zd_register_unit": (c_int, [c_void_p, _P(UnitDesc), _P(c_uint32)]),

@@ -453,12 +453,53 @@ class Job:
         _check(self._lib.zd_pin(self._handle, ctypes.byref(version)), "pin")
         return int(version.value)
 
+    def set_groups(self, groups: Sequence[Dict[str, Any]],
+                   tensor_groups: Dict[int, Sequence[int]]) -> None:
+        """Parameter groups, as torch.optim has them: `groups` are dicts of
+        hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``,
+        ``momentum``, ``dampening``, ``nesterov``; missing keys take the
+        job's), `tensor_groups` maps a unit id to each of its tensors' group
+        (units left out: group 0). Every rank must send the same."""
+        c_groups = (_lib.ParamGroup * max(len(groups), 1))()
+        for c, g in zip(c_groups, groups):
+            unknown = set(g) - {"lr", "betas", "eps", "weight_decay", "momentum", "dampening",
+                                "nesterov"}
+            if unknown:
+                raise InvalidArgumentError("set_groups: unknown keys %s" % sorted(unknown))
+            c.lr = float(g.get("lr", 0.0))
+            c.beta1, c.beta2 = (float(b) for b in g.get("betas", (0.0, 0.0)))
+            c.eps = float(g.get("eps", 0.0))
+            if "weight_decay" in g:
+                c.weight_decay, c.has_weight_decay = float(g["weight_decay"]), 1
+            c.momentum = float(g.get("momentum", 0.0))
+            c.dampening = float(g.get("dampening", 0.0))
+            c.nesterov = int(bool(g.get("nesterov", False)))
+        ids = list(tensor_groups)
+        c_ids = (ctypes.c_uint32 * max(len(ids), 1))(*ids)
+        arrays = [(ctypes.c_uint * max(len(tensor_groups[u]), 1))(*tensor_groups[u]) for u in ids]
+        c_arrays = (ctypes.POINTER(ctypes.c_uint) * max(len(ids), 1))(
+            *[ctypes.cast(a, ctypes.POINTER(ctypes.c_uint)) for a in arrays])
+        for u in ids:
+            if len(tensor_groups[u]) != len(self._units[u].tensors):
+                raise InvalidArgumentError(
+                    "set_groups: unit %s has %d tensors, %d groups given" %
+                    (self._units[u].name, len(self._units[u].tensors), len(tensor_groups[u])))
+        _check(self._lib.zd_set_groups(self._handle, c_groups, len(groups), c_ids, c_arrays,
+                                       len(ids)), "set groups")
+
     def step(self, *, lr: Optional[float] = None, max_grad_norm: Optional[float] = None,
-             grad_scale: Optional[float] = None) -> StepResult:
-        """An optimizer step over all units (collective). `lr` and
+             grad_scale: Optional[float] = None,
+             group_lrs: Optional[Sequence[float]] = None) -> StepResult:
+        """An optimizer step over all units (collective). `lr` (group 0's)
+        or `group_lrs` (every group's, after :meth:`set_groups`) and
         `max_grad_norm` change the job's values from this step on;
         gradients are divided by `grad_scale` (averaging, loss scaling)."""
         options = _lib.sized(_lib.StepOptions)
+        keep = None
+        if group_lrs is not None:
+            keep = (ctypes.c_double * max(len(group_lrs), 1))(*[float(x) for x in group_lrs])
+            options.group_lr = ctypes.cast(keep, ctypes.POINTER(ctypes.c_double))
+            options.ngroup_lr = len(group_lrs)
         if lr is not None:
             options.set_lr, options.lr = 1, float(lr)
         if max_grad_norm is not None:

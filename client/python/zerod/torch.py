@@ -630,8 +630,10 @@ class Optimizer(torch.optim.Optimizer):
     every step's accumulation from zero itself.
     """
 
-    def __init__(self, model: ShardedModule, lr: Optional[float] = None,
-                 max_grad_norm: Optional[float] = None) -> None:
+    _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")
+
+    def __init__(self, model: ShardedModule, params: Any = None, lr: Optional[float] = None,
+                 max_grad_norm: Optional[float] = None, **defaults: Any) -> None:
         if not isinstance(model, ShardedModule):
             raise InvalidArgumentError("zerod.torch.Optimizer takes the model zerod.torch.shard "
                                        "returned")
@@ -643,15 +645,71 @@ class Optimizer(torch.optim.Optimizer):
             lr = config.lr if config is not None and config.lr else 1e-3
         if max_grad_norm is None and config is not None:
             max_grad_norm = config.max_grad_norm
-        params = [p for p in model.parameters() if p.requires_grad]
-        super().__init__(params, dict(lr=float(lr)))
+        unknown = set(defaults) - set(self._GROUP_KEYS)
+        if unknown:
+            raise InvalidArgumentError("unknown optimizer options %s (zerod groups take %s)" %
+                                       (sorted(unknown), ", ".join(self._GROUP_KEYS)))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        groups = self._groups_of(params, trainable)
+        self._grouped = params is not None and (len(groups) > 1 or bool(defaults) or any(
+            set(g) - {"params"} for g in groups))
+        super().__init__(groups, dict(lr=float(lr), **defaults))
         self._model = model
         self._job = job
+        if self._grouped:
+            self._send_groups()
         self._sent_lr: Optional[float] = None
+        self._sent_group_lrs: Optional[List[float]] = None
         self._sent_norm: Optional[float] = None
         self._clip: Optional[float] = None
         self.max_grad_norm = max_grad_norm
         self.last_step: Optional[StepResult] = None
+
+    @staticmethod
+    def _groups_of(params: Any, trainable: List[nn.Parameter]) -> List[Dict[str, Any]]:
+        """torch's param-group list (or a list of parameters, or None: all
+        of them), checked: every trainable parameter of the model in exactly
+        one group (zerod steps them all), nothing else."""
+        if params is None:
+            return [{"params": trainable}]
+        params = list(params)
+        groups = ([dict(g) for g in params] if params and isinstance(params[0], dict)
+                  else [{"params": params}])
+        known = {id(p) for p in trainable}
+        seen: Dict[int, int] = {}
+        for index, group in enumerate(groups):
+            if "params" not in group:
+                raise InvalidArgumentError("parameter group %d has no 'params'" % index)
+            group["params"] = list(group["params"])
+            for p in group["params"]:
+                if id(p) not in known:
+                    raise InvalidArgumentError("parameter group %d holds a tensor that is not a "
+                                               "trainable parameter of the sharded model" % index)
+                if id(p) in seen:
+                    raise InvalidArgumentError("a parameter is in groups %d and %d" %
+                                               (seen[id(p)], index))
+                seen[id(p)] = index
+        left = [p for p in trainable if id(p) not in seen]
+        if left:
+            raise InvalidArgumentError("%d trainable parameters are in no group: zerod steps every "
+                                       "trainable parameter of the model" % len(left))
+        return groups
+
+    def _send_groups(self) -> None:
+        """The groups' hyper-parameters and each tensor's group, to the
+        daemon (SET_GROUPS: every rank sends the same)."""
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        hparams = [{k: group[k] for k in self._GROUP_KEYS if k in group}
+                   for group in self.param_groups]
+        tensor_groups = {unit.zunit.id: [group_of.get(id(p), 0) for p in unit.params]
+                         for unit in self._model._zerod.units}
+        self._job.set_groups(hparams, tensor_groups)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if getattr(self, "_job", None) is not None:
+            raise ShardingError("zerod.torch.Optimizer takes its parameter groups when it is made "
+                                "(every trainable parameter in one): pass them all to it")
+        super().add_param_group(param_group)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
         """Clips the coming step's gradients to a global L2 norm of
@@ -676,18 +734,23 @@ class Optimizer(torch.optim.Optimizer):
             raise ShardingError(
                 "step() with gradients of units %s accumulated under no_sync and not reduced: "
                 "run the last micro-batch's backward outside no_sync (as with DDP)" % unreduced)
-        if len(self.param_groups) != 1:
-            raise ShardingError("zerod jobs have one parameter group")
-        lr = float(self.param_groups[0]["lr"])
+        lrs = [float(g["lr"]) for g in self.param_groups]
         norm = self._clip if self._clip is not None else self.max_grad_norm
         send_norm = None
         if norm is not None and norm != self._sent_norm:
             send_norm = norm
         elif norm is None and self._sent_norm is not None:
             send_norm = 0.0
-        result = self._job.step(lr=lr if lr != self._sent_lr else None, max_grad_norm=send_norm,
-                                grad_scale=float(self._job.world_size))
-        self._sent_lr = lr
+        if self._grouped:
+            group_lrs = lrs if lrs != self._sent_group_lrs else None
+            result = self._job.step(group_lrs=group_lrs, max_grad_norm=send_norm,
+                                    grad_scale=float(self._job.world_size))
+            self._sent_group_lrs = lrs
+        else:
+            result = self._job.step(lr=lrs[0] if lrs[0] != self._sent_lr else None,
+                                    max_grad_norm=send_norm,
+                                    grad_scale=float(self._job.world_size))
+            self._sent_lr = lrs[0]
         if send_norm is not None:
             self._sent_norm = send_norm
         self._clip = None
@@ -708,10 +771,14 @@ class Optimizer(torch.optim.Optimizer):
             return ["exp_avg", "exp_avg_sq"]
         return ["momentum_buffer"] if config.momentum != 0 else []
 
+    def _flat_params(self) -> List[nn.Parameter]:
+        """The groups' parameters in torch.optim's numbering (group by group)."""
+        return [p for group in self.param_groups for p in group["params"]]
+
     def _trainable(self) -> Iterator[Tuple[int, "_ShardedUnit", int, int, int]]:
-        """(index in param_groups[0]["params"], unit, tensor index, offset
+        """(torch.optim's index of the parameter, unit, tensor index, offset
         in the unit's packed values, numel) of every trainable parameter."""
-        index_of = {id(p): i for i, p in enumerate(self.param_groups[0]["params"])}
+        index_of = {id(p): i for i, p in enumerate(self._flat_params())}
         for unit in self._model._zerod.units:
             at = 0
             for k, (param, t) in enumerate(zip(unit.params, unit.zunit.tensors)):
@@ -726,8 +793,6 @@ class Optimizer(torch.optim.Optimizer):
         fp32 moments gathered whole. Where the working copy is not fp32 each
         entry also has ``"master"``: the fp32 weights, which the model's
         state_dict rounds. A collective: every rank calls it."""
-        if len(self.param_groups) != 1:
-            raise ShardingError("zerod jobs have one parameter group")
         names = self._moments()
         master = self._model._zerod.dtype != torch.float32
         read: Dict[Tuple[int, str], Tuple[np.ndarray, int]] = {}
@@ -745,13 +810,19 @@ class Optimizer(torch.optim.Optimizer):
                 entry[name] = torch.from_numpy(values[at:at + numel].copy()).view(shape)
             state[index] = entry
         config = self._job.effective_config
-        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        group.update(betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+        job_values: Dict[str, Any] = dict(betas=config.betas, eps=config.eps,
+                                          weight_decay=config.weight_decay)
         if config.optimizer == "sgd":
-            group.update(momentum=config.momentum, dampening=config.dampening,
-                         nesterov=config.nesterov)
-        group["params"] = list(range(len(self.param_groups[0]["params"])))
-        return {"state": state, "param_groups": [group]}
+            job_values.update(momentum=config.momentum, dampening=config.dampening,
+                              nesterov=config.nesterov)
+        groups, first = [], 0
+        for g in self.param_groups:
+            group = dict(job_values)
+            group.update({k: v for k, v in g.items() if k != "params"})
+            group["params"] = list(range(first, first + len(g["params"])))
+            first += len(g["params"])
+            groups.append(group)
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads what state_dict returned (or torch.optim's AdamW/Adam/SGD
@@ -760,14 +831,16 @@ class Optimizer(torch.optim.Optimizer):
         "master" (if present) to the fp32 weights. Checked whole on every
         rank before the first collective; every rank must pass the same."""
         groups = state_dict.get("param_groups")
-        ours = self.param_groups[0]["params"]
-        if not isinstance(groups, list) or len(groups) != 1:
-            raise ShardingError("the state has %s parameter groups; zerod jobs have one" %
-                                (len(groups) if isinstance(groups, list) else "no"))
-        if len(groups[0].get("params", [])) != len(ours):
-            raise ShardingError("the state's group has %d parameters, this optimizer %d" %
-                                (len(groups[0].get("params", [])), len(ours)))
-        position = {saved: i for i, saved in enumerate(groups[0]["params"])}
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise ShardingError("the state has %s parameter groups, this optimizer %d" %
+                                (len(groups) if isinstance(groups, list) else "no",
+                                 len(self.param_groups)))
+        for g, (saved, ours) in enumerate(zip(groups, self.param_groups)):
+            if len(saved.get("params", [])) != len(ours["params"]):
+                raise ShardingError("the state's group %d has %d parameters, this optimizer's %d" %
+                                    (g, len(saved.get("params", [])), len(ours["params"])))
+        position = {saved: i for i, saved in
+                    enumerate(p for group in groups for p in group["params"])}
         saved_state = {position[k]: v for k, v in state_dict.get("state", {}).items()
                        if k in position}
         names = self._moments()
@@ -800,8 +873,9 @@ class Optimizer(torch.optim.Optimizer):
                     if values is None:
                         values = np.zeros(unit.zunit.numel_packed, dtype=np.float32)
                     unit.zunit.load(values, state=name, step=step)
-        if "lr" in groups[0]:
-            self.param_groups[0]["lr"] = float(groups[0]["lr"])
+        for saved, ours in zip(groups, self.param_groups):
+            if "lr" in saved:
+                ours["lr"] = float(saved["lr"])
 
 
 def state_dict_from(job: Job) -> "OrderedDict[str, torch.Tensor]":
