@@ -203,6 +203,7 @@ struct zd_job {
   unsigned rank;
   unsigned world_size;
   uint64_t version;
+  double loss_scale;    /* for the next step's loss; 0: none */
   zd_job_config config; /* the job's, as the attach reply had it */
   char *attach_warning; /* AttachReply.warning; NULL if none */
   client_unit *units;   /* sorted by unit id */
@@ -887,6 +888,12 @@ static zd_status fill_job_config(const zd_job_config *caller_config, Zerod__V1__
   config->quantized_gradients = local.quantized_gradients;
   config->gradient_comm_dtype = (Zerod__V1__Dtype)local.gradient_comm_dtype;
   config->hpz_partition_size = local.hpz_partition_size;
+  config->loss_scale = local.loss_scale;
+  config->loss_scale_window = local.loss_scale_window;
+  config->loss_scale_growth = local.loss_scale_growth;
+  config->loss_scale_backoff = local.loss_scale_backoff;
+  config->loss_scale_hysteresis = local.loss_scale_hysteresis;
+  config->loss_scale_min = local.loss_scale_min;
   return ZD_OK;
 }
 
@@ -929,6 +936,12 @@ static void job_config_from_reply(const Zerod__V1__JobConfig *config, zd_job_con
                                  ? ZD_F32
                                  : (zd_dtype)config->gradient_comm_dtype;
   out->hpz_partition_size = config->hpz_partition_size;
+  out->loss_scale = config->loss_scale;
+  out->loss_scale_window = config->loss_scale_window;
+  out->loss_scale_growth = config->loss_scale_growth;
+  out->loss_scale_backoff = config->loss_scale_backoff;
+  out->loss_scale_hysteresis = config->loss_scale_hysteresis;
+  out->loss_scale_min = config->loss_scale_min;
 }
 
 zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, zd_job **out) {
@@ -1019,6 +1032,7 @@ zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, 
   job->rank = reply->rank;
   job->world_size = reply->world_size;
   job->version = job->pinned ? reply->pinned_version : reply->version;
+  job->loss_scale = reply->loss_scale;
   job_config_from_reply(reply->config, &job->config);
   if (reply->warning != NULL && reply->warning[0] != '\0' &&
       (job->attach_warning = strdup(reply->warning)) == NULL) {
@@ -1043,6 +1057,10 @@ unsigned zd_job_world_size(const zd_job *job) {
 
 uint64_t zd_job_version(const zd_job *job) {
   return job != NULL ? job->version : 0;
+}
+
+double zd_job_loss_scale(const zd_job *job) {
+  return job != NULL ? job->loss_scale : 0;
 }
 
 int zd_job_read_only(const zd_job *job) {
@@ -2367,11 +2385,13 @@ zd_status zd_step(zd_job *job, const zd_step_options *caller_options, zd_step_re
     return status;
   const Zerod__V1__StepReply *reply = (const Zerod__V1__StepReply *)reply_msg;
   job->version = reply->version;
+  job->loss_scale = reply->loss_scale;
   if (out != NULL) {
     out->step = reply->step;
     out->version = reply->version;
     out->grad_norm = reply->grad_norm;
     out->skipped = reply->skipped;
+    out->loss_scale = reply->loss_scale;
   }
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   return client_finish(job->client);

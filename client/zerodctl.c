@@ -804,6 +804,7 @@ static void json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   json_u64(j, "quantized_gradients", config->quantized_gradients);
   json_str(j, "gradient_comm_dtype", precision_name(config->gradient_comm_dtype));
   json_u64(j, "hpz_partition_size", config->hpz_partition_size);
+  json_f64(j, "loss_scale", config->loss_scale > 0 ? config->loss_scale : 0);
   json_u64(j, "max_live_bytes", config->max_live_bytes);
   json_f64(j, "max_grad_norm", config->max_grad_norm);
   json_close(j, '}');
@@ -908,6 +909,10 @@ static void print_job(const Zerod__V1__Job *job) {
                 config->quantization_block);
   else if (config->gradient_comm_dtype == ZEROD__V1__DTYPE__DTYPE_BF16)
     print_field("gradients between nodes", "bf16");
+  if (config->loss_scale > 0)
+    print_field("loss scaling", "from %g, x%g every %u good steps, x%g after %u overflows",
+                config->loss_scale, config->loss_scale_growth, config->loss_scale_window,
+                config->loss_scale_backoff, config->loss_scale_hysteresis);
   if (config->hpz_partition_size > 1)
     print_field("hpZ", "secondary partition over %u ranks of a node", config->hpz_partition_size);
   if (config->max_grad_norm > 0)
@@ -1191,8 +1196,10 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
       config.working_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
     else if (strcmp(o->precision, "bf16") == 0)
       config.working_dtype = ZEROD__V1__DTYPE__DTYPE_BF16;
+    else if (strcmp(o->precision, "fp16") == 0)
+      config.working_dtype = ZEROD__V1__DTYPE__DTYPE_F16; /* with dynamic loss scaling */
     else
-      return bad_create_value("--precision", o->precision, "fp32 or bf16");
+      return bad_create_value("--precision", o->precision, "fp32, bf16 or fp16");
   }
   if (o->collectives != NULL) {
     if (strcmp(o->collectives, "hierarchical") == 0)
@@ -1663,7 +1670,8 @@ static const char create_usage[] =
     "  --betas B1,B2            adamw and adam [default 0.9,0.999]\n"
     "  --eps X                  adamw and adam [default 1e-08]\n"
     "  --momentum X             sgd [default 0]\n"
-    "  --precision P            working copy precision: fp32 or bf16 [default fp32]\n"
+    "  --precision P            working copy precision: fp32, bf16 or fp16 (with dynamic\n"
+    "                           loss scaling from 65536) [default fp32]\n"
     "  --collectives C          hierarchical (node first, then across nodes: fewer\n"
     "                           bytes between nodes) or flat (sums in rank order,\n"
     "                           bit-identical to one process) [default hierarchical]\n"

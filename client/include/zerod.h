@@ -132,6 +132,15 @@ typedef struct zd_job_config {
    * evicted like a cached gather); a later gather of that version while
    * the slices are kept (the backward pass) stays inside the node. */
   unsigned hpz_partition_size;
+  /* Dynamic loss scaling (GradScaler's; DeepSpeed's hysteresis and min):
+   * loss_scale is the initial scale, 0: 65536 with a ZD_F16 working copy
+   * and off otherwise, negative: off. Zero other fields: window 2000,
+   * growth 2, backoff 0.5, hysteresis 1, min 1. */
+  double loss_scale;
+  unsigned loss_scale_window;
+  double loss_scale_growth, loss_scale_backoff;
+  unsigned loss_scale_hysteresis;
+  double loss_scale_min;
 } zd_job_config;
 
 #define ZD_JOB_CONFIG_INIT ZD_SIZED_INIT(zd_job_config)
@@ -245,6 +254,7 @@ typedef struct zd_step_result {
   uint64_t version;
   double grad_norm;
   int skipped;
+  double loss_scale; /* the scale for the next step's loss; 0: no loss scaling */
 } zd_step_result;
 
 typedef uint32_t zd_unit; /* unit id, from zd_register_unit */
@@ -296,6 +306,9 @@ ZD_API unsigned zd_job_rank(const zd_job *job);
 ZD_API unsigned zd_job_world_size(const zd_job *job);
 ZD_API uint64_t zd_job_version(const zd_job *job);
 ZD_API int zd_job_read_only(const zd_job *job);
+/* The loss scale the next step's loss is to be multiplied by (the rank's,
+ * from the attach reply and each step's); 0: the job scales no loss. */
+ZD_API double zd_job_loss_scale(const zd_job *job);
 
 /* The job's effective config, as the daemon sent it in reply to the attach
  * (its defaults filled in; lr and max_grad_norm as the rank had them then):

@@ -20,7 +20,7 @@
  *     "config": {"optimizer": "adamw" | "adam" | "sgd", "lr": <r>, "beta1": <r>,
  *                "beta2": <r>, "eps": <r>, "weight_decay": <r>, "momentum": <r>,
  *                "dampening": <r>, "nesterov": <bool>,
- *                "working_dtype": "fp32" | "bf16", "max_grad_norm": <r>},
+ *                "working_dtype": "fp32" | "bf16" | "fp16", "max_grad_norm": <r>},
  *     "states": ["master", "moment1", "moment2"],
  *     "units": [{"name": "<name>", "numel": <u>, "padded_numel": <u>, "shard_numel": <u>,
  *                "tensors": [{"name": "<name>", "shape": [<u>, ...], "offset": <u>,
@@ -631,8 +631,8 @@ static int decode_config(json_t *obj, ckpt_config *c, char *err, size_t err_byte
     snprintf(c->optimizer, sizeof c->optimizer, "%s", text);
   }
   if (rc == 0 && (rc = get_string(obj, "working_dtype", where, &text, &len, err, err_bytes)) == 0) {
-    if (strcmp(text, "fp32") != 0 && strcmp(text, "bf16") != 0)
-      return bad(err, err_bytes, where, "\"working_dtype\" is not \"fp32\" or \"bf16\"");
+    if (strcmp(text, "fp32") != 0 && strcmp(text, "bf16") != 0 && strcmp(text, "fp16") != 0)
+      return bad(err, err_bytes, where, "\"working_dtype\" is not \"fp32\", \"bf16\" or \"fp16\"");
     snprintf(c->working_dtype, sizeof c->working_dtype, "%s", text);
   }
   if (rc == 0)

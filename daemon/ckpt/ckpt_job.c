@@ -30,7 +30,9 @@ ckpt_manifest *ckpt_layout_of(const ckpt_job_view *j, uint64_t step, uint64_t ve
   m->config.dampening = cfg->dampening;
   m->config.nesterov = cfg->nesterov;
   snprintf(m->config.working_dtype, sizeof m->config.working_dtype, "%s",
-           cfg->working_dtype == ZK_BF16 ? "bf16" : "fp32");
+           cfg->working_dtype == ZK_BF16  ? "bf16"
+           : cfg->working_dtype == ZK_F16 ? "fp16"
+                                          : "fp32");
   m->config.max_grad_norm = cfg->max_grad_norm;
   int has[JOB_NSTATES];
   job_config_states(cfg, has);

@@ -40,11 +40,20 @@ int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *e
   case ZEROD__V1__DTYPE__DTYPE_BF16:
     c->working_dtype = ZK_BF16;
     break;
+  case ZEROD__V1__DTYPE__DTYPE_F16:
+    c->working_dtype = ZK_F16;
+    break;
   default:
-    snprintf(err, err_bytes, "working precision must be fp32 or bf16");
+    snprintf(err, err_bytes, "working precision must be fp32, bf16 or fp16");
     return -EINVAL;
   }
   c->max_live_bytes = pc->max_live_bytes;
+  c->loss_scale = pc->loss_scale;
+  c->loss_scale_window = pc->loss_scale_window;
+  c->loss_scale_growth = pc->loss_scale_growth;
+  c->loss_scale_backoff = pc->loss_scale_backoff;
+  c->loss_scale_hysteresis = pc->loss_scale_hysteresis;
+  c->loss_scale_min = pc->loss_scale_min;
   c->max_grad_norm = pc->max_grad_norm;
   c->quantized_weights = pc->quantized_weights;
   c->quantization_block = pc->quantization_block;
@@ -137,9 +146,39 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
     c->eps = 1e-8;
   if (c->max_live_bytes == 0)
     c->max_live_bytes = default_max_live_bytes;
-  if (c->working_dtype != ZK_F32 && c->working_dtype != ZK_BF16) {
-    snprintf(err, err_bytes, "working precision must be fp32 or bf16");
+  if (c->working_dtype != ZK_F32 && c->working_dtype != ZK_BF16 && c->working_dtype != ZK_F16) {
+    snprintf(err, err_bytes, "working precision must be fp32, bf16 or fp16");
     return -EINVAL;
+  }
+  if (!isfinite(c->loss_scale) || !isfinite(c->loss_scale_growth) ||
+      !isfinite(c->loss_scale_backoff) || !isfinite(c->loss_scale_min)) {
+    snprintf(err, err_bytes, "the loss scaling settings must be finite");
+    return -EINVAL;
+  }
+  if (c->loss_scale == 0)
+    c->loss_scale = c->working_dtype == ZK_F16 ? 65536.0 : -1;
+  if (c->loss_scale < 0) {
+    /* Off: the other settings stay as given, 0 when unset. */
+    c->loss_scale = 0;
+  } else {
+    if (c->loss_scale_window == 0)
+      c->loss_scale_window = 2000;
+    if (c->loss_scale_growth == 0)
+      c->loss_scale_growth = 2.0;
+    if (c->loss_scale_backoff == 0)
+      c->loss_scale_backoff = 0.5;
+    if (c->loss_scale_hysteresis == 0)
+      c->loss_scale_hysteresis = 1;
+    if (c->loss_scale_min == 0)
+      c->loss_scale_min = 1.0;
+    if (c->loss_scale_growth < 1 || !(c->loss_scale_backoff > 0 && c->loss_scale_backoff < 1) ||
+        !(c->loss_scale_min > 0) || c->loss_scale < c->loss_scale_min) {
+      snprintf(err, err_bytes,
+               "invalid loss scaling: growth %g (>= 1), backoff %g (in (0, 1)), min %g (> 0, "
+               "at most the initial scale %g)",
+               c->loss_scale_growth, c->loss_scale_backoff, c->loss_scale_min, c->loss_scale);
+      return -EINVAL;
+    }
   }
   /* The checks torch.optim makes, so a bad config fails at creation and not
    * at the first step, and finiteness, which torch does not check: an
@@ -227,6 +266,13 @@ void job_config_to_proto(const job_config *c, Zerod__V1__JobConfig *out,
   out->quantized_gradients = c->quantized_gradients;
   out->gradient_comm_dtype = job_dtype_to_proto(c->gradient_comm_dtype);
   out->hpz_partition_size = c->hpz_partition_size;
+  /* A finished config's 0 is off, which the protocol spells negative. */
+  out->loss_scale = c->loss_scale > 0 ? c->loss_scale : -1;
+  out->loss_scale_window = c->loss_scale_window;
+  out->loss_scale_growth = c->loss_scale_growth;
+  out->loss_scale_backoff = c->loss_scale_backoff;
+  out->loss_scale_hysteresis = c->loss_scale_hysteresis;
+  out->loss_scale_min = c->loss_scale_min;
 }
 
 const char *job_collectives_name(job_collectives c) {
@@ -285,6 +331,8 @@ int job_config_diff(const job_config *want, const job_config *have, char *fields
           want->quantized_gradients, have->quantized_gradients);
   DIFFERS("gradient_comm_dtype", want->gradient_comm_dtype != have->gradient_comm_dtype, "%s",
           zk_dtype_name(want->gradient_comm_dtype), zk_dtype_name(have->gradient_comm_dtype));
+  DIFFERS("loss_scale", want->loss_scale != have->loss_scale, "%g", want->loss_scale,
+          have->loss_scale);
   DIFFERS("hpz_partition_size", want->hpz_partition_size != have->hpz_partition_size, "%u",
           want->hpz_partition_size, have->hpz_partition_size);
 #undef DIFFERS

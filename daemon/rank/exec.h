@@ -34,11 +34,11 @@ typedef enum op_kind {
   OP_GRAD_BUFFER,
   OP_REDUCE,
   OP_STEP,
-  OP_LOAD, /* LOAD_UNIT: collective, like a registration with INIT_FROM_RANK0 */
+  OP_LOAD,       /* LOAD_UNIT: collective, like a registration with INIT_FROM_RANK0 */
   OP_READ_STATE, /* READ_STATE: collective, a unit's gathered fp32 array */
   OP_SET_GROUPS, /* SET_GROUPS: parameter groups (no collective: every rank the same) */
-  OP_PIN,  /* read-only sessions only (reader.c) */
-  OP_TRIM, /* free unheld buffers (the job has no sessions) */
+  OP_PIN,        /* read-only sessions only (reader.c) */
+  OP_TRIM,       /* free unheld buffers (the job has no sessions) */
   /* Checkpoints (ckpt_node.h), op->ckpt_id naming the order: */
   OP_SAVE,           /* take the copy now if no worker is attached */
   OP_RESTORE_READ,   /* read and verify the rank's part of op->ckpt_source */

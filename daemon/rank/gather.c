@@ -103,8 +103,8 @@ static int fill_gathered_quantized(rank_state *rs, const unit_layout *l, shard *
     rs->qgather = grown;
     rs->qgather_bytes = q * world;
   }
-  int bf16 = config->working_dtype == ZK_BF16;
-  if (bf16 && l->shard_numel > rs->qdequant_numel) {
+  int cast = config->working_dtype != ZK_F32; /* dequantized in fp32, then cast */
+  if (cast && l->shard_numel > rs->qdequant_numel) {
     float *grown = realloc(rs->qdequant, l->shard_numel * sizeof *grown);
     if (grown == NULL)
       return -ENOMEM;
@@ -122,10 +122,10 @@ static int fill_gathered_quantized(rank_state *rs, const unit_layout *l, shard *
   size_t elem = zk_dtype_size(config->working_dtype);
   for (size_t r = 0; rc == 0 && r < world; r++) {
     void *slot = (uint8_t *)b->buf.base + r * l->shard_numel * elem;
-    float *to = bf16 ? rs->qdequant : slot;
+    float *to = cast ? rs->qdequant : slot;
     rc = zk_dequantize(rs->pool, &fmt, rs->qgather + r * q, q, to, l->shard_numel);
-    if (rc == 0 && bf16)
-      rc = zk_cast(rs->pool, slot, ZK_BF16, rs->qdequant, ZK_F32, l->shard_numel);
+    if (rc == 0 && cast)
+      rc = zk_cast(rs->pool, slot, config->working_dtype, rs->qdequant, ZK_F32, l->shard_numel);
   }
   if (rc == 0)
     rc = exec__dev_call(rs, device_buffer_publish(rs->dev, &b->buf));

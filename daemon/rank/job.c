@@ -64,6 +64,8 @@ int job_create(const struct exec_settings *exec, void *owner, const char *name,
     rs->job = j;
     rs->rank = first_rank + r;
     rs->lr = config->lr;
+    atomic_store(&rs->loss_scale, config->loss_scale);
+    rs->loss_scale_hysteresis = config->loss_scale_hysteresis;
     rs->max_grad_norm = config->max_grad_norm;
     pthread_mutex_init(&rs->queue_mutex, NULL);
     pthread_cond_init(&rs->queue_cond, NULL);

@@ -136,6 +136,12 @@ typedef struct rank_state {
   uint64_t version;
   uint64_t state_bytes;     /* executor-owned: bytes of its shards (exec__shard_bytes) */
   double lr, max_grad_norm; /* lr: group 0's */
+  /* Dynamic loss scaling (config.loss_scale > 0): the scale the next
+   * step's gradients carry, good steps since the last change, overflows
+   * still tolerated before a backoff. Executor-owned; loss_scale is atomic
+   * because the loop reads it for ATTACH replies. */
+  _Atomic double loss_scale;
+  uint32_t loss_scale_good, loss_scale_hysteresis;
   /* SET_GROUPS' parameter groups (groups[0].lr unused: lr is group 0's);
    * none (0): one group, the job's config. Executor-owned. */
   job_group *groups;
@@ -149,7 +155,7 @@ typedef struct rank_state {
   void *staging; /* GPU ranks: small collectives on host values pass here */
   size_t staging_bytes;
   /* qwZ (gather.c): every rank's quantized shard, and a dequantized one
-   * for a bf16 working copy. Host memory. */
+   * for a working copy that is not fp32. Host memory. */
   uint8_t *qgather;
   size_t qgather_bytes;
   float *qdequant;

@@ -32,6 +32,7 @@ void exec__handle_session_begin(rank_state *rs, exec_op *op) {
   reply.rank = (uint32_t)rs->rank;
   reply.world_size = (uint32_t)rs->job->world_size;
   reply.version = rs->version;
+  reply.loss_scale = atomic_load(&rs->loss_scale);
   reply.config = &config;
   reply.created = op->job_created;
   if (op->warning != NULL)

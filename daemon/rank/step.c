@@ -42,6 +42,32 @@ static void log_progress(rank_state *rs, double grad_norm) {
   rs->progress_since_step = rs->step;
 }
 
+/* After a step with loss scaling (every rank alike: `skipped` comes from
+ * the all-reduce): GradScaler's update, with DeepSpeed's hysteresis (that
+ * many overflows before a backoff) and minimum. */
+static void update_loss_scale(rank_state *rs, int skipped) {
+  const job_config *c = &rs->job->config;
+  double scale = atomic_load(&rs->loss_scale);
+  if (skipped) {
+    rs->loss_scale_good = 0;
+    if (rs->loss_scale_hysteresis > 1) {
+      rs->loss_scale_hysteresis--;
+      return;
+    }
+    scale *= c->loss_scale_backoff;
+    if (scale < c->loss_scale_min)
+      scale = c->loss_scale_min;
+    rs->loss_scale_hysteresis = c->loss_scale_hysteresis;
+    LOG_INFOF("loss scale reduced", "job=%s rank=%d step=%llu loss_scale=%g", rs->job->name,
+              rs->rank, (unsigned long long)rs->step, scale);
+  } else if (++rs->loss_scale_good >= c->loss_scale_window) {
+    rs->loss_scale_good = 0;
+    rs->loss_scale_hysteresis = c->loss_scale_hysteresis;
+    scale *= c->loss_scale_growth;
+  }
+  atomic_store(&rs->loss_scale, scale);
+}
+
 void exec__handle_step(rank_state *rs, exec_op *op) {
   Zerod__V1__StepRequest *req = (Zerod__V1__StepRequest *)op->request;
   if (exec__op_job_failed(rs, op))
@@ -75,6 +101,11 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
   if (req->set_max_grad_norm)
     rs->max_grad_norm = req->max_grad_norm;
   double grad_scale = req->grad_scale == 0 ? 1.0 : req->grad_scale;
+  /* The worker scaled its loss by the current loss scale: the gradients
+   * come back divided by it too. */
+  double loss_scale = atomic_load(&rs->loss_scale);
+  if (loss_scale > 0)
+    grad_scale *= loss_scale;
 
   /* The global norm: every rank's partial sum of squares over its shards
    * (in unit order, each sum deterministic), all-reduced. */
@@ -188,6 +219,8 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
     exec__op_device_failed(rs, op, "step (clearing the gradients)", err);
     return;
   }
+  if (loss_scale > 0)
+    update_loss_scale(rs, skipped);
   rs->order_complete = 1;
   if (save_id > rs->ckpt_taken)
     exec__take_snapshot(rs, save_id);
@@ -196,5 +229,6 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
   reply.version = rs->version;
   reply.grad_norm = grad_norm;
   reply.skipped = skipped;
+  reply.loss_scale = atomic_load(&rs->loss_scale);
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_STEP_REPLY, &reply.base);
 }

@@ -136,6 +136,50 @@ def test_param_groups_match_torch_adamw(start_daemon):
     client.close()
 
 
+def test_fp16_loss_scaling_follows_grad_scaler(start_daemon):
+    """An fp16 working copy with dynamic loss scaling, overflows injected at
+    chosen steps: the daemon skips the same steps and moves the scale the
+    same way as torch.amp.GradScaler (init 1024, growth every 3 good steps,
+    backoff 0.5), and the steps it takes train."""
+    if not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"):
+        pytest.skip("torch %s has no CPU GradScaler (torch.amp.GradScaler: torch 2.3 or "
+                    "later; the torch 2 lane runs this)" % torch.__version__)
+    overflow = {2, 3, 9}
+    steps = 14
+    reference = TinyLM()
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_factor=2.0,
+                                  backoff_factor=0.5, growth_interval=3)
+    expected = []
+    for step in range(steps):
+        tokens, targets = batch(step, 8)
+        loss = reference(tokens, targets) * (float("inf") if step in overflow else 1.0)
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        expected.append((scale, scaler.get_scale() < scale))
+    client, job = attach(start_daemon(ranks=1), dtype="float16", loss_scale=1024.0,
+                         loss_scale_window=3)
+    model = zerod.torch.shard(TinyLM().to(torch.float16), job)
+    zopt = zerod.torch.Optimizer(model)
+    got, losses = [], []
+    for step in range(steps):
+        tokens, targets = batch(step, 8)
+        loss = model(tokens, targets)
+        losses.append(float(loss))
+        scale = zopt.loss_scale
+        zopt.scale(loss * (float("inf") if step in overflow else 1.0)).backward()
+        zopt.step()
+        zopt.zero_grad()
+        got.append((scale, zopt.last_step.skipped))
+    assert got == expected
+    assert zopt.last_step.step == steps - len(overflow)
+    assert losses[-1] < losses[0]
+    client.close()
+
+
 def test_tied_weights(start_daemon):
     expected, _ = plain(steps=10, tie=True)
     got, _, _ = through_zerod(start_daemon(ranks=1), steps=10, tie=True)

@@ -87,9 +87,10 @@ static const row rows[] = {
     {"nesterov with dampening", .kind = SGD, .momentum = 0.9, .dampening = 0.1, .nesterov = 1},
     {"unknown optimizer", .kind = 9},
     {"f16 working copy", .dtype = F16},
+    {"unknown working dtype", .dtype = 9},
     {"unknown dtype", .no_optimizer = 1, .dtype = 17},
     /* Refused: two faults; the node's order decides which is reported. */
-    {"bad dtype and bad lr", .lr = -1, .dtype = F16},
+    {"bad dtype and bad lr", .lr = -1, .dtype = 9},
     {"unknown optimizer and bad max_grad_norm", .kind = 9, .max_grad_norm = -1},
     {"bad lr and bad betas", .lr = -1, .beta1 = 2},
     {"bad eps and bad momentum", .kind = SGD, .eps = -1, .momentum = -1},

@@ -181,11 +181,37 @@ static void test_from_proto_copies_every_field(void **state) {
 static void test_from_proto_rejects_bad_working_dtype(void **state) {
   (void)state;
   Zerod__V1__JobConfig pc = ZEROD__V1__JOB_CONFIG__INIT;
-  pc.working_dtype = ZEROD__V1__DTYPE__DTYPE_F16;
+  pc.working_dtype = (Zerod__V1__Dtype)17;
   job_config c;
   char err[256] = "";
   assert_int_equal(job_config_from_proto(&pc, &c, err, sizeof err), -EINVAL);
-  assert_string_equal(err, "working precision must be fp32 or bf16");
+  assert_string_equal(err, "working precision must be fp32, bf16 or fp16");
+}
+
+/* fp16 turns dynamic loss scaling on by default (GradScaler's values);
+ * a negative scale turns it off; fp32 has none unless asked. */
+static void test_fp16_scales_the_loss_by_default(void **state) {
+  (void)state;
+  Zerod__V1__JobConfig pc = ZEROD__V1__JOB_CONFIG__INIT;
+  pc.working_dtype = ZEROD__V1__DTYPE__DTYPE_F16;
+  job_config c;
+  char err[256] = "";
+  assert_int_equal(job_config_from_proto(&pc, &c, err, sizeof err), 0);
+  assert_int_equal(job_config_finish(&c, DEFAULT_MAX_LIVE, err, sizeof err), 0);
+  assert_true(c.loss_scale == 65536 && c.loss_scale_growth == 2 && c.loss_scale_backoff == 0.5);
+  assert_int_equal(c.loss_scale_window, 2000);
+  assert_int_equal(c.loss_scale_hysteresis, 1);
+  assert_true(c.loss_scale_min == 1);
+  pc.loss_scale = -1;
+  assert_int_equal(job_config_from_proto(&pc, &c, err, sizeof err), 0);
+  assert_int_equal(job_config_finish(&c, DEFAULT_MAX_LIVE, err, sizeof err), 0);
+  assert_true(c.loss_scale == 0);
+  job_config f = finished(JOB_ADAMW);
+  assert_true(f.loss_scale == 0);
+  f.loss_scale = 8;
+  f.loss_scale_min = 16;
+  expect_refused(f, "invalid loss scaling: growth 2 (>= 1), backoff 0.5 (in (0, 1)), min 16 (> 0, "
+                    "at most the initial scale 8)");
 }
 
 /* ------------------------------------------------------------------------
@@ -548,8 +574,8 @@ static void test_config_rejects_unknown_optimizer(void **state) {
 static void test_config_rejects_bad_working_dtype(void **state) {
   (void)state;
   job_config c = finished(JOB_ADAMW);
-  c.working_dtype = ZK_F16;
-  expect_refused(c, "working precision must be fp32 or bf16");
+  c.working_dtype = (zk_dtype)9;
+  expect_refused(c, "working precision must be fp32, bf16 or fp16");
 }
 
 /* ------------------------------------------------------------------------
@@ -906,6 +932,7 @@ int main(void) {
       cmocka_unit_test(test_config_accepts_nesterov_with_momentum),
       cmocka_unit_test(test_config_rejects_unknown_optimizer),
       cmocka_unit_test(test_config_rejects_bad_working_dtype),
+      cmocka_unit_test(test_fp16_scales_the_loss_by_default),
       cmocka_unit_test(test_states_of_adamw_and_adam),
       cmocka_unit_test(test_states_of_sgd_without_momentum),
       cmocka_unit_test(test_states_of_sgd_with_momentum),

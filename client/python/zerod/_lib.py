@@ -55,6 +55,12 @@ class JobConfig(ctypes.Structure):
         ("quantized_gradients", c_uint),
         ("gradient_comm_dtype", c_int),
         ("hpz_partition_size", c_uint),
+        ("loss_scale", c_double),
+        ("loss_scale_window", c_uint),
+        ("loss_scale_growth", c_double),
+        ("loss_scale_backoff", c_double),
+        ("loss_scale_hysteresis", c_uint),
+        ("loss_scale_min", c_double),
     ]
 
 
@@ -151,6 +157,7 @@ class StepResult(ctypes.Structure):
         ("version", c_uint64),
         ("grad_norm", c_double),
         ("skipped", c_int),
+        ("loss_scale", c_double),
     ]
 
 
@@ -215,6 +222,7 @@ _SIGNATURES = {
     "zd_job_unit_count": (c_uint, [c_void_p]),
     "zd_job_unit_info": (c_int, [c_void_p, c_uint, _P(UnitInfo)]),
     "zd_pin": (c_int, [c_void_p, _P(c_uint64)]),
+    "zd_job_loss_scale": (c_double, [c_void_p]),
     "zd_job_stats": (c_int, [c_void_p, _P(RankStats), c_uint, _P(c_uint)]),
     "zd_job_effective_config": (c_int, [c_void_p, _P(JobConfig)]),
     "zd_load_unit": (c_int, [c_void_p, c_uint32, c_void_p, _P(c_uint64)]),

@@ -87,12 +87,19 @@ class JobConfig:
     quantized_gradients: int = 0
     gradient_comm_dtype: str = "float32"
     hpz_partition_size: int = 0
+    loss_scale: float = 0.0
+    loss_scale_window: int = 0
+    loss_scale_growth: float = 0.0
+    loss_scale_backoff: float = 0.0
+    loss_scale_hysteresis: int = 0
+    loss_scale_min: float = 0.0
 
     def _to_c(self) -> _lib.JobConfig:
         if self.optimizer not in _OPTIMIZERS:
             raise InvalidArgumentError("unknown optimizer %r (adamw, adam or sgd)" % self.optimizer)
-        if self.dtype not in ("float32", "bfloat16"):
-            raise InvalidArgumentError("dtype must be 'float32' or 'bfloat16', not %r" % self.dtype)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidArgumentError("dtype must be 'float32', 'bfloat16' or 'float16', not %r"
+                                       % self.dtype)
         c = _lib.sized(_lib.JobConfig)
         c.optimizer = _OPTIMIZERS[self.optimizer]
         c.lr = float(self.lr or 0.0)
@@ -125,6 +132,12 @@ class JobConfig:
             raise InvalidArgumentError("hpz_partition_size must be 0 or more, not %r" %
                                        self.hpz_partition_size)
         c.hpz_partition_size = int(self.hpz_partition_size)
+        c.loss_scale = float(self.loss_scale)
+        c.loss_scale_window = int(self.loss_scale_window)
+        c.loss_scale_growth = float(self.loss_scale_growth)
+        c.loss_scale_backoff = float(self.loss_scale_backoff)
+        c.loss_scale_hysteresis = int(self.loss_scale_hysteresis)
+        c.loss_scale_min = float(self.loss_scale_min)
         return c
 
     @classmethod
@@ -142,7 +155,12 @@ class JobConfig:
                    quantization_block=int(c.quantization_block),
                    quantized_gradients=int(c.quantized_gradients),
                    gradient_comm_dtype=_DTYPE_NAMES.get(int(c.gradient_comm_dtype), "float32"),
-                   hpz_partition_size=int(c.hpz_partition_size))
+                   hpz_partition_size=int(c.hpz_partition_size),
+                   loss_scale=float(c.loss_scale), loss_scale_window=int(c.loss_scale_window),
+                   loss_scale_growth=float(c.loss_scale_growth),
+                   loss_scale_backoff=float(c.loss_scale_backoff),
+                   loss_scale_hysteresis=int(c.loss_scale_hysteresis),
+                   loss_scale_min=float(c.loss_scale_min))
 
 
 @dataclass(frozen=True)
@@ -155,6 +173,7 @@ class StepResult:
     version: int
     grad_norm: float
     skipped: bool
+    loss_scale: float = 0.0  # for the next step's loss; 0: no loss scaling
 
 
 @dataclass(frozen=True)
@@ -340,6 +359,12 @@ class Job:
         self._refresh_units()
 
     @property
+    def loss_scale(self) -> float:
+        """What the next step's loss is to be multiplied by (dynamic loss
+        scaling, JobConfig.loss_scale); 0.0 when the job scales no loss."""
+        return float(self._lib.zd_job_loss_scale(self._handle))
+
+    @property
     def effective_config(self) -> JobConfig:
         """The job's config as the daemon runs it (every default filled in;
         `config` is what this attach asked for)."""
@@ -508,7 +533,8 @@ class Job:
             options.grad_scale = float(grad_scale)
         out = _lib.StepResult()
         _check(self._lib.zd_step(self._handle, ctypes.byref(options), ctypes.byref(out)), "step")
-        return StepResult(int(out.step), int(out.version), float(out.grad_norm), bool(out.skipped))
+        return StepResult(int(out.step), int(out.version), float(out.grad_norm), bool(out.skipped),
+                          float(out.loss_scale))
 
     def state_dict(self) -> Dict[str, np.ndarray]:
         """Every tensor of every known unit, copied out (a collective for

@@ -705,6 +705,21 @@ class Optimizer(torch.optim.Optimizer):
                          for unit in self._model._zerod.units}
         self._job.set_groups(hparams, tensor_groups)
 
+    @property
+    def loss_scale(self) -> float:
+        """The dynamic loss scale of the next step (an fp16 job's, or one
+        with JobConfig.loss_scale): multiply the loss by it before
+        backward (:meth:`scale`); the daemon divides the gradients by it,
+        skips a step whose gradients overflow and moves the scale as
+        torch.amp.GradScaler does. 0.0: the job scales no loss."""
+        return self._job.loss_scale
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """GradScaler.scale: the loss times the current loss scale (the
+        loss itself when the job scales no loss)."""
+        scale = self.loss_scale
+        return loss * scale if scale > 0 else loss
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if getattr(self, "_job", None) is not None:
             raise ShardingError("zerod.torch.Optimizer takes its parameter groups when it is made "
