@@ -239,6 +239,28 @@ def test_parameter_groups_are_checked_like_a_config(start_daemon):
                                       np.array([-0.1] * 4 + [-0.5] * 2, dtype=np.float32))
 
 
+def test_loss_scale_hysteresis_and_minimum(start_daemon):
+    """DeepSpeed's hysteresis (two overflows before a backoff) and minimum,
+    and growth after the window, on an fp16 job's own steps."""
+    daemon = start_daemon(ranks=1)
+    config = zerod.JobConfig(optimizer="sgd", lr=0.1, dtype="float16", loss_scale=8.0,
+                             loss_scale_window=2, loss_scale_hysteresis=2, loss_scale_min=4.0)
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("scaled", config=config)
+        unit = job.register("u", [("w", (4,))], init="zeros")
+        assert job.loss_scale == 8.0
+        seen = []
+        for value in (np.inf, np.inf, 1.0, np.nan, np.inf, np.inf, 1.0, 1.0):
+            unit.grad_buffer().arrays()["w"][...] = value
+            unit.reduce()
+            result = job.step()
+            seen.append((result.skipped, result.loss_scale))
+        assert seen == [(True, 8.0), (True, 4.0), (False, 4.0), (True, 4.0), (True, 4.0),
+                        (True, 4.0), (False, 4.0), (False, 8.0)], seen
+        # Three good steps at scale 4, each dividing the gradient 1.0 by it.
+        assert unit.read_state()[0].tolist()[0] == pytest.approx(-3 * 0.1 / 4)
+
+
 def test_pip_install(tmp_path, start_daemon):
     """`pip wheel client/python` builds a platform wheel with libzerod.so in
     it (the package's build step runs CMake; here on this build tree); a

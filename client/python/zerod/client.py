@@ -68,6 +68,11 @@ class JobConfig:
     ``hpz_partition_size`` (hpZ: 0 or 1 off, else the job's ranks per node)
     keeps a per-node secondary partition of each gathered unit so that its
     later gathers at the same version (the backward pass) stay in the node.
+    ``dtype="float16"`` scales the loss dynamically (``loss_scale``: the
+    initial scale, 0: 65536 for float16 and off otherwise, negative: off;
+    ``loss_scale_window`` 2000, ``loss_scale_growth`` 2,
+    ``loss_scale_backoff`` 0.5, ``loss_scale_hysteresis`` 1,
+    ``loss_scale_min`` 1 when 0).
     """
 
     optimizer: str = "adamw"
