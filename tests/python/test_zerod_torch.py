@@ -105,23 +105,11 @@ def test_param_groups_match_torch_adamw(start_daemon):
     lambdas = [lambda s: 1.0, lambda s: 0.8 ** s]
     reference = TinyLM()
     opt = torch.optim.AdamW(decay_groups(reference, LR), lr=LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
-    for step in range(10):
-        tokens, targets = batch(step, 8)
-        reference(tokens, targets).backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
+    steps_from(reference, opt, 0, 10, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambdas))
     client, job = attach(start_daemon(ranks=1))
     model = zerod.torch.shard(TinyLM(), job)
     zopt = zerod.torch.Optimizer(model, decay_groups(model.module, LR), lr=LR)
-    zsched = torch.optim.lr_scheduler.LambdaLR(zopt, lambdas)
-    for step in range(10):
-        tokens, targets = batch(step, 8)
-        model(tokens, targets).backward()
-        zopt.step()
-        zopt.zero_grad()
-        zsched.step()
+    steps_from(model, zopt, 0, 10, sched=torch.optim.lr_scheduler.LambdaLR(zopt, lambdas))
     assert max_rel_diff(model.state_dict(), reference.state_dict()) <= 1e-6
     saved = zopt.state_dict()
     assert [g["weight_decay"] for g in saved["param_groups"]] == [0.1, 0.0]
@@ -232,12 +220,14 @@ def test_state_dict_round_trip(start_daemon):
     client.close()
 
 
-def steps_from(model, opt, first, count, batch_size=8):
+def steps_from(model, opt, first, count, batch_size=8, sched=None):
     for step in range(first, first + count):
         tokens, targets = batch(step, batch_size)
         model(tokens, targets).backward()
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
 
 
 def test_optimizer_state_saves_and_resumes_bit_exact(start_daemon, tmp_path):
