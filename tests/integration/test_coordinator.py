@@ -556,7 +556,7 @@ def test_create_job_errors(coord, nodes):
         (dict(config=pb.ipc.JobConfig(optimizer=pb.ipc.OptimizerConfig(lr=-1))),
          "learning rate"),
         (dict(config=pb.ipc.JobConfig(optimizer=pb.ipc.OptimizerConfig(beta1=1.5))), "betas"),
-        (dict(config=pb.ipc.JobConfig(working_dtype=pb.ipc.DTYPE_F16)), "precision"),
+        (dict(config=pb.ipc.JobConfig(working_dtype=9)), "precision"),
         (dict(config=pb.ipc.JobConfig(optimizer=pb.ipc.OptimizerConfig(kind=9))),
          "unknown optimizer"),
         (dict(config=pb.ipc.JobConfig(optimizer=pb.ipc.OptimizerConfig(
