@@ -2476,6 +2476,27 @@ done:
   return status;
 }
 
+zd_status zd_grad_norm(zd_job *job, double grad_scale, double *norm) {
+  const char *what = "grad_norm";
+  zd_status status = job_check_writable(job, what);
+  if (status != ZD_OK)
+    return status;
+  if (norm == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT, "%s: norm must not be NULL", what);
+  Zerod__V1__GradNormRequest request = ZEROD__V1__GRAD_NORM_REQUEST__INIT;
+  request.grad_scale = grad_scale;
+  ProtobufCMessage *reply_msg;
+  int fds[ZD_FRAME_MAX_FDS];
+  unsigned nfds;
+  status = client_call(job->client, ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM, &request.base, NULL, 0,
+                       ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM_REPLY, what, &reply_msg, fds, &nfds);
+  if (status != ZD_OK)
+    return status;
+  *norm = ((const Zerod__V1__GradNormReply *)reply_msg)->grad_norm;
+  protobuf_c_message_free_unpacked(reply_msg, NULL);
+  return client_finish(job->client);
+}
+
 zd_status zd_detach(zd_job *job) {
   char what[96];
   snprintf(what, sizeof what, "detach job %s", job != NULL ? job->name : "(null)");

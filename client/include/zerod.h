@@ -407,6 +407,12 @@ ZD_API zd_status zd_set_groups(zd_job *job, const zd_param_group *groups, unsign
                                const zd_unit *units, const unsigned *const *tensor_groups,
                                unsigned nunits);
 
+/* The global L2 norm of the gradients the job's ranks have reduced since
+ * the last step, divided by grad_scale (0 or 1: none) and the loss scale,
+ * as the next zd_step will see them: what torch.nn.utils.clip_grad_norm_
+ * returns. Collective over the job's ranks. */
+ZD_API zd_status zd_grad_norm(zd_job *job, double grad_scale, double *norm);
+
 /* A unit's fp32 arrays in the daemon (zd_load_state, zd_read_state). */
 typedef enum zd_unit_state {
   ZD_STATE_WEIGHTS = 0, /* the master weights */

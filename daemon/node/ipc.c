@@ -629,6 +629,8 @@ static op_kind kind_of(uint16_t type) {
     return OP_READ_STATE;
   case ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS:
     return OP_SET_GROUPS;
+  case ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM:
+    return OP_GRAD_NORM;
   case ZEROD__V1__MSG_TYPE__MSG_PIN:
     return OP_PIN;
   default:
@@ -653,6 +655,8 @@ static const char *write_request_name(uint16_t type) {
     return "read_state"; /* a collective of the job's ranks */
   case ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS:
     return "set_groups";
+  case ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM:
+    return "grad_norm"; /* a collective of the job's ranks */
   default:
     return NULL;
   }
@@ -674,6 +678,7 @@ static int is_request(uint16_t type) {
   case ZEROD__V1__MSG_TYPE__MSG_STATS:
   case ZEROD__V1__MSG_TYPE__MSG_READ_STATE:
   case ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS:
+  case ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM:
     return 1;
   default:
     return 0;

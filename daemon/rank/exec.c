@@ -121,6 +121,9 @@ static void run_op(rank_state *rs, exec_op *op) {
   case OP_SET_GROUPS:
     exec__handle_set_groups(rs, op);
     break;
+  case OP_GRAD_NORM:
+    exec__handle_grad_norm(rs, op);
+    break;
   case OP_PIN: /* read-only sessions' ops never reach an executor */
     break;
   case OP_TRIM:

@@ -37,6 +37,7 @@ typedef enum op_kind {
   OP_LOAD,       /* LOAD_UNIT: collective, like a registration with INIT_FROM_RANK0 */
   OP_READ_STATE, /* READ_STATE: collective, a unit's gathered fp32 array */
   OP_SET_GROUPS, /* SET_GROUPS: parameter groups (no collective: every rank the same) */
+  OP_GRAD_NORM,  /* GRAD_NORM: collective, the accumulated gradients' global norm */
   OP_PIN,        /* read-only sessions only (reader.c) */
   OP_TRIM,       /* free unheld buffers (the job has no sessions) */
   /* Checkpoints (ckpt_node.h), op->ckpt_id naming the order: */

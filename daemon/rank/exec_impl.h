@@ -132,6 +132,10 @@ double exec__monotonic_s(void);
  * the ranks agree on taken at its end. */
 void exec__handle_step(rank_state *rs, exec_op *op);
 
+/* GRAD_NORM: the global norm of the gradients accumulated since the last
+ * step, as the next step will see it (collective). */
+void exec__handle_grad_norm(rank_state *rs, exec_op *op);
+
 /* ---- register.c: registration and loads -------------------------------------- */
 
 /* REGISTER_UNIT: the ranks agree on the unit's layout and create and

@@ -68,6 +68,50 @@ static void update_loss_scale(rank_state *rs, int skipped) {
   atomic_store(&rs->loss_scale, scale);
 }
 
+/* This rank's sum of squares of its accumulated gradients (unit by unit,
+ * each sum deterministic). 0 or the device's error. */
+static int local_grad_sumsq(rank_state *rs, double *out) {
+  device *dev = rs->dev;
+  int err = device_sumsq_begin(dev);
+  for (uint32_t u = 0; u < rs->nshards && err == 0; u++) {
+    shard *sh = &rs->shards[u];
+    if (sh->present)
+      err = device_sumsq_add(dev, sh->grad_acc, job_unit(rs->job, u)->shard_numel);
+  }
+  if (err == 0)
+    err = device_sumsq_end(dev, out);
+  return err;
+}
+
+void exec__handle_grad_norm(rank_state *rs, exec_op *op) {
+  Zerod__V1__GradNormRequest *req = (Zerod__V1__GradNormRequest *)op->request;
+  if (exec__op_job_failed(rs, op))
+    return;
+  if (!(req->grad_scale >= 0 && isfinite(req->grad_scale))) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "grad_scale must be >= 0 and finite");
+    return;
+  }
+  double grad_scale = req->grad_scale == 0 ? 1.0 : req->grad_scale;
+  double loss_scale = atomic_load(&rs->loss_scale);
+  if (loss_scale > 0)
+    grad_scale *= loss_scale;
+  double sumsq = 0;
+  int err = local_grad_sumsq(rs, &sumsq);
+  if (err != 0) {
+    exec__op_device_failed(rs, op, "grad_norm", err);
+    return;
+  }
+  err = exec__host_all_reduce_f64(rs, &sumsq, 1, COMM_SUM);
+  if (err != 0) {
+    exec__op_comm_failed(rs, op, "all_reduce (gradient norm)", err);
+    return;
+  }
+  Zerod__V1__GradNormReply reply = ZEROD__V1__GRAD_NORM_REPLY__INIT;
+  reply.grad_norm = sqrt(sumsq) / grad_scale;
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM_REPLY, &reply.base);
+}
+
 void exec__handle_step(rank_state *rs, exec_op *op) {
   Zerod__V1__StepRequest *req = (Zerod__V1__StepRequest *)op->request;
   if (exec__op_job_failed(rs, op))
@@ -111,14 +155,7 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
    * (in unit order, each sum deterministic), all-reduced. */
   device *dev = rs->dev;
   double local_sumsq = 0;
-  int err = device_sumsq_begin(dev);
-  for (uint32_t u = 0; u < rs->nshards && err == 0; u++) {
-    shard *sh = &rs->shards[u];
-    if (sh->present)
-      err = device_sumsq_add(dev, sh->grad_acc, job_unit(rs->job, u)->shard_numel);
-  }
-  if (err == 0)
-    err = device_sumsq_end(dev, &local_sumsq);
+  int err = local_grad_sumsq(rs, &local_sumsq);
   if (err != 0) {
     exec__op_device_failed(rs, op, "step (gradient norm)", err);
     return;

@@ -168,6 +168,35 @@ def test_fp16_loss_scaling_follows_grad_scaler(start_daemon):
     client.close()
 
 
+def test_torch_clip_grad_norm_clips_a_sharded_model(start_daemon):
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), c) on a sharded
+    model returns the global norm (the daemon's, of every rank's gradients)
+    and the step clips by it: the norms and weights of a plain torch run."""
+    reference = TinyLM()
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    client, job = attach(start_daemon(ranks=1))
+    model = zerod.torch.shard(TinyLM(), job)
+    zopt = zerod.torch.Optimizer(model)
+    for step in range(8):
+        tokens, targets = batch(step, 8)
+        norms = []
+        for m, o in ((reference, opt), (model, zopt)):
+            m(tokens, targets).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)))
+            o.step()
+            o.zero_grad()
+        assert norms[1] == pytest.approx(norms[0], rel=1e-5), (step, norms)
+        assert norms[0] > 0.05  # the clip acts
+    assert max_rel_diff(model.state_dict(), reference.state_dict()) <= 1e-5
+    with pytest.raises(zerod.ShardingError, match="pass model.parameters"):
+        torch.nn.utils.clip_grad_norm_(list(model.parameters())[:1], 1.0)
+    # Other parameters still go to torch's own function.
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 4.0)
+    assert float(torch.nn.utils.clip_grad_norm_([p], 1.0)) == pytest.approx(48 ** 0.5)
+    client.close()
+
+
 def test_tied_weights(start_daemon):
     expected, _ = plain(steps=10, tie=True)
     got, _, _ = through_zerod(start_daemon(ranks=1), steps=10, tie=True)

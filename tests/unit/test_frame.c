@@ -209,6 +209,8 @@ typedef struct samples {
   Zerod__V1__UnitGroups unit_groups, *unit_groups_list[1];
   uint32_t tensor_group[3];
   Zerod__V1__SetGroupsReply set_groups_reply;
+  Zerod__V1__GradNormRequest grad_norm;
+  Zerod__V1__GradNormReply grad_norm_reply;
   Zerod__V1__CollectiveCounter counter, *counter_list[1];
 } samples;
 
@@ -395,9 +397,13 @@ static void init_samples(samples *s) {
   s->set_groups.units = s->unit_groups_list;
   zerod__v1__set_groups_reply__init(&s->set_groups_reply);
   s->set_groups_reply.groups = 2;
+  zerod__v1__grad_norm_request__init(&s->grad_norm);
+  s->grad_norm.grad_scale = 4;
+  zerod__v1__grad_norm_reply__init(&s->grad_norm_reply);
+  s->grad_norm_reply.grad_norm = 0.125;
 }
 
-#define SAMPLE_TYPES 24
+#define SAMPLE_TYPES 26
 
 typedef struct typed_sample {
   uint16_t type;
@@ -430,6 +436,8 @@ static size_t all_samples(const samples *s, typed_sample out[SAMPLE_TYPES]) {
       {ZEROD__V1__MSG_TYPE__MSG_READ_STATE_REPLY, &s->read_state_reply.base},
       {ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS, &s->set_groups.base},
       {ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS_REPLY, &s->set_groups_reply.base},
+      {ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM, &s->grad_norm.base},
+      {ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM_REPLY, &s->grad_norm_reply.base},
   };
   memcpy(out, table, sizeof table);
   return sizeof table / sizeof table[0];
@@ -531,7 +539,7 @@ static void test_fd_ranges_follow_the_protocol(void **state) {
 }
 
 static void test_unknown_message_type_has_no_descriptor_and_does_not_unpack(void **state) {
-  const uint16_t unknown[] = {ZEROD__V1__MSG_TYPE__MSG_NONE, 3, 15, 44, 0x7fff, 0xffff};
+  const uint16_t unknown[] = {ZEROD__V1__MSG_TYPE__MSG_NONE, 3, 15, 46, 0x7fff, 0xffff};
   for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
     assert_null(zd_msg_descriptor(unknown[i]));
     unsigned min_fds, max_fds;

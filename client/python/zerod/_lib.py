@@ -223,6 +223,7 @@ _SIGNATURES = {
     "zd_job_unit_info": (c_int, [c_void_p, c_uint, _P(UnitInfo)]),
     "zd_pin": (c_int, [c_void_p, _P(c_uint64)]),
     "zd_job_loss_scale": (c_double, [c_void_p]),
+    "zd_grad_norm": (c_int, [c_void_p, c_double, _P(c_double)]),
     "zd_job_stats": (c_int, [c_void_p, _P(RankStats), c_uint, _P(c_uint)]),
     "zd_job_effective_config": (c_int, [c_void_p, _P(JobConfig)]),
     "zd_load_unit": (c_int, [c_void_p, c_uint32, c_void_p, _P(c_uint64)]),

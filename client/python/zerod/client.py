@@ -483,6 +483,15 @@ class Job:
         _check(self._lib.zd_pin(self._handle, ctypes.byref(version)), "pin")
         return int(version.value)
 
+    def grad_norm(self, grad_scale: Optional[float] = None) -> float:
+        """The global L2 norm of the gradients reduced since the last step,
+        divided by `grad_scale` (and the loss scale) as the next step will
+        divide them. Collective over the job's ranks."""
+        norm = ctypes.c_double()
+        _check(self._lib.zd_grad_norm(self._handle, float(grad_scale or 0.0), ctypes.byref(norm)),
+               "grad_norm")
+        return float(norm.value)
+
     def set_groups(self, groups: Sequence[Dict[str, Any]],
                    tensor_groups: Dict[int, Sequence[int]]) -> None:
         """Parameter groups, as torch.optim has them: `groups` are dicts of

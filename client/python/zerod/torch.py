@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -220,6 +221,7 @@ class _State:
         # False under no_sync(): backward adds the gradients into the units'
         # gradient buffers and reduces nothing.
         self.sync = True
+        self.optimizer: Optional["Optimizer"] = None  # the model's zerod optimizer
 
     # -- gathering and binding -------------------------------------------------
 
@@ -555,6 +557,9 @@ def shard(model: nn.Module, job: Job, units: UnitsPolicy = "per-module") -> Shar
     state.placeholder = torch.full((1,), float("nan"), dtype=state.dtype)
     for unit in plan:
         for param in unit.params:
+            param._zerod_state = state  # what clip_grad_norm_ below recognizes
+    for unit in plan:
+        for param in unit.params:
             param.grad = None
             if param.dtype != state.dtype:
                 param.data = param.data.to(state.dtype)
@@ -622,11 +627,11 @@ class Optimizer(torch.optim.Optimizer):
 
     It behaves like torch's optimizers where it can: ``param_groups[0]["lr"]``
     is sent with every step, so torch's learning-rate schedulers work on it;
-    ``clip_grad_norm_(max_norm)`` before ``step()`` clips that step by the
-    global norm (computed in the daemon; ``last_step.grad_norm`` has it, since
-    ``torch.nn.utils.clip_grad_norm_`` cannot see gradients that are already
-    in the daemon). Gradients are averaged over the job's ranks, as DDP
-    does. ``zero_grad()`` only clears local ``.grad``: the daemon starts
+    ``clip_grad_norm_(max_norm)`` before ``step()`` (or
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, which
+    zerod.torch routes here) returns the global norm, computed in the daemon
+    over every rank's gradients, and clips that step by it. Gradients are
+    averaged over the job's ranks, as DDP does. ``zero_grad()`` only clears local ``.grad``: the daemon starts
     every step's accumulation from zero itself.
     """
 
@@ -658,6 +663,7 @@ class Optimizer(torch.optim.Optimizer):
         self._job = job
         if self._grouped:
             self._send_groups()
+        model._zerod.optimizer = self
         self._sent_lr: Optional[float] = None
         self._sent_group_lrs: Optional[List[float]] = None
         self._sent_norm: Optional[float] = None
@@ -726,14 +732,25 @@ class Optimizer(torch.optim.Optimizer):
                                 "(every trainable parameter in one): pass them all to it")
         super().add_param_group(param_group)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clips the coming step's gradients to a global L2 norm of
-        `max_norm` (torch.nn.utils.clip_grad_norm_'s rule)."""
+        `max_norm` (torch.nn.utils.clip_grad_norm_'s rule, applied in the
+        step) and returns the norm before clipping, which the daemon
+        computes over every rank's gradients (a collective)."""
         if norm_type != 2.0:
             raise InvalidArgumentError("zerod clips by the L2 norm only")
         if not max_norm > 0:
             raise InvalidArgumentError("max_norm must be > 0")
+        pending = self._model._zerod.pending()
+        if pending:
+            raise ShardingError("clip_grad_norm_ while units %s still wait for gradients" % pending)
+        norm = self._job.grad_norm(grad_scale=float(self._job.world_size))
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped")
         self._clip = float(max_norm)
+        return torch.tensor(norm)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
@@ -905,3 +922,43 @@ def state_dict_from(job: Job) -> "OrderedDict[str, torch.Tensor]":
             for name, tensor in gathered.tensors().items():
                 out[name] = tensor.clone()
     return out
+
+
+# torch.nn.utils.clip_grad_norm_ for sharded models. Their gradients are in
+# the daemon by the time a training loop clips (each unit's go there as soon
+# as its backward is done), so torch's own function would find no .grad and
+# return 0 without clipping anything. zerod.torch replaces it with one that
+# hands sharded parameters to their model's optimizer (the daemon computes
+# the norm over every rank's gradients and the step clips) and passes any
+# other call to torch's.
+_torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
+                    *args: Any, **kwargs: Any) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_, which zerod.torch installs in its
+    place: for the parameters of a sharded model (all of them, as
+    ``model.parameters()`` gives them) the daemon computes the global norm
+    and the next step clips; other parameters go to torch's function."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    states = {id(getattr(p, "_zerod_state", None)): getattr(p, "_zerod_state", None)
+              for p in params}
+    if list(states) == [id(None)]:
+        return _torch_clip_grad_norm_(params, max_norm, norm_type, *args, **kwargs)
+    if len(states) != 1:
+        raise ShardingError("clip_grad_norm_ over parameters of a sharded model and others at "
+                            "once: clip each set alone")
+    state = next(iter(states.values()))
+    trainable = {id(p) for unit in state.units for p in unit.params if p.requires_grad}
+    if {id(p) for p in params if p.requires_grad} != trainable:
+        raise ShardingError("zerod clips by the norm of all of a sharded model's gradients: pass "
+                            "model.parameters()")
+    if state.optimizer is None:
+        raise ShardingError("clip_grad_norm_ on a sharded model needs its zerod.torch.Optimizer "
+                            "(made before the first backward)")
+    error_if_nonfinite = kwargs.get("error_if_nonfinite", args[0] if args else False)
+    return state.optimizer.clip_grad_norm_(max_norm, float(norm_type),
+                                           error_if_nonfinite=bool(error_if_nonfinite))
+
+
+torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
