@@ -10,6 +10,13 @@ maximum relative difference <= 1e-6, where the relative difference of an
 element is |ours - torch| / max(|torch|, FLOOR) and FLOOR = 1e-3 keeps
 elements that pass through zero from dividing by nothing (the weights are
 N(0, 1), so the floor only matters for a handful of elements).
+
+That criterion is torch 1.13's, whose formulas the kernels follow (and
+match bit for bit). torch 2.x writes Adam's first moment as a lerp and its
+AVX-512 sqrt is not correctly rounded (0.75 ulp), so against it the bounds
+are the measured drift with a margin: moments 5e-6 (measured 2.7e-6),
+weights 2e-5 (1.07e-5), and the fused bf16 working copy is checked against
+our own weights (docs/kernels.md).
 """
 import zlib
 
@@ -21,7 +28,9 @@ import zk_ctypes as zk
 
 STEPS = 50
 NUMEL = 100_003  # odd, and above the size at which the kernels use both threads
-TOLERANCE = 1e-6
+TORCH_1 = int(torch.__version__.split(".")[0]) < 2
+TOLERANCE = 1e-6 if TORCH_1 else 5e-6     # the moments (and everything under torch 1.x)
+PARAM_TOLERANCE = 1e-6 if TORCH_1 else 2e-5
 FLOOR = 1e-3
 
 
@@ -69,9 +78,12 @@ def run_parity(make_torch_opt, our_step, state_names, seed, grad_dtype=zk.F32, g
             diffs[name] = max_rel_diff(ours[name], torch_state[name].numpy())
         for name, d in diffs.items():
             worst[name] = max(worst[name], d)
-            assert d <= TOLERANCE, f"step {step}: {name} differs from torch by {d:.3g} (relative)"
-        # The fused working copy is torch's own fp32 -> bf16 conversion of the weights.
-        np.testing.assert_array_equal(working, torch_bf16_bits(tp))
+            bound = PARAM_TOLERANCE if name == "param" else TOLERANCE
+            assert d <= bound, f"step {step}: {name} differs from torch by {d:.3g} (relative)"
+        # The fused working copy is torch's own fp32 -> bf16 conversion of the
+        # weights (of ours where torch's own may differ in the last bit).
+        np.testing.assert_array_equal(
+            working, torch_bf16_bits(tp if TORCH_1 else torch.from_numpy(ours["param"])))
     print(f"worst relative differences over {STEPS} steps: " +
           ", ".join(f"{k}={v:.3g}" for k, v in worst.items()))
     return worst
