@@ -124,6 +124,19 @@ def test_param_groups_match_torch_adamw(start_daemon):
     client.close()
 
 
+def test_optimizer_keyword_defaults_reach_the_daemon(start_daemon):
+    """Optimizer(model, weight_decay=0.0) on a job made with 0.01 steps
+    as torch.optim.AdamW(weight_decay=0.0) does, not as the job's config."""
+    reference = TinyLM()
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
+    steps_from(reference, opt, 0, 5)
+    client, job = attach(start_daemon(ranks=1))  # weight_decay=WEIGHT_DECAY
+    model = zerod.torch.shard(TinyLM(), job)
+    steps_from(model, zerod.torch.Optimizer(model, lr=LR, weight_decay=0.0), 0, 5)
+    assert max_rel_diff(model.state_dict(), reference.state_dict()) <= 1e-6
+    client.close()
+
+
 def test_fp16_loss_scaling_follows_grad_scaler(start_daemon):
     """An fp16 working copy with dynamic loss scaling, overflows injected at
     chosen steps: the daemon skips the same steps and moves the scale the

@@ -656,8 +656,10 @@ class Optimizer(torch.optim.Optimizer):
                                        (sorted(unknown), ", ".join(self._GROUP_KEYS)))
         trainable = [p for p in model.parameters() if p.requires_grad]
         groups = self._groups_of(params, trainable)
-        self._grouped = params is not None and (len(groups) > 1 or bool(defaults) or any(
-            set(g) - {"params"} for g in groups))
+        # Hyper-parameters of its own (groups, or keyword defaults such as
+        # weight_decay=0.0) go to the daemon; without any the job's are used.
+        self._grouped = len(groups) > 1 or bool(defaults) or any(
+            set(g) - {"params"} for g in groups)
         super().__init__(groups, dict(lr=float(lr), **defaults))
         self._model = model
         self._job = job
