@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "tests" / "integration"))
 import ctlproto  # noqa: E402  (the control-plane modules, generated from the .proto files)
+from bench_cluster import free_port  # noqa: E402
 
 import grpc  # noqa: E402
 
@@ -48,12 +48,6 @@ NODES, RANKS = ("a", "b"), 2
 
 def log(message: str) -> None:
     print(f"bench_zeropp: {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(what: str, predicate, timeout_s: float = 60) -> None:

@@ -283,6 +283,7 @@ class Ranks:
     goes to every rank before any reply is read (collectives)."""
 
     def __init__(self, nodes, job, ranks_per_node):
+        self.fds = {}  # buffer id -> the descriptor its first gather passed
         self.conns = []
         for node in nodes:
             for r in range(ranks_per_node):
@@ -290,11 +291,10 @@ class Ranks:
                 c.expect_ok(z.ATTACH, z.attach_request(job, r, token=TOKEN))
                 self.conns.append(c)
 
-    def all(self, msg_type, payloads, fds=None):
-        """Sends payloads[i] to rank i, then returns the replies' (fields,
+    def all(self, msg_type, payload):
+        """Sends payload to every rank, then returns the replies' (fields,
         fds) in rank order."""
-        ids = [c.send(msg_type, p, fds=(fds[i] if fds and fds[i] is not None else ()))
-               for i, (c, p) in enumerate(zip(self.conns, payloads))]
+        ids = [c.send(msg_type, payload) for c in self.conns]
         out = []
         for c, rid in zip(self.conns, ids):
             t, got_rid, fields, got = c.recv()
@@ -306,24 +306,24 @@ class Ranks:
         """Gathers unit on every rank, reads its first numel floats on each,
         and releases it."""
         values = []
-        for fields, fds in self.all(z.GATHER, [z.unit_request(unit)] * len(self.conns)):
+        for fields, fds in self.all(z.GATHER, z.unit_request(unit)):
             if fds:  # the first gather into a buffer passes its descriptor
                 self.fds[fields[2][0]] = fds[0]
             m = mmap.mmap(self.fds[fields[2][0]], fields[3][0], prot=mmap.PROT_READ)
             values.append(m[:4 * numel])
             m.close()
-        self.all(z.RELEASE, [z.unit_request(unit)] * len(self.conns))
+        self.all(z.RELEASE, z.unit_request(unit))
         return values
 
     def stats(self, node_index, ranks_per_node):
         fields, _ = self.conns[node_index * ranks_per_node].expect_ok(z.STATS)
         return z.rank_stats(fields)
 
-    fds = None
-
     def close(self):
         for c in self.conns:
             c.close()
+        for fd in self.fds.values():
+            os.close(fd)
 
 
 def cross_gathered(stats):
@@ -352,12 +352,11 @@ def test_hpz_keeps_backward_gathers_inside_the_node(cluster, control):
         ctl.create_job(name, 2, 2, hpz_partition_size=hpz, max_live_bytes=cap)
         ctl.wait_state(name, "JOB_STATE_READY")
         ranks = Ranks(nodes, name, 2)
-        ranks.fds = {}
         units = []
         for u in ("a", "b"):
             request = z.register_request(u, (("w", (numel,)),), init=z.INIT_SEEDED_NORMAL,
                                          seed=7, std=0.5)
-            replies = ranks.all(z.REGISTER_UNIT, [request] * 4)
+            replies = ranks.all(z.REGISTER_UNIT, request)
             units.append(replies[0][0].get(1, [0])[0])
         # Forward: a, then b (whose buffer evicts a's).
         forward_a = ranks.gather(units[0], numel)
@@ -380,8 +379,6 @@ def test_hpz_keeps_backward_gathers_inside_the_node(cluster, control):
             assert crossed > 0, (before, after)
             assert all(r["secondary_bytes"] == 0 for r in after[0] + after[1]), after
         ranks.close()
-        for fd in ranks.fds.values():
-            os.close(fd)
     # The secondary group is the ranks of one node.
     with pytest.raises(grpc.RpcError) as e:
         ctl.create_job("odd", 2, 2, hpz_partition_size=4)
@@ -534,3 +531,4 @@ def test_killed_worker_fails_its_job_on_every_node(cluster, control):
     proc = run_worker([binary("zerod-mlp-train"), "--socket", a.socket, "--job", "w",
                        "--token", TOKEN] + MODEL, check=False)
     assert proc.returncode != 0 and "re-create" in proc.stderr, proc.stderr
+CAP_KIB = 600

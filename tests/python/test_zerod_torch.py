@@ -272,23 +272,27 @@ def steps_from(model, opt, first, count, batch_size=8, sched=None):
             sched.step()
 
 
+def trained(daemon, name, steps, seed=0):
+    """Job `name` with TinyLM(seed) sharded into it, after `steps` steps:
+    (client, model, optimizer)."""
+    client, job = attach(daemon, job=name)
+    model = zerod.torch.shard(TinyLM(seed=seed), job)
+    opt = zerod.torch.Optimizer(model)
+    steps_from(model, opt, 0, steps)
+    return client, model, opt
+
+
 def test_optimizer_state_saves_and_resumes_bit_exact(start_daemon, tmp_path):
     """torch.save of the model's and the optimizer's state_dict after 3
     steps, torch.load into a fresh job and model, 3 more steps: the same
     bits as 6 steps without a stop. The optimizer state has torch.optim's
     keys and shapes, and its moments agree with torch.optim.AdamW's."""
     daemon = start_daemon(ranks=1)
-    client, job = attach(daemon, job="straight")
-    model = zerod.torch.shard(TinyLM(), job)
-    opt = zerod.torch.Optimizer(model)
-    steps_from(model, opt, 0, 6)
+    client, model, _ = trained(daemon, "straight", 6)
     straight = model.state_dict()
     client.close()
 
-    client, job = attach(daemon, job="first")
-    model = zerod.torch.shard(TinyLM(), job)
-    opt = zerod.torch.Optimizer(model)
-    steps_from(model, opt, 0, 3)
+    client, model, opt = trained(daemon, "first", 3)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
     saved = opt.state_dict()
     client.close()
@@ -309,9 +313,7 @@ def test_optimizer_state_saves_and_resumes_bit_exact(start_daemon, tmp_path):
     assert saved["param_groups"][0]["params"] == theirs["param_groups"][0]["params"]
 
     loaded = torch.load(tmp_path / "ckpt.pt")
-    client, job = attach(daemon, job="resumed")
-    model = zerod.torch.shard(TinyLM(seed=5), job)
-    opt = zerod.torch.Optimizer(model)
+    client, model, opt = trained(daemon, "resumed", 0, seed=5)
     model.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["opt"])
     steps_from(model, opt, 3, 3)
@@ -337,24 +339,16 @@ def test_distributed_checkpoint_saves_and_resumes(start_daemon, tmp_path):
                     "the torch 2 lane runs this)" % torch.__version__)
     import warnings as w
     daemon = start_daemon(ranks=1)
-    client, job = attach(daemon, job="straight")
-    model = zerod.torch.shard(TinyLM(), job)
-    opt = zerod.torch.Optimizer(model)
-    steps_from(model, opt, 0, 6)
+    client, model, _ = trained(daemon, "straight", 6)
     straight = model.state_dict()
     client.close()
-    client, job = attach(daemon, job="first")
-    model = zerod.torch.shard(TinyLM(), job)
-    opt = zerod.torch.Optimizer(model)
-    steps_from(model, opt, 0, 3)
+    client, model, opt = trained(daemon, "first", 3)
     with w.catch_warnings():
         w.simplefilter("ignore")  # "torch.distributed is not initialized": one process
         dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
                  checkpoint_id=str(tmp_path / "dcp"))
     client.close()
-    client, job = attach(daemon, job="resumed")
-    model = zerod.torch.shard(TinyLM(seed=4), job)
-    opt = zerod.torch.Optimizer(model)
+    client, model, opt = trained(daemon, "resumed", 0, seed=4)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     with w.catch_warnings():
         w.simplefilter("ignore")
