@@ -68,6 +68,13 @@ static void update_loss_scale(rank_state *rs, int skipped) {
   atomic_store(&rs->loss_scale, scale);
 }
 
+/* What the accumulated gradients are divided by: the worker's grad_scale
+ * (averaging over the ranks; 0: 1) and the loss scale its loss carried. */
+static double gradient_divisor(rank_state *rs, double grad_scale) {
+  double loss_scale = atomic_load(&rs->loss_scale);
+  return (grad_scale == 0 ? 1.0 : grad_scale) * (loss_scale > 0 ? loss_scale : 1.0);
+}
+
 /* This rank's sum of squares of its accumulated gradients (unit by unit,
  * each sum deterministic). 0 or the device's error. */
 static int local_grad_sumsq(rank_state *rs, double *out) {
@@ -92,10 +99,7 @@ void exec__handle_grad_norm(rank_state *rs, exec_op *op) {
                "grad_scale must be >= 0 and finite");
     return;
   }
-  double grad_scale = req->grad_scale == 0 ? 1.0 : req->grad_scale;
-  double loss_scale = atomic_load(&rs->loss_scale);
-  if (loss_scale > 0)
-    grad_scale *= loss_scale;
+  double grad_scale = gradient_divisor(rs, req->grad_scale);
   double sumsq = 0;
   int err = local_grad_sumsq(rs, &sumsq);
   if (err != 0) {
@@ -144,12 +148,9 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
   }
   if (req->set_max_grad_norm)
     rs->max_grad_norm = req->max_grad_norm;
-  double grad_scale = req->grad_scale == 0 ? 1.0 : req->grad_scale;
-  /* The worker scaled its loss by the current loss scale: the gradients
-   * come back divided by it too. */
+  /* Read before the step moves the loss scale (update_loss_scale below). */
   double loss_scale = atomic_load(&rs->loss_scale);
-  if (loss_scale > 0)
-    grad_scale *= loss_scale;
+  double grad_scale = gradient_divisor(rs, req->grad_scale);
 
   /* The global norm: every rank's partial sum of squares over its shards
    * (in unit order, each sum deterministic), all-reduced. */
