@@ -2497,6 +2497,55 @@ zd_status zd_grad_norm(zd_job *job, double grad_scale, double *norm) {
   return client_finish(job->client);
 }
 
+static zd_status checkpoint_call(zd_job *job, Zerod__V1__CheckpointAction action, const char *name,
+                                 zd_checkpoint_info *info, const char *what) {
+  zd_status status = job_check_writable(job, what);
+  if (status != ZD_OK)
+    return status;
+  Zerod__V1__CheckpointRequest request = ZEROD__V1__CHECKPOINT_REQUEST__INIT;
+  request.action = action;
+  request.name = (char *)(name != NULL ? name : "");
+  ProtobufCMessage *reply_msg;
+  int fds[ZD_FRAME_MAX_FDS];
+  unsigned nfds;
+  status = client_call(job->client, ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT, &request.base, NULL, 0,
+                       ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT_REPLY, what, &reply_msg, fds, &nfds);
+  if (status != ZD_OK)
+    return status;
+  const Zerod__V1__CheckpointReply *reply = (const Zerod__V1__CheckpointReply *)reply_msg;
+  if (info != NULL) {
+    memset(info, 0, sizeof *info);
+    snprintf(info->name, sizeof info->name, "%s", reply->name);
+    info->step = reply->step;
+    info->stall_ms = reply->stall_ms;
+    info->total_ms = reply->total_ms;
+  }
+  protobuf_c_message_free_unpacked(reply_msg, NULL);
+  /* A restore let go of the units the worker held gathered: a stable
+   * range stops mapping the daemon's buffers, as zd_release does. */
+  for (size_t u = 0;
+       action == ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE && u < job->unit_count;
+       u++) {
+    client_unit *unit = &job->units[u];
+    if (job->stable_addresses && unit->held_gather_buffer != 0)
+      (void)unit_cover_range(unit, what);
+    unit->held_gather_buffer = 0;
+  }
+  return client_finish(job->client);
+}
+
+zd_status zd_checkpoint_save(zd_job *job, const char *name, zd_checkpoint_info *info) {
+  return checkpoint_call(job, ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_SAVE, name, info,
+                         "checkpoint save");
+}
+
+zd_status zd_checkpoint_restore(zd_job *job, const char *name, zd_checkpoint_info *info) {
+  if (name == NULL || name[0] == '\0')
+    return set_error(ZD_E_INVALID_ARGUMENT, "checkpoint restore: name the checkpoint to restore");
+  return checkpoint_call(job, ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE, name, info,
+                         "checkpoint restore");
+}
+
 zd_status zd_detach(zd_job *job) {
   char what[96];
   snprintf(what, sizeof what, "detach job %s", job != NULL ? job->name : "(null)");

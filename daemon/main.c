@@ -21,6 +21,7 @@
 
 #include "coord.h"
 #include "daemon.h"
+#include "ckpt_call.h"
 #include "ckpt_node.h"
 #include "health.h"
 #include "log.h"
@@ -912,6 +913,7 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
   char reason[128];
   snprintf(reason, sizeof reason, "zerod is shutting down (%s)", why);
   ipc_close_all(d, reason);
+  ckpt_call_shutdown(d); /* workers' checkpoint calls give up */
   metrics_http_stop(d->metrics_http);
   d->metrics_http = NULL;
   /* Draining: probes see NOT_SERVING, then the probe listener goes. */
@@ -1258,6 +1260,8 @@ int main(int argc, char **argv) {
   }
 
   rc = ckpt_node_init(d, cluster_report);
+  if (rc == 0)
+    rc = ckpt_call_init(d);
   if (rc == 0)
     rc = ipc_listen(d, err, sizeof err);
   else

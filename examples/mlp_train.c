@@ -79,6 +79,10 @@ static void usage(FILE *out) {
           "  --stats             after the last step, print what the collectives of the\n"
           "                      job's ranks on this daemon moved (zd_job_stats), one\n"
           "                      line per rank, level and collective\n"
+          "  --save-at N         after step N, save a service checkpoint (step-<N>; every\n"
+          "                      rank calls zd_checkpoint_save)\n"
+          "  --restore NAME      before training, restore the job from its checkpoint NAME\n"
+          "                      and go on from the checkpoint's step\n"
           "  --help              this text\n\n"
           "Rank 0 prints a line per logged step: the loss is the mean over rank 0's own\n"
           "samples (its share of the global batch), grad_norm is the global gradient norm\n"
@@ -287,6 +291,8 @@ int main(int argc, char **argv) {
     OPT_DUMP,
     OPT_TOKEN,
     OPT_STATS,
+    OPT_SAVE_AT,
+    OPT_RESTORE,
     OPT_HELP
   };
   static const struct option long_options[] = {
@@ -299,6 +305,8 @@ int main(int argc, char **argv) {
       {"dump", required_argument, NULL, OPT_DUMP},
       {"token", required_argument, NULL, OPT_TOKEN},
       {"stats", no_argument, NULL, OPT_STATS},
+      {"save-at", required_argument, NULL, OPT_SAVE_AT},
+      {"restore", required_argument, NULL, OPT_RESTORE},
       {"help", no_argument, NULL, OPT_HELP},
       {NULL, 0, NULL, 0},
   };
@@ -309,8 +317,9 @@ int main(int argc, char **argv) {
   const char *job_name = "mlp";
   const char *dump_path = NULL;
   const char *token = getenv("ZEROD_TOKEN");
+  const char *restore = NULL;
   unsigned local_rank = 0;
-  int create = 1, stats = 0;
+  int create = 1, stats = 0, save_at = 0;
   int opt;
   while ((opt = getopt_long(argc, argv, "h", long_options, NULL)) != -1) {
     int handled = mlp_config_option(&w.config, opt, optarg, prog);
@@ -349,6 +358,18 @@ int main(int argc, char **argv) {
       break;
     case OPT_STATS:
       stats = 1;
+      break;
+    case OPT_SAVE_AT: {
+      long value = strtol(optarg, &end, 10);
+      if (*end != '\0' || value < 1 || value > 1000000000) {
+        fprintf(stderr, "%s: --save-at must be a step number >= 1\n", prog);
+        return 2;
+      }
+      save_at = (int)value;
+      break;
+    }
+    case OPT_RESTORE:
+      restore = optarg;
       break;
     case 'h':
     case OPT_HELP:
@@ -415,8 +436,20 @@ int main(int argc, char **argv) {
            config->global_batch, local_batch, config->bf16 ? "bf16" : "fp32",
            (unsigned long long)zd_job_version(w.job));
 
+  /* Resuming: the job goes back to the checkpoint (a collective of the
+   * ranks), and training goes on from its step with the same batches. */
+  int first_step = 0;
+  if (restore != NULL) {
+    zd_checkpoint_info info;
+    ZD_CHECK(zd_checkpoint_restore(w.job, restore, &info), "zd_checkpoint_restore");
+    first_step = (int)info.step;
+    if (w.rank == 0)
+      printf("restored checkpoint %s: step %llu (%lld ms)\n", info.name,
+             (unsigned long long)info.step, (long long)info.total_ms);
+  }
+
   double first_loss = 0, last_loss = 0, train_s = 0;
-  for (int step = 0; step < config->steps; step++) {
+  for (int step = first_step; step < config->steps; step++) {
     double start_s = mlp_now_s();
     mlp_make_batch(&teacher, config, step, (int)w.rank * local_batch, local_batch, inputs, targets);
     mlp_set_inputs(&w.work, inputs);
@@ -427,7 +460,7 @@ int main(int argc, char **argv) {
     ZD_CHECK(zd_step(w.job, NULL, &result), "zd_step");
     double step_s = mlp_now_s() - start_s;
     train_s += step_s;
-    if (step == 0)
+    if (step == first_step)
       first_loss = loss;
     last_loss = loss;
     if (w.rank == 0 &&
@@ -437,10 +470,19 @@ int main(int argc, char **argv) {
              result.skipped ? " (skipped: non-finite gradients)" : "");
       fflush(stdout);
     }
+    if (step + 1 == save_at) {
+      zd_checkpoint_info info;
+      ZD_CHECK(zd_checkpoint_save(w.job, NULL, &info), "zd_checkpoint_save");
+      if (w.rank == 0)
+        printf("saved checkpoint %s: step %llu, training held %lld ms (%lld ms in all)\n",
+               info.name, (unsigned long long)info.step, (long long)info.stall_ms,
+               (long long)info.total_ms);
+    }
   }
-  if (w.rank == 0 && config->steps > 0)
-    printf("done: %d steps, loss %.6f -> %.6f (rank 0's samples), %.2f steps/s\n", config->steps,
-           first_loss, last_loss, config->steps / train_s);
+  if (w.rank == 0 && config->steps > first_step)
+    printf("done: %d steps, loss %.6f -> %.6f (rank 0's samples), %.2f steps/s\n",
+           config->steps - first_step, first_loss, last_loss,
+           (config->steps - first_step) / train_s);
 
   int status = dump_params(&w, dump_path) == 0 ? 0 : 1;
   if (stats && print_stats(&w) != 0)

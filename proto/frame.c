@@ -180,6 +180,10 @@ const ProtobufCMessageDescriptor *zd_msg_descriptor(uint16_t type) {
     return &zerod__v1__grad_norm_request__descriptor;
   case ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM_REPLY:
     return &zerod__v1__grad_norm_reply__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT:
+    return &zerod__v1__checkpoint_request__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT_REPLY:
+    return &zerod__v1__checkpoint_reply__descriptor;
   default:
     return NULL;
   }

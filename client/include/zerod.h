@@ -413,6 +413,34 @@ ZD_API zd_status zd_set_groups(zd_job *job, const zd_param_group *groups, unsign
  * returns. Collective over the job's ranks. */
 ZD_API zd_status zd_grad_norm(zd_job *job, double grad_scale, double *norm);
 
+/* A service checkpoint the workers take or restore themselves, as
+ * torch.distributed.checkpoint's save and load: every rank of the job
+ * calls it, between the same two steps, with the same name, and each call
+ * returns once the checkpoint is durable (or the job restored) or the call
+ * failed. It is the checkpoint `zerodctl checkpoint save` would take
+ * (docs/checkpoints.md): every rank's shard of the fp32 master weights and
+ * optimizer state, under <checkpoint-dir>/<job>/<name>/. */
+typedef struct zd_checkpoint_info {
+  char name[65];    /* the checkpoint saved or restored */
+  uint64_t step;    /* saved: the step it holds; restored: the job's step now */
+  int64_t stall_ms; /* saved: longest time a rank held training to copy its state */
+  int64_t total_ms; /* from the call to the coordinator's answer */
+} zd_checkpoint_info;
+
+/* Saves the job as checkpoint `name` of the job (1..64 of [A-Za-z0-9._-],
+ * not starting with '.'; NULL or "" gives step-<step>). ZD_E_ALREADY_EXISTS
+ * if the job has a checkpoint of that name, ZD_E_FAILED_PRECONDITION when
+ * another save or restore of the job is in flight or the ranks did not
+ * call alike. info may be NULL. */
+ZD_API zd_status zd_checkpoint_save(zd_job *job, const char *name, zd_checkpoint_info *info);
+
+/* Restores the job from its own checkpoint `name`: master weights,
+ * optimizer state and step (the parameter groups and the loss scale stay
+ * as they are). Buffers the worker gathered are released first; gather
+ * again after. ZD_E_NOT_FOUND without such a checkpoint; on any failure
+ * the job keeps its state. info may be NULL. */
+ZD_API zd_status zd_checkpoint_restore(zd_job *job, const char *name, zd_checkpoint_info *info);
+
 /* A unit's fp32 arrays in the daemon (zd_load_state, zd_read_state). */
 typedef enum zd_unit_state {
   ZD_STATE_WEIGHTS = 0, /* the master weights */

@@ -18,10 +18,14 @@
  *   DeleteJob               the job's tenant or an admin
  *   IssueReadToken          a reader of the job's tenant and up
  *   Put, Get, Delete (KV)   a node the job is placed on, or an admin
- *   Save, Delete checkpoint the job's tenant or an admin
+ *   Save, Delete checkpoint the job's tenant or an admin; Save also a
+ *                           node the job is placed on (its workers asked:
+ *                           CHECKPOINT, node/ckpt_call.c)
  *   Restore                 the job's tenant or an admin, who must also
  *                           be able to read the source (another job's
- *                           checkpoint: that job; a path: admins only)
+ *                           checkpoint: that job; a path: admins only);
+ *                           also a node the job is placed on, from the
+ *                           job's own checkpoints only
  *   Export                  a reader of the job's tenant and up, with the
  *                           same rule for the source; a tenant's or a
  *                           reader's file goes in <export root>/<tenant>/
@@ -234,6 +238,19 @@ int coord__placed_on(const coord_caller *who, const cjob *j) {
   return 0;
 }
 
+/* Save and Restore: the job's owner, or a node the job is placed on, which
+ * asks for its workers (they hold the job's owner token; a node is
+ * trusted with the job's state already). A node's Restore reads the job's
+ * own checkpoints only: source_rule refuses it any other source, since a
+ * node reads no job. */
+static int owner_or_node_rule(const coord *c, const coord_caller *who, const char *job,
+                              const char *verb, char *err, size_t err_bytes) {
+  const cjob *j = coord__find_job(c, job);
+  if (j != NULL && who->role == AUTH_NODE && coord__placed_on(who, j))
+    return 0;
+  return job_rule(c, who, job, 1, verb, err, err_bytes);
+}
+
 static int kv_rule(const coord *c, const coord_caller *who, const char *job, char *err,
                    size_t err_bytes) {
   if (who->role == AUTH_ADMIN)
@@ -349,7 +366,8 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
   if (IS(CTL_DELETE))
     return kv_rule(c, who, ((const Zerod__V1__DeleteRequest *)msg)->job, err, err_bytes);
   if (IS(CTL_SAVE))
-    return job_rule(c, who, ((const Zerod__V1__SaveRequest *)msg)->job, 1, "save", err, err_bytes);
+    return owner_or_node_rule(c, who, ((const Zerod__V1__SaveRequest *)msg)->job, "save", err,
+                              err_bytes);
   if (IS(CTL_DELETE_CHECKPOINT))
     return job_rule(c, who, ((const Zerod__V1__DeleteCheckpointRequest *)msg)->job, 1,
                     "delete checkpoints of", err, err_bytes);
@@ -360,7 +378,7 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
   }
   if (IS(CTL_RESTORE)) {
     const Zerod__V1__RestoreRequest *r = (const void *)msg;
-    int rc = job_rule(c, who, r->job, 1, "restore", err, err_bytes);
+    int rc = owner_or_node_rule(c, who, r->job, "restore", err, err_bytes);
     return rc != 0 ? rc : source_rule(c, who, r->checkpoint, err, err_bytes);
   }
   if (IS(CTL_EXPORT)) {

@@ -199,11 +199,13 @@ static void follow_restore(job *j, const Zerod__V1__Assignment *as) {
     c->restore_commit_sent = 0;
     memset(c->restores, 0, (size_t)j->nranks * sizeof *c->restores);
     pthread_mutex_unlock(&c->mutex);
-    if (j->sessions > 0) {
+    /* Workers waiting in a restore they asked for are as good as gone:
+     * they hold nothing (OP_CKPT_PARK let go of it) and send nothing. */
+    if (j->sessions > atomic_load(&j->ckpt_restore_parked)) {
       char why[256];
       snprintf(why, sizeof why,
                "%d worker(s) attached to job '%s' on node '%s': a job is restored with no "
-               "worker attached",
+               "worker attached (or with every worker waiting in a restore it asked for)",
                j->sessions, j->name, ((zdaemon *)j->owner)->options.node_name);
       for (int r = 0; r < j->nranks; r++)
         ckpt_node_restore_report(j, j->first_rank + r, o->id, 0, 0, RPC_FAILED_PRECONDITION, why);

@@ -523,6 +523,7 @@ int cluster_create(zdaemon *d, store *local_store, store **rendezvous, char *err
   uv_timer_init(d->loop, &a->settle_timer);
   a->timer.data = a->watch_timer.data = a->settle_timer.data = a;
   d->cluster = a;
+  d->control_channel = a->channel;
   *rendezvous = a->rendezvous;
   return 0;
 }
@@ -595,6 +596,7 @@ void cluster_destroy(zdaemon *d) {
     return;
   a->rendezvous->ops->destroy(a->rendezvous);
   rpc_channel_destroy(a->channel);
+  d->control_channel = NULL;
   free(a);
   d->cluster = NULL;
 }

@@ -71,10 +71,18 @@ typedef struct daemon {
   uv_async_t ckpt_async;
   _Atomic int ckpt_async_ready;
   void (*ckpt_progress)(struct daemon *d); /* on the loop, after ckpt_async */
+  /* Workers' own checkpoint calls (ckpt_call.c): the running ones, and
+   * their threads' wakeup. */
+  struct ckpt_call *worker_calls;
+  uv_async_t worker_calls_async;
+  int worker_calls_ready, worker_calls_stopping;
 
   /* The coordinator client (zerod node, and zerod standalone, whose
    * coordinator runs in this process: coord, serving control_server). */
   struct cluster_agent *cluster;
+  /* Its channel to the coordinator (thread-safe blocking calls, rpc.h),
+   * with this node's credentials: set by cluster_create. */
+  struct rpc_channel *control_channel;
   struct coord *coord;
   struct rpc_server *control_server;
   /* --health-listen: the probe listener and its status (health.h); NULL
@@ -102,5 +110,7 @@ void ipc_drain_completions(zdaemon *d);
 /* An executor is exiting (exec_settings.stopped; its thread): wakes the
  * loop so that it can reap the job. */
 void ipc_stopped(void *daemon);
+/* Answers an op the loop held back (ckpt_call.c) and frees it. */
+void ipc_finish_op(exec_op *op);
 
 #endif /* ZEROD_DAEMON_H */

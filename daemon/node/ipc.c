@@ -21,6 +21,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "ckpt_call.h"
 #include "ckpt_node.h"
 #include "jobs.h"
 #include "coord.h"
@@ -249,6 +250,21 @@ void ipc_complete(void *daemon, exec_op *op) {
 
 static void deliver(exec_op *op) {
   session *s = op->session;
+  if (op->kind == OP_CKPT_PARK && op->status == ZEROD__V1__STATUS__STATUS_OK &&
+      !op->ckpt_answered) {
+    /* The rank waits with its worker for the checkpoint call: the answer
+     * comes with the call's end (ckpt_call.c, then ipc_finish_op). */
+    int rc = ckpt_call_wait(s->daemon, op);
+    if (rc == 0)
+      return;
+    exec_error(op,
+               rc == -ECANCELED ? ZEROD__V1__STATUS__STATUS_UNAVAILABLE
+                                : ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+               "checkpoint: %s", rc == -ECANCELED ? "zerod is shutting down" : strerror(-rc));
+    exec_op *unpark = exec_op_new(OP_CKPT_UNPARK, op->rank);
+    if (unpark != NULL)
+      exec_submit(unpark);
+  }
   if (op->reply_frame != NULL && !s->closing) {
     session_send(s, op->reply_frame, op->reply_bytes, op->reply_fd);
     op->reply_frame = NULL;
@@ -260,6 +276,10 @@ static void deliver(exec_op *op) {
   session_unref(s);
   op->session = NULL;
   exec_op_free(op);
+}
+
+void ipc_finish_op(exec_op *op) {
+  deliver(op);
 }
 
 /* A read-only session's op, finished (reader_env.done). */
@@ -631,6 +651,8 @@ static op_kind kind_of(uint16_t type) {
     return OP_SET_GROUPS;
   case ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM:
     return OP_GRAD_NORM;
+  case ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT:
+    return OP_CKPT_PARK;
   case ZEROD__V1__MSG_TYPE__MSG_PIN:
     return OP_PIN;
   default:
@@ -657,6 +679,8 @@ static const char *write_request_name(uint16_t type) {
     return "set_groups";
   case ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM:
     return "grad_norm"; /* a collective of the job's ranks */
+  case ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT:
+    return "checkpoint"; /* a collective of the job's ranks */
   default:
     return NULL;
   }
@@ -679,6 +703,7 @@ static int is_request(uint16_t type) {
   case ZEROD__V1__MSG_TYPE__MSG_READ_STATE:
   case ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS:
   case ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM:
+  case ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT:
     return 1;
   default:
     return 0;
@@ -877,6 +902,13 @@ static void dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int
                "pin is for read-only sessions; this session is read-write (rank %d)",
                s->rank->rank);
     goto out;
+  }
+  if (h->type == ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT) {
+    char bad[512];
+    if (ckpt_call_check((const Zerod__V1__CheckpointRequest *)msg, bad, sizeof bad) != 0) {
+      send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "%s", bad);
+      goto out;
+    }
   }
   exec_op *op = exec_op_new(kind_of(h->type), s->rank);
   if (op == NULL) {

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckpt_call.h"
 #include "ckpt_node.h"
 #include "daemon.h"
 #include "digest.h"
@@ -120,8 +121,8 @@ void jobs_retire(zdaemon *d, job *j) {
 
 /* Whether nothing runs for retired job j any more: every executor has
  * exited (its join returns at once) and no reader holds it. */
-static int reapable(const job *j) {
-  if (j->readers > 0)
+static int reapable(job *j) {
+  if (j->readers > 0 || ckpt_call_active(j) > 0)
     return 0;
   for (int r = 0; r < j->nranks; r++)
     if (j->ranks[r].thread_started && !atomic_load(&j->ranks[r].stopped))

@@ -81,6 +81,9 @@ static void finish(exec_op *op) {
 static void run_op(rank_state *rs, exec_op *op) {
   int64_t next = -1;
   rs->failed_on_device = 0;
+  /* Whatever the worker sends after a checkpoint call means it is over. */
+  if (rs->ckpt_parked != 0 && op->session != NULL && op->kind != OP_CKPT_PARK)
+    exec__ckpt_unpark(rs);
   switch (op->kind) {
   case OP_COMM_INIT:
     exec__handle_comm_init(rs, op);
@@ -141,6 +144,12 @@ static void run_op(rank_state *rs, exec_op *op) {
   case OP_RESTORE_ABORT:
     ckpt_staged_free(rs->ckpt_staged);
     rs->ckpt_staged = NULL;
+    break;
+  case OP_CKPT_PARK:
+    exec__handle_ckpt_park(rs, op);
+    break;
+  case OP_CKPT_UNPARK:
+    exec__ckpt_unpark(rs);
     break;
   case OP_STOP:
     break;

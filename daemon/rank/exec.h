@@ -45,6 +45,8 @@ typedef enum op_kind {
   OP_RESTORE_READ,   /* read and verify the rank's part of op->ckpt_source */
   OP_RESTORE_COMMIT, /* install what was read */
   OP_RESTORE_ABORT,  /* drop what was read */
+  OP_CKPT_PARK,      /* CHECKPOINT: collective; the worker waits for the call (node/ckpt_call.c) */
+  OP_CKPT_UNPARK,    /* internal: the call ended */
   OP_STOP,           /* destroy the communicator and exit the thread */
 } op_kind;
 
@@ -60,12 +62,15 @@ typedef struct exec_op {
   int in_fd;                 /* owned; -1 if none */
   unsigned generation;       /* OP_COMM_INIT: the new one; reader ops: the job's at submission */
   uint32_t prefetch_unit;
-  int job_created;   /* OP_SESSION_BEGIN: the attach created the job */
-  char *warning;     /* OP_SESSION_BEGIN: AttachReply.warning, owned; NULL if none */
-  uint64_t ckpt_id;  /* checkpoint ops: the order's id */
-  char *ckpt_source; /* OP_RESTORE_READ: owned */
-  int ckpt_format;   /* OP_RESTORE_READ: Zerod__V1__RestoreFormat */
-  double made_at;    /* metrics_now() when made: the request's arrival */
+  int job_created;    /* OP_SESSION_BEGIN: the attach created the job */
+  char *warning;      /* OP_SESSION_BEGIN: AttachReply.warning, owned; NULL if none */
+  uint64_t ckpt_id;   /* checkpoint ops: the order's id */
+  char *ckpt_source;  /* OP_RESTORE_READ: owned */
+  int ckpt_format;    /* OP_RESTORE_READ: Zerod__V1__RestoreFormat */
+  double made_at;     /* metrics_now() when made: the request's arrival */
+  uint64_t ckpt_call; /* OP_CKPT_PARK's result: which call of the job this is */
+  uint64_t ckpt_step; /* OP_CKPT_PARK's result: the step every rank is at */
+  int ckpt_answered;  /* OP_CKPT_PARK: the call's answer is in the op */
 
   /* Result, filled by the handler. */
   int status;           /* Zerod__V1__Status */

@@ -195,4 +195,14 @@ void exec__handle_restore_read(rank_state *rs, exec_op *op);
  * ranks that installed and ranks that did not, so the job fails. */
 void exec__handle_restore_commit(rank_state *rs, exec_op *op);
 
+/* CHECKPOINT from the worker (node/ckpt_call.c): a collective in which
+ * every rank checks that all were called alike (action, name, step), then
+ * waits for the call with its worker (rs->ckpt_parked). A save order that
+ * reaches a waiting rank has its copy taken at once; a restore releases
+ * the worker's gathered units first. The op's reply is the node's, when
+ * the call ends: the op carries the call and the step. */
+void exec__handle_ckpt_park(rank_state *rs, exec_op *op);
+/* The rank's worker no longer waits in a checkpoint call. */
+void exec__ckpt_unpark(rank_state *rs);
+
 #endif /* ZEROD_EXEC_IMPL_H */

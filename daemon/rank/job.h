@@ -177,6 +177,12 @@ typedef struct rank_state {
   _Atomic uint64_t ckpt_pending;
   uint64_t ckpt_taken;
   struct ckpt_staged *ckpt_staged;
+  /* A worker's own CHECKPOINT call (node/ckpt_call.c): the action it waits
+   * in (Zerod__V1__CheckpointAction; 0: none), from OP_CKPT_PARK to
+   * OP_CKPT_UNPARK, and the calls made since the communicator was built,
+   * which name a call alike on every rank. Executor-owned. */
+  int ckpt_parked;
+  uint64_t ckpt_calls;
 
   /* Collectives run, by level (comm_level) and kind (rank_collective):
    * bytes and calls. Counted by the executor, read by the loop (STATS). */
@@ -235,6 +241,12 @@ typedef struct job {
   /* Loop-owned: the id of the restore in progress (attaches are refused
    * until it ends), 0 if none. */
   uint64_t restoring;
+  /* Workers waiting in a restore they asked for (CHECKPOINT): counted by
+   * the executors, read by the loop, which restores with them attached. */
+  _Atomic int ckpt_restore_parked;
+  /* Loop-owned: workers' checkpoint calls (node/ckpt_call.c) running on
+   * this node; the job is not freed before they end. */
+  int worker_calls;
   struct job_ckpt *ckpt; /* the node's checkpoint work for the job (node/ckpt_node.c) */
 
   /* Versions and pins (pin.c; pin.h has the locking rules). */

@@ -126,6 +126,7 @@ void exec__handle_comm_init(rank_state *rs, exec_op *op) {
   if (rs->comm != NULL)
     exec__set_comm(rs, NULL);
   rs->generation = op->generation;
+  rs->ckpt_calls = 0;
   /* "<job>/<generation>/": the rendezvous namespace (job, epoch) that the
    * coordinator's store splits it into (store_grpc.c). Job names hold no
    * '/'. */

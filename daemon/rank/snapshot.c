@@ -13,6 +13,7 @@
 #include "hostmem.h"
 #include "log.h"
 #include "pin.h"
+#include "pool.h"
 #include "rpc.h"
 
 /* The units of which rank rs holds a shard, in the job's order, and the
@@ -96,12 +97,15 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
 
 /* A save order reached the rank: with no worker attached no step will
  * come, so the copy is taken now (in queue order, before any op of a
- * worker that attaches later). With one, it is taken at the end of a step
- * to come, and the rank's writer faults its memory in meanwhile. */
+ * worker that attaches later), and likewise with a worker waiting in its
+ * own save (every rank is at the same step: OP_CKPT_PARK checked). With
+ * one training, it is taken at the end of a step to come, and the rank's
+ * writer faults its memory in meanwhile. */
 void exec__handle_save(rank_state *rs, exec_op *op) {
   if (op->ckpt_id <= rs->ckpt_taken || atomic_load(&rs->ckpt_pending) < op->ckpt_id)
     return;
-  if (rs->session_id == 0) {
+  if (rs->session_id == 0 ||
+      rs->ckpt_parked == ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_SAVE) {
     exec__take_snapshot(rs, op->ckpt_id);
     return;
   }
@@ -248,4 +252,108 @@ void exec__handle_restore_commit(rank_state *rs, exec_op *op) {
     exec__ckpt(rs)->restore_report(j, rs->rank, op->ckpt_id, 1, st->step, 0, NULL);
   }
   ckpt_staged_free(st);
+}
+
+/* What every rank brings to a worker's checkpoint call, compared. */
+typedef struct ckpt_call_key {
+  uint64_t step;
+  uint64_t call;
+  uint64_t name_hash; /* FNV-1a of the name */
+  uint32_t action;
+  uint32_t pad;
+} ckpt_call_key;
+
+static uint64_t name_hash(const char *name) {
+  uint64_t h = 14695981039346656037ull;
+  for (const unsigned char *p = (const unsigned char *)name; *p != '\0'; p++)
+    h = (h ^ *p) * 1099511628211ull;
+  return h;
+}
+
+static const char *action_verb(uint32_t action) {
+  return action == ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE ? "restore" : "save";
+}
+
+void exec__ckpt_unpark(rank_state *rs) {
+  if (rs->ckpt_parked == ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE)
+    atomic_fetch_sub(&rs->job->ckpt_restore_parked, 1);
+  rs->ckpt_parked = 0;
+}
+
+void exec__handle_ckpt_park(rank_state *rs, exec_op *op) {
+  const Zerod__V1__CheckpointRequest *req = (const Zerod__V1__CheckpointRequest *)op->request;
+  op->generation = rs->generation;
+  if (exec__op_job_failed(rs, op))
+    return;
+  job *j = rs->job;
+  ckpt_call_key *all = calloc((size_t)j->world_size, sizeof *all);
+  if (all == NULL) {
+    job_fail(j, rs->generation, "rank %d: out of memory", rs->rank);
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    return;
+  }
+  int restore = req->action == ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE;
+  if (restore) {
+    /* The restore replaces the values the worker gathered: it lets go of
+     * them (its gradient buffers stay; the restore zeroes what was
+     * reduced into the shard). */
+    for (uint32_t u = 0; u < rs->nshards; u++) {
+      shard *sh = &rs->shards[u];
+      if (sh->present && sh->gather_held && sh->gather_buf >= 0)
+        pool_unref(rs, &rs->bufs[sh->gather_buf]);
+      sh->gather_held = 0;
+    }
+  }
+  /* Waiting from before the collective: once any rank is past it (the
+   * leader asks the coordinator then), the orders that follow find every
+   * rank waiting. */
+  rs->ckpt_parked = (int)req->action;
+  if (restore)
+    atomic_fetch_add(&j->ckpt_restore_parked, 1);
+  all[rs->rank] = (ckpt_call_key){.step = rs->step,
+                                  .call = rs->ckpt_calls,
+                                  .name_hash = name_hash(req->name),
+                                  .action = (uint32_t)req->action};
+  int err = exec__host_all_gather(rs, all, sizeof *all);
+  if (err != 0) {
+    free(all);
+    exec__ckpt_unpark(rs);
+    exec__op_comm_failed(rs, op, "all_gather (checkpoint)", err);
+    return;
+  }
+  /* Every rank took part, alike or not: the next call has the next number
+   * on all of them. */
+  rs->ckpt_calls++;
+  for (int r = 1; r < j->world_size; r++) {
+    const ckpt_call_key *a = &all[0], *b = &all[r];
+    if (b->action != a->action) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                 "rank 0 asked to %s a checkpoint and rank %d to %s one: a checkpoint is a "
+                 "collective, every rank makes the same call",
+                 action_verb(a->action), r, action_verb(b->action));
+    } else if (b->name_hash != a->name_hash) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                 "rank 0 and rank %d named different checkpoints (this rank: '%s'): every rank "
+                 "names the same",
+                 r, req->name);
+    } else if (b->step != a->step || b->call != a->call) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                 "rank 0 called at step %llu and rank %d at step %llu: a checkpoint is a "
+                 "collective, every rank calls it between the same two steps",
+                 (unsigned long long)a->step, r, (unsigned long long)b->step);
+    } else {
+      continue;
+    }
+    free(all);
+    exec__ckpt_unpark(rs);
+    return;
+  }
+  free(all);
+  /* An order that came before the worker did. */
+  uint64_t pending = atomic_load(&rs->ckpt_pending);
+  if (!restore && pending > rs->ckpt_taken)
+    exec__take_snapshot(rs, pending);
+  op->ckpt_call = rs->ckpt_calls - 1;
+  op->ckpt_step = rs->step;
+  op->status = ZEROD__V1__STATUS__STATUS_OK;
 }

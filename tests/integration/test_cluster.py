@@ -177,6 +177,52 @@ def test_three_nodes_train_like_one_process(cluster, control, tmp_path, ranks_pe
     ctl.wait("the step to be reported", lambda: ctl.job("mlp").step >= 20)
 
 
+def test_workers_save_and_restore_checkpoints_across_nodes(cluster, control, tmp_path):
+    """The workers of a job on two nodes take a service checkpoint themselves
+    after step 10 (zd_checkpoint_save: node a asks the coordinator, node b
+    reads the answer from the rendezvous store) and train on to step 20;
+    workers started again restore it (zd_checkpoint_restore, with every
+    worker attached and waiting) and train steps 11..20 again: the same
+    bits as the first run."""
+    coord = cluster.start_coordinator()
+    nodes = [cluster.start_node("node-%s" % n, ranks=2) for n in "ab"]
+    ctl = control()
+    ctl.wait("2 members", lambda: ctl.members()[0] == ["node-a", "node-b"])
+    ctl.create_job("ck", 2, 2)
+    ctl.wait_state("ck", "JOB_STATE_READY")
+
+    straight, resumed = tmp_path / "straight.bin", tmp_path / "resumed.bin"
+    procs = []
+    for i, node in enumerate(nodes):
+        procs += start_workers(node, "ck", 2, straight if i == 0 else None,
+                               extra=["--save-at", "10"])
+    results = finish(procs, nodes)
+    assert "saved checkpoint step-00000010: step 10" in results[0][1], results[0][1]
+    saved = coord.state_dir / "checkpoints" / "ck" / "step-00000010"
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "manifest.json"] + ["rank-%05d-of-00004.zdshard" % r for r in range(4)]
+
+    procs = []
+    for i, node in enumerate(nodes):
+        procs += start_workers(node, "ck", 2, resumed if i == 0 else None,
+                               extra=["--restore", "step-00000010"])
+    results = finish(procs, nodes)
+    out = results[0][1]
+    assert "restored checkpoint step-00000010: step 10" in out, out
+    assert "done: 10 steps" in out, out
+    assert resumed.read_bytes() == straight.read_bytes()
+
+    # A checkpoint the job does not have: every worker gets the error, on
+    # both nodes, and the job stays ready.
+    procs = []
+    for node in nodes:
+        procs += start_workers(node, "ck", 2, extra=["--restore", "nope"])
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 1 and "NOT_FOUND" in err and "nope" in err, (out, err)
+    ctl.wait_state("ck", "JOB_STATE_READY")
+
+
 def final_loss(out):
     m = re.search(r"^done: \d+ steps, loss [\d.]+ -> ([\d.]+)", out, re.M)
     assert m, out

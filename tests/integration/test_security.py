@@ -270,6 +270,26 @@ def test_every_rpc_checks_its_caller(secured):
     row("Restore from a path", lambda c: c.call(c.ckpt.Restore, pb.RestoreRequest(
         job="sec", checkpoint=str(ckpt_dir / "sec" / saved[0])), timeout=60),
         expect(UNAUTHENTICATED, DENIED, DENIED, DENIED, OK))
+    # A node saves and restores the jobs placed on it, for their workers
+    # (CHECKPOINT): from their own checkpoints only. Another node cannot.
+    node_a, node_c, alice = callers["node-a"], callers["node-c"], callers["alice"]
+    code, reply, details = node_a.call(node_a.ckpt.Save, pb.SaveRequest(job="sec", name="by-node"),
+                                       timeout=60)
+    assert code == OK and reply.checkpoint.name == "by-node", details
+    code, _, details = node_c.call(node_c.ckpt.Save, pb.SaveRequest(job="sec", name="by-c"))
+    assert code == DENIED and "node node-c may not save job 'sec'" in details, details
+    assert node_a.call(node_a.ckpt.Restore, pb.RestoreRequest(job="sec", checkpoint="by-node"),
+                       timeout=60)[0] == OK
+    assert node_c.call(node_c.ckpt.Restore, pb.RestoreRequest(job="sec", checkpoint="by-node"),
+                       timeout=60)[0] == DENIED
+    for source in [str(ckpt_dir / "sec" / "by-node"), "victim2/x"]:
+        code, _, details = node_a.call(node_a.ckpt.Restore, pb.RestoreRequest(
+            job="sec", checkpoint=source), timeout=60)
+        assert code == DENIED, (source, details)
+    assert node_a.call(node_a.ckpt.Delete, pb.DeleteCheckpointRequest(
+        job="sec", name="by-node"))[0] == DENIED
+    assert alice.call(alice.ckpt.Delete, pb.DeleteCheckpointRequest(
+        job="sec", name="by-node"))[0] == OK
     # Each tenant's exports go in its own directory of the export root,
     # made at start with the daemon's directory mode.
     exports = coord.exports

@@ -327,6 +327,115 @@ def test_optimizer_state_saves_and_resumes_bit_exact(start_daemon, tmp_path):
     client.close()
 
 
+def on_ranks(daemon, ranks, body, job="svc"):
+    """Runs body(rank, model, opt) on `ranks` threads, each attached as one
+    rank of `job` with TinyLM sharded (the library's calls leave the GIL, so
+    the ranks' collectives meet); returns the results by rank and re-raises
+    the first failure."""
+    results, errors = [None] * ranks, []
+    barrier = threading.Barrier(ranks)
+
+    def run(rank):
+        client = None
+        try:
+            client, job_ = attach(daemon, job=job, rank=rank)
+            model = zerod.torch.shard(TinyLM(), job_)
+            opt = zerod.torch.Optimizer(model)
+            barrier.wait()
+            results[rank] = body(rank, model, opt)
+        except BaseException as e:  # noqa: B902 (re-raised below)
+            errors.append(e)
+            barrier.abort()
+        finally:
+            if client is not None:
+                client.close()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_service_checkpoint_saves_and_restores_in_training(start_daemon):
+    """zerod.torch.save takes a service checkpoint from inside the training
+    loop of two ranks (the daemon writes the shards; nothing is gathered);
+    after 3 more steps zerod.torch.load brings the job back to it, and the
+    same 3 steps again give the same bits. Failed calls change nothing."""
+    daemon = start_daemon(ranks=2)
+
+    def body(rank, model, opt):
+        steps_from(model, opt, 0, 3)
+        at_save = model.state_dict()
+        moments = opt.state_dict()["state"]
+        info = zerod.torch.save(model, "mid")
+        assert (info.name, info.step) == ("mid", 3)
+        steps_from(model, opt, 3, 3)
+        straight = model.state_dict()
+        assert max_rel_diff(straight, at_save) > 0
+
+        info = zerod.torch.load(opt, "mid")  # the Optimizer names the job too
+        assert (info.name, info.step) == ("mid", 3)
+        assert max_rel_diff(model.state_dict(), at_save) == 0
+        restored = opt.state_dict()["state"]
+        for index, entry in moments.items():
+            for key, value in entry.items():
+                assert torch.equal(restored[index][key], value), (index, key)
+        steps_from(model, opt, 3, 3)
+        assert max_rel_diff(model.state_dict(), straight) == 0
+
+        # A checkpoint that is not there, or a name taken: an error on every
+        # rank, and the job goes on from where it was.
+        with pytest.raises(zerod.NotFoundError, match="nope"):
+            zerod.torch.load(model, "nope")
+        with pytest.raises(zerod.AlreadyExistsError, match="mid"):
+            zerod.torch.save(model, "mid")
+        with pytest.raises(zerod.InvalidArgumentError, match="not a checkpoint of this job"):
+            zerod.torch.load(model, "other/mid")
+        # Ranks that disagree: refused on both, nothing saved.
+        with pytest.raises(zerod.FailedPreconditionError, match="named different checkpoints"):
+            zerod.torch.save(model, "a%d" % rank)
+        assert max_rel_diff(model.state_dict(), straight) == 0
+        unnamed = zerod.torch.save(model)
+        steps_from(model, opt, 6, 1)
+        return unnamed
+
+    unnamed = on_ranks(daemon, 2, body)
+    assert unnamed[0] == unnamed[1]
+    assert (unnamed[0].name, unnamed[0].step) == ("step-00000006", 6)
+    saved = sorted(p.name for p in (daemon.dir / "checkpoints" / "svc").iterdir())
+    assert saved == ["mid", "step-00000006"]
+    manifest = json.loads((daemon.dir / "checkpoints" / "svc" / "mid" / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["world_size"] == 2
+
+
+def test_service_checkpoint_resumes_in_a_new_daemon(start_daemon, tmp_path):
+    """The usual resume: a daemon that saved (zerod.torch.save) is gone; a
+    new one with the same checkpoint directory, a fresh job of the same
+    name, a model initialised differently, zerod.torch.load, and the next
+    steps give the bits of a run that never stopped."""
+    ckpt = tmp_path / "ckpt"
+    first = start_daemon(ranks=1, extra=["--checkpoint-dir", str(ckpt)])
+    client, model, opt = trained(first, "lm", 3)
+    assert zerod.torch.save(opt, "resume").step == 3
+    steps_from(model, opt, 3, 3)
+    straight = model.state_dict()
+    client.close()
+    first.stop()
+
+    second = start_daemon(ranks=1, extra=["--checkpoint-dir", str(ckpt)])
+    client, model, opt = trained(second, "lm", 0, seed=5)
+    assert max_rel_diff(model.state_dict(), straight) > 0
+    info = zerod.torch.load(model, "resume")
+    assert (info.name, info.step) == ("resume", 3)
+    steps_from(model, opt, 3, 3)
+    assert max_rel_diff(model.state_dict(), straight) == 0
+    client.close()
+
+
 def test_distributed_checkpoint_saves_and_resumes(start_daemon, tmp_path):
     """torch.distributed.checkpoint (DCP) saves the model's and the
     optimizer's state_dicts (plain tensors, torch.optim's layout) and loads

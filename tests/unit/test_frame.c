@@ -211,6 +211,8 @@ typedef struct samples {
   Zerod__V1__SetGroupsReply set_groups_reply;
   Zerod__V1__GradNormRequest grad_norm;
   Zerod__V1__GradNormReply grad_norm_reply;
+  Zerod__V1__CheckpointRequest checkpoint;
+  Zerod__V1__CheckpointReply checkpoint_reply;
   Zerod__V1__CollectiveCounter counter, *counter_list[1];
 } samples;
 
@@ -401,9 +403,17 @@ static void init_samples(samples *s) {
   s->grad_norm.grad_scale = 4;
   zerod__v1__grad_norm_reply__init(&s->grad_norm_reply);
   s->grad_norm_reply.grad_norm = 0.125;
+  zerod__v1__checkpoint_request__init(&s->checkpoint);
+  s->checkpoint.action = ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE;
+  s->checkpoint.name = "step-00000012";
+  zerod__v1__checkpoint_reply__init(&s->checkpoint_reply);
+  s->checkpoint_reply.name = "step-00000012";
+  s->checkpoint_reply.step = 12;
+  s->checkpoint_reply.stall_ms = 3;
+  s->checkpoint_reply.total_ms = 41;
 }
 
-#define SAMPLE_TYPES 26
+#define SAMPLE_TYPES 28
 
 typedef struct typed_sample {
   uint16_t type;
@@ -438,6 +448,8 @@ static size_t all_samples(const samples *s, typed_sample out[SAMPLE_TYPES]) {
       {ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS_REPLY, &s->set_groups_reply.base},
       {ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM, &s->grad_norm.base},
       {ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM_REPLY, &s->grad_norm_reply.base},
+      {ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT, &s->checkpoint.base},
+      {ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT_REPLY, &s->checkpoint_reply.base},
   };
   memcpy(out, table, sizeof table);
   return sizeof table / sizeof table[0];
@@ -539,7 +551,7 @@ static void test_fd_ranges_follow_the_protocol(void **state) {
 }
 
 static void test_unknown_message_type_has_no_descriptor_and_does_not_unpack(void **state) {
-  const uint16_t unknown[] = {ZEROD__V1__MSG_TYPE__MSG_NONE, 3, 15, 46, 0x7fff, 0xffff};
+  const uint16_t unknown[] = {ZEROD__V1__MSG_TYPE__MSG_NONE, 3, 15, 48, 0x7fff, 0xffff};
   for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
     assert_null(zd_msg_descriptor(unknown[i]));
     unsigned min_fds, max_fds;

@@ -14,7 +14,7 @@ this package attaches to it through libzerod::
 For PyTorch modules see :mod:`zerod.torch`.
 """
 
-from .client import (Buffer, Client, Gathered, Job, JobConfig, StepResult, TensorInfo, Unit,
+from .client import (Buffer, CheckpointInfo, Client, Gathered, Job, JobConfig, StepResult, TensorInfo, Unit,
                      default_socket)
 from .errors import (AbortedError, AlreadyExistsError, Error, FailedPreconditionError,
                      InternalError, InvalidArgumentError, NoMemoryError, NotFoundError,
@@ -24,7 +24,7 @@ from .errors import (AbortedError, AlreadyExistsError, Error, FailedPrecondition
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbortedError", "AlreadyExistsError", "Buffer", "Client", "Error", "FailedPreconditionError",
+    "AbortedError", "AlreadyExistsError", "Buffer", "CheckpointInfo", "Client", "Error", "FailedPreconditionError",
     "Gathered", "InternalError", "InvalidArgumentError", "Job", "JobConfig", "NoMemoryError",
     "NotFoundError", "PermissionDeniedError", "ProtocolError", "ResourceExhaustedError",
     "ShardingError", "StepResult", "TensorInfo", "UnavailableError", "Unit", "default_socket",

@@ -161,6 +161,15 @@ class StepResult(ctypes.Structure):
     ]
 
 
+class CheckpointInfo(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char * 65),
+        ("step", c_uint64),
+        ("stall_ms", ctypes.c_int64),
+        ("total_ms", ctypes.c_int64),
+    ]
+
+
 class Pending(ctypes.Structure):
     _fields_ = [("request_id", c_uint64), ("unit", c_uint32)]
 
@@ -224,6 +233,8 @@ _SIGNATURES = {
     "zd_pin": (c_int, [c_void_p, _P(c_uint64)]),
     "zd_job_loss_scale": (c_double, [c_void_p]),
     "zd_grad_norm": (c_int, [c_void_p, c_double, _P(c_double)]),
+    "zd_checkpoint_save": (c_int, [c_void_p, c_char_p, _P(CheckpointInfo)]),
+    "zd_checkpoint_restore": (c_int, [c_void_p, c_char_p, _P(CheckpointInfo)]),
     "zd_job_stats": (c_int, [c_void_p, _P(RankStats), c_uint, _P(c_uint)]),
     "zd_job_effective_config": (c_int, [c_void_p, _P(JobConfig)]),
     "zd_load_unit": (c_int, [c_void_p, c_uint32, c_void_p, _P(c_uint64)]),

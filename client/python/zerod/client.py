@@ -182,6 +182,23 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class CheckpointInfo:
+    """A service checkpoint a job's workers saved or restored: its name,
+    the step it holds (restored: the job's step now), the longest time a
+    rank held training to copy its state out (saves) and the call's time."""
+
+    name: str
+    step: int
+    stall_ms: int
+    total_ms: int
+
+    @classmethod
+    def _from_c(cls, c: _lib.CheckpointInfo) -> "CheckpointInfo":
+        return cls(name=c.name.decode(), step=int(c.step), stall_ms=int(c.stall_ms),
+                   total_ms=int(c.total_ms))
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     """A tensor's place in its unit's flat buffer (offset in elements)."""
 
@@ -491,6 +508,28 @@ class Job:
         _check(self._lib.zd_grad_norm(self._handle, float(grad_scale or 0.0), ctypes.byref(norm)),
                "grad_norm")
         return float(norm.value)
+
+    def save_checkpoint(self, name: Optional[str] = None) -> CheckpointInfo:
+        """Saves the job as a service checkpoint (every rank's shard of the
+        master weights and optimizer state, in the daemon's checkpoint
+        directory), as `zerodctl checkpoint save` would. A collective, like
+        torch.distributed.checkpoint.save: every rank calls it between the
+        same two steps with the same name (None: ``step-<step>``); each
+        returns once the checkpoint is durable."""
+        info = _lib.CheckpointInfo()
+        _check(self._lib.zd_checkpoint_save(self._handle, (name or "").encode(),
+                                            ctypes.byref(info)), "checkpoint save")
+        return CheckpointInfo._from_c(info)
+
+    def restore_checkpoint(self, name: str) -> CheckpointInfo:
+        """Restores the job from its checkpoint `name`: master weights,
+        optimizer state and step (parameter groups and the loss scale stay).
+        A collective like save_checkpoint; units this worker held gathered
+        are released. On failure the job keeps its state."""
+        info = _lib.CheckpointInfo()
+        _check(self._lib.zd_checkpoint_restore(self._handle, name.encode(), ctypes.byref(info)),
+               "checkpoint restore")
+        return CheckpointInfo._from_c(info)
 
     def set_groups(self, groups: Sequence[Dict[str, Any]],
                    tensor_groups: Dict[int, Sequence[int]]) -> None:
