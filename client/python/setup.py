@@ -58,7 +58,7 @@ def build_library() -> Path:
             generator = ["-G", "Ninja"] if shutil.which("ninja") else []
             _run(["cmake", "-S", source, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release",
                   "-DZEROD_TESTS=OFF", "-DZEROD_BENCH=OFF", "-DZEROD_CUDA=OFF"])
-    _run(["cmake", "--build", build, "--target", "zerod"])
+    _run(["cmake", "--build", build, "--target", "zerod-library"])
     library = build / "lib" / LIBRARY
     if not library.exists():
         raise SystemExit("zerod: the build made no %s" % library)

@@ -577,8 +577,8 @@ static const char *name_problem(const char *name, size_t len, int path_safe) {
 
 static int get_name(json_t *obj, const char *key, int path_safe, const char *where, char **out,
                     char *err, size_t err_bytes) {
-  const char *name;
-  size_t len;
+  const char *name = NULL; /* set when rc == 0; GCC -O3 cannot see it */
+  size_t len = 0;
   int rc = get_string(obj, key, where, &name, &len, err, err_bytes);
   if (rc != 0)
     return rc;
@@ -623,8 +623,8 @@ static int decode_config(json_t *obj, ckpt_config *c, char *err, size_t err_byte
   if (!json_is_object(obj))
     return bad(err, err_bytes, where, "is not an object");
   int rc = check_keys(obj, keys, sizeof keys / sizeof keys[0], where, err, err_bytes);
-  const char *text;
-  size_t len;
+  const char *text = NULL;
+  size_t len = 0;
   if (rc == 0 && (rc = get_string(obj, "optimizer", where, &text, &len, err, err_bytes)) == 0) {
     if (strcmp(text, "adamw") != 0 && strcmp(text, "adam") != 0 && strcmp(text, "sgd") != 0)
       return bad(err, err_bytes, where, "\"optimizer\" is not \"adamw\", \"adam\" or \"sgd\"");
@@ -811,8 +811,8 @@ static int decode_files(json_t *files, ckpt_manifest *m, char *err, size_t err_b
     ckpt_shard_name(k, m->world_size, expect_name, sizeof expect_name);
     if (!json_is_object(obj))
       return bad(err, err_bytes, where, "is not an object");
-    const char *name, *hex;
-    size_t name_len, hex_len;
+    const char *name = NULL, *hex = NULL; /* set when rc == 0; GCC -O3 cannot see it */
+    size_t name_len = 0, hex_len = 0;
     int rc = check_keys(obj, keys, sizeof keys / sizeof keys[0], where, err, err_bytes);
     if (rc == 0)
       rc = get_string(obj, "name", where, &name, &name_len, err, err_bytes);
@@ -846,8 +846,8 @@ static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err,
   const char *where = "manifest";
   if (!json_is_object(root))
     return bad(err, err_bytes, where, "is not a JSON object");
-  const char *format;
-  size_t format_len;
+  const char *format = NULL;
+  size_t format_len = 0;
   uint64_t version = 0, world_size = 0;
   int rc = get_string(root, "format", where, &format, &format_len, err, err_bytes);
   if (rc == 0 && strcmp(format, MANIFEST_FORMAT) != 0)

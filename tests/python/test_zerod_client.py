@@ -280,6 +280,36 @@ def test_pip_install(tmp_path, start_daemon):
                            env=dict(env, ZEROD_CMAKE_BUILD_DIR=build_tree))
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = wheels.glob("zerod-*.whl")
+    trains_from_a_venv(tmp_path, wheel, env, start_daemon)
+
+
+def test_wheel_builds_from_source_with_cmake(tmp_path, start_daemon):
+    """`python -m build --wheel` of the package configures the zerod project
+    with CMake in a build directory of its own and builds only libzerod
+    (not the daemon, whose executable is also called zerod), and the wheel
+    trains from a fresh virtual environment."""
+    pytest.importorskip("build", reason="python3-build (scripts/deps.sh test installs it)")
+    source = tmp_path / "src"
+    shutil.copytree(PACKAGE_DIR, source, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info",
+                                                                        "build"))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "ZEROD_LIBRARY", "ZEROD_CMAKE_BUILD_DIR")}
+    wheels = tmp_path / "wheels"
+    built = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation",
+                            "-o", str(wheels), str(source)], capture_output=True, text=True,
+                           env=dict(env, ZEROD_SOURCE_DIR=os.path.dirname(os.path.dirname(
+                               os.path.abspath(PACKAGE_DIR)))))
+    assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-4000:]
+    assert "--target zerod-library" in built.stdout, built.stdout[-4000:]
+    assert not (source / "build" / "cmake" / "bin" / "zerod").exists()  # the library alone
+    (wheel,) = wheels.glob("zerod-*.whl")
+    trains_from_a_venv(tmp_path, wheel, env, start_daemon)
+
+
+def trains_from_a_venv(tmp_path, wheel, env, start_daemon):
+    """A platform wheel with libzerod.so inside, installed into a fresh
+    virtual environment (the system's site packages for numpy), imports
+    zerod from there and trains a step without ZEROD_LIBRARY."""
     assert not wheel.name.endswith("-any.whl"), wheel.name  # it carries a shared object
     with zipfile.ZipFile(wheel) as z:
         assert "zerod/lib/libzerod.so" in z.namelist()
