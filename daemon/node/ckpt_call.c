@@ -32,6 +32,9 @@
 #define CALL_WAIT_MS (21 * 60 * 1000)
 /* Between two looks at whether the job failed or the daemon stops. */
 #define CALL_POLL_MS 500
+/* How long a leader asks again while the coordinator's refusal is
+ * transient (is_transient). */
+#define CALL_RETRY_MS (60 * 1000)
 
 #define CALL_NAME_MAX 64
 
@@ -138,6 +141,23 @@ static const char *verb(const ckpt_call *c) {
   return c->action == ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE ? "restore" : "save";
 }
 
+/* Refusals that pass by themselves (coord/coord_ckpt.c's words): the
+ * coordinator has not yet heard that every node built the job's ranks
+ * (the workers attached a moment ago), or another save or restore of the
+ * job, e.g. a periodic one, is in flight. The workers wait through them
+ * rather than fail on something they cannot see. */
+static int is_transient(int status, const char *message) {
+  return status == RPC_FAILED_PRECONDITION &&
+         (strstr(message, " is not ready (creating:") != NULL ||
+          strstr(message, " in flight (order ") != NULL);
+}
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+    ;
+}
+
 /* The leader: Save or Restore on the coordinator. */
 static void ask_coordinator(ckpt_call *c) {
   uint8_t buf[512], *reply = NULL;
@@ -157,11 +177,18 @@ static void ask_coordinator(ckpt_call *c) {
     method = "/zerod.v1.Checkpoints/Restore";
   }
   rpc_result result = {0};
-  int rc = c->channel == NULL ? RPC_UNAVAILABLE
-                              : rpc_unary(c->channel, method, buf, len, CALL_RPC_MS, &reply,
-                                          &reply_bytes, &result);
-  if (c->channel == NULL)
-    snprintf(result.message, sizeof result.message, "this node has no coordinator");
+  int rc = RPC_UNAVAILABLE;
+  snprintf(result.message, sizeof result.message, "this node has no coordinator");
+  int pause = 20;
+  for (int waited = 0; c->channel != NULL; waited += pause) {
+    rc = rpc_unary(c->channel, method, buf, len, CALL_RPC_MS, &reply, &reply_bytes, &result);
+    if (!is_transient(rc, result.message) || waited >= CALL_RETRY_MS || atomic_load(&c->abandon))
+      break;
+    LOG_DEBUGF("asking the coordinator again", "job=%s action=%s why=\"%s\"", c->job_name, verb(c),
+               result.message);
+    sleep_ms(pause);
+    pause = pause * 2 > 1000 ? 1000 : pause * 2;
+  }
   if (rc != RPC_OK) {
     c->status = ipc_status_of(rc);
     snprintf(c->message, sizeof c->message, "checkpoint %s of job '%s' failed: %s: %s", verb(c),
