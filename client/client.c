@@ -848,7 +848,9 @@ void zd_close(zd_client *client) {
  * checked here so that a typo fails locally with a message, rather than as
  * an undecodable frame on the daemon's side. */
 static zd_status fill_job_config(const zd_job_config *caller_config, Zerod__V1__JobConfig *config,
-                                 Zerod__V1__OptimizerConfig *optimizer) {
+                                 Zerod__V1__OptimizerConfig *optimizer,
+                                 Zerod__V1__OffloadConfig *offload, char *nvme_path,
+                                 size_t nvme_path_bytes) {
   zd_job_config local;
   zd_status status =
       copy_sized_struct(&local, sizeof local, caller_config, sizeof local.struct_size,
@@ -894,6 +896,20 @@ static zd_status fill_job_config(const zd_job_config *caller_config, Zerod__V1__
   config->loss_scale_backoff = local.loss_scale_backoff;
   config->loss_scale_hysteresis = local.loss_scale_hysteresis;
   config->loss_scale_min = local.loss_scale_min;
+  if ((int)local.offload_device < 0 || local.offload_device > ZD_OFFLOAD_NVME)
+    return set_error(ZD_E_INVALID_ARGUMENT,
+                     "attach: config.offload_device %d is not ZD_OFFLOAD_NONE, ZD_OFFLOAD_CPU or "
+                     "ZD_OFFLOAD_NVME",
+                     (int)local.offload_device);
+  if (memchr(local.nvme_path, '\0', sizeof local.nvme_path) == NULL)
+    return set_error(ZD_E_INVALID_ARGUMENT, "attach: config.nvme_path is not NUL-terminated");
+  snprintf(nvme_path, nvme_path_bytes, "%s", local.nvme_path);
+  offload->device = (Zerod__V1__OffloadDevice)local.offload_device;
+  offload->nvme_path = nvme_path;
+  offload->buffer_count = local.offload_buffer_count;
+  offload->buffer_size = local.offload_buffer_size;
+  offload->pin_memory = local.offload_pin_memory != 0;
+  config->offload_optimizer = offload;
   return ZD_OK;
 }
 
@@ -942,6 +958,16 @@ static void job_config_from_reply(const Zerod__V1__JobConfig *config, zd_job_con
   out->loss_scale_backoff = config->loss_scale_backoff;
   out->loss_scale_hysteresis = config->loss_scale_hysteresis;
   out->loss_scale_min = config->loss_scale_min;
+  const Zerod__V1__OffloadConfig *offload = config->offload_optimizer;
+  if (offload != NULL) {
+    out->offload_device = offload->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_UNSPECIFIED
+                              ? ZD_OFFLOAD_NONE
+                              : (zd_offload_device)offload->device;
+    snprintf(out->nvme_path, sizeof out->nvme_path, "%s", offload->nvme_path);
+    out->offload_buffer_count = offload->buffer_count;
+    out->offload_buffer_size = offload->buffer_size;
+    out->offload_pin_memory = offload->pin_memory;
+  }
 }
 
 zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, zd_job **out) {
@@ -975,6 +1001,8 @@ zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, 
   Zerod__V1__AttachRequest request = ZEROD__V1__ATTACH_REQUEST__INIT;
   Zerod__V1__JobConfig config = ZEROD__V1__JOB_CONFIG__INIT;
   Zerod__V1__OptimizerConfig optimizer = ZEROD__V1__OPTIMIZER_CONFIG__INIT;
+  Zerod__V1__OffloadConfig offload = ZEROD__V1__OFFLOAD_CONFIG__INIT;
+  char nvme_path[256];
   request.protocol_version = 1;
   request.job = (char *)options.job;
   request.local_rank = options.local_rank;
@@ -985,7 +1013,8 @@ zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, 
   request.create = options.create != 0;
   request.pin = options.pin != 0;
   if (options.config != NULL) {
-    if ((status = fill_job_config(options.config, &config, &optimizer)) != ZD_OK)
+    if ((status = fill_job_config(options.config, &config, &optimizer, &offload, nvme_path,
+                                  sizeof nvme_path)) != ZD_OK)
       return status;
     request.config = &config;
   }

@@ -22,6 +22,7 @@
 #include "coord.h"
 #include "daemon.h"
 #include "ckpt_call.h"
+#include "tier.h"
 #include "ckpt_node.h"
 #include "health.h"
 #include "log.h"
@@ -81,6 +82,10 @@ static void usage(FILE *out) {
           "  --file-mode MODE        mode of the files written (checkpoints, exports, state),\n"
           "                          octal; directories get x where it has r (0640: 0750)\n"
           "                          [ZEROD_FILE_MODE, default 0600]\n"
+          "  --nvme-dir DIR          where jobs with offload_optimizer nvme keep their optimizer\n"
+          "                          state (a fast local disk; one daemon per directory: files\n"
+          "                          left by a daemon that died are removed at start)\n"
+          "                          [ZEROD_NVME_DIR, default DIR/nvme]\n"
           "  --coordinator HOST:PORT zerod node: the coordinator to join\n"
           "                          [ZEROD_COORDINATOR]\n"
           "  --name NAME             zerod node: this node's name, unique in the cluster\n"
@@ -147,12 +152,13 @@ enum {
   OPT_CHECKPOINT_TIMEOUT,
   OPT_EXPORT_ROOT,
   OPT_FILE_MODE,
+  OPT_NVME_DIR,
 };
 
 typedef struct raw_options {
   const char *ranks, *dir, *socket, *socket_group, *threads, *timeout, *max_live, *max_sessions,
       *comm_host, *log_level, *log_format, *coordinator, *name, *device, *checkpoint_dir,
-      *checkpoint_timeout, *file_mode, *health_listen, *metrics_listen;
+      *checkpoint_timeout, *file_mode, *health_listen, *metrics_listen, *nvme_dir;
   const char *export_roots[COORD_MAX_EXPORT_ROOTS + 1]; /* one more: to say there are too many */
   unsigned n_export_roots;
 } raw_options;
@@ -846,6 +852,7 @@ out_lock:
 
 static zdaemon the_daemon;
 static char comm_host[256] = "127.0.0.1";
+static char nvme_dir[PATH_MAX];         /* --nvme-dir, made and resolved at start */
 static char control_socket[PATH_MAX];   /* zerod standalone's control-plane socket */
 static const char *checkpoint_dir_flag; /* zerod standalone: --checkpoint-dir, if given */
 static int checkpoint_timeout_ms;       /* zerod standalone: --checkpoint-timeout */
@@ -967,6 +974,7 @@ int main(int argc, char **argv) {
       SECURITY_CLIENT_OPTIONS,
       {"export-root", required_argument, NULL, OPT_EXPORT_ROOT},
       {"file-mode", required_argument, NULL, OPT_FILE_MODE},
+      {"nvme-dir", required_argument, NULL, OPT_NVME_DIR},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
@@ -1034,6 +1042,9 @@ int main(int argc, char **argv) {
       break;
     case OPT_FILE_MODE:
       raw.file_mode = optarg;
+      break;
+    case OPT_NVME_DIR:
+      raw.nvme_dir = optarg;
       break;
     case OPT_VERSION:
       printf("zerod %s\n", ZEROD_VERSION);
@@ -1245,6 +1256,18 @@ int main(int argc, char **argv) {
     fprintf(stderr, "zerod: rendezvous store: %s\n", err[0] ? err : strerror(-rc));
     return 1;
   }
+  const char *nvme_flag = env_or(raw.nvme_dir, "ZEROD_NVME_DIR");
+  char nvme_want[PATH_MAX];
+  if ((nvme_flag != NULL && nvme_flag[0] == '\0') ||
+      snprintf(nvme_want, sizeof nvme_want, nvme_flag != NULL ? "%s" : "%s/nvme",
+               nvme_flag != NULL ? nvme_flag : o->dir) >= (int)sizeof nvme_want - 256)
+    return bad_value("--nvme-dir", nvme_flag != NULL ? nvme_flag : o->dir, "a directory");
+  if ((rc = mkdir_p(nvme_want)) != 0 || realpath(nvme_want, nvme_dir) == NULL) {
+    fprintf(stderr, "zerod: cannot create the nvme directory %s: %s\n", nvme_want,
+            strerror(rc != 0 ? -rc : errno));
+    return 1;
+  }
+  tier_sweep(nvme_dir);
   d->exec = (exec_settings){.complete = ipc_complete,
                             .stopped = ipc_stopped,
                             .ctx = d,
@@ -1253,6 +1276,7 @@ int main(int argc, char **argv) {
                             .collective_timeout_ms = o->collective_timeout_ms,
                             .comm_hostname = comm_host,
                             .rendezvous = d->rendezvous,
+                            .nvme_dir = nvme_dir,
                             .device = o->device};
   if (jobs_metrics_start(d) != 0) {
     fprintf(stderr, "zerod: metrics: out of memory\n");

@@ -47,7 +47,8 @@ set -euo pipefail
 
 task=${1:-build}
 packages=(build-essential cmake ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-  libgloo-dev libgrpc-dev libjansson-dev libxxhash-dev libssl-dev libmicrohttpd-dev libcurl4-openssl-dev)
+  libgloo-dev libgrpc-dev libjansson-dev libxxhash-dev libssl-dev libmicrohttpd-dev libcurl4-openssl-dev
+  liburing-dev)
 case "$task" in
 build) ;;
 demo) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread) ;;

@@ -102,6 +102,14 @@ typedef enum zd_collectives {
   ZD_COLLECTIVES_FLAT = 2,
 } zd_collectives;
 
+/* Where a job's optimizer state lives (DeepSpeed's offload_optimizer). */
+typedef enum zd_offload_device {
+  ZD_OFFLOAD_DEFAULT = 0, /* none */
+  ZD_OFFLOAD_NONE = 1,    /* the rank's device memory (host memory on CPU ranks) */
+  ZD_OFFLOAD_CPU = 2,     /* host memory, the step on the CPU (CPU ranks: the same as none) */
+  ZD_OFFLOAD_NVME = 3,    /* a file per rank under the daemon's --nvme-dir (CPU ranks for now) */
+} zd_offload_device;
+
 typedef struct zd_job_config {
   size_t struct_size;
   zd_optimizer optimizer; /* default AdamW */
@@ -141,6 +149,17 @@ typedef struct zd_job_config {
   double loss_scale_growth, loss_scale_backoff;
   unsigned loss_scale_hysteresis;
   double loss_scale_min;
+  /* offload_optimizer: ZD_OFFLOAD_NVME keeps the fp32 master weights and
+   * the moments in a file per rank under the daemon's --nvme-dir
+   * (nvme_path: a directory inside it; "": the directory itself), streamed
+   * through offload_buffer_count (0: 4) buffers of offload_buffer_size (0:
+   * 1048576; a multiple of 1024) elements per state at each step; only the
+   * gradient accumulator and the working copy stay in memory. */
+  zd_offload_device offload_device;
+  char nvme_path[256];
+  unsigned offload_buffer_count;
+  uint64_t offload_buffer_size;
+  int offload_pin_memory; /* GPU ranks: page-locked staging */
 } zd_job_config;
 
 #define ZD_JOB_CONFIG_INIT ZD_SIZED_INIT(zd_job_config)

@@ -1153,8 +1153,7 @@ static void on_lease_timer(uv_timer_t *timer) {
 /* Fills an effective config (torch.optim's defaults for zero fields: the
  * node's job_config_finish itself, model/config.c) so that GetJob shows
  * what will run. in has been validated by ctl_check_job_config. */
-static void effective_config(const Zerod__V1__JobConfig *in, Zerod__V1__JobConfig *out,
-                             Zerod__V1__OptimizerConfig *opt) {
+static void effective_config(const Zerod__V1__JobConfig *in, job_config_msg *out) {
   /* max_live_bytes stays 0 when it is: each node then uses its own
    * default. */
   job_config c;
@@ -1165,7 +1164,7 @@ static void effective_config(const Zerod__V1__JobConfig *in, Zerod__V1__JobConfi
     job_config_from_proto(NULL, &c, err, sizeof err);
     job_config_finish(&c, 0, err, sizeof err);
   }
-  job_config_to_proto(&c, out, opt);
+  job_config_to_proto(&c, out);
 }
 
 /* Picks the job's nodes into chosen[nodes] (names owned by the members),
@@ -1319,9 +1318,9 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const ch
 
   /* The job as stored, built on the stack and copied into one allocation
    * tree. */
-  Zerod__V1__JobConfig config;
-  Zerod__V1__OptimizerConfig optimizer;
-  effective_config(req->config, &config, &optimizer);
+  job_config_msg effective;
+  effective_config(req->config, &effective);
+  Zerod__V1__JobConfig config = effective.config; /* its pointers stay in effective */
   Zerod__V1__Quotas quotas = ZEROD__V1__QUOTAS__INIT;
   if (req->quotas != NULL) {
     quotas.max_live_bytes = req->quotas->max_live_bytes;

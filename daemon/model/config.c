@@ -59,6 +59,34 @@ int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *e
   c->quantization_block = pc->quantization_block;
   c->quantized_gradients = pc->quantized_gradients;
   c->hpz_partition_size = pc->hpz_partition_size;
+  const Zerod__V1__OffloadConfig *off = pc->offload_optimizer;
+  if (off != NULL) {
+    switch (off->device) {
+    case ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_UNSPECIFIED:
+    case ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NONE:
+      c->offload_device = JOB_OFFLOAD_NONE;
+      break;
+    case ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU:
+      c->offload_device = JOB_OFFLOAD_CPU;
+      break;
+    case ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME:
+      c->offload_device = JOB_OFFLOAD_NVME;
+      break;
+    default:
+      snprintf(err, err_bytes, "unknown offload_optimizer device %d (none, cpu or nvme)",
+               (int)off->device);
+      return -EINVAL;
+    }
+    if (strlen(off->nvme_path) >= sizeof c->nvme_path) {
+      snprintf(err, err_bytes, "offload_optimizer nvme_path is longer than %zu bytes",
+               sizeof c->nvme_path - 1);
+      return -EINVAL;
+    }
+    snprintf(c->nvme_path, sizeof c->nvme_path, "%s", off->nvme_path);
+    c->offload_buffer_count = off->buffer_count;
+    c->offload_buffer_size = off->buffer_size;
+    c->offload_pin_memory = off->pin_memory;
+  }
   switch (pc->gradient_comm_dtype) {
   case ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED:
   case ZEROD__V1__DTYPE__DTYPE_F32:
@@ -128,6 +156,40 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
              "hpz_partition_size %u needs hierarchical collectives (its gathers stay inside "
              "the node); this job's are flat",
              c->hpz_partition_size);
+    return -EINVAL;
+  }
+  if (c->offload_device == 0)
+    c->offload_device = JOB_OFFLOAD_NONE;
+  if (c->offload_device < JOB_OFFLOAD_NONE || c->offload_device > JOB_OFFLOAD_NVME) {
+    snprintf(err, err_bytes, "unknown offload_optimizer device %d (none, cpu or nvme)",
+             (int)c->offload_device);
+    return -EINVAL;
+  }
+  if (c->offload_buffer_count == 0)
+    c->offload_buffer_count = JOB_DEFAULT_OFFLOAD_BUFFERS;
+  if (c->offload_buffer_size == 0)
+    c->offload_buffer_size = JOB_DEFAULT_OFFLOAD_ELEMENTS;
+  if (c->offload_buffer_count < 2 || c->offload_buffer_count > 64) {
+    snprintf(err, err_bytes, "invalid offload_optimizer buffer_count %u (2..64)",
+             c->offload_buffer_count);
+    return -EINVAL;
+  }
+  if (c->offload_buffer_size % 1024 != 0 || c->offload_buffer_size < 1024 ||
+      c->offload_buffer_size > (1ull << 28)) {
+    snprintf(err, err_bytes,
+             "invalid offload_optimizer buffer_size %llu (elements per buffer and state: a "
+             "multiple of 1024, 1024..268435456)",
+             (unsigned long long)c->offload_buffer_size);
+    return -EINVAL;
+  }
+  if (c->offload_device != JOB_OFFLOAD_NVME && c->nvme_path[0] != '\0') {
+    snprintf(err, err_bytes, "offload_optimizer nvme_path is for device nvme");
+    return -EINVAL;
+  }
+  if (c->offload_device == JOB_OFFLOAD_NVME && c->quantized_weights) {
+    snprintf(err, err_bytes,
+             "quantized_weights (qwZ) quantizes the fp32 master weights, which offload_optimizer "
+             "nvme keeps on disk: not both yet");
     return -EINVAL;
   }
   if (c->hpz_partition_size > JOB_MAX_HPZ_PARTITION_SIZE) {
@@ -242,8 +304,10 @@ Zerod__V1__Dtype job_dtype_to_proto(zk_dtype d) {
   }
 }
 
-void job_config_to_proto(const job_config *c, Zerod__V1__JobConfig *out,
-                         Zerod__V1__OptimizerConfig *opt) {
+void job_config_to_proto(const job_config *c, job_config_msg *msg) {
+  Zerod__V1__JobConfig *out = &msg->config;
+  Zerod__V1__OptimizerConfig *opt = &msg->optimizer;
+  Zerod__V1__OffloadConfig *off = &msg->offload;
   zerod__v1__optimizer_config__init(opt);
   opt->kind = (Zerod__V1__OptimizerKind)c->optimizer;
   opt->lr = c->lr;
@@ -273,6 +337,18 @@ void job_config_to_proto(const job_config *c, Zerod__V1__JobConfig *out,
   out->loss_scale_backoff = c->loss_scale_backoff;
   out->loss_scale_hysteresis = c->loss_scale_hysteresis;
   out->loss_scale_min = c->loss_scale_min;
+  zerod__v1__offload_config__init(off);
+  off->device = (Zerod__V1__OffloadDevice)c->offload_device;
+  snprintf(msg->nvme_path, sizeof msg->nvme_path, "%s", c->nvme_path);
+  off->nvme_path = msg->nvme_path;
+  off->buffer_count = c->offload_buffer_count;
+  off->buffer_size = c->offload_buffer_size;
+  off->pin_memory = c->offload_pin_memory != 0;
+  out->offload_optimizer = off;
+}
+
+const char *job_offload_name(job_offload o) {
+  return o == JOB_OFFLOAD_NVME ? "nvme" : o == JOB_OFFLOAD_CPU ? "cpu" : "none";
 }
 
 const char *job_collectives_name(job_collectives c) {
@@ -335,6 +411,8 @@ int job_config_diff(const job_config *want, const job_config *have, char *fields
           have->loss_scale);
   DIFFERS("hpz_partition_size", want->hpz_partition_size != have->hpz_partition_size, "%u",
           want->hpz_partition_size, have->hpz_partition_size);
+  DIFFERS("offload_optimizer", want->offload_device != have->offload_device, "%s",
+          job_offload_name(want->offload_device), job_offload_name(have->offload_device));
 #undef DIFFERS
   return n;
 }

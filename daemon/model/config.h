@@ -18,6 +18,17 @@ typedef enum job_optimizer { JOB_ADAMW = 1, JOB_ADAM = 2, JOB_SGD = 3 } job_opti
 
 typedef enum job_collectives { JOB_HIERARCHICAL = 1, JOB_FLAT = 2 } job_collectives;
 
+/* Where the optimizer state lives (OffloadConfig). */
+typedef enum job_offload {
+  JOB_OFFLOAD_NONE = 1,
+  JOB_OFFLOAD_CPU = 2,
+  JOB_OFFLOAD_NVME = 3
+} job_offload;
+
+#define JOB_NVME_PATH_BYTES          256
+#define JOB_DEFAULT_OFFLOAD_BUFFERS  4
+#define JOB_DEFAULT_OFFLOAD_ELEMENTS (1u << 20)
+
 typedef struct job_config {
   job_optimizer optimizer;
   double lr, beta1, beta2, eps, weight_decay;
@@ -35,6 +46,12 @@ typedef struct job_config {
   /* Dynamic loss scaling; loss_scale 0 after finish: off. */
   double loss_scale, loss_scale_growth, loss_scale_backoff, loss_scale_min;
   uint32_t loss_scale_window, loss_scale_hysteresis;
+  /* offload_optimizer (finish: NONE, 4 buffers of 1 Mi elements). */
+  job_offload offload_device;
+  uint32_t offload_buffer_count;
+  uint64_t offload_buffer_size;
+  int offload_pin_memory;
+  char nvme_path[JOB_NVME_PATH_BYTES]; /* "": the daemon's first --nvme-dir */
 } job_config;
 
 /* A parameter group's hyper-parameters (zerod.torch.Optimizer's groups,
@@ -75,9 +92,15 @@ void job_group_of_config(const job_config *config, double lr, job_group *out);
 
 /* The protocol's JobConfig of a finished config, every field set (weight
  * decay included: has_weight_decay), as GetJob and AttachReply show what
- * will run. opt becomes config->optimizer; nothing is allocated. */
-void job_config_to_proto(const job_config *config, Zerod__V1__JobConfig *out,
-                         Zerod__V1__OptimizerConfig *opt);
+ * will run, in out->config (which points into *out: use it in place);
+ * nothing is allocated. */
+typedef struct job_config_msg {
+  Zerod__V1__JobConfig config; /* points into the rest of this struct */
+  Zerod__V1__OptimizerConfig optimizer;
+  Zerod__V1__OffloadConfig offload;
+  char nvme_path[JOB_NVME_PATH_BYTES];
+} job_config_msg;
+void job_config_to_proto(const job_config *config, job_config_msg *out);
 
 /* The protocol's name of a working dtype (UNSPECIFIED for none it has). */
 Zerod__V1__Dtype job_dtype_to_proto(zk_dtype d);
@@ -91,6 +114,7 @@ int job_config_diff(const job_config *want, const job_config *have, char *fields
 
 /* "hierarchical" or "flat". */
 const char *job_collectives_name(job_collectives c);
+const char *job_offload_name(job_offload o);
 
 /* "adamw", "adam" or "sgd": the name in logs and checkpoint manifests. */
 const char *job_optimizer_name(job_optimizer o);

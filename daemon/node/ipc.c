@@ -34,6 +34,7 @@
 #include "pin.h"
 #include "rank_metrics.h"
 #include "reader.h"
+#include "tier.h"
 
 /* Requests a session may have queued before it is told to wait. */
 #define SESSION_MAX_INFLIGHT 4096
@@ -367,6 +368,12 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
                err);
     return NULL;
   }
+  if (tier_check(&config, d->exec.nvme_dir, strcmp(d->options.device, "cuda") != 0, err,
+                 sizeof err) != 0) {
+    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "job '%s': %s", req->job,
+               err);
+    return NULL;
+  }
   uint64_t id = ++d->next_job_id;
   unsigned generation = 0;
   int status;
@@ -483,14 +490,13 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
   j->readers++;
   int pinned = 0;
   uint64_t version = reader_version(r, &pinned);
-  Zerod__V1__OptimizerConfig opt;
-  Zerod__V1__JobConfig config;
-  exec_job_config(j, j->config.lr, j->config.max_grad_norm, &config, &opt);
+  job_config_msg config;
+  exec_job_config(j, j->config.lr, j->config.max_grad_norm, &config);
   Zerod__V1__AttachReply reply = ZEROD__V1__ATTACH_REPLY__INIT;
   reply.job_id = j->id;
   reply.world_size = (uint32_t)j->world_size;
   reply.version = pin_latest_version(j);
-  reply.config = &config;
+  reply.config = &config.config;
   reply.read_only = 1;
   reply.pinned_version = pinned ? version : 0;
   if (!(flags & ZD_FRAME_F_NO_REPLY))

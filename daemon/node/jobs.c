@@ -16,6 +16,7 @@
 #include "log.h"
 #include "pin.h"
 #include "rank_metrics.h"
+#include "tier.h"
 
 job *jobs_find(zdaemon *d, const char *name) {
   for (job *j = d->jobs; j != NULL; j = j->next)
@@ -60,7 +61,10 @@ int jobs_start(zdaemon *d, const char *name, const char *token_sha256, const job
                job **out, char *err, size_t err_bytes) {
   job *j;
   int rc =
-      job_create(&d->exec, d, name, token_sha256, config, world_size, nranks, first_rank, id, &j);
+      tier_check(config, d->exec.nvme_dir, strcmp(d->options.device, "cuda") != 0, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  rc = job_create(&d->exec, d, name, token_sha256, config, world_size, nranks, first_rank, id, &j);
   if (rc == 0 && (rc = ckpt_node_job_init(j)) != 0)
     jobs_free(j);
   if (rc == 0)

@@ -118,6 +118,9 @@ typedef struct exec_settings {
   int collective_timeout_ms;
   const char *comm_hostname;
   store *rendezvous;
+  /* Where jobs with offload_optimizer nvme keep their tier files (a
+   * canonical path; NULL: none may). */
+  const char *nvme_dir;
 } exec_settings;
 
 exec_op *exec_op_new(op_kind kind, rank_state *rank);
@@ -157,7 +160,6 @@ void exec_unit_reply_free(Zerod__V1__RegisterUnitReply *reply);
 
 /* Fills an AttachReply's config (both messages initialised here) from the
  * job's config with the given learning rate and clipping. */
-void exec_job_config(const job *j, double lr, double max_grad_norm, Zerod__V1__JobConfig *config,
-                     Zerod__V1__OptimizerConfig *optimizer);
+void exec_job_config(const job *j, double lr, double max_grad_norm, job_config_msg *out);
 
 #endif /* ZEROD_EXEC_H */

@@ -57,8 +57,19 @@ int exec__shard_set_groups(rank_state *rs, const unit_layout *l, shard *sh,
 
 /* The shard's fp32 array of a state (JOB_STATE_MASTER, _MOMENT1,
  * _MOMENT2: UnitState's numbers), or NULL where the job's optimizer keeps
- * no such state. */
+ * no such state, or keeps it in a tier file (sh->tiered: use
+ * exec__state_get/put). */
 float *exec__shard_state(rank_state *rs, shard *sh, uint32_t state);
+
+/* Whether the job's optimizer keeps the state. */
+int exec__has_state(const rank_state *rs, uint32_t state);
+
+/* A whole state of a shard, wherever it lives: copied into dst, or
+ * replaced by src (NULL: zeros), host memory, shard_numel floats. Returns 0
+ * or a negative errno (-EINVAL: no such state). */
+int exec__state_get(rank_state *rs, shard *sh, const unit_layout *l, uint32_t state, float *dst);
+int exec__state_put(rank_state *rs, shard *sh, const unit_layout *l, uint32_t state,
+                    const float *src);
 
 /* The words LOAD_UNIT and READ_STATE name a state with in messages. */
 const char *exec__state_name(const rank_state *rs, uint32_t state);

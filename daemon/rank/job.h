@@ -82,6 +82,11 @@ typedef struct shard {
   int64_t grad_buf;      /* pool index of the gradient buffer held, or -1 */
   int64_t secondary_buf; /* pool index of its hpZ secondary partition, or -1 */
   uint64_t bytes;        /* exec__shard_bytes, counted in the rank's state_bytes */
+  /* offload_optimizer nvme (tier.h): master and moments are in the rank's
+   * tier file at tier_offset, one tier_stride-byte region each (master,
+   * moment1, moment2 as kept), not in the arrays above (NULL). */
+  int tiered;
+  uint64_t tier_offset, tier_stride;
 } shard;
 
 typedef struct rank_state {
@@ -134,7 +139,11 @@ typedef struct rank_state {
    * pin_begin_write under the job's pin_mutex, where readers look at it;
    * the executor reads it freely. */
   uint64_t version;
-  uint64_t state_bytes;     /* executor-owned: bytes of its shards (exec__shard_bytes) */
+  uint64_t state_bytes; /* executor-owned: bytes of its shards (exec__shard_bytes) */
+  /* offload_optimizer nvme: the rank's tier file (tier.h; NULL until a
+   * shard needs it) and the bytes of state in it. Executor-owned. */
+  struct rank_tier *tier;
+  uint64_t tier_bytes;
   double lr, max_grad_norm; /* lr: group 0's */
   /* Dynamic loss scaling (config.loss_scale > 0): the scale the next
    * step's gradients carry, good steps since the last change, overflows

@@ -80,7 +80,9 @@ static int broadcast_values(rank_state *rs, const unit_layout *l, const float *p
 static int seed_master(rank_state *rs, const unit_layout *l, shard *sh, uint64_t seed,
                        double init_std) {
   uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
-  float *values = device_is_host(rs->dev) ? sh->master : calloc(l->shard_numel + 1, sizeof(float));
+  float *values = device_is_host(rs->dev) && !sh->tiered
+                      ? sh->master
+                      : calloc(l->shard_numel + 1, sizeof(float));
   if (values == NULL)
     return -ENOMEM;
   uint64_t key = splitmix64(seed) ^ fnv1a(l->name);
@@ -94,7 +96,7 @@ static int seed_master(rank_state *rs, const unit_layout *l, shard *sh, uint64_t
   }
   int rc = 0;
   if (values != sh->master) {
-    rc = device_upload(rs->dev, sh->master, values, l->shard_numel * sizeof(float));
+    rc = exec__state_put(rs, sh, l, JOB_STATE_MASTER, values);
     free(values);
   }
   return rc;
@@ -295,7 +297,9 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
         exec__op_comm_failed(rs, op, "register (initial values)", rc);
         goto done;
       }
-      rc = device_copy(rs->dev, sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
+      rc = sh->tiered
+               ? exec__state_put(rs, sh, l, JOB_STATE_MASTER, rs->scratch + lo)
+               : device_copy(rs->dev, sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
     } else if (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL) {
       rc = seed_master(rs, l, sh, req->seed, req->init_std);
     }
@@ -361,7 +365,7 @@ void exec__handle_load(rank_state *rs, exec_op *op) {
   int32_t *codes = NULL;
   if (l == NULL || l->id >= rs->nshards || !rs->shards[l->id].present) {
     code = LOAD_UNKNOWN_UNIT;
-  } else if (exec__shard_state(rs, &rs->shards[l->id], req->state) == NULL) {
+  } else if (!exec__has_state(rs, req->state)) {
     code = LOAD_NO_STATE;
   } else if (rs->rank == 0 && op->in_fd < 0) {
     code = LOAD_NO_VALUES;
@@ -436,7 +440,9 @@ void exec__handle_load(rank_state *rs, exec_op *op) {
   uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
   if ((uint32_t)req->state == JOB_STATE_MASTER) {
     pin_begin_write(rs);
-    rc = device_copy(rs->dev, sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
+    rc = sh->tiered
+             ? exec__state_put(rs, sh, l, JOB_STATE_MASTER, rs->scratch + lo)
+             : device_copy(rs->dev, sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
     if (rc == 0)
       rc = exec__refresh_working(rs, l, sh);
     /* Readers copy the working copy once the write lock is released. */
@@ -445,8 +451,9 @@ void exec__handle_load(rank_state *rs, exec_op *op) {
     pin_end_write(rs);
   } else {
     /* A moment: no working copy changes, so readers see no new version. */
-    rc = device_copy(rs->dev, exec__shard_state(rs, sh, req->state), rs->scratch + lo,
-                     l->shard_numel * sizeof(float));
+    rc = sh->tiered ? exec__state_put(rs, sh, l, req->state, rs->scratch + lo)
+                    : device_copy(rs->dev, exec__shard_state(rs, sh, req->state), rs->scratch + lo,
+                                  l->shard_numel * sizeof(float));
     if (rc == 0)
       rc = device_sync(rs->dev);
   }

@@ -90,11 +90,10 @@ void exec_unit_reply_free(Zerod__V1__RegisterUnitReply *reply) {
   reply->n_tensors = 0;
 }
 
-void exec_job_config(const job *j, double lr, double max_grad_norm, Zerod__V1__JobConfig *config,
-                     Zerod__V1__OptimizerConfig *opt) {
-  job_config_to_proto(&j->config, config, opt);
-  opt->lr = lr;
-  config->max_grad_norm = max_grad_norm;
+void exec_job_config(const job *j, double lr, double max_grad_norm, job_config_msg *out) {
+  job_config_to_proto(&j->config, out);
+  out->optimizer.lr = lr;
+  out->config.max_grad_norm = max_grad_norm;
 }
 
 /* Checks the job's failure state; answers ABORTED and returns 1 if failed. */

@@ -24,16 +24,15 @@ void exec__set_comm(rank_state *rs, comm *c) {
 void exec__handle_session_begin(rank_state *rs, exec_op *op) {
   rs->session_id = op->session_id;
   rs->ndropped = 0;
-  Zerod__V1__OptimizerConfig opt;
-  Zerod__V1__JobConfig config;
-  exec_job_config(rs->job, rs->lr, rs->max_grad_norm, &config, &opt);
+  job_config_msg config;
+  exec_job_config(rs->job, rs->lr, rs->max_grad_norm, &config);
   Zerod__V1__AttachReply reply = ZEROD__V1__ATTACH_REPLY__INIT;
   reply.job_id = rs->job->id;
   reply.rank = (uint32_t)rs->rank;
   reply.world_size = (uint32_t)rs->job->world_size;
   reply.version = rs->version;
   reply.loss_scale = atomic_load(&rs->loss_scale);
-  reply.config = &config;
+  reply.config = &config.config;
   reply.created = op->job_created;
   if (op->warning != NULL)
     reply.warning = op->warning;

@@ -4,8 +4,12 @@
 #include "exec_impl.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "log.h"
+#include "tier.h"
 
 /* Zero-filled memory of the rank's device, or NULL. */
 static void *zalloc(rank_state *rs, uint64_t bytes) {
@@ -17,6 +21,8 @@ uint64_t exec__shard_bytes(const rank_state *rs, const unit_layout *l) {
   const job_config *c = &rs->job->config;
   int has[JOB_NSTATES];
   job_config_states(c, has);
+  if (tier_enabled(rs->job)) /* in memory: the accumulator and the working copy */
+    return l->shard_numel * (4 + zk_dtype_size(c->working_dtype));
   uint64_t per_element = 4 + 4; /* master, gradient accumulator */
   per_element += has[JOB_STATE_MOMENT1] ? 4 : 0;
   per_element += has[JOB_STATE_MOMENT2] ? 4 : 0;
@@ -25,7 +31,7 @@ uint64_t exec__shard_bytes(const rank_state *rs, const unit_layout *l) {
 }
 
 void exec__shard_free(rank_state *rs, shard *sh) {
-  if (sh->master != NULL && rs->state_bytes >= sh->bytes)
+  if ((sh->master != NULL || sh->tiered) && rs->state_bytes >= sh->bytes)
     rs->state_bytes -= sh->bytes;
   if (sh->working != (void *)sh->master)
     device_free(rs->dev, sh->working);
@@ -80,19 +86,32 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
   shard *sh = &rs->shards[l->id];
   const job_config *c = &rs->job->config;
   uint64_t n = l->shard_numel;
-  sh->master = zalloc(rs, n * 4);
-  sh->grad_acc = zalloc(rs, n * 4);
   int has[JOB_NSTATES];
   job_config_states(c, has);
-  sh->moment1 = has[JOB_STATE_MOMENT1] ? zalloc(rs, n * 4) : NULL;
-  sh->moment2 = has[JOB_STATE_MOMENT2] ? zalloc(rs, n * 4) : NULL;
-  sh->working = c->working_dtype == ZK_F32 ? (void *)sh->master
-                                           : zalloc(rs, n * zk_dtype_size(c->working_dtype));
   int err = 0;
-  if (sh->master == NULL || sh->grad_acc == NULL ||
-      (has[JOB_STATE_MOMENT1] && sh->moment1 == NULL) ||
-      (has[JOB_STATE_MOMENT2] && sh->moment2 == NULL) || sh->working == NULL)
-    err = -ENOMEM;
+  if (tier_enabled(rs->job)) {
+    /* Master and moments go to the tier file; the working copy is an
+     * array of its own, fp32 included. */
+    sh->grad_acc = zalloc(rs, n * 4);
+    sh->working = zalloc(rs, n * zk_dtype_size(c->working_dtype));
+    char why[512] = "";
+    if (sh->grad_acc == NULL || sh->working == NULL)
+      err = -ENOMEM;
+    else if ((err = tier_place(rs, sh, l, rs->job->exec->nvme_dir, why, sizeof why)) != 0)
+      LOG_ERRORF("no room for a shard's optimizer state on disk",
+                 "job=%s rank=%d unit=%s err=\"%s\"", rs->job->name, rs->rank, l->name, why);
+  } else {
+    sh->master = zalloc(rs, n * 4);
+    sh->grad_acc = zalloc(rs, n * 4);
+    sh->moment1 = has[JOB_STATE_MOMENT1] ? zalloc(rs, n * 4) : NULL;
+    sh->moment2 = has[JOB_STATE_MOMENT2] ? zalloc(rs, n * 4) : NULL;
+    sh->working = c->working_dtype == ZK_F32 ? (void *)sh->master
+                                             : zalloc(rs, n * zk_dtype_size(c->working_dtype));
+    if (sh->master == NULL || sh->grad_acc == NULL ||
+        (has[JOB_STATE_MOMENT1] && sh->moment1 == NULL) ||
+        (has[JOB_STATE_MOMENT2] && sh->moment2 == NULL) || sh->working == NULL)
+      err = -ENOMEM;
+  }
   /* The ranges of the whole flat buffer that hold no trainable tensor
    * (gaps, padding, frozen tensors): gradients there are zeroed before a
    * reduce. */
@@ -141,6 +160,8 @@ int exec__grow_scratch(rank_state *rs, uint64_t numel, uint64_t shard_numel) {
 
 /* Casts the master shard into the working copy (bf16 working precision). */
 int exec__refresh_working(rank_state *rs, const unit_layout *l, shard *sh) {
+  if (sh->tiered)
+    return tier_refresh_working(rs, l, sh);
   if (sh->working == (void *)sh->master)
     return 0;
   return device_cast(rs->dev, sh->working, rs->job->config.working_dtype, sh->master, ZK_F32,
@@ -178,6 +199,32 @@ int exec__shard_set_groups(rank_state *rs, const unit_layout *l, shard *sh,
   sh->trainable = ranges;
   sh->ntrainable = n;
   return 0;
+}
+
+int exec__has_state(const rank_state *rs, uint32_t state) {
+  int has[JOB_NSTATES];
+  job_config_states(&rs->job->config, has);
+  return state < JOB_NSTATES && has[state];
+}
+
+int exec__state_get(rank_state *rs, shard *sh, const unit_layout *l, uint32_t state, float *dst) {
+  if (!exec__has_state(rs, state))
+    return -EINVAL;
+  if (sh->tiered)
+    return tier_read_state(rs, sh, l, (int)state, dst);
+  return device_download(rs->dev, dst, exec__shard_state(rs, sh, state),
+                         l->shard_numel * sizeof(float));
+}
+
+int exec__state_put(rank_state *rs, shard *sh, const unit_layout *l, uint32_t state,
+                    const float *src) {
+  if (!exec__has_state(rs, state))
+    return -EINVAL;
+  if (sh->tiered)
+    return tier_write_state(rs, sh, l, (int)state, src);
+  float *dst = exec__shard_state(rs, sh, state);
+  size_t bytes = l->shard_numel * sizeof(float);
+  return src == NULL ? device_zero(rs->dev, dst, bytes) : device_upload(rs->dev, dst, src, bytes);
 }
 
 float *exec__shard_state(rank_state *rs, shard *sh, uint32_t state) {

@@ -61,11 +61,10 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
   for (unsigned k = 0; rc == 0 && k < n; k++) {
     shard *sh = &rs->shards[units[k]->id];
     size_t b = units[k]->shard_numel * sizeof(float);
-    const float *states[3] = {sh->master, sh->moment1, sh->moment2};
     for (int s = 0; rc == 0 && s < 3; s++) {
       if (!want[s])
         continue;
-      rc = device_download(rs->dev, at, states[s], b);
+      rc = exec__state_get(rs, sh, units[k], (uint32_t)s, (float *)at);
       at += b;
     }
   }
@@ -208,6 +207,17 @@ void exec__handle_restore_commit(rank_state *rs, exec_op *op) {
       const unit_layout *l = su->layout;
       shard *sh = &rs->shards[l->id];
       size_t bytes = l->shard_numel * sizeof(float);
+      if (sh->tiered) {
+        /* Into the tier file; the staged arrays go with the staging. */
+        for (int k = 0; rc == 0 && k < JOB_NSTATES; k++)
+          if (exec__has_state(rs, (uint32_t)k))
+            rc = exec__state_put(rs, sh, l, (uint32_t)k, su->state[k]);
+        if (rc == 0)
+          rc = device_zero(rs->dev, sh->grad_acc, bytes);
+        if (rc == 0)
+          rc = exec__refresh_working(rs, l, sh);
+        continue;
+      }
       float **dst[3] = {&sh->master, &sh->moment1, &sh->moment2};
       float *master = sh->master;
       for (int k = 0; rc == 0 && k < 3; k++) {

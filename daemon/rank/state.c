@@ -28,8 +28,7 @@ void exec__handle_read_state(rank_state *rs, exec_op *op) {
     return;
   /* The checks below come out alike on every rank (same job, same unit),
    * so answering here leaves no rank waiting in the gather. */
-  const float *values = exec__shard_state(rs, sh, req->state);
-  if (values == NULL) {
+  if (!exec__has_state(rs, req->state)) {
     exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
                "read_state of unit '%s': the job's optimizer (%s) keeps no %s", l->name,
                job_optimizer_name(rs->job->config.optimizer), exec__state_name(rs, req->state));
@@ -59,8 +58,18 @@ void exec__handle_read_state(rank_state *rs, exec_op *op) {
       goto done;
     }
   size_t shard_bytes = l->shard_numel * sizeof(float);
-  memcpy(rs->scratch + (size_t)rs->rank * l->shard_numel, values, shard_bytes);
+  /* A tier's read error still takes part in the gather, so that no peer
+   * waits; the job fails with it. */
+  int read_rc =
+      exec__state_get(rs, sh, l, req->state, rs->scratch + (size_t)rs->rank * l->shard_numel);
+  if (read_rc != 0)
+    job_fail(rs->job, rs->generation, "rank %d: read_state of unit '%s': %s", rs->rank, l->name,
+             strerror(-read_rc));
   rc = exec__host_all_gather(rs, rs->scratch, shard_bytes);
+  if (rc == 0 && read_rc != 0) {
+    exec__op_device_failed(rs, op, "read_state", read_rc);
+    goto done;
+  }
   if (rc != 0) {
     exec__op_comm_failed(rs, op, "read_state", rc);
     goto done;

@@ -2,6 +2,7 @@
  * ranks know of), clipping, the optimizer update of every shard and the
  * new working copies; the progress log. */
 #include "exec_impl.h"
+#include "tier.h"
 
 #include <math.h>
 #include <stdatomic.h>
@@ -116,6 +117,62 @@ void exec__handle_grad_norm(rank_state *rs, exec_op *op) {
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM_REPLY, &reply.base);
 }
 
+/* The optimizer over one stretch [begin, begin + n) of a shard: its
+ * trainable ranges there, each with its group's hyper-parameters. master,
+ * m1 and m2 hold that stretch (the shard's own arrays at begin, or a tier
+ * chunk); the gradients and the working copy are the shard's. A
+ * tier_chunk_fn. */
+typedef struct update_args {
+  int64_t step_number;
+  double grad_scale; /* what multiplies the accumulated gradients: clip / divisor */
+} update_args;
+
+static int update_chunk(void *arg, rank_state *rs, shard *sh, const unit_layout *l, uint64_t begin,
+                        uint64_t n, float *master, float *m1, float *m2) {
+  (void)l;
+  const update_args *a = arg;
+  const job_config *c = &rs->job->config;
+  size_t welem = zk_dtype_size(c->working_dtype);
+  uint64_t end = begin + n;
+  for (unsigned k = 0; k < sh->ntrainable; k++) {
+    uint64_t b = sh->trainable[k].begin > begin ? sh->trainable[k].begin : begin;
+    uint64_t e = sh->trainable[k].end < end ? sh->trainable[k].end : end;
+    if (b >= e)
+      continue;
+    job_group grp;
+    exec__group(rs, sh->trainable[k].group, &grp);
+    void *working = sh->working == (void *)sh->master ? NULL : (uint8_t *)sh->working + b * welem;
+    zk_dtype wdtype = working != NULL ? c->working_dtype : ZK_DTYPE_NONE;
+    uint64_t at = b - begin;
+    int rc;
+    if (c->optimizer == JOB_SGD) {
+      zk_sgd_hparams hp = {.lr = grp.lr,
+                           .momentum = grp.momentum,
+                           .dampening = grp.dampening,
+                           .weight_decay = grp.weight_decay,
+                           .nesterov = grp.nesterov,
+                           .step = a->step_number,
+                           .grad_scale = a->grad_scale};
+      rc = device_sgd_step(rs->dev, &hp, master + at, m1 ? m1 + at : NULL, sh->grad_acc + b,
+                           working, wdtype, e - b);
+    } else {
+      zk_adam_hparams hp = {.lr = grp.lr,
+                            .beta1 = grp.beta1,
+                            .beta2 = grp.beta2,
+                            .eps = grp.eps,
+                            .weight_decay = grp.weight_decay,
+                            .decoupled_weight_decay = c->optimizer == JOB_ADAMW,
+                            .step = a->step_number,
+                            .grad_scale = a->grad_scale};
+      rc = device_adam_step(rs->dev, &hp, master + at, m1 + at, m2 + at, sh->grad_acc + b, working,
+                            wdtype, e - b);
+    }
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
 void exec__handle_step(rank_state *rs, exec_op *op) {
   Zerod__V1__StepRequest *req = (Zerod__V1__StepRequest *)op->request;
   if (exec__op_job_failed(rs, op))
@@ -185,59 +242,33 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
       if (coef > 1.0)
         coef = 1.0;
     }
-    const job_config *c = &rs->job->config;
     int64_t step_number = (int64_t)rs->step + 1;
     /* The version goes up here, after the all-reduce: every rank has
      * finished its previous write, so ranks stay within one version. A
      * pin of the current version gets this rank's slices first. */
     pin_begin_write(rs);
-    for (uint32_t u = 0; u < rs->nshards; u++) {
+    update_args args = {.step_number = step_number, .grad_scale = coef / grad_scale};
+    int rc = 0;
+    for (uint32_t u = 0; u < rs->nshards && rc == 0; u++) {
       shard *sh = &rs->shards[u];
-      if (!sh->present)
-        continue;
-      for (unsigned k = 0; k < sh->ntrainable; k++) {
-        uint64_t b = sh->trainable[k].begin, n = sh->trainable[k].end - b;
-        job_group grp;
-        exec__group(rs, sh->trainable[k].group, &grp);
-        size_t welem = zk_dtype_size(c->working_dtype);
-        void *working =
-            sh->working == (void *)sh->master ? NULL : (uint8_t *)sh->working + b * welem;
-        zk_dtype wdtype = working != NULL ? c->working_dtype : ZK_DTYPE_NONE;
-        int rc;
-        if (c->optimizer == JOB_SGD) {
-          zk_sgd_hparams hp = {.lr = grp.lr,
-                               .momentum = grp.momentum,
-                               .dampening = grp.dampening,
-                               .weight_decay = grp.weight_decay,
-                               .nesterov = grp.nesterov,
-                               .step = step_number,
-                               .grad_scale = coef / grad_scale};
-          rc = device_sgd_step(dev, &hp, sh->master + b, sh->moment1 ? sh->moment1 + b : NULL,
-                               sh->grad_acc + b, working, wdtype, n);
-        } else {
-          zk_adam_hparams hp = {.lr = grp.lr,
-                                .beta1 = grp.beta1,
-                                .beta2 = grp.beta2,
-                                .eps = grp.eps,
-                                .weight_decay = grp.weight_decay,
-                                .decoupled_weight_decay = c->optimizer == JOB_ADAMW,
-                                .step = step_number,
-                                .grad_scale = coef / grad_scale};
-          rc = device_adam_step(dev, &hp, sh->master + b, sh->moment1 + b, sh->moment2 + b,
-                                sh->grad_acc + b, working, wdtype, n);
-        }
-        if (rc != 0) {
-          /* The hyper-parameters were checked at creation; a failure here
-           * would leave ranks inconsistent, so the job stops. */
-          device_sync(dev);
-          pin_end_write(rs);
-          exec__op_device_failed(rs, op, "optimizer step", rc);
-          return;
-        }
-      }
+      if (sh->present && !sh->tiered)
+        rc = update_chunk(&args, rs, sh, NULL, 0, job_unit(rs->job, u)->shard_numel, sh->master,
+                          sh->moment1, sh->moment2);
+    }
+    /* The shards whose state is on disk, streamed through the staging
+     * buffers (tier.h). */
+    if (rc == 0)
+      rc = tier_stream(rs, -1, 1, update_chunk, &args);
+    if (rc != 0) {
+      /* The hyper-parameters were checked at creation; a failure here
+       * would leave ranks inconsistent, so the job stops. */
+      device_sync(dev);
+      pin_end_write(rs);
+      exec__op_device_failed(rs, op, "optimizer step", rc);
+      return;
     }
     /* Readers copy the working copies once the write lock is released. */
-    int rc = device_sync(dev);
+    rc = device_sync(dev);
     pin_end_write(rs);
     if (rc != 0) {
       exec__op_device_failed(rs, op, "optimizer step", rc);

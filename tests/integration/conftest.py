@@ -27,7 +27,7 @@ def binary(name):
 
 
 class Daemon:
-    def __init__(self, tmp_path, ranks, timeout_s, extra, mode="standalone"):
+    def __init__(self, tmp_path, ranks, timeout_s, extra, mode="standalone", env=None):
         self.dir = tmp_path / ("zerod-%d" % time.monotonic_ns())
         self.dir.mkdir()
         self.socket = str(self.dir / "zerod.sock")
@@ -36,7 +36,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [binary("zerod"), mode, "--ranks", str(ranks), "--dir", str(self.dir),
              "--collective-timeout", str(timeout_s), "--threads-per-rank", "1"] + extra,
-            stderr=self.log)
+            stderr=self.log, env=None if env is None else {**os.environ, **env})
         deadline = time.monotonic() + 20
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None:
@@ -93,8 +93,8 @@ class Daemon:
 def start_daemon(tmp_path):
     daemons = []
 
-    def start(ranks=1, timeout_s=10, extra=()):
-        d = Daemon(tmp_path, ranks, timeout_s, list(extra))
+    def start(ranks=1, timeout_s=10, extra=(), env=None):
+        d = Daemon(tmp_path, ranks, timeout_s, list(extra), env=env)
         daemons.append(d)
         return d
 

@@ -436,6 +436,115 @@ def test_service_checkpoint_resumes_in_a_new_daemon(start_daemon, tmp_path):
     client.close()
 
 
+NVME = {"device": "nvme", "buffer_count": 3, "buffer_size": 1024}
+
+
+def offloaded(daemon, name, steps, offload=NVME, seed=0, ranks=1):
+    """Job `name` with TinyLM(seed) sharded into it and its optimizer state
+    placed by `offload`, after `steps` steps: (client, model, optimizer)."""
+    client = zerod.Client(daemon.socket)
+    job = client.attach(name, rank=0, config=zerod.JobConfig(
+        lr=LR, weight_decay=WEIGHT_DECAY, offload_optimizer=offload))
+    model = zerod.torch.shard(TinyLM(seed=seed), job)
+    opt = zerod.torch.Optimizer(model)
+    steps_from(model, opt, 0, steps)
+    return client, model, opt
+
+
+def test_nvme_offload_trains_like_memory(start_daemon):
+    """offload_optimizer nvme: the master weights and moments live in a file
+    of the rank's, streamed through three 1024-element buffers per state
+    (many chunks, crossing units), and training gives the bits of the
+    in-memory job: weights, moments and steps. The file has each unit's
+    master and moments, 4 KiB-aligned, and goes with the daemon."""
+    daemon = start_daemon(ranks=1)
+    client, model, opt = offloaded(daemon, "mem", 6, offload=None)
+    want, want_state = model.state_dict(), opt.state_dict()
+    client.close()
+
+    client, model, opt = offloaded(daemon, "nv", 6)
+    assert opt._job.effective_config.offload_optimizer == {
+        "device": "nvme", "nvme_path": "", "buffer_count": 3, "buffer_size": 1024,
+        "pin_memory": False}
+    assert max_rel_diff(model.state_dict(), want) == 0
+    got_state = opt.state_dict()
+    for index, entry in want_state["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(got_state["state"][index][key], value), (index, key)
+    (tier,) = (daemon.dir / "nvme").glob("nv-*/rank-00000.zdtier")
+    assert tier.stat().st_size == sum(3 * ((4 * u.padded_numel + 4095) // 4096 * 4096)
+                                      for u in opt._job.units)
+    client.close()
+    daemon.stop()
+    assert not tier.exists() and not tier.parent.exists()
+
+
+def test_nvme_offload_checkpoints_and_survives_a_crash(start_daemon, tmp_path):
+    """A job with its optimizer state on disk saves a service checkpoint at
+    step 3; the daemon is killed in the middle of step 5 (half the tier
+    file written); a new daemon, a fresh job, load of the checkpoint and
+    steps 4..6 again give the bits of a run that never stopped. The dead
+    daemon's tier file is removed when the new one starts. The checkpoint
+    also restores into a job that keeps its state in memory."""
+    ckpt = tmp_path / "ckpt"
+    nvme = tmp_path / "nvme"
+    daemon = start_daemon(ranks=1)
+    client, model, _ = offloaded(daemon, "straight", 6, offload=None)
+    straight = model.state_dict()
+    client.close()
+
+    doomed = start_daemon(ranks=1, extra=["--checkpoint-dir", str(ckpt), "--nvme-dir", str(nvme)],
+                          env={"ZEROD_CRASH_AT": "offload-step-midway@5"})
+    client, model, opt = offloaded(doomed, "lm", 3)
+    assert zerod.torch.save(model, "at3").step == 3
+    steps_from(model, opt, 3, 1)
+    with pytest.raises(zerod.Error):
+        steps_from(model, opt, 4, 1)
+    doomed.proc.wait(timeout=30)
+    assert "crash point reached" in doomed.read_log()
+    assert list(nvme.glob("lm-*/rank-*.zdtier"))  # left by the dead daemon
+    client.close()
+    doomed.kill()
+
+    for offload in (NVME, None):
+        again = start_daemon(ranks=1, extra=["--checkpoint-dir", str(ckpt), "--nvme-dir", str(nvme)])
+        assert not list(nvme.glob("lm-*/rank-*.zdtier"))
+        client, model, opt = offloaded(again, "lm", 0, offload=offload, seed=5)
+        assert zerod.torch.load(model, "at3").step == 3
+        steps_from(model, opt, 3, 3)
+        assert max_rel_diff(model.state_dict(), straight) == 0, offload
+        client.close()
+        again.stop()
+
+
+def test_nvme_offload_config_errors(start_daemon, tmp_path):
+    daemon = start_daemon(ranks=1)
+    client = zerod.Client(daemon.socket)
+    cases = [
+        ({"device": "nvme", "nvme_path": str(tmp_path)}, "outside the daemon's --nvme-dir"),
+        ({"device": "nvme", "buffer_size": 1000}, "buffer_size 1000"),
+        ({"device": "nvme", "buffer_count": 1}, "buffer_count 1"),
+        ({"device": "cpu", "nvme_path": "x"}, "nvme_path is for device nvme"),
+    ]
+    for offload, message in cases:
+        with pytest.raises(zerod.InvalidArgumentError, match=message):
+            client.attach("bad", rank=0, config=zerod.JobConfig(offload_optimizer=offload))
+    with pytest.raises(zerod.InvalidArgumentError, match="device must be"):
+        client.attach("bad", rank=0, config=zerod.JobConfig(offload_optimizer={"device": "disk"}))
+    with pytest.raises(zerod.InvalidArgumentError, match="not both yet"):
+        client.attach("bad", rank=0, config=zerod.JobConfig(
+            quantized_weights=True, offload_optimizer={"device": "nvme"}))
+    # A directory inside the root is accepted, and the files go there.
+    inside = daemon.dir / "nvme" / "fast"
+    inside.mkdir()
+    job = client.attach("ok", rank=0, config=zerod.JobConfig(
+        offload_optimizer={"device": "nvme", "nvme_path": str(inside)}))
+    model = zerod.torch.shard(TinyLM(), job)
+    assert list(inside.glob("ok-*/rank-00000.zdtier"))
+    del model
+    client.close()
+
+
 def test_distributed_checkpoint_saves_and_resumes(start_daemon, tmp_path):
     """torch.distributed.checkpoint (DCP) saves the model's and the
     optimizer's state_dicts (plain tensors, torch.optim's layout) and loads

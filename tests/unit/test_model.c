@@ -293,7 +293,10 @@ static void test_config_to_proto_round_trips(void **state) {
        .quantization_block = 128,
        .quantized_gradients = 4,
        .gradient_comm_dtype = ZK_F32,
-       .hpz_partition_size = 1},
+       .hpz_partition_size = 1,
+       .offload_device = JOB_OFFLOAD_NONE,
+       .offload_buffer_count = 4,
+       .offload_buffer_size = 1u << 20},
       {.optimizer = JOB_ADAM,
        .lr = 1e-3,
        .beta1 = 0.9,
@@ -303,7 +306,11 @@ static void test_config_to_proto_round_trips(void **state) {
        .collectives = JOB_HIERARCHICAL,
        .quantization_block = 256,
        .gradient_comm_dtype = ZK_BF16,
-       .hpz_partition_size = 2},
+       .hpz_partition_size = 2,
+       .offload_device = JOB_OFFLOAD_NVME,
+       .offload_buffer_count = 3,
+       .offload_buffer_size = 4096,
+       .nvme_path = "/mnt/nvme0/zerod"},
       {.optimizer = JOB_SGD,
        .lr = 0.1,
        .beta1 = 0.9,
@@ -317,7 +324,10 @@ static void test_config_to_proto_round_trips(void **state) {
        .quantization_block = 128,
        .quantized_gradients = 4,
        .gradient_comm_dtype = ZK_F32,
-       .hpz_partition_size = 1},
+       .hpz_partition_size = 1,
+       .offload_device = JOB_OFFLOAD_NONE,
+       .offload_buffer_count = 4,
+       .offload_buffer_size = 1u << 20},
       {.optimizer = JOB_SGD,
        .lr = 0.1,
        .beta1 = 0.9,
@@ -330,14 +340,17 @@ static void test_config_to_proto_round_trips(void **state) {
        .collectives = JOB_HIERARCHICAL,
        .quantization_block = 256,
        .gradient_comm_dtype = ZK_BF16,
-       .hpz_partition_size = 1},
+       .hpz_partition_size = 1,
+       .offload_device = JOB_OFFLOAD_NONE,
+       .offload_buffer_count = 4,
+       .offload_buffer_size = 1u << 20},
   };
   for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++) {
-    Zerod__V1__JobConfig proto;
-    Zerod__V1__OptimizerConfig opt;
-    job_config_to_proto(&configs[i], &proto, &opt);
-    assert_ptr_equal(proto.optimizer, &opt);
-    assert_true(opt.has_weight_decay); /* SGD's 0 must not read back as a default */
+    job_config_msg msg;
+    job_config_to_proto(&configs[i], &msg);
+    Zerod__V1__JobConfig proto = msg.config;
+    assert_ptr_equal(proto.optimizer, &msg.optimizer);
+    assert_true(msg.optimizer.has_weight_decay); /* SGD's 0 must not read back as a default */
     job_config back;
     char err[256] = "";
     if (job_config_from_proto(&proto, &back, err, sizeof err) != 0 ||

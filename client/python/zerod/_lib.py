@@ -61,6 +61,11 @@ class JobConfig(ctypes.Structure):
         ("loss_scale_backoff", c_double),
         ("loss_scale_hysteresis", c_uint),
         ("loss_scale_min", c_double),
+        ("offload_device", c_int),
+        ("nvme_path", ctypes.c_char * 256),
+        ("offload_buffer_count", c_uint),
+        ("offload_buffer_size", c_uint64),
+        ("offload_pin_memory", c_int),
     ]
 
 

@@ -47,6 +47,7 @@ def default_socket() -> str:
 
 
 _COLLECTIVES = {"hierarchical": 1, "flat": 2}
+_OFFLOAD_DEVICES = {"none": 1, "cpu": 2, "nvme": 3}
 
 
 @dataclass
@@ -73,6 +74,12 @@ class JobConfig:
     ``loss_scale_window`` 2000, ``loss_scale_growth`` 2,
     ``loss_scale_backoff`` 0.5, ``loss_scale_hysteresis`` 1,
     ``loss_scale_min`` 1 when 0).
+    ``offload_optimizer`` is DeepSpeed's: ``{"device": "nvme", "nvme_path":
+    ..., "buffer_count": 4, "buffer_size": 1048576, "pin_memory": False}``
+    keeps the fp32 master weights and moments in a file per rank under the
+    daemon's ``--nvme-dir`` (``nvme_path``, if given, inside it), streamed
+    through ``buffer_count`` buffers of ``buffer_size`` elements per state
+    at each step; ``"cpu"`` is host memory (what CPU ranks do anyway).
     """
 
     optimizer: str = "adamw"
@@ -98,6 +105,7 @@ class JobConfig:
     loss_scale_backoff: float = 0.0
     loss_scale_hysteresis: int = 0
     loss_scale_min: float = 0.0
+    offload_optimizer: Optional[Dict[str, Any]] = None
 
     def _to_c(self) -> _lib.JobConfig:
         if self.optimizer not in _OPTIMIZERS:
@@ -143,6 +151,24 @@ class JobConfig:
         c.loss_scale_backoff = float(self.loss_scale_backoff)
         c.loss_scale_hysteresis = int(self.loss_scale_hysteresis)
         c.loss_scale_min = float(self.loss_scale_min)
+        offload = dict(self.offload_optimizer or {})
+        unknown = set(offload) - {"device", "nvme_path", "buffer_count", "buffer_size",
+                                  "pin_memory"}
+        if unknown:
+            raise InvalidArgumentError("offload_optimizer: unknown keys %s (device, nvme_path, "
+                                       "buffer_count, buffer_size, pin_memory)" % sorted(unknown))
+        device = offload.get("device", "none")
+        if device not in _OFFLOAD_DEVICES:
+            raise InvalidArgumentError("offload_optimizer device must be 'none', 'cpu' or "
+                                       "'nvme', not %r" % device)
+        c.offload_device = _OFFLOAD_DEVICES[device]
+        path = str(offload.get("nvme_path") or "").encode()
+        if len(path) >= 256:
+            raise InvalidArgumentError("offload_optimizer nvme_path is longer than 255 bytes")
+        c.nvme_path = path
+        c.offload_buffer_count = int(offload.get("buffer_count", 0))
+        c.offload_buffer_size = int(offload.get("buffer_size", 0))
+        c.offload_pin_memory = int(bool(offload.get("pin_memory", False)))
         return c
 
     @classmethod
@@ -165,7 +191,14 @@ class JobConfig:
                    loss_scale_growth=float(c.loss_scale_growth),
                    loss_scale_backoff=float(c.loss_scale_backoff),
                    loss_scale_hysteresis=int(c.loss_scale_hysteresis),
-                   loss_scale_min=float(c.loss_scale_min))
+                   loss_scale_min=float(c.loss_scale_min),
+                   offload_optimizer={
+                       "device": {code: name for name, code in _OFFLOAD_DEVICES.items()}.get(
+                           int(c.offload_device), "none"),
+                       "nvme_path": c.nvme_path.decode(),
+                       "buffer_count": int(c.offload_buffer_count),
+                       "buffer_size": int(c.offload_buffer_size),
+                       "pin_memory": bool(c.offload_pin_memory)})
 
 
 @dataclass(frozen=True)

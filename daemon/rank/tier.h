@@ -1,0 +1,72 @@
+/* tier: a rank's optimizer state on disk (offload_optimizer nvme,
+ * ZeRO-Infinity's NVMe tier). Host ranks only for now.
+ *
+ * One file per rank, <nvme root>/<job>-<job id>/rank-<rank>.zdtier, opened
+ * with O_DIRECT where the filesystem allows (backend/aio.h). Each unit's
+ * shard has an extent in it: its fp32 master weights, then each moment the
+ * optimizer keeps, each region padded to 4096 bytes. The file grows as
+ * units register (zeros: moments start at zero for free) and is removed
+ * with the rank. In memory stay the gradient accumulator and the working
+ * copy (its own array, fp32 included), and the staging buffers:
+ * buffer_count slots of buffer_size elements per state, through which a
+ * step streams every extent chunk by chunk, reading ahead and writing
+ * behind (tier_stream). Executor-owned, like the rest of the rank. */
+#ifndef ZEROD_TIER_H
+#define ZEROD_TIER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "job.h"
+
+/* Whether the job keeps its optimizer state in a tier file. */
+int tier_enabled(const job *j);
+
+/* Whether a job of config c can have its ranks on this daemon: its
+ * offload_optimizer's device for ranks that are (host) or are not CPU
+ * ranks, its nvme_path inside nvme_dir. Returns 0 or a negative errno
+ * with err set. */
+int tier_check(const job_config *c, const char *nvme_dir, int host, char *err, size_t err_bytes);
+
+/* Gives a shard just created (arrays of memory-resident state already
+ * allocated) its extent in the rank's tier file, opening the file first if
+ * needed, under nvme_dir (the daemon's --nvme-dir, canonical; the job's
+ * nvme_path must be inside it). Returns 0 or a negative errno with err
+ * set. */
+int tier_place(rank_state *rs, shard *sh, const unit_layout *l, const char *nvme_dir, char *err,
+               size_t err_bytes);
+
+/* Closes the rank's tier file and removes it (and the job's directory
+ * once empty). */
+void tier_close(rank_state *rs);
+
+/* A whole state (JOB_STATE_*) of a tiered shard: read into dst, or written
+ * from src (NULL: zeros). Host memory, shard_numel floats. Returns 0 or a
+ * negative errno. */
+int tier_read_state(rank_state *rs, const shard *sh, const unit_layout *l, int state, float *dst);
+int tier_write_state(rank_state *rs, const shard *sh, const unit_layout *l, int state,
+                     const float *src);
+
+/* Called by tier_stream with the chunk [begin, begin + n) of a shard's
+ * states in memory (m1, m2 NULL when the optimizer keeps none); what it
+ * changes is written back. Returns 0 or a negative errno (the stream
+ * stops). */
+typedef int (*tier_chunk_fn)(void *arg, rank_state *rs, shard *sh, const unit_layout *l,
+                             uint64_t begin, uint64_t n, float *master, float *m1, float *m2);
+
+/* Streams the tiered shards (only_unit's, or every one with only_unit < 0)
+ * through the staging buffers, calling fn on each chunk, reading up to
+ * buffer_count - 2 chunks ahead and writing each back behind; write back
+ * says whether the chunks changed (a read-only pass writes nothing).
+ * Returns 0 or a negative errno. */
+int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn fn, void *arg);
+
+/* Removes what a daemon that died left in root: <job>-<id>/rank-*.zdtier
+ * files and then their directories (no job outlives its daemon). Logs what
+ * it removed. */
+void tier_sweep(const char *root);
+
+/* Casts a tiered shard's master weights into its working copy. */
+int tier_refresh_working(rank_state *rs, const unit_layout *l, shard *sh);
+
+#endif /* ZEROD_TIER_H */
