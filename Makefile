@@ -90,6 +90,7 @@ bench:
 	$(BUILD)/bench/bench_control
 	ZEROD_BIN_DIR=$(BUILD)/bin /usr/bin/python3 bench/bench_cluster.py
 	$(BUILD)/bench/bench_ckpt
+	$(BUILD)/bench/bench_offload
 	ZEROD_BIN_DIR=$(BUILD)/bin /usr/bin/python3 bench/bench_checkpoint.py
 	scripts/bench_e2e.sh $(BUILD)
 	ZEROD_BIN_DIR=$(BUILD)/bin ZEROD_LIBRARY=$(CURDIR)/$(BUILD)/lib/libzerod.so /usr/bin/python3 bench/bench_torch_lm.py

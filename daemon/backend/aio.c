@@ -106,6 +106,19 @@ int aio_file_direct(const aio_file *f) {
 }
 
 int aio_file_resize(aio_file *f, uint64_t bytes) {
+  /* Growing allocates the blocks now, in one piece where the filesystem
+   * can (extents written later in interleaved order would be scattered
+   * and read back slowly), and a full disk fails here, not in a step. */
+  struct stat st;
+  if (fstat(f->fd, &st) != 0)
+    return -errno;
+  if ((uint64_t)st.st_size < bytes) {
+    int rc = fallocate(f->fd, 0, st.st_size, (off_t)(bytes - (uint64_t)st.st_size));
+    if (rc == 0)
+      return 0;
+    if (errno != EOPNOTSUPP)
+      return -errno;
+  }
   return ftruncate(f->fd, (off_t)bytes) == 0 ? 0 : -errno;
 }
 

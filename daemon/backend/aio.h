@@ -34,7 +34,8 @@ int aio_file_open(const char *path, unsigned mode, unsigned slots, unsigned per_
 const char *aio_file_engine(const aio_file *f);
 int aio_file_direct(const aio_file *f);
 
-/* Sets the file's size (growing it reads back zeros). */
+/* Sets the file's size; growing allocates the blocks (fallocate: -ENOSPC
+ * now rather than at a write) and reads back zeros. */
 int aio_file_resize(aio_file *f, uint64_t bytes);
 
 /* Queues a read into, or a write from, buf of bytes at offset for slot. It

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "aio.h"
@@ -271,6 +272,9 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
    * chunk before has landed, which is waited for just before the reads
    * (at least one update later). */
   unsigned ahead = t->slots > 2 ? t->slots - 2 : 1;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  double fn_s = 0, wait_s = 0;
   int m1 = t->has[JOB_STATE_MOMENT1], m2 = t->has[JOB_STATE_MOMENT2];
   size_t issued = 0;
   int rc = 0;
@@ -285,8 +289,12 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
     if (rc == 0)
       rc = aio_file_submit(t->file);
     unsigned slot = (unsigned)(i % t->slots);
+    struct timespec w0, w1;
+    clock_gettime(CLOCK_MONOTONIC, &w0);
     if (rc == 0)
       rc = aio_file_wait(t->file, slot);
+    clock_gettime(CLOCK_MONOTONIC, &w1);
+    wait_s += (double)(w1.tv_sec - w0.tv_sec) + (double)(w1.tv_nsec - w0.tv_nsec) * 1e-9;
     if (rc != 0)
       break;
     shard *sh = &rs->shards[tasks[i].unit];
@@ -295,6 +303,8 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
     float *mom2 = m2 ? slot_state(t, slot, (unsigned)(1 + (m1 != 0))) : NULL;
     rc = fn(arg, rs, sh, job_unit(rs->job, tasks[i].unit), tasks[i].begin, tasks[i].n, master, mom1,
             mom2);
+    clock_gettime(CLOCK_MONOTONIC, &w0);
+    fn_s += (double)(w0.tv_sec - w1.tv_sec) + (double)(w0.tv_nsec - w1.tv_nsec) * 1e-9;
     if (rc == 0 && write_back)
       rc = queue_io(t, sh, &tasks[i], slot, 1);
     if (rc == 0)
@@ -311,6 +321,12 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
       rc = wrc;
   }
   free(tasks);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  LOG_DEBUGF("tier streamed",
+             "job=%s rank=%d chunks=%zu write_back=%d ms=%.1f work_ms=%.1f wait_ms=%.1f",
+             rs->job->name, rs->rank, ntasks, write_back,
+             ((double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9) * 1e3,
+             fn_s * 1e3, wait_s * 1e3);
   return rc;
 }
 
