@@ -19,7 +19,8 @@
  * Figures are medians over --rounds rounds (default 9) after one warm-up
  * step; each round times the zerod side and its baseline one after
  * another (alternating which goes first), and the nvme ratio is the median
- * of the rounds' own ratios: this VM's disk drifts by 2x within seconds. --numel N (default 32 Mi elements: a 384 MiB tier file) and
+ * of the rounds' own ratios: this VM's disk drifts by 2x within seconds.
+ * --numel N (default 32 Mi elements: a 384 MiB tier file) and
  * TMPDIR (default /tmp) choose the size and the filesystem; the JSON lines
  * name both. */
 #include <errno.h>

@@ -1708,6 +1708,8 @@ zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, unsigned *
     o->step = rank->step;
     o->pool_bytes = rank->pool_bytes;
     o->secondary_bytes = rank->secondary_bytes;
+    o->state_bytes = rank->state_bytes;
+    o->tier_bytes = rank->tier_bytes;
     o->ncounters = (unsigned)rank->n_counters;
     for (size_t k = 0; k < rank->n_counters; k++) {
       const Zerod__V1__CollectiveCounter *c = rank->counters[k];

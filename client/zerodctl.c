@@ -402,6 +402,20 @@ static const char *optimizer_name(Zerod__V1__OptimizerKind kind) {
 }
 
 /* DTYPE_UNSPECIFIED means fp32 for the working copy (ipc.proto). */
+/* The offload_optimizer device's name ("none" when unset). */
+static const char *offload_name(const Zerod__V1__OffloadConfig *off) {
+  if (off == NULL)
+    return "none";
+  switch (off->device) {
+  case ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU:
+    return "cpu";
+  case ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME:
+    return "nvme";
+  default:
+    return "none";
+  }
+}
+
 static const char *precision_name(Zerod__V1__Dtype dtype) {
   switch (dtype) {
   case ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED:
@@ -804,6 +818,13 @@ static void json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   json_u64(j, "quantized_gradients", config->quantized_gradients);
   json_str(j, "gradient_comm_dtype", precision_name(config->gradient_comm_dtype));
   json_u64(j, "hpz_partition_size", config->hpz_partition_size);
+  const Zerod__V1__OffloadConfig *off = config->offload_optimizer;
+  json_str(j, "offload_optimizer", offload_name(off));
+  if (off != NULL && off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME) {
+    json_str(j, "nvme_path", off->nvme_path);
+    json_u64(j, "offload_buffer_count", off->buffer_count);
+    json_u64(j, "offload_buffer_size", off->buffer_size);
+  }
   json_f64(j, "loss_scale", config->loss_scale > 0 ? config->loss_scale : 0);
   json_u64(j, "max_live_bytes", config->max_live_bytes);
   json_f64(j, "max_grad_norm", config->max_grad_norm);
@@ -915,6 +936,13 @@ static void print_job(const Zerod__V1__Job *job) {
                 config->loss_scale_backoff, config->loss_scale_hysteresis);
   if (config->hpz_partition_size > 1)
     print_field("hpZ", "secondary partition over %u ranks of a node", config->hpz_partition_size);
+  const Zerod__V1__OffloadConfig *off = config->offload_optimizer;
+  if (off != NULL && off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME)
+    print_field("optimizer state", "on disk (nvme) in %s, %u buffers of %llu elements",
+                off->nvme_path[0] != '\0' ? off->nvme_path : "the nodes' --nvme-dir",
+                off->buffer_count, (unsigned long long)off->buffer_size);
+  else
+    print_field("optimizer state", "in memory (%s)", offload_name(off));
   if (config->max_grad_norm > 0)
     print_field("max grad norm", "%g", config->max_grad_norm);
   else
@@ -1064,8 +1092,9 @@ static int cmd_jobs_read_token(ctl *c, int argc, char **argv) {
 typedef struct create_options {
   const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
       *precision, *collectives, *quantized_weights, *quantization_block, *quantized_gradients,
-      *gradient_comm_dtype, *hpz_partition_size, *max_grad_norm, *max_live_bytes, *max_host_bytes,
-      *max_device_bytes, *max_sessions, *token, *tenant, *every_steps, *every_seconds, *keep;
+      *gradient_comm_dtype, *hpz_partition_size, *offload, *nvme_path, *offload_buffer_count,
+      *offload_buffer_size, *max_grad_norm, *max_live_bytes, *max_host_bytes, *max_device_bytes,
+      *max_sessions, *token, *tenant, *every_steps, *every_seconds, *keep;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
 } create_options;
@@ -1238,6 +1267,35 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
     if (parse_u32(o->hpz_partition_size, 1, CTL_MAX_RANKS, &config.hpz_partition_size) != 0)
       return bad_create_value("--hpz-partition-size", o->hpz_partition_size,
                               "1 (off) or the job's ranks per node");
+  }
+  Zerod__V1__OffloadConfig offload = ZEROD__V1__OFFLOAD_CONFIG__INIT;
+  if (o->offload != NULL) {
+    if (strcmp(o->offload, "none") == 0)
+      offload.device = ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NONE;
+    else if (strcmp(o->offload, "cpu") == 0)
+      offload.device = ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU;
+    else if (strcmp(o->offload, "nvme") == 0)
+      offload.device = ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME;
+    else
+      return bad_create_value("--offload-optimizer", o->offload, "none, cpu or nvme");
+    config.offload_optimizer = &offload;
+  }
+  if ((o->nvme_path != NULL || o->offload_buffer_count != NULL || o->offload_buffer_size != NULL) &&
+      offload.device != ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME)
+    return usage_error("jobs create: --nvme-path and --offload-buffer-* need "
+                       "--offload-optimizer nvme");
+  if (o->nvme_path != NULL)
+    offload.nvme_path = (char *)o->nvme_path;
+  if (o->offload_buffer_count != NULL &&
+      parse_u32(o->offload_buffer_count, 2, 64, &offload.buffer_count) != 0)
+    return bad_create_value("--offload-buffer-count", o->offload_buffer_count, "2..64");
+  if (o->offload_buffer_size != NULL) {
+    double elements;
+    if (parse_double(o->offload_buffer_size, 1024, 268435456, false, &elements) != 0 ||
+        elements != (double)(uint64_t)elements || (uint64_t)elements % 1024 != 0)
+      return bad_create_value("--offload-buffer-size", o->offload_buffer_size,
+                              "elements, a multiple of 1024");
+    offload.buffer_size = (uint64_t)elements;
   }
   if (o->max_grad_norm != NULL &&
       parse_double(o->max_grad_norm, 0, 1e12, false, &config.max_grad_norm) != 0)
@@ -1684,6 +1742,12 @@ static const char create_usage[] =
     "  --hpz-partition-size L   ZeRO++ hpZ: keep a secondary partition over the L ranks\n"
     "                           of each node, so backward gathers stay in the node\n"
     "                           (L: --ranks-per-node; 1: off) [default 1]\n"
+    "  --offload-optimizer D    where the optimizer state lives: none, cpu or nvme (a file\n"
+    "                           per rank under the nodes' --nvme-dir; CPU ranks)\n"
+    "  --nvme-path DIR          nvme: a directory inside the nodes' --nvme-dir\n"
+    "  --offload-buffer-count N nvme: staging buffers per rank, 2..64 [default 4]\n"
+    "  --offload-buffer-size N  nvme: elements per buffer and state, a multiple of 1024\n"
+    "                           [default 1048576]\n"
     "  --max-grad-norm X        clip the global gradient norm to X [default: off]\n"
     "  --max-live-bytes SIZE    gathered + gradient buffers per rank, e.g. 512M, 4G\n"
     "  --max-host-bytes SIZE    shard state per rank in host memory (quota)\n"
@@ -1740,6 +1804,10 @@ enum {
   OPT_QUANTIZED_GRADIENTS,
   OPT_GRADIENT_COMM_DTYPE,
   OPT_HPZ_PARTITION_SIZE,
+  OPT_OFFLOAD,
+  OPT_NVME_PATH,
+  OPT_OFFLOAD_BUFFER_COUNT,
+  OPT_OFFLOAD_BUFFER_SIZE,
   OPT_MAX_GRAD_NORM,
   OPT_MAX_LIVE_BYTES,
   OPT_MAX_HOST_BYTES,
@@ -1785,6 +1853,10 @@ static const struct option long_options[] = {
     {"quantized-gradients", required_argument, NULL, OPT_QUANTIZED_GRADIENTS},
     {"gradient-comm-dtype", required_argument, NULL, OPT_GRADIENT_COMM_DTYPE},
     {"hpz-partition-size", required_argument, NULL, OPT_HPZ_PARTITION_SIZE},
+    {"offload-optimizer", required_argument, NULL, OPT_OFFLOAD},
+    {"nvme-path", required_argument, NULL, OPT_NVME_PATH},
+    {"offload-buffer-count", required_argument, NULL, OPT_OFFLOAD_BUFFER_COUNT},
+    {"offload-buffer-size", required_argument, NULL, OPT_OFFLOAD_BUFFER_SIZE},
     {"max-grad-norm", required_argument, NULL, OPT_MAX_GRAD_NORM},
     {"max-live-bytes", required_argument, NULL, OPT_MAX_LIVE_BYTES},
     {"max-host-bytes", required_argument, NULL, OPT_MAX_HOST_BYTES},
@@ -1857,6 +1929,18 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_HPZ_PARTITION_SIZE:
     slot = &o->hpz_partition_size;
+    break;
+  case OPT_OFFLOAD:
+    slot = &o->offload;
+    break;
+  case OPT_NVME_PATH:
+    slot = &o->nvme_path;
+    break;
+  case OPT_OFFLOAD_BUFFER_COUNT:
+    slot = &o->offload_buffer_count;
+    break;
+  case OPT_OFFLOAD_BUFFER_SIZE:
+    slot = &o->offload_buffer_size;
     break;
   case OPT_MAX_GRAD_NORM:
     slot = &o->max_grad_norm;

@@ -387,6 +387,11 @@ typedef struct zd_rank_stats {
    * max_live_bytes), and the secondary partitions among them. */
   uint64_t pool_bytes;
   uint64_t secondary_bytes;
+  /* The rank's shards (master weights, moments, gradient accumulators,
+   * working copies): bytes in its memory, and in its tier file
+   * (offload_optimizer nvme). */
+  uint64_t state_bytes;
+  uint64_t tier_bytes;
 } zd_rank_stats;
 
 /* The counters of every rank of the job on the daemon this job is attached

@@ -791,6 +791,8 @@ static void handle_stats(session *s, const zd_frame_header *h) {
     rank->step = atomic_load(&rs->step);
     rank->pool_bytes = atomic_load_explicit(&rs->stat_pool_bytes, memory_order_relaxed);
     rank->secondary_bytes = atomic_load_explicit(&rs->stat_secondary_bytes, memory_order_relaxed);
+    rank->state_bytes = atomic_load_explicit(&rs->stat_state_bytes, memory_order_relaxed);
+    rank->tier_bytes = atomic_load_explicit(&rs->stat_tier_bytes, memory_order_relaxed);
     rank->counters = &counter_ptrs[r * PER_RANK];
     for (int level = 0; level < JOB_COUNTER_LEVELS; level++)
       for (int kind = 0; kind < JOB_COUNTER_KINDS; kind++) {

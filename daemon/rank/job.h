@@ -200,6 +200,8 @@ typedef struct rank_state {
   /* The pool's bytes and the secondary partitions' after the last op,
    * for STATS (the executor writes them, the loop reads). */
   _Atomic uint64_t stat_pool_bytes, stat_secondary_bytes;
+  /* Its shards' bytes in memory and in its tier file (offload nvme). */
+  _Atomic uint64_t stat_state_bytes, stat_tier_bytes;
 
   /* Loop-owned. */
   struct session *session; /* the attached read-write session */

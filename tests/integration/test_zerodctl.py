@@ -192,7 +192,10 @@ def test_jobs_create_list_get_delete(coordinator, nodes):
 
     # Human output: the job, then the token on its own line.
     out = ok("jobs", "create", "small", "--node", "node-b", "--optimizer", "sgd",
-             "--momentum", "0.9", address=addr)
+             "--momentum", "0.9", "--offload-optimizer", "nvme", "--offload-buffer-count", "3",
+             "--offload-buffer-size", "2048", address=addr)
+    assert ("optimizer state: on disk (nvme) in the nodes' --nvme-dir, 3 buffers of 2048 "
+            "elements") in out.splitlines(), out
     lines = out.splitlines()
     assert "name: small" in lines and "optimizer: sgd" in lines and "world size: 1" in lines
     tokens = [line for line in lines if line.startswith("token: ")]
@@ -205,6 +208,10 @@ def test_jobs_create_list_get_delete(coordinator, nodes):
     assert listed["jobs"][1]["config"]["optimizer"]["kind"] == "sgd"
     assert listed["jobs"][1]["config"]["optimizer"]["momentum"] == 0.9
     assert listed["jobs"][1]["placement"] == [{"node": "node-b", "first_rank": 0, "ranks": 1}]
+    small = listed["jobs"][1]["config"]
+    assert (small["offload_optimizer"], small["nvme_path"], small["offload_buffer_count"],
+            small["offload_buffer_size"]) == ("nvme", "", 3, 2048)
+    assert listed["jobs"][0]["config"]["offload_optimizer"] == "none"
 
     table = ok("jobs", "list", address=addr).splitlines()
     assert table[0].split() == ["NAME", "STATE", "WORLD", "NODES", "OPTIMIZER", "PRECISION",
@@ -222,6 +229,7 @@ def test_jobs_create_list_get_delete(coordinator, nodes):
     for line in ("name: llm", "world size: 4", "placement:", "  node-a: ranks 0-1",
                  "  node-b: ranks 2-3", "optimizer: adamw", "lr: 0.0003", "betas: 0.9,0.95",
                  "precision: bf16", "collectives: flat", "max grad norm: 1",
+                 "optimizer state: in memory (none)",
                  "max live bytes: 512.0 MiB"):
         assert line in described, "%r missing from:\n%s" % (line, "\n".join(described))
 

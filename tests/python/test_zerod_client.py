@@ -350,6 +350,72 @@ def test_pip_install_without_the_project_says_what_it_needs(tmp_path):
     assert "set ZEROD_SOURCE_DIR to a zerod checkout" in built.stdout + built.stderr
 
 
+def rss_anon(pid):
+    """The process's anonymous resident memory in bytes (its own heap and
+    mappings; shared-memory buffers are RssShmem)."""
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/%d/status" % pid)
+
+
+def test_nvme_offload_trains_a_job_over_the_memory_quota(start_daemon):
+    """A job whose AdamW state (16 bytes per element) is over its
+    max_host_bytes quota is refused; with offload_optimizer nvme only the
+    gradient accumulator and the working copy (8 bytes) count, and it
+    trains. The daemon's anonymous memory grows by those and the staging
+    buffers, where the in-memory job of the same unit grows by the whole
+    state; the stats and zerodctl say where the state is."""
+    from conftest import binary
+    n = 4 << 20
+    daemon = start_daemon(ranks=1)
+    ctl = [binary("zerodctl"), "-c", "unix:%s" % (daemon.dir / "control.sock")]
+    for name, extra in [("mem", []), ("nv", ["--offload-optimizer", "nvme",
+                                             "--offload-buffer-count", "3",
+                                             "--offload-buffer-size", "65536"])]:
+        subprocess.run(ctl + ["jobs", "create", name, "--max-host-bytes", "48M",
+                              "--token", "t"] + extra, check=True, capture_output=True)
+
+    def register(name):
+        client = zerod.Client(daemon.socket)
+        job = client.attach(name, rank=0, token="t")
+        return client, job, job.register("u", [("w", (n,))], init="zeros")
+
+    client = zerod.Client(daemon.socket)
+    job = client.attach("mem", rank=0, token="t")
+    with pytest.raises(zerod.ResourceExhaustedError, match="max_host_bytes quota"):
+        job.register("u", [("w", (n,))], init="zeros")
+    client.close()
+
+    def grown(name):
+        before = rss_anon(daemon.proc.pid)
+        client, job, unit = register(name)
+        for _ in range(3):
+            unit.grad_buffer().arrays()["w"][...] = 1.0
+            unit.reduce()
+            job.step()
+        after = rss_anon(daemon.proc.pid)
+        stats = job.stats()[0]
+        client.close()
+        return after - before, stats
+
+    offloaded, stats = grown("nv")
+    assert stats["state_bytes"] == 8 * n
+    assert stats["tier_bytes"] == 3 * 4 * n
+    subprocess.run(ctl + ["jobs", "create", "free", "--token", "t"], check=True,
+                   capture_output=True)
+    in_memory, mem_stats = grown("free")  # no quota, state in memory
+    assert mem_stats["state_bytes"] == 16 * n and mem_stats["tier_bytes"] == 0
+    # Both also hold the reduce's fp32 scratch (4 bytes per element); the
+    # offloaded job's master and moments are not in memory, its staging is.
+    staging_bytes = 3 * 3 * 65536 * 4
+    assert offloaded <= 8 * n + 4 * n + staging_bytes + (4 << 20), (offloaded, in_memory)
+    assert in_memory >= 16 * n, (offloaded, in_memory)
+    got = subprocess.run(ctl + ["jobs", "get", "nv"], check=True, capture_output=True, text=True)
+    assert "optimizer state: on disk (nvme)" in got.stdout, got.stdout
+
+
 def test_stats_count_the_bytes_each_collective_moved(start_daemon):
     """Two ranks in one daemon: every unit gather, gradient reduce and step
     shows in the counters, at the node level only, with the exact payload

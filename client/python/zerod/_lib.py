@@ -211,6 +211,8 @@ class RankStats(ctypes.Structure):
         ("counters", CollectiveCounter * MAX_COLLECTIVE_COUNTERS),
         ("pool_bytes", c_uint64),
         ("secondary_bytes", c_uint64),
+        ("state_bytes", c_uint64),
+        ("tier_bytes", c_uint64),
     ]
 
 

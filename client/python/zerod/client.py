@@ -509,9 +509,11 @@ class Job:
         since the job was created there, one dict per rank in rank order:
         ``{"rank": 0, "step": 12, "counters": {("node", "all_gather"):
         {"bytes": ..., "calls": ...}, ...}, "pool_bytes": ...,
-        "secondary_bytes": ...}`` (levels "node", "cross" and "world"; only
-        non-zero counters; the rank's buffer pool and the hpZ secondary
-        partitions in it, after its last request)."""
+        "secondary_bytes": ..., "state_bytes": ..., "tier_bytes": ...}``
+        (levels "node", "cross" and "world"; only non-zero counters; the
+        rank's buffer pool and the hpZ secondary partitions in it, and its
+        shards' bytes in memory and in its tier file (offload_optimizer
+        nvme), after its last request)."""
         entries = (_lib.RankStats * 64)()
         count = ctypes.c_uint()
         _check(self._lib.zd_job_stats(self._handle, entries, 64, ctypes.byref(count)), "stats")
@@ -523,7 +525,9 @@ class Job:
                     "bytes": int(c.bytes), "calls": int(c.calls)}
             result.append({"rank": int(entry.rank), "step": int(entry.step),
                            "counters": counters, "pool_bytes": int(entry.pool_bytes),
-                           "secondary_bytes": int(entry.secondary_bytes)})
+                           "secondary_bytes": int(entry.secondary_bytes),
+                           "state_bytes": int(entry.state_bytes),
+                           "tier_bytes": int(entry.tier_bytes)})
         return result
 
     def pin(self) -> int:
