@@ -144,6 +144,7 @@ typedef struct rank_state {
    * shard needs it) and the bytes of state in it. Executor-owned. */
   struct rank_tier *tier;
   uint64_t tier_bytes;
+  char tier_error[512];     /* why the last shard found no room in the tier file, or "" */
   double lr, max_grad_norm; /* lr: group 0's */
   /* Dynamic loss scaling (config.loss_scale > 0): the scale the next
    * step's gradients carry, good steps since the last change, overflows

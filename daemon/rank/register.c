@@ -281,6 +281,13 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
     if (rc == 0)
       rc = exec__grow_scratch(
           rs, init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0 ? l->padded_numel : 0, 0);
+    if (rc != 0 && rs->tier_error[0] != '\0') { /* offload nvme: the disk, not memory */
+      job_fail(j, rs->generation, "rank %d: unit '%s': %s", rs->rank, l->name, rs->tier_error);
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                 "no room for the optimizer state of unit '%s' (%llu elements) on disk: %s",
+                 l->name, (unsigned long long)l->shard_numel, rs->tier_error);
+      goto done;
+    }
     if (rc != 0) {
       job_fail(j, rs->generation, "rank %d: out of memory for unit '%s'", rs->rank, l->name);
       exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,

@@ -94,12 +94,14 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
      * array of its own, fp32 included. */
     sh->grad_acc = zalloc(rs, n * 4);
     sh->working = zalloc(rs, n * zk_dtype_size(c->working_dtype));
-    char why[512] = "";
+    rs->tier_error[0] = '\0';
     if (sh->grad_acc == NULL || sh->working == NULL)
       err = -ENOMEM;
-    else if ((err = tier_place(rs, sh, l, rs->job->exec->nvme_dir, why, sizeof why)) != 0)
+    else if ((err = tier_place(rs, sh, l, rs->job->exec->nvme_dir, rs->tier_error,
+                               sizeof rs->tier_error)) != 0)
       LOG_ERRORF("no room for a shard's optimizer state on disk",
-                 "job=%s rank=%d unit=%s err=\"%s\"", rs->job->name, rs->rank, l->name, why);
+                 "job=%s rank=%d unit=%s err=\"%s\"", rs->job->name, rs->rank, l->name,
+                 rs->tier_error);
   } else {
     sh->master = zalloc(rs, n * 4);
     sh->grad_acc = zalloc(rs, n * 4);
