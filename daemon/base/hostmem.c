@@ -112,6 +112,19 @@ void *hostmem_shared_alloc(size_t bytes) {
   return base + SHARED_HEADER;
 }
 
+_Static_assert(SHARED_HEADER == HOSTMEM_SHARED_FILE_OFFSET, "a mapped file's header is a page");
+
+void *hostmem_shared_map_file(int fd, size_t bytes) {
+  size_t total = bytes + SHARED_HEADER;
+  uint8_t *base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  if (base == MAP_FAILED)
+    return NULL;
+  shared_header *h = (shared_header *)base;
+  atomic_init(&h->refs, 1);
+  h->bytes = total; /* unmapped whole by the last unref, as an allocation is */
+  return base + SHARED_HEADER;
+}
+
 void hostmem_shared_ref(void *p) {
   atomic_fetch_add(&((shared_header *)((uint8_t *)p - SHARED_HEADER))->refs, 1);
 }

@@ -53,6 +53,14 @@ void *hostmem_shared_alloc(size_t bytes);
 void hostmem_shared_ref(void *p);
 void hostmem_shared_unref(void *p);
 
+/* The same over a file: bytes of fd from file offset
+ * HOSTMEM_SHARED_FILE_OFFSET (the first page is the header's, privately
+ * copied when written), mapped private; the pages are the file's (the
+ * page cache's, reclaimable), not anonymous memory. The file may be
+ * unlinked and closed once this returns. NULL with errno on failure. */
+#define HOSTMEM_SHARED_FILE_OFFSET ((size_t)4096)
+void *hostmem_shared_map_file(int fd, size_t bytes);
+
 /* The arrays a host rank keeps its state in (device_host.c), and a
  * restore's staged values, which a host rank takes as its own (rank/snapshot.c):
  * 64-byte aligned and padded to 64 bytes, NOT zeroed. From 1 MiB they are

@@ -15,6 +15,7 @@
 #include "pin.h"
 #include "pool.h"
 #include "rpc.h"
+#include "tier.h"
 
 /* The units of which rank rs holds a shard, in the job's order, and the
  * bytes of its copy for a save. NULL if out of memory. */
@@ -51,14 +52,20 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
   uint64_t bytes = 0;
   unit_layout **units = snapshot_units(rs, &n, &bytes);
   /* Memory the rank's writer faulted in while the step ran, if the order
-   * came early enough (ckpt_node_stage), else fresh. */
-  uint8_t *data = units != NULL ? exec__ckpt(rs)->staging(j, rs->rank, id, bytes) : NULL;
+   * came early enough (ckpt_node_stage), else fresh. A job whose state is
+   * on disk copies it there (tier_snapshot): its size may be more than
+   * the memory there is. */
+  int tiered = tier_enabled(j), rc = 0;
+  uint8_t *data = units != NULL && !tiered ? exec__ckpt(rs)->staging(j, rs->rank, id, bytes) : NULL;
   int staged = data != NULL;
-  if (units != NULL && data == NULL)
+  if (units != NULL && tiered)
+    data = tier_snapshot(rs, units, n, bytes, &rc);
+  else if (units != NULL && data == NULL)
     data = hostmem_shared_alloc(bytes);
-  int rc = data != NULL ? 0 : -ENOMEM;
+  if (rc == 0 && data == NULL)
+    rc = -ENOMEM;
   uint8_t *at = data;
-  for (unsigned k = 0; rc == 0 && k < n; k++) {
+  for (unsigned k = 0; rc == 0 && !tiered && k < n; k++) {
     shard *sh = &rs->shards[units[k]->id];
     size_t b = units[k]->shard_numel * sizeof(float);
     for (int s = 0; rc == 0 && s < 3; s++) {
@@ -81,8 +88,11 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
   if (rc != 0) {
     hostmem_shared_unref(data);
     char why[600];
-    snprintf(why, sizeof why, "copying the shard state: %s",
-             rc == -ENOMEM ? "out of host memory" : device_last_error(rs->dev));
+    if (tiered && rc != -ENOMEM)
+      snprintf(why, sizeof why, "copying the shard state on disk: %s", strerror(-rc));
+    else
+      snprintf(why, sizeof why, "copying the shard state: %s",
+               rc == -ENOMEM ? "out of host memory" : device_last_error(rs->dev));
     exec__ckpt(rs)->save_failed(j, rs->rank, id, RPC_RESOURCE_EXHAUSTED, why);
     return;
   }
@@ -111,7 +121,7 @@ void exec__handle_save(rank_state *rs, exec_op *op) {
   unsigned n;
   uint64_t bytes;
   unit_layout **units = snapshot_units(rs, &n, &bytes);
-  if (units != NULL)
+  if (units != NULL && !tier_enabled(rs->job)) /* a tier's copy takes no memory to stage */
     exec__ckpt(rs)->stage(rs->job, rs->rank, op->ckpt_id, bytes);
   free(units);
 }

@@ -2,6 +2,7 @@
 #include "tier.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>
@@ -13,6 +14,7 @@
 
 #include "aio.h"
 #include "crashpoint.h"
+#include "hostmem.h"
 #include "device.h"
 #include "log.h"
 
@@ -330,6 +332,68 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
   return rc;
 }
 
+/* len bytes from src_fd at src to dst_fd at dst: copy_file_range, and
+ * read/write through buf (bytes of room) where it is not supported. */
+static int copy_range(int src_fd, uint64_t src, int dst_fd, uint64_t dst, uint64_t len, void *buf,
+                      size_t buf_bytes) {
+  while (len > 0) {
+    loff_t in = (loff_t)src, out = (loff_t)dst;
+    ssize_t n = copy_file_range(src_fd, &in, dst_fd, &out, len, 0);
+    if (n < 0 && (errno == EXDEV || errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP)) {
+      n = pread(src_fd, buf, len < buf_bytes ? len : buf_bytes, (off_t)src);
+      if (n > 0 && pwrite(dst_fd, buf, (size_t)n, (off_t)dst) != n)
+        n = -1;
+    }
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return n == 0 ? -EIO : -errno;
+    src += (uint64_t)n;
+    dst += (uint64_t)n;
+    len -= (uint64_t)n;
+  }
+  return 0;
+}
+
+void *tier_snapshot(rank_state *rs, unit_layout *const *units, unsigned n, uint64_t bytes,
+                    int *err) {
+  rank_tier *t = rs->tier;
+  *err = 0;
+  char path[PATH_MAX];
+  if (t == NULL ||
+      snprintf(path, sizeof path, "%s/rank-%05d.snap", t->dir, rs->rank) >= (int)sizeof path) {
+    *err = t == NULL ? -EINVAL : -ENAMETOOLONG;
+    return NULL;
+  }
+  /* The tier file is written with O_DIRECT, which keeps the page cache
+   * out of date for nothing: a plain descriptor reads what is on disk. */
+  int src = open(t->path, O_RDONLY | O_CLOEXEC);
+  int dst = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  void *data = NULL;
+  int rc = src < 0 || dst < 0 ? -errno : 0;
+  if (rc == 0 && ftruncate(dst, (off_t)(HOSTMEM_SHARED_FILE_OFFSET + bytes)) != 0)
+    rc = -errno;
+  uint64_t at = HOSTMEM_SHARED_FILE_OFFSET;
+  size_t room = (size_t)t->slots * t->nstates * t->chunk * sizeof(float);
+  for (unsigned k = 0; rc == 0 && k < n; k++) {
+    const shard *sh = &rs->shards[units[k]->id];
+    uint64_t len = units[k]->shard_numel * sizeof(float);
+    for (unsigned s = 0; rc == 0 && s < t->nstates; s++) {
+      rc = copy_range(src, sh->tier_offset + s * sh->tier_stride, dst, at, len, t->buffers, room);
+      at += len;
+    }
+  }
+  if (rc == 0 && (data = hostmem_shared_map_file(dst, bytes)) == NULL)
+    rc = -errno;
+  if (src >= 0)
+    close(src);
+  if (dst >= 0)
+    close(dst);
+  unlink(path); /* the mapping keeps the pages; the space goes with it */
+  *err = rc;
+  return data;
+}
+
 static int cast_chunk(void *arg, rank_state *rs, shard *sh, const unit_layout *l, uint64_t begin,
                       uint64_t n, float *master, float *m1, float *m2) {
   (void)arg;
@@ -345,14 +409,15 @@ int tier_refresh_working(rank_state *rs, const unit_layout *l, shard *sh) {
   return tier_stream(rs, (int64_t)l->id, 0, cast_chunk, NULL);
 }
 
-/* Whether name is a file tier_open makes: rank-<digits>.zdtier. */
+/* Whether name is a file this module makes: rank-<digits>.zdtier, or a
+ * save's copy, rank-<digits>.snap. */
 static int tier_file_name(const char *name) {
   if (strncmp(name, "rank-", 5) != 0)
     return 0;
   const char *p = name + 5;
   while (*p >= '0' && *p <= '9')
     p++;
-  return p > name + 5 && strcmp(p, ".zdtier") == 0;
+  return p > name + 5 && (strcmp(p, ".zdtier") == 0 || strcmp(p, ".snap") == 0);
 }
 
 void tier_sweep(const char *root) {

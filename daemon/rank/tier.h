@@ -66,6 +66,16 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
  * it removed. */
 void tier_sweep(const char *root);
 
+/* A save's copy of the tiered shards units[0..n) (master and moments,
+ * unit by unit, as a rank's copy is laid out: bytes in all) without
+ * taking their size in memory: the file's regions are copied on disk
+ * (copy_file_range: in the kernel, a reflink where the filesystem has
+ * them) into a file beside the tier file, which is mapped as a shared
+ * buffer (hostmem_shared_map_file) and unlinked. Returns the buffer, or
+ * NULL with *err a negative errno. */
+void *tier_snapshot(rank_state *rs, unit_layout *const *units, unsigned n, uint64_t bytes,
+                    int *err);
+
 /* Casts a tiered shard's master weights into its working copy. */
 int tier_refresh_working(rank_state *rs, const unit_layout *l, shard *sh);
 

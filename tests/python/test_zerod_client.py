@@ -366,7 +366,8 @@ def test_nvme_offload_trains_a_job_over_the_memory_quota(start_daemon):
     gradient accumulator and the working copy (8 bytes) count, and it
     trains. The daemon's anonymous memory grows by those and the staging
     buffers, where the in-memory job of the same unit grows by the whole
-    state; the stats and zerodctl say where the state is."""
+    state, and a checkpoint save of it adds nothing like its state; the
+    stats and zerodctl say where the state is."""
     from conftest import binary
     n = 4 << 20
     daemon = start_daemon(ranks=1)
@@ -414,6 +415,15 @@ def test_nvme_offload_trains_a_job_over_the_memory_quota(start_daemon):
     assert in_memory >= 16 * n, (offloaded, in_memory)
     got = subprocess.run(ctl + ["jobs", "get", "nv"], check=True, capture_output=True, text=True)
     assert "optimizer state: on disk (nvme)" in got.stdout, got.stdout
+    # A save of the offloaded job copies its state on disk, not into
+    # memory: 12 bytes per element that the anonymous memory never sees.
+    before = rss_anon(daemon.proc.pid)
+    saved = subprocess.run(ctl + ["checkpoint", "save", "nv", "s1"], capture_output=True,
+                           text=True)
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    assert rss_anon(daemon.proc.pid) - before < 2 * n, (before, rss_anon(daemon.proc.pid))
+    manifest = daemon.dir / "checkpoints" / "nv" / "s1" / "manifest.json"
+    assert manifest.exists()
 
 
 def test_stats_count_the_bytes_each_collective_moved(start_daemon):
