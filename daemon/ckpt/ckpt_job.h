@@ -44,6 +44,7 @@ typedef struct ckpt_staged {
    * they all lie in mem, one hostmem_alloc. mem_bytes: all of them
    * (mem's size). */
   int arrays;
+  int staging_fd; /* not arrays: mem maps this file (not owned), or -1: memory */
   void *mem;
   size_t mem_bytes;
 } ckpt_staged;
@@ -52,10 +53,13 @@ typedef struct ckpt_staged {
  * directory or a safetensors file, by format) for job j, matching it to
  * the job's units (or, for a checkpoint and a job with none, to units built
  * from its manifest); host_arrays: into arrays a host rank can take (see
- * ckpt_staged). Returns 0, or a negative errno with a gRPC status in *code
- * and the reason in err. */
+ * ckpt_staged); otherwise into one buffer, a mapping of staging_fd (a file
+ * it sizes, for a job whose state is on disk: the staged values are then
+ * page cache, not memory) or, with -1, memory. Returns 0, or a negative
+ * errno with a gRPC status in *code and the reason in err. */
 int ckpt_restore_read(const ckpt_job_view *j, int rank, const char *source, int format,
-                      int host_arrays, ckpt_staged **out, int *code, char *err, size_t err_bytes);
+                      int host_arrays, int staging_fd, ckpt_staged **out, int *code, char *err,
+                      size_t err_bytes);
 void ckpt_staged_free(ckpt_staged *s);
 
 /* The layout of job j (a manifest without files), as rank 0 writes it

@@ -5,6 +5,7 @@
 #include "ckpt_job.h"
 
 #include <errno.h>
+#include <sys/mman.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,8 +115,19 @@ static int stage_memory(ckpt_staged *st, const int want[3]) {
   st->mem_bytes = total;
   if (total == 0)
     return 0;
-  if (!st->arrays && (st->mem = hostmem_alloc(total)) == NULL)
+  if (!st->arrays && st->staging_fd >= 0) {
+    /* Shared, so that the kernel may write the pages back to the file and
+     * drop them: the staged state takes no more memory than the cache
+     * lends it. hostmem_free unmaps it as it would memory. */
+    void *p = ftruncate(st->staging_fd, (off_t)total) == 0
+                  ? mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, st->staging_fd, 0)
+                  : MAP_FAILED;
+    if (p == MAP_FAILED)
+      return -errno;
+    st->mem = p;
+  } else if (!st->arrays && (st->mem = hostmem_alloc(total)) == NULL) {
     return -ENOMEM;
+  }
   size_t at = 0;
   for (unsigned u = 0; u < st->nunits; u++)
     for (int k = 0; k < 3; k++) {
@@ -367,13 +379,15 @@ done:
 }
 
 int ckpt_restore_read(const ckpt_job_view *j, int rank, const char *source, int format,
-                      int host_arrays, ckpt_staged **out, int *code, char *err, size_t err_bytes) {
+                      int host_arrays, int staging_fd, ckpt_staged **out, int *code, char *err,
+                      size_t err_bytes) {
   *out = NULL;
   *code = 0;
   ckpt_staged *st = calloc(1, sizeof *st);
   if (st == NULL)
     return fail(code, RPC_RESOURCE_EXHAUSTED, -ENOMEM);
   st->arrays = host_arrays;
+  st->staging_fd = host_arrays ? -1 : staging_fd;
   int rc;
   if (format == ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_SAFETENSORS) {
     rc = read_safetensors(j, rank, source, st, code, err, err_bytes);

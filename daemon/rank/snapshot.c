@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ckpt_job.h"
 #include "hostmem.h"
@@ -149,10 +150,20 @@ void exec__handle_restore_read(rank_state *rs, exec_op *op) {
   ckpt_staged *st = NULL;
   double t0 = exec__monotonic_s();
   ckpt_job_view view;
+  /* A job whose state is on disk stages what it reads in a file, mapped:
+   * page cache, not memory (its state may be larger than memory). */
+  int tiered = tier_enabled(rs->job);
+  int staging_fd = tiered ? tier_staging_file(rs, rs->job->exec->nvme_dir) : -1;
+  if (tiered && staging_fd < 0)
+    LOG_WARNF("a restore stages in memory: no staging file beside the tier file",
+              "job=%s rank=%d err=\"%s\"", rs->job->name, rs->rank, strerror(-staging_fd));
   int rc = job_view(rs->job, &view) == 0
                ? ckpt_restore_read(&view, rs->rank, op->ckpt_source, op->ckpt_format,
-                                   device_is_host(rs->dev), &st, &code, err, sizeof err)
+                                   device_is_host(rs->dev) && !tiered, staging_fd, &st, &code, err,
+                                   sizeof err)
                : -ENOMEM;
+  if (staging_fd >= 0)
+    close(staging_fd); /* the mapping, if any, keeps the file */
   if (view.units == NULL) {
     code = RPC_RESOURCE_EXHAUSTED;
     snprintf(err, sizeof err, "out of host memory");

@@ -355,6 +355,22 @@ static int copy_range(int src_fd, uint64_t src, int dst_fd, uint64_t dst, uint64
   return 0;
 }
 
+int tier_staging_file(rank_state *rs, const char *nvme_dir) {
+  char err[512];
+  int rc = rs->tier == NULL ? tier_open(rs, nvme_dir, err, sizeof err) : 0;
+  if (rc != 0)
+    return rc;
+  char path[PATH_MAX];
+  if (snprintf(path, sizeof path, "%s/rank-%05d.restore", rs->tier->dir, rs->rank) >=
+      (int)sizeof path)
+    return -ENAMETOOLONG;
+  int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return -errno;
+  unlink(path);
+  return fd;
+}
+
 void *tier_snapshot(rank_state *rs, unit_layout *const *units, unsigned n, uint64_t bytes,
                     int *err) {
   rank_tier *t = rs->tier;
@@ -409,15 +425,16 @@ int tier_refresh_working(rank_state *rs, const unit_layout *l, shard *sh) {
   return tier_stream(rs, (int64_t)l->id, 0, cast_chunk, NULL);
 }
 
-/* Whether name is a file this module makes: rank-<digits>.zdtier, or a
- * save's copy, rank-<digits>.snap. */
+/* Whether name is a file this module makes: rank-<digits>.zdtier, a
+ * save's copy (.snap) or a restore's staging (.restore). */
 static int tier_file_name(const char *name) {
   if (strncmp(name, "rank-", 5) != 0)
     return 0;
   const char *p = name + 5;
   while (*p >= '0' && *p <= '9')
     p++;
-  return p > name + 5 && (strcmp(p, ".zdtier") == 0 || strcmp(p, ".snap") == 0);
+  return p > name + 5 &&
+         (strcmp(p, ".zdtier") == 0 || strcmp(p, ".snap") == 0 || strcmp(p, ".restore") == 0);
 }
 
 void tier_sweep(const char *root) {

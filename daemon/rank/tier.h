@@ -76,6 +76,12 @@ void tier_sweep(const char *root);
 void *tier_snapshot(rank_state *rs, unit_layout *const *units, unsigned n, uint64_t bytes,
                     int *err);
 
+/* A file for a restore to stage the values it reads in (ckpt_restore_read's
+ * staging_fd), beside the rank's tier file (opened if it was not yet),
+ * already unlinked: closing the descriptor and unmapping give its space
+ * back. Returns the descriptor or a negative errno. */
+int tier_staging_file(rank_state *rs, const char *nvme_dir);
+
 /* Casts a tiered shard's master weights into its working copy. */
 int tier_refresh_working(rank_state *rs, const unit_layout *l, shard *sh);
 

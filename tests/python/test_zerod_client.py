@@ -366,8 +366,8 @@ def test_nvme_offload_trains_a_job_over_the_memory_quota(start_daemon):
     gradient accumulator and the working copy (8 bytes) count, and it
     trains. The daemon's anonymous memory grows by those and the staging
     buffers, where the in-memory job of the same unit grows by the whole
-    state, and a checkpoint save of it adds nothing like its state; the
-    stats and zerodctl say where the state is."""
+    state, and a checkpoint save or restore of it adds nothing like its
+    state; the stats and zerodctl say where the state is."""
     from conftest import binary
     n = 4 << 20
     daemon = start_daemon(ranks=1)
@@ -424,6 +424,12 @@ def test_nvme_offload_trains_a_job_over_the_memory_quota(start_daemon):
     assert rss_anon(daemon.proc.pid) - before < 2 * n, (before, rss_anon(daemon.proc.pid))
     manifest = daemon.dir / "checkpoints" / "nv" / "s1" / "manifest.json"
     assert manifest.exists()
+    # Its restore stages what it reads in a file beside the tier file.
+    before = rss_anon(daemon.proc.pid)
+    restored = subprocess.run(ctl + ["checkpoint", "restore", "nv", "s1"], capture_output=True,
+                              text=True)
+    assert restored.returncode == 0, restored.stdout + restored.stderr
+    assert rss_anon(daemon.proc.pid) - before < 2 * n, (before, rss_anon(daemon.proc.pid))
 
 
 def test_stats_count_the_bytes_each_collective_moved(start_daemon):
