@@ -327,19 +327,22 @@ def test_optimizer_state_saves_and_resumes_bit_exact(start_daemon, tmp_path):
     client.close()
 
 
-def on_ranks(daemon, ranks, body, job="svc"):
+def on_ranks(daemon, ranks, body, job="svc", **config):
     """Runs body(rank, model, opt) on `ranks` threads, each attached as one
     rank of `job` with TinyLM sharded (the library's calls leave the GIL, so
     the ranks' collectives meet); returns the results by rank and re-raises
     the first failure."""
     results, errors = [None] * ranks, []
     barrier = threading.Barrier(ranks)
+    # Built here, one after another: TinyLM seeds torch's global generator,
+    # which threads building theirs at once would interleave.
+    modules = [TinyLM() for _ in range(ranks)]
 
     def run(rank):
         client = None
         try:
-            client, job_ = attach(daemon, job=job, rank=rank)
-            model = zerod.torch.shard(TinyLM(), job_)
+            client, job_ = attach(daemon, job=job, rank=rank, **config)
+            model = zerod.torch.shard(modules[rank], job_)
             opt = zerod.torch.Optimizer(model)
             barrier.wait()
             results[rank] = body(rank, model, opt)
@@ -439,30 +442,41 @@ def test_service_checkpoint_resumes_in_a_new_daemon(start_daemon, tmp_path):
 NVME = {"device": "nvme", "buffer_count": 3, "buffer_size": 1024}
 
 
-def offloaded(daemon, name, steps, offload=NVME, seed=0, ranks=1):
+def offloaded(daemon, name, steps, offload=NVME, seed=0, **config):
     """Job `name` with TinyLM(seed) sharded into it and its optimizer state
     placed by `offload`, after `steps` steps: (client, model, optimizer)."""
     client = zerod.Client(daemon.socket)
-    job = client.attach(name, rank=0, config=zerod.JobConfig(
-        lr=LR, weight_decay=WEIGHT_DECAY, offload_optimizer=offload))
-    model = zerod.torch.shard(TinyLM(seed=seed), job)
+    config.setdefault("lr", LR)
+    config.setdefault("weight_decay", WEIGHT_DECAY)
+    job = client.attach(name, rank=0, config=zerod.JobConfig(offload_optimizer=offload, **config))
+    module = TinyLM(seed=seed)
+    if config.get("dtype") == "bfloat16":
+        module = module.to(torch.bfloat16)
+    model = zerod.torch.shard(module, job)
     opt = zerod.torch.Optimizer(model)
     steps_from(model, opt, 0, steps)
     return client, model, opt
 
 
-def test_nvme_offload_trains_like_memory(start_daemon):
+@pytest.mark.parametrize("config,states", [
+    ({}, 3),                                       # AdamW: master, exp_avg, exp_avg_sq
+    ({"dtype": "bfloat16"}, 3),                    # a bf16 working copy of its own
+    ({"optimizer": "sgd", "momentum": 0.9}, 2),    # master, momentum_buffer
+    ({"optimizer": "sgd", "weight_decay": 0.0}, 1),  # master alone
+])
+def test_nvme_offload_trains_like_memory(start_daemon, config, states):
     """offload_optimizer nvme: the master weights and moments live in a file
     of the rank's, streamed through three 1024-element buffers per state
     (many chunks, crossing units), and training gives the bits of the
-    in-memory job: weights, moments and steps. The file has each unit's
-    master and moments, 4 KiB-aligned, and goes with the daemon."""
+    in-memory job: weights, moments and steps, for each optimizer and
+    working precision. The file has each unit's master and moments,
+    4 KiB-aligned, and goes with the daemon."""
     daemon = start_daemon(ranks=1)
-    client, model, opt = offloaded(daemon, "mem", 6, offload=None)
+    client, model, opt = offloaded(daemon, "mem", 6, offload=None, **config)
     want, want_state = model.state_dict(), opt.state_dict()
     client.close()
 
-    client, model, opt = offloaded(daemon, "nv", 6)
+    client, model, opt = offloaded(daemon, "nv", 6, **config)
     assert opt._job.effective_config.offload_optimizer == {
         "device": "nvme", "nvme_path": "", "buffer_count": 3, "buffer_size": 1024,
         "pin_memory": False}
@@ -472,11 +486,27 @@ def test_nvme_offload_trains_like_memory(start_daemon):
         for key, value in entry.items():
             assert torch.equal(got_state["state"][index][key], value), (index, key)
     (tier,) = (daemon.dir / "nvme").glob("nv-*/rank-00000.zdtier")
-    assert tier.stat().st_size == sum(3 * ((4 * u.padded_numel + 4095) // 4096 * 4096)
+    assert tier.stat().st_size == sum(states * ((4 * u.padded_numel + 4095) // 4096 * 4096)
                                       for u in opt._job.units)
+    assert opt._job.stats()[0]["tier_bytes"] == tier.stat().st_size
     client.close()
     daemon.stop()
     assert not tier.exists() and not tier.parent.exists()
+
+
+def test_nvme_offload_on_two_ranks(start_daemon):
+    """Two ranks, each with its own tier file, train to the bits of two
+    ranks in memory."""
+    daemon = start_daemon(ranks=2)
+
+    def body(rank, model, opt):
+        steps_from(model, opt, 0, 4)
+        return model.state_dict()
+
+    want = on_ranks(daemon, 2, body, job="mem2")
+    got = on_ranks(daemon, 2, body, job="nv2", offload_optimizer=NVME)
+    assert max_rel_diff(got[0], want[0]) == 0 and max_rel_diff(got[1], want[1]) == 0
+    assert len(list((daemon.dir / "nvme").glob("nv2-*/rank-0000[01].zdtier"))) == 2
 
 
 def test_nvme_offload_checkpoints_and_survives_a_crash(start_daemon, tmp_path):
