@@ -432,6 +432,38 @@ def test_nvme_offload_trains_a_job_over_the_memory_quota(start_daemon):
     assert rss_anon(daemon.proc.pid) - before < 2 * n, (before, rss_anon(daemon.proc.pid))
 
 
+def test_nvme_offload_full_disk_is_a_clear_error(start_daemon, tmp_path):
+    """A tier directory with no room (a 4 MiB tmpfs) refuses the unit that
+    does not fit at its registration, with the disk's words, and the
+    daemon goes on: a unit that fits trains once the job has reset."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs",
+                              str(nvme)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here: %s" % mounted.stderr.strip())
+    try:
+        daemon = start_daemon(ranks=1, extra=["--nvme-dir", str(nvme)])
+        config = zerod.JobConfig(optimizer="sgd", lr=0.5, offload_optimizer={
+            "device": "nvme", "buffer_count": 2, "buffer_size": 1024})
+        with zerod.Client(daemon.socket) as client:
+            job = client.attach("full", rank=0, config=config)
+            with pytest.raises(zerod.ResourceExhaustedError,
+                               match=r"no room for the optimizer state of unit 'big'.*on disk"):
+                job.register("big", [("w", (2 << 20,))], init="zeros")  # 8 MiB
+        with zerod.Client(daemon.socket) as client:  # the job reset when its worker left
+            job = client.attach("full", rank=0, config=config)
+            unit = job.register("small", [("w", (4096,))], values=np.ones(4096, np.float32))
+            unit.grad_buffer().arrays()["w"][...] = 1.0
+            unit.reduce()
+            assert job.step().step == 1
+            assert unit.read_state()[0][:4].tolist() == [0.5, 0.5, 0.5, 0.5]
+        assert "No space left on device" in daemon.read_log()
+        daemon.stop()
+    finally:
+        subprocess.run(["umount", str(nvme)], capture_output=True)
+
+
 def test_stats_count_the_bytes_each_collective_moved(start_daemon):
     """Two ranks in one daemon: every unit gather, gradient reduce and step
     shows in the counters, at the node level only, with the exact payload
