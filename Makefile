@@ -61,11 +61,13 @@ $(ASAN_BUILD)/CMakeCache.txt:
 	cmake -S . -B $(ASAN_BUILD) $(GENERATOR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DZEROD_SANITIZE=ON \
 	  -DZEROD_CUDA=OFF -DZEROD_BENCH=OFF $(CMAKE_ARGS)
 
-# The sanitizer build runs every native test; it leaves out the Python tests
-# (an instrumented library cannot be loaded into an uninstrumented Python).
+# The sanitizer build runs every native test; of the Python tests, only
+# python.asan_daemon (the sanitized daemon under an uninstrumented client
+# library: the release build's, which an uninstrumented Python can load).
 test-asan: $(ASAN_BUILD)/CMakeCache.txt
 	cmake --build $(ASAN_BUILD)
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	  ZEROD_CLIENT_LIBRARY=$(if $(wildcard $(BUILD)/lib/libzerod.so),$(CURDIR)/$(BUILD)/lib/libzerod.so) \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(CTEST)
 
 test-gpu: build
