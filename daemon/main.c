@@ -562,7 +562,7 @@ static void on_coordinator_signal(uv_signal_t *handle, int signum) {
   LOG_INFOF("shutting down", "reason=%s", signum == SIGINT ? "SIGINT" : "SIGTERM");
   if (p->health_server != NULL) {
     health_shutdown(p->health);
-    rpc_server_shutdown(p->health_server, on_coordinator_server_done, p);
+    rpc_server_shutdown_gently(p->health_server, on_coordinator_server_done, p);
   }
   metrics_http_stop(p->metrics_http);
   p->metrics_http = NULL;
@@ -580,7 +580,7 @@ static void abandon_start(coordinator_process *p) {
   coord_shutdown(p->coord);
   rpc_server_shutdown(p->server, on_coordinator_server_done, p);
   if (p->health_server != NULL)
-    rpc_server_shutdown(p->health_server, on_coordinator_server_done, p);
+    rpc_server_shutdown_gently(p->health_server, on_coordinator_server_done, p);
   uv_run(p->loop, UV_RUN_DEFAULT);
 }
 
@@ -926,7 +926,7 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
   /* Draining: probes see NOT_SERVING, then the probe listener goes. */
   if (d->health_server != NULL) {
     health_shutdown(d->health);
-    rpc_server_shutdown(d->health_server, on_control_server_done, d);
+    rpc_server_shutdown_gently(d->health_server, on_control_server_done, d);
   }
   cluster_stop(d);
   if (d->coord != NULL) {

@@ -343,6 +343,7 @@ struct rpc_server {
   int shutdown_notified;
   unsigned live_calls; /* call contexts allocated, armed requests included */
   int in_wakeup;       /* draining events: defer shutdown progress to the end */
+  int cancel_deferred; /* a gentle shutdown: the next listener tick cancels what is left */
   void (*done)(void *arg);
   void *done_arg;
 };
@@ -906,6 +907,12 @@ static void server_rebind(rpc_server *s) {
  * reconnect. A server without a listener tries again each tick. */
 static void on_listener_timer(uv_timer_t *timer) {
   rpc_server *s = timer->data;
+  if (s->state == SERVER_DRAINING && s->cancel_deferred) {
+    s->cancel_deferred = 0;
+    if (s->server != NULL && !(s->shutdown_notified && s->live_calls == 0))
+      grpc_server_cancel_all_calls(s->server);
+    return;
+  }
   if (s->state == SERVER_REBINDING) {
     server_rebind(s);
     return;
@@ -1207,7 +1214,17 @@ fail_thread_not_started:
   return rc;
 }
 
+static void shutdown_server(rpc_server *s, int gently, void (*done)(void *arg), void *arg);
+
 void rpc_server_shutdown(rpc_server *s, void (*done)(void *arg), void *arg) {
+  shutdown_server(s, 0, done, arg);
+}
+
+void rpc_server_shutdown_gently(rpc_server *s, void (*done)(void *arg), void *arg) {
+  shutdown_server(s, 1, done, arg);
+}
+
+static void shutdown_server(rpc_server *s, int gently, void (*done)(void *arg), void *arg) {
   if (s == NULL)
     return;
   switch (s->state) {
@@ -1223,7 +1240,10 @@ void rpc_server_shutdown(rpc_server *s, void (*done)(void *arg), void *arg) {
     s->state = SERVER_DRAINING;
     LOG_INFOF("rpc server shutting down", "addr=%s calls=%u", s->addr, s->live_calls);
     grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
-    grpc_server_cancel_all_calls(s->server);
+    if (gently && s->listener_timer != NULL)
+      s->cancel_deferred = 1; /* what finished lands first (on_listener_timer) */
+    else
+      grpc_server_cancel_all_calls(s->server);
     return;
   case SERVER_RESTARTING:
     /* gRPC is already shutting the old server down: wait for it as for a

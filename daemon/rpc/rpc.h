@@ -142,6 +142,11 @@ int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes);
  * frees the server. A server that never started calls done at once, from
  * inside this call. */
 void rpc_server_shutdown(rpc_server *s, void (*done)(void *arg), void *arg);
+/* The same, but calls in flight get up to a quarter of a second to end on
+ * their own before they are cancelled: the last message of a call its
+ * handler has just finished (a health Watch's NOT_SERVING) is sent rather
+ * than dropped by the cancellation. */
+void rpc_server_shutdown_gently(rpc_server *s, void (*done)(void *arg), void *arg);
 void rpc_server_destroy(rpc_server *s);
 
 /* Unary: send the reply (status RPC_OK) or an error status with a message.
