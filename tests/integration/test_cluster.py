@@ -223,6 +223,34 @@ def test_workers_save_and_restore_checkpoints_across_nodes(cluster, control, tmp
     ctl.wait_state("ck", "JOB_STATE_READY")
 
 
+def test_nvme_offload_across_nodes_trains_like_memory(cluster, control, tmp_path):
+    """A job of 2 nodes x 2 ranks whose optimizer state is in each rank's
+    tier file (offload_optimizer nvme, small buffers: many chunks) trains
+    to the bytes of the same job in memory; each node has its ranks' files
+    while it runs."""
+    cluster.start_coordinator()
+    nodes = [cluster.start_node("node-%s" % n, ranks=2) for n in "ab"]
+    ctl = control()
+    ctl.wait("2 members", lambda: ctl.members()[0] == ["node-a", "node-b"])
+    ipc = ctl.ipc
+    ctl.create_job("mem", 2, 2)
+    ctl.create_job("nv", 2, 2, offload_optimizer=ipc.OffloadConfig(
+        device=ipc.OFFLOAD_DEVICE_NVME, buffer_count=3, buffer_size=4096))
+    ctl.wait_state("mem", "JOB_STATE_READY")
+    ctl.wait_state("nv", "JOB_STATE_READY")
+    dumps = {}
+    for job in ("mem", "nv"):
+        dumps[job] = tmp_path / ("%s.bin" % job)
+        procs = []
+        for i, node in enumerate(nodes):
+            procs += start_workers(node, job, 2, dumps[job] if i == 0 else None)
+        finish(procs, nodes)
+    assert dumps["nv"].read_bytes() == dumps["mem"].read_bytes()
+    for node, ranks in zip(nodes, ((0, 1), (2, 3))):
+        files = sorted(p.name for p in (node.dir / "nvme").glob("nv-*/rank-*.zdtier"))
+        assert files == ["rank-%05d.zdtier" % r for r in ranks], files
+
+
 def final_loss(out):
     m = re.search(r"^done: \d+ steps, loss [\d.]+ -> ([\d.]+)", out, re.M)
     assert m, out
