@@ -28,6 +28,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "bench_daemon.h"
 #include "bench_util.h"
 #include "gloo_raw.h"
 #include "zerod.h"
@@ -41,52 +42,16 @@ static void die(const char *what, zd_status st) {
 /* The daemon                                                               */
 /* ------------------------------------------------------------------------ */
 
-static char state_dir[PATH_MAX], socket_path[PATH_MAX + 16];
+static bench_daemon daemon_;
+static const char *socket_path = daemon_.socket;
 
 static pid_t start_daemon(int ranks, const char *max_live) {
-  char exe[PATH_MAX], zerod[PATH_MAX + 16];
-  const char *env = getenv("ZEROD_BIN");
-  if (env != NULL) {
-    snprintf(zerod, sizeof zerod, "%s", env);
-  } else {
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n <= 0)
-      return -1;
-    exe[n] = '\0';
-    char *slash = strrchr(exe, '/');
-    *slash = '\0';
-    snprintf(zerod, sizeof zerod, "%s/../bin/zerod", exe);
-  }
-  snprintf(state_dir, sizeof state_dir, "%s/zerod-bench-XXXXXX",
-           getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
-  if (mkdtemp(state_dir) == NULL)
-    return -1;
-  snprintf(socket_path, sizeof socket_path, "%s/zerod.sock", state_dir);
-  char ranks_arg[16];
-  snprintf(ranks_arg, sizeof ranks_arg, "%d", ranks);
-  pid_t pid = fork();
-  if (pid == 0) {
-    execl(zerod, "zerod", "standalone", "--ranks", ranks_arg, "--dir", state_dir, "--socket",
-          socket_path, "--threads-per-rank", "1", "--max-live-bytes", max_live, "--log-level",
-          "warn", (char *)NULL);
-    fprintf(stderr, "bench_ipc: exec %s: %s\n", zerod, strerror(errno));
-    _exit(127);
-  }
-  for (int i = 0; i < 200; i++) {
-    struct stat st;
-    if (stat(socket_path, &st) == 0)
-      return pid;
-    usleep(20000);
-  }
-  fprintf(stderr, "bench_ipc: zerod did not start\n");
-  kill(pid, SIGKILL);
-  return -1;
+  return bench_daemon_start(&daemon_, "bench_ipc", ranks, max_live) == 0 ? daemon_.pid : -1;
 }
 
 static void stop_daemon(pid_t pid) {
-  kill(pid, SIGTERM);
-  waitpid(pid, NULL, 0);
-  rmdir(state_dir);
+  (void)pid;
+  bench_daemon_stop(&daemon_);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "aio.h"
+#include "bench_daemon.h"
 #include "bench_util.h"
 #include "zerod.h"
 
@@ -43,46 +44,14 @@
 #define SLOTS   4
 #define NSTATES 3
 
-static char state_dir[PATH_MAX], socket_path[PATH_MAX + 16];
-static pid_t daemon_pid;
+static bench_daemon daemon_;
+static const char *socket_path = daemon_.socket;
 
 static void die(const char *what, zd_status st) {
   fprintf(stderr, "bench_offload: %s: %s: %s\n", what, zd_strerror(st), zd_last_error());
-  if (daemon_pid > 0)
-    kill(daemon_pid, SIGKILL);
+  if (daemon_.pid > 0)
+    kill(daemon_.pid, SIGKILL);
   exit(1);
-}
-
-static pid_t start_daemon(void) {
-  char exe[PATH_MAX], zerod[PATH_MAX + 16];
-  ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-  if (n <= 0)
-    return -1;
-  exe[n] = '\0';
-  *strrchr(exe, '/') = '\0';
-  snprintf(zerod, sizeof zerod, "%s/../bin/zerod", exe);
-  snprintf(state_dir, sizeof state_dir, "%s/zerod-bench-offload-XXXXXX",
-           getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
-  if (mkdtemp(state_dir) == NULL)
-    return -1;
-  snprintf(socket_path, sizeof socket_path, "%s/zerod.sock", state_dir);
-  pid_t pid = fork();
-  if (pid == 0) {
-    execl(zerod, "zerod", "standalone", "--ranks", "1", "--dir", state_dir, "--threads-per-rank",
-          "1", "--max-live-bytes", "4G", "--log-level",
-          getenv("ZEROD_LOG_LEVEL") ? getenv("ZEROD_LOG_LEVEL") : "warn", (char *)NULL);
-    fprintf(stderr, "bench_offload: exec %s: %s\n", zerod, strerror(errno));
-    _exit(127);
-  }
-  for (int i = 0; i < 250; i++) {
-    struct stat st;
-    if (stat(socket_path, &st) == 0)
-      return pid;
-    usleep(20000);
-  }
-  fprintf(stderr, "bench_offload: zerod did not start\n");
-  kill(pid, SIGKILL);
-  return -1;
 }
 
 /* A job with one unit of numel elements, offload_device as given. */
@@ -180,14 +149,13 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: bench_offload [--numel N (a multiple of %u)] [--rounds R]\n", CHUNK);
     return 2;
   }
-  pid_t daemon = daemon_pid = start_daemon();
-  if (daemon < 0)
+  if (bench_daemon_start(&daemon_, "bench_offload", 1, "4G") != 0)
     return 1;
   /* 1. The nvme step against raw I/O of its bytes. */
   zd_unit unit;
   zd_job *job = make_job("nvme", ZD_OFFLOAD_NVME, numel, &unit);
   char raw_path[PATH_MAX + 32], err[256];
-  snprintf(raw_path, sizeof raw_path, "%s/nvme/raw.bin", state_dir);
+  snprintf(raw_path, sizeof raw_path, "%s/nvme/raw.bin", daemon_.dir);
   aio_file *f;
   if (aio_file_open(raw_path, 0600, SLOTS, NSTATES, &f, err, sizeof err) != 0) {
     fprintf(stderr, "bench_offload: %s\n", err);
@@ -227,7 +195,7 @@ int main(int argc, char **argv) {
          "\"direct\":%d,\"metric\":\"GiB/s\",\"value\":%.3f,\"step_ms\":%.1f,"
          "\"baseline\":\"raw_aio_read_write_same_bytes\",\"baseline_value\":%.3f,\"raw_ms\":%.1f,"
          "\"ratio\":%.3f,\"target\":0.8}\n",
-         (unsigned long long)numel, state_dir, aio_file_engine(f), aio_file_direct(f), gib / z,
+         (unsigned long long)numel, daemon_.dir, aio_file_engine(f), aio_file_direct(f), gib / z,
          z * 1e3, gib / raw, raw * 1e3, ratio);
   fflush(stdout);
   aio_file_close(f);
@@ -255,11 +223,6 @@ int main(int argc, char **argv) {
   zd_detach(cpu);
   free(zt);
   free(rt);
-  kill(daemon, SIGTERM);
-  waitpid(daemon, NULL, 0);
-  char cmd[PATH_MAX + 16];
-  snprintf(cmd, sizeof cmd, "rm -rf %s", state_dir);
-  if (system(cmd) != 0)
-    fprintf(stderr, "bench_offload: could not remove %s\n", state_dir);
+  bench_daemon_stop(&daemon_);
   return 0;
 }
