@@ -567,7 +567,10 @@ static void on_coordinator_signal(uv_signal_t *handle, int signum) {
   metrics_http_stop(p->metrics_http);
   p->metrics_http = NULL;
   coord_shutdown(p->coord);
-  rpc_server_shutdown(p->server, on_coordinator_server_done, p);
+  /* Gently: the calls coord_shutdown just answered (a Save in flight:
+   * "coordinator shutting down") reach their callers before the rest is
+   * cancelled. */
+  rpc_server_shutdown_gently(p->server, on_coordinator_server_done, p);
   uv_close((uv_handle_t *)&p->sigint, NULL);
   uv_close((uv_handle_t *)&p->sigterm, NULL);
 }
@@ -931,7 +934,7 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
   cluster_stop(d);
   if (d->coord != NULL) {
     coord_shutdown(d->coord);
-    rpc_server_shutdown(d->control_server, on_control_server_done, d);
+    rpc_server_shutdown_gently(d->control_server, on_control_server_done, d);
   }
   jobs_stop_all(d);
   ipc_drain_completions(d);
