@@ -104,6 +104,19 @@ static double step_seconds(zd_job *job, zd_unit unit) {
   return bench_now_s() - t0;
 }
 
+/* The 3 states of raw chunk `chunk` into or out of slot's buffers. */
+static void raw_chunk_io(aio_file *f, float *buffers, uint64_t stride, unsigned slot, size_t chunk,
+                         int write) {
+  for (unsigned s = 0; s < NSTATES; s++) {
+    float *buf = buffers + ((size_t)slot * NSTATES + s) * CHUNK;
+    uint64_t offset = s * stride + (uint64_t)chunk * CHUNK * 4;
+    if (write)
+      aio_file_write(f, slot, buf, CHUNK * 4, offset);
+    else
+      aio_file_read(f, slot, buf, CHUNK * 4, offset);
+  }
+}
+
 /* Raw: every chunk of 3 states read, then written back, through the same
  * slots and look-ahead as tier_stream, nothing computed. */
 static double raw_seconds(aio_file *f, float *buffers, uint64_t numel) {
@@ -116,18 +129,14 @@ static double raw_seconds(aio_file *f, float *buffers, uint64_t numel) {
       unsigned slot = (unsigned)(issued % SLOTS);
       if (aio_file_wait(f, slot) != 0)
         return -1;
-      for (unsigned s = 0; s < NSTATES; s++)
-        aio_file_read(f, slot, buffers + ((size_t)slot * NSTATES + s) * CHUNK, CHUNK * 4,
-                      s * stride + (uint64_t)issued * CHUNK * 4);
+      raw_chunk_io(f, buffers, stride, slot, issued, 0);
       issued++;
     }
     aio_file_submit(f);
     unsigned slot = (unsigned)(i % SLOTS);
     if (aio_file_wait(f, slot) != 0)
       return -1;
-    for (unsigned s = 0; s < NSTATES; s++)
-      aio_file_write(f, slot, buffers + ((size_t)slot * NSTATES + s) * CHUNK, CHUNK * 4,
-                     s * stride + (uint64_t)i * CHUNK * 4);
+    raw_chunk_io(f, buffers, stride, slot, i, 1);
     aio_file_submit(f);
   }
   for (unsigned s = 0; s < SLOTS; s++)

@@ -70,6 +70,9 @@ int exec__has_state(const rank_state *rs, uint32_t state);
 int exec__state_get(rank_state *rs, shard *sh, const unit_layout *l, uint32_t state, float *dst);
 int exec__state_put(rank_state *rs, shard *sh, const unit_layout *l, uint32_t state,
                     const float *src);
+/* The same from src in the rank's device memory (its scratch). */
+int exec__state_copy(rank_state *rs, shard *sh, const unit_layout *l, uint32_t state,
+                     const float *src);
 
 /* The words LOAD_UNIT and READ_STATE name a state with in messages. */
 const char *exec__state_name(const rank_state *rs, uint32_t state);
@@ -177,6 +180,9 @@ void exec__handle_session_begin(rank_state *rs, exec_op *op);
 /* It left: what it held is released, and a save waiting for a step that
  * will not come is taken now. */
 void exec__handle_session_end(rank_state *rs, exec_op *op);
+/* Lets go of every gathered unit the worker holds (session end, a restore
+ * it asked for). */
+void exec__drop_gather_holds(rank_state *rs);
 
 /* Builds the rank's communicator of op->generation (a reset builds a new
  * one) and has the ranks agree on their step counts. */

@@ -304,9 +304,7 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
         exec__op_comm_failed(rs, op, "register (initial values)", rc);
         goto done;
       }
-      rc = sh->tiered
-               ? exec__state_put(rs, sh, l, JOB_STATE_MASTER, rs->scratch + lo)
-               : device_copy(rs->dev, sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
+      rc = exec__state_copy(rs, sh, l, JOB_STATE_MASTER, rs->scratch + lo);
     } else if (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL) {
       rc = seed_master(rs, l, sh, req->seed, req->init_std);
     }
@@ -447,9 +445,7 @@ void exec__handle_load(rank_state *rs, exec_op *op) {
   uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
   if ((uint32_t)req->state == JOB_STATE_MASTER) {
     pin_begin_write(rs);
-    rc = sh->tiered
-             ? exec__state_put(rs, sh, l, JOB_STATE_MASTER, rs->scratch + lo)
-             : device_copy(rs->dev, sh->master, rs->scratch + lo, l->shard_numel * sizeof(float));
+    rc = exec__state_copy(rs, sh, l, JOB_STATE_MASTER, rs->scratch + lo);
     if (rc == 0)
       rc = exec__refresh_working(rs, l, sh);
     /* Readers copy the working copy once the write lock is released. */
@@ -458,9 +454,7 @@ void exec__handle_load(rank_state *rs, exec_op *op) {
     pin_end_write(rs);
   } else {
     /* A moment: no working copy changes, so readers see no new version. */
-    rc = sh->tiered ? exec__state_put(rs, sh, l, req->state, rs->scratch + lo)
-                    : device_copy(rs->dev, exec__shard_state(rs, sh, req->state), rs->scratch + lo,
-                                  l->shard_numel * sizeof(float));
+    rc = exec__state_copy(rs, sh, l, req->state, rs->scratch + lo);
     if (rc == 0)
       rc = device_sync(rs->dev);
   }

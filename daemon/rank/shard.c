@@ -229,6 +229,16 @@ int exec__state_put(rank_state *rs, shard *sh, const unit_layout *l, uint32_t st
   return src == NULL ? device_zero(rs->dev, dst, bytes) : device_upload(rs->dev, dst, src, bytes);
 }
 
+int exec__state_copy(rank_state *rs, shard *sh, const unit_layout *l, uint32_t state,
+                     const float *src) {
+  if (!exec__has_state(rs, state))
+    return -EINVAL;
+  if (sh->tiered) /* host ranks only: the device's memory is host memory */
+    return tier_write_state(rs, sh, l, (int)state, src);
+  return device_copy(rs->dev, exec__shard_state(rs, sh, state), src,
+                     l->shard_numel * sizeof(float));
+}
+
 float *exec__shard_state(rank_state *rs, shard *sh, uint32_t state) {
   int has[JOB_NSTATES];
   job_config_states(&rs->job->config, has);

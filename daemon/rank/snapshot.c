@@ -324,17 +324,11 @@ void exec__handle_ckpt_park(rank_state *rs, exec_op *op) {
     return;
   }
   int restore = req->action == ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE;
-  if (restore) {
-    /* The restore replaces the values the worker gathered: it lets go of
-     * them (its gradient buffers stay; the restore zeroes what was
-     * reduced into the shard). */
-    for (uint32_t u = 0; u < rs->nshards; u++) {
-      shard *sh = &rs->shards[u];
-      if (sh->present && sh->gather_held && sh->gather_buf >= 0)
-        pool_unref(rs, &rs->bufs[sh->gather_buf]);
-      sh->gather_held = 0;
-    }
-  }
+  /* The restore replaces the values the worker gathered: it lets go of
+   * them (its gradient buffers stay; the restore zeroes what was reduced
+   * into the shard). */
+  if (restore)
+    exec__drop_gather_holds(rs);
   /* Waiting from before the collective: once any rank is past it (the
    * leader asks the coordinator then), the orders that follow find every
    * rank waiting. */

@@ -18,7 +18,8 @@
 
 #define CHUNK (16 * AIO_ALIGN)
 
-static char dir[] = "/tmp/zerod-test-aio-XXXXXX";
+/* mkdtemp's template, under $TMPDIR (default /tmp), made in main. */
+static char dir[200];
 
 static aio_file *open_file(const char *name, unsigned slots) {
   char path[256], err[256];
@@ -102,7 +103,9 @@ static void test_open_error_says_why(void **state) {
 }
 
 int main(void) {
-  if (mkdtemp(dir) == NULL)
+  const char *tmp = getenv("TMPDIR") != NULL ? getenv("TMPDIR") : "/tmp";
+  if (snprintf(dir, sizeof dir, "%s/zerod-test-aio-XXXXXX", tmp) >= (int)sizeof dir ||
+      mkdtemp(dir) == NULL)
     return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_slots_write_and_read_back),
