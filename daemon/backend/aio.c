@@ -227,10 +227,6 @@ int aio_file_wait(aio_file *f, unsigned slot) {
   return error;
 }
 
-int aio_file_sync(aio_file *f) {
-  return fdatasync(f->fd) == 0 ? 0 : -errno;
-}
-
 void aio_file_close(aio_file *f) {
   if (f == NULL)
     return;

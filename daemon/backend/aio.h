@@ -53,9 +53,6 @@ int aio_file_submit(aio_file *f);
  * asked, even after a retry of the rest), which clears it. */
 int aio_file_wait(aio_file *f, unsigned slot);
 
-/* fdatasync. Returns 0 or a negative errno. */
-int aio_file_sync(aio_file *f);
-
 /* Waits for what is in flight, closes. */
 void aio_file_close(aio_file *f);
 
