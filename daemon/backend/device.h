@@ -80,6 +80,25 @@ typedef struct device_ops {
   int (*buffer_wait)(device *dev, device_buffer *buf);
   int (*buffer_publish)(device *dev, device_buffer *buf);
 
+  /* Staging for a step that runs on the host while the state it reads and
+   * writes is in the device's memory (offload_optimizer on a GPU rank).
+   * staging_alloc returns zero-filled host memory the device copies from
+   * and to (pinned: page-locked where the device has such memory, so that
+   * the copies overlap the host's work); staging_free takes what it
+   * returned with the same `pinned`. The _async copies only enqueue on the
+   * rank's stream: host memory they read or write is in use until a fence
+   * recorded after them has been waited for. A fence is an event: record
+   * marks the stream's work so far, wait blocks the calling thread until
+   * that work is done. The host device does everything at once. */
+  int (*staging_alloc)(device *dev, size_t bytes, int pinned, void **out);
+  void (*staging_free)(device *dev, void *ptr, int pinned);
+  int (*download_async)(device *dev, void *dst_host, const void *src, size_t bytes);
+  int (*upload_async)(device *dev, void *dst, const void *src_host, size_t bytes);
+  int (*fence_create)(device *dev, void **out);
+  void (*fence_destroy)(device *dev, void *fence);
+  int (*fence_record)(device *dev, void *fence);
+  int (*fence_wait)(device *dev, void *fence);
+
   /* Kernels, with zk.h's semantics. sumsq sums the squares of several
    * arrays into one total: begin, add each (in order), end. */
   int (*cast)(device *dev, void *dst, zk_dtype dst_dtype, const void *src, zk_dtype src_dtype,
@@ -162,6 +181,31 @@ static inline int device_buffer_wait(device *dev, device_buffer *buf) {
 }
 static inline int device_buffer_publish(device *dev, device_buffer *buf) {
   return dev->ops->buffer_publish(dev, buf);
+}
+static inline int device_staging_alloc(device *dev, size_t bytes, int pinned, void **out) {
+  return dev->ops->staging_alloc(dev, bytes, pinned, out);
+}
+static inline void device_staging_free(device *dev, void *ptr, int pinned) {
+  dev->ops->staging_free(dev, ptr, pinned);
+}
+static inline int device_download_async(device *dev, void *dst_host, const void *src,
+                                        size_t bytes) {
+  return dev->ops->download_async(dev, dst_host, src, bytes);
+}
+static inline int device_upload_async(device *dev, void *dst, const void *src_host, size_t bytes) {
+  return dev->ops->upload_async(dev, dst, src_host, bytes);
+}
+static inline int device_fence_create(device *dev, void **out) {
+  return dev->ops->fence_create(dev, out);
+}
+static inline void device_fence_destroy(device *dev, void *fence) {
+  dev->ops->fence_destroy(dev, fence);
+}
+static inline int device_fence_record(device *dev, void *fence) {
+  return dev->ops->fence_record(dev, fence);
+}
+static inline int device_fence_wait(device *dev, void *fence) {
+  return dev->ops->fence_wait(dev, fence);
 }
 static inline int device_cast(device *dev, void *dst, zk_dtype dst_dtype, const void *src,
                               zk_dtype src_dtype, size_t numel) {

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "device.h"
+#include "hostmem.h"
 
 typedef struct cuda_device {
   device base; /* first: a device * is a cuda_device * */
@@ -227,6 +228,71 @@ static int cuda_sgd_step(device *dev, const zk_sgd_hparams *hp, float *param, fl
   return 0;
 }
 
+/* Page-locked when asked (the module's host_alloc), so the copies from and
+ * to it run on the copy engines while the host works; hostmem's arrays
+ * otherwise, which an asynchronous copy reads and writes through CUDA's
+ * own staging (correct; the host waits for it). */
+static int cuda_staging_alloc(device *dev, size_t bytes, int pinned, void **out) {
+  cuda_device *cd = cuda_of(dev);
+  if (pinned) {
+    CUDA_TRY(cd, "page-locked host memory", cd->api->host_alloc(out, bytes));
+    return 0;
+  }
+  void *p = hostmem_array_alloc(bytes);
+  if (p == NULL) {
+    snprintf(cd->last_error, sizeof cd->last_error, "out of host memory (%zu bytes)", bytes);
+    return -ENOMEM;
+  }
+  if (!hostmem_array_mapped(p))
+    memset(p, 0, bytes);
+  *out = p;
+  return 0;
+}
+
+static void cuda_staging_free(device *dev, void *ptr, int pinned) {
+  if (ptr == NULL)
+    return;
+  if (pinned)
+    cuda_of(dev)->api->host_free(ptr);
+  else
+    hostmem_array_free(ptr);
+}
+
+static int cuda_download_async(device *dev, void *dst_host, const void *src, size_t bytes) {
+  cuda_device *cd = cuda_of(dev);
+  CUDA_TRY(cd, "copy to host", cd->api->copy_to_host_async(dst_host, src, bytes, cd->stream));
+  return 0;
+}
+
+static int cuda_upload_async(device *dev, void *dst, const void *src_host, size_t bytes) {
+  cuda_device *cd = cuda_of(dev);
+  CUDA_TRY(cd, "copy to device", cd->api->copy_to_device_async(dst, src_host, bytes, cd->stream));
+  return 0;
+}
+
+static int cuda_fence_create(device *dev, void **out) {
+  cuda_device *cd = cuda_of(dev);
+  CUDA_TRY(cd, "event create", cd->api->event_create(out, 0));
+  return 0;
+}
+
+static void cuda_fence_destroy(device *dev, void *fence) {
+  if (fence != NULL)
+    cuda_of(dev)->api->event_destroy(fence);
+}
+
+static int cuda_fence_record(device *dev, void *fence) {
+  cuda_device *cd = cuda_of(dev);
+  CUDA_TRY(cd, "event record", cd->api->event_record(fence, cd->stream));
+  return 0;
+}
+
+static int cuda_fence_wait(device *dev, void *fence) {
+  cuda_device *cd = cuda_of(dev);
+  CUDA_TRY(cd, "event synchronize", cd->api->event_synchronize(fence));
+  return 0;
+}
+
 static const device_ops cuda_ops = {
     .close = cuda_close,
     .last_error = cuda_last_error,
@@ -242,6 +308,14 @@ static const device_ops cuda_ops = {
     .buffer_destroy = cuda_buffer_destroy,
     .buffer_wait = cuda_buffer_wait,
     .buffer_publish = cuda_buffer_publish,
+    .staging_alloc = cuda_staging_alloc,
+    .staging_free = cuda_staging_free,
+    .download_async = cuda_download_async,
+    .upload_async = cuda_upload_async,
+    .fence_create = cuda_fence_create,
+    .fence_destroy = cuda_fence_destroy,
+    .fence_record = cuda_fence_record,
+    .fence_wait = cuda_fence_wait,
     .cast = cuda_cast,
     .accumulate = cuda_accumulate,
     .sumsq_begin = cuda_sumsq_begin,

@@ -133,6 +133,36 @@ static int host_sgd_step(device *dev, const zk_sgd_hparams *hp, float *param, fl
                                       working_dtype, numel));
 }
 
+/* The host device's memory is its own staging: nothing to pin, copies
+ * done at once, fences that are always reached. */
+static int host_staging_alloc(device *dev, size_t bytes, int pinned, void **out) {
+  (void)pinned;
+  return host_alloc(dev, bytes, out);
+}
+
+static void host_staging_free(device *dev, void *ptr, int pinned) {
+  (void)pinned;
+  host_free(dev, ptr);
+}
+
+static int host_fence_create(device *dev, void **out) {
+  static char fence; /* any non-NULL pointer */
+  (void)dev;
+  *out = &fence;
+  return 0;
+}
+
+static void host_fence_destroy(device *dev, void *fence) {
+  (void)dev;
+  (void)fence;
+}
+
+static int host_fence(device *dev, void *fence) {
+  (void)dev;
+  (void)fence;
+  return 0;
+}
+
 static const device_ops host_ops = {
     .close = host_close,
     .last_error = host_last_error,
@@ -148,6 +178,14 @@ static const device_ops host_ops = {
     .buffer_destroy = host_buffer_destroy,
     .buffer_wait = host_buffer_event,
     .buffer_publish = host_buffer_event,
+    .staging_alloc = host_staging_alloc,
+    .staging_free = host_staging_free,
+    .download_async = host_copy,
+    .upload_async = host_copy,
+    .fence_create = host_fence_create,
+    .fence_destroy = host_fence_destroy,
+    .fence_record = host_fence,
+    .fence_wait = host_fence,
     .cast = host_cast,
     .accumulate = host_accumulate,
     .sumsq_begin = host_sumsq_begin,

@@ -141,6 +141,25 @@ int zkc_copy_to_device_async(void *dst_dev, const void *src_host, size_t bytes, 
   return 0;
 }
 
+/* ---- page-locked host memory -------------------------------------------- */
+
+int zkc_host_alloc(void **ptr_out, size_t bytes) {
+  if (ptr_out == NULL)
+    return zkc_fail_text(-EINVAL, "host_alloc: NULL output");
+  *ptr_out = NULL;
+  void *p = NULL;
+  ZKC_CHECK(cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable));
+  memset(p, 0, bytes);
+  *ptr_out = p;
+  return 0;
+}
+
+int zkc_host_free(void *ptr) {
+  if (ptr != NULL)
+    ZKC_CHECK(cudaFreeHost(ptr));
+  return 0;
+}
+
 int zkc_memset_async(void *dst_dev, int value, size_t bytes, void *stream) {
   if (bytes == 0)
     return 0;

@@ -207,6 +207,8 @@ int zkc_stream_wait_event(void *stream, void *event);
 int zkc_copy_to_host_async(void *dst_host, const void *src_dev, size_t bytes, void *stream);
 int zkc_copy_to_device_async(void *dst_dev, const void *src_host, size_t bytes, void *stream);
 int zkc_memset_async(void *dst_dev, int value, size_t bytes, void *stream);
+int zkc_host_alloc(void **ptr_out, size_t bytes);
+int zkc_host_free(void *ptr);
 int zkc_ipc_mem_handle(void *dev_ptr, void *handle_out);
 int zkc_ipc_mem_open(const void *handle, void **dev_ptr_out);
 int zkc_ipc_mem_close(void *dev_ptr);

@@ -216,6 +216,9 @@ static constexpr zk_cuda_api zkc_make_api() {
   api.nccl_broadcast = zkc_nccl_broadcast;
   api.nccl_abort = zkc_nccl_abort;
   api.nccl_destroy = zkc_nccl_destroy;
+  /* Version 3. */
+  api.host_alloc = zkc_host_alloc;
+  api.host_free = zkc_host_free;
   return api;
 }
 

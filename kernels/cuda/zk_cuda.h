@@ -24,6 +24,9 @@
  * Version 2 adds what the CUDA device backend and the NCCL comm backend
  * need: streams, events, asynchronous copies, CUDA IPC handles, and NCCL
  * (opened with dlopen by the module, so nothing links libnccl).
+ *
+ * Version 3 adds page-locked host memory (the staging buffers of an
+ * optimizer whose state is offloaded to host memory or NVMe).
  */
 #ifndef ZK_CUDA_H
 #define ZK_CUDA_H
@@ -35,7 +38,7 @@
 extern "C" {
 #endif
 
-#define ZK_CUDA_API_VERSION      2
+#define ZK_CUDA_API_VERSION      3
 #define ZK_CUDA_IPC_HANDLE_BYTES 64  /* cudaIpcMemHandle_t, cudaIpcEventHandle_t */
 #define ZK_NCCL_UNIQUE_ID_BYTES  128 /* ncclUniqueId */
 
@@ -137,6 +140,14 @@ typedef struct zk_cuda_api {
   int (*nccl_broadcast)(void *comm, void *buf, size_t bytes, int root, void *stream);
   int (*nccl_abort)(void *comm);
   int (*nccl_destroy)(void *comm);
+
+  /* ---- Version 3: page-locked host memory ---------------------------------
+   * host_alloc returns zero-filled host memory that the GPU's copy engines
+   * reach directly (cudaHostAlloc, portable), so the asynchronous copies
+   * from and to it overlap the host's work; host_free gives it back
+   * (NULL: nothing). */
+  int (*host_alloc)(void **ptr_out, size_t bytes);
+  int (*host_free)(void *ptr);
 } zk_cuda_api;
 
 /* Exported by the module. Returns NULL if it cannot serve `version`. */

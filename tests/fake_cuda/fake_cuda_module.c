@@ -142,6 +142,18 @@ static int fake_free(void *ptr) {
   return release(ptr, 0);
 }
 
+/* Page-locked host memory is plain host memory here (ASan sees a wrong
+ * free). */
+static int fake_host_alloc(void **ptr_out, size_t bytes) {
+  *ptr_out = calloc(1, bytes ? bytes : 1);
+  return *ptr_out != NULL ? 0 : fail(-ENOMEM, "host_alloc");
+}
+
+static int fake_host_free(void *ptr) {
+  free(ptr);
+  return 0;
+}
+
 static int fake_copy(void *dst, const void *src, size_t bytes) {
   if (bytes == 0)
     return 0;
@@ -416,6 +428,8 @@ static void fill_api(void) {
   fake_api.nccl_broadcast = fake_nccl_broadcast;
   fake_api.nccl_abort = fake_free_object;
   fake_api.nccl_destroy = fake_free_object;
+  fake_api.host_alloc = fake_host_alloc;
+  fake_api.host_free = fake_host_free;
 }
 
 static pthread_once_t fill_once = PTHREAD_ONCE_INIT;
