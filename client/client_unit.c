@@ -493,6 +493,7 @@ zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, unsigned *
     o->secondary_bytes = rank->secondary_bytes;
     o->state_bytes = rank->state_bytes;
     o->tier_bytes = rank->tier_bytes;
+    o->host_state_bytes = rank->host_state_bytes;
     o->ncounters = (unsigned)rank->n_counters;
     for (size_t k = 0; k < rank->n_counters; k++) {
       const Zerod__V1__CollectiveCounter *c = rank->counters[k];

@@ -820,10 +820,13 @@ static void json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   json_u64(j, "hpz_partition_size", config->hpz_partition_size);
   const Zerod__V1__OffloadConfig *off = config->offload_optimizer;
   json_str(j, "offload_optimizer", offload_name(off));
-  if (off != NULL && off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME) {
+  if (off != NULL && off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME)
     json_str(j, "nvme_path", off->nvme_path);
+  if (off != NULL && (off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME ||
+                      off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU)) {
     json_u64(j, "offload_buffer_count", off->buffer_count);
     json_u64(j, "offload_buffer_size", off->buffer_size);
+    json_bool(j, "offload_pin_memory", off->pin_memory);
   }
   json_f64(j, "loss_scale", config->loss_scale > 0 ? config->loss_scale : 0);
   json_u64(j, "max_live_bytes", config->max_live_bytes);
@@ -938,9 +941,16 @@ static void print_job(const Zerod__V1__Job *job) {
     print_field("hpZ", "secondary partition over %u ranks of a node", config->hpz_partition_size);
   const Zerod__V1__OffloadConfig *off = config->offload_optimizer;
   if (off != NULL && off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME)
-    print_field("optimizer state", "on disk (nvme) in %s, %u buffers of %llu elements",
+    print_field("optimizer state", "on disk (nvme) in %s, %u buffers of %llu elements%s",
                 off->nvme_path[0] != '\0' ? off->nvme_path : "the nodes' --nvme-dir",
-                off->buffer_count, (unsigned long long)off->buffer_size);
+                off->buffer_count, (unsigned long long)off->buffer_size,
+                off->pin_memory ? ", page-locked on GPU ranks" : "");
+  else if (off != NULL && off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU)
+    print_field("optimizer state",
+                "in host memory (cpu; GPU ranks step on the CPU through %u "
+                "buffers of %llu elements%s)",
+                off->buffer_count, (unsigned long long)off->buffer_size,
+                off->pin_memory ? ", page-locked" : "");
   else
     print_field("optimizer state", "in memory (%s)", offload_name(off));
   if (config->max_grad_norm > 0)
@@ -1093,8 +1103,8 @@ typedef struct create_options {
   const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
       *precision, *collectives, *quantized_weights, *quantization_block, *quantized_gradients,
       *gradient_comm_dtype, *hpz_partition_size, *offload, *nvme_path, *offload_buffer_count,
-      *offload_buffer_size, *max_grad_norm, *max_live_bytes, *max_host_bytes, *max_device_bytes,
-      *max_sessions, *token, *tenant, *every_steps, *every_seconds, *keep;
+      *offload_buffer_size, *offload_pin_memory, *max_grad_norm, *max_live_bytes, *max_host_bytes,
+      *max_device_bytes, *max_sessions, *token, *tenant, *every_steps, *every_seconds, *keep;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
 } create_options;
@@ -1280,10 +1290,15 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
       return bad_create_value("--offload-optimizer", o->offload, "none, cpu or nvme");
     config.offload_optimizer = &offload;
   }
-  if ((o->nvme_path != NULL || o->offload_buffer_count != NULL || o->offload_buffer_size != NULL) &&
-      offload.device != ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME)
-    return usage_error("jobs create: --nvme-path and --offload-buffer-* need "
-                       "--offload-optimizer nvme");
+  if (o->nvme_path != NULL && offload.device != ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME)
+    return usage_error("jobs create: --nvme-path needs --offload-optimizer nvme");
+  if ((o->offload_buffer_count != NULL || o->offload_buffer_size != NULL ||
+       o->offload_pin_memory != NULL) &&
+      offload.device != ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME &&
+      offload.device != ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU)
+    return usage_error("jobs create: --offload-buffer-* and --offload-pin-memory need "
+                       "--offload-optimizer cpu or nvme");
+  offload.pin_memory = o->offload_pin_memory != NULL;
   if (o->nvme_path != NULL)
     offload.nvme_path = (char *)o->nvme_path;
   if (o->offload_buffer_count != NULL &&
@@ -1742,12 +1757,14 @@ static const char create_usage[] =
     "  --hpz-partition-size L   ZeRO++ hpZ: keep a secondary partition over the L ranks\n"
     "                           of each node, so backward gathers stay in the node\n"
     "                           (L: --ranks-per-node; 1: off) [default 1]\n"
-    "  --offload-optimizer D    where the optimizer state lives: none, cpu or nvme (a file\n"
-    "                           per rank under the nodes' --nvme-dir; CPU ranks)\n"
+    "  --offload-optimizer D    where the optimizer state lives: none, cpu (host memory;\n"
+    "                           GPU ranks step on the CPU) or nvme (a file per rank under\n"
+    "                           the nodes' --nvme-dir, streamed through the CPU's step)\n"
     "  --nvme-path DIR          nvme: a directory inside the nodes' --nvme-dir\n"
-    "  --offload-buffer-count N nvme: staging buffers per rank, 2..64 [default 4]\n"
-    "  --offload-buffer-size N  nvme: elements per buffer and state, a multiple of 1024\n"
+    "  --offload-buffer-count N staging buffers per rank, 2..64 [default 4]\n"
+    "  --offload-buffer-size N  elements per buffer and state, a multiple of 1024\n"
     "                           [default 1048576]\n"
+    "  --offload-pin-memory     GPU ranks: page-locked staging buffers\n"
     "  --max-grad-norm X        clip the global gradient norm to X [default: off]\n"
     "  --max-live-bytes SIZE    gathered + gradient buffers per rank, e.g. 512M, 4G\n"
     "  --max-host-bytes SIZE    shard state per rank in host memory (quota)\n"
@@ -1808,6 +1825,7 @@ enum {
   OPT_NVME_PATH,
   OPT_OFFLOAD_BUFFER_COUNT,
   OPT_OFFLOAD_BUFFER_SIZE,
+  OPT_OFFLOAD_PIN_MEMORY,
   OPT_MAX_GRAD_NORM,
   OPT_MAX_LIVE_BYTES,
   OPT_MAX_HOST_BYTES,
@@ -1857,6 +1875,7 @@ static const struct option long_options[] = {
     {"nvme-path", required_argument, NULL, OPT_NVME_PATH},
     {"offload-buffer-count", required_argument, NULL, OPT_OFFLOAD_BUFFER_COUNT},
     {"offload-buffer-size", required_argument, NULL, OPT_OFFLOAD_BUFFER_SIZE},
+    {"offload-pin-memory", no_argument, NULL, OPT_OFFLOAD_PIN_MEMORY},
     {"max-grad-norm", required_argument, NULL, OPT_MAX_GRAD_NORM},
     {"max-live-bytes", required_argument, NULL, OPT_MAX_LIVE_BYTES},
     {"max-host-bytes", required_argument, NULL, OPT_MAX_HOST_BYTES},
@@ -1941,6 +1960,10 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_OFFLOAD_BUFFER_SIZE:
     slot = &o->offload_buffer_size;
+    break;
+  case OPT_OFFLOAD_PIN_MEMORY:
+    slot = &o->offload_pin_memory;
+    value = "on";
     break;
   case OPT_MAX_GRAD_NORM:
     slot = &o->max_grad_norm;

@@ -107,7 +107,7 @@ typedef enum zd_offload_device {
   ZD_OFFLOAD_DEFAULT = 0, /* none */
   ZD_OFFLOAD_NONE = 1,    /* the rank's device memory (host memory on CPU ranks) */
   ZD_OFFLOAD_CPU = 2,     /* host memory, the step on the CPU (CPU ranks: the same as none) */
-  ZD_OFFLOAD_NVME = 3,    /* a file per rank under the daemon's --nvme-dir (CPU ranks for now) */
+  ZD_OFFLOAD_NVME = 3,    /* a file per rank under the daemon's --nvme-dir, the step on the CPU */
 } zd_offload_device;
 
 typedef struct zd_job_config {
@@ -154,7 +154,11 @@ typedef struct zd_job_config {
    * (nvme_path: a directory inside it; "": the directory itself), streamed
    * through offload_buffer_count (0: 4) buffers of offload_buffer_size (0:
    * 1048576; a multiple of 1024) elements per state at each step; only the
-   * gradient accumulator and the working copy stay in memory. */
+   * gradient accumulator and the working copy stay in memory. On GPU ranks
+   * ZD_OFFLOAD_CPU and _NVME keep those two on the GPU and run the step on
+   * the CPU, chunk by chunk through the same buffers (gradients down,
+   * working copy up); offload_pin_memory makes the buffers page-locked, so
+   * the copies overlap the CPU's work. */
   zd_offload_device offload_device;
   char nvme_path[256];
   unsigned offload_buffer_count;
@@ -389,9 +393,11 @@ typedef struct zd_rank_stats {
   uint64_t secondary_bytes;
   /* The rank's shards (master weights, moments, gradient accumulators,
    * working copies): bytes in its memory, and in its tier file
-   * (offload_optimizer nvme). */
+   * (offload_optimizer nvme); on a GPU rank with offload_optimizer cpu,
+   * the master weights and moments in host memory (not in state_bytes). */
   uint64_t state_bytes;
   uint64_t tier_bytes;
+  uint64_t host_state_bytes;
 } zd_rank_stats;
 
 /* The counters of every rank of the job on the daemon this job is attached

@@ -368,8 +368,7 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
                err);
     return NULL;
   }
-  if (tier_check(&config, d->exec.nvme_dir, strcmp(d->options.device, "cuda") != 0, err,
-                 sizeof err) != 0) {
+  if (tier_check(&config, d->exec.nvme_dir, err, sizeof err) != 0) {
     send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "job '%s': %s", req->job,
                err);
     return NULL;
@@ -793,6 +792,7 @@ static void handle_stats(session *s, const zd_frame_header *h) {
     rank->secondary_bytes = atomic_load_explicit(&rs->stat_secondary_bytes, memory_order_relaxed);
     rank->state_bytes = atomic_load_explicit(&rs->stat_state_bytes, memory_order_relaxed);
     rank->tier_bytes = atomic_load_explicit(&rs->stat_tier_bytes, memory_order_relaxed);
+    rank->host_state_bytes = atomic_load_explicit(&rs->stat_host_state_bytes, memory_order_relaxed);
     rank->counters = &counter_ptrs[r * PER_RANK];
     for (int level = 0; level < JOB_COUNTER_LEVELS; level++)
       for (int kind = 0; kind < JOB_COUNTER_KINDS; kind++) {

@@ -60,8 +60,7 @@ int jobs_start(zdaemon *d, const char *name, const char *token_sha256, const job
                int world_size, int nranks, int first_rank, uint64_t id, unsigned generation,
                job **out, char *err, size_t err_bytes) {
   job *j;
-  int rc =
-      tier_check(config, d->exec.nvme_dir, strcmp(d->options.device, "cuda") != 0, err, err_bytes);
+  int rc = tier_check(config, d->exec.nvme_dir, err, err_bytes);
   if (rc != 0)
     return rc;
   rc = job_create(&d->exec, d, name, token_sha256, config, world_size, nranks, first_rank, id, &j);

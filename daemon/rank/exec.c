@@ -12,6 +12,7 @@
 
 #include "ckpt_job.h"
 #include "exec_impl.h"
+#include "offload.h"
 #include "tier.h"
 #include "log.h"
 #include "pin.h"
@@ -200,6 +201,7 @@ static void close_device(rank_state *rs) {
       exec__shard_free(rs, &rs->shards[u]);
   pin_unlock_shards(rs);
   tier_close(rs);
+  offload_close(rs);
   pool_free_all(rs);
   device_free(rs->dev, rs->scratch);
   device_free(rs->dev, rs->shard_scratch);

@@ -87,6 +87,12 @@ typedef struct shard {
    * moment1, moment2 as kept), not in the arrays above (NULL). */
   int tiered;
   uint64_t tier_offset, tier_stride;
+  /* offload_optimizer cpu on a GPU rank (offload.h): master and moments
+   * are host memory (hostmem arrays), the accumulator and the working copy
+   * (its own array, fp32 included) the GPU's; host_bytes of them counted
+   * in the rank's host_state_bytes. */
+  int host_state;
+  uint64_t host_bytes;
 } shard;
 
 typedef struct rank_state {
@@ -144,7 +150,12 @@ typedef struct rank_state {
    * shard needs it) and the bytes of state in it. Executor-owned. */
   struct rank_tier *tier;
   uint64_t tier_bytes;
-  char tier_error[512];     /* why the last shard found no room in the tier file, or "" */
+  char tier_error[512]; /* why the last shard found no room in the tier file, or "" */
+  /* A GPU rank's optimizer state off the GPU (offload.h): its staging
+   * slots and host kernels (NULL until first used), and the bytes of
+   * state in host memory. Executor-owned. */
+  struct rank_offload *offload;
+  uint64_t host_state_bytes;
   double lr, max_grad_norm; /* lr: group 0's */
   /* Dynamic loss scaling (config.loss_scale > 0): the scale the next
    * step's gradients carry, good steps since the last change, overflows
@@ -202,7 +213,7 @@ typedef struct rank_state {
    * for STATS (the executor writes them, the loop reads). */
   _Atomic uint64_t stat_pool_bytes, stat_secondary_bytes;
   /* Its shards' bytes in memory and in its tier file (offload nvme). */
-  _Atomic uint64_t stat_state_bytes, stat_tier_bytes;
+  _Atomic uint64_t stat_state_bytes, stat_tier_bytes, stat_host_state_bytes;
 
   /* Loop-owned. */
   struct session *session; /* the attached read-write session */

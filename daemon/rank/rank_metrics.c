@@ -80,6 +80,15 @@ static void open_rank(metrics *m, rank_state *rs, rank_series *s, const char *me
                          "Bytes of the rank's shards (master weights, optimizer moments, "
                          "gradient accumulators, working copies), by the memory that holds them.",
                          mem_labels, nv);
+  /* offload_optimizer cpu on a GPU rank: what lives in host memory. */
+  const char *const hv[] = {rs->job->name, rank, "host", NULL};
+  s->host_state_bytes = strcmp(memory, "host") != 0
+                            ? series(m, METRIC_GAUGE, "zerod_shard_bytes",
+                                     "Bytes of the rank's shards (master weights, optimizer "
+                                     "moments, gradient accumulators, working copies), by the "
+                                     "memory that holds them.",
+                                     mem_labels, hv)
+                            : NULL;
   s->pool_bytes =
       series(m, METRIC_GAUGE, "zerod_buffer_bytes",
              "Bytes of the rank's gathered and gradient buffers and hpZ secondary partitions, "
@@ -120,6 +129,7 @@ static void close_rank(rank_series *s) {
                           s->register_seconds,
                           s->shard_bytes,
                           s->tier_bytes,
+                          s->host_state_bytes,
                           s->pool_bytes,
                           s->secondary_bytes,
                           s->live_bytes,
@@ -238,12 +248,15 @@ void rank_metrics_state(rank_state *rs) {
   atomic_store_explicit(&rs->stat_secondary_bytes, rs->secondary_bytes, memory_order_relaxed);
   atomic_store_explicit(&rs->stat_state_bytes, rs->state_bytes, memory_order_relaxed);
   atomic_store_explicit(&rs->stat_tier_bytes, rs->tier_bytes, memory_order_relaxed);
+  atomic_store_explicit(&rs->stat_host_state_bytes, rs->host_state_bytes, memory_order_relaxed);
   rank_series *s = rs->metrics;
   if (s == NULL)
     return;
   metric_set(s->step, (double)atomic_load(&rs->step));
   metric_set(s->shard_bytes, (double)rs->state_bytes);
   metric_set(s->tier_bytes, (double)rs->tier_bytes);
+  if (s->host_state_bytes != NULL)
+    metric_set(s->host_state_bytes, (double)rs->host_state_bytes);
   metric_set(s->pool_bytes, (double)rs->pool_bytes);
   metric_set(s->secondary_bytes, (double)rs->secondary_bytes);
   metric_set(s->live_bytes, (double)rs->live_bytes);

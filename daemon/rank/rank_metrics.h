@@ -52,8 +52,8 @@ typedef struct rank_series {
   metric_series *step_seconds, *gather_seconds, *reduce_seconds, *register_seconds;
   metric_series *collective_bytes[COMM_LEVELS][RANK_NCOLLECTIVES];
   metric_series *collectives[COMM_LEVELS][RANK_NCOLLECTIVES];
-  metric_series *shard_bytes, *tier_bytes, *pool_bytes, *secondary_bytes, *live_bytes, *queue_depth,
-      *attached;
+  metric_series *shard_bytes, *tier_bytes, *host_state_bytes, *pool_bytes, *secondary_bytes,
+      *live_bytes, *queue_depth, *attached;
   metric_series *ckpt_write_seconds, *ckpt_stall_seconds, *ckpt_bytes;
   /* Errors by status code, made on first use by whichever thread answers
    * one. */

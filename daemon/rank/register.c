@@ -12,8 +12,10 @@
 #include <string.h>
 
 #include "log.h"
+#include "offload.h"
 #include "pin.h"
 #include "shm.h"
+#include "tier.h"
 
 /* A counter-based normal generator: value k of a unit depends only on the
  * seed, the unit's name and k, so every rank computes its own slice and the
@@ -255,6 +257,21 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
                  req->name, need, rs->rank,
                  device_is_host(rs->dev) ? "max_host_bytes" : "max_device_bytes", quota,
                  rs->state_bytes);
+      goto done;
+    }
+  }
+  /* A GPU rank's optimizer state in host memory counts against the
+   * host quota. */
+  if (offload_enabled(rs) && !tier_enabled(j) && j->quota_host_bytes != 0) {
+    const unit_layout *have = job_unit_named(j, req->name);
+    int here = have != NULL && have->id < rs->nshards && rs->shards[have->id].present;
+    uint64_t need = here ? 0 : offload_host_state_bytes(rs, mine);
+    if (rs->host_state_bytes + need > j->quota_host_bytes) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                 "unit '%s' needs %" PRIu64 " bytes of optimizer state in host memory "
+                 "(offload_optimizer cpu) on rank %d, over the job's max_host_bytes quota of "
+                 "%" PRIu64 " bytes per rank (%" PRIu64 " in use)",
+                 req->name, need, rs->rank, j->quota_host_bytes, rs->host_state_bytes);
       goto done;
     }
   }

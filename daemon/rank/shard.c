@@ -8,8 +8,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hostmem.h"
 #include "log.h"
+#include "offload.h"
 #include "tier.h"
+
+/* Zero-filled host memory (hostmem's arrays, as the CPU kernels like
+ * them), or NULL. */
+static void *host_zalloc(uint64_t bytes) {
+  void *p = hostmem_array_alloc(bytes);
+  if (p != NULL && !hostmem_array_mapped(p))
+    memset(p, 0, bytes);
+  return p;
+}
 
 /* Zero-filled memory of the rank's device, or NULL. */
 static void *zalloc(rank_state *rs, uint64_t bytes) {
@@ -21,7 +32,9 @@ uint64_t exec__shard_bytes(const rank_state *rs, const unit_layout *l) {
   const job_config *c = &rs->job->config;
   int has[JOB_NSTATES];
   job_config_states(c, has);
-  if (tier_enabled(rs->job)) /* in memory: the accumulator and the working copy */
+  /* In the device's memory: the accumulator and the working copy (its own
+   * array) where the rest is on disk, or off a GPU. */
+  if (tier_enabled(rs->job) || offload_enabled(rs))
     return l->shard_numel * (4 + zk_dtype_size(c->working_dtype));
   uint64_t per_element = 4 + 4; /* master, gradient accumulator */
   per_element += has[JOB_STATE_MOMENT1] ? 4 : 0;
@@ -31,13 +44,21 @@ uint64_t exec__shard_bytes(const rank_state *rs, const unit_layout *l) {
 }
 
 void exec__shard_free(rank_state *rs, shard *sh) {
-  if ((sh->master != NULL || sh->tiered) && rs->state_bytes >= sh->bytes)
+  if (sh->present && rs->state_bytes >= sh->bytes)
     rs->state_bytes -= sh->bytes;
+  if (sh->present && rs->host_state_bytes >= sh->host_bytes)
+    rs->host_state_bytes -= sh->host_bytes;
   if (sh->working != (void *)sh->master)
     device_free(rs->dev, sh->working);
-  device_free(rs->dev, sh->master);
-  device_free(rs->dev, sh->moment1);
-  device_free(rs->dev, sh->moment2);
+  if (sh->host_state) {
+    hostmem_array_free(sh->master);
+    hostmem_array_free(sh->moment1);
+    hostmem_array_free(sh->moment2);
+  } else {
+    device_free(rs->dev, sh->master);
+    device_free(rs->dev, sh->moment1);
+    device_free(rs->dev, sh->moment2);
+  }
   device_free(rs->dev, sh->grad_acc);
   free(sh->trainable);
   free(sh->zero_ranges);
@@ -102,6 +123,19 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
       LOG_ERRORF("no room for a shard's optimizer state on disk",
                  "job=%s rank=%d unit=%s err=\"%s\"", rs->job->name, rs->rank, l->name,
                  rs->tier_error);
+  } else if (offload_enabled(rs)) {
+    /* offload_optimizer cpu on a GPU rank: master and moments in host
+     * memory; the accumulator and the working copy on the GPU. */
+    sh->host_state = 1;
+    sh->master = host_zalloc(n * 4);
+    sh->moment1 = has[JOB_STATE_MOMENT1] ? host_zalloc(n * 4) : NULL;
+    sh->moment2 = has[JOB_STATE_MOMENT2] ? host_zalloc(n * 4) : NULL;
+    sh->grad_acc = zalloc(rs, n * 4);
+    sh->working = zalloc(rs, n * zk_dtype_size(c->working_dtype));
+    if (sh->master == NULL || sh->grad_acc == NULL ||
+        (has[JOB_STATE_MOMENT1] && sh->moment1 == NULL) ||
+        (has[JOB_STATE_MOMENT2] && sh->moment2 == NULL) || sh->working == NULL)
+      err = -ENOMEM;
   } else {
     sh->master = zalloc(rs, n * 4);
     sh->grad_acc = zalloc(rs, n * 4);
@@ -139,6 +173,8 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
   sh->secondary_buf = -1;
   sh->bytes = exec__shard_bytes(rs, l);
   rs->state_bytes += sh->bytes;
+  sh->host_bytes = sh->host_state ? offload_host_state_bytes(rs, l) : 0;
+  rs->host_state_bytes += sh->host_bytes;
   return 0;
 }
 
@@ -162,6 +198,8 @@ int exec__grow_scratch(rank_state *rs, uint64_t numel, uint64_t shard_numel) {
 
 /* Casts the master shard into the working copy (bf16 working precision). */
 int exec__refresh_working(rank_state *rs, const unit_layout *l, shard *sh) {
+  if (offload_enabled(rs))
+    return offload_refresh_working(rs, l, sh);
   if (sh->tiered)
     return tier_refresh_working(rs, l, sh);
   if (sh->working == (void *)sh->master)
@@ -214,6 +252,10 @@ int exec__state_get(rank_state *rs, shard *sh, const unit_layout *l, uint32_t st
     return -EINVAL;
   if (sh->tiered)
     return tier_read_state(rs, sh, l, (int)state, dst);
+  if (sh->host_state) {
+    memcpy(dst, exec__shard_state(rs, sh, state), l->shard_numel * sizeof(float));
+    return 0;
+  }
   return device_download(rs->dev, dst, exec__shard_state(rs, sh, state),
                          l->shard_numel * sizeof(float));
 }
@@ -226,6 +268,13 @@ int exec__state_put(rank_state *rs, shard *sh, const unit_layout *l, uint32_t st
     return tier_write_state(rs, sh, l, (int)state, src);
   float *dst = exec__shard_state(rs, sh, state);
   size_t bytes = l->shard_numel * sizeof(float);
+  if (sh->host_state) {
+    if (src == NULL)
+      memset(dst, 0, bytes);
+    else
+      memcpy(dst, src, bytes);
+    return 0;
+  }
   return src == NULL ? device_zero(rs->dev, dst, bytes) : device_upload(rs->dev, dst, src, bytes);
 }
 
@@ -233,7 +282,9 @@ int exec__state_copy(rank_state *rs, shard *sh, const unit_layout *l, uint32_t s
                      const float *src) {
   if (!exec__has_state(rs, state))
     return -EINVAL;
-  if (sh->tiered) /* host ranks only: the device's memory is host memory */
+  if (offload_enabled(rs)) /* a GPU rank: src is the GPU's */
+    return offload_state_copy(rs, sh, l, state, src);
+  if (sh->tiered) /* a host rank: its device's memory is host memory */
     return tier_write_state(rs, sh, l, (int)state, src);
   return device_copy(rs->dev, exec__shard_state(rs, sh, state), src,
                      l->shard_numel * sizeof(float));

@@ -228,8 +228,9 @@ void exec__handle_restore_commit(rank_state *rs, exec_op *op) {
       const unit_layout *l = su->layout;
       shard *sh = &rs->shards[l->id];
       size_t bytes = l->shard_numel * sizeof(float);
-      if (sh->tiered) {
-        /* Into the tier file; the staged arrays go with the staging. */
+      if (sh->tiered || sh->host_state) {
+        /* Into the tier file, or a GPU rank's host arrays; the staged
+         * arrays go with the staging. */
         for (int k = 0; rc == 0 && k < JOB_NSTATES; k++)
           if (exec__has_state(rs, (uint32_t)k))
             rc = exec__state_put(rs, sh, l, (uint32_t)k, su->state[k]);

@@ -2,6 +2,7 @@
  * ranks know of), clipping, the optimizer update of every shard and the
  * new working copies; the progress log. */
 #include "exec_impl.h"
+#include "offload.h"
 #include "tier.h"
 
 #include <math.h>
@@ -117,19 +118,19 @@ void exec__handle_grad_norm(rank_state *rs, exec_op *op) {
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM_REPLY, &reply.base);
 }
 
-/* The optimizer over one stretch [begin, begin + n) of a shard: its
- * trainable ranges there, each with its group's hyper-parameters. master,
- * m1 and m2 hold that stretch (the shard's own arrays at begin, or a tier
- * chunk); the gradients and the working copy are the shard's. A
- * tier_chunk_fn. */
+/* The optimizer over one stretch [begin, begin + n) of a shard on dev:
+ * its trainable ranges there, each with its group's hyper-parameters.
+ * master, m1, m2, grad and working hold that stretch (the shard's own
+ * arrays at begin, a tier chunk, a GPU rank's staging slot); working NULL:
+ * the master is the working copy. An offload_update_fn. */
 typedef struct update_args {
   int64_t step_number;
   double grad_scale; /* what multiplies the accumulated gradients: clip / divisor */
 } update_args;
 
-static int update_chunk(void *arg, rank_state *rs, shard *sh, const unit_layout *l, uint64_t begin,
-                        uint64_t n, float *master, float *m1, float *m2) {
-  (void)l;
+static int update_chunk(void *arg, rank_state *rs, device *dev, shard *sh, uint64_t begin,
+                        uint64_t n, float *master, float *m1, float *m2, const float *grad,
+                        void *working) {
   const update_args *a = arg;
   const job_config *c = &rs->job->config;
   size_t welem = zk_dtype_size(c->working_dtype);
@@ -141,9 +142,9 @@ static int update_chunk(void *arg, rank_state *rs, shard *sh, const unit_layout 
       continue;
     job_group grp;
     exec__group(rs, sh->trainable[k].group, &grp);
-    void *working = sh->working == (void *)sh->master ? NULL : (uint8_t *)sh->working + b * welem;
-    zk_dtype wdtype = working != NULL ? c->working_dtype : ZK_DTYPE_NONE;
     uint64_t at = b - begin;
+    void *w = working != NULL ? (uint8_t *)working + at * welem : NULL;
+    zk_dtype wdtype = w != NULL ? c->working_dtype : ZK_DTYPE_NONE;
     int rc;
     if (c->optimizer == JOB_SGD) {
       zk_sgd_hparams hp = {.lr = grp.lr,
@@ -153,8 +154,7 @@ static int update_chunk(void *arg, rank_state *rs, shard *sh, const unit_layout 
                            .nesterov = grp.nesterov,
                            .step = a->step_number,
                            .grad_scale = a->grad_scale};
-      rc = device_sgd_step(rs->dev, &hp, master + at, m1 ? m1 + at : NULL, sh->grad_acc + b,
-                           working, wdtype, e - b);
+      rc = device_sgd_step(dev, &hp, master + at, m1 ? m1 + at : NULL, grad + at, w, wdtype, e - b);
     } else {
       zk_adam_hparams hp = {.lr = grp.lr,
                             .beta1 = grp.beta1,
@@ -164,13 +164,23 @@ static int update_chunk(void *arg, rank_state *rs, shard *sh, const unit_layout 
                             .decoupled_weight_decay = c->optimizer == JOB_ADAMW,
                             .step = a->step_number,
                             .grad_scale = a->grad_scale};
-      rc = device_adam_step(rs->dev, &hp, master + at, m1 + at, m2 + at, sh->grad_acc + b, working,
-                            wdtype, e - b);
+      rc = device_adam_step(dev, &hp, master + at, m1 + at, m2 + at, grad + at, w, wdtype, e - b);
     }
     if (rc != 0)
       return rc;
   }
   return 0;
+}
+
+/* A tier chunk of a host rank: the gradients and the working copy are
+ * the shard's arrays (the working copy its own array, fp32 included). A
+ * tier_chunk_fn. */
+static int update_tier_chunk(void *arg, rank_state *rs, shard *sh, const unit_layout *l,
+                             uint64_t begin, uint64_t n, float *master, float *m1, float *m2) {
+  (void)l;
+  size_t welem = zk_dtype_size(rs->job->config.working_dtype);
+  return update_chunk(arg, rs, rs->dev, sh, begin, n, master, m1, m2, sh->grad_acc + begin,
+                      (uint8_t *)sh->working + begin * welem);
 }
 
 void exec__handle_step(rank_state *rs, exec_op *op) {
@@ -251,14 +261,19 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
     int rc = 0;
     for (uint32_t u = 0; u < rs->nshards && rc == 0; u++) {
       shard *sh = &rs->shards[u];
-      if (sh->present && !sh->tiered)
-        rc = update_chunk(&args, rs, sh, NULL, 0, job_unit(rs->job, u)->shard_numel, sh->master,
-                          sh->moment1, sh->moment2);
+      if (sh->present && !sh->tiered && !sh->host_state)
+        rc = update_chunk(&args, rs, dev, sh, 0, job_unit(rs->job, u)->shard_numel, sh->master,
+                          sh->moment1, sh->moment2, sh->grad_acc,
+                          sh->working == (void *)sh->master ? NULL : sh->working);
     }
-    /* The shards whose state is on disk, streamed through the staging
-     * buffers (tier.h). */
-    if (rc == 0)
-      rc = tier_stream(rs, -1, 1, update_chunk, &args);
+    /* A GPU rank's state off the GPU: the CPU's step, chunk by chunk,
+     * the gradients coming down and the working copies going up around it
+     * (offload.h); a host rank's state on disk, streamed through the
+     * staging buffers (tier.h). */
+    if (rc == 0 && offload_enabled(rs))
+      rc = offload_step(rs, update_chunk, &args);
+    else if (rc == 0)
+      rc = tier_stream(rs, -1, 1, update_tier_chunk, &args);
     if (rc != 0) {
       /* The hyper-parameters were checked at creation; a failure here
        * would leave ranks inconsistent, so the job stops. */

@@ -66,28 +66,14 @@ static int tier_root(const job_config *c, const char *root, char *out, size_t ou
   return 0;
 }
 
-int tier_check(const job_config *c, const char *nvme_dir, int host, char *err, size_t err_bytes) {
-  if (c->offload_device == JOB_OFFLOAD_CPU && !host) {
-    snprintf(err, err_bytes,
-             "offload_optimizer cpu on GPU ranks: not yet (CPU ranks keep their "
-             "optimizer state in host memory already)");
-    return -ENOTSUP;
-  }
+int tier_check(const job_config *c, const char *nvme_dir, char *err, size_t err_bytes) {
   if (c->offload_device != JOB_OFFLOAD_NVME)
     return 0;
-  if (!host) {
-    snprintf(err, err_bytes, "offload_optimizer nvme: CPU ranks only for now");
-    return -ENOTSUP;
-  }
   char root[PATH_MAX];
   return tier_root(c, nvme_dir, root, sizeof root, err, err_bytes);
 }
 
 static int tier_open(rank_state *rs, const char *nvme_dir, char *err, size_t err_bytes) {
-  if (!device_is_host(rs->dev)) {
-    snprintf(err, err_bytes, "offload_optimizer nvme: host (CPU) ranks only for now");
-    return -ENOTSUP;
-  }
   rank_tier *t = calloc(1, sizeof *t);
   if (t == NULL) {
     snprintf(err, err_bytes, "out of memory");
@@ -184,17 +170,20 @@ static float *slot_state(rank_tier *t, unsigned slot, unsigned k) {
   return t->buffers + ((size_t)slot * t->nstates + k) * t->chunk;
 }
 
-/* A whole state of a tiered shard through slot 0's first buffer: read
- * into dst, or (dst NULL) written from src (NULL: zeros). */
-static int state_io(rank_state *rs, const shard *sh, const unit_layout *l, int state, float *dst,
-                    const float *src) {
+/* Elements [first, first + count) of a state of a tiered shard (first a
+ * multiple of the chunk) through slot 0's first buffer: read into dst, or
+ * (dst NULL) written from src (NULL: zeros); dst and src hold that
+ * stretch. */
+static int state_io(rank_state *rs, const shard *sh, const unit_layout *l, int state,
+                    uint64_t first, uint64_t count, float *dst, const float *src) {
   rank_tier *t = rs->tier;
-  if (t == NULL || !sh->tiered || state < 0 || state >= JOB_NSTATES || !t->has[state])
+  if (t == NULL || !sh->tiered || state < 0 || state >= JOB_NSTATES || !t->has[state] ||
+      first % t->chunk != 0 || first > l->shard_numel || count > l->shard_numel - first)
     return -EINVAL;
   uint64_t base = sh->tier_offset + state_index(t, state) * sh->tier_stride;
   float *buf = slot_state(t, 0, 0);
-  for (uint64_t b = 0; b < l->shard_numel; b += t->chunk) {
-    uint64_t n = l->shard_numel - b < t->chunk ? l->shard_numel - b : t->chunk;
+  for (uint64_t b = first; b < first + count; b += t->chunk) {
+    uint64_t n = first + count - b < t->chunk ? first + count - b : t->chunk;
     size_t bytes = aligned(n * sizeof(float));
     uint64_t offset = base + b * sizeof(float);
     int rc;
@@ -203,7 +192,7 @@ static int state_io(rank_state *rs, const shard *sh, const unit_layout *l, int s
     } else {
       memset(buf, 0, bytes); /* the padding after the last element too */
       if (src != NULL)
-        memcpy(buf, src + b, n * sizeof(float));
+        memcpy(buf, src + (b - first), n * sizeof(float));
       rc = aio_file_write(t->file, 0, buf, bytes, offset);
     }
     if (rc == 0)
@@ -211,18 +200,23 @@ static int state_io(rank_state *rs, const shard *sh, const unit_layout *l, int s
     if (rc != 0)
       return rc;
     if (dst != NULL)
-      memcpy(dst + b, buf, n * sizeof(float));
+      memcpy(dst + (b - first), buf, n * sizeof(float));
   }
   return 0;
 }
 
 int tier_read_state(rank_state *rs, const shard *sh, const unit_layout *l, int state, float *dst) {
-  return dst != NULL ? state_io(rs, sh, l, state, dst, NULL) : -EINVAL;
+  return dst != NULL ? state_io(rs, sh, l, state, 0, l->shard_numel, dst, NULL) : -EINVAL;
 }
 
 int tier_write_state(rank_state *rs, const shard *sh, const unit_layout *l, int state,
                      const float *src) {
-  return state_io(rs, sh, l, state, NULL, src);
+  return state_io(rs, sh, l, state, 0, l->shard_numel, NULL, src);
+}
+
+int tier_write_state_range(rank_state *rs, const shard *sh, const unit_layout *l, int state,
+                           uint64_t first, uint64_t count, const float *src) {
+  return state_io(rs, sh, l, state, first, count, NULL, src);
 }
 
 /* One chunk of the stream: a unit's shard and where in it. */

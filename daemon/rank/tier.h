@@ -1,5 +1,6 @@
 /* tier: a rank's optimizer state on disk (offload_optimizer nvme,
- * ZeRO-Infinity's NVMe tier). Host ranks only for now.
+ * ZeRO-Infinity's NVMe tier). On a GPU rank the step that streams it runs
+ * on the CPU (offload.h).
  *
  * One file per rank, <nvme root>/<job>-<job id>/rank-<rank>.zdtier, opened
  * with O_DIRECT where the filesystem allows (backend/aio.h). Each unit's
@@ -23,10 +24,8 @@
 int tier_enabled(const job *j);
 
 /* Whether a job of config c can have its ranks on this daemon: its
- * offload_optimizer's device for ranks that are (host) or are not CPU
- * ranks, its nvme_path inside nvme_dir. Returns 0 or a negative errno
- * with err set. */
-int tier_check(const job_config *c, const char *nvme_dir, int host, char *err, size_t err_bytes);
+ * nvme_path inside nvme_dir. Returns 0 or a negative errno with err set. */
+int tier_check(const job_config *c, const char *nvme_dir, char *err, size_t err_bytes);
 
 /* Gives a shard just created (arrays of memory-resident state already
  * allocated) its extent in the rank's tier file, opening the file first if
@@ -46,6 +45,10 @@ void tier_close(rank_state *rs);
 int tier_read_state(rank_state *rs, const shard *sh, const unit_layout *l, int state, float *dst);
 int tier_write_state(rank_state *rs, const shard *sh, const unit_layout *l, int state,
                      const float *src);
+/* The same for elements [first, first + count) only (first a multiple of
+ * buffer_size), from src holding that stretch. */
+int tier_write_state_range(rank_state *rs, const shard *sh, const unit_layout *l, int state,
+                           uint64_t first, uint64_t count, const float *src);
 
 /* Called by tier_stream with the chunk [begin, begin + n) of a shard's
  * states in memory (m1, m2 NULL when the optimizer keeps none); what it

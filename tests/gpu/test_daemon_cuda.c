@@ -30,18 +30,19 @@
 #include "gpu_testutil.h"
 #include "zerod.h"
 
-#ifndef ZEROD_BINARY
-#error "ZEROD_BINARY (the zerod program) must be defined by the build"
+#if !defined(ZEROD_BINARY) || !defined(ZEROD_CTL)
+#error "ZEROD_BINARY and ZEROD_CTL (the zerod and zerodctl programs) must be defined by the build"
 #endif
 
 extern char **environ;
 
 #define STEPS        5
 #define REL_TOL      1e-6
-#define W_ROWS       37
+#define W_ROWS       613 /* 3 chunks of 1024 for the offloaded runs */
 #define W_COLS       5
+#define F_NUMEL      7 /* a frozen tensor between them */
 #define B_NUMEL      5
-#define PACKED_NUMEL (W_ROWS * W_COLS + B_NUMEL)
+#define PACKED_NUMEL (W_ROWS * W_COLS + F_NUMEL + B_NUMEL)
 
 /* ------------------------------------------------------------------------ */
 /* A zerod process                                                          */
@@ -68,6 +69,15 @@ static void print_log(const daemon_proc *d) {
     fputs(line, stderr);
   fclose(f);
 }
+
+/* Where the run keeps its optimizer state (offload_optimizer). */
+typedef struct placement {
+  zd_offload_device device;
+  unsigned buffer_count;
+  int pin_memory;
+} placement;
+
+static const placement ON_DEVICE = {ZD_OFFLOAD_DEFAULT, 0, 0};
 
 static void daemon_start(daemon_proc *d, const char *device) {
   snprintf(d->dir, sizeof d->dir, "/tmp/zerod-gpu-XXXXXX");
@@ -111,6 +121,19 @@ static void daemon_start(daemon_proc *d, const char *device) {
     }
     usleep(20000);
   }
+}
+
+/* Whether the daemon's log has a line with `text`. */
+static int log_has(const daemon_proc *d, const char *text) {
+  FILE *f = fopen(d->log, "r");
+  if (f == NULL)
+    return 0;
+  char line[2048];
+  int found = 0;
+  while (!found && fgets(line, sizeof line, f) != NULL)
+    found = strstr(line, text) != NULL;
+  fclose(f);
+  return found;
 }
 
 /* SIGTERM, and a clean exit within a minute. */
@@ -201,12 +224,56 @@ static void write_view(const zd_view *view, const float *packed) {
   }
 }
 
+/* Steps from..to of the run: history[s] is the unit as gathered before
+ * step s (the last: after step `to`). On the cuda daemon the views are
+ * device pointers. */
+static void run_steps(const daemon_proc *d, zd_job *job, zd_unit unit, int expect_gpu, int from,
+                      int to, float history[STEPS + 1][PACKED_NUMEL]) {
+  for (int s = from; s <= to; s++) {
+    zd_view gathered;
+    ZD_OK_OR_FAIL(d, zd_gather(job, unit, &gathered));
+    if (expect_gpu) {
+      assert_int_equal(gathered.device, 0);
+      assert_non_null(gathered.event);
+    } else {
+      assert_int_equal(gathered.device, -1);
+    }
+    ZD_OK_OR_FAIL(d, zd_view_stream_wait(&gathered, NULL));
+    read_view(&gathered, history[s]);
+    ZD_OK_OR_FAIL(d, zd_view_stream_done(&gathered, NULL));
+    ZD_OK_OR_FAIL(d, zd_release(job, unit));
+    if (s == to)
+      break;
+
+    /* A gradient that depends on the weights, so a wrong update shows. */
+    float grad[PACKED_NUMEL];
+    for (int k = 0; k < PACKED_NUMEL; k++)
+      grad[k] = 0.5f * history[s][k] - 0.02f * (float)((k + s) % 5);
+    zd_view grad_view;
+    ZD_OK_OR_FAIL(d, zd_grad_buffer(job, unit, &grad_view));
+    assert_int_equal(grad_view.device, expect_gpu ? 0 : -1);
+    ZD_OK_OR_FAIL(d, zd_view_stream_wait(&grad_view, NULL));
+    write_view(&grad_view, grad);
+    ZD_OK_OR_FAIL(d, zd_view_stream_done(&grad_view, NULL));
+    ZD_OK_OR_FAIL(d, zd_reduce(job, unit));
+    zd_step_result result;
+    ZD_OK_OR_FAIL(d, zd_step(job, NULL, &result));
+    assert_int_equal(result.step, (uint64_t)s + 1);
+    assert_false(result.skipped);
+  }
+}
+
+#define SAVE_AT 2 /* the offloaded runs save a checkpoint after this step */
+
 /* The whole run on one daemon: history[s] is the unit as gathered before
- * step s (history[STEPS]: after the last step). */
-static void train(const char *device, float history[STEPS + 1][PACKED_NUMEL]) {
+ * step s (history[STEPS]: after the last step). An offloaded run also
+ * saves a checkpoint after step SAVE_AT, restores it once done and runs
+ * the steps after it again, which must give the same bits. */
+static void train(const char *device, placement where, float history[STEPS + 1][PACKED_NUMEL]) {
   daemon_proc d;
   daemon_start(&d, device);
   int expect_gpu = strcmp(device, "cuda") == 0;
+  int offloaded = where.device != ZD_OFFLOAD_DEFAULT;
 
   zd_client *client;
   ZD_OK_OR_FAIL(&d, connect_when_listening(&d, &client));
@@ -215,6 +282,10 @@ static void train(const char *device, float history[STEPS + 1][PACKED_NUMEL]) {
   config.lr = 1e-2;
   config.weight_decay = 0.01;
   config.has_weight_decay = 1;
+  config.offload_device = where.device;
+  config.offload_buffer_count = where.buffer_count;
+  config.offload_buffer_size = offloaded ? 1024 : 0;
+  config.offload_pin_memory = where.pin_memory;
   zd_attach_options options = ZD_ATTACH_OPTIONS_INIT;
   options.job = "gpu-parity";
   options.create = 1;
@@ -223,8 +294,10 @@ static void train(const char *device, float history[STEPS + 1][PACKED_NUMEL]) {
   ZD_OK_OR_FAIL(&d, zd_attach(client, &options, &job));
 
   static const uint64_t w_shape[] = {W_ROWS, W_COLS};
+  static const uint64_t f_shape[] = {F_NUMEL};
   static const uint64_t b_shape[] = {B_NUMEL};
   zd_tensor_desc tensors[] = {{.name = "w", .shape = w_shape, .ndim = 2},
+                              {.name = "f", .shape = f_shape, .ndim = 1, .frozen = 1},
                               {.name = "b", .shape = b_shape, .ndim = 1}};
   float init[PACKED_NUMEL];
   for (int k = 0; k < PACKED_NUMEL; k++)
@@ -232,43 +305,46 @@ static void train(const char *device, float history[STEPS + 1][PACKED_NUMEL]) {
   zd_unit_desc desc = ZD_UNIT_DESC_INIT;
   desc.name = "layer";
   desc.tensors = tensors;
-  desc.ntensors = 2;
+  desc.ntensors = 3;
   desc.init = ZD_INIT_FROM_RANK0;
   desc.init_values = init;
   zd_unit unit;
   ZD_OK_OR_FAIL(&d, zd_register_unit(job, &desc, &unit));
 
-  for (int s = 0; s <= STEPS; s++) {
-    zd_view gathered;
-    ZD_OK_OR_FAIL(&d, zd_gather(job, unit, &gathered));
-    if (expect_gpu) {
-      assert_int_equal(gathered.device, 0);
-      assert_non_null(gathered.event);
-    } else {
-      assert_int_equal(gathered.device, -1);
-    }
-    ZD_OK_OR_FAIL(&d, zd_view_stream_wait(&gathered, NULL));
-    read_view(&gathered, history[s]);
-    ZD_OK_OR_FAIL(&d, zd_view_stream_done(&gathered, NULL));
-    ZD_OK_OR_FAIL(&d, zd_release(job, unit));
-    if (s == STEPS)
-      break;
-
-    /* A gradient that depends on the weights, so a wrong update shows. */
-    float grad[PACKED_NUMEL];
-    for (int k = 0; k < PACKED_NUMEL; k++)
-      grad[k] = 0.5f * history[s][k] - 0.02f * (float)((k + s) % 5);
-    zd_view grad_view;
-    ZD_OK_OR_FAIL(&d, zd_grad_buffer(job, unit, &grad_view));
-    assert_int_equal(grad_view.device, expect_gpu ? 0 : -1);
-    ZD_OK_OR_FAIL(&d, zd_view_stream_wait(&grad_view, NULL));
-    write_view(&grad_view, grad);
-    ZD_OK_OR_FAIL(&d, zd_view_stream_done(&grad_view, NULL));
-    ZD_OK_OR_FAIL(&d, zd_reduce(job, unit));
-    zd_step_result result;
-    ZD_OK_OR_FAIL(&d, zd_step(job, NULL, &result));
-    assert_int_equal(result.step, (uint64_t)s + 1);
-    assert_false(result.skipped);
+  if (!offloaded) {
+    run_steps(&d, job, unit, expect_gpu, 0, STEPS, history);
+  } else {
+    run_steps(&d, job, unit, expect_gpu, 0, SAVE_AT, history);
+    zd_checkpoint_info info;
+    ZD_OK_OR_FAIL(&d, zd_checkpoint_save(job, "mid", &info));
+    assert_int_equal(info.step, SAVE_AT);
+    run_steps(&d, job, unit, expect_gpu, SAVE_AT, STEPS, history);
+    /* Where the state is, as the daemon counts it. */
+    zd_rank_stats stats;
+    unsigned nranks = 0;
+    ZD_OK_OR_FAIL(&d, zd_job_stats(job, &stats, 1, &nranks));
+    assert_int_equal(nranks, 1);
+    uint64_t padded = stats.state_bytes / 8; /* fp32 accumulator and working copy */
+    assert_true(padded >= PACKED_NUMEL && padded < PACKED_NUMEL + 1024);
+    if (expect_gpu && where.device == ZD_OFFLOAD_CPU)
+      assert_int_equal(stats.host_state_bytes, 12 * padded); /* master, m, v */
+    else
+      assert_int_equal(stats.host_state_bytes, 0);
+    if (where.device == ZD_OFFLOAD_NVME)
+      assert_true(stats.tier_bytes >= 12 * padded);
+    /* Back to step SAVE_AT, and the same steps again. */
+    static float replay[STEPS + 1][PACKED_NUMEL];
+    ZD_OK_OR_FAIL(&d, zd_checkpoint_restore(job, "mid", &info));
+    assert_int_equal(info.step, SAVE_AT);
+    run_steps(&d, job, unit, expect_gpu, SAVE_AT, STEPS, replay);
+    for (int s = SAVE_AT; s <= STEPS; s++)
+      if (memcmp(replay[s], history[s], sizeof replay[s]) != 0)
+        fail_msg("after restoring step %d: step %d's weights differ from the first run's", SAVE_AT,
+                 s);
+  }
+  if (expect_gpu && offloaded && !log_has(&d, "optimizer state off the GPU")) {
+    print_log(&d);
+    fail_msg("the GPU daemon did not take the offloaded step");
   }
   ZD_OK_OR_FAIL(&d, zd_detach(job));
   zd_close(client);
@@ -279,26 +355,154 @@ static void train(const char *device, float history[STEPS + 1][PACKED_NUMEL]) {
 /* Tests                                                                    */
 /* ------------------------------------------------------------------------ */
 
-static void test_cuda_daemon_trains_like_the_cpu_daemon(void **state) {
-  static float cpu[STEPS + 1][PACKED_NUMEL], gpu[STEPS + 1][PACKED_NUMEL];
-  train("cpu", cpu);
-  train("cuda", gpu);
+static float cpu_run[STEPS + 1][PACKED_NUMEL];
+static int cpu_run_done;
+
+/* The reference: the same run on a --device cpu daemon (once). */
+static void train_on_cpu(void) {
+  if (cpu_run_done)
+    return;
+  train("cpu", ON_DEVICE, cpu_run);
+  cpu_run_done = 1;
+  /* The run must have moved the weights, or the comparisons say nothing;
+   * the frozen tensor must not have moved. */
+  assert_true(fabs(cpu_run[STEPS][0] - cpu_run[0][0]) > 1e-3);
+  for (int k = W_ROWS * W_COLS; k < W_ROWS * W_COLS + F_NUMEL; k++)
+    assert_true(cpu_run[STEPS][k] == cpu_run[0][k]);
+}
+
+static void compare(float gpu[STEPS + 1][PACKED_NUMEL], double rel_tol) {
   for (int s = 0; s <= STEPS; s++) {
     for (int k = 0; k < PACKED_NUMEL; k++) {
-      double a = cpu[s][k], b = gpu[s][k];
+      double a = cpu_run[s][k], b = gpu[s][k];
       double scale = fabs(a) > fabs(b) ? fabs(a) : fabs(b);
-      if (fabs(a - b) > REL_TOL * scale + 1e-12)
+      if (fabs(a - b) > rel_tol * scale + (rel_tol > 0 ? 1e-12 : 0))
         fail_msg("after step %d, element %d: cpu %.9g, cuda %.9g (relative tolerance %g)", s, k, a,
-                 b, REL_TOL);
+                 b, rel_tol);
     }
   }
-  /* The run must have moved the weights, or the comparison says nothing. */
-  assert_true(fabs(cpu[STEPS][0] - cpu[0][0]) > 1e-3);
+}
+
+static void test_cuda_daemon_trains_like_the_cpu_daemon(void **state) {
+  static float gpu[STEPS + 1][PACKED_NUMEL];
+  train_on_cpu();
+  train("cuda", ON_DEVICE, gpu);
+  compare(gpu, REL_TOL);
+}
+
+/* offload_optimizer cpu on a GPU rank: the master weights and moments in
+ * host memory, the step on the CPU with the CPU daemon's kernels over
+ * chunks whose gradients came down from the GPU and whose working copy
+ * goes back up, so the weights are the CPU daemon's to the bit. Two
+ * page-locked buffers of 1024 elements: three chunks, the frozen tensor
+ * inside the last. */
+static void test_cuda_daemon_with_host_optimizer_state_trains_like_the_cpu_daemon(void **state) {
+  static float gpu[STEPS + 1][PACKED_NUMEL];
+  train_on_cpu();
+  train("cuda", (placement){ZD_OFFLOAD_CPU, 2, 1}, gpu);
+  compare(gpu, 0);
+}
+
+/* offload_optimizer nvme on a GPU rank: the state in the rank's tier
+ * file, streamed through three pageable buffers; the same bits again. */
+static void test_cuda_daemon_with_nvme_optimizer_state_trains_like_the_cpu_daemon(void **state) {
+  static float gpu[STEPS + 1][PACKED_NUMEL];
+  train_on_cpu();
+  train("cuda", (placement){ZD_OFFLOAD_NVME, 3, 0}, gpu);
+  compare(gpu, 0);
+}
+
+/* Runs zerodctl against the daemon's control socket; its exit status. */
+static int zerodctl(const daemon_proc *d, char *const args[]) {
+  char control[160];
+  snprintf(control, sizeof control, "unix:%s/control.sock", d->dir);
+  char *argv[32] = {(char *)ZEROD_CTL, "-c", control};
+  int n = 3;
+  for (int k = 0; args[k] != NULL && n < 31; k++)
+    argv[n++] = args[k];
+  argv[n] = NULL;
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+  pid_t pid;
+  int rc = posix_spawn(&pid, ZEROD_CTL, &actions, NULL, argv, environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0)
+    fail_msg("posix_spawn %s: %s", ZEROD_CTL, strerror(rc));
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* A GPU rank's optimizer state in host memory counts against the job's
+ * max_host_bytes (its accumulator and working copy against
+ * max_device_bytes): a unit whose master and moments do not fit is
+ * refused with the reason, one that fits trains, and the stats say where
+ * its bytes are. */
+static void test_cuda_daemon_counts_host_optimizer_state_against_the_host_quota(void **state) {
+  daemon_proc d;
+  daemon_start(&d, "cuda");
+  char *create[] = {"jobs",  "create",
+                    "quota", "--token",
+                    "t",     "--offload-optimizer",
+                    "cpu",   "--offload-buffer-size",
+                    "1024",  "--max-host-bytes",
+                    "64K",   "--max-device-bytes",
+                    "1M",    NULL};
+  if (zerodctl(&d, create) != 0) {
+    print_log(&d);
+    fail_msg("zerodctl jobs create failed");
+  }
+  zd_client *client;
+  ZD_OK_OR_FAIL(&d, connect_when_listening(&d, &client));
+  zd_attach_options options = ZD_ATTACH_OPTIONS_INIT;
+  options.job = "quota";
+  options.token = "t";
+  zd_job *job;
+  ZD_OK_OR_FAIL(&d, zd_attach(client, &options, &job));
+  /* 8192 elements: 96 KiB of master and moments, over 64 KiB; 32 KiB on
+   * the GPU, under 1 MiB. */
+  static const uint64_t big_shape[] = {8192};
+  zd_tensor_desc big_tensor = {.name = "w", .shape = big_shape, .ndim = 1};
+  zd_unit_desc desc = ZD_UNIT_DESC_INIT;
+  desc.name = "big";
+  desc.tensors = &big_tensor;
+  desc.ntensors = 1;
+  desc.init = ZD_INIT_ZEROS;
+  zd_unit unit;
+  assert_int_equal(zd_register_unit(job, &desc, &unit), ZD_E_RESOURCE_EXHAUSTED);
+  const char *why = zd_last_error();
+  if (strstr(why, "in host memory (offload_optimizer cpu)") == NULL ||
+      strstr(why, "max_host_bytes") == NULL)
+    fail_msg("unexpected refusal: %s", why);
+  /* 4096 elements: 48 KiB on the host, 32 KiB on the GPU. */
+  static const uint64_t small_shape[] = {4096};
+  zd_tensor_desc small_tensor = {.name = "w", .shape = small_shape, .ndim = 1};
+  desc.name = "small";
+  desc.tensors = &small_tensor;
+  ZD_OK_OR_FAIL(&d, zd_register_unit(job, &desc, &unit));
+  zd_rank_stats stats;
+  unsigned nranks = 0;
+  ZD_OK_OR_FAIL(&d, zd_job_stats(job, &stats, 1, &nranks));
+  assert_int_equal(stats.host_state_bytes, 12 * 4096);
+  assert_int_equal(stats.state_bytes, 8 * 4096);
+  assert_int_equal(stats.tier_bytes, 0);
+  ZD_OK_OR_FAIL(&d, zd_detach(job));
+  zd_close(client);
+  daemon_stop(&d);
 }
 
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_cuda_daemon_trains_like_the_cpu_daemon, kill_running_daemon),
+      cmocka_unit_test_teardown(
+          test_cuda_daemon_with_host_optimizer_state_trains_like_the_cpu_daemon,
+          kill_running_daemon),
+      cmocka_unit_test_teardown(
+          test_cuda_daemon_with_nvme_optimizer_state_trains_like_the_cpu_daemon,
+          kill_running_daemon),
+      cmocka_unit_test_teardown(test_cuda_daemon_counts_host_optimizer_state_against_the_host_quota,
+                                kill_running_daemon),
   };
   /* A GPU daemon needs NCCL for its communicator, even with one rank. */
   char why[512] = "";

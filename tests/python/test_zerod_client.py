@@ -432,6 +432,122 @@ def test_nvme_offload_trains_a_job_over_the_memory_quota(start_daemon):
     assert rss_anon(daemon.proc.pid) - before < 2 * n, (before, rss_anon(daemon.proc.pid))
 
 
+class MemoryCgroup:
+    """A memory cgroup of its own (v2 where its memory controller is on,
+    else v1) with a limit on what its processes charge from now on."""
+
+    def __init__(self, name, limit):
+        self.path = None
+        for root, limit_file, peak_file in [
+                ("/sys/fs/cgroup", "memory.max", "memory.peak"),
+                ("/sys/fs/cgroup/memory", "memory.limit_in_bytes",
+                 "memory.max_usage_in_bytes")]:
+            if root == "/sys/fs/cgroup" and "memory" not in self._read(
+                    os.path.join(root, "cgroup.controllers")).split():
+                continue
+            if not os.path.isfile(os.path.join(root, "cgroup.procs")):
+                continue
+            path = os.path.join(root, name)
+            try:
+                os.mkdir(path)
+                with open(os.path.join(path, limit_file), "w") as f:
+                    f.write(str(limit))
+                swap = os.path.join(path, "memory.memsw.limit_in_bytes")
+                if os.path.exists(swap):  # no swapping out of the limit
+                    with open(swap, "w") as f:
+                        f.write(str(limit))
+                swap = os.path.join(path, "memory.swap.max")
+                if os.path.exists(swap):
+                    with open(swap, "w") as f:
+                        f.write("0")
+            except OSError as e:
+                self.why = "cannot make a memory cgroup under %s: %s" % (root, e)
+                if os.path.isdir(path):
+                    os.rmdir(path)
+                continue
+            self.path, self.peak_file = path, peak_file
+            return
+        if not hasattr(self, "why"):
+            self.why = "no memory cgroup controller here"
+
+    @staticmethod
+    def _read(path):
+        try:
+            with open(path) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def add(self, pid):
+        with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+
+    def peak(self):
+        text = self._read(os.path.join(self.path, self.peak_file)).strip()
+        return int(text) if text else None
+
+    def remove(self):
+        if self.path is not None:
+            os.rmdir(self.path)  # empty once its processes are gone
+
+
+def test_nvme_offload_trains_a_model_larger_than_the_daemons_memory_limit(start_daemon):
+    """The daemon in a memory cgroup whose limit is below the job's
+    optimizer state: with the state on disk it trains (bf16, so the
+    gradients and working copy it keeps are 6 bytes per element against
+    the 18 an in-memory job would hold), and the kernel never had to kill
+    it. Eight units of 4 Mi elements: 384 MiB of master weights and
+    moments under a 352 MiB limit on what the daemon allocates after it
+    started."""
+    units, numel = 8, 4 << 20
+    state_bytes = 12 * units * numel            # master, m, v: on disk
+    kept = 6 * units * numel                    # gradient accumulator, bf16 working copy
+    limit = 352 << 20
+    assert state_bytes > limit and 18 * units * numel > limit
+    cgroup = MemoryCgroup("zerod-test-%d" % os.getpid(), limit)
+    if cgroup.path is None:
+        pytest.skip(cgroup.why)
+    daemon = None
+    try:
+        daemon = start_daemon(ranks=1)
+        # What it holds already stays charged where it was; the limit is
+        # on what it allocates from here on.
+        cgroup.add(daemon.proc.pid)
+        config = zerod.JobConfig(dtype="bfloat16", max_live_bytes=64 << 20, offload_optimizer={
+            "device": "nvme", "buffer_count": 3, "buffer_size": 256 << 10})
+        with zerod.Client(daemon.socket) as client:
+            job = client.attach("big", rank=0, config=config)
+            handles = [job.register("u%d" % k, [("w", (numel,))], init="zeros")
+                       for k in range(units)]
+            one = np.uint16(0x3F80)  # 1.0 in bf16
+            for _ in range(3):
+                for unit in handles:
+                    unit.gather()
+                    unit.release()
+                    unit.grad_buffer().arrays()["w"][...] = one
+                    unit.reduce()
+                result = job.step()
+            assert result.step == 3
+            stats = job.stats()[0]
+            assert stats["state_bytes"] == kept
+            assert stats["tier_bytes"] >= state_bytes
+            # AdamW's first step moves every weight by lr (1e-3) against
+            # the gradient's sign; the next two by about as much again.
+            w = handles[-1].read_state()[0]
+            assert np.all(w < -2.5e-3) and np.all(w > -3.5e-3), (w.min(), w.max())
+        assert daemon.alive(), daemon.read_log()
+        peak = cgroup.peak()
+        if peak is not None:
+            assert peak <= limit
+            print("daemon's peak memory after start: %.0f MiB of a %.0f MiB limit; "
+                  "optimizer state %.0f MiB" % (peak / 2**20, limit / 2**20, state_bytes / 2**20))
+        daemon.stop()
+    finally:
+        if daemon is not None and daemon.alive():
+            daemon.kill()
+        cgroup.remove()
+
+
 def test_nvme_offload_full_disk_is_a_clear_error(start_daemon, tmp_path):
     """A tier directory with no room (a 4 MiB tmpfs) refuses the unit that
     does not fit at its registration, with the disk's words, and the

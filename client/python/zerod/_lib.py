@@ -213,6 +213,7 @@ class RankStats(ctypes.Structure):
         ("secondary_bytes", c_uint64),
         ("state_bytes", c_uint64),
         ("tier_bytes", c_uint64),
+        ("host_state_bytes", c_uint64),
     ]
 
 

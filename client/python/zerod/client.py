@@ -79,7 +79,9 @@ class JobConfig:
     keeps the fp32 master weights and moments in a file per rank under the
     daemon's ``--nvme-dir`` (``nvme_path``, if given, inside it), streamed
     through ``buffer_count`` buffers of ``buffer_size`` elements per state
-    at each step; ``"cpu"`` is host memory (what CPU ranks do anyway).
+    at each step; ``"cpu"`` is host memory (what CPU ranks do anyway; a
+    GPU rank keeps its gradients and working copy on the GPU and steps on
+    the CPU through the same buffers, page-locked with ``pin_memory``).
     """
 
     optimizer: str = "adamw"
@@ -509,11 +511,13 @@ class Job:
         since the job was created there, one dict per rank in rank order:
         ``{"rank": 0, "step": 12, "counters": {("node", "all_gather"):
         {"bytes": ..., "calls": ...}, ...}, "pool_bytes": ...,
-        "secondary_bytes": ..., "state_bytes": ..., "tier_bytes": ...}``
+        "secondary_bytes": ..., "state_bytes": ..., "tier_bytes": ...,
+        "host_state_bytes": ...}``
         (levels "node", "cross" and "world"; only non-zero counters; the
         rank's buffer pool and the hpZ secondary partitions in it, and its
         shards' bytes in memory and in its tier file (offload_optimizer
-        nvme), after its last request)."""
+        nvme), and a GPU rank's in host memory (offload_optimizer cpu),
+        after its last request)."""
         entries = (_lib.RankStats * 64)()
         count = ctypes.c_uint()
         _check(self._lib.zd_job_stats(self._handle, entries, 64, ctypes.byref(count)), "stats")
@@ -527,7 +531,8 @@ class Job:
                            "counters": counters, "pool_bytes": int(entry.pool_bytes),
                            "secondary_bytes": int(entry.secondary_bytes),
                            "state_bytes": int(entry.state_bytes),
-                           "tier_bytes": int(entry.tier_bytes)})
+                           "tier_bytes": int(entry.tier_bytes),
+                           "host_state_bytes": int(entry.host_state_bytes)})
         return result
 
     def pin(self) -> int:
