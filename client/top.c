@@ -209,6 +209,24 @@ static double sum_of(const prom_set *set, const char *name, const char *job, con
   return sum;
 }
 
+/* zerod_shard_bytes of a job's rank in memory (every `memory` but nvme),
+ * or on disk (nvme: offload_optimizer's tier file). */
+static double shard_bytes(const prom_set *set, const char *job, const char *rank, bool on_disk) {
+  double sum = 0;
+  for (size_t i = 0; i < set->n; i++) {
+    const prom_sample *s = &set->samples[i];
+    if (strcmp(s->name, "zerod_shard_bytes") != 0)
+      continue;
+    const char *j = prom_label_value(s, "zerod_job"), *r = prom_label_value(s, "rank");
+    const char *memory = prom_label_value(s, "memory");
+    if (j == NULL || strcmp(j, job) != 0 || r == NULL || strcmp(r, rank) != 0)
+      continue;
+    if ((memory != NULL && strcmp(memory, "nvme") == 0) == on_disk)
+      sum += s->value;
+  }
+  return sum;
+}
+
 /* A counter's growth per second over the interval, or NAN (no previous
  * scrape, or the counter went back: the job was made again). */
 static double per_second(const target *t, const char *name, const char *job, const char *rank) {
@@ -242,7 +260,7 @@ typedef struct row {
   const target *t;
   const char *job, *rank;
   double step, steps_per_s, step_ms, gather_ms, reduce_ms, bytes_per_s;
-  double shard_bytes, buffer_bytes, live_bytes, queue, attached, errors;
+  double shard_bytes, disk_bytes, buffer_bytes, live_bytes, queue, attached, errors;
 } row;
 
 static int row_order(const void *a, const void *b) {
@@ -285,7 +303,8 @@ static row *collect_rows(const top_options *o, size_t *n) {
       r->gather_ms = mean_ms(t, "zerod_gather_duration_seconds", job, rank);
       r->reduce_ms = mean_ms(t, "zerod_reduce_duration_seconds", job, rank);
       r->bytes_per_s = per_second(t, "zerod_collective_bytes_total", job, rank);
-      r->shard_bytes = sum_of(&t->cur, "zerod_shard_bytes", job, rank, NULL);
+      r->shard_bytes = shard_bytes(&t->cur, job, rank, false);
+      r->disk_bytes = shard_bytes(&t->cur, job, rank, true);
       r->buffer_bytes = sum_of(&t->cur, "zerod_buffer_bytes", job, rank, NULL);
       r->live_bytes = sum_of(&t->cur, "zerod_live_gathered_bytes", job, rank, NULL);
       r->queue = sum_of(&t->cur, "zerod_queue_depth", job, rank, NULL);
@@ -381,15 +400,15 @@ static void print_table(const top_options *o, const row *rows, size_t nrows, boo
     if (w > job_width)
       job_width = w < 64 ? w : 64;
   }
-  printf("\n%-*s %4s %8s %8s %8s %9s %9s %9s %9s %9s %9s %5s %6s %6s\n", job_width, "JOB", "RANK",
-         "STEP", "STEPS/S", "STEP_MS", "GATHER_MS", "REDUCE_MS", "MOVED/S", "SHARDS", "BUFFERS",
-         "LIVE", "QUEUE", "WORKER", "ERRORS");
+  printf("\n%-*s %4s %8s %8s %8s %9s %9s %9s %9s %9s %9s %9s %5s %6s %6s\n", job_width, "JOB",
+         "RANK", "STEP", "STEPS/S", "STEP_MS", "GATHER_MS", "REDUCE_MS", "MOVED/S", "SHARDS",
+         "ON_DISK", "BUFFERS", "LIVE", "QUEUE", "WORKER", "ERRORS");
   if (nrows == 0)
     printf("(no jobs)\n");
   for (size_t i = 0; i < nrows; i++) {
     const row *r = &rows[i];
     char job[72], rank[16], rate[16], step_ms[16], gather[16], reduce[16], moved[16], shards[16],
-        buffers[16], live[16];
+        disk[16], buffers[16], live[16];
     safe(r->job, job, sizeof job);
     safe(r->rank, rank, sizeof rank);
     fmt_num(r->steps_per_s, "%.1f", rate, sizeof rate);
@@ -398,11 +417,12 @@ static void print_table(const top_options *o, const row *rows, size_t nrows, boo
     fmt_num(r->reduce_ms, "%.2f", reduce, sizeof reduce);
     fmt_bytes(r->bytes_per_s, moved, sizeof moved);
     fmt_bytes(r->shard_bytes, shards, sizeof shards);
+    fmt_bytes(r->disk_bytes, disk, sizeof disk);
     fmt_bytes(r->buffer_bytes, buffers, sizeof buffers);
     fmt_bytes(r->live_bytes, live, sizeof live);
-    printf("%-*s %4s %8.0f %8s %8s %9s %9s %9s %9s %9s %9s %5.0f %6s %6.0f\n", job_width, job, rank,
-           r->step, rate, step_ms, gather, reduce, moved, shards, buffers, live, r->queue,
-           r->attached > 0 ? "yes" : "no", r->errors);
+    printf("%-*s %4s %8.0f %8s %8s %9s %9s %9s %9s %9s %9s %9s %5.0f %6s %6.0f\n", job_width, job,
+           rank, r->step, rate, step_ms, gather, reduce, moved, shards, disk, buffers, live,
+           r->queue, r->attached > 0 ? "yes" : "no", r->errors);
   }
   if (!tty)
     putchar('\n');
@@ -468,6 +488,7 @@ static int print_json(const top_options *o, const row *rows, size_t nrows) {
     json_object_set_new(jr, "reduce_ms", jnum(r->reduce_ms));
     json_object_set_new(jr, "moved_bytes_per_s", jnum(r->bytes_per_s));
     json_object_set_new(jr, "shard_bytes", jnum(r->shard_bytes));
+    json_object_set_new(jr, "shard_disk_bytes", jnum(r->disk_bytes));
     json_object_set_new(jr, "buffer_bytes", jnum(r->buffer_bytes));
     json_object_set_new(jr, "live_bytes", jnum(r->live_bytes));
     json_object_set_new(jr, "queue_depth", jnum(r->queue));
@@ -494,8 +515,9 @@ static const char usage[] =
     "A live table of the jobs and ranks that zerod daemons report on their\n"
     "Prometheus endpoint (zerod --metrics-listen): per rank the step, steps/s,\n"
     "mean step, gather and reduce latency and bytes moved per second over the\n"
-    "interval, shard and buffer memory, queue depth, whether a worker is\n"
-    "attached and errors; per daemon its mode, jobs, sessions, memory and CPU.\n"
+    "interval, shard memory and disk (offload_optimizer nvme), buffer memory,\n"
+    "queue depth, whether a worker is attached and errors; per daemon its mode,\n"
+    "jobs, sessions, memory and CPU.\n"
     "\n"
     "options:\n"
     "  --metrics TARGET  a daemon's endpoint: HOST:PORT (http://HOST:PORT/metrics)\n"

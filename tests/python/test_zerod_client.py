@@ -4,7 +4,9 @@ pip."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -367,10 +369,11 @@ def test_nvme_offload_trains_a_job_over_the_memory_quota(start_daemon):
     trains. The daemon's anonymous memory grows by those and the staging
     buffers, where the in-memory job of the same unit grows by the whole
     state, and a checkpoint save or restore of it adds nothing like its
-    state; the stats and zerodctl say where the state is."""
+    state; the stats and zerodctl (jobs get, top) say where the state
+    is."""
     from conftest import binary
     n = 4 << 20
-    daemon = start_daemon(ranks=1)
+    daemon = start_daemon(ranks=1, extra=["--metrics-listen", "127.0.0.1:0"])
     ctl = [binary("zerodctl"), "-c", "unix:%s" % (daemon.dir / "control.sock")]
     for name, extra in [("mem", []), ("nv", ["--offload-optimizer", "nvme",
                                              "--offload-buffer-count", "3",
@@ -415,6 +418,14 @@ def test_nvme_offload_trains_a_job_over_the_memory_quota(start_daemon):
     assert in_memory >= 16 * n, (offloaded, in_memory)
     got = subprocess.run(ctl + ["jobs", "get", "nv"], check=True, capture_output=True, text=True)
     assert "optimizer state: on disk (nvme)" in got.stdout, got.stdout
+    # zerodctl top: the shards' memory and their bytes on disk apart.
+    port = re.search(r'msg="metrics listening" address=\S+ port=(\d+)', daemon.read_log()).group(1)
+    top = subprocess.run([binary("zerodctl"), "top", "--metrics", "127.0.0.1:" + port, "--once",
+                          "--interval", "0.2", "--json", "--job", "nv"], capture_output=True,
+                         text=True, timeout=60)
+    assert top.returncode == 0, top.stderr
+    rank = json.loads(top.stdout)["ranks"][0]
+    assert (rank["shard_bytes"], rank["shard_disk_bytes"]) == (8 * n, 12 * n), rank
     # A save of the offloaded job copies its state on disk, not into
     # memory: 12 bytes per element that the anonymous memory never sees.
     before = rss_anon(daemon.proc.pid)
