@@ -104,6 +104,46 @@ static int seed_master(rank_state *rs, const unit_layout *l, shard *sh, uint64_t
   return rc;
 }
 
+/* Whether the unit `mine` would take the rank over one of its job's
+ * quotas (answering op with which and why if so). The shard state in the
+ * rank's memory counts against max_host_bytes on a host rank and
+ * max_device_bytes on a GPU rank; what an offloaded optimizer keeps in
+ * host memory (a GPU rank's master and moments, offload_optimizer cpu)
+ * and its staging buffers count against max_host_bytes. */
+static int quota_refused(rank_state *rs, exec_op *op, const char *name, const unit_layout *mine) {
+  job *j = rs->job;
+  const unit_layout *have = job_unit_named(j, name);
+  if (have != NULL && have->id < rs->nshards && rs->shards[have->id].present)
+    return 0; /* registered here already: nothing new */
+  int host = device_is_host(rs->dev);
+  uint64_t staging = (tier_enabled(j) ? tier_staging_bytes(&j->config) : 0) +
+                     (offload_enabled(rs) ? offload_staging_bytes(&j->config) : 0);
+  uint64_t quota = host ? j->quota_host_bytes : j->quota_device_bytes;
+  uint64_t in_use = rs->state_bytes + (host ? staging : 0);
+  uint64_t need = exec__shard_bytes(rs, mine);
+  const char *what = "shard state";
+  const char *quota_name = host ? "max_host_bytes" : "max_device_bytes";
+  if (quota == 0 || in_use + need <= quota) {
+    /* A GPU rank's host side. */
+    quota = offload_enabled(rs) ? j->quota_host_bytes : 0;
+    in_use = rs->host_state_bytes + staging;
+    need = tier_enabled(j) ? 0 : offload_host_state_bytes(rs, mine);
+    what = "optimizer state in host memory";
+    quota_name = "max_host_bytes";
+    if (quota == 0 || in_use + need <= quota)
+      return 0;
+  }
+  char staged[96] = "";
+  if (staging != 0 && (host || strcmp(quota_name, "max_host_bytes") == 0))
+    snprintf(staged, sizeof staged, ", %" PRIu64 " of them offload_optimizer's staging buffers",
+             staging);
+  exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+             "unit '%s' needs %" PRIu64 " bytes of %s on rank %d, over the job's %s quota of "
+             "%" PRIu64 " bytes per rank (%" PRIu64 " in use%s)",
+             name, need, what, rs->rank, quota_name, quota, in_use, staged);
+  return 1;
+}
+
 void exec__handle_register(rank_state *rs, exec_op *op) {
   Zerod__V1__RegisterUnitRequest *req = (Zerod__V1__RegisterUnitRequest *)op->request;
   job *j = rs->job;
@@ -242,39 +282,11 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
     goto done;
   }
 
-  /* 4. The job's quota on shard state, before anything is published or
-   * allocated: a refused unit leaves no trace. Every rank decides alike
-   * (the same layout, the same units, the same accounting). */
-  uint64_t quota = device_is_host(rs->dev) ? j->quota_host_bytes : j->quota_device_bytes;
-  if (quota != 0) {
-    const unit_layout *have = job_unit_named(j, req->name);
-    int here = have != NULL && have->id < rs->nshards && rs->shards[have->id].present;
-    uint64_t need = here ? 0 : exec__shard_bytes(rs, mine);
-    if (rs->state_bytes + need > quota) {
-      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-                 "unit '%s' needs %" PRIu64 " bytes of shard state on rank %d, over the job's "
-                 "%s quota of %" PRIu64 " bytes per rank (%" PRIu64 " in use)",
-                 req->name, need, rs->rank,
-                 device_is_host(rs->dev) ? "max_host_bytes" : "max_device_bytes", quota,
-                 rs->state_bytes);
-      goto done;
-    }
-  }
-  /* A GPU rank's optimizer state in host memory counts against the
-   * host quota. */
-  if (offload_enabled(rs) && !tier_enabled(j) && j->quota_host_bytes != 0) {
-    const unit_layout *have = job_unit_named(j, req->name);
-    int here = have != NULL && have->id < rs->nshards && rs->shards[have->id].present;
-    uint64_t need = here ? 0 : offload_host_state_bytes(rs, mine);
-    if (rs->host_state_bytes + need > j->quota_host_bytes) {
-      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-                 "unit '%s' needs %" PRIu64 " bytes of optimizer state in host memory "
-                 "(offload_optimizer cpu) on rank %d, over the job's max_host_bytes quota of "
-                 "%" PRIu64 " bytes per rank (%" PRIu64 " in use)",
-                 req->name, need, rs->rank, j->quota_host_bytes, rs->host_state_bytes);
-      goto done;
-    }
-  }
+  /* 4. The job's quotas, before anything is published or allocated: a
+   * refused unit leaves no trace. Every rank decides alike (the same
+   * layout, the same units, the same accounting). */
+  if (quota_refused(rs, op, req->name, mine))
+    goto done;
 
   /* 5. Publish (or find) the unit; create this rank's shard. */
   int existed = 0, conflict = 0;

@@ -38,6 +38,12 @@ int tier_enabled(const job *j) {
   return j->config.offload_device == JOB_OFFLOAD_NVME;
 }
 
+uint64_t tier_staging_bytes(const job_config *c) {
+  int has[JOB_NSTATES];
+  unsigned nstates = (unsigned)job_config_states(c, has);
+  return (uint64_t)c->offload_buffer_count * nstates * c->offload_buffer_size * sizeof(float);
+}
+
 /* The directory the job's files go in: the job's nvme_path, which must be
  * inside the daemon's --nvme-dir, or that directory itself. */
 static int tier_root(const job_config *c, const char *root, char *out, size_t out_bytes, char *err,

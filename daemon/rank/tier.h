@@ -23,6 +23,10 @@
 /* Whether the job keeps its optimizer state in a tier file. */
 int tier_enabled(const job *j);
 
+/* The host memory of a rank's staging buffers for a job of config c:
+ * buffer_count × the states on disk × buffer_size fp32 elements. */
+uint64_t tier_staging_bytes(const job_config *c);
+
 /* Whether a job of config c can have its ranks on this daemon: its
  * nvme_path inside nvme_dir. Returns 0 or a negative errno with err set. */
 int tier_check(const job_config *c, const char *nvme_dir, char *err, size_t err_bytes);

@@ -447,7 +447,7 @@ static void test_cuda_daemon_counts_host_optimizer_state_against_the_host_quota(
                     "t",     "--offload-optimizer",
                     "cpu",   "--offload-buffer-size",
                     "1024",  "--max-host-bytes",
-                    "64K",   "--max-device-bytes",
+                    "96K",   "--max-device-bytes",
                     "1M",    NULL};
   if (zerodctl(&d, create) != 0) {
     print_log(&d);
@@ -460,8 +460,9 @@ static void test_cuda_daemon_counts_host_optimizer_state_against_the_host_quota(
   options.token = "t";
   zd_job *job;
   ZD_OK_OR_FAIL(&d, zd_attach(client, &options, &job));
-  /* 8192 elements: 96 KiB of master and moments, over 64 KiB; 32 KiB on
-   * the GPU, under 1 MiB. */
+  /* The staging: 4 slots of 1024 fp32 gradients and fp32 working copy,
+   * 32 KiB. 8192 elements: 96 KiB of master and moments beside it, over
+   * 96 KiB; 64 KiB on the GPU, under 1 MiB. */
   static const uint64_t big_shape[] = {8192};
   zd_tensor_desc big_tensor = {.name = "w", .shape = big_shape, .ndim = 1};
   zd_unit_desc desc = ZD_UNIT_DESC_INIT;
@@ -472,10 +473,12 @@ static void test_cuda_daemon_counts_host_optimizer_state_against_the_host_quota(
   zd_unit unit;
   assert_int_equal(zd_register_unit(job, &desc, &unit), ZD_E_RESOURCE_EXHAUSTED);
   const char *why = zd_last_error();
-  if (strstr(why, "in host memory (offload_optimizer cpu)") == NULL ||
-      strstr(why, "max_host_bytes") == NULL)
+  if (strstr(why, "optimizer state in host memory on rank 0") == NULL ||
+      strstr(why, "max_host_bytes quota of 98304 bytes per rank (32768 in use, 32768 of them "
+                  "offload_optimizer's staging buffers)") == NULL)
     fail_msg("unexpected refusal: %s", why);
-  /* 4096 elements: 48 KiB on the host, 32 KiB on the GPU. */
+  /* 4096 elements: 48 KiB on the host (80 with the staging), 32 KiB on
+   * the GPU. */
   static const uint64_t small_shape[] = {4096};
   zd_tensor_desc small_tensor = {.name = "w", .shape = small_shape, .ndim = 1};
   desc.name = "small";

@@ -391,6 +391,17 @@ def test_nvme_offload_trains_a_job_over_the_memory_quota(start_daemon):
     with pytest.raises(zerod.ResourceExhaustedError, match="max_host_bytes quota"):
         job.register("u", [("w", (n,))], init="zeros")
     client.close()
+    # The staging buffers count too: 64 of 1 Mi elements for master, m
+    # and v are 768 MiB, which no unit fits beside under 48 MiB.
+    subprocess.run(ctl + ["jobs", "create", "wide", "--max-host-bytes", "48M", "--token", "t",
+                          "--offload-optimizer", "nvme", "--offload-buffer-count", "64",
+                          "--offload-buffer-size", "1048576"], check=True, capture_output=True)
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("wide", rank=0, token="t")
+        with pytest.raises(zerod.ResourceExhaustedError,
+                           match=r"max_host_bytes quota of 50331648 bytes per rank \(805306368 in "
+                                 r"use, 805306368 of them offload_optimizer's staging buffers\)"):
+            job.register("tiny", [("w", (1024,))], init="zeros")
 
     def grown(name):
         before = rss_anon(daemon.proc.pid)
