@@ -467,6 +467,12 @@ zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, unsigned *
   if ((out == NULL && max > 0) || nranks == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT,
                              "%s: out (for max > 0) and nranks must not be NULL", what);
+  /* The first sized zd_rank_stats is the smallest a caller can have. */
+  size_t stride = max > 0 ? out[0].struct_size : 0;
+  if (max > 0 && stride < offsetof(zd_rank_stats, host_state_bytes) + sizeof(uint64_t))
+    return client__set_error(ZD_E_INVALID_ARGUMENT,
+                             "%s: out[0].struct_size is %zu (set it with ZD_RANK_STATS_INIT)", what,
+                             stride);
   Zerod__V1__StatsRequest request = ZEROD__V1__STATS_REQUEST__INIT;
   ProtobufCMessage *reply_msg;
   int fds[ZD_FRAME_MAX_FDS];
@@ -485,8 +491,9 @@ zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, unsigned *
     }
     if (r >= max)
       continue;
-    zd_rank_stats *o = &out[r];
+    zd_rank_stats entry, *o = &entry;
     memset(o, 0, sizeof *o);
+    o->struct_size = stride;
     o->rank = rank->rank;
     o->step = rank->step;
     o->pool_bytes = rank->pool_bytes;
@@ -506,6 +513,7 @@ zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, unsigned *
       o->counters[k].bytes = c->bytes;
       o->counters[k].calls = c->calls;
     }
+    memcpy((char *)out + r * stride, o, stride < sizeof *o ? stride : sizeof *o);
   }
   size_t listed = reply->n_ranks;
   protobuf_c_message_free_unpacked(reply_msg, NULL);

@@ -265,7 +265,7 @@ static int dump_params(worker *w, const char *path) {
 
 /* --stats: "stats rank R level L collective C bytes B calls N" lines. */
 static int print_stats(worker *w) {
-  zd_rank_stats ranks[64];
+  zd_rank_stats ranks[64] = {ZD_RANK_STATS_INIT};
   unsigned n = 0;
   if (zd_job_stats(w->job, ranks, 64, &n) != ZD_OK) {
     fprintf(stderr, "%s: zd_job_stats: %s\n", prog, zd_last_error());

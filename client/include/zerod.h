@@ -382,8 +382,9 @@ typedef struct zd_collective_counter {
 } zd_collective_counter;
 
 typedef struct zd_rank_stats {
-  unsigned rank; /* global */
-  uint64_t step; /* completed optimizer steps */
+  size_t struct_size; /* out[0]'s: set by the caller (ZD_RANK_STATS_INIT) */
+  unsigned rank;      /* global */
+  uint64_t step;      /* completed optimizer steps */
   unsigned ncounters;
   zd_collective_counter counters[ZD_MAX_COLLECTIVE_COUNTERS];
   /* The rank's buffer pool after its last request (gathered units,
@@ -400,9 +401,14 @@ typedef struct zd_rank_stats {
   uint64_t host_state_bytes;
 } zd_rank_stats;
 
+#define ZD_RANK_STATS_INIT ZD_SIZED_INIT(zd_rank_stats)
+
 /* The counters of every rank of the job on the daemon this job is attached
  * to, in rank order: the first `max` into out, and how many ranks there
- * are into *nranks. Read-write and read-only jobs alike. */
+ * are into *nranks. Read-write and read-only jobs alike. out is an array
+ * of max entries of out[0].struct_size bytes each (sizeof(zd_rank_stats)
+ * of the caller's header: fields added later are left out for a caller
+ * built before them); every entry written gets that struct_size. */
 ZD_API zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, unsigned *nranks);
 
 /* Sets a registered unit's values from rank 0's fp32 values (the tensors'

@@ -320,7 +320,7 @@ static void train(const char *device, placement where, float history[STEPS + 1][
     assert_int_equal(info.step, SAVE_AT);
     run_steps(&d, job, unit, expect_gpu, SAVE_AT, STEPS, history);
     /* Where the state is, as the daemon counts it. */
-    zd_rank_stats stats;
+    zd_rank_stats stats = ZD_RANK_STATS_INIT;
     unsigned nranks = 0;
     ZD_OK_OR_FAIL(&d, zd_job_stats(job, &stats, 1, &nranks));
     assert_int_equal(nranks, 1);
@@ -484,12 +484,17 @@ static void test_cuda_daemon_counts_host_optimizer_state_against_the_host_quota(
   desc.name = "small";
   desc.tensors = &small_tensor;
   ZD_OK_OR_FAIL(&d, zd_register_unit(job, &desc, &unit));
-  zd_rank_stats stats;
+  zd_rank_stats stats = ZD_RANK_STATS_INIT;
   unsigned nranks = 0;
   ZD_OK_OR_FAIL(&d, zd_job_stats(job, &stats, 1, &nranks));
   assert_int_equal(stats.host_state_bytes, 12 * 4096);
   assert_int_equal(stats.state_bytes, 8 * 4096);
   assert_int_equal(stats.tier_bytes, 0);
+  assert_int_equal(stats.struct_size, sizeof stats);
+  /* An entry without its size is refused, not overrun. */
+  zd_rank_stats unsized = {0};
+  assert_int_equal(zd_job_stats(job, &unsized, 1, &nranks), ZD_E_INVALID_ARGUMENT);
+  assert_non_null(strstr(zd_last_error(), "ZD_RANK_STATS_INIT"));
   ZD_OK_OR_FAIL(&d, zd_detach(job));
   zd_close(client);
   daemon_stop(&d);

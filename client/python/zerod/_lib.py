@@ -205,6 +205,7 @@ class CollectiveCounter(ctypes.Structure):
 
 class RankStats(ctypes.Structure):
     _fields_ = [
+        ("struct_size", c_size_t),
         ("rank", c_uint),
         ("step", c_uint64),
         ("ncounters", c_uint),

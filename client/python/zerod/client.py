@@ -519,6 +519,7 @@ class Job:
         nvme), and a GPU rank's in host memory (offload_optimizer cpu),
         after its last request)."""
         entries = (_lib.RankStats * 64)()
+        entries[0].struct_size = ctypes.sizeof(_lib.RankStats)
         count = ctypes.c_uint()
         _check(self._lib.zd_job_stats(self._handle, entries, 64, ctypes.byref(count)), "stats")
         result = []
