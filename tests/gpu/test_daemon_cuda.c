@@ -3,15 +3,19 @@
  * buffers through CUDA IPC, and the same training run on a --device cpu
  * daemon as the reference (docs/architecture.md).
  *
- * The worker registers a small unit with rank 0's initial values, then for
- * a few AdamW steps: gathers it (on the GPU daemon: a device pointer opened
+ * The worker registers two small units with rank 0's initial values, then
+ * for a few AdamW steps: gathers them (on the GPU daemon: a device pointer opened
  * from the buffer's IPC handle, read after its stream waited for the
  * daemon's "gathered" event), derives a gradient from the gathered weights,
  * writes it into the gradient buffer (on the GPU daemon: with the module's
  * copy_to_device into the IPC buffer, then the "gradient written" event),
  * reduces and steps. The weights gathered after every step must agree with
  * the CPU daemon's to 1e-6 relative: the GPU optimizer kernels are within
- * an ulp of the CPU drivers (test_cuda_optim.c).
+ * an ulp of the CPU drivers (test_cuda_optim.c). With the optimizer state
+ * offloaded (host memory or the tier file), the step is the CPU drivers'
+ * own, so the weights must be the CPU daemon's to the bit; those runs also
+ * save, restore and replay a checkpoint, and a last test checks the host
+ * quota.
  *
  * The daemons are started with posix_spawn (CUDA does not survive fork),
  * one after the other, each in a temporary directory of its own. Without a
@@ -43,6 +47,13 @@ extern char **environ;
 #define F_NUMEL      7 /* a frozen tensor between them */
 #define B_NUMEL      5
 #define PACKED_NUMEL (W_ROWS * W_COLS + F_NUMEL + B_NUMEL)
+#define HEAD_NUMEL   1500 /* a second unit: an offloaded step's chunks cross units */
+#define RUN_NUMEL    (PACKED_NUMEL + HEAD_NUMEL)
+#define NUNITS       2
+
+/* Where each unit's values lie in a run's history row. */
+static const int unit_offset[NUNITS] = {0, PACKED_NUMEL};
+static const int unit_numel[NUNITS] = {PACKED_NUMEL, HEAD_NUMEL};
 
 /* ------------------------------------------------------------------------ */
 /* A zerod process                                                          */
@@ -224,38 +235,42 @@ static void write_view(const zd_view *view, const float *packed) {
   }
 }
 
-/* Steps from..to of the run: history[s] is the unit as gathered before
- * step s (the last: after step `to`). On the cuda daemon the views are
- * device pointers. */
-static void run_steps(const daemon_proc *d, zd_job *job, zd_unit unit, int expect_gpu, int from,
-                      int to, float history[STEPS + 1][PACKED_NUMEL]) {
+/* Steps from..to of the run: history[s] is the units as gathered before
+ * step s (the last: after step `to`), back to back. On the cuda daemon the
+ * views are device pointers. */
+static void run_steps(const daemon_proc *d, zd_job *job, const zd_unit units[NUNITS],
+                      int expect_gpu, int from, int to, float history[STEPS + 1][RUN_NUMEL]) {
   for (int s = from; s <= to; s++) {
-    zd_view gathered;
-    ZD_OK_OR_FAIL(d, zd_gather(job, unit, &gathered));
-    if (expect_gpu) {
-      assert_int_equal(gathered.device, 0);
-      assert_non_null(gathered.event);
-    } else {
-      assert_int_equal(gathered.device, -1);
+    for (int u = 0; u < NUNITS; u++) {
+      zd_view gathered;
+      ZD_OK_OR_FAIL(d, zd_gather(job, units[u], &gathered));
+      if (expect_gpu) {
+        assert_int_equal(gathered.device, 0);
+        assert_non_null(gathered.event);
+      } else {
+        assert_int_equal(gathered.device, -1);
+      }
+      ZD_OK_OR_FAIL(d, zd_view_stream_wait(&gathered, NULL));
+      read_view(&gathered, history[s] + unit_offset[u]);
+      ZD_OK_OR_FAIL(d, zd_view_stream_done(&gathered, NULL));
+      ZD_OK_OR_FAIL(d, zd_release(job, units[u]));
     }
-    ZD_OK_OR_FAIL(d, zd_view_stream_wait(&gathered, NULL));
-    read_view(&gathered, history[s]);
-    ZD_OK_OR_FAIL(d, zd_view_stream_done(&gathered, NULL));
-    ZD_OK_OR_FAIL(d, zd_release(job, unit));
     if (s == to)
       break;
 
     /* A gradient that depends on the weights, so a wrong update shows. */
-    float grad[PACKED_NUMEL];
-    for (int k = 0; k < PACKED_NUMEL; k++)
-      grad[k] = 0.5f * history[s][k] - 0.02f * (float)((k + s) % 5);
-    zd_view grad_view;
-    ZD_OK_OR_FAIL(d, zd_grad_buffer(job, unit, &grad_view));
-    assert_int_equal(grad_view.device, expect_gpu ? 0 : -1);
-    ZD_OK_OR_FAIL(d, zd_view_stream_wait(&grad_view, NULL));
-    write_view(&grad_view, grad);
-    ZD_OK_OR_FAIL(d, zd_view_stream_done(&grad_view, NULL));
-    ZD_OK_OR_FAIL(d, zd_reduce(job, unit));
+    for (int u = 0; u < NUNITS; u++) {
+      float grad[PACKED_NUMEL];
+      for (int k = 0; k < unit_numel[u]; k++)
+        grad[k] = 0.5f * history[s][unit_offset[u] + k] - 0.02f * (float)((k + s) % 5);
+      zd_view grad_view;
+      ZD_OK_OR_FAIL(d, zd_grad_buffer(job, units[u], &grad_view));
+      assert_int_equal(grad_view.device, expect_gpu ? 0 : -1);
+      ZD_OK_OR_FAIL(d, zd_view_stream_wait(&grad_view, NULL));
+      write_view(&grad_view, grad);
+      ZD_OK_OR_FAIL(d, zd_view_stream_done(&grad_view, NULL));
+      ZD_OK_OR_FAIL(d, zd_reduce(job, units[u]));
+    }
     zd_step_result result;
     ZD_OK_OR_FAIL(d, zd_step(job, NULL, &result));
     assert_int_equal(result.step, (uint64_t)s + 1);
@@ -269,7 +284,7 @@ static void run_steps(const daemon_proc *d, zd_job *job, zd_unit unit, int expec
  * step s (history[STEPS]: after the last step). An offloaded run also
  * saves a checkpoint after step SAVE_AT, restores it once done and runs
  * the steps after it again, which must give the same bits. */
-static void train(const char *device, placement where, float history[STEPS + 1][PACKED_NUMEL]) {
+static void train(const char *device, placement where, float history[STEPS + 1][RUN_NUMEL]) {
   daemon_proc d;
   daemon_start(&d, device);
   int expect_gpu = strcmp(device, "cuda") == 0;
@@ -299,8 +314,8 @@ static void train(const char *device, placement where, float history[STEPS + 1][
   zd_tensor_desc tensors[] = {{.name = "w", .shape = w_shape, .ndim = 2},
                               {.name = "f", .shape = f_shape, .ndim = 1, .frozen = 1},
                               {.name = "b", .shape = b_shape, .ndim = 1}};
-  float init[PACKED_NUMEL];
-  for (int k = 0; k < PACKED_NUMEL; k++)
+  float init[RUN_NUMEL];
+  for (int k = 0; k < RUN_NUMEL; k++)
     init[k] = 0.25f * sinf(0.37f * (float)k) + 0.01f * (float)(k % 7);
   zd_unit_desc desc = ZD_UNIT_DESC_INIT;
   desc.name = "layer";
@@ -308,24 +323,31 @@ static void train(const char *device, placement where, float history[STEPS + 1][
   desc.ntensors = 3;
   desc.init = ZD_INIT_FROM_RANK0;
   desc.init_values = init;
-  zd_unit unit;
-  ZD_OK_OR_FAIL(&d, zd_register_unit(job, &desc, &unit));
+  zd_unit units[NUNITS];
+  ZD_OK_OR_FAIL(&d, zd_register_unit(job, &desc, &units[0]));
+  static const uint64_t head_shape[] = {HEAD_NUMEL};
+  zd_tensor_desc head = {.name = "h", .shape = head_shape, .ndim = 1};
+  desc.name = "head";
+  desc.tensors = &head;
+  desc.ntensors = 1;
+  desc.init_values = init + PACKED_NUMEL;
+  ZD_OK_OR_FAIL(&d, zd_register_unit(job, &desc, &units[1]));
 
   if (!offloaded) {
-    run_steps(&d, job, unit, expect_gpu, 0, STEPS, history);
+    run_steps(&d, job, units, expect_gpu, 0, STEPS, history);
   } else {
-    run_steps(&d, job, unit, expect_gpu, 0, SAVE_AT, history);
+    run_steps(&d, job, units, expect_gpu, 0, SAVE_AT, history);
     zd_checkpoint_info info;
     ZD_OK_OR_FAIL(&d, zd_checkpoint_save(job, "mid", &info));
     assert_int_equal(info.step, SAVE_AT);
-    run_steps(&d, job, unit, expect_gpu, SAVE_AT, STEPS, history);
+    run_steps(&d, job, units, expect_gpu, SAVE_AT, STEPS, history);
     /* Where the state is, as the daemon counts it. */
     zd_rank_stats stats = ZD_RANK_STATS_INIT;
     unsigned nranks = 0;
     ZD_OK_OR_FAIL(&d, zd_job_stats(job, &stats, 1, &nranks));
     assert_int_equal(nranks, 1);
     uint64_t padded = stats.state_bytes / 8; /* fp32 accumulator and working copy */
-    assert_true(padded >= PACKED_NUMEL && padded < PACKED_NUMEL + 1024);
+    assert_true(padded >= RUN_NUMEL && padded < RUN_NUMEL + 2048);
     if (expect_gpu && where.device == ZD_OFFLOAD_CPU)
       assert_int_equal(stats.host_state_bytes, 12 * padded); /* master, m, v */
     else
@@ -333,10 +355,10 @@ static void train(const char *device, placement where, float history[STEPS + 1][
     if (where.device == ZD_OFFLOAD_NVME)
       assert_true(stats.tier_bytes >= 12 * padded);
     /* Back to step SAVE_AT, and the same steps again. */
-    static float replay[STEPS + 1][PACKED_NUMEL];
+    static float replay[STEPS + 1][RUN_NUMEL];
     ZD_OK_OR_FAIL(&d, zd_checkpoint_restore(job, "mid", &info));
     assert_int_equal(info.step, SAVE_AT);
-    run_steps(&d, job, unit, expect_gpu, SAVE_AT, STEPS, replay);
+    run_steps(&d, job, units, expect_gpu, SAVE_AT, STEPS, replay);
     for (int s = SAVE_AT; s <= STEPS; s++)
       if (memcmp(replay[s], history[s], sizeof replay[s]) != 0)
         fail_msg("after restoring step %d: step %d's weights differ from the first run's", SAVE_AT,
@@ -355,7 +377,7 @@ static void train(const char *device, placement where, float history[STEPS + 1][
 /* Tests                                                                    */
 /* ------------------------------------------------------------------------ */
 
-static float cpu_run[STEPS + 1][PACKED_NUMEL];
+static float cpu_run[STEPS + 1][RUN_NUMEL];
 static int cpu_run_done;
 
 /* The reference: the same run on a --device cpu daemon (once). */
@@ -367,13 +389,14 @@ static void train_on_cpu(void) {
   /* The run must have moved the weights, or the comparisons say nothing;
    * the frozen tensor must not have moved. */
   assert_true(fabs(cpu_run[STEPS][0] - cpu_run[0][0]) > 1e-3);
+  assert_true(fabs(cpu_run[STEPS][PACKED_NUMEL] - cpu_run[0][PACKED_NUMEL]) > 1e-3);
   for (int k = W_ROWS * W_COLS; k < W_ROWS * W_COLS + F_NUMEL; k++)
     assert_true(cpu_run[STEPS][k] == cpu_run[0][k]);
 }
 
-static void compare(float gpu[STEPS + 1][PACKED_NUMEL], double rel_tol) {
+static void compare(float gpu[STEPS + 1][RUN_NUMEL], double rel_tol) {
   for (int s = 0; s <= STEPS; s++) {
-    for (int k = 0; k < PACKED_NUMEL; k++) {
+    for (int k = 0; k < RUN_NUMEL; k++) {
       double a = cpu_run[s][k], b = gpu[s][k];
       double scale = fabs(a) > fabs(b) ? fabs(a) : fabs(b);
       if (fabs(a - b) > rel_tol * scale + (rel_tol > 0 ? 1e-12 : 0))
@@ -384,7 +407,7 @@ static void compare(float gpu[STEPS + 1][PACKED_NUMEL], double rel_tol) {
 }
 
 static void test_cuda_daemon_trains_like_the_cpu_daemon(void **state) {
-  static float gpu[STEPS + 1][PACKED_NUMEL];
+  static float gpu[STEPS + 1][RUN_NUMEL];
   train_on_cpu();
   train("cuda", ON_DEVICE, gpu);
   compare(gpu, REL_TOL);
@@ -394,10 +417,10 @@ static void test_cuda_daemon_trains_like_the_cpu_daemon(void **state) {
  * host memory, the step on the CPU with the CPU daemon's kernels over
  * chunks whose gradients came down from the GPU and whose working copy
  * goes back up, so the weights are the CPU daemon's to the bit. Two
- * page-locked buffers of 1024 elements: three chunks, the frozen tensor
- * inside the last. */
+ * page-locked buffers of 1024 elements: three chunks of the first unit,
+ * the frozen tensor inside the last, then two of the second. */
 static void test_cuda_daemon_with_host_optimizer_state_trains_like_the_cpu_daemon(void **state) {
-  static float gpu[STEPS + 1][PACKED_NUMEL];
+  static float gpu[STEPS + 1][RUN_NUMEL];
   train_on_cpu();
   train("cuda", (placement){ZD_OFFLOAD_CPU, 2, 1}, gpu);
   compare(gpu, 0);
@@ -406,7 +429,7 @@ static void test_cuda_daemon_with_host_optimizer_state_trains_like_the_cpu_daemo
 /* offload_optimizer nvme on a GPU rank: the state in the rank's tier
  * file, streamed through three pageable buffers; the same bits again. */
 static void test_cuda_daemon_with_nvme_optimizer_state_trains_like_the_cpu_daemon(void **state) {
-  static float gpu[STEPS + 1][PACKED_NUMEL];
+  static float gpu[STEPS + 1][RUN_NUMEL];
   train_on_cpu();
   train("cuda", (placement){ZD_OFFLOAD_NVME, 3, 0}, gpu);
   compare(gpu, 0);
