@@ -86,9 +86,10 @@ typedef struct placement {
   zd_offload_device device;
   unsigned buffer_count;
   int pin_memory;
+  zd_dtype working_dtype; /* 0: fp32 */
 } placement;
 
-static const placement ON_DEVICE = {ZD_OFFLOAD_DEFAULT, 0, 0};
+static const placement ON_DEVICE = {ZD_OFFLOAD_DEFAULT, 0, 0, 0};
 
 static void daemon_start(daemon_proc *d, const char *device) {
   snprintf(d->dir, sizeof d->dir, "/tmp/zerod-gpu-XXXXXX");
@@ -206,32 +207,71 @@ static zd_status connect_when_listening(const daemon_proc *d, zd_client **out) {
     }                                                                                              \
   } while (0)
 
-/* Copies a gathered view's tensors (packed, in order) to the host. */
+/* bf16 <-> fp32: the high half of the fp32 bits, rounded to nearest even
+ * (the values here are finite). */
+static float bf16_to_f32(uint16_t h) {
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return (uint16_t)(bits >> 16);
+}
+
+/* Copies a gathered view's tensors (packed, in order) to the host, as
+ * fp32 (a bf16 working copy widened). */
 static void read_view(const zd_view *view, float *packed) {
   size_t at = 0;
+  int bf16 = view->dtype == ZD_BF16;
   for (unsigned t = 0; t < view->ntensors; t++) {
-    size_t bytes = view->tensors[t].numel * sizeof(float);
+    size_t numel = view->tensors[t].numel;
+    size_t bytes = numel * (bf16 ? 2 : 4);
+    void *host = bf16 ? malloc(bytes) : packed + at;
+    assert_non_null(host);
     if (view->device >= 0) {
       /* The legacy default stream waited for the "gathered" event
        * (zd_view_stream_wait); cudaMemcpy runs after it. */
-      CU_OK(cu->copy_to_host(packed + at, view->tensors[t].data, bytes));
+      CU_OK(cu->copy_to_host(host, view->tensors[t].data, bytes));
     } else {
-      memcpy(packed + at, view->tensors[t].data, bytes);
+      memcpy(host, view->tensors[t].data, bytes);
     }
-    at += view->tensors[t].numel;
+    if (bf16) {
+      for (size_t k = 0; k < numel; k++)
+        packed[at + k] = bf16_to_f32(((const uint16_t *)host)[k]);
+      free(host);
+    }
+    at += numel;
   }
 }
 
-/* Writes packed gradients into a gradient view's tensors. */
+/* Writes packed gradients into a gradient view's tensors (rounded to bf16
+ * for a bf16 buffer). */
 static void write_view(const zd_view *view, const float *packed) {
   size_t at = 0;
+  int bf16 = view->dtype == ZD_BF16;
   for (unsigned t = 0; t < view->ntensors; t++) {
-    size_t bytes = view->tensors[t].numel * sizeof(float);
+    size_t numel = view->tensors[t].numel;
+    size_t bytes = numel * (bf16 ? 2 : 4);
+    const void *host = packed + at;
+    uint16_t *narrow = NULL;
+    if (bf16) {
+      narrow = malloc(bytes);
+      assert_non_null(narrow);
+      for (size_t k = 0; k < numel; k++)
+        narrow[k] = f32_to_bf16(packed[at + k]);
+      host = narrow;
+    }
     if (view->device >= 0)
-      CU_OK(cu->copy_to_device(view->tensors[t].data, packed + at, bytes));
+      CU_OK(cu->copy_to_device(view->tensors[t].data, host, bytes));
     else
-      memcpy(view->tensors[t].data, packed + at, bytes);
-    at += view->tensors[t].numel;
+      memcpy(view->tensors[t].data, host, bytes);
+    free(narrow);
+    at += numel;
   }
 }
 
@@ -301,6 +341,8 @@ static void train(const char *device, placement where, float history[STEPS + 1][
   config.offload_buffer_count = where.buffer_count;
   config.offload_buffer_size = offloaded ? 1024 : 0;
   config.offload_pin_memory = where.pin_memory;
+  if (where.working_dtype != 0)
+    config.working_dtype = where.working_dtype;
   zd_attach_options options = ZD_ATTACH_OPTIONS_INIT;
   options.job = "gpu-parity";
   options.create = 1;
@@ -346,7 +388,8 @@ static void train(const char *device, placement where, float history[STEPS + 1][
     unsigned nranks = 0;
     ZD_OK_OR_FAIL(&d, zd_job_stats(job, &stats, 1, &nranks));
     assert_int_equal(nranks, 1);
-    uint64_t padded = stats.state_bytes / 8; /* fp32 accumulator and working copy */
+    /* The fp32 accumulator and the working copy. */
+    uint64_t padded = stats.state_bytes / (where.working_dtype == ZD_BF16 ? 6 : 8);
     assert_true(padded >= RUN_NUMEL && padded < RUN_NUMEL + 2048);
     if (expect_gpu && where.device == ZD_OFFLOAD_CPU)
       assert_int_equal(stats.host_state_bytes, 12 * padded); /* master, m, v */
@@ -378,14 +421,17 @@ static void train(const char *device, placement where, float history[STEPS + 1][
 /* ------------------------------------------------------------------------ */
 
 static float cpu_run[STEPS + 1][RUN_NUMEL];
-static int cpu_run_done;
+static zd_dtype cpu_run_dtype; /* of the run in cpu_run; 0: none yet */
 
-/* The reference: the same run on a --device cpu daemon (once). */
-static void train_on_cpu(void) {
-  if (cpu_run_done)
+/* The reference: the same run on a --device cpu daemon (once per working
+ * precision). */
+static void train_on_cpu(zd_dtype working_dtype) {
+  if (cpu_run_dtype == working_dtype)
     return;
-  train("cpu", ON_DEVICE, cpu_run);
-  cpu_run_done = 1;
+  placement on_device = ON_DEVICE;
+  on_device.working_dtype = working_dtype;
+  train("cpu", on_device, cpu_run);
+  cpu_run_dtype = working_dtype;
   /* The run must have moved the weights, or the comparisons say nothing;
    * the frozen tensor must not have moved. */
   assert_true(fabs(cpu_run[STEPS][0] - cpu_run[0][0]) > 1e-3);
@@ -408,7 +454,7 @@ static void compare(float gpu[STEPS + 1][RUN_NUMEL], double rel_tol) {
 
 static void test_cuda_daemon_trains_like_the_cpu_daemon(void **state) {
   static float gpu[STEPS + 1][RUN_NUMEL];
-  train_on_cpu();
+  train_on_cpu(ZD_F32);
   train("cuda", ON_DEVICE, gpu);
   compare(gpu, REL_TOL);
 }
@@ -421,8 +467,18 @@ static void test_cuda_daemon_trains_like_the_cpu_daemon(void **state) {
  * the frozen tensor inside the last, then two of the second. */
 static void test_cuda_daemon_with_host_optimizer_state_trains_like_the_cpu_daemon(void **state) {
   static float gpu[STEPS + 1][RUN_NUMEL];
-  train_on_cpu();
-  train("cuda", (placement){ZD_OFFLOAD_CPU, 2, 1}, gpu);
+  train_on_cpu(ZD_F32);
+  train("cuda", (placement){ZD_OFFLOAD_CPU, 2, 1, ZD_F32}, gpu);
+  compare(gpu, 0);
+}
+
+/* The same with a bf16 working copy: the CPU casts each chunk's new
+ * weights to bf16 in the slot, and 2-byte elements go up. */
+static void
+test_cuda_daemon_with_host_optimizer_state_in_bf16_trains_like_the_cpu_daemon(void **state) {
+  static float gpu[STEPS + 1][RUN_NUMEL];
+  train_on_cpu(ZD_BF16);
+  train("cuda", (placement){ZD_OFFLOAD_CPU, 3, 1, ZD_BF16}, gpu);
   compare(gpu, 0);
 }
 
@@ -430,8 +486,8 @@ static void test_cuda_daemon_with_host_optimizer_state_trains_like_the_cpu_daemo
  * file, streamed through three pageable buffers; the same bits again. */
 static void test_cuda_daemon_with_nvme_optimizer_state_trains_like_the_cpu_daemon(void **state) {
   static float gpu[STEPS + 1][RUN_NUMEL];
-  train_on_cpu();
-  train("cuda", (placement){ZD_OFFLOAD_NVME, 3, 0}, gpu);
+  train_on_cpu(ZD_F32);
+  train("cuda", (placement){ZD_OFFLOAD_NVME, 3, 0, ZD_F32}, gpu);
   compare(gpu, 0);
 }
 
@@ -531,6 +587,9 @@ int main(void) {
           kill_running_daemon),
       cmocka_unit_test_teardown(
           test_cuda_daemon_with_nvme_optimizer_state_trains_like_the_cpu_daemon,
+          kill_running_daemon),
+      cmocka_unit_test_teardown(
+          test_cuda_daemon_with_host_optimizer_state_in_bf16_trains_like_the_cpu_daemon,
           kill_running_daemon),
       cmocka_unit_test_teardown(test_cuda_daemon_counts_host_optimizer_state_against_the_host_quota,
                                 kill_running_daemon),
