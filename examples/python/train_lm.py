@@ -104,6 +104,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--sample-bytes", type=int, default=160, help="bytes to generate at the end (0: none)")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
     p.add_argument("--prompt", default="The daemon ", help="start of the generated sample")
+    p.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default="none",
+                   help="zerod: where the daemon keeps the fp32 master weights and AdamW's "
+                        "moments (nvme: a file per rank under the daemon's --nvme-dir, streamed "
+                        "through each step)")
     p.add_argument("--zerod-bin", help="the zerod binary (default: $ZEROD_BIN_DIR/zerod, "
                    "else build/release/bin/zerod)")
     p.add_argument("--socket", help="attach to this running daemon instead of starting one")
@@ -257,7 +261,8 @@ def setup_zerod(model: torch.nn.Module, args: argparse.Namespace) -> Backend:
     backend_closers: List[Callable[[], None]] = [client.close]
     try:
         config = zerod.JobConfig(optimizer="adamw", lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                                 weight_decay=args.weight_decay, max_grad_norm=args.clip)
+                                 weight_decay=args.weight_decay, max_grad_norm=args.clip,
+                                 offload_optimizer={"device": args.offload_optimizer})
         job = client.attach(args.job, rank=args.local_rank, token=args.token, create=True,
                             config=config)
         backend_closers.append(job.detach)

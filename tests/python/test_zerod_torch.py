@@ -728,7 +728,8 @@ def test_sharded_parameters_keep_their_shapes(start_daemon):
 def test_torchrun_launches_the_example(start_daemon, tmp_path):
     """`torchrun --nproc-per-node 2 examples/python/train_lm.py --socket S`:
     each process is a worker, its rank from torchrun's environment, and
-    both train through the daemon."""
+    both train through the daemon (with the example's
+    --offload-optimizer nvme: the state in the ranks' tier files)."""
     daemon = start_daemon(ranks=2)
     example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python",
                            "train_lm.py")
@@ -741,13 +742,14 @@ def test_torchrun_launches_the_example(start_daemon, tmp_path):
          "--redirects", "1", "--tee", "1", "--log_dir", str(tmp_path / "logs"), example, "--socket", daemon.socket, "--job", "torchrun", "--steps", "3",
          "--batch", "4", "--context", "32", "--d-model", "32", "--layers", "1", "--heads", "2",
          "--eval-every", "0", "--sample-bytes", "0", "--log-every", "1",
-         "--result-json", str(tmp_path / "run")],
+         "--offload-optimizer", "nvme", "--result-json", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "trained 3 steps" in proc.stdout, proc.stdout
     ranks = sorted(json.loads((tmp_path / ("run.rank%d" % r)).read_text())["rank"]
                    for r in range(2))
     assert ranks == [0, 1]
+    assert "optimizer state on disk" in daemon.read_log()
 
 
 def test_parameter_replaced_after_sharding(start_daemon):
