@@ -21,10 +21,11 @@ typedef struct bench_daemon {
   char socket[PATH_MAX + 16];
 } bench_daemon;
 
-/* Starts `zerod standalone --ranks ranks --max-live-bytes max_live` and
- * waits for its socket. Returns 0, or -1 after saying why on stderr. */
-static inline int bench_daemon_start(bench_daemon *d, const char *prog, int ranks,
-                                     const char *max_live) {
+/* Starts `zerod standalone --device device --ranks ranks --max-live-bytes
+ * max_live` and waits for its socket. Returns 0, or -1 after saying why on
+ * stderr. */
+static inline int bench_daemon_start_on(bench_daemon *d, const char *prog, const char *device,
+                                        int ranks, const char *max_live) {
   char exe[PATH_MAX], zerod[PATH_MAX + 16];
   const char *env = getenv("ZEROD_BIN");
   if (env != NULL) {
@@ -49,9 +50,9 @@ static inline int bench_daemon_start(bench_daemon *d, const char *prog, int rank
   const char *level = getenv("ZEROD_LOG_LEVEL") != NULL ? getenv("ZEROD_LOG_LEVEL") : "warn";
   d->pid = fork();
   if (d->pid == 0) {
-    execl(zerod, "zerod", "standalone", "--ranks", ranks_arg, "--dir", d->dir, "--socket",
-          d->socket, "--threads-per-rank", "1", "--max-live-bytes", max_live, "--log-level", level,
-          (char *)NULL);
+    execl(zerod, "zerod", "standalone", "--device", device, "--ranks", ranks_arg, "--dir", d->dir,
+          "--socket", d->socket, "--threads-per-rank", "1", "--max-live-bytes", max_live,
+          "--log-level", level, (char *)NULL);
     fprintf(stderr, "%s: exec %s: %s\n", prog, zerod, strerror(errno));
     _exit(127);
   }
@@ -66,6 +67,12 @@ static inline int bench_daemon_start(bench_daemon *d, const char *prog, int rank
   waitpid(d->pid, NULL, 0);
   d->pid = -1;
   return -1;
+}
+
+/* The same on CPU ranks. */
+static inline int bench_daemon_start(bench_daemon *d, const char *prog, int ranks,
+                                     const char *max_live) {
+  return bench_daemon_start_on(d, prog, "cpu", ranks, max_live);
 }
 
 /* SIGTERM, wait, and remove its directory. */
