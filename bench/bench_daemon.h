@@ -15,6 +15,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "zerod.h"
+
 typedef struct bench_daemon {
   pid_t pid;
   char dir[PATH_MAX];
@@ -67,6 +69,38 @@ static inline int bench_daemon_start_on(bench_daemon *d, const char *prog, const
   waitpid(d->pid, NULL, 0);
   d->pid = -1;
   return -1;
+}
+
+/* A job made by attaching to the daemon at socket (a connection of its
+ * own) with config, and one unit of numel fp32 elements drawn from a
+ * seeded normal (std 0.02). Returns ZD_OK, or the failing call's status
+ * with *what naming it. */
+static inline zd_status bench_job_with_unit(const char *socket, const char *name,
+                                            const zd_job_config *config, uint64_t numel,
+                                            zd_job **job, zd_unit *unit, const char **what) {
+  zd_client *client;
+  zd_status st = zd_connect(socket, &client);
+  *what = "connect";
+  if (st != ZD_OK)
+    return st;
+  zd_attach_options ao = ZD_ATTACH_OPTIONS_INIT;
+  ao.job = name;
+  ao.create = 1;
+  ao.config = config;
+  *what = "attach";
+  if ((st = zd_attach(client, &ao, job)) != ZD_OK)
+    return st;
+  uint64_t shape[1] = {numel};
+  zd_tensor_desc tensor = {.name = "w", .shape = shape, .ndim = 1};
+  zd_unit_desc ud = ZD_UNIT_DESC_INIT;
+  ud.name = "big";
+  ud.tensors = &tensor;
+  ud.ntensors = 1;
+  ud.init = ZD_INIT_SEEDED_NORMAL;
+  ud.seed = 1;
+  ud.init_std = 0.02;
+  *what = "register";
+  return zd_register_unit(*job, &ud, unit);
 }
 
 /* The same on CPU ranks. */

@@ -65,34 +65,17 @@ static void cuda_check(int rc, const char *what) {
  * where `offload` says. */
 static zd_job *make_job(const char *name, zd_offload_device offload, uint64_t numel,
                         zd_unit *unit) {
-  zd_client *client;
-  zd_status st = zd_connect(daemon_.socket, &client);
-  if (st != ZD_OK)
-    die("connect", st);
   zd_job_config config = ZD_JOB_CONFIG_INIT;
   config.working_dtype = ZD_BF16;
   config.offload_device = offload;
   config.offload_buffer_count = SLOTS;
   config.offload_buffer_size = CHUNK;
   config.offload_pin_memory = 1;
-  zd_attach_options ao = ZD_ATTACH_OPTIONS_INIT;
-  ao.job = name;
-  ao.create = 1;
-  ao.config = &config;
-  zd_job *job;
-  if ((st = zd_attach(client, &ao, &job)) != ZD_OK)
-    die("attach", st);
-  uint64_t shape[1] = {numel};
-  zd_tensor_desc tensor = {.name = "w", .shape = shape, .ndim = 1};
-  zd_unit_desc ud = ZD_UNIT_DESC_INIT;
-  ud.name = "big";
-  ud.tensors = &tensor;
-  ud.ntensors = 1;
-  ud.init = ZD_INIT_SEEDED_NORMAL;
-  ud.seed = 1;
-  ud.init_std = 0.02;
-  if ((st = zd_register_unit(job, &ud, unit)) != ZD_OK)
-    die("register", st);
+  zd_job *job = NULL;
+  const char *what;
+  zd_status st = bench_job_with_unit(daemon_.socket, name, &config, numel, &job, unit, &what);
+  if (st != ZD_OK)
+    die(what, st);
   return job;
 }
 
