@@ -238,14 +238,11 @@ static int cuda_staging_alloc(device *dev, size_t bytes, int pinned, void **out)
     CUDA_TRY(cd, "page-locked host memory", cd->api->host_alloc(out, bytes));
     return 0;
   }
-  void *p = hostmem_array_alloc(bytes);
-  if (p == NULL) {
+  *out = hostmem_array_zalloc(bytes);
+  if (*out == NULL) {
     snprintf(cd->last_error, sizeof cd->last_error, "out of host memory (%zu bytes)", bytes);
     return -ENOMEM;
   }
-  if (!hostmem_array_mapped(p))
-    memset(p, 0, bytes);
-  *out = p;
   return 0;
 }
 

@@ -41,11 +41,9 @@ static int host_failed(device *dev, int rc) {
  * drivers like them; a restore's staged arrays are the same kind. A mapped
  * array is zero when fresh; the others are zeroed here. */
 static int host_alloc(device *dev, size_t bytes, void **out) {
-  void *p = hostmem_array_alloc(bytes);
+  void *p = hostmem_array_zalloc(bytes);
   if (p == NULL)
     return host_failed(dev, -ENOMEM);
-  if (!hostmem_array_mapped(p))
-    memset(p, 0, bytes);
   *out = p;
   return 0;
 }

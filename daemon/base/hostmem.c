@@ -6,6 +6,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -188,6 +189,13 @@ void hostmem_array_free(void *p) {
     hostmem_free((uint8_t *)p - (size_t)sysconf(_SC_PAGESIZE), h->map_bytes);
   else
     free(h);
+}
+
+void *hostmem_array_zalloc(size_t bytes) {
+  void *p = hostmem_array_alloc(bytes);
+  if (p != NULL && !hostmem_array_mapped(p))
+    memset(p, 0, bytes);
+  return p;
 }
 
 int hostmem_array_mapped(const void *p) {

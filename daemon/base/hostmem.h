@@ -69,6 +69,8 @@ void *hostmem_shared_map_file(int fd, size_t bytes);
  * NULL with errno set on failure; free of NULL does nothing, of anything
  * else than such an array aborts. */
 void *hostmem_array_alloc(size_t bytes);
+/* The same, zero-filled (a mapped array is zero already). */
+void *hostmem_array_zalloc(size_t bytes);
 void hostmem_array_free(void *p);
 int hostmem_array_mapped(const void *p);
 

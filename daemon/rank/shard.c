@@ -13,15 +13,6 @@
 #include "offload.h"
 #include "tier.h"
 
-/* Zero-filled host memory (hostmem's arrays, as the CPU kernels like
- * them), or NULL. */
-static void *host_zalloc(uint64_t bytes) {
-  void *p = hostmem_array_alloc(bytes);
-  if (p != NULL && !hostmem_array_mapped(p))
-    memset(p, 0, bytes);
-  return p;
-}
-
 /* Zero-filled memory of the rank's device, or NULL. */
 static void *zalloc(rank_state *rs, uint64_t bytes) {
   void *p = NULL;
@@ -127,9 +118,9 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
     /* offload_optimizer cpu on a GPU rank: master and moments in host
      * memory; the accumulator and the working copy on the GPU. */
     sh->host_state = 1;
-    sh->master = host_zalloc(n * 4);
-    sh->moment1 = has[JOB_STATE_MOMENT1] ? host_zalloc(n * 4) : NULL;
-    sh->moment2 = has[JOB_STATE_MOMENT2] ? host_zalloc(n * 4) : NULL;
+    sh->master = hostmem_array_zalloc(n * 4);
+    sh->moment1 = has[JOB_STATE_MOMENT1] ? hostmem_array_zalloc(n * 4) : NULL;
+    sh->moment2 = has[JOB_STATE_MOMENT2] ? hostmem_array_zalloc(n * 4) : NULL;
     sh->grad_acc = zalloc(rs, n * 4);
     sh->working = zalloc(rs, n * zk_dtype_size(c->working_dtype));
     if (sh->master == NULL || sh->grad_acc == NULL ||
