@@ -169,9 +169,9 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
     c->offload_buffer_count = JOB_DEFAULT_OFFLOAD_BUFFERS;
   if (c->offload_buffer_size == 0)
     c->offload_buffer_size = JOB_DEFAULT_OFFLOAD_ELEMENTS;
-  if (c->offload_buffer_count < 2 || c->offload_buffer_count > 64) {
-    snprintf(err, err_bytes, "invalid offload_optimizer buffer_count %u (2..64)",
-             c->offload_buffer_count);
+  if (c->offload_buffer_count < 2 || c->offload_buffer_count > JOB_MAX_OFFLOAD_BUFFERS) {
+    snprintf(err, err_bytes, "invalid offload_optimizer buffer_count %u (2..%d)",
+             c->offload_buffer_count, JOB_MAX_OFFLOAD_BUFFERS);
     return -EINVAL;
   }
   if (c->offload_buffer_size % 1024 != 0 || c->offload_buffer_size < 1024 ||

@@ -27,6 +27,7 @@ typedef enum job_offload {
 
 #define JOB_NVME_PATH_BYTES          256
 #define JOB_DEFAULT_OFFLOAD_BUFFERS  4
+#define JOB_MAX_OFFLOAD_BUFFERS      64
 #define JOB_DEFAULT_OFFLOAD_ELEMENTS (1u << 20)
 
 typedef struct job_config {

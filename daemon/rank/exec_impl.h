@@ -57,8 +57,9 @@ int exec__shard_set_groups(rank_state *rs, const unit_layout *l, shard *sh,
 
 /* The shard's fp32 array of a state (JOB_STATE_MASTER, _MOMENT1,
  * _MOMENT2: UnitState's numbers), or NULL where the job's optimizer keeps
- * no such state, or keeps it in a tier file (sh->tiered: use
- * exec__state_get/put). */
+ * no such state, or keeps it in a tier file (sh->tiered). Device memory,
+ * except on a GPU rank with the state in host memory (sh->host_state):
+ * exec__state_get/put/copy know where each lives. */
 float *exec__shard_state(rank_state *rs, shard *sh, uint32_t state);
 
 /* Whether the job's optimizer keeps the state. */

@@ -8,8 +8,6 @@
 #include "log.h"
 #include "tier.h"
 
-#define OFFLOAD_MAX_SLOTS 64 /* buffer_count's bound (config.c) */
-
 /* One staging slot: a chunk's gradients on their way down, its new
  * working copy on its way up, and the fences that say when each copy is
  * done. */
@@ -25,7 +23,7 @@ typedef struct rank_offload {
   unsigned nslots;
   uint64_t chunk; /* elements */
   int pinned;
-  offload_slot slots[OFFLOAD_MAX_SLOTS];
+  offload_slot slots[JOB_MAX_OFFLOAD_BUFFERS]; /* buffer_count of them (config.c bounds it) */
 } rank_offload;
 
 int offload_enabled(const rank_state *rs) {
@@ -72,8 +70,7 @@ static int offload_get(rank_state *rs, rank_offload **out) {
   rank_offload *o = calloc(1, sizeof *o);
   if (o == NULL)
     return -ENOMEM;
-  o->nslots =
-      c->offload_buffer_count < OFFLOAD_MAX_SLOTS ? c->offload_buffer_count : OFFLOAD_MAX_SLOTS;
+  o->nslots = c->offload_buffer_count;
   o->chunk = c->offload_buffer_size;
   o->pinned = c->offload_pin_memory;
   rs->offload = o;
@@ -314,14 +311,6 @@ int offload_refresh_working(rank_state *rs, const unit_layout *l, shard *sh) {
 
 int offload_state_copy(rank_state *rs, shard *sh, const unit_layout *l, uint32_t state,
                        const float *src) {
-  if (!sh->tiered) {
-    float *dst = state == JOB_STATE_MASTER    ? sh->master
-                 : state == JOB_STATE_MOMENT1 ? sh->moment1
-                 : state == JOB_STATE_MOMENT2 ? sh->moment2
-                                              : NULL;
-    return dst != NULL ? device_download(rs->dev, dst, src, l->shard_numel * sizeof(float))
-                       : -EINVAL;
-  }
   rank_offload *o;
   int rc = offload_get(rs, &o);
   offload_slot *slot = rc == 0 ? &o->slots[0] : NULL;

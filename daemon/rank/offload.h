@@ -43,8 +43,8 @@ int offload_step(rank_state *rs, offload_update_fn fn, void *arg);
  * GPU (registration, a load, a restore). */
 int offload_refresh_working(rank_state *rs, const unit_layout *l, shard *sh);
 
-/* A whole state of an offloaded shard from src in the GPU's memory (the
- * rank's scratch), through the staging slots. */
+/* A whole state of a shard in the tier file from src in the GPU's memory
+ * (the rank's scratch), through the staging slots. */
 int offload_state_copy(rank_state *rs, shard *sh, const unit_layout *l, uint32_t state,
                        const float *src);
 

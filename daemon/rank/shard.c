@@ -273,12 +273,15 @@ int exec__state_copy(rank_state *rs, shard *sh, const unit_layout *l, uint32_t s
                      const float *src) {
   if (!exec__has_state(rs, state))
     return -EINVAL;
-  if (offload_enabled(rs)) /* a GPU rank: src is the GPU's */
+  float *dst = exec__shard_state(rs, sh, state);
+  size_t bytes = l->shard_numel * sizeof(float);
+  if (sh->host_state) /* a GPU rank's state in host memory */
+    return device_download(rs->dev, dst, src, bytes);
+  if (sh->tiered && !device_is_host(rs->dev)) /* down through the staging slots */
     return offload_state_copy(rs, sh, l, state, src);
   if (sh->tiered) /* a host rank: its device's memory is host memory */
     return tier_write_state(rs, sh, l, (int)state, src);
-  return device_copy(rs->dev, exec__shard_state(rs, sh, state), src,
-                     l->shard_numel * sizeof(float));
+  return device_copy(rs->dev, dst, src, bytes);
 }
 
 float *exec__shard_state(rank_state *rs, shard *sh, uint32_t state) {

@@ -59,8 +59,9 @@ static int tier_root(const job_config *c, const char *root, char *out, size_t ou
   }
   char real[PATH_MAX];
   if (realpath(want, real) == NULL) {
-    snprintf(err, err_bytes, "offload_optimizer nvme_path %s: %s", want, strerror(errno));
-    return -errno;
+    int e = errno;
+    snprintf(err, err_bytes, "offload_optimizer nvme_path %s: %s", want, strerror(e));
+    return -e;
   }
   size_t n = strlen(root);
   if (strncmp(real, root, n) != 0 || (real[n] != '\0' && real[n] != '/')) {
@@ -86,10 +87,7 @@ static int tier_open(rank_state *rs, const char *nvme_dir, char *err, size_t err
     return -ENOMEM;
   }
   const job_config *c = &rs->job->config;
-  job_config_states(c, t->has);
-  t->nstates = 0;
-  for (int s = 0; s < JOB_NSTATES; s++)
-    t->nstates += t->has[s] != 0;
+  t->nstates = (unsigned)job_config_states(c, t->has);
   t->slots = c->offload_buffer_count;
   t->chunk = c->offload_buffer_size;
   char root[PATH_MAX];
@@ -105,7 +103,7 @@ static int tier_open(rank_state *rs, const char *nvme_dir, char *err, size_t err
     rc = -errno;
     snprintf(err, err_bytes, "offload_optimizer nvme: cannot make %s: %s", t->dir, strerror(errno));
   }
-  size_t buffer_bytes = (size_t)t->slots * t->nstates * t->chunk * sizeof(float);
+  size_t buffer_bytes = (size_t)tier_staging_bytes(c);
   if (rc == 0 && (t->buffers = aligned_alloc(AIO_ALIGN, buffer_bytes)) == NULL) {
     snprintf(err, err_bytes, "offload_optimizer nvme: no memory for %zu bytes of staging buffers",
              buffer_bytes);
