@@ -110,38 +110,45 @@ static int seed_master(rank_state *rs, const unit_layout *l, shard *sh, uint64_t
  * max_device_bytes on a GPU rank; what an offloaded optimizer keeps in
  * host memory (a GPU rank's master and moments, offload_optimizer cpu)
  * and its staging buffers count against max_host_bytes. */
-static int quota_refused(rank_state *rs, exec_op *op, const char *name, const unit_layout *mine) {
-  job *j = rs->job;
-  const unit_layout *have = job_unit_named(j, name);
-  if (have != NULL && have->id < rs->nshards && rs->shards[have->id].present)
-    return 0; /* registered here already: nothing new */
-  int host = device_is_host(rs->dev);
-  uint64_t staging = (tier_enabled(j) ? tier_staging_bytes(&j->config) : 0) +
-                     (offload_enabled(rs) ? offload_staging_bytes(&j->config) : 0);
-  uint64_t quota = host ? j->quota_host_bytes : j->quota_device_bytes;
-  uint64_t in_use = rs->state_bytes + (host ? staging : 0);
-  uint64_t need = exec__shard_bytes(rs, mine);
-  const char *what = "shard state";
-  const char *quota_name = host ? "max_host_bytes" : "max_device_bytes";
-  if (quota == 0 || in_use + need <= quota) {
-    /* A GPU rank's host side. */
-    quota = offload_enabled(rs) ? j->quota_host_bytes : 0;
-    in_use = rs->host_state_bytes + staging;
-    need = tier_enabled(j) ? 0 : offload_host_state_bytes(rs, mine);
-    what = "optimizer state in host memory";
-    quota_name = "max_host_bytes";
-    if (quota == 0 || in_use + need <= quota)
-      return 0;
-  }
+/* One quota: whether need more bytes of `what` fit beside in_use (staging
+ * of them the offload's buffers) under quota (0: none), answering op if
+ * not. */
+static int over_quota(rank_state *rs, exec_op *op, const char *unit, const char *what,
+                      const char *quota_name, uint64_t quota, uint64_t in_use, uint64_t staging,
+                      uint64_t need) {
+  if (quota == 0 || in_use + need <= quota)
+    return 0;
   char staged[96] = "";
-  if (staging != 0 && (host || strcmp(quota_name, "max_host_bytes") == 0))
+  if (staging != 0)
     snprintf(staged, sizeof staged, ", %" PRIu64 " of them offload_optimizer's staging buffers",
              staging);
   exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
              "unit '%s' needs %" PRIu64 " bytes of %s on rank %d, over the job's %s quota of "
              "%" PRIu64 " bytes per rank (%" PRIu64 " in use%s)",
-             name, need, what, rs->rank, quota_name, quota, in_use, staged);
+             unit, need, what, rs->rank, quota_name, quota, in_use, staged);
   return 1;
+}
+
+static int quota_refused(rank_state *rs, exec_op *op, const char *name, const unit_layout *mine) {
+  job *j = rs->job;
+  const unit_layout *have = job_unit_named(j, name);
+  if (have != NULL && have->id < rs->nshards && rs->shards[have->id].present)
+    return 0; /* registered here already: nothing new */
+  uint64_t staging = (tier_enabled(j) ? tier_staging_bytes(&j->config) : 0) +
+                     (offload_enabled(rs) ? offload_staging_bytes(&j->config) : 0);
+  uint64_t need = exec__shard_bytes(rs, mine);
+  if (device_is_host(rs->dev)) /* the rank's memory is host memory, staging included */
+    return over_quota(rs, op, name, "shard state", "max_host_bytes", j->quota_host_bytes,
+                      rs->state_bytes + staging, staging, need);
+  if (over_quota(rs, op, name, "shard state", "max_device_bytes", j->quota_device_bytes,
+                 rs->state_bytes, 0, need))
+    return 1;
+  /* A GPU rank's host side: its offloaded master and moments (none with
+   * nvme: they are on disk) and the staging. */
+  return offload_enabled(rs) &&
+         over_quota(rs, op, name, "optimizer state in host memory", "max_host_bytes",
+                    j->quota_host_bytes, rs->host_state_bytes + staging, staging,
+                    tier_enabled(j) ? 0 : offload_host_state_bytes(rs, mine));
 }
 
 void exec__handle_register(rank_state *rs, exec_op *op) {
