@@ -82,9 +82,7 @@ int aio_file_open(const char *path, unsigned mode, unsigned slots, unsigned per_
   if (f->fd < 0) {
     int e = errno;
     snprintf(err, err_bytes, "cannot open %s: %s", path, strerror(e));
-    free(f->slots);
-    free(f->requests);
-    free(f);
+    aio_file_close(f);
     return -e;
   }
   unsigned entries = 1;

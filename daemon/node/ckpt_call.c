@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ctl_decode.h"
 #include "daemon.h"
 #include "log.h"
 #include "rpc.h"
@@ -36,7 +37,7 @@
  * transient (is_transient). */
 #define CALL_RETRY_MS (60 * 1000)
 
-#define CALL_NAME_MAX 64
+#define CALL_NAME_MAX CTL_NAME_MAX_BYTES
 
 typedef struct ckpt_call {
   struct ckpt_call *next;
@@ -82,13 +83,9 @@ int ckpt_call_check(const Zerod__V1__CheckpointRequest *req, char *err, size_t e
     snprintf(err, err_bytes, "checkpoint: a restore names the checkpoint of this job to restore");
     return -EINVAL;
   }
-  int ok = len <= CALL_NAME_MAX && req->name[0] != '.';
-  for (size_t i = 0; ok && i < len; i++) {
-    char c = req->name[i];
-    ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-         c == '_' || c == '-';
-  }
-  if (!ok) {
+  /* An empty name saves as step-<step>; any other follows the
+   * coordinator's own rule for checkpoint names. */
+  if (len != 0 && !ctl_valid_checkpoint_name(req->name)) {
     snprintf(err, err_bytes,
              "checkpoint name '%.80s%s' is not a checkpoint of this job: 1..64 of [A-Za-z0-9._-], "
              "not starting with '.' (%s)",
@@ -168,13 +165,13 @@ static void ask_coordinator(ckpt_call *c) {
     req.job = c->job_name;
     req.name = c->name;
     len = zerod__v1__save_request__pack(&req, buf);
-    method = "/zerod.v1.Checkpoints/Save";
+    method = CTL_SAVE;
   } else {
     Zerod__V1__RestoreRequest req = ZEROD__V1__RESTORE_REQUEST__INIT;
     req.job = c->job_name;
     req.checkpoint = c->name;
     len = zerod__v1__restore_request__pack(&req, buf);
-    method = "/zerod.v1.Checkpoints/Restore";
+    method = CTL_RESTORE;
   }
   rpc_result result = {0};
   int rc = RPC_UNAVAILABLE;
