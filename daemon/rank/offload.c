@@ -138,15 +138,13 @@ static int trainable_covers(const shard *sh, uint64_t begin, uint64_t end) {
 
 /* ---- the step ------------------------------------------------------------ */
 
-typedef struct chunk_task {
-  uint32_t unit;
-  uint64_t begin, n;
-} chunk_task;
-
+/* A step in progress: the chunks (tier_chunks' list: the order tier_stream
+ * visits a tier file in), how far the gradients were asked for, and which
+ * chunk is updated next. */
 typedef struct step_ctx {
   rank_state *rs;
   rank_offload *o;
-  chunk_task *tasks;
+  tier_chunk *tasks;
   size_t ntasks;
   size_t next_down; /* the first chunk whose gradients are not asked for yet */
   size_t cursor;    /* the next chunk to update */
@@ -154,37 +152,12 @@ typedef struct step_ctx {
   void *arg;
 } step_ctx;
 
-/* The chunks of every offloaded shard, in unit order: the order in which
- * tier_stream visits a tier file's chunks (same buffer_size). */
-static int list_tasks(step_ctx *x) {
-  rank_state *rs = x->rs;
-  size_t cap = 0;
-  for (uint32_t u = 0; u < rs->nshards; u++) {
-    shard *sh = &rs->shards[u];
-    if (!sh->present || !(sh->tiered || sh->host_state))
-      continue;
-    uint64_t numel = job_unit(rs->job, u)->shard_numel;
-    for (uint64_t b = 0; b < numel; b += x->o->chunk) {
-      if (x->ntasks == cap) {
-        cap = cap ? cap * 2 : 64;
-        chunk_task *grown = realloc(x->tasks, cap * sizeof *grown);
-        if (grown == NULL)
-          return -ENOMEM;
-        x->tasks = grown;
-      }
-      uint64_t n = numel - b < x->o->chunk ? numel - b : x->o->chunk;
-      x->tasks[x->ntasks++] = (chunk_task){.unit = u, .begin = b, .n = n};
-    }
-  }
-  return 0;
-}
-
 /* Asks for the gradients of the chunks up to `upto`, each into its slot
  * (chunk i in slot i % nslots, whose last chunk the CPU is done with). */
 static int ask_gradients(step_ctx *x, size_t upto) {
   rank_state *rs = x->rs;
   while (x->next_down < x->ntasks && x->next_down <= upto) {
-    const chunk_task *k = &x->tasks[x->next_down];
+    const tier_chunk *k = &x->tasks[x->next_down];
     offload_slot *slot = &x->o->slots[x->next_down % x->o->nslots];
     int rc = device_download_async(rs->dev, slot->grad, rs->shards[k->unit].grad_acc + k->begin,
                                    k->n * sizeof(float));
@@ -204,7 +177,7 @@ static int step_chunk(step_ctx *x, float *master, float *m1, float *m2) {
   size_t i = x->cursor++;
   if (i >= x->ntasks)
     return -EIO; /* the tier's chunks and ours disagree: a bug */
-  const chunk_task *k = &x->tasks[i];
+  const tier_chunk *k = &x->tasks[i];
   shard *sh = &rs->shards[k->unit];
   offload_slot *slot = &o->slots[i % o->nslots];
   zk_dtype wdtype = rs->job->config.working_dtype;
@@ -241,16 +214,16 @@ int offload_step(rank_state *rs, offload_update_fn fn, void *arg) {
   step_ctx x = {.rs = rs, .fn = fn, .arg = arg};
   int rc = offload_get(rs, &x.o);
   if (rc == 0)
-    rc = list_tasks(&x);
-  if (rc == 0 && x.ntasks == 0) {
+    rc = tier_chunks(rs, x.o->chunk, -1, &x.tasks, &x.ntasks);
+  if (rc != 0 || x.ntasks == 0) {
     free(x.tasks);
-    return 0;
+    return rc;
   }
-  if (rc == 0 && tier_enabled(rs->job)) {
+  if (tier_enabled(rs->job)) {
     rc = tier_stream(rs, -1, 1, tier_step_chunk, &x);
   } else {
     for (size_t i = 0; rc == 0 && i < x.ntasks; i++) {
-      const chunk_task *k = &x.tasks[i];
+      const tier_chunk *k = &x.tasks[i];
       shard *sh = &rs->shards[k->unit];
       rc = step_chunk(&x, sh->master + k->begin, sh->moment1 ? sh->moment1 + k->begin : NULL,
                       sh->moment2 ? sh->moment2 + k->begin : NULL);
@@ -259,7 +232,7 @@ int offload_step(rank_state *rs, offload_update_fn fn, void *arg) {
   if (rc == 0 && x.cursor != x.ntasks)
     rc = -EIO;
   /* Every copy lands before the slots are used again (or freed). */
-  for (unsigned s = 0; x.o != NULL && s < x.o->nslots; s++) {
+  for (unsigned s = 0; s < x.o->nslots; s++) {
     int wrc = slot_free_working(rs, &x.o->slots[s]);
     if (rc == 0)
       rc = wrc;

@@ -223,13 +223,42 @@ int tier_write_state_range(rank_state *rs, const shard *sh, const unit_layout *l
   return state_io(rs, sh, l, state, first, count, NULL, src);
 }
 
-/* One chunk of the stream: a unit's shard and where in it. */
-typedef struct chunk_task {
-  uint32_t unit;
-  uint64_t begin, n;
-} chunk_task;
+int tier_chunks(rank_state *rs, uint64_t chunk, int64_t only_unit, tier_chunk **out, size_t *n) {
+  size_t cap = 0;
+  *out = NULL;
+  *n = 0;
+  for (uint32_t u = 0; u < rs->nshards; u++) {
+    shard *sh = &rs->shards[u];
+    if (!sh->present || !(sh->tiered || sh->host_state) ||
+        (only_unit >= 0 && (uint32_t)only_unit != u))
+      continue;
+    uint64_t numel = job_unit(rs->job, u)->shard_numel;
+    for (uint64_t b = 0; b < numel; b += chunk) {
+      if (*n == cap) {
+        cap = cap ? cap * 2 : 64;
+        tier_chunk *grown = realloc(*out, cap * sizeof *grown);
+        if (grown == NULL) {
+          free(*out);
+          *out = NULL;
+          *n = 0;
+          return -ENOMEM;
+        }
+        *out = grown;
+      }
+      (*out)[(*n)++] =
+          (tier_chunk){.unit = u, .begin = b, .n = numel - b < chunk ? numel - b : chunk};
+    }
+  }
+  return 0;
+}
 
-static int queue_io(rank_tier *t, const shard *sh, const chunk_task *k, unsigned slot, int write) {
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int queue_io(rank_tier *t, const shard *sh, const tier_chunk *k, unsigned slot, int write) {
   size_t bytes = aligned(k->n * sizeof(float));
   for (unsigned s = 0; s < t->nstates; s++) {
     uint64_t offset = sh->tier_offset + s * sh->tier_stride + k->begin * sizeof(float);
@@ -245,39 +274,19 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
   rank_tier *t = rs->tier;
   if (t == NULL)
     return 0;
-  /* The chunks, in unit order. */
-  size_t ntasks = 0, cap = 0;
-  chunk_task *tasks = NULL;
-  for (uint32_t u = 0; u < rs->nshards; u++) {
-    shard *sh = &rs->shards[u];
-    if (!sh->present || !sh->tiered || (only_unit >= 0 && (uint32_t)only_unit != u))
-      continue;
-    uint64_t numel = job_unit(rs->job, u)->shard_numel;
-    for (uint64_t b = 0; b < numel; b += t->chunk) {
-      if (ntasks == cap) {
-        cap = cap ? cap * 2 : 64;
-        chunk_task *grown = realloc(tasks, cap * sizeof *grown);
-        if (grown == NULL) {
-          free(tasks);
-          return -ENOMEM;
-        }
-        tasks = grown;
-      }
-      tasks[ntasks++] =
-          (chunk_task){.unit = u, .begin = b, .n = numel - b < t->chunk ? numel - b : t->chunk};
-    }
-  }
+  size_t ntasks;
+  tier_chunk *tasks;
+  int rc = tier_chunks(rs, t->chunk, only_unit, &tasks, &ntasks);
+  if (rc != 0)
+    return rc;
   /* Slot i % slots holds chunk i. A chunk's reads go out `ahead` chunks
    * before it is updated; its slot is free again once the write of the
    * chunk before has landed, which is waited for just before the reads
    * (at least one update later). */
   unsigned ahead = t->slots > 2 ? t->slots - 2 : 1;
-  struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  double fn_s = 0, wait_s = 0;
+  double t0 = now_s(), fn_s = 0, wait_s = 0;
   int m1 = t->has[JOB_STATE_MOMENT1], m2 = t->has[JOB_STATE_MOMENT2];
   size_t issued = 0;
-  int rc = 0;
   for (size_t i = 0; i < ntasks && rc == 0; i++) {
     while (rc == 0 && issued < ntasks && issued <= i + ahead) {
       unsigned slot = (unsigned)(issued % t->slots);
@@ -289,12 +298,11 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
     if (rc == 0)
       rc = aio_file_submit(t->file);
     unsigned slot = (unsigned)(i % t->slots);
-    struct timespec w0, w1;
-    clock_gettime(CLOCK_MONOTONIC, &w0);
+    double w0 = now_s();
     if (rc == 0)
       rc = aio_file_wait(t->file, slot);
-    clock_gettime(CLOCK_MONOTONIC, &w1);
-    wait_s += (double)(w1.tv_sec - w0.tv_sec) + (double)(w1.tv_nsec - w0.tv_nsec) * 1e-9;
+    double w1 = now_s();
+    wait_s += w1 - w0;
     if (rc != 0)
       break;
     shard *sh = &rs->shards[tasks[i].unit];
@@ -303,8 +311,7 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
     float *mom2 = m2 ? slot_state(t, slot, (unsigned)(1 + (m1 != 0))) : NULL;
     rc = fn(arg, rs, sh, job_unit(rs->job, tasks[i].unit), tasks[i].begin, tasks[i].n, master, mom1,
             mom2);
-    clock_gettime(CLOCK_MONOTONIC, &w0);
-    fn_s += (double)(w0.tv_sec - w1.tv_sec) + (double)(w0.tv_nsec - w1.tv_nsec) * 1e-9;
+    fn_s += now_s() - w1;
     if (rc == 0 && write_back)
       rc = queue_io(t, sh, &tasks[i], slot, 1);
     if (rc == 0)
@@ -321,12 +328,9 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
       rc = wrc;
   }
   free(tasks);
-  clock_gettime(CLOCK_MONOTONIC, &t1);
-  LOG_DEBUGF("tier streamed",
-             "job=%s rank=%d chunks=%zu write_back=%d ms=%.1f work_ms=%.1f wait_ms=%.1f",
-             rs->job->name, rs->rank, ntasks, write_back,
-             ((double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9) * 1e3,
-             fn_s * 1e3, wait_s * 1e3);
+  LOG_DEBUGF(
+      "tier streamed", "job=%s rank=%d chunks=%zu write_back=%d ms=%.1f work_ms=%.1f wait_ms=%.1f",
+      rs->job->name, rs->rank, ntasks, write_back, (now_s() - t0) * 1e3, fn_s * 1e3, wait_s * 1e3);
   return rc;
 }
 

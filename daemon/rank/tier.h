@@ -54,6 +54,20 @@ int tier_write_state(rank_state *rs, const shard *sh, const unit_layout *l, int 
 int tier_write_state_range(rank_state *rs, const shard *sh, const unit_layout *l, int state,
                            uint64_t first, uint64_t count, const float *src);
 
+/* One chunk of a shard: elements [begin, begin + n) of unit's. */
+typedef struct tier_chunk {
+  uint32_t unit;
+  uint64_t begin, n;
+} tier_chunk;
+
+/* The chunks of `chunk` elements (each shard's last one shorter) of the
+ * rank's shards whose optimizer state is off the device's arrays (in the
+ * tier file, or a GPU rank's host memory): only_unit's, or every one with
+ * only_unit < 0, in unit order, which is the order tier_stream visits
+ * them in. *out (NULL when there are none) is the caller's to free.
+ * Returns 0 or -ENOMEM. */
+int tier_chunks(rank_state *rs, uint64_t chunk, int64_t only_unit, tier_chunk **out, size_t *n);
+
 /* Called by tier_stream with the chunk [begin, begin + n) of a shard's
  * states in memory (m1, m2 NULL when the optimizer keeps none); what it
  * changes is written back. Returns 0 or a negative errno (the stream
