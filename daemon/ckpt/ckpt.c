@@ -2,16 +2,18 @@
  * files written and read block by block, and checkpoint directories read
  * by element ranges. ckpt_safetensors.c has the safetensors part.
  *
- * manifest.json, format_version 1. Keys are written in this order and all
+ * manifest.json, format_version 2. Keys are written in this order and all
  * are required; unknown keys are refused (a new key means a new
  * format_version, which is checked before anything else so that an old
- * reader says "unsupported format_version" rather than "unknown key"):
+ * reader says "unsupported format_version" rather than "unknown key").
+ * Version 1 is read too: it is version 2 without "tenant".
  *
  *   {
  *     "format": "zerod-checkpoint",
- *     "format_version": 1,
+ *     "format_version": 2,
  *     "job": "<path-safe name>",         the saving job's name
  *     "job_id": <u>,
+ *     "tenant": "<tenant>" | "",         the owner: 1..64 of [A-Za-z0-9._-], or none
  *     "name": "<path-safe name>",        the checkpoint's name
  *     "created_unix_ms": <i64>,
  *     "step": <u>,
@@ -392,16 +394,20 @@ static json_t *encode_file(const ckpt_file_entry *f) {
   return o;
 }
 
+static const char *tenant_problem(const char *tenant, size_t len);
+
 static json_t *encode_manifest(const ckpt_manifest *m) {
   json_t *root = json_object();
   if (root == NULL)
     return NULL;
-  /* This code writes format version 1 only, whatever the struct says: the
-   * version describes the text, not the caller's data. */
-  int ok = set(root, "format", json_string(MANIFEST_FORMAT)) &&
-           set(root, "format_version", json_integer(CKPT_FORMAT_VERSION)) &&
+  /* This code writes the current version only, whatever the struct says:
+   * the version describes the text, not the caller's data. */
+  int ok = tenant_problem(m->tenant, strnlen(m->tenant, sizeof m->tenant)) == NULL &&
+           set(root, "format", json_string(MANIFEST_FORMAT)) &&
+           set(root, "format_version", json_integer(CKPT_MANIFEST_VERSION)) &&
            set(root, "job", m->job != NULL ? json_string(m->job) : NULL) &&
            set(root, "job_id", json_u64(m->job_id)) &&
+           set(root, "tenant", json_string(m->tenant)) &&
            set(root, "name", m->name != NULL ? json_string(m->name) : NULL) &&
            set(root, "created_unix_ms", json_integer(m->created_unix_ms)) &&
            set(root, "step", json_u64(m->step)) && set(root, "version", json_u64(m->version)) &&
@@ -573,6 +579,35 @@ static const char *name_problem(const char *name, size_t len, int path_safe) {
   if (path_safe && (strcmp(name, ".") == 0 || strcmp(name, "..") == 0))
     return "is \".\" or \"..\"";
   return NULL;
+}
+
+/* Why tenant (len bytes) is not a tenant's name, or NULL: "" (none), or
+ * 1..CKPT_TENANT_MAX_BYTES of [A-Za-z0-9._-]. */
+static const char *tenant_problem(const char *tenant, size_t len) {
+  if (len > CKPT_TENANT_MAX_BYTES)
+    return "is longer than 64 bytes";
+  for (size_t i = 0; i < len; i++) {
+    char ch = tenant[i];
+    if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+          ch == '.' || ch == '_' || ch == '-'))
+      return "holds a character other than [A-Za-z0-9._-]";
+  }
+  return NULL;
+}
+
+static int get_tenant(json_t *obj, const char *where, char out[CKPT_TENANT_MAX_BYTES + 1],
+                      char *err, size_t err_bytes) {
+  const char *tenant = NULL;
+  size_t len = 0;
+  int rc = get_string(obj, "tenant", where, &tenant, &len, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  const char *problem = tenant_problem(tenant, len);
+  if (problem != NULL)
+    return bad(err, err_bytes, where, "\"tenant\" %s", problem);
+  memcpy(out, tenant, len);
+  out[len] = '\0';
+  return 0;
 }
 
 static int get_name(json_t *obj, const char *key, int path_safe, const char *where, char **out,
@@ -839,10 +874,11 @@ static int decode_files(json_t *files, ckpt_manifest *m, char *err, size_t err_b
 }
 
 static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err, size_t err_bytes) {
-  static const char *const keys[] = {"format",     "format_version",  "job",    "job_id",
-                                     "name",       "created_unix_ms", "step",   "version",
-                                     "world_size", "config",          "states", "units",
-                                     "files"};
+  static const char *const keys[] = {
+      "format",  "format_version", "job",    "job_id", "name",  "created_unix_ms", "step",
+      "version", "world_size",     "config", "states", "units", "files",           "tenant"};
+  /* Version 1 has every key but the last. */
+  size_t nkeys = sizeof keys / sizeof keys[0];
   const char *where = "manifest";
   if (!json_is_object(root))
     return bad(err, err_bytes, where, "is not a JSON object");
@@ -854,18 +890,19 @@ static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err,
     return bad(err, err_bytes, where, "\"format\" is not \"" MANIFEST_FORMAT "\"");
   if (rc == 0)
     rc = get_uint(root, "format_version", (uint64_t)INT64_MAX, where, &version, err, err_bytes);
-  if (rc == 0 && version != CKPT_FORMAT_VERSION)
+  if (rc == 0 && (version == 0 || version > CKPT_MANIFEST_VERSION))
     return bad(err, err_bytes, where, "unsupported format_version %" PRIu64 " (this is %d)",
-               version, CKPT_FORMAT_VERSION);
+               version, CKPT_MANIFEST_VERSION);
   if (rc == 0)
-    rc = check_keys(root, keys, sizeof keys / sizeof keys[0], where, err, err_bytes);
+    rc = check_keys(root, keys, version == 1 ? nkeys - 1 : nkeys, where, err, err_bytes);
   if (rc != 0)
     return rc;
-  m->format_version = CKPT_FORMAT_VERSION;
+  m->format_version = (uint32_t)version;
   json_t *created, *config, *states, *units, *files = NULL;
   if ((rc = get_name(root, "job", 1, where, &m->job, err, err_bytes)) != 0 ||
       (rc = get_uint(root, "job_id", (uint64_t)INT64_MAX, where, &m->job_id, err, err_bytes)) !=
           0 ||
+      (version >= 2 && (rc = get_tenant(root, where, m->tenant, err, err_bytes)) != 0) ||
       (rc = get_name(root, "name", 1, where, &m->name, err, err_bytes)) != 0 ||
       (rc = get_member(root, "created_unix_ms", where, &created, err, err_bytes)) != 0)
     return rc;

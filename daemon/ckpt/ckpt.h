@@ -35,11 +35,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define CKPT_FORMAT_VERSION 1
-#define CKPT_HEADER_BYTES   4096u
-#define CKPT_BLOCK_BYTES    (1u << 20)
-#define CKPT_MANIFEST_NAME  "manifest.json"
-#define CKPT_MAX_TENSOR_DIM 8
+#define CKPT_FORMAT_VERSION 1 /* shard files */
+/* manifest.json: version 2 added "tenant"; version 1 is still read (its
+ * tenant is ""). */
+#define CKPT_MANIFEST_VERSION 2
+#define CKPT_TENANT_MAX_BYTES 64 /* as a principal's tenant (coord/auth.h) */
+#define CKPT_HEADER_BYTES     4096u
+#define CKPT_BLOCK_BYTES      (1u << 20)
+#define CKPT_MANIFEST_NAME    "manifest.json"
+#define CKPT_MAX_TENSOR_DIM   8
 /* Refused above this: a manifest is small (units and tensors), and
  * safetensors caps its header at 100 MB. */
 #define CKPT_MAX_MANIFEST_BYTES  (64u << 20)
@@ -96,9 +100,13 @@ typedef struct ckpt_config {
 } ckpt_config;
 
 typedef struct ckpt_manifest {
-  uint32_t format_version; /* CKPT_FORMAT_VERSION */
+  uint32_t format_version; /* as read: 1 or CKPT_MANIFEST_VERSION; written: the latter */
   char *job;               /* the saving job's name */
   uint64_t job_id;
+  /* The tenant that owns the checkpoint (its job's), "" for a job of no
+   * tenant and in a version 1 manifest. The coordinator sets it and the
+   * job id at the commit; what a node writes in the layout is replaced. */
+  char tenant[CKPT_TENANT_MAX_BYTES + 1];
   char *name; /* the checkpoint's name */
   int64_t created_unix_ms;
   uint64_t step;    /* completed optimizer steps */

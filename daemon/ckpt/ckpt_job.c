@@ -12,7 +12,7 @@ ckpt_manifest *ckpt_layout_of(const ckpt_job_view *j, uint64_t step, uint64_t ve
   if (m == NULL)
     return NULL;
   const job_config *cfg = j->config;
-  m->format_version = CKPT_FORMAT_VERSION;
+  m->format_version = CKPT_MANIFEST_VERSION;
   m->job = strdup(j->name);
   m->name = strdup("layout"); /* the coordinator names the checkpoint */
   m->job_id = j->id;

@@ -10,7 +10,8 @@
  * Random bytes are seldom JSON, let alone a manifest whose sizes agree, so
  * with bit 7 of the first byte set the rest of the input instead steers a
  * generator: a manifest struct with values drawn mostly from the edges the
- * validators check (names like "", "..", "a/b" and 256 bytes; world sizes
+ * validators check (names like "", "..", "a/b" and 256 bytes; tenants
+ * none, 64 bytes, or with a '/' or a space; world sizes
  * 0, 1, 4096, 4097; counts around 2^63 and 2^64; tensors that overlap,
  * leave gaps, or run past their unit), encoded by ckpt_manifest_encode,
  * and then sometimes damaged at one byte. That reaches every rule on
@@ -134,6 +135,13 @@ static void generate(source *s, ckpt_manifest *m) {
   m->job = pick_name(s, 0);
   m->name = pick_name(s, 0);
   m->job_id = pick_integer(s);
+  /* The owner: none, names at the edge of the alphabet, and ones the
+   * decoder refuses (the encoder must refuse them too). */
+  static const char *const tenants[] = {"",    "team-a", "T.e_n-4",  "a/b",
+                                        "x y", "..",     "\xc3\xa9", "t\x01"};
+  pick_string(s, m->tenant, sizeof m->tenant, tenants, sizeof tenants / sizeof tenants[0]);
+  if (take(s) == 255)
+    memset(m->tenant, 't', CKPT_TENANT_MAX_BYTES); /* the longest: 64 bytes */
   m->created_unix_ms = (int64_t)pick_integer(s);
   m->step = pick_integer(s);
   m->version = pick_integer(s);

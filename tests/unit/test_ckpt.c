@@ -141,9 +141,10 @@ static char *xstrdup(const char *s) {
 static void build_manifest(ckpt_manifest *m, uint32_t world, const unit_spec *specs,
                            unsigned nunits, int with_files) {
   memset(m, 0, sizeof *m);
-  m->format_version = CKPT_FORMAT_VERSION;
+  m->format_version = CKPT_MANIFEST_VERSION;
   m->job = xstrdup("llama-7b.run_3");
   m->job_id = (1ull << 62) + 12345; /* beyond a double's 2^53 */
+  snprintf(m->tenant, sizeof m->tenant, "team-a.research_2");
   m->name = xstrdup("step-9007199254740993");
   m->created_unix_ms = 1700000000123;
   m->step = 9007199254740993ull; /* 2^53 + 1 */
@@ -222,6 +223,7 @@ static void assert_manifests_equal(const ckpt_manifest *a, const ckpt_manifest *
   assert_int_equal(a->format_version, b->format_version);
   assert_string_equal(a->job, b->job);
   assert_true(a->job_id == b->job_id);
+  assert_string_equal(a->tenant, b->tenant);
   assert_string_equal(a->name, b->name);
   assert_true(a->created_unix_ms == b->created_unix_ms);
   assert_true(a->step == b->step);
@@ -452,6 +454,54 @@ static void test_encode_refuses_values_json_cannot_hold(void **state) {
   ckpt_manifest_free(&m);
 }
 
+/* Version 2 added "tenant", the checkpoint's owner; version 1 manifests
+ * (written before) still read, with no tenant, and a version 1 manifest
+ * with a "tenant" is a malformed one, as a version 2 without it. */
+static void test_manifest_tenant_by_version(void **state) {
+  json_t *root = sample_json(1);
+  assert_int_equal(json_integer_value(json_object_get(root, "format_version")), 2);
+  assert_string_equal(json_string_value(json_object_get(root, "tenant")), "team-a.research_2");
+  json_object_set_new(root, "format_version", json_integer(1));
+  json_object_del(root, "tenant");
+  char *text = json_dumps(root, JSON_COMPACT);
+  json_decref(root);
+  ckpt_manifest m;
+  char err[512] = "";
+  assert_int_equal(ckpt_manifest_decode(text, strlen(text), 0, &m, err, sizeof err), 0);
+  assert_int_equal(m.format_version, 1);
+  assert_string_equal(m.tenant, "");
+  ckpt_manifest_free(&m);
+  free(text);
+
+  root = sample_json(1);
+  json_object_set_new(root, "format_version", json_integer(1));
+  expect_rejected(root, "unknown key \"tenant\"");
+  root = sample_json(1);
+  json_object_del(root, "tenant");
+  expect_rejected(root, "\"tenant\"");
+  root = sample_json(1);
+  json_object_set_new(root, "tenant", json_string("team/../b"));
+  expect_rejected(root, "\"tenant\" holds a character other than");
+  root = sample_json(1);
+  json_object_set_new(
+      root, "tenant",
+      json_string("t234567890123456789012345678901234567890123456789012345678901234x"));
+  expect_rejected(root, "\"tenant\" is longer than 64 bytes");
+  root = sample_json(1);
+  json_object_set_new(root, "tenant", json_stringn("a\0b", 3));
+  expect_rejected(root, "is not allowed"); /* jansson refuses \u0000 before we see it */
+  root = sample_json(1);
+  json_object_set_new(root, "tenant", json_string(""));
+  expect_accepted(root, 0);
+
+  /* The encoder refuses a tenant the decoder would. */
+  sample_manifest(&m, 1);
+  snprintf(m.tenant, sizeof m.tenant, "a b");
+  size_t len;
+  assert_null(ckpt_manifest_encode(&m, &len));
+  ckpt_manifest_free(&m);
+}
+
 static void test_decode_refuses_what_is_not_a_manifest(void **state) {
   expect_text_rejected("", -EBADMSG, "not valid JSON");
   expect_text_rejected("{\"format\": ", -EBADMSG, "not valid JSON");
@@ -461,13 +511,16 @@ static void test_decode_refuses_what_is_not_a_manifest(void **state) {
   json_object_set_new(root, "format", json_string("safetensors"));
   expect_rejected(root, "\"format\" is not");
   root = sample_json(1);
-  json_object_set_new(root, "format_version", json_integer(2));
-  expect_rejected(root, "unsupported format_version 2");
+  json_object_set_new(root, "format_version", json_integer(3));
+  expect_rejected(root, "unsupported format_version 3");
+  root = sample_json(1);
+  json_object_set_new(root, "format_version", json_integer(0));
+  expect_rejected(root, "unsupported format_version 0");
   /* A newer version is reported as such even with keys this one lacks. */
   root = sample_json(1);
-  json_object_set_new(root, "format_version", json_integer(2));
+  json_object_set_new(root, "format_version", json_integer(3));
   json_object_set_new(root, "encryption", json_string("aes"));
-  expect_rejected(root, "unsupported format_version 2");
+  expect_rejected(root, "unsupported format_version 3");
   /* Over the size cap: refused before parsing. */
   size_t huge = (size_t)CKPT_MAX_MANIFEST_BYTES + 1;
   char *big = xmalloc(huge);
@@ -2004,6 +2057,7 @@ int main(void) {
       cmocka_unit_test(test_manifest_encoding_is_deterministic),
       cmocka_unit_test(test_encode_refuses_values_json_cannot_hold),
       cmocka_unit_test(test_decode_refuses_what_is_not_a_manifest),
+      cmocka_unit_test(test_manifest_tenant_by_version),
       cmocka_unit_test(test_decode_refuses_missing_keys),
       cmocka_unit_test(test_decode_refuses_unknown_keys),
       cmocka_unit_test(test_decode_refuses_wrong_types),
