@@ -170,7 +170,7 @@ static int source_rule(const coord *c, const coord_caller *who, const char *ref,
                        size_t err_bytes) {
   if (ref == NULL || ref[0] == '\0' || who->role == AUTH_ADMIN)
     return 0;
-  char job[CTL_NAME_MAX_BYTES + 1], name[CTL_NAME_MAX_BYTES + 1];
+  char job[CTL_CKPT_DIR_MAX_BYTES + 1], name[CTL_NAME_MAX_BYTES + 1];
   switch (ctl_parse_checkpoint_ref(ref, job, name)) {
   case CTL_REF_JOB_NAME: {
     const cjob *j = coord__find_job(c, job);

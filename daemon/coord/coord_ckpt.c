@@ -1362,7 +1362,7 @@ static int check_source_path(const char *path, size_t root_len, const char *miss
  * with the reason in err. */
 static int resolve_source(const coord *c, const char *job, const char *ref, char *out,
                           size_t out_bytes, char *err, size_t err_bytes) {
-  char other_job[CTL_NAME_MAX_BYTES + 1], name[CTL_NAME_MAX_BYTES + 1];
+  char other_job[CTL_CKPT_DIR_MAX_BYTES + 1], name[CTL_NAME_MAX_BYTES + 1];
   const char *roots[COORD_MAX_EXPORT_ROOTS + 1];
   size_t root_len = strlen(c->options.checkpoint_dir);
   const char *missing = "no checkpoint at %s";

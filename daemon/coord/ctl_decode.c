@@ -55,7 +55,36 @@ int ctl_valid_job_dir_name(const char *s) {
   return ctl_valid_name(s) && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
 }
 
-ctl_checkpoint_ref ctl_parse_checkpoint_ref(const char *ref, char *job_out, char *name_out) {
+int ctl_parse_checkpoint_dir(const char *s, char *job_out, uint64_t *id_out) {
+  if (s == NULL)
+    return 0;
+  const char *at = strchr(s, '@');
+  size_t job_bytes = at != NULL ? (size_t)(at - s) : strlen(s);
+  if (job_bytes == 0 || job_bytes > CTL_NAME_MAX_BYTES)
+    return 0;
+  char job[CTL_NAME_MAX_BYTES + 1];
+  memcpy(job, s, job_bytes);
+  job[job_bytes] = '\0';
+  if (!ctl_valid_job_dir_name(job))
+    return 0;
+  uint64_t id = 0;
+  if (at != NULL) {
+    const char *digits = at + 1;
+    size_t n = strlen(digits);
+    /* 19 digits stay below 2^63, as every job id does. */
+    if (n == 0 || n > 19 || digits[0] == '0' || strspn(digits, "0123456789") != n)
+      return 0;
+    for (size_t i = 0; i < n; i++)
+      id = id * 10 + (uint64_t)(digits[i] - '0');
+  }
+  if (job_out != NULL)
+    memcpy(job_out, job, job_bytes + 1);
+  if (id_out != NULL)
+    *id_out = id;
+  return 1;
+}
+
+ctl_checkpoint_ref ctl_parse_checkpoint_ref(const char *ref, char *dir_out, char *name_out) {
   if (ref == NULL || ref[0] == '\0')
     return CTL_REF_INVALID;
   if (ref[0] == '/')
@@ -67,16 +96,16 @@ ctl_checkpoint_ref ctl_parse_checkpoint_ref(const char *ref, char *job_out, char
     snprintf(name_out, CTL_NAME_MAX_BYTES + 1, "%s", ref);
     return CTL_REF_NAME;
   }
-  size_t job_bytes = (size_t)(slash - ref);
-  if (job_bytes == 0 || job_bytes > CTL_NAME_MAX_BYTES)
+  size_t dir_bytes = (size_t)(slash - ref);
+  if (dir_bytes == 0 || dir_bytes > CTL_CKPT_DIR_MAX_BYTES)
     return CTL_REF_INVALID;
-  char job[CTL_NAME_MAX_BYTES + 1];
-  memcpy(job, ref, job_bytes);
-  job[job_bytes] = '\0';
-  if (!ctl_valid_job_dir_name(job) || !ctl_valid_checkpoint_name(slash + 1))
+  char dir[CTL_CKPT_DIR_MAX_BYTES + 1];
+  memcpy(dir, ref, dir_bytes);
+  dir[dir_bytes] = '\0';
+  if (!ctl_parse_checkpoint_dir(dir, NULL, NULL) || !ctl_valid_checkpoint_name(slash + 1))
     return CTL_REF_INVALID;
-  if (job_out != NULL)
-    memcpy(job_out, job, job_bytes + 1);
+  if (dir_out != NULL)
+    memcpy(dir_out, dir, dir_bytes + 1);
   snprintf(name_out, CTL_NAME_MAX_BYTES + 1, "%s", slash + 1);
   return CTL_REF_JOB_NAME;
 }
@@ -358,6 +387,18 @@ static int check_job_dir(const char *field, const char *s, char *err, size_t err
   return rc;
 }
 
+/* List and Delete also take a deleted job's directory, "<job>@<id>". */
+static int check_checkpoint_dir(const char *field, const char *s, char *err, size_t err_bytes) {
+  if (s != NULL && strchr(s, '@') != NULL) {
+    if (ctl_parse_checkpoint_dir(s, NULL, NULL))
+      return 0;
+    return fail(err, err_bytes,
+                "%s must be a job name or a deleted job's <job>@<id> (got %zu bytes)", field,
+                strlen(s));
+  }
+  return check_job_dir(field, s, err, err_bytes);
+}
+
 static int check_checkpoint_name(const char *s, char *err, size_t err_bytes) {
   int rc = check_name("name", s, err, err_bytes);
   if (rc == 0 && !ctl_valid_checkpoint_name(s))
@@ -385,12 +426,12 @@ static int check_list_checkpoints(const ProtobufCMessage *msg, char *err, size_t
   const Zerod__V1__ListCheckpointsRequest *r = (const Zerod__V1__ListCheckpointsRequest *)msg;
   if (r->job == NULL || r->job[0] == '\0')
     return 0; /* every job */
-  return check_job_dir("job", r->job, err, err_bytes);
+  return check_checkpoint_dir("job", r->job, err, err_bytes);
 }
 
 static int check_delete_checkpoint(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
   const Zerod__V1__DeleteCheckpointRequest *r = (const Zerod__V1__DeleteCheckpointRequest *)msg;
-  int rc = check_job_dir("job", r->job, err, err_bytes);
+  int rc = check_checkpoint_dir("job", r->job, err, err_bytes);
   return rc == 0 ? check_checkpoint_name(r->name, err, err_bytes) : rc;
 }
 
@@ -411,7 +452,8 @@ static int check_checkpoint_ref(const char *ref, char *err, size_t err_bytes) {
   }
   /* Not echoed: it may hold anything. */
   return fail(err, err_bytes,
-              "checkpoint must be a checkpoint name, <job>/<name>, or an absolute path to a "
+              "checkpoint must be a checkpoint name, <job>/<name> (<job>@<id>/<name> for a "
+              "deleted job's), or an absolute path to a "
               "checkpoint directory or a .safetensors file (got %zu bytes)",
               strlen(ref));
 }

@@ -104,18 +104,31 @@ int ctl_valid_checkpoint_name(const char *s);
  * other than "." and "..". */
 int ctl_valid_job_dir_name(const char *s);
 
+/* A job's checkpoint directory is named by the job, "<job>", while the job
+ * lives; when it is deleted the directory becomes "<job>@<id>" (its job
+ * id), so that a later job of the same name starts with none of them
+ * (docs/checkpoints.md, "Ownership"). The longest such name: */
+#define CTL_CKPT_DIR_MAX_BYTES (CTL_NAME_MAX_BYTES + 20)
+
+/* Returns 1 if s names a job's checkpoint directory: a job directory name
+ * (above), or one followed by '@' and a job id (1..19 digits, no leading
+ * zero). With job_out (CTL_NAME_MAX_BYTES + 1 bytes) and id_out, gives the
+ * parts (id 0 for a live job's "<job>"). */
+int ctl_parse_checkpoint_dir(const char *s, char *job_out, uint64_t *id_out);
+
 /* What RestoreRequest.checkpoint names. */
 typedef enum ctl_checkpoint_ref {
   CTL_REF_INVALID = 0,
   CTL_REF_NAME = 1,     /* "<name>": a checkpoint of the restored job */
-  CTL_REF_JOB_NAME = 2, /* "<job>/<name>": a checkpoint of another (maybe deleted) job */
+  CTL_REF_JOB_NAME = 2, /* "<dir>/<name>": a checkpoint of another job, or of a deleted one */
   CTL_REF_PATH = 3,     /* "/...": a checkpoint directory or a .safetensors file */
 } ctl_checkpoint_ref;
 
 /* Parses a checkpoint reference. For CTL_REF_NAME and CTL_REF_JOB_NAME,
- * job_out (may be NULL for CTL_REF_NAME) and name_out (each at least
- * CTL_NAME_MAX_BYTES + 1 bytes) receive the parts. */
-ctl_checkpoint_ref ctl_parse_checkpoint_ref(const char *ref, char *job_out, char *name_out);
+ * dir_out (may be NULL for CTL_REF_NAME; CTL_CKPT_DIR_MAX_BYTES + 1
+ * bytes: a checkpoint directory, "<job>" or "<job>@<id>") and name_out
+ * (CTL_NAME_MAX_BYTES + 1 bytes) receive the parts. */
+ctl_checkpoint_ref ctl_parse_checkpoint_ref(const char *ref, char *dir_out, char *name_out);
 
 /* Makes s (NUL-terminated) text that check_text accepts, in place: every
  * control character and every byte that does not start or continue
