@@ -507,6 +507,8 @@ static int start_health_listener(uv_loop_t *loop, const char *addr, const char *
   if (rc == 0)
     rc = health_register(*server, services, nservices, h);
   if (rc == 0)
+    rc = rpc_server_set_identify(*server, health_identify_anonymous, NULL, 0);
+  if (rc == 0)
     rc = rpc_server_start(*server, port, err, sizeof err);
   if (rc != 0) {
     fprintf(stderr, "zerod: --health-listen %s: %s\n", addr, err[0] ? err : strerror(-rc));

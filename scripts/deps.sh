@@ -57,7 +57,8 @@ bench) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread pytho
 test) packages+=(libcmocka-dev python3 python3-torch python3-numpy libopenblas0-pthread python3-pytest
   python3-venv python3-pip python3-setuptools python3-wheel python3-build python3-grpcio
   python3-protobuf protobuf-compiler protobuf-compiler-grpc openssl python3-yaml python3-attr
-  python3-typing-extensions python3-importlib-resources python3-packaging prometheus)
+  python3-typing-extensions python3-importlib-resources python3-packaging prometheus
+  python3-hpack)
   # Any kubectl with kustomize renders deploy/; Debian's would conflict with
   # one installed from another source (the same /usr/bin/kubectl).
   command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client) ;;

@@ -832,12 +832,6 @@ out:
 /* Request plumbing                                                         */
 /* ------------------------------------------------------------------------ */
 
-/* A call of a principal ended (rpc_call_on_free). */
-static void call_done(void *arg) {
-  unsigned *calls = arg;
-  (*calls)--;
-}
-
 void *coord__begin(coord *c, rpc_call *call, const char *path, const uint8_t *request,
                    size_t request_bytes) {
   coord_caller who;
@@ -852,11 +846,9 @@ void *coord__begin_as(coord *c, rpc_call *call, const char *path, const uint8_t 
   }
   char err[512];
   coord_caller who;
-  int status = coord__identify(c, call, &who, err, sizeof err);
+  int status = coord__caller(c, call, &who);
   if (status != 0) {
-    LOG_WARNF("call refused", "method=%s peer=%s status=UNAUTHENTICATED reason=\"%s\"", path,
-              rpc_call_peer(call), err);
-    rpc_call_finish(call, status, err, NULL, 0);
+    rpc_call_finish(call, status, "no credentials", NULL, 0);
     return NULL;
   }
   ProtobufCMessage *msg = NULL;
@@ -875,19 +867,6 @@ void *coord__begin_as(coord *c, rpc_call *call, const char *path, const uint8_t 
     rpc_call_finish(call, status, err, NULL, 0);
     ctl_free(msg);
     return NULL;
-  }
-  /* Heartbeats are a node's lease: never held back by its other calls. */
-  if (who.index >= 0 && strcmp(path, CTL_HEARTBEAT) != 0) {
-    unsigned *calls = &c->calls[who.index];
-    if (*calls >= COORD_MAX_CALLS_PER_PRINCIPAL) {
-      coord__finish_error(call, RPC_RESOURCE_EXHAUSTED,
-                          "principal %s has %u calls in flight (at most %d)", who.name, *calls,
-                          COORD_MAX_CALLS_PER_PRINCIPAL);
-      ctl_free(msg);
-      return NULL;
-    }
-    (*calls)++;
-    rpc_call_on_free(call, call_done, calls);
   }
   if (audit[0] != '\0')
     rpc_call_audit(call, who.name, audit);
@@ -1883,12 +1862,6 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
   if (options->auth_file[0] != '\0') {
     if ((rc = auth_load(options->auth_file, &c->auth, err, err_bytes)) != 0)
       goto fail;
-    c->calls = calloc(auth_count(c->auth) ? auth_count(c->auth) : 1, sizeof *c->calls);
-    if (c->calls == NULL) {
-      snprintf(err, err_bytes, "out of memory");
-      rc = -ENOMEM;
-      goto fail;
-    }
     LOG_INFOF("principals loaded", "path=%s principals=%zu", options->auth_file,
               auth_count(c->auth));
   }
@@ -1948,7 +1921,6 @@ fail:
     job_free(c, c->jobs[i]);
   free(c->jobs);
   auth_free(c->auth);
-  free(c->calls);
   free(c);
   return rc;
 }
@@ -1988,6 +1960,10 @@ int coord_register(coord *c, rpc_server *server) {
   rpc_server_set_priority(server, CTL_HEARTBEAT);
   rpc_server_set_priority(server, CTL_JOIN);
   rpc_server_set_priority(server, CTL_WATCH);
+  /* Callers are named as their calls arrive, and counted by that name. */
+  rc = rpc_server_set_identify(server, coord__identify, c, c->auth ? auth_count(c->auth) : 0);
+  if (rc != 0)
+    return rc;
   return coord__ckpt_register(c, server);
 }
 
@@ -2024,6 +2000,5 @@ void coord_destroy(coord *c) {
     job_free(c, c->jobs[i]);
   free(c->jobs);
   auth_free(c->auth);
-  free(c->calls);
   free(c);
 }

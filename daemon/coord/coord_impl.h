@@ -31,9 +31,6 @@
 #define COORD_REASON_BYTES     1024
 #define COORD_TOKEN_HEX_DIGITS 32
 #define COORD_MAX_READ_TOKENS  64 /* per job: IssueReadToken keeps the newest */
-/* Calls one principal may have in flight (heartbeats aside); more are
- * answered RESOURCE_EXHAUSTED (docs/security.md, "Exhaustion"). */
-#define COORD_MAX_CALLS_PER_PRINCIPAL 1024
 
 /* What a member's last heartbeat said about one job. */
 typedef struct job_report {
@@ -134,9 +131,8 @@ struct coord {
   unsigned ckpt_work; /* thread-pool requests not yet completed */
 
   /* Principals (--auth-file); NULL: none configured, every caller is
-   * trusted. calls[i]: calls in flight of principal i. */
+   * trusted. The server counts each one's calls (rpc.h). */
   auth_table *auth;
-  unsigned *calls;
   struct health *health;         /* grpc.health.v1 (health.h) */
   struct coord_metrics *metrics; /* coord_metrics.c; NULL: none */
 
@@ -187,10 +183,19 @@ void *coord__begin(coord *c, rpc_call *call, const char *path, const uint8_t *re
 void *coord__begin_as(coord *c, rpc_call *call, const char *path, const uint8_t *request,
                       size_t request_bytes, coord_caller *caller);
 
-/* Identifies the caller of call from its bearer token or its verified
- * client certificate. Returns 0, or RPC_UNAUTHENTICATED with the reason
- * in err (no credentials, an unknown token or certificate). */
-int coord__identify(coord *c, rpc_call *call, coord_caller *out, char *err, size_t err_bytes);
+/* The server's identify function (rpc_server_set_identify; arg is the
+ * coordinator): the principal of the call's bearer token or verified
+ * client certificate, RPC_PRINCIPAL_TRUSTED on the Unix socket or without
+ * principals, RPC_PRINCIPAL_ANONYMOUS for a health check without
+ * credentials. Returns 0, or RPC_UNAUTHENTICATED with the reason in err
+ * (no credentials for a method that needs them, an unknown token or
+ * certificate, a malformed header). */
+int coord__identify(void *arg, const rpc_call *call, long *principal, char *name, size_t name_bytes,
+                    char *err, size_t err_bytes);
+
+/* The caller of an admitted call, as coord__identify named it. Returns 0,
+ * or RPC_UNAUTHENTICATED for a call without credentials. */
+int coord__caller(const coord *c, const rpc_call *call, coord_caller *out);
 
 /* Decides whether who may make the request msg of the method at path
  * (the rules: authz.c). Returns 0 or RPC_PERMISSION_DENIED with the

@@ -22,11 +22,17 @@ typedef struct health health;
 #define HEALTH_MAX_WATCHES 256
 
 /* Registers Check and Watch on server (not yet started) as priority
- * methods (rpc.h), with the service names it knows besides "" (copied
+ * methods that need no credentials (rpc.h), with the service names it knows besides "" (copied
  * pointers: they must outlive h). Starts NOT_SERVING. Returns 0 or a
  * negative errno. */
 int health_register(rpc_server *server, const char *const *services, size_t nservices,
                     health **out);
+
+/* An identify function (rpc_server_set_identify) for a server that
+ * serves health alone (--health-listen): every caller is one without
+ * credentials, held to the server's anonymous budget (rpc.h). */
+int health_identify_anonymous(void *arg, const rpc_call *call, long *principal, char *name,
+                              size_t name_bytes, char *err, size_t err_bytes);
 
 /* Sets the status; every Watch stream whose service is known gets it if it
  * changed. */

@@ -40,6 +40,7 @@
 #include <grpc/support/log.h>
 #include <grpc/support/time.h>
 
+#include "admit.h"
 #include "log.h"
 #include "rpc_impl.h"
 #include "tls.h"
@@ -58,6 +59,9 @@
 #define RPC_LISTENER_CHECK_MS 250
 /* Audit lines carry who and what; longer values are cut. */
 #define RPC_MAX_AUDIT_BYTES 256
+/* Calls refused as they arrive are logged at most once a second, with a
+ * count of those not logged: a flood must not fill the disk with lines. */
+#define RPC_REFUSAL_LOG_MS 1000
 
 static const char *const status_names[] = {
     "OK",
@@ -296,7 +300,8 @@ typedef struct rpc_method {
   rpc_kind kind;
   rpc_handler handler;
   void *arg;
-  int priority; /* may use the reserved calls (rpc_server_set_priority) */
+  int priority;  /* may use the reserved calls (rpc_server_set_priority) */
+  int anonymous; /* may be called without credentials (rpc_server_set_anonymous) */
 } rpc_method;
 
 typedef enum server_state {
@@ -323,6 +328,12 @@ struct rpc_server {
   int closing_handles;                     /* handles whose close callback is due */
   rpc_observer observer;                   /* rpc_server_set_observer; NULL: none */
   void *observer_arg;
+  rpc_identify_fn identify; /* rpc_server_set_identify; NULL: every caller is trusted */
+  void *identify_arg;
+  admit_state admit;              /* what admitted calls hold (admit.h) */
+  struct rpc_call *awaiting_head; /* admitted calls whose request has not come */
+  uint64_t refusal_logged_ns;     /* uv_hrtime of the last refusal logged */
+  unsigned refusals_unlogged;     /* refusals since, not logged */
 
   grpc_server *server;
   grpc_completion_queue *cq;
@@ -364,6 +375,12 @@ struct rpc_call {
   void (*on_free)(void *arg);
   void *on_free_arg;
 
+  long principal;      /* from the identify function (RPC_PRINCIPAL_*) */
+  admit_ticket ticket; /* what the call holds (admit.h); all zero if refused */
+  /* In the server's list of calls waiting for their request message. */
+  struct rpc_call *await_prev, *await_next;
+  uint64_t await_deadline_ns; /* uv_hrtime by which the request must come */
+
   rpc_tag tag_new, tag_request, tag_close, tag_write, tag_status;
   unsigned outstanding; /* batches started whose tag is not yet handled */
   unsigned busy;        /* user callbacks running on the stack */
@@ -378,6 +395,8 @@ struct rpc_call {
   unsigned metadata_sent : 1;   /* SEND_INITIAL_METADATA started */
   unsigned status_pending : 1;  /* finished: send the status after writes */
   unsigned status_started : 1;
+  unsigned awaiting : 1;          /* in the server's awaiting list */
+  unsigned request_timed_out : 1; /* cancelled for a request that did not come */
 
   rpc_cancel_cb cancel_cb;
   void *cancel_arg;
@@ -417,9 +436,14 @@ static void call_drop_writes(rpc_call *call) {
   }
 }
 
+static void call_stop_awaiting(rpc_call *call);
+static const char *call_peer_key(const rpc_call *call);
+
 static void call_free(rpc_call *call) {
   rpc_server *s = call->server;
 
+  call_stop_awaiting(call);
+  admit_release(&s->admit, call_peer_key(call), &call->ticket);
   if (call->on_free != NULL)
     call->on_free(call->on_free_arg);
   free(call->audit_who);
@@ -575,6 +599,7 @@ static int server_arm_request(rpc_server *s) {
   tag_init(&call->tag_close, TAG_CLOSE, call);
   tag_init(&call->tag_write, TAG_WRITE, call);
   tag_init(&call->tag_status, TAG_STATUS, call);
+  call->principal = RPC_PRINCIPAL_TRUSTED;
   s->live_calls++;
 
   grpc_call_error err =
@@ -633,6 +658,105 @@ static void call_read_auth(rpc_call *call) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Server: admission (admit.h)                                              */
+/* ------------------------------------------------------------------------ */
+
+/* The key a call is counted under: its peer as gRPC named it. */
+static const char *call_peer_key(const rpc_call *call) {
+  return call->peer != NULL ? call->peer : "unknown";
+}
+
+/* Identifies the caller and takes the call in (admit.h). Returns 0, or
+ * the status to refuse it with and why. */
+static int call_admit(rpc_server *s, rpc_call *call, char *why, size_t why_bytes) {
+  char name[RPC_MAX_PATH_BYTES] = "";
+  call->principal = RPC_PRINCIPAL_TRUSTED;
+  if (s->identify != NULL) {
+    int status =
+        s->identify(s->identify_arg, call, &call->principal, name, sizeof name, why, why_bytes);
+    if (status != 0)
+      return status;
+  }
+  admit_request req = {.peer = call_peer_key(call),
+                       .principal = call->principal,
+                       .principal_name = name,
+                       .priority = call->method->priority};
+  return admit_call(&s->admit, &req, &call->ticket, why, why_bytes);
+}
+
+/* Logs a refusal on arrival, at most once per RPC_REFUSAL_LOG_MS with the
+ * count of those in between. */
+static void refusal_log(rpc_server *s, const rpc_call *call, int status, const char *why) {
+  uint64_t now = uv_hrtime();
+  if (s->refusal_logged_ns != 0 &&
+      now - s->refusal_logged_ns < (uint64_t)RPC_REFUSAL_LOG_MS * 1000000u) {
+    s->refusals_unlogged++;
+    return;
+  }
+  char quoted[RPC_MAX_STATUS_BYTES + 64];
+  LOG_WARNF("call refused", "method=%s peer=%s status=%s reason=%s unlogged_since_last=%u",
+            call->method->path, call_peer_key(call), rpc_status_name(status),
+            log_quote(why, quoted, sizeof quoted), s->refusals_unlogged);
+  s->refusal_logged_ns = now;
+  s->refusals_unlogged = 0;
+}
+
+/* Answers a call that was not admitted: it held nothing, and ends now. */
+static void call_refuse(rpc_server *s, rpc_call *call, int status, const char *why) {
+  refusal_log(s, call, status, why);
+  if (s->observer != NULL)
+    s->observer(s->observer_arg, call->method->path, status, 0);
+  call_set_status(call, status, why);
+  call_send_status(call);
+}
+
+/* An admitted call waits for its request message; the listener timer
+ * ends it if the message does not come in time (on_listener_timer). */
+static void call_start_awaiting(rpc_server *s, rpc_call *call) {
+  uint64_t ms = call->ticket.anonymous ? RPC_ANONYMOUS_REQUEST_MS : RPC_REQUEST_MS;
+  call->await_deadline_ns = uv_hrtime() + ms * 1000000u;
+  call->await_prev = NULL;
+  call->await_next = s->awaiting_head;
+  if (s->awaiting_head != NULL)
+    s->awaiting_head->await_prev = call;
+  s->awaiting_head = call;
+  call->awaiting = 1;
+}
+
+static void call_stop_awaiting(rpc_call *call) {
+  if (!call->awaiting)
+    return;
+  rpc_server *s = call->server;
+  if (call->await_prev != NULL)
+    call->await_prev->await_next = call->await_next;
+  else
+    s->awaiting_head = call->await_next;
+  if (call->await_next != NULL)
+    call->await_next->await_prev = call->await_prev;
+  call->await_prev = call->await_next = NULL;
+  call->awaiting = 0;
+}
+
+/* Cancels the calls whose request is overdue. gRPC then completes their
+ * RECV_MESSAGE and RECV_CLOSE, which free them. */
+static void sweep_awaiting(rpc_server *s) {
+  uint64_t now = uv_hrtime();
+  rpc_call *next;
+  for (rpc_call *call = s->awaiting_head; call != NULL; call = next) {
+    next = call->await_next;
+    if ((int64_t)(now - call->await_deadline_ns) < 0)
+      continue;
+    call_stop_awaiting(call);
+    call->request_timed_out = 1;
+    char why[160];
+    snprintf(why, sizeof why, "the request message did not arrive within %d ms of the call",
+             call->ticket.anonymous ? RPC_ANONYMOUS_REQUEST_MS : RPC_REQUEST_MS);
+    refusal_log(s, call, RPC_DEADLINE_EXCEEDED, why);
+    grpc_call_cancel_with_status(call->call, GRPC_STATUS_DEADLINE_EXCEEDED, why, NULL);
+  }
+}
+
+/* ------------------------------------------------------------------------ */
 /* Server: events                                                           */
 /* ------------------------------------------------------------------------ */
 
@@ -679,20 +803,6 @@ static void on_new_call(rpc_call *call, int success) {
     return;
   }
 
-  unsigned limit = RPC_MAX_CALLS;
-  if (call->method != NULL && call->method->priority)
-    limit += RPC_RESERVED_CALLS;
-  if (s->live_calls > limit) {
-    char message[96];
-    snprintf(message, sizeof message, "server busy: %u calls in flight", s->live_calls);
-    LOG_WARNF("rpc call refused", "reason=busy calls=%u limit=%u", s->live_calls, limit);
-    if (s->observer != NULL && call->method != NULL)
-      s->observer(s->observer_arg, call->method->path, RPC_RESOURCE_EXHAUSTED, 0);
-    call_set_status(call, RPC_RESOURCE_EXHAUSTED, message);
-    call_send_status(call);
-    return;
-  }
-
   if (call->method == NULL) {
     char message[RPC_MAX_PATH_BYTES + 32];
     snprintf(message, sizeof message, "unknown method %.*s",
@@ -705,6 +815,13 @@ static void on_new_call(rpc_call *call, int success) {
     return;
   }
 
+  char why[RPC_MAX_STATUS_BYTES];
+  int status = call_admit(s, call, why, sizeof why);
+  if (status != 0) {
+    call_refuse(s, call, status, why);
+    return;
+  }
+  call_start_awaiting(s, call);
   grpc_op recv_op;
   memset(&recv_op, 0, sizeof recv_op);
   recv_op.op = GRPC_OP_RECV_MESSAGE;
@@ -718,7 +835,8 @@ static void on_request(rpc_call *call, int success) {
 
   call->outstanding--;
   call->request = NULL;
-  if (!success || call->cancelled) {
+  call_stop_awaiting(call);
+  if (!success || call->cancelled || call->request_timed_out) {
     /* The call died before its request arrived; RECV_CLOSE will say so. */
     if (request != NULL)
       grpc_byte_buffer_destroy(request);
@@ -917,6 +1035,8 @@ static void on_listener_timer(uv_timer_t *timer) {
     server_rebind(s);
     return;
   }
+  if (s->state == SERVER_RUNNING)
+    sweep_awaiting(s);
   unsigned failures = atomic_load(&accept_failures);
   if (failures == s->seen_accept_failures || s->state != SERVER_RUNNING)
     return;
@@ -1091,18 +1211,46 @@ void rpc_server_set_observer(rpc_server *s, rpc_observer fn, void *arg) {
   s->observer_arg = arg;
 }
 
+static rpc_method *server_method(rpc_server *s, const char *path) {
+  size_t path_bytes = strlen(path);
+  for (unsigned i = 0; i < s->method_count; i++) {
+    if (s->methods[i].path_bytes == path_bytes && memcmp(s->methods[i].path, path, path_bytes) == 0)
+      return &s->methods[i];
+  }
+  return NULL;
+}
+
 int rpc_server_set_priority(rpc_server *s, const char *path) {
   if (s == NULL || path == NULL)
     return -EINVAL;
-  size_t path_bytes = strlen(path);
-  for (unsigned i = 0; i < s->method_count; i++) {
-    if (s->methods[i].path_bytes == path_bytes &&
-        memcmp(s->methods[i].path, path, path_bytes) == 0) {
-      s->methods[i].priority = 1;
-      return 0;
-    }
-  }
-  return -ENOENT;
+  rpc_method *m = server_method(s, path);
+  if (m == NULL)
+    return -ENOENT;
+  m->priority = 1;
+  return 0;
+}
+
+int rpc_server_set_anonymous(rpc_server *s, const char *path) {
+  if (s == NULL || path == NULL)
+    return -EINVAL;
+  rpc_method *m = server_method(s, path);
+  if (m == NULL)
+    return -ENOENT;
+  m->anonymous = 1;
+  return 0;
+}
+
+int rpc_server_set_identify(rpc_server *s, rpc_identify_fn fn, void *arg, size_t nprincipals) {
+  if (s == NULL)
+    return -EINVAL;
+  if (s->state != SERVER_CREATED)
+    return -EBUSY;
+  int rc = admit_set_principals(&s->admit, nprincipals);
+  if (rc != 0)
+    return rc;
+  s->identify = fn;
+  s->identify_arg = arg;
+  return 0;
 }
 
 int rpc_server_set_tls(rpc_server *s, const rpc_tls *tls, char *err, size_t err_bytes) {
@@ -1287,6 +1435,7 @@ void rpc_server_destroy(rpc_server *s) {
   }
   if (s->creds != NULL)
     grpc_server_credentials_release(s->creds);
+  admit_free(&s->admit);
   uv_mutex_destroy(&s->lock);
   free(s);
   grpc_shutdown(); /* balances rpc_server_create */
@@ -1386,6 +1535,18 @@ int64_t rpc_call_remaining_ms(const rpc_call *call) {
 
 const char *rpc_call_peer(const rpc_call *call) {
   return call->peer != NULL ? call->peer : "unknown";
+}
+
+const char *rpc_call_method(const rpc_call *call) {
+  return call->method != NULL ? call->method->path : "";
+}
+
+int rpc_call_method_anonymous(const rpc_call *call) {
+  return call->method != NULL && call->method->anonymous;
+}
+
+long rpc_call_principal(const rpc_call *call) {
+  return call->principal;
 }
 
 rpc_transport rpc_call_transport(const rpc_call *call) {

@@ -53,16 +53,37 @@ enum {
  * with RESOURCE_EXHAUSTED before a handler sees them). */
 #define RPC_MAX_MESSAGE_BYTES (4u << 20)
 
-/* Calls in flight on one server (docs/security.md, "Exhaustion"): more are
- * answered RESOURCE_EXHAUSTED at once, except calls of priority methods
- * (rpc_server_set_priority), which may use RPC_RESERVED_CALLS more, so
- * that health checks and node heartbeats answer while others flood. */
+/* Admission (docs/security.md, "Exhaustion"). A call is weighed as it
+ * arrives, with its credentials and before its request message, so that
+ * a call that never sends one holds nothing it was not allowed.
+ *
+ * Calls with credentials (or trusted ones: rpc_server_set_identify) in
+ * flight on one server: more are answered RESOURCE_EXHAUSTED at once,
+ * except calls of priority methods (rpc_server_set_priority), which may
+ * use RPC_RESERVED_CALLS more, so that health checks and node heartbeats
+ * answer while others flood. */
 #define RPC_MAX_CALLS      4096
 #define RPC_RESERVED_CALLS 1024
-/* Streams one client connection may have open at once (HTTP/2
- * SETTINGS_MAX_CONCURRENT_STREAMS): a gRPC client queues the rest until
- * one ends, so one connection cannot take every call slot. */
+/* Calls one principal may have in flight, counted from their arrival to
+ * their end; its priority calls may use RPC_PRINCIPAL_RESERVED_CALLS more
+ * (a node at its cap still heartbeats). */
+#define RPC_MAX_CALLS_PER_PRINCIPAL  1024
+#define RPC_PRINCIPAL_RESERVED_CALLS 64
+/* Streams one client connection may have open at once. Said to clients
+ * as HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS, which a gRPC client honours
+ * by queueing the rest; counted and enforced here too, since a client
+ * that never acknowledges the SETTINGS is not bound by them. Unix-socket
+ * clients are not counted (every one has the same peer name). */
 #define RPC_MAX_STREAMS_PER_CONNECTION 100
+/* Calls without credentials (health checks) have a budget apart from the
+ * slots above: per connection, per source address, in all. */
+#define RPC_ANONYMOUS_CALLS_PER_CONNECTION 4
+#define RPC_ANONYMOUS_CALLS_PER_ADDRESS    16
+#define RPC_ANONYMOUS_CALLS                256
+/* A call's request message must arrive within this long of its headers
+ * (a client sends both at once), or the call ends DEADLINE_EXCEEDED. */
+#define RPC_ANONYMOUS_REQUEST_MS 2000
+#define RPC_REQUEST_MS           10000
 /* The server pings a connection idle this long, and closes it when the
  * ping is not answered within RPC_KEEPALIVE_TIMEOUT_MS: a peer that
  * vanished (a node whose host died) does not hold its calls for ever. */
@@ -112,6 +133,29 @@ int rpc_server_add_method(rpc_server *s, const char *path, rpc_kind kind, rpc_ha
  * clients flood the server (health checks, node heartbeats): its calls
  * may use RPC_RESERVED_CALLS calls beyond RPC_MAX_CALLS. */
 int rpc_server_set_priority(rpc_server *s, const char *path);
+
+/* Who a caller is, decided as its call arrives (before its request), by
+ * the function given to rpc_server_set_identify: a principal's index
+ * (0..nprincipals-1, counted against RPC_MAX_CALLS_PER_PRINCIPAL), or one
+ * of these. A server without the function trusts every caller. */
+#define RPC_PRINCIPAL_ANONYMOUS (-1) /* no credentials: the anonymous budget */
+#define RPC_PRINCIPAL_TRUSTED   (-2) /* trusted (a Unix socket, no principals) */
+
+/* Returns 0 with *principal (and its name in name, for messages), or a
+ * status (UNAUTHENTICATED) and why in err, which refuses the call at
+ * once. Runs on the loop thread; the call's metadata, transport and
+ * method are readable (rpc_call_metadata, rpc_call_transport,
+ * rpc_call_method_anonymous). */
+typedef int (*rpc_identify_fn)(void *arg, const rpc_call *call, long *principal, char *name,
+                               size_t name_bytes, char *err, size_t err_bytes);
+/* Before rpc_server_start. Returns 0, -EBUSY after start, -ENOMEM. */
+int rpc_server_set_identify(rpc_server *s, rpc_identify_fn fn, void *arg, size_t nprincipals);
+
+/* Marks a registered method as one that a caller without credentials may
+ * call (a health check): such a call is admitted within the anonymous
+ * budget rather than refused. What counts is the identify function's
+ * answer; this only lets it ask (rpc_call_method_anonymous). */
+int rpc_server_set_anonymous(rpc_server *s, const char *path);
 
 /* Called on the loop as each call ends: its method's full path, the status
  * it ended with (CANCELLED if the client went away; refusals when the
@@ -176,6 +220,14 @@ int64_t rpc_call_remaining_ms(const rpc_call *call);
 
 /* The peer's address as gRPC reports it ("ipv4:127.0.0.1:51234"). */
 const char *rpc_call_peer(const rpc_call *call);
+
+/* The method's full path ("" when it is not one of the server's), and
+ * whether it may be called without credentials (rpc_server_set_anonymous). */
+const char *rpc_call_method(const rpc_call *call);
+int rpc_call_method_anonymous(const rpc_call *call);
+
+/* The principal rpc_server_set_identify's function gave the call. */
+long rpc_call_principal(const rpc_call *call);
 
 /* How the call came in: over a Unix socket, over TCP in plain text, or
  * over TLS; and, over TLS, the subject common name of the client's

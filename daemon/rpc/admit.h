@@ -1,0 +1,80 @@
+/* admit: which arriving calls a server takes in, before they hold anything
+ * (docs/security.md, "Exhaustion"). Private to daemon/rpc/.
+ *
+ * A call is weighed when gRPC hands it to the server, with its headers
+ * (credentials) but before its request message: a call whose request
+ * never comes must not hold a slot it has not earned. The caller is
+ * identified first (rpc_server_set_identify); then the call must fit
+ *
+ *   - its connection: RPC_MAX_STREAMS_PER_CONNECTION calls, counted here
+ *     whatever the client did with the HTTP/2 SETTINGS that say so (a
+ *     client that never acknowledges them is held to them all the same);
+ *   - without credentials (a health check, the only call that needs none):
+ *     a small budget of its own, per connection, per source address and in
+ *     all, apart from the server's slots;
+ *   - with them: its principal's cap, counted over every call of the
+ *     principal from its arrival to its end, and the server's slots, of
+ *     which priority methods (health, a node's heartbeat) have a reserve.
+ *
+ * What a call took is in its ticket, given back by admit_release when the
+ * call is freed. Everything runs on the server's loop thread. */
+#ifndef ZEROD_RPC_ADMIT_H
+#define ZEROD_RPC_ADMIT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* A table of counts by string key (a peer, an address); an entry exists
+ * while its count is not zero. */
+typedef struct admit_entry admit_entry;
+typedef struct admit_counts {
+  admit_entry **buckets;
+  size_t nbuckets;
+  size_t nentries;
+} admit_counts;
+
+typedef struct admit_state {
+  admit_counts connections;           /* calls in flight per peer ("ipv4:10.0.0.1:51234") */
+  admit_counts anonymous_connections; /* of them, calls without credentials */
+  admit_counts addresses;             /* calls without credentials per source address */
+  unsigned *principal_calls;
+  size_t nprincipals;
+  unsigned admitted;  /* calls with credentials (or trusted) in flight */
+  unsigned anonymous; /* calls without credentials in flight */
+} admit_state;
+
+/* What is known of a call when it arrives. */
+typedef struct admit_request {
+  const char *peer; /* as gRPC names it; "unix:..." is not counted per connection */
+  long principal;   /* >= 0, RPC_PRINCIPAL_TRUSTED or RPC_PRINCIPAL_ANONYMOUS (rpc.h) */
+  const char *principal_name;
+  int priority; /* the method may use the reserves */
+} admit_request;
+
+/* What an admitted call holds. */
+typedef struct admit_ticket {
+  long principal;
+  unsigned connection : 1; /* counted in connections under its peer */
+  unsigned anonymous : 1;  /* counted in addresses and anonymous */
+  unsigned admitted : 1;   /* counted in admitted (and its principal's) */
+} admit_ticket;
+
+/* Sizes the per-principal counts (principals 0..n-1). Returns 0 or
+ * -ENOMEM. Only while no call is admitted. */
+int admit_set_principals(admit_state *a, size_t n);
+
+/* Takes the call in: returns 0 with *ticket, or a gRPC status
+ * (RESOURCE_EXHAUSTED, with a message in why; or -ENOMEM's
+ * RESOURCE_EXHAUSTED when a count cannot be kept) and nothing taken. */
+int admit_call(admit_state *a, const admit_request *req, admit_ticket *ticket, char *why,
+               size_t why_bytes);
+
+/* Gives back what ticket holds; peer is the call's, as given to admit_call. */
+void admit_release(admit_state *a, const char *peer, const admit_ticket *ticket);
+
+/* The calls one peer has in flight (tests and logs). */
+unsigned admit_connection_calls(const admit_state *a, const char *peer);
+
+void admit_free(admit_state *a);
+
+#endif /* ZEROD_RPC_ADMIT_H */
