@@ -558,6 +558,22 @@ static bool valid_job_dir_name(const char *s) {
   return valid_name(s) && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
 }
 
+/* A job's checkpoint directory: a job's name, or a deleted job's
+ * "<job>@<id>" (id: 1..19 digits, no leading zero), as List shows it. */
+static bool valid_checkpoint_dir(const char *s) {
+  const char *at = strchr(s, '@');
+  if (at == NULL)
+    return valid_job_dir_name(s);
+  char job[CTL_NAME_MAX_BYTES + 1];
+  size_t job_bytes = (size_t)(at - s), digits = strlen(at + 1);
+  if (job_bytes == 0 || job_bytes > CTL_NAME_MAX_BYTES || digits == 0 || digits > 19 ||
+      at[1] == '0' || strspn(at + 1, "0123456789") != digits)
+    return false;
+  memcpy(job, s, job_bytes);
+  job[job_bytes] = '\0';
+  return valid_job_dir_name(job);
+}
+
 /* What `checkpoint restore` accepts: NAME, JOB/NAME, or an absolute path
  * (on the coordinator's and the nodes' filesystem, so never made absolute
  * here). */
@@ -567,13 +583,13 @@ static bool valid_checkpoint_ref(const char *s) {
   const char *slash = strchr(s, '/');
   if (slash == NULL)
     return valid_checkpoint_name(s);
-  char job[CTL_NAME_MAX_BYTES + 1];
-  size_t job_bytes = (size_t)(slash - s);
-  if (job_bytes == 0 || job_bytes > CTL_NAME_MAX_BYTES)
+  char dir[CTL_NAME_MAX_BYTES + 24];
+  size_t dir_bytes = (size_t)(slash - s);
+  if (dir_bytes == 0 || dir_bytes >= sizeof dir)
     return false;
-  memcpy(job, s, job_bytes);
-  job[job_bytes] = '\0';
-  return valid_job_dir_name(job) && valid_checkpoint_name(slash + 1);
+  memcpy(dir, s, dir_bytes);
+  dir[dir_bytes] = '\0';
+  return valid_checkpoint_dir(dir) && valid_checkpoint_name(slash + 1);
 }
 
 static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
@@ -1415,6 +1431,7 @@ static void json_checkpoint(json_out *j, const char *key, const Zerod__V1__Check
   json_u64(j, "bytes", cp->bytes);
   json_i64(j, "created_unix_ms", cp->created_unix_ms);
   json_u64(j, "job_id", cp->job_id);
+  json_str(j, "tenant", cp->tenant);
   json_close(j, '}');
 }
 
@@ -1472,18 +1489,20 @@ static int cmd_checkpoint_list(ctl *c, int argc, char **argv) {
     zerod__v1__list_checkpoints_reply__free_unpacked(reply, NULL);
     return 0;
   }
-  static const char *const headers[] = {"JOB", "NAME", "STEP", "WORLD", "SIZE", "CREATED"};
+  static const char *const headers[] = {"JOB",  "NAME",    "STEP",  "WORLD",
+                                        "SIZE", "CREATED", "TENANT"};
   table t;
-  table_init(&t, 6, headers);
+  table_init(&t, 7, headers);
   for (size_t i = 0; i < reply->n_checkpoints && rc == 0; i++) {
     const Zerod__V1__Checkpoint *cp = reply->checkpoints[i];
-    char cells[6][TABLE_CELL_BYTES];
+    char cells[7][TABLE_CELL_BYTES];
     snprintf(cells[0], TABLE_CELL_BYTES, "%s", cp->job);
     snprintf(cells[1], TABLE_CELL_BYTES, "%s", cp->name);
     snprintf(cells[2], TABLE_CELL_BYTES, "%" PRIu64, cp->step);
     snprintf(cells[3], TABLE_CELL_BYTES, "%" PRIu32, cp->world_size);
     format_bytes(cp->bytes, cells[4], TABLE_CELL_BYTES);
     format_unix_ms(cp->created_unix_ms, cells[5], TABLE_CELL_BYTES);
+    snprintf(cells[6], TABLE_CELL_BYTES, "%s", cp->tenant[0] != '\0' ? cp->tenant : "-");
     if (table_add_row(&t, cells) != 0)
       rc = fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
   }
@@ -1613,15 +1632,18 @@ static int check_export_args(const ctl *c, char **argv) {
 
 /* Checks the arguments of a `checkpoint` command before anything is sent. */
 static int check_checkpoint_args(const char *command, int argc, char **argv) {
-  if (argc > 0 && !valid_job_dir_name(argv[0]))
-    return usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
-                       command, argv[0]);
+  /* List and Delete also name a deleted job's checkpoints: <job>@<id>. */
+  int any_dir =
+      strcmp(command, "checkpoint list") == 0 || strcmp(command, "checkpoint delete") == 0;
+  if (argc > 0 && !(any_dir ? valid_checkpoint_dir(argv[0]) : valid_job_dir_name(argv[0])))
+    return usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]%s",
+                       command, argv[0], any_dir ? ", or a deleted job's <job>@<id>" : "");
   if (argc < 2)
     return 0;
   if (strcmp(command, "checkpoint restore") == 0) {
     if (!valid_checkpoint_ref(argv[1]))
-      return usage_error("%s: invalid checkpoint '%s': expected NAME, JOB/NAME or an absolute "
-                         "path to a checkpoint directory or a .safetensors file",
+      return usage_error("%s: invalid checkpoint '%s': expected NAME, JOB/NAME, JOB@ID/NAME or "
+                         "an absolute path to a checkpoint directory or a .safetensors file",
                          command, argv[1]);
     return 0;
   }
@@ -1683,18 +1705,21 @@ static const char general_usage[] =
     "  checkpoint save JOB [NAME]\n"
     "                           checkpoint a ready job (NAME default: step-<step>);\n"
     "                           waits for it (600 s unless --timeout)\n"
-    "  checkpoint list [JOB]    the checkpoints of every job, or of JOB\n"
+    "  checkpoint list [JOB]    the checkpoints you may read, of every job or of JOB\n"
+    "                           (a deleted job's are under JOB@ID, its id)\n"
     "  checkpoint delete JOB NAME\n"
-    "                           delete a checkpoint\n"
+    "                           delete a checkpoint (JOB@ID: of a deleted job)\n"
     "  checkpoint restore JOB CHECKPOINT\n"
-    "                           restore a ready job from NAME, OTHERJOB/NAME, or an\n"
+    "                           restore a ready job from NAME, OTHERJOB/NAME,\n"
+    "                           OLDJOB@ID/NAME (a deleted job's), or an\n"
     "                           absolute path (a checkpoint directory or a\n"
     "                           .safetensors file inside the coordinator's checkpoint\n"
     "                           directory or export roots); waits (600 s unless\n"
     "                           --timeout)\n"
     "  export JOB FILE [--checkpoint CHECKPOINT] [--dtype fp32|bf16] [--overwrite]\n"
     "                           write the full weights of JOB's state now (or of\n"
-    "                           CHECKPOINT: NAME, OTHERJOB/NAME or a directory) to\n"
+    "                           CHECKPOINT: NAME, OTHERJOB/NAME, OLDJOB@ID/NAME or a\n"
+    "                           directory) to\n"
     "                           one safetensors FILE, written by the coordinator\n"
     "                           inside its export roots (relative: inside the\n"
     "                           first; default root: its checkpoint directory);\n"

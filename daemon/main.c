@@ -294,6 +294,29 @@ static int parse_checkpoint_timeout(const char *flag, int *timeout_ms) {
   return 0;
 }
 
+/* --retain-deleted-checkpoints: a duration, N with s, m, h or d (or no
+ * unit: seconds), at most 10 years; 0 keeps them. */
+static int parse_retention(const char *flag, int64_t *ms) {
+  const char *v = env_or(flag, "ZEROD_RETAIN_DELETED_CHECKPOINTS");
+  *ms = 0;
+  if (v == NULL)
+    return 0;
+  char *end;
+  errno = 0;
+  unsigned long long n = strtoull(v, &end, 10);
+  int64_t unit_s = *end == '\0' || strcmp(end, "s") == 0 ? 1
+                   : strcmp(end, "m") == 0               ? 60
+                   : strcmp(end, "h") == 0               ? 3600
+                   : strcmp(end, "d") == 0               ? 86400
+                                                         : 0;
+  if (errno != 0 || end == v || v[0] == '-' || unit_s == 0 ||
+      n > 3650ull * 86400 / (uint64_t)unit_s)
+    return bad_value("--retain-deleted-checkpoints", v,
+                     "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0 keeps them");
+  *ms = (int64_t)n * unit_s * 1000;
+  return 0;
+}
+
 /* --file-mode (or ZEROD_FILE_MODE): set for the whole process, before
  * anything is written. */
 static int file_mode_option(const char *flag) {
@@ -452,6 +475,11 @@ static void coordinator_usage(FILE *out) {
           "                          [ZEROD_CHECKPOINT_DIR, default STATE-DIR/checkpoints]\n"
           "  --checkpoint-timeout S  longest a checkpoint save or restore may take\n"
           "                          [ZEROD_CHECKPOINT_TIMEOUT, default 600]\n"
+          "  --retain-deleted-checkpoints DURATION\n"
+          "                          remove a deleted job's checkpoints this long after the\n"
+          "                          job's deletion (90s, 12h, 30d; 0: keep them until\n"
+          "                          their tenant deletes them)\n"
+          "                          [ZEROD_RETAIN_DELETED_CHECKPOINTS, default 0]\n"
           "  --export-root DIR       a directory Export may write in, and Restore and Export\n"
           "                          may read a checkpoint path from (besides the checkpoint\n"
           "                          directory); repeat for more (at most 8); a relative\n"
@@ -598,6 +626,7 @@ static int run_coordinator(int argc, char **argv) {
     C_LOG_FORMAT,
     C_CHECKPOINT_DIR,
     C_CHECKPOINT_TIMEOUT,
+    C_RETAIN_DELETED,
     C_EXPORT_ROOT,
     C_FILE_MODE,
     C_HEALTH_LISTEN,
@@ -609,6 +638,7 @@ static int run_coordinator(int argc, char **argv) {
       {"lease-ttl", required_argument, NULL, C_LEASE_TTL},
       {"checkpoint-dir", required_argument, NULL, C_CHECKPOINT_DIR},
       {"checkpoint-timeout", required_argument, NULL, C_CHECKPOINT_TIMEOUT},
+      {"retain-deleted-checkpoints", required_argument, NULL, C_RETAIN_DELETED},
       {"export-root", required_argument, NULL, C_EXPORT_ROOT},
       {"file-mode", required_argument, NULL, C_FILE_MODE},
       {"health-listen", required_argument, NULL, C_HEALTH_LISTEN},
@@ -623,7 +653,7 @@ static int run_coordinator(int argc, char **argv) {
   const char *listen_flag = NULL, *dir_flag = NULL, *ttl_flag = NULL, *level_flag = NULL,
              *format_flag = NULL;
   const char *checkpoint_dir_flag = NULL, *checkpoint_timeout_flag = NULL, *file_mode_flag = NULL,
-             *health_flag = NULL, *metrics_flag = NULL;
+             *health_flag = NULL, *metrics_flag = NULL, *retain_flag = NULL;
   const char *export_root_flags[COORD_MAX_EXPORT_ROOTS + 1];
   unsigned n_export_root_flags = 0;
   int c;
@@ -649,6 +679,9 @@ static int run_coordinator(int argc, char **argv) {
       break;
     case C_CHECKPOINT_TIMEOUT:
       checkpoint_timeout_flag = optarg;
+      break;
+    case C_RETAIN_DELETED:
+      retain_flag = optarg;
       break;
     case C_EXPORT_ROOT:
       if (n_export_root_flags <= COORD_MAX_EXPORT_ROOTS)
@@ -701,6 +734,8 @@ static int run_coordinator(int argc, char **argv) {
     return bad_value("--listen", listen_addr, "HOST:PORT");
 
   if (parse_checkpoint_timeout(checkpoint_timeout_flag, &co.checkpoint_timeout_ms) != 0)
+    return 2;
+  if (parse_retention(retain_flag, &co.retain_deleted_checkpoints_ms) != 0)
     return 2;
   if (file_mode_option(file_mode_flag) != 0)
     return 2;

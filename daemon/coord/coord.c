@@ -523,6 +523,7 @@ static void job_free(coord *c, cjob *j) {
  * forgets the deleting ones that no live placement node reports any more. */
 static void reconcile(coord *c, const char *node) {
   size_t i = 0;
+  int forgot = 0;
   while (i < c->njobs) {
     cjob *j = c->jobs[i];
     if (node != NULL && coord__placement_of(j, node) < 0) {
@@ -534,19 +535,23 @@ static void reconcile(coord *c, const char *node) {
       memmove(&c->jobs[i], &c->jobs[i + 1], (c->njobs - i - 1) * sizeof *c->jobs);
       c->njobs--;
       job_free(c, j);
+      forgot = 1;
       continue;
     }
     derive_job(c, j);
     i++;
   }
+  /* A forgotten job's checkpoints can move aside now (ckpt_owner.c). */
+  if (forgot)
+    coord__ckpt_retire_pending(c);
 }
 
 /* ------------------------------------------------------------------------ */
 /* Durable state                                                            */
 /* ------------------------------------------------------------------------ */
 
-/* Writes the jobs (without the deleting ones and skip, plus add) and
- * next_job_id to coordinator.pb atomically: a temporary file, fsync,
+/* Writes the jobs (without the deleting ones and skip, plus add), the
+ * retired jobs and next_job_id to coordinator.pb atomically: a temporary file, fsync,
  * rename over the old one, fsync of the directory. On failure the old file
  * is intact and err holds the reason. Blocks the loop (see the top of the
  * file). Returns 0 or a negative errno. */
@@ -558,6 +563,7 @@ static int state_write(coord *c, const cjob *add, const cjob *skip, uint64_t nex
   Zerod__V1__StoredJob *stored = calloc(cap, sizeof *stored);
   Zerod__V1__StoredJob **pointers = calloc(cap, sizeof *pointers);
   Zerod__V1__Job *jobs = calloc(cap, sizeof *jobs);
+  Zerod__V1__RetiredJob *retired = NULL, **retired_pointers = NULL;
   uint8_t *buf = NULL;
   int fd = -1, rc = -ENOMEM;
   const char *step = "pack";
@@ -587,6 +593,22 @@ static int state_write(coord *c, const cjob *add, const cjob *skip, uint64_t nex
   state.next_job_id = next_job_id;
   state.n_jobs = count;
   state.jobs = pointers;
+  retired = calloc(c->nretired ? c->nretired : 1, sizeof *retired);
+  retired_pointers = calloc(c->nretired ? c->nretired : 1, sizeof *retired_pointers);
+  if (retired == NULL || retired_pointers == NULL)
+    goto out;
+  for (size_t i = 0; i < c->nretired; i++) {
+    const retired_job *r = &c->retired[i];
+    zerod__v1__retired_job__init(&retired[i]);
+    retired[i].name = (char *)r->name;
+    retired[i].id = r->id;
+    retired[i].tenant = (char *)r->tenant;
+    retired[i].deleted_unix_ms = r->deleted_unix_ms;
+    retired[i].moved = r->moved;
+    retired_pointers[i] = &retired[i];
+  }
+  state.n_retired = c->nretired;
+  state.retired = retired_pointers;
   size_t len = zerod__v1__coordinator_state__get_packed_size(&state);
   buf = malloc(len ? len : 1);
   if (buf == NULL)
@@ -656,7 +678,13 @@ out:
   free(stored);
   free(pointers);
   free(jobs);
+  free(retired);
+  free(retired_pointers);
   return rc;
+}
+
+int coord__state_save(coord *c, char *err, size_t err_bytes) {
+  return state_write(c, NULL, NULL, c->next_job_id, err, err_bytes);
 }
 
 static int compare_jobs(const void *a, const void *b) {
@@ -810,6 +838,11 @@ static int state_load(coord *c, char *err, size_t err_bytes) {
     if (j->msg->id >= next_id)
       next_id = j->msg->id + 1;
   }
+  if ((rc = coord__ckpt_retired_load(c, state, err, err_bytes)) != 0)
+    goto out;
+  for (size_t i = 0; i < c->nretired; i++)
+    if (c->retired[i].id >= next_id)
+      next_id = c->retired[i].id + 1;
   qsort(c->jobs, c->njobs, sizeof *c->jobs, compare_jobs);
   for (size_t i = 1; i < c->njobs; i++) {
     if (strcmp(c->jobs[i - 1]->msg->name, c->jobs[i]->msg->name) == 0) {
@@ -1277,7 +1310,10 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const ch
     snprintf(err, err_bytes, "the coordinator has %zu jobs (at most %d)", c->njobs, COORD_MAX_JOBS);
     return RPC_RESOURCE_EXHAUSTED;
   }
-  int status = tenant_admit(c, tenant, req, err, err_bytes);
+  int status = coord__ckpt_name_free(c, req->name, err, err_bytes);
+  if (status != 0)
+    return status;
+  status = tenant_admit(c, tenant, req, err, err_bytes);
   if (status != 0)
     return status;
   const char *chosen[CTL_MAX_RANKS];
@@ -1530,7 +1566,14 @@ static void on_delete_job(rpc_call *call, const uint8_t *request, size_t request
   }
   if (!j->deleting) {
     char err[PATH_MAX + 256];
+    /* Its checkpoints outlive it, and their owner is recorded with it
+     * (ckpt_owner.c). */
+    if (coord__ckpt_retire(c, j, coord__unix_ms()) != 0) {
+      coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+      goto out;
+    }
     if (state_write(c, NULL, j, c->next_job_id, err, sizeof err) != 0) {
+      coord__ckpt_unretire(c, j->msg->id);
       LOG_ERRORF("job not deleted", "job=%s err=\"%s\"", req->name, err);
       coord__finish_error(call, RPC_UNAVAILABLE, "%s", err);
       goto out;
@@ -1898,6 +1941,8 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
 loaded:
   if ((rc = coord__ckpt_init(c, err, err_bytes)) != 0)
     goto fail;
+  /* Deleted jobs whose checkpoints a crash kept from moving aside. */
+  coord__ckpt_retire_pending(c);
   if (c->njobs != 0)
     LOG_INFOF("recovered jobs", "jobs=%zu next_job_id=%" PRIu64 " path=%s", c->njobs,
               c->next_job_id, c->state_path);
@@ -1921,6 +1966,7 @@ fail:
     job_free(c, c->jobs[i]);
   free(c->jobs);
   auth_free(c->auth);
+  coord__ckpt_retired_free(c);
   free(c);
   return rc;
 }
@@ -2000,5 +2046,6 @@ void coord_destroy(coord *c) {
     job_free(c, c->jobs[i]);
   free(c->jobs);
   auth_free(c->auth);
+  coord__ckpt_retired_free(c);
   free(c);
 }

@@ -51,6 +51,9 @@ typedef struct coord_options {
    * FAILED_PRECONDITION). */
   char checkpoint_dir[PATH_MAX];
   int checkpoint_timeout_ms; /* longest a save or restore may take; 0: 600 s */
+  /* A deleted job's checkpoints are removed this long after the job's
+   * deletion; 0: kept until their owner deletes them. */
+  int64_t retain_deleted_checkpoints_ms;
   /* The principals file (coord/auth.h, docs/security.md); "": none, and
    * every caller may do everything (a loopback or --insecure setup). */
   char auth_file[PATH_MAX];

@@ -97,6 +97,7 @@ typedef struct ckpt_order {
   uint64_t id;
   char job[CTL_NAME_MAX_BYTES + 1];
   uint64_t job_id;
+  char tenant[AUTH_NAME_MAX_BYTES + 1]; /* the job's: the owner of what it saves */
   uint32_t world_size;
   /* The job's order (its cjob.order points here). An order that fails
    * while thread-pool work for it is in flight is detached and answered at
@@ -174,6 +175,7 @@ static ckpt_order *order_new(coord *c, cjob *j, order_kind kind) {
   o->id = c->next_order_id++;
   snprintf(o->job, sizeof o->job, "%s", j->msg->name);
   o->job_id = j->msg->id;
+  snprintf(o->tenant, sizeof o->tenant, "%s", j->msg->tenant);
   o->world_size = world;
   o->started_ns = uv_hrtime();
   o->attached = 1;
@@ -497,6 +499,8 @@ static void remove_done(ckpt_work *base) {
               "path=%s why=\"%s\" err=\"%s\"", w->path, w->why, strerror(-w->rc));
   else
     LOG_DEBUGF("removed a checkpoint directory", "path=%s why=\"%s\"", w->path, w->why);
+  if (w->rc == 0)
+    coord__ckpt_removed(w->base.c, w->path);
   free(w);
 }
 
@@ -515,6 +519,16 @@ static void queue_remove(coord *c, const char *path, const char *why) {
   snprintf(w->why, sizeof w->why, "%s", why);
   snprintf(w->path, sizeof w->path, "%s", path);
   queue_work(c, &w->base);
+}
+
+void coord__ckpt_remove_tree(coord *c, const char *path, const char *why) {
+  queue_remove(c, path, why);
+}
+
+/* Whether path is dir or below it. */
+static int path_below(const char *path, const char *dir) {
+  size_t len = strlen(dir);
+  return strncmp(path, dir, len) == 0 && (path[len] == '/' || path[len] == '\0');
 }
 
 /* ------------------------------------------------------------------------ */
@@ -639,6 +653,7 @@ typedef struct commit_work {
   char name[CTL_NAME_MAX_BYTES + 1];
   const char *stem; /* "step" or "auto" for a name made from the step */
   uint64_t id, job_id, step;
+  char tenant[AUTH_NAME_MAX_BYTES + 1];
   uint32_t world_size;
   int64_t created_unix_ms;
   uint64_t started_ns;
@@ -733,8 +748,8 @@ static int commit_manifest(commit_work *w) {
   }
   path_format(w->final_dir, sizeof w->final_dir, "%s/%s", w->job_dir, w->final_name);
 
-  /* The coordinator is the authority on the job and the checkpoint's name:
-   * they are set here whatever the layout said. The fields are swapped in
+  /* The coordinator is the authority on the job, its owner and the
+   * checkpoint's name: they are set here whatever the layout said. The fields are swapped in
    * and back out so that ckpt_manifest_free frees only its own. */
   char *layout_job = m.job, *layout_name = m.name;
   ckpt_file_entry *layout_files = m.files;
@@ -742,6 +757,7 @@ static int commit_manifest(commit_work *w) {
   m.name = w->final_name;
   m.files = w->files;
   m.job_id = w->job_id;
+  snprintf(m.tenant, sizeof m.tenant, "%s", w->tenant); /* the owner (ckpt_owner.c) */
   m.created_unix_ms = w->created_unix_ms;
   rc = ckpt_manifest_store(w->tmp_dir, CKPT_MANIFEST_NAME, &m, err, sizeof err);
   m.job = layout_job;
@@ -880,6 +896,7 @@ static void commit_done(ckpt_work *base) {
       checkpoint.bytes = w->bytes;
       checkpoint.created_unix_ms = w->created_unix_ms;
       checkpoint.job_id = w->job_id;
+      checkpoint.tenant = w->tenant;
       Zerod__V1__SaveReply reply = ZEROD__V1__SAVE_REPLY__INIT;
       reply.checkpoint = &checkpoint;
       reply.stall_ms = stall_ms;
@@ -934,6 +951,7 @@ static void save_commit(coord *c, ckpt_order *o, uint64_t step) {
   w->export = o->export;
   w->id = o->id;
   w->job_id = o->job_id;
+  snprintf(w->tenant, sizeof w->tenant, "%s", o->tenant);
   w->step = step;
   w->world_size = o->world_size;
   w->created_unix_ms = coord__unix_ms();
@@ -1021,6 +1039,7 @@ typedef struct preflight_work {
   ckpt_work base;
   ckpt_order *order;
   char source[PATH_MAX];
+  ckpt_access access; /* who may read what (ckpt_owner.c) */
   /* Out */
   work_result result;
   Zerod__V1__RestoreFormat format;
@@ -1045,11 +1064,13 @@ static int stat_source(const char *source, struct stat *st, work_result *result)
 }
 
 /* A checkpoint directory about to be read (Restore, Export): its manifest
- * decodes and every shard file has the size the manifest says (checksums
- * are the readers' to verify, as they read). Returns 0 with the saved step
- * and world size, or the status in result. */
-static int check_checkpoint_dir(const char *source, uint64_t *step, uint32_t *world_size,
-                                work_result *result) {
+ * decodes, its owner is one access may read (ckpt_owner.c; one it may not
+ * is "no checkpoint", as a missing one), and every shard file has the
+ * size the manifest says (checksums are the readers' to verify, as they
+ * read). Returns 0 with the saved step and world size, or the status in
+ * result. */
+static int check_checkpoint_dir(const char *source, const ckpt_access *access, uint64_t *step,
+                                uint32_t *world_size, work_result *result) {
   char path[PATH_MAX + CTL_FILE_MAX_BYTES + 2];
   struct stat st;
   snprintf(path, sizeof path, "%s/%s", source, CKPT_MANIFEST_NAME);
@@ -1063,6 +1084,10 @@ static int check_checkpoint_dir(const char *source, uint64_t *step, uint32_t *wo
   int rc = ckpt_manifest_load(source, CKPT_MANIFEST_NAME, 0, &m, err, sizeof err);
   if (rc != 0)
     return work_fail(result, rc == -ENOENT ? RPC_NOT_FOUND : RPC_DATA_LOSS, "%s", err);
+  if (coord__ckpt_allowed(access, m.job_id, m.tenant, CKPT_READ) != 0) {
+    ckpt_manifest_free(&m);
+    return work_fail(result, RPC_NOT_FOUND, "no checkpoint at %s", source);
+  }
   *step = m.step;
   *world_size = m.world_size;
   for (uint32_t r = 0; r < m.world_size && result->status == 0; r++) {
@@ -1095,7 +1120,7 @@ static void preflight_run(ckpt_work *base) {
   if (stat_source(w->source, &st, &w->result) != 0)
     return;
   if (S_ISDIR(st.st_mode)) {
-    if (check_checkpoint_dir(w->source, &w->step, &w->world_size, &w->result) == 0)
+    if (check_checkpoint_dir(w->source, &w->access, &w->step, &w->world_size, &w->result) == 0)
       w->format = ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_CHECKPOINT;
     return;
   }
@@ -1150,6 +1175,7 @@ static void preflight_done(ckpt_work *base) {
                 "job=%s order=%" PRIu64 " source=%s format=safetensors", o->job, o->id, o->dir);
     coord__mark_job_watches(c, j);
   }
+  coord__ckpt_access_free(&w->access);
   free(w);
 }
 
@@ -1399,7 +1425,9 @@ static int resolve_source(const coord *c, const char *job, const char *ref, char
 
 static void on_restore(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__RestoreRequest *req = coord__begin(c, call, CTL_RESTORE, request, request_bytes);
+  coord_caller who;
+  Zerod__V1__RestoreRequest *req =
+      coord__begin_as(c, call, CTL_RESTORE, request, request_bytes, &who);
   if (req == NULL)
     return;
   char err[PATH_MAX + 256];
@@ -1417,9 +1445,11 @@ static void on_restore(rpc_call *call, const uint8_t *request, size_t request_by
   if (status == 0) {
     o = order_new(c, j, ORDER_RESTORE);
     w = calloc(1, sizeof *w);
-    if (o == NULL || w == NULL) {
+    if (o == NULL || w == NULL || coord__ckpt_access(c, &who, j, &w->access) != 0) {
       if (o != NULL)
         order_free(c, o);
+      if (w != NULL)
+        coord__ckpt_access_free(&w->access);
       free(w);
       snprintf(err, sizeof err, "coordinator out of memory");
       status = RPC_RESOURCE_EXHAUSTED;
@@ -1514,6 +1544,7 @@ typedef struct export_work {
   rpc_call *call;           /* NULL once the client went away */
   char source[PATH_MAX];
   export_spec export;
+  ckpt_access access; /* who may read what (ckpt_owner.c) */
   uint64_t started_ns;
   /* Out */
   work_result result;
@@ -1534,7 +1565,7 @@ static void export_run(ckpt_work *base) {
                     ? "%s is a safetensors file already; Export reads checkpoint directories"
                     : "%s is not a checkpoint directory",
                 w->source);
-    else if (check_checkpoint_dir(w->source, &step, &world_size, &w->result) == 0)
+    else if (check_checkpoint_dir(w->source, &w->access, &step, &world_size, &w->result) == 0)
       export_to_file(w->source, &w->export, strrchr(w->source, '/') + 1, &w->info, &w->result);
   }
   w->total_ms = elapsed_ms(w->started_ns);
@@ -1566,6 +1597,7 @@ static void export_done(ckpt_work *base) {
   } else if (w->call != NULL) {
     export_reply(w->call, w->export.path, &w->info, w->total_ms, w->source);
   }
+  coord__ckpt_access_free(&w->access);
   free(w);
 }
 
@@ -1584,9 +1616,21 @@ static const export_work *export_reading(const coord *c, const char *path) {
   return NULL;
 }
 
+int coord__ckpt_dir_busy(const coord *c, const char *path) {
+  for (const ckpt_order *o = c->orders; o != NULL; o = o->next)
+    if (o->dir[0] != '\0' && path_below(o->dir, path))
+      return 1;
+  for (const export_work *w = c->exports; w != NULL; w = w->next)
+    if (path_below(w->source, path))
+      return 1;
+  return 0;
+}
+
 static void on_export(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
-  Zerod__V1__ExportRequest *req = coord__begin(c, call, CTL_EXPORT, request, request_bytes);
+  coord_caller who;
+  Zerod__V1__ExportRequest *req =
+      coord__begin_as(c, call, CTL_EXPORT, request, request_bytes, &who);
   if (req == NULL)
     return;
   char err[PATH_MAX + 256];
@@ -1637,7 +1681,7 @@ static void on_export(rpc_call *call, const uint8_t *request, size_t request_byt
       status = save_start(c, j, "", call, 0, &ex, err, sizeof err);
   } else if (status == 0) {
     export_work *w = calloc(1, sizeof *w);
-    if (w == NULL) {
+    if (w == NULL || coord__ckpt_access(c, &who, NULL, &w->access) != 0) {
       snprintf(err, sizeof err, "coordinator out of memory");
       status = RPC_RESOURCE_EXHAUSTED;
     } else {
@@ -1657,6 +1701,8 @@ static void on_export(rpc_call *call, const uint8_t *request, size_t request_byt
                 ex.dtype == ST_BF16 ? "bf16" : "fp32");
       queue_work(c, &w->base);
     } else {
+      if (w != NULL)
+        coord__ckpt_access_free(&w->access);
       free(w);
     }
   }
@@ -1729,8 +1775,9 @@ void coord__ckpt_heartbeat(coord *c, const member *m, const Zerod__V1__Heartbeat
 /* ------------------------------------------------------------------------ */
 
 typedef struct listed {
-  char job[CTL_NAME_MAX_BYTES + 1];
+  char job[CTL_CKPT_DIR_MAX_BYTES + 1]; /* its directory: "<job>", or "<job>@<id>" if deleted */
   char name[CTL_NAME_MAX_BYTES + 1];
+  char tenant[AUTH_NAME_MAX_BYTES + 1]; /* its owner */
   uint64_t step, bytes, job_id;
   uint32_t world_size;
   int64_t created_unix_ms;
@@ -1740,8 +1787,8 @@ typedef struct list_work {
   ckpt_work base;
   rpc_call *call; /* NULL once the client went away */
   char dir[PATH_MAX];
-  char job[CTL_NAME_MAX_BYTES + 1]; /* "": every job */
-  coord_caller who;                 /* sees the checkpoints of the jobs it may read */
+  char job[CTL_CKPT_DIR_MAX_BYTES + 1]; /* "": every job */
+  ckpt_access access;                   /* sees the checkpoints it may read (ckpt_owner.c) */
   /* Out */
   int status;
   char message[256];
@@ -1759,9 +1806,10 @@ static int compare_listed(const void *a, const void *b) {
   return strcmp(x->name, y->name);
 }
 
-/* Adds the checkpoints of one job's directory. A directory with a final
- * name whose manifest does not decode is skipped, with a warning: it is
- * not a checkpoint (Delete can still remove it). */
+/* Adds the checkpoints of one job's directory that the caller may read.
+ * A directory with a final name whose manifest does not decode is
+ * skipped, with a warning: it is not a checkpoint (an admin's Delete can
+ * still remove it). */
 static void list_job(list_work *w, const char *job) {
   char job_dir[PATH_MAX], path[PATH_MAX + CTL_NAME_MAX_BYTES + 2];
   path_format(job_dir, sizeof job_dir, "%s/%s", w->dir, job);
@@ -1784,6 +1832,10 @@ static void list_job(list_work *w, const char *job) {
                 path, log_quote(err, quoted, sizeof quoted));
       continue;
     }
+    if (coord__ckpt_allowed(&w->access, m.job_id, m.tenant, CKPT_READ) != 0) {
+      ckpt_manifest_free(&m);
+      continue; /* another tenant's: not even its name is shown */
+    }
     if (w->count == w->capacity) {
       size_t capacity = w->capacity ? w->capacity * 2 : 64;
       listed *grown = realloc(w->items, capacity * sizeof *grown);
@@ -1802,6 +1854,8 @@ static void list_job(list_work *w, const char *job) {
     item->step = m.step;
     item->world_size = m.world_size;
     item->job_id = m.job_id;
+    snprintf(item->tenant, sizeof item->tenant, "%s",
+             coord__ckpt_owner(&w->access, m.job_id, m.tenant));
     item->created_unix_ms = m.created_unix_ms;
     item->bytes = 0;
     for (uint32_t r = 0; r < m.world_size; r++)
@@ -1816,24 +1870,35 @@ static void list_job(list_work *w, const char *job) {
   closedir(d);
 }
 
+/* Whether a directory entry of the checkpoint directory is one to list:
+ * with job "", every job's directory; with "<job>", that job's and those of
+ * the deleted jobs of its name ("<job>@<id>"); with "<job>@<id>", that one. */
+static int list_wants(const list_work *w, const char *entry) {
+  char job[CTL_NAME_MAX_BYTES + 1];
+  uint64_t id;
+  if (!ctl_parse_checkpoint_dir(entry, job, &id))
+    return 0;
+  if (w->job[0] == '\0')
+    return 1;
+  if (strchr(w->job, '@') != NULL)
+    return strcmp(entry, w->job) == 0;
+  return strcmp(job, w->job) == 0;
+}
+
 static void list_run(ckpt_work *base) {
   list_work *w = (list_work *)base;
-  if (w->job[0] != '\0') {
-    list_job(w, w->job);
-  } else {
-    DIR *d = opendir(w->dir);
-    if (d == NULL) {
-      w->status = io_status(errno);
-      snprintf(w->message, sizeof w->message, "cannot read the checkpoint directory: %s",
-               strerror(errno));
-      return;
-    }
-    struct dirent *e;
-    while (w->status == 0 && (e = readdir(d)) != NULL)
-      if (ctl_valid_job_dir_name(e->d_name) && is_dir_at(dirfd(d), e))
-        list_job(w, e->d_name);
-    closedir(d);
+  DIR *d = opendir(w->dir);
+  if (d == NULL) {
+    w->status = io_status(errno);
+    snprintf(w->message, sizeof w->message, "cannot read the checkpoint directory: %s",
+             strerror(errno));
+    return;
   }
+  struct dirent *e;
+  while (w->status == 0 && (e = readdir(d)) != NULL)
+    if (list_wants(w, e->d_name) && is_dir_at(dirfd(d), e))
+      list_job(w, e->d_name);
+  closedir(d);
   if (w->status == 0 && w->count > 1)
     qsort(w->items, w->count, sizeof *w->items, compare_listed);
 }
@@ -1849,7 +1914,7 @@ static void list_done(ckpt_work *base) {
   } else {
     Zerod__V1__Checkpoint *checkpoints = calloc(w->count ? w->count : 1, sizeof *checkpoints);
     Zerod__V1__Checkpoint **pointers = calloc(w->count ? w->count : 1, sizeof *pointers);
-    char(*paths)[PATH_MAX + 2 * CTL_NAME_MAX_BYTES + 2] =
+    char(*paths)[PATH_MAX + CTL_CKPT_DIR_MAX_BYTES + CTL_NAME_MAX_BYTES + 2] =
         calloc(w->count ? w->count : 1, sizeof *paths);
     rpc_call_set_cancel(w->call, NULL, NULL);
     if (checkpoints == NULL || pointers == NULL || paths == NULL) {
@@ -1858,11 +1923,6 @@ static void list_done(ckpt_work *base) {
       size_t n = 0;
       for (size_t i = 0; i < w->count; i++) {
         const listed *item = &w->items[i];
-        /* A deleted job's checkpoints have no tenant left: an admin's. */
-        const cjob *j = coord__find_job(c, item->job);
-        if (!w->who.trusted &&
-            (j == NULL ? w->who.role != AUTH_ADMIN : !coord__may_read_job(&w->who, j)))
-          continue;
         Zerod__V1__Checkpoint *out = &checkpoints[n];
         zerod__v1__checkpoint__init(out);
         snprintf(paths[n], sizeof paths[n], "%s/%s/%s", c->options.checkpoint_dir, item->job,
@@ -1875,6 +1935,7 @@ static void list_done(ckpt_work *base) {
         out->bytes = item->bytes;
         out->created_unix_ms = item->created_unix_ms;
         out->job_id = item->job_id;
+        out->tenant = (char *)item->tenant;
         pointers[n++] = out;
       }
       Zerod__V1__ListCheckpointsReply reply = ZEROD__V1__LIST_CHECKPOINTS_REPLY__INIT;
@@ -1887,6 +1948,7 @@ static void list_done(ckpt_work *base) {
     free(paths);
   }
   free(w->items);
+  coord__ckpt_access_free(&w->access);
   free(w);
 }
 
@@ -1908,8 +1970,10 @@ static void on_list(rpc_call *call, const uint8_t *request, size_t request_bytes
   if (c->options.checkpoint_dir[0] == '\0') {
     coord__finish_error(call, RPC_FAILED_PRECONDITION,
                         "this coordinator has no checkpoint directory");
-  } else if ((w = calloc(1, sizeof *w)) == NULL) {
+  } else if ((w = calloc(1, sizeof *w)) == NULL ||
+             coord__ckpt_access(c, &who, NULL, &w->access) != 0) {
     coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    free(w);
   } else {
     /* Checkpoints outlive their jobs: the job named need not exist. */
     w->base.run = list_run;
@@ -1917,7 +1981,6 @@ static void on_list(rpc_call *call, const uint8_t *request, size_t request_bytes
     w->call = call;
     snprintf(w->dir, sizeof w->dir, "%s", c->options.checkpoint_dir);
     snprintf(w->job, sizeof w->job, "%s", req->job);
-    w->who = who;
     rpc_call_set_cancel(call, on_list_cancelled, w);
     queue_work(c, &w->base);
   }
@@ -1937,10 +2000,11 @@ static const ckpt_order *restore_reading(const coord *c, const char *path) {
 }
 
 /* Takes job/name out of the catalog at once (a rename to
- * name.deleting-<id>, synced) and removes its files on the thread pool.
- * Returns 0 or a status with the reason in err. */
-static int delete_checkpoint(coord *c, const char *job, const char *name, char *err,
-                             size_t err_bytes) {
+ * name.deleting-<id>, synced) and removes its files on the thread pool,
+ * if access (NULL: the coordinator itself) may delete it. Returns 0 or a
+ * status with the reason in err. */
+static int delete_checkpoint(coord *c, const char *job, const char *name, const ckpt_access *access,
+                             char *err, size_t err_bytes) {
   char job_dir[PATH_MAX], path[PATH_MAX + CTL_NAME_MAX_BYTES + 2];
   char gone[PATH_MAX + CTL_NAME_MAX_BYTES + 48];
   path_format(job_dir, sizeof job_dir, "%s/%s", c->options.checkpoint_dir, job);
@@ -1950,6 +2014,9 @@ static int delete_checkpoint(coord *c, const char *job, const char *name, char *
     snprintf(err, err_bytes, "job '%s' has no checkpoint named '%s'", job, name);
     return RPC_NOT_FOUND;
   }
+  int status = access != NULL ? coord__ckpt_may_delete(access, path, job, name, err, err_bytes) : 0;
+  if (status != 0)
+    return status;
   const ckpt_order *reader = restore_reading(c, path);
   if (reader != NULL) {
     snprintf(err, err_bytes,
@@ -1983,18 +2050,24 @@ static int delete_checkpoint(coord *c, const char *job, const char *name, char *
 static void on_delete_checkpoint(rpc_call *call, const uint8_t *request, size_t request_bytes,
                                  void *arg) {
   coord *c = arg;
+  coord_caller who;
   Zerod__V1__DeleteCheckpointRequest *req =
-      coord__begin(c, call, CTL_DELETE_CHECKPOINT, request, request_bytes);
+      coord__begin_as(c, call, CTL_DELETE_CHECKPOINT, request, request_bytes, &who);
   if (req == NULL)
     return;
   char err[PATH_MAX + 256];
   int status;
+  ckpt_access access = {0};
   if (c->options.checkpoint_dir[0] == '\0') {
     snprintf(err, sizeof err, "this coordinator has no checkpoint directory");
     status = RPC_FAILED_PRECONDITION;
+  } else if (coord__ckpt_access(c, &who, NULL, &access) != 0) {
+    snprintf(err, sizeof err, "coordinator out of memory");
+    status = RPC_RESOURCE_EXHAUSTED;
   } else {
-    status = delete_checkpoint(c, req->job, req->name, err, sizeof err);
+    status = delete_checkpoint(c, req->job, req->name, &access, err, sizeof err);
   }
+  coord__ckpt_access_free(&access);
   if (status != 0) {
     coord__finish_error(call, status, "%s", err);
   } else {
@@ -2062,9 +2135,16 @@ static void apply_retention(coord *c, cjob *j) {
   closedir(d);
   if (count > policy->keep) {
     qsort(entries, count, sizeof *entries, compare_auto_newest_first);
-    for (size_t i = policy->keep; i < count; i++) {
+    size_t kept = 0;
+    for (size_t i = 0; i < count; i++) {
+      if (!coord__ckpt_saved_by(c, j, entries[i].name))
+        continue; /* an earlier job's of this name: not this policy's to drop */
+      if (kept < policy->keep) {
+        kept++;
+        continue;
+      }
       char err[PATH_MAX + 256];
-      if (delete_checkpoint(c, j->msg->name, entries[i].name, err, sizeof err) != 0)
+      if (delete_checkpoint(c, j->msg->name, entries[i].name, NULL, err, sizeof err) != 0)
         LOG_WARNF("cannot drop an old periodic checkpoint", "job=%s name=%s err=\"%s\"",
                   j->msg->name, entries[i].name, err);
     }
@@ -2163,6 +2243,8 @@ void coord__ckpt_tick(coord *c) {
   }
   for (size_t i = 0; i < c->njobs; i++)
     auto_check(c, c->jobs[i], now);
+  coord__ckpt_retire_pending(c);
+  coord__ckpt_retention(c, coord__unix_ms());
 }
 
 void coord__ckpt_shutdown(coord *c) {
@@ -2248,16 +2330,34 @@ int coord__ckpt_init(coord *c, char *err, size_t err_bytes) {
     snprintf(err, err_bytes, "cannot read the checkpoint directory %s: %s", dir, strerror(errno));
     return rc;
   }
-  /* Layout: <dir>/<job>/<checkpoint>; the marks are one level down. */
+  /* Layout: <dir>/<job>/<checkpoint> and <dir>/<job>@<id>/<checkpoint>;
+   * the marks are one level down, but for a deleted job's directory whose
+   * retention ran out (<job>@<id>.deleting-<n>). */
   struct dirent *e;
   char job_dir[PATH_MAX + 256];
+  uint64_t last_id = 0;
   while ((e = readdir(d)) != NULL) {
-    if (!ctl_valid_job_dir_name(e->d_name) || !is_dir_at(dirfd(d), e))
+    uint64_t id;
+    if (strstr(e->d_name, ".deleting-") != NULL && strchr(e->d_name, '@') != NULL) {
+      snprintf(job_dir, sizeof job_dir, "%s/%s", dir, e->d_name);
+      int removed = remove_at(dirfd(d), e->d_name, 0);
+      LOG_INFOF(removed == 0 ? "removed a deleted job's expired checkpoints"
+                             : "cannot remove a deleted job's expired checkpoints",
+                "path=%s err=\"%s\"", job_dir, removed == 0 ? "" : strerror(-removed));
       continue;
+    }
+    if (!ctl_parse_checkpoint_dir(e->d_name, NULL, &id) || !is_dir_at(dirfd(d), e))
+      continue;
+    if (id > last_id)
+      last_id = id;
     snprintf(job_dir, sizeof job_dir, "%s/%s", dir, e->d_name);
     remove_leftovers(job_dir);
   }
   closedir(d);
+  /* Job ids never repeat a deleted job's directory, even where the ids
+   * are not kept (zerod standalone keeps no state). */
+  if (c->next_job_id <= last_id)
+    c->next_job_id = last_id + 1;
   return 0;
 }
 

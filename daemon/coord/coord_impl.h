@@ -15,6 +15,7 @@
 
 #include "auth.h"
 #include "coord.h"
+#include "ctl_decode.h"
 #include "digest.h"
 
 /* Limits (docs/control-plane.md, "Limits"). */
@@ -87,6 +88,18 @@ typedef struct auto_ckpt {
   uint64_t retry_ms;  /* after a failed one: no new attempt before this uv_now */
 } auto_ckpt;
 
+/* A deleted job whose checkpoints are kept (ckpt_owner.c): their owner
+ * and where they are. Stored in coordinator.pb (RetiredJob). */
+typedef struct retired_job {
+  char name[CTL_NAME_MAX_BYTES + 1];
+  uint64_t id;
+  char tenant[AUTH_NAME_MAX_BYTES + 1];
+  int64_t deleted_unix_ms;
+  /* Its directory <name> was moved to <name>@<id>; until then no job may
+   * take the name (its checkpoints would mix with the new job's). */
+  int moved;
+} retired_job;
+
 typedef struct cjob {
   /* Owned copy of the job as stored; its state, reason, step and epoch
    * fields are unused, the ones below are what replies carry. */
@@ -128,7 +141,9 @@ struct coord {
   struct ckpt_order *orders;   /* every order not yet freed, newest first */
   struct export_work *exports; /* exports of checkpoints in flight */
   uint64_t next_order_id;
-  unsigned ckpt_work; /* thread-pool requests not yet completed */
+  unsigned ckpt_work;   /* thread-pool requests not yet completed */
+  retired_job *retired; /* deleted jobs with checkpoints, by id (ckpt_owner.c) */
+  size_t nretired;
 
   /* Principals (--auth-file); NULL: none configured, every caller is
    * trusted. The server counts each one's calls (rpc.h). */
@@ -212,6 +227,10 @@ int coord__may_own_job(const coord_caller *who, const cjob *j);
 /* Whether who is a node principal of one of j's placement nodes. */
 int coord__placed_on(const coord_caller *who, const cjob *j);
 
+/* Writes coordinator.pb as the state is now (jobs, retired jobs, the next
+ * job id). Returns 0 or a negative errno with err. Blocks the loop. */
+int coord__state_save(coord *c, char *err, size_t err_bytes);
+
 member *coord__find_member(const coord *c, const char *name);
 cjob *coord__find_job(const coord *c, const char *name);
 /* Returns the job's placement index of node, or -1. */
@@ -256,5 +275,109 @@ void coord__ckpt_shutdown(coord *c);
 
 /* coord_destroy: frees what is left (nothing, once the loop has ended). */
 void coord__ckpt_destroy(coord *c);
+
+/* Whether a save, restore or export in flight reads or writes below the
+ * directory path (a retired job's directory cannot move then). */
+int coord__ckpt_dir_busy(const coord *c, const char *path);
+
+/* Removes path recursively on the thread pool (why: for the log). */
+void coord__ckpt_remove_tree(coord *c, const char *path, const char *why);
+
+/* ------------------------------------------------------------------------ */
+/* ckpt_owner.c: who owns a checkpoint; the records of deleted jobs         */
+/* ------------------------------------------------------------------------ */
+
+/* Who may reach which checkpoint, as a copy that any thread may read (a
+ * List's scan, an Export's or a Restore's checks run on the thread pool):
+ * the caller, the job a node's Restore acts for, and the owner tenant of
+ * every job id the coordinator knows, live or deleted. */
+typedef struct ckpt_owner {
+  uint64_t job_id;
+  char tenant[AUTH_NAME_MAX_BYTES + 1];
+} ckpt_owner;
+
+typedef struct ckpt_access {
+  coord_caller who;
+  uint64_t for_job_id; /* the job a Restore is for (0: none) */
+  char for_tenant[AUTH_NAME_MAX_BYTES + 1];
+  ckpt_owner *owners; /* by job id */
+  size_t nowners;
+} ckpt_access;
+
+/* Fills a (for_job: the job being restored, or NULL). Returns 0 or
+ * -ENOMEM. */
+int coord__ckpt_access(const coord *c, const coord_caller *who, const cjob *for_job,
+                       ckpt_access *a);
+void coord__ckpt_access_free(ckpt_access *a);
+
+/* The tenant that owns a checkpoint whose manifest names job_id and
+ * manifest_tenant: the tenant of the job of that id if the coordinator
+ * knows it (live or deleted), else the manifest's ("": an admin's). */
+const char *coord__ckpt_owner(const ckpt_access *a, uint64_t job_id, const char *manifest_tenant);
+
+typedef enum ckpt_want { CKPT_READ, CKPT_DELETE } ckpt_want;
+
+/* Whether a's caller may read (List, Export, Restore from) or delete the
+ * checkpoint. Returns 0; RPC_NOT_FOUND when it may not even read it (its
+ * existence is not disclosed); RPC_PERMISSION_DENIED when it may read but
+ * not delete it. Any thread. */
+int coord__ckpt_allowed(const ckpt_access *a, uint64_t job_id, const char *manifest_tenant,
+                        ckpt_want want);
+
+/* Delete checkpoint: whether access may delete the checkpoint job/name at
+ * path, by its manifest's owner (read in line: one small file). A
+ * directory whose manifest does not decode has no known owner: an admin's
+ * to remove. Returns 0, or the status with err. */
+int coord__ckpt_may_delete(const ckpt_access *access, const char *path, const char *job,
+                           const char *name, char *err, size_t err_bytes);
+
+/* Whether checkpoint name of j's directory was saved by j, by its
+ * manifest's job id (a directory not moved aside may hold an earlier
+ * job's of the name): periodic retention drops j's own only. */
+int coord__ckpt_saved_by(const coord *c, const cjob *j, const char *name);
+
+/* DeleteJob: records j as retired at now (its checkpoints, if any, are
+ * kept) before the state is written. Returns 0 or -ENOMEM;
+ * coord__ckpt_unretire undoes it when the write fails. */
+int coord__ckpt_retire(coord *c, const cjob *j, int64_t now_unix_ms);
+void coord__ckpt_unretire(coord *c, uint64_t id);
+
+/* The record of retired job id, or NULL; dropping one (r from find). */
+retired_job *coord__retired_find(coord *c, uint64_t id);
+void coord__retired_drop(coord *c, retired_job *r);
+/* r's directory: <checkpoint-dir>/<name>, or when moved,
+ * <checkpoint-dir>/<name>@<id> (it always fits: coord__ckpt_init keeps the
+ * checkpoint directory under PATH_MAX - 512 bytes). */
+void coord__retired_dir(const coord *c, const retired_job *r, int moved, char out[PATH_MAX]);
+
+/* Loading and storing the records (coordinator.pb). */
+int coord__ckpt_retired_load(coord *c, const Zerod__V1__CoordinatorState *state, char *err,
+                             size_t err_bytes);
+void coord__ckpt_retired_free(coord *c);
+
+/* ------------------------------------------------------------------------ */
+/* ckpt_retire.c: what becomes of a deleted job's checkpoints              */
+/* ------------------------------------------------------------------------ */
+
+/* Moves the directories of retired jobs that no job and no operation
+ * holds any more to <name>@<id>, and forgets retired jobs that left no
+ * checkpoint; writes the state if anything changed. */
+void coord__ckpt_retire_pending(coord *c);
+
+/* CreateJob: 0 when name is free of a retired job's directory still to be
+ * moved, else UNAVAILABLE with why. */
+int coord__ckpt_name_free(coord *c, const char *name, char *err, size_t err_bytes);
+
+/* A checkpoint directory was removed (path: what was removed): if it
+ * emptied a retired job's directory, that goes and the job is forgotten. */
+void coord__ckpt_removed(coord *c, const char *path);
+
+/* A retired job's directory emptied (its last checkpoint deleted), or
+ * removed by retention: forgets it. */
+void coord__ckpt_retired_gone(coord *c, uint64_t id);
+
+/* From the tick: removes the checkpoints of jobs deleted longer ago than
+ * --retain-deleted-checkpoints. */
+void coord__ckpt_retention(coord *c, int64_t now_unix_ms);
 
 #endif /* ZEROD_COORD_IMPL_H */

@@ -6,6 +6,7 @@
 #include "ctl_decode.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -635,6 +636,19 @@ int ctl_decode_message(const ProtobufCMessageDescriptor *desc, const uint8_t *by
 void ctl_free(ProtobufCMessage *msg) {
   if (msg != NULL)
     protobuf_c_message_free_unpacked(msg, NULL);
+}
+
+int ctl_check_retired_job(const Zerod__V1__RetiredJob *retired, char *err, size_t err_bytes) {
+  int rc = check_name("deleted job name", retired->name, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (!ctl_valid_job_dir_name(retired->name))
+    return fail(err, err_bytes, "deleted job '%s' cannot name a directory", retired->name);
+  if (retired->id == 0 || retired->id > INT64_MAX)
+    return fail(err, err_bytes, "deleted job '%s' has id %" PRIu64, retired->name, retired->id);
+  if (retired->tenant[0] != '\0' && !ctl_valid_job_dir_name(retired->tenant))
+    return fail(err, err_bytes, "deleted job '%s' has an invalid tenant", retired->name);
+  return 0;
 }
 
 int ctl_check_stored_job(const Zerod__V1__StoredJob *stored, char *err, size_t err_bytes) {

@@ -149,4 +149,8 @@ int ctl_check_job_config(const Zerod__V1__JobConfig *config, char *err, size_t e
  * its placement. Returns 0 or -EINVAL with a message in err. */
 int ctl_check_stored_job(const Zerod__V1__StoredJob *stored, char *err, size_t err_bytes);
 
+/* Checks a deleted job's record of the state file: a job name, an id
+ * other than 0, a tenant name or "". Returns 0 or -EINVAL with err. */
+int ctl_check_retired_job(const Zerod__V1__RetiredJob *retired, char *err, size_t err_bytes);
+
 #endif /* ZEROD_CTL_DECODE_H */

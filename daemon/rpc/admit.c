@@ -7,8 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "rpc.h"
-
 /* ------------------------------------------------------------------------ */
 /* Counts by key                                                            */
 /* ------------------------------------------------------------------------ */
@@ -158,50 +156,51 @@ static int refuse(char *why, size_t why_bytes, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(why, why_bytes, fmt, ap);
   va_end(ap);
-  return RPC_RESOURCE_EXHAUSTED;
+  return -EBUSY;
 }
 
 /* The anonymous budget: per connection, per source address, in all. */
 static int check_anonymous(const admit_state *a, const admit_request *req, char *why,
                            size_t why_bytes) {
-  if (a->anonymous >= RPC_ANONYMOUS_CALLS)
+  const admit_limits *l = &a->limits;
+  if (a->anonymous >= l->anonymous)
     return refuse(why, why_bytes,
-                  "server busy: %u calls without credentials in flight (at most %d); send "
+                  "server busy: %u calls without credentials in flight (at most %u); send "
                   "credentials",
-                  a->anonymous, RPC_ANONYMOUS_CALLS);
+                  a->anonymous, l->anonymous);
   if (!peer_counted(req->peer))
     return 0;
   size_t address_bytes = address_len(req->peer);
   unsigned from_address = counts_get(&a->addresses, req->peer, address_bytes);
-  if (from_address >= RPC_ANONYMOUS_CALLS_PER_ADDRESS)
+  if (from_address >= l->anonymous_per_address)
     return refuse(why, why_bytes,
-                  "%.*s has %u calls without credentials in flight (at most %d per address)",
-                  (int)address_bytes, req->peer, from_address, RPC_ANONYMOUS_CALLS_PER_ADDRESS);
+                  "%.*s has %u calls without credentials in flight (at most %u per address)",
+                  (int)address_bytes, req->peer, from_address, l->anonymous_per_address);
   unsigned on_connection = counts_get(&a->anonymous_connections, req->peer, strlen(req->peer));
-  if (on_connection >= RPC_ANONYMOUS_CALLS_PER_CONNECTION)
+  if (on_connection >= l->anonymous_per_connection)
     return refuse(why, why_bytes,
-                  "connection %s has %u calls without credentials in flight (at most %d)",
-                  req->peer, on_connection, RPC_ANONYMOUS_CALLS_PER_CONNECTION);
+                  "connection %s has %u calls without credentials in flight (at most %u)",
+                  req->peer, on_connection, l->anonymous_per_connection);
   return 0;
 }
 
 static int check_principal(const admit_state *a, const admit_request *req, char *why,
                            size_t why_bytes) {
-  unsigned limit = RPC_MAX_CALLS;
+  const admit_limits *l = &a->limits;
+  unsigned limit = l->calls;
   if (req->priority)
-    limit += RPC_RESERVED_CALLS;
+    limit += l->reserved_calls;
   if (a->admitted >= limit)
     return refuse(why, why_bytes, "server busy: %u calls in flight", a->admitted);
   if (req->principal < 0 || (size_t)req->principal >= a->nprincipals)
     return 0;
   unsigned calls = a->principal_calls[req->principal];
-  unsigned cap = RPC_MAX_CALLS_PER_PRINCIPAL;
+  unsigned cap = l->per_principal;
   if (req->priority)
-    cap += RPC_PRINCIPAL_RESERVED_CALLS;
+    cap += l->principal_reserve;
   if (calls >= cap)
-    return refuse(why, why_bytes, "principal %s has %u calls in flight (at most %d)",
-                  req->principal_name != NULL ? req->principal_name : "?", calls,
-                  RPC_MAX_CALLS_PER_PRINCIPAL);
+    return refuse(why, why_bytes, "principal %s has %u calls in flight (at most %u)",
+                  req->principal_name != NULL ? req->principal_name : "?", calls, l->per_principal);
   return 0;
 }
 
@@ -225,23 +224,25 @@ static int counted_add(admit_state *a, const char *peer, int anonymous) {
 int admit_call(admit_state *a, const admit_request *req, admit_ticket *ticket, char *why,
                size_t why_bytes) {
   memset(ticket, 0, sizeof *ticket);
-  ticket->principal = req->principal;
-  int anonymous = req->principal == RPC_PRINCIPAL_ANONYMOUS;
+  ticket->principal = req->anonymous ? -1 : req->principal;
+  int anonymous = req->anonymous != 0;
   int counted = peer_counted(req->peer);
   size_t peer_bytes = counted ? strlen(req->peer) : 0;
   if (counted) {
     unsigned on_connection = counts_get(&a->connections, req->peer, peer_bytes);
-    if (on_connection >= RPC_MAX_STREAMS_PER_CONNECTION)
-      return refuse(why, why_bytes, "connection %s has %u calls in flight (at most %d)", req->peer,
-                    on_connection, RPC_MAX_STREAMS_PER_CONNECTION);
+    if (on_connection >= a->limits.per_connection)
+      return refuse(why, why_bytes, "connection %s has %u calls in flight (at most %u)", req->peer,
+                    on_connection, a->limits.per_connection);
   }
   int status =
       anonymous ? check_anonymous(a, req, why, why_bytes) : check_principal(a, req, why, why_bytes);
   if (status != 0)
     return status;
 
-  if (counted && counted_add(a, req->peer, anonymous) != 0)
-    return refuse(why, why_bytes, "server out of memory");
+  if (counted && counted_add(a, req->peer, anonymous) != 0) {
+    snprintf(why, why_bytes, "server out of memory");
+    return -ENOMEM;
+  }
   ticket->connection = counted;
   if (anonymous) {
     ticket->anonymous = 1;

@@ -33,7 +33,18 @@ typedef struct admit_counts {
   size_t nentries;
 } admit_counts;
 
+/* The limits (rpc.h gives the server's: RPC_MAX_CALLS and the others). */
+typedef struct admit_limits {
+  unsigned calls;             /* calls with credentials in flight, in all */
+  unsigned reserved_calls;    /* more for priority methods */
+  unsigned per_principal;     /* calls of one principal */
+  unsigned principal_reserve; /* more for its priority calls */
+  unsigned per_connection;    /* calls on one connection */
+  unsigned anonymous_per_connection, anonymous_per_address, anonymous;
+} admit_limits;
+
 typedef struct admit_state {
+  admit_limits limits;
   admit_counts connections;           /* calls in flight per peer ("ipv4:10.0.0.1:51234") */
   admit_counts anonymous_connections; /* of them, calls without credentials */
   admit_counts addresses;             /* calls without credentials per source address */
@@ -46,7 +57,8 @@ typedef struct admit_state {
 /* What is known of a call when it arrives. */
 typedef struct admit_request {
   const char *peer; /* as gRPC names it; "unix:..." is not counted per connection */
-  long principal;   /* >= 0, RPC_PRINCIPAL_TRUSTED or RPC_PRINCIPAL_ANONYMOUS (rpc.h) */
+  int anonymous;    /* no credentials: the anonymous budget */
+  long principal;   /* with credentials: the principal's index, or -1 (trusted, no cap) */
   const char *principal_name;
   int priority; /* the method may use the reserves */
 } admit_request;
@@ -63,9 +75,9 @@ typedef struct admit_ticket {
  * -ENOMEM. Only while no call is admitted. */
 int admit_set_principals(admit_state *a, size_t n);
 
-/* Takes the call in: returns 0 with *ticket, or a gRPC status
- * (RESOURCE_EXHAUSTED, with a message in why; or -ENOMEM's
- * RESOURCE_EXHAUSTED when a count cannot be kept) and nothing taken. */
+/* Takes the call in: returns 0 with *ticket, or -EBUSY (over a limit,
+ * which why names) or -ENOMEM (a count cannot be kept), with nothing
+ * taken. */
 int admit_call(admit_state *a, const admit_request *req, admit_ticket *ticket, char *why,
                size_t why_bytes);
 

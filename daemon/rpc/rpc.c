@@ -678,10 +678,12 @@ static int call_admit(rpc_server *s, rpc_call *call, char *why, size_t why_bytes
       return status;
   }
   admit_request req = {.peer = call_peer_key(call),
-                       .principal = call->principal,
+                       .anonymous = call->principal == RPC_PRINCIPAL_ANONYMOUS,
+                       .principal = call->principal >= 0 ? call->principal : -1,
                        .principal_name = name,
                        .priority = call->method->priority};
-  return admit_call(&s->admit, &req, &call->ticket, why, why_bytes);
+  return admit_call(&s->admit, &req, &call->ticket, why, why_bytes) == 0 ? 0
+                                                                         : RPC_RESOURCE_EXHAUSTED;
 }
 
 /* Logs a refusal on arrival, at most once per RPC_REFUSAL_LOG_MS with the
@@ -1127,6 +1129,14 @@ int rpc_server_create(uv_loop_t *loop, const char *addr, rpc_server **out, char 
   s->loop = loop;
   memcpy(s->addr, addr, strlen(addr) + 1);
   s->state = SERVER_CREATED;
+  s->admit.limits = (admit_limits){.calls = RPC_MAX_CALLS,
+                                   .reserved_calls = RPC_RESERVED_CALLS,
+                                   .per_principal = RPC_MAX_CALLS_PER_PRINCIPAL,
+                                   .principal_reserve = RPC_PRINCIPAL_RESERVED_CALLS,
+                                   .per_connection = RPC_MAX_STREAMS_PER_CONNECTION,
+                                   .anonymous_per_connection = RPC_ANONYMOUS_CALLS_PER_CONNECTION,
+                                   .anonymous_per_address = RPC_ANONYMOUS_CALLS_PER_ADDRESS,
+                                   .anonymous = RPC_ANONYMOUS_CALLS};
   tag_init(&s->shutdown_tag, TAG_SHUTDOWN, NULL);
   rpc__grpc_init(); /* balanced in rpc_server_destroy */
   *out = s;

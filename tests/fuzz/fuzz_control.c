@@ -233,6 +233,18 @@ static void fuzz_state_file(const uint8_t *bytes, size_t nbytes) {
         err[0] == '\0')
       abort(); /* a refusal always says why */
   }
+  for (size_t i = 0; i < state->n_retired; i++) {
+    err[0] = '\0';
+    const Zerod__V1__RetiredJob *r = state->retired[i];
+    if (r == NULL)
+      continue;
+    if (ctl_check_retired_job(r, err, sizeof err) != 0) {
+      if (err[0] == '\0')
+        abort();
+    } else if (!ctl_parse_checkpoint_dir(r->name, NULL, NULL) || r->id == 0) {
+      abort(); /* an accepted record names a directory the coordinator can make */
+    }
+  }
   zerod__v1__coordinator_state__free_unpacked(state, NULL);
 }
 

@@ -735,7 +735,7 @@ def test_zerodctl_checkpoint_commands(coord, nodes):
     rc, out, err = ctl(coord, "checkpoint", "list")
     assert rc == 0 and err == "", (rc, out, err)
     table = out.splitlines()
-    assert table[0].split() == ["JOB", "NAME", "STEP", "WORLD", "SIZE", "CREATED"], out
+    assert table[0].split() == ["JOB", "NAME", "STEP", "WORLD", "SIZE", "CREATED", "TENANT"], out
     assert [row.split()[:4] for row in table[1:]] == [["j", "best", "42", "2"],
                                                       ["j", "step-00000042", "42", "2"]], out
     rc, out, err = ctl(coord, "--json", "checkpoint", "list", "j")
