@@ -45,9 +45,12 @@ void coord__ckpt_retired_gone(coord *c, uint64_t id) {
 /* Retired jobs: moving their directories                                   */
 /* ------------------------------------------------------------------------ */
 
+/* What retire_move did. */
+enum { MOVE_WAITS = 0, MOVE_DONE = 1, MOVE_NOTHING = 2 };
+
 /* Moves r's directory <name> to <name>@<id> if nothing holds it. Returns
- * 1 when r changed (moved, or found to need no move), 0 when it must wait,
- * and says why in why. */
+ * MOVE_DONE (r->moved is set), MOVE_NOTHING (there is no directory: no
+ * checkpoint to keep), or MOVE_WAITS with the reason in why. */
 static int retire_move(coord *c, retired_job *r, char *why, size_t why_bytes) {
   char from[PATH_MAX], to[PATH_MAX];
   coord__retired_dir(c, r, 0, from);
@@ -55,15 +58,13 @@ static int retire_move(coord *c, retired_job *r, char *why, size_t why_bytes) {
   struct stat st;
   if (coord__find_job(c, r->name) != NULL) {
     snprintf(why, why_bytes, "its nodes have not let the job go yet");
-    return 0;
+    return MOVE_WAITS;
   }
-  if (lstat(from, &st) != 0 && errno == ENOENT) {
-    r->moved = 1; /* nothing there (removed by hand, or never made) */
-    return 1;
-  }
+  if (lstat(from, &st) != 0 && errno == ENOENT)
+    return MOVE_NOTHING; /* removed by hand, or the last checkpoint deleted */
   if (coord__ckpt_dir_busy(c, from)) {
     snprintf(why, why_bytes, "a save, restore or export is using %.3500s", from);
-    return 0;
+    return MOVE_WAITS;
   }
   int rc = renameat2(AT_FDCWD, from, AT_FDCWD, to, RENAME_NOREPLACE);
   if (rc != 0 && (errno == EINVAL || errno == ENOSYS)) {
@@ -78,7 +79,7 @@ static int retire_move(coord *c, retired_job *r, char *why, size_t why_bytes) {
     int errnum = errno;
     if (errnum != EEXIST && errnum != ENOTEMPTY) {
       snprintf(why, why_bytes, "cannot rename %.1500s to %.1500s: %s", from, to, strerror(errnum));
-      return 0;
+      return MOVE_WAITS;
     }
     /* Ids do not repeat (coord__ckpt_init starts them above every
      * <name>@<id> it finds), so only an operator's copy can be there: it
@@ -96,17 +97,33 @@ static int retire_move(coord *c, retired_job *r, char *why, size_t why_bytes) {
               to);
   }
   r->moved = 1;
-  return 1;
+  return MOVE_DONE;
+}
+
+/* Takes a retired job's move one step: moved, forgotten (nothing to
+ * keep), or still waiting (why). Returns whether the records changed. */
+static int retire_step(coord *c, size_t *i, char *why, size_t why_bytes) {
+  retired_job *r = &c->retired[*i];
+  int done = retire_move(c, r, why, why_bytes);
+  if (done == MOVE_NOTHING) {
+    LOG_INFOF("deleted job left no checkpoint", "job=%s id=%" PRIu64, r->name, r->id);
+    coord__retired_drop(c, r); /* *i now names the next */
+    return 1;
+  }
+  (*i)++;
+  return done == MOVE_DONE;
 }
 
 void coord__ckpt_retire_pending(coord *c) {
   int changed = 0;
-  for (size_t i = 0; i < c->nretired; i++) {
-    retired_job *r = &c->retired[i];
-    if (r->moved)
+  size_t i = 0;
+  while (i < c->nretired) {
+    if (c->retired[i].moved) {
+      i++;
       continue;
+    }
     char why[PATH_MAX + 64];
-    changed |= retire_move(c, r, why, sizeof why);
+    changed |= retire_step(c, &i, why, sizeof why);
   }
   if (!changed)
     return;
@@ -118,12 +135,16 @@ void coord__ckpt_retire_pending(coord *c) {
 }
 
 int coord__ckpt_name_free(coord *c, const char *name, char *err, size_t err_bytes) {
-  for (size_t i = 0; i < c->nretired; i++) {
+  size_t i = 0;
+  while (i < c->nretired) {
     retired_job *r = &c->retired[i];
-    if (r->moved || strcmp(r->name, name) != 0)
+    if (r->moved || strcmp(r->name, name) != 0) {
+      i++;
       continue;
+    }
     char why[PATH_MAX + 64] = "";
-    if (retire_move(c, r, why, sizeof why)) {
+    uint64_t id = r->id;
+    if (retire_step(c, &i, why, sizeof why)) {
       char failed[PATH_MAX + 256];
       if (coord__state_save(c, failed, sizeof failed) != 0)
         LOG_WARNF("cannot write the state after moving a deleted job's checkpoints", "err=\"%s\"",
@@ -133,7 +154,7 @@ int coord__ckpt_name_free(coord *c, const char *name, char *err, size_t err_byte
     snprintf(err, err_bytes,
              "the name '%s' is not free yet: the checkpoints of its deleted job (id %" PRIu64
              ") are still to be moved to %s@%" PRIu64 " (%s); retry shortly",
-             name, r->id, name, r->id, why);
+             name, id, name, id, why);
     return RPC_UNAVAILABLE;
   }
   return 0;
