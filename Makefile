@@ -14,7 +14,9 @@
 #                   configured CMAKE_INSTALL_PREFIX, /usr/local); DESTDIR is
 #                   honoured (docs/operations.md, "Install")
 #   make test-gpu   run the GPU tests, failing (not skipping) without a GPU
-#   make fuzz       build the libFuzzer targets with clang and run each briefly
+#   make fuzz       build the libFuzzer targets with clang and run each briefly,
+#                   from the kept corpora (tests/fuzz/corpus); make fuzz-merge
+#                   folds what it found into them
 #   make image      build, then make an OCI image of the installed tree on a
 #                   minimal Debian bookworm root (mmdebstrap, buildah; no
 #                   container daemon): build/image/zerod-VERSION.oci.tar and
@@ -37,6 +39,7 @@ GENERATOR  := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 CTEST      := ctest --output-on-failure --timeout 900
 
 .PHONY: all build deps test test-asan test-gpu demo demo-mlp bench install image test-image fuzz \
+  fuzz-merge \
   format clean
 
 all: build
@@ -126,13 +129,31 @@ $(FUZZ_BUILD)/CMakeCache.txt:
 fuzz:
 	scripts/deps.sh fuzz
 	$(MAKE) $(FUZZ_BUILD)/CMakeCache.txt
-	cmake --build $(FUZZ_BUILD) --target fuzz_dequantize fuzz_frame fuzz_control fuzz_manifest fuzz_safetensors
+	cmake --build $(FUZZ_BUILD) --target fuzz_dequantize fuzz_frame fuzz_control fuzz_manifest \
+	  fuzz_safetensors fuzz_promtext
 	@for f in $(FUZZ_BUILD)/tests/fuzz/fuzz_*; do \
+	  name=$$(basename $$f); \
 	  echo "== $$f ($(FUZZ_SECONDS) s)"; \
-	  mkdir -p $(FUZZ_BUILD)/corpus/$$(basename $$f); \
-	  $$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
-	    $(FUZZ_BUILD)/corpus/$$(basename $$f) \
-	    $$(test -d tests/fuzz/seeds/$$(basename $$f) && echo tests/fuzz/seeds/$$(basename $$f)) || exit 1; \
+	  mkdir -p $(FUZZ_BUILD)/corpus/$$name; \
+	  ASAN_OPTIONS=malloc_context_size=0 $$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	    $(FUZZ_BUILD)/corpus/$$name \
+	    $$(test -d tests/fuzz/corpus/$$name && echo tests/fuzz/corpus/$$name) \
+	    $$(test -d tests/fuzz/seeds/$$name && echo tests/fuzz/seeds/$$name) || exit 1; \
+	done
+
+# Folds what `make fuzz` (or a campaign) found into the kept corpora: each
+# tests/fuzz/corpus/<target> becomes the smallest set of inputs that reaches
+# every feature of it and of build/fuzz/corpus/<target> (libFuzzer -merge).
+fuzz-merge:
+	@for f in $(FUZZ_BUILD)/tests/fuzz/fuzz_*; do \
+	  name=$$(basename $$f); \
+	  test -d $(FUZZ_BUILD)/corpus/$$name || continue; \
+	  rm -rf $(FUZZ_BUILD)/merged/$$name && mkdir -p $(FUZZ_BUILD)/merged/$$name; \
+	  $$f -merge=1 $(FUZZ_BUILD)/merged/$$name \
+	    $$(test -d tests/fuzz/corpus/$$name && echo tests/fuzz/corpus/$$name) \
+	    $(FUZZ_BUILD)/corpus/$$name || exit 1; \
+	  rm -rf tests/fuzz/corpus/$$name && mkdir -p tests/fuzz/corpus && \
+	    mv $(FUZZ_BUILD)/merged/$$name tests/fuzz/corpus/$$name; \
 	done
 
 format:

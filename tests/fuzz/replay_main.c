@@ -1,11 +1,15 @@
 /* Runs a libFuzzer target without libFuzzer: on the files named on the
- * command line (a corpus or crash reproducers), or, with no arguments, on a
- * fixed series of pseudo-random inputs. This keeps every fuzz target built
- * and exercised by ctest (and under ASan/UBSan in the sanitizer build) on
- * machines where clang's libFuzzer is not installed. */
+ * command line and the files in the directories named there (a corpus,
+ * seeds or crash reproducers), or, with no arguments, on a fixed series of
+ * pseudo-random inputs. This keeps every fuzz target built and exercised by
+ * ctest (and under ASan/UBSan in the sanitizer build) on machines where
+ * clang's libFuzzer is not installed. */
+#include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -22,13 +26,43 @@ static int run_file(const char *path) {
   return 0;
 }
 
+/* Runs every regular file of a directory (a libFuzzer corpus is flat).
+ * Returns 1 if one could not be read; counts the inputs run in *runs. */
+static int run_dir(const char *path, int *runs) {
+  DIR *d = opendir(path);
+  if (d == NULL) {
+    perror(path);
+    return 1;
+  }
+  int failed = 0;
+  struct dirent *e;
+  char file[4096];
+  while ((e = readdir(d)) != NULL) {
+    struct stat st;
+    snprintf(file, sizeof file, "%s/%s", path, e->d_name);
+    if (e->d_name[0] == '.' || stat(file, &st) != 0 || !S_ISREG(st.st_mode))
+      continue;
+    failed |= run_file(file);
+    (*runs)++;
+  }
+  closedir(d);
+  return failed;
+}
+
 int main(int argc, char **argv) {
   if (argc > 1) {
-    int failed = 0;
-    for (int i = 1; i < argc; i++)
-      failed |= run_file(argv[i]);
-    printf("replayed %d input(s)\n", argc - 1);
-    return failed;
+    int failed = 0, runs = 0;
+    for (int i = 1; i < argc; i++) {
+      struct stat st;
+      if (stat(argv[i], &st) == 0 && S_ISDIR(st.st_mode)) {
+        failed |= run_dir(argv[i], &runs);
+      } else {
+        failed |= run_file(argv[i]);
+        runs++;
+      }
+    }
+    printf("replayed %d input(s)\n", runs);
+    return failed || runs == 0;
   }
   uint64_t state = 0x5eed;
   static uint8_t buf[1 << 16];
