@@ -43,6 +43,13 @@ def own_channel(coord):
     return grpc.insecure_channel(coord.address, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
+def ended_on(conns):
+    """Reads what has come on each connection; the streams ended so far."""
+    for c in conns:
+        c.pump(0.05)
+    return sum(len(c.ended) for c in conns)
+
+
 class Legit:
     """The callers who must keep being answered: an admin, a tenant and
     an anonymous health check, each call with a 5 s deadline."""
@@ -136,9 +143,10 @@ def test_health_checks_without_credentials_have_a_small_budget(secured):
         first = h2raw.Connection(coord.port)
         conns.append(first)
         ids = first.open_streams(10, HEALTH_CHECK)
-        first.pump(1.0)
-        refused = [first.ended[i] for i in ids if i in first.ended]
-        assert len(refused) == 6, refused
+        # Streams of one connection arrive in order: the first 4 are held.
+        refused = first.pump_until_ended(ids[4:], 30)
+        first.pump(0.5)
+        assert not any(i in first.ended for i in ids[:4]), first.ended
         assert all(e.status == RESOURCE_EXHAUSTED and "without credentials" in e.message
                    for e in refused), refused
         held = [i for i in ids if i not in first.ended]
@@ -147,8 +155,9 @@ def test_health_checks_without_credentials_have_a_small_budget(secured):
             c = h2raw.Connection(coord.port)
             conns.append(c)
             c.open_streams(4, HEALTH_CHECK)
+        wait_for(lambda: ended_on(conns[1:]) >= 4, "the refusals by address")
         for c in conns[1:]:
-            c.pump(0.5)
+            c.pump(0.5)  # and no more than those
         refused_by_address = [e for c in conns[1:] for e in c.ended.values()]
         assert len(refused_by_address) == 4, refused_by_address
         assert all("127.0.0.1 has 16 calls without credentials" in e.message
@@ -161,8 +170,9 @@ def test_health_checks_without_credentials_have_a_small_budget(secured):
         (answer,) = other.pump_until_ended([sid], 5)
         assert answer is not None and answer.status == 0, answer
         legit.check()
-        # The held calls sent no request: ended within 2 s (and some slack).
-        ended = first.pump_until_ended(held, 8)
+        # The held calls sent no request: ended after 2 s (the wait is only
+        # an upper bound for a loaded machine).
+        ended = first.pump_until_ended(held, 30)
         assert all(e is not None and e.status == DEADLINE_EXCEEDED for e in ended), ended
         assert "did not arrive within 2000 ms" in ended[0].message
         # Their slots are free again.
@@ -183,11 +193,9 @@ def test_a_tenant_above_its_cap_is_refused_by_name(secured):
     try:
         # 1,200 calls of alice in the state before their request.
         waves = [c.open_streams(100, LIST_JOBS, token=TOKENS["alice"]) for c in conns]
+        wait_for(lambda: ended_on(conns) >= 176, "the refusals", timeout_s=30)
         for c in conns:
-            c.pump(0.5)
-        wait_for(lambda: sum(len(c.ended) for c in conns) >= 176, "the refusals", timeout_s=10)
-        for c in conns:
-            c.pump(0.3)
+            c.pump(0.5)  # and no more than those
         refused = [e for c in conns for e in c.ended.values()]
         assert len(refused) == 1200 - 1024, len(refused)
         assert all(e.status == RESOURCE_EXHAUSTED for e in refused), refused[:3]
@@ -205,7 +213,7 @@ def test_a_tenant_above_its_cap_is_refused_by_name(secured):
         # answered again.
         held = [(c, i) for c, ids in zip(conns, waves) for i in ids if i not in c.ended]
         assert len(held) == 1024
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 40
         for c in conns:
             c.pump(max(0.1, deadline - time.monotonic()),
                    until=lambda c=c: len(c.ended) == 100)
@@ -228,7 +236,7 @@ def test_a_connection_that_never_acks_settings_is_held_to_the_stream_limit(secur
         rogue.pump(0.5)
         assert rogue.settings_seen >= 1  # the server said 100; we never agreed
         ids = rogue.open_streams(4092, LIST_JOBS, token=TOKENS["bob"])
-        rogue.pump(15, until=lambda: len(rogue.ended) >= 4092 - 100)
+        rogue.pump(60, until=lambda: len(rogue.ended) >= 4092 - 100)
         rogue.pump(0.5)
         refused = list(rogue.ended.values())
         assert len(refused) == 4092 - 100, len(refused)
