@@ -273,6 +273,68 @@ void admit_release(admit_state *a, const char *peer, const admit_ticket *ticket)
   }
 }
 
+/* ------------------------------------------------------------------------ */
+/* Waiting for the request                                                  */
+/* ------------------------------------------------------------------------ */
+
+void admit_wait_start(admit_state *a, admit_wait *w, const admit_ticket *ticket,
+                      uint64_t deadline_ns) {
+  admit_wait_queue *q = &a->waiting[ticket->anonymous];
+  w->deadline_ns = deadline_ns;
+  w->queue = ticket->anonymous;
+  w->next = NULL;
+  w->prev = q->tail;
+  if (q->tail != NULL)
+    q->tail->next = w;
+  else
+    q->head = w;
+  q->tail = w;
+  w->linked = 1;
+}
+
+void admit_wait_stop(admit_state *a, admit_wait *w) {
+  if (!w->linked)
+    return;
+  admit_wait_queue *q = &a->waiting[w->queue];
+  if (w->prev != NULL)
+    w->prev->next = w->next;
+  else
+    q->head = w->next;
+  if (w->next != NULL)
+    w->next->prev = w->prev;
+  else
+    q->tail = w->prev;
+  w->prev = w->next = NULL;
+  w->linked = 0;
+}
+
+admit_wait *admit_wait_overdue(admit_state *a, uint64_t now_ns) {
+  for (int i = 0; i < 2; i++) {
+    admit_wait *w = a->waiting[i].head;
+    if (w != NULL && (int64_t)(now_ns - w->deadline_ns) >= 0) {
+      admit_wait_stop(a, w);
+      return w;
+    }
+  }
+  return NULL;
+}
+
+int admit_log_due(admit_state *a, uint64_t now_ns, uint64_t period_ns, unsigned *unlogged) {
+  admit_log_gate *g = &a->refusals;
+  if (g->logged_ns != 0 && now_ns - g->logged_ns < period_ns) {
+    g->unlogged++;
+    return 0;
+  }
+  *unlogged = g->unlogged;
+  g->logged_ns = now_ns;
+  g->unlogged = 0;
+  return 1;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Teardown and inspection                                                  */
+/* ------------------------------------------------------------------------ */
+
 unsigned admit_connection_calls(const admit_state *a, const char *peer) {
   return peer_counted(peer) ? counts_get(&a->connections, peer, strlen(peer)) : 0;
 }

@@ -17,7 +17,11 @@
  *     which priority methods (health, a node's heartbeat) have a reserve.
  *
  * What a call took is in its ticket, given back by admit_release when the
- * call is freed. Everything runs on the server's loop thread. */
+ * call is freed. An admitted call then waits for its request message in a
+ * queue (admit_wait_*), from which the server ends the overdue ones; and
+ * refusals are logged through a gate (admit_log_due), so that a flood of
+ * them writes a line a second, not a line each. Everything runs on the
+ * server's loop thread. */
 #ifndef ZEROD_RPC_ADMIT_H
 #define ZEROD_RPC_ADMIT_H
 
@@ -43,6 +47,27 @@ typedef struct admit_limits {
   unsigned anonymous_per_connection, anonymous_per_address, anonymous;
 } admit_limits;
 
+/* A call waiting for its request message: a node of one of the two
+ * queues below, kept in the call (intrusive). */
+typedef struct admit_wait {
+  struct admit_wait *prev, *next;
+  uint64_t deadline_ns; /* by the caller's clock (uv_hrtime) */
+  unsigned queue : 1;   /* which queue: 1 for calls without credentials */
+  unsigned linked : 1;
+} admit_wait;
+
+/* Calls waiting for their request, oldest first. Every call of a queue
+ * has the same time to wait, so the oldest is also the first overdue. */
+typedef struct admit_wait_queue {
+  admit_wait *head, *tail;
+} admit_wait_queue;
+
+/* When a refusal was last logged, and how many were not since. */
+typedef struct admit_log_gate {
+  uint64_t logged_ns;
+  unsigned unlogged;
+} admit_log_gate;
+
 typedef struct admit_state {
   admit_limits limits;
   admit_counts connections;           /* calls in flight per peer ("ipv4:10.0.0.1:51234") */
@@ -50,8 +75,10 @@ typedef struct admit_state {
   admit_counts addresses;             /* calls without credentials per source address */
   unsigned *principal_calls;
   size_t nprincipals;
-  unsigned admitted;  /* calls with credentials (or trusted) in flight */
-  unsigned anonymous; /* calls without credentials in flight */
+  unsigned admitted;           /* calls with credentials (or trusted) in flight */
+  unsigned anonymous;          /* calls without credentials in flight */
+  admit_wait_queue waiting[2]; /* [0]: with credentials; [1]: without */
+  admit_log_gate refusals;
 } admit_state;
 
 /* What is known of a call when it arrives. */
@@ -83,6 +110,22 @@ int admit_call(admit_state *a, const admit_request *req, admit_ticket *ticket, c
 
 /* Gives back what ticket holds; peer is the call's, as given to admit_call. */
 void admit_release(admit_state *a, const char *peer, const admit_ticket *ticket);
+
+/* Queues w (a call admitted with ticket, not yet queued) to wait for its
+ * request until deadline_ns; without credentials it waits in the queue of
+ * its kind, whose calls must all have the same time to wait. */
+void admit_wait_start(admit_state *a, admit_wait *w, const admit_ticket *ticket,
+                      uint64_t deadline_ns);
+/* Takes w out of its queue (its request came, or the call ended); nothing
+ * if it is in none. */
+void admit_wait_stop(admit_state *a, admit_wait *w);
+/* Takes the next call whose wait ended before now_ns out of its queue and
+ * returns it, or NULL when there is none. */
+admit_wait *admit_wait_overdue(admit_state *a, uint64_t now_ns);
+
+/* Whether a refusal at now_ns may be logged: once per period_ns, with the
+ * count of those not logged since in *unlogged. Counts it otherwise. */
+int admit_log_due(admit_state *a, uint64_t now_ns, uint64_t period_ns, unsigned *unlogged);
 
 /* The calls one peer has in flight (tests and logs). */
 unsigned admit_connection_calls(const admit_state *a, const char *peer);

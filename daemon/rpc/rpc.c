@@ -24,6 +24,7 @@
 #include "rpc.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -330,10 +331,7 @@ struct rpc_server {
   void *observer_arg;
   rpc_identify_fn identify; /* rpc_server_set_identify; NULL: every caller is trusted */
   void *identify_arg;
-  admit_state admit;              /* what admitted calls hold (admit.h) */
-  struct rpc_call *awaiting_head; /* admitted calls whose request has not come */
-  uint64_t refusal_logged_ns;     /* uv_hrtime of the last refusal logged */
-  unsigned refusals_unlogged;     /* refusals since, not logged */
+  admit_state admit; /* what admitted calls hold, which wait for their request (admit.h) */
 
   grpc_server *server;
   grpc_completion_queue *cq;
@@ -377,9 +375,7 @@ struct rpc_call {
 
   long principal;      /* from the identify function (RPC_PRINCIPAL_*) */
   admit_ticket ticket; /* what the call holds (admit.h); all zero if refused */
-  /* In the server's list of calls waiting for their request message. */
-  struct rpc_call *await_prev, *await_next;
-  uint64_t await_deadline_ns; /* uv_hrtime by which the request must come */
+  admit_wait wait;     /* while its request message has not come */
 
   rpc_tag tag_new, tag_request, tag_close, tag_write, tag_status;
   unsigned outstanding; /* batches started whose tag is not yet handled */
@@ -395,7 +391,6 @@ struct rpc_call {
   unsigned metadata_sent : 1;   /* SEND_INITIAL_METADATA started */
   unsigned status_pending : 1;  /* finished: send the status after writes */
   unsigned status_started : 1;
-  unsigned awaiting : 1;          /* in the server's awaiting list */
   unsigned request_timed_out : 1; /* cancelled for a request that did not come */
 
   rpc_cancel_cb cancel_cb;
@@ -436,14 +431,11 @@ static void call_drop_writes(rpc_call *call) {
   }
 }
 
-static void call_stop_awaiting(rpc_call *call);
-static const char *call_peer_key(const rpc_call *call);
-
 static void call_free(rpc_call *call) {
   rpc_server *s = call->server;
 
-  call_stop_awaiting(call);
-  admit_release(&s->admit, call_peer_key(call), &call->ticket);
+  admit_wait_stop(&s->admit, &call->wait);
+  admit_release(&s->admit, rpc_call_peer(call), &call->ticket);
   if (call->on_free != NULL)
     call->on_free(call->on_free_arg);
   free(call->audit_who);
@@ -661,13 +653,9 @@ static void call_read_auth(rpc_call *call) {
 /* Server: admission (admit.h)                                              */
 /* ------------------------------------------------------------------------ */
 
-/* The key a call is counted under: its peer as gRPC named it. */
-static const char *call_peer_key(const rpc_call *call) {
-  return call->peer != NULL ? call->peer : "unknown";
-}
-
-/* Identifies the caller and takes the call in (admit.h). Returns 0, or
- * the status to refuse it with and why. */
+/* Identifies the caller and takes the call in (admit.h), counted under
+ * its peer as gRPC names it. Returns 0, or the status to refuse it with
+ * and why. */
 static int call_admit(rpc_server *s, rpc_call *call, char *why, size_t why_bytes) {
   char name[RPC_MAX_PATH_BYTES] = "";
   call->principal = RPC_PRINCIPAL_TRUSTED;
@@ -677,7 +665,7 @@ static int call_admit(rpc_server *s, rpc_call *call, char *why, size_t why_bytes
     if (status != 0)
       return status;
   }
-  admit_request req = {.peer = call_peer_key(call),
+  admit_request req = {.peer = rpc_call_peer(call),
                        .anonymous = call->principal == RPC_PRINCIPAL_ANONYMOUS,
                        .principal = call->principal >= 0 ? call->principal : -1,
                        .principal_name = name,
@@ -686,21 +674,15 @@ static int call_admit(rpc_server *s, rpc_call *call, char *why, size_t why_bytes
                                                                          : RPC_RESOURCE_EXHAUSTED;
 }
 
-/* Logs a refusal on arrival, at most once per RPC_REFUSAL_LOG_MS with the
- * count of those in between. */
+/* Logs a refusal, at most one a second (admit_log_due). */
 static void refusal_log(rpc_server *s, const rpc_call *call, int status, const char *why) {
-  uint64_t now = uv_hrtime();
-  if (s->refusal_logged_ns != 0 &&
-      now - s->refusal_logged_ns < (uint64_t)RPC_REFUSAL_LOG_MS * 1000000u) {
-    s->refusals_unlogged++;
+  unsigned unlogged;
+  if (!admit_log_due(&s->admit, uv_hrtime(), (uint64_t)RPC_REFUSAL_LOG_MS * 1000000u, &unlogged))
     return;
-  }
   char quoted[RPC_MAX_STATUS_BYTES + 64];
   LOG_WARNF("call refused", "method=%s peer=%s status=%s reason=%s unlogged_since_last=%u",
-            call->method->path, call_peer_key(call), rpc_status_name(status),
-            log_quote(why, quoted, sizeof quoted), s->refusals_unlogged);
-  s->refusal_logged_ns = now;
-  s->refusals_unlogged = 0;
+            call->method->path, rpc_call_peer(call), rpc_status_name(status),
+            log_quote(why, quoted, sizeof quoted), unlogged);
 }
 
 /* Answers a call that was not admitted: it held nothing, and ends now. */
@@ -712,47 +694,22 @@ static void call_refuse(rpc_server *s, rpc_call *call, int status, const char *w
   call_send_status(call);
 }
 
-/* An admitted call waits for its request message; the listener timer
- * ends it if the message does not come in time (on_listener_timer). */
-static void call_start_awaiting(rpc_server *s, rpc_call *call) {
-  uint64_t ms = call->ticket.anonymous ? RPC_ANONYMOUS_REQUEST_MS : RPC_REQUEST_MS;
-  call->await_deadline_ns = uv_hrtime() + ms * 1000000u;
-  call->await_prev = NULL;
-  call->await_next = s->awaiting_head;
-  if (s->awaiting_head != NULL)
-    s->awaiting_head->await_prev = call;
-  s->awaiting_head = call;
-  call->awaiting = 1;
+/* How long an admitted call may take to send its request message. */
+static int request_wait_ms(const rpc_call *call) {
+  return call->ticket.anonymous ? RPC_ANONYMOUS_REQUEST_MS : RPC_REQUEST_MS;
 }
 
-static void call_stop_awaiting(rpc_call *call) {
-  if (!call->awaiting)
-    return;
-  rpc_server *s = call->server;
-  if (call->await_prev != NULL)
-    call->await_prev->await_next = call->await_next;
-  else
-    s->awaiting_head = call->await_next;
-  if (call->await_next != NULL)
-    call->await_next->await_prev = call->await_prev;
-  call->await_prev = call->await_next = NULL;
-  call->awaiting = 0;
-}
-
-/* Cancels the calls whose request is overdue. gRPC then completes their
- * RECV_MESSAGE and RECV_CLOSE, which free them. */
+/* Cancels the calls whose request is overdue (from the listener timer).
+ * gRPC then completes their RECV_MESSAGE and RECV_CLOSE, which free them. */
 static void sweep_awaiting(rpc_server *s) {
   uint64_t now = uv_hrtime();
-  rpc_call *next;
-  for (rpc_call *call = s->awaiting_head; call != NULL; call = next) {
-    next = call->await_next;
-    if ((int64_t)(now - call->await_deadline_ns) < 0)
-      continue;
-    call_stop_awaiting(call);
+  admit_wait *w;
+  while ((w = admit_wait_overdue(&s->admit, now)) != NULL) {
+    rpc_call *call = (rpc_call *)((char *)w - offsetof(rpc_call, wait));
     call->request_timed_out = 1;
     char why[160];
     snprintf(why, sizeof why, "the request message did not arrive within %d ms of the call",
-             call->ticket.anonymous ? RPC_ANONYMOUS_REQUEST_MS : RPC_REQUEST_MS);
+             request_wait_ms(call));
     refusal_log(s, call, RPC_DEADLINE_EXCEEDED, why);
     grpc_call_cancel_with_status(call->call, GRPC_STATUS_DEADLINE_EXCEEDED, why, NULL);
   }
@@ -823,7 +780,8 @@ static void on_new_call(rpc_call *call, int success) {
     call_refuse(s, call, status, why);
     return;
   }
-  call_start_awaiting(s, call);
+  admit_wait_start(&s->admit, &call->wait, &call->ticket,
+                   call->arrived_ns + (uint64_t)request_wait_ms(call) * 1000000u);
   grpc_op recv_op;
   memset(&recv_op, 0, sizeof recv_op);
   recv_op.op = GRPC_OP_RECV_MESSAGE;
@@ -837,7 +795,7 @@ static void on_request(rpc_call *call, int success) {
 
   call->outstanding--;
   call->request = NULL;
-  call_stop_awaiting(call);
+  admit_wait_stop(&call->server->admit, &call->wait);
   if (!success || call->cancelled || call->request_timed_out) {
     /* The call died before its request arrived; RECV_CLOSE will say so. */
     if (request != NULL)
@@ -1129,14 +1087,7 @@ int rpc_server_create(uv_loop_t *loop, const char *addr, rpc_server **out, char 
   s->loop = loop;
   memcpy(s->addr, addr, strlen(addr) + 1);
   s->state = SERVER_CREATED;
-  s->admit.limits = (admit_limits){.calls = RPC_MAX_CALLS,
-                                   .reserved_calls = RPC_RESERVED_CALLS,
-                                   .per_principal = RPC_MAX_CALLS_PER_PRINCIPAL,
-                                   .principal_reserve = RPC_PRINCIPAL_RESERVED_CALLS,
-                                   .per_connection = RPC_MAX_STREAMS_PER_CONNECTION,
-                                   .anonymous_per_connection = RPC_ANONYMOUS_CALLS_PER_CONNECTION,
-                                   .anonymous_per_address = RPC_ANONYMOUS_CALLS_PER_ADDRESS,
-                                   .anonymous = RPC_ANONYMOUS_CALLS};
+  s->admit.limits = rpc__admit_limits();
   tag_init(&s->shutdown_tag, TAG_SHUTDOWN, NULL);
   rpc__grpc_init(); /* balanced in rpc_server_destroy */
   *out = s;
@@ -1219,6 +1170,17 @@ static int server_listen(rpc_server *s, const char *addr, int *port, char *err, 
 void rpc_server_set_observer(rpc_server *s, rpc_observer fn, void *arg) {
   s->observer = fn;
   s->observer_arg = arg;
+}
+
+admit_limits rpc__admit_limits(void) {
+  return (admit_limits){.calls = RPC_MAX_CALLS,
+                        .reserved_calls = RPC_RESERVED_CALLS,
+                        .per_principal = RPC_MAX_CALLS_PER_PRINCIPAL,
+                        .principal_reserve = RPC_PRINCIPAL_RESERVED_CALLS,
+                        .per_connection = RPC_MAX_STREAMS_PER_CONNECTION,
+                        .anonymous_per_connection = RPC_ANONYMOUS_CALLS_PER_CONNECTION,
+                        .anonymous_per_address = RPC_ANONYMOUS_CALLS_PER_ADDRESS,
+                        .anonymous = RPC_ANONYMOUS_CALLS};
 }
 
 static rpc_method *server_method(rpc_server *s, const char *path) {
@@ -1545,10 +1507,6 @@ int64_t rpc_call_remaining_ms(const rpc_call *call) {
 
 const char *rpc_call_peer(const rpc_call *call) {
   return call->peer != NULL ? call->peer : "unknown";
-}
-
-const char *rpc_call_method(const rpc_call *call) {
-  return call->method != NULL ? call->method->path : "";
 }
 
 int rpc_call_method_anonymous(const rpc_call *call) {

@@ -221,9 +221,8 @@ int64_t rpc_call_remaining_ms(const rpc_call *call);
 /* The peer's address as gRPC reports it ("ipv4:127.0.0.1:51234"). */
 const char *rpc_call_peer(const rpc_call *call);
 
-/* The method's full path ("" when it is not one of the server's), and
- * whether it may be called without credentials (rpc_server_set_anonymous). */
-const char *rpc_call_method(const rpc_call *call);
+/* Whether the call's method may be called without credentials
+ * (rpc_server_set_anonymous). */
 int rpc_call_method_anonymous(const rpc_call *call);
 
 /* The principal rpc_server_set_identify's function gave the call. */

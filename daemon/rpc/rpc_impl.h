@@ -10,6 +10,7 @@
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 
+#include "admit.h"
 #include "tls.h"
 
 /* Method paths and addresses: short ASCII names. */
@@ -32,6 +33,10 @@ void rpc__arg_int(grpc_arg *args, size_t *n_args, const char *key, int value);
 
 /* The channel args both sides share (message size limits): args[0..1]. */
 void rpc__message_limit_args(grpc_arg *arg_storage, size_t *n_args);
+
+/* The limits every server admits calls by (rpc.h: RPC_MAX_CALLS and the
+ * others), as admit.h takes them. */
+admit_limits rpc__admit_limits(void);
 
 /* Channel credentials for tls (ca_file NULL: the system's roots). Returns
  * 0 with *out (the caller releases it) or a negative errno with a message

@@ -16,18 +16,12 @@
 
 #include "admit.h"
 #include "rpc.h"
+#include "rpc_impl.h"
 
-/* The server's limits, as rpc.c sets them. */
+/* The server's limits, as every rpc server has them. */
 static void init_state(admit_state *a) {
   memset(a, 0, sizeof *a);
-  a->limits = (admit_limits){.calls = RPC_MAX_CALLS,
-                             .reserved_calls = RPC_RESERVED_CALLS,
-                             .per_principal = RPC_MAX_CALLS_PER_PRINCIPAL,
-                             .principal_reserve = RPC_PRINCIPAL_RESERVED_CALLS,
-                             .per_connection = RPC_MAX_STREAMS_PER_CONNECTION,
-                             .anonymous_per_connection = RPC_ANONYMOUS_CALLS_PER_CONNECTION,
-                             .anonymous_per_address = RPC_ANONYMOUS_CALLS_PER_ADDRESS,
-                             .anonymous = RPC_ANONYMOUS_CALLS};
+  a->limits = rpc__admit_limits();
 }
 
 typedef struct held {
@@ -217,6 +211,50 @@ static void test_server_slots_keep_a_reserve_for_priority_calls(void **state) {
   admit_free(&a);
 }
 
+/* The two queues of calls waiting for their request: each gives up its
+ * overdue calls oldest first, a call taken out early never comes back,
+ * and calls of the other queue are not held up by this one's. */
+static void test_waiting_calls_end_when_overdue_in_order(void **state) {
+  (void)state;
+  admit_state a;
+  init_state(&a);
+  admit_ticket with = {.admitted = 1}, without = {.anonymous = 1};
+  admit_wait w[4] = {{0}};
+  admit_wait_start(&a, &w[0], &with, 1000);
+  admit_wait_start(&a, &w[1], &without, 300);
+  admit_wait_start(&a, &w[2], &with, 1100);
+  admit_wait_start(&a, &w[3], &with, 1200);
+  admit_wait_stop(&a, &w[2]); /* its request came */
+  assert_null(admit_wait_overdue(&a, 299));
+  assert_ptr_equal(admit_wait_overdue(&a, 300), &w[1]);
+  assert_null(admit_wait_overdue(&a, 999));
+  assert_ptr_equal(admit_wait_overdue(&a, 5000), &w[0]);
+  assert_ptr_equal(admit_wait_overdue(&a, 5000), &w[3]);
+  assert_null(admit_wait_overdue(&a, 5000));
+  for (int i = 0; i < 4; i++)
+    assert_int_equal(w[i].linked, 0);
+  admit_wait_stop(&a, &w[0]); /* a second stop is nothing */
+  admit_free(&a);
+}
+
+/* Refusals: the first of each period is logged, with the count of those
+ * that were not since the last one logged. */
+static void test_refusals_are_logged_once_a_period(void **state) {
+  (void)state;
+  admit_state a;
+  init_state(&a);
+  unsigned unlogged = 99;
+  assert_true(admit_log_due(&a, 5000, 1000, &unlogged));
+  assert_int_equal(unlogged, 0);
+  assert_false(admit_log_due(&a, 5001, 1000, &unlogged));
+  assert_false(admit_log_due(&a, 5999, 1000, &unlogged));
+  assert_true(admit_log_due(&a, 6000, 1000, &unlogged));
+  assert_int_equal(unlogged, 2);
+  assert_true(admit_log_due(&a, 9000, 1000, &unlogged));
+  assert_int_equal(unlogged, 0);
+  admit_free(&a);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_connection_holds_at_most_its_streams),
@@ -224,6 +262,8 @@ int main(void) {
       cmocka_unit_test(test_principal_cap_counts_every_call_with_a_reserve),
       cmocka_unit_test(test_anonymous_budget_per_connection_address_and_in_all),
       cmocka_unit_test(test_server_slots_keep_a_reserve_for_priority_calls),
+      cmocka_unit_test(test_waiting_calls_end_when_overdue_in_order),
+      cmocka_unit_test(test_refusals_are_logged_once_a_period),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
