@@ -1,5 +1,5 @@
-/* ckpt_owner: who owns a checkpoint, and what becomes of a deleted job's
- * checkpoints (docs/checkpoints.md, "Ownership"; docs/security.md).
+/* ckpt_owner: who owns a checkpoint and who may reach it, and the records
+ * of deleted jobs (docs/checkpoints.md, "Ownership"; docs/security.md).
  *
  * A checkpoint belongs to the job that saved it, by the job's id, not its
  * name: a job created later under the same name is another job. Its
@@ -112,23 +112,16 @@ int coord__ckpt_allowed(const ckpt_access *a, uint64_t job_id, const char *manif
 /* Whether access may delete the checkpoint at path, by its manifest's
  * owner (read here, in line: one small file). A directory whose manifest
  * does not decode has no known owner: an admin's to remove. Returns 0 or
- * the status, with err. */
-int coord__ckpt_may_delete(const ckpt_access *access, const char *path, const char *job,
-                           const char *name, char *err, size_t err_bytes) {
+ * the status (coord__ckpt_allowed's). */
+int coord__ckpt_may_delete(const ckpt_access *access, const char *path) {
   if (access->who.trusted || access->who.role == AUTH_ADMIN)
     return 0;
   ckpt_manifest m;
   char why[256];
-  int status = RPC_NOT_FOUND;
-  if (ckpt_manifest_load(path, CKPT_MANIFEST_NAME, 0, &m, why, sizeof why) == 0) {
-    status = coord__ckpt_allowed(access, m.job_id, m.tenant, CKPT_DELETE);
-    ckpt_manifest_free(&m);
-  }
-  if (status == RPC_PERMISSION_DENIED)
-    snprintf(err, err_bytes, "%s %s of tenant %s may not delete checkpoints",
-             auth_role_name(access->who.role), access->who.name, access->who.tenant);
-  else if (status != 0)
-    snprintf(err, err_bytes, "job '%s' has no checkpoint named '%s'", job, name);
+  if (ckpt_manifest_load(path, CKPT_MANIFEST_NAME, 0, &m, why, sizeof why) != 0)
+    return RPC_NOT_FOUND;
+  int status = coord__ckpt_allowed(access, m.job_id, m.tenant, CKPT_DELETE);
+  ckpt_manifest_free(&m);
   return status;
 }
 

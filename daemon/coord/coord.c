@@ -541,7 +541,7 @@ static void reconcile(coord *c, const char *node) {
     derive_job(c, j);
     i++;
   }
-  /* A forgotten job's checkpoints can move aside now (ckpt_owner.c). */
+  /* A forgotten job's checkpoints can move aside now (ckpt_retire.c). */
   if (forgot)
     coord__ckpt_retire_pending(c);
 }
@@ -551,8 +551,8 @@ static void reconcile(coord *c, const char *node) {
 /* ------------------------------------------------------------------------ */
 
 /* Writes the jobs (without the deleting ones and skip, plus add), the
- * retired jobs and next_job_id to coordinator.pb atomically: a temporary file, fsync,
- * rename over the old one, fsync of the directory. On failure the old file
+ * retired jobs and next_job_id to coordinator.pb atomically: a temporary
+ * file, fsync, rename over the old one, fsync of the directory. On failure the old file
  * is intact and err holds the reason. Blocks the loop (see the top of the
  * file). Returns 0 or a negative errno. */
 static int state_write(coord *c, const cjob *add, const cjob *skip, uint64_t next_job_id, char *err,

@@ -749,8 +749,9 @@ static int commit_manifest(commit_work *w) {
   path_format(w->final_dir, sizeof w->final_dir, "%s/%s", w->job_dir, w->final_name);
 
   /* The coordinator is the authority on the job, its owner and the
-   * checkpoint's name: they are set here whatever the layout said. The fields are swapped in
-   * and back out so that ckpt_manifest_free frees only its own. */
+   * checkpoint's name: they are set here whatever the layout said. The
+   * fields are swapped in and back out so that ckpt_manifest_free frees
+   * only its own. */
   char *layout_job = m.job, *layout_name = m.name;
   ckpt_file_entry *layout_files = m.files;
   m.job = w->job;
@@ -2010,11 +2011,15 @@ static int delete_checkpoint(coord *c, const char *job, const char *name, const 
   path_format(job_dir, sizeof job_dir, "%s/%s", c->options.checkpoint_dir, job);
   snprintf(path, sizeof path, "%s/%s", job_dir, name);
   struct stat st;
-  if (lstat(path, &st) != 0 || !S_ISDIR(st.st_mode)) {
+  /* Another tenant's is as missing as a missing one (ckpt_owner.c). */
+  int status = lstat(path, &st) != 0 || !S_ISDIR(st.st_mode) ? RPC_NOT_FOUND
+               : access != NULL                              ? coord__ckpt_may_delete(access, path)
+                                                             : 0;
+  if (status == RPC_PERMISSION_DENIED)
+    snprintf(err, err_bytes, "%s %s of tenant %s may not delete checkpoints",
+             auth_role_name(access->who.role), access->who.name, access->who.tenant);
+  else if (status != 0)
     snprintf(err, err_bytes, "job '%s' has no checkpoint named '%s'", job, name);
-    return RPC_NOT_FOUND;
-  }
-  int status = access != NULL ? coord__ckpt_may_delete(access, path, job, name, err, err_bytes) : 0;
   if (status != 0)
     return status;
   const ckpt_order *reader = restore_reading(c, path);

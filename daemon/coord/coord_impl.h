@@ -324,12 +324,11 @@ typedef enum ckpt_want { CKPT_READ, CKPT_DELETE } ckpt_want;
 int coord__ckpt_allowed(const ckpt_access *a, uint64_t job_id, const char *manifest_tenant,
                         ckpt_want want);
 
-/* Delete checkpoint: whether access may delete the checkpoint job/name at
- * path, by its manifest's owner (read in line: one small file). A
- * directory whose manifest does not decode has no known owner: an admin's
- * to remove. Returns 0, or the status with err. */
-int coord__ckpt_may_delete(const ckpt_access *access, const char *path, const char *job,
-                           const char *name, char *err, size_t err_bytes);
+/* Delete checkpoint: whether access may delete the checkpoint at path, by
+ * its manifest's owner (read in line: one small file). A directory whose
+ * manifest does not decode has no known owner: an admin's to remove.
+ * Returns 0, RPC_NOT_FOUND or RPC_PERMISSION_DENIED (coord__ckpt_allowed). */
+int coord__ckpt_may_delete(const ckpt_access *access, const char *path);
 
 /* Whether checkpoint name of j's directory was saved by j, by its
  * manifest's job id (a directory not moved aside may hold an earlier
