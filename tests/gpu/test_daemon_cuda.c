@@ -14,8 +14,9 @@
  * an ulp of the CPU drivers (test_cuda_optim.c). With the optimizer state
  * offloaded (host memory or the tier file), the step is the CPU drivers'
  * own, so the weights must be the CPU daemon's to the bit; those runs also
- * save, restore and replay a checkpoint, and a last test checks the host
- * quota.
+ * save, restore and replay a checkpoint, and a test checks the host
+ * quota. Last, a checkpoint saved on the GPU rank is restored by a CPU
+ * daemon, and one saved on the CPU daemon by the GPU rank.
  *
  * The daemons are started with posix_spawn (CUDA does not survive fork),
  * one after the other, each in a temporary directory of its own. Without a
@@ -24,6 +25,7 @@
  * that a failure.
  */
 #include <fcntl.h>
+#include <ftw.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/stat.h>
@@ -91,7 +93,9 @@ typedef struct placement {
 
 static const placement ON_DEVICE = {ZD_OFFLOAD_DEFAULT, 0, 0, 0};
 
-static void daemon_start(daemon_proc *d, const char *device) {
+/* Starts `zerod standalone --device DEVICE`, its checkpoints in
+ * `checkpoint_dir` (NULL: the daemon's default, inside its directory). */
+static void daemon_start(daemon_proc *d, const char *device, const char *checkpoint_dir) {
   snprintf(d->dir, sizeof d->dir, "/tmp/zerod-gpu-XXXXXX");
   assert_non_null(mkdtemp(d->dir));
   snprintf(d->socket, sizeof d->socket, "%s/zerod.sock", d->dir);
@@ -111,6 +115,8 @@ static void daemon_start(daemon_proc *d, const char *device) {
                   "1",
                   "--log-level",
                   "debug",
+                  checkpoint_dir != NULL ? "--checkpoint-dir" : NULL,
+                  (char *)checkpoint_dir,
                   NULL};
   int rc = posix_spawn(&d->pid, ZEROD_BINARY, &actions, NULL, argv, environ);
   posix_spawn_file_actions_destroy(&actions);
@@ -320,18 +326,24 @@ static void run_steps(const daemon_proc *d, zd_job *job, const zd_unit units[NUN
 
 #define SAVE_AT 2 /* the offloaded runs save a checkpoint after this step */
 
-/* The whole run on one daemon: history[s] is the unit as gathered before
- * step s (history[STEPS]: after the last step). An offloaded run also
- * saves a checkpoint after step SAVE_AT, restores it once done and runs
- * the steps after it again, which must give the same bits. */
-static void train(const char *device, placement where, float history[STEPS + 1][RUN_NUMEL]) {
+/* A daemon, the worker's connection to it and the job with its two units
+ * registered. */
+typedef struct session {
   daemon_proc d;
-  daemon_start(&d, device);
-  int expect_gpu = strcmp(device, "cuda") == 0;
+  int expect_gpu;
+  zd_client *client;
+  zd_job *job;
+  zd_unit units[NUNITS];
+} session;
+
+static void session_open(session *s, const char *device, placement where,
+                         const char *checkpoint_dir) {
+  daemon_proc *d = &s->d;
+  daemon_start(d, device, checkpoint_dir);
+  s->expect_gpu = strcmp(device, "cuda") == 0;
   int offloaded = where.device != ZD_OFFLOAD_DEFAULT;
 
-  zd_client *client;
-  ZD_OK_OR_FAIL(&d, connect_when_listening(&d, &client));
+  ZD_OK_OR_FAIL(d, connect_when_listening(d, &s->client));
   zd_job_config config = ZD_JOB_CONFIG_INIT;
   config.optimizer = ZD_ADAMW;
   config.lr = 1e-2;
@@ -347,8 +359,7 @@ static void train(const char *device, placement where, float history[STEPS + 1][
   options.job = "gpu-parity";
   options.create = 1;
   options.config = &config;
-  zd_job *job;
-  ZD_OK_OR_FAIL(&d, zd_attach(client, &options, &job));
+  ZD_OK_OR_FAIL(d, zd_attach(s->client, &options, &s->job));
 
   static const uint64_t w_shape[] = {W_ROWS, W_COLS};
   static const uint64_t f_shape[] = {F_NUMEL};
@@ -365,28 +376,47 @@ static void train(const char *device, placement where, float history[STEPS + 1][
   desc.ntensors = 3;
   desc.init = ZD_INIT_FROM_RANK0;
   desc.init_values = init;
-  zd_unit units[NUNITS];
-  ZD_OK_OR_FAIL(&d, zd_register_unit(job, &desc, &units[0]));
+  ZD_OK_OR_FAIL(d, zd_register_unit(s->job, &desc, &s->units[0]));
   static const uint64_t head_shape[] = {HEAD_NUMEL};
   zd_tensor_desc head = {.name = "h", .shape = head_shape, .ndim = 1};
   desc.name = "head";
   desc.tensors = &head;
   desc.ntensors = 1;
   desc.init_values = init + PACKED_NUMEL;
-  ZD_OK_OR_FAIL(&d, zd_register_unit(job, &desc, &units[1]));
+  ZD_OK_OR_FAIL(d, zd_register_unit(s->job, &desc, &s->units[1]));
+}
+
+static void session_close(session *s) {
+  ZD_OK_OR_FAIL(&s->d, zd_detach(s->job));
+  zd_close(s->client);
+  daemon_stop(&s->d);
+}
+
+/* The whole run on one daemon: history[s] is the unit as gathered before
+ * step s (history[STEPS]: after the last step). An offloaded run also
+ * saves a checkpoint after step SAVE_AT, restores it once done and runs
+ * the steps after it again, which must give the same bits. */
+static void train(const char *device, placement where, float history[STEPS + 1][RUN_NUMEL]) {
+  session run;
+  session_open(&run, device, where, NULL);
+  daemon_proc *d = &run.d;
+  zd_job *job = run.job;
+  const zd_unit *units = run.units;
+  int expect_gpu = run.expect_gpu;
+  int offloaded = where.device != ZD_OFFLOAD_DEFAULT;
 
   if (!offloaded) {
-    run_steps(&d, job, units, expect_gpu, 0, STEPS, history);
+    run_steps(d, job, units, expect_gpu, 0, STEPS, history);
   } else {
-    run_steps(&d, job, units, expect_gpu, 0, SAVE_AT, history);
+    run_steps(d, job, units, expect_gpu, 0, SAVE_AT, history);
     zd_checkpoint_info info;
-    ZD_OK_OR_FAIL(&d, zd_checkpoint_save(job, "mid", &info));
+    ZD_OK_OR_FAIL(d, zd_checkpoint_save(job, "mid", &info));
     assert_int_equal(info.step, SAVE_AT);
-    run_steps(&d, job, units, expect_gpu, SAVE_AT, STEPS, history);
+    run_steps(d, job, units, expect_gpu, SAVE_AT, STEPS, history);
     /* Where the state is, as the daemon counts it. */
     zd_rank_stats stats = ZD_RANK_STATS_INIT;
     unsigned nranks = 0;
-    ZD_OK_OR_FAIL(&d, zd_job_stats(job, &stats, 1, &nranks));
+    ZD_OK_OR_FAIL(d, zd_job_stats(job, &stats, 1, &nranks));
     assert_int_equal(nranks, 1);
     /* The fp32 accumulator and the working copy. */
     uint64_t padded = stats.state_bytes / (where.working_dtype == ZD_BF16 ? 6 : 8);
@@ -399,21 +429,19 @@ static void train(const char *device, placement where, float history[STEPS + 1][
       assert_true(stats.tier_bytes >= 12 * padded);
     /* Back to step SAVE_AT, and the same steps again. */
     static float replay[STEPS + 1][RUN_NUMEL];
-    ZD_OK_OR_FAIL(&d, zd_checkpoint_restore(job, "mid", &info));
+    ZD_OK_OR_FAIL(d, zd_checkpoint_restore(job, "mid", &info));
     assert_int_equal(info.step, SAVE_AT);
-    run_steps(&d, job, units, expect_gpu, SAVE_AT, STEPS, replay);
+    run_steps(d, job, units, expect_gpu, SAVE_AT, STEPS, replay);
     for (int s = SAVE_AT; s <= STEPS; s++)
       if (memcmp(replay[s], history[s], sizeof replay[s]) != 0)
         fail_msg("after restoring step %d: step %d's weights differ from the first run's", SAVE_AT,
                  s);
   }
-  if (expect_gpu && offloaded && !log_has(&d, "optimizer state off the GPU")) {
-    print_log(&d);
+  if (expect_gpu && offloaded && !log_has(d, "optimizer state off the GPU")) {
+    print_log(d);
     fail_msg("the GPU daemon did not take the offloaded step");
   }
-  ZD_OK_OR_FAIL(&d, zd_detach(job));
-  zd_close(client);
-  daemon_stop(&d);
+  session_close(&run);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -440,16 +468,22 @@ static void train_on_cpu(zd_dtype working_dtype) {
     assert_true(cpu_run[STEPS][k] == cpu_run[0][k]);
 }
 
-static void compare(float gpu[STEPS + 1][RUN_NUMEL], double rel_tol) {
-  for (int s = 0; s <= STEPS; s++) {
+/* Steps from..STEPS of two runs agree to rel_tol (0: to the bit). */
+static void compare_runs(const char *name_a, float a_run[STEPS + 1][RUN_NUMEL], const char *name_b,
+                         float b_run[STEPS + 1][RUN_NUMEL], int from, double rel_tol) {
+  for (int s = from; s <= STEPS; s++) {
     for (int k = 0; k < RUN_NUMEL; k++) {
-      double a = cpu_run[s][k], b = gpu[s][k];
+      double a = a_run[s][k], b = b_run[s][k];
       double scale = fabs(a) > fabs(b) ? fabs(a) : fabs(b);
       if (fabs(a - b) > rel_tol * scale + (rel_tol > 0 ? 1e-12 : 0))
-        fail_msg("after step %d, element %d: cpu %.9g, cuda %.9g (relative tolerance %g)", s, k, a,
-                 b, rel_tol);
+        fail_msg("after step %d, element %d: %s %.9g, %s %.9g (relative tolerance %g)", s, k,
+                 name_a, a, name_b, b, rel_tol);
     }
   }
+}
+
+static void compare(float gpu[STEPS + 1][RUN_NUMEL], double rel_tol) {
+  compare_runs("cpu", cpu_run, "cuda", gpu, 0, rel_tol);
 }
 
 static void test_cuda_daemon_trains_like_the_cpu_daemon(void **state) {
@@ -491,6 +525,51 @@ static void test_cuda_daemon_with_nvme_optimizer_state_trains_like_the_cpu_daemo
   compare(gpu, 0);
 }
 
+static int remove_entry(const char *path, const struct stat *st, int type, struct FTW *ftw) {
+  (void)st;
+  (void)type;
+  (void)ftw;
+  return remove(path);
+}
+
+/* A checkpoint saved by a `from` daemon after step SAVE_AT, restored by a
+ * `to` daemon (a new process, the same checkpoint directory) into a job
+ * registered afresh: the weights restored are the saved ones to the bit,
+ * and the steps after it agree with the saving run's to REL_TOL (the bit
+ * where both daemons are on the same device). */
+static void move_checkpoint(const char *from, const char *to) {
+  char checkpoints[64] = "/tmp/zerod-gpu-ckpt-XXXXXX";
+  assert_non_null(mkdtemp(checkpoints));
+  static float saved[STEPS + 1][RUN_NUMEL], resumed[STEPS + 1][RUN_NUMEL];
+  session s;
+  zd_checkpoint_info info;
+  session_open(&s, from, ON_DEVICE, checkpoints);
+  run_steps(&s.d, s.job, s.units, s.expect_gpu, 0, SAVE_AT, saved);
+  ZD_OK_OR_FAIL(&s.d, zd_checkpoint_save(s.job, "mid", &info));
+  assert_int_equal(info.step, SAVE_AT);
+  run_steps(&s.d, s.job, s.units, s.expect_gpu, SAVE_AT, STEPS, saved);
+  session_close(&s);
+
+  session_open(&s, to, ON_DEVICE, checkpoints);
+  ZD_OK_OR_FAIL(&s.d, zd_checkpoint_restore(s.job, "mid", &info));
+  assert_int_equal(info.step, SAVE_AT);
+  run_steps(&s.d, s.job, s.units, s.expect_gpu, SAVE_AT, STEPS, resumed);
+  session_close(&s);
+  nftw(checkpoints, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+
+  if (memcmp(resumed[SAVE_AT], saved[SAVE_AT], sizeof saved[SAVE_AT]) != 0)
+    fail_msg("the weights restored on %s are not the ones saved on %s", to, from);
+  compare_runs(from, saved, to, resumed, SAVE_AT, strcmp(from, to) == 0 ? 0 : REL_TOL);
+}
+
+static void test_checkpoint_saved_on_a_gpu_rank_restores_on_a_cpu_rank(void **state) {
+  move_checkpoint("cuda", "cpu");
+}
+
+static void test_checkpoint_saved_on_a_cpu_rank_restores_on_a_gpu_rank(void **state) {
+  move_checkpoint("cpu", "cuda");
+}
+
 /* Runs zerodctl against the daemon's control socket; its exit status. */
 static int zerodctl(const daemon_proc *d, char *const args[]) {
   char control[160];
@@ -520,7 +599,7 @@ static int zerodctl(const daemon_proc *d, char *const args[]) {
  * its bytes are. */
 static void test_cuda_daemon_counts_host_optimizer_state_against_the_host_quota(void **state) {
   daemon_proc d;
-  daemon_start(&d, "cuda");
+  daemon_start(&d, "cuda", NULL);
   char *create[] = {"jobs",  "create",
                     "quota", "--token",
                     "t",     "--offload-optimizer",
@@ -592,6 +671,10 @@ int main(void) {
           test_cuda_daemon_with_host_optimizer_state_in_bf16_trains_like_the_cpu_daemon,
           kill_running_daemon),
       cmocka_unit_test_teardown(test_cuda_daemon_counts_host_optimizer_state_against_the_host_quota,
+                                kill_running_daemon),
+      cmocka_unit_test_teardown(test_checkpoint_saved_on_a_gpu_rank_restores_on_a_cpu_rank,
+                                kill_running_daemon),
+      cmocka_unit_test_teardown(test_checkpoint_saved_on_a_cpu_rank_restores_on_a_gpu_rank,
                                 kill_running_daemon),
   };
   /* A GPU daemon needs NCCL for its communicator, even with one rank. */
