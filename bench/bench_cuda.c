@@ -139,7 +139,8 @@ static void print_ratio(const char *bench, const char *device, size_t numel, dou
          "\"baseline_value\":%.1f,\"ratio\":%.3f",
          numel, value, baseline_value, value / baseline_value);
   if (target > 0)
-    printf(",\"target\":%.2f", target);
+    printf(",\"target\":%.2f,\"direction\":\"min\",\"met\":%s", target,
+           value / baseline_value >= target ? "true" : "false");
   printf("}\n");
   fflush(stdout);
 }
