@@ -3,6 +3,10 @@
  * GPU rank passes them through a host staging buffer. */
 #include "exec_impl.h"
 
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
 /* Outcome codes, step counts, layout descriptors and the gradient norm live
  * in host memory. A host rank's communicator (Gloo) takes them in place; a
  * GPU rank's (NCCL) takes device memory only, so they pass through a
@@ -69,4 +73,42 @@ int exec__host_all_reduce_f64(rank_state *rs, double *buf, size_t count, comm_op
   if (rc == 0)
     rc = exec__dev_call(rs, device_download(rs->dev, buf, rs->staging, bytes));
   return counted(rs, rc);
+}
+
+int exec__all_reduce_agreed(rank_state *rs, exec_op *op, double *values, size_t count,
+                            const agree_set *a, int refusal_status, const char *refusal,
+                            const char *what) {
+  size_t total = count + agree_values(a);
+  double *buf = malloc(total * sizeof *buf);
+  if (buf == NULL)
+    return -ENOMEM;
+  if (count > 0)
+    memcpy(buf, values, count * sizeof *buf);
+  agree_put(a, buf + count);
+  int rc = exec__host_all_reduce_f64(rs, buf, total, COMM_SUM);
+  if (rc != 0) {
+    free(buf);
+    return rc;
+  }
+  if (count > 0)
+    memcpy(values, buf, count * sizeof *buf);
+  char why[384];
+  agree_verdict verdict =
+      agree_check(a, buf + count, (unsigned)rs->job->world_size, why, sizeof why);
+  free(buf);
+  if (verdict == AGREE_SAME)
+    return 0;
+  if (verdict == AGREE_REFUSED && a->refused)
+    exec_error(op, refusal_status, "%s", refusal);
+  else if (verdict == AGREE_REFUSED)
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "another rank's %s was refused (%s): every rank's must be valid and the same, "
+               "and nothing changed",
+               what, why);
+  else
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "the ranks sent different %s: %s differ; every rank must send the same, and "
+               "nothing changed",
+               what, why);
+  return 1;
 }

@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "agree.h"
 #include "comm.h"
 #include "exec.h"
 #include "job.h"
@@ -100,6 +101,18 @@ int exec__host_broadcast(rank_state *rs, void *buf, size_t bytes, int root);
 
 /* An all-reduce of count doubles with op. 0 or a negative errno. */
 int exec__host_all_reduce_f64(rank_state *rs, double *buf, size_t count, comm_op op);
+
+/* A sum all-reduce of the caller's count values together with the
+ * agreement `a` (agree.h) of a request that every rank must send alike
+ * (`what` names it in messages: "step options"). Returns 0 when every rank
+ * sent a valid request and the same fields (values then hold the sums), 1
+ * with op answered otherwise (on a refusing rank with refusal_status and
+ * `refusal`, on the others INVALID_ARGUMENT naming what was refused or the
+ * fields that differ: every rank fails alike), or a negative errno when
+ * the collective failed (op not answered). */
+int exec__all_reduce_agreed(rank_state *rs, exec_op *op, double *values, size_t count,
+                            const agree_set *a, int refusal_status, const char *refusal,
+                            const char *what);
 
 /* ---- gather.c: gathered and gradient buffers --------------------------------- */
 
