@@ -173,6 +173,9 @@ static zd_status checkpoint_call(zd_job *job, Zerod__V1__CheckpointAction action
     info->stall_ms = reply->stall_ms;
     info->total_ms = reply->total_ms;
   }
+  /* A restore made a new version (0: a daemon that does not say). */
+  if (reply->version != 0)
+    job->version = reply->version;
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   /* A restore let go of the units the worker held gathered: a stable
    * range stops mapping the daemon's buffers, as zd_release does. */

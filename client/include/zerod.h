@@ -140,10 +140,16 @@ typedef struct zd_job_config {
    * evicted like a cached gather); a later gather of that version while
    * the slices are kept (the backward pass) stays inside the node. */
   unsigned hpz_partition_size;
-  /* Dynamic loss scaling (GradScaler's; DeepSpeed's hysteresis and min):
+  /* Dynamic loss scaling, as DeepSpeed's DynamicLossScaler.update_scale:
    * loss_scale is the initial scale, 0: 65536 with a ZD_F16 working copy
-   * and off otherwise, negative: off. Zero other fields: window 2000,
-   * growth 2, backoff 0.5, hysteresis 1, min 1. */
+   * and off otherwise, negative: off. An overflow (a step skipped) uses up
+   * one of the hysteresis's overflows while more than one is left, else
+   * multiplies the scale by backoff (not below min) and leaves the
+   * hysteresis used up; window good steps after the last overflow multiply
+   * it by growth and restore the hysteresis. Zero other fields: window
+   * 2000, growth 2, backoff 0.5, hysteresis 1, min 1. The scale is the
+   * job's runtime state: a checkpoint restore keeps it, a restart of the
+   * daemon starts again from loss_scale. */
   double loss_scale;
   unsigned loss_scale_window;
   double loss_scale_growth, loss_scale_backoff;
@@ -151,7 +157,8 @@ typedef struct zd_job_config {
   double loss_scale_min;
   /* offload_optimizer: ZD_OFFLOAD_NVME keeps the fp32 master weights and
    * the moments in a file per rank under the daemon's --nvme-dir
-   * (nvme_path: a directory inside it; "": the directory itself), streamed
+   * (nvme_path: a directory inside it, a relative one taken inside it;
+   * "": the directory itself), streamed
    * through offload_buffer_count (0: 4) buffers of offload_buffer_size (0:
    * 1048576; a multiple of 1024) elements per state at each step; only the
    * gradient accumulator and the working copy stay in memory. On GPU ranks
@@ -259,6 +266,12 @@ typedef struct zd_view {
 
 typedef struct zd_step_options {
   size_t struct_size;
+  /* Every rank of the job must send the same options: they are compared
+   * across the ranks (in the step's all-reduce) before any takes effect.
+   * Options that differ, or one rank's invalid options, fail the step on
+   * every rank with ZD_E_INVALID_ARGUMENT naming the field ("lr",
+   * "group_lr", "max_grad_norm", "grad_scale"); nothing changes and the
+   * reduced gradients stay for the next zd_step. */
   int set_lr;
   double lr;
   int set_max_grad_norm;
@@ -435,10 +448,17 @@ typedef struct zd_param_group {
  * of each of its tensors (tensor_groups[i]: that unit's tensor count of
  * indices, in its tensor order); units left out are all in group 0. The
  * steps that follow run each tensor with its group's hyper-parameters;
- * zd_step_options.group_lr sets their learning rates. Every rank must send
- * the same (checked like a job config: ZD_E_INVALID_ARGUMENT names the
- * group or tensor). The groups last while the job's ranks do on this daemon
- * (not through a restart or restore: send them again). */
+ * zd_step_options.group_lr sets their learning rates. Each group is
+ * checked like a job config (ZD_E_INVALID_ARGUMENT names the group or
+ * tensor; an unknown unit is ZD_E_NOT_FOUND). Every rank must send the
+ * same, in any order of units: the requests are compared across the ranks
+ * (one all-reduce) before anything changes, and groups that differ fail
+ * the call on every rank with ZD_E_INVALID_ARGUMENT naming the fields
+ * ("groups[1].lr", "ngroups", "tensor_groups"); a rank whose own request
+ * is invalid fails with its reason and the others with "another rank's
+ * parameter groups was refused". The groups last while the job's ranks do
+ * on this daemon: a checkpoint restore keeps them, a restart of the daemon
+ * does not (send them again). */
 ZD_API zd_status zd_set_groups(zd_job *job, const zd_param_group *groups, unsigned ngroups,
                                const zd_unit *units, const unsigned *const *tensor_groups,
                                unsigned nunits);
@@ -446,7 +466,8 @@ ZD_API zd_status zd_set_groups(zd_job *job, const zd_param_group *groups, unsign
 /* The global L2 norm of the gradients the job's ranks have reduced since
  * the last step, divided by grad_scale (0 or 1: none) and the loss scale,
  * as the next zd_step will see them: what torch.nn.utils.clip_grad_norm_
- * returns. Collective over the job's ranks. */
+ * returns. Collective over the job's ranks, which must pass the same
+ * grad_scale (else ZD_E_INVALID_ARGUMENT on every rank, naming it). */
 ZD_API zd_status zd_grad_norm(zd_job *job, double grad_scale, double *norm);
 
 /* A service checkpoint the workers take or restore themselves, as

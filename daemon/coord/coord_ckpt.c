@@ -743,7 +743,7 @@ static int commit_manifest(commit_work *w) {
     snprintf(w->final_name, sizeof w->final_name, "%s-%08" PRIu64, w->stem, w->step);
     path_format(w->final_dir, sizeof w->final_dir, "%s/%s", w->job_dir, w->final_name);
     if (lstat(w->final_dir, &st) == 0)
-      snprintf(w->final_name, sizeof w->final_name, "%s-%" PRIu64 "-%" PRIu64, w->stem, w->step,
+      snprintf(w->final_name, sizeof w->final_name, "%s-%08" PRIu64 "-%" PRIu64, w->stem, w->step,
                w->id);
   }
   path_format(w->final_dir, sizeof w->final_dir, "%s/%s", w->job_dir, w->final_name);

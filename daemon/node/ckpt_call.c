@@ -74,13 +74,13 @@ typedef struct ckpt_call {
 int ckpt_call_check(const Zerod__V1__CheckpointRequest *req, char *err, size_t err_bytes) {
   if (req->action != ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_SAVE &&
       req->action != ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE) {
-    snprintf(err, err_bytes, "checkpoint: action must be save or restore");
+    snprintf(err, err_bytes, "action must be save or restore");
     return -EINVAL;
   }
   size_t len = strlen(req->name);
   int restore = req->action == ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE;
   if (len == 0 && restore) {
-    snprintf(err, err_bytes, "checkpoint: a restore names the checkpoint of this job to restore");
+    snprintf(err, err_bytes, "a restore names the checkpoint of this job to restore");
     return -EINVAL;
   }
   /* An empty name saves as step-<step>; any other follows the
@@ -328,6 +328,7 @@ static void answer(ckpt_call *c, exec_op *op) {
     r.step = c->step;
     r.stall_ms = c->stall_ms;
     r.total_ms = c->total_ms;
+    r.version = atomic_load(&rs->job->latest_version);
     exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT_REPLY, &r.base);
   } else {
     exec_error(op, c->status, "%s", c->message);

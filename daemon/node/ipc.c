@@ -261,7 +261,7 @@ static void deliver(exec_op *op) {
     exec_error(op,
                rc == -ECANCELED ? ZEROD__V1__STATUS__STATUS_UNAVAILABLE
                                 : ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-               "checkpoint: %s", rc == -ECANCELED ? "zerod is shutting down" : strerror(-rc));
+               "%s", rc == -ECANCELED ? "zerod is shutting down" : strerror(-rc));
     exec_op *unpark = exec_op_new(OP_CKPT_UNPARK, op->rank);
     if (unpark != NULL)
       exec_submit(unpark);

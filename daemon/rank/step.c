@@ -7,6 +7,7 @@
 
 #include <math.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <time.h>
 
 #include "log.h"
@@ -45,8 +46,12 @@ static void log_progress(rank_state *rs, double grad_norm) {
 }
 
 /* After a step with loss scaling (every rank alike: `skipped` comes from
- * the all-reduce): GradScaler's update, with DeepSpeed's hysteresis (that
- * many overflows before a backoff) and minimum. */
+ * the all-reduce): DeepSpeed's DynamicLossScaler.update_scale. An overflow
+ * uses up one of the hysteresis's tolerated overflows while more than one
+ * is left, else backs the scale off (down to the minimum) and leaves the
+ * hysteresis used up, so every further overflow backs off at once; only a
+ * growth, after `window` good steps since the last overflow, restores it
+ * (DeepSpeed's default, consecutive_hysteresis off). */
 static void update_loss_scale(rank_state *rs, int skipped) {
   const job_config *c = &rs->job->config;
   double scale = atomic_load(&rs->loss_scale);
@@ -59,7 +64,6 @@ static void update_loss_scale(rank_state *rs, int skipped) {
     scale *= c->loss_scale_backoff;
     if (scale < c->loss_scale_min)
       scale = c->loss_scale_min;
-    rs->loss_scale_hysteresis = c->loss_scale_hysteresis;
     LOG_INFOF("loss scale reduced", "job=%s rank=%d step=%llu loss_scale=%g", rs->job->name,
               rs->rank, (unsigned long long)rs->step, scale);
   } else if (++rs->loss_scale_good >= c->loss_scale_window) {
@@ -96,23 +100,28 @@ void exec__handle_grad_norm(rank_state *rs, exec_op *op) {
   Zerod__V1__GradNormRequest *req = (Zerod__V1__GradNormRequest *)op->request;
   if (exec__op_job_failed(rs, op))
     return;
-  if (!(req->grad_scale >= 0 && isfinite(req->grad_scale))) {
-    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "grad_scale must be >= 0 and finite");
-    return;
-  }
-  double grad_scale = gradient_divisor(rs, req->grad_scale);
+  /* Every rank divides by the same grad_scale, or none answers. */
+  agree_field field;
+  agree_set agreed;
+  agree_init(&agreed, &field, 1);
+  agreed.refused = !(req->grad_scale >= 0 && isfinite(req->grad_scale));
+  agree_add_f64(&agreed, req->grad_scale == 0 ? 1.0 : req->grad_scale, "grad_scale");
+  double grad_scale = gradient_divisor(rs, agreed.refused ? 0 : req->grad_scale);
   double sumsq = 0;
   int err = local_grad_sumsq(rs, &sumsq);
   if (err != 0) {
     exec__op_device_failed(rs, op, "grad_norm", err);
     return;
   }
-  err = exec__host_all_reduce_f64(rs, &sumsq, 1, COMM_SUM);
-  if (err != 0) {
+  err = exec__all_reduce_agreed(rs, op, &sumsq, 1, &agreed,
+                                ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                                "grad_scale must be >= 0 and finite", "grad_norm request");
+  if (err < 0) {
     exec__op_comm_failed(rs, op, "all_reduce (gradient norm)", err);
     return;
   }
+  if (err > 0)
+    return;
   Zerod__V1__GradNormReply reply = ZEROD__V1__GRAD_NORM_REPLY__INIT;
   reply.grad_norm = sqrt(sumsq) / grad_scale;
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM_REPLY, &reply.base);
@@ -183,28 +192,37 @@ static int update_tier_chunk(void *arg, rank_state *rs, shard *sh, const unit_la
                       (uint8_t *)sh->working + begin * welem);
 }
 
-void exec__handle_step(rank_state *rs, exec_op *op) {
-  Zerod__V1__StepRequest *req = (Zerod__V1__StepRequest *)op->request;
-  if (exec__op_job_failed(rs, op))
-    return;
+/* The step's options, which every rank must send alike, into `a`; this
+ * rank's own verdict on them in a->refused, with the reason in why. */
+static void step_options(const rank_state *rs, const Zerod__V1__StepRequest *req, agree_set *a,
+                         char *why, size_t why_bytes) {
   int bad_group_lr = 0;
   for (size_t g = 0; g < req->n_group_lr; g++)
     bad_group_lr |= !(req->group_lr[g] > 0 && isfinite(req->group_lr[g]));
   unsigned ngroups = rs->ngroups ? rs->ngroups : 1;
-  if (req->n_group_lr != 0 && req->n_group_lr != ngroups) {
-    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "%zu group learning rates for %u parameter groups", req->n_group_lr, ngroups);
-    return;
-  }
-  if ((req->set_lr && !(req->lr > 0 && isfinite(req->lr))) || bad_group_lr ||
-      (req->set_max_grad_norm && !(req->max_grad_norm >= 0)) ||
-      !(req->grad_scale >= 0 && isfinite(req->grad_scale))) {
+  a->refused = 1;
+  if (req->n_group_lr != 0 && req->n_group_lr != ngroups)
+    snprintf(why, why_bytes, "%zu group learning rates for %u parameter groups", req->n_group_lr,
+             ngroups);
+  else if ((req->set_lr && !(req->lr > 0 && isfinite(req->lr))) || bad_group_lr ||
+           (req->set_max_grad_norm && !(req->max_grad_norm >= 0)) ||
+           !(req->grad_scale >= 0 && isfinite(req->grad_scale)))
     /* No "step: " here: the client names the request it failed (libzerod
      * prefixes "step: "), as for every other request's errors. */
-    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "lr must be > 0, max_grad_norm >= 0 and grad_scale >= 0 and finite");
-    return;
-  }
+    snprintf(why, why_bytes, "lr must be > 0, max_grad_norm >= 0 and grad_scale >= 0 and finite");
+  else
+    a->refused = 0;
+  double lr[2] = {req->set_lr ? 1.0 : 0.0, req->set_lr ? req->lr : 0.0};
+  double clip[2] = {req->set_max_grad_norm ? 1.0 : 0.0,
+                    req->set_max_grad_norm ? req->max_grad_norm : 0.0};
+  agree_add(a, lr, sizeof lr, "lr");
+  agree_add(a, req->group_lr, req->n_group_lr * sizeof *req->group_lr, "group_lr");
+  agree_add(a, clip, sizeof clip, "max_grad_norm");
+  agree_add_f64(a, req->grad_scale == 0 ? 1.0 : req->grad_scale, "grad_scale");
+}
+
+/* The options the ranks agreed on take effect. */
+static void apply_step_options(rank_state *rs, const Zerod__V1__StepRequest *req) {
   if (req->set_lr)
     rs->lr = req->lr;
   for (size_t g = 0; g < req->n_group_lr; g++) {
@@ -215,9 +233,23 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
   }
   if (req->set_max_grad_norm)
     rs->max_grad_norm = req->max_grad_norm;
+}
+
+void exec__handle_step(rank_state *rs, exec_op *op) {
+  Zerod__V1__StepRequest *req = (Zerod__V1__StepRequest *)op->request;
+  if (exec__op_job_failed(rs, op))
+    return;
+  /* The options are checked here and compared across the ranks in the
+   * norm's all-reduce; a rank whose options are invalid still joins it,
+   * so that every rank fails alike instead of waiting for it. */
+  agree_field fields[4];
+  agree_set agreed;
+  agree_init(&agreed, fields, 4);
+  char refusal[256] = "";
+  step_options(rs, req, &agreed, refusal, sizeof refusal);
   /* Read before the step moves the loss scale (update_loss_scale below). */
   double loss_scale = atomic_load(&rs->loss_scale);
-  double grad_scale = gradient_divisor(rs, req->grad_scale);
+  double grad_scale = gradient_divisor(rs, agreed.refused ? 0 : req->grad_scale);
 
   /* The global norm: every rank's partial sum of squares over its shards
    * (in unit order, each sum deterministic), all-reduced. */
@@ -236,11 +268,16 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
   if (pending <= rs->ckpt_taken)
     pending = 0;
   double reduced[3] = {local_sumsq, (double)pending, pending != 0 ? 1.0 : 0.0};
-  err = exec__host_all_reduce_f64(rs, reduced, 3, COMM_SUM);
-  if (err != 0) {
+  err =
+      exec__all_reduce_agreed(rs, op, reduced, 3, &agreed,
+                              ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, refusal, "step options");
+  if (err < 0) {
     exec__op_comm_failed(rs, op, "all_reduce (gradient norm)", err);
     return;
   }
+  if (err > 0)
+    return; /* answered: refused or different options; the gradients stay */
+  apply_step_options(rs, req);
   local_sumsq = reduced[0];
   uint64_t save_id = reduced[2] > 0 ? (uint64_t)llround(reduced[1] / reduced[2]) : 0;
   double grad_norm = sqrt(local_sumsq) / grad_scale;

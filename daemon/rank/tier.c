@@ -45,7 +45,8 @@ uint64_t tier_staging_bytes(const job_config *c) {
 }
 
 /* The directory the job's files go in: the job's nvme_path, which must be
- * inside the daemon's --nvme-dir, or that directory itself. */
+ * inside the daemon's --nvme-dir (a relative one is taken inside it), or
+ * that directory itself. */
 static int tier_root(const job_config *c, const char *root, char *out, size_t out_bytes, char *err,
                      size_t err_bytes) {
   const char *want = c->nvme_path;
@@ -57,16 +58,26 @@ static int tier_root(const job_config *c, const char *root, char *out, size_t ou
     snprintf(out, out_bytes, "%s", root);
     return 0;
   }
+  /* A relative path is inside the directory, not the daemon's working
+   * directory. */
+  char joined[PATH_MAX];
+  if (want[0] != '/') {
+    if ((size_t)snprintf(joined, sizeof joined, "%s/%s", root, want) >= sizeof joined) {
+      snprintf(err, err_bytes, "offload_optimizer nvme_path %s: path too long", want);
+      return -ENAMETOOLONG;
+    }
+    want = joined;
+  }
   char real[PATH_MAX];
   if (realpath(want, real) == NULL) {
     int e = errno;
-    snprintf(err, err_bytes, "offload_optimizer nvme_path %s: %s", want, strerror(e));
+    snprintf(err, err_bytes, "offload_optimizer nvme_path %s: %s", c->nvme_path, strerror(e));
     return -e;
   }
   size_t n = strlen(root);
   if (strncmp(real, root, n) != 0 || (real[n] != '\0' && real[n] != '/')) {
     snprintf(err, err_bytes, "offload_optimizer nvme_path %s is outside the daemon's --nvme-dir %s",
-             want, root);
+             c->nvme_path, root);
     return -EPERM;
   }
   snprintf(out, out_bytes, "%s", real);

@@ -580,13 +580,16 @@ class Job:
         hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``,
         ``momentum``, ``dampening``, ``nesterov``; missing keys take the
         job's), `tensor_groups` maps a unit id to each of its tensors' group
-        (units left out: group 0). Every rank must send the same."""
+        (units left out: group 0). Every rank must send the same: the ranks'
+        requests are compared before anything changes, and groups that
+        differ raise InvalidArgumentError on every rank, naming the field
+        (``groups[1].lr``, ``ngroups``, ``tensor_groups``)."""
         c_groups = (_lib.ParamGroup * max(len(groups), 1))()
         for c, g in zip(c_groups, groups):
             unknown = set(g) - {"lr", "betas", "eps", "weight_decay", "momentum", "dampening",
                                 "nesterov"}
             if unknown:
-                raise InvalidArgumentError("set_groups: unknown keys %s" % sorted(unknown))
+                raise InvalidArgumentError("set groups: unknown keys %s" % sorted(unknown))
             c.lr = float(g.get("lr", 0.0))
             c.beta1, c.beta2 = (float(b) for b in g.get("betas", (0.0, 0.0)))
             c.eps = float(g.get("eps", 0.0))
@@ -603,7 +606,7 @@ class Job:
         for u in ids:
             if len(tensor_groups[u]) != len(self._units[u].tensors):
                 raise InvalidArgumentError(
-                    "set_groups: unit %s has %d tensors, %d groups given" %
+                    "set groups: unit %s has %d tensors, %d groups given" %
                     (self._units[u].name, len(self._units[u].tensors), len(tensor_groups[u])))
         _check(self._lib.zd_set_groups(self._handle, c_groups, len(groups), c_ids, c_arrays,
                                        len(ids)), "set groups")
@@ -614,7 +617,10 @@ class Job:
         """An optimizer step over all units (collective). `lr` (group 0's)
         or `group_lrs` (every group's, after :meth:`set_groups`) and
         `max_grad_norm` change the job's values from this step on;
-        gradients are divided by `grad_scale` (averaging, loss scaling)."""
+        gradients are divided by `grad_scale` (averaging, loss scaling).
+        Every rank must pass the same options: options that differ raise
+        InvalidArgumentError on every rank, naming the field, and the step
+        does not happen (the reduced gradients stay)."""
         options = _lib.sized(_lib.StepOptions)
         keep = None
         if group_lrs is not None:
