@@ -49,9 +49,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _lib
-from .client import CheckpointInfo, Job, StepResult, Unit, _check
-from .errors import InvalidArgumentError, ShardingError
+from .. import _lib
+from ..client import CheckpointInfo, Job, StepResult, Unit, _check
+from ..errors import InvalidArgumentError, ShardingError
 
 __all__ = ["shard", "ShardedModule", "Optimizer", "state_dict_from", "save", "load"]
 
