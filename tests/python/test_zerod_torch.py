@@ -183,8 +183,18 @@ def test_fp16_loss_scaling_follows_grad_scaler(start_daemon):
 
 def test_torch_clip_grad_norm_clips_a_sharded_model(start_daemon):
     """torch.nn.utils.clip_grad_norm_(model.parameters(), c) on a sharded
-    model returns the global norm (the daemon's, of every rank's gradients)
-    and the step clips by it: the norms and weights of a plain torch run."""
+    model, after the opt-in zerod.torch.patch_clip_grad_norm_(), returns the
+    global norm (the daemon's, of every rank's gradients) and the step clips
+    by it: the norms and weights of a plain torch run."""
+    restore = zerod.torch.patch_clip_grad_norm_()
+    try:
+        clip_through_torchs_name(start_daemon)
+    finally:
+        restore()
+    assert torch.nn.utils.clip_grad_norm_ is not zerod.torch.clip_grad_norm_
+
+
+def clip_through_torchs_name(start_daemon):
     reference = TinyLM()
     opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     client, job = attach(start_daemon(ranks=1))
@@ -207,6 +217,29 @@ def test_torch_clip_grad_norm_clips_a_sharded_model(start_daemon):
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.full((3,), 4.0)
     assert float(torch.nn.utils.clip_grad_norm_([p], 1.0)) == pytest.approx(48 ** 0.5)
+    client.close()
+
+
+def test_model_clip_grad_norm_clips_without_touching_torch(start_daemon):
+    """FSDP's form, model.clip_grad_norm_(c): the same norms and weights as
+    a plain torch run; importing zerod.torch left torch's function alone."""
+    assert torch.nn.utils.clip_grad_norm_ is zerod.torch._clip._torch_clip_grad_norm_
+    reference = TinyLM()
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    client, job = attach(start_daemon(ranks=1))
+    model = zerod.torch.shard(TinyLM(), job)
+    zopt = zerod.torch.Optimizer(model)
+    for step in range(4):
+        tokens, targets = batch(step, 8)
+        reference(tokens, targets).backward()
+        expected = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05))
+        model(tokens, targets).backward()
+        got = float(model.clip_grad_norm_(0.05))
+        assert got == pytest.approx(expected, rel=1e-5), step
+        for o in (opt, zopt):
+            o.step()
+            o.zero_grad()
+    assert max_rel_diff(model.state_dict(), reference.state_dict()) <= 1e-5
     client.close()
 
 

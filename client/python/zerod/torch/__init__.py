@@ -8,7 +8,7 @@
     for x, y in data:
         loss = model(x, y)
         loss.backward()            # gradients go to the daemon unit by unit
-        opt.clip_grad_norm_(1.0)   # optional, applied inside the step
+        model.clip_grad_norm_(1.0)  # optional, applied inside the step
         opt.step()                 # the daemon's AdamW/Adam/SGD step
         opt.zero_grad()
 
@@ -40,10 +40,10 @@ in the same order): gathers and reduces are collectives of the job.
 from __future__ import annotations
 
 from ._checkpoint import load, save, state_dict_from
-from ._clip import clip_grad_norm_
+from ._clip import clip_grad_norm_, patch_clip_grad_norm_
 from ._module import ShardedModule, shard
 from ._optim import Optimizer
 from ._plan import UnitsPolicy
 
 __all__ = ["shard", "ShardedModule", "Optimizer", "state_dict_from", "save", "load",
-           "clip_grad_norm_", "UnitsPolicy"]
+           "clip_grad_norm_", "patch_clip_grad_norm_", "UnitsPolicy"]

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..client import Job, Unit
 from ..errors import InvalidArgumentError, ShardingError
+from ._clip import clip_state
 from ._hooks import _TORCH_DTYPES, _State, _install_hooks
 from ._plan import UnitsPolicy, _plan, _ShardedUnit
 
@@ -48,6 +49,13 @@ class ShardedModule(nn.Module):
         the daemon's pool, counted in max_live_bytes) and reduce nothing;
         the first backward with True adds its own and reduces the sum."""
         self._zerod.sync = bool(requires_gradient_sync)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """FSDP's ``clip_grad_norm_``: the global norm of every rank's
+        gradients (the daemon's), returned; the next step clips by it.
+        Needs the model's :class:`zerod.torch.Optimizer`."""
+        return clip_state(self._zerod, max_norm, norm_type, error_if_nonfinite)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
