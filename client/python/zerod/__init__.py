@@ -20,11 +20,13 @@ from .errors import (AbortedError, AlreadyExistsError, Error, FailedPrecondition
                      InternalError, InvalidArgumentError, NoMemoryError, NotFoundError,
                      PermissionDeniedError, ProtocolError, ResourceExhaustedError, ShardingError,
                      UnavailableError)
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, NVMeOffloadPolicy, OffloadPolicy
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbortedError", "AlreadyExistsError", "Buffer", "CheckpointInfo", "Client", "Error", "FailedPreconditionError",
+    "AbortedError", "AlreadyExistsError", "Buffer", "CheckpointInfo", "Client", "CPUOffloadPolicy",
+    "Error", "FailedPreconditionError", "MixedPrecisionPolicy", "NVMeOffloadPolicy", "OffloadPolicy",
     "Gathered", "InternalError", "InvalidArgumentError", "Job", "JobConfig", "NoMemoryError",
     "NotFoundError", "PermissionDeniedError", "ProtocolError", "ResourceExhaustedError",
     "ShardingError", "StepResult", "TensorInfo", "UnavailableError", "Unit", "default_socket",

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _lib
 from .errors import BY_STATUS, Error, InvalidArgumentError
+from .policies import MixedPrecisionPolicy, OffloadPolicy, dtype_name
 
 _DTYPE_NAMES = {_lib.F32: "float32", _lib.BF16: "bfloat16", _lib.F16: "float16"}
 _DTYPE_CODES = {name: code for code, name in _DTYPE_NAMES.items()}
@@ -82,6 +83,11 @@ class JobConfig:
     at each step; ``"cpu"`` is host memory (what CPU ranks do anyway; a
     GPU rank keeps its gradients and working copy on the GPU and steps on
     the CPU through the same buffers, page-locked with ``pin_memory``).
+    The typed forms of zerod.policies are taken too: ``offload_optimizer``
+    an ``OffloadPolicy`` (``CPUOffloadPolicy``, ``NVMeOffloadPolicy``),
+    ``mixed_precision`` a ``MixedPrecisionPolicy`` (its ``param_dtype`` is
+    ``dtype``, its ``reduce_dtype`` ``gradient_comm_dtype``), and a dtype
+    may be a torch or numpy dtype.
     """
 
     optimizer: str = "adamw"
@@ -92,14 +98,14 @@ class JobConfig:
     momentum: float = 0.0
     dampening: float = 0.0
     nesterov: bool = False
-    dtype: str = "float32"
+    dtype: Any = "float32"
     max_live_bytes: int = 0
     max_grad_norm: float = 0.0
     collectives: str = "hierarchical"
     quantized_weights: bool = False
     quantization_block: int = 0
     quantized_gradients: int = 0
-    gradient_comm_dtype: str = "float32"
+    gradient_comm_dtype: Any = "float32"
     hpz_partition_size: int = 0
     loss_scale: float = 0.0
     loss_scale_window: int = 0
@@ -107,14 +113,31 @@ class JobConfig:
     loss_scale_backoff: float = 0.0
     loss_scale_hysteresis: int = 0
     loss_scale_min: float = 0.0
-    offload_optimizer: Optional[Dict[str, Any]] = None
+    offload_optimizer: Union[OffloadPolicy, Dict[str, Any], None] = None
+    mixed_precision: Optional[MixedPrecisionPolicy] = None
+
+    def _dtypes(self) -> Tuple[str, str]:
+        """The working and gradient-exchange dtypes' names, from the strings
+        or dtypes given or the mixed precision policy (not both)."""
+        working = dtype_name(self.dtype, "dtype")
+        comm = dtype_name(self.gradient_comm_dtype, "gradient_comm_dtype")
+        mp = self.mixed_precision
+        if mp is not None and mp.param_dtype is not None:
+            if working != "float32":
+                raise InvalidArgumentError("dtype and mixed_precision.param_dtype both given: "
+                                           "give one")
+            working = dtype_name(mp.param_dtype, "mixed_precision.param_dtype")
+        if mp is not None and mp.reduce_dtype is not None:
+            if comm != "float32":
+                raise InvalidArgumentError("gradient_comm_dtype and mixed_precision.reduce_dtype "
+                                           "both given: give one")
+            comm = dtype_name(mp.reduce_dtype, "mixed_precision.reduce_dtype")
+        return working, comm
 
     def _to_c(self) -> _lib.JobConfig:
         if self.optimizer not in _OPTIMIZERS:
             raise InvalidArgumentError("unknown optimizer %r (adamw, adam or sgd)" % self.optimizer)
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise InvalidArgumentError("dtype must be 'float32', 'bfloat16' or 'float16', not %r"
-                                       % self.dtype)
+        working, comm = self._dtypes()
         c = _lib.sized(_lib.JobConfig)
         c.optimizer = _OPTIMIZERS[self.optimizer]
         c.lr = float(self.lr or 0.0)
@@ -126,7 +149,7 @@ class JobConfig:
         c.momentum = float(self.momentum)
         c.dampening = float(self.dampening)
         c.nesterov = int(bool(self.nesterov))
-        c.working_dtype = _DTYPE_CODES[self.dtype]
+        c.working_dtype = _DTYPE_CODES[working]
         c.max_live_bytes = int(self.max_live_bytes)
         c.max_grad_norm = float(self.max_grad_norm)
         if self.collectives not in _COLLECTIVES:
@@ -139,10 +162,10 @@ class JobConfig:
             raise InvalidArgumentError("quantized_gradients must be 0, 4 or 8, not %r" %
                                        self.quantized_gradients)
         c.quantized_gradients = int(self.quantized_gradients)
-        if self.gradient_comm_dtype not in ("float32", "bfloat16"):
+        if comm not in ("float32", "bfloat16"):
             raise InvalidArgumentError("gradient_comm_dtype must be 'float32' or 'bfloat16', "
-                                       "not %r" % self.gradient_comm_dtype)
-        c.gradient_comm_dtype = _DTYPE_CODES[self.gradient_comm_dtype]
+                                       "not %r" % comm)
+        c.gradient_comm_dtype = _DTYPE_CODES[comm]
         if int(self.hpz_partition_size) < 0:
             raise InvalidArgumentError("hpz_partition_size must be 0 or more, not %r" %
                                        self.hpz_partition_size)
@@ -153,7 +176,9 @@ class JobConfig:
         c.loss_scale_backoff = float(self.loss_scale_backoff)
         c.loss_scale_hysteresis = int(self.loss_scale_hysteresis)
         c.loss_scale_min = float(self.loss_scale_min)
-        offload = dict(self.offload_optimizer or {})
+        offload = (self.offload_optimizer.as_dict()
+                   if isinstance(self.offload_optimizer, OffloadPolicy)
+                   else dict(self.offload_optimizer or {}))
         unknown = set(offload) - {"device", "nvme_path", "buffer_count", "buffer_size",
                                   "pin_memory"}
         if unknown:
