@@ -180,31 +180,6 @@ void client__mapping_free(buffer_mapping *mapping) {
   mapping->fd = -1;
 }
 
-/* Options structs carry their size so that fields can be added later. A
- * caller's struct is copied into a zeroed local one: fields the caller's
- * (older) header does not have read as zero, the documented default. A size
- * larger than this library knows means the caller asked for something this
- * library cannot do, so it is refused rather than silently ignored. */
-zd_status client__copy_sized_struct(void *dst, size_t dst_bytes, const void *src, size_t min_bytes,
-                                    const char *what, const char *initialiser) {
-  size_t src_bytes;
-  memcpy(&src_bytes, src, sizeof src_bytes);
-  if (src_bytes < min_bytes)
-    return client__set_error(
-        ZD_E_INVALID_ARGUMENT,
-        "%s: struct_size %zu is too small (at least %zu); initialise it with %s", what, src_bytes,
-        min_bytes, initialiser);
-  if (src_bytes > dst_bytes)
-    return client__set_error(
-        ZD_E_INVALID_ARGUMENT,
-        "%s: struct_size %zu is larger than this libzerod knows (%zu); the program "
-        "was built against a newer zerod.h",
-        what, src_bytes, dst_bytes);
-  memset(dst, 0, dst_bytes);
-  memcpy(dst, src, src_bytes);
-  return ZD_OK;
-}
-
 /* ------------------------------------------------------------------------
  * Connection state
  * ------------------------------------------------------------------------ */
@@ -955,16 +930,13 @@ int zd_job_read_only(const zd_job *job) {
 zd_status zd_job_effective_config(const zd_job *job, zd_job_config *out) {
   if (job == NULL || out == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT, "job config: job and out must not be NULL");
-  /* The caller's struct_size says how much of the struct it has; like the
-   * options structs, one larger than this library knows is refused. */
-  size_t size = out->struct_size;
-  if (size < sizeof out->struct_size || size > sizeof *out)
-    return client__set_error(ZD_E_INVALID_ARGUMENT,
-                             "job config: struct_size %zu is not in %zu..%zu; initialise it with "
-                             "ZD_JOB_CONFIG_INIT",
-                             size, sizeof out->struct_size, sizeof *out);
-  memcpy((char *)out + sizeof out->struct_size, (const char *)&job->config + sizeof size,
-         size - sizeof size);
+  /* The caller's struct_size says how much of the struct it has: the
+   * fields that fit are written (client_sized.c). */
+  zd_status status =
+      SIZED_OUT_CHECK(out, zd_job_config, optimizer, "job config", "ZD_JOB_CONFIG_INIT");
+  if (status != ZD_OK)
+    return status;
+  client__sized_out_write(out, &job->config, sizeof job->config);
   return ZD_OK;
 }
 
@@ -1066,18 +1038,23 @@ unsigned zd_job_unit_count(const zd_job *job) {
 zd_status zd_job_unit_info(const zd_job *job, unsigned index, zd_unit_info *out) {
   if (job == NULL || out == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT, "unit info: job and out must not be NULL");
+  zd_status status = SIZED_OUT_CHECK(out, zd_unit_info, unit, "unit info", "ZD_UNIT_INFO_INIT");
+  if (status != ZD_OK)
+    return status;
   if (index >= job->unit_count)
     return client__set_error(ZD_E_INVALID_ARGUMENT,
                              "unit info: index %u is past the %zu units job %s knows (see "
                              "zd_job_unit_count)",
                              index, job->unit_count, job->name);
   const client_unit *unit = &job->units[index];
-  out->unit = unit->unit_id;
-  out->name = unit->name;
-  out->ntensors = unit->ntensors;
-  out->tensors = unit->info_tensors;
-  out->numel = unit->numel;
-  out->padded_numel = unit->padded_numel;
-  out->dtype = unit->working_dtype;
+  zd_unit_info info = ZD_UNIT_INFO_INIT;
+  info.unit = unit->unit_id;
+  info.name = unit->name;
+  info.ntensors = unit->ntensors;
+  info.tensors = unit->info_tensors;
+  info.numel = unit->numel;
+  info.padded_numel = unit->padded_numel;
+  info.dtype = unit->working_dtype;
+  client__sized_out_write(out, &info, sizeof info);
   return ZD_OK;
 }

@@ -72,9 +72,21 @@ typedef enum zd_init {
   ZD_INIT_ZEROS = 3,
 } zd_init;
 
-/* Initialiser of an options struct: struct_size set, every other field
- * zero (the default). Designated in C so that -Wextra does not warn about
- * the fields left out. */
+/* Every struct a caller allocates and passes carries its own size, its
+ * first field struct_size, so that later headers can add fields at its end
+ * without a new soname (docs/client.md, "ABI policy"). Initialise each with
+ * its ZD_*_INIT: struct_size set, every other field zero (the default).
+ * The library reads no field of an input past the caller's struct_size
+ * (those read as zero), and writes no byte of an output at or past it; a
+ * struct_size too small for the call is ZD_E_INVALID_ARGUMENT before the
+ * call does anything. Arrays of sized structs are read with element 0's
+ * struct_size as the stride, which every element must carry. Two structs
+ * carry no size and never change while the soname is libzerod.so.1:
+ * zd_tensor_view, which only the library allocates (in tables the caller
+ * indexes), and zd_collective_counter, which zd_rank_stats embeds.
+ *
+ * ZD_SIZED_INIT is designated in C so that -Wextra does not warn about the
+ * fields left out. */
 #ifdef __cplusplus
 #define ZD_SIZED_INIT(type)                                                                        \
   { sizeof(type) }
@@ -205,11 +217,14 @@ typedef struct zd_attach_options {
 #define ZD_ATTACH_OPTIONS_INIT ZD_SIZED_INIT(zd_attach_options)
 
 typedef struct zd_tensor_desc {
+  size_t struct_size; /* ZD_TENSOR_DESC_INIT, in every element of the array */
   const char *name;
   const uint64_t *shape;
   unsigned ndim;
   int frozen;
 } zd_tensor_desc;
+
+#define ZD_TENSOR_DESC_INIT ZD_SIZED_INIT(zd_tensor_desc)
 
 typedef struct zd_unit_desc {
   size_t struct_size;
@@ -226,6 +241,10 @@ typedef struct zd_unit_desc {
 
 #define ZD_UNIT_DESC_INIT ZD_SIZED_INIT(zd_unit_desc)
 
+/* An element of the tensor tables the library hands out (zd_view.tensors,
+ * zd_unit_info.tensors). Only the library allocates it, so it has no
+ * struct_size: its layout is fixed for as long as the soname is
+ * libzerod.so.1. */
 typedef struct zd_tensor_view {
   const char *name;
   void *data; /* inside the unit's buffer */
@@ -245,8 +264,9 @@ typedef struct zd_tensor_view {
  * calling thread at the first gather or zd_grad_buffer of the buffer (make
  * GPU `device` current before them). event is the buffer's cudaEvent_t,
  * owned by the library, for zd_view_stream_wait / zd_view_stream_done;
- * NULL for shared memory. */
+ * NULL for shared memory. Initialise with ZD_VIEW_INIT. */
 typedef struct zd_view {
+  size_t struct_size;
   void *base;
   size_t bytes;
   zd_dtype dtype;
@@ -256,6 +276,8 @@ typedef struct zd_view {
   int device;
   void *event;
 } zd_view;
+
+#define ZD_VIEW_INIT ZD_SIZED_INIT(zd_view)
 
 typedef struct zd_step_options {
   size_t struct_size;
@@ -272,7 +294,9 @@ typedef struct zd_step_options {
 
 #define ZD_STEP_OPTIONS_INIT ZD_SIZED_INIT(zd_step_options)
 
+/* What zd_step returns; initialise with ZD_STEP_RESULT_INIT. */
 typedef struct zd_step_result {
+  size_t struct_size;
   uint64_t step;
   uint64_t version;
   double grad_norm;
@@ -280,12 +304,15 @@ typedef struct zd_step_result {
   double loss_scale; /* the scale for the next step's loss; 0: no loss scaling */
 } zd_step_result;
 
+#define ZD_STEP_RESULT_INIT ZD_SIZED_INIT(zd_step_result)
+
 typedef uint32_t zd_unit; /* unit id, from zd_register_unit */
 
 /* A unit's layout, as the daemon placed it. Tensor views in `tensors` have
  * data == NULL; their offsets are elements from the start of a gathered
- * buffer. Valid until zd_close. */
+ * buffer. Valid until zd_close. Initialise with ZD_UNIT_INFO_INIT. */
 typedef struct zd_unit_info {
+  size_t struct_size;
   zd_unit unit;
   const char *name;
   unsigned ntensors;
@@ -295,11 +322,17 @@ typedef struct zd_unit_info {
   zd_dtype dtype;        /* of gathered and gradient buffers */
 } zd_unit_info;
 
-/* A pending asynchronous gather. */
+#define ZD_UNIT_INFO_INIT ZD_SIZED_INIT(zd_unit_info)
+
+/* A pending asynchronous gather (zd_gather_async fills it in, zd_gather_wait
+ * reads it). Initialise with ZD_PENDING_INIT. */
 typedef struct zd_pending {
+  size_t struct_size;
   uint64_t request_id;
   zd_unit unit;
 } zd_pending;
+
+#define ZD_PENDING_INIT ZD_SIZED_INIT(zd_pending)
 
 /* The default socket path: $ZEROD_SOCKET, else ./.zerod/zerod.sock. */
 ZD_API const char *zd_default_socket(void);
@@ -374,6 +407,9 @@ ZD_API zd_status zd_pin(zd_job *job, uint64_t *version);
  * the calls. Only non-zero counters are listed. */
 #define ZD_MAX_COLLECTIVE_COUNTERS 16
 
+/* Embedded in zd_rank_stats (an array of ZD_MAX_COLLECTIVE_COUNTERS), so
+ * it has no struct_size: its layout is fixed for as long as the soname is
+ * libzerod.so.1. */
 typedef struct zd_collective_counter {
   char level[16];
   char collective[24];
@@ -422,14 +458,17 @@ ZD_API zd_status zd_load_unit(zd_job *job, zd_unit unit, const float *values, ui
 /* torch.optim's parameter groups: each its own hyper-parameters, the job's
  * algorithm. Zero lr, beta1, beta2 and eps are the job's; weight_decay is
  * the job's unless has_weight_decay; momentum, dampening and nesterov are
- * taken as given. */
+ * taken as given. Initialise each with ZD_PARAM_GROUP_INIT. */
 typedef struct zd_param_group {
+  size_t struct_size;
   double lr, beta1, beta2, eps;
   double weight_decay;
   int has_weight_decay;
   double momentum, dampening;
   int nesterov;
 } zd_param_group;
+
+#define ZD_PARAM_GROUP_INIT ZD_SIZED_INIT(zd_param_group)
 
 /* The job's parameter groups (1..64) and, for each listed unit, the group
  * of each of its tensors (tensor_groups[i]: that unit's tensor count of
@@ -455,13 +494,17 @@ ZD_API zd_status zd_grad_norm(zd_job *job, double grad_scale, double *norm);
  * returns once the checkpoint is durable (or the job restored) or the call
  * failed. It is the checkpoint `zerodctl checkpoint save` would take
  * (docs/checkpoints.md): every rank's shard of the fp32 master weights and
- * optimizer state, under <checkpoint-dir>/<job>/<name>/. */
+ * optimizer state, under <checkpoint-dir>/<job>/<name>/. The info is
+ * initialised with ZD_CHECKPOINT_INFO_INIT. */
 typedef struct zd_checkpoint_info {
+  size_t struct_size;
   char name[65];    /* the checkpoint saved or restored */
   uint64_t step;    /* saved: the step it holds; restored: the job's step now */
   int64_t stall_ms; /* saved: longest time a rank held training to copy its state */
   int64_t total_ms; /* from the call to the coordinator's answer */
 } zd_checkpoint_info;
+
+#define ZD_CHECKPOINT_INFO_INIT ZD_SIZED_INIT(zd_checkpoint_info)
 
 /* Saves the job as checkpoint `name` of the job (1..64 of [A-Za-z0-9._-],
  * not starting with '.'; NULL or "" gives step-<step>). ZD_E_ALREADY_EXISTS
