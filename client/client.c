@@ -51,49 +51,6 @@ zd_status client__set_error(zd_status status, const char *format, ...) {
   return status;
 }
 
-/* The C status for a protocol Status value: its negation, as zerod.h
- * promises. A status this library does not know (or OK inside an Error,
- * which is a daemon bug) becomes ZD_E_INTERNAL so callers only ever see
- * documented codes. */
-static zd_status status_from_proto(int proto_status) {
-  if (proto_status >= ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT &&
-      proto_status <= ZEROD__V1__STATUS__STATUS_PROTOCOL)
-    return (zd_status)-proto_status;
-  return ZD_E_INTERNAL;
-}
-
-const char *zd_strerror(zd_status status) {
-  switch (status) {
-  case ZD_OK:
-    return "OK";
-  case ZD_E_INVALID_ARGUMENT:
-    return "invalid argument";
-  case ZD_E_NOT_FOUND:
-    return "not found";
-  case ZD_E_ALREADY_EXISTS:
-    return "already exists";
-  case ZD_E_FAILED_PRECONDITION:
-    return "failed precondition";
-  case ZD_E_RESOURCE_EXHAUSTED:
-    return "resource exhausted";
-  case ZD_E_PERMISSION_DENIED:
-    return "permission denied";
-  case ZD_E_UNAVAILABLE:
-    return "unavailable";
-  case ZD_E_INTERNAL:
-    return "internal error";
-  case ZD_E_ABORTED:
-    return "aborted";
-  case ZD_E_PROTOCOL:
-    return "protocol error";
-  case ZD_E_NOMEM:
-    return "out of memory";
-  case ZD_E_IO:
-    return "I/O error";
-  }
-  return "unknown error";
-}
-
 const char *zd_last_error(void) {
   return last_error_text;
 }
@@ -233,7 +190,7 @@ static void client_mark_dead_by_notice(zd_client *client, int proto_status, cons
     client_mark_dead(client, "daemon is shutting down: %s", message);
   } else {
     client_mark_dead(client, "zerod refused the session: %s", message);
-    client->dead_status = status_from_proto(proto_status);
+    client->dead_status = client__status_from_wire(proto_status);
   }
 }
 
@@ -449,7 +406,7 @@ static zd_status client_route_frame(zd_client *client, const char *what, stashed
     const Zerod__V1__Error *error = (const Zerod__V1__Error *)decoded;
     if (client->deferred_status == ZD_OK) {
       char name[96];
-      client->deferred_status = status_from_proto(error->status);
+      client->deferred_status = client__status_from_wire(error->status);
       snprintf(client->deferred_message, sizeof client->deferred_message, "%s: %s",
                no_reply_name(client, request_id, name, sizeof name), error->message);
     }
@@ -522,7 +479,7 @@ zd_status client__wait(zd_client *client, uint64_t request_id, uint16_t reply_ty
   if (type == ZEROD__V1__MSG_TYPE__MSG_ERROR) {
     const Zerod__V1__Error *error = (const Zerod__V1__Error *)decoded;
     zd_status status =
-        client__set_error(status_from_proto(error->status), "%s: %s", what, error->message);
+        client__set_error(client__status_from_wire(error->status), "%s: %s", what, error->message);
     protobuf_c_message_free_unpacked(decoded, NULL);
     client__close_fds(frame.fds, frame.nfds);
     /* STATUS_PROTOCOL means the daemon is closing this session. */
@@ -999,8 +956,9 @@ zd_status client__unit_call_begin(zd_job *job, zd_unit unit_id, const char *verb
   if (status != ZD_OK)
     return status;
   *unit = client__job_find_unit(job, unit_id);
+  /* The daemon's answer for an id it does not know (client_status.c). */
   if (*unit == NULL)
-    return client__set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
+    return client__set_error(ZD_E_NOT_FOUND, "%s: no such unit known to this job", what);
   return ZD_OK;
 }
 

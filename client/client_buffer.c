@@ -393,6 +393,9 @@ zd_status zd_gather_wait(zd_job *job, const zd_pending *caller_pending, zd_view 
     client__close_fds(fds, nfds);
     return client__protocol_error(client, what, "gather reply is for unit %u", reply_unit);
   }
+  /* The daemon holds the unit now, whatever happens to the mapping below:
+   * the worker must release it either way. */
+  unit->gather_hold = GATHER_HOLD_HELD;
   void *base = NULL;
   size_t view_bytes = (size_t)buffer_bytes;
   buffer_mapping *gpu = NULL;
@@ -443,14 +446,25 @@ static void remember_no_reply(zd_client *client, uint64_t request_id, zd_unit un
 }
 
 /* Release is on every layer's critical path, so it costs one send and no
- * round trip: it goes out with NO_REPLY, and an error the daemon answers
- * anyway is kept as a deferred error for the next call that waits. */
+ * round trip: it goes out with NO_REPLY. So that its errors are still this
+ * call's, the library makes the daemon's checks first: a unit it does not
+ * know is ZD_E_NOT_FOUND, one it knows is not gathered (never gathered,
+ * released already, let go by a restore) ZD_E_FAILED_PRECONDITION, and
+ * neither is sent. What is left for the daemon to refuse is its own state
+ * (its request limit, its memory, its shutdown): such an error is kept as
+ * a deferred error for the next call that waits (zerod.h says how to tell
+ * it apart). */
 zd_status zd_release(zd_job *job, zd_unit unit_id) {
   char what[64];
   client_unit *unit;
   zd_status status = client__unit_call_begin(job, unit_id, "release", 0, what, sizeof what, &unit);
   if (status != ZD_OK)
     return status;
+  if (unit->gather_hold == GATHER_HOLD_NONE)
+    return client__set_error(ZD_E_FAILED_PRECONDITION,
+                             "%s: unit %s is not gathered (no gather's reply was taken since it "
+                             "was last released)",
+                             what, unit->name);
   zd_client *client = job->client;
   /* The worker is done with the view: a stable range stops mapping the
    * daemon's buffer before the daemon may reuse or free it. */
@@ -465,6 +479,7 @@ zd_status zd_release(zd_job *job, zd_unit unit_id) {
                         &request_id);
   if (status != ZD_OK)
     return status;
+  unit->gather_hold = GATHER_HOLD_NONE;
   remember_no_reply(client, request_id, unit_id, "release");
   /* The release went out all the same; the error says what happened to the
    * range (set by unit_cover_range). */

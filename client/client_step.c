@@ -70,6 +70,11 @@ zd_status zd_set_groups(zd_job *job, const zd_param_group *groups, unsigned ngro
                                            sizeof(zd_param_group), what, "groups",
                                            "ZD_PARAM_GROUP_INIT", &group_stride)) != ZD_OK)
     return status;
+  for (unsigned u = 0; u < nunits; u++) {
+    if (client__job_find_unit(job, units[u]) == NULL)
+      return client__set_error(ZD_E_NOT_FOUND, "%s: units[%u]: unit %u is not known to this job",
+                               what, u, (unsigned)units[u]);
+  }
   Zerod__V1__OptimizerConfig *configs = calloc(ngroups, sizeof *configs);
   Zerod__V1__OptimizerConfig **config_ptrs = calloc(ngroups, sizeof *config_ptrs);
   Zerod__V1__UnitGroups *unit_groups = calloc(nunits + 1, sizeof *unit_groups);
@@ -98,11 +103,6 @@ zd_status zd_set_groups(zd_job *job, const zd_param_group *groups, unsigned ngro
   }
   for (unsigned u = 0; u < nunits; u++) {
     client_unit *unit = client__job_find_unit(job, units[u]);
-    if (unit == NULL) {
-      status = client__set_error(ZD_E_INVALID_ARGUMENT, "%s: unit %u is not known to this job",
-                                 what, (unsigned)units[u]);
-      goto done;
-    }
     indices[u] = calloc(unit->ntensors + 1, sizeof *indices[u]);
     if (indices[u] == NULL) {
       status = client__set_error(ZD_E_NOMEM, "%s: out of memory", what);
@@ -171,6 +171,13 @@ static zd_status checkpoint_call(zd_job *job, Zerod__V1__CheckpointAction action
                                                 "ZD_CHECKPOINT_INFO_INIT")) != ZD_OK)
     return status;
   int restore = action == ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE;
+  /* A restore lets go of the units the worker held gathered once the
+   * daemon starts it, which a failed restore may or may not have reached:
+   * until it succeeds, a release is left for the daemon to judge. */
+  for (size_t u = 0; restore && u < job->unit_count; u++) {
+    if (job->units[u].gather_hold == GATHER_HOLD_HELD)
+      job->units[u].gather_hold = GATHER_HOLD_UNSURE;
+  }
   Zerod__V1__CheckpointRequest request = ZEROD__V1__CHECKPOINT_REQUEST__INIT;
   request.action = action;
   request.name = (char *)(name != NULL ? name : "");
@@ -198,6 +205,7 @@ static zd_status checkpoint_call(zd_job *job, Zerod__V1__CheckpointAction action
     if (job->stable_addresses && unit->held_gather_buffer != 0)
       (void)client__unit_cover_range(unit, what);
     unit->held_gather_buffer = 0;
+    unit->gather_hold = GATHER_HOLD_NONE;
   }
   return client__finish(job->client);
 }

@@ -418,8 +418,8 @@ static int fake_handle(fake_daemon *fake, const zd_frame_header *header, Protobu
     if (header->flags & ZD_FRAME_F_NO_REPLY)
       fake->release_no_reply_flags++;
     if (fake->release_error)
-      fake_error(fake, id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
-                 "unit is not gathered by this session");
+      fake_error(fake, id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                 "more than 64 requests in flight");
     return 0;
   case ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER: {
     uint32_t unit = ((const Zerod__V1__GradBufferRequest *)msg)->unit_id % MAX_UNITS;
@@ -957,19 +957,23 @@ static void test_grad_buffer_is_shared_and_writable(void **state) {
   fake_destroy(fake);
 }
 
-static void test_release_error_is_reported_by_the_next_call(void **state) {
+static void test_release_error_the_library_cannot_foresee_is_deferred(void **state) {
   fake_daemon *fake = fake_create();
   fake->release_error = 1;
   fake_start(fake);
   zd_client *client = connect_to(fake);
   zd_job *job = attach_job(client);
   zd_unit unit = register_unit(job, "layer0");
-  /* The release itself returns at once: it waits for nothing. */
+  zd_view view = ZD_VIEW_INIT;
+  gather_ok(job, unit, &view);
+  /* The release itself returns at once: it waits for nothing, and the
+   * library had every reason to send it. */
   assert_int_equal(zd_release(job, unit), ZD_OK);
-  /* The reduce succeeds on the daemon, but the worker learns of the
-   * release's failure from it, with the release named. */
-  assert_int_equal(zd_reduce(job, unit), ZD_E_FAILED_PRECONDITION);
-  assert_string_equal(zd_last_error(), "release unit 0: unit is not gathered by this session");
+  /* The daemon refused it for a reason of its own: the reduce succeeds on
+   * the daemon, and the worker learns of the release's failure from it,
+   * with the release named first. */
+  assert_int_equal(zd_reduce(job, unit), ZD_E_RESOURCE_EXHAUSTED);
+  assert_string_equal(zd_last_error(), "release unit 0: more than 64 requests in flight");
   /* Reported once. */
   assert_int_equal(zd_reduce(job, unit), ZD_OK);
   zd_close(client);
@@ -1250,7 +1254,7 @@ static void test_list_units_builds_the_unit_table(void **state) {
   zd_job *job = attach_with(client, 1, 0, 0);
   assert_int_equal(zd_job_unit_count(job), 0);
   zd_view view = ZD_VIEW_INIT;
-  assert_int_equal(zd_gather(job, 1, &view), ZD_E_INVALID_ARGUMENT);
+  assert_int_equal(zd_gather(job, 1, &view), ZD_E_NOT_FOUND);
   assert_message_contains("no such unit known to this job");
 
   unsigned count = 0;
@@ -1418,7 +1422,7 @@ static void test_load_unit_sends_rank0_values_in_a_memfd(void **state) {
   /* Rank 0 must give the values. */
   assert_int_equal(zd_load_unit(job, unit, NULL, NULL), ZD_E_INVALID_ARGUMENT);
   assert_message_contains("load unit 1: rank 0 must pass the unit's values");
-  assert_int_equal(zd_load_unit(job, 42, NULL, NULL), ZD_E_INVALID_ARGUMENT);
+  assert_int_equal(zd_load_unit(job, 42, NULL, NULL), ZD_E_NOT_FOUND);
   assert_int_equal(zd_load_unit(NULL, unit, NULL, NULL), ZD_E_INVALID_ARGUMENT);
   float values[18];
   for (int i = 0; i < 18; i++)
@@ -1749,7 +1753,7 @@ static void test_invalid_arguments_are_refused(void **state) {
 
   zd_view view = ZD_VIEW_INIT;
   zd_pending pending = ZD_PENDING_INIT;
-  assert_int_equal(zd_gather(job, 42, &view), ZD_E_INVALID_ARGUMENT);
+  assert_int_equal(zd_gather(job, 42, &view), ZD_E_NOT_FOUND);
   assert_message_contains("gather unit 42");
   assert_int_equal(zd_gather(job, 0, NULL), ZD_E_INVALID_ARGUMENT);
   assert_int_equal(zd_gather(NULL, 0, &view), ZD_E_INVALID_ARGUMENT);
@@ -1758,10 +1762,10 @@ static void test_invalid_arguments_are_refused(void **state) {
   pending.request_id = 12345;
   pending.unit = 42;
   assert_int_equal(zd_gather_wait(job, &pending, &view), ZD_E_INVALID_ARGUMENT);
-  assert_int_equal(zd_release(job, 42), ZD_E_INVALID_ARGUMENT);
+  assert_int_equal(zd_release(job, 42), ZD_E_NOT_FOUND);
   assert_int_equal(zd_release(NULL, 0), ZD_E_INVALID_ARGUMENT);
-  assert_int_equal(zd_grad_buffer(job, 42, &view), ZD_E_INVALID_ARGUMENT);
-  assert_int_equal(zd_reduce(job, 42), ZD_E_INVALID_ARGUMENT);
+  assert_int_equal(zd_grad_buffer(job, 42, &view), ZD_E_NOT_FOUND);
+  assert_int_equal(zd_reduce(job, 42), ZD_E_NOT_FOUND);
   assert_int_equal(zd_step(NULL, NULL, NULL), ZD_E_INVALID_ARGUMENT);
   zd_step_options step_options = {0};
   assert_int_equal(zd_step(job, &step_options, NULL), ZD_E_INVALID_ARGUMENT);
@@ -1816,7 +1820,7 @@ int main(void) {
       cmocka_unit_test(test_gather_view_points_at_placements),
       cmocka_unit_test(test_out_of_order_replies_are_matched_by_id),
       cmocka_unit_test(test_grad_buffer_is_shared_and_writable),
-      cmocka_unit_test(test_release_error_is_reported_by_the_next_call),
+      cmocka_unit_test(test_release_error_the_library_cannot_foresee_is_deferred),
       cmocka_unit_test(test_async_reduce_waits_for_nothing_and_defers_its_error),
       cmocka_unit_test(test_shutdown_notice_makes_calls_unavailable),
       cmocka_unit_test(test_undecodable_reply_is_a_protocol_error),
