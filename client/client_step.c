@@ -70,7 +70,14 @@ zd_status zd_set_groups(zd_job *job, const zd_param_group *groups, unsigned ngro
                                            sizeof(zd_param_group), what, "groups",
                                            "ZD_PARAM_GROUP_INIT", &group_stride)) != ZD_OK)
     return status;
+  /* Every unit's indices are read below, so every pointer is checked
+   * first: a NULL one would crash the worker. */
   for (unsigned u = 0; u < nunits; u++) {
+    if (tensor_groups[u] == NULL)
+      return client__set_error(ZD_E_INVALID_ARGUMENT,
+                               "%s: tensor_groups[%u] (unit %u) is NULL; pass the group of each "
+                               "of the unit's tensors",
+                               what, u, (unsigned)units[u]);
     if (client__job_find_unit(job, units[u]) == NULL)
       return client__set_error(ZD_E_NOT_FOUND, "%s: units[%u]: unit %u is not known to this job",
                                what, u, (unsigned)units[u]);

@@ -224,6 +224,24 @@ static void test_every_wire_status_maps_to_its_api_status(void **state) {
  * Arguments
  * ------------------------------------------------------------------------ */
 
+static void test_set_groups_refuses_a_null_tensor_groups_entry(void **state) {
+  session s;
+  open_session(&s, "groups-null-entry");
+  zd_param_group groups[2] = {ZD_PARAM_GROUP_INIT, ZD_PARAM_GROUP_INIT};
+  groups[1].lr = 0.25;
+  const zd_unit units[2] = {s.a, s.b};
+  const unsigned a_groups[2] = {0, 1};
+  const unsigned *tensor_groups[2] = {a_groups, NULL};
+  assert_int_equal(zd_set_groups(s.job, groups, 2, units, tensor_groups, 2), ZD_E_INVALID_ARGUMENT);
+  assert_message_contains("tensor_groups[1] (unit 1) is NULL");
+  /* With every entry given, the same call works. */
+  const unsigned b_groups[1] = {1};
+  tensor_groups[1] = b_groups;
+  OK(zd_set_groups(s.job, groups, 2, units, tensor_groups, 2));
+  OK(zd_step(s.job, NULL, NULL));
+  close_session(&s);
+}
+
 static void test_sized_arrays_need_one_struct_size_in_every_element(void **state) {
   session s;
   open_session(&s, "sized-arrays");
@@ -365,6 +383,7 @@ int main(void) {
       cmocka_unit_test(test_release_after_a_restore_fails_in_the_release),
       cmocka_unit_test(test_unknown_unit_is_not_found_from_every_call),
       cmocka_unit_test(test_every_wire_status_maps_to_its_api_status),
+      cmocka_unit_test(test_set_groups_refuses_a_null_tensor_groups_entry),
       cmocka_unit_test(test_sized_arrays_need_one_struct_size_in_every_element),
       cmocka_unit_test(test_outputs_end_at_the_callers_struct_size),
       cmocka_unit_test(test_unusable_struct_size_is_refused_before_the_request),
