@@ -678,7 +678,9 @@ class Unit:
         return Gathered(self, view, writable=False)
 
     def release(self) -> None:
-        """Releases a gathered unit (one-way; errors surface on the next call)."""
+        """Releases a gathered unit (one-way: no round trip). A unit that is
+        not gathered raises here (FailedPreconditionError); only an error of
+        the daemon's own state surfaces on the next call that waits."""
         _check(self.job._lib.zd_release(self.job._handle, self.id), "release %s" % self.name)
 
     def grad_buffer(self) -> "Buffer":
