@@ -103,10 +103,13 @@ typedef enum zd_init {
  * without a new soname (docs/client.md, "ABI policy"). Initialise each with
  * its ZD_*_INIT: struct_size set, every other field zero (the default).
  * The library reads no field of an input past the caller's struct_size
- * (those read as zero), and writes no byte of an output at or past it; a
- * struct_size too small for the call is ZD_E_INVALID_ARGUMENT before the
- * call does anything. Arrays of sized structs are read with element 0's
- * struct_size as the stride, which every element must carry. Two structs
+ * (those read as zero), and writes no byte of an output at or past it. A
+ * struct_size the call cannot use (too small for the fields it needs, or
+ * larger than this library's struct: a program built against a newer
+ * zerod.h, or a struct never initialised) is ZD_E_INVALID_ARGUMENT before
+ * the call does anything (zd_job_stats alone accepts a larger one, see
+ * there). Arrays of sized structs are read with element 0's struct_size as
+ * the stride, which every element must carry. Two structs
  * carry no size and never change while the soname is libzerod.so.1:
  * zd_tensor_view, which only the library allocates (in tables the caller
  * indexes), and zd_collective_counter, which zd_rank_stats embeds.
