@@ -496,8 +496,10 @@ zd_status client__wait(zd_client *client, uint64_t request_id, uint16_t reply_ty
 }
 
 /* A call whose own request succeeded reports a deferred error (from an
- * earlier release) if one arrived: its effect has happened, but the worker
- * learns that the job is in trouble. */
+ * earlier asynchronous reduce, or a release the daemon refused for its own
+ * reasons) if one arrived: its effect has happened, but the worker learns
+ * that the job is in trouble. The message starts with the earlier
+ * request's name, which is how zerod.h tells callers to recognise it. */
 zd_status client__finish(zd_client *client) {
   if (client->deferred_status == ZD_OK)
     return ZD_OK;
