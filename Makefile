@@ -26,6 +26,10 @@
 #                   user: versions, files, config, and the C example trained
 #                   through the image's zerod; makes the image if it is missing
 #   make format     clang-format every C/CUDA source
+#   make abi-baseline  write libzerod's ABI, as this build has it, into
+#                   client/abi/ as the baseline the test abi.check compares
+#                   with: only in the commit that changes the ABI on purpose
+#                   (docs/client.md, "ABI policy"); needs abigail-tools
 
 BUILD      ?= build/release
 ASAN_BUILD ?= build/asan
@@ -40,7 +44,7 @@ CTEST      := ctest --output-on-failure --timeout 900
 
 .PHONY: all build deps test test-asan test-gpu demo demo-mlp bench install image test-image fuzz \
   fuzz-merge \
-  format clean
+  format abi-baseline clean
 
 all: build
 
@@ -158,6 +162,11 @@ fuzz-merge:
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h' '*.cu' '*.cc')
+
+abi-baseline:
+	scripts/deps.sh test
+	$(MAKE) build
+	cmake --build $(BUILD) --target abi-baseline
 
 clean:
 	rm -rf build

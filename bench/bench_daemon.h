@@ -91,7 +91,8 @@ static inline zd_status bench_job_with_unit(const char *socket, const char *name
   if ((st = zd_attach(client, &ao, job)) != ZD_OK)
     return st;
   uint64_t shape[1] = {numel};
-  zd_tensor_desc tensor = {.name = "w", .shape = shape, .ndim = 1};
+  zd_tensor_desc tensor = {
+      .struct_size = sizeof(zd_tensor_desc), .name = "w", .shape = shape, .ndim = 1};
   zd_unit_desc ud = ZD_UNIT_DESC_INIT;
   ud.name = "big";
   ud.tensors = &tensor;

@@ -121,7 +121,8 @@ static void bench_gather_release(int iters, int rounds) {
   if ((st = zd_attach(client, &ao, &job)) != ZD_OK)
     die("attach", st);
   uint64_t shape[1] = {1024}; /* 4 KiB of fp32 */
-  zd_tensor_desc tensor = {.name = "w", .shape = shape, .ndim = 1};
+  zd_tensor_desc tensor = {
+      .struct_size = sizeof(zd_tensor_desc), .name = "w", .shape = shape, .ndim = 1};
   zd_unit_desc ud = ZD_UNIT_DESC_INIT;
   ud.name = "small";
   ud.tensors = &tensor;
@@ -134,7 +135,7 @@ static void bench_gather_release(int iters, int rounds) {
   double *zerod_t = calloc((size_t)rounds, sizeof *zerod_t);
   double *raw_t = calloc((size_t)rounds, sizeof *raw_t);
   for (int r = 0; r < rounds; r++) {
-    zd_view view;
+    zd_view view = ZD_VIEW_INIT;
     double t0 = bench_now_s();
     for (int i = 0; i < iters; i++) {
       if ((st = zd_gather(job, unit, &view)) != ZD_OK)
@@ -186,7 +187,8 @@ static void *ag_main(void *arg) {
   if ((st = zd_attach(client, &ao, &job)) != ZD_OK)
     die("attach", st);
   uint64_t shape[1] = {AG_NUMEL};
-  zd_tensor_desc tensor = {.name = "w", .shape = shape, .ndim = 1};
+  zd_tensor_desc tensor = {
+      .struct_size = sizeof(zd_tensor_desc), .name = "w", .shape = shape, .ndim = 1};
   zd_unit units[2];
   for (int u = 0; u < 2; u++) {
     zd_unit_desc ud = ZD_UNIT_DESC_INIT;
@@ -200,7 +202,7 @@ static void *ag_main(void *arg) {
   double *t = calloc((size_t)w->iters, sizeof *t);
   for (int i = -2; i < w->iters; i++) {
     pthread_barrier_wait(w->barrier);
-    zd_view view;
+    zd_view view = ZD_VIEW_INIT;
     double t0 = bench_now_s();
     if ((st = zd_gather(job, units[(i + 2) & 1], &view)) != ZD_OK)
       die("gather", st);

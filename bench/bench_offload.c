@@ -70,7 +70,7 @@ static zd_job *make_job(const char *name, zd_offload_device offload, uint64_t nu
 }
 
 static double step_seconds(zd_job *job, zd_unit unit) {
-  zd_view grad;
+  zd_view grad = ZD_VIEW_INIT;
   zd_status st = zd_grad_buffer(job, unit, &grad);
   if (st != ZD_OK)
     die("grad_buffer", st);
@@ -81,7 +81,7 @@ static double step_seconds(zd_job *job, zd_unit unit) {
   if (st != ZD_OK)
     die("reduce", st);
   double t0 = bench_now_s();
-  zd_step_result result;
+  zd_step_result result = ZD_STEP_RESULT_INIT;
   if ((st = zd_step(job, NULL, &result)) != ZD_OK)
     die("step", st);
   return bench_now_s() - t0;

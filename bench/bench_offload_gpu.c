@@ -83,7 +83,7 @@ static zd_job *make_job(const char *name, zd_offload_device offload, uint64_t nu
 
 static double step_seconds(zd_job *job) {
   double t0 = bench_now_s();
-  zd_step_result result;
+  zd_step_result result = ZD_STEP_RESULT_INIT;
   zd_status st = zd_step(job, NULL, &result);
   if (st != ZD_OK)
     die("step", st);

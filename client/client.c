@@ -51,49 +51,6 @@ zd_status client__set_error(zd_status status, const char *format, ...) {
   return status;
 }
 
-/* The C status for a protocol Status value: its negation, as zerod.h
- * promises. A status this library does not know (or OK inside an Error,
- * which is a daemon bug) becomes ZD_E_INTERNAL so callers only ever see
- * documented codes. */
-static zd_status status_from_proto(int proto_status) {
-  if (proto_status >= ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT &&
-      proto_status <= ZEROD__V1__STATUS__STATUS_PROTOCOL)
-    return (zd_status)-proto_status;
-  return ZD_E_INTERNAL;
-}
-
-const char *zd_strerror(zd_status status) {
-  switch (status) {
-  case ZD_OK:
-    return "OK";
-  case ZD_E_INVALID_ARGUMENT:
-    return "invalid argument";
-  case ZD_E_NOT_FOUND:
-    return "not found";
-  case ZD_E_ALREADY_EXISTS:
-    return "already exists";
-  case ZD_E_FAILED_PRECONDITION:
-    return "failed precondition";
-  case ZD_E_RESOURCE_EXHAUSTED:
-    return "resource exhausted";
-  case ZD_E_PERMISSION_DENIED:
-    return "permission denied";
-  case ZD_E_UNAVAILABLE:
-    return "unavailable";
-  case ZD_E_INTERNAL:
-    return "internal error";
-  case ZD_E_ABORTED:
-    return "aborted";
-  case ZD_E_PROTOCOL:
-    return "protocol error";
-  case ZD_E_NOMEM:
-    return "out of memory";
-  case ZD_E_IO:
-    return "I/O error";
-  }
-  return "unknown error";
-}
-
 const char *zd_last_error(void) {
   return last_error_text;
 }
@@ -180,31 +137,6 @@ void client__mapping_free(buffer_mapping *mapping) {
   mapping->fd = -1;
 }
 
-/* Options structs carry their size so that fields can be added later. A
- * caller's struct is copied into a zeroed local one: fields the caller's
- * (older) header does not have read as zero, the documented default. A size
- * larger than this library knows means the caller asked for something this
- * library cannot do, so it is refused rather than silently ignored. */
-zd_status client__copy_sized_struct(void *dst, size_t dst_bytes, const void *src, size_t min_bytes,
-                                    const char *what, const char *initialiser) {
-  size_t src_bytes;
-  memcpy(&src_bytes, src, sizeof src_bytes);
-  if (src_bytes < min_bytes)
-    return client__set_error(
-        ZD_E_INVALID_ARGUMENT,
-        "%s: struct_size %zu is too small (at least %zu); initialise it with %s", what, src_bytes,
-        min_bytes, initialiser);
-  if (src_bytes > dst_bytes)
-    return client__set_error(
-        ZD_E_INVALID_ARGUMENT,
-        "%s: struct_size %zu is larger than this libzerod knows (%zu); the program "
-        "was built against a newer zerod.h",
-        what, src_bytes, dst_bytes);
-  memset(dst, 0, dst_bytes);
-  memcpy(dst, src, src_bytes);
-  return ZD_OK;
-}
-
 /* ------------------------------------------------------------------------
  * Connection state
  * ------------------------------------------------------------------------ */
@@ -258,7 +190,7 @@ static void client_mark_dead_by_notice(zd_client *client, int proto_status, cons
     client_mark_dead(client, "daemon is shutting down: %s", message);
   } else {
     client_mark_dead(client, "zerod refused the session: %s", message);
-    client->dead_status = status_from_proto(proto_status);
+    client->dead_status = client__status_from_wire(proto_status);
   }
 }
 
@@ -474,7 +406,7 @@ static zd_status client_route_frame(zd_client *client, const char *what, stashed
     const Zerod__V1__Error *error = (const Zerod__V1__Error *)decoded;
     if (client->deferred_status == ZD_OK) {
       char name[96];
-      client->deferred_status = status_from_proto(error->status);
+      client->deferred_status = client__status_from_wire(error->status);
       snprintf(client->deferred_message, sizeof client->deferred_message, "%s: %s",
                no_reply_name(client, request_id, name, sizeof name), error->message);
     }
@@ -547,7 +479,7 @@ zd_status client__wait(zd_client *client, uint64_t request_id, uint16_t reply_ty
   if (type == ZEROD__V1__MSG_TYPE__MSG_ERROR) {
     const Zerod__V1__Error *error = (const Zerod__V1__Error *)decoded;
     zd_status status =
-        client__set_error(status_from_proto(error->status), "%s: %s", what, error->message);
+        client__set_error(client__status_from_wire(error->status), "%s: %s", what, error->message);
     protobuf_c_message_free_unpacked(decoded, NULL);
     client__close_fds(frame.fds, frame.nfds);
     /* STATUS_PROTOCOL means the daemon is closing this session. */
@@ -564,8 +496,10 @@ zd_status client__wait(zd_client *client, uint64_t request_id, uint16_t reply_ty
 }
 
 /* A call whose own request succeeded reports a deferred error (from an
- * earlier release) if one arrived: its effect has happened, but the worker
- * learns that the job is in trouble. */
+ * earlier asynchronous reduce, or a release the daemon refused for its own
+ * reasons) if one arrived: its effect has happened, but the worker learns
+ * that the job is in trouble. The message starts with the earlier
+ * request's name, which is how zerod.h tells callers to recognise it. */
 zd_status client__finish(zd_client *client) {
   if (client->deferred_status == ZD_OK)
     return ZD_OK;
@@ -955,16 +889,13 @@ int zd_job_read_only(const zd_job *job) {
 zd_status zd_job_effective_config(const zd_job *job, zd_job_config *out) {
   if (job == NULL || out == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT, "job config: job and out must not be NULL");
-  /* The caller's struct_size says how much of the struct it has; like the
-   * options structs, one larger than this library knows is refused. */
-  size_t size = out->struct_size;
-  if (size < sizeof out->struct_size || size > sizeof *out)
-    return client__set_error(ZD_E_INVALID_ARGUMENT,
-                             "job config: struct_size %zu is not in %zu..%zu; initialise it with "
-                             "ZD_JOB_CONFIG_INIT",
-                             size, sizeof out->struct_size, sizeof *out);
-  memcpy((char *)out + sizeof out->struct_size, (const char *)&job->config + sizeof size,
-         size - sizeof size);
+  /* The caller's struct_size says how much of the struct it has: the
+   * fields that fit are written (client_sized.c). */
+  zd_status status =
+      SIZED_OUT_CHECK(out, zd_job_config, optimizer, "job config", "ZD_JOB_CONFIG_INIT");
+  if (status != ZD_OK)
+    return status;
+  client__sized_out_write(out, &job->config, sizeof job->config);
   return ZD_OK;
 }
 
@@ -1027,8 +958,9 @@ zd_status client__unit_call_begin(zd_job *job, zd_unit unit_id, const char *verb
   if (status != ZD_OK)
     return status;
   *unit = client__job_find_unit(job, unit_id);
+  /* The daemon's answer for an id it does not know (client_status.c). */
   if (*unit == NULL)
-    return client__set_error(ZD_E_INVALID_ARGUMENT, "%s: no such unit known to this job", what);
+    return client__set_error(ZD_E_NOT_FOUND, "%s: no such unit known to this job", what);
   return ZD_OK;
 }
 
@@ -1066,18 +998,23 @@ unsigned zd_job_unit_count(const zd_job *job) {
 zd_status zd_job_unit_info(const zd_job *job, unsigned index, zd_unit_info *out) {
   if (job == NULL || out == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT, "unit info: job and out must not be NULL");
+  zd_status status = SIZED_OUT_CHECK(out, zd_unit_info, unit, "unit info", "ZD_UNIT_INFO_INIT");
+  if (status != ZD_OK)
+    return status;
   if (index >= job->unit_count)
     return client__set_error(ZD_E_INVALID_ARGUMENT,
                              "unit info: index %u is past the %zu units job %s knows (see "
                              "zd_job_unit_count)",
                              index, job->unit_count, job->name);
   const client_unit *unit = &job->units[index];
-  out->unit = unit->unit_id;
-  out->name = unit->name;
-  out->ntensors = unit->ntensors;
-  out->tensors = unit->info_tensors;
-  out->numel = unit->numel;
-  out->padded_numel = unit->padded_numel;
-  out->dtype = unit->working_dtype;
+  zd_unit_info info = ZD_UNIT_INFO_INIT;
+  info.unit = unit->unit_id;
+  info.name = unit->name;
+  info.ntensors = unit->ntensors;
+  info.tensors = unit->info_tensors;
+  info.numel = unit->numel;
+  info.padded_numel = unit->padded_numel;
+  info.dtype = unit->working_dtype;
+  client__sized_out_write(out, &info, sizeof info);
   return ZD_OK;
 }

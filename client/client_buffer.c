@@ -285,9 +285,10 @@ void client__close_cuda_buffers(zd_client *client) {
   }
 }
 
-/* Points the unit's tensor table into a buffer and fills the view. Every
- * tensor must lie inside the buffer, or the worker would read past it.
- * gpu is the GPU buffer's entry, or NULL for shared memory. */
+/* Points the unit's tensor table into a buffer and fills the view (as far
+ * as the caller's struct_size reaches: client_sized.c). Every tensor must
+ * lie inside the buffer, or the worker would read past it. gpu is the GPU
+ * buffer's entry, or NULL for shared memory. */
 static zd_status fill_view(zd_client *client, client_unit *unit, zd_tensor_view *tensors,
                            void *base, uint64_t buffer_bytes, zd_dtype dtype, uint64_t version,
                            const buffer_mapping *gpu, const char *what, zd_view *out) {
@@ -303,14 +304,16 @@ static zd_status fill_view(zd_client *client, client_unit *unit, zd_tensor_view 
                                     (unsigned long long)buffer_bytes);
     tensors[t].data = (char *)base + tensors[t].offset * elem_bytes;
   }
-  out->base = base;
-  out->bytes = (size_t)buffer_bytes;
-  out->dtype = dtype;
-  out->version = version;
-  out->ntensors = unit->ntensors;
-  out->tensors = tensors;
-  out->device = gpu != NULL ? gpu->device : -1;
-  out->event = gpu != NULL ? gpu->event : NULL;
+  zd_view view = ZD_VIEW_INIT;
+  view.base = base;
+  view.bytes = (size_t)buffer_bytes;
+  view.dtype = dtype;
+  view.version = version;
+  view.ntensors = unit->ntensors;
+  view.tensors = tensors;
+  view.device = gpu != NULL ? gpu->device : -1;
+  view.event = gpu != NULL ? gpu->event : NULL;
+  client__sized_out_write(out, &view, sizeof view);
   return ZD_OK;
 }
 
@@ -320,12 +323,16 @@ static zd_status fill_view(zd_client *client, client_unit *unit, zd_tensor_view 
 
 zd_status zd_gather_async(zd_job *job, zd_unit unit_id, zd_pending *out) {
   char what[64];
-  client_unit *unit;
-  zd_status status = client__unit_call_begin(job, unit_id, "gather", 0, what, sizeof what, &unit);
-  if (status != ZD_OK)
-    return status;
+  snprintf(what, sizeof what, "gather unit %u", (unsigned)unit_id);
   if (out == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT, "%s: out is NULL", what);
+  zd_status status = SIZED_OUT_CHECK(out, zd_pending, unit, what, "ZD_PENDING_INIT");
+  if (status != ZD_OK)
+    return status;
+  client_unit *unit;
+  if ((status = client__unit_call_begin(job, unit_id, "gather", 0, what, sizeof what, &unit)) !=
+      ZD_OK)
+    return status;
   Zerod__V1__GatherRequest request = ZEROD__V1__GATHER_REQUEST__INIT;
   request.unit_id = unit_id;
   uint64_t request_id;
@@ -333,18 +340,29 @@ zd_status zd_gather_async(zd_job *job, zd_unit unit_id, zd_pending *out) {
                         what, &request_id);
   if (status != ZD_OK)
     return status;
-  out->request_id = request_id;
-  out->unit = unit_id;
+  zd_pending pending = ZD_PENDING_INIT;
+  pending.request_id = request_id;
+  pending.unit = unit_id;
+  client__sized_out_write(out, &pending, sizeof pending);
   return ZD_OK;
 }
 
-zd_status zd_gather_wait(zd_job *job, const zd_pending *pending, zd_view *out) {
-  if (pending == NULL || out == NULL)
+zd_status zd_gather_wait(zd_job *job, const zd_pending *caller_pending, zd_view *out) {
+  if (caller_pending == NULL || out == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT, "gather: pending and out must not be NULL");
+  zd_pending local_pending, *pending = &local_pending;
+  zd_status status = client__copy_sized_struct(pending, sizeof *pending, caller_pending,
+                                               SIZED_THROUGH(zd_pending, unit), "gather: pending",
+                                               "ZD_PENDING_INIT");
+  if (status != ZD_OK)
+    return status;
   char what[64];
   snprintf(what, sizeof what, "gather unit %u", (unsigned)pending->unit);
-  zd_status status = client__job_check(job, what);
-  if (status != ZD_OK)
+  /* Before the wait: a view refused after it would leave the unit gathered
+   * on the daemon's side with nothing to show for it. */
+  if ((status = SIZED_OUT_CHECK(out, zd_view, base, what, "ZD_VIEW_INIT")) != ZD_OK)
+    return status;
+  if ((status = client__job_check(job, what)) != ZD_OK)
     return status;
   zd_client *client = job->client;
   client_unit *unit = client__job_find_unit(job, pending->unit);
@@ -375,6 +393,9 @@ zd_status zd_gather_wait(zd_job *job, const zd_pending *pending, zd_view *out) {
     client__close_fds(fds, nfds);
     return client__protocol_error(client, what, "gather reply is for unit %u", reply_unit);
   }
+  /* The daemon holds the unit now, whatever happens to the mapping below:
+   * the worker must release it either way. */
+  unit->gather_hold = GATHER_HOLD_HELD;
   void *base = NULL;
   size_t view_bytes = (size_t)buffer_bytes;
   buffer_mapping *gpu = NULL;
@@ -402,11 +423,15 @@ zd_status zd_gather_wait(zd_job *job, const zd_pending *pending, zd_view *out) {
 }
 
 zd_status zd_gather(zd_job *job, zd_unit unit_id, zd_view *out) {
+  char what[64];
+  snprintf(what, sizeof what, "gather unit %u", (unsigned)unit_id);
   if (out == NULL)
-    return client__set_error(ZD_E_INVALID_ARGUMENT, "gather unit %u: out is NULL",
-                             (unsigned)unit_id);
-  zd_pending pending;
-  zd_status status = zd_gather_async(job, unit_id, &pending);
+    return client__set_error(ZD_E_INVALID_ARGUMENT, "%s: out is NULL", what);
+  zd_status status = SIZED_OUT_CHECK(out, zd_view, base, what, "ZD_VIEW_INIT");
+  if (status != ZD_OK)
+    return status;
+  zd_pending pending = ZD_PENDING_INIT;
+  status = zd_gather_async(job, unit_id, &pending);
   if (status != ZD_OK)
     return status;
   return zd_gather_wait(job, &pending, out);
@@ -421,14 +446,25 @@ static void remember_no_reply(zd_client *client, uint64_t request_id, zd_unit un
 }
 
 /* Release is on every layer's critical path, so it costs one send and no
- * round trip: it goes out with NO_REPLY, and an error the daemon answers
- * anyway is kept as a deferred error for the next call that waits. */
+ * round trip: it goes out with NO_REPLY. So that its errors are still this
+ * call's, the library makes the daemon's checks first: a unit it does not
+ * know is ZD_E_NOT_FOUND, one it knows is not gathered (never gathered,
+ * released already, let go by a restore) ZD_E_FAILED_PRECONDITION, and
+ * neither is sent. What is left for the daemon to refuse is its own state
+ * (its request limit, its memory, its shutdown): such an error is kept as
+ * a deferred error for the next call that waits (zerod.h says how to tell
+ * it apart). */
 zd_status zd_release(zd_job *job, zd_unit unit_id) {
   char what[64];
   client_unit *unit;
   zd_status status = client__unit_call_begin(job, unit_id, "release", 0, what, sizeof what, &unit);
   if (status != ZD_OK)
     return status;
+  if (unit->gather_hold == GATHER_HOLD_NONE)
+    return client__set_error(ZD_E_FAILED_PRECONDITION,
+                             "%s: unit %s is not gathered (no gather's reply was taken since it "
+                             "was last released)",
+                             what, unit->name);
   zd_client *client = job->client;
   /* The worker is done with the view: a stable range stops mapping the
    * daemon's buffer before the daemon may reuse or free it. */
@@ -443,6 +479,7 @@ zd_status zd_release(zd_job *job, zd_unit unit_id) {
                         &request_id);
   if (status != ZD_OK)
     return status;
+  unit->gather_hold = GATHER_HOLD_NONE;
   remember_no_reply(client, request_id, unit_id, "release");
   /* The release went out all the same; the error says what happened to the
    * range (set by unit_cover_range). */
@@ -451,13 +488,16 @@ zd_status zd_release(zd_job *job, zd_unit unit_id) {
 
 zd_status zd_grad_buffer(zd_job *job, zd_unit unit_id, zd_view *out) {
   char what[64];
-  client_unit *unit;
-  zd_status status =
-      client__unit_call_begin(job, unit_id, "grad buffer", 1, what, sizeof what, &unit);
-  if (status != ZD_OK)
-    return status;
+  snprintf(what, sizeof what, "grad buffer unit %u", (unsigned)unit_id);
   if (out == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT, "%s: out is NULL", what);
+  zd_status status = SIZED_OUT_CHECK(out, zd_view, base, what, "ZD_VIEW_INIT");
+  if (status != ZD_OK)
+    return status;
+  client_unit *unit;
+  if ((status = client__unit_call_begin(job, unit_id, "grad buffer", 1, what, sizeof what,
+                                        &unit)) != ZD_OK)
+    return status;
   zd_client *client = job->client;
   Zerod__V1__GradBufferRequest request = ZEROD__V1__GRAD_BUFFER_REQUEST__INIT;
   request.unit_id = unit_id;
@@ -544,9 +584,15 @@ zd_status zd_reduce_async(zd_job *job, zd_unit unit_id) {
 /* A view of shared memory needs no ordering (the daemon's work on it is
  * complete when the reply arrives), so both calls accept it and do nothing:
  * a worker can call them whatever the daemon's device. */
-static zd_status view_event_call(const zd_view *view, void *stream, int record, const char *what) {
-  if (view == NULL)
+static zd_status view_event_call(const zd_view *caller_view, void *stream, int record,
+                                 const char *what) {
+  if (caller_view == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT, "%s: view is NULL", what);
+  zd_view local_view, *view = &local_view;
+  zd_status status = client__copy_sized_struct(view, sizeof *view, caller_view,
+                                               SIZED_THROUGH(zd_view, event), what, "ZD_VIEW_INIT");
+  if (status != ZD_OK)
+    return status;
   if (view->device < 0)
     return ZD_OK;
   const zk_cuda_api *api = client__cuda_api(NULL, 0);

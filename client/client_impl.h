@@ -8,6 +8,10 @@
  *                    reduces, GPU buffers' ordering
  *   client_step.c    steps, parameter groups, gradient norms, checkpoints,
  *                    detach
+ *   client_status.c  the one table between the wire's Status codes and
+ *                    zd_status, and zd_strerror
+ *   client_sized.c   structs that carry their size (struct_size): reading
+ *                    the caller's inputs, writing its outputs
  *
  * The types below are the library's state; the client__ functions are its
  * helpers, defined in the file their section names. */
@@ -103,6 +107,13 @@ typedef struct client_unit {
    * (0: none). A buffer named here is never unmapped when dropped. */
   uint32_t held_gather_buffer;
   uint32_t held_grad_buffer;
+  /* Whether the daemon holds the unit gathered for this session, as far as
+   * the library can tell: a gather's reply was taken and no release or
+   * restore came since. zd_release refuses a unit known not to be held
+   * itself (the daemon would refuse it too, but only after the call had
+   * returned); GATHER_HOLD_UNSURE, after a restore that failed, sends the
+   * release and lets the daemon decide. */
+  enum { GATHER_HOLD_NONE = 0, GATHER_HOLD_HELD, GATHER_HOLD_UNSURE } gather_hold;
   /* Stable-address jobs: the unit's reserved range, page-rounded to its
    * gathered layout (NULL until reserved). While the unit is gathered it
    * maps held_gather_buffer; otherwise it is PROT_NONE anonymous memory. */
@@ -183,8 +194,30 @@ zd_status client__send(zd_client *client, uint16_t type, const ProtobufCMessage 
 zd_status client__wait(zd_client *client, uint64_t request_id, uint16_t reply_type,
                        const char *what, ProtobufCMessage **reply, int *fds, unsigned *nfds);
 void client__close_fds(int *fds, unsigned nfds);
+
+/* client_status.c */
+zd_status client__status_from_wire(int wire_status);
+int client__status_to_wire(zd_status status);
+
+/* client_sized.c. SIZED_THROUGH(type, field) is the struct_size of a
+ * caller's struct that ends with `field`: the least a call accepts where
+ * the fields up to it are needed. */
+#define SIZED_THROUGH(type, field) (offsetof(type, field) + sizeof(((type *)0)->field))
 zd_status client__copy_sized_struct(void *dst, size_t dst_bytes, const void *src, size_t min_bytes,
                                     const char *what, const char *initialiser);
+zd_status client__sized_array_stride(const void *array, unsigned count, size_t min_bytes,
+                                     size_t max_bytes, const char *what, const char *array_name,
+                                     const char *initialiser, size_t *stride_out);
+void client__sized_array_element(void *dst, size_t dst_bytes, const void *array, size_t stride,
+                                 unsigned index);
+zd_status client__sized_out_check(const void *out, size_t min_bytes, size_t max_bytes,
+                                  const char *what, const char *initialiser);
+/* client__sized_out_check of an output struct of `type`. */
+#define SIZED_OUT_CHECK(out, type, first_field, what, initialiser)                                 \
+  client__sized_out_check((out), SIZED_THROUGH(type, first_field), sizeof(type), (what),           \
+                          (initialiser))
+void client__sized_out_write(void *out, const void *full, size_t full_bytes);
+
 const zk_cuda_api *client__cuda_api(char *why, size_t why_bytes);
 size_t client__dtype_bytes(zd_dtype dtype);
 int client__dtype_from_proto(int proto_dtype, zd_dtype *out);

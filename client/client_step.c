@@ -11,6 +11,9 @@ zd_status zd_step(zd_job *job, const zd_step_options *caller_options, zd_step_re
   zd_status status = client__job_check_writable(job, what);
   if (status != ZD_OK)
     return status;
+  if (out != NULL && (status = SIZED_OUT_CHECK(out, zd_step_result, step, "step: result",
+                                               "ZD_STEP_RESULT_INIT")) != ZD_OK)
+    return status;
   zd_step_options options;
   memset(&options, 0, sizeof options);
   if (caller_options != NULL &&
@@ -40,11 +43,13 @@ zd_status zd_step(zd_job *job, const zd_step_options *caller_options, zd_step_re
   job->version = reply->version;
   job->loss_scale = reply->loss_scale;
   if (out != NULL) {
-    out->step = reply->step;
-    out->version = reply->version;
-    out->grad_norm = reply->grad_norm;
-    out->skipped = reply->skipped;
-    out->loss_scale = reply->loss_scale;
+    zd_step_result result = ZD_STEP_RESULT_INIT;
+    result.step = reply->step;
+    result.version = reply->version;
+    result.grad_norm = reply->grad_norm;
+    result.skipped = reply->skipped;
+    result.loss_scale = reply->loss_scale;
+    client__sized_out_write(out, &result, sizeof result);
   }
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   return client__finish(job->client);
@@ -60,6 +65,23 @@ zd_status zd_set_groups(zd_job *job, const zd_param_group *groups, unsigned ngro
   if (groups == NULL || ngroups == 0 || (nunits != 0 && (units == NULL || tensor_groups == NULL)))
     return client__set_error(ZD_E_INVALID_ARGUMENT,
                              "%s: groups, units and tensor_groups must be given", what);
+  size_t group_stride;
+  if ((status = client__sized_array_stride(groups, ngroups, SIZED_THROUGH(zd_param_group, lr),
+                                           sizeof(zd_param_group), what, "groups",
+                                           "ZD_PARAM_GROUP_INIT", &group_stride)) != ZD_OK)
+    return status;
+  /* Every unit's indices are read below, so every pointer is checked
+   * first: a NULL one would crash the worker. */
+  for (unsigned u = 0; u < nunits; u++) {
+    if (tensor_groups[u] == NULL)
+      return client__set_error(ZD_E_INVALID_ARGUMENT,
+                               "%s: tensor_groups[%u] (unit %u) is NULL; pass the group of each "
+                               "of the unit's tensors",
+                               what, u, (unsigned)units[u]);
+    if (client__job_find_unit(job, units[u]) == NULL)
+      return client__set_error(ZD_E_NOT_FOUND, "%s: units[%u]: unit %u is not known to this job",
+                               what, u, (unsigned)units[u]);
+  }
   Zerod__V1__OptimizerConfig *configs = calloc(ngroups, sizeof *configs);
   Zerod__V1__OptimizerConfig **config_ptrs = calloc(ngroups, sizeof *config_ptrs);
   Zerod__V1__UnitGroups *unit_groups = calloc(nunits + 1, sizeof *unit_groups);
@@ -71,26 +93,23 @@ zd_status zd_set_groups(zd_job *job, const zd_param_group *groups, unsigned ngro
     goto done;
   }
   for (unsigned g = 0; g < ngroups; g++) {
+    zd_param_group group;
+    client__sized_array_element(&group, sizeof group, groups, group_stride, g);
     Zerod__V1__OptimizerConfig *c = &configs[g];
     zerod__v1__optimizer_config__init(c);
-    c->lr = groups[g].lr;
-    c->beta1 = groups[g].beta1;
-    c->beta2 = groups[g].beta2;
-    c->eps = groups[g].eps;
-    c->weight_decay = groups[g].weight_decay;
-    c->has_weight_decay = groups[g].has_weight_decay != 0;
-    c->momentum = groups[g].momentum;
-    c->dampening = groups[g].dampening;
-    c->nesterov = groups[g].nesterov != 0;
+    c->lr = group.lr;
+    c->beta1 = group.beta1;
+    c->beta2 = group.beta2;
+    c->eps = group.eps;
+    c->weight_decay = group.weight_decay;
+    c->has_weight_decay = group.has_weight_decay != 0;
+    c->momentum = group.momentum;
+    c->dampening = group.dampening;
+    c->nesterov = group.nesterov != 0;
     config_ptrs[g] = c;
   }
   for (unsigned u = 0; u < nunits; u++) {
     client_unit *unit = client__job_find_unit(job, units[u]);
-    if (unit == NULL) {
-      status = client__set_error(ZD_E_INVALID_ARGUMENT, "%s: unit %u is not known to this job",
-                                 what, (unsigned)units[u]);
-      goto done;
-    }
     indices[u] = calloc(unit->ntensors + 1, sizeof *indices[u]);
     if (indices[u] == NULL) {
       status = client__set_error(ZD_E_NOMEM, "%s: out of memory", what);
@@ -155,6 +174,17 @@ static zd_status checkpoint_call(zd_job *job, Zerod__V1__CheckpointAction action
   zd_status status = client__job_check_writable(job, what);
   if (status != ZD_OK)
     return status;
+  if (info != NULL && (status = SIZED_OUT_CHECK(info, zd_checkpoint_info, name, what,
+                                                "ZD_CHECKPOINT_INFO_INIT")) != ZD_OK)
+    return status;
+  int restore = action == ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE;
+  /* A restore lets go of the units the worker held gathered once the
+   * daemon starts it, which a failed restore may or may not have reached:
+   * until it succeeds, a release is left for the daemon to judge. */
+  for (size_t u = 0; restore && u < job->unit_count; u++) {
+    if (job->units[u].gather_hold == GATHER_HOLD_HELD)
+      job->units[u].gather_hold = GATHER_HOLD_UNSURE;
+  }
   Zerod__V1__CheckpointRequest request = ZEROD__V1__CHECKPOINT_REQUEST__INIT;
   request.action = action;
   request.name = (char *)(name != NULL ? name : "");
@@ -167,11 +197,12 @@ static zd_status checkpoint_call(zd_job *job, Zerod__V1__CheckpointAction action
     return status;
   const Zerod__V1__CheckpointReply *reply = (const Zerod__V1__CheckpointReply *)reply_msg;
   if (info != NULL) {
-    memset(info, 0, sizeof *info);
-    snprintf(info->name, sizeof info->name, "%s", reply->name);
-    info->step = reply->step;
-    info->stall_ms = reply->stall_ms;
-    info->total_ms = reply->total_ms;
+    zd_checkpoint_info result = ZD_CHECKPOINT_INFO_INIT;
+    snprintf(result.name, sizeof result.name, "%s", reply->name);
+    result.step = reply->step;
+    result.stall_ms = reply->stall_ms;
+    result.total_ms = reply->total_ms;
+    client__sized_out_write(info, &result, sizeof result);
   }
   /* A restore made a new version (0: a daemon that does not say). */
   if (reply->version != 0)
@@ -179,13 +210,12 @@ static zd_status checkpoint_call(zd_job *job, Zerod__V1__CheckpointAction action
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   /* A restore let go of the units the worker held gathered: a stable
    * range stops mapping the daemon's buffers, as zd_release does. */
-  for (size_t u = 0;
-       action == ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_RESTORE && u < job->unit_count;
-       u++) {
+  for (size_t u = 0; restore && u < job->unit_count; u++) {
     client_unit *unit = &job->units[u];
     if (job->stable_addresses && unit->held_gather_buffer != 0)
       (void)client__unit_cover_range(unit, what);
     unit->held_gather_buffer = 0;
+    unit->gather_hold = GATHER_HOLD_NONE;
   }
   return client__finish(job->client);
 }

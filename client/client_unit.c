@@ -256,15 +256,32 @@ static zd_status check_unit_desc(const zd_unit_desc *desc, uint64_t *numel_out) 
   return ZD_OK;
 }
 
-zd_status zd_register_unit(zd_job *job, const zd_unit_desc *caller_desc, zd_unit *out) {
-  if (caller_desc == NULL || out == NULL)
-    return client__set_error(ZD_E_INVALID_ARGUMENT, "register unit: desc and out must not be NULL");
-  zd_unit_desc desc;
-  zd_status status = client__copy_sized_struct(
-      &desc, sizeof desc, caller_desc, offsetof(zd_unit_desc, ntensors) + sizeof desc.ntensors,
-      "register unit: desc", "ZD_UNIT_DESC_INIT");
+/* Copies the caller's tensor descriptions, element by element at the
+ * caller's stride, into an array of this library's zd_tensor_desc (freed
+ * by the caller), so that the rest of the registration reads one layout. */
+static zd_status copy_tensor_descs(const zd_unit_desc *desc, zd_tensor_desc **out) {
+  *out = NULL;
+  if (desc->tensors == NULL || desc->ntensors == 0 || desc->ntensors > ZD_MAX_TENSORS_PER_UNIT)
+    return ZD_OK; /* check_unit_desc says what is wrong */
+  size_t stride;
+  zd_status status = client__sized_array_stride(
+      desc->tensors, desc->ntensors, SIZED_THROUGH(zd_tensor_desc, ndim), sizeof(zd_tensor_desc),
+      "register unit: desc", "tensors", "ZD_TENSOR_DESC_INIT", &stride);
   if (status != ZD_OK)
     return status;
+  zd_tensor_desc *tensors = calloc(desc->ntensors, sizeof *tensors);
+  if (tensors == NULL)
+    return client__set_error(ZD_E_NOMEM, "register unit: out of memory");
+  for (unsigned t = 0; t < desc->ntensors; t++)
+    client__sized_array_element(&tensors[t], sizeof tensors[t], desc->tensors, stride, t);
+  *out = tensors;
+  return ZD_OK;
+}
+
+/* zd_register_unit with the caller's description in this library's
+ * layout. */
+static zd_status register_unit(zd_job *job, zd_unit_desc desc, zd_unit *out) {
+  zd_status status;
   uint64_t unit_numel = 0;
   if ((status = check_unit_desc(&desc, &unit_numel)) != ZD_OK)
     return status;
@@ -350,6 +367,25 @@ zd_status zd_register_unit(zd_job *job, const zd_unit_desc *caller_desc, zd_unit
   client__job_insert_unit(job, &unit);
   *out = unit.unit_id;
   return client__finish(client);
+}
+
+zd_status zd_register_unit(zd_job *job, const zd_unit_desc *caller_desc, zd_unit *out) {
+  if (caller_desc == NULL || out == NULL)
+    return client__set_error(ZD_E_INVALID_ARGUMENT, "register unit: desc and out must not be NULL");
+  zd_unit_desc desc;
+  zd_status status = client__copy_sized_struct(&desc, sizeof desc, caller_desc,
+                                               SIZED_THROUGH(zd_unit_desc, ntensors),
+                                               "register unit: desc", "ZD_UNIT_DESC_INIT");
+  if (status != ZD_OK)
+    return status;
+  zd_tensor_desc *tensors;
+  if ((status = copy_tensor_descs(&desc, &tensors)) != ZD_OK)
+    return status;
+  if (tensors != NULL)
+    desc.tensors = tensors;
+  status = register_unit(job, desc, out);
+  free(tensors);
+  return status;
 }
 
 /* ------------------------------------------------------------------------

@@ -152,8 +152,11 @@ static void register_units(worker *w) {
     uint64_t weight_shape[2] = {out, in};
     uint64_t bias_shape[1] = {out};
     zd_tensor_desc tensors[2] = {
-        {.name = weight_name, .shape = weight_shape, .ndim = 2},
-        {.name = bias_name, .shape = bias_shape, .ndim = 1},
+        {.struct_size = sizeof(zd_tensor_desc),
+         .name = weight_name,
+         .shape = weight_shape,
+         .ndim = 2},
+        {.struct_size = sizeof(zd_tensor_desc), .name = bias_name, .shape = bias_shape, .ndim = 1},
     };
     /* Only rank 0's values are used; the other ranks skip the work. */
     float *init_values = NULL;
@@ -182,10 +185,10 @@ static void register_units(worker *w) {
  * this one computes. */
 static void forward(worker *w) {
   int layers = w->config.layers;
-  zd_pending pending;
+  zd_pending pending = ZD_PENDING_INIT;
   ZD_CHECK(zd_gather_async(w->job, w->units[0], &pending), "zd_gather_async");
   for (int l = 0; l < layers; l++) {
-    zd_view view;
+    zd_view view = ZD_VIEW_INIT;
     ZD_CHECK(zd_gather_wait(w->job, &pending, &view), "zd_gather_wait");
     if (l + 1 < layers)
       ZD_CHECK(zd_gather_async(w->job, w->units[l + 1], &pending), "zd_gather_async");
@@ -198,10 +201,10 @@ static void forward(worker *w) {
 
 static void backward(worker *w) {
   int layers = w->config.layers;
-  zd_pending pending;
+  zd_pending pending = ZD_PENDING_INIT;
   ZD_CHECK(zd_gather_async(w->job, w->units[layers - 1], &pending), "zd_gather_async");
   for (int l = layers - 1; l >= 0; l--) {
-    zd_view view, grad;
+    zd_view view = ZD_VIEW_INIT, grad = ZD_VIEW_INIT;
     ZD_CHECK(zd_gather_wait(w->job, &pending, &view), "zd_gather_wait");
     if (l > 0)
       ZD_CHECK(zd_gather_async(w->job, w->units[l - 1], &pending), "zd_gather_async");
@@ -246,7 +249,7 @@ static int dump_params(worker *w, const char *path) {
   }
   int failed = 0;
   for (int l = 0; l < w->config.layers; l++) {
-    zd_view view;
+    zd_view view = ZD_VIEW_INIT;
     ZD_CHECK(zd_gather(w->job, w->units[l], &view), "zd_gather");
     const float *weight, *bias;
     layer_params(w, l, &view, &weight, &bias);
@@ -440,7 +443,7 @@ int main(int argc, char **argv) {
    * ranks), and training goes on from its step with the same batches. */
   int first_step = 0;
   if (restore != NULL) {
-    zd_checkpoint_info info;
+    zd_checkpoint_info info = ZD_CHECKPOINT_INFO_INIT;
     ZD_CHECK(zd_checkpoint_restore(w.job, restore, &info), "zd_checkpoint_restore");
     first_step = (int)info.step;
     if (w.rank == 0)
@@ -456,7 +459,7 @@ int main(int argc, char **argv) {
     forward(&w);
     double loss = mlp_loss(&w.work, targets, config->global_batch) / local_batch;
     backward(&w);
-    zd_step_result result;
+    zd_step_result result = ZD_STEP_RESULT_INIT;
     ZD_CHECK(zd_step(w.job, NULL, &result), "zd_step");
     double step_s = mlp_now_s() - start_s;
     train_s += step_s;
@@ -471,7 +474,7 @@ int main(int argc, char **argv) {
       fflush(stdout);
     }
     if (step + 1 == save_at) {
-      zd_checkpoint_info info;
+      zd_checkpoint_info info = ZD_CHECKPOINT_INFO_INIT;
       ZD_CHECK(zd_checkpoint_save(w.job, NULL, &info), "zd_checkpoint_save");
       if (w.rank == 0)
         printf("saved checkpoint %s: step %llu, training held %lld ms (%lld ms in all)\n",

@@ -16,7 +16,9 @@
 #                           (Debian's kubernetes-client, unless a kubectl is
 #                           already on PATH) and, in its own virtual
 #                           environment .venv-deploy, kubernetes-validate from
-#                           PyPI for the deploy/ manifests test
+#                           PyPI for the deploy/ manifests test; and
+#                           abigail-tools (abidw, abidiff) for libzerod's ABI
+#                           check (tests/abi)
 #   scripts/deps.sh demo    build + Debian's PyTorch and numpy (the example
 #                           trains a torch model through zerod)
 #   scripts/deps.sh bench   demo's (the DDP comparison) + test's gRPC Python tools
@@ -58,7 +60,7 @@ test) packages+=(libcmocka-dev python3 python3-torch python3-numpy libopenblas0-
   python3-venv python3-pip python3-setuptools python3-wheel python3-build python3-grpcio
   python3-protobuf protobuf-compiler protobuf-compiler-grpc openssl python3-yaml python3-attr
   python3-typing-extensions python3-importlib-resources python3-packaging prometheus
-  python3-hpack)
+  python3-hpack abigail-tools)
   # Any kubectl with kustomize renders deploy/; Debian's would conflict with
   # one installed from another source (the same /usr/bin/kubectl).
   command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client) ;;

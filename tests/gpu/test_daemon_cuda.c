@@ -288,7 +288,7 @@ static void run_steps(const daemon_proc *d, zd_job *job, const zd_unit units[NUN
                       int expect_gpu, int from, int to, float history[STEPS + 1][RUN_NUMEL]) {
   for (int s = from; s <= to; s++) {
     for (int u = 0; u < NUNITS; u++) {
-      zd_view gathered;
+      zd_view gathered = ZD_VIEW_INIT;
       ZD_OK_OR_FAIL(d, zd_gather(job, units[u], &gathered));
       if (expect_gpu) {
         assert_int_equal(gathered.device, 0);
@@ -309,7 +309,7 @@ static void run_steps(const daemon_proc *d, zd_job *job, const zd_unit units[NUN
       float grad[PACKED_NUMEL];
       for (int k = 0; k < unit_numel[u]; k++)
         grad[k] = 0.5f * history[s][unit_offset[u] + k] - 0.02f * (float)((k + s) % 5);
-      zd_view grad_view;
+      zd_view grad_view = ZD_VIEW_INIT;
       ZD_OK_OR_FAIL(d, zd_grad_buffer(job, units[u], &grad_view));
       assert_int_equal(grad_view.device, expect_gpu ? 0 : -1);
       ZD_OK_OR_FAIL(d, zd_view_stream_wait(&grad_view, NULL));
@@ -317,7 +317,7 @@ static void run_steps(const daemon_proc *d, zd_job *job, const zd_unit units[NUN
       ZD_OK_OR_FAIL(d, zd_view_stream_done(&grad_view, NULL));
       ZD_OK_OR_FAIL(d, zd_reduce(job, units[u]));
     }
-    zd_step_result result;
+    zd_step_result result = ZD_STEP_RESULT_INIT;
     ZD_OK_OR_FAIL(d, zd_step(job, NULL, &result));
     assert_int_equal(result.step, (uint64_t)s + 1);
     assert_false(result.skipped);
@@ -364,9 +364,14 @@ static void session_open(session *s, const char *device, placement where,
   static const uint64_t w_shape[] = {W_ROWS, W_COLS};
   static const uint64_t f_shape[] = {F_NUMEL};
   static const uint64_t b_shape[] = {B_NUMEL};
-  zd_tensor_desc tensors[] = {{.name = "w", .shape = w_shape, .ndim = 2},
-                              {.name = "f", .shape = f_shape, .ndim = 1, .frozen = 1},
-                              {.name = "b", .shape = b_shape, .ndim = 1}};
+  zd_tensor_desc tensors[] = {
+      {.struct_size = sizeof(zd_tensor_desc), .name = "w", .shape = w_shape, .ndim = 2},
+      {.struct_size = sizeof(zd_tensor_desc),
+       .name = "f",
+       .shape = f_shape,
+       .ndim = 1,
+       .frozen = 1},
+      {.struct_size = sizeof(zd_tensor_desc), .name = "b", .shape = b_shape, .ndim = 1}};
   float init[RUN_NUMEL];
   for (int k = 0; k < RUN_NUMEL; k++)
     init[k] = 0.25f * sinf(0.37f * (float)k) + 0.01f * (float)(k % 7);
@@ -378,7 +383,8 @@ static void session_open(session *s, const char *device, placement where,
   desc.init_values = init;
   ZD_OK_OR_FAIL(d, zd_register_unit(s->job, &desc, &s->units[0]));
   static const uint64_t head_shape[] = {HEAD_NUMEL};
-  zd_tensor_desc head = {.name = "h", .shape = head_shape, .ndim = 1};
+  zd_tensor_desc head = {
+      .struct_size = sizeof(zd_tensor_desc), .name = "h", .shape = head_shape, .ndim = 1};
   desc.name = "head";
   desc.tensors = &head;
   desc.ntensors = 1;
@@ -409,7 +415,7 @@ static void train(const char *device, placement where, float history[STEPS + 1][
     run_steps(d, job, units, expect_gpu, 0, STEPS, history);
   } else {
     run_steps(d, job, units, expect_gpu, 0, SAVE_AT, history);
-    zd_checkpoint_info info;
+    zd_checkpoint_info info = ZD_CHECKPOINT_INFO_INIT;
     ZD_OK_OR_FAIL(d, zd_checkpoint_save(job, "mid", &info));
     assert_int_equal(info.step, SAVE_AT);
     run_steps(d, job, units, expect_gpu, SAVE_AT, STEPS, history);
@@ -542,7 +548,7 @@ static void move_checkpoint(const char *from, const char *to) {
   assert_non_null(mkdtemp(checkpoints));
   static float saved[STEPS + 1][RUN_NUMEL], resumed[STEPS + 1][RUN_NUMEL];
   session s;
-  zd_checkpoint_info info;
+  zd_checkpoint_info info = ZD_CHECKPOINT_INFO_INIT;
   session_open(&s, from, ON_DEVICE, checkpoints);
   run_steps(&s.d, s.job, s.units, s.expect_gpu, 0, SAVE_AT, saved);
   ZD_OK_OR_FAIL(&s.d, zd_checkpoint_save(s.job, "mid", &info));
@@ -622,7 +628,8 @@ static void test_cuda_daemon_counts_host_optimizer_state_against_the_host_quota(
    * 32 KiB. 8192 elements: 96 KiB of master and moments beside it, over
    * 96 KiB; 64 KiB on the GPU, under 1 MiB. */
   static const uint64_t big_shape[] = {8192};
-  zd_tensor_desc big_tensor = {.name = "w", .shape = big_shape, .ndim = 1};
+  zd_tensor_desc big_tensor = {
+      .struct_size = sizeof(zd_tensor_desc), .name = "w", .shape = big_shape, .ndim = 1};
   zd_unit_desc desc = ZD_UNIT_DESC_INIT;
   desc.name = "big";
   desc.tensors = &big_tensor;
@@ -638,7 +645,8 @@ static void test_cuda_daemon_counts_host_optimizer_state_against_the_host_quota(
   /* 4096 elements: 48 KiB on the host (80 with the staging), 32 KiB on
    * the GPU. */
   static const uint64_t small_shape[] = {4096};
-  zd_tensor_desc small_tensor = {.name = "w", .shape = small_shape, .ndim = 1};
+  zd_tensor_desc small_tensor = {
+      .struct_size = sizeof(zd_tensor_desc), .name = "w", .shape = small_shape, .ndim = 1};
   desc.name = "small";
   desc.tensors = &small_tensor;
   ZD_OK_OR_FAIL(&d, zd_register_unit(job, &desc, &unit));

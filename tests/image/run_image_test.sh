@@ -118,12 +118,16 @@ head=$(git -C "$root" rev-parse HEAD 2>/dev/null || true)
 [ "${revision%-dirty}" = "$head" ] ||
   echo "note: the image was built from $revision, the checkout is at $head (make image rebuilds it)"
 version=$(sed -n 's/^project(zerod VERSION \([0-9][0-9.]*\)[ )].*/\1/p' "$root/CMakeLists.txt")
+# libzerod's own version (its ABI, not the release): libzerod.so.ABI.MINOR.
+abi=$(sed -n 's/^set(ZEROD_ABI_VERSION \([0-9]*\))$/\1/p' "$root/client/CMakeLists.txt")
+abi_minor=$(sed -n 's/^set(ZEROD_ABI_MINOR \([0-9]*\))$/\1/p' "$root/client/CMakeLists.txt")
+[ -n "$abi" ] && [ -n "$abi_minor" ] || fail "no ZEROD_ABI_VERSION / ZEROD_ABI_MINOR in client/CMakeLists.txt"
 uid=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["process"]["user"]["uid"])' "$bundle/config.json")
 echo "user: uid $uid; version $version"
 
 echo "== files"
 for path in usr/bin/zerod usr/bin/zerodctl usr/bin/zerod-mlp-train usr/include/zerod.h \
-  usr/lib/libzerod.so usr/lib/libzerod.so.0 "usr/lib/libzerod.so.$version" usr/lib/pkgconfig/zerod.pc; do
+  usr/lib/libzerod.so "usr/lib/libzerod.so.$abi" "usr/lib/libzerod.so.$abi.$abi_minor" usr/lib/pkgconfig/zerod.pc; do
   [ -e "$rootfs/$path" ] || fail "/$path is not in the image"
   echo "/$path"
 done
@@ -174,7 +178,7 @@ cc -std=c11 -D_GNU_SOURCE -O3 -I"$root/examples" -I"$root/kernels" \
 out=$(in_image --env LD_TRACE_LOADED_OBJECTS=1 -- "$worker")
 libzerod=$(grep 'libzerod\.so' <<<"$out" || true)
 # /lib is /usr/lib in the image (merged /usr).
-grep -q -E '=> (/usr)?/lib/libzerod\.so\.0 ' <<<"$libzerod" || fail "$worker does not load the image's libzerod: $out"
+grep -q -E "=> (/usr)?/lib/libzerod\\.so\\.$abi " <<<"$libzerod" || fail "$worker does not load the image's libzerod: $out"
 echo "$worker: $libzerod"
 
 echo "== training through the image's zerod (its default command, ZEROD_RANKS=2)"

@@ -7,20 +7,21 @@
 # package, and checks that the installed zerod finds the installed CUDA
 # module rather than the build tree's.
 #
-#   check_install.sh BUILD_DIR WORK_DIR LIBDIR CUDA VERSION PYTHON CC [CFLAG...]
+#   check_install.sh BUILD_DIR WORK_DIR LIBDIR CUDA VERSION LIBRARY_VERSION PYTHON CC [CFLAG...]
 #
 # LIBDIR is CMAKE_INSTALL_LIBDIR (relative), CUDA is ON when the CUDA module
-# was built, PYTHON is empty where the Python package cannot load the
+# was built, VERSION is zerod's release and LIBRARY_VERSION libzerod's
+# own (ABI.MINOR: the SONAME is libzerod.so.ABI, client/CMakeLists.txt), PYTHON is empty where the Python package cannot load the
 # library (the sanitizer build), CFLAGs are the sanitizer flags the library
 # was built with (a program linked against an instrumented libzerod must be
 # instrumented too).
 set -euo pipefail
-if [ $# -lt 7 ]; then
-  echo "usage: $0 BUILD_DIR WORK_DIR LIBDIR CUDA VERSION PYTHON CC [CFLAG...]" >&2
+if [ $# -lt 8 ]; then
+  echo "usage: $0 BUILD_DIR WORK_DIR LIBDIR CUDA VERSION LIBRARY_VERSION PYTHON CC [CFLAG...]" >&2
   exit 2
 fi
-build=$1 work=$2 libdir=$3 cuda=$4 version=$5 python=$6 cc=$7
-shift 7
+build=$1 work=$2 libdir=$3 cuda=$4 version=$5 library_version=$6 python=$7 cc=$8
+shift 8
 source_dir=$(cd "$(dirname "$0")/../.." && pwd)
 
 fail() {
@@ -42,8 +43,8 @@ expected=(
   bin/zerodctl
   include/zerod.h
   "$libdir/libzerod.so"
-  "$libdir/libzerod.so.${version%%.*}"
-  "$libdir/libzerod.so.$version"
+  "$libdir/libzerod.so.${library_version%%.*}"
+  "$libdir/libzerod.so.$library_version"
   "$libdir/pkgconfig/zerod.pc"
 )
 if [ "$cuda" = ON ]; then
@@ -55,8 +56,8 @@ cat "$work/installed.txt"
 diff -u "$work/expected.txt" "$work/installed.txt" ||
   fail "the installed files differ from the expected ones (- expected, + installed)"
 
-soname=$(LC_ALL=C readelf -d "$prefix/$libdir/libzerod.so.$version" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
-[ "$soname" = "libzerod.so.${version%%.*}" ] || fail "libzerod's SONAME is '$soname'"
+soname=$(LC_ALL=C readelf -d "$prefix/$libdir/libzerod.so.$library_version" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+[ "$soname" = "libzerod.so.${library_version%%.*}" ] || fail "libzerod's SONAME is '$soname'"
 echo "SONAME $soname"
 
 echo "== --version"

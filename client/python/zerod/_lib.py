@@ -1,11 +1,15 @@
 """ctypes declarations of libzerod (client/include/zerod.h).
 
-Every struct here mirrors the C header field for field; the options structs
-carry their own size (``struct_size``) so that the library can tell which
-fields a caller knows about. The library is found, in order, at
-``$ZEROD_LIBRARY``, next to this package (``zerod/lib/libzerod.so``), in a
-build tree of the repository this package sits in (``build/*/lib``), and
-then wherever the dynamic loader finds ``libzerod.so``.
+Every struct here mirrors the C header field for field, as of the ABI this
+package is written for (``ABI_VERSION``, the soname's number:
+``libzerod.so.1``); the structs the caller allocates carry their own size
+(``struct_size``) so that the library can tell which fields a caller knows
+about. The library is found, in order, at ``$ZEROD_LIBRARY``, next to this
+package (``zerod/lib/libzerod.so``), in a build tree of the repository this
+package sits in (``build/*/lib``), and then wherever the dynamic loader
+finds ``libzerod.so.1``. A candidate of another ABI (its functions are not
+in the ``ZEROD_1`` version node) is passed over: these declarations would
+not match it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ c_uint = ctypes.c_uint
 c_double = ctypes.c_double
 c_char_p = ctypes.c_char_p
 c_void_p = ctypes.c_void_p
+
+# The soname's number of the libzerod these declarations describe, and the
+# version node its symbols carry (client/libzerod.map).
+ABI_VERSION = 1
+_ABI_NODE = b"ZEROD_%d" % ABI_VERSION
 
 # zd_dtype
 F32, BF16, F16 = 1, 2, 3
@@ -85,6 +94,7 @@ class AttachOptions(ctypes.Structure):
 
 class TensorDesc(ctypes.Structure):
     _fields_ = [
+        ("struct_size", c_size_t),
         ("name", c_char_p),
         ("shape", ctypes.POINTER(c_uint64)),
         ("ndim", c_uint),
@@ -118,6 +128,7 @@ class TensorView(ctypes.Structure):
 
 class View(ctypes.Structure):
     _fields_ = [
+        ("struct_size", c_size_t),
         ("base", c_void_p),
         ("bytes", c_size_t),
         ("dtype", c_int),
@@ -144,6 +155,7 @@ class StepOptions(ctypes.Structure):
 
 class ParamGroup(ctypes.Structure):
     _fields_ = [
+        ("struct_size", c_size_t),
         ("lr", c_double),
         ("beta1", c_double),
         ("beta2", c_double),
@@ -158,6 +170,7 @@ class ParamGroup(ctypes.Structure):
 
 class StepResult(ctypes.Structure):
     _fields_ = [
+        ("struct_size", c_size_t),
         ("step", c_uint64),
         ("version", c_uint64),
         ("grad_norm", c_double),
@@ -168,6 +181,7 @@ class StepResult(ctypes.Structure):
 
 class CheckpointInfo(ctypes.Structure):
     _fields_ = [
+        ("struct_size", c_size_t),
         ("name", ctypes.c_char * 65),
         ("step", c_uint64),
         ("stall_ms", ctypes.c_int64),
@@ -176,11 +190,12 @@ class CheckpointInfo(ctypes.Structure):
 
 
 class Pending(ctypes.Structure):
-    _fields_ = [("request_id", c_uint64), ("unit", c_uint32)]
+    _fields_ = [("struct_size", c_size_t), ("request_id", c_uint64), ("unit", c_uint32)]
 
 
 class UnitInfo(ctypes.Structure):
     _fields_ = [
+        ("struct_size", c_size_t),
         ("unit", c_uint32),
         ("name", c_char_p),
         ("ntensors", c_uint),
@@ -219,10 +234,18 @@ class RankStats(ctypes.Structure):
 
 
 def sized(struct_type: type) -> ctypes.Structure:
-    """A zeroed options struct with its struct_size set (ZD_SIZED_INIT)."""
+    """A zeroed struct with its struct_size set (ZD_SIZED_INIT)."""
     value = struct_type()
     value.struct_size = ctypes.sizeof(struct_type)
     return value
+
+
+def sized_array(struct_type: type, count: int) -> ctypes.Array:
+    """An array of zeroed structs, each with its struct_size set."""
+    array = (struct_type * count)()
+    for element in array:
+        element.struct_size = ctypes.sizeof(struct_type)
+    return array
 
 
 _P = ctypes.POINTER
@@ -280,8 +303,23 @@ def _candidates() -> List[str]:
     name = ctypes.util.find_library("zerod")
     if name:
         found.append(name)
-    found.append("libzerod.so")
+    found.append("libzerod.so.%d" % ABI_VERSION)
     return found
+
+
+def _abi_mismatch(lib: ctypes.CDLL) -> Optional[str]:
+    """Why `lib` is not the ABI these declarations describe, or None: its
+    zd_connect must be versioned ZEROD_<ABI_VERSION> (glibc's dlvsym; where
+    there is none, the library is taken as it is)."""
+    try:
+        dlvsym = ctypes.CDLL(None).dlvsym
+    except (OSError, AttributeError):
+        return None
+    dlvsym.restype = c_void_p
+    dlvsym.argtypes = [c_void_p, c_char_p, c_char_p]
+    if dlvsym(lib._handle, b"zd_connect", _ABI_NODE):
+        return None
+    return "not libzerod.so.%d: no zd_connect@%s" % (ABI_VERSION, _ABI_NODE.decode())
 
 
 _lib: Optional[ctypes.CDLL] = None
@@ -302,6 +340,10 @@ def load() -> ctypes.CDLL:
         except OSError as err:
             tried.append("%s (%s)" % (path, err))
             continue
+        mismatch = _abi_mismatch(lib)
+        if mismatch is not None:
+            tried.append("%s (%s)" % (path, mismatch))
+            continue
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype = restype
@@ -309,5 +351,5 @@ def load() -> ctypes.CDLL:
         _lib = lib
         return lib
     raise ImportError(
-        "zerod: cannot find libzerod.so; build it (`make` in the repository) or set "
-        "ZEROD_LIBRARY to its path. Tried: " + "; ".join(tried))
+        "zerod: cannot find libzerod.so.%d; build it (`make` in the repository) or set "
+        "ZEROD_LIBRARY to its path. Tried: %s" % (ABI_VERSION, "; ".join(tried)))

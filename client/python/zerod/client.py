@@ -462,7 +462,7 @@ class Job:
     def _refresh_units(self) -> None:
         count = self._lib.zd_job_unit_count(self._handle)
         for index in range(count):
-            info = _lib.UnitInfo()
+            info = _lib.sized(_lib.UnitInfo)
             _check(self._lib.zd_job_unit_info(self._handle, index, ctypes.byref(info)),
                    "unit info")
             if info.unit not in self._units:
@@ -481,7 +481,7 @@ class Job:
             raise InvalidArgumentError("init must be one of %s, not %r" % (sorted(_INITS), init))
         specs = [tuple(t) for t in tensors]
         keep: List[Any] = []
-        descs = (_lib.TensorDesc * len(specs))()
+        descs = _lib.sized_array(_lib.TensorDesc, len(specs))
         total = 0
         for i, spec in enumerate(specs):
             if len(spec) not in (2, 3):
@@ -584,7 +584,7 @@ class Job:
         torch.distributed.checkpoint.save: every rank calls it between the
         same two steps with the same name (None: ``step-<step>``); each
         returns once the checkpoint is durable."""
-        info = _lib.CheckpointInfo()
+        info = _lib.sized(_lib.CheckpointInfo)
         _check(self._lib.zd_checkpoint_save(self._handle, (name or "").encode(),
                                             ctypes.byref(info)), "checkpoint save")
         return CheckpointInfo._from_c(info)
@@ -594,7 +594,7 @@ class Job:
         optimizer state and step (parameter groups and the loss scale stay).
         A collective like save_checkpoint; units this worker held gathered
         are released. On failure the job keeps its state."""
-        info = _lib.CheckpointInfo()
+        info = _lib.sized(_lib.CheckpointInfo)
         _check(self._lib.zd_checkpoint_restore(self._handle, name.encode(), ctypes.byref(info)),
                "checkpoint restore")
         return CheckpointInfo._from_c(info)
@@ -609,7 +609,7 @@ class Job:
         requests are compared before anything changes, and groups that
         differ raise InvalidArgumentError on every rank, naming the field
         (``groups[1].lr``, ``ngroups``, ``tensor_groups``)."""
-        c_groups = (_lib.ParamGroup * max(len(groups), 1))()
+        c_groups = _lib.sized_array(_lib.ParamGroup, max(len(groups), 1))
         for c, g in zip(c_groups, groups):
             unknown = set(g) - {"lr", "betas", "eps", "weight_decay", "momentum", "dampening",
                                 "nesterov"}
@@ -658,7 +658,7 @@ class Job:
             options.set_max_grad_norm, options.max_grad_norm = 1, float(max_grad_norm)
         if grad_scale is not None:
             options.grad_scale = float(grad_scale)
-        out = _lib.StepResult()
+        out = _lib.sized(_lib.StepResult)
         _check(self._lib.zd_step(self._handle, ctypes.byref(options), ctypes.byref(out)), "step")
         return StepResult(int(out.step), int(out.version), float(out.grad_norm), bool(out.skipped),
                           float(out.loss_scale))
@@ -703,18 +703,20 @@ class Unit:
 
     def gather(self) -> "Gathered":
         """Gathers the unit's full values (collective for read-write jobs)."""
-        view = _lib.View()
+        view = _lib.sized(_lib.View)
         _check(self.job._lib.zd_gather(self.job._handle, self.id, ctypes.byref(view)),
                "gather %s" % self.name)
         return Gathered(self, view, writable=False)
 
     def release(self) -> None:
-        """Releases a gathered unit (one-way; errors surface on the next call)."""
+        """Releases a gathered unit (one-way: no round trip). A unit that is
+        not gathered raises here (FailedPreconditionError); only an error of
+        the daemon's own state surfaces on the next call that waits."""
         _check(self.job._lib.zd_release(self.job._handle, self.id), "release %s" % self.name)
 
     def grad_buffer(self) -> "Buffer":
         """The unit's gradient buffer, writable, valid until :meth:`reduce`."""
-        view = _lib.View()
+        view = _lib.sized(_lib.View)
         _check(self.job._lib.zd_grad_buffer(self.job._handle, self.id, ctypes.byref(view)),
                "gradient buffer of %s" % self.name)
         return Buffer(self, view, writable=True)

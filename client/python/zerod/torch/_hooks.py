@@ -67,7 +67,7 @@ class _State:
     # -- gathering and binding -------------------------------------------------
 
     def gather(self, unit: _ShardedUnit) -> None:
-        view = _lib.View()
+        view = _lib.sized(_lib.View)
         if unit.prefetch is not None:
             pending, unit.prefetch = unit.prefetch, None
             _check(self.lib.zd_gather_wait(self.handle, ctypes.byref(pending), ctypes.byref(view)),
@@ -162,7 +162,7 @@ class _State:
             if order[i] is unit:
                 previous = order[i - 1]
                 if previous.gathered == 0 and not previous.bwd_gathered and previous.prefetch is None:
-                    pending = _lib.Pending()
+                    pending = _lib.sized(_lib.Pending)
                     _check(self.lib.zd_gather_async(self.handle, previous.zunit.id,
                                                     ctypes.byref(pending)),
                            "gather %s" % previous.name)
@@ -177,7 +177,7 @@ class _State:
     def push(self, unit: _ShardedUnit) -> None:
         """Hands the unit's gradients to the daemon and releases it; under
         no_sync, adds them into its gradient buffer and reduces nothing."""
-        view = _lib.View()
+        view = _lib.sized(_lib.View)
         _check(self.lib.zd_grad_buffer(self.handle, unit.zunit.id, ctypes.byref(view)),
                "gradient buffer of %s" % unit.name)
         _require_host(view, unit.name)
