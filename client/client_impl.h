@@ -1,17 +1,24 @@
 /* client_impl.h: what the files of libzerod share; not installed.
  *
- *   client.c         the connection (requests, replies, the stash,
- *                    deferred errors), connect, close, attach
- *   client_unit.c    stable address ranges, registration, the unit table,
- *                    pins, loads and state reads
- *   client_buffer.c  buffer mappings and views, gathers, gradient buffers,
- *                    reduces, GPU buffers' ordering
+ * From the top down: a file calls only files below it (no call cycles;
+ * layout.cycles checks the built objects).
+ *
+ *   client.c         connect and close (zd_close detaches what is left)
  *   client_step.c    steps, parameter groups, gradient norms, checkpoints,
  *                    detach
+ *   client_buffer.c  buffer mappings and views, gathers, gradient buffers,
+ *                    reduces, GPU buffers' ordering
+ *   client_unit.c    stable address ranges, registration, pins, loads and
+ *                    state reads
+ *   client_attach.c  attach, the job handle's accessors and unit table
+ *   client_conn.c    the connection: requests, replies, the stash,
+ *                    deferred errors, a lost connection
  *   client_status.c  the one table between the wire's Status codes and
  *                    zd_status, and zd_strerror
  *   client_sized.c   structs that carry their size (struct_size): reading
  *                    the caller's inputs, writing its outputs
+ *   client_base.c    the last error, dtypes, fds and mappings released,
+ *                    the CUDA module
  *
  * The types below are the library's state; the client__ functions are its
  * helpers, defined in the file their section names. */
@@ -177,23 +184,46 @@ struct zd_client {
 };
 
 /* ------------------------------------------------------------------------
- * Helpers (client.c unless said)
+ * Helpers, by the file that defines them
  * ------------------------------------------------------------------------ */
 
-zd_status client__protocol_error(zd_client *client, const char *what, const char *format, ...)
-    __attribute__((format(printf, 3, 4)));
-zd_status client__set_error(zd_status status, const char *format, ...)
-    __attribute__((format(printf, 2, 3)));
+/* client_attach.c: the job handle and its unit table */
+void client__job_free(zd_job *job);
+void client__unit_free(client_unit *unit);
+zd_status client__job_check(const zd_job *job, const char *what);
+zd_status client__job_check_writable(const zd_job *job, const char *what);
+client_unit *client__job_find_unit(zd_job *job, zd_unit unit_id);
+void client__job_insert_unit(zd_job *job, const client_unit *unit);
+zd_status client__job_reserve_units(zd_job *job, size_t more, const char *what);
+zd_status client__unit_call_begin(zd_job *job, zd_unit unit_id, const char *verb, int writable,
+                                  char *what, size_t what_bytes, client_unit **unit);
+
+/* client_unit.c: stable address ranges */
+zd_status client__unit_cover_range(client_unit *unit, const char *what);
+uint64_t client__unit_gathered_bytes(const client_unit *unit);
+zd_status client__unit_reserve_range(client_unit *unit, const char *what);
+
+/* client_buffer.c: GPU buffers */
+void client__close_cuda_buffers(zd_client *client);
+
+/* client_conn.c: the connection */
 zd_status client__call(zd_client *client, uint16_t type, const ProtobufCMessage *request,
                        const int *fds, unsigned nfds, uint16_t reply_type, const char *what,
                        ProtobufCMessage **reply, int *reply_fds, unsigned *reply_nfds);
-zd_status client__finish(zd_client *client);
 zd_status client__send(zd_client *client, uint16_t type, const ProtobufCMessage *msg,
                        const int *fds, unsigned nfds, int expect_reply, const char *what,
                        uint64_t *request_id_out);
 zd_status client__wait(zd_client *client, uint64_t request_id, uint16_t reply_type,
                        const char *what, ProtobufCMessage **reply, int *fds, unsigned *nfds);
-void client__close_fds(int *fds, unsigned nfds);
+zd_status client__finish(zd_client *client);
+zd_status client__protocol_error(zd_client *client, const char *what, const char *format, ...)
+    __attribute__((format(printf, 3, 4)));
+/* The error of a call on a lost connection: its status and reason. */
+zd_status client__dead_error(const zd_client *client, const char *what);
+int client__expected_find(const zd_client *client, uint64_t request_id);
+/* Closes the socket and frees what the connection holds (the stash, the
+ * ids of requests waiting for replies). */
+void client__conn_close(zd_client *client);
 
 /* client_status.c */
 zd_status client__status_from_wire(int wire_status);
@@ -218,24 +248,17 @@ zd_status client__sized_out_check(const void *out, size_t min_bytes, size_t max_
                           (initialiser))
 void client__sized_out_write(void *out, const void *full, size_t full_bytes);
 
+/* client_base.c */
+zd_status client__set_error(zd_status status, const char *format, ...)
+    __attribute__((format(printf, 2, 3)));
+/* Puts back a last error saved from zd_last_error (zd_close). */
+void client__restore_error(const char *saved);
 const zk_cuda_api *client__cuda_api(char *why, size_t why_bytes);
 size_t client__dtype_bytes(zd_dtype dtype);
 int client__dtype_from_proto(int proto_dtype, zd_dtype *out);
 const char *client__dtype_name(zd_dtype dtype);
-int client__expected_find(const zd_client *client, uint64_t request_id);
-zd_status client__job_check(const zd_job *job, const char *what);
-zd_status client__job_check_writable(const zd_job *job, const char *what);
-client_unit *client__job_find_unit(zd_job *job, zd_unit unit_id);
-void client__job_insert_unit(zd_job *job, const client_unit *unit);
-zd_status client__job_reserve_units(zd_job *job, size_t more, const char *what);
+void client__close_fds(int *fds, unsigned nfds);
 void client__mapping_free(buffer_mapping *mapping);
 uint64_t client__page_round(uint64_t bytes);
-zd_status client__unit_call_begin(zd_job *job, zd_unit unit_id, const char *verb, int writable,
-                                  char *what, size_t what_bytes, client_unit **unit);
-void client__unit_free(client_unit *unit);
-zd_status client__unit_cover_range(client_unit *unit, const char *what);
-uint64_t client__unit_gathered_bytes(const client_unit *unit);
-zd_status client__unit_reserve_range(client_unit *unit, const char *what);
-void client__close_cuda_buffers(zd_client *client);
 
 #endif /* ZEROD_CLIENT_IMPL_H */
