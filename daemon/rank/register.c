@@ -151,33 +151,18 @@ static int quota_refused(rank_state *rs, exec_op *op, const char *name, const un
                     tier_enabled(j) ? 0 : offload_host_state_bytes(rs, mine));
 }
 
-void exec__handle_register(rank_state *rs, exec_op *op) {
-  Zerod__V1__RegisterUnitRequest *req = (Zerod__V1__RegisterUnitRequest *)op->request;
-  job *j = rs->job;
-  unit_layout *mine = NULL;
-  float *packed = NULL;
-  uint8_t *root_desc = NULL;
-  int root_desc_owned = 0;
-  int32_t *codes = NULL;
-  char err[512] = "";
-  if (exec__op_job_failed(rs, op))
-    return;
-
-  /* 1. The local layout. A local failure still takes part in the
-   *    collectives below, so that the other ranks fail with it instead of
-   *    waiting for this one. */
+/* 1. This rank's layout of the unit (*mine), or a negative errno with the
+ *    reason in err. A local failure still takes part in the collectives
+ *    that follow, so that the other ranks fail with it instead of waiting
+ *    for this one. */
+static int local_layout(rank_state *rs, const Zerod__V1__RegisterUnitRequest *req,
+                        uint64_t init_tag, unit_layout **mine, char *err, size_t err_bytes) {
   unsigned nt = (unsigned)req->n_tensors;
   const char **names = calloc(nt ? nt : 1, sizeof *names);
   const uint64_t **shapes = calloc(nt ? nt : 1, sizeof *shapes);
   unsigned *ndims = calloc(nt ? nt : 1, sizeof *ndims);
   int *frozen = calloc(nt ? nt : 1, sizeof *frozen);
-  int local_rc = -ENOMEM;
-  int init = req->init == ZEROD__V1__INIT_MODE__INIT_UNSPECIFIED
-                 ? ZEROD__V1__INIT_MODE__INIT_FROM_RANK0
-                 : (int)req->init;
-  uint64_t init_tag =
-      (uint64_t)init ^
-      (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL ? (req->seed * 31) ^ fnv1a("std") : 0);
+  int rc = -ENOMEM;
   if (names != NULL && shapes != NULL && ndims != NULL && frozen != NULL) {
     for (unsigned t = 0; t < nt; t++) {
       names[t] = req->tensors[t]->name;
@@ -185,86 +170,46 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
       ndims[t] = (unsigned)req->tensors[t]->n_shape;
       frozen[t] = req->tensors[t]->frozen;
     }
-    local_rc = unit_layout_build(req->name, nt, names, shapes, ndims, frozen, j->world_size,
-                                 init_tag, &mine, err, sizeof err);
+    rc = unit_layout_build(req->name, nt, names, shapes, ndims, frozen, rs->job->world_size,
+                           init_tag, mine, err, err_bytes);
   }
   free(names);
   free(shapes);
   free(ndims);
   free(frozen);
-  if (local_rc != 0 && err[0] == '\0')
-    snprintf(err, sizeof err, "%s", strerror(-local_rc));
+  if (rc != 0 && err[0] == '\0')
+    snprintf(err, err_bytes, "%s", strerror(-rc));
+  return rc;
+}
 
-  /* 2. Rank 0 reads its initial values before anything is broadcast, so a
-   *    bad descriptor fails the registration on every rank alike. */
-  int32_t init_status = 0;
-  if (rs->rank == 0 && local_rc == 0 && init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0) {
-    if (op->in_fd < 0) {
-      init_status = -EINVAL;
-      snprintf(err, sizeof err,
-               "INIT_FROM_RANK0 needs rank 0's initial values (one memfd with %llu floats)",
-               (unsigned long long)mine->packed_numel);
-    } else {
-      packed = malloc(mine->packed_numel * sizeof(float) + 1);
-      init_status =
-          packed == NULL ? -ENOMEM : shm_read_fd(op->in_fd, packed, mine->packed_numel * 4);
-      if (init_status != 0)
-        snprintf(err, sizeof err, "reading rank 0's initial values (%llu bytes expected): %s",
-                 (unsigned long long)mine->packed_numel * 4,
-                 init_status == -EINVAL ? "file too short" : strerror(-init_status));
-    }
+/* 2. Rank 0 reads its initial values (into *packed) before anything is
+ *    broadcast, so a bad descriptor fails the registration on every rank
+ *    alike. 0, or a negative errno with the reason in err. */
+static int32_t read_initial_values(const exec_op *op, const unit_layout *mine, float **packed,
+                                   char *err, size_t err_bytes) {
+  if (op->in_fd < 0) {
+    snprintf(err, err_bytes,
+             "INIT_FROM_RANK0 needs rank 0's initial values (one memfd with %llu floats)",
+             (unsigned long long)mine->packed_numel);
+    return -EINVAL;
   }
+  *packed = malloc(mine->packed_numel * sizeof(float) + 1);
+  int32_t status =
+      *packed == NULL ? -ENOMEM : shm_read_fd(op->in_fd, *packed, mine->packed_numel * 4);
+  if (status != 0)
+    snprintf(err, err_bytes, "reading rank 0's initial values (%llu bytes expected): %s",
+             (unsigned long long)mine->packed_numel * 4,
+             status == -EINVAL ? "file too short" : strerror(-status));
+  return status;
+}
 
-  /* 3. Rank 0's descriptor to everyone; every rank compares it with its
-   *    own; the comparison results go to everyone. */
-  struct {
-    uint64_t desc_bytes;
-    int32_t layout_ok;
-    int32_t init_status;
-  } head = {0, 0, 0};
-  if (rs->rank == 0) {
-    head.layout_ok = local_rc == 0;
-    head.desc_bytes = local_rc == 0 ? mine->descriptor_bytes : 0;
-    head.init_status = init_status;
-  }
-  int rc = exec__host_broadcast(rs, &head, sizeof head, 0);
-  if (rc == 0 && head.desc_bytes > (64u << 20))
-    rc = -EPROTO;
-  if (rc == 0 && head.desc_bytes > 0) {
-    root_desc_owned = rs->rank != 0;
-    root_desc = rs->rank == 0 ? mine->descriptor : malloc(head.desc_bytes);
-    rc = root_desc == NULL ? -ENOMEM : exec__host_broadcast(rs, root_desc, head.desc_bytes, 0);
-  }
-  /* Only once rank 0's descriptor is here: after a failed broadcast
-   * (a peer that never came, a timeout) there is none to compare with. */
-  int32_t my_code = local_rc != 0
-                        ? -2
-                        : (rc == 0 && head.desc_bytes > 0
-                               ? unit_layout_diff(mine->descriptor, mine->descriptor_bytes,
-                                                  root_desc, head.desc_bytes)
-                               : -1);
-  codes = calloc((size_t)j->world_size, sizeof *codes);
-  if (rc == 0 && codes == NULL)
-    rc = -ENOMEM;
-  if (rc == 0) {
-    codes[rs->rank] = my_code;
-    rc = exec__host_all_gather(rs, codes, sizeof *codes);
-  }
-  if (rc != 0) {
-    exec__op_comm_failed(rs, op, "register (layout exchange)", rc);
-    goto done;
-  }
-  if (!head.layout_ok) {
-    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name,
-               rs->rank == 0 ? err : "rank 0's layout is invalid");
-    goto done;
-  }
-  if (head.init_status != 0) {
-    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name,
-               rs->rank == 0 ? err : "rank 0's initial values are unusable");
-    goto done;
-  }
-  for (int r = 0; r < j->world_size; r++) {
+/* After the exchange: answers op with what is wrong with the layouts
+ * (every rank alike) and returns 1, or returns 0 when every rank registered
+ * rank 0's layout. codes[r]: rank r's unit_layout_diff against rank 0 (-1:
+ * nothing to compare, -2: its own layout is invalid). */
+static int layouts_refused(rank_state *rs, exec_op *op, const Zerod__V1__RegisterUnitRequest *req,
+                           const unit_layout *mine, const int32_t *codes, const char *err) {
+  for (int r = 0; r < rs->job->world_size; r++) {
     if (codes[r] == -1)
       continue;
     if (r == rs->rank && codes[r] == -2) {
@@ -277,7 +222,7 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
                  "unit layouts differ between ranks: rank %d registered a different unit name, "
                  "tensor count or initialisation than rank 0 (this rank: unit '%s' with %u "
                  "tensors)",
-                 r, req->name, nt);
+                 r, req->name, (unsigned)req->n_tensors);
     } else {
       char here[320];
       unit_layout_describe_tensor(mine, codes[r] - 1, here, sizeof here);
@@ -286,8 +231,144 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
                  "rank 0 (this rank %d has %s)",
                  req->name, codes[r] - 1, r, rs->rank, here);
     }
-    goto done;
+    return 1;
   }
+  return 0;
+}
+
+/* 3. Rank 0's descriptor to everyone; every rank compares it with its own;
+ *    the comparison results go to everyone. Returns 0 when every rank has
+ *    rank 0's valid layout and values, else 1 with op answered alike on
+ *    every rank. */
+static int exchange_layouts(rank_state *rs, exec_op *op, const Zerod__V1__RegisterUnitRequest *req,
+                            const unit_layout *mine, int local_rc, int32_t init_status,
+                            const char *err) {
+  job *j = rs->job;
+  struct {
+    uint64_t desc_bytes;
+    int32_t layout_ok;
+    int32_t init_status;
+  } head = {0, 0, 0};
+  if (rs->rank == 0) {
+    head.layout_ok = local_rc == 0;
+    head.desc_bytes = local_rc == 0 ? mine->descriptor_bytes : 0;
+    head.init_status = init_status;
+  }
+  uint8_t *root_desc = NULL;
+  int32_t *codes = NULL;
+  int rc = exec__host_broadcast(rs, &head, sizeof head, 0);
+  if (rc == 0 && head.desc_bytes > (64u << 20))
+    rc = -EPROTO;
+  if (rc == 0 && head.desc_bytes > 0) {
+    root_desc = rs->rank == 0 ? mine->descriptor : malloc(head.desc_bytes);
+    rc = root_desc == NULL ? -ENOMEM : exec__host_broadcast(rs, root_desc, head.desc_bytes, 0);
+  }
+  /* Only once rank 0's descriptor is here: after a failed broadcast
+   * (a peer that never came, a timeout) there is none to compare with. */
+  int32_t my_code = local_rc != 0
+                        ? -2
+                        : (rc == 0 && head.desc_bytes > 0
+                               ? unit_layout_diff(mine->descriptor, mine->descriptor_bytes,
+                                                  root_desc, head.desc_bytes)
+                               : -1);
+  if (rs->rank != 0)
+    free(root_desc);
+  codes = calloc((size_t)j->world_size, sizeof *codes);
+  if (rc == 0 && codes == NULL)
+    rc = -ENOMEM;
+  if (rc == 0) {
+    codes[rs->rank] = my_code;
+    rc = exec__host_all_gather(rs, codes, sizeof *codes);
+  }
+  int refused = 1;
+  if (rc != 0)
+    exec__op_comm_failed(rs, op, "register (layout exchange)", rc);
+  else if (!head.layout_ok)
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name,
+               rs->rank == 0 ? err : "rank 0's layout is invalid");
+  else if (head.init_status != 0)
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "unit '%s': %s", req->name,
+               rs->rank == 0 ? err : "rank 0's initial values are unusable");
+  else
+    refused = layouts_refused(rs, op, req, mine, codes, err);
+  free(codes);
+  return refused;
+}
+
+/* 5. This rank's shard of a unit it registers for the first time, with
+ *    its initial values (6. rank 0's broadcast to every rank). Returns 0,
+ *    or 1 with op answered. */
+static int install_shard(rank_state *rs, exec_op *op, const Zerod__V1__RegisterUnitRequest *req,
+                         unit_layout *l, int init, const float *packed) {
+  job *j = rs->job;
+  /* Readers of this rank look at the shard table under its lock. */
+  pin_lock_shards(rs);
+  int rc = exec__shard_create(rs, l);
+  pin_unlock_shards(rs);
+  if (rc == 0)
+    rc = exec__grow_scratch(rs, init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0 ? l->padded_numel : 0,
+                            0);
+  if (rc != 0 && rs->tier_error[0] != '\0') { /* offload nvme: the disk, not memory */
+    job_fail(j, rs->generation, "rank %d: unit '%s': %s", rs->rank, l->name, rs->tier_error);
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+               "no room for the optimizer state of unit '%s' (%llu elements) on disk: %s", l->name,
+               (unsigned long long)l->shard_numel, rs->tier_error);
+    return 1;
+  }
+  if (rc != 0) {
+    job_fail(j, rs->generation, "rank %d: out of memory for unit '%s'", rs->rank, l->name);
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+               "out of memory for the shard of unit '%s' (%llu elements)", l->name,
+               (unsigned long long)l->shard_numel);
+    return 1;
+  }
+  shard *sh = &rs->shards[l->id];
+  uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
+  if (init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0) {
+    rc = broadcast_values(rs, l, packed);
+    if (rc != 0) {
+      exec__op_comm_failed(rs, op, "register (initial values)", rc);
+      return 1;
+    }
+    rc = exec__state_copy(rs, sh, l, JOB_STATE_MASTER, rs->scratch + lo);
+  } else if (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL) {
+    rc = seed_master(rs, l, sh, req->seed, req->init_std);
+  }
+  if (rc == 0)
+    rc = exec__refresh_working(rs, l, sh);
+  /* Readers copy the shard from other threads once the unit is ready. */
+  if (rc == 0)
+    rc = device_sync(rs->dev);
+  if (rc != 0) {
+    exec__op_device_failed(rs, op, "register (initial values)", rc);
+    return 1;
+  }
+  /* No reader looks at the shard before this: the unit becomes readable
+   * (and listed) once every rank has counted itself. */
+  atomic_fetch_add(&l->ready_ranks, 1);
+  return 0;
+}
+
+void exec__handle_register(rank_state *rs, exec_op *op) {
+  Zerod__V1__RegisterUnitRequest *req = (Zerod__V1__RegisterUnitRequest *)op->request;
+  job *j = rs->job;
+  unit_layout *mine = NULL;
+  float *packed = NULL;
+  char err[512] = "";
+  if (exec__op_job_failed(rs, op))
+    return;
+  int init = req->init == ZEROD__V1__INIT_MODE__INIT_UNSPECIFIED
+                 ? ZEROD__V1__INIT_MODE__INIT_FROM_RANK0
+                 : (int)req->init;
+  uint64_t init_tag =
+      (uint64_t)init ^
+      (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL ? (req->seed * 31) ^ fnv1a("std") : 0);
+  int local_rc = local_layout(rs, req, init_tag, &mine, err, sizeof err);
+  int32_t init_status = 0;
+  if (rs->rank == 0 && local_rc == 0 && init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0)
+    init_status = read_initial_values(op, mine, &packed, err, sizeof err);
+  if (exchange_layouts(rs, op, req, mine, local_rc, init_status, err))
+    goto done;
 
   /* 4. The job's quotas, before anything is published or allocated: a
    * refused unit leaves no trace. Every rank decides alike (the same
@@ -309,72 +390,21 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
   }
   mine = NULL; /* freed by job_publish_unit if it existed, else owned by the job */
   int fresh = l->id >= rs->nshards || !rs->shards[l->id].present;
-  if (fresh) {
-    /* Readers of this rank look at the shard table under its lock. */
-    pin_lock_shards(rs);
-    rc = exec__shard_create(rs, l);
-    pin_unlock_shards(rs);
-    if (rc == 0)
-      rc = exec__grow_scratch(
-          rs, init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0 ? l->padded_numel : 0, 0);
-    if (rc != 0 && rs->tier_error[0] != '\0') { /* offload nvme: the disk, not memory */
-      job_fail(j, rs->generation, "rank %d: unit '%s': %s", rs->rank, l->name, rs->tier_error);
-      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-                 "no room for the optimizer state of unit '%s' (%llu elements) on disk: %s",
-                 l->name, (unsigned long long)l->shard_numel, rs->tier_error);
-      goto done;
-    }
-    if (rc != 0) {
-      job_fail(j, rs->generation, "rank %d: out of memory for unit '%s'", rs->rank, l->name);
-      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-                 "out of memory for the shard of unit '%s' (%llu elements)", l->name,
-                 (unsigned long long)l->shard_numel);
-      goto done;
-    }
-    shard *sh = &rs->shards[l->id];
-    uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
-    if (init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0) {
-      /* 6. Rank 0's values to every rank. */
-      rc = broadcast_values(rs, l, packed);
-      if (rc != 0) {
-        exec__op_comm_failed(rs, op, "register (initial values)", rc);
-        goto done;
-      }
-      rc = exec__state_copy(rs, sh, l, JOB_STATE_MASTER, rs->scratch + lo);
-    } else if (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL) {
-      rc = seed_master(rs, l, sh, req->seed, req->init_std);
-    }
-    if (rc == 0)
-      rc = exec__refresh_working(rs, l, sh);
-    /* Readers copy the shard from other threads once the unit is ready. */
-    if (rc == 0)
-      rc = device_sync(rs->dev);
-    if (rc != 0) {
-      exec__op_device_failed(rs, op, "register (initial values)", rc);
-      goto done;
-    }
-    /* No reader looks at the shard before this: the unit becomes readable
-     * (and listed) once every rank has counted itself. */
-    atomic_fetch_add(&l->ready_ranks, 1);
+  if (fresh && install_shard(rs, op, req, l, init, packed))
+    goto done;
+  Zerod__V1__RegisterUnitReply reply = ZEROD__V1__REGISTER_UNIT_REPLY__INIT;
+  if (exec_unit_reply(j, l, &reply) != 0) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    goto done;
   }
-  {
-    Zerod__V1__RegisterUnitReply reply = ZEROD__V1__REGISTER_UNIT_REPLY__INIT;
-    if (exec_unit_reply(j, l, &reply) != 0) {
-      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
-      goto done;
-    }
-    reply.existed = !fresh;
-    exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT_REPLY, &reply.base);
-    exec_unit_reply_free(&reply);
-    LOG_DEBUGF("unit registered", "job=%s rank=%d unit=%u numel=%llu", j->name, rs->rank, l->id,
-               (unsigned long long)l->numel);
-  }
+  reply.existed = !fresh;
+  exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT_REPLY, &reply.base);
+  exec_unit_reply_free(&reply);
+  LOG_DEBUGF("unit registered", "job=%s rank=%d unit=%u numel=%llu", j->name, rs->rank, l->id,
+             (unsigned long long)l->numel);
 done:
-  if (root_desc_owned)
-    free(root_desc);
   unit_layout_free(mine);
   free(packed);
-  free(codes);
 }
 
 /* Outcomes of a LOAD_UNIT's local checks, exchanged between the ranks. */
