@@ -118,7 +118,8 @@ const char *job_optimizer_name(job_optimizer o) {
   return o == JOB_ADAMW ? "adamw" : o == JOB_ADAM ? "adam" : "sgd";
 }
 
-int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err, size_t err_bytes) {
+/* The algorithm and how the job's collectives run: defaults, then checks. */
+static int finish_collectives(job_config *c, char *err, size_t err_bytes) {
   if (c->optimizer == 0)
     c->optimizer = JOB_ADAMW;
   if (c->optimizer != JOB_ADAMW && c->optimizer != JOB_ADAM && c->optimizer != JOB_SGD) {
@@ -158,6 +159,11 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
              c->hpz_partition_size);
     return -EINVAL;
   }
+  return 0;
+}
+
+/* offload_optimizer and what it rules out. */
+static int finish_offload(job_config *c, char *err, size_t err_bytes) {
   if (c->offload_device == 0)
     c->offload_device = JOB_OFFLOAD_NONE;
   if (c->offload_device < JOB_OFFLOAD_NONE || c->offload_device > JOB_OFFLOAD_NVME) {
@@ -198,6 +204,13 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
              c->hpz_partition_size, JOB_MAX_HPZ_PARTITION_SIZE);
     return -EINVAL;
   }
+  return 0;
+}
+
+/* The hyper-parameters' and the loss scaling's defaults, the working
+ * precision. */
+static int finish_numerics(job_config *c, uint64_t default_max_live_bytes, char *err,
+                           size_t err_bytes) {
   if (c->lr == 0)
     c->lr = 1e-3;
   if (c->beta1 == 0)
@@ -242,6 +255,10 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
       return -EINVAL;
     }
   }
+  return 0;
+}
+
+static int check_hyperparameters(const job_config *c, char *err, size_t err_bytes) {
   /* The checks torch.optim makes, so a bad config fails at creation and not
    * at the first step, and finiteness, which torch does not check: an
    * infinite momentum or a NaN dampening turns the weights into NaN, and a
@@ -282,6 +299,15 @@ int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err,
     return -EINVAL;
   }
   return 0;
+}
+
+int job_config_finish(job_config *c, uint64_t default_max_live_bytes, char *err, size_t err_bytes) {
+  int rc = finish_collectives(c, err, err_bytes);
+  if (rc == 0)
+    rc = finish_offload(c, err, err_bytes);
+  if (rc == 0)
+    rc = finish_numerics(c, default_max_live_bytes, err, err_bytes);
+  return rc == 0 ? check_hyperparameters(c, err, err_bytes) : rc;
 }
 
 int job_config_states(const job_config *c, int has[JOB_NSTATES]) {
