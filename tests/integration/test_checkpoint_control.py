@@ -18,8 +18,8 @@ sanitizer report.
 
 import json
 import os
-import subprocess
 import re
+import subprocess
 import threading
 import time
 
