@@ -231,12 +231,34 @@ int coord__placed_on(const coord_caller *who, const cjob *j);
  * job id). Returns 0 or a negative errno with err. Blocks the loop. */
 int coord__state_save(coord *c, char *err, size_t err_bytes);
 
+/* A method the coordinator serves, for coord__add_methods. */
+typedef struct coord_method {
+  const char *path;
+  rpc_kind kind;
+  rpc_handler handler;
+} coord_method;
+
+/* Registers methods[count] on server, each called with c. Returns 0 or the
+ * first error of rpc_server_add_method. */
+int coord__add_methods(coord *c, rpc_server *server, const coord_method *methods, size_t count);
+
 member *coord__find_member(const coord *c, const char *name);
 cjob *coord__find_job(const coord *c, const char *name);
 /* Returns the job's placement index of node, or -1. */
 long coord__placement_of(const cjob *j, const char *node);
 /* Owes each live placement node of j a new WatchEvent. */
 void coord__mark_job_watches(coord *c, const cjob *j);
+
+/* ------------------------------------------------------------------------ */
+/* coord_kv.c: the rendezvous KV                                            */
+/* ------------------------------------------------------------------------ */
+
+/* Frees j's keys. */
+void coord__kv_clear(coord *c, cjob *j);
+/* Ends every waiting Get of j with status and message. */
+void coord__kv_waiters_end(cjob *j, int status, const char *message);
+/* Registers the Rendezvous methods (Put, Get, Delete). */
+int coord__kv_register(coord *c, rpc_server *server);
 
 /* ------------------------------------------------------------------------ */
 /* coord_ckpt.c: the hooks coord.c calls                                    */
