@@ -13,7 +13,7 @@
  * Job states are never stored: they are derived (derive_job) from the
  * members and their last heartbeat's reports whenever either changes.
  *
- * Nothing here blocks the loop except the state file write (state_write):
+ * Nothing here blocks the loop except the state file write (coord_state.c):
  * a few kilobytes written and fsync'd when a job is created or deleted.
  * Those are rare operator actions, and answering them only once the state
  * is durable is the point, so the write is done in line rather than on
@@ -81,7 +81,7 @@ static int random_token(char *out) {
 
 /* Returns a copy of msg made by packing and unpacking it, so that the copy
  * is one protobuf-c allocation tree (freed with ctl_free), or NULL. */
-static void *message_copy(const ProtobufCMessage *msg) {
+void *coord__message_copy(const ProtobufCMessage *msg) {
   size_t len = protobuf_c_message_get_packed_size(msg);
   uint8_t *buf = malloc(len ? len : 1);
   if (buf == NULL)
@@ -543,154 +543,9 @@ static void reconcile(coord *c, const char *node) {
     coord__ckpt_retire_pending(c);
 }
 
-/* ------------------------------------------------------------------------ */
-/* Durable state                                                            */
-/* ------------------------------------------------------------------------ */
-
-/* Writes the jobs (without the deleting ones and skip, plus add), the
- * retired jobs and next_job_id to coordinator.pb atomically: a temporary
- * file, fsync, rename over the old one, fsync of the directory. On failure the old file
- * is intact and err holds the reason. Blocks the loop (see the top of the
- * file). Returns 0 or a negative errno. */
-static int state_write(coord *c, const cjob *add, const cjob *skip, uint64_t next_job_id, char *err,
-                       size_t err_bytes) {
-  if (c->options.state_dir[0] == '\0')
-    return 0; /* an in-memory coordinator (zerod standalone) */
-  size_t cap = c->njobs + 1;
-  Zerod__V1__StoredJob *stored = calloc(cap, sizeof *stored);
-  Zerod__V1__StoredJob **pointers = calloc(cap, sizeof *pointers);
-  Zerod__V1__Job *jobs = calloc(cap, sizeof *jobs);
-  Zerod__V1__RetiredJob *retired = NULL, **retired_pointers = NULL;
-  uint8_t *buf = NULL;
-  int fd = -1, rc = -ENOMEM;
-  const char *step = "pack";
-  if (stored == NULL || pointers == NULL || jobs == NULL)
-    goto out;
-  size_t count = 0;
-  for (size_t i = 0; i <= c->njobs; i++) {
-    const cjob *j = i < c->njobs ? c->jobs[i] : add;
-    if (j == NULL || j == skip || j->deleting)
-      continue;
-    /* State and reason are derived, never stored; the epoch is. */
-    jobs[count] = *j->msg;
-    jobs[count].state = ZEROD__V1__JOB_STATE__JOB_STATE_UNSPECIFIED;
-    jobs[count].reason = (char *)"";
-    jobs[count].step = j->step;
-    jobs[count].epoch = j->epoch;
-    zerod__v1__stored_job__init(&stored[count]);
-    stored[count].job = &jobs[count];
-    stored[count].token_sha256 = j->token_sha256;
-    stored[count].n_read_token_sha256 = j->n_read_tokens;
-    stored[count].read_token_sha256 = (char **)j->read_token_ptrs;
-    pointers[count] = &stored[count];
-    count++;
-  }
-  Zerod__V1__CoordinatorState state = ZEROD__V1__COORDINATOR_STATE__INIT;
-  state.format_version = COORD_STATE_FORMAT;
-  state.next_job_id = next_job_id;
-  state.n_jobs = count;
-  state.jobs = pointers;
-  retired = calloc(c->nretired ? c->nretired : 1, sizeof *retired);
-  retired_pointers = calloc(c->nretired ? c->nretired : 1, sizeof *retired_pointers);
-  if (retired == NULL || retired_pointers == NULL)
-    goto out;
-  for (size_t i = 0; i < c->nretired; i++) {
-    const retired_job *r = &c->retired[i];
-    zerod__v1__retired_job__init(&retired[i]);
-    retired[i].name = (char *)r->name;
-    retired[i].id = r->id;
-    retired[i].tenant = (char *)r->tenant;
-    retired[i].deleted_unix_ms = r->deleted_unix_ms;
-    retired[i].moved = r->moved;
-    retired_pointers[i] = &retired[i];
-  }
-  state.n_retired = c->nretired;
-  state.retired = retired_pointers;
-  size_t len = zerod__v1__coordinator_state__get_packed_size(&state);
-  buf = malloc(len ? len : 1);
-  if (buf == NULL)
-    goto out;
-  zerod__v1__coordinator_state__pack(&state, buf);
-
-  step = "open";
-  fd = open(c->tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, filemode_file());
-  if (fd < 0)
-    goto out_errno;
-  step = "fchmod";
-  if ((errno = -filemode_fix_file(fd)) != 0)
-    goto out_errno;
-  step = "write";
-  for (size_t done = 0; done < len;) {
-    ssize_t n = write(fd, buf + done, len - done);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0) {
-      if (n == 0)
-        errno = ENOSPC;
-      goto out_errno;
-    }
-    done += (size_t)n;
-  }
-  step = "fsync";
-  if (fsync(fd) != 0)
-    goto out_errno;
-  step = "close";
-  int close_rc = close(fd);
-  fd = -1;
-  if (close_rc != 0)
-    goto out_errno;
-  step = "rename";
-  if (rename(c->tmp_path, c->state_path) != 0)
-    goto out_errno;
-  /* The rename is durable only once the directory is. If this fsync fails
-   * the new file may or may not survive a crash; the caller reports the
-   * error and keeps its old state in memory, and the next write settles
-   * the file again. */
-  step = "fsync directory";
-  int dir_fd = open(c->options.state_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd < 0)
-    goto out_errno;
-  int sync_rc = fsync(dir_fd);
-  int sync_errno = errno;
-  close(dir_fd);
-  if (sync_rc != 0) {
-    errno = sync_errno;
-    goto out_errno;
-  }
-  rc = 0;
-  goto out;
-out_errno:
-  rc = -errno;
-  snprintf(err, err_bytes, "cannot save the coordinator state (%s %s): %s", step,
-           strcmp(step, "rename") == 0 || strncmp(step, "fsync d", 7) == 0 ? c->state_path
-                                                                           : c->tmp_path,
-           strerror(errno));
-  if (fd >= 0)
-    close(fd);
-  unlink(c->tmp_path);
-out:
-  if (rc == -ENOMEM)
-    snprintf(err, err_bytes, "cannot save the coordinator state: out of memory");
-  free(buf);
-  free(stored);
-  free(pointers);
-  free(jobs);
-  free(retired);
-  free(retired_pointers);
-  return rc;
-}
-
-int coord__state_save(coord *c, char *err, size_t err_bytes) {
-  return state_write(c, NULL, NULL, c->next_job_id, err, err_bytes);
-}
-
-static int compare_jobs(const void *a, const void *b) {
-  return strcmp((*(cjob *const *)a)->msg->name, (*(cjob *const *)b)->msg->name);
-}
-
 /* Adds a read token's hash (64 hex digits) to j, dropping the oldest when
  * it has COORD_MAX_READ_TOKENS. Returns 0 or -ENOMEM. */
-static int job_add_read_token(cjob *j, const char *hash) {
+int coord__job_add_read_token(cjob *j, const char *hash) {
   if (j->read_tokens == NULL) {
     j->read_tokens = calloc(COORD_MAX_READ_TOKENS, sizeof *j->read_tokens);
     if (j->read_tokens == NULL)
@@ -709,7 +564,7 @@ static int job_add_read_token(cjob *j, const char *hash) {
 
 /* token_sha256: the owner token's hash, 64 hex digits (the token itself
  * is never kept). */
-static cjob *job_new(Zerod__V1__Job *msg, const char *token_sha256) {
+cjob *coord__job_new(Zerod__V1__Job *msg, const char *token_sha256) {
   cjob *j = calloc(1, sizeof *j);
   if (j == NULL)
     return NULL;
@@ -726,136 +581,6 @@ static cjob *job_new(Zerod__V1__Job *msg, const char *token_sha256) {
   j->epoch = msg->epoch ? msg->epoch : 1;
   j->step = msg->step;
   return j;
-}
-
-/* Loads coordinator.pb. A missing file is an empty state; anything that
- * cannot be read in full, or is not a valid CoordinatorState of our format,
- * is an error (the operator decides; we never start over silently). */
-static int state_load(coord *c, char *err, size_t err_bytes) {
-  uint8_t *buf = NULL;
-  Zerod__V1__CoordinatorState *state = NULL;
-  int rc = 0;
-  int fd = open(c->state_path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT)
-      return 0;
-    rc = -errno;
-    snprintf(err, err_bytes, "cannot open %s: %s", c->state_path, strerror(errno));
-    return rc;
-  }
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    rc = -errno;
-    snprintf(err, err_bytes, "cannot stat %s: %s", c->state_path, strerror(errno));
-    goto out;
-  }
-  if (!S_ISREG(st.st_mode) || st.st_size > (off_t)COORD_MAX_STATE_BYTES) {
-    rc = -EFBIG;
-    snprintf(err, err_bytes, "%s is not a regular file of at most %u bytes", c->state_path,
-             COORD_MAX_STATE_BYTES);
-    goto out;
-  }
-  size_t len = (size_t)st.st_size;
-  buf = malloc(len ? len : 1);
-  if (buf == NULL) {
-    rc = -ENOMEM;
-    snprintf(err, err_bytes, "out of memory reading %s", c->state_path);
-    goto out;
-  }
-  for (size_t done = 0; done < len;) {
-    ssize_t n = read(fd, buf + done, len - done);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0) {
-      rc = n == 0 ? -EIO : -errno;
-      snprintf(err, err_bytes, "cannot read %s: %s", c->state_path,
-               n == 0 ? "file shrank while reading" : strerror(errno));
-      goto out;
-    }
-    done += (size_t)n;
-  }
-  /* The file is outside bytes too: its strings are checked as a request's
-   * are, so that a job name with a NUL in it cannot come back as another. */
-  char why[384];
-  ProtobufCMessage *decoded = NULL;
-  if (ctl_decode_message(&zerod__v1__coordinator_state__descriptor, buf, len, &decoded, why,
-                         sizeof why) != 0) {
-    rc = -EBADMSG;
-    snprintf(err, err_bytes, "%s is corrupt: %s", c->state_path, why);
-    goto out;
-  }
-  state = (Zerod__V1__CoordinatorState *)decoded;
-  if (state->format_version != COORD_STATE_FORMAT) {
-    rc = -EBADMSG;
-    snprintf(err, err_bytes, "%s has format version %u (this coordinator reads %d)", c->state_path,
-             state->format_version, COORD_STATE_FORMAT);
-    goto out;
-  }
-  if (state->n_jobs > COORD_MAX_JOBS) {
-    rc = -EBADMSG;
-    snprintf(err, err_bytes, "%s holds %zu jobs (at most %d)", c->state_path, state->n_jobs,
-             COORD_MAX_JOBS);
-    goto out;
-  }
-  c->jobs = calloc(state->n_jobs ? state->n_jobs : 1, sizeof *c->jobs);
-  if (c->jobs == NULL) {
-    rc = -ENOMEM;
-    snprintf(err, err_bytes, "out of memory loading %s", c->state_path);
-    goto out;
-  }
-  uint64_t next_id = state->next_job_id ? state->next_job_id : 1;
-  for (size_t i = 0; i < state->n_jobs; i++) {
-    const Zerod__V1__StoredJob *s = state->jobs[i];
-    if (s == NULL || ctl_check_stored_job(s, why, sizeof why) != 0) {
-      rc = -EBADMSG;
-      snprintf(err, err_bytes, "%s is corrupt: %s", c->state_path, s ? why : "empty job");
-      goto out;
-    }
-    Zerod__V1__Job *copy = message_copy(&s->job->base);
-    /* Files from before tokens were hashed hold the token itself. */
-    char hashed[DIGEST_HEX_BYTES];
-    if (s->token_sha256[0] == '\0')
-      digest_sha256_hex(s->token, hashed);
-    cjob *j =
-        copy != NULL ? job_new(copy, s->token_sha256[0] != '\0' ? s->token_sha256 : hashed) : NULL;
-    if (j == NULL) {
-      ctl_free(copy ? &copy->base : NULL);
-      rc = -ENOMEM;
-      snprintf(err, err_bytes, "out of memory loading %s", c->state_path);
-      goto out;
-    }
-    c->jobs[c->njobs++] = j;
-    for (size_t t = 0; t < s->n_read_token_sha256; t++) {
-      if (job_add_read_token(j, s->read_token_sha256[t]) != 0) {
-        rc = -ENOMEM;
-        snprintf(err, err_bytes, "out of memory loading %s", c->state_path);
-        goto out;
-      }
-    }
-    if (j->msg->id >= next_id)
-      next_id = j->msg->id + 1;
-  }
-  if ((rc = coord__ckpt_retired_load(c, state, err, err_bytes)) != 0)
-    goto out;
-  for (size_t i = 0; i < c->nretired; i++)
-    if (c->retired[i].id >= next_id)
-      next_id = c->retired[i].id + 1;
-  qsort(c->jobs, c->njobs, sizeof *c->jobs, compare_jobs);
-  for (size_t i = 1; i < c->njobs; i++) {
-    if (strcmp(c->jobs[i - 1]->msg->name, c->jobs[i]->msg->name) == 0) {
-      rc = -EBADMSG;
-      snprintf(err, err_bytes, "%s is corrupt: job '%s' is stored twice", c->state_path,
-               c->jobs[i]->msg->name);
-      goto out;
-    }
-  }
-  c->next_job_id = next_id;
-out:
-  if (state != NULL)
-    zerod__v1__coordinator_state__free_unpacked(state, NULL);
-  free(buf);
-  close(fd);
-  return rc;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -999,7 +724,7 @@ static int join_member(coord *c, const Zerod__V1__NodeInfo *node, const member *
   if (grown != NULL)
     c->members = grown;
   member *m = calloc(1, sizeof *m);
-  if (grown == NULL || m == NULL || (m->info = message_copy(&node->base)) == NULL ||
+  if (grown == NULL || m == NULL || (m->info = coord__message_copy(&node->base)) == NULL ||
       random_bytes(&m->session, sizeof m->session) != 0) {
     member_free(m);
     snprintf(err, err_bytes, "coordinator out of memory or randomness");
@@ -1376,10 +1101,10 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const ch
   const Zerod__V1__CheckpointPolicy *policy = req->checkpoint_policy;
   if (policy != NULL && (policy->every_steps != 0 || policy->every_seconds != 0))
     job.checkpoint_policy = (Zerod__V1__CheckpointPolicy *)policy;
-  Zerod__V1__Job *copy = message_copy(&job.base);
+  Zerod__V1__Job *copy = coord__message_copy(&job.base);
   char token_sha256[DIGEST_HEX_BYTES];
   digest_sha256_hex(token, token_sha256);
-  cjob *j = copy != NULL ? job_new(copy, token_sha256) : NULL;
+  cjob *j = copy != NULL ? coord__job_new(copy, token_sha256) : NULL;
   if (j == NULL) {
     ctl_free(copy ? &copy->base : NULL);
     snprintf(err, err_bytes, "coordinator out of memory");
@@ -1393,7 +1118,7 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const ch
   }
   c->jobs = grown;
 
-  if (state_write(c, j, NULL, c->next_job_id + 1, err, err_bytes) != 0) {
+  if (coord__state_write(c, j, NULL, c->next_job_id + 1, err, err_bytes) != 0) {
     LOG_ERRORF("job not created", "job=%s err=\"%s\"", req->name, err);
     job_free(c, j);
     return RPC_UNAVAILABLE;
@@ -1510,9 +1235,9 @@ static void on_issue_read_token(rpc_call *call, const uint8_t *request, size_t r
     char dropped[DIGEST_HEX_BYTES] = "";
     if (j->n_read_tokens == COORD_MAX_READ_TOKENS)
       memcpy(dropped, j->read_tokens[0], sizeof dropped);
-    if (job_add_read_token(j, hash) != 0) {
+    if (coord__job_add_read_token(j, hash) != 0) {
       coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
-    } else if (state_write(c, NULL, NULL, c->next_job_id, err, sizeof err) != 0) {
+    } else if (coord__state_write(c, NULL, NULL, c->next_job_id, err, sizeof err) != 0) {
       j->n_read_tokens--;
       if (dropped[0] != '\0') {
         memmove(j->read_tokens[1], j->read_tokens[0], j->n_read_tokens * sizeof j->read_tokens[0]);
@@ -1578,7 +1303,7 @@ static void on_delete_job(rpc_call *call, const uint8_t *request, size_t request
       coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
       goto out;
     }
-    if (state_write(c, NULL, j, c->next_job_id, err, sizeof err) != 0) {
+    if (coord__state_write(c, NULL, j, c->next_job_id, err, sizeof err) != 0) {
       coord__ckpt_unretire(c, j->msg->id);
       LOG_ERRORF("job not deleted", "job=%s err=\"%s\"", req->name, err);
       coord__finish_error(call, RPC_UNAVAILABLE, "%s", err);
@@ -1702,7 +1427,7 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
    * renamed file, so the leftover is dropped. */
   if (unlink(c->tmp_path) == 0)
     LOG_INFOF("removed an unfinished state write", "path=%s", c->tmp_path);
-  if ((rc = state_load(c, err, err_bytes)) != 0)
+  if ((rc = coord__state_load(c, err, err_bytes)) != 0)
     goto fail;
   /* Recovered jobs wait for their nodes to re-join and report. */
   for (size_t i = 0; i < c->njobs; i++)

@@ -227,10 +227,6 @@ int coord__may_own_job(const coord_caller *who, const cjob *j);
 /* Whether who is a node principal of one of j's placement nodes. */
 int coord__placed_on(const coord_caller *who, const cjob *j);
 
-/* Writes coordinator.pb as the state is now (jobs, retired jobs, the next
- * job id). Returns 0 or a negative errno with err. Blocks the loop. */
-int coord__state_save(coord *c, char *err, size_t err_bytes);
-
 /* A method the coordinator serves, for coord__add_methods. */
 typedef struct coord_method {
   const char *path;
@@ -242,12 +238,40 @@ typedef struct coord_method {
  * first error of rpc_server_add_method. */
 int coord__add_methods(coord *c, rpc_server *server, const coord_method *methods, size_t count);
 
+/* A copy of msg made by packing and unpacking it, one protobuf-c
+ * allocation tree (freed with ctl_free), or NULL. */
+void *coord__message_copy(const ProtobufCMessage *msg);
+
+/* A job record for msg (taken; freed with the job) and its owner token's
+ * SHA-256 (64 hex digits: the token itself is never kept), or NULL. */
+cjob *coord__job_new(Zerod__V1__Job *msg, const char *token_sha256);
+/* Adds a read token's hash (64 hex digits) to j, dropping the oldest when
+ * it has COORD_MAX_READ_TOKENS. Returns 0 or -ENOMEM. */
+int coord__job_add_read_token(cjob *j, const char *hash);
+
 member *coord__find_member(const coord *c, const char *name);
 cjob *coord__find_job(const coord *c, const char *name);
 /* Returns the job's placement index of node, or -1. */
 long coord__placement_of(const cjob *j, const char *node);
 /* Owes each live placement node of j a new WatchEvent. */
 void coord__mark_job_watches(coord *c, const cjob *j);
+
+/* ------------------------------------------------------------------------ */
+/* coord_state.c: the durable state file (coordinator.pb)                   */
+/* ------------------------------------------------------------------------ */
+
+/* Writes the jobs (without the deleting ones and skip, plus add), the
+ * retired jobs and next_job_id to coordinator.pb atomically. On failure
+ * the old file is intact and err holds the reason. Blocks the loop.
+ * Returns 0 or a negative errno. */
+int coord__state_write(coord *c, const cjob *add, const cjob *skip, uint64_t next_job_id, char *err,
+                       size_t err_bytes);
+/* Writes coordinator.pb as the state is now (jobs, retired jobs, the next
+ * job id). Returns 0 or a negative errno with err. Blocks the loop. */
+int coord__state_save(coord *c, char *err, size_t err_bytes);
+/* Loads coordinator.pb into c's jobs and retired jobs. A missing file is
+ * an empty state; one that cannot be read or decoded is an error (err). */
+int coord__state_load(coord *c, char *err, size_t err_bytes);
 
 /* ------------------------------------------------------------------------ */
 /* coord_kv.c: the rendezvous KV                                            */
