@@ -39,9 +39,6 @@
 #include "health.h"
 #include "log.h"
 
-static void reconcile(coord *c, const char *node);
-static void mark_all_watches(coord *c);
-
 /* ------------------------------------------------------------------------ */
 /* Small helpers                                                            */
 /* ------------------------------------------------------------------------ */
@@ -52,7 +49,7 @@ int64_t coord__unix_ms(void) {
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-static int random_bytes(void *buf, size_t len) {
+int coord__random_bytes(void *buf, size_t len) {
   size_t got = 0;
   while (got < len) {
     ssize_t n = getrandom((char *)buf + got, len - got, 0);
@@ -63,19 +60,6 @@ static int random_bytes(void *buf, size_t len) {
     }
     got += (size_t)n;
   }
-  return 0;
-}
-
-/* A new token: COORD_TOKEN_HEX_DIGITS random hex digits into out
- * (COORD_TOKEN_HEX_DIGITS + 1 bytes). Returns 0 or a negative errno
- * (errno set). */
-static int random_token(char *out) {
-  uint8_t raw[COORD_TOKEN_HEX_DIGITS / 2];
-  int rc = random_bytes(raw, sizeof raw);
-  if (rc != 0)
-    return rc;
-  for (size_t i = 0; i < sizeof raw; i++)
-    snprintf(out + 2 * i, 3, "%02x", raw[i]);
   return 0;
 }
 
@@ -175,21 +159,21 @@ static long search_by_name(void *const *items, size_t n, const char *(*name_of)(
   return -(long)lo - 1;
 }
 
-static long find_member_index(const coord *c, const char *name) {
+long coord__member_index(const coord *c, const char *name) {
   return search_by_name((void *const *)c->members, c->nmembers, member_name, name);
 }
 
 member *coord__find_member(const coord *c, const char *name) {
-  long i = find_member_index(c, name);
+  long i = coord__member_index(c, name);
   return i >= 0 ? c->members[i] : NULL;
 }
 
-static long find_job_index(const coord *c, const char *name) {
+long coord__job_index(const coord *c, const char *name) {
   return search_by_name((void *const *)c->jobs, c->njobs, job_name, name);
 }
 
 cjob *coord__find_job(const coord *c, const char *name) {
-  long i = find_job_index(c, name);
+  long i = coord__job_index(c, name);
   return i >= 0 ? c->jobs[i] : NULL;
 }
 
@@ -200,7 +184,7 @@ long coord__placement_of(const cjob *j, const char *node) {
   return -1;
 }
 
-static int compare_reports(const void *a, const void *b) {
+int coord__compare_reports(const void *a, const void *b) {
   return strcmp(((const job_report *)a)->job, ((const job_report *)b)->job);
 }
 
@@ -208,10 +192,10 @@ static const job_report *find_report(const member *m, const char *job) {
   if (m->nreports == 0)
     return NULL; /* bsearch must not be given a NULL array */
   job_report key = {.job = (char *)job};
-  return bsearch(&key, m->reports, m->nreports, sizeof *m->reports, compare_reports);
+  return bsearch(&key, m->reports, m->nreports, sizeof *m->reports, coord__compare_reports);
 }
 
-static void free_reports(job_report *reports, size_t count) {
+void coord__free_reports(job_report *reports, size_t count) {
   for (size_t i = 0; i < count; i++) {
     free(reports[i].job);
     free(reports[i].error);
@@ -225,7 +209,7 @@ static void free_reports(job_report *reports, size_t count) {
 
 /* The job as replies show it: the stored message with the live fields.
  * Points into j; valid until j changes. */
-static void job_view(const cjob *j, Zerod__V1__Job *out) {
+void coord__job_view(const cjob *j, Zerod__V1__Job *out) {
   *out = *j->msg;
   out->state = j->state;
   out->reason = (char *)j->reason;
@@ -233,14 +217,7 @@ static void job_view(const cjob *j, Zerod__V1__Job *out) {
   out->epoch = j->epoch;
 }
 
-/* A View message built from the members; free with view_free. */
-typedef struct view_msg {
-  Zerod__V1__View view;
-  Zerod__V1__Member *members;
-  Zerod__V1__Member **pointers;
-} view_msg;
-
-static int view_build(const coord *c, view_msg *v) {
+int coord__view_build(const coord *c, view_msg *v) {
   zerod__v1__view__init(&v->view);
   v->members = calloc(c->nmembers ? c->nmembers : 1, sizeof *v->members);
   v->pointers = calloc(c->nmembers ? c->nmembers : 1, sizeof *v->pointers);
@@ -267,7 +244,7 @@ static int view_build(const coord *c, view_msg *v) {
   return 0;
 }
 
-static void view_free(view_msg *v) {
+void coord__view_free(view_msg *v) {
   free(v->members);
   free(v->pointers);
 }
@@ -276,7 +253,7 @@ static void view_free(view_msg *v) {
  * buffer. Returns 0 or -ENOMEM. */
 static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size_t *out_bytes) {
   view_msg v;
-  if (view_build(c, &v) != 0)
+  if (coord__view_build(c, &v) != 0)
     return -ENOMEM;
   int rc = -ENOMEM;
   size_t cap = c->njobs ? c->njobs : 1;
@@ -291,7 +268,7 @@ static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size
     long at = j->deleting ? -1 : coord__placement_of(j, m->info->name);
     if (at < 0)
       continue;
-    job_view(j, &jobs[count]);
+    coord__job_view(j, &jobs[count]);
     zerod__v1__assignment__init(&assignments[count]);
     assignments[count].job = &jobs[count];
     assignments[count].token_sha256 = j->token_sha256;
@@ -320,7 +297,7 @@ out:
   free(assignments);
   free(pointers);
   free(jobs);
-  view_free(&v);
+  coord__view_free(&v);
   return rc;
 }
 
@@ -329,7 +306,7 @@ out:
 /* ------------------------------------------------------------------------ */
 
 /* Ends m's Watch stream, if any, with status and message. */
-static void watch_end(member *m, int status, const char *message) {
+void coord__watch_end(member *m, int status, const char *message) {
   rpc_call *call = m->watch;
   if (call == NULL)
     return;
@@ -342,7 +319,7 @@ static void watch_end(member *m, int status, const char *message) {
 }
 
 /* Sends m's stream the current event. */
-static void watch_send(coord *c, member *m) {
+void coord__watch_send(coord *c, member *m) {
   m->watch_dirty = 0;
   if (m->watch == NULL)
     return;
@@ -364,7 +341,7 @@ static void watch_send(coord *c, member *m) {
   char message[256];
   snprintf(message, sizeof message, "watch stream ended: %s",
            rc == -ENOBUFS ? "the client is not reading its events" : strerror(-rc));
-  watch_end(m, RPC_RESOURCE_EXHAUSTED, message);
+  coord__watch_end(m, RPC_RESOURCE_EXHAUSTED, message);
 }
 
 static void on_flush_timer(uv_timer_t *timer) {
@@ -372,7 +349,7 @@ static void on_flush_timer(uv_timer_t *timer) {
   c->flush_scheduled = 0;
   for (size_t i = 0; i < c->nmembers; i++)
     if (c->members[i]->watch_dirty)
-      watch_send(c, c->members[i]);
+      coord__watch_send(c, c->members[i]);
 }
 
 static void mark_watch(coord *c, member *m) {
@@ -385,7 +362,7 @@ static void mark_watch(coord *c, member *m) {
   }
 }
 
-static void mark_all_watches(coord *c) {
+void coord__mark_all_watches(coord *c) {
   for (size_t i = 0; i < c->nmembers; i++)
     mark_watch(c, c->members[i]);
 }
@@ -411,7 +388,7 @@ static void on_watch_cancelled(rpc_call *call, void *arg) {
 /* Derives j's state, reason and step from the members and their reports
  * (see docs/control-plane.md, "Job states"), and tells the job's nodes if
  * the state or reason changed. */
-static void derive_job(coord *c, cjob *j) {
+void coord__derive_job(coord *c, cjob *j) {
   if (j->deleting)
     return;
   size_t n = j->msg->n_placement;
@@ -504,7 +481,7 @@ static int job_still_reported(const coord *c, const cjob *j) {
   return 0;
 }
 
-static void job_free(coord *c, cjob *j) {
+void coord__job_free(coord *c, cjob *j) {
   if (j == NULL)
     return;
   coord__kv_clear(c, j);
@@ -518,7 +495,7 @@ static void job_free(coord *c, cjob *j) {
 
 /* Re-derives the jobs placed on node (every job when node is NULL), and
  * forgets the deleting ones that no live placement node reports any more. */
-static void reconcile(coord *c, const char *node) {
+void coord__reconcile(coord *c, const char *node) {
   size_t i = 0;
   int forgot = 0;
   while (i < c->njobs) {
@@ -531,11 +508,11 @@ static void reconcile(coord *c, const char *node) {
       LOG_INFOF("job deleted", "job=%s id=%" PRIu64, j->msg->name, j->msg->id);
       memmove(&c->jobs[i], &c->jobs[i + 1], (c->njobs - i - 1) * sizeof *c->jobs);
       c->njobs--;
-      job_free(c, j);
+      coord__job_free(c, j);
       forgot = 1;
       continue;
     }
-    derive_job(c, j);
+    coord__derive_job(c, j);
     i++;
   }
   /* A forgotten job's checkpoints can move aside now (ckpt_retire.c). */
@@ -654,11 +631,11 @@ static member *member_or_not_found(coord *c, rpc_call *call, const char *node, u
 /* Cluster                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static void member_free(member *m) {
+void coord__member_free(member *m) {
   if (m == NULL)
     return;
   ctl_free(m->info ? &m->info->base : NULL);
-  free_reports(m->reports, m->nreports);
+  coord__free_reports(m->reports, m->nreports);
   free(m);
 }
 
@@ -675,7 +652,7 @@ static void member_remove(coord *c, size_t i, const char *why) {
             m->session, why, c->epoch);
   char message[200];
   snprintf(message, sizeof message, "%s", reason);
-  watch_end(m, RPC_NOT_FOUND, message);
+  coord__watch_end(m, RPC_NOT_FOUND, message);
   /* The node's ranks are gone with it: every job placed there must rebuild
    * its communicator, under a new rendezvous epoch so that stale keys of
    * the old world are never read by the new one. */
@@ -690,16 +667,16 @@ static void member_remove(coord *c, size_t i, const char *why) {
   }
   char name[CTL_NAME_MAX_BYTES + 1];
   snprintf(name, sizeof name, "%s", m->info->name);
-  member_free(m);
-  reconcile(c, name);
-  mark_all_watches(c);
+  coord__member_free(m);
+  coord__reconcile(c, name);
+  coord__mark_all_watches(c);
 }
 
 /* Adds node as a member with a fresh session and lease. Returns 0 with the
  * member in *out, or an RPC status with the reason in err. */
 static int join_member(coord *c, const Zerod__V1__NodeInfo *node, const member **out, char *err,
                        size_t err_bytes) {
-  long at = find_member_index(c, node->name);
+  long at = coord__member_index(c, node->name);
   uint64_t now = uv_now(c->loop);
   if (at >= 0) {
     const member *old = c->members[at];
@@ -725,8 +702,8 @@ static int join_member(coord *c, const Zerod__V1__NodeInfo *node, const member *
     c->members = grown;
   member *m = calloc(1, sizeof *m);
   if (grown == NULL || m == NULL || (m->info = coord__message_copy(&node->base)) == NULL ||
-      random_bytes(&m->session, sizeof m->session) != 0) {
-    member_free(m);
+      coord__random_bytes(&m->session, sizeof m->session) != 0) {
+    coord__member_free(m);
     snprintf(err, err_bytes, "coordinator out of memory or randomness");
     return RPC_RESOURCE_EXHAUSTED;
   }
@@ -743,8 +720,8 @@ static int join_member(coord *c, const Zerod__V1__NodeInfo *node, const member *
   LOG_INFOF("node joined", "node=%s session=%" PRIu64 " address=%s ranks=%u epoch=%" PRIu64,
             node->name, m->session, log_quote(node->address, address, sizeof address), node->ranks,
             c->epoch);
-  reconcile(c, node->name);
-  mark_all_watches(c);
+  coord__reconcile(c, node->name);
+  coord__mark_all_watches(c);
   *out = m;
   return 0;
 }
@@ -760,7 +737,7 @@ static void on_join(rpc_call *call, const uint8_t *request, size_t request_bytes
   view_msg v;
   if (status != 0) {
     coord__finish_error(call, status, "%s", err);
-  } else if (view_build(c, &v) != 0) {
+  } else if (coord__view_build(c, &v) != 0) {
     coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
   } else {
     Zerod__V1__JoinReply reply = ZEROD__V1__JOIN_REPLY__INIT;
@@ -768,7 +745,7 @@ static void on_join(rpc_call *call, const uint8_t *request, size_t request_bytes
     reply.lease_ttl_ms = (uint32_t)c->options.lease_ttl_ms;
     reply.view = &v.view;
     coord__finish_message(call, &reply.base);
-    view_free(&v);
+    coord__view_free(&v);
   }
   ctl_free(&req->base);
 }
@@ -802,16 +779,16 @@ static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_
     ok = reports[i].job != NULL && reports[i].error != NULL;
   }
   if (!ok) {
-    free_reports(reports, req->n_jobs);
+    coord__free_reports(reports, req->n_jobs);
     coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
     goto out;
   }
-  qsort(reports, req->n_jobs, sizeof *reports, compare_reports);
-  free_reports(m->reports, m->nreports);
+  qsort(reports, req->n_jobs, sizeof *reports, coord__compare_reports);
+  coord__free_reports(m->reports, m->nreports);
   m->reports = reports;
   m->nreports = req->n_jobs;
   m->lease_deadline_ms = uv_now(c->loop) + (uint64_t)c->options.lease_ttl_ms;
-  reconcile(c, m->info->name);
+  coord__reconcile(c, m->info->name);
   coord__ckpt_heartbeat(c, m, req);
 
   Zerod__V1__HeartbeatReply reply = ZEROD__V1__HEARTBEAT_REPLY__INIT;
@@ -828,7 +805,7 @@ static void on_leave(rpc_call *call, const uint8_t *request, size_t request_byte
   if (req == NULL)
     return;
   if (member_or_not_found(c, call, req->node, req->session) != NULL) {
-    member_remove(c, (size_t)find_member_index(c, req->node), "left");
+    member_remove(c, (size_t)coord__member_index(c, req->node), "left");
     Zerod__V1__LeaveReply reply = ZEROD__V1__LEAVE_REPLY__INIT;
     coord__finish_message(call, &reply.base);
   }
@@ -842,7 +819,7 @@ static void on_get_view(rpc_call *call, const uint8_t *request, size_t request_b
   if (req == NULL)
     return;
   view_msg v;
-  if (view_build(c, &v) == 0) {
+  if (coord__view_build(c, &v) == 0) {
     /* A session is what Heartbeat, Leave and Watch take: only nodes and
      * admins see them. */
     if (who.role != AUTH_ADMIN && who.role != AUTH_NODE) {
@@ -850,7 +827,7 @@ static void on_get_view(rpc_call *call, const uint8_t *request, size_t request_b
         v.members[i].session = 0;
     }
     coord__finish_message(call, &v.view.base);
-    view_free(&v);
+    coord__view_free(&v);
   } else {
     coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
   }
@@ -866,11 +843,11 @@ static void on_watch(rpc_call *call, const uint8_t *request, size_t request_byte
   if (m != NULL) {
     /* One stream per member: a node that re-opens its watch (after a
      * network blip it may not have noticed) replaces the old one. */
-    watch_end(m, RPC_ABORTED, "replaced by a newer Watch of the same node");
+    coord__watch_end(m, RPC_ABORTED, "replaced by a newer Watch of the same node");
     m->watch = call;
     rpc_call_set_cancel(call, on_watch_cancelled, m);
     LOG_DEBUGF("watch opened", "node=%s session=%" PRIu64, m->info->name, m->session);
-    watch_send(c, m);
+    coord__watch_send(c, m);
   }
   ctl_free(&req->base);
 }
@@ -887,450 +864,6 @@ static void on_lease_timer(uv_timer_t *timer) {
       i++;
   }
   coord__ckpt_tick(c);
-}
-
-/* ------------------------------------------------------------------------ */
-/* Jobs                                                                     */
-/* ------------------------------------------------------------------------ */
-
-/* Fills an effective config (torch.optim's defaults for zero fields: the
- * node's job_config_finish itself, model/config.c) so that GetJob shows
- * what will run. in has been validated by ctl_check_job_config. */
-static void effective_config(const Zerod__V1__JobConfig *in, job_config_msg *out) {
-  /* max_live_bytes stays 0 when it is: each node then uses its own
-   * default. */
-  job_config c;
-  char err[256];
-  if (job_config_from_proto(in, &c, err, sizeof err) != 0 ||
-      job_config_finish(&c, 0, err, sizeof err) != 0) {
-    /* Not reached: ctl_check_job_config made the same two calls. */
-    job_config_from_proto(NULL, &c, err, sizeof err);
-    job_config_finish(&c, 0, err, sizeof err);
-  }
-  job_config_to_proto(&c, out);
-}
-
-/* Picks the job's nodes into chosen[nodes] (names owned by the members),
- * or writes why not to err and returns RPC_FAILED_PRECONDITION. */
-static int place_job(coord *c, const Zerod__V1__CreateJobRequest *req, const char **chosen,
-                     char *err, size_t err_bytes) {
-  if (req->n_node_names != 0) {
-    for (size_t i = 0; i < req->n_node_names; i++) {
-      const member *m = coord__find_member(c, req->node_names[i]);
-      if (m == NULL) {
-        snprintf(err, err_bytes, "node '%s' is not a member", req->node_names[i]);
-        return RPC_FAILED_PRECONDITION;
-      }
-      if (m->info->ranks < req->ranks_per_node) {
-        snprintf(err, err_bytes, "node '%s' can host %u ranks; the job needs %u per node",
-                 m->info->name, m->info->ranks, req->ranks_per_node);
-        return RPC_FAILED_PRECONDITION;
-      }
-      chosen[i] = m->info->name;
-    }
-    return 0;
-  }
-  size_t found = 0;
-  for (size_t i = 0; i < c->nmembers && found < req->nodes; i++)
-    if (c->members[i]->info->ranks >= req->ranks_per_node)
-      chosen[found++] = c->members[i]->info->name;
-  if (found == req->nodes)
-    return 0;
-  size_t able = 0;
-  for (size_t i = 0; i < c->nmembers; i++)
-    able += c->members[i]->info->ranks >= req->ranks_per_node;
-  if (able == c->nmembers)
-    snprintf(err, err_bytes, "job needs %u nodes that can host %u ranks each; %zu are members",
-             req->nodes, req->ranks_per_node, c->nmembers);
-  else
-    snprintf(err, err_bytes,
-             "job needs %u nodes that can host %u ranks each; %zu of the %zu members can",
-             req->nodes, req->ranks_per_node, able, c->nmembers);
-  return RPC_FAILED_PRECONDITION;
-}
-
-/* Creates the job req describes (decoded and validated), placed by
- * place_job. An empty token is replaced by a random one unless
- * token_as_given (an in-process create, whose workers attached without
- * one). Returns 0 with the job in *out, or an RPC status with the reason in
- * err and nothing changed. */
-/* What a job asks of its tenant's quotas: its per-rank (per-node for
- * sessions) quota times its ranks (nodes). live-bytes falls back to the
- * config's max_live_bytes. */
-static uint64_t job_quota_use(auth_quota_kind kind, const Zerod__V1__Quotas *q,
-                              const Zerod__V1__JobConfig *config, uint32_t nodes,
-                              uint32_t ranks_per_node) {
-  uint64_t world = (uint64_t)nodes * ranks_per_node;
-  switch (kind) {
-  case AUTH_QUOTA_JOBS:
-    return 1;
-  case AUTH_QUOTA_SESSIONS:
-    return q != NULL ? (uint64_t)q->max_sessions * nodes : 0;
-  case AUTH_QUOTA_HOST_BYTES:
-    return q != NULL ? q->max_host_bytes * world : 0;
-  case AUTH_QUOTA_DEVICE_BYTES:
-    return q != NULL ? q->max_device_bytes * world : 0;
-  case AUTH_QUOTA_LIVE_BYTES: {
-    uint64_t live = q != NULL ? q->max_live_bytes : 0;
-    if (live == 0 && config != NULL)
-      live = config->max_live_bytes;
-    return live * world;
-  }
-  default:
-    return 0;
-  }
-}
-
-/* The per-job quota a tenant's quota of kind needs set, as zerodctl
- * spells it. */
-static const char *const quota_flags[AUTH_NQUOTAS] = {
-    NULL, "max_sessions (--max-sessions)", "max_host_bytes (--max-host-bytes)",
-    "max_device_bytes (--max-device-bytes)", "max_live_bytes (--max-live-bytes)"};
-
-/* Admits a job of tenant against the tenant's quotas (auth.h): each
- * limit must hold with the job's share added. Returns 0, or
- * RESOURCE_EXHAUSTED naming the quota, or INVALID_ARGUMENT when the
- * tenant's limit needs a per-job quota the request leaves unset (a job
- * without it could use any amount). */
-static int tenant_admit(const coord *c, const char *tenant, const Zerod__V1__CreateJobRequest *req,
-                        char *err, size_t err_bytes) {
-  if (c->auth == NULL || tenant[0] == '\0')
-    return 0;
-  const auth_quota *q = auth_quota_of(c->auth, tenant);
-  if (q == NULL)
-    return 0;
-  for (int k = 0; k < AUTH_NQUOTAS; k++) {
-    if (!(q->limited & (1u << k)))
-      continue;
-    uint64_t want = job_quota_use((auth_quota_kind)k, req->quotas, req->config, req->nodes,
-                                  req->ranks_per_node);
-    if (want == 0 && k != AUTH_QUOTA_JOBS) {
-      snprintf(err, err_bytes, "tenant %s has a %s quota: the job must set quotas.%s", tenant,
-               auth_quota_name((auth_quota_kind)k), quota_flags[k]);
-      return RPC_INVALID_ARGUMENT;
-    }
-    uint64_t used = 0;
-    for (size_t i = 0; i < c->njobs; i++) {
-      const cjob *j = c->jobs[i];
-      if (j->deleting || strcmp(j->msg->tenant, tenant) != 0)
-        continue;
-      used += job_quota_use((auth_quota_kind)k, j->msg->quotas, j->msg->config, j->msg->nodes,
-                            j->msg->ranks_per_node);
-    }
-    if (used + want > q->limit[k]) {
-      snprintf(err, err_bytes,
-               "tenant %s's %s quota is %" PRIu64 "; its jobs use %" PRIu64
-               " and this one asks %" PRIu64,
-               tenant, auth_quota_name((auth_quota_kind)k), q->limit[k], used, want);
-      return RPC_RESOURCE_EXHAUSTED;
-    }
-  }
-  return 0;
-}
-
-static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const char *tenant,
-                      int token_as_given, const cjob **out, char *token_out, char *err,
-                      size_t err_bytes) {
-  long at = find_job_index(c, req->name);
-  if (at >= 0) {
-    snprintf(err, err_bytes, "job '%s' %s", req->name,
-             c->jobs[at]->deleting ? "is still being deleted" : "already exists");
-    return RPC_ALREADY_EXISTS;
-  }
-  if (c->njobs >= COORD_MAX_JOBS) {
-    snprintf(err, err_bytes, "the coordinator has %zu jobs (at most %d)", c->njobs, COORD_MAX_JOBS);
-    return RPC_RESOURCE_EXHAUSTED;
-  }
-  int status = coord__ckpt_name_free(c, req->name, err, err_bytes);
-  if (status != 0)
-    return status;
-  status = tenant_admit(c, tenant, req, err, err_bytes);
-  if (status != 0)
-    return status;
-  const char *chosen[CTL_MAX_RANKS];
-  status = place_job(c, req, chosen, err, err_bytes);
-  if (status != 0)
-    return status;
-
-  char token[CTL_TOKEN_MAX_BYTES + 1];
-  if (req->token[0] != '\0' || token_as_given) {
-    snprintf(token, sizeof token, "%s", req->token);
-  } else {
-    if (random_token(token) != 0) {
-      snprintf(err, err_bytes, "cannot make a token: %s", strerror(errno));
-      return RPC_UNAVAILABLE;
-    }
-  }
-
-  /* The job as stored, built on the stack and copied into one allocation
-   * tree. */
-  job_config_msg effective;
-  effective_config(req->config, &effective);
-  Zerod__V1__JobConfig config = effective.config; /* its pointers stay in effective */
-  Zerod__V1__Quotas quotas = ZEROD__V1__QUOTAS__INIT;
-  if (req->quotas != NULL) {
-    quotas.max_live_bytes = req->quotas->max_live_bytes;
-    quotas.max_host_bytes = req->quotas->max_host_bytes;
-    quotas.max_device_bytes = req->quotas->max_device_bytes;
-    quotas.max_sessions = req->quotas->max_sessions;
-  }
-  Zerod__V1__RankPlacement placement[CTL_MAX_RANKS];
-  Zerod__V1__RankPlacement *placement_pointers[CTL_MAX_RANKS];
-  for (uint32_t i = 0; i < req->nodes; i++) {
-    zerod__v1__rank_placement__init(&placement[i]);
-    placement[i].node = (char *)chosen[i];
-    placement[i].first_rank = i * req->ranks_per_node;
-    placement[i].ranks = req->ranks_per_node;
-    placement_pointers[i] = &placement[i];
-  }
-  Zerod__V1__Job job = ZEROD__V1__JOB__INIT;
-  job.name = req->name;
-  job.id = c->next_job_id;
-  job.config = &config;
-  job.nodes = req->nodes;
-  job.ranks_per_node = req->ranks_per_node;
-  job.world_size = req->nodes * req->ranks_per_node;
-  job.quotas = &quotas;
-  job.n_placement = req->nodes;
-  job.placement = placement_pointers;
-  job.created_unix_ms = coord__unix_ms();
-  job.epoch = 1;
-  job.tenant = (char *)tenant;
-  /* Kept with the job (and so in the state file) only when it asks for
-   * something: an all-zero policy is no policy. */
-  const Zerod__V1__CheckpointPolicy *policy = req->checkpoint_policy;
-  if (policy != NULL && (policy->every_steps != 0 || policy->every_seconds != 0))
-    job.checkpoint_policy = (Zerod__V1__CheckpointPolicy *)policy;
-  Zerod__V1__Job *copy = coord__message_copy(&job.base);
-  char token_sha256[DIGEST_HEX_BYTES];
-  digest_sha256_hex(token, token_sha256);
-  cjob *j = copy != NULL ? coord__job_new(copy, token_sha256) : NULL;
-  if (j == NULL) {
-    ctl_free(copy ? &copy->base : NULL);
-    snprintf(err, err_bytes, "coordinator out of memory");
-    return RPC_RESOURCE_EXHAUSTED;
-  }
-  cjob **grown = realloc(c->jobs, (c->njobs + 1) * sizeof *c->jobs);
-  if (grown == NULL) {
-    job_free(c, j);
-    snprintf(err, err_bytes, "coordinator out of memory");
-    return RPC_RESOURCE_EXHAUSTED;
-  }
-  c->jobs = grown;
-
-  if (coord__state_write(c, j, NULL, c->next_job_id + 1, err, err_bytes) != 0) {
-    LOG_ERRORF("job not created", "job=%s err=\"%s\"", req->name, err);
-    job_free(c, j);
-    return RPC_UNAVAILABLE;
-  }
-  c->next_job_id++;
-  at = -at - 1;
-  memmove(&c->jobs[at + 1], &c->jobs[at], (c->njobs - (size_t)at) * sizeof *c->jobs);
-  c->jobs[at] = j;
-  c->njobs++;
-  LOG_INFOF("job created", "job=%s id=%" PRIu64 " nodes=%u ranks_per_node=%u tenant=%s", req->name,
-            j->msg->id, req->nodes, req->ranks_per_node, tenant);
-  derive_job(c, j);
-  coord__mark_job_watches(c, j);
-  memcpy(token_out, token, strlen(token) + 1);
-  *out = j;
-  return 0;
-}
-
-static void on_create_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
-  coord *c = arg;
-  coord_caller who;
-  Zerod__V1__CreateJobRequest *req =
-      coord__begin_as(c, call, CTL_CREATE_JOB, request, request_bytes, &who);
-  if (req == NULL)
-    return;
-  /* coord__begin_as let the caller make it: an admin names any tenant or
-   * none, a tenant its own (or none, meaning its own). */
-  char err[PATH_MAX + 256];
-  const char *tenant = req->tenant[0] != '\0' ? req->tenant : who.tenant;
-  const cjob *j;
-  char token[CTL_TOKEN_MAX_BYTES + 1];
-  int status = create_job(c, req, tenant, 0, &j, token, err, sizeof err);
-  if (status != 0) {
-    coord__finish_error(call, status, "%s", err);
-  } else {
-    Zerod__V1__Job view;
-    job_view(j, &view);
-    Zerod__V1__CreateJobReply reply = ZEROD__V1__CREATE_JOB_REPLY__INIT;
-    reply.job = &view;
-    reply.token = token; /* the only time it leaves the coordinator */
-    coord__finish_message(call, &reply.base);
-  }
-  ctl_free(&req->base);
-}
-
-int coord_create_job_local(coord *c, const char *name, const char *token,
-                           const Zerod__V1__JobConfig *config, const char *node, uint32_t ranks,
-                           uint64_t *id_out, uint64_t *epoch_out, char *err, size_t err_bytes) {
-  if (c->shutting_down) {
-    snprintf(err, err_bytes, "coordinator shutting down");
-    return RPC_UNAVAILABLE;
-  }
-  Zerod__V1__CreateJobRequest req = ZEROD__V1__CREATE_JOB_REQUEST__INIT;
-  req.name = (char *)name;
-  req.token = (char *)(token != NULL ? token : "");
-  req.config = (Zerod__V1__JobConfig *)config;
-  req.nodes = 1;
-  req.ranks_per_node = ranks;
-  char *nodes[1] = {(char *)node};
-  req.n_node_names = 1;
-  req.node_names = nodes;
-  const cjob *j;
-  char given[CTL_TOKEN_MAX_BYTES + 1];
-  int status = create_job(c, &req, "", 1, &j, given, err, err_bytes);
-  if (status == 0) {
-    *id_out = j->msg->id;
-    *epoch_out = j->epoch;
-  }
-  return status;
-}
-
-static void on_get_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
-  coord *c = arg;
-  Zerod__V1__GetJobRequest *req = coord__begin(c, call, CTL_GET_JOB, request, request_bytes);
-  if (req == NULL)
-    return;
-  const cjob *j = coord__find_job(c, req->name);
-  if (j == NULL) {
-    coord__finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->name);
-  } else {
-    Zerod__V1__Job view;
-    job_view(j, &view);
-    coord__finish_message(call, &view.base);
-  }
-  ctl_free(&req->base);
-}
-
-/* ListJobs shows each caller the jobs it may read; a node, those placed
- * on it. */
-static int job_listed_for(const coord_caller *who, const cjob *j) {
-  return who->role == AUTH_NODE ? coord__placed_on(who, j) : coord__may_read_job(who, j);
-}
-
-/* A new read token for a job: made here, its hash kept (durably, before
- * the reply) and sent to the job's nodes, the token itself given to the
- * caller alone. */
-static void on_issue_read_token(rpc_call *call, const uint8_t *request, size_t request_bytes,
-                                void *arg) {
-  coord *c = arg;
-  Zerod__V1__IssueReadTokenRequest *req =
-      coord__begin(c, call, CTL_ISSUE_READ_TOKEN, request, request_bytes);
-  if (req == NULL)
-    return;
-  cjob *j = coord__find_job(c, req->job);
-  char token[COORD_TOKEN_HEX_DIGITS + 1], hash[DIGEST_HEX_BYTES], err[512];
-  if (j == NULL || j->deleting) {
-    coord__finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->job);
-  } else if (random_token(token) != 0) {
-    coord__finish_error(call, RPC_UNAVAILABLE, "cannot make a token: %s", strerror(errno));
-  } else {
-    digest_sha256_hex(token, hash);
-    /* Kept only once stored: a token that a restart would forget is no
-     * token to give out. */
-    char dropped[DIGEST_HEX_BYTES] = "";
-    if (j->n_read_tokens == COORD_MAX_READ_TOKENS)
-      memcpy(dropped, j->read_tokens[0], sizeof dropped);
-    if (coord__job_add_read_token(j, hash) != 0) {
-      coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
-    } else if (coord__state_write(c, NULL, NULL, c->next_job_id, err, sizeof err) != 0) {
-      j->n_read_tokens--;
-      if (dropped[0] != '\0') {
-        memmove(j->read_tokens[1], j->read_tokens[0], j->n_read_tokens * sizeof j->read_tokens[0]);
-        memcpy(j->read_tokens[0], dropped, sizeof dropped);
-        j->n_read_tokens++;
-      }
-      coord__finish_error(call, RPC_UNAVAILABLE, "%s", err);
-    } else {
-      coord__mark_job_watches(c, j);
-      Zerod__V1__IssueReadTokenReply reply = ZEROD__V1__ISSUE_READ_TOKEN_REPLY__INIT;
-      reply.token = token;
-      coord__finish_message(call, &reply.base);
-    }
-  }
-  memset(token, 0, sizeof token);
-  ctl_free(&req->base);
-}
-
-static void on_list_jobs(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
-  coord *c = arg;
-  coord_caller who;
-  ProtobufCMessage *req = coord__begin_as(c, call, CTL_LIST_JOBS, request, request_bytes, &who);
-  if (req == NULL)
-    return;
-  Zerod__V1__Job *views = calloc(c->njobs ? c->njobs : 1, sizeof *views);
-  Zerod__V1__Job **pointers = calloc(c->njobs ? c->njobs : 1, sizeof *pointers);
-  if (views == NULL || pointers == NULL) {
-    coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
-  } else {
-    size_t n = 0;
-    for (size_t i = 0; i < c->njobs; i++) {
-      if (!job_listed_for(&who, c->jobs[i]))
-        continue;
-      job_view(c->jobs[i], &views[n]);
-      pointers[n] = &views[n];
-      n++;
-    }
-    Zerod__V1__ListJobsReply reply = ZEROD__V1__LIST_JOBS_REPLY__INIT;
-    reply.n_jobs = n;
-    reply.jobs = pointers;
-    coord__finish_message(call, &reply.base);
-  }
-  free(views);
-  free(pointers);
-  ctl_free(req);
-}
-
-static void on_delete_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
-  coord *c = arg;
-  Zerod__V1__DeleteJobRequest *req = coord__begin(c, call, CTL_DELETE_JOB, request, request_bytes);
-  if (req == NULL)
-    return;
-  cjob *j = coord__find_job(c, req->name);
-  if (j == NULL) {
-    coord__finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->name);
-    goto out;
-  }
-  if (!j->deleting) {
-    char err[PATH_MAX + 256];
-    /* Its checkpoints outlive it, and their owner is recorded with it
-     * (ckpt_owner.c). */
-    if (coord__ckpt_retire(c, j, coord__unix_ms()) != 0) {
-      coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
-      goto out;
-    }
-    if (coord__state_write(c, NULL, j, c->next_job_id, err, sizeof err) != 0) {
-      coord__ckpt_unretire(c, j->msg->id);
-      LOG_ERRORF("job not deleted", "job=%s err=\"%s\"", req->name, err);
-      coord__finish_error(call, RPC_UNAVAILABLE, "%s", err);
-      goto out;
-    }
-    /* The job leaves every assignment now (its nodes tear it down when
-     * their watch says so) and stays listed until none reports it. */
-    j->deleting = 1;
-    j->state = ZEROD__V1__JOB_STATE__JOB_STATE_DELETING;
-    snprintf(j->reason, sizeof j->reason, "deleted; waiting for its nodes to drop it");
-    char message[128];
-    snprintf(message, sizeof message, "job '%s' was deleted", req->name);
-    coord__kv_waiters_end(j, RPC_NOT_FOUND, message);
-    coord__kv_clear(c, j);
-    coord__ckpt_job_deleted(c, j);
-    LOG_INFOF("job deleting", "job=%s id=%" PRIu64, req->name, j->msg->id);
-    coord__mark_job_watches(c, j);
-    /* The job may be forgotten at once (no node reports it), so the node
-     * name that selects it must not point into it. */
-    char node[CTL_NAME_MAX_BYTES + 1];
-    snprintf(node, sizeof node, "%s", j->msg->placement[0]->node);
-    reconcile(c, node);
-  }
-  Zerod__V1__DeleteJobReply reply = ZEROD__V1__DELETE_JOB_REPLY__INIT;
-  coord__finish_message(call, &reply.base);
-out:
-  ctl_free(&req->base);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1431,7 +964,7 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
     goto fail;
   /* Recovered jobs wait for their nodes to re-join and report. */
   for (size_t i = 0; i < c->njobs; i++)
-    derive_job(c, c->jobs[i]);
+    coord__derive_job(c, c->jobs[i]);
 loaded:
   if ((rc = coord__ckpt_init(c, err, err_bytes)) != 0)
     goto fail;
@@ -1457,7 +990,7 @@ loaded:
   return 0;
 fail:
   for (size_t i = 0; i < c->njobs; i++)
-    job_free(c, c->jobs[i]);
+    coord__job_free(c, c->jobs[i]);
   free(c->jobs);
   auth_free(c->auth);
   coord__ckpt_retired_free(c);
@@ -1467,18 +1000,13 @@ fail:
 
 int coord_register(coord *c, rpc_server *server) {
   static const coord_method methods[] = {
-      {CTL_JOIN, RPC_UNARY, on_join},
-      {CTL_HEARTBEAT, RPC_UNARY, on_heartbeat},
-      {CTL_LEAVE, RPC_UNARY, on_leave},
-      {CTL_GET_VIEW, RPC_UNARY, on_get_view},
+      {CTL_JOIN, RPC_UNARY, on_join},           {CTL_HEARTBEAT, RPC_UNARY, on_heartbeat},
+      {CTL_LEAVE, RPC_UNARY, on_leave},         {CTL_GET_VIEW, RPC_UNARY, on_get_view},
       {CTL_WATCH, RPC_SERVER_STREAM, on_watch},
-      {CTL_CREATE_JOB, RPC_UNARY, on_create_job},
-      {CTL_GET_JOB, RPC_UNARY, on_get_job},
-      {CTL_LIST_JOBS, RPC_UNARY, on_list_jobs},
-      {CTL_DELETE_JOB, RPC_UNARY, on_delete_job},
-      {CTL_ISSUE_READ_TOKEN, RPC_UNARY, on_issue_read_token},
   };
   int rc = coord__add_methods(c, server, methods, sizeof methods / sizeof methods[0]);
+  if (rc == 0)
+    rc = coord__jobs_register(c, server);
   if (rc == 0)
     rc = coord__kv_register(c, server);
   if (rc != 0)
@@ -1511,7 +1039,7 @@ void coord_shutdown(coord *c) {
   c->shutting_down = 1;
   health_shutdown(c->health);
   for (size_t i = 0; i < c->nmembers; i++)
-    watch_end(c->members[i], RPC_UNAVAILABLE, "coordinator shutting down");
+    coord__watch_end(c->members[i], RPC_UNAVAILABLE, "coordinator shutting down");
   for (size_t i = 0; i < c->njobs; i++)
     coord__kv_waiters_end(c->jobs[i], RPC_UNAVAILABLE, "coordinator shutting down");
   coord__ckpt_shutdown(c);
@@ -1527,10 +1055,10 @@ void coord_destroy(coord *c) {
   health_free(c->health);
   coord__ckpt_destroy(c);
   for (size_t i = 0; i < c->nmembers; i++)
-    member_free(c->members[i]);
+    coord__member_free(c->members[i]);
   free(c->members);
   for (size_t i = 0; i < c->njobs; i++)
-    job_free(c, c->jobs[i]);
+    coord__job_free(c, c->jobs[i]);
   free(c->jobs);
   auth_free(c->auth);
   coord__ckpt_retired_free(c);

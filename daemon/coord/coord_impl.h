@@ -249,12 +249,54 @@ cjob *coord__job_new(Zerod__V1__Job *msg, const char *token_sha256);
  * it has COORD_MAX_READ_TOKENS. Returns 0 or -ENOMEM. */
 int coord__job_add_read_token(cjob *j, const char *hash);
 
+/* Fills buf[len] with random bytes. Returns 0 or a negative errno. */
+int coord__random_bytes(void *buf, size_t len);
+
+/* Lookups by name in the sorted arrays: the index of the match, or
+ * -(insertion point) - 1. */
+long coord__member_index(const coord *c, const char *name);
+long coord__job_index(const coord *c, const char *name);
 member *coord__find_member(const coord *c, const char *name);
 cjob *coord__find_job(const coord *c, const char *name);
 /* Returns the job's placement index of node, or -1. */
 long coord__placement_of(const cjob *j, const char *node);
-/* Owes each live placement node of j a new WatchEvent. */
+
+/* Orders job reports by job name (qsort); frees reports[count]. */
+int coord__compare_reports(const void *a, const void *b);
+void coord__free_reports(job_report *reports, size_t count);
+/* Frees a member (its Watch stream must have ended) or a job (its keys
+ * and waiting Gets end with it). NULL: nothing. */
+void coord__member_free(member *m);
+void coord__job_free(coord *c, cjob *j);
+
+/* The job as replies show it: the stored message with the live fields.
+ * Points into j; valid until j changes. */
+void coord__job_view(const cjob *j, Zerod__V1__Job *out);
+
+/* A View message built from the members; free with coord__view_free. */
+typedef struct view_msg {
+  Zerod__V1__View view;
+  Zerod__V1__Member *members;
+  Zerod__V1__Member **pointers;
+} view_msg;
+int coord__view_build(const coord *c, view_msg *v);
+void coord__view_free(view_msg *v);
+
+/* Ends m's Watch stream, if any, with status and message. */
+void coord__watch_end(member *m, int status, const char *message);
+/* Sends m's stream the current event. */
+void coord__watch_send(coord *c, member *m);
+/* Owes each live placement node of j (every member) a new WatchEvent,
+ * sent on the next turn of the loop. */
 void coord__mark_job_watches(coord *c, const cjob *j);
+void coord__mark_all_watches(coord *c);
+
+/* Derives j's state, reason and step from the members and their reports,
+ * and tells the job's nodes if the state or reason changed. */
+void coord__derive_job(coord *c, cjob *j);
+/* Re-derives the jobs placed on node (every job when node is NULL), and
+ * forgets the deleting ones that no live placement node reports any more. */
+void coord__reconcile(coord *c, const char *node);
 
 /* ------------------------------------------------------------------------ */
 /* coord_state.c: the durable state file (coordinator.pb)                   */
@@ -272,6 +314,14 @@ int coord__state_save(coord *c, char *err, size_t err_bytes);
 /* Loads coordinator.pb into c's jobs and retired jobs. A missing file is
  * an empty state; one that cannot be read or decoded is an error (err). */
 int coord__state_load(coord *c, char *err, size_t err_bytes);
+
+/* ------------------------------------------------------------------------ */
+/* coord_jobs.c: jobs and quotas                                            */
+/* ------------------------------------------------------------------------ */
+
+/* Registers the Jobs methods (CreateJob, GetJob, ListJobs, DeleteJob,
+ * IssueReadToken). */
+int coord__jobs_register(coord *c, rpc_server *server);
 
 /* ------------------------------------------------------------------------ */
 /* coord_kv.c: the rendezvous KV                                            */
