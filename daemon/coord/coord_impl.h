@@ -316,6 +316,15 @@ int coord__state_save(coord *c, char *err, size_t err_bytes);
 int coord__state_load(coord *c, char *err, size_t err_bytes);
 
 /* ------------------------------------------------------------------------ */
+/* coord_cluster.c: membership and leases                                   */
+/* ------------------------------------------------------------------------ */
+
+/* The lease sweep: members whose lease passed leave the view. */
+void coord__cluster_sweep(coord *c);
+/* Registers the Cluster methods (Join, Heartbeat, Leave, GetView, Watch). */
+int coord__cluster_register(coord *c, rpc_server *server);
+
+/* ------------------------------------------------------------------------ */
 /* coord_jobs.c: jobs and quotas                                            */
 /* ------------------------------------------------------------------------ */
 
