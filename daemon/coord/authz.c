@@ -1,12 +1,12 @@
 /* authz: who may make which control-plane call (docs/security.md).
  *
- * coord__identify names the caller of every call as it arrives, before
- * its request message (rpc.h: the server admits it by that name, or
- * refuses it); coord__begin then takes that caller (coord__caller),
- * ctl_decode's request and coord__authorize's verdict, for every request
- * but health checks: a handler only runs for a caller allowed to make its
- * request. Calls that change state
- * are marked for the audit log here too, so that no handler can forget.
+ * coord__identify (coord_call.c) names the caller of every call as it
+ * arrives, before its request message (rpc.h: the server admits it by that
+ * name, or refuses it); coord__begin then takes that caller
+ * (coord__caller), ctl_decode's request and coord__authorize's verdict,
+ * for every request but health checks: a handler only runs for a caller
+ * allowed to make its request. Calls that change state are marked for the
+ * audit log here too, so that no handler can forget.
  *
  * The rules, by method:
  *   Join, Heartbeat, Watch  a node principal of the request's node name
@@ -45,117 +45,6 @@
 #include "coord_impl.h"
 #include "ctl_decode.h"
 #include "log.h"
-
-/* Reads the bearer token of the call. Returns its length, 0 when there
- * is none, or -1 when the header is malformed (err says how). */
-static int bearer_token(const rpc_call *call, char *out, size_t out_bytes, char *err,
-                        size_t err_bytes) {
-  char value[RPC_MAX_TOKEN_BYTES + 32];
-  int n = rpc_call_metadata(call, "authorization", value, sizeof value);
-  if (n == -ENOENT)
-    return 0;
-  if (n < 0) {
-    snprintf(err, err_bytes, "the authorization header is %s",
-             n == -E2BIG ? "too long" : "not text");
-    return -1;
-  }
-  static const char prefix[] = "Bearer ";
-  if (strncmp(value, prefix, sizeof prefix - 1) != 0 || value[sizeof prefix - 1] == '\0') {
-    snprintf(err, err_bytes, "the authorization header must be 'Bearer <token>'");
-    return -1;
-  }
-  const char *token = value + sizeof prefix - 1;
-  size_t len = strlen(token);
-  if (len >= out_bytes) {
-    snprintf(err, err_bytes, "the bearer token is too long");
-    return -1;
-  }
-  memcpy(out, token, len + 1);
-  return (int)len;
-}
-
-/* What a caller without credentials is told. It names what the clients
- * of this repository take (tests/integration/test_hints.py runs each). */
-#define COORD_NO_CREDENTIALS_HINT                                                                  \
-  "no credentials: send a bearer token (zerodctl and zerod node: --auth-token-file FILE or "       \
-  "ZEROD_AUTH_TOKEN) or a client certificate (--tls-cert and --tls-key)"
-
-/* The principal of a call, from its bearer token or else its verified
- * client certificate. Returns 0 with *out (NULL: no credentials at all),
- * or RPC_UNAUTHENTICATED and why. */
-static int principal_of(const coord *c, const rpc_call *call, const auth_principal **out, char *err,
-                        size_t err_bytes) {
-  *out = NULL;
-  char token[RPC_MAX_TOKEN_BYTES + 1];
-  int n = bearer_token(call, token, sizeof token, err, err_bytes);
-  if (n < 0)
-    return RPC_UNAUTHENTICATED;
-  if (n > 0) {
-    *out = auth_by_token(c->auth, token, (size_t)n);
-    memset(token, 0, sizeof token);
-    if (*out == NULL) {
-      snprintf(err, err_bytes, "the bearer token is not one of a known principal");
-      return RPC_UNAUTHENTICATED;
-    }
-    return 0;
-  }
-  const char *cn = rpc_call_cert_name(call);
-  if (cn[0] != '\0') {
-    *out = auth_by_cert(c->auth, cn);
-    if (*out == NULL) {
-      snprintf(err, err_bytes, "the client certificate (CN=%s) is not one of a known principal",
-               cn);
-      return RPC_UNAUTHENTICATED;
-    }
-  }
-  return 0;
-}
-
-int coord__identify(void *arg, const rpc_call *call, long *principal, char *name, size_t name_bytes,
-                    char *err, size_t err_bytes) {
-  const coord *c = arg;
-  if (rpc_call_transport(call) == RPC_TRANSPORT_UNIX || c->auth == NULL) {
-    *principal = RPC_PRINCIPAL_TRUSTED;
-    return 0;
-  }
-  const auth_principal *p;
-  int status = principal_of(c, call, &p, err, err_bytes);
-  if (status != 0)
-    return status;
-  if (p == NULL) {
-    if (rpc_call_method_anonymous(call)) {
-      *principal = RPC_PRINCIPAL_ANONYMOUS;
-      return 0;
-    }
-    snprintf(err, err_bytes, "%s", COORD_NO_CREDENTIALS_HINT);
-    return RPC_UNAUTHENTICATED;
-  }
-  *principal = (long)auth_index(c->auth, p);
-  snprintf(name, name_bytes, "%s", p->name);
-  return 0;
-}
-
-int coord__caller(const coord *c, const rpc_call *call, coord_caller *out) {
-  memset(out, 0, sizeof *out);
-  out->index = -1;
-  long principal = rpc_call_principal(call);
-  if (principal == RPC_PRINCIPAL_TRUSTED) {
-    out->role = AUTH_ADMIN;
-    out->trusted = 1;
-    snprintf(out->name, sizeof out->name, "%s",
-             rpc_call_transport(call) == RPC_TRANSPORT_UNIX ? "local" : "anyone");
-    return 0;
-  }
-  if (principal < 0 || c->auth == NULL || (size_t)principal >= auth_count(c->auth))
-    return RPC_UNAUTHENTICATED; /* an anonymous call of a method that needs credentials */
-  const auth_principal *p = auth_at(c->auth, (size_t)principal);
-  out->index = principal;
-  out->role = p->role;
-  snprintf(out->name, sizeof out->name, "%s", p->name);
-  snprintf(out->tenant, sizeof out->tenant, "%s", p->tenant);
-  out->any_node = p->role == AUTH_NODE && strcmp(p->name, "*") == 0;
-  return 0;
-}
 
 int coord__may_read_job(const coord_caller *who, const cjob *j) {
   if (who->role == AUTH_ADMIN)
