@@ -122,8 +122,24 @@ typedef struct cjob {
   auto_ckpt autockpt;
 } cjob;
 
+/* What the registry (coord_registry.c) calls in the files above it, set
+ * by coord_create: the registry sits below them and names none of them. */
+typedef struct coord_hooks {
+  /* Adds j's checkpoint order in flight, if any, to the Assignment a
+   * node of it receives (coord__ckpt_assignment). */
+  void (*assignment)(const cjob *j, Zerod__V1__Assignment *a);
+  /* j's state was derived again (coord__ckpt_job_changed). */
+  void (*job_changed)(coord *c, cjob *j);
+  /* j is being freed: its keys and waiting Gets go (coord__kv_job_freed). */
+  void (*job_freed)(coord *c, cjob *j);
+  /* Deleting jobs were forgotten: their checkpoints may move aside
+   * (coord__ckpt_retire_pending). */
+  void (*jobs_forgotten)(coord *c);
+} coord_hooks;
+
 struct coord {
   uv_loop_t *loop;
+  coord_hooks hooks;
   coord_options options;
   char state_path[PATH_MAX + 32];
   char tmp_path[PATH_MAX + 32];
@@ -340,6 +356,8 @@ int coord__jobs_register(coord *c, rpc_server *server);
 void coord__kv_clear(coord *c, cjob *j);
 /* Ends every waiting Get of j with status and message. */
 void coord__kv_waiters_end(cjob *j, int status, const char *message);
+/* Both, for a job being freed: its Gets end with NOT_FOUND (a hook). */
+void coord__kv_job_freed(coord *c, cjob *j);
 /* Registers the Rendezvous methods (Put, Get, Delete). */
 int coord__kv_register(coord *c, rpc_server *server);
 

@@ -32,6 +32,11 @@ void coord__kv_clear(coord *c, cjob *j) {
   }
 }
 
+void coord__kv_job_freed(coord *c, cjob *j) {
+  coord__kv_clear(c, j);
+  coord__kv_waiters_end(j, RPC_NOT_FOUND, "the job is gone");
+}
+
 static kv_entry **kv_find(cjob *j, uint64_t epoch, const char *key) {
   for (kv_entry **p = &j->kv; *p != NULL; p = &(*p)->next)
     if ((*p)->epoch == epoch && strcmp((*p)->key, key) == 0)

@@ -12,7 +12,9 @@
  * Job states are never stored: they are derived (coord__derive_job) from
  * the members and their last heartbeat's reports whenever either changes.
  *
- * Loop thread only. */
+ * The registry calls no file above it: what they add to its work (a job's
+ * checkpoint order in an Assignment, the end of a job's keys) comes in
+ * through c->hooks, set by coord_create. Loop thread only. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -236,7 +238,7 @@ static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size
     assignments[count].read_token_sha256 = (char **)j->read_token_ptrs;
     assignments[count].first_rank = j->msg->placement[at]->first_rank;
     assignments[count].ranks = j->msg->placement[at]->ranks;
-    coord__ckpt_assignment(j, &assignments[count]);
+    c->hooks.assignment(j, &assignments[count]);
     pointers[count] = &assignments[count];
     count++;
   }
@@ -419,7 +421,7 @@ void coord__derive_job(coord *c, cjob *j) {
     snprintf(j->reason, sizeof j->reason, "%s", reason);
     coord__mark_job_watches(c, j);
   }
-  coord__ckpt_job_changed(c, j);
+  c->hooks.job_changed(c, j);
 }
 
 /* Returns 1 if a live placement node of j still reports it. */
@@ -443,8 +445,7 @@ void coord__member_free(member *m) {
 void coord__job_free(coord *c, cjob *j) {
   if (j == NULL)
     return;
-  coord__kv_clear(c, j);
-  coord__kv_waiters_end(j, RPC_NOT_FOUND, "the job is gone");
+  c->hooks.job_freed(c, j);
   ctl_free(&j->msg->base);
   free(j->token_sha256);
   free(j->read_tokens);
@@ -476,7 +477,7 @@ void coord__reconcile(coord *c, const char *node) {
   }
   /* A forgotten job's checkpoints can move aside now (ckpt_retire.c). */
   if (forgot)
-    coord__ckpt_retire_pending(c);
+    c->hooks.jobs_forgotten(c);
 }
 
 /* Adds a read token's hash (64 hex digits) to j, dropping the oldest when
