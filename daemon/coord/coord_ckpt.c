@@ -42,17 +42,12 @@
 
 #include "ckpt.h"
 #include "confine.h"
+#include "coord_ckpt.h"
 #include "coord_impl.h"
 #include "crashpoint.h"
 #include "ctl_decode.h"
 #include "filemode.h"
 #include "log.h"
-
-#define CKPT_DEFAULT_TIMEOUT_MS (600 * 1000)
-#define CKPT_AUTO_RETRY_MS      (30 * 1000) /* after a failed periodic checkpoint */
-#define CKPT_MAX_LISTED         65536       /* checkpoints in one List reply */
-#define CKPT_MAX_TREE_DEPTH     16          /* directories inside a removed one */
-#define CKPT_MESSAGE_BYTES      1536
 
 /* ------------------------------------------------------------------------ */
 /* Orders                                                                   */
@@ -325,128 +320,6 @@ static void on_order_cancelled(rpc_call *call, void *arg) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* Files                                                                    */
-/* ------------------------------------------------------------------------ */
-
-/* Status for a failed file operation of the coordinator's own: a full disk
- * is RESOURCE_EXHAUSTED, the rest UNAVAILABLE (an operator fixes the
- * filesystem and retries). */
-static int io_status(int errnum) {
-  return errnum == ENOSPC || errnum == EDQUOT || errnum == ENOMEM ? RPC_RESOURCE_EXHAUSTED
-                                                                  : RPC_UNAVAILABLE;
-}
-
-/* Formats a path. coord__ckpt_init makes sure that the checkpoint
- * directory leaves 512 bytes of PATH_MAX, more than anything appended here
- * needs (a job and a checkpoint name of at most 64 bytes each, a mark with
- * an id, a shard file's name), so nothing is cut off; vsnprintf rather
- * than snprintf because the compiler cannot know that. */
-static void path_format(char *out, size_t out_bytes, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void path_format(char *out, size_t out_bytes, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(out, out_bytes, fmt, ap);
-  va_end(ap);
-}
-
-/* Copies a name that has been checked to fit (a valid name: 64 bytes). */
-static void copy_name(char *out, size_t out_bytes, const char *name) {
-  size_t len = strnlen(name, out_bytes - 1);
-  memcpy(out, name, len);
-  out[len] = '\0';
-}
-
-static int fsync_dir(const char *path) {
-  int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0)
-    return -errno;
-  int rc = fsync(fd) == 0 ? 0 : -errno;
-  close(fd);
-  return rc;
-}
-
-/* mkdir -p with the directory mode (filemode.h). Returns 0 or a negative
- * errno. */
-static int make_dirs(const char *path) {
-  char buf[PATH_MAX];
-  if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
-    return -ENAMETOOLONG;
-  for (char *p = buf + 1;; p++) {
-    if (*p != '/' && *p != '\0')
-      continue;
-    char saved = *p;
-    *p = '\0';
-    int rc = filemode_mkdirat(AT_FDCWD, buf);
-    if (rc != 0 && rc != -EEXIST)
-      return rc;
-    *p = saved;
-    if (saved == '\0')
-      return 0;
-  }
-}
-
-static int is_dir_at(int dir_fd, const struct dirent *e) {
-  if (e->d_type == DT_DIR)
-    return 1;
-  if (e->d_type != DT_UNKNOWN)
-    return 0;
-  struct stat st;
-  return fstatat(dir_fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
-}
-
-/* Removes name (in the directory parent_fd) and everything under it,
- * never following symbolic links. Safe on any thread. */
-static int remove_at(int parent_fd, const char *name, int depth) {
-  if (unlinkat(parent_fd, name, 0) == 0 || errno == ENOENT)
-    return 0;
-  if (errno != EISDIR && errno != EPERM)
-    return -errno;
-  if (depth >= CKPT_MAX_TREE_DEPTH)
-    return -ELOOP;
-  int fd = openat(parent_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0)
-    return -errno;
-  DIR *d = fdopendir(fd);
-  if (d == NULL) {
-    int rc = -errno;
-    close(fd);
-    return rc;
-  }
-  int rc = 0;
-  /* A file created while we read (a rank still writing into a failed
-   * save) is caught by the next pass. */
-  for (int pass = 0; pass < 3; pass++) {
-    struct dirent *e;
-    rewinddir(d);
-    while ((e = readdir(d)) != NULL) {
-      if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
-        continue;
-      int child = remove_at(dirfd(d), e->d_name, depth + 1);
-      if (child != 0 && rc == 0)
-        rc = child;
-    }
-    if (rc != 0)
-      break;
-    if (unlinkat(parent_fd, name, AT_REMOVEDIR) == 0 || errno == ENOENT) {
-      closedir(d);
-      return 0;
-    }
-    if (errno != ENOTEMPTY && errno != EEXIST) {
-      rc = -errno;
-      break;
-    }
-  }
-  closedir(d);
-  return rc != 0 ? rc : -ENOTEMPTY;
-}
-
-static int remove_tree(const char *path) {
-  return remove_at(AT_FDCWD, path, 0);
-}
-
-/* ------------------------------------------------------------------------ */
 /* The thread pool                                                          */
 /* ------------------------------------------------------------------------ */
 
@@ -489,7 +362,7 @@ typedef struct remove_work {
 
 static void remove_run(ckpt_work *base) {
   remove_work *w = (remove_work *)base;
-  w->rc = remove_tree(w->path);
+  w->rc = coord__ckpt_rmtree(w->path);
 }
 
 static void remove_done(ckpt_work *base) {
@@ -523,12 +396,6 @@ static void queue_remove(coord *c, const char *path, const char *why) {
 
 void coord__ckpt_remove_tree(coord *c, const char *path, const char *why) {
   queue_remove(c, path, why);
-}
-
-/* Whether path is dir or below it. */
-static int path_below(const char *path, const char *dir) {
-  size_t len = strlen(dir);
-  return strncmp(path, dir, len) == 0 && (path[len] == '/' || path[len] == '\0');
 }
 
 /* ------------------------------------------------------------------------ */
@@ -603,18 +470,19 @@ static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int p
   }
   snprintf(o->name, sizeof o->name, "%s", name);
   char job_dir[PATH_MAX];
-  path_format(job_dir, sizeof job_dir, "%s/%s", c->options.checkpoint_dir, j->msg->name);
+  coord__ckpt_path_format(job_dir, sizeof job_dir, "%s/%s", c->options.checkpoint_dir,
+                          j->msg->name);
   const char *stem = periodic ? "auto" : ex != NULL ? "export" : name[0] != '\0' ? name : "step";
-  path_format(o->dir, sizeof o->dir, "%s/%s.tmp-%" PRIu64, job_dir, stem, o->id);
+  coord__ckpt_path_format(o->dir, sizeof o->dir, "%s/%s.tmp-%" PRIu64, job_dir, stem, o->id);
   const char *failed_path = job_dir;
-  int rc = make_dirs(job_dir);
+  int rc = coord__ckpt_make_dirs(job_dir);
   if (rc == 0 && (rc = filemode_mkdirat(AT_FDCWD, o->dir)) != 0)
     failed_path = o->dir;
   if (rc != 0) {
     snprintf(err, err_bytes, "cannot create %s: %s", failed_path, strerror(-rc));
     o->dir[0] = '\0'; /* nothing of ours to remove */
     order_free(c, o);
-    return io_status(-rc);
+    return coord__ckpt_io_status(-rc);
   }
   zerod__v1__save_order__init(&o->save_msg);
   o->save_msg.id = o->id;
@@ -634,13 +502,6 @@ static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int p
   coord__mark_job_watches(c, j);
   return 0;
 }
-
-/* What a job done on the threadpool tells the loop: 0, or a gRPC status
- * and why. Returns status, so that a check can end with it. */
-typedef struct work_result {
-  int status;
-  char message[CKPT_MESSAGE_BYTES];
-} work_result;
 
 /* A save being committed: what the thread needs, and what it found. */
 typedef struct commit_work {
@@ -670,18 +531,6 @@ typedef struct commit_work {
   int64_t total_ms;
 } commit_work;
 
-static int work_fail(work_result *r, int status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static int work_fail(work_result *r, int status, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(r->message, sizeof r->message, fmt, ap);
-  va_end(ap);
-  r->status = status;
-  return status;
-}
-
 /* Checks what the ranks wrote and completes the temporary directory:
  * manifest (from rank 0's layout and the ranks' reports), read back,
  * layout removed, directory synced. */
@@ -695,17 +544,19 @@ static int commit_manifest(commit_work *w) {
     snprintf(path, sizeof path, "%s/%s", w->tmp_dir, w->files[r].name);
     if (stat(path, &st) != 0) {
       if (errno == ENOENT)
-        return work_fail(&w->result, RPC_FAILED_PRECONDITION,
-                         "rank %u's shard file %s is not in %s as the coordinator sees it: the "
-                         "checkpoint directory must be on a filesystem that every node shares "
-                         "(docs/checkpoints.md)",
-                         r, w->files[r].name, w->tmp_dir);
-      return work_fail(&w->result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+        return coord__ckpt_work_fail(
+            &w->result, RPC_FAILED_PRECONDITION,
+            "rank %u's shard file %s is not in %s as the coordinator sees it: the "
+            "checkpoint directory must be on a filesystem that every node shares "
+            "(docs/checkpoints.md)",
+            r, w->files[r].name, w->tmp_dir);
+      return coord__ckpt_work_fail(&w->result, coord__ckpt_io_status(errno), "cannot stat %s: %s",
+                                   path, strerror(errno));
     }
     if ((uint64_t)st.st_size != w->files[r].bytes)
-      return work_fail(&w->result, RPC_DATA_LOSS,
-                       "%s: %" PRIu64 " bytes on disk, rank %u reported %" PRIu64, w->files[r].name,
-                       (uint64_t)st.st_size, r, w->files[r].bytes);
+      return coord__ckpt_work_fail(&w->result, RPC_DATA_LOSS,
+                                   "%s: %" PRIu64 " bytes on disk, rank %u reported %" PRIu64,
+                                   w->files[r].name, (uint64_t)st.st_size, r, w->files[r].bytes);
     w->bytes += w->files[r].bytes;
   }
 
@@ -714,22 +565,23 @@ static int commit_manifest(commit_work *w) {
   int rc =
       ckpt_manifest_load(w->tmp_dir, CKPT_LAYOUT_NAME, CKPT_DECODE_NO_FILES, &m, err, sizeof err);
   if (rc != 0)
-    return work_fail(&w->result, rc == -ENOENT ? RPC_FAILED_PRECONDITION : RPC_INTERNAL,
-                     "rank 0's layout: %s", err);
+    return coord__ckpt_work_fail(&w->result, rc == -ENOENT ? RPC_FAILED_PRECONDITION : RPC_INTERNAL,
+                                 "rank 0's layout: %s", err);
   if (m.step != w->step || m.world_size != w->world_size) {
-    work_fail(&w->result, RPC_INTERNAL,
-              "rank 0's layout is of step %" PRIu64
-              " and %u ranks; the ranks reported step %" PRIu64 " and %u ranks",
-              m.step, m.world_size, w->step, w->world_size);
+    coord__ckpt_work_fail(&w->result, RPC_INTERNAL,
+                          "rank 0's layout is of step %" PRIu64
+                          " and %u ranks; the ranks reported step %" PRIu64 " and %u ranks",
+                          m.step, m.world_size, w->step, w->world_size);
     ckpt_manifest_free(&m);
     return w->result.status;
   }
   uint64_t expect_bytes = ckpt_shard_file_bytes(&m);
   for (uint32_t r = 0; r < w->world_size; r++) {
     if (w->files[r].bytes != expect_bytes) {
-      work_fail(&w->result, RPC_INTERNAL,
-                "rank %u's shard file is %" PRIu64 " bytes; the job's layout makes it %" PRIu64, r,
-                w->files[r].bytes, expect_bytes);
+      coord__ckpt_work_fail(&w->result, RPC_INTERNAL,
+                            "rank %u's shard file is %" PRIu64
+                            " bytes; the job's layout makes it %" PRIu64,
+                            r, w->files[r].bytes, expect_bytes);
       ckpt_manifest_free(&m);
       return w->result.status;
     }
@@ -741,12 +593,12 @@ static int commit_manifest(commit_work *w) {
     snprintf(w->final_name, sizeof w->final_name, "%s", w->name);
   } else {
     snprintf(w->final_name, sizeof w->final_name, "%s-%08" PRIu64, w->stem, w->step);
-    path_format(w->final_dir, sizeof w->final_dir, "%s/%s", w->job_dir, w->final_name);
+    coord__ckpt_path_format(w->final_dir, sizeof w->final_dir, "%s/%s", w->job_dir, w->final_name);
     if (lstat(w->final_dir, &st) == 0)
       snprintf(w->final_name, sizeof w->final_name, "%s-%08" PRIu64 "-%" PRIu64, w->stem, w->step,
                w->id);
   }
-  path_format(w->final_dir, sizeof w->final_dir, "%s/%s", w->job_dir, w->final_name);
+  coord__ckpt_path_format(w->final_dir, sizeof w->final_dir, "%s/%s", w->job_dir, w->final_name);
 
   /* The coordinator is the authority on the job, its owner and the
    * checkpoint's name: they are set here whatever the layout said. The
@@ -766,19 +618,23 @@ static int commit_manifest(commit_work *w) {
   m.files = layout_files;
   ckpt_manifest_free(&m);
   if (rc != 0)
-    return work_fail(&w->result, io_status(-rc), "cannot write the manifest: %s", err);
+    return coord__ckpt_work_fail(&w->result, coord__ckpt_io_status(-rc),
+                                 "cannot write the manifest: %s", err);
   /* Read back, so that the coordinator names only checkpoints that List
    * and Restore will accept. */
   rc = ckpt_manifest_load(w->tmp_dir, CKPT_MANIFEST_NAME, 0, &m, err, sizeof err);
   if (rc != 0)
-    return work_fail(&w->result, RPC_INTERNAL, "the manifest does not read back: %s", err);
+    return coord__ckpt_work_fail(&w->result, RPC_INTERNAL, "the manifest does not read back: %s",
+                                 err);
   ckpt_manifest_free(&m);
 
   snprintf(path, sizeof path, "%s/%s", w->tmp_dir, CKPT_LAYOUT_NAME);
   if (unlink(path) != 0 && errno != ENOENT)
-    return work_fail(&w->result, io_status(errno), "cannot remove %s: %s", path, strerror(errno));
-  if ((rc = fsync_dir(w->tmp_dir)) != 0)
-    return work_fail(&w->result, io_status(-rc), "cannot sync %s: %s", w->tmp_dir, strerror(-rc));
+    return coord__ckpt_work_fail(&w->result, coord__ckpt_io_status(errno), "cannot remove %s: %s",
+                                 path, strerror(errno));
+  if ((rc = coord__ckpt_fsync_dir(w->tmp_dir)) != 0)
+    return coord__ckpt_work_fail(&w->result, coord__ckpt_io_status(-rc), "cannot sync %s: %s",
+                                 w->tmp_dir, strerror(-rc));
   return 0;
 }
 
@@ -801,15 +657,17 @@ static int commit_rename(commit_work *w) {
   }
   if (rc != 0) {
     if (errno == EEXIST || errno == ENOTEMPTY)
-      return work_fail(&w->result, RPC_ALREADY_EXISTS,
-                       "job '%s' already has a checkpoint named '%s'", w->job, w->final_name);
-    return work_fail(&w->result, io_status(errno), "cannot rename %s to %s: %s", w->tmp_dir,
-                     w->final_name, strerror(errno));
+      return coord__ckpt_work_fail(&w->result, RPC_ALREADY_EXISTS,
+                                   "job '%s' already has a checkpoint named '%s'", w->job,
+                                   w->final_name);
+    return coord__ckpt_work_fail(&w->result, coord__ckpt_io_status(errno),
+                                 "cannot rename %s to %s: %s", w->tmp_dir, w->final_name,
+                                 strerror(errno));
   }
   /* Renamed: the checkpoint exists from here on, whatever follows. A
    * failed sync of the parent means it might not survive a crash of the
    * machine; that is reported, and the directory stays. */
-  if ((rc = fsync_dir(w->job_dir)) != 0) {
+  if ((rc = coord__ckpt_fsync_dir(w->job_dir)) != 0) {
     LOG_WARNF("checkpoint renamed but its directory not synced", "path=%s err=\"%s\"", w->final_dir,
               strerror(-rc));
   }
@@ -833,7 +691,7 @@ static void commit_run(ckpt_work *base) {
   }
   if (rc != 0 || w->is_export) {
     /* A failed save, or the export's temporary checkpoint. */
-    rc = remove_tree(w->tmp_dir);
+    rc = coord__ckpt_rmtree(w->tmp_dir);
     if (rc != 0)
       LOG_WARNF("cannot remove a temporary checkpoint; the next start removes it",
                 "path=%s err=\"%s\"", w->tmp_dir, strerror(-rc));
@@ -943,7 +801,8 @@ static void save_commit(coord *c, ckpt_order *o, uint64_t step) {
   w->base.run = commit_run;
   w->base.done = commit_done;
   w->order = o;
-  path_format(w->job_dir, sizeof w->job_dir, "%s/%s", c->options.checkpoint_dir, o->job);
+  coord__ckpt_path_format(w->job_dir, sizeof w->job_dir, "%s/%s", c->options.checkpoint_dir,
+                          o->job);
   snprintf(w->tmp_dir, sizeof w->tmp_dir, "%s", o->dir);
   snprintf(w->job, sizeof w->job, "%s", o->job);
   snprintf(w->name, sizeof w->name, "%s", o->name);
@@ -1048,20 +907,16 @@ typedef struct preflight_work {
   uint32_t world_size;
 } preflight_work;
 
-static int ends_with(const char *s, const char *suffix) {
-  size_t len = strlen(s), suffix_len = strlen(suffix);
-  return len >= suffix_len && strcmp(s + len - suffix_len, suffix) == 0;
-}
-
 /* The source of a Restore or an Export, stat'ed. Returns 0 or the status
  * in result. */
 static int stat_source(const char *source, struct stat *st, work_result *result) {
   if (lstat(source, st) == 0)
     return 0;
   if (errno == ENOENT || errno == ENOTDIR)
-    return work_fail(result, RPC_NOT_FOUND, "no checkpoint at %s", source);
-  return work_fail(result, errno == EACCES ? RPC_PERMISSION_DENIED : io_status(errno),
-                   "cannot stat %s: %s", source, strerror(errno));
+    return coord__ckpt_work_fail(result, RPC_NOT_FOUND, "no checkpoint at %s", source);
+  return coord__ckpt_work_fail(
+      result, errno == EACCES ? RPC_PERMISSION_DENIED : coord__ckpt_io_status(errno),
+      "cannot stat %s: %s", source, strerror(errno));
 }
 
 /* A checkpoint directory about to be read (Restore, Export): its manifest
@@ -1077,17 +932,18 @@ static int check_checkpoint_dir(const char *source, const ckpt_access *access, u
   snprintf(path, sizeof path, "%s/%s", source, CKPT_MANIFEST_NAME);
   if (stat(path, &st) != 0)
     return errno == ENOENT
-               ? work_fail(result, RPC_NOT_FOUND, "%s is not a checkpoint (no %s)", source,
-                           CKPT_MANIFEST_NAME)
-               : work_fail(result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+               ? coord__ckpt_work_fail(result, RPC_NOT_FOUND, "%s is not a checkpoint (no %s)",
+                                       source, CKPT_MANIFEST_NAME)
+               : coord__ckpt_work_fail(result, coord__ckpt_io_status(errno), "cannot stat %s: %s",
+                                       path, strerror(errno));
   ckpt_manifest m;
   char err[CKPT_MESSAGE_BYTES - 64];
   int rc = ckpt_manifest_load(source, CKPT_MANIFEST_NAME, 0, &m, err, sizeof err);
   if (rc != 0)
-    return work_fail(result, rc == -ENOENT ? RPC_NOT_FOUND : RPC_DATA_LOSS, "%s", err);
+    return coord__ckpt_work_fail(result, rc == -ENOENT ? RPC_NOT_FOUND : RPC_DATA_LOSS, "%s", err);
   if (coord__ckpt_allowed(access, m.job_id, m.tenant, CKPT_READ) != 0) {
     ckpt_manifest_free(&m);
-    return work_fail(result, RPC_NOT_FOUND, "no checkpoint at %s", source);
+    return coord__ckpt_work_fail(result, RPC_NOT_FOUND, "no checkpoint at %s", source);
   }
   *step = m.step;
   *world_size = m.world_size;
@@ -1096,18 +952,20 @@ static int check_checkpoint_dir(const char *source, const ckpt_access *access, u
     snprintf(path, sizeof path, "%s/%s", source, f->name);
     if (stat(path, &st) != 0) {
       if (errno == ENOENT)
-        work_fail(result, RPC_DATA_LOSS, "%s: missing", f->name);
+        coord__ckpt_work_fail(result, RPC_DATA_LOSS, "%s: missing", f->name);
       else
-        work_fail(result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+        coord__ckpt_work_fail(result, coord__ckpt_io_status(errno), "cannot stat %s: %s", path,
+                              strerror(errno));
     } else if (!S_ISREG(st.st_mode)) {
-      work_fail(result, RPC_DATA_LOSS, "%s: not a regular file", f->name);
+      coord__ckpt_work_fail(result, RPC_DATA_LOSS, "%s: not a regular file", f->name);
     } else if ((uint64_t)st.st_size < f->bytes) {
-      work_fail(result, RPC_DATA_LOSS, "%s: truncated: %" PRIu64 " of %" PRIu64 " bytes", f->name,
-                (uint64_t)st.st_size, f->bytes);
+      coord__ckpt_work_fail(result, RPC_DATA_LOSS,
+                            "%s: truncated: %" PRIu64 " of %" PRIu64 " bytes", f->name,
+                            (uint64_t)st.st_size, f->bytes);
     } else if ((uint64_t)st.st_size > f->bytes) {
-      work_fail(result, RPC_DATA_LOSS,
-                "%s: too long: %" PRIu64 " bytes, the manifest says %" PRIu64, f->name,
-                (uint64_t)st.st_size, f->bytes);
+      coord__ckpt_work_fail(result, RPC_DATA_LOSS,
+                            "%s: too long: %" PRIu64 " bytes, the manifest says %" PRIu64, f->name,
+                            (uint64_t)st.st_size, f->bytes);
     }
   }
   ckpt_manifest_free(&m);
@@ -1125,9 +983,10 @@ static void preflight_run(ckpt_work *base) {
       w->format = ZEROD__V1__RESTORE_FORMAT__RESTORE_FORMAT_CHECKPOINT;
     return;
   }
-  if (!S_ISREG(st.st_mode) || !ends_with(w->source, ".safetensors")) {
-    work_fail(&w->result, RPC_INVALID_ARGUMENT,
-              "%s is neither a checkpoint directory nor a .safetensors file", w->source);
+  if (!S_ISREG(st.st_mode) || !coord__ckpt_ends_with(w->source, ".safetensors")) {
+    coord__ckpt_work_fail(&w->result, RPC_INVALID_ARGUMENT,
+                          "%s is neither a checkpoint directory nor a .safetensors file",
+                          w->source);
     return;
   }
   /* Weights only. The header is read here so that a file that is not
@@ -1138,9 +997,10 @@ static void preflight_run(ckpt_work *base) {
   int rc = st_open(w->source, &f, &fd, err, sizeof err);
   if (rc != 0) {
     if (rc == -EACCES)
-      work_fail(&w->result, RPC_PERMISSION_DENIED, "cannot read %s: %s", w->source, strerror(-rc));
+      coord__ckpt_work_fail(&w->result, RPC_PERMISSION_DENIED, "cannot read %s: %s", w->source,
+                            strerror(-rc));
     else
-      work_fail(&w->result, rc == -EIO ? RPC_UNAVAILABLE : RPC_DATA_LOSS, "%s", err);
+      coord__ckpt_work_fail(&w->result, rc == -EIO ? RPC_UNAVAILABLE : RPC_DATA_LOSS, "%s", err);
     return;
   }
   st_file_free(&f);
@@ -1319,8 +1179,9 @@ static int open_parent(const char *what, const char *path, size_t root_len, int 
     rel++;
   int root_fd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (root_fd < 0)
-    return work_fail(result, errno == ENOENT ? RPC_FAILED_PRECONDITION : io_status(errno),
-                     "cannot open the root %s: %s", root, strerror(errno));
+    return coord__ckpt_work_fail(
+        result, errno == ENOENT ? RPC_FAILED_PRECONDITION : coord__ckpt_io_status(errno),
+        "cannot open the root %s: %s", root, strerror(errno));
   size_t bad_len = 0;
   int rc = confine_open_parent(root_fd, rel, dir_fd, name, &bad_len);
   close(root_fd);
@@ -1329,19 +1190,21 @@ static int open_parent(const char *what, const char *path, size_t root_len, int 
   int bad = (int)((size_t)(rel - path) + bad_len); /* the failed component, in path */
   switch (rc) {
   case -ELOOP:
-    return work_fail(result, RPC_PERMISSION_DENIED,
-                     "%s %s goes through a symbolic link at %.*s, which is never followed", what,
-                     path, bad, path);
+    return coord__ckpt_work_fail(
+        result, RPC_PERMISSION_DENIED,
+        "%s %s goes through a symbolic link at %.*s, which is never followed", what, path, bad,
+        path);
   case -ENOENT:
   case -ENOTDIR:
-    return work_fail(result, RPC_NOT_FOUND, "%.*s: no such directory (it must exist)", bad, path);
+    return coord__ckpt_work_fail(result, RPC_NOT_FOUND, "%.*s: no such directory (it must exist)",
+                                 bad, path);
   case -EACCES:
   case -EPERM:
-    return work_fail(result, RPC_PERMISSION_DENIED, "%s %s: cannot open %.*s: %s", what, path, bad,
-                     path, strerror(-rc));
+    return coord__ckpt_work_fail(result, RPC_PERMISSION_DENIED, "%s %s: cannot open %.*s: %s", what,
+                                 path, bad, path, strerror(-rc));
   default:
-    return work_fail(result, io_status(-rc), "%s %s: cannot open %.*s: %s", what, path, bad, path,
-                     strerror(-rc));
+    return coord__ckpt_work_fail(result, coord__ckpt_io_status(-rc), "%s %s: cannot open %.*s: %s",
+                                 what, path, bad, path, strerror(-rc));
   }
 }
 
@@ -1370,7 +1233,7 @@ static int check_source_path(const char *path, size_t root_len, const char *miss
   }
   if (rc != 0) {
     snprintf(err, err_bytes, "cannot stat %s: %s", path, strerror(-rc));
-    return rc == -EACCES ? RPC_PERMISSION_DENIED : io_status(-rc);
+    return rc == -EACCES ? RPC_PERMISSION_DENIED : coord__ckpt_io_status(-rc);
   }
   if (S_ISLNK(st.st_mode)) {
     snprintf(err, err_bytes, "checkpoint path %s is a symbolic link, which is never followed",
@@ -1396,10 +1259,10 @@ static int resolve_source(const coord *c, const char *job, const char *ref, char
   int status;
   switch (ctl_parse_checkpoint_ref(ref, other_job, name)) {
   case CTL_REF_NAME:
-    path_format(out, out_bytes, "%s/%s/%s", c->options.checkpoint_dir, job, name);
+    coord__ckpt_path_format(out, out_bytes, "%s/%s/%s", c->options.checkpoint_dir, job, name);
     break;
   case CTL_REF_JOB_NAME:
-    path_format(out, out_bytes, "%s/%s/%s", c->options.checkpoint_dir, other_job, name);
+    coord__ckpt_path_format(out, out_bytes, "%s/%s/%s", c->options.checkpoint_dir, other_job, name);
     break;
   case CTL_REF_PATH:
     status =
@@ -1495,18 +1358,22 @@ static int export_target_open(const export_spec *ex, int *dir_fd, const char **n
   int status = 0;
   if (fstatat(*dir_fd, *name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
     if (S_ISLNK(st.st_mode))
-      status = work_fail(result, RPC_PERMISSION_DENIED,
-                         "export path %s is a symbolic link, which is never written through "
-                         "(remove it to write there)",
-                         path);
+      status =
+          coord__ckpt_work_fail(result, RPC_PERMISSION_DENIED,
+                                "export path %s is a symbolic link, which is never written through "
+                                "(remove it to write there)",
+                                path);
     else if (S_ISDIR(st.st_mode))
-      status = work_fail(result, RPC_INVALID_ARGUMENT, "%s is a directory", path);
+      status = coord__ckpt_work_fail(result, RPC_INVALID_ARGUMENT, "%s is a directory", path);
     else if (!S_ISREG(st.st_mode))
-      status = work_fail(result, RPC_INVALID_ARGUMENT, "%s is not a regular file", path);
+      status =
+          coord__ckpt_work_fail(result, RPC_INVALID_ARGUMENT, "%s is not a regular file", path);
     else if (!ex->overwrite)
-      status = work_fail(result, RPC_ALREADY_EXISTS, "%s exists (overwrite replaces it)", path);
+      status = coord__ckpt_work_fail(result, RPC_ALREADY_EXISTS,
+                                     "%s exists (overwrite replaces it)", path);
   } else if (errno != ENOENT) {
-    status = work_fail(result, io_status(errno), "cannot stat %s: %s", path, strerror(errno));
+    status = coord__ckpt_work_fail(result, coord__ckpt_io_status(errno), "cannot stat %s: %s", path,
+                                   strerror(errno));
   }
   if (status != 0)
     close(*dir_fd);
@@ -1534,8 +1401,8 @@ static int export_to_file(const char *dir, const export_spec *ex, const char *la
   int status = rc == -EBADMSG || rc == -ERANGE || rc == -ENOENT ? RPC_DATA_LOSS
                : rc == -EACCES || rc == -EPERM                  ? RPC_PERMISSION_DENIED
                : rc == -EINVAL                                  ? RPC_INVALID_ARGUMENT
-                                                                : io_status(-rc);
-  return work_fail(result, status, "export to %s failed: %s", ex->path, err);
+                                                                : coord__ckpt_io_status(-rc);
+  return coord__ckpt_work_fail(result, status, "export to %s failed: %s", ex->path, err);
 }
 
 /* An Export of a checkpoint (of the files alone: the job need not exist). */
@@ -1561,11 +1428,12 @@ static void export_run(ckpt_work *base) {
   w->result.status = 0;
   if (stat_source(w->source, &st, &w->result) == 0) {
     if (!S_ISDIR(st.st_mode))
-      work_fail(&w->result, RPC_INVALID_ARGUMENT,
-                ends_with(w->source, ".safetensors")
-                    ? "%s is a safetensors file already; Export reads checkpoint directories"
-                    : "%s is not a checkpoint directory",
-                w->source);
+      coord__ckpt_work_fail(
+          &w->result, RPC_INVALID_ARGUMENT,
+          coord__ckpt_ends_with(w->source, ".safetensors")
+              ? "%s is a safetensors file already; Export reads checkpoint directories"
+              : "%s is not a checkpoint directory",
+          w->source);
     else if (check_checkpoint_dir(w->source, &w->access, &step, &world_size, &w->result) == 0)
       export_to_file(w->source, &w->export, strrchr(w->source, '/') + 1, &w->info, &w->result);
   }
@@ -1619,10 +1487,10 @@ static const export_work *export_reading(const coord *c, const char *path) {
 
 int coord__ckpt_dir_busy(const coord *c, const char *path) {
   for (const ckpt_order *o = c->orders; o != NULL; o = o->next)
-    if (o->dir[0] != '\0' && path_below(o->dir, path))
+    if (o->dir[0] != '\0' && coord__ckpt_path_below(o->dir, path))
       return 1;
   for (const export_work *w = c->exports; w != NULL; w = w->next)
-    if (path_below(w->source, path))
+    if (coord__ckpt_path_below(w->source, path))
       return 1;
   return 0;
 }
@@ -1813,7 +1681,7 @@ static int compare_listed(const void *a, const void *b) {
  * still remove it). */
 static void list_job(list_work *w, const char *job) {
   char job_dir[PATH_MAX], path[PATH_MAX + CTL_NAME_MAX_BYTES + 2];
-  path_format(job_dir, sizeof job_dir, "%s/%s", w->dir, job);
+  coord__ckpt_path_format(job_dir, sizeof job_dir, "%s/%s", w->dir, job);
   DIR *d = opendir(job_dir);
   if (d == NULL) {
     if (errno != ENOENT && errno != ENOTDIR)
@@ -1822,9 +1690,9 @@ static void list_job(list_work *w, const char *job) {
   }
   struct dirent *e;
   while (w->status == 0 && (e = readdir(d)) != NULL) {
-    if (!ctl_valid_checkpoint_name(e->d_name) || !is_dir_at(dirfd(d), e))
+    if (!ctl_valid_checkpoint_name(e->d_name) || !coord__ckpt_is_dir_at(dirfd(d), e))
       continue;
-    path_format(path, sizeof path, "%s/%s", job_dir, e->d_name);
+    coord__ckpt_path_format(path, sizeof path, "%s/%s", job_dir, e->d_name);
     ckpt_manifest m;
     char err[512];
     if (ckpt_manifest_load(path, CKPT_MANIFEST_NAME, 0, &m, err, sizeof err) != 0) {
@@ -1851,7 +1719,7 @@ static void list_job(list_work *w, const char *job) {
     }
     listed *item = &w->items[w->count++];
     snprintf(item->job, sizeof item->job, "%s", job);
-    copy_name(item->name, sizeof item->name, e->d_name);
+    coord__ckpt_copy_name(item->name, sizeof item->name, e->d_name);
     item->step = m.step;
     item->world_size = m.world_size;
     item->job_id = m.job_id;
@@ -1890,14 +1758,14 @@ static void list_run(ckpt_work *base) {
   list_work *w = (list_work *)base;
   DIR *d = opendir(w->dir);
   if (d == NULL) {
-    w->status = io_status(errno);
+    w->status = coord__ckpt_io_status(errno);
     snprintf(w->message, sizeof w->message, "cannot read the checkpoint directory: %s",
              strerror(errno));
     return;
   }
   struct dirent *e;
   while (w->status == 0 && (e = readdir(d)) != NULL)
-    if (list_wants(w, e->d_name) && is_dir_at(dirfd(d), e))
+    if (list_wants(w, e->d_name) && coord__ckpt_is_dir_at(dirfd(d), e))
       list_job(w, e->d_name);
   closedir(d);
   if (w->status == 0 && w->count > 1)
@@ -2008,7 +1876,7 @@ static int delete_checkpoint(coord *c, const char *job, const char *name, const 
                              char *err, size_t err_bytes) {
   char job_dir[PATH_MAX], path[PATH_MAX + CTL_NAME_MAX_BYTES + 2];
   char gone[PATH_MAX + CTL_NAME_MAX_BYTES + 48];
-  path_format(job_dir, sizeof job_dir, "%s/%s", c->options.checkpoint_dir, job);
+  coord__ckpt_path_format(job_dir, sizeof job_dir, "%s/%s", c->options.checkpoint_dir, job);
   snprintf(path, sizeof path, "%s/%s", job_dir, name);
   struct stat st;
   /* Another tenant's is as missing as a missing one (ckpt_owner.c). */
@@ -2039,11 +1907,11 @@ static int delete_checkpoint(coord *c, const char *job, const char *name, const 
   if (rename(path, gone) != 0) {
     int errnum = errno;
     snprintf(err, err_bytes, "cannot delete %s: %s", path, strerror(errnum));
-    return errnum == ENOENT ? RPC_NOT_FOUND : io_status(errnum);
+    return errnum == ENOENT ? RPC_NOT_FOUND : coord__ckpt_io_status(errnum);
   }
   /* Gone from List from here on. Unsynced, the rename might be undone by
    * a crash of the machine: then the checkpoint would simply be back. */
-  int rc = fsync_dir(job_dir);
+  int rc = coord__ckpt_fsync_dir(job_dir);
   if (rc != 0)
     LOG_WARNF("checkpoint renamed for deletion but its directory not synced", "path=%s err=\"%s\"",
               job_dir, strerror(-rc));
@@ -2106,7 +1974,8 @@ static void apply_retention(coord *c, cjob *j) {
   if (policy == NULL || policy->keep == 0)
     return;
   char job_dir[PATH_MAX];
-  path_format(job_dir, sizeof job_dir, "%s/%s", c->options.checkpoint_dir, j->msg->name);
+  coord__ckpt_path_format(job_dir, sizeof job_dir, "%s/%s", c->options.checkpoint_dir,
+                          j->msg->name);
   DIR *d = opendir(job_dir);
   if (d == NULL) {
     LOG_WARNF("cannot read a job's checkpoints to drop old ones", "path=%s err=\"%s\"", job_dir,
@@ -2118,7 +1987,8 @@ static void apply_retention(coord *c, cjob *j) {
   struct dirent *e;
   while ((e = readdir(d)) != NULL) {
     const char *p = e->d_name;
-    if (strncmp(p, "auto-", 5) != 0 || !ctl_valid_checkpoint_name(p) || !is_dir_at(dirfd(d), e))
+    if (strncmp(p, "auto-", 5) != 0 || !ctl_valid_checkpoint_name(p) ||
+        !coord__ckpt_is_dir_at(dirfd(d), e))
       continue;
     char *end;
     errno = 0;
@@ -2134,7 +2004,7 @@ static void apply_retention(coord *c, cjob *j) {
       capacity = grown_capacity;
     }
     entries[count].step = step;
-    copy_name(entries[count].name, sizeof entries[count].name, p);
+    coord__ckpt_copy_name(entries[count].name, sizeof entries[count].name, p);
     count++;
   }
   closedir(d);
@@ -2283,7 +2153,7 @@ static void remove_leftovers(const char *job_dir) {
     if (!unfinished && strstr(e->d_name, ".deleting-") == NULL)
       continue;
     snprintf(path, sizeof path, "%s/%s", job_dir, e->d_name);
-    int rc = remove_at(dirfd(d), e->d_name, 0);
+    int rc = coord__ckpt_remove_at(dirfd(d), e->d_name, 0);
     if (rc == 0)
       LOG_INFOF(unfinished ? "removed an unfinished checkpoint save"
                            : "removed an unfinished checkpoint delete",
@@ -2324,7 +2194,7 @@ int coord__ckpt_init(coord *c, char *err, size_t err_bytes) {
     snprintf(err, err_bytes, "more than %d export roots", COORD_MAX_EXPORT_ROOTS);
     return -EINVAL;
   }
-  int rc = make_dirs(dir);
+  int rc = coord__ckpt_make_dirs(dir);
   if (rc != 0) {
     snprintf(err, err_bytes, "cannot create the checkpoint directory %s: %s", dir, strerror(-rc));
     return rc;
@@ -2345,13 +2215,13 @@ int coord__ckpt_init(coord *c, char *err, size_t err_bytes) {
     uint64_t id;
     if (strstr(e->d_name, ".deleting-") != NULL && strchr(e->d_name, '@') != NULL) {
       snprintf(job_dir, sizeof job_dir, "%s/%s", dir, e->d_name);
-      int removed = remove_at(dirfd(d), e->d_name, 0);
+      int removed = coord__ckpt_remove_at(dirfd(d), e->d_name, 0);
       LOG_INFOF(removed == 0 ? "removed a deleted job's expired checkpoints"
                              : "cannot remove a deleted job's expired checkpoints",
                 "path=%s err=\"%s\"", job_dir, removed == 0 ? "" : strerror(-removed));
       continue;
     }
-    if (!ctl_parse_checkpoint_dir(e->d_name, NULL, &id) || !is_dir_at(dirfd(d), e))
+    if (!ctl_parse_checkpoint_dir(e->d_name, NULL, &id) || !coord__ckpt_is_dir_at(dirfd(d), e))
       continue;
     if (id > last_id)
       last_id = id;
