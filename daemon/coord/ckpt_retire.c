@@ -183,7 +183,7 @@ void coord__ckpt_retention(coord *c, int64_t now_unix_ms) {
     }
     /* Out of every listing at once; its files go on the thread pool (the
      * mark has a crash remove them at the next start). */
-    snprintf(gone, sizeof gone, "%s.deleting-%" PRIu64, dir, c->next_order_id++);
+    snprintf(gone, sizeof gone, "%s.deleting-%" PRIu64, dir, c->ckpt.next_id++);
     if (rename(dir, gone) == 0) {
       LOG_INFOF("deleted job's checkpoints removed: past --retain-deleted-checkpoints",
                 "job=%s id=%" PRIu64 " deleted_unix_ms=%" PRId64, r->name, r->id,

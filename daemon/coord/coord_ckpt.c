@@ -155,7 +155,7 @@ static cjob *order_job(const coord *c, const ckpt_order *o) {
   if (!o->attached)
     return NULL;
   cjob *j = coord__find_job(c, o->job);
-  return j != NULL && j->order == o ? j : NULL;
+  return j != NULL && j->ckpt.order == o ? j : NULL;
 }
 
 static ckpt_order *order_new(coord *c, cjob *j, order_kind kind) {
@@ -167,16 +167,16 @@ static ckpt_order *order_new(coord *c, cjob *j, order_kind kind) {
   }
   o->c = c;
   o->kind = kind;
-  o->id = c->next_order_id++;
+  o->id = c->ckpt.next_id++;
   snprintf(o->job, sizeof o->job, "%s", j->msg->name);
   o->job_id = j->msg->id;
   snprintf(o->tenant, sizeof o->tenant, "%s", j->msg->tenant);
   o->world_size = world;
   o->started_ns = uv_hrtime();
   o->attached = 1;
-  j->order = o;
-  o->next = c->orders;
-  c->orders = o;
+  j->ckpt.order = o;
+  o->next = c->ckpt.orders;
+  c->ckpt.orders = o;
   return o;
 }
 
@@ -187,14 +187,14 @@ static void order_detach(coord *c, ckpt_order *o) {
   o->attached = 0;
   if (j == NULL)
     return;
-  j->order = NULL;
+  j->ckpt.order = NULL;
   if (o->phase == PHASE_RUNNING)
     coord__mark_job_watches(c, j);
 }
 
 static void order_free(coord *c, ckpt_order *o) {
   order_detach(c, o);
-  for (ckpt_order **p = &c->orders; *p != NULL; p = &(*p)->next) {
+  for (ckpt_order **p = &c->ckpt.orders; *p != NULL; p = &(*p)->next) {
     if (*p == o) {
       *p = o->next;
       break;
@@ -242,7 +242,7 @@ static void order_fail(coord *c, ckpt_order *o, int status, const char *fmt, ...
   order_answer_error(o, status, message);
   cjob *j = order_job(c, o);
   if (o->periodic && j != NULL)
-    j->autockpt.retry_ms = uv_now(c->loop) + CKPT_AUTO_RETRY_MS;
+    j->ckpt.autockpt.retry_ms = uv_now(c->loop) + CKPT_AUTO_RETRY_MS;
   if (o->work_in_flight) {
     /* The thread pool still works for it: it is freed when that reports
      * back, and the job may start another order meanwhile. */
@@ -339,13 +339,13 @@ static void work_run(uv_work_t *req) {
 
 static void work_done(uv_work_t *req, int status) {
   ckpt_work *w = (ckpt_work *)req;
-  w->c->ckpt_work--;
+  w->c->ckpt.work--;
   w->done(w);
 }
 
 static void queue_work(coord *c, ckpt_work *w) {
   w->c = c;
-  c->ckpt_work++;
+  c->ckpt.work++;
   if (uv_queue_work(c->loop, &w->req, work_run, work_done) != 0) {
     /* Only for a NULL callback, which never happens; do it in line then. */
     w->run(w);
@@ -415,10 +415,10 @@ static int order_precheck(coord *c, const char *name, cjob **out, char *err, siz
     snprintf(err, err_bytes, j == NULL ? "no job named '%s'" : "job '%s' is being deleted", name);
     return RPC_NOT_FOUND;
   }
-  if (j->order != NULL) {
+  if (j->ckpt.order != NULL) {
     snprintf(err, err_bytes,
              "job '%s' has a %s in flight (order %" PRIu64 "); retry when it is done", name,
-             order_noun(j->order), j->order->id);
+             order_noun(j->ckpt.order), j->ckpt.order->id);
     return RPC_FAILED_PRECONDITION;
   }
   if (j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY) {
@@ -765,9 +765,9 @@ static void commit_done(ckpt_work *base) {
       o->call = NULL;
     }
     if (o->periodic && j != NULL) {
-      j->autockpt.saved = 1;
-      j->autockpt.last_step = w->step;
-      j->autockpt.last_ms = uv_now(o->c->loop);
+      j->ckpt.autockpt.saved = 1;
+      j->ckpt.autockpt.last_step = w->step;
+      j->ckpt.autockpt.last_ms = uv_now(o->c->loop);
     }
     coord *c = o->c;
     order_free(c, o);
@@ -1078,8 +1078,8 @@ static void restore_progress(coord *c, ckpt_order *o) {
     /* The job is at the restored step now (its nodes' next reports say so
      * too), and the periodic schedule counts from there. */
     j->step = step;
-    j->autockpt.last_step = step;
-    j->autockpt.last_ms = uv_now(c->loop);
+    j->ckpt.autockpt.last_step = step;
+    j->ckpt.autockpt.last_ms = uv_now(c->loop);
   }
   if (o->call != NULL) {
     Zerod__V1__RestoreReply reply = ZEROD__V1__RESTORE_REPLY__INIT;
@@ -1443,7 +1443,7 @@ static void export_run(ckpt_work *base) {
 static void export_done(ckpt_work *base) {
   export_work *w = (export_work *)base;
   coord *c = w->base.c;
-  for (export_work **p = &c->exports; *p != NULL; p = &(*p)->next) {
+  for (export_work **p = &c->ckpt.exports; *p != NULL; p = &(*p)->next) {
     if (*p == w) {
       *p = w->next;
       break;
@@ -1479,17 +1479,17 @@ static void on_export_cancelled(rpc_call *call, void *arg) {
 
 /* The export in flight that reads path, or NULL. */
 static const export_work *export_reading(const coord *c, const char *path) {
-  for (const export_work *w = c->exports; w != NULL; w = w->next)
+  for (const export_work *w = c->ckpt.exports; w != NULL; w = w->next)
     if (strcmp(w->source, path) == 0)
       return w;
   return NULL;
 }
 
 int coord__ckpt_dir_busy(const coord *c, const char *path) {
-  for (const ckpt_order *o = c->orders; o != NULL; o = o->next)
+  for (const ckpt_order *o = c->ckpt.orders; o != NULL; o = o->next)
     if (o->dir[0] != '\0' && coord__ckpt_path_below(o->dir, path))
       return 1;
-  for (const export_work *w = c->exports; w != NULL; w = w->next)
+  for (const export_work *w = c->ckpt.exports; w != NULL; w = w->next)
     if (coord__ckpt_path_below(w->source, path))
       return 1;
   return 0;
@@ -1563,8 +1563,8 @@ static void on_export(rpc_call *call, const uint8_t *request, size_t request_byt
       w->call = call;
       w->export = ex;
       w->started_ns = uv_hrtime();
-      w->next = c->exports;
-      c->exports = w;
+      w->next = c->ckpt.exports;
+      c->ckpt.exports = w;
       rpc_call_set_cancel(call, on_export_cancelled, w);
       LOG_INFOF("export started", "source=%s path=%s dtype=%s", w->source, ex.path,
                 ex.dtype == ST_BF16 ? "bf16" : "fp32");
@@ -1606,7 +1606,7 @@ void coord__ckpt_heartbeat(coord *c, const member *m, const Zerod__V1__Heartbeat
     if (s->n_saves == 0 && s->n_restores == 0)
       continue;
     cjob *j = coord__find_job(c, s->job);
-    ckpt_order *o = j != NULL ? j->order : NULL;
+    ckpt_order *o = j != NULL ? j->ckpt.order : NULL;
     if (o == NULL || o->phase != PHASE_RUNNING)
       continue; /* reports of an order that ended: the node will drop it */
     long at = coord__placement_of(j, m->info->name);
@@ -1862,7 +1862,7 @@ static void on_list(rpc_call *call, const uint8_t *request, size_t request_bytes
 
 /* The restore in flight that reads path, or NULL. */
 static const ckpt_order *restore_reading(const coord *c, const char *path) {
-  for (const ckpt_order *o = c->orders; o != NULL; o = o->next)
+  for (const ckpt_order *o = c->ckpt.orders; o != NULL; o = o->next)
     if (o->kind == ORDER_RESTORE && !o->abandoned && strcmp(o->dir, path) == 0)
       return o;
   return NULL;
@@ -1903,7 +1903,7 @@ static int delete_checkpoint(coord *c, const char *job, const char *name, const 
              name);
     return RPC_FAILED_PRECONDITION;
   }
-  snprintf(gone, sizeof gone, "%s.deleting-%" PRIu64, path, c->next_order_id++);
+  snprintf(gone, sizeof gone, "%s.deleting-%" PRIu64, path, c->ckpt.next_id++);
   if (rename(path, gone) != 0) {
     int errnum = errno;
     snprintf(err, err_bytes, "cannot delete %s: %s", path, strerror(errnum));
@@ -2030,7 +2030,7 @@ static void apply_retention(coord *c, cjob *j) {
 /* Starts j's periodic checkpoint if the policy says it is due. */
 static void auto_check(coord *c, cjob *j, uint64_t now) {
   const Zerod__V1__CheckpointPolicy *policy = j->msg->checkpoint_policy;
-  auto_ckpt *a = &j->autockpt;
+  auto_ckpt *a = &j->ckpt.autockpt;
   if (policy == NULL || j->deleting || j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY)
     return;
   if (!a->armed) {
@@ -2041,7 +2041,7 @@ static void auto_check(coord *c, cjob *j, uint64_t now) {
     a->last_ms = now;
     return;
   }
-  if (j->order != NULL || now < a->retry_ms)
+  if (j->ckpt.order != NULL || now < a->retry_ms)
     return; /* never beside another order; after a failure, later */
   int by_steps = policy->every_steps != 0 && j->step >= a->last_step + policy->every_steps;
   /* By time, but not again for a job that has not moved since. */
@@ -2064,7 +2064,7 @@ static void auto_check(coord *c, cjob *j, uint64_t now) {
 /* ------------------------------------------------------------------------ */
 
 void coord__ckpt_assignment(const cjob *j, Zerod__V1__Assignment *a) {
-  ckpt_order *o = j->order;
+  ckpt_order *o = j->ckpt.order;
   if (o == NULL || o->phase != PHASE_RUNNING)
     return;
   if (o->kind == ORDER_SAVE) {
@@ -2076,7 +2076,7 @@ void coord__ckpt_assignment(const cjob *j, Zerod__V1__Assignment *a) {
 }
 
 void coord__ckpt_job_changed(coord *c, cjob *j) {
-  ckpt_order *o = j->order;
+  ckpt_order *o = j->ckpt.order;
   if (o == NULL || j->state == ZEROD__V1__JOB_STATE__JOB_STATE_READY)
     return;
   /* A save being committed has every shard written: it completes. */
@@ -2089,7 +2089,7 @@ void coord__ckpt_job_changed(coord *c, cjob *j) {
 }
 
 void coord__ckpt_job_deleted(coord *c, cjob *j) {
-  ckpt_order *o = j->order;
+  ckpt_order *o = j->ckpt.order;
   if (o == NULL)
     return;
   if (o->phase == PHASE_COMMITTING) {
@@ -2104,7 +2104,7 @@ void coord__ckpt_tick(coord *c) {
     return;
   uint64_t now = uv_now(c->loop);
   ckpt_order *next;
-  for (ckpt_order *o = c->orders; o != NULL; o = next) {
+  for (ckpt_order *o = c->ckpt.orders; o != NULL; o = next) {
     next = o->next;
     if (o->phase != PHASE_RUNNING || o->abandoned || now < o->deadline_ms)
       continue;
@@ -2124,7 +2124,7 @@ void coord__ckpt_tick(coord *c) {
 
 void coord__ckpt_shutdown(coord *c) {
   ckpt_order *next;
-  for (ckpt_order *o = c->orders; o != NULL; o = next) {
+  for (ckpt_order *o = c->ckpt.orders; o != NULL; o = next) {
     next = o->next;
     if (o->phase != PHASE_COMMITTING && !o->abandoned)
       order_fail(c, o, RPC_UNAVAILABLE, "coordinator shutting down");
@@ -2132,10 +2132,10 @@ void coord__ckpt_shutdown(coord *c) {
 }
 
 void coord__ckpt_destroy(coord *c) {
-  if (c->ckpt_work != 0)
-    LOG_ERRORF("coordinator freed with checkpoint work in flight", "work=%u", c->ckpt_work);
-  while (c->orders != NULL) {
-    ckpt_order *o = c->orders;
+  if (c->ckpt.work != 0)
+    LOG_ERRORF("coordinator freed with checkpoint work in flight", "work=%u", c->ckpt.work);
+  while (c->ckpt.orders != NULL) {
+    ckpt_order *o = c->ckpt.orders;
     o->call = NULL; /* the server is gone, and its calls with it */
     order_free(c, o);
   }
@@ -2169,7 +2169,7 @@ int coord__ckpt_init(coord *c, char *err, size_t err_bytes) {
   /* Ids differ from those of an earlier run of the coordinator (orders
    * and deleted directories are named by them): milliseconds since 1970,
    * times 1024, only grow, unless this run orders 1024 per millisecond. */
-  c->next_order_id = (uint64_t)coord__unix_ms() * 1024;
+  c->ckpt.next_id = (uint64_t)coord__unix_ms() * 1024;
   const char *dir = c->options.checkpoint_dir;
   if (dir[0] == '\0')
     return 0; /* no checkpoints: the service answers FAILED_PRECONDITION */

@@ -88,6 +88,24 @@ typedef struct auto_ckpt {
   uint64_t retry_ms;  /* after a failed one: no new attempt before this uv_now */
 } auto_ckpt;
 
+/* A job's part of the Checkpoints service's state (soft): the files of
+ * the service (coord_ckpt.h) read and write it, no other. */
+typedef struct ckpt_of_job {
+  struct ckpt_order *order; /* the job's save or restore in flight, or NULL */
+  auto_ckpt autockpt;
+} ckpt_of_job;
+
+/* The Checkpoints service's state (soft): the files of the service
+ * (coord_ckpt.h) read and write it, no other. */
+typedef struct ckpt_service {
+  struct ckpt_order *orders;   /* every order not yet freed, newest first */
+  struct export_work *exports; /* exports of checkpoints in flight */
+  /* Ids of orders and of the marks of deleted directories (coord__ckpt_init
+   * seeds them). */
+  uint64_t next_id;
+  unsigned work; /* thread-pool requests not yet completed */
+} ckpt_service;
+
 /* A deleted job whose checkpoints are kept (ckpt_owner.c): their owner
  * and where they are. Stored in coordinator.pb (RetiredJob). */
 typedef struct retired_job {
@@ -118,8 +136,7 @@ typedef struct cjob {
   uint64_t epoch;
   kv_entry *kv;
   kv_waiter *waiters;
-  struct ckpt_order *order; /* the job's save or restore in flight, or NULL (coord_ckpt.c) */
-  auto_ckpt autockpt;
+  ckpt_of_job ckpt;
 } cjob;
 
 /* What the registry (coord_registry.c) calls in the files above it, set
@@ -153,11 +170,7 @@ struct coord {
 
   size_t kv_bytes, kv_keys, nwaiters;
 
-  /* Checkpoints (coord_ckpt.c). */
-  struct ckpt_order *orders;   /* every order not yet freed, newest first */
-  struct export_work *exports; /* exports of checkpoints in flight */
-  uint64_t next_order_id;
-  unsigned ckpt_work;   /* thread-pool requests not yet completed */
+  ckpt_service ckpt;    /* the Checkpoints service (coord_ckpt.h) */
   retired_job *retired; /* deleted jobs with checkpoints, by id (ckpt_owner.c) */
   size_t nretired;
 
