@@ -94,6 +94,7 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
   c->hooks.job_changed = coord__ckpt_job_changed;
   c->hooks.job_freed = coord__kv_job_freed;
   c->hooks.jobs_forgotten = coord__ckpt_retire_pending;
+  c->hooks.ckpt_removed = coord__ckpt_removed;
   c->options = *options;
   c->next_job_id = 1;
   snprintf(c->state_path, sizeof c->state_path, "%s/coordinator.pb", options->state_dir);

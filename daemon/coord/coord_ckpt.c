@@ -219,8 +219,6 @@ static void order_answer_error(ckpt_order *o, int status, const char *message) {
   o->call = NULL;
 }
 
-static void queue_remove(coord *c, const char *path, const char *why);
-
 static void order_fail(coord *c, ckpt_order *o, int status, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
@@ -251,7 +249,7 @@ static void order_fail(coord *c, ckpt_order *o, int status, const char *fmt, ...
     return;
   }
   if (o->kind == ORDER_SAVE && o->dir[0] != '\0')
-    queue_remove(c, o->dir, "failed save");
+    coord__ckpt_remove_tree(c, o->dir, "failed save");
   order_free(c, o);
 }
 
@@ -317,85 +315,6 @@ static void on_order_cancelled(rpc_call *call, void *arg) {
             o->job, o->id, order_noun(o));
   o->call = NULL;
   rpc_call_finish(call, deadline ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED, "call ended", NULL, 0);
-}
-
-/* ------------------------------------------------------------------------ */
-/* The thread pool                                                          */
-/* ------------------------------------------------------------------------ */
-
-/* One piece of work: run() on a thread-pool thread, then done() on the
- * loop. Each kind below embeds this first. */
-typedef struct ckpt_work {
-  uv_work_t req;
-  coord *c;
-  void (*run)(struct ckpt_work *w);
-  void (*done)(struct ckpt_work *w);
-} ckpt_work;
-
-static void work_run(uv_work_t *req) {
-  ckpt_work *w = (ckpt_work *)req;
-  w->run(w);
-}
-
-static void work_done(uv_work_t *req, int status) {
-  ckpt_work *w = (ckpt_work *)req;
-  w->c->ckpt.work--;
-  w->done(w);
-}
-
-static void queue_work(coord *c, ckpt_work *w) {
-  w->c = c;
-  c->ckpt.work++;
-  if (uv_queue_work(c->loop, &w->req, work_run, work_done) != 0) {
-    /* Only for a NULL callback, which never happens; do it in line then. */
-    w->run(w);
-    work_done(&w->req, 0);
-  }
-}
-
-typedef struct remove_work {
-  ckpt_work base;
-  int rc;
-  char why[32];
-  char path[PATH_MAX];
-} remove_work;
-
-static void remove_run(ckpt_work *base) {
-  remove_work *w = (remove_work *)base;
-  w->rc = coord__ckpt_rmtree(w->path);
-}
-
-static void remove_done(ckpt_work *base) {
-  remove_work *w = (remove_work *)base;
-  if (w->rc != 0)
-    LOG_WARNF("cannot remove a checkpoint directory; the next start removes it",
-              "path=%s why=\"%s\" err=\"%s\"", w->path, w->why, strerror(-w->rc));
-  else
-    LOG_DEBUGF("removed a checkpoint directory", "path=%s why=\"%s\"", w->path, w->why);
-  if (w->rc == 0)
-    coord__ckpt_removed(w->base.c, w->path);
-  free(w);
-}
-
-/* Removes path recursively on the thread pool. If it cannot be (no
- * memory), the directory stays; its name marks it for removal at the next
- * start. */
-static void queue_remove(coord *c, const char *path, const char *why) {
-  remove_work *w = calloc(1, sizeof *w);
-  if (w == NULL) {
-    LOG_WARNF("cannot remove a checkpoint directory now; the next start removes it",
-              "path=%s why=\"%s\" err=\"out of memory\"", path, why);
-    return;
-  }
-  w->base.run = remove_run;
-  w->base.done = remove_done;
-  snprintf(w->why, sizeof w->why, "%s", why);
-  snprintf(w->path, sizeof w->path, "%s", path);
-  queue_work(c, &w->base);
-}
-
-void coord__ckpt_remove_tree(coord *c, const char *path, const char *why) {
-  queue_remove(c, path, why);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -829,7 +748,7 @@ static void save_commit(coord *c, ckpt_order *o, uint64_t step) {
     coord__mark_job_watches(c, j);
   LOG_DEBUGF("checkpoint shards written; committing", "job=%s order=%" PRIu64 " step=%" PRIu64,
              o->job, o->id, step);
-  queue_work(c, &w->base);
+  coord__ckpt_queue_work(c, &w->base);
 }
 
 static void save_progress(coord *c, ckpt_order *o) {
@@ -1336,7 +1255,7 @@ static void on_restore(rpc_call *call, const uint8_t *request, size_t request_by
   w->base.done = preflight_done;
   w->order = o;
   snprintf(w->source, sizeof w->source, "%s", source);
-  queue_work(c, &w->base);
+  coord__ckpt_queue_work(c, &w->base);
   ctl_free(&req->base);
 }
 
@@ -1568,7 +1487,7 @@ static void on_export(rpc_call *call, const uint8_t *request, size_t request_byt
       rpc_call_set_cancel(call, on_export_cancelled, w);
       LOG_INFOF("export started", "source=%s path=%s dtype=%s", w->source, ex.path,
                 ex.dtype == ST_BF16 ? "bf16" : "fp32");
-      queue_work(c, &w->base);
+      coord__ckpt_queue_work(c, &w->base);
     } else {
       if (w != NULL)
         coord__ckpt_access_free(&w->access);
@@ -1851,7 +1770,7 @@ static void on_list(rpc_call *call, const uint8_t *request, size_t request_bytes
     snprintf(w->dir, sizeof w->dir, "%s", c->options.checkpoint_dir);
     snprintf(w->job, sizeof w->job, "%s", req->job);
     rpc_call_set_cancel(call, on_list_cancelled, w);
-    queue_work(c, &w->base);
+    coord__ckpt_queue_work(c, &w->base);
   }
   ctl_free(&req->base);
 }
@@ -1916,7 +1835,7 @@ static int delete_checkpoint(coord *c, const char *job, const char *name, const 
     LOG_WARNF("checkpoint renamed for deletion but its directory not synced", "path=%s err=\"%s\"",
               job_dir, strerror(-rc));
   LOG_INFOF("checkpoint deleted", "job=%s name=%s", job, name);
-  queue_remove(c, gone, "deleted checkpoint");
+  coord__ckpt_remove_tree(c, gone, "deleted checkpoint");
   return 0;
 }
 

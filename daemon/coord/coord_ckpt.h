@@ -2,6 +2,7 @@
  * shared by its files (docs/architecture.md, daemon/coord):
  *
  *   ckpt_fs.c       file helpers (paths, mkdir -p, fsync, recursive removal)
+ *   ckpt_pool.c     the thread pool, and removals on it
  *
  * and coord_ckpt.c, the service's hooks (coord_impl.h). Only those files
  * include this header; the rest of the coordinator reaches the service
@@ -73,5 +74,21 @@ int coord__ckpt_path_below(const char *path, const char *dir);
 
 /* Whether s ends with suffix. */
 int coord__ckpt_ends_with(const char *s, const char *suffix);
+
+/* ------------------------------------------------------------------------ */
+/* ckpt_pool.c: the thread pool                                             */
+/* ------------------------------------------------------------------------ */
+
+/* One piece of work: run() on a thread-pool thread, then done() on the
+ * loop. Each kind embeds this first. */
+typedef struct ckpt_work {
+  uv_work_t req;
+  coord *c;
+  void (*run)(struct ckpt_work *w);
+  void (*done)(struct ckpt_work *w);
+} ckpt_work;
+
+/* Runs w on the thread pool (counted in c->ckpt.work until done). */
+void coord__ckpt_queue_work(coord *c, ckpt_work *w);
 
 #endif /* ZEROD_COORD_CKPT_H */

@@ -139,8 +139,9 @@ typedef struct cjob {
   ckpt_of_job ckpt;
 } cjob;
 
-/* What the registry (coord_registry.c) calls in the files above it, set
- * by coord_create: the registry sits below them and names none of them. */
+/* What the registry (coord_registry.c) and the checkpoints' thread pool
+ * (ckpt_pool.c) call in the files above them, set by coord_create: they
+ * sit below those files and name none of them. */
 typedef struct coord_hooks {
   /* Adds j's checkpoint order in flight, if any, to the Assignment a
    * node of it receives (coord__ckpt_assignment). */
@@ -152,6 +153,9 @@ typedef struct coord_hooks {
   /* Deleting jobs were forgotten: their checkpoints may move aside
    * (coord__ckpt_retire_pending). */
   void (*jobs_forgotten)(coord *c);
+  /* The thread pool (ckpt_pool.c) removed the checkpoint directory path:
+   * a retired job's directory may go with it (coord__ckpt_removed). */
+  void (*ckpt_removed)(coord *c, const char *path);
 } coord_hooks;
 
 struct coord {
