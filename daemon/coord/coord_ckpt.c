@@ -50,319 +50,6 @@
 #include "log.h"
 
 /* ------------------------------------------------------------------------ */
-/* Orders                                                                   */
-/* ------------------------------------------------------------------------ */
-
-typedef enum order_kind { ORDER_SAVE, ORDER_RESTORE } order_kind;
-
-typedef enum order_phase {
-  PHASE_PREPARING,  /* restore: the source is being checked on the thread pool */
-  PHASE_RUNNING,    /* in the nodes' Assignments, collecting their reports */
-  PHASE_COMMITTING, /* save: manifest and rename on the thread pool */
-} order_phase;
-
-/* The latest report of one rank on the order. */
-typedef struct rank_report {
-  int done;
-  int failed;
-  int committed;
-  int code;    /* with failed */
-  char *error; /* owned; NULL if none (or it could not be copied) */
-  uint64_t step, bytes, xxh64;
-  int64_t stall_ms;
-  char file[CTL_FILE_MAX_BYTES + 1];
-} rank_report;
-
-/* Where and how an Export writes its file: path is canonical (an export
- * root, then the rest without "." or ".." or empty components), and its
- * first root_len bytes are the root, which the file is opened from
- * (confine.h). */
-typedef struct export_spec {
-  char path[PATH_MAX];
-  size_t root_len;
-  st_dtype dtype;
-  int overwrite;
-} export_spec;
-
-typedef struct ckpt_order {
-  struct ckpt_order *next;
-  coord *c;
-  order_kind kind;
-  order_phase phase;
-  uint64_t id;
-  char job[CTL_NAME_MAX_BYTES + 1];
-  uint64_t job_id;
-  char tenant[AUTH_NAME_MAX_BYTES + 1]; /* the job's: the owner of what it saves */
-  uint32_t world_size;
-  /* The job's order (its cjob.order points here). An order that fails
-   * while thread-pool work for it is in flight is detached and answered at
-   * once, and freed when the work reports back. */
-  int attached;
-  int work_in_flight;
-  int abandoned;
-  rpc_call *call; /* the Save, Restore or Export waiting for it; NULL: periodic, or answered */
-  int periodic;
-  /* A save for an Export of the job's state now: the temporary checkpoint
-   * is exported to export_path and removed, never renamed into place. */
-  int is_export;
-  export_spec export;
-  uint64_t started_ns;               /* uv_hrtime */
-  uint64_t deadline_ms;              /* on the loop's clock */
-  int64_t timeout_ms;                /* what the deadline allowed */
-  char name[CTL_NAME_MAX_BYTES + 1]; /* save: as asked; "" for step-<step> or auto-<step> */
-  char dir[PATH_MAX];                /* save: the temporary directory; restore: the source */
-  /* What the Assignments carry; the strings point into the order. */
-  Zerod__V1__SaveOrder save_msg;
-  Zerod__V1__SaveOrder *save_list[1];
-  Zerod__V1__RestoreOrder restore_msg;
-  rank_report *ranks; /* [world_size] */
-} ckpt_order;
-
-static const char *order_noun(const ckpt_order *o) {
-  if (o->kind == ORDER_RESTORE)
-    return "restore";
-  if (o->is_export)
-    return "export";
-  return o->periodic ? "periodic checkpoint" : "save";
-}
-
-static const char *state_word(Zerod__V1__JobState state) {
-  switch (state) {
-  case ZEROD__V1__JOB_STATE__JOB_STATE_CREATING:
-    return "creating";
-  case ZEROD__V1__JOB_STATE__JOB_STATE_READY:
-    return "ready";
-  case ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED:
-    return "degraded";
-  case ZEROD__V1__JOB_STATE__JOB_STATE_DELETING:
-    return "deleting";
-  default:
-    return "unspecified";
-  }
-}
-
-static int64_t elapsed_ms(uint64_t since_ns) {
-  return (int64_t)((uv_hrtime() - since_ns) / 1000000);
-}
-
-/* The operation an order counts as in the metrics. */
-static const char *order_operation(const ckpt_order *o) {
-  return o->kind == ORDER_RESTORE ? "restore" : o->is_export ? "export" : "save";
-}
-
-/* The job whose order o is, or NULL once it no longer is. */
-static cjob *order_job(const coord *c, const ckpt_order *o) {
-  if (!o->attached)
-    return NULL;
-  cjob *j = coord__find_job(c, o->job);
-  return j != NULL && j->ckpt.order == o ? j : NULL;
-}
-
-static ckpt_order *order_new(coord *c, cjob *j, order_kind kind) {
-  ckpt_order *o = calloc(1, sizeof *o);
-  uint32_t world = j->msg->world_size;
-  if (o == NULL || (o->ranks = calloc(world ? world : 1, sizeof *o->ranks)) == NULL) {
-    free(o);
-    return NULL;
-  }
-  o->c = c;
-  o->kind = kind;
-  o->id = c->ckpt.next_id++;
-  snprintf(o->job, sizeof o->job, "%s", j->msg->name);
-  o->job_id = j->msg->id;
-  snprintf(o->tenant, sizeof o->tenant, "%s", j->msg->tenant);
-  o->world_size = world;
-  o->started_ns = uv_hrtime();
-  o->attached = 1;
-  j->ckpt.order = o;
-  o->next = c->ckpt.orders;
-  c->ckpt.orders = o;
-  return o;
-}
-
-/* Makes o no longer its job's order; a running order leaves the
- * Assignments, which the job's nodes hear at once. */
-static void order_detach(coord *c, ckpt_order *o) {
-  cjob *j = order_job(c, o);
-  o->attached = 0;
-  if (j == NULL)
-    return;
-  j->ckpt.order = NULL;
-  if (o->phase == PHASE_RUNNING)
-    coord__mark_job_watches(c, j);
-}
-
-static void order_free(coord *c, ckpt_order *o) {
-  order_detach(c, o);
-  for (ckpt_order **p = &c->ckpt.orders; *p != NULL; p = &(*p)->next) {
-    if (*p == o) {
-      *p = o->next;
-      break;
-    }
-  }
-  if (o->call != NULL) {
-    rpc_call_set_cancel(o->call, NULL, NULL);
-    rpc_call_finish(o->call, RPC_INTERNAL, "checkpoint order dropped", NULL, 0);
-  }
-  for (uint32_t r = 0; r < o->world_size; r++)
-    free(o->ranks[r].error);
-  free(o->ranks);
-  free(o);
-}
-
-/* Answers o's call, if it still has one, with an error. */
-static void order_answer_error(ckpt_order *o, int status, const char *message) {
-  if (o->call == NULL)
-    return;
-  rpc_call_set_cancel(o->call, NULL, NULL);
-  rpc_call_finish(o->call, status, message, NULL, 0);
-  o->call = NULL;
-}
-
-static void order_fail(coord *c, ckpt_order *o, int status, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-/* Ends o with an error: answers its call, takes it out of the Assignments
- * (the nodes drop what they did for it), removes a save's temporary
- * directory and, for a periodic save, holds the next attempt back. The
- * checkpoints that exist are never touched. */
-static void order_fail(coord *c, ckpt_order *o, int status, const char *fmt, ...) {
-  char message[CKPT_MESSAGE_BYTES];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(message, sizeof message, fmt, ap);
-  va_end(ap);
-  char quoted[CKPT_MESSAGE_BYTES + 64];
-  LOG_WARNF("checkpoint order failed", "job=%s order=%" PRIu64 " kind=%s status=%s err=%s", o->job,
-            o->id, order_noun(o), rpc_status_name(status),
-            log_quote(message, quoted, sizeof quoted));
-  coord__metrics_checkpoint(c, order_operation(o), 0, 0, 0);
-  order_answer_error(o, status, message);
-  cjob *j = order_job(c, o);
-  if (o->periodic && j != NULL)
-    j->ckpt.autockpt.retry_ms = uv_now(c->loop) + CKPT_AUTO_RETRY_MS;
-  if (o->work_in_flight) {
-    /* The thread pool still works for it: it is freed when that reports
-     * back, and the job may start another order meanwhile. */
-    o->abandoned = 1;
-    order_detach(c, o);
-    return;
-  }
-  if (o->kind == ORDER_SAVE && o->dir[0] != '\0')
-    coord__ckpt_remove_tree(c, o->dir, "failed save");
-  order_free(c, o);
-}
-
-/* The lowest rank that reported a failure, or NULL. A report with an
- * error is a failure whether or not it also says done. */
-static const rank_report *first_failure(const ckpt_order *o, uint32_t *rank) {
-  for (uint32_t r = 0; r < o->world_size; r++) {
-    if (o->ranks[r].failed) {
-      *rank = r;
-      return &o->ranks[r];
-    }
-  }
-  return NULL;
-}
-
-static void fail_with_rank(coord *c, ckpt_order *o, uint32_t rank, const rank_report *rr) {
-  /* A node's code is taken as given if it is an error status; anything
-   * else means the node itself got it wrong. */
-  int status = rr->code > RPC_OK && rr->code <= RPC_UNAUTHENTICATED ? rr->code : RPC_INTERNAL;
-  order_fail(c, o, status, "rank %u: %s", rank,
-             rr->error != NULL ? rr->error
-                               : "(its error text was lost: coordinator out of memory)");
-}
-
-/* "ranks 1, 3" (at most 8, then "and N more") of the ranks still owed. */
-static void format_pending(const ckpt_order *o, char *out, size_t out_bytes) {
-  size_t len = 0, count = 0;
-  out[0] = '\0';
-  for (uint32_t r = 0; r < o->world_size; r++) {
-    const rank_report *rr = &o->ranks[r];
-    int pending = o->kind == ORDER_RESTORE && o->restore_msg.commit ? !rr->committed : !rr->done;
-    if (!pending)
-      continue;
-    if (count < 8 && len < out_bytes) {
-      int n = snprintf(out + len, out_bytes - len, "%s%u", count ? ", " : "", r);
-      if (n > 0)
-        len += (size_t)n;
-    }
-    count++;
-  }
-  if (count > 8 && len < out_bytes)
-    snprintf(out + len, out_bytes - len, " and %zu more", count - 8);
-  if (count == 0)
-    snprintf(out, out_bytes, "none");
-}
-
-static void on_order_cancelled(rpc_call *call, void *arg) {
-  ckpt_order *o = arg;
-  coord *c = o->c;
-  int deadline = rpc_call_remaining_ms(call) <= 0;
-  int past_return =
-      o->phase == PHASE_COMMITTING ||
-      (o->kind == ORDER_RESTORE && o->phase == PHASE_RUNNING && o->restore_msg.commit);
-  if (!past_return) {
-    order_fail(c, o, deadline ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED, "%s",
-               deadline ? "the call's deadline passed" : "the client cancelled the call");
-    return;
-  }
-  /* Every rank has done its part (a save being committed) or is installing
-   * the restored state: the order completes without its caller. gRPC has
-   * already ended the call; this only frees it. */
-  LOG_INFOF("checkpoint caller went away; the order completes", "job=%s order=%" PRIu64 " kind=%s",
-            o->job, o->id, order_noun(o));
-  o->call = NULL;
-  rpc_call_finish(call, deadline ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED, "call ended", NULL, 0);
-}
-
-/* ------------------------------------------------------------------------ */
-/* Request checks                                                           */
-/* ------------------------------------------------------------------------ */
-
-/* What Save and Restore require of the job: that the coordinator has a
- * checkpoint directory, that the job exists, is ready and has no order in
- * flight. Returns 0 with the job, or a status with the reason in err. */
-static int order_precheck(coord *c, const char *name, cjob **out, char *err, size_t err_bytes) {
-  if (c->options.checkpoint_dir[0] == '\0') {
-    snprintf(err, err_bytes, "this coordinator has no checkpoint directory");
-    return RPC_FAILED_PRECONDITION;
-  }
-  cjob *j = coord__find_job(c, name);
-  if (j == NULL || j->deleting) {
-    snprintf(err, err_bytes, j == NULL ? "no job named '%s'" : "job '%s' is being deleted", name);
-    return RPC_NOT_FOUND;
-  }
-  if (j->ckpt.order != NULL) {
-    snprintf(err, err_bytes,
-             "job '%s' has a %s in flight (order %" PRIu64 "); retry when it is done", name,
-             order_noun(j->ckpt.order), j->ckpt.order->id);
-    return RPC_FAILED_PRECONDITION;
-  }
-  if (j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY) {
-    snprintf(err, err_bytes, "job '%s' is not ready (%s: %s)", name, state_word(j->state),
-             j->reason);
-    return RPC_FAILED_PRECONDITION;
-  }
-  *out = j;
-  return 0;
-}
-
-/* The deadline of an order: the call's, at most --checkpoint-timeout. */
-static void order_set_deadline(const coord *c, ckpt_order *o, rpc_call *call) {
-  int64_t limit = c->options.checkpoint_timeout_ms > 0 ? c->options.checkpoint_timeout_ms
-                                                       : CKPT_DEFAULT_TIMEOUT_MS;
-  if (call != NULL) {
-    int64_t remaining = rpc_call_remaining_ms(call);
-    if (remaining < limit)
-      limit = remaining;
-  }
-  o->timeout_ms = limit > 0 ? limit : 0;
-  o->deadline_ms = uv_now(c->loop) + (uint64_t)o->timeout_ms;
-}
-
-/* ------------------------------------------------------------------------ */
 /* Save                                                                     */
 /* ------------------------------------------------------------------------ */
 
@@ -377,7 +64,7 @@ static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int p
     snprintf(err, err_bytes, "the call's deadline passed before the save began");
     return RPC_DEADLINE_EXCEEDED;
   }
-  ckpt_order *o = order_new(c, j, ORDER_SAVE);
+  ckpt_order *o = coord__ckpt_order_new(c, j, ORDER_SAVE);
   if (o == NULL) {
     snprintf(err, err_bytes, "coordinator out of memory");
     return RPC_RESOURCE_EXHAUSTED;
@@ -400,7 +87,7 @@ static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int p
   if (rc != 0) {
     snprintf(err, err_bytes, "cannot create %s: %s", failed_path, strerror(-rc));
     o->dir[0] = '\0'; /* nothing of ours to remove */
-    order_free(c, o);
+    coord__ckpt_order_free(c, o);
     return coord__ckpt_io_status(-rc);
   }
   zerod__v1__save_order__init(&o->save_msg);
@@ -408,10 +95,10 @@ static int save_start(coord *c, cjob *j, const char *name, rpc_call *call, int p
   o->save_msg.dir = o->dir;
   o->save_list[0] = &o->save_msg;
   o->phase = PHASE_RUNNING;
-  order_set_deadline(c, o, call);
+  coord__ckpt_order_set_deadline(c, o, call);
   if (call != NULL) {
     o->call = call;
-    rpc_call_set_cancel(call, on_order_cancelled, o);
+    rpc_call_set_cancel(call, coord__ckpt_on_order_cancelled, o);
   }
   LOG_INFOF(periodic     ? "periodic checkpoint started"
             : ex != NULL ? "export of the job's state started"
@@ -591,7 +278,7 @@ static int commit_rename(commit_work *w) {
               strerror(-rc));
   }
   crash_point("coord-renamed");
-  w->total_ms = elapsed_ms(w->started_ns);
+  w->total_ms = coord__ckpt_elapsed_ms(w->started_ns);
   return 0;
 }
 
@@ -604,7 +291,7 @@ static void commit_run(ckpt_work *base) {
   int rc = commit_manifest(w);
   if (rc == 0 && w->is_export) {
     rc = export_to_file(w->tmp_dir, &w->export, NULL, &w->exported, &w->result);
-    w->total_ms = elapsed_ms(w->started_ns);
+    w->total_ms = coord__ckpt_elapsed_ms(w->started_ns);
   } else if (rc == 0) {
     rc = commit_rename(w);
   }
@@ -641,11 +328,11 @@ static void commit_done(ckpt_work *base) {
   for (uint32_t r = 0; r < o->world_size; r++)
     if (o->ranks[r].stall_ms > stall_ms)
       stall_ms = o->ranks[r].stall_ms;
-  cjob *j = order_job(o->c, o);
+  cjob *j = coord__ckpt_order_job(o->c, o);
   if (o->abandoned) {
-    order_free(o->c, o); /* already answered */
+    coord__ckpt_order_free(o->c, o); /* already answered */
   } else if (w->result.status != 0) {
-    order_fail(o->c, o, w->result.status, "%s", w->result.message);
+    coord__ckpt_order_fail(o->c, o, w->result.status, "%s", w->result.message);
   } else if (w->is_export) {
     LOG_INFOF("job's state exported",
               "job=%s order=%" PRIu64 " step=%" PRIu64 " tensors=%u bytes=%" PRIu64
@@ -657,7 +344,7 @@ static void commit_done(ckpt_work *base) {
       export_reply(o->call, w->export.path, &w->exported, w->total_ms, "");
       o->call = NULL;
     }
-    order_free(o->c, o);
+    coord__ckpt_order_free(o->c, o);
   } else {
     LOG_INFOF(o->periodic ? "periodic checkpoint saved" : "checkpoint saved",
               "job=%s order=%" PRIu64 " name=%s step=%" PRIu64 " bytes=%" PRIu64
@@ -689,7 +376,7 @@ static void commit_done(ckpt_work *base) {
       j->ckpt.autockpt.last_ms = uv_now(o->c->loop);
     }
     coord *c = o->c;
-    order_free(c, o);
+    coord__ckpt_order_free(c, o);
     /* Only now that the new one is complete may old ones go. */
     if (j != NULL && !j->deleting)
       apply_retention(c, j);
@@ -714,7 +401,7 @@ static void save_commit(coord *c, ckpt_order *o, uint64_t step) {
       free(w->file_names);
     }
     free(w);
-    order_fail(c, o, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
+    coord__ckpt_order_fail(c, o, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
     return;
   }
   w->base.run = commit_run;
@@ -741,7 +428,7 @@ static void save_commit(coord *c, ckpt_order *o, uint64_t step) {
     w->files[r].bytes = o->ranks[r].bytes;
     w->files[r].xxh64 = o->ranks[r].xxh64;
   }
-  cjob *j = order_job(c, o);
+  cjob *j = coord__ckpt_order_job(c, o);
   o->phase = PHASE_COMMITTING;
   o->work_in_flight = 1;
   if (j != NULL)
@@ -753,9 +440,9 @@ static void save_commit(coord *c, ckpt_order *o, uint64_t step) {
 
 static void save_progress(coord *c, ckpt_order *o) {
   uint32_t rank;
-  const rank_report *failed = first_failure(o, &rank);
+  const rank_report *failed = coord__ckpt_first_failure(o, &rank);
   if (failed != NULL) {
-    fail_with_rank(c, o, rank, failed);
+    coord__ckpt_fail_with_rank(c, o, rank, failed);
     return;
   }
   for (uint32_t r = 0; r < o->world_size; r++)
@@ -765,10 +452,10 @@ static void save_progress(coord *c, ckpt_order *o) {
    * the shards do not make one state and the checkpoint would be wrong. */
   for (uint32_t r = 1; r < o->world_size; r++) {
     if (o->ranks[r].step != o->ranks[0].step) {
-      order_fail(c, o, RPC_FAILED_PRECONDITION,
-                 "ranks saved different steps: rank 0 at %" PRIu64 ", rank %u at %" PRIu64
-                 "; retry",
-                 o->ranks[0].step, r, o->ranks[r].step);
+      coord__ckpt_order_fail(c, o, RPC_FAILED_PRECONDITION,
+                             "ranks saved different steps: rank 0 at %" PRIu64
+                             ", rank %u at %" PRIu64 "; retry",
+                             o->ranks[0].step, r, o->ranks[r].step);
       return;
     }
   }
@@ -776,8 +463,8 @@ static void save_progress(coord *c, ckpt_order *o) {
     char expect[64];
     ckpt_shard_name(r, o->world_size, expect, sizeof expect);
     if (strcmp(o->ranks[r].file, expect) != 0) {
-      order_fail(c, o, RPC_INTERNAL, "rank %u reported shard file '%s'; expected '%s'", r,
-                 o->ranks[r].file, expect);
+      coord__ckpt_order_fail(c, o, RPC_INTERNAL, "rank %u reported shard file '%s'; expected '%s'",
+                             r, o->ranks[r].file, expect);
       return;
     }
   }
@@ -791,7 +478,7 @@ static void on_save(rpc_call *call, const uint8_t *request, size_t request_bytes
     return;
   char err[PATH_MAX + 256];
   cjob *j = NULL;
-  int status = order_precheck(c, req->job, &j, err, sizeof err);
+  int status = coord__ckpt_order_precheck(c, req->job, &j, err, sizeof err);
   if (status == 0 && req->name[0] != '\0') {
     char path[PATH_MAX + 2 * CTL_NAME_MAX_BYTES];
     struct stat st;
@@ -932,13 +619,13 @@ static void preflight_done(ckpt_work *base) {
   ckpt_order *o = w->order;
   coord *c = o->c;
   o->work_in_flight = 0;
-  cjob *j = order_job(c, o);
+  cjob *j = coord__ckpt_order_job(c, o);
   if (o->abandoned) {
-    order_free(c, o); /* already answered */
+    coord__ckpt_order_free(c, o); /* already answered */
   } else if (w->result.status != 0) {
-    order_fail(c, o, w->result.status, "%s", w->result.message);
+    coord__ckpt_order_fail(c, o, w->result.status, "%s", w->result.message);
   } else if (j == NULL) {
-    order_fail(c, o, RPC_NOT_FOUND, "job '%s' is gone", o->job);
+    coord__ckpt_order_fail(c, o, RPC_NOT_FOUND, "job '%s' is gone", o->job);
   } else {
     zerod__v1__restore_order__init(&o->restore_msg);
     o->restore_msg.id = o->id;
@@ -961,9 +648,9 @@ static void preflight_done(ckpt_work *base) {
 
 static void restore_progress(coord *c, ckpt_order *o) {
   uint32_t rank;
-  const rank_report *failed = first_failure(o, &rank);
+  const rank_report *failed = coord__ckpt_first_failure(o, &rank);
   if (failed != NULL) {
-    fail_with_rank(c, o, rank, failed);
+    coord__ckpt_fail_with_rank(c, o, rank, failed);
     return;
   }
   if (!o->restore_msg.commit) {
@@ -972,7 +659,7 @@ static void restore_progress(coord *c, ckpt_order *o) {
         return;
     /* Every rank holds what it will own, checked: now they may install it. */
     o->restore_msg.commit = 1;
-    cjob *j = order_job(c, o);
+    cjob *j = coord__ckpt_order_job(c, o);
     if (j != NULL)
       coord__mark_job_watches(c, j);
     LOG_INFOF("checkpoint restore read; committing", "job=%s order=%" PRIu64, o->job, o->id);
@@ -987,12 +674,12 @@ static void restore_progress(coord *c, ckpt_order *o) {
       LOG_WARNF("ranks restored different steps",
                 "job=%s order=%" PRIu64 " rank0=%" PRIu64 " rank=%u step=%" PRIu64, o->job, o->id,
                 step, r, o->ranks[r].step);
-  int64_t total_ms = elapsed_ms(o->started_ns);
+  int64_t total_ms = coord__ckpt_elapsed_ms(o->started_ns);
   LOG_INFOF("checkpoint restored",
             "job=%s order=%" PRIu64 " source=%s step=%" PRIu64 " total_ms=%" PRId64, o->job, o->id,
             o->dir, step, total_ms);
   coord__metrics_checkpoint(c, "restore", 1, (double)total_ms / 1e3, 0);
-  cjob *j = order_job(c, o);
+  cjob *j = coord__ckpt_order_job(c, o);
   if (j != NULL) {
     /* The job is at the restored step now (its nodes' next reports say so
      * too), and the periodic schedule counts from there. */
@@ -1008,7 +695,7 @@ static void restore_progress(coord *c, ckpt_order *o) {
     coord__finish_message(o->call, &reply.base);
     o->call = NULL;
   }
-  order_free(c, o);
+  coord__ckpt_order_free(c, o);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1216,7 +903,7 @@ static void on_restore(rpc_call *call, const uint8_t *request, size_t request_by
   char err[PATH_MAX + 256];
   char source[PATH_MAX];
   cjob *j = NULL;
-  int status = order_precheck(c, req->job, &j, err, sizeof err);
+  int status = coord__ckpt_order_precheck(c, req->job, &j, err, sizeof err);
   if (status == 0)
     status = resolve_source(c, req->job, req->checkpoint, source, sizeof source, err, sizeof err);
   if (status == 0 && rpc_call_remaining_ms(call) <= 0) {
@@ -1226,11 +913,11 @@ static void on_restore(rpc_call *call, const uint8_t *request, size_t request_by
   ckpt_order *o = NULL;
   preflight_work *w = NULL;
   if (status == 0) {
-    o = order_new(c, j, ORDER_RESTORE);
+    o = coord__ckpt_order_new(c, j, ORDER_RESTORE);
     w = calloc(1, sizeof *w);
     if (o == NULL || w == NULL || coord__ckpt_access(c, &who, j, &w->access) != 0) {
       if (o != NULL)
-        order_free(c, o);
+        coord__ckpt_order_free(c, o);
       if (w != NULL)
         coord__ckpt_access_free(&w->access);
       free(w);
@@ -1247,10 +934,10 @@ static void on_restore(rpc_call *call, const uint8_t *request, size_t request_by
    * while the source is checked, and the source cannot be deleted. */
   snprintf(o->dir, sizeof o->dir, "%s", source);
   o->phase = PHASE_PREPARING;
-  order_set_deadline(c, o, call);
+  coord__ckpt_order_set_deadline(c, o, call);
   o->call = call;
   o->work_in_flight = 1;
-  rpc_call_set_cancel(call, on_order_cancelled, o);
+  rpc_call_set_cancel(call, coord__ckpt_on_order_cancelled, o);
   w->base.run = preflight_run;
   w->base.done = preflight_done;
   w->order = o;
@@ -1324,21 +1011,6 @@ static int export_to_file(const char *dir, const export_spec *ex, const char *la
   return coord__ckpt_work_fail(result, status, "export to %s failed: %s", ex->path, err);
 }
 
-/* An Export of a checkpoint (of the files alone: the job need not exist). */
-typedef struct export_work {
-  ckpt_work base;
-  struct export_work *next; /* in coord.exports */
-  rpc_call *call;           /* NULL once the client went away */
-  char source[PATH_MAX];
-  export_spec export;
-  ckpt_access access; /* who may read what (ckpt_owner.c) */
-  uint64_t started_ns;
-  /* Out */
-  work_result result;
-  ckpt_export_info info;
-  int64_t total_ms;
-} export_work;
-
 static void export_run(ckpt_work *base) {
   export_work *w = (export_work *)base;
   struct stat st;
@@ -1356,7 +1028,7 @@ static void export_run(ckpt_work *base) {
     else if (check_checkpoint_dir(w->source, &w->access, &step, &world_size, &w->result) == 0)
       export_to_file(w->source, &w->export, strrchr(w->source, '/') + 1, &w->info, &w->result);
   }
-  w->total_ms = elapsed_ms(w->started_ns);
+  w->total_ms = coord__ckpt_elapsed_ms(w->started_ns);
 }
 
 static void export_done(ckpt_work *base) {
@@ -1394,24 +1066,6 @@ static void on_export_cancelled(rpc_call *call, void *arg) {
   w->call = NULL;
   rpc_call_finish(call, rpc_call_remaining_ms(call) <= 0 ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED,
                   "export ended (the file may still be written)", NULL, 0);
-}
-
-/* The export in flight that reads path, or NULL. */
-static const export_work *export_reading(const coord *c, const char *path) {
-  for (const export_work *w = c->ckpt.exports; w != NULL; w = w->next)
-    if (strcmp(w->source, path) == 0)
-      return w;
-  return NULL;
-}
-
-int coord__ckpt_dir_busy(const coord *c, const char *path) {
-  for (const ckpt_order *o = c->ckpt.orders; o != NULL; o = o->next)
-    if (o->dir[0] != '\0' && coord__ckpt_path_below(o->dir, path))
-      return 1;
-  for (const export_work *w = c->ckpt.exports; w != NULL; w = w->next)
-    if (coord__ckpt_path_below(w->source, path))
-      return 1;
-  return 0;
 }
 
 static void on_export(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
@@ -1459,7 +1113,7 @@ static void on_export(rpc_call *call, const uint8_t *request, size_t request_byt
     work_result target = {0};
     int dir_fd;
     const char *name;
-    status = order_precheck(c, req->job, &j, err, sizeof err);
+    status = coord__ckpt_order_precheck(c, req->job, &j, err, sizeof err);
     /* Checked again before writing; here so that a mistake costs no save. */
     if (status == 0 && (status = export_target_open(&ex, &dir_fd, &name, &target)) != 0)
       snprintf(err, sizeof err, "%s", target.message);
@@ -1503,22 +1157,6 @@ static void on_export(rpc_call *call, const uint8_t *request, size_t request_byt
 /* Reports from the nodes                                                   */
 /* ------------------------------------------------------------------------ */
 
-static void record_report(rank_report *rr, const Zerod__V1__ShardReport *r) {
-  rr->done = r->done;
-  rr->committed = r->committed;
-  rr->failed = r->error[0] != '\0';
-  rr->code = r->code;
-  if (rr->error == NULL || strcmp(rr->error, r->error) != 0) {
-    free(rr->error);
-    rr->error = rr->failed ? strdup(r->error) : NULL;
-  }
-  rr->step = r->step;
-  rr->bytes = r->bytes;
-  rr->xxh64 = r->xxh64;
-  rr->stall_ms = r->stall_ms;
-  snprintf(rr->file, sizeof rr->file, "%s", r->file);
-}
-
 void coord__ckpt_heartbeat(coord *c, const member *m, const Zerod__V1__HeartbeatRequest *req) {
   for (size_t i = 0; i < req->n_jobs; i++) {
     const Zerod__V1__JobStatus *s = req->jobs[i];
@@ -1546,7 +1184,7 @@ void coord__ckpt_heartbeat(coord *c, const member *m, const Zerod__V1__Heartbeat
                   r->rank);
         continue;
       }
-      record_report(&o->ranks[r->rank], r);
+      coord__ckpt_record_report(&o->ranks[r->rank], r);
       touched = 1;
     }
     if (!touched)
@@ -1779,14 +1417,6 @@ static void on_list(rpc_call *call, const uint8_t *request, size_t request_bytes
 /* Delete                                                                   */
 /* ------------------------------------------------------------------------ */
 
-/* The restore in flight that reads path, or NULL. */
-static const ckpt_order *restore_reading(const coord *c, const char *path) {
-  for (const ckpt_order *o = c->ckpt.orders; o != NULL; o = o->next)
-    if (o->kind == ORDER_RESTORE && !o->abandoned && strcmp(o->dir, path) == 0)
-      return o;
-  return NULL;
-}
-
 /* Takes job/name out of the catalog at once (a rename to
  * name.deleting-<id>, synced) and removes its files on the thread pool,
  * if access (NULL: the coordinator itself) may delete it. Returns 0 or a
@@ -1809,7 +1439,7 @@ static int delete_checkpoint(coord *c, const char *job, const char *name, const 
     snprintf(err, err_bytes, "job '%s' has no checkpoint named '%s'", job, name);
   if (status != 0)
     return status;
-  const ckpt_order *reader = restore_reading(c, path);
+  const ckpt_order *reader = coord__ckpt_restore_reading(c, path);
   if (reader != NULL) {
     snprintf(err, err_bytes,
              "job '%s' is being restored from checkpoint '%s/%s' (order %" PRIu64
@@ -1817,7 +1447,7 @@ static int delete_checkpoint(coord *c, const char *job, const char *name, const 
              reader->job, job, name, reader->id);
     return RPC_FAILED_PRECONDITION;
   }
-  if (export_reading(c, path) != NULL) {
+  if (coord__ckpt_export_reading(c, path) != NULL) {
     snprintf(err, err_bytes, "checkpoint '%s/%s' is being exported; retry when it is done", job,
              name);
     return RPC_FAILED_PRECONDITION;
@@ -2002,9 +1632,9 @@ void coord__ckpt_job_changed(coord *c, cjob *j) {
   if (o->phase == PHASE_COMMITTING)
     return;
   int installing = o->kind == ORDER_RESTORE && o->phase == PHASE_RUNNING && o->restore_msg.commit;
-  order_fail(c, o, RPC_UNAVAILABLE, "job '%s' is no longer ready (%s: %s)%s", o->job,
-             state_word(j->state), j->reason,
-             installing ? "; some ranks may have installed the restored state" : "");
+  coord__ckpt_order_fail(c, o, RPC_UNAVAILABLE, "job '%s' is no longer ready (%s: %s)%s", o->job,
+                         coord__ckpt_state_word(j->state), j->reason,
+                         installing ? "; some ranks may have installed the restored state" : "");
 }
 
 void coord__ckpt_job_deleted(coord *c, cjob *j) {
@@ -2012,10 +1642,10 @@ void coord__ckpt_job_deleted(coord *c, cjob *j) {
   if (o == NULL)
     return;
   if (o->phase == PHASE_COMMITTING) {
-    order_detach(c, o); /* checkpoints outlive their jobs */
+    coord__ckpt_order_detach(c, o); /* checkpoints outlive their jobs */
     return;
   }
-  order_fail(c, o, RPC_NOT_FOUND, "job '%s' was deleted", o->job);
+  coord__ckpt_order_fail(c, o, RPC_NOT_FOUND, "job '%s' was deleted", o->job);
 }
 
 void coord__ckpt_tick(coord *c) {
@@ -2028,12 +1658,12 @@ void coord__ckpt_tick(coord *c) {
     if (o->phase != PHASE_RUNNING || o->abandoned || now < o->deadline_ms)
       continue;
     char pending[128];
-    format_pending(o, pending, sizeof pending);
+    coord__ckpt_format_pending(o, pending, sizeof pending);
     int installing = o->kind == ORDER_RESTORE && o->restore_msg.commit;
-    order_fail(c, o, RPC_DEADLINE_EXCEEDED,
-               "the %s did not finish within %.1f s (waiting for ranks %s)%s", order_noun(o),
-               (double)o->timeout_ms / 1000.0, pending,
-               installing ? "; some ranks may have installed the restored state" : "");
+    coord__ckpt_order_fail(c, o, RPC_DEADLINE_EXCEEDED,
+                           "the %s did not finish within %.1f s (waiting for ranks %s)%s",
+                           coord__ckpt_order_noun(o), (double)o->timeout_ms / 1000.0, pending,
+                           installing ? "; some ranks may have installed the restored state" : "");
   }
   for (size_t i = 0; i < c->njobs; i++)
     auto_check(c, c->jobs[i], now);
@@ -2046,7 +1676,7 @@ void coord__ckpt_shutdown(coord *c) {
   for (ckpt_order *o = c->ckpt.orders; o != NULL; o = next) {
     next = o->next;
     if (o->phase != PHASE_COMMITTING && !o->abandoned)
-      order_fail(c, o, RPC_UNAVAILABLE, "coordinator shutting down");
+      coord__ckpt_order_fail(c, o, RPC_UNAVAILABLE, "coordinator shutting down");
   }
 }
 
@@ -2056,7 +1686,7 @@ void coord__ckpt_destroy(coord *c) {
   while (c->ckpt.orders != NULL) {
     ckpt_order *o = c->ckpt.orders;
     o->call = NULL; /* the server is gone, and its calls with it */
-    order_free(c, o);
+    coord__ckpt_order_free(c, o);
   }
 }
 

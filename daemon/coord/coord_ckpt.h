@@ -3,6 +3,7 @@
  *
  *   ckpt_fs.c       file helpers (paths, mkdir -p, fsync, recursive removal)
  *   ckpt_pool.c     the thread pool, and removals on it
+ *   ckpt_order.c    the orders: made, failed, freed; what they read
  *
  * and coord_ckpt.c, the service's hooks (coord_impl.h). Only those files
  * include this header; the rest of the coordinator reaches the service
@@ -13,6 +14,7 @@
 #include <dirent.h>
 #include <stddef.h>
 
+#include "ckpt.h"
 #include "coord_impl.h"
 
 #define CKPT_DEFAULT_TIMEOUT_MS (600 * 1000)
@@ -90,5 +92,136 @@ typedef struct ckpt_work {
 
 /* Runs w on the thread pool (counted in c->ckpt.work until done). */
 void coord__ckpt_queue_work(coord *c, ckpt_work *w);
+
+/* ------------------------------------------------------------------------ */
+/* ckpt_order.c: the orders                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef enum order_kind { ORDER_SAVE, ORDER_RESTORE } order_kind;
+
+typedef enum order_phase {
+  PHASE_PREPARING,  /* restore: the source is being checked on the thread pool */
+  PHASE_RUNNING,    /* in the nodes' Assignments, collecting their reports */
+  PHASE_COMMITTING, /* save: manifest and rename on the thread pool */
+} order_phase;
+
+/* The latest report of one rank on the order. */
+typedef struct rank_report {
+  int done;
+  int failed;
+  int committed;
+  int code;    /* with failed */
+  char *error; /* owned; NULL if none (or it could not be copied) */
+  uint64_t step, bytes, xxh64;
+  int64_t stall_ms;
+  char file[CTL_FILE_MAX_BYTES + 1];
+} rank_report;
+
+/* Where and how an Export writes its file: path is canonical (an export
+ * root, then the rest without "." or ".." or empty components), and its
+ * first root_len bytes are the root, which the file is opened from
+ * (confine.h). */
+typedef struct export_spec {
+  char path[PATH_MAX];
+  size_t root_len;
+  st_dtype dtype;
+  int overwrite;
+} export_spec;
+
+typedef struct ckpt_order {
+  struct ckpt_order *next;
+  coord *c;
+  order_kind kind;
+  order_phase phase;
+  uint64_t id;
+  char job[CTL_NAME_MAX_BYTES + 1];
+  uint64_t job_id;
+  char tenant[AUTH_NAME_MAX_BYTES + 1]; /* the job's: the owner of what it saves */
+  uint32_t world_size;
+  /* The job's order (its cjob.order points here). An order that fails
+   * while thread-pool work for it is in flight is detached and answered at
+   * once, and freed when the work reports back. */
+  int attached;
+  int work_in_flight;
+  int abandoned;
+  rpc_call *call; /* the Save, Restore or Export waiting for it; NULL: periodic, or answered */
+  int periodic;
+  /* A save for an Export of the job's state now: the temporary checkpoint
+   * is exported to export_path and removed, never renamed into place. */
+  int is_export;
+  export_spec export;
+  uint64_t started_ns;               /* uv_hrtime */
+  uint64_t deadline_ms;              /* on the loop's clock */
+  int64_t timeout_ms;                /* what the deadline allowed */
+  char name[CTL_NAME_MAX_BYTES + 1]; /* save: as asked; "" for step-<step> or auto-<step> */
+  char dir[PATH_MAX];                /* save: the temporary directory; restore: the source */
+  /* What the Assignments carry; the strings point into the order. */
+  Zerod__V1__SaveOrder save_msg;
+  Zerod__V1__SaveOrder *save_list[1];
+  Zerod__V1__RestoreOrder restore_msg;
+  rank_report *ranks; /* [world_size] */
+} ckpt_order;
+
+/* An Export of a checkpoint (of the files alone: the job need not exist). */
+typedef struct export_work {
+  ckpt_work base;
+  struct export_work *next; /* in coord.exports */
+  rpc_call *call;           /* NULL once the client went away */
+  char source[PATH_MAX];
+  export_spec export;
+  ckpt_access access; /* who may read what (ckpt_owner.c) */
+  uint64_t started_ns;
+  /* Out */
+  work_result result;
+  ckpt_export_info info;
+  int64_t total_ms;
+} export_work;
+
+/* "save", "export", "periodic checkpoint" or "restore", for messages. */
+const char *coord__ckpt_order_noun(const ckpt_order *o);
+/* A job state as a word ("ready"), for messages. */
+const char *coord__ckpt_state_word(Zerod__V1__JobState state);
+/* Milliseconds since since_ns (uv_hrtime). */
+int64_t coord__ckpt_elapsed_ms(uint64_t since_ns);
+
+/* The job whose order o is, or NULL once it no longer is. */
+cjob *coord__ckpt_order_job(const coord *c, const ckpt_order *o);
+/* A new order of j (j's order from now on), or NULL. */
+ckpt_order *coord__ckpt_order_new(coord *c, cjob *j, order_kind kind);
+/* Makes o no longer its job's order; a running order leaves the
+ * Assignments, which the job's nodes hear at once. */
+void coord__ckpt_order_detach(coord *c, ckpt_order *o);
+/* Detaches and frees o; a call it still has is answered INTERNAL. */
+void coord__ckpt_order_free(coord *c, ckpt_order *o);
+
+/* Ends o with an error: answers its call, takes it out of the Assignments
+ * (the nodes drop what they did for it), removes a save's temporary
+ * directory and, for a periodic save, holds the next attempt back. The
+ * checkpoints that exist are never touched. */
+void coord__ckpt_order_fail(coord *c, ckpt_order *o, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* The lowest rank that reported a failure, or NULL. A report with an
+ * error is a failure whether or not it also says done. */
+const rank_report *coord__ckpt_first_failure(const ckpt_order *o, uint32_t *rank);
+/* Fails o with rank's report. */
+void coord__ckpt_fail_with_rank(coord *c, ckpt_order *o, uint32_t rank, const rank_report *rr);
+/* "ranks 1, 3" (at most 8, then "and N more") of the ranks still owed. */
+void coord__ckpt_format_pending(const ckpt_order *o, char *out, size_t out_bytes);
+/* The cancel callback of an order's call (rpc_call_set_cancel; arg: the
+ * order). */
+void coord__ckpt_on_order_cancelled(rpc_call *call, void *arg);
+/* Records a rank's report on the order. */
+void coord__ckpt_record_report(rank_report *rr, const Zerod__V1__ShardReport *r);
+
+/* What Save and Restore require of the job: that the coordinator has a
+ * checkpoint directory, that the job exists, is ready and has no order in
+ * flight. Returns 0 with the job, or a status with the reason in err. */
+int coord__ckpt_order_precheck(coord *c, const char *name, cjob **out, char *err, size_t err_bytes);
+/* The deadline of an order: the call's, at most --checkpoint-timeout. */
+void coord__ckpt_order_set_deadline(const coord *c, ckpt_order *o, rpc_call *call);
+
+/* The restore or the export in flight that reads path, or NULL. */
+const ckpt_order *coord__ckpt_restore_reading(const coord *c, const char *path);
+const export_work *coord__ckpt_export_reading(const coord *c, const char *path);
 
 #endif /* ZEROD_COORD_CKPT_H */
