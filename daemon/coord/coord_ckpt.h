@@ -4,6 +4,7 @@
  *   ckpt_fs.c       file helpers (paths, mkdir -p, fsync, recursive removal)
  *   ckpt_pool.c     the thread pool, and removals on it
  *   ckpt_order.c    the orders: made, failed, freed; what they read
+ *   ckpt_paths.c    paths from clients; checks of what is read and written
  *
  * and coord_ckpt.c, the service's hooks (coord_impl.h). Only those files
  * include this header; the rest of the coordinator reaches the service
@@ -13,6 +14,7 @@
 
 #include <dirent.h>
 #include <stddef.h>
+#include <sys/stat.h>
 
 #include "ckpt.h"
 #include "coord_impl.h"
@@ -223,5 +225,51 @@ void coord__ckpt_order_set_deadline(const coord *c, ckpt_order *o, rpc_call *cal
 /* The restore or the export in flight that reads path, or NULL. */
 const ckpt_order *coord__ckpt_restore_reading(const coord *c, const char *path);
 const export_work *coord__ckpt_export_reading(const coord *c, const char *path);
+
+/* ------------------------------------------------------------------------ */
+/* ckpt_paths.c: paths from clients; checks of what is read and written     */
+/* ------------------------------------------------------------------------ */
+
+/* The roots Export may write in: the export roots, or the checkpoint
+ * directory if none is configured. Returns how many. */
+unsigned coord__ckpt_write_roots(const coord *c, const char **roots);
+
+/* Places a client's path in roots (what names them, "export roots", is
+ * for messages): out gets the canonical path (root, then the rest of
+ * path, normalized) and *root_len the root's length in it. what ("export
+ * path") names the path in messages. Text only: nothing is opened.
+ * Returns 0, or a gRPC status with the reason in err. */
+int coord__ckpt_place_path(const char *what, const char *path, const char *const *roots,
+                           unsigned nroots, const char *roots_name, char *out, size_t out_bytes,
+                           size_t *root_len, char *err, size_t err_bytes);
+
+/* Resolves a RestoreRequest.checkpoint (or ExportRequest.checkpoint) of
+ * job into the canonical path of the checkpoint (in out). Returns 0 or a
+ * status with the reason in err. */
+int coord__ckpt_resolve_source(const coord *c, const char *job, const char *ref, char *out,
+                               size_t out_bytes, char *err, size_t err_bytes);
+
+/* The source of a Restore or an Export, stat'ed. Returns 0 or the status
+ * in result. Thread pool. */
+int coord__ckpt_stat_source(const char *source, struct stat *st, work_result *result);
+
+/* A checkpoint directory about to be read (Restore, Export): its manifest
+ * decodes, its owner is one access may read, and every shard file has the
+ * size the manifest says. Returns 0 with the saved step and world size,
+ * or the status in result. Thread pool. */
+int coord__ckpt_check_dir(const char *source, const ckpt_access *access, uint64_t *step,
+                          uint32_t *world_size, work_result *result);
+
+/* Opens the directory an export writes in and checks the name it will
+ * write (export_spec). Returns 0 with *dir_fd (to close) and *name, or the
+ * status in result. */
+int coord__ckpt_export_target_open(const export_spec *ex, int *dir_fd, const char **name,
+                                   work_result *result);
+
+/* Writes the checkpoint in dir to the safetensors file of ex (label: the
+ * name its metadata gives, or NULL). Thread pool. Returns 0 or the status
+ * in result. */
+int coord__ckpt_export_to_file(const char *dir, const export_spec *ex, const char *label,
+                               ckpt_export_info *info, work_result *result);
 
 #endif /* ZEROD_COORD_CKPT_H */
