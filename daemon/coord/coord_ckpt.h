@@ -5,6 +5,7 @@
  *   ckpt_pool.c     the thread pool, and removals on it
  *   ckpt_order.c    the orders: made, failed, freed; what they read
  *   ckpt_paths.c    paths from clients; checks of what is read and written
+ *   ckpt_catalog.c  the checkpoints that exist: List, Delete, retention
  *
  * and coord_ckpt.c, the service's hooks (coord_impl.h). Only those files
  * include this header; the rest of the coordinator reaches the service
@@ -271,5 +272,16 @@ int coord__ckpt_export_target_open(const export_spec *ex, int *dir_fd, const cha
  * in result. */
 int coord__ckpt_export_to_file(const char *dir, const export_spec *ex, const char *label,
                                ckpt_export_info *info, work_result *result);
+
+/* ------------------------------------------------------------------------ */
+/* ckpt_catalog.c: List, Delete, retention                                  */
+/* ------------------------------------------------------------------------ */
+
+/* After a periodic checkpoint of j: deletes its oldest auto-* checkpoints
+ * beyond the policy's keep. */
+void coord__ckpt_apply_retention(coord *c, cjob *j);
+
+/* Registers ListCheckpoints and DeleteCheckpoint. */
+int coord__ckpt_catalog_register(coord *c, rpc_server *server);
 
 #endif /* ZEROD_COORD_CKPT_H */
