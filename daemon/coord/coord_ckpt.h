@@ -6,6 +6,7 @@
  *   ckpt_order.c    the orders: made, failed, freed; what they read
  *   ckpt_paths.c    paths from clients; checks of what is read and written
  *   ckpt_catalog.c  the checkpoints that exist: List, Delete, retention
+ *   ckpt_exports.c  Export
  *
  * and coord_ckpt.c, the service's hooks (coord_impl.h). Only those files
  * include this header; the rest of the coordinator reaches the service
@@ -283,5 +284,29 @@ void coord__ckpt_apply_retention(coord *c, cjob *j);
 
 /* Registers ListCheckpoints and DeleteCheckpoint. */
 int coord__ckpt_catalog_register(coord *c, rpc_server *server);
+
+/* ------------------------------------------------------------------------ */
+/* Saves (coord_ckpt.c)                                                     */
+/* ------------------------------------------------------------------------ */
+
+/* Starts a save of j: makes the temporary directory and puts the order in
+ * the Assignments of the job's nodes. name: as asked ("" for
+ * step-<step>); call: the waiting Save or Export, or NULL for a periodic
+ * one; ex: for an Export, where the save goes, else NULL. Returns 0, or a
+ * status with the reason in err and nothing started. */
+int coord__ckpt_save_start(coord *c, cjob *j, const char *name, rpc_call *call, int periodic,
+                           const export_spec *ex, char *err, size_t err_bytes);
+
+/* Answers an Export with what was written (checkpoint: the source, or ""
+ * for the job's state). */
+void coord__ckpt_export_reply(rpc_call *call, const char *path, const ckpt_export_info *info,
+                              int64_t total_ms, const char *checkpoint);
+
+/* ------------------------------------------------------------------------ */
+/* ckpt_exports.c: Export                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* Registers Export. */
+int coord__ckpt_exports_register(coord *c, rpc_server *server);
 
 #endif /* ZEROD_COORD_CKPT_H */
