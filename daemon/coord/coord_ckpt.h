@@ -6,6 +6,7 @@
  *   ckpt_order.c    the orders: made, failed, freed; what they read
  *   ckpt_paths.c    paths from clients; checks of what is read and written
  *   ckpt_catalog.c  the checkpoints that exist: List, Delete, retention
+ *   ckpt_restore.c  Restore
  *   ckpt_exports.c  Export
  *
  * and coord_ckpt.c, the service's hooks (coord_impl.h). Only those files
@@ -301,6 +302,17 @@ int coord__ckpt_save_start(coord *c, cjob *j, const char *name, rpc_call *call, 
  * for the job's state). */
 void coord__ckpt_export_reply(rpc_call *call, const char *path, const ckpt_export_info *info,
                               int64_t total_ms, const char *checkpoint);
+
+/* ------------------------------------------------------------------------ */
+/* ckpt_restore.c: Restore                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* A rank reported on restore o: fails it, moves it to its commit, or
+ * completes it. */
+void coord__ckpt_restore_progress(coord *c, ckpt_order *o);
+
+/* Registers Restore. */
+int coord__ckpt_restore_register(coord *c, rpc_server *server);
 
 /* ------------------------------------------------------------------------ */
 /* ckpt_exports.c: Export                                                   */
