@@ -6,6 +6,7 @@
  *   ckpt_order.c    the orders: made, failed, freed; what they read
  *   ckpt_paths.c    paths from clients; checks of what is read and written
  *   ckpt_catalog.c  the checkpoints that exist: List, Delete, retention
+ *   ckpt_save.c     saves: Save, periodic ones, an Export's
  *   ckpt_restore.c  Restore
  *   ckpt_exports.c  Export
  *
@@ -287,7 +288,7 @@ void coord__ckpt_apply_retention(coord *c, cjob *j);
 int coord__ckpt_catalog_register(coord *c, rpc_server *server);
 
 /* ------------------------------------------------------------------------ */
-/* Saves (coord_ckpt.c)                                                     */
+/* ckpt_save.c: saves                                                       */
 /* ------------------------------------------------------------------------ */
 
 /* Starts a save of j: makes the temporary directory and puts the order in
@@ -302,6 +303,13 @@ int coord__ckpt_save_start(coord *c, cjob *j, const char *name, rpc_call *call, 
  * for the job's state). */
 void coord__ckpt_export_reply(rpc_call *call, const char *path, const ckpt_export_info *info,
                               int64_t total_ms, const char *checkpoint);
+
+/* A rank reported on save o: fails it, or once every rank is done,
+ * commits it. */
+void coord__ckpt_save_progress(coord *c, ckpt_order *o);
+
+/* Registers Save. */
+int coord__ckpt_save_register(coord *c, rpc_server *server);
 
 /* ------------------------------------------------------------------------ */
 /* ckpt_restore.c: Restore                                                  */
