@@ -3,7 +3,7 @@
  * coord__identify (coord_call.c) names the caller of every call as it
  * arrives, before its request message (rpc.h: the server admits it by that
  * name, or refuses it); coord__begin then takes that caller
- * (coord__caller), ctl_decode's request and coord__authorize's verdict,
+ * (coord__caller), ctl_decode's request and authz_check's verdict,
  * for every request but health checks: a handler only runs for a caller
  * allowed to make its request. Calls that change state are marked for the
  * audit log here too, so that no handler can forget.
@@ -42,23 +42,24 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "coord_impl.h"
+#include "authz.h"
 #include "ctl_decode.h"
 #include "log.h"
+#include "rpc.h"
 
-int coord__may_read_job(const coord_caller *who, const cjob *j) {
+int authz_may_read_job(const coord_caller *who, const Zerod__V1__Job *job) {
   if (who->role == AUTH_ADMIN)
     return 1;
   if (who->role != AUTH_TENANT && who->role != AUTH_READER)
     return 0;
-  return j->msg->tenant[0] != '\0' && strcmp(j->msg->tenant, who->tenant) == 0;
+  return job->tenant[0] != '\0' && strcmp(job->tenant, who->tenant) == 0;
 }
 
-int coord__may_own_job(const coord_caller *who, const cjob *j) {
+int authz_may_own_job(const coord_caller *who, const Zerod__V1__Job *job) {
   if (who->role == AUTH_ADMIN)
     return 1;
-  return who->role == AUTH_TENANT && j->msg->tenant[0] != '\0' &&
-         strcmp(j->msg->tenant, who->tenant) == 0;
+  return who->role == AUTH_TENANT && job->tenant[0] != '\0' &&
+         strcmp(job->tenant, who->tenant) == 0;
 }
 
 /* Whether who is a node principal for the node named node. */
@@ -78,12 +79,12 @@ static int deny(char *err, size_t err_bytes, const coord_caller *who, const char
 /* A job-scoped call: the job must exist for the rule to say anything (a
  * missing job is the handler's NOT_FOUND, which says no more than a
  * CreateJob of that name would). */
-static int job_rule(const coord *c, const coord_caller *who, const char *job, int need_owner,
+static int job_rule(const authz_env *env, const coord_caller *who, const char *job, int need_owner,
                     const char *verb, char *err, size_t err_bytes) {
-  const cjob *j = coord__find_job(c, job);
+  const Zerod__V1__Job *j = env->find_job(env->arg, job);
   if (j == NULL)
     return 0;
-  if (need_owner ? coord__may_own_job(who, j) : coord__may_read_job(who, j))
+  if (need_owner ? authz_may_own_job(who, j) : authz_may_read_job(who, j))
     return 0;
   char what[160];
   snprintf(what, sizeof what, "%s job '%s'", verb, job);
@@ -92,7 +93,7 @@ static int job_rule(const coord *c, const coord_caller *who, const char *job, in
 
 /* The source of a Restore or an Export: another job's checkpoint needs
  * that job to be readable (a deleted job's, an admin); a path, an admin. */
-static int source_rule(const coord *c, const coord_caller *who, const char *ref, char *err,
+static int source_rule(const authz_env *env, const coord_caller *who, const char *ref, char *err,
                        size_t err_bytes) {
   if (ref == NULL || ref[0] == '\0' || who->role == AUTH_ADMIN)
     return 0;
@@ -102,8 +103,8 @@ static int source_rule(const coord *c, const coord_caller *who, const char *ref,
     /* A deleted job's checkpoints (or any not found) are checked by
      * their owner as they are read (ckpt_owner.c); a live job's need the
      * job to be readable, and a node reads no job's but its own. */
-    const cjob *j = coord__find_job(c, job);
-    if (j == NULL ? who->role != AUTH_NODE : coord__may_read_job(who, j))
+    const Zerod__V1__Job *j = env->find_job(env->arg, job);
+    if (j == NULL ? who->role != AUTH_NODE : authz_may_read_job(who, j))
       return 0;
     char what[200];
     snprintf(what, sizeof what, "read the checkpoints of job '%s'", job);
@@ -120,11 +121,11 @@ static int source_rule(const coord *c, const coord_caller *who, const char *ref,
  * export root (made at start, coord_create), never the checkpoint
  * directory, where another job's files live. A relative path is taken in
  * the first root, so it must start with "<tenant>/". */
-static int export_path_rule(const coord *c, const coord_caller *who, const char *path, char *err,
-                            size_t err_bytes) {
+static int export_path_rule(const authz_env *env, const coord_caller *who, const char *path,
+                            char *err, size_t err_bytes) {
   if (who->role == AUTH_ADMIN)
     return 0;
-  const coord_options *o = &c->options;
+  const authz_env *o = env;
   size_t tenant_len = strlen(who->tenant);
   if (o->n_export_roots > 0) {
     if (path[0] != '/') {
@@ -158,9 +159,9 @@ static int node_rule(const coord_caller *who, const char *node, int admin_too, c
   return deny(err, err_bytes, who, what);
 }
 
-int coord__placed_on(const coord_caller *who, const cjob *j) {
-  for (size_t i = 0; i < j->msg->n_placement; i++) {
-    if (is_node(who, j->msg->placement[i]->node))
+int authz_placed_on(const coord_caller *who, const Zerod__V1__Job *job) {
+  for (size_t i = 0; i < job->n_placement; i++) {
+    if (is_node(who, job->placement[i]->node))
       return 1;
   }
   return 0;
@@ -171,20 +172,20 @@ int coord__placed_on(const coord_caller *who, const cjob *j) {
  * trusted with the job's state already). A node's Restore reads the job's
  * own checkpoints only: source_rule refuses it any other source, since a
  * node reads no job. */
-static int owner_or_node_rule(const coord *c, const coord_caller *who, const char *job,
+static int owner_or_node_rule(const authz_env *env, const coord_caller *who, const char *job,
                               const char *verb, char *err, size_t err_bytes) {
-  const cjob *j = coord__find_job(c, job);
-  if (j != NULL && who->role == AUTH_NODE && coord__placed_on(who, j))
+  const Zerod__V1__Job *j = env->find_job(env->arg, job);
+  if (j != NULL && who->role == AUTH_NODE && authz_placed_on(who, j))
     return 0;
-  return job_rule(c, who, job, 1, verb, err, err_bytes);
+  return job_rule(env, who, job, 1, verb, err, err_bytes);
 }
 
-static int kv_rule(const coord *c, const coord_caller *who, const char *job, char *err,
+static int kv_rule(const authz_env *env, const coord_caller *who, const char *job, char *err,
                    size_t err_bytes) {
   if (who->role == AUTH_ADMIN)
     return 0;
-  const cjob *j = coord__find_job(c, job);
-  if (who->role == AUTH_NODE && (j == NULL || coord__placed_on(who, j)))
+  const Zerod__V1__Job *j = env->find_job(env->arg, job);
+  if (who->role == AUTH_NODE && (j == NULL || authz_placed_on(who, j)))
     return 0; /* j == NULL: NOT_FOUND from the handler */
   char what[160];
   snprintf(what, sizeof what, "use the rendezvous of job '%s' (only its nodes may)", job);
@@ -209,15 +210,16 @@ static void audit_fields(char *out, size_t out_bytes, const char *const (*fields
   }
 }
 
-int coord__authorize(coord *c, const coord_caller *who, const char *path,
-                     const ProtobufCMessage *msg, char *audit, size_t audit_bytes, char *err,
-                     size_t err_bytes) {
-  audit[0] = '\0';
 #define IS(p) (strcmp(path, (p)) == 0)
-  /* What the audit line says a changing call was about. */
-  /* Rendezvous Puts and Deletes are not audited: they are the nodes'
-   * own traffic while communicators are built, as heartbeats are their
-   * leases (a refused one is logged as refused, coord__begin). */
+
+/* What the audit line says a changing call was about, into audit; "" for
+ * a call that changes nothing. Rendezvous Puts and Deletes are not
+ * audited: they are the nodes' own traffic while communicators are built,
+ * as heartbeats are their leases (a refused one is logged as refused,
+ * coord__begin). */
+static void audit_line(const coord_caller *who, const char *path, const ProtobufCMessage *msg,
+                       char *audit, size_t audit_bytes) {
+  audit[0] = '\0';
   const char *job = NULL, *node = NULL, *checkpoint = NULL, *source = NULL, *target = NULL,
              *tenant = NULL;
   if (IS(CTL_JOIN)) {
@@ -250,9 +252,11 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
                              {"tenant", tenant}, {"checkpoint", checkpoint},
                              {"source", source}, {"path", target}};
   audit_fields(audit, audit_bytes, fields, sizeof fields / sizeof fields[0]);
-  if (who->trusted)
-    return 0;
+}
 
+/* The rule of the method at path (the table at the top of the file). */
+static int method_rule(const authz_env *env, const coord_caller *who, const char *path,
+                       const ProtobufCMessage *msg, char *err, size_t err_bytes) {
   if (IS(CTL_JOIN))
     return node_rule(who, ((const Zerod__V1__JoinRequest *)msg)->node->name, 0, "join", err,
                      err_bytes);
@@ -279,35 +283,35 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
     return 0;
   }
   if (IS(CTL_GET_JOB))
-    return job_rule(c, who, ((const Zerod__V1__GetJobRequest *)msg)->name, 0, "read", err,
+    return job_rule(env, who, ((const Zerod__V1__GetJobRequest *)msg)->name, 0, "read", err,
                     err_bytes);
   if (IS(CTL_ISSUE_READ_TOKEN))
-    return job_rule(c, who, ((const Zerod__V1__IssueReadTokenRequest *)msg)->job, 0,
+    return job_rule(env, who, ((const Zerod__V1__IssueReadTokenRequest *)msg)->job, 0,
                     "get read tokens of", err, err_bytes);
   if (IS(CTL_DELETE_JOB))
-    return job_rule(c, who, ((const Zerod__V1__DeleteJobRequest *)msg)->name, 1, "delete", err,
+    return job_rule(env, who, ((const Zerod__V1__DeleteJobRequest *)msg)->name, 1, "delete", err,
                     err_bytes);
   if (IS(CTL_PUT))
-    return kv_rule(c, who, ((const Zerod__V1__PutRequest *)msg)->job, err, err_bytes);
+    return kv_rule(env, who, ((const Zerod__V1__PutRequest *)msg)->job, err, err_bytes);
   if (IS(CTL_GET))
-    return kv_rule(c, who, ((const Zerod__V1__GetRequest *)msg)->job, err, err_bytes);
+    return kv_rule(env, who, ((const Zerod__V1__GetRequest *)msg)->job, err, err_bytes);
   if (IS(CTL_DELETE))
-    return kv_rule(c, who, ((const Zerod__V1__DeleteRequest *)msg)->job, err, err_bytes);
+    return kv_rule(env, who, ((const Zerod__V1__DeleteRequest *)msg)->job, err, err_bytes);
   if (IS(CTL_SAVE))
-    return owner_or_node_rule(c, who, ((const Zerod__V1__SaveRequest *)msg)->job, "save", err,
+    return owner_or_node_rule(env, who, ((const Zerod__V1__SaveRequest *)msg)->job, "save", err,
                               err_bytes);
   if (IS(CTL_DELETE_CHECKPOINT))
-    return job_rule(c, who, ((const Zerod__V1__DeleteCheckpointRequest *)msg)->job, 1,
+    return job_rule(env, who, ((const Zerod__V1__DeleteCheckpointRequest *)msg)->job, 1,
                     "delete checkpoints of", err, err_bytes);
   if (IS(CTL_LIST_CHECKPOINTS)) {
     const char *listed = ((const Zerod__V1__ListCheckpointsRequest *)msg)->job;
-    return listed[0] != '\0' ? job_rule(c, who, listed, 0, "list checkpoints of", err, err_bytes)
+    return listed[0] != '\0' ? job_rule(env, who, listed, 0, "list checkpoints of", err, err_bytes)
                              : 0;
   }
   if (IS(CTL_RESTORE)) {
     const Zerod__V1__RestoreRequest *r = (const void *)msg;
-    int rc = owner_or_node_rule(c, who, r->job, "restore", err, err_bytes);
-    return rc != 0 ? rc : source_rule(c, who, r->checkpoint, err, err_bytes);
+    int rc = owner_or_node_rule(env, who, r->job, "restore", err, err_bytes);
+    return rc != 0 ? rc : source_rule(env, who, r->checkpoint, err, err_bytes);
   }
   if (IS(CTL_EXPORT)) {
     /* The job is what is exported unless the checkpoint names another
@@ -320,13 +324,23 @@ int coord__authorize(coord *c, const coord_caller *who, const char *path,
                                  : CTL_REF_INVALID;
     int rc = ref == CTL_REF_JOB_NAME || ref == CTL_REF_PATH
                  ? 0
-                 : job_rule(c, who, r->job, 0, "export", err, err_bytes);
+                 : job_rule(env, who, r->job, 0, "export", err, err_bytes);
     if (rc == 0)
-      rc = source_rule(c, who, r->checkpoint, err, err_bytes);
-    return rc != 0 ? rc : export_path_rule(c, who, r->path, err, err_bytes);
+      rc = source_rule(env, who, r->checkpoint, err, err_bytes);
+    return rc != 0 ? rc : export_path_rule(env, who, r->path, err, err_bytes);
   }
-#undef IS
   /* A method without a rule is refused: a new method must get one. */
   snprintf(err, err_bytes, "no authorization rule for %s", path);
   return RPC_PERMISSION_DENIED;
+}
+
+#undef IS
+
+int authz_check(const authz_env *env, const coord_caller *who, const char *path,
+                const ProtobufCMessage *msg, char *audit, size_t audit_bytes, char *err,
+                size_t err_bytes) {
+  audit_line(who, path, msg, audit, audit_bytes);
+  if (who->trusted)
+    return 0;
+  return method_rule(env, who, path, msg, err, err_bytes);
 }

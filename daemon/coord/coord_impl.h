@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "auth.h"
+#include "authz.h"
 #include "coord.h"
 #include "ctl_decode.h"
 #include "digest.h"
@@ -208,20 +209,8 @@ void coord__finish_message(rpc_call *call, const ProtobufCMessage *msg);
 void coord__finish_error(rpc_call *call, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* The caller of a call as the policy sees it (authz.c). */
-typedef struct coord_caller {
-  auth_role role;
-  /* Every check passes: a caller on the Unix socket (whose mode is the
-   * access control), or any caller when no principals are configured. */
-  int trusted;
-  int any_node; /* a node principal named "*" */
-  long index;   /* the principal's index in the table, or -1 */
-  char name[AUTH_NAME_MAX_BYTES + 1];
-  char tenant[AUTH_NAME_MAX_BYTES + 1];
-} coord_caller;
-
 /* Identifies the caller, decodes the request of the method at path and
- * checks that the caller may make it (coord__authorize, and its calls in
+ * checks that the caller may make it (authz_check, and its calls in
  * flight); on failure (or while the coordinator shuts down) answers the
  * call and returns NULL. A call that changes state is marked for the
  * audit log. coord__begin_as also gives the caller to a handler whose
@@ -244,21 +233,6 @@ int coord__identify(void *arg, const rpc_call *call, long *principal, char *name
 /* The caller of an admitted call, as coord__identify named it. Returns 0,
  * or RPC_UNAUTHENTICATED for a call without credentials. */
 int coord__caller(const coord *c, const rpc_call *call, coord_caller *out);
-
-/* Decides whether who may make the request msg of the method at path
- * (the rules: authz.c). Returns 0 or RPC_PERMISSION_DENIED with the
- * reason in err. audit receives what a changing call is about ("job=x"),
- * "" for a call that changes nothing. */
-int coord__authorize(coord *c, const coord_caller *who, const char *path,
-                     const ProtobufCMessage *msg, char *audit, size_t audit_bytes, char *err,
-                     size_t err_bytes);
-
-/* Whether who may read (get, list, export) or own (delete, save,
- * restore) job j. */
-int coord__may_read_job(const coord_caller *who, const cjob *j);
-int coord__may_own_job(const coord_caller *who, const cjob *j);
-/* Whether who is a node principal of one of j's placement nodes. */
-int coord__placed_on(const coord_caller *who, const cjob *j);
 
 /* A method the coordinator serves, for coord__add_methods. */
 typedef struct coord_method {

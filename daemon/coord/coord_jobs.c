@@ -350,7 +350,7 @@ static void on_get_job(rpc_call *call, const uint8_t *request, size_t request_by
 /* ListJobs shows each caller the jobs it may read; a node, those placed
  * on it. */
 static int job_listed_for(const coord_caller *who, const cjob *j) {
-  return who->role == AUTH_NODE ? coord__placed_on(who, j) : coord__may_read_job(who, j);
+  return who->role == AUTH_NODE ? authz_placed_on(who, j->msg) : authz_may_read_job(who, j->msg);
 }
 
 /* A new read token for a job: made here, its hash kept (durably, before
