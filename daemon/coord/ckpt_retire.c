@@ -14,7 +14,7 @@
  * deletion.
  *
  * On the loop thread. A rename and a directory fsync per move are left in
- * line, as for a checkpoint's delete (coord_ckpt.c); removals go to the
+ * line, as for a checkpoint's delete (ckpt_catalog.c); removals go to the
  * thread pool. */
 #include <errno.h>
 #include <fcntl.h>

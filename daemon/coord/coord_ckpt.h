@@ -1,5 +1,6 @@
 /* coord_ckpt: the internals of the coordinator's Checkpoints service,
- * shared by its files (docs/architecture.md, daemon/coord):
+ * shared by its files (docs/architecture.md, daemon/coord), each of which
+ * calls only those listed before it:
  *
  *   ckpt_fs.c       file helpers (paths, mkdir -p, fsync, recursive removal)
  *   ckpt_pool.c     the thread pool, and removals on it
@@ -10,9 +11,10 @@
  *   ckpt_restore.c  Restore
  *   ckpt_exports.c  Export
  *
- * and coord_ckpt.c, the service's hooks (coord_impl.h). Only those files
- * include this header; the rest of the coordinator reaches the service
- * through coord_impl.h's coord__ckpt_* hooks. */
+ * and coord_ckpt.c on top of them, the service's hooks (coord_impl.h).
+ * Only those files include this header; the rest of the coordinator
+ * reaches the service through coord_impl.h's coord__ckpt_* hooks. Their
+ * state is coord.ckpt and cjob.ckpt (coord_impl.h). */
 #ifndef ZEROD_COORD_CKPT_H
 #define ZEROD_COORD_CKPT_H
 

@@ -1,13 +1,29 @@
-/* coord_impl: the coordinator's internals, shared by its two files.
- *
- * coord.c owns membership, jobs, rendezvous and health; coord_ckpt.c owns
- * the Checkpoints service (saves, restores, the periodic schedule). Both
- * work on the same state, on the loop thread, through the types below.
- * Nothing outside these two files includes this header: the public API is
+/* coord_impl: the coordinator's internals, shared by its files. Every .c
+ * of daemon/coord includes it but the modules with headers of their own
+ * (auth, authz, ctl_decode, health); the checkpoint files include it
+ * through their own internal header, coord_ckpt.h. The public API is
  * coord.h.
  *
- * Internal functions shared between the files are named coord__*; the
- * hooks coord.c calls into coord_ckpt.c are coord__ckpt_*. */
+ * The files work on the state below, on the loop thread, one job each.
+ * From the bottom up (a file calls only files below it, never one above):
+ *   coord_registry.c  lookups, views, Watch streams, derived job state
+ *   coord_call.c      call plumbing: identify, decode, authorize, answer
+ *   coord_metrics.c   the Prometheus figures
+ *   ckpt_owner.c      who owns a checkpoint; the records of deleted jobs
+ *   coord_state.c     the durable state file (coordinator.pb)
+ *   ckpt_*.c          the Checkpoints service (coord_ckpt.h), whose hooks
+ *                     are coord_ckpt.c; ckpt_retire.c, a deleted job's
+ *                     checkpoints
+ *   coord_kv.c        the rendezvous KV
+ *   coord_cluster.c   membership and leases
+ *   coord_jobs.c      jobs and quotas
+ *   coord.c           the lifecycle (coord.h)
+ * What the registry and the checkpoints' thread pool must have done by the
+ * files above them goes through coord_hooks, set by coord_create.
+ *
+ * Internal functions shared between the files are named coord__*; those of
+ * the Checkpoints service coord__ckpt_*. Each file's are in its section
+ * below. */
 #ifndef ZEROD_COORD_IMPL_H
 #define ZEROD_COORD_IMPL_H
 
@@ -193,57 +209,11 @@ struct coord {
 };
 
 /* ------------------------------------------------------------------------ */
-/* coord.c, for coord_ckpt.c                                                */
+/* coord_registry.c: the members and jobs                                   */
 /* ------------------------------------------------------------------------ */
 
+/* The wall clock in milliseconds since 1970. */
 int64_t coord__unix_ms(void);
-
-/* A checkpoint operation ("save", "restore", "export") ended
- * (coord_metrics.c); seconds and bytes count for successes only. */
-void coord__metrics_checkpoint(coord *c, const char *operation, int ok, double seconds,
-                               uint64_t bytes);
-
-/* Answers a unary call with msg, or with RESOURCE_EXHAUSTED when it would
- * be larger than gRPC lets either side send. */
-void coord__finish_message(rpc_call *call, const ProtobufCMessage *msg);
-void coord__finish_error(rpc_call *call, int status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-/* Identifies the caller, decodes the request of the method at path and
- * checks that the caller may make it (authz_check, and its calls in
- * flight); on failure (or while the coordinator shuts down) answers the
- * call and returns NULL. A call that changes state is marked for the
- * audit log. coord__begin_as also gives the caller to a handler whose
- * answer depends on it (listings, CreateJob's tenant). */
-void *coord__begin(coord *c, rpc_call *call, const char *path, const uint8_t *request,
-                   size_t request_bytes);
-void *coord__begin_as(coord *c, rpc_call *call, const char *path, const uint8_t *request,
-                      size_t request_bytes, coord_caller *caller);
-
-/* The server's identify function (rpc_server_set_identify; arg is the
- * coordinator): the principal of the call's bearer token or verified
- * client certificate, RPC_PRINCIPAL_TRUSTED on the Unix socket or without
- * principals, RPC_PRINCIPAL_ANONYMOUS for a health check without
- * credentials. Returns 0, or RPC_UNAUTHENTICATED with the reason in err
- * (no credentials for a method that needs them, an unknown token or
- * certificate, a malformed header). */
-int coord__identify(void *arg, const rpc_call *call, long *principal, char *name, size_t name_bytes,
-                    char *err, size_t err_bytes);
-
-/* The caller of an admitted call, as coord__identify named it. Returns 0,
- * or RPC_UNAUTHENTICATED for a call without credentials. */
-int coord__caller(const coord *c, const rpc_call *call, coord_caller *out);
-
-/* A method the coordinator serves, for coord__add_methods. */
-typedef struct coord_method {
-  const char *path;
-  rpc_kind kind;
-  rpc_handler handler;
-} coord_method;
-
-/* Registers methods[count] on server, each called with c. Returns 0 or the
- * first error of rpc_server_add_method. */
-int coord__add_methods(coord *c, rpc_server *server, const coord_method *methods, size_t count);
 
 /* A copy of msg made by packing and unpacking it, one protobuf-c
  * allocation tree (freed with ctl_free), or NULL. */
@@ -306,6 +276,61 @@ void coord__derive_job(coord *c, cjob *j);
 void coord__reconcile(coord *c, const char *node);
 
 /* ------------------------------------------------------------------------ */
+/* coord_call.c: call plumbing                                              */
+/* ------------------------------------------------------------------------ */
+
+/* Answers a unary call with msg, or with RESOURCE_EXHAUSTED when it would
+ * be larger than gRPC lets either side send. */
+void coord__finish_message(rpc_call *call, const ProtobufCMessage *msg);
+void coord__finish_error(rpc_call *call, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Identifies the caller, decodes the request of the method at path and
+ * checks that the caller may make it (authz_check, and its calls in
+ * flight); on failure (or while the coordinator shuts down) answers the
+ * call and returns NULL. A call that changes state is marked for the
+ * audit log. coord__begin_as also gives the caller to a handler whose
+ * answer depends on it (listings, CreateJob's tenant). */
+void *coord__begin(coord *c, rpc_call *call, const char *path, const uint8_t *request,
+                   size_t request_bytes);
+void *coord__begin_as(coord *c, rpc_call *call, const char *path, const uint8_t *request,
+                      size_t request_bytes, coord_caller *caller);
+
+/* The server's identify function (rpc_server_set_identify; arg is the
+ * coordinator): the principal of the call's bearer token or verified
+ * client certificate, RPC_PRINCIPAL_TRUSTED on the Unix socket or without
+ * principals, RPC_PRINCIPAL_ANONYMOUS for a health check without
+ * credentials. Returns 0, or RPC_UNAUTHENTICATED with the reason in err
+ * (no credentials for a method that needs them, an unknown token or
+ * certificate, a malformed header). */
+int coord__identify(void *arg, const rpc_call *call, long *principal, char *name, size_t name_bytes,
+                    char *err, size_t err_bytes);
+
+/* The caller of an admitted call, as coord__identify named it. Returns 0,
+ * or RPC_UNAUTHENTICATED for a call without credentials. */
+int coord__caller(const coord *c, const rpc_call *call, coord_caller *out);
+
+/* A method the coordinator serves, for coord__add_methods. */
+typedef struct coord_method {
+  const char *path;
+  rpc_kind kind;
+  rpc_handler handler;
+} coord_method;
+
+/* Registers methods[count] on server, each called with c. Returns 0 or the
+ * first error of rpc_server_add_method. */
+int coord__add_methods(coord *c, rpc_server *server, const coord_method *methods, size_t count);
+
+/* ------------------------------------------------------------------------ */
+/* coord_metrics.c: the figures the other files report                      */
+/* ------------------------------------------------------------------------ */
+
+/* A checkpoint operation ("save", "restore", "export") ended
+ * (coord_metrics.c); seconds and bytes count for successes only. */
+void coord__metrics_checkpoint(coord *c, const char *operation, int ok, double seconds,
+                               uint64_t bytes);
+
+/* ------------------------------------------------------------------------ */
 /* coord_state.c: the durable state file (coordinator.pb)                   */
 /* ------------------------------------------------------------------------ */
 
@@ -353,7 +378,7 @@ void coord__kv_job_freed(coord *c, cjob *j);
 int coord__kv_register(coord *c, rpc_server *server);
 
 /* ------------------------------------------------------------------------ */
-/* coord_ckpt.c: the hooks coord.c calls                                    */
+/* coord_ckpt.c: the Checkpoints service's hooks                            */
 /* ------------------------------------------------------------------------ */
 
 /* At coord_create: checks the checkpoint directory, removes what a crash
@@ -390,11 +415,13 @@ void coord__ckpt_shutdown(coord *c);
 /* coord_destroy: frees what is left (nothing, once the loop has ended). */
 void coord__ckpt_destroy(coord *c);
 
-/* Whether a save, restore or export in flight reads or writes below the
- * directory path (a retired job's directory cannot move then). */
+/* For ckpt_retire.c, from ckpt_order.c: whether a save, restore or export
+ * in flight reads or writes below the directory path (a retired job's
+ * directory cannot move then). */
 int coord__ckpt_dir_busy(const coord *c, const char *path);
 
-/* Removes path recursively on the thread pool (why: for the log). */
+/* For ckpt_retire.c, from ckpt_pool.c: removes path recursively on the
+ * thread pool (why: for the log). */
 void coord__ckpt_remove_tree(coord *c, const char *path, const char *why);
 
 /* ------------------------------------------------------------------------ */

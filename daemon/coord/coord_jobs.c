@@ -90,11 +90,6 @@ static int place_job(coord *c, const Zerod__V1__CreateJobRequest *req, const cha
   return RPC_FAILED_PRECONDITION;
 }
 
-/* Creates the job req describes (decoded and validated), placed by
- * place_job. An empty token is replaced by a random one unless
- * token_as_given (an in-process create, whose workers attached without
- * one). Returns 0 with the job in *out, or an RPC status with the reason in
- * err and nothing changed. */
 /* What a job asks of its tenant's quotas: its per-rank (per-node for
  * sessions) quota times its ranks (nodes). live-bytes falls back to the
  * config's max_live_bytes. */
@@ -169,6 +164,11 @@ static int tenant_admit(const coord *c, const char *tenant, const Zerod__V1__Cre
   return 0;
 }
 
+/* Creates the job req describes (decoded and validated), placed by
+ * place_job. An empty token is replaced by a random one unless
+ * token_as_given (an in-process create, whose workers attached without
+ * one). Returns 0 with the job in *out, or an RPC status with the reason in
+ * err and nothing changed. */
 static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const char *tenant,
                       int token_as_given, const cjob **out, char *token_out, char *err,
                       size_t err_bytes) {
