@@ -26,7 +26,7 @@
  *
  *   quota team-a jobs=4 sessions=64 host-bytes=256G device-bytes=320G live-bytes=64G
  *
- * Checked when a job is created (coord.c): the tenant's jobs, and the sums
+ * Checked when a job is created (coord_jobs.c): the tenant's jobs, and the sums
  * over them of each job's per-rank quota times its ranks (sessions: per
  * node, times its nodes). This file parses them; it decides nothing. */
 #ifndef ZEROD_COORD_AUTH_H

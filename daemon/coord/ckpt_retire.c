@@ -14,7 +14,7 @@
  * deletion.
  *
  * On the loop thread. A rename and a directory fsync per move are left in
- * line, as for a checkpoint's delete (coord_ckpt.c); removals go to the
+ * line, as for a checkpoint's delete (ckpt_catalog.c); removals go to the
  * thread pool. */
 #include <errno.h>
 #include <fcntl.h>
@@ -183,7 +183,7 @@ void coord__ckpt_retention(coord *c, int64_t now_unix_ms) {
     }
     /* Out of every listing at once; its files go on the thread pool (the
      * mark has a crash remove them at the next start). */
-    snprintf(gone, sizeof gone, "%s.deleting-%" PRIu64, dir, c->next_order_id++);
+    snprintf(gone, sizeof gone, "%s.deleting-%" PRIu64, dir, c->ckpt.next_id++);
     if (rename(dir, gone) == 0) {
       LOG_INFOF("deleted job's checkpoints removed: past --retain-deleted-checkpoints",
                 "job=%s id=%" PRIu64 " deleted_unix_ms=%" PRId64, r->name, r->id,

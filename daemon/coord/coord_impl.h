@@ -1,19 +1,36 @@
-/* coord_impl: the coordinator's internals, shared by its two files.
- *
- * coord.c owns membership, jobs, rendezvous and health; coord_ckpt.c owns
- * the Checkpoints service (saves, restores, the periodic schedule). Both
- * work on the same state, on the loop thread, through the types below.
- * Nothing outside these two files includes this header: the public API is
+/* coord_impl: the coordinator's internals, shared by its files. Every .c
+ * of daemon/coord includes it but the modules with headers of their own
+ * (auth, authz, ctl_decode, health); the checkpoint files include it
+ * through their own internal header, coord_ckpt.h. The public API is
  * coord.h.
  *
- * Internal functions shared between the files are named coord__*; the
- * hooks coord.c calls into coord_ckpt.c are coord__ckpt_*. */
+ * The files work on the state below, on the loop thread, one job each.
+ * From the bottom up (a file calls only files below it, never one above):
+ *   coord_registry.c  lookups, views, Watch streams, derived job state
+ *   coord_call.c      call plumbing: identify, decode, authorize, answer
+ *   coord_metrics.c   the Prometheus figures
+ *   ckpt_owner.c      who owns a checkpoint; the records of deleted jobs
+ *   coord_state.c     the durable state file (coordinator.pb)
+ *   ckpt_*.c          the Checkpoints service (coord_ckpt.h), whose hooks
+ *                     are coord_ckpt.c; ckpt_retire.c, a deleted job's
+ *                     checkpoints
+ *   coord_kv.c        the rendezvous KV
+ *   coord_cluster.c   membership and leases
+ *   coord_jobs.c      jobs and quotas
+ *   coord.c           the lifecycle (coord.h)
+ * What the registry and the checkpoints' thread pool must have done by the
+ * files above them goes through coord_hooks, set by coord_create.
+ *
+ * Internal functions shared between the files are named coord__*; those of
+ * the Checkpoints service coord__ckpt_*. Each file's are in its section
+ * below. */
 #ifndef ZEROD_COORD_IMPL_H
 #define ZEROD_COORD_IMPL_H
 
 #include <stdint.h>
 
 #include "auth.h"
+#include "authz.h"
 #include "coord.h"
 #include "ctl_decode.h"
 #include "digest.h"
@@ -88,6 +105,24 @@ typedef struct auto_ckpt {
   uint64_t retry_ms;  /* after a failed one: no new attempt before this uv_now */
 } auto_ckpt;
 
+/* A job's part of the Checkpoints service's state (soft): the files of
+ * the service (coord_ckpt.h) read and write it, no other. */
+typedef struct ckpt_of_job {
+  struct ckpt_order *order; /* the job's save or restore in flight, or NULL */
+  auto_ckpt autockpt;
+} ckpt_of_job;
+
+/* The Checkpoints service's state (soft): the files of the service
+ * (coord_ckpt.h) read and write it, no other. */
+typedef struct ckpt_service {
+  struct ckpt_order *orders;   /* every order not yet freed, newest first */
+  struct export_work *exports; /* exports of checkpoints in flight */
+  /* Ids of orders and of the marks of deleted directories (coord__ckpt_init
+   * seeds them). */
+  uint64_t next_id;
+  unsigned work; /* thread-pool requests not yet completed */
+} ckpt_service;
+
 /* A deleted job whose checkpoints are kept (ckpt_owner.c): their owner
  * and where they are. Stored in coordinator.pb (RetiredJob). */
 typedef struct retired_job {
@@ -118,12 +153,31 @@ typedef struct cjob {
   uint64_t epoch;
   kv_entry *kv;
   kv_waiter *waiters;
-  struct ckpt_order *order; /* the job's save or restore in flight, or NULL (coord_ckpt.c) */
-  auto_ckpt autockpt;
+  ckpt_of_job ckpt;
 } cjob;
+
+/* What the registry (coord_registry.c) and the checkpoints' thread pool
+ * (ckpt_pool.c) call in the files above them, set by coord_create: they
+ * sit below those files and name none of them. */
+typedef struct coord_hooks {
+  /* Adds j's checkpoint order in flight, if any, to the Assignment a
+   * node of it receives (coord__ckpt_assignment). */
+  void (*assignment)(const cjob *j, Zerod__V1__Assignment *a);
+  /* j's state was derived again (coord__ckpt_job_changed). */
+  void (*job_changed)(coord *c, cjob *j);
+  /* j is being freed: its keys and waiting Gets go (coord__kv_job_freed). */
+  void (*job_freed)(coord *c, cjob *j);
+  /* Deleting jobs were forgotten: their checkpoints may move aside
+   * (coord__ckpt_retire_pending). */
+  void (*jobs_forgotten)(coord *c);
+  /* The thread pool (ckpt_pool.c) removed the checkpoint directory path:
+   * a retired job's directory may go with it (coord__ckpt_removed). */
+  void (*ckpt_removed)(coord *c, const char *path);
+} coord_hooks;
 
 struct coord {
   uv_loop_t *loop;
+  coord_hooks hooks;
   coord_options options;
   char state_path[PATH_MAX + 32];
   char tmp_path[PATH_MAX + 32];
@@ -137,11 +191,7 @@ struct coord {
 
   size_t kv_bytes, kv_keys, nwaiters;
 
-  /* Checkpoints (coord_ckpt.c). */
-  struct ckpt_order *orders;   /* every order not yet freed, newest first */
-  struct export_work *exports; /* exports of checkpoints in flight */
-  uint64_t next_order_id;
-  unsigned ckpt_work;   /* thread-pool requests not yet completed */
+  ckpt_service ckpt;    /* the Checkpoints service (coord_ckpt.h) */
   retired_job *retired; /* deleted jobs with checkpoints, by id (ckpt_owner.c) */
   size_t nretired;
 
@@ -159,15 +209,75 @@ struct coord {
 };
 
 /* ------------------------------------------------------------------------ */
-/* coord.c, for coord_ckpt.c                                                */
+/* coord_registry.c: the members and jobs                                   */
 /* ------------------------------------------------------------------------ */
 
+/* The wall clock in milliseconds since 1970. */
 int64_t coord__unix_ms(void);
 
-/* A checkpoint operation ("save", "restore", "export") ended
- * (coord_metrics.c); seconds and bytes count for successes only. */
-void coord__metrics_checkpoint(coord *c, const char *operation, int ok, double seconds,
-                               uint64_t bytes);
+/* A copy of msg made by packing and unpacking it, one protobuf-c
+ * allocation tree (freed with ctl_free), or NULL. */
+void *coord__message_copy(const ProtobufCMessage *msg);
+
+/* A job record for msg (taken; freed with the job) and its owner token's
+ * SHA-256 (64 hex digits: the token itself is never kept), or NULL. */
+cjob *coord__job_new(Zerod__V1__Job *msg, const char *token_sha256);
+/* Adds a read token's hash (64 hex digits) to j, dropping the oldest when
+ * it has COORD_MAX_READ_TOKENS. Returns 0 or -ENOMEM. */
+int coord__job_add_read_token(cjob *j, const char *hash);
+
+/* Fills buf[len] with random bytes. Returns 0 or a negative errno. */
+int coord__random_bytes(void *buf, size_t len);
+
+/* Lookups by name in the sorted arrays: the index of the match, or
+ * -(insertion point) - 1. */
+long coord__member_index(const coord *c, const char *name);
+long coord__job_index(const coord *c, const char *name);
+member *coord__find_member(const coord *c, const char *name);
+cjob *coord__find_job(const coord *c, const char *name);
+/* Returns the job's placement index of node, or -1. */
+long coord__placement_of(const cjob *j, const char *node);
+
+/* Orders job reports by job name (qsort); frees reports[count]. */
+int coord__compare_reports(const void *a, const void *b);
+void coord__free_reports(job_report *reports, size_t count);
+/* Frees a member (its Watch stream must have ended) or a job (its keys
+ * and waiting Gets end with it). NULL: nothing. */
+void coord__member_free(member *m);
+void coord__job_free(coord *c, cjob *j);
+
+/* The job as replies show it: the stored message with the live fields.
+ * Points into j; valid until j changes. */
+void coord__job_view(const cjob *j, Zerod__V1__Job *out);
+
+/* A View message built from the members; free with coord__view_free. */
+typedef struct view_msg {
+  Zerod__V1__View view;
+  Zerod__V1__Member *members;
+  Zerod__V1__Member **pointers;
+} view_msg;
+int coord__view_build(const coord *c, view_msg *v);
+void coord__view_free(view_msg *v);
+
+/* Ends m's Watch stream, if any, with status and message. */
+void coord__watch_end(member *m, int status, const char *message);
+/* Sends m's stream the current event. */
+void coord__watch_send(coord *c, member *m);
+/* Owes each live placement node of j (every member) a new WatchEvent,
+ * sent on the next turn of the loop. */
+void coord__mark_job_watches(coord *c, const cjob *j);
+void coord__mark_all_watches(coord *c);
+
+/* Derives j's state, reason and step from the members and their reports,
+ * and tells the job's nodes if the state or reason changed. */
+void coord__derive_job(coord *c, cjob *j);
+/* Re-derives the jobs placed on node (every job when node is NULL), and
+ * forgets the deleting ones that no live placement node reports any more. */
+void coord__reconcile(coord *c, const char *node);
+
+/* ------------------------------------------------------------------------ */
+/* coord_call.c: call plumbing                                              */
+/* ------------------------------------------------------------------------ */
 
 /* Answers a unary call with msg, or with RESOURCE_EXHAUSTED when it would
  * be larger than gRPC lets either side send. */
@@ -175,20 +285,8 @@ void coord__finish_message(rpc_call *call, const ProtobufCMessage *msg);
 void coord__finish_error(rpc_call *call, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* The caller of a call as the policy sees it (authz.c). */
-typedef struct coord_caller {
-  auth_role role;
-  /* Every check passes: a caller on the Unix socket (whose mode is the
-   * access control), or any caller when no principals are configured. */
-  int trusted;
-  int any_node; /* a node principal named "*" */
-  long index;   /* the principal's index in the table, or -1 */
-  char name[AUTH_NAME_MAX_BYTES + 1];
-  char tenant[AUTH_NAME_MAX_BYTES + 1];
-} coord_caller;
-
 /* Identifies the caller, decodes the request of the method at path and
- * checks that the caller may make it (coord__authorize, and its calls in
+ * checks that the caller may make it (authz_check, and its calls in
  * flight); on failure (or while the coordinator shuts down) answers the
  * call and returns NULL. A call that changes state is marked for the
  * audit log. coord__begin_as also gives the caller to a handler whose
@@ -212,34 +310,75 @@ int coord__identify(void *arg, const rpc_call *call, long *principal, char *name
  * or RPC_UNAUTHENTICATED for a call without credentials. */
 int coord__caller(const coord *c, const rpc_call *call, coord_caller *out);
 
-/* Decides whether who may make the request msg of the method at path
- * (the rules: authz.c). Returns 0 or RPC_PERMISSION_DENIED with the
- * reason in err. audit receives what a changing call is about ("job=x"),
- * "" for a call that changes nothing. */
-int coord__authorize(coord *c, const coord_caller *who, const char *path,
-                     const ProtobufCMessage *msg, char *audit, size_t audit_bytes, char *err,
-                     size_t err_bytes);
+/* A method the coordinator serves, for coord__add_methods. */
+typedef struct coord_method {
+  const char *path;
+  rpc_kind kind;
+  rpc_handler handler;
+} coord_method;
 
-/* Whether who may read (get, list, export) or own (delete, save,
- * restore) job j. */
-int coord__may_read_job(const coord_caller *who, const cjob *j);
-int coord__may_own_job(const coord_caller *who, const cjob *j);
-/* Whether who is a node principal of one of j's placement nodes. */
-int coord__placed_on(const coord_caller *who, const cjob *j);
+/* Registers methods[count] on server, each called with c. Returns 0 or the
+ * first error of rpc_server_add_method. */
+int coord__add_methods(coord *c, rpc_server *server, const coord_method *methods, size_t count);
 
+/* ------------------------------------------------------------------------ */
+/* coord_metrics.c: the figures the other files report                      */
+/* ------------------------------------------------------------------------ */
+
+/* A checkpoint operation ("save", "restore", "export") ended
+ * (coord_metrics.c); seconds and bytes count for successes only. */
+void coord__metrics_checkpoint(coord *c, const char *operation, int ok, double seconds,
+                               uint64_t bytes);
+
+/* ------------------------------------------------------------------------ */
+/* coord_state.c: the durable state file (coordinator.pb)                   */
+/* ------------------------------------------------------------------------ */
+
+/* Writes the jobs (without the deleting ones and skip, plus add), the
+ * retired jobs and next_job_id to coordinator.pb atomically. On failure
+ * the old file is intact and err holds the reason. Blocks the loop.
+ * Returns 0 or a negative errno. */
+int coord__state_write(coord *c, const cjob *add, const cjob *skip, uint64_t next_job_id, char *err,
+                       size_t err_bytes);
 /* Writes coordinator.pb as the state is now (jobs, retired jobs, the next
  * job id). Returns 0 or a negative errno with err. Blocks the loop. */
 int coord__state_save(coord *c, char *err, size_t err_bytes);
-
-member *coord__find_member(const coord *c, const char *name);
-cjob *coord__find_job(const coord *c, const char *name);
-/* Returns the job's placement index of node, or -1. */
-long coord__placement_of(const cjob *j, const char *node);
-/* Owes each live placement node of j a new WatchEvent. */
-void coord__mark_job_watches(coord *c, const cjob *j);
+/* Loads coordinator.pb into c's jobs and retired jobs. A missing file is
+ * an empty state; one that cannot be read or decoded is an error (err). */
+int coord__state_load(coord *c, char *err, size_t err_bytes);
 
 /* ------------------------------------------------------------------------ */
-/* coord_ckpt.c: the hooks coord.c calls                                    */
+/* coord_cluster.c: membership and leases                                   */
+/* ------------------------------------------------------------------------ */
+
+/* The lease sweep: members whose lease passed leave the view. */
+void coord__cluster_sweep(coord *c);
+/* Registers the Cluster methods (Join, Heartbeat, Leave, GetView, Watch). */
+int coord__cluster_register(coord *c, rpc_server *server);
+
+/* ------------------------------------------------------------------------ */
+/* coord_jobs.c: jobs and quotas                                            */
+/* ------------------------------------------------------------------------ */
+
+/* Registers the Jobs methods (CreateJob, GetJob, ListJobs, DeleteJob,
+ * IssueReadToken). */
+int coord__jobs_register(coord *c, rpc_server *server);
+
+/* ------------------------------------------------------------------------ */
+/* coord_kv.c: the rendezvous KV                                            */
+/* ------------------------------------------------------------------------ */
+
+/* Frees j's keys. */
+void coord__kv_clear(coord *c, cjob *j);
+/* Ends every waiting Get of j with status and message. */
+void coord__kv_waiters_end(cjob *j, int status, const char *message);
+/* Both, for a job being freed: its Gets end with NOT_FOUND (a hook). */
+void coord__kv_job_freed(coord *c, cjob *j);
+/* Registers the Rendezvous methods (Put, Get, Delete). */
+int coord__kv_register(coord *c, rpc_server *server);
+
+/* ------------------------------------------------------------------------ */
+/* coord_ckpt.c: the Checkpoints service's hooks                            */
 /* ------------------------------------------------------------------------ */
 
 /* At coord_create: checks the checkpoint directory, removes what a crash
@@ -276,11 +415,13 @@ void coord__ckpt_shutdown(coord *c);
 /* coord_destroy: frees what is left (nothing, once the loop has ended). */
 void coord__ckpt_destroy(coord *c);
 
-/* Whether a save, restore or export in flight reads or writes below the
- * directory path (a retired job's directory cannot move then). */
+/* For ckpt_retire.c, from ckpt_order.c: whether a save, restore or export
+ * in flight reads or writes below the directory path (a retired job's
+ * directory cannot move then). */
 int coord__ckpt_dir_busy(const coord *c, const char *path);
 
-/* Removes path recursively on the thread pool (why: for the log). */
+/* For ckpt_retire.c, from ckpt_pool.c: removes path recursively on the
+ * thread pool (why: for the log). */
 void coord__ckpt_remove_tree(coord *c, const char *path, const char *why);
 
 /* ------------------------------------------------------------------------ */

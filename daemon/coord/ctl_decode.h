@@ -1,12 +1,12 @@
 /* ctl_decode: the decoders of the control plane's outside bytes.
  *
- * Every request the coordinator (coord.c) serves arrives as bytes from a
- * gRPC client nobody here wrote. This module is the one place that turns
- * them into messages: it unpacks them with protobuf-c and then checks
- * everything the handlers rely on (names, ranges, string and list sizes,
- * UTF-8 in strings that are echoed back to other clients), so that a
- * handler only ever sees a well-formed request and only has to decide what
- * it means against the coordinator's state.
+ * Every request the coordinator (coord_*.c, ckpt_*.c) serves arrives as
+ * bytes from a gRPC client nobody here wrote. This module is the one place
+ * that turns them into messages: it unpacks them with protobuf-c and then
+ * checks everything the handlers rely on (names, ranges, string and list
+ * sizes, UTF-8 in strings that are echoed back to other clients), so that
+ * a handler only ever sees a well-formed request and only has to decide
+ * what it means against the coordinator's state.
  *
  * The limits are part of the protocol and are documented, with the RPCs
  * that use them, in docs/control-plane.md. */
