@@ -32,417 +32,11 @@
 #include "size.h"
 #include "top.h"
 #include "zerod/v1/control.pb-c.h"
+#include "zerodctl_impl.h"
 
 #ifndef ZEROD_VERSION
 #define ZEROD_VERSION "0.1.0"
 #endif
-
-#define CTL_DEFAULT_COORDINATOR  "127.0.0.1:7070"
-#define CTL_DEFAULT_TIMEOUT_S    10.0
-#define CTL_CHECKPOINT_TIMEOUT_S 600.0 /* checkpoint save and restore, without --timeout */
-#define CTL_MAX_TIMEOUT_S        86400.0
-#define CTL_NAME_MAX_BYTES       64 /* node and job names (control.proto) */
-#define CTL_MAX_NODES            64 /* nodes of one job (CreateJobRequest) */
-#define CTL_MAX_RANKS            64 /* ranks per node, and world size */
-#define CTL_TOKEN_MAX_BYTES      256
-#define CTL_TARGET_MAX_BYTES     255
-#define CTL_PATH_MAX_BYTES       4000 /* a checkpoint path (RestoreRequest) */
-#define CTL_ERROR_LINE_BYTES     1024
-
-/* Exit statuses (docs/zerodctl.md). */
-enum { CTL_EXIT_OK = 0, CTL_EXIT_FAILED = 1, CTL_EXIT_USAGE = 2 };
-
-/* ------------------------------------------------------------------------ */
-/* Errors: one line on stderr                                               */
-/* ------------------------------------------------------------------------ */
-
-/* Replaces control characters (newlines included) with '?' so that text
- * from the user or the coordinator cannot break a line or drive the
- * terminal. Bytes of UTF-8 sequences pass unchanged. */
-static void sanitize_line(char *s) {
-  for (; *s != '\0'; s++)
-    if ((unsigned char)*s < 0x20 || (unsigned char)*s == 0x7f)
-      *s = '?';
-}
-
-/* Prints "zerodctl: <message>\n" on stderr, as one line, and returns status. */
-static int fail_line(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int fail_line(int status, const char *fmt, ...) {
-  char line[CTL_ERROR_LINE_BYTES];
-  va_list ap;
-  va_start(ap, fmt);
-  int n = vsnprintf(line, sizeof line, fmt, ap);
-  va_end(ap);
-  if (n < 0)
-    snprintf(line, sizeof line, "error (message could not be formatted)");
-  sanitize_line(line);
-  fprintf(stderr, "zerodctl: %s\n", line);
-  return status;
-}
-
-#define usage_error(...) fail_line(CTL_EXIT_USAGE, __VA_ARGS__)
-
-/* ------------------------------------------------------------------------ */
-/* JSON output                                                              */
-/* ------------------------------------------------------------------------ */
-
-/* A compact JSON writer for our own, statically known, shapes: nesting is
- * bounded by the code that calls it, never by the data. */
-#define JSON_MAX_DEPTH 16
-
-typedef struct json_out {
-  FILE *out;
-  int depth;
-  bool has_items[JSON_MAX_DEPTH];
-} json_out;
-
-/* Length of the valid UTF-8 sequence at s (1..4), or 0 if s does not start
- * one (stray continuation byte, overlong form, surrogate, past U+10FFFF,
- * truncated). */
-static size_t utf8_sequence_bytes(const unsigned char *s) {
-  unsigned char lead = s[0];
-  size_t len;
-  unsigned char lo = 0x80, hi = 0xbf; /* allowed range of the second byte */
-  if (lead >= 0xc2 && lead <= 0xdf) {
-    len = 2;
-  } else if (lead >= 0xe0 && lead <= 0xef) {
-    len = 3;
-    if (lead == 0xe0)
-      lo = 0xa0;
-    else if (lead == 0xed)
-      hi = 0x9f;
-  } else if (lead >= 0xf0 && lead <= 0xf4) {
-    len = 4;
-    if (lead == 0xf0)
-      lo = 0x90;
-    else if (lead == 0xf4)
-      hi = 0x8f;
-  } else {
-    return 0;
-  }
-  if (s[1] < lo || s[1] > hi)
-    return 0;
-  for (size_t i = 2; i < len; i++)
-    if (s[i] < 0x80 || s[i] > 0xbf)
-      return 0;
-  return len;
-}
-
-/* Writes s as a JSON string: quotes, backslashes and control characters
- * escaped, invalid UTF-8 replaced by U+FFFD, so the output always parses. */
-static void json_write_string(FILE *out, const char *s) {
-  const unsigned char *p = (const unsigned char *)(s != NULL ? s : "");
-  fputc('"', out);
-  while (*p != '\0') {
-    unsigned char c = *p;
-    if (c == '"' || c == '\\') {
-      fputc('\\', out);
-      fputc(c, out);
-      p++;
-    } else if (c < 0x20) {
-      switch (c) {
-      case '\n':
-        fputs("\\n", out);
-        break;
-      case '\r':
-        fputs("\\r", out);
-        break;
-      case '\t':
-        fputs("\\t", out);
-        break;
-      default:
-        fprintf(out, "\\u%04x", c);
-        break;
-      }
-      p++;
-    } else if (c < 0x80) {
-      fputc(c, out);
-      p++;
-    } else {
-      size_t len = utf8_sequence_bytes(p);
-      if (len == 0) {
-        fputs("\\ufffd", out);
-        p++;
-      } else {
-        fwrite(p, 1, len, out);
-        p += len;
-      }
-    }
-  }
-  fputc('"', out);
-}
-
-/* Separates an item from the previous one and writes its key (in objects). */
-static void json_item(json_out *j, const char *key) {
-  if (j->depth > 0) {
-    if (j->has_items[j->depth - 1])
-      fputc(',', j->out);
-    j->has_items[j->depth - 1] = true;
-  }
-  if (key != NULL) {
-    json_write_string(j->out, key);
-    fputc(':', j->out);
-  }
-}
-
-static void json_open(json_out *j, const char *key, char bracket) {
-  json_item(j, key);
-  fputc(bracket, j->out);
-  if (j->depth < JSON_MAX_DEPTH)
-    j->has_items[j->depth] = false;
-  j->depth++;
-}
-
-static void json_close(json_out *j, char bracket) {
-  fputc(bracket, j->out);
-  j->depth--;
-  if (j->depth == 0)
-    fputc('\n', j->out);
-}
-
-static void json_str(json_out *j, const char *key, const char *value) {
-  json_item(j, key);
-  json_write_string(j->out, value);
-}
-
-static void json_u64(json_out *j, const char *key, uint64_t value) {
-  json_item(j, key);
-  fprintf(j->out, "%" PRIu64, value);
-}
-
-static void json_i64(json_out *j, const char *key, int64_t value) {
-  json_item(j, key);
-  fprintf(j->out, "%" PRId64, value);
-}
-
-static void json_bool(json_out *j, const char *key, bool value) {
-  json_item(j, key);
-  fputs(value ? "true" : "false", j->out);
-}
-
-/* The shortest of %.15g / %.17g that reads back as the same double, so
- * 0.001 prints as 0.001 and every value round-trips. JSON has no NaN or
- * infinity: those print as null. */
-static void json_f64(json_out *j, const char *key, double value) {
-  json_item(j, key);
-  if (value != value || value > 1e308 || value < -1e308) {
-    fputs("null", j->out);
-    return;
-  }
-  char text[40];
-  snprintf(text, sizeof text, "%.15g", value);
-  if (strtod(text, NULL) != value)
-    snprintf(text, sizeof text, "%.17g", value);
-  fputs(text, j->out);
-}
-
-/* ------------------------------------------------------------------------ */
-/* Tables and values for people                                             */
-/* ------------------------------------------------------------------------ */
-
-#define TABLE_MAX_COLUMNS 8
-#define TABLE_CELL_BYTES  256
-
-typedef struct table {
-  size_t columns;
-  const char *headers[TABLE_MAX_COLUMNS];
-  size_t rows, capacity; /* in rows */
-  char **cells;          /* rows * columns strings, owned */
-} table;
-
-static void table_init(table *t, size_t columns, const char *const *headers) {
-  memset(t, 0, sizeof *t);
-  t->columns = columns;
-  for (size_t c = 0; c < columns; c++)
-    t->headers[c] = headers[c];
-}
-
-static void table_free(table *t) {
-  for (size_t i = 0; i < t->rows * t->columns; i++)
-    free(t->cells[i]);
-  free(t->cells);
-  t->cells = NULL;
-  t->rows = t->capacity = 0;
-}
-
-/* Appends a row of t->columns cells (copied; empty cells print as "-").
- * Returns 0 or -ENOMEM. */
-static int table_add_row(table *t, char cell_text[][TABLE_CELL_BYTES]) {
-  if (t->rows == t->capacity) {
-    size_t capacity = t->capacity ? t->capacity * 2 : 16;
-    char **cells = realloc(t->cells, capacity * t->columns * sizeof *cells);
-    if (cells == NULL)
-      return -ENOMEM;
-    t->cells = cells;
-    t->capacity = capacity;
-  }
-  char **row = t->cells + t->rows * t->columns;
-  for (size_t c = 0; c < t->columns; c++) {
-    row[c] = strdup(cell_text[c][0] != '\0' ? cell_text[c] : "-");
-    if (row[c] == NULL) {
-      for (size_t k = 0; k < c; k++)
-        free(row[k]);
-      return -ENOMEM;
-    }
-    sanitize_line(row[c]);
-  }
-  t->rows++;
-  return 0;
-}
-
-/* Columns of a terminal that s takes: one per character, so UTF-8
- * continuation bytes do not count (wide CJK characters are not handled). */
-static size_t display_width(const char *s) {
-  size_t width = 0;
-  for (; *s != '\0'; s++)
-    if (((unsigned char)*s & 0xc0) != 0x80)
-      width++;
-  return width;
-}
-
-/* Prints the header and rows, each column as wide as its widest cell, two
- * spaces apart, no trailing blanks. */
-static void table_print(const table *t, FILE *out) {
-  size_t width[TABLE_MAX_COLUMNS];
-  for (size_t c = 0; c < t->columns; c++) {
-    width[c] = display_width(t->headers[c]);
-    for (size_t r = 0; r < t->rows; r++) {
-      size_t w = display_width(t->cells[r * t->columns + c]);
-      if (w > width[c])
-        width[c] = w;
-    }
-  }
-  for (size_t r = 0; r <= t->rows; r++) {
-    for (size_t c = 0; c < t->columns; c++) {
-      const char *cell = r == 0 ? t->headers[c] : t->cells[(r - 1) * t->columns + c];
-      fputs(cell, out);
-      if (c + 1 < t->columns)
-        fprintf(out, "%*s", (int)(width[c] - display_width(cell) + 2), "");
-    }
-    fputc('\n', out);
-  }
-}
-
-/* "512 B", "4.0 KiB", "15.6 GiB". */
-static const char *format_bytes(uint64_t bytes, char *out, size_t out_bytes) {
-  static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  if (bytes < 1024) {
-    snprintf(out, out_bytes, "%" PRIu64 " B", bytes);
-    return out;
-  }
-  double value = (double)bytes / 1024.0;
-  size_t unit = 0;
-  while (value >= 1023.95 && unit + 1 < sizeof units / sizeof units[0]) {
-    value /= 1024.0;
-    unit++;
-  }
-  snprintf(out, out_bytes, "%.1f %s", value, units[unit]);
-  return out;
-}
-
-/* "2026-11-21T10:00:00Z" (UTC), or "-" for 0. */
-static const char *format_unix_ms(int64_t unix_ms, char *out, size_t out_bytes) {
-  struct tm tm;
-  time_t seconds = (time_t)(unix_ms / 1000);
-  if (unix_ms <= 0 || gmtime_r(&seconds, &tm) == NULL) {
-    snprintf(out, out_bytes, "-");
-    return out;
-  }
-  strftime(out, out_bytes, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return out;
-}
-
-/* Prints "key: value" (the value stripped of control characters). */
-static void print_field(const char *key, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-static void print_field(const char *key, const char *fmt, ...) {
-  char value[CTL_ERROR_LINE_BYTES];
-  va_list ap;
-  va_start(ap, fmt);
-  int n = vsnprintf(value, sizeof value, fmt, ap);
-  va_end(ap);
-  if (n < 0)
-    value[0] = '\0';
-  sanitize_line(value);
-  printf("%s: %s\n", key, value[0] != '\0' ? value : "-");
-}
-
-/* ------------------------------------------------------------------------ */
-/* Enum names                                                               */
-/* ------------------------------------------------------------------------ */
-
-static const char *job_state_name(Zerod__V1__JobState state) {
-  switch (state) {
-  case ZEROD__V1__JOB_STATE__JOB_STATE_CREATING:
-    return "creating";
-  case ZEROD__V1__JOB_STATE__JOB_STATE_READY:
-    return "ready";
-  case ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED:
-    return "degraded";
-  case ZEROD__V1__JOB_STATE__JOB_STATE_DELETING:
-    return "deleting";
-  default:
-    return "unspecified";
-  }
-}
-
-/* OPTIMIZER_UNSPECIFIED means AdamW (ipc.proto). */
-static const char *optimizer_name(Zerod__V1__OptimizerKind kind) {
-  switch (kind) {
-  case ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED:
-  case ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW:
-    return "adamw";
-  case ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAM:
-    return "adam";
-  case ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD:
-    return "sgd";
-  default:
-    return "unknown";
-  }
-}
-
-/* DTYPE_UNSPECIFIED means fp32 for the working copy (ipc.proto). */
-/* The offload_optimizer device's name ("none" when unset). */
-static const char *offload_name(const Zerod__V1__OffloadConfig *off) {
-  if (off == NULL)
-    return "none";
-  switch (off->device) {
-  case ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU:
-    return "cpu";
-  case ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME:
-    return "nvme";
-  default:
-    return "none";
-  }
-}
-
-static const char *precision_name(Zerod__V1__Dtype dtype) {
-  switch (dtype) {
-  case ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED:
-  case ZEROD__V1__DTYPE__DTYPE_F32:
-    return "fp32";
-  case ZEROD__V1__DTYPE__DTYPE_BF16:
-    return "bf16";
-  case ZEROD__V1__DTYPE__DTYPE_F16:
-    return "fp16";
-  default:
-    return "unknown";
-  }
-}
-
-static const char *serving_status_name(Grpc__Health__V1__HealthCheckResponse__ServingStatus s,
-                                       bool lower) {
-  switch (s) {
-  case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING:
-    return lower ? "serving" : "SERVING";
-  case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING:
-    return lower ? "not_serving" : "NOT_SERVING";
-  case GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN:
-    return lower ? "service_unknown" : "SERVICE_UNKNOWN";
-  default:
-    return lower ? "unknown" : "UNKNOWN";
-  }
-}
 
 /* ------------------------------------------------------------------------ */
 /* Calls                                                                    */
@@ -469,15 +63,16 @@ typedef struct ctl {
 static int call_failed(const ctl *c, int status, const rpc_result *result) {
   const char *message = result->message[0] != '\0' ? result->message : "(no message)";
   if (status < 0)
-    return fail_line(CTL_EXIT_FAILED, "%s: %s%s%s", c->command, strerror(-status),
-                     result->message[0] != '\0' ? ": " : "", result->message);
+    return ctl__fail_line(CTL_EXIT_FAILED, "%s: %s%s%s", c->command, strerror(-status),
+                          result->message[0] != '\0' ? ": " : "", result->message);
   if (status == RPC_UNAVAILABLE)
-    return fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s: %s", c->coordinator,
-                     rpc_status_name(status), message);
+    return ctl__fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s: %s",
+                          c->coordinator, rpc_status_name(status), message);
   if (status == RPC_DEADLINE_EXCEEDED)
-    return fail_line(CTL_EXIT_FAILED, "%s: %s: no reply from the coordinator at %s within %gs",
-                     c->command, rpc_status_name(status), c->coordinator, c->timeout_s);
-  return fail_line(CTL_EXIT_FAILED, "%s: %s: %s", c->command, rpc_status_name(status), message);
+    return ctl__fail_line(CTL_EXIT_FAILED, "%s: %s: no reply from the coordinator at %s within %gs",
+                          c->command, rpc_status_name(status), c->coordinator, c->timeout_s);
+  return ctl__fail_line(CTL_EXIT_FAILED, "%s: %s: %s", c->command, rpc_status_name(status),
+                        message);
 }
 
 /* Makes one unary call: packs request, waits up to the timeout, unpacks
@@ -496,17 +91,17 @@ static int call(ctl *c, const char *method, const ProtobufCMessage *request,
     rpc_channel_options options = {.tls = c->use_tls ? &c->tls : NULL, .token = c->token};
     int rc = rpc_channel_create_with(c->coordinator, &options, &c->channel, err, sizeof err);
     if (rc != 0)
-      return fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s", c->coordinator,
-                       err[0] != '\0' ? err : strerror(-rc));
+      return ctl__fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s",
+                            c->coordinator, err[0] != '\0' ? err : strerror(-rc));
   }
 
   size_t request_bytes = protobuf_c_message_get_packed_size(request);
   if (request_bytes > RPC_MAX_MESSAGE_BYTES)
-    return fail_line(CTL_EXIT_USAGE, "%s: the request is %zu bytes, over the limit of %u",
-                     c->command, request_bytes, (unsigned)RPC_MAX_MESSAGE_BYTES);
+    return ctl__fail_line(CTL_EXIT_USAGE, "%s: the request is %zu bytes, over the limit of %u",
+                          c->command, request_bytes, (unsigned)RPC_MAX_MESSAGE_BYTES);
   uint8_t *packed = malloc(request_bytes > 0 ? request_bytes : 1);
   if (packed == NULL)
-    return fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
+    return ctl__fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
   protobuf_c_message_pack(request, packed);
 
   uint8_t *reply_buf = NULL;
@@ -522,8 +117,8 @@ static int call(ctl *c, const char *method, const ProtobufCMessage *request,
                                      reply_buf != NULL ? reply_buf : no_bytes);
   free(reply_buf);
   if (*reply == NULL)
-    return fail_line(CTL_EXIT_FAILED, "%s: the coordinator's reply is not a valid %s message",
-                     c->command, reply_type->name);
+    return ctl__fail_line(CTL_EXIT_FAILED, "%s: the coordinator's reply is not a valid %s message",
+                          c->command, reply_type->name);
   return 0;
 }
 
@@ -695,27 +290,27 @@ static void format_devices(const Zerod__V1__NodeInfo *node, char *out, size_t ou
 static void json_member(json_out *j, const Zerod__V1__Member *m) {
   static const Zerod__V1__NodeInfo no_node = ZEROD__V1__NODE_INFO__INIT;
   const Zerod__V1__NodeInfo *node = m->node != NULL ? m->node : &no_node;
-  json_open(j, NULL, '{');
-  json_str(j, "name", node->name);
-  json_str(j, "address", node->address);
-  json_u64(j, "ranks", node->ranks);
-  json_open(j, "devices", '[');
+  ctl__json_open(j, NULL, '{');
+  ctl__json_str(j, "name", node->name);
+  ctl__json_str(j, "address", node->address);
+  ctl__json_u64(j, "ranks", node->ranks);
+  ctl__json_open(j, "devices", '[');
   for (size_t d = 0; d < node->n_devices; d++) {
     const Zerod__V1__Device *dev = node->devices[d];
-    json_open(j, NULL, '{');
-    json_str(j, "kind", dev->kind);
-    json_u64(j, "index", dev->index);
-    json_str(j, "name", dev->name);
-    json_u64(j, "memory_bytes", dev->memory_bytes);
-    json_close(j, '}');
+    ctl__json_open(j, NULL, '{');
+    ctl__json_str(j, "kind", dev->kind);
+    ctl__json_u64(j, "index", dev->index);
+    ctl__json_str(j, "name", dev->name);
+    ctl__json_u64(j, "memory_bytes", dev->memory_bytes);
+    ctl__json_close(j, '}');
   }
-  json_close(j, ']');
-  json_u64(j, "memory_bytes", node->memory_bytes);
-  json_str(j, "version", node->version);
-  json_u64(j, "session", m->session);
-  json_i64(j, "joined_unix_ms", m->joined_unix_ms);
-  json_i64(j, "lease_remaining_ms", m->lease_remaining_ms);
-  json_close(j, '}');
+  ctl__json_close(j, ']');
+  ctl__json_u64(j, "memory_bytes", node->memory_bytes);
+  ctl__json_str(j, "version", node->version);
+  ctl__json_u64(j, "session", m->session);
+  ctl__json_i64(j, "joined_unix_ms", m->joined_unix_ms);
+  ctl__json_i64(j, "lease_remaining_ms", m->lease_remaining_ms);
+  ctl__json_close(j, '}');
 }
 
 static int cmd_members(ctl *c, int argc, char **argv) {
@@ -728,13 +323,13 @@ static int cmd_members(ctl *c, int argc, char **argv) {
 
   if (c->json) {
     json_out j = {.out = stdout};
-    json_open(&j, NULL, '{');
-    json_u64(&j, "epoch", view->epoch);
-    json_open(&j, "members", '[');
+    ctl__json_open(&j, NULL, '{');
+    ctl__json_u64(&j, "epoch", view->epoch);
+    ctl__json_open(&j, "members", '[');
     for (size_t i = 0; i < view->n_members; i++)
       json_member(&j, view->members[i]);
-    json_close(&j, ']');
-    json_close(&j, '}');
+    ctl__json_close(&j, ']');
+    ctl__json_close(&j, '}');
     zerod__v1__view__free_unpacked(view, NULL);
     return 0;
   }
@@ -742,7 +337,7 @@ static int cmd_members(ctl *c, int argc, char **argv) {
   static const char *const headers[] = {"NAME",   "ADDRESS", "RANKS", "DEVICES",
                                         "MEMORY", "LEASE",   "JOINED"};
   table t;
-  table_init(&t, 7, headers);
+  ctl__table_init(&t, 7, headers);
   for (size_t i = 0; i < view->n_members && rc == 0; i++) {
     const Zerod__V1__Member *m = view->members[i];
     char cells[7][TABLE_CELL_BYTES];
@@ -751,20 +346,20 @@ static int cmd_members(ctl *c, int argc, char **argv) {
     snprintf(cells[1], TABLE_CELL_BYTES, "%s", node != NULL ? node->address : "");
     snprintf(cells[2], TABLE_CELL_BYTES, "%" PRIu32, node != NULL ? node->ranks : 0);
     format_devices(node, cells[3], TABLE_CELL_BYTES);
-    format_bytes(node != NULL ? node->memory_bytes : 0, cells[4], TABLE_CELL_BYTES);
+    ctl__format_bytes(node != NULL ? node->memory_bytes : 0, cells[4], TABLE_CELL_BYTES);
     if (m->lease_remaining_ms > 0)
       snprintf(cells[5], TABLE_CELL_BYTES, "%.1fs", (double)m->lease_remaining_ms / 1000.0);
     else
       snprintf(cells[5], TABLE_CELL_BYTES, "expired");
-    format_unix_ms(m->joined_unix_ms, cells[6], TABLE_CELL_BYTES);
-    if (table_add_row(&t, cells) != 0)
-      rc = fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
+    ctl__format_unix_ms(m->joined_unix_ms, cells[6], TABLE_CELL_BYTES);
+    if (ctl__table_add_row(&t, cells) != 0)
+      rc = ctl__fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
   }
   if (rc == 0) {
     printf("epoch: %" PRIu64 "\n", view->epoch);
-    table_print(&t, stdout);
+    ctl__table_print(&t, stdout);
   }
-  table_free(&t);
+  ctl__table_free(&t);
   zerod__v1__view__free_unpacked(view, NULL);
   return rc;
 }
@@ -795,91 +390,91 @@ static uint64_t job_max_live_bytes(const Zerod__V1__Job *job) {
 static void json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   const Zerod__V1__JobConfig *config = job_config(job);
   const Zerod__V1__OptimizerConfig *opt = job_optimizer(job);
-  json_open(j, key, '{');
-  json_str(j, "name", job->name);
-  json_u64(j, "id", job->id);
-  json_str(j, "state", job_state_name(job->state));
-  json_str(j, "reason", job->reason);
-  json_u64(j, "nodes", job->nodes);
-  json_u64(j, "ranks_per_node", job->ranks_per_node);
-  json_u64(j, "world_size", job->world_size);
-  json_open(j, "placement", '[');
+  ctl__json_open(j, key, '{');
+  ctl__json_str(j, "name", job->name);
+  ctl__json_u64(j, "id", job->id);
+  ctl__json_str(j, "state", ctl__job_state_name(job->state));
+  ctl__json_str(j, "reason", job->reason);
+  ctl__json_u64(j, "nodes", job->nodes);
+  ctl__json_u64(j, "ranks_per_node", job->ranks_per_node);
+  ctl__json_u64(j, "world_size", job->world_size);
+  ctl__json_open(j, "placement", '[');
   for (size_t i = 0; i < job->n_placement; i++) {
-    json_open(j, NULL, '{');
-    json_str(j, "node", job->placement[i]->node);
-    json_u64(j, "first_rank", job->placement[i]->first_rank);
-    json_u64(j, "ranks", job->placement[i]->ranks);
-    json_close(j, '}');
+    ctl__json_open(j, NULL, '{');
+    ctl__json_str(j, "node", job->placement[i]->node);
+    ctl__json_u64(j, "first_rank", job->placement[i]->first_rank);
+    ctl__json_u64(j, "ranks", job->placement[i]->ranks);
+    ctl__json_close(j, '}');
   }
-  json_close(j, ']');
-  json_open(j, "config", '{');
-  json_open(j, "optimizer", '{');
-  json_str(j, "kind", optimizer_name(opt->kind));
-  json_f64(j, "lr", opt->lr);
-  json_f64(j, "beta1", opt->beta1);
-  json_f64(j, "beta2", opt->beta2);
-  json_f64(j, "eps", opt->eps);
-  json_f64(j, "weight_decay", opt->weight_decay);
-  json_bool(j, "has_weight_decay", opt->has_weight_decay);
-  json_f64(j, "momentum", opt->momentum);
-  json_f64(j, "dampening", opt->dampening);
-  json_bool(j, "nesterov", opt->nesterov);
-  json_close(j, '}');
-  json_str(j, "precision", precision_name(config->working_dtype));
-  json_str(j, "collectives",
-           config->collectives == ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT ? "flat"
-                                                                           : "hierarchical");
-  json_bool(j, "quantized_weights", config->quantized_weights);
-  json_u64(j, "quantization_block", config->quantization_block);
-  json_u64(j, "quantized_gradients", config->quantized_gradients);
-  json_str(j, "gradient_comm_dtype", precision_name(config->gradient_comm_dtype));
-  json_u64(j, "hpz_partition_size", config->hpz_partition_size);
+  ctl__json_close(j, ']');
+  ctl__json_open(j, "config", '{');
+  ctl__json_open(j, "optimizer", '{');
+  ctl__json_str(j, "kind", ctl__optimizer_name(opt->kind));
+  ctl__json_f64(j, "lr", opt->lr);
+  ctl__json_f64(j, "beta1", opt->beta1);
+  ctl__json_f64(j, "beta2", opt->beta2);
+  ctl__json_f64(j, "eps", opt->eps);
+  ctl__json_f64(j, "weight_decay", opt->weight_decay);
+  ctl__json_bool(j, "has_weight_decay", opt->has_weight_decay);
+  ctl__json_f64(j, "momentum", opt->momentum);
+  ctl__json_f64(j, "dampening", opt->dampening);
+  ctl__json_bool(j, "nesterov", opt->nesterov);
+  ctl__json_close(j, '}');
+  ctl__json_str(j, "precision", ctl__precision_name(config->working_dtype));
+  ctl__json_str(j, "collectives",
+                config->collectives == ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT ? "flat"
+                                                                                : "hierarchical");
+  ctl__json_bool(j, "quantized_weights", config->quantized_weights);
+  ctl__json_u64(j, "quantization_block", config->quantization_block);
+  ctl__json_u64(j, "quantized_gradients", config->quantized_gradients);
+  ctl__json_str(j, "gradient_comm_dtype", ctl__precision_name(config->gradient_comm_dtype));
+  ctl__json_u64(j, "hpz_partition_size", config->hpz_partition_size);
   const Zerod__V1__OffloadConfig *off = config->offload_optimizer;
-  json_str(j, "offload_optimizer", offload_name(off));
+  ctl__json_str(j, "offload_optimizer", ctl__offload_name(off));
   if (off != NULL && off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME)
-    json_str(j, "nvme_path", off->nvme_path);
+    ctl__json_str(j, "nvme_path", off->nvme_path);
   if (off != NULL && (off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME ||
                       off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU)) {
-    json_u64(j, "offload_buffer_count", off->buffer_count);
-    json_u64(j, "offload_buffer_size", off->buffer_size);
-    json_bool(j, "offload_pin_memory", off->pin_memory);
+    ctl__json_u64(j, "offload_buffer_count", off->buffer_count);
+    ctl__json_u64(j, "offload_buffer_size", off->buffer_size);
+    ctl__json_bool(j, "offload_pin_memory", off->pin_memory);
   }
-  json_f64(j, "loss_scale", config->loss_scale > 0 ? config->loss_scale : 0);
-  json_u64(j, "max_live_bytes", config->max_live_bytes);
-  json_f64(j, "max_grad_norm", config->max_grad_norm);
-  json_close(j, '}');
-  json_open(j, "quotas", '{');
-  json_u64(j, "max_live_bytes", job->quotas != NULL ? job->quotas->max_live_bytes : 0);
-  json_u64(j, "max_host_bytes", job->quotas != NULL ? job->quotas->max_host_bytes : 0);
-  json_u64(j, "max_device_bytes", job->quotas != NULL ? job->quotas->max_device_bytes : 0);
-  json_u64(j, "max_sessions", job->quotas != NULL ? job->quotas->max_sessions : 0);
-  json_close(j, '}');
-  json_u64(j, "step", job->step);
-  json_u64(j, "epoch", job->epoch);
-  json_str(j, "tenant", job->tenant);
-  json_i64(j, "created_unix_ms", job->created_unix_ms);
+  ctl__json_f64(j, "loss_scale", config->loss_scale > 0 ? config->loss_scale : 0);
+  ctl__json_u64(j, "max_live_bytes", config->max_live_bytes);
+  ctl__json_f64(j, "max_grad_norm", config->max_grad_norm);
+  ctl__json_close(j, '}');
+  ctl__json_open(j, "quotas", '{');
+  ctl__json_u64(j, "max_live_bytes", job->quotas != NULL ? job->quotas->max_live_bytes : 0);
+  ctl__json_u64(j, "max_host_bytes", job->quotas != NULL ? job->quotas->max_host_bytes : 0);
+  ctl__json_u64(j, "max_device_bytes", job->quotas != NULL ? job->quotas->max_device_bytes : 0);
+  ctl__json_u64(j, "max_sessions", job->quotas != NULL ? job->quotas->max_sessions : 0);
+  ctl__json_close(j, '}');
+  ctl__json_u64(j, "step", job->step);
+  ctl__json_u64(j, "epoch", job->epoch);
+  ctl__json_str(j, "tenant", job->tenant);
+  ctl__json_i64(j, "created_unix_ms", job->created_unix_ms);
   const Zerod__V1__CheckpointPolicy *policy = job->checkpoint_policy;
-  json_open(j, "checkpoint_policy", '{');
-  json_u64(j, "every_steps", policy != NULL ? policy->every_steps : 0);
-  json_u64(j, "every_seconds", policy != NULL ? policy->every_seconds : 0);
-  json_u64(j, "keep", policy != NULL ? policy->keep : 0);
-  json_close(j, '}');
-  json_close(j, '}');
+  ctl__json_open(j, "checkpoint_policy", '{');
+  ctl__json_u64(j, "every_steps", policy != NULL ? policy->every_steps : 0);
+  ctl__json_u64(j, "every_seconds", policy != NULL ? policy->every_seconds : 0);
+  ctl__json_u64(j, "keep", policy != NULL ? policy->keep : 0);
+  ctl__json_close(j, '}');
+  ctl__json_close(j, '}');
 }
 
 /* A hyper-parameter as stored, or the torch.optim default the daemons use
  * for a zero (ipc.proto's OptimizerConfig). */
 static void print_hyper(const char *key, double value, double default_value) {
   if (value != 0)
-    print_field(key, "%g", value);
+    ctl__print_field(key, "%g", value);
   else
-    print_field(key, "%g (default)", default_value);
+    ctl__print_field(key, "%g (default)", default_value);
 }
 
 /* "every 1000 steps or 600 s, keep 3", or "off". */
 static void print_policy(const Zerod__V1__CheckpointPolicy *policy) {
   if (policy == NULL || (policy->every_steps == 0 && policy->every_seconds == 0)) {
-    print_field("checkpoints", "off");
+    ctl__print_field("checkpoints", "off");
     return;
   }
   char steps[48] = "", seconds[48] = "", keep[48] = "";
@@ -889,8 +484,8 @@ static void print_policy(const Zerod__V1__CheckpointPolicy *policy) {
     snprintf(seconds, sizeof seconds, "%" PRIu32 " s", policy->every_seconds);
   if (policy->keep != 0)
     snprintf(keep, sizeof keep, ", keep %" PRIu32, policy->keep);
-  print_field("checkpoints", "every %s%s%s%s", steps, steps[0] && seconds[0] ? " or " : "", seconds,
-              keep);
+  ctl__print_field("checkpoints", "every %s%s%s%s", steps, steps[0] && seconds[0] ? " or " : "",
+                   seconds, keep);
 }
 
 /* `jobs get` and `jobs create`: one field per line. */
@@ -898,98 +493,99 @@ static void print_job(const Zerod__V1__Job *job) {
   const Zerod__V1__JobConfig *config = job_config(job);
   const Zerod__V1__OptimizerConfig *opt = job_optimizer(job);
   char text[64];
-  print_field("name", "%s", job->name);
-  print_field("id", "%" PRIu64, job->id);
-  print_field("state", "%s", job_state_name(job->state));
-  print_field("reason", "%s", job->reason);
-  print_field("world size", "%" PRIu32, job->world_size);
-  print_field("nodes", "%" PRIu32, job->nodes);
-  print_field("ranks per node", "%" PRIu32, job->ranks_per_node);
+  ctl__print_field("name", "%s", job->name);
+  ctl__print_field("id", "%" PRIu64, job->id);
+  ctl__print_field("state", "%s", ctl__job_state_name(job->state));
+  ctl__print_field("reason", "%s", job->reason);
+  ctl__print_field("world size", "%" PRIu32, job->world_size);
+  ctl__print_field("nodes", "%" PRIu32, job->nodes);
+  ctl__print_field("ranks per node", "%" PRIu32, job->ranks_per_node);
   printf("placement:%s\n", job->n_placement == 0 ? " -" : "");
   for (size_t i = 0; i < job->n_placement; i++) {
     const Zerod__V1__RankPlacement *p = job->placement[i];
     char key[CTL_NAME_MAX_BYTES + 8];
     snprintf(key, sizeof key, "  %s", p->node);
-    sanitize_line(key);
+    ctl__sanitize_line(key);
     if (p->ranks == 1)
-      print_field(key, "rank %" PRIu32, p->first_rank);
+      ctl__print_field(key, "rank %" PRIu32, p->first_rank);
     else
-      print_field(key, "ranks %" PRIu32 "-%" PRIu32, p->first_rank,
-                  p->first_rank + (p->ranks > 0 ? p->ranks - 1 : 0));
+      ctl__print_field(key, "ranks %" PRIu32 "-%" PRIu32, p->first_rank,
+                       p->first_rank + (p->ranks > 0 ? p->ranks - 1 : 0));
   }
-  print_field("optimizer", "%s", optimizer_name(opt->kind));
+  ctl__print_field("optimizer", "%s", ctl__optimizer_name(opt->kind));
   print_hyper("lr", opt->lr, 1e-3);
   bool sgd = opt->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD;
   if (sgd) {
     print_hyper("momentum", opt->momentum, 0);
     if (opt->dampening != 0)
-      print_field("dampening", "%g", opt->dampening);
+      ctl__print_field("dampening", "%g", opt->dampening);
     if (opt->nesterov)
-      print_field("nesterov", "true");
+      ctl__print_field("nesterov", "true");
   } else {
-    print_field("betas", "%g,%g%s", opt->beta1 != 0 ? opt->beta1 : 0.9,
-                opt->beta2 != 0 ? opt->beta2 : 0.999,
-                opt->beta1 == 0 && opt->beta2 == 0 ? " (default)" : "");
+    ctl__print_field("betas", "%g,%g%s", opt->beta1 != 0 ? opt->beta1 : 0.9,
+                     opt->beta2 != 0 ? opt->beta2 : 0.999,
+                     opt->beta1 == 0 && opt->beta2 == 0 ? " (default)" : "");
     print_hyper("eps", opt->eps, 1e-8);
   }
   bool adamw = opt->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW ||
                opt->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED;
   if (opt->has_weight_decay || opt->weight_decay != 0)
-    print_field("weight decay", "%g", opt->weight_decay);
+    ctl__print_field("weight decay", "%g", opt->weight_decay);
   else
-    print_field("weight decay", "%g (default)", adamw ? 0.01 : 0.0);
-  print_field("precision", "%s", precision_name(config->working_dtype));
-  print_field("collectives", "%s",
-              config->collectives == ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT ? "flat"
-                                                                              : "hierarchical");
+    ctl__print_field("weight decay", "%g (default)", adamw ? 0.01 : 0.0);
+  ctl__print_field("precision", "%s", ctl__precision_name(config->working_dtype));
+  ctl__print_field(
+      "collectives", "%s",
+      config->collectives == ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT ? "flat" : "hierarchical");
   if (config->quantized_weights)
-    print_field("quantized weights", "int8, blocks of %u", config->quantization_block);
+    ctl__print_field("quantized weights", "int8, blocks of %u", config->quantization_block);
   if (config->quantized_gradients != 0)
-    print_field("quantized gradients", "int%u, blocks of %u", config->quantized_gradients,
-                config->quantization_block);
+    ctl__print_field("quantized gradients", "int%u, blocks of %u", config->quantized_gradients,
+                     config->quantization_block);
   else if (config->gradient_comm_dtype == ZEROD__V1__DTYPE__DTYPE_BF16)
-    print_field("gradients between nodes", "bf16");
+    ctl__print_field("gradients between nodes", "bf16");
   if (config->loss_scale > 0)
-    print_field("loss scaling", "from %g, x%g every %u good steps, x%g after %u overflows",
-                config->loss_scale, config->loss_scale_growth, config->loss_scale_window,
-                config->loss_scale_backoff, config->loss_scale_hysteresis);
+    ctl__print_field("loss scaling", "from %g, x%g every %u good steps, x%g after %u overflows",
+                     config->loss_scale, config->loss_scale_growth, config->loss_scale_window,
+                     config->loss_scale_backoff, config->loss_scale_hysteresis);
   if (config->hpz_partition_size > 1)
-    print_field("hpZ", "secondary partition over %u ranks of a node", config->hpz_partition_size);
+    ctl__print_field("hpZ", "secondary partition over %u ranks of a node",
+                     config->hpz_partition_size);
   const Zerod__V1__OffloadConfig *off = config->offload_optimizer;
   if (off != NULL && off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME)
-    print_field("optimizer state", "on disk (nvme) in %s, %u buffers of %llu elements%s",
-                off->nvme_path[0] != '\0' ? off->nvme_path : "the nodes' --nvme-dir",
-                off->buffer_count, (unsigned long long)off->buffer_size,
-                off->pin_memory ? ", page-locked on GPU ranks" : "");
+    ctl__print_field("optimizer state", "on disk (nvme) in %s, %u buffers of %llu elements%s",
+                     off->nvme_path[0] != '\0' ? off->nvme_path : "the nodes' --nvme-dir",
+                     off->buffer_count, (unsigned long long)off->buffer_size,
+                     off->pin_memory ? ", page-locked on GPU ranks" : "");
   else if (off != NULL && off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU)
-    print_field("optimizer state",
-                "in host memory (cpu; GPU ranks step on the CPU through %u "
-                "buffers of %llu elements%s)",
-                off->buffer_count, (unsigned long long)off->buffer_size,
-                off->pin_memory ? ", page-locked" : "");
+    ctl__print_field("optimizer state",
+                     "in host memory (cpu; GPU ranks step on the CPU through %u "
+                     "buffers of %llu elements%s)",
+                     off->buffer_count, (unsigned long long)off->buffer_size,
+                     off->pin_memory ? ", page-locked" : "");
   else
-    print_field("optimizer state", "in memory (%s)", offload_name(off));
+    ctl__print_field("optimizer state", "in memory (%s)", ctl__offload_name(off));
   if (config->max_grad_norm > 0)
-    print_field("max grad norm", "%g", config->max_grad_norm);
+    ctl__print_field("max grad norm", "%g", config->max_grad_norm);
   else
-    print_field("max grad norm", "off");
+    ctl__print_field("max grad norm", "off");
   uint64_t max_live = job_max_live_bytes(job);
   if (max_live != 0)
-    print_field("max live bytes", "%s", format_bytes(max_live, text, sizeof text));
+    ctl__print_field("max live bytes", "%s", ctl__format_bytes(max_live, text, sizeof text));
   else
-    print_field("max live bytes", "node default");
-  print_field("step", "%" PRIu64, job->step);
-  print_field("epoch", "%" PRIu64, job->epoch);
+    ctl__print_field("max live bytes", "node default");
+  ctl__print_field("step", "%" PRIu64, job->step);
+  ctl__print_field("epoch", "%" PRIu64, job->epoch);
   if (job->quotas != NULL && job->quotas->max_host_bytes != 0)
-    print_field("max host bytes", "%s",
-                format_bytes(job->quotas->max_host_bytes, text, sizeof text));
+    ctl__print_field("max host bytes", "%s",
+                     ctl__format_bytes(job->quotas->max_host_bytes, text, sizeof text));
   if (job->quotas != NULL && job->quotas->max_device_bytes != 0)
-    print_field("max device bytes", "%s",
-                format_bytes(job->quotas->max_device_bytes, text, sizeof text));
+    ctl__print_field("max device bytes", "%s",
+                     ctl__format_bytes(job->quotas->max_device_bytes, text, sizeof text));
   if (job->quotas != NULL && job->quotas->max_sessions != 0)
-    print_field("max sessions", "%u", job->quotas->max_sessions);
-  print_field("tenant", "%s", job->tenant[0] != '\0' ? job->tenant : "none (admins only)");
-  print_field("created", "%s", format_unix_ms(job->created_unix_ms, text, sizeof text));
+    ctl__print_field("max sessions", "%u", job->quotas->max_sessions);
+  ctl__print_field("tenant", "%s", job->tenant[0] != '\0' ? job->tenant : "none (admins only)");
+  ctl__print_field("created", "%s", ctl__format_unix_ms(job->created_unix_ms, text, sizeof text));
   print_policy(job->checkpoint_policy);
 }
 
@@ -1019,12 +615,12 @@ static int cmd_jobs_list(ctl *c, int argc, char **argv) {
 
   if (c->json) {
     json_out j = {.out = stdout};
-    json_open(&j, NULL, '{');
-    json_open(&j, "jobs", '[');
+    ctl__json_open(&j, NULL, '{');
+    ctl__json_open(&j, "jobs", '[');
     for (size_t i = 0; i < reply->n_jobs; i++)
       json_job(&j, NULL, reply->jobs[i]);
-    json_close(&j, ']');
-    json_close(&j, '}');
+    ctl__json_close(&j, ']');
+    ctl__json_close(&j, '}');
     zerod__v1__list_jobs_reply__free_unpacked(reply, NULL);
     return 0;
   }
@@ -1032,24 +628,24 @@ static int cmd_jobs_list(ctl *c, int argc, char **argv) {
   static const char *const headers[] = {"NAME",      "STATE",     "WORLD", "NODES",
                                         "OPTIMIZER", "PRECISION", "STEP",  "REASON"};
   table t;
-  table_init(&t, 8, headers);
+  ctl__table_init(&t, 8, headers);
   for (size_t i = 0; i < reply->n_jobs && rc == 0; i++) {
     const Zerod__V1__Job *job = reply->jobs[i];
     char cells[8][TABLE_CELL_BYTES];
     snprintf(cells[0], TABLE_CELL_BYTES, "%s", job->name);
-    snprintf(cells[1], TABLE_CELL_BYTES, "%s", job_state_name(job->state));
+    snprintf(cells[1], TABLE_CELL_BYTES, "%s", ctl__job_state_name(job->state));
     snprintf(cells[2], TABLE_CELL_BYTES, "%" PRIu32, job->world_size);
     format_job_nodes(job, cells[3], TABLE_CELL_BYTES);
-    snprintf(cells[4], TABLE_CELL_BYTES, "%s", optimizer_name(job_optimizer(job)->kind));
-    snprintf(cells[5], TABLE_CELL_BYTES, "%s", precision_name(job_config(job)->working_dtype));
+    snprintf(cells[4], TABLE_CELL_BYTES, "%s", ctl__optimizer_name(job_optimizer(job)->kind));
+    snprintf(cells[5], TABLE_CELL_BYTES, "%s", ctl__precision_name(job_config(job)->working_dtype));
     snprintf(cells[6], TABLE_CELL_BYTES, "%" PRIu64, job->step);
     snprintf(cells[7], TABLE_CELL_BYTES, "%s", job->reason);
-    if (table_add_row(&t, cells) != 0)
-      rc = fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
+    if (ctl__table_add_row(&t, cells) != 0)
+      rc = ctl__fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
   }
   if (rc == 0)
-    table_print(&t, stdout);
-  table_free(&t);
+    ctl__table_print(&t, stdout);
+  ctl__table_free(&t);
   zerod__v1__list_jobs_reply__free_unpacked(reply, NULL);
   return rc;
 }
@@ -1083,9 +679,9 @@ static int cmd_jobs_delete(ctl *c, int argc, char **argv) {
   zerod__v1__delete_job_reply__free_unpacked(reply, NULL);
   if (c->json) {
     json_out j = {.out = stdout};
-    json_open(&j, NULL, '{');
-    json_str(&j, "deleted", argv[0]);
-    json_close(&j, '}');
+    ctl__json_open(&j, NULL, '{');
+    ctl__json_str(&j, "deleted", argv[0]);
+    ctl__json_close(&j, '}');
   } else {
     printf("deleted job %s\n", argv[0]);
   }
@@ -1103,10 +699,10 @@ static int cmd_jobs_read_token(ctl *c, int argc, char **argv) {
     return rc;
   if (c->json) {
     json_out j = {.out = stdout};
-    json_open(&j, NULL, '{');
-    json_str(&j, "job", argv[0]);
-    json_str(&j, "read_token", reply->token);
-    json_close(&j, '}');
+    ctl__json_open(&j, NULL, '{');
+    ctl__json_str(&j, "job", argv[0]);
+    ctl__json_str(&j, "read_token", reply->token);
+    ctl__json_close(&j, '}');
   } else {
     printf("%s\n", reply->token);
   }
@@ -1126,7 +722,7 @@ typedef struct create_options {
 } create_options;
 
 static int bad_create_value(const char *option, const char *value, const char *expected) {
-  return usage_error("jobs create: invalid %s '%s': expected %s", option, value, expected);
+  return ctl__usage_error("jobs create: invalid %s '%s': expected %s", option, value, expected);
 }
 
 /* Splits the --node lists into names (checked, no duplicates). */
@@ -1148,9 +744,9 @@ static int collect_node_names(const create_options *o,
                                 "node names of 1..64 characters [A-Za-z0-9._-], comma-separated");
       for (size_t k = 0; k < *n_names; k++)
         if (strcmp(names[k], name) == 0)
-          return usage_error("jobs create: node '%s' is named twice", name);
+          return ctl__usage_error("jobs create: node '%s' is named twice", name);
       if (*n_names == CTL_MAX_NODES)
-        return usage_error("jobs create: more than %d nodes", CTL_MAX_NODES);
+        return ctl__usage_error("jobs create: more than %d nodes", CTL_MAX_NODES);
       memcpy(names[(*n_names)++], name, len + 1);
       if (p[len] == '\0')
         break;
@@ -1184,18 +780,18 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
     if (o->nodes == NULL)
       request.nodes = (uint32_t)n_names;
     else if (request.nodes != n_names)
-      return usage_error("jobs create: --nodes %" PRIu32
-                         " does not match the %zu nodes named by --node",
-                         request.nodes, n_names);
+      return ctl__usage_error("jobs create: --nodes %" PRIu32
+                              " does not match the %zu nodes named by --node",
+                              request.nodes, n_names);
     for (size_t i = 0; i < n_names; i++)
       name_ptrs[i] = names[i];
     request.n_node_names = n_names;
     request.node_names = name_ptrs;
   }
   if ((uint64_t)request.nodes * request.ranks_per_node > CTL_MAX_RANKS)
-    return usage_error("jobs create: %" PRIu32 " nodes x %" PRIu32
-                       " ranks is a world of more than %d ranks",
-                       request.nodes, request.ranks_per_node, CTL_MAX_RANKS);
+    return ctl__usage_error("jobs create: %" PRIu32 " nodes x %" PRIu32
+                            " ranks is a world of more than %d ranks",
+                            request.nodes, request.ranks_per_node, CTL_MAX_RANKS);
 
   optimizer.kind = ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW;
   if (o->optimizer != NULL) {
@@ -1220,7 +816,7 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
   }
   if (o->betas != NULL) {
     if (sgd)
-      return usage_error("jobs create: --betas applies to adamw and adam, not sgd");
+      return ctl__usage_error("jobs create: --betas applies to adamw and adam, not sgd");
     char betas[64];
     const char *comma = strchr(o->betas, ',');
     if (strlen(o->betas) >= sizeof betas || comma == NULL)
@@ -1233,13 +829,13 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
   }
   if (o->eps != NULL) {
     if (sgd)
-      return usage_error("jobs create: --eps applies to adamw and adam, not sgd");
+      return ctl__usage_error("jobs create: --eps applies to adamw and adam, not sgd");
     if (parse_double(o->eps, 0, 1, false, &optimizer.eps) != 0 || optimizer.eps == 0)
       return bad_create_value("--eps", o->eps, "a number in (0, 1]");
   }
   if (o->momentum != NULL) {
     if (!sgd)
-      return usage_error("jobs create: --momentum applies to sgd only (use --optimizer sgd)");
+      return ctl__usage_error("jobs create: --momentum applies to sgd only (use --optimizer sgd)");
     if (parse_double(o->momentum, 0, 1, true, &optimizer.momentum) != 0)
       return bad_create_value("--momentum", o->momentum, "a number in [0, 1)");
   }
@@ -1307,13 +903,13 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
     config.offload_optimizer = &offload;
   }
   if (o->nvme_path != NULL && offload.device != ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME)
-    return usage_error("jobs create: --nvme-path needs --offload-optimizer nvme");
+    return ctl__usage_error("jobs create: --nvme-path needs --offload-optimizer nvme");
   if ((o->offload_buffer_count != NULL || o->offload_buffer_size != NULL ||
        o->offload_pin_memory != NULL) &&
       offload.device != ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME &&
       offload.device != ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU)
-    return usage_error("jobs create: --offload-buffer-* and --offload-pin-memory need "
-                       "--offload-optimizer cpu or nvme");
+    return ctl__usage_error("jobs create: --offload-buffer-* and --offload-pin-memory need "
+                            "--offload-optimizer cpu or nvme");
   offload.pin_memory = o->offload_pin_memory != NULL;
   if (o->nvme_path != NULL)
     offload.nvme_path = (char *)o->nvme_path;
@@ -1370,8 +966,8 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
   if (o->keep != NULL && parse_u32(o->keep, 1, UINT32_MAX, &policy.keep) != 0)
     return bad_create_value("--checkpoint-keep", o->keep, "an integer >= 1");
   if (o->keep != NULL && o->every_steps == NULL && o->every_seconds == NULL)
-    return usage_error("jobs create: --checkpoint-keep needs --checkpoint-every-steps or "
-                       "--checkpoint-every-seconds");
+    return ctl__usage_error("jobs create: --checkpoint-keep needs --checkpoint-every-steps or "
+                            "--checkpoint-every-seconds");
   if (o->every_steps != NULL || o->every_seconds != NULL)
     request.checkpoint_policy = &policy;
   if (o->token != NULL) {
@@ -1392,17 +988,17 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
     return rc;
   if (reply->job == NULL) {
     zerod__v1__create_job_reply__free_unpacked(reply, NULL);
-    return fail_line(CTL_EXIT_FAILED, "%s: the coordinator's reply has no job", c->command);
+    return ctl__fail_line(CTL_EXIT_FAILED, "%s: the coordinator's reply has no job", c->command);
   }
   if (c->json) {
     json_out j = {.out = stdout};
-    json_open(&j, NULL, '{');
+    ctl__json_open(&j, NULL, '{');
     json_job(&j, "job", reply->job);
-    json_str(&j, "token", reply->token);
-    json_close(&j, '}');
+    ctl__json_str(&j, "token", reply->token);
+    ctl__json_close(&j, '}');
   } else {
     print_job(reply->job);
-    print_field("token", "%s", reply->token);
+    ctl__print_field("token", "%s", reply->token);
   }
   zerod__v1__create_job_reply__free_unpacked(reply, NULL);
   return 0;
@@ -1412,27 +1008,18 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
 /* checkpoint                                                               */
 /* ------------------------------------------------------------------------ */
 
-/* "850 ms", "3.4 s". */
-static const char *format_ms(int64_t ms, char *out, size_t out_bytes) {
-  if (ms < 1000)
-    snprintf(out, out_bytes, "%" PRId64 " ms", ms > 0 ? ms : 0);
-  else
-    snprintf(out, out_bytes, "%.1f s", (double)ms / 1000.0);
-  return out;
-}
-
 static void json_checkpoint(json_out *j, const char *key, const Zerod__V1__Checkpoint *cp) {
-  json_open(j, key, '{');
-  json_str(j, "job", cp->job);
-  json_str(j, "name", cp->name);
-  json_str(j, "path", cp->path);
-  json_u64(j, "step", cp->step);
-  json_u64(j, "world_size", cp->world_size);
-  json_u64(j, "bytes", cp->bytes);
-  json_i64(j, "created_unix_ms", cp->created_unix_ms);
-  json_u64(j, "job_id", cp->job_id);
-  json_str(j, "tenant", cp->tenant);
-  json_close(j, '}');
+  ctl__json_open(j, key, '{');
+  ctl__json_str(j, "job", cp->job);
+  ctl__json_str(j, "name", cp->name);
+  ctl__json_str(j, "path", cp->path);
+  ctl__json_u64(j, "step", cp->step);
+  ctl__json_u64(j, "world_size", cp->world_size);
+  ctl__json_u64(j, "bytes", cp->bytes);
+  ctl__json_i64(j, "created_unix_ms", cp->created_unix_ms);
+  ctl__json_u64(j, "job_id", cp->job_id);
+  ctl__json_str(j, "tenant", cp->tenant);
+  ctl__json_close(j, '}');
 }
 
 static int cmd_checkpoint_save(ctl *c, int argc, char **argv) {
@@ -1446,25 +1033,26 @@ static int cmd_checkpoint_save(ctl *c, int argc, char **argv) {
     return rc;
   if (reply->checkpoint == NULL) {
     zerod__v1__save_reply__free_unpacked(reply, NULL);
-    return fail_line(CTL_EXIT_FAILED, "%s: the coordinator's reply has no checkpoint", c->command);
+    return ctl__fail_line(CTL_EXIT_FAILED, "%s: the coordinator's reply has no checkpoint",
+                          c->command);
   }
   const Zerod__V1__Checkpoint *cp = reply->checkpoint;
   if (c->json) {
     json_out j = {.out = stdout};
-    json_open(&j, NULL, '{');
+    ctl__json_open(&j, NULL, '{');
     json_checkpoint(&j, "checkpoint", cp);
-    json_i64(&j, "stall_ms", reply->stall_ms);
-    json_i64(&j, "total_ms", reply->total_ms);
-    json_close(&j, '}');
+    ctl__json_i64(&j, "stall_ms", reply->stall_ms);
+    ctl__json_i64(&j, "total_ms", reply->total_ms);
+    ctl__json_close(&j, '}');
   } else {
     char text[64];
-    print_field("job", "%s", cp->job);
-    print_field("name", "%s", cp->name);
-    print_field("step", "%" PRIu64, cp->step);
-    print_field("size", "%s", format_bytes(cp->bytes, text, sizeof text));
-    print_field("stall", "%s", format_ms(reply->stall_ms, text, sizeof text));
-    print_field("total", "%s", format_ms(reply->total_ms, text, sizeof text));
-    print_field("path", "%s", cp->path);
+    ctl__print_field("job", "%s", cp->job);
+    ctl__print_field("name", "%s", cp->name);
+    ctl__print_field("step", "%" PRIu64, cp->step);
+    ctl__print_field("size", "%s", ctl__format_bytes(cp->bytes, text, sizeof text));
+    ctl__print_field("stall", "%s", ctl__format_ms(reply->stall_ms, text, sizeof text));
+    ctl__print_field("total", "%s", ctl__format_ms(reply->total_ms, text, sizeof text));
+    ctl__print_field("path", "%s", cp->path);
   }
   zerod__v1__save_reply__free_unpacked(reply, NULL);
   return 0;
@@ -1480,19 +1068,19 @@ static int cmd_checkpoint_list(ctl *c, int argc, char **argv) {
     return rc;
   if (c->json) {
     json_out j = {.out = stdout};
-    json_open(&j, NULL, '{');
-    json_open(&j, "checkpoints", '[');
+    ctl__json_open(&j, NULL, '{');
+    ctl__json_open(&j, "checkpoints", '[');
     for (size_t i = 0; i < reply->n_checkpoints; i++)
       json_checkpoint(&j, NULL, reply->checkpoints[i]);
-    json_close(&j, ']');
-    json_close(&j, '}');
+    ctl__json_close(&j, ']');
+    ctl__json_close(&j, '}');
     zerod__v1__list_checkpoints_reply__free_unpacked(reply, NULL);
     return 0;
   }
   static const char *const headers[] = {"JOB",  "NAME",    "STEP",  "WORLD",
                                         "SIZE", "CREATED", "TENANT"};
   table t;
-  table_init(&t, 7, headers);
+  ctl__table_init(&t, 7, headers);
   for (size_t i = 0; i < reply->n_checkpoints && rc == 0; i++) {
     const Zerod__V1__Checkpoint *cp = reply->checkpoints[i];
     char cells[7][TABLE_CELL_BYTES];
@@ -1500,15 +1088,15 @@ static int cmd_checkpoint_list(ctl *c, int argc, char **argv) {
     snprintf(cells[1], TABLE_CELL_BYTES, "%s", cp->name);
     snprintf(cells[2], TABLE_CELL_BYTES, "%" PRIu64, cp->step);
     snprintf(cells[3], TABLE_CELL_BYTES, "%" PRIu32, cp->world_size);
-    format_bytes(cp->bytes, cells[4], TABLE_CELL_BYTES);
-    format_unix_ms(cp->created_unix_ms, cells[5], TABLE_CELL_BYTES);
+    ctl__format_bytes(cp->bytes, cells[4], TABLE_CELL_BYTES);
+    ctl__format_unix_ms(cp->created_unix_ms, cells[5], TABLE_CELL_BYTES);
     snprintf(cells[6], TABLE_CELL_BYTES, "%s", cp->tenant[0] != '\0' ? cp->tenant : "-");
-    if (table_add_row(&t, cells) != 0)
-      rc = fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
+    if (ctl__table_add_row(&t, cells) != 0)
+      rc = ctl__fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
   }
   if (rc == 0)
-    table_print(&t, stdout);
-  table_free(&t);
+    ctl__table_print(&t, stdout);
+  ctl__table_free(&t);
   zerod__v1__list_checkpoints_reply__free_unpacked(reply, NULL);
   return rc;
 }
@@ -1525,10 +1113,10 @@ static int cmd_checkpoint_delete(ctl *c, int argc, char **argv) {
   zerod__v1__delete_checkpoint_reply__free_unpacked(reply, NULL);
   if (c->json) {
     json_out j = {.out = stdout};
-    json_open(&j, NULL, '{');
-    json_str(&j, "job", argv[0]);
-    json_str(&j, "deleted", argv[1]);
-    json_close(&j, '}');
+    ctl__json_open(&j, NULL, '{');
+    ctl__json_str(&j, "job", argv[0]);
+    ctl__json_str(&j, "deleted", argv[1]);
+    ctl__json_close(&j, '}');
   } else {
     printf("deleted checkpoint %s of job %s\n", argv[1], argv[0]);
   }
@@ -1546,18 +1134,18 @@ static int cmd_checkpoint_restore(ctl *c, int argc, char **argv) {
     return rc;
   if (c->json) {
     json_out j = {.out = stdout};
-    json_open(&j, NULL, '{');
-    json_str(&j, "job", argv[0]);
-    json_str(&j, "checkpoint", argv[1]);
-    json_u64(&j, "step", reply->step);
-    json_i64(&j, "total_ms", reply->total_ms);
-    json_close(&j, '}');
+    ctl__json_open(&j, NULL, '{');
+    ctl__json_str(&j, "job", argv[0]);
+    ctl__json_str(&j, "checkpoint", argv[1]);
+    ctl__json_u64(&j, "step", reply->step);
+    ctl__json_i64(&j, "total_ms", reply->total_ms);
+    ctl__json_close(&j, '}');
   } else {
     char text[64];
     char line[CTL_ERROR_LINE_BYTES];
     snprintf(line, sizeof line, "restored job %s from %s: step %" PRIu64 " in %s", argv[0], argv[1],
-             reply->step, format_ms(reply->total_ms, text, sizeof text));
-    sanitize_line(line);
+             reply->step, ctl__format_ms(reply->total_ms, text, sizeof text));
+    ctl__sanitize_line(line);
     printf("%s\n", line);
   }
   zerod__v1__restore_reply__free_unpacked(reply, NULL);
@@ -1589,25 +1177,26 @@ static int cmd_export(ctl *c, int argc, char **argv) {
   const char *dtype = request.dtype == ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_BF16 ? "bf16" : "fp32";
   if (c->json) {
     json_out j = {.out = stdout};
-    json_open(&j, NULL, '{');
-    json_str(&j, "job", argv[0]);
-    json_str(&j, "path", reply->path);
-    json_str(&j, "checkpoint", reply->checkpoint);
-    json_str(&j, "dtype", dtype);
-    json_u64(&j, "step", reply->step);
-    json_u64(&j, "tensors", reply->tensors);
-    json_u64(&j, "bytes", reply->bytes);
-    json_i64(&j, "total_ms", reply->total_ms);
-    json_close(&j, '}');
+    ctl__json_open(&j, NULL, '{');
+    ctl__json_str(&j, "job", argv[0]);
+    ctl__json_str(&j, "path", reply->path);
+    ctl__json_str(&j, "checkpoint", reply->checkpoint);
+    ctl__json_str(&j, "dtype", dtype);
+    ctl__json_u64(&j, "step", reply->step);
+    ctl__json_u64(&j, "tensors", reply->tensors);
+    ctl__json_u64(&j, "bytes", reply->bytes);
+    ctl__json_i64(&j, "total_ms", reply->total_ms);
+    ctl__json_close(&j, '}');
   } else {
     char text[64];
-    print_field("job", "%s", argv[0]);
-    print_field("source", "%s", reply->checkpoint[0] != '\0' ? reply->checkpoint : "(live state)");
-    print_field("step", "%" PRIu64, reply->step);
-    print_field("tensors", "%" PRIu32 " (%s)", reply->tensors, dtype);
-    print_field("size", "%s", format_bytes(reply->bytes, text, sizeof text));
-    print_field("total", "%s", format_ms(reply->total_ms, text, sizeof text));
-    print_field("path", "%s", reply->path);
+    ctl__print_field("job", "%s", argv[0]);
+    ctl__print_field("source", "%s",
+                     reply->checkpoint[0] != '\0' ? reply->checkpoint : "(live state)");
+    ctl__print_field("step", "%" PRIu64, reply->step);
+    ctl__print_field("tensors", "%" PRIu32 " (%s)", reply->tensors, dtype);
+    ctl__print_field("size", "%s", ctl__format_bytes(reply->bytes, text, sizeof text));
+    ctl__print_field("total", "%s", ctl__format_ms(reply->total_ms, text, sizeof text));
+    ctl__print_field("path", "%s", reply->path);
   }
   zerod__v1__export_reply__free_unpacked(reply, NULL);
   return 0;
@@ -1616,17 +1205,17 @@ static int cmd_export(ctl *c, int argc, char **argv) {
 /* Checks the arguments and options of `export` before anything is sent. */
 static int check_export_args(const ctl *c, char **argv) {
   if (!valid_job_dir_name(argv[0]))
-    return usage_error("export: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
-                       argv[0]);
+    return ctl__usage_error(
+        "export: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]", argv[0]);
   if (argv[1][0] == '\0' || strlen(argv[1]) > CTL_PATH_MAX_BYTES)
-    return usage_error("export: FILE must be a path of 1..%d bytes", CTL_PATH_MAX_BYTES);
+    return ctl__usage_error("export: FILE must be a path of 1..%d bytes", CTL_PATH_MAX_BYTES);
   if (c->export_checkpoint != NULL && !valid_checkpoint_ref(c->export_checkpoint))
-    return usage_error("export: invalid --checkpoint '%s': expected NAME, JOB/NAME or an "
-                       "absolute path to a checkpoint directory",
-                       c->export_checkpoint);
+    return ctl__usage_error("export: invalid --checkpoint '%s': expected NAME, JOB/NAME or an "
+                            "absolute path to a checkpoint directory",
+                            c->export_checkpoint);
   if (c->export_dtype != NULL && strcmp(c->export_dtype, "fp32") != 0 &&
       strcmp(c->export_dtype, "bf16") != 0)
-    return usage_error("export: invalid --dtype '%s': expected fp32 or bf16", c->export_dtype);
+    return ctl__usage_error("export: invalid --dtype '%s': expected fp32 or bf16", c->export_dtype);
   return 0;
 }
 
@@ -1636,24 +1225,26 @@ static int check_checkpoint_args(const char *command, int argc, char **argv) {
   int any_dir =
       strcmp(command, "checkpoint list") == 0 || strcmp(command, "checkpoint delete") == 0;
   if (argc > 0 && !(any_dir ? valid_checkpoint_dir(argv[0]) : valid_job_dir_name(argv[0])))
-    return usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]%s",
-                       command, argv[0], any_dir ? ", or a deleted job's <job>@<id>" : "");
+    return ctl__usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]%s",
+                            command, argv[0], any_dir ? ", or a deleted job's <job>@<id>" : "");
   if (argc < 2)
     return 0;
   if (strcmp(command, "checkpoint restore") == 0) {
     if (!valid_checkpoint_ref(argv[1]))
-      return usage_error("%s: invalid checkpoint '%s': expected NAME, JOB/NAME, JOB@ID/NAME or "
-                         "an absolute path to a checkpoint directory or a .safetensors file",
-                         command, argv[1]);
+      return ctl__usage_error(
+          "%s: invalid checkpoint '%s': expected NAME, JOB/NAME, JOB@ID/NAME or "
+          "an absolute path to a checkpoint directory or a .safetensors file",
+          command, argv[1]);
     return 0;
   }
   if (!valid_checkpoint_name(argv[1]))
-    return usage_error("%s: invalid checkpoint name '%s': expected 1..64 characters "
-                       "[A-Za-z0-9._-], not starting with '.', without '.tmp-' or '.deleting-'",
-                       command, argv[1]);
+    return ctl__usage_error(
+        "%s: invalid checkpoint name '%s': expected 1..64 characters "
+        "[A-Za-z0-9._-], not starting with '.', without '.tmp-' or '.deleting-'",
+        command, argv[1]);
   if (strcmp(command, "checkpoint save") == 0 && strncmp(argv[1], "auto-", 5) == 0)
-    return usage_error("%s: checkpoint names starting with 'auto-' are for periodic checkpoints",
-                       command);
+    return ctl__usage_error(
+        "%s: checkpoint names starting with 'auto-' are for periodic checkpoints", command);
   return 0;
 }
 
@@ -1673,16 +1264,16 @@ static int cmd_health(ctl *c, int argc, char **argv) {
   grpc__health__v1__health_check_response__free_unpacked(reply, NULL);
   if (c->json) {
     json_out j = {.out = stdout};
-    json_open(&j, NULL, '{');
-    json_str(&j, "service", request.service);
-    json_str(&j, "status", serving_status_name(status, true));
-    json_close(&j, '}');
+    ctl__json_open(&j, NULL, '{');
+    ctl__json_str(&j, "service", request.service);
+    ctl__json_str(&j, "status", ctl__serving_status_name(status, true));
+    ctl__json_close(&j, '}');
   } else {
-    printf("%s\n", serving_status_name(status, false));
+    printf("%s\n", ctl__serving_status_name(status, false));
   }
   if (status != GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING)
-    return fail_line(CTL_EXIT_FAILED, "%s: the coordinator at %s is %s", c->command, c->coordinator,
-                     serving_status_name(status, false));
+    return ctl__fail_line(CTL_EXIT_FAILED, "%s: the coordinator at %s is %s", c->command,
+                          c->coordinator, ctl__serving_status_name(status, false));
   return 0;
 }
 
@@ -2022,11 +1613,11 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_NODE:
     if (o->n_node_lists == CTL_MAX_NODES)
-      return usage_error("jobs create: --node given more than %d times", CTL_MAX_NODES);
+      return ctl__usage_error("jobs create: --node given more than %d times", CTL_MAX_NODES);
     o->node_lists[o->n_node_lists++] = value;
     break;
   default:
-    return usage_error("unknown option '%s'", spelled);
+    return ctl__usage_error("unknown option '%s'", spelled);
   }
   if (slot != NULL)
     *slot = value;
@@ -2086,12 +1677,13 @@ static int security_setup(ctl *c, const char *token_file, bool insecure) {
   int use_tls = 0;
   if (rpc_client_credentials(&c->tls, token_file, &use_tls, c->token, sizeof c->token, err,
                              sizeof err) != 0)
-    return usage_error("%s", err);
+    return ctl__usage_error("%s", err);
   c->use_tls = use_tls != 0;
   if (!c->use_tls && !insecure && !rpc_insecure_from_env() && !rpc_address_is_local(c->coordinator))
-    return usage_error("the coordinator %s is on another host: reach it over TLS (--tls-ca, and "
-                       "--tls-cert/--tls-key for mutual TLS) or pass --insecure",
-                       c->coordinator);
+    return ctl__usage_error(
+        "the coordinator %s is on another host: reach it over TLS (--tls-ca, and "
+        "--tls-cert/--tls-key for mutual TLS) or pass --insecure",
+        c->coordinator);
   return 0;
 }
 
@@ -2129,8 +1721,8 @@ int main(int argc, char **argv) {
       break;
     case 't':
       if (parse_timeout(optarg, &c.timeout_s) != 0)
-        return usage_error("invalid --timeout '%s': expected seconds, > 0 and <= %g", optarg,
-                           CTL_MAX_TIMEOUT_S);
+        return ctl__usage_error("invalid --timeout '%s': expected seconds, > 0 and <= %g", optarg,
+                                CTL_MAX_TIMEOUT_S);
       timeout_given = true;
       break;
     case 'h':
@@ -2168,11 +1760,11 @@ int main(int argc, char **argv) {
         c.export_overwrite = true;
       break;
     case ':':
-      return usage_error("option '%s' needs a value (see zerodctl --help)", spelled);
+      return ctl__usage_error("option '%s' needs a value (see zerodctl --help)", spelled);
     case '?':
       if (optopt != 0 && word != NULL && strncmp(word, "--", 2) == 0)
-        return usage_error("option '%s' takes no value (see zerodctl --help)", spelled);
-      return usage_error("unknown option '%s' (see zerodctl --help)", spelled);
+        return ctl__usage_error("option '%s' takes no value (see zerodctl --help)", spelled);
+      return ctl__usage_error("unknown option '%s' (see zerodctl --help)", spelled);
     default: {
       int rc = set_create_option(&create, opt, optarg, spelled);
       if (rc != 0)
@@ -2199,30 +1791,31 @@ int main(int argc, char **argv) {
     return 0;
   }
   if (n_args == 0)
-    return usage_error("no command given (see zerodctl --help)");
+    return ctl__usage_error("no command given (see zerodctl --help)");
   if (cmd == NULL) {
     if (strcmp(args[0], "jobs") == 0)
-      return usage_error(n_args == 1 ? "jobs: which one? list, get, create or delete"
-                                     : "jobs: unknown command '%s' (list, get, create or delete)",
-                         n_args > 1 ? args[1] : "");
+      return ctl__usage_error(n_args == 1
+                                  ? "jobs: which one? list, get, create or delete"
+                                  : "jobs: unknown command '%s' (list, get, create or delete)",
+                              n_args > 1 ? args[1] : "");
     if (strcmp(args[0], "checkpoint") == 0)
-      return usage_error(n_args == 1
-                             ? "checkpoint: which one? save, list, delete or restore"
-                             : "checkpoint: unknown command '%s' (save, list, delete or restore)",
-                         n_args > 1 ? args[1] : "");
+      return ctl__usage_error(
+          n_args == 1 ? "checkpoint: which one? save, list, delete or restore"
+                      : "checkpoint: unknown command '%s' (save, list, delete or restore)",
+          n_args > 1 ? args[1] : "");
     if (strcmp(args[0], "top") == 0)
-      return usage_error("top: its options go after it: zerodctl top [--json] ...");
-    return usage_error("unknown command '%s' (see zerodctl --help)", args[0]);
+      return ctl__usage_error("top: its options go after it: zerodctl top [--json] ...");
+    return ctl__usage_error("unknown command '%s' (see zerodctl --help)", args[0]);
   }
   c.command = cmd->name;
   args += words;
   n_args -= words;
   if (n_args < cmd->min_args || n_args > cmd->max_args)
-    return usage_error("%s: usage: zerodctl %s%s", cmd->name, cmd->name, cmd->args_usage);
+    return ctl__usage_error("%s: usage: zerodctl %s%s", cmd->name, cmd->name, cmd->args_usage);
   for (size_t i = 0; i < sizeof owned / sizeof owned[0]; i++)
     if (owned[i].given[0] != '\0' && strcmp(cmd->name, owned[i].command) != 0)
-      return usage_error("%s: option '%s' belongs to %s", cmd->name, owned[i].given,
-                         owned[i].command);
+      return ctl__usage_error("%s: option '%s' belongs to %s", cmd->name, owned[i].given,
+                              owned[i].command);
   if (strcmp(cmd->name, "export") == 0) {
     int rc = check_export_args(&c, args);
     if (rc != 0)
@@ -2231,8 +1824,8 @@ int main(int argc, char **argv) {
       c.timeout_s = CTL_CHECKPOINT_TIMEOUT_S;
   }
   if (strncmp(cmd->name, "jobs ", 5) == 0 && n_args == 1 && !valid_name(args[0]))
-    return usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
-                       cmd->name, args[0]);
+    return ctl__usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
+                            cmd->name, args[0]);
   if (strncmp(cmd->name, "checkpoint ", 11) == 0) {
     int rc = check_checkpoint_args(cmd->name, n_args, args);
     if (rc != 0)
@@ -2250,8 +1843,8 @@ int main(int argc, char **argv) {
       c.coordinator = CTL_DEFAULT_COORDINATOR;
   }
   if (!valid_target(c.coordinator))
-    return usage_error("invalid %s '%s': expected HOST:PORT or unix:PATH", coordinator_from,
-                       c.coordinator);
+    return ctl__usage_error("invalid %s '%s': expected HOST:PORT or unix:PATH", coordinator_from,
+                            c.coordinator);
   int rc = security_setup(&c, token_file, insecure);
   if (rc != 0)
     return rc;
@@ -2265,7 +1858,7 @@ int main(int argc, char **argv) {
    * rpc module logs through log.h: only its errors could matter here, and
    * those reach the user as the call's status. */
   if (setenv("GRPC_VERBOSITY", "NONE", 0) != 0)
-    return fail_line(CTL_EXIT_FAILED, "setenv: %s", strerror(errno));
+    return ctl__fail_line(CTL_EXIT_FAILED, "setenv: %s", strerror(errno));
   log_set_level(LOG_ERROR);
 
   if (cmd->run != NULL)
@@ -2279,7 +1872,8 @@ int main(int argc, char **argv) {
    * failure a script must see. */
   if (fflush(stdout) != 0 || ferror(stdout)) {
     if (rc == 0)
-      rc = fail_line(CTL_EXIT_FAILED, "%s: writing the output: %s", c.command, strerror(errno));
+      rc =
+          ctl__fail_line(CTL_EXIT_FAILED, "%s: writing the output: %s", c.command, strerror(errno));
   }
   return rc;
 }

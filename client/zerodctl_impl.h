@@ -1,0 +1,101 @@
+/* zerodctl_impl: what the files of zerodctl share (docs/zerodctl.md is the
+ * user's guide; docs/architecture.md lists the files).
+ *
+ * zerodctl is one program cut along its jobs, each file calling only the
+ * files listed after it, never back:
+ *
+ *   zerodctl.c            the entry: help texts, the command table, dispatch
+ *   zerodctl_output.c     one error line on stderr; JSON, tables and values
+ *                         for people on stdout; the names of enum values
+ *
+ * Included by the zerodctl*.c files only; top.c (zerodctl top) has its own
+ * header, top.h. Names shared between the files are ctl__*; the types and
+ * limits below are the program's own. */
+#ifndef ZEROD_ZERODCTL_IMPL_H
+#define ZEROD_ZERODCTL_IMPL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "grpc/health/v1/health.pb-c.h"
+#include "zerod/v1/control.pb-c.h"
+
+#define CTL_DEFAULT_COORDINATOR  "127.0.0.1:7070"
+#define CTL_DEFAULT_TIMEOUT_S    10.0
+#define CTL_CHECKPOINT_TIMEOUT_S 600.0 /* checkpoint save and restore, without --timeout */
+#define CTL_MAX_TIMEOUT_S        86400.0
+#define CTL_NAME_MAX_BYTES       64 /* node and job names (control.proto) */
+#define CTL_MAX_NODES            64 /* nodes of one job (CreateJobRequest) */
+#define CTL_MAX_RANKS            64 /* ranks per node, and world size */
+#define CTL_TOKEN_MAX_BYTES      256
+#define CTL_TARGET_MAX_BYTES     255
+#define CTL_PATH_MAX_BYTES       4000 /* a checkpoint path (RestoreRequest) */
+#define CTL_ERROR_LINE_BYTES     1024
+
+/* Exit statuses (docs/zerodctl.md). */
+enum { CTL_EXIT_OK = 0, CTL_EXIT_FAILED = 1, CTL_EXIT_USAGE = 2 };
+
+/* A compact JSON writer for our own, statically known, shapes: nesting is
+ * bounded by the code that calls it, never by the data. */
+#define JSON_MAX_DEPTH 16
+
+typedef struct json_out {
+  FILE *out;
+  int depth;
+  bool has_items[JSON_MAX_DEPTH];
+} json_out;
+
+/* A table for people: a header and rows of cells, printed aligned. */
+#define TABLE_MAX_COLUMNS 8
+#define TABLE_CELL_BYTES  256
+
+typedef struct table {
+  size_t columns;
+  const char *headers[TABLE_MAX_COLUMNS];
+  size_t rows, capacity; /* in rows */
+  char **cells;          /* rows * columns strings, owned */
+} table;
+
+/* ------------------------------------------------------------------------ */
+/* zerodctl_output.c                                                        */
+/* ------------------------------------------------------------------------ */
+
+/* Errors: one line on stderr, "zerodctl: <message>", stripped of control
+ * characters; each returns status, the exit status to return. */
+void ctl__sanitize_line(char *s);
+int ctl__fail_line(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define ctl__usage_error(...) ctl__fail_line(CTL_EXIT_USAGE, __VA_ARGS__)
+
+/* JSON: open an object ('{') or array ('['), add members (key NULL inside
+ * an array), close it; the outermost close ends the line. */
+void ctl__json_open(json_out *j, const char *key, char bracket);
+void ctl__json_close(json_out *j, char bracket);
+void ctl__json_str(json_out *j, const char *key, const char *value);
+void ctl__json_u64(json_out *j, const char *key, uint64_t value);
+void ctl__json_i64(json_out *j, const char *key, int64_t value);
+void ctl__json_bool(json_out *j, const char *key, bool value);
+void ctl__json_f64(json_out *j, const char *key, double value);
+
+/* Tables for people: rows of TABLE_CELL_BYTES cells, printed aligned. */
+void ctl__table_init(table *t, size_t columns, const char *const *headers);
+void ctl__table_free(table *t);
+int ctl__table_add_row(table *t, char cell_text[][TABLE_CELL_BYTES]);
+void ctl__table_print(const table *t, FILE *out);
+
+/* Values for people; each writes out and returns it. */
+const char *ctl__format_bytes(uint64_t bytes, char *out, size_t out_bytes);
+const char *ctl__format_unix_ms(int64_t unix_ms, char *out, size_t out_bytes);
+const char *ctl__format_ms(int64_t ms, char *out, size_t out_bytes);
+void ctl__print_field(const char *key, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* The names of enum values, as --json and the tables print them. */
+const char *ctl__job_state_name(Zerod__V1__JobState state);
+const char *ctl__optimizer_name(Zerod__V1__OptimizerKind kind);
+const char *ctl__offload_name(const Zerod__V1__OffloadConfig *off);
+const char *ctl__precision_name(Zerod__V1__Dtype dtype);
+const char *ctl__serving_status_name(Grpc__Health__V1__HealthCheckResponse__ServingStatus s,
+                                     bool lower);
+
+#endif /* ZEROD_ZERODCTL_IMPL_H */
