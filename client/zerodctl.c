@@ -39,90 +39,6 @@
 #endif
 
 /* ------------------------------------------------------------------------ */
-/* Calls                                                                    */
-/* ------------------------------------------------------------------------ */
-
-typedef struct ctl {
-  const char *coordinator; /* HOST:PORT */
-  double timeout_s;
-  int timeout_ms;
-  bool json;
-  const char *command; /* "jobs get", for error lines */
-  rpc_channel *channel;
-  /* export's options */
-  const char *export_checkpoint; /* NULL: the job's state now */
-  const char *export_dtype;      /* NULL: fp32 */
-  bool export_overwrite;
-  /* How to reach the coordinator (docs/security.md). */
-  bool use_tls;
-  rpc_tls tls;
-  char token[RPC_MAX_TOKEN_BYTES + 1]; /* "": none */
-} ctl;
-
-/* Prints the one error line for a failed call and returns its exit status. */
-static int call_failed(const ctl *c, int status, const rpc_result *result) {
-  const char *message = result->message[0] != '\0' ? result->message : "(no message)";
-  if (status < 0)
-    return ctl__fail_line(CTL_EXIT_FAILED, "%s: %s%s%s", c->command, strerror(-status),
-                          result->message[0] != '\0' ? ": " : "", result->message);
-  if (status == RPC_UNAVAILABLE)
-    return ctl__fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s: %s",
-                          c->coordinator, rpc_status_name(status), message);
-  if (status == RPC_DEADLINE_EXCEEDED)
-    return ctl__fail_line(CTL_EXIT_FAILED, "%s: %s: no reply from the coordinator at %s within %gs",
-                          c->command, rpc_status_name(status), c->coordinator, c->timeout_s);
-  return ctl__fail_line(CTL_EXIT_FAILED, "%s: %s: %s", c->command, rpc_status_name(status),
-                        message);
-}
-
-/* Makes one unary call: packs request, waits up to the timeout, unpacks
- * the reply as reply_type into *reply (caller frees with
- * protobuf_c_message_free_unpacked). On failure prints the error line and
- * returns the exit status; returns 0 on success. */
-static int call(ctl *c, const char *method, const ProtobufCMessage *request,
-                const ProtobufCMessageDescriptor *reply_type, ProtobufCMessage **reply) {
-  static const uint8_t no_bytes[1];
-  rpc_result result;
-  memset(&result, 0, sizeof result);
-  *reply = NULL;
-
-  if (c->channel == NULL) {
-    char err[256] = "";
-    rpc_channel_options options = {.tls = c->use_tls ? &c->tls : NULL, .token = c->token};
-    int rc = rpc_channel_create_with(c->coordinator, &options, &c->channel, err, sizeof err);
-    if (rc != 0)
-      return ctl__fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s",
-                            c->coordinator, err[0] != '\0' ? err : strerror(-rc));
-  }
-
-  size_t request_bytes = protobuf_c_message_get_packed_size(request);
-  if (request_bytes > RPC_MAX_MESSAGE_BYTES)
-    return ctl__fail_line(CTL_EXIT_USAGE, "%s: the request is %zu bytes, over the limit of %u",
-                          c->command, request_bytes, (unsigned)RPC_MAX_MESSAGE_BYTES);
-  uint8_t *packed = malloc(request_bytes > 0 ? request_bytes : 1);
-  if (packed == NULL)
-    return ctl__fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
-  protobuf_c_message_pack(request, packed);
-
-  uint8_t *reply_buf = NULL;
-  size_t reply_bytes = 0;
-  int status = rpc_unary(c->channel, method, packed, request_bytes, c->timeout_ms, &reply_buf,
-                         &reply_bytes, &result);
-  free(packed);
-  if (status != RPC_OK) {
-    free(reply_buf);
-    return call_failed(c, status, &result);
-  }
-  *reply = protobuf_c_message_unpack(reply_type, NULL, reply_bytes,
-                                     reply_buf != NULL ? reply_buf : no_bytes);
-  free(reply_buf);
-  if (*reply == NULL)
-    return ctl__fail_line(CTL_EXIT_FAILED, "%s: the coordinator's reply is not a valid %s message",
-                          c->command, reply_type->name);
-  return 0;
-}
-
-/* ------------------------------------------------------------------------ */
 /* Argument checks                                                          */
 /* ------------------------------------------------------------------------ */
 
@@ -316,8 +232,8 @@ static void json_member(json_out *j, const Zerod__V1__Member *m) {
 static int cmd_members(ctl *c, int argc, char **argv) {
   Zerod__V1__GetViewRequest request = ZEROD__V1__GET_VIEW_REQUEST__INIT;
   Zerod__V1__View *view;
-  int rc = call(c, "/zerod.v1.Cluster/GetView", &request.base, &zerod__v1__view__descriptor,
-                (ProtobufCMessage **)&view);
+  int rc = ctl__call(c, "/zerod.v1.Cluster/GetView", &request.base, &zerod__v1__view__descriptor,
+                     (ProtobufCMessage **)&view);
   if (rc != 0)
     return rc;
 
@@ -608,8 +524,8 @@ static void format_job_nodes(const Zerod__V1__Job *job, char *out, size_t out_by
 static int cmd_jobs_list(ctl *c, int argc, char **argv) {
   Zerod__V1__ListJobsRequest request = ZEROD__V1__LIST_JOBS_REQUEST__INIT;
   Zerod__V1__ListJobsReply *reply;
-  int rc = call(c, "/zerod.v1.Jobs/ListJobs", &request.base,
-                &zerod__v1__list_jobs_reply__descriptor, (ProtobufCMessage **)&reply);
+  int rc = ctl__call(c, "/zerod.v1.Jobs/ListJobs", &request.base,
+                     &zerod__v1__list_jobs_reply__descriptor, (ProtobufCMessage **)&reply);
   if (rc != 0)
     return rc;
 
@@ -654,8 +570,8 @@ static int cmd_jobs_get(ctl *c, int argc, char **argv) {
   Zerod__V1__GetJobRequest request = ZEROD__V1__GET_JOB_REQUEST__INIT;
   request.name = argv[0];
   Zerod__V1__Job *job;
-  int rc = call(c, "/zerod.v1.Jobs/GetJob", &request.base, &zerod__v1__job__descriptor,
-                (ProtobufCMessage **)&job);
+  int rc = ctl__call(c, "/zerod.v1.Jobs/GetJob", &request.base, &zerod__v1__job__descriptor,
+                     (ProtobufCMessage **)&job);
   if (rc != 0)
     return rc;
   if (c->json) {
@@ -672,8 +588,8 @@ static int cmd_jobs_delete(ctl *c, int argc, char **argv) {
   Zerod__V1__DeleteJobRequest request = ZEROD__V1__DELETE_JOB_REQUEST__INIT;
   request.name = argv[0];
   Zerod__V1__DeleteJobReply *reply;
-  int rc = call(c, "/zerod.v1.Jobs/DeleteJob", &request.base,
-                &zerod__v1__delete_job_reply__descriptor, (ProtobufCMessage **)&reply);
+  int rc = ctl__call(c, "/zerod.v1.Jobs/DeleteJob", &request.base,
+                     &zerod__v1__delete_job_reply__descriptor, (ProtobufCMessage **)&reply);
   if (rc != 0)
     return rc;
   zerod__v1__delete_job_reply__free_unpacked(reply, NULL);
@@ -693,8 +609,8 @@ static int cmd_jobs_read_token(ctl *c, int argc, char **argv) {
   Zerod__V1__IssueReadTokenRequest request = ZEROD__V1__ISSUE_READ_TOKEN_REQUEST__INIT;
   request.job = argv[0];
   Zerod__V1__IssueReadTokenReply *reply;
-  int rc = call(c, "/zerod.v1.Jobs/IssueReadToken", &request.base,
-                &zerod__v1__issue_read_token_reply__descriptor, (ProtobufCMessage **)&reply);
+  int rc = ctl__call(c, "/zerod.v1.Jobs/IssueReadToken", &request.base,
+                     &zerod__v1__issue_read_token_reply__descriptor, (ProtobufCMessage **)&reply);
   if (rc != 0)
     return rc;
   if (c->json) {
@@ -982,8 +898,8 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
   }
 
   Zerod__V1__CreateJobReply *reply;
-  rc = call(c, "/zerod.v1.Jobs/CreateJob", &request.base, &zerod__v1__create_job_reply__descriptor,
-            (ProtobufCMessage **)&reply);
+  rc = ctl__call(c, "/zerod.v1.Jobs/CreateJob", &request.base,
+                 &zerod__v1__create_job_reply__descriptor, (ProtobufCMessage **)&reply);
   if (rc != 0)
     return rc;
   if (reply->job == NULL) {
@@ -1027,8 +943,8 @@ static int cmd_checkpoint_save(ctl *c, int argc, char **argv) {
   request.job = argv[0];
   request.name = argc > 1 ? argv[1] : "";
   Zerod__V1__SaveReply *reply;
-  int rc = call(c, "/zerod.v1.Checkpoints/Save", &request.base, &zerod__v1__save_reply__descriptor,
-                (ProtobufCMessage **)&reply);
+  int rc = ctl__call(c, "/zerod.v1.Checkpoints/Save", &request.base,
+                     &zerod__v1__save_reply__descriptor, (ProtobufCMessage **)&reply);
   if (rc != 0)
     return rc;
   if (reply->checkpoint == NULL) {
@@ -1062,8 +978,8 @@ static int cmd_checkpoint_list(ctl *c, int argc, char **argv) {
   Zerod__V1__ListCheckpointsRequest request = ZEROD__V1__LIST_CHECKPOINTS_REQUEST__INIT;
   request.job = argc > 0 ? argv[0] : "";
   Zerod__V1__ListCheckpointsReply *reply;
-  int rc = call(c, "/zerod.v1.Checkpoints/List", &request.base,
-                &zerod__v1__list_checkpoints_reply__descriptor, (ProtobufCMessage **)&reply);
+  int rc = ctl__call(c, "/zerod.v1.Checkpoints/List", &request.base,
+                     &zerod__v1__list_checkpoints_reply__descriptor, (ProtobufCMessage **)&reply);
   if (rc != 0)
     return rc;
   if (c->json) {
@@ -1106,8 +1022,8 @@ static int cmd_checkpoint_delete(ctl *c, int argc, char **argv) {
   request.job = argv[0];
   request.name = argv[1];
   Zerod__V1__DeleteCheckpointReply *reply;
-  int rc = call(c, "/zerod.v1.Checkpoints/Delete", &request.base,
-                &zerod__v1__delete_checkpoint_reply__descriptor, (ProtobufCMessage **)&reply);
+  int rc = ctl__call(c, "/zerod.v1.Checkpoints/Delete", &request.base,
+                     &zerod__v1__delete_checkpoint_reply__descriptor, (ProtobufCMessage **)&reply);
   if (rc != 0)
     return rc;
   zerod__v1__delete_checkpoint_reply__free_unpacked(reply, NULL);
@@ -1128,8 +1044,8 @@ static int cmd_checkpoint_restore(ctl *c, int argc, char **argv) {
   request.job = argv[0];
   request.checkpoint = argv[1];
   Zerod__V1__RestoreReply *reply;
-  int rc = call(c, "/zerod.v1.Checkpoints/Restore", &request.base,
-                &zerod__v1__restore_reply__descriptor, (ProtobufCMessage **)&reply);
+  int rc = ctl__call(c, "/zerod.v1.Checkpoints/Restore", &request.base,
+                     &zerod__v1__restore_reply__descriptor, (ProtobufCMessage **)&reply);
   if (rc != 0)
     return rc;
   if (c->json) {
@@ -1170,8 +1086,8 @@ static int cmd_export(ctl *c, int argc, char **argv) {
    * (docs/checkpoints.md, "Where files may be read and written"). */
   request.path = argv[1];
   Zerod__V1__ExportReply *reply;
-  int rc = call(c, "/zerod.v1.Checkpoints/Export", &request.base,
-                &zerod__v1__export_reply__descriptor, (ProtobufCMessage **)&reply);
+  int rc = ctl__call(c, "/zerod.v1.Checkpoints/Export", &request.base,
+                     &zerod__v1__export_reply__descriptor, (ProtobufCMessage **)&reply);
   if (rc != 0)
     return rc;
   const char *dtype = request.dtype == ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_BF16 ? "bf16" : "fp32";
@@ -1256,7 +1172,8 @@ static int cmd_health(ctl *c, int argc, char **argv) {
   Grpc__Health__V1__HealthCheckRequest request = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
   request.service = argc > 0 ? argv[0] : "";
   Grpc__Health__V1__HealthCheckResponse *reply;
-  int rc = call(c, "/grpc.health.v1.Health/Check", &request.base,
+  int rc =
+      ctl__call(c, "/grpc.health.v1.Health/Check", &request.base,
                 &grpc__health__v1__health_check_response__descriptor, (ProtobufCMessage **)&reply);
   if (rc != 0)
     return rc;
@@ -1669,24 +1586,6 @@ static const command *find_command(int argc, char **argv, int *words) {
   return NULL;
 }
 
-/* The environment fills the TLS flags not given; the token comes from a
- * file or ZEROD_AUTH_TOKEN. Plain transport to another host needs
- * --insecure. Returns 0 or the usage exit status. */
-static int security_setup(ctl *c, const char *token_file, bool insecure) {
-  char err[PATH_MAX + 128];
-  int use_tls = 0;
-  if (rpc_client_credentials(&c->tls, token_file, &use_tls, c->token, sizeof c->token, err,
-                             sizeof err) != 0)
-    return ctl__usage_error("%s", err);
-  c->use_tls = use_tls != 0;
-  if (!c->use_tls && !insecure && !rpc_insecure_from_env() && !rpc_address_is_local(c->coordinator))
-    return ctl__usage_error(
-        "the coordinator %s is on another host: reach it over TLS (--tls-ca, and "
-        "--tls-cert/--tls-key for mutual TLS) or pass --insecure",
-        c->coordinator);
-  return 0;
-}
-
 int main(int argc, char **argv) {
   /* top reads the daemons' metrics, not the coordinator: options of its
    * own, after it. */
@@ -1845,7 +1744,7 @@ int main(int argc, char **argv) {
   if (!valid_target(c.coordinator))
     return ctl__usage_error("invalid %s '%s': expected HOST:PORT or unix:PATH", coordinator_from,
                             c.coordinator);
-  int rc = security_setup(&c, token_file, insecure);
+  int rc = ctl__security_setup(&c, token_file, insecure);
   if (rc != 0)
     return rc;
   c.timeout_ms = (int)(c.timeout_s * 1000.0 + 0.999);

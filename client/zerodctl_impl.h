@@ -5,6 +5,7 @@
  * files listed after it, never back:
  *
  *   zerodctl.c            the entry: help texts, the command table, dispatch
+ *   zerodctl_call.c       calls to the coordinator, its credentials
  *   zerodctl_output.c     one error line on stderr; JSON, tables and values
  *                         for people on stdout; the names of enum values
  *
@@ -20,6 +21,7 @@
 #include <stdio.h>
 
 #include "grpc/health/v1/health.pb-c.h"
+#include "rpc.h"
 #include "zerod/v1/control.pb-c.h"
 
 #define CTL_DEFAULT_COORDINATOR  "127.0.0.1:7070"
@@ -97,5 +99,39 @@ const char *ctl__offload_name(const Zerod__V1__OffloadConfig *off);
 const char *ctl__precision_name(Zerod__V1__Dtype dtype);
 const char *ctl__serving_status_name(Grpc__Health__V1__HealthCheckResponse__ServingStatus s,
                                      bool lower);
+
+/* One invocation: the command line's settings and the channel. */
+typedef struct ctl {
+  const char *coordinator; /* HOST:PORT */
+  double timeout_s;
+  int timeout_ms;
+  bool json;
+  const char *command; /* "jobs get", for error lines */
+  rpc_channel *channel;
+  /* export's options */
+  const char *export_checkpoint; /* NULL: the job's state now */
+  const char *export_dtype;      /* NULL: fp32 */
+  bool export_overwrite;
+  /* How to reach the coordinator (docs/security.md). */
+  bool use_tls;
+  rpc_tls tls;
+  char token[RPC_MAX_TOKEN_BYTES + 1]; /* "": none */
+} ctl;
+
+/* ------------------------------------------------------------------------ */
+/* zerodctl_call.c                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* Makes one unary call: packs request, waits up to the timeout, unpacks
+ * the reply as reply_type into *reply (caller frees with
+ * protobuf_c_message_free_unpacked). On failure prints the error line and
+ * returns the exit status; returns 0 on success. */
+int ctl__call(ctl *c, const char *method, const ProtobufCMessage *request,
+              const ProtobufCMessageDescriptor *reply_type, ProtobufCMessage **reply);
+
+/* Settles how c reaches the coordinator: TLS and the token from the flags,
+ * else the environment; plain transport to another host only with
+ * --insecure. Returns 0 or the usage exit status. */
+int ctl__security_setup(ctl *c, const char *token_file, bool insecure);
 
 #endif /* ZEROD_ZERODCTL_IMPL_H */
