@@ -39,145 +39,6 @@
 #endif
 
 /* ------------------------------------------------------------------------ */
-/* Argument checks                                                          */
-/* ------------------------------------------------------------------------ */
-
-/* Names of nodes and jobs: 1..64 bytes of [A-Za-z0-9._-] (control.proto). */
-static bool valid_name(const char *s) {
-  size_t len = strlen(s);
-  if (len == 0 || len > CTL_NAME_MAX_BYTES)
-    return false;
-  for (; *s != '\0'; s++) {
-    char ch = *s;
-    if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-          ch == '.' || ch == '_' || ch == '-'))
-      return false;
-  }
-  return true;
-}
-
-/* Checkpoint names: names that do not start with '.' and do not contain
- * the coordinator's marks of unfinished saves and deletes
- * (docs/checkpoints.md). */
-static bool valid_checkpoint_name(const char *s) {
-  return valid_name(s) && s[0] != '.' && strstr(s, ".tmp-") == NULL &&
-         strstr(s, ".deleting-") == NULL;
-}
-
-/* Job names that name a directory of checkpoints. */
-static bool valid_job_dir_name(const char *s) {
-  return valid_name(s) && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
-}
-
-/* A job's checkpoint directory: a job's name, or a deleted job's
- * "<job>@<id>" (id: 1..19 digits, no leading zero), as List shows it. */
-static bool valid_checkpoint_dir(const char *s) {
-  const char *at = strchr(s, '@');
-  if (at == NULL)
-    return valid_job_dir_name(s);
-  char job[CTL_NAME_MAX_BYTES + 1];
-  size_t job_bytes = (size_t)(at - s), digits = strlen(at + 1);
-  if (job_bytes == 0 || job_bytes > CTL_NAME_MAX_BYTES || digits == 0 || digits > 19 ||
-      at[1] == '0' || strspn(at + 1, "0123456789") != digits)
-    return false;
-  memcpy(job, s, job_bytes);
-  job[job_bytes] = '\0';
-  return valid_job_dir_name(job);
-}
-
-/* What `checkpoint restore` accepts: NAME, JOB/NAME, or an absolute path
- * (on the coordinator's and the nodes' filesystem, so never made absolute
- * here). */
-static bool valid_checkpoint_ref(const char *s) {
-  if (s[0] == '/')
-    return strlen(s) <= CTL_PATH_MAX_BYTES;
-  const char *slash = strchr(s, '/');
-  if (slash == NULL)
-    return valid_checkpoint_name(s);
-  char dir[CTL_NAME_MAX_BYTES + 24];
-  size_t dir_bytes = (size_t)(slash - s);
-  if (dir_bytes == 0 || dir_bytes >= sizeof dir)
-    return false;
-  memcpy(dir, s, dir_bytes);
-  dir[dir_bytes] = '\0';
-  return valid_checkpoint_dir(dir) && valid_checkpoint_name(slash + 1);
-}
-
-static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
-  char *end;
-  errno = 0;
-  if (s[0] == '-' || s[0] == '+')
-    return -1;
-  unsigned long long v = strtoull(s, &end, 10);
-  if (errno != 0 || end == s || *end != '\0' || v < lo || v > hi)
-    return -1;
-  *out = (uint32_t)v;
-  return 0;
-}
-
-/* A finite number in [lo, hi]; hi_open excludes hi itself. */
-static int parse_double(const char *s, double lo, double hi, bool hi_open, double *out) {
-  char *end;
-  errno = 0;
-  double v = strtod(s, &end);
-  if (errno != 0 || end == s || *end != '\0' || v != v || v < lo || v > hi || (hi_open && v == hi))
-    return -1;
-  *out = v;
-  return 0;
-}
-
-/* --timeout: seconds, fractions allowed, optional "s" suffix. */
-static int parse_timeout(const char *s, double *out) {
-  char text[64];
-  size_t len = strlen(s);
-  if (len == 0 || len >= sizeof text)
-    return -1;
-  memcpy(text, s, len + 1);
-  if (text[len - 1] == 's')
-    text[len - 1] = '\0';
-  double v;
-  if (parse_double(text, 0, CTL_MAX_TIMEOUT_S, false, &v) != 0 || !(v > 0))
-    return -1;
-  *out = v;
-  return 0;
-}
-
-/* HOST:PORT, HOST a name, an IPv4 address or a bracketed IPv6 address; or
- * unix:PATH, a standalone daemon's control socket (DIR/control.sock). */
-static bool valid_target(const char *s) {
-  size_t len = strlen(s);
-  if (len == 0 || len > CTL_TARGET_MAX_BYTES)
-    return false;
-  if (strncmp(s, "unix:", 5) == 0)
-    return s[5] != '\0';
-  const char *colon = strrchr(s, ':');
-  if (colon == NULL || colon == s)
-    return false;
-  uint32_t port;
-  if (parse_u32(colon + 1, 1, 65535, &port) != 0)
-    return false;
-  if (s[0] == '[')
-    return colon[-1] == ']' && colon - s > 2;
-  for (const char *p = s; p < colon; p++) {
-    char ch = *p;
-    if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-          ch == '.' || ch == '-' || ch == '_'))
-      return false;
-  }
-  return true;
-}
-
-static bool valid_token(const char *s) {
-  size_t len = strlen(s);
-  if (len == 0 || len > CTL_TOKEN_MAX_BYTES)
-    return false;
-  for (; *s != '\0'; s++)
-    if ((unsigned char)*s <= 0x20 || (unsigned char)*s >= 0x7f)
-      return false;
-  return true;
-}
-
-/* ------------------------------------------------------------------------ */
 /* members                                                                  */
 /* ------------------------------------------------------------------------ */
 
@@ -655,7 +516,7 @@ static int collect_node_names(const create_options *o,
                                 "node names of 1..64 characters [A-Za-z0-9._-], comma-separated");
       memcpy(name, p, len);
       name[len] = '\0';
-      if (!valid_name(name))
+      if (!ctl__valid_name(name))
         return bad_create_value("--node", o->node_lists[l],
                                 "node names of 1..64 characters [A-Za-z0-9._-], comma-separated");
       for (size_t k = 0; k < *n_names; k++)
@@ -684,10 +545,10 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
   request.name = (char *)name;
   request.nodes = 1;
   request.ranks_per_node = 1;
-  if (o->nodes != NULL && parse_u32(o->nodes, 1, CTL_MAX_NODES, &request.nodes) != 0)
+  if (o->nodes != NULL && ctl__parse_u32(o->nodes, 1, CTL_MAX_NODES, &request.nodes) != 0)
     return bad_create_value("--nodes", o->nodes, "an integer 1..64");
   if (o->ranks_per_node != NULL &&
-      parse_u32(o->ranks_per_node, 1, CTL_MAX_RANKS, &request.ranks_per_node) != 0)
+      ctl__parse_u32(o->ranks_per_node, 1, CTL_MAX_RANKS, &request.ranks_per_node) != 0)
     return bad_create_value("--ranks-per-node", o->ranks_per_node, "an integer 1..64");
   int rc = collect_node_names(o, names, &n_names);
   if (rc != 0)
@@ -721,12 +582,12 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
       return bad_create_value("--optimizer", o->optimizer, "adamw, adam or sgd");
   }
   bool sgd = optimizer.kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_SGD;
-  if (o->lr != NULL && parse_double(o->lr, 0, 1e6, false, &optimizer.lr) != 0)
+  if (o->lr != NULL && ctl__parse_double(o->lr, 0, 1e6, false, &optimizer.lr) != 0)
     return bad_create_value("--lr", o->lr, "a number > 0");
   if (o->lr != NULL && optimizer.lr == 0)
     return bad_create_value("--lr", o->lr, "a number > 0");
   if (o->weight_decay != NULL) {
-    if (parse_double(o->weight_decay, 0, 1e6, false, &optimizer.weight_decay) != 0)
+    if (ctl__parse_double(o->weight_decay, 0, 1e6, false, &optimizer.weight_decay) != 0)
       return bad_create_value("--weight-decay", o->weight_decay, "a number >= 0");
     optimizer.has_weight_decay = true;
   }
@@ -739,20 +600,20 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
       return bad_create_value("--betas", o->betas, "B1,B2, each in [0, 1)");
     snprintf(betas, sizeof betas, "%s", o->betas);
     betas[comma - o->betas] = '\0';
-    if (parse_double(betas, 0, 1, true, &optimizer.beta1) != 0 ||
-        parse_double(betas + (comma - o->betas) + 1, 0, 1, true, &optimizer.beta2) != 0)
+    if (ctl__parse_double(betas, 0, 1, true, &optimizer.beta1) != 0 ||
+        ctl__parse_double(betas + (comma - o->betas) + 1, 0, 1, true, &optimizer.beta2) != 0)
       return bad_create_value("--betas", o->betas, "B1,B2, each in [0, 1)");
   }
   if (o->eps != NULL) {
     if (sgd)
       return ctl__usage_error("jobs create: --eps applies to adamw and adam, not sgd");
-    if (parse_double(o->eps, 0, 1, false, &optimizer.eps) != 0 || optimizer.eps == 0)
+    if (ctl__parse_double(o->eps, 0, 1, false, &optimizer.eps) != 0 || optimizer.eps == 0)
       return bad_create_value("--eps", o->eps, "a number in (0, 1]");
   }
   if (o->momentum != NULL) {
     if (!sgd)
       return ctl__usage_error("jobs create: --momentum applies to sgd only (use --optimizer sgd)");
-    if (parse_double(o->momentum, 0, 1, true, &optimizer.momentum) != 0)
+    if (ctl__parse_double(o->momentum, 0, 1, true, &optimizer.momentum) != 0)
       return bad_create_value("--momentum", o->momentum, "a number in [0, 1)");
   }
   config.optimizer = &optimizer;
@@ -779,7 +640,7 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
   config.quantized_weights = o->quantized_weights != NULL;
   if (o->quantization_block != NULL) {
     double block;
-    if (parse_double(o->quantization_block, 2, 1 << 20, false, &block) != 0 ||
+    if (ctl__parse_double(o->quantization_block, 2, 1 << 20, false, &block) != 0 ||
         block != (uint32_t)block || (uint32_t)block % 2 != 0)
       return bad_create_value("--quantization-block", o->quantization_block,
                               "an even number of elements, 2..1048576");
@@ -802,7 +663,7 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
       return bad_create_value("--gradient-comm-dtype", o->gradient_comm_dtype, "fp32 or bf16");
   }
   if (o->hpz_partition_size != NULL) {
-    if (parse_u32(o->hpz_partition_size, 1, CTL_MAX_RANKS, &config.hpz_partition_size) != 0)
+    if (ctl__parse_u32(o->hpz_partition_size, 1, CTL_MAX_RANKS, &config.hpz_partition_size) != 0)
       return bad_create_value("--hpz-partition-size", o->hpz_partition_size,
                               "1 (off) or the job's ranks per node");
   }
@@ -830,18 +691,18 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
   if (o->nvme_path != NULL)
     offload.nvme_path = (char *)o->nvme_path;
   if (o->offload_buffer_count != NULL &&
-      parse_u32(o->offload_buffer_count, 2, 64, &offload.buffer_count) != 0)
+      ctl__parse_u32(o->offload_buffer_count, 2, 64, &offload.buffer_count) != 0)
     return bad_create_value("--offload-buffer-count", o->offload_buffer_count, "2..64");
   if (o->offload_buffer_size != NULL) {
     double elements;
-    if (parse_double(o->offload_buffer_size, 1024, 268435456, false, &elements) != 0 ||
+    if (ctl__parse_double(o->offload_buffer_size, 1024, 268435456, false, &elements) != 0 ||
         elements != (double)(uint64_t)elements || (uint64_t)elements % 1024 != 0)
       return bad_create_value("--offload-buffer-size", o->offload_buffer_size,
                               "elements, a multiple of 1024");
     offload.buffer_size = (uint64_t)elements;
   }
   if (o->max_grad_norm != NULL &&
-      parse_double(o->max_grad_norm, 0, 1e12, false, &config.max_grad_norm) != 0)
+      ctl__parse_double(o->max_grad_norm, 0, 1e12, false, &config.max_grad_norm) != 0)
     return bad_create_value("--max-grad-norm", o->max_grad_norm, "a number >= 0 (0: off)");
   if (o->max_live_bytes != NULL) {
     uint64_t bytes;
@@ -868,18 +729,19 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
     request.quotas = &quotas;
   }
   if (o->max_sessions != NULL) {
-    if (parse_u32(o->max_sessions, 1, 1000000, &quotas.max_sessions) != 0)
+    if (ctl__parse_u32(o->max_sessions, 1, 1000000, &quotas.max_sessions) != 0)
       return bad_create_value("--max-sessions", o->max_sessions, "1..1000000");
     request.quotas = &quotas;
   }
   request.config = &config;
   Zerod__V1__CheckpointPolicy policy = ZEROD__V1__CHECKPOINT_POLICY__INIT;
-  if (o->every_steps != NULL && parse_u32(o->every_steps, 1, UINT32_MAX, &policy.every_steps) != 0)
+  if (o->every_steps != NULL &&
+      ctl__parse_u32(o->every_steps, 1, UINT32_MAX, &policy.every_steps) != 0)
     return bad_create_value("--checkpoint-every-steps", o->every_steps, "an integer >= 1");
   if (o->every_seconds != NULL &&
-      parse_u32(o->every_seconds, 1, UINT32_MAX, &policy.every_seconds) != 0)
+      ctl__parse_u32(o->every_seconds, 1, UINT32_MAX, &policy.every_seconds) != 0)
     return bad_create_value("--checkpoint-every-seconds", o->every_seconds, "an integer >= 1");
-  if (o->keep != NULL && parse_u32(o->keep, 1, UINT32_MAX, &policy.keep) != 0)
+  if (o->keep != NULL && ctl__parse_u32(o->keep, 1, UINT32_MAX, &policy.keep) != 0)
     return bad_create_value("--checkpoint-keep", o->keep, "an integer >= 1");
   if (o->keep != NULL && o->every_steps == NULL && o->every_seconds == NULL)
     return ctl__usage_error("jobs create: --checkpoint-keep needs --checkpoint-every-steps or "
@@ -887,12 +749,12 @@ static int cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
   if (o->every_steps != NULL || o->every_seconds != NULL)
     request.checkpoint_policy = &policy;
   if (o->token != NULL) {
-    if (!valid_token(o->token))
+    if (!ctl__valid_token(o->token))
       return bad_create_value("--token", o->token, "1..256 printable characters, no spaces");
     request.token = (char *)o->token;
   }
   if (o->tenant != NULL) {
-    if (!valid_name(o->tenant))
+    if (!ctl__valid_name(o->tenant))
       return bad_create_value("--tenant", o->tenant, "1..64 of [A-Za-z0-9._-]");
     request.tenant = (char *)o->tenant;
   }
@@ -1115,52 +977,6 @@ static int cmd_export(ctl *c, int argc, char **argv) {
     ctl__print_field("path", "%s", reply->path);
   }
   zerod__v1__export_reply__free_unpacked(reply, NULL);
-  return 0;
-}
-
-/* Checks the arguments and options of `export` before anything is sent. */
-static int check_export_args(const ctl *c, char **argv) {
-  if (!valid_job_dir_name(argv[0]))
-    return ctl__usage_error(
-        "export: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]", argv[0]);
-  if (argv[1][0] == '\0' || strlen(argv[1]) > CTL_PATH_MAX_BYTES)
-    return ctl__usage_error("export: FILE must be a path of 1..%d bytes", CTL_PATH_MAX_BYTES);
-  if (c->export_checkpoint != NULL && !valid_checkpoint_ref(c->export_checkpoint))
-    return ctl__usage_error("export: invalid --checkpoint '%s': expected NAME, JOB/NAME or an "
-                            "absolute path to a checkpoint directory",
-                            c->export_checkpoint);
-  if (c->export_dtype != NULL && strcmp(c->export_dtype, "fp32") != 0 &&
-      strcmp(c->export_dtype, "bf16") != 0)
-    return ctl__usage_error("export: invalid --dtype '%s': expected fp32 or bf16", c->export_dtype);
-  return 0;
-}
-
-/* Checks the arguments of a `checkpoint` command before anything is sent. */
-static int check_checkpoint_args(const char *command, int argc, char **argv) {
-  /* List and Delete also name a deleted job's checkpoints: <job>@<id>. */
-  int any_dir =
-      strcmp(command, "checkpoint list") == 0 || strcmp(command, "checkpoint delete") == 0;
-  if (argc > 0 && !(any_dir ? valid_checkpoint_dir(argv[0]) : valid_job_dir_name(argv[0])))
-    return ctl__usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]%s",
-                            command, argv[0], any_dir ? ", or a deleted job's <job>@<id>" : "");
-  if (argc < 2)
-    return 0;
-  if (strcmp(command, "checkpoint restore") == 0) {
-    if (!valid_checkpoint_ref(argv[1]))
-      return ctl__usage_error(
-          "%s: invalid checkpoint '%s': expected NAME, JOB/NAME, JOB@ID/NAME or "
-          "an absolute path to a checkpoint directory or a .safetensors file",
-          command, argv[1]);
-    return 0;
-  }
-  if (!valid_checkpoint_name(argv[1]))
-    return ctl__usage_error(
-        "%s: invalid checkpoint name '%s': expected 1..64 characters "
-        "[A-Za-z0-9._-], not starting with '.', without '.tmp-' or '.deleting-'",
-        command, argv[1]);
-  if (strcmp(command, "checkpoint save") == 0 && strncmp(argv[1], "auto-", 5) == 0)
-    return ctl__usage_error(
-        "%s: checkpoint names starting with 'auto-' are for periodic checkpoints", command);
   return 0;
 }
 
@@ -1619,7 +1435,7 @@ int main(int argc, char **argv) {
       c.json = true;
       break;
     case 't':
-      if (parse_timeout(optarg, &c.timeout_s) != 0)
+      if (ctl__parse_timeout(optarg, &c.timeout_s) != 0)
         return ctl__usage_error("invalid --timeout '%s': expected seconds, > 0 and <= %g", optarg,
                                 CTL_MAX_TIMEOUT_S);
       timeout_given = true;
@@ -1716,17 +1532,17 @@ int main(int argc, char **argv) {
       return ctl__usage_error("%s: option '%s' belongs to %s", cmd->name, owned[i].given,
                               owned[i].command);
   if (strcmp(cmd->name, "export") == 0) {
-    int rc = check_export_args(&c, args);
+    int rc = ctl__check_export_args(&c, args);
     if (rc != 0)
       return rc;
     if (!timeout_given)
       c.timeout_s = CTL_CHECKPOINT_TIMEOUT_S;
   }
-  if (strncmp(cmd->name, "jobs ", 5) == 0 && n_args == 1 && !valid_name(args[0]))
+  if (strncmp(cmd->name, "jobs ", 5) == 0 && n_args == 1 && !ctl__valid_name(args[0]))
     return ctl__usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
                             cmd->name, args[0]);
   if (strncmp(cmd->name, "checkpoint ", 11) == 0) {
-    int rc = check_checkpoint_args(cmd->name, n_args, args);
+    int rc = ctl__check_checkpoint_args(cmd->name, n_args, args);
     if (rc != 0)
       return rc;
     /* A save or restore answers when the whole job has done it. */
@@ -1741,7 +1557,7 @@ int main(int argc, char **argv) {
     if (c.coordinator == NULL || c.coordinator[0] == '\0')
       c.coordinator = CTL_DEFAULT_COORDINATOR;
   }
-  if (!valid_target(c.coordinator))
+  if (!ctl__valid_target(c.coordinator))
     return ctl__usage_error("invalid %s '%s': expected HOST:PORT or unix:PATH", coordinator_from,
                             c.coordinator);
   int rc = ctl__security_setup(&c, token_file, insecure);

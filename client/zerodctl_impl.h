@@ -5,6 +5,7 @@
  * files listed after it, never back:
  *
  *   zerodctl.c            the entry: help texts, the command table, dispatch
+ *   zerodctl_args.c       checks of names, numbers and addresses typed
  *   zerodctl_call.c       calls to the coordinator, its credentials
  *   zerodctl_output.c     one error line on stderr; JSON, tables and values
  *                         for people on stdout; the names of enum values
@@ -117,6 +118,37 @@ typedef struct ctl {
   rpc_tls tls;
   char token[RPC_MAX_TOKEN_BYTES + 1]; /* "": none */
 } ctl;
+
+/* ------------------------------------------------------------------------ */
+/* zerodctl_args.c                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* Names of nodes, jobs and tenants: 1..64 bytes of [A-Za-z0-9._-]. */
+bool ctl__valid_name(const char *s);
+/* Checkpoint names: valid names, not hidden, without the coordinator's
+ * marks of unfinished saves and deletes. */
+bool ctl__valid_checkpoint_name(const char *s);
+/* Job names that name a directory of checkpoints (not "." or ".."). */
+bool ctl__valid_job_dir_name(const char *s);
+/* A job's checkpoint directory: JOB, or a deleted job's JOB@ID. */
+bool ctl__valid_checkpoint_dir(const char *s);
+/* NAME, JOB/NAME, JOB@ID/NAME, or an absolute path. */
+bool ctl__valid_checkpoint_ref(const char *s);
+/* HOST:PORT or unix:PATH. */
+bool ctl__valid_target(const char *s);
+/* A token: 1..256 printable characters, no spaces. */
+bool ctl__valid_token(const char *s);
+
+/* Numbers: 0, or -1 when s is not one in range. */
+int ctl__parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out);
+int ctl__parse_double(const char *s, double lo, double hi, bool hi_open, double *out);
+int ctl__parse_timeout(const char *s, double *out);
+
+/* The arguments of `export` and of the `checkpoint` commands, checked
+ * before anything is sent: 0, or the usage exit status (the line
+ * printed). */
+int ctl__check_export_args(const ctl *c, char **argv);
+int ctl__check_checkpoint_args(const char *command, int argc, char **argv);
 
 /* ------------------------------------------------------------------------ */
 /* zerodctl_call.c                                                          */
