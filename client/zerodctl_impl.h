@@ -5,6 +5,7 @@
  * files listed after it, never back:
  *
  *   zerodctl.c            the entry: help texts, the command table, dispatch
+ *   zerodctl_jobs.c       jobs list, get, delete, read-token; how a job prints
  *   zerodctl_args.c       checks of names, numbers and addresses typed
  *   zerodctl_call.c       calls to the coordinator, its credentials
  *   zerodctl_output.c     one error line on stderr; JSON, tables and values
@@ -165,5 +166,21 @@ int ctl__call(ctl *c, const char *method, const ProtobufCMessage *request,
  * else the environment; plain transport to another host only with
  * --insecure. Returns 0 or the usage exit status. */
 int ctl__security_setup(ctl *c, const char *token_file, bool insecure);
+
+/* ------------------------------------------------------------------------ */
+/* The commands                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* A command: argv holds its arguments (argc of them, counted against the
+ * command table); returns the exit status, the error line printed. */
+typedef int ctl_command_fn(ctl *c, int argc, char **argv);
+
+/* zerodctl_jobs.c */
+ctl_command_fn ctl__cmd_jobs_list, ctl__cmd_jobs_get, ctl__cmd_jobs_delete,
+    ctl__cmd_jobs_read_token;
+/* A job as JSON (an object under key, or an array's item when key is
+ * NULL), and for people, one field per line. */
+void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job);
+void ctl__print_job(const Zerod__V1__Job *job);
 
 #endif /* ZEROD_ZERODCTL_IMPL_H */
