@@ -5,6 +5,7 @@
  * files listed after it, never back:
  *
  *   zerodctl.c            the entry: help texts, the command table, dispatch
+ *   zerodctl_create.c     jobs create: its options checked into a request
  *   zerodctl_jobs.c       jobs list, get, delete, read-token; how a job prints
  *   zerodctl_args.c       checks of names, numbers and addresses typed
  *   zerodctl_call.c       calls to the coordinator, its credentials
@@ -174,6 +175,20 @@ int ctl__security_setup(ctl *c, const char *token_file, bool insecure);
 /* A command: argv holds its arguments (argc of them, counted against the
  * command table); returns the exit status, the error line printed. */
 typedef int ctl_command_fn(ctl *c, int argc, char **argv);
+
+/* zerodctl_create.c */
+/* The options of `jobs create`, as given (checked in ctl__cmd_jobs_create). */
+typedef struct create_options {
+  const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
+      *precision, *collectives, *quantized_weights, *quantization_block, *quantized_gradients,
+      *gradient_comm_dtype, *hpz_partition_size, *offload, *nvme_path, *offload_buffer_count,
+      *offload_buffer_size, *offload_pin_memory, *max_grad_norm, *max_live_bytes, *max_host_bytes,
+      *max_device_bytes, *max_sessions, *token, *tenant, *every_steps, *every_seconds, *keep;
+  const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
+  size_t n_node_lists;
+} create_options;
+
+int ctl__cmd_jobs_create(ctl *c, const char *name, const create_options *o);
 
 /* zerodctl_jobs.c */
 ctl_command_fn ctl__cmd_jobs_list, ctl__cmd_jobs_get, ctl__cmd_jobs_delete,
