@@ -6,6 +6,7 @@
  *
  *   zerodctl.c            the entry: help texts, the command table, dispatch
  *   zerodctl_checkpoint.c checkpoint save, list, delete, restore; export
+ *   zerodctl_cluster.c    members, health
  *   zerodctl_create.c     jobs create: its options checked into a request
  *   zerodctl_jobs.c       jobs list, get, delete, read-token; how a job prints
  *   zerodctl_args.c       checks of names, numbers and addresses typed
@@ -180,6 +181,9 @@ typedef int ctl_command_fn(ctl *c, int argc, char **argv);
 /* zerodctl_checkpoint.c */
 ctl_command_fn ctl__cmd_checkpoint_save, ctl__cmd_checkpoint_list, ctl__cmd_checkpoint_delete,
     ctl__cmd_checkpoint_restore, ctl__cmd_export;
+
+/* zerodctl_cluster.c */
+ctl_command_fn ctl__cmd_members, ctl__cmd_health;
 
 /* zerodctl_create.c */
 /* The options of `jobs create`, as given (checked in ctl__cmd_jobs_create). */
