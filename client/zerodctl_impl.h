@@ -5,6 +5,7 @@
  * files listed after it, never back:
  *
  *   zerodctl.c            the entry: help texts, the command table, dispatch
+ *   zerodctl_options.c    the options, before or after the command
  *   zerodctl_checkpoint.c checkpoint save, list, delete, restore; export
  *   zerodctl_cluster.c    members, health
  *   zerodctl_create.c     jobs create: its options checked into a request
@@ -206,5 +207,35 @@ ctl_command_fn ctl__cmd_jobs_list, ctl__cmd_jobs_get, ctl__cmd_jobs_delete,
  * NULL), and for people, one field per line. */
 void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job);
 void ctl__print_job(const Zerod__V1__Job *job);
+
+/* ------------------------------------------------------------------------ */
+/* zerodctl_options.c                                                       */
+/* ------------------------------------------------------------------------ */
+
+/* Options that belong to one command, refused with any other: the first
+ * one given of each, as spelled. */
+typedef struct owned_option {
+  const char *command;
+  int first_opt, last_opt; /* its OPT_ range */
+  char given[64];          /* "" if none */
+} owned_option;
+
+/* What the options said, besides what they set in the ctl. */
+typedef struct ctl_options {
+  create_options create;  /* jobs create's, as given */
+  owned_option owned[2];  /* jobs create's, export's */
+  bool help, version;     /* --help, --version */
+  bool timeout_given;     /* --timeout */
+  bool insecure;          /* --insecure */
+  const char *token_file; /* --auth-token-file, or NULL */
+} ctl_options;
+
+/* Parses argv's options into c and o (getopt_long: optind is then the
+ * first word that is not an option). Returns 0, or the usage exit status
+ * with the error line printed. */
+int ctl__parse_options(int argc, char **argv, ctl *c, ctl_options *o);
+/* Refuses an option given that belongs to a command other than command:
+ * 0, or the usage exit status. */
+int ctl__check_owned_options(const ctl_options *o, const char *command);
 
 #endif /* ZEROD_ZERODCTL_IMPL_H */
