@@ -14,24 +14,22 @@
  * nothing else there. gRPC's own logging is therefore silenced (unless the
  * user asked for it with GRPC_VERBOSITY), and every string that came from
  * the command line or the coordinator is stripped of control characters
- * before it reaches the terminal. docs/zerodctl.md is the user's guide. */
+ * before it reaches the terminal. docs/zerodctl.md is the user's guide.
+ *
+ * This file is the entry: the help texts, the table of commands, and main,
+ * which parses the options, picks the command, checks its arguments,
+ * settles how to reach the coordinator and runs it. The commands, the
+ * checks and the output live in the other zerodctl_*.c files
+ * (zerodctl_impl.h lists them); `zerodctl top` is top.c. */
 #include <errno.h>
 #include <getopt.h>
-#include <inttypes.h>
-#include <stdarg.h>
-#include <stdbool.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#include "grpc/health/v1/health.pb-c.h"
 #include "log.h"
 #include "rpc.h"
-#include "size.h"
 #include "top.h"
-#include "zerod/v1/control.pb-c.h"
 #include "zerodctl_impl.h"
 
 #ifndef ZEROD_VERSION
@@ -204,6 +202,113 @@ static const command *find_command(int argc, char **argv, int *words) {
   return NULL;
 }
 
+/* No command is named by args: the usage error that says which word is
+ * wrong. */
+static int unknown_command(int n_args, char **args) {
+  if (n_args == 0)
+    return ctl__usage_error("no command given (see zerodctl --help)");
+  if (strcmp(args[0], "jobs") == 0)
+    return ctl__usage_error(n_args == 1
+                                ? "jobs: which one? list, get, create or delete"
+                                : "jobs: unknown command '%s' (list, get, create or delete)",
+                            n_args > 1 ? args[1] : "");
+  if (strcmp(args[0], "checkpoint") == 0)
+    return ctl__usage_error(
+        n_args == 1 ? "checkpoint: which one? save, list, delete or restore"
+                    : "checkpoint: unknown command '%s' (save, list, delete or restore)",
+        n_args > 1 ? args[1] : "");
+  if (strcmp(args[0], "top") == 0)
+    return ctl__usage_error("top: its options go after it: zerodctl top [--json] ...");
+  return ctl__usage_error("unknown command '%s' (see zerodctl --help)", args[0]);
+}
+
+/* Checks cmd's arguments (args, n_args of them) and the options given
+ * with it before anything is sent; the commands that wait for a whole
+ * job get the longer timeout unless --timeout was given. Returns 0 or the
+ * usage exit status. */
+static int check_command(ctl *c, const command *cmd, const ctl_options *options, int n_args,
+                         char **args) {
+  if (n_args < cmd->min_args || n_args > cmd->max_args)
+    return ctl__usage_error("%s: usage: zerodctl %s%s", cmd->name, cmd->name, cmd->args_usage);
+  int rc = ctl__check_owned_options(options, cmd->name);
+  if (rc != 0)
+    return rc;
+  if (strcmp(cmd->name, "export") == 0) {
+    rc = ctl__check_export_args(c, args);
+    if (rc != 0)
+      return rc;
+    if (!options->timeout_given)
+      c->timeout_s = CTL_CHECKPOINT_TIMEOUT_S;
+  }
+  if (strncmp(cmd->name, "jobs ", 5) == 0 && n_args == 1 && !ctl__valid_name(args[0]))
+    return ctl__usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
+                            cmd->name, args[0]);
+  if (strncmp(cmd->name, "checkpoint ", 11) == 0) {
+    rc = ctl__check_checkpoint_args(cmd->name, n_args, args);
+    if (rc != 0)
+      return rc;
+    /* A save or restore answers when the whole job has done it. */
+    if (!options->timeout_given &&
+        (strcmp(cmd->name, "checkpoint save") == 0 || strcmp(cmd->name, "checkpoint restore") == 0))
+      c->timeout_s = CTL_CHECKPOINT_TIMEOUT_S;
+  }
+  return 0;
+}
+
+/* The coordinator (--coordinator, else ZEROD_COORDINATOR, else the
+ * default), how to reach it, and the calls' deadline. Returns 0 or the
+ * usage exit status. */
+static int settle_coordinator(ctl *c, const ctl_options *options) {
+  const char *coordinator_from = "--coordinator";
+  if (c->coordinator == NULL) {
+    c->coordinator = getenv("ZEROD_COORDINATOR");
+    coordinator_from = "ZEROD_COORDINATOR";
+    if (c->coordinator == NULL || c->coordinator[0] == '\0')
+      c->coordinator = CTL_DEFAULT_COORDINATOR;
+  }
+  if (!ctl__valid_target(c->coordinator))
+    return ctl__usage_error("invalid %s '%s': expected HOST:PORT or unix:PATH", coordinator_from,
+                            c->coordinator);
+  int rc = ctl__security_setup(c, options->token_file, options->insecure);
+  if (rc != 0)
+    return rc;
+  c->timeout_ms = (int)(c->timeout_s * 1000.0 + 0.999);
+  if (c->timeout_ms < 1)
+    c->timeout_ms = 1;
+  return 0;
+}
+
+/* Runs cmd with gRPC's own logging silenced, and fails it when its output
+ * did not reach stdout. Returns the exit status. */
+static int run_command(ctl *c, const command *cmd, const ctl_options *options, int n_args,
+                       char **args) {
+  /* gRPC logs to stderr on its own (connection failures, at ERROR); the
+   * failure line is ours to print. A user who sets GRPC_VERBOSITY keeps it.
+   * It is read once, when gRPC initialises in rpc_channel_create. Our
+   * rpc module logs through log.h: only its errors could matter here, and
+   * those reach the user as the call's status. */
+  if (setenv("GRPC_VERBOSITY", "NONE", 0) != 0)
+    return ctl__fail_line(CTL_EXIT_FAILED, "setenv: %s", strerror(errno));
+  log_set_level(LOG_ERROR);
+
+  int rc;
+  if (cmd->run != NULL)
+    rc = cmd->run(c, n_args, args);
+  else
+    rc = ctl__cmd_jobs_create(c, args[0], &options->create);
+  if (c->channel != NULL)
+    rpc_channel_destroy(c->channel);
+
+  /* Output that did not reach stdout (a full disk, a closed pipe) is a
+   * failure a script must see. */
+  if (fflush(stdout) != 0 || ferror(stdout)) {
+    if (rc == 0)
+      rc = ctl__fail_line(CTL_EXIT_FAILED, "%s: writing the output: %s", c->command,
+                          strerror(errno));
+  }
+  return rc;
+}
+
 int main(int argc, char **argv) {
   /* top reads the daemons' metrics, not the coordinator: options of its
    * own, after it. */
@@ -211,7 +316,6 @@ int main(int argc, char **argv) {
     return ctl_top(argc - 1, argv + 1);
   ctl c = {.coordinator = NULL, .timeout_s = CTL_DEFAULT_TIMEOUT_S};
   ctl_options options;
-  const char *coordinator_from = "--coordinator";
   int rc = ctl__parse_options(argc, argv, &c, &options);
   if (rc != 0)
     return rc;
@@ -229,89 +333,15 @@ int main(int argc, char **argv) {
           stdout);
     return 0;
   }
-  if (n_args == 0)
-    return ctl__usage_error("no command given (see zerodctl --help)");
-  if (cmd == NULL) {
-    if (strcmp(args[0], "jobs") == 0)
-      return ctl__usage_error(n_args == 1
-                                  ? "jobs: which one? list, get, create or delete"
-                                  : "jobs: unknown command '%s' (list, get, create or delete)",
-                              n_args > 1 ? args[1] : "");
-    if (strcmp(args[0], "checkpoint") == 0)
-      return ctl__usage_error(
-          n_args == 1 ? "checkpoint: which one? save, list, delete or restore"
-                      : "checkpoint: unknown command '%s' (save, list, delete or restore)",
-          n_args > 1 ? args[1] : "");
-    if (strcmp(args[0], "top") == 0)
-      return ctl__usage_error("top: its options go after it: zerodctl top [--json] ...");
-    return ctl__usage_error("unknown command '%s' (see zerodctl --help)", args[0]);
-  }
+  if (cmd == NULL)
+    return unknown_command(n_args, args);
   c.command = cmd->name;
   args += words;
   n_args -= words;
-  if (n_args < cmd->min_args || n_args > cmd->max_args)
-    return ctl__usage_error("%s: usage: zerodctl %s%s", cmd->name, cmd->name, cmd->args_usage);
-  rc = ctl__check_owned_options(&options, cmd->name);
+  rc = check_command(&c, cmd, &options, n_args, args);
+  if (rc == 0)
+    rc = settle_coordinator(&c, &options);
   if (rc != 0)
     return rc;
-  if (strcmp(cmd->name, "export") == 0) {
-    rc = ctl__check_export_args(&c, args);
-    if (rc != 0)
-      return rc;
-    if (!options.timeout_given)
-      c.timeout_s = CTL_CHECKPOINT_TIMEOUT_S;
-  }
-  if (strncmp(cmd->name, "jobs ", 5) == 0 && n_args == 1 && !ctl__valid_name(args[0]))
-    return ctl__usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
-                            cmd->name, args[0]);
-  if (strncmp(cmd->name, "checkpoint ", 11) == 0) {
-    rc = ctl__check_checkpoint_args(cmd->name, n_args, args);
-    if (rc != 0)
-      return rc;
-    /* A save or restore answers when the whole job has done it. */
-    if (!options.timeout_given &&
-        (strcmp(cmd->name, "checkpoint save") == 0 || strcmp(cmd->name, "checkpoint restore") == 0))
-      c.timeout_s = CTL_CHECKPOINT_TIMEOUT_S;
-  }
-
-  if (c.coordinator == NULL) {
-    c.coordinator = getenv("ZEROD_COORDINATOR");
-    coordinator_from = "ZEROD_COORDINATOR";
-    if (c.coordinator == NULL || c.coordinator[0] == '\0')
-      c.coordinator = CTL_DEFAULT_COORDINATOR;
-  }
-  if (!ctl__valid_target(c.coordinator))
-    return ctl__usage_error("invalid %s '%s': expected HOST:PORT or unix:PATH", coordinator_from,
-                            c.coordinator);
-  rc = ctl__security_setup(&c, options.token_file, options.insecure);
-  if (rc != 0)
-    return rc;
-  c.timeout_ms = (int)(c.timeout_s * 1000.0 + 0.999);
-  if (c.timeout_ms < 1)
-    c.timeout_ms = 1;
-
-  /* gRPC logs to stderr on its own (connection failures, at ERROR); the
-   * failure line is ours to print. A user who sets GRPC_VERBOSITY keeps it.
-   * It is read once, when gRPC initialises in rpc_channel_create. Our
-   * rpc module logs through log.h: only its errors could matter here, and
-   * those reach the user as the call's status. */
-  if (setenv("GRPC_VERBOSITY", "NONE", 0) != 0)
-    return ctl__fail_line(CTL_EXIT_FAILED, "setenv: %s", strerror(errno));
-  log_set_level(LOG_ERROR);
-
-  if (cmd->run != NULL)
-    rc = cmd->run(&c, n_args, args);
-  else
-    rc = ctl__cmd_jobs_create(&c, args[0], &options.create);
-  if (c.channel != NULL)
-    rpc_channel_destroy(c.channel);
-
-  /* Output that did not reach stdout (a full disk, a closed pipe) is a
-   * failure a script must see. */
-  if (fflush(stdout) != 0 || ferror(stdout)) {
-    if (rc == 0)
-      rc =
-          ctl__fail_line(CTL_EXIT_FAILED, "%s: writing the output: %s", c.command, strerror(errno));
-  }
-  return rc;
+  return run_command(&c, cmd, &options, n_args, args);
 }
