@@ -34,154 +34,7 @@
 #include "jobs.h"
 #include "cuda/zk_cuda.h"
 #include "flags.h"
-
-/* --log-level and --log-format (or their variables), before anything is
- * logged. 0, or 2 with the error printed. */
-static int apply_log_flags(const flag_table *t, const flag_given *given) {
-  const char *text;
-  int64_t value;
-  int rc = flag_value(t, given, FLAG_LOG_LEVEL, &text, &value);
-  if (rc != 0)
-    return rc;
-  log_set_level((log_level)value);
-  rc = flag_value(t, given, FLAG_LOG_FORMAT, &text, &value);
-  if (rc != 0)
-    return rc;
-  log_set_format((log_format)value);
-  return 0;
-}
-
-/* --file-mode (or ZEROD_FILE_MODE): set for the whole process, before
- * anything is written. 0, or 2 with the error printed. */
-static int file_mode_option(const flag_table *t, const flag_given *given) {
-  const char *text;
-  int64_t mode;
-  int rc = flag_value(t, given, FLAG_FILE_MODE, &text, &mode);
-  if (rc == 0)
-    filemode_set((mode_t)mode);
-  return rc;
-}
-
-/* --export-root, repeated, else ZEROD_EXPORT_ROOT (directories separated
- * by ':'): directories that exist, made canonical (realpath), so that a
- * client's path is compared with what the filesystem holds. Prints the
- * error and returns nonzero on failure. */
-static int export_roots_option(const flag_table *t, const flag_given *flags, coord_options *co) {
-  char env_copy[COORD_MAX_EXPORT_ROOTS * PATH_MAX];
-  const char *given[COORD_MAX_EXPORT_ROOTS + 1];
-  unsigned n = 0;
-  const char *env_name = flag_find(t, FLAG_EXPORT_ROOT)->env;
-  const char *env = getenv(env_name);
-  if (flags->n_export_roots > 0) {
-    for (; n < flags->n_export_roots && n <= COORD_MAX_EXPORT_ROOTS; n++)
-      given[n] = flags->export_roots[n];
-  } else if (env != NULL && env[0] != '\0') {
-    if (snprintf(env_copy, sizeof env_copy, "%s", env) >= (int)sizeof env_copy)
-      return flag_invalid(env_name, env, "too long");
-    char *save = NULL;
-    for (char *dir = strtok_r(env_copy, ":", &save); dir != NULL && n <= COORD_MAX_EXPORT_ROOTS;
-         dir = strtok_r(NULL, ":", &save))
-      given[n++] = dir;
-  }
-  if (n > COORD_MAX_EXPORT_ROOTS) {
-    fprintf(stderr, "zerod: at most %d export roots\n", COORD_MAX_EXPORT_ROOTS);
-    return 2;
-  }
-  for (unsigned i = 0; i < n; i++) {
-    char resolved[PATH_MAX];
-    struct stat st;
-    const char *why = NULL;
-    if (given[i][0] == '\0')
-      why = "empty";
-    else if (realpath(given[i], resolved) == NULL || stat(resolved, &st) != 0)
-      why = strerror(errno); /* not created: an operator's directory */
-    else if (!S_ISDIR(st.st_mode))
-      why = "not a directory";
-    if (why != NULL) {
-      fprintf(stderr, "zerod: --export-root %s: %s\n", given[i], why);
-      return 1;
-    }
-    if (strlen(resolved) > PATH_MAX - 512)
-      return flag_invalid("--export-root", resolved, "path too long");
-    snprintf(co->export_roots[i], sizeof co->export_roots[i], "%s", resolved);
-  }
-  co->n_export_roots = n;
-  return 0;
-}
-
-static int mkdir_p(const char *path);
-
-/* The checkpoint directory: v (the flag, else ZEROD_CHECKPOINT_DIR), else
- * fallback/checkpoints; created, then made absolute (it travels to the
- * nodes, which must find the same directory). Room is left for what is
- * appended (<job>/<name>.tmp-<id>/<file>). Prints the error and returns
- * nonzero on failure. */
-static int checkpoint_dir_option(const char *v, const char *fallback, char *out, size_t out_bytes) {
-  char dir[PATH_MAX];
-  if ((v != NULL && v[0] == '\0') || snprintf(dir, sizeof dir, v != NULL ? "%s" : "%s/checkpoints",
-                                              v != NULL ? v : fallback) >= (int)sizeof dir - 512)
-    return flag_invalid("--checkpoint-dir", v != NULL ? v : fallback, "a directory, path too long");
-  int rc = mkdir_p(dir);
-  char resolved[PATH_MAX];
-  if (rc != 0 || realpath(dir, resolved) == NULL) {
-    fprintf(stderr, "zerod: cannot create checkpoint directory %s: %s\n", dir,
-            strerror(rc != 0 ? -rc : errno));
-    return 1;
-  }
-  if (strlen(resolved) >= out_bytes - 512)
-    return flag_invalid("--checkpoint-dir", resolved, "path too long");
-  /* The path travels to the nodes in every save order, a string field:
-   * they refuse one that is not UTF-8 (docs/control-plane.md). */
-  if (!zd_utf8_valid(resolved, strlen(resolved)))
-    return flag_invalid("--checkpoint-dir", resolved, "a path in UTF-8");
-  snprintf(out, out_bytes, "%s", resolved);
-  return 0;
-}
-
-/* mkdir -p, the directories made with the directory mode (filemode.h). */
-static int mkdir_p(const char *path) {
-  char tmp[PATH_MAX];
-  snprintf(tmp, sizeof tmp, "%s", path);
-  int rc;
-  for (char *p = tmp + 1; *p != '\0'; p++) {
-    if (*p != '/')
-      continue;
-    *p = '\0';
-    if ((rc = filemode_mkdirat(AT_FDCWD, tmp)) != 0 && rc != -EEXIST)
-      return rc;
-    *p = '/';
-  }
-  if ((rc = filemode_mkdirat(AT_FDCWD, tmp)) != 0 && rc != -EEXIST)
-    return rc;
-  return 0;
-}
-
-/* Takes the state directory's lock file (one process per directory) and
- * writes our pid into it. Prints the error and returns -1 if another process
- * holds it. */
-static int lock_state_dir(const char *lock_path, const char *dir, int *fd_out) {
-  int fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (fd < 0 || flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    char other[32] = "";
-    if (fd >= 0) {
-      ssize_t n = pread(fd, other, sizeof other - 1, 0);
-      other[n > 0 ? n : 0] = '\0';
-      other[strcspn(other, "\n")] = '\0';
-      close(fd);
-    }
-    fprintf(stderr, "zerod: another zerod (pid %s) is using state directory %s\n",
-            other[0] ? other : "?", dir);
-    return -1;
-  }
-  if (ftruncate(fd, 0) == 0) {
-    char pid[32];
-    int n = snprintf(pid, sizeof pid, "%d\n", (int)getpid());
-    ssize_t w = pwrite(fd, pid, (size_t)n, 0);
-    (void)w;
-  }
-  *fd_out = fd;
-  return 0;
-}
+#include "start.h"
 
 /* ------------------------------------------------------------------------ */
 /* zerod coordinator                                                        */
@@ -222,60 +75,6 @@ typedef struct coordinator_process {
   uv_signal_t sigint, sigterm;
   int stopping;
 } coordinator_process;
-
-/* --health-listen: a server of its own that serves grpc.health.v1 alone
- * (coord/health.c), on loop, not yet serving. Returns 0, or 1 with the
- * reason on stderr; on failure *server may still need its shutdown. */
-static int start_health_listener(uv_loop_t *loop, const char *addr, const char *const *services,
-                                 size_t nservices, rpc_server **server, health **h, int *port) {
-  char err[512] = "";
-  int rc = rpc_server_create(loop, addr, server, err, sizeof err);
-  if (rc == 0)
-    rc = health_register(*server, services, nservices, h);
-  if (rc == 0)
-    rc = rpc_server_set_identify(*server, health_identify_anonymous, NULL, 0);
-  if (rc == 0)
-    rc = rpc_server_start(*server, port, err, sizeof err);
-  if (rc != 0) {
-    fprintf(stderr, "zerod: --health-listen %s: %s\n", addr, err[0] ? err : strerror(-rc));
-    return 1;
-  }
-  return 0;
-}
-
-/* --metrics-listen: a registry (with zerod_build_info) served over HTTP
- * on loop for Prometheus. Nothing when addr is NULL or empty. Returns 0,
- * or 1 with the reason on stderr. */
-static int start_metrics(uv_loop_t *loop, const char *addr, const char *mode, metrics **m,
-                         metrics_http **http) {
-  *m = NULL;
-  *http = NULL;
-  if (addr == NULL || addr[0] == '\0')
-    return 0;
-  *m = metrics_create();
-  if (*m == NULL) {
-    fprintf(stderr, "zerod: --metrics-listen: out of memory\n");
-    return 1;
-  }
-  static const char *const labels[] = {"version", "mode", NULL};
-  const char *const values[] = {ZEROD_VERSION, mode, NULL};
-  metric_set(metric_family_kept(metrics_family(*m, METRIC_GAUGE, "zerod_build_info",
-                                               "1, labelled with the version and mode that run.",
-                                               labels, NULL, 0),
-                                values),
-             1);
-  char err[512] = "";
-  int port = 0;
-  int rc = metrics_http_start(loop, *m, addr, http, &port, err, sizeof err);
-  if (rc != 0) {
-    fprintf(stderr, "zerod: --metrics-listen %s: %s\n", addr, err[0] ? err : strerror(-rc));
-    metrics_free(*m);
-    *m = NULL;
-    return 1;
-  }
-  LOG_INFOF("metrics listening", "address=%s port=%d path=/metrics", addr, port);
-  return 0;
-}
 
 static void on_coordinator_server_done(void *arg) {
   (void)arg;
@@ -325,7 +124,7 @@ static int run_coordinator(int argc, char **argv) {
     fprintf(stderr, "zerod coordinator: unexpected argument '%s'\n", argv[optind]);
     return 2;
   }
-  int log_rc = apply_log_flags(t, &given);
+  int log_rc = start_log(t, &given);
   if (log_rc != 0)
     return log_rc;
   const char *v;
@@ -349,7 +148,7 @@ static int run_coordinator(int argc, char **argv) {
   if ((rc = flag_value(t, &given, FLAG_RETAIN_DELETED_CHECKPOINTS, &v, &value)) != 0)
     return rc;
   co.retain_deleted_checkpoints_ms = value;
-  if (file_mode_option(t, &given) != 0)
+  if (start_file_mode(t, &given) != 0)
     return 2;
 
   /* Who can reach the listener, and what they may do (docs/security.md):
@@ -386,21 +185,21 @@ static int run_coordinator(int argc, char **argv) {
       snprintf(co.auth_file, sizeof co.auth_file, "%s", sec.auth_file) >= (int)sizeof co.auth_file)
     return flag_invalid("--auth-file", sec.auth_file, "path too long");
 
-  rc = export_roots_option(t, &given, &co);
+  rc = start_export_roots(t, &given, &co);
   if (rc != 0)
     return rc;
-  rc = mkdir_p(co.state_dir);
+  rc = start_mkdir_p(co.state_dir);
   if (rc != 0) {
     fprintf(stderr, "zerod: cannot create state directory %s: %s\n", co.state_dir, strerror(-rc));
     return 1;
   }
-  if ((rc = checkpoint_dir_option(flag_text(t, &given, FLAG_CHECKPOINT_DIR), co.state_dir,
-                                  co.checkpoint_dir, sizeof co.checkpoint_dir)) != 0)
+  if ((rc = start_checkpoint_dir(flag_text(t, &given, FLAG_CHECKPOINT_DIR), co.state_dir,
+                                 co.checkpoint_dir, sizeof co.checkpoint_dir)) != 0)
     return rc;
   char lock_path[PATH_MAX + 32];
   snprintf(lock_path, sizeof lock_path, "%s/coordinator.lock", co.state_dir);
   int lock_fd = -1;
-  if (lock_state_dir(lock_path, co.state_dir, &lock_fd) != 0)
+  if (start_lock_state_dir(lock_path, co.state_dir, &lock_fd) != 0)
     return 1;
 
   /* Every client connection holds a descriptor: take the whole allowance
@@ -532,12 +331,12 @@ static int start_local_coordinator(zdaemon *d, char *err, size_t err_bytes) {
    * the stack of a function that the loop's callbacks nest under. */
   static coord_options co;
   co = (coord_options){.lease_ttl_ms = 10000, .checkpoint_timeout_ms = checkpoint_timeout_ms};
-  if (checkpoint_dir_option(flag_text(&flags_node, &given, FLAG_CHECKPOINT_DIR), o->dir,
-                            co.checkpoint_dir, sizeof co.checkpoint_dir) != 0) {
+  if (start_checkpoint_dir(flag_text(&flags_node, &given, FLAG_CHECKPOINT_DIR), o->dir,
+                           co.checkpoint_dir, sizeof co.checkpoint_dir) != 0) {
     snprintf(err, err_bytes, "no usable checkpoint directory");
     return -EINVAL;
   }
-  if (export_roots_option(&flags_node, &given, &co) != 0) {
+  if (start_export_roots(&flags_node, &given, &co) != 0) {
     snprintf(err, err_bytes, "no usable export root");
     return -EINVAL;
   }
@@ -623,7 +422,7 @@ int main(int argc, char **argv) {
   d->listen_fd = -1;
   d->lock_fd = -1;
   /* First: the device probe below may already log. */
-  int log_rc = apply_log_flags(t, &given);
+  int log_rc = start_log(t, &given);
   if (log_rc != 0)
     return log_rc;
   const char *v;
@@ -723,7 +522,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   /* A node writes shard files and layouts with it too. */
-  if (file_mode_option(t, &given) != 0)
+  if (start_file_mode(t, &given) != 0)
     return 2;
   if (strcmp(mode, "node") != 0) {
     if ((rc = flag_value(t, &given, FLAG_CHECKPOINT_TIMEOUT, &v, &value)) != 0)
@@ -754,14 +553,14 @@ int main(int argc, char **argv) {
     snprintf(o->socket_group, sizeof o->socket_group, "%s", v);
 
   /* The state directory and its lock: one daemon per directory. */
-  rc = mkdir_p(o->dir);
+  rc = start_mkdir_p(o->dir);
   if (rc != 0) {
     fprintf(stderr, "zerod: cannot create state directory %s: %s\n", o->dir, strerror(-rc));
     return 1;
   }
   char lock_path[PATH_MAX + 16];
   snprintf(lock_path, sizeof lock_path, "%s/zerod.lock", o->dir);
-  if (lock_state_dir(lock_path, o->dir, &d->lock_fd) != 0)
+  if (start_lock_state_dir(lock_path, o->dir, &d->lock_fd) != 0)
     return 1;
 
   /* Gloo writes to sockets without MSG_NOSIGNAL: a peer that dies must be
@@ -802,7 +601,7 @@ int main(int argc, char **argv) {
       snprintf(nvme_want, sizeof nvme_want, nvme_flag != NULL ? "%s" : "%s/nvme",
                nvme_flag != NULL ? nvme_flag : o->dir) >= (int)sizeof nvme_want - 256)
     return flag_invalid("--nvme-dir", nvme_flag != NULL ? nvme_flag : o->dir, "a directory");
-  if ((rc = mkdir_p(nvme_want)) != 0 || realpath(nvme_want, nvme_dir) == NULL) {
+  if ((rc = start_mkdir_p(nvme_want)) != 0 || realpath(nvme_want, nvme_dir) == NULL) {
     fprintf(stderr, "zerod: cannot create the nvme directory %s: %s\n", nvme_want,
             strerror(rc != 0 ? -rc : errno));
     return 1;
