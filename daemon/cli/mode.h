@@ -1,0 +1,11 @@
+/* mode: zerod's modes, one main each, called by main.c with the command
+ * line (argv[0] the program's or the mode's name). Each returns the
+ * process's exit status: 0, 1 when it could not start or stopped on an
+ * error, 2 for a bad command line. */
+#ifndef ZEROD_MODE_H
+#define ZEROD_MODE_H
+
+/* zerod coordinator (mode_coordinator.c); argv[0] is "coordinator". */
+int mode_coordinator_main(int argc, char **argv);
+
+#endif /* ZEROD_MODE_H */
