@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -165,6 +166,14 @@ int start_lock_state_dir(const char *lock_path, const char *dir, int *fd_out) {
   }
   *fd_out = fd;
   return 0;
+}
+
+void start_raise_fd_limit(void) {
+  struct rlimit nofile;
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &nofile);
+  }
 }
 
 /* --health-listen: a server of its own that serves grpc.health.v1 alone

@@ -42,6 +42,10 @@ int start_checkpoint_dir(const char *v, const char *fallback, char *out, size_t 
  * writes our pid into it. 0, or -1 with the error printed. */
 int start_lock_state_dir(const char *lock_path, const char *dir, int *fd_out);
 
+/* Raises the soft limit on open files to the hard one: a daemon's
+ * connections and buffers each hold a descriptor. */
+void start_raise_fd_limit(void);
+
 /* --health-listen: a server of its own that serves grpc.health.v1 alone,
  * on loop, not yet serving. 0, or 1 with the reason on stderr; on failure
  * *server may still need its shutdown. */
