@@ -5,6 +5,10 @@
 #ifndef ZEROD_MODE_H
 #define ZEROD_MODE_H
 
+/* zerod [standalone] and zerod node (mode_node.c): the mode is the word
+ * after the options, standalone when there is none. */
+int mode_node_main(int argc, char **argv);
+
 /* zerod coordinator (mode_coordinator.c); argv[0] is "coordinator". */
 int mode_coordinator_main(int argc, char **argv);
 

@@ -1,45 +1,40 @@
-/* zerod: command line, configuration and the process lifecycle.
+/* mode_node: `zerod [standalone]` and `zerod node`, a node daemon
+ * (mode.h).
  *
  *   zerod [standalone]   one node daemon with N CPU ranks and its rendezvous
- *                        in this process, socket and state in a local dir
+ *                        in this process, socket and state in a local dir,
+ *                        with the coordinator in-process on DIR/control.sock
  *   zerod node           a node daemon that joins a coordinator
- *   zerod coordinator    the cluster's coordinator (coord.h) over gRPC
  *
- * Every flag has a ZEROD_* environment variable; a flag wins over the
- * variable. */
+ * Settles the command line (flags_node), takes the state directory,
+ * starts the node's loop (node/: IPC sessions, jobs, the cluster agent,
+ * checkpoint orders) and runs it until SIGINT or SIGTERM: workers are
+ * told, executors stopped, shared memory freed, the socket removed. */
+#include "mode.h"
+
 #include <errno.h>
-#include <fcntl.h>
 #include <getopt.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "coord.h"
-#include "daemon.h"
 #include "ckpt_call.h"
-#include "tier.h"
 #include "ckpt_node.h"
+#include "cluster.h"
+#include "coord.h"
+#include "cuda/zk_cuda.h"
+#include "daemon.h"
+#include "flags.h"
 #include "health.h"
+#include "jobs.h"
 #include "log.h"
 #include "metrics_http.h"
-#include "pbcheck.h"
-#include "size.h"
-#include "cluster.h"
-#include "filemode.h"
-#include "jobs.h"
-#include "cuda/zk_cuda.h"
-#include "flags.h"
-#include "mode.h"
 #include "start.h"
-
-/* ------------------------------------------------------------------------ */
-/* zerod [standalone] and zerod node                                        */
-/* ------------------------------------------------------------------------ */
+#include "tier.h"
 
 static zdaemon the_daemon;
 static char comm_host[256] = "127.0.0.1";
@@ -138,9 +133,7 @@ static void on_signal(uv_signal_t *handle, int signum) {
   shutdown_daemon(handle->data, signum == SIGINT ? "SIGINT" : "SIGTERM");
 }
 
-int main(int argc, char **argv) {
-  if (argc > 1 && strcmp(argv[1], "coordinator") == 0)
-    return mode_coordinator_main(argc - 1, argv + 1);
+int mode_node_main(int argc, char **argv) {
   const flag_table *t = &flags_node;
   int answered = flags_read_argv(t, argc, argv, &given);
   if (answered >= 0)
