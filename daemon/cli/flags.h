@@ -10,8 +10,11 @@
  * Nothing here starts anything or touches a file: the tables can be read
  * and every value parsed without a daemon (tests/unit/test_flags.c). What
  * needs the filesystem or the network (directories, export roots,
- * listeners) is resolved by the modes from the text given here
- * (mode_node.c, mode_coordinator.c, start.c), which include this header. */
+ * listeners) is resolved by the modes from the text given here.
+ *
+ * flags.c reads command lines through a table, flags_table.c holds the
+ * two tables. Included by them, by the modes (mode_node.c,
+ * mode_coordinator.c), start.c and tests/unit/test_flags.c. */
 #ifndef ZEROD_FLAGS_H
 #define ZEROD_FLAGS_H
 

@@ -1,7 +1,8 @@
-/* mode: zerod's modes, one main each, called by main.c with the command
- * line (argv[0] the program's or the mode's name). Each returns the
- * process's exit status: 0, 1 when it could not start or stopped on an
- * error, 2 for a bad command line. */
+/* mode: zerod's modes, one main each (mode_node.c, mode_coordinator.c,
+ * which include this header), called by main.c with the command line
+ * (argv[0] the program's or the mode's name). Each returns the process's
+ * exit status: 0, 1 when it could not start or stopped on an error, 2 for
+ * a bad command line. */
 #ifndef ZEROD_MODE_H
 #define ZEROD_MODE_H
 

@@ -1,8 +1,7 @@
 /* start: what both of zerod's modes do as they start: process settings
  * from the flags, the directories they name, the probe and metrics
- * listeners. Included by mode_node.c and mode_coordinator.c (main.c until
- * the modes have files of their own). Runs on the main thread, before
- * and as the loop starts. */
+ * listeners. Included by mode_node.c and mode_coordinator.c. Runs on the
+ * main thread, before and as the loop starts. */
 #ifndef ZEROD_START_H
 #define ZEROD_START_H
 
