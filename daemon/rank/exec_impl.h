@@ -153,9 +153,6 @@ void exec__group(const rank_state *rs, uint32_t g, job_group *out);
 
 /* ---- step.c ------------------------------------------------------------------ */
 
-/* Seconds on the monotonic clock. */
-double exec__monotonic_s(void);
-
 /* STEP: the optimizer step of every shard the rank holds, the save order
  * the ranks agree on taken at its end. */
 void exec__handle_step(rank_state *rs, exec_op *op);
