@@ -54,7 +54,8 @@ typedef struct ckpt_call {
   rpc_channel *channel;
   store *rendezvous;
 
-  exec_op **waiting; /* the node's ranks' parked ops, answered at the end */
+  exec_op **waiting;              /* the node's ranks' parked ops, answered at the end */
+  void (*finish_op)(exec_op *op); /* hands an answered op back (ckpt_call_wait) */
   int nwaiting;
   int answered; /* waiting ops answered so far */
   pthread_t thread;
@@ -336,7 +337,7 @@ static void answer(ckpt_call *c, exec_op *op) {
   exec_op *unpark = exec_op_new(OP_CKPT_UNPARK, rs);
   if (unpark != NULL) /* else the worker's next request lets the rank go on */
     exec_submit(unpark);
-  ipc_finish_op(op);
+  c->finish_op(op);
 }
 
 /* The thread ended: the waiting workers are answered. A rank whose op has
@@ -417,12 +418,11 @@ void ckpt_call_shutdown(zdaemon *d) {
   close_async(d);
 }
 
-int ckpt_call_active(job *j) {
-  sweep(j->owner, j);
-  return j->worker_calls;
+void ckpt_call_sweep(zdaemon *d) {
+  sweep(d, NULL);
 }
 
-static ckpt_call *call_new(zdaemon *d, exec_op *op) {
+static ckpt_call *call_new(zdaemon *d, exec_op *op, void (*finish_op)(exec_op *op)) {
   job *j = op->rank->job;
   const Zerod__V1__CheckpointRequest *req = (const Zerod__V1__CheckpointRequest *)op->request;
   ckpt_call *c = calloc(1, sizeof *c);
@@ -431,6 +431,7 @@ static ckpt_call *call_new(zdaemon *d, exec_op *op) {
     return NULL;
   }
   c->d = d;
+  c->finish_op = finish_op;
   c->j = j;
   c->generation = op->generation;
   c->number = op->ckpt_call;
@@ -447,7 +448,7 @@ static ckpt_call *call_new(zdaemon *d, exec_op *op) {
   return c;
 }
 
-int ckpt_call_wait(zdaemon *d, exec_op *op) {
+int ckpt_call_wait(zdaemon *d, exec_op *op, void (*finish_op)(exec_op *op)) {
   if (d->worker_calls_stopping || !d->worker_calls_ready)
     return -ECANCELED;
   job *j = op->rank->job;
@@ -456,7 +457,7 @@ int ckpt_call_wait(zdaemon *d, exec_op *op) {
   while (c != NULL && !(c->j == j && c->generation == op->generation && c->number == op->ckpt_call))
     c = c->next;
   if (c == NULL) {
-    if ((c = call_new(d, op)) == NULL)
+    if ((c = call_new(d, op, finish_op)) == NULL)
       return -ENOMEM;
     /* The collective is over on every rank: the leader may ask at once
      * (every rank waits, so a save's copies are all of this step). */

@@ -77,6 +77,14 @@ typedef struct session {
 static void session_close(session *s, const char *reason);
 static void session_update_poll(session *s);
 
+/* Frees the deleted jobs nothing runs for any more: the workers'
+ * checkpoint calls that are over are dropped first, so that only running
+ * ones keep a job (jobs_reap). */
+static void reap_jobs(zdaemon *d) {
+  ckpt_call_sweep(d);
+  jobs_reap(d);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Lifetime                                                                 */
 /* ------------------------------------------------------------------------ */
@@ -88,7 +96,7 @@ static void session_free(session *s) {
     job *j = reader_job(s->read_only);
     reader_destroy(s->read_only);
     j->readers--;
-    jobs_reap(s->daemon); /* it may have been the last of a deleted job */
+    reap_jobs(s->daemon); /* it may have been the last of a deleted job */
   }
   zd_frame_reader_reset(&s->reader);
   while (s->out_head != NULL) {
@@ -249,13 +257,16 @@ void ipc_complete(void *daemon, exec_op *op) {
   uv_async_send(&d->completion_async);
 }
 
+/* Sends a finished op's reply to its session and frees the op; a worker's
+ * CHECKPOINT parked with its rank waits for its call first (ckpt_call.c,
+ * which hands the op back here when the call ends). */
 static void deliver(exec_op *op) {
   session *s = op->session;
   if (op->kind == OP_CKPT_PARK && op->status == ZEROD__V1__STATUS__STATUS_OK &&
       !op->ckpt_answered) {
     /* The rank waits with its worker for the checkpoint call: the answer
-     * comes with the call's end (ckpt_call.c, then ipc_finish_op). */
-    int rc = ckpt_call_wait(s->daemon, op);
+     * comes with the call's end (ckpt_call.c, then deliver again). */
+    int rc = ckpt_call_wait(s->daemon, op, deliver);
     if (rc == 0)
       return;
     exec_error(op,
@@ -279,10 +290,6 @@ static void deliver(exec_op *op) {
   exec_op_free(op);
 }
 
-void ipc_finish_op(exec_op *op) {
-  deliver(op);
-}
-
 /* A read-only session's op, finished (reader_env.done). */
 static void deliver_reader_op(void *daemon, exec_op *op) {
   deliver(op);
@@ -303,7 +310,7 @@ void ipc_drain_completions(zdaemon *d) {
   /* The same wakeup tells of executors that have stopped (ipc_stopped):
    * only then is there a retired job to look at. */
   if (atomic_exchange(&d->executors_stopped, 0))
-    jobs_reap(d);
+    reap_jobs(d);
 }
 
 void ipc_stopped(void *daemon) {
