@@ -54,6 +54,7 @@
 #include "ckpt.h"
 #include "ckpt_io.h"
 #include "filemode.h"
+#include "little_endian.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -128,30 +129,6 @@ static char *join_path(const char *dir, const char *file) {
   path[dir_len] = '/';
   memcpy(path + dir_len + 1, file, file_len + 1);
   return path;
-}
-
-static void put_le32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put_le64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get_le32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; i--)
-    v = v << 8 | p[i];
-  return v;
-}
-
-static uint64_t get_le64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--)
-    v = v << 8 | p[i];
-  return v;
 }
 
 /* Both loops below go on after EINTR and short transfers. A read that
@@ -1132,14 +1109,14 @@ int ckpt_manifest_store(const char *dir, const char *file, const ckpt_manifest *
 static void header_encode(const ckpt_shard_header *h, uint8_t *out) {
   memset(out, 0, CKPT_HEADER_BYTES);
   memcpy(out, HEADER_MAGIC, sizeof HEADER_MAGIC); /* with its NUL: 8 bytes */
-  put_le32(out + 8, CKPT_FORMAT_VERSION);
-  put_le32(out + 12, h->rank);
-  put_le32(out + 16, h->world_size);
-  put_le32(out + 20, CKPT_BLOCK_BYTES);
-  put_le64(out + 24, h->job_id);
-  put_le64(out + 32, h->step);
-  put_le64(out + 40, h->data_bytes);
-  put_le64(out + HEADER_CHECKSUM_AT, XXH64(out, HEADER_CHECKSUM_AT, 0));
+  le_put32(out + 8, CKPT_FORMAT_VERSION);
+  le_put32(out + 12, h->rank);
+  le_put32(out + 16, h->world_size);
+  le_put32(out + 20, CKPT_BLOCK_BYTES);
+  le_put64(out + 24, h->job_id);
+  le_put64(out + 32, h->step);
+  le_put64(out + 40, h->data_bytes);
+  le_put64(out + HEADER_CHECKSUM_AT, XXH64(out, HEADER_CHECKSUM_AT, 0));
 }
 
 /* The magic first (is this a shard file at all?), then the checksum, so
@@ -1148,14 +1125,14 @@ static int header_decode(const uint8_t *in, const char *name, ckpt_shard_header 
                          uint64_t *file_bytes, char *err, size_t err_bytes) {
   if (memcmp(in, HEADER_MAGIC, sizeof HEADER_MAGIC) != 0)
     return ckpt_fail(err, err_bytes, -EBADMSG, "%s: not a zerod shard file (bad magic)", name);
-  uint64_t stored = get_le64(in + HEADER_CHECKSUM_AT);
+  uint64_t stored = le_get64(in + HEADER_CHECKSUM_AT);
   uint64_t actual = XXH64(in, HEADER_CHECKSUM_AT, 0);
   if (stored != actual)
     return ckpt_fail(err, err_bytes, -EBADMSG,
                      "%s: header checksum mismatch (stored %016" PRIx64 ", computed %016" PRIx64
                      ")",
                      name, stored, actual);
-  uint32_t version = get_le32(in + 8), block_bytes = get_le32(in + 20);
+  uint32_t version = le_get32(in + 8), block_bytes = le_get32(in + 20);
   if (version != CKPT_FORMAT_VERSION)
     return ckpt_fail(err, err_bytes, -EBADMSG, "%s: format version %" PRIu32 ", this reads %d",
                      name, version, CKPT_FORMAT_VERSION);
@@ -1166,11 +1143,11 @@ static int header_decode(const uint8_t *in, const char *name, ckpt_shard_header 
     if (in[i] != 0)
       return ckpt_fail(err, err_bytes, -EBADMSG, "%s: reserved header byte %zu is not zero", name,
                        i);
-  h->rank = get_le32(in + 12);
-  h->world_size = get_le32(in + 16);
-  h->job_id = get_le64(in + 24);
-  h->step = get_le64(in + 32);
-  h->data_bytes = get_le64(in + 40);
+  h->rank = le_get32(in + 12);
+  h->world_size = le_get32(in + 16);
+  h->job_id = le_get64(in + 24);
+  h->step = le_get64(in + 32);
+  h->data_bytes = le_get64(in + 40);
   if (h->world_size == 0 || h->world_size > MAX_WORLD_SIZE || h->rank >= h->world_size)
     return ckpt_fail(err, err_bytes, -EBADMSG, "%s: rank %" PRIu32 " of world size %" PRIu32, name,
                      h->rank, h->world_size);
@@ -1353,7 +1330,7 @@ int ckpt_writer_write(ckpt_writer *w, const void *data, size_t bytes, char *err,
     XXH64_update(w->file_hash, at, (size_t)take);
     w->block_fill += take;
     if (w->block_fill == CKPT_BLOCK_BYTES) {
-      put_le64(w->table + 8 * w->blocks_done++, XXH64_digest(w->block_hash));
+      le_put64(w->table + 8 * w->blocks_done++, XXH64_digest(w->block_hash));
       XXH64_reset(w->block_hash, 0);
       w->block_fill = 0;
     }
@@ -1377,12 +1354,12 @@ int ckpt_writer_finish(ckpt_writer *w, uint64_t *file_bytes, uint64_t *file_xxh6
                    w->data_written, w->data_bytes);
   }
   if (rc == 0 && w->block_fill > 0) {
-    put_le64(w->table + 8 * w->blocks_done++, XXH64_digest(w->block_hash));
+    le_put64(w->table + 8 * w->blocks_done++, XXH64_digest(w->block_hash));
     w->block_fill = 0;
   }
   if (rc == 0) {
     uint8_t footer[FOOTER_BYTES];
-    put_le64(footer, XXH64(w->table, (size_t)(8 * w->nblocks), 0));
+    le_put64(footer, XXH64(w->table, (size_t)(8 * w->nblocks), 0));
     rc = writer_append(w, w->table, (size_t)(8 * w->nblocks), 0, err, err_bytes);
     if (rc == 0)
       rc = writer_append(w, footer, sizeof footer, 0, err, err_bytes);
@@ -1467,7 +1444,7 @@ static int read_table(int fd, const char *name, uint64_t data_bytes, uint8_t **t
     free(bytes);
     return read_failed(rc, name, "the block table", err, err_bytes);
   }
-  uint64_t stored = get_le64(bytes + table_bytes), actual = XXH64(bytes, table_bytes, 0);
+  uint64_t stored = le_get64(bytes + table_bytes), actual = XXH64(bytes, table_bytes, 0);
   if (stored != actual) {
     free(bytes);
     return ckpt_fail(err, err_bytes, -EBADMSG,
@@ -1481,7 +1458,7 @@ static int read_table(int fd, const char *name, uint64_t data_bytes, uint8_t **t
 
 static int check_block(const uint8_t *table, uint64_t block, const uint8_t *bytes, size_t len,
                        const char *name, char *err, size_t err_bytes) {
-  if (XXH64(bytes, len, 0) == get_le64(table + 8 * block))
+  if (XXH64(bytes, len, 0) == le_get64(table + 8 * block))
     return 0;
   uint64_t start = block * CKPT_BLOCK_BYTES;
   return ckpt_fail(err, err_bytes, -EBADMSG,

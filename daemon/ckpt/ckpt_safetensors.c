@@ -16,6 +16,7 @@
 #include "ckpt.h"
 #include "ckpt_io.h"
 #include "filemode.h"
+#include "little_endian.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -295,9 +296,7 @@ static int open_checked(int fd, const char *name, st_file *out, char *err, size_
   if (rc != 0)
     return rc > 0 ? ckpt_fail(err, err_bytes, -ERANGE, "%s: truncated while reading", name)
                   : ckpt_fail(err, err_bytes, rc, "%s: %s", name, strerror(-rc));
-  uint64_t header_bytes = 0;
-  for (int i = 7; i >= 0; i--)
-    header_bytes = header_bytes << 8 | prefix[i];
+  uint64_t header_bytes = le_get64(prefix);
   if (header_bytes > CKPT_MAX_ST_HEADER_BYTES)
     return ckpt_fail(err, err_bytes, -ERANGE,
                      "%s: header of %" PRIu64 " bytes, more than the %u allowed", name,
@@ -576,8 +575,7 @@ int st_write_at(int dir_fd, const char *name, const st_tensor *tensors, unsigned
     free(tmp);
     return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   }
-  for (int i = 0; i < 8; i++)
-    header[i] = (uint8_t)((uint64_t)header_len >> (8 * i));
+  le_put64(header, (uint64_t)header_len);
   memcpy(header + 8, json, json_len);
   memset(header + 8 + json_len, ' ', header_len - json_len);
   free(json);
