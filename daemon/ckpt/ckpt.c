@@ -52,6 +52,7 @@
  * The reserved bytes must be zero so that a later version can give them a
  * meaning that an old reader refuses instead of ignoring. */
 #include "ckpt.h"
+#include "ckpt_impl.h"
 #include "ckpt_io.h"
 #include "filemode.h"
 #include "little_endian.h"
@@ -76,7 +77,6 @@
 #endif
 
 #define MANIFEST_FORMAT     "zerod-checkpoint"
-#define MAX_WORLD_SIZE      4096u
 #define MAX_PATH_NAME_BYTES 255u /* job and checkpoint names become directory names */
 #define MAX_NAME_BYTES      256u /* unit and tensor names: ZD_MAX_NAME_BYTES of the protocol */
 #define WRITE_BUFFER_BYTES  (4u << 20)
@@ -90,7 +90,6 @@
 #define HEADER_MAGIC       "ZDSHARD"
 #define HEADER_CHECKSUM_AT (CKPT_HEADER_BYTES - 8)
 #define HEADER_FIXED_BYTES 48u
-#define FOOTER_BYTES       8u
 
 /* ------------------------------------------------------------------------
  * Small helpers
@@ -119,8 +118,7 @@ const char *ckpt_base_name(const char *path) {
   return slash != NULL ? slash + 1 : path;
 }
 
-/* dir + "/" + file, malloc'd. */
-static char *join_path(const char *dir, const char *file) {
+char *ckpt_join_path(const char *dir, const char *file) {
   size_t dir_len = strlen(dir), file_len = strlen(file);
   char *path = malloc(dir_len + 1 + file_len + 1);
   if (path == NULL)
@@ -170,19 +168,18 @@ int ckpt_pwrite_all(int fd, const void *buf, size_t bytes, uint64_t offset) {
   return 0;
 }
 
-static uint64_t block_count(uint64_t data_bytes) {
+uint64_t ckpt__block_count(uint64_t data_bytes) {
   return data_bytes / CKPT_BLOCK_BYTES + (data_bytes % CKPT_BLOCK_BYTES != 0);
 }
 
-/* The size of a shard file holding data_bytes, or -ERANGE when it would
- * not fit in an off_t (the limit of every file offset we compute). */
-static int shard_file_bytes(uint64_t data_bytes, uint64_t *out) {
+int ckpt__shard_file_bytes(uint64_t data_bytes, uint64_t *out) {
   const uint64_t max = (uint64_t)INT64_MAX;
   if (data_bytes > max)
     return -ERANGE;
   /* The table is at most data_bytes / 2^17 + 8 bytes, so the sum below
    * stays far from wrapping even for data_bytes near 2^63. */
-  uint64_t total = CKPT_HEADER_BYTES + data_bytes + 8 * block_count(data_bytes) + FOOTER_BYTES;
+  uint64_t total =
+      CKPT_HEADER_BYTES + data_bytes + 8 * ckpt__block_count(data_bytes) + FOOTER_BYTES;
   if (total > max)
     return -ERANGE;
   *out = total;
@@ -250,8 +247,7 @@ uint64_t ckpt_shard_data_bytes(const ckpt_manifest *m) {
   return bytes;
 }
 
-/* Which of a unit's state slots holds state, or -1 if m has no such state. */
-static int state_slot(const ckpt_manifest *m, ckpt_state state) {
+int ckpt__state_slot(const ckpt_manifest *m, ckpt_state state) {
   switch (state) {
   case CKPT_MASTER:
     return 0;
@@ -264,7 +260,7 @@ static int state_slot(const ckpt_manifest *m, ckpt_state state) {
 }
 
 int64_t ckpt_data_offset(const ckpt_manifest *m, unsigned unit, ckpt_state state) {
-  int slot = state_slot(m, state);
+  int slot = ckpt__state_slot(m, state);
   if (unit >= m->nunits || slot < 0)
     return -1;
   uint64_t offset = 0;
@@ -275,7 +271,7 @@ int64_t ckpt_data_offset(const ckpt_manifest *m, unsigned unit, ckpt_state state
 
 uint64_t ckpt_shard_file_bytes(const ckpt_manifest *m) {
   uint64_t data_bytes = ckpt_shard_data_bytes(m);
-  return CKPT_HEADER_BYTES + data_bytes + 8 * block_count(data_bytes) + FOOTER_BYTES;
+  return CKPT_HEADER_BYTES + data_bytes + 8 * ckpt__block_count(data_bytes) + FOOTER_BYTES;
 }
 
 /* ------------------------------------------------------------------------
@@ -371,15 +367,13 @@ static json_t *encode_file(const ckpt_file_entry *f) {
   return o;
 }
 
-static const char *tenant_problem(const char *tenant, size_t len);
-
 static json_t *encode_manifest(const ckpt_manifest *m) {
   json_t *root = json_object();
   if (root == NULL)
     return NULL;
   /* This code writes the current version only, whatever the struct says:
    * the version describes the text, not the caller's data. */
-  int ok = tenant_problem(m->tenant, strnlen(m->tenant, sizeof m->tenant)) == NULL &&
+  int ok = ckpt__tenant_problem(m->tenant, strnlen(m->tenant, sizeof m->tenant)) == NULL &&
            set(root, "format", json_string(MANIFEST_FORMAT)) &&
            set(root, "format_version", json_integer(CKPT_MANIFEST_VERSION)) &&
            set(root, "job", m->job != NULL ? json_string(m->job) : NULL) &&
@@ -558,9 +552,7 @@ static const char *name_problem(const char *name, size_t len, int path_safe) {
   return NULL;
 }
 
-/* Why tenant (len bytes) is not a tenant's name, or NULL: "" (none), or
- * 1..CKPT_TENANT_MAX_BYTES of [A-Za-z0-9._-]. */
-static const char *tenant_problem(const char *tenant, size_t len) {
+const char *ckpt__tenant_problem(const char *tenant, size_t len) {
   if (len > CKPT_TENANT_MAX_BYTES)
     return "is longer than 64 bytes";
   for (size_t i = 0; i < len; i++) {
@@ -579,7 +571,7 @@ static int get_tenant(json_t *obj, const char *where, char out[CKPT_TENANT_MAX_B
   int rc = get_string(obj, "tenant", where, &tenant, &len, err, err_bytes);
   if (rc != 0)
     return rc;
-  const char *problem = tenant_problem(tenant, len);
+  const char *problem = ckpt__tenant_problem(tenant, len);
   if (problem != NULL)
     return bad(err, err_bytes, where, "\"tenant\" %s", problem);
   memcpy(out, tenant, len);
@@ -928,7 +920,7 @@ static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err,
       return bad(err, err_bytes, "units", "the shard files would be larger than 2^64 bytes");
     data_bytes += m->units[u].shard_numel * 4 * ckpt_nstates(m);
   }
-  if (shard_file_bytes(data_bytes, &file_bytes) != 0)
+  if (ckpt__shard_file_bytes(data_bytes, &file_bytes) != 0)
     return bad(err, err_bytes, "units", "the shard files would be larger than 2^63 - 1 bytes");
   char **names = malloc((nunits > 0 ? nunits : 1) * sizeof *names);
   if (names == NULL)
@@ -990,7 +982,7 @@ int ckpt_manifest_load(const char *dir, const char *file, int flags, ckpt_manife
                        size_t err_bytes) {
   memset(out, 0, sizeof *out);
   const char *name = ckpt_base_name(file);
-  char *path = join_path(dir, file);
+  char *path = ckpt_join_path(dir, file);
   if (path == NULL)
     return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   /* O_NOFOLLOW here and for every file of a checkpoint: a checkpoint's
@@ -1091,7 +1083,7 @@ int ckpt_manifest_store(const char *dir, const char *file, const ckpt_manifest *
     return rc;
   }
   ckpt_manifest_free(&check);
-  char *path = join_path(dir, file);
+  char *path = ckpt_join_path(dir, file);
   if (path == NULL) {
     free(text);
     return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
@@ -1106,7 +1098,7 @@ int ckpt_manifest_store(const char *dir, const char *file, const ckpt_manifest *
  * Shard headers
  * ------------------------------------------------------------------------ */
 
-static void header_encode(const ckpt_shard_header *h, uint8_t *out) {
+void ckpt__header_encode(const ckpt_shard_header *h, uint8_t *out) {
   memset(out, 0, CKPT_HEADER_BYTES);
   memcpy(out, HEADER_MAGIC, sizeof HEADER_MAGIC); /* with its NUL: 8 bytes */
   le_put32(out + 8, CKPT_FORMAT_VERSION);
@@ -1121,8 +1113,8 @@ static void header_encode(const ckpt_shard_header *h, uint8_t *out) {
 
 /* The magic first (is this a shard file at all?), then the checksum, so
  * that a damaged field reads as damage rather than as a strange value. */
-static int header_decode(const uint8_t *in, const char *name, ckpt_shard_header *h,
-                         uint64_t *file_bytes, char *err, size_t err_bytes) {
+int ckpt__header_decode(const uint8_t *in, const char *name, ckpt_shard_header *h,
+                        uint64_t *file_bytes, char *err, size_t err_bytes) {
   if (memcmp(in, HEADER_MAGIC, sizeof HEADER_MAGIC) != 0)
     return ckpt_fail(err, err_bytes, -EBADMSG, "%s: not a zerod shard file (bad magic)", name);
   uint64_t stored = le_get64(in + HEADER_CHECKSUM_AT);
@@ -1151,7 +1143,7 @@ static int header_decode(const uint8_t *in, const char *name, ckpt_shard_header 
   if (h->world_size == 0 || h->world_size > MAX_WORLD_SIZE || h->rank >= h->world_size)
     return ckpt_fail(err, err_bytes, -EBADMSG, "%s: rank %" PRIu32 " of world size %" PRIu32, name,
                      h->rank, h->world_size);
-  if (shard_file_bytes(h->data_bytes, file_bytes) != 0)
+  if (ckpt__shard_file_bytes(h->data_bytes, file_bytes) != 0)
     return ckpt_fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " data bytes is too large", name,
                      h->data_bytes);
   return 0;
@@ -1260,7 +1252,7 @@ int ckpt_writer_open(const char *path, const ckpt_shard_header *h, ckpt_writer *
   if (h->world_size == 0 || h->world_size > MAX_WORLD_SIZE || h->rank >= h->world_size)
     return ckpt_fail(err, err_bytes, -EINVAL, "%s: rank %" PRIu32 " of world size %" PRIu32, name,
                      h->rank, h->world_size);
-  if (shard_file_bytes(h->data_bytes, &file_bytes) != 0)
+  if (ckpt__shard_file_bytes(h->data_bytes, &file_bytes) != 0)
     return ckpt_fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " data bytes is too large", name,
                      h->data_bytes);
   ckpt_writer *w = calloc(1, sizeof *w);
@@ -1268,7 +1260,7 @@ int ckpt_writer_open(const char *path, const ckpt_shard_header *h, ckpt_writer *
     return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   w->fd = -1;
   w->data_bytes = h->data_bytes;
-  w->nblocks = block_count(h->data_bytes);
+  w->nblocks = ckpt__block_count(h->data_bytes);
   w->path = strdup(path);
   w->file_hash = XXH64_createState();
   w->block_hash = XXH64_createState();
@@ -1298,7 +1290,7 @@ int ckpt_writer_open(const char *path, const ckpt_shard_header *h, ckpt_writer *
   /* The header goes out at once, so that a full or read-only filesystem
    * shows up before any data is copied. */
   uint8_t header[CKPT_HEADER_BYTES];
-  header_encode(h, header);
+  ckpt__header_encode(h, header);
   int rc = writer_append(w, header, sizeof header, 0, err, err_bytes);
   if (rc == 0)
     rc = writer_flush(w, err, err_bytes);
@@ -1434,7 +1426,7 @@ static int check_size(uint64_t actual, uint64_t expect, const char *name, char *
  * data_bytes; *table is malloc'd. */
 static int read_table(int fd, const char *name, uint64_t data_bytes, uint8_t **table, char *err,
                       size_t err_bytes) {
-  uint64_t nblocks = block_count(data_bytes);
+  uint64_t nblocks = ckpt__block_count(data_bytes);
   size_t table_bytes = (size_t)(8 * nblocks);
   uint8_t *bytes = malloc(table_bytes + FOOTER_BYTES);
   if (bytes == NULL)
@@ -1486,7 +1478,7 @@ static int reader_check(ckpt_reader *r, const char *path, uint64_t expect_bytes,
   uint64_t file_bytes;
   if ((rc = ckpt_pread_all(r->fd, header, sizeof header, 0)) != 0)
     return read_failed(rc, name, "the header", err, err_bytes);
-  if ((rc = header_decode(header, name, &r->header, &file_bytes, err, err_bytes)) != 0)
+  if ((rc = ckpt__header_decode(header, name, &r->header, &file_bytes, err, err_bytes)) != 0)
     return rc;
   if (r->header.rank != expect->rank || r->header.world_size != expect->world_size ||
       r->header.data_bytes != expect->data_bytes)
@@ -1499,7 +1491,7 @@ static int reader_check(ckpt_reader *r, const char *path, uint64_t expect_bytes,
     return ckpt_fail(err, err_bytes, -ERANGE,
                      "%s: %" PRIu64 " data bytes make a file of %" PRIu64 " bytes, not %" PRIu64,
                      name, r->header.data_bytes, file_bytes, expect_bytes);
-  r->nblocks = block_count(r->header.data_bytes);
+  r->nblocks = ckpt__block_count(r->header.data_bytes);
   return read_table(r->fd, name, r->header.data_bytes, &r->table, err, err_bytes);
 }
 
@@ -1610,7 +1602,7 @@ static int verify_structure(int fd, const ckpt_file_entry *entry, const char *na
   uint64_t file_bytes;
   if ((rc = ckpt_pread_all(fd, header_bytes, CKPT_HEADER_BYTES, 0)) != 0)
     return read_failed(rc, name, "the header", err, err_bytes);
-  if ((rc = header_decode(header_bytes, name, header, &file_bytes, err, err_bytes)) != 0)
+  if ((rc = ckpt__header_decode(header_bytes, name, header, &file_bytes, err, err_bytes)) != 0)
     return rc;
   char expect_name[40];
   ckpt_shard_name(header->rank, header->world_size, expect_name, sizeof expect_name);
@@ -1626,7 +1618,7 @@ static int verify_structure(int fd, const ckpt_file_entry *entry, const char *na
 
 int ckpt_file_verify(const char *dir, const ckpt_file_entry *entry, char *err, size_t err_bytes) {
   const char *name = ckpt_base_name(entry->name);
-  char *path = join_path(dir, entry->name);
+  char *path = ckpt_join_path(dir, entry->name);
   if (path == NULL)
     return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
@@ -1649,7 +1641,7 @@ int ckpt_file_verify(const char *dir, const ckpt_file_entry *entry, char *err, s
      * block as it is checked, then the table and footer. */
     XXH64_reset(file_hash, 0);
     XXH64_update(file_hash, header_bytes, sizeof header_bytes);
-    uint64_t nblocks = block_count(header.data_bytes);
+    uint64_t nblocks = ckpt__block_count(header.data_bytes);
     for (uint64_t b = 0; rc == 0 && b < nblocks; b++) {
       uint64_t start = b * CKPT_BLOCK_BYTES;
       size_t len = (size_t)(header.data_bytes - start < CKPT_BLOCK_BYTES ? header.data_bytes - start
@@ -1731,7 +1723,7 @@ static int source_reader(ckpt_source *s, uint32_t k, ckpt_reader **out, char *er
                          size_t err_bytes) {
   const ckpt_manifest *m = &s->manifest;
   if (s->readers[k] == NULL) {
-    char *path = join_path(s->dir, m->files[k].name);
+    char *path = ckpt_join_path(s->dir, m->files[k].name);
     if (path == NULL)
       return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", m->files[k].name);
     ckpt_shard_header expect = {.rank = k,
@@ -1762,7 +1754,7 @@ static int source_reader(ckpt_source *s, uint32_t k, ckpt_reader **out, char *er
 int ckpt_source_read(ckpt_source *s, unsigned unit, ckpt_state state, uint64_t from, uint64_t to,
                      float *dst, char *err, size_t err_bytes) {
   const ckpt_manifest *m = &s->manifest;
-  int slot = state_slot(m, state);
+  int slot = ckpt__state_slot(m, state);
   if (unit >= m->nunits)
     return ckpt_fail(err, err_bytes, -EINVAL, "checkpoint has no unit %u (it has %u)", unit,
                      m->nunits);

@@ -13,6 +13,8 @@ __attribute__((format(printf, 4, 5))) int ckpt_fail(char *err, size_t err_bytes,
 void ckpt_prefix_error(char *err, size_t err_bytes, const char *prefix);
 /* The part of path after its last '/', for messages. */
 const char *ckpt_base_name(const char *path);
+/* dir + "/" + file, malloc'd (NULL: out of memory). */
+char *ckpt_join_path(const char *dir, const char *file);
 /* Whole transfers, going on after EINTR and short ones. pread returns 1 if
  * the file ends first (it is shorter than expected: truncated); pwrite
  * returns -EIO if no progress is made. Otherwise 0 or a negative errno. */
