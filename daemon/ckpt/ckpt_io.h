@@ -1,5 +1,6 @@
-/* ckpt_io: file helpers shared by ckpt.c and ckpt_safetensors.c (private
- * to the checkpoint format library). */
+/* ckpt_io: small helpers shared by the files of the checkpoint format
+ * library (daemon/ckpt/, and private to it): error messages, paths, whole
+ * reads and writes. Implemented in ckpt_io.c. */
 #ifndef ZEROD_CKPT_IO_H
 #define ZEROD_CKPT_IO_H
 
