@@ -105,48 +105,6 @@ int ckpt__shard_file_bytes(uint64_t data_bytes, uint64_t *out) {
   return 0;
 }
 
-/* ------------------------------------------------------------------------
- * Hashing
- * ------------------------------------------------------------------------ */
-
-struct ckpt_hash {
-  XXH64_state_t *state;
-};
-
-ckpt_hash *ckpt_hash_new(void) {
-  ckpt_hash *h = malloc(sizeof *h);
-  if (h == NULL)
-    return NULL;
-  h->state = XXH64_createState();
-  if (h->state == NULL) {
-    free(h);
-    return NULL;
-  }
-  XXH64_reset(h->state, 0);
-  return h;
-}
-
-void ckpt_hash_update(ckpt_hash *h, const void *data, size_t bytes) {
-  if (bytes > 0)
-    XXH64_update(h->state, data, bytes);
-}
-
-uint64_t ckpt_hash_digest(const ckpt_hash *h) {
-  return XXH64_digest(h->state);
-}
-
-void ckpt_hash_free(ckpt_hash *h) {
-  if (h == NULL)
-    return;
-  XXH64_freeState(h->state);
-  free(h);
-}
-
-uint64_t ckpt_hash_once(const void *data, size_t bytes) {
-  static const uint8_t nothing[1];
-  return XXH64(bytes > 0 ? data : nothing, bytes, 0);
-}
-
 void ckpt_shard_name(uint32_t rank, uint32_t world_size, char *out, size_t out_bytes) {
   snprintf(out, out_bytes, "rank-%05" PRIu32 "-of-%05" PRIu32 ".zdshard", rank, world_size);
 }
