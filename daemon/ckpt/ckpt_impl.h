@@ -12,6 +12,11 @@
 
 #include "ckpt.h"
 
+/* Shard data is copied between files and float arrays as it is. */
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "shard files are little-endian and read in place: a little-endian host is needed"
+#endif
+
 /* The most ranks a checkpoint may have (manifest and shard header). */
 #define MAX_WORLD_SIZE 4096u
 /* A shard file ends with the XXH64 of its block table. */
