@@ -17,6 +17,8 @@
 #error "shard files are little-endian and read in place: a little-endian host is needed"
 #endif
 
+/* manifest.json's "format". */
+#define MANIFEST_FORMAT "zerod-checkpoint"
 /* The most ranks a checkpoint may have (manifest and shard header). */
 #define MAX_WORLD_SIZE 4096u
 /* A shard file ends with the XXH64 of its block table. */
