@@ -1,7 +1,7 @@
 /* ckpt_manifest_decode: manifest.json and layout.json read back and
  * checked (ckpt.h, ckpt_manifest_decode and ckpt_manifest_free; the
- * format is described in ckpt.c), and the rules for the names in
- * them.
+ * format is described in ckpt_manifest.c), and the rules for the names
+ * in them.
  *
  * Every check names where it failed ("units[2].tensors[0]: ...") and
  * returns -EBADMSG; the caller frees whatever was filled in so far, which

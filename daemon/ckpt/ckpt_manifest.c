@@ -1,6 +1,9 @@
-/* Checkpoint formats (see ckpt.h): XXH64 hashing, manifest.json, shard
- * files written and read block by block, and checkpoint directories read
- * by element ranges. ckpt_safetensors.c has the safetensors part.
+/* ckpt_manifest: manifest.json (and layout.json) encoded, loaded and
+ * stored (ckpt.h, ckpt_manifest_*); decoding and the name rules are in
+ * ckpt_manifest_decode.c. The other parts of the formats: ckpt_shard.c
+ * (the shard file's layout and header), ckpt_shard_writer.c,
+ * ckpt_shard_reader.c, ckpt_source.c (a directory read by ranges),
+ * ckpt_safetensors.c, ckpt_hash.c, ckpt_io.c.
  *
  * manifest.json, format_version 2. Keys are written in this order and all
  * are required; unknown keys are refused (a new key means a new
@@ -43,8 +46,7 @@
  * entry per rank, whose "bytes" must equal the size the units imply. A
  * layout (layout.json, CKPT_DECODE_NO_FILES) is the same without "files";
  * decoding with that flag ignores a "files" member, so a complete manifest
- * also reads as a layout.
- */
+ * also reads as a layout. */
 #include "ckpt.h"
 #include "ckpt_impl.h"
 #include "ckpt_io.h"
