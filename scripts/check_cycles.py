@@ -32,11 +32,28 @@ TOPS = ("daemon", "client", "kernels", "proto")
 MAX_CYCLES_PER_FOLDER = 100
 
 
-def objects(build):
+def source_root(build):
+    """The source tree the build directory was configured from (its
+    CMakeCache.txt), or None (not a CMake build directory)."""
+    try:
+        with open(os.path.join(build, "CMakeCache.txt"), encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("CMAKE_HOME_DIRECTORY:"):
+                    return line.split("=", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def objects(build, stale):
     """Yields (folder, file, object path) for every object built from a
     source under one of TOPS; folder is the source's folder relative to the
     repository (daemon/node), file its name (ipc.c). A source compiled into
-    two targets appears once per target."""
+    two targets appears once per target. The build system leaves the
+    object of a source that was removed or renamed behind: when the source
+    tree is known, an object whose source is in neither it nor the build
+    directory (generated sources) is skipped and appended to stale."""
+    root = source_root(build)
     for top in TOPS:
         cmakefiles = os.path.join(build, top, "CMakeFiles")
         if not os.path.isdir(cmakefiles):
@@ -54,6 +71,11 @@ def objects(build):
                         continue
                     src = f[: -len(".o")]
                     folder = top if rel == "." else os.path.join(top, rel)
+                    if root is not None and not any(
+                            os.path.exists(os.path.join(base, folder, src))
+                            for base in (root, build)):
+                        stale.append(os.path.join(dirpath, f))
+                        continue
                     yield folder.replace(os.sep, "/"), src, os.path.join(dirpath, f)
 
 
@@ -137,7 +159,8 @@ def folder_graphs(build, nm):
     its folder it uses; symbols[(a, b)] the names a uses from b."""
     defs, uses = {}, {}
     nobjects = 0
-    for folder, src, path in objects(build):
+    stale = []
+    for folder, src, path in objects(build, stale):
         nobjects += 1
         d, u = nm_symbols(nm, path)
         defs.setdefault(folder, {}).setdefault(src, set()).update(d)
@@ -157,7 +180,7 @@ def folder_graphs(build, nm):
                         graph[src].add(other)
                         symbols.setdefault((src, other), set()).add(name)
         result[folder] = (graph, symbols)
-    return result, nobjects
+    return result, nobjects, stale
 
 
 def describe(cycle, symbols):
@@ -178,7 +201,9 @@ def main(argv=None):
     ap.add_argument("--graph", action="store_true", help="print every folder's file graph")
     args = ap.parse_args(argv)
 
-    graphs, nobjects = folder_graphs(args.build, args.nm)
+    graphs, nobjects, stale = folder_graphs(args.build, args.nm)
+    for path in stale:
+        print(f"check_cycles: skipped {path}: its source is gone (a stale object)")
     if nobjects == 0:
         print(f"check_cycles: no objects under {args.build}/{{{','.join(TOPS)}}}/CMakeFiles: "
               "build first")

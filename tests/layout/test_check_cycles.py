@@ -7,7 +7,8 @@ directory, runs the check on it, and pins what it must say: a two-file
 cycle and a three-file cycle are reported with the symbols of each edge and
 fail the check; a file that only calls into a cycle is not part of it;
 --allow turns a folder's cycles into a report that passes; a folder with
-calls one way only passes; an empty build directory fails.
+calls one way only passes; the object of a source that is gone is skipped;
+an empty build directory fails.
 
 Usage: test_check_cycles.py [--cc CC] [--nm NM]
 """
@@ -97,6 +98,23 @@ def main():
         })
         rc, out = check(oneway, args.nm)
         expect(rc == 0 and "0 cycles" in out, "calls one way only pass")
+
+        # A renamed source leaves its object behind: with the source tree
+        # known (CMakeCache.txt), the stale object is skipped, so its
+        # symbols make no edge.
+        renamed = os.path.join(tmp, "renamed")
+        build_tree(renamed, args.cc, "moved", {
+            "old.c": "int new_f(void);\nint old_f(void) { return new_f(); }\n",
+            "new.c": "int old_f(void);\nint new_f(void) { return 1; }\nint g(void) { return old_f(); }\n",
+        })
+        srcdir = os.path.join(tmp, "src")
+        os.makedirs(os.path.join(srcdir, "daemon", "moved"))
+        open(os.path.join(srcdir, "daemon", "moved", "new.c"), "w").close()
+        with open(os.path.join(renamed, "CMakeCache.txt"), "w") as f:
+            f.write(f"CMAKE_HOME_DIRECTORY:INTERNAL={srcdir}\n")
+        rc, out = check(renamed, args.nm)
+        expect(rc == 0 and "skipped" in out and "old.c.o: its source is gone" in out,
+               "an object whose source is gone is skipped, not read")
 
         rc, out = check(os.path.join(tmp, "empty"), args.nm)
         expect(rc == 1 and "build first" in out, "a build directory without objects fails")
