@@ -44,13 +44,9 @@
 #include "admit.h"
 #include "log.h"
 #include "rpc_impl.h"
+#include "rpc_server_impl.h"
 #include "tls.h"
 
-/* Bounds. Method paths are short ASCII names; a daemon serves a few dozen
- * methods; status messages are one line for a human. */
-#define RPC_MAX_METHODS      64
-#define RPC_MAX_STATUS_BYTES 1024
-#define RPC_MAX_QUEUED_SENDS 64
 /* Requests kept armed with grpc_server_request_call: gRPC holds calls that
  * arrive with none armed in its own queue, so this only saves a loop
  * wakeup per call under bursts. */
@@ -104,6 +100,10 @@ const char *rpc_status_name(int code) {
  * server watches the count and, when it moves, restarts its listener. */
 static atomic_uint accept_failures;
 
+unsigned rpc__accept_failures(void) {
+  return atomic_load(&accept_failures);
+}
+
 static void grpc_log_to_logfmt(gpr_log_func_args *args) {
   if (args->message != NULL && strstr(args->message, "Failed accept4") != NULL)
     atomic_fetch_add(&accept_failures, 1);
@@ -148,7 +148,7 @@ grpc_byte_buffer *rpc__buffer_from_bytes(const void *bytes, size_t n_bytes) {
  * -EPROTO when gRPC cannot read it (a bad compressed payload), or -EMSGSIZE
  * when it is over the limit (gRPC enforces the limit first; this is the
  * belt to its braces). */
-static int buffer_flatten(grpc_byte_buffer *buffer, grpc_slice *out) {
+int rpc__buffer_flatten(grpc_byte_buffer *buffer, grpc_slice *out) {
   grpc_byte_buffer_reader reader;
   if (!grpc_byte_buffer_reader_init(&reader, buffer))
     return -EPROTO;
@@ -164,7 +164,7 @@ static int buffer_flatten(grpc_byte_buffer *buffer, grpc_slice *out) {
 /* Copies buffer into a malloc'd array (NULL for an empty message). */
 int rpc__buffer_to_malloc(grpc_byte_buffer *buffer, uint8_t **out, size_t *out_bytes) {
   grpc_slice flat;
-  int rc = buffer_flatten(buffer, &flat);
+  int rc = rpc__buffer_flatten(buffer, &flat);
   if (rc < 0)
     return rc;
   size_t n_bytes = GRPC_SLICE_LENGTH(flat);
@@ -207,8 +207,8 @@ static int tls_set(const char *s) {
   return s != NULL && s[0] != '\0';
 }
 
-static int server_credentials(const rpc_tls *tls, grpc_server_credentials **out, char *err,
-                              size_t err_bytes) {
+int rpc__server_credentials(const rpc_tls *tls, grpc_server_credentials **out, char *err,
+                            size_t err_bytes) {
   *out = NULL;
   if (!tls_set(tls->cert_file) || !tls_set(tls->key_file)) {
     snprintf(err, err_bytes, "TLS needs both a certificate and its key");
@@ -272,150 +272,13 @@ int rpc__channel_credentials(const rpc_tls *tls, grpc_channel_credentials **out,
   return rc;
 }
 
-/* ------------------------------------------------------------------------ */
-/* Server: types                                                            */
-/* ------------------------------------------------------------------------ */
-
-typedef enum tag_kind {
-  TAG_NEW_CALL, /* grpc_server_request_call matched (or failed at shutdown) */
-  TAG_REQUEST,  /* RECV_MESSAGE of the request */
-  TAG_CLOSE,    /* RECV_CLOSE_ON_SERVER: the call is over on the wire */
-  TAG_WRITE,    /* one streamed SEND_MESSAGE */
-  TAG_STATUS,   /* SEND_STATUS_FROM_SERVER (with the unary reply) */
-  TAG_SHUTDOWN, /* grpc_server_shutdown_and_notify */
-} tag_kind;
-
-/* A completion-queue tag. Each batch kind has its own tag, and at most one
- * batch of a kind is outstanding per call, so a tag is never in the event
- * list twice and the list needs no allocation. */
-typedef struct rpc_tag {
-  tag_kind kind;
-  int success;          /* set by the queue thread, under the server lock */
-  struct rpc_tag *next; /* in the server's event list, under the lock */
-  rpc_call *call;       /* NULL for TAG_SHUTDOWN */
-} rpc_tag;
-
-typedef struct rpc_method {
-  char path[RPC_MAX_PATH_BYTES];
-  size_t path_bytes;
-  rpc_kind kind;
-  rpc_handler handler;
-  void *arg;
-  int priority;  /* may use the reserved calls (rpc_server_set_priority) */
-  int anonymous; /* may be called without credentials (rpc_server_set_anonymous) */
-} rpc_method;
-
-typedef enum server_state {
-  SERVER_CREATED,    /* methods may be added; not listening */
-  SERVER_RUNNING,    /* accepting calls */
-  SERVER_RESTARTING, /* the listener died: draining the old gRPC server */
-  SERVER_REBINDING,  /* no gRPC server: listening again, retried on the timer */
-  SERVER_DRAINING,   /* shutdown asked: waiting for gRPC's tag and our calls */
-  SERVER_CQ_CLOSING, /* server destroyed, queue shut down: waiting for thread */
-  SERVER_CLOSING,    /* thread joined: waiting for the async handle to close */
-  SERVER_DONE,       /* done() called; only rpc_server_destroy is left */
-} server_state;
-
-struct rpc_server {
-  uv_loop_t *loop;
-  char addr[RPC_MAX_ADDR_BYTES];
-  rpc_method methods[RPC_MAX_METHODS];
-  unsigned method_count;
-  server_state state;
-  grpc_server_credentials *creds;          /* rpc_server_set_tls; NULL: plain */
-  char bound_addr[RPC_MAX_ADDR_BYTES + 8]; /* addr with the port it got (for listening again) */
-  unsigned seen_accept_failures;           /* accept_failures when last checked */
-  uv_timer_t *listener_timer;              /* on the heap, like wakeup; NULL before start */
-  int closing_handles;                     /* handles whose close callback is due */
-  rpc_observer observer;                   /* rpc_server_set_observer; NULL: none */
-  void *observer_arg;
-  rpc_identify_fn identify; /* rpc_server_set_identify; NULL: every caller is trusted */
-  void *identify_arg;
-  admit_state admit; /* what admitted calls hold, which wait for their request (admit.h) */
-
-  grpc_server *server;
-  grpc_completion_queue *cq;
-  uv_thread_t cq_thread;
-  /* On the heap, not in the struct: when start fails, the handle is closed
-   * and its close callback frees it, whether or not the caller has freed
-   * the server by then. */
-  uv_async_t *wakeup;
-
-  /* Shared with the queue thread. */
-  uv_mutex_t lock;
-  rpc_tag *events_head;
-  rpc_tag *events_tail;
-  int cq_thread_exited;
-
-  /* Loop thread only. */
-  rpc_tag shutdown_tag;
-  int shutdown_notified;
-  unsigned live_calls; /* call contexts allocated, armed requests included */
-  int in_wakeup;       /* draining events: defer shutdown progress to the end */
-  int cancel_deferred; /* a gentle shutdown: the next listener tick cancels what is left */
-  void (*done)(void *arg);
-  void *done_arg;
-};
-
-struct rpc_call {
-  rpc_server *server;
-  grpc_call *call;
-  grpc_call_details details;
-  grpc_metadata_array request_metadata;
-  const rpc_method *method; /* NULL: unknown method */
-  char *peer;               /* gpr_malloc'd by gRPC */
-  gpr_timespec deadline;    /* monotonic; tv_sec INT64_MAX when none */
-  uint64_t arrived_ns;      /* uv_hrtime when matched */
-  rpc_transport transport;
-  char cert_name[256]; /* the verified client certificate's CN, or "" */
-  char *audit_who;     /* rpc_call_audit; NULL: not audited */
-  char *audit_what;
-  void (*on_free)(void *arg);
-  void *on_free_arg;
-
-  long principal;      /* from the identify function (RPC_PRINCIPAL_*) */
-  admit_ticket ticket; /* what the call holds (admit.h); all zero if refused */
-  admit_wait wait;     /* while its request message has not come */
-
-  rpc_tag tag_new, tag_request, tag_close, tag_write, tag_status;
-  unsigned outstanding; /* batches started whose tag is not yet handled */
-  unsigned busy;        /* user callbacks running on the stack */
-
-  grpc_byte_buffer *request; /* RECV_MESSAGE's out-parameter */
-  int close_cancelled;       /* RECV_CLOSE_ON_SERVER's out-parameter */
-
-  unsigned handed : 1;          /* the handler got the call */
-  unsigned finished : 1;        /* rpc_call_finish was called */
-  unsigned cancelled : 1;       /* the call is dead on the wire */
-  unsigned cancel_notified : 1; /* cancel_cb ran (or never will) */
-  unsigned metadata_sent : 1;   /* SEND_INITIAL_METADATA started */
-  unsigned status_pending : 1;  /* finished: send the status after writes */
-  unsigned status_started : 1;
-  unsigned request_timed_out : 1; /* cancelled for a request that did not come */
-
-  rpc_cancel_cb cancel_cb;
-  void *cancel_arg;
-
-  /* The status to send, and the unary reply with it. */
-  grpc_status_code status;
-  grpc_slice status_details;
-  int has_status_details;
-  grpc_byte_buffer *reply;
-
-  /* Streamed messages: one in flight, up to RPC_MAX_QUEUED_SENDS waiting. */
-  grpc_byte_buffer *write_in_flight;
-  grpc_byte_buffer *write_queue[RPC_MAX_QUEUED_SENDS];
-  unsigned write_head;
-  unsigned write_count;
-};
-
 static void server_advance_shutdown(rpc_server *s);
 
 /* ------------------------------------------------------------------------ */
 /* Server: call contexts                                                    */
 /* ------------------------------------------------------------------------ */
 
-static void tag_init(rpc_tag *tag, tag_kind kind, rpc_call *call) {
+void rpc__tag_init(rpc_tag *tag, tag_kind kind, rpc_call *call) {
   tag->kind = kind;
   tag->success = 0;
   tag->next = NULL;
@@ -431,7 +294,7 @@ static void call_drop_writes(rpc_call *call) {
   }
 }
 
-static void call_free(rpc_call *call) {
+void rpc__call_free(rpc_call *call) {
   rpc_server *s = call->server;
 
   admit_wait_stop(&s->admit, &call->wait);
@@ -460,20 +323,20 @@ static void call_free(rpc_call *call) {
 
   s->live_calls--;
   if (!s->in_wakeup)
-    server_advance_shutdown(s);
+    s->advance_shutdown(s);
 }
 
 /* Frees the call once nothing can touch it any more (see the file comment). */
-static void call_maybe_free(rpc_call *call) {
+void rpc__call_maybe_free(rpc_call *call) {
   if (call->outstanding > 0 || call->busy > 0)
     return;
   if (call->handed && !call->finished)
     return;
-  call_free(call);
+  rpc__call_free(call);
 }
 
 /* Starts a batch; on success the tag will come back through the loop. */
-static int call_start_batch(rpc_call *call, const grpc_op *ops, size_t n_ops, rpc_tag *tag) {
+int rpc__call_start_batch(rpc_call *call, const grpc_op *ops, size_t n_ops, rpc_tag *tag) {
   grpc_call_error err = grpc_call_start_batch(call->call, ops, n_ops, tag, NULL);
   if (err != GRPC_CALL_OK) {
     LOG_ERRORF("rpc batch refused", "error=%s kind=%d", grpc_call_error_to_string(err),
@@ -486,7 +349,7 @@ static int call_start_batch(rpc_call *call, const grpc_op *ops, size_t n_ops, rp
 
 /* The call is dead on the wire: drop what was waiting to be sent and tell
  * the handler, once, if it still owns the call. */
-static void call_mark_cancelled(rpc_call *call) {
+void rpc__call_mark_cancelled(rpc_call *call) {
   call->cancelled = 1;
   call->status_pending = 0;
   call_drop_writes(call);
@@ -503,7 +366,7 @@ static void call_mark_cancelled(rpc_call *call) {
 /* Sends the status (with initial metadata if none went out, and the unary
  * reply). A refused batch leaves no way to end the call cleanly, so it is
  * cancelled: RECV_CLOSE then completes and frees it. */
-static void call_send_status(rpc_call *call) {
+void rpc__call_send_status(rpc_call *call) {
   grpc_op ops[3];
   size_t n_ops = 0;
 
@@ -524,7 +387,7 @@ static void call_send_status(rpc_call *call) {
   n_ops++;
 
   call->status_pending = 0;
-  if (call_start_batch(call, ops, n_ops, &call->tag_status) == 0) {
+  if (rpc__call_start_batch(call, ops, n_ops, &call->tag_status) == 0) {
     call->metadata_sent = 1;
     call->status_started = 1;
   } else {
@@ -533,12 +396,12 @@ static void call_send_status(rpc_call *call) {
 }
 
 /* Starts the next queued write, or the status once the queue has drained. */
-static void call_pump_writes(rpc_call *call) {
+void rpc__call_pump_writes(rpc_call *call) {
   if (call->cancelled || call->write_in_flight != NULL)
     return;
   if (call->write_count == 0) {
     if (call->status_pending)
-      call_send_status(call);
+      rpc__call_send_status(call);
     return;
   }
 
@@ -555,7 +418,7 @@ static void call_pump_writes(rpc_call *call) {
   ops[n_ops].data.send_message.send_message = message;
   n_ops++;
 
-  if (call_start_batch(call, ops, n_ops, &call->tag_write) < 0) {
+  if (rpc__call_start_batch(call, ops, n_ops, &call->tag_write) < 0) {
     grpc_call_cancel(call->call, NULL); /* RECV_CLOSE reports it */
     return;
   }
@@ -567,7 +430,7 @@ static void call_pump_writes(rpc_call *call) {
 }
 
 /* Records the status to send when the writes have drained. */
-static void call_set_status(rpc_call *call, int status, const char *message) {
+void rpc__call_set_status(rpc_call *call, int status, const char *message) {
   if (status < 0 || status > RPC_UNAUTHENTICATED)
     status = RPC_UNKNOWN;
   call->status = (grpc_status_code)status;
@@ -579,18 +442,18 @@ static void call_set_status(rpc_call *call, int status, const char *message) {
   call->status_pending = 1;
 }
 
-static int server_arm_request(rpc_server *s) {
+int rpc__server_arm_request(rpc_server *s) {
   rpc_call *call = calloc(1, sizeof(*call));
   if (call == NULL)
     return -ENOMEM;
   call->server = s;
   grpc_call_details_init(&call->details);
   grpc_metadata_array_init(&call->request_metadata);
-  tag_init(&call->tag_new, TAG_NEW_CALL, call);
-  tag_init(&call->tag_request, TAG_REQUEST, call);
-  tag_init(&call->tag_close, TAG_CLOSE, call);
-  tag_init(&call->tag_write, TAG_WRITE, call);
-  tag_init(&call->tag_status, TAG_STATUS, call);
+  rpc__tag_init(&call->tag_new, TAG_NEW_CALL, call);
+  rpc__tag_init(&call->tag_request, TAG_REQUEST, call);
+  rpc__tag_init(&call->tag_close, TAG_CLOSE, call);
+  rpc__tag_init(&call->tag_write, TAG_WRITE, call);
+  rpc__tag_init(&call->tag_status, TAG_STATUS, call);
   call->principal = RPC_PRINCIPAL_TRUSTED;
   s->live_calls++;
 
@@ -599,14 +462,14 @@ static int server_arm_request(rpc_server *s) {
                                s->cq, s->cq, &call->tag_new);
   if (err != GRPC_CALL_OK) {
     LOG_ERRORF("rpc request_call refused", "error=%s", grpc_call_error_to_string(err));
-    call_free(call);
+    rpc__call_free(call);
     return -EIO;
   }
   call->outstanding = 1;
   return 0;
 }
 
-static const rpc_method *server_find_method(const rpc_server *s, grpc_slice path) {
+const rpc_method *rpc__server_find_method(const rpc_server *s, grpc_slice path) {
   size_t n_bytes = GRPC_SLICE_LENGTH(path);
   for (unsigned i = 0; i < s->method_count; i++) {
     const rpc_method *m = &s->methods[i];
@@ -620,7 +483,7 @@ static const rpc_method *server_find_method(const rpc_server *s, grpc_slice path
  * or TLS, and over TLS the common name of a client certificate gRPC has
  * verified (GRPC_SSL_REQUEST_*_AND_VERIFY: a certificate that does not
  * verify never gets this far). */
-static void call_read_auth(rpc_call *call) {
+void rpc__call_read_auth(rpc_call *call) {
   call->transport = RPC_TRANSPORT_PLAIN;
   call->cert_name[0] = '\0';
   if (call->peer != NULL && strncmp(call->peer, "unix:", 5) == 0) {
@@ -690,8 +553,8 @@ static void call_refuse(rpc_server *s, rpc_call *call, int status, const char *w
   refusal_log(s, call, status, why);
   if (s->observer != NULL)
     s->observer(s->observer_arg, call->method->path, status, 0);
-  call_set_status(call, status, why);
-  call_send_status(call);
+  rpc__call_set_status(call, status, why);
+  rpc__call_send_status(call);
 }
 
 /* How long an admitted call may take to send its request message. */
@@ -701,7 +564,7 @@ static int request_wait_ms(const rpc_call *call) {
 
 /* Cancels the calls whose request is overdue (from the listener timer).
  * gRPC then completes their RECV_MESSAGE and RECV_CLOSE, which free them. */
-static void sweep_awaiting(rpc_server *s) {
+void rpc__sweep_awaiting(rpc_server *s) {
   uint64_t now = uv_hrtime();
   admit_wait *w;
   while ((w = admit_wait_overdue(&s->admit, now)) != NULL) {
@@ -727,10 +590,10 @@ static void on_new_call(rpc_call *call, int success) {
     /* Pending requests fail this way when the server shuts down. */
     if (s->state == SERVER_RUNNING)
       LOG_WARNF("rpc request_call failed", "addr=%s", s->addr);
-    call_free(call);
+    rpc__call_free(call);
     return;
   }
-  if (s->state == SERVER_RUNNING && server_arm_request(s) < 0)
+  if (s->state == SERVER_RUNNING && rpc__server_arm_request(s) < 0)
     LOG_ERRORF("rpc cannot re-arm request_call", "addr=%s armed_less_one=1", s->addr);
 
   call->peer = grpc_call_get_peer(call->call);
@@ -740,8 +603,8 @@ static void on_new_call(rpc_call *call, int success) {
     call->deadline = gpr_inf_future(GPR_CLOCK_MONOTONIC);
   else
     call->deadline = gpr_convert_clock_type(deadline, GPR_CLOCK_MONOTONIC);
-  call->method = server_find_method(s, call->details.method);
-  call_read_auth(call);
+  call->method = rpc__server_find_method(s, call->details.method);
+  rpc__call_read_auth(call);
 
   /* RECV_CLOSE_ON_SERVER goes first and alone: it completes when the call
    * ends for any reason, which is how a cancellation is noticed while the
@@ -750,9 +613,9 @@ static void on_new_call(rpc_call *call, int success) {
   memset(&close_op, 0, sizeof close_op);
   close_op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
   close_op.data.recv_close_on_server.cancelled = &call->close_cancelled;
-  if (call_start_batch(call, &close_op, 1, &call->tag_close) < 0) {
+  if (rpc__call_start_batch(call, &close_op, 1, &call->tag_close) < 0) {
     grpc_call_cancel(call->call, NULL);
-    call_maybe_free(call);
+    rpc__call_maybe_free(call);
     return;
   }
 
@@ -769,8 +632,8 @@ static void on_new_call(rpc_call *call, int success) {
                        ? GRPC_SLICE_LENGTH(call->details.method)
                        : RPC_MAX_PATH_BYTES),
              (const char *)GRPC_SLICE_START_PTR(call->details.method));
-    call_set_status(call, RPC_UNIMPLEMENTED, message);
-    call_send_status(call);
+    rpc__call_set_status(call, RPC_UNIMPLEMENTED, message);
+    rpc__call_send_status(call);
     return;
   }
 
@@ -786,7 +649,7 @@ static void on_new_call(rpc_call *call, int success) {
   memset(&recv_op, 0, sizeof recv_op);
   recv_op.op = GRPC_OP_RECV_MESSAGE;
   recv_op.data.recv_message.recv_message = &call->request;
-  if (call_start_batch(call, &recv_op, 1, &call->tag_request) < 0)
+  if (rpc__call_start_batch(call, &recv_op, 1, &call->tag_request) < 0)
     grpc_call_cancel(call->call, NULL);
 }
 
@@ -800,23 +663,23 @@ static void on_request(rpc_call *call, int success) {
     /* The call died before its request arrived; RECV_CLOSE will say so. */
     if (request != NULL)
       grpc_byte_buffer_destroy(request);
-    call_maybe_free(call);
+    rpc__call_maybe_free(call);
     return;
   }
   if (request == NULL) {
     /* The client half-closed without a request message. */
-    call_set_status(call, RPC_INVALID_ARGUMENT, "request message missing");
-    call_send_status(call);
+    rpc__call_set_status(call, RPC_INVALID_ARGUMENT, "request message missing");
+    rpc__call_send_status(call);
     return;
   }
 
   grpc_slice flat;
-  int rc = buffer_flatten(request, &flat);
+  int rc = rpc__buffer_flatten(request, &flat);
   grpc_byte_buffer_destroy(request);
   if (rc < 0) {
-    call_set_status(call, rc == -EMSGSIZE ? RPC_RESOURCE_EXHAUSTED : RPC_INTERNAL,
-                    "cannot read the request message");
-    call_send_status(call);
+    rpc__call_set_status(call, rc == -EMSGSIZE ? RPC_RESOURCE_EXHAUSTED : RPC_INTERNAL,
+                         "cannot read the request message");
+    rpc__call_send_status(call);
     return;
   }
 
@@ -826,15 +689,15 @@ static void on_request(rpc_call *call, int success) {
                         call->method->arg);
   call->busy--;
   grpc_slice_unref(flat);
-  call_maybe_free(call);
+  rpc__call_maybe_free(call);
 }
 
 static void on_close(rpc_call *call, int success) {
   call->outstanding--;
   /* RECV_CLOSE_ON_SERVER always succeeds; cancelled says how it ended. */
   if (call->close_cancelled && !call->cancelled)
-    call_mark_cancelled(call);
-  call_maybe_free(call);
+    rpc__call_mark_cancelled(call);
+  rpc__call_maybe_free(call);
 }
 
 static void on_write(rpc_call *call, int success) {
@@ -845,11 +708,11 @@ static void on_write(rpc_call *call, int success) {
   }
   if (!success) {
     if (!call->cancelled)
-      call_mark_cancelled(call);
+      rpc__call_mark_cancelled(call);
   } else {
-    call_pump_writes(call);
+    rpc__call_pump_writes(call);
   }
-  call_maybe_free(call);
+  rpc__call_maybe_free(call);
 }
 
 static void on_status(rpc_call *call, int success) {
@@ -862,10 +725,10 @@ static void on_status(rpc_call *call, int success) {
     grpc_slice_unref(call->status_details);
     call->has_status_details = 0;
   }
-  call_maybe_free(call);
+  rpc__call_maybe_free(call);
 }
 
-static void server_handle_event(rpc_server *s, rpc_tag *tag) {
+void rpc__server_handle_event(rpc_server *s, rpc_tag *tag) {
   switch (tag->kind) {
   case TAG_SHUTDOWN:
     s->shutdown_notified = 1;
@@ -904,7 +767,7 @@ static void on_wakeup(uv_async_t *handle) {
      * (never one that holds a later tag, which is still outstanding). */
     rpc_tag *next = tag->next;
     tag->next = NULL;
-    server_handle_event(s, tag);
+    rpc__server_handle_event(s, tag);
     tag = next;
   }
   s->in_wakeup = 0;
@@ -912,7 +775,7 @@ static void on_wakeup(uv_async_t *handle) {
 }
 
 /* The queue thread: never runs a handler, never touches a call. */
-static void cq_thread_main(void *arg) {
+void rpc__cq_thread_main(void *arg) {
   rpc_server *s = arg;
 
   pthread_setname_np(pthread_self(), "zd-rpc-cq");
@@ -996,8 +859,8 @@ static void on_listener_timer(uv_timer_t *timer) {
     return;
   }
   if (s->state == SERVER_RUNNING)
-    sweep_awaiting(s);
-  unsigned failures = atomic_load(&accept_failures);
+    rpc__sweep_awaiting(s);
+  unsigned failures = rpc__accept_failures();
   if (failures == s->seen_accept_failures || s->state != SERVER_RUNNING)
     return;
   s->seen_accept_failures = failures;
@@ -1087,8 +950,9 @@ int rpc_server_create(uv_loop_t *loop, const char *addr, rpc_server **out, char 
   s->loop = loop;
   memcpy(s->addr, addr, strlen(addr) + 1);
   s->state = SERVER_CREATED;
+  s->advance_shutdown = server_advance_shutdown;
   s->admit.limits = rpc__admit_limits();
-  tag_init(&s->shutdown_tag, TAG_SHUTDOWN, NULL);
+  rpc__tag_init(&s->shutdown_tag, TAG_SHUTDOWN, NULL);
   rpc__grpc_init(); /* balanced in rpc_server_destroy */
   *out = s;
   return 0;
@@ -1158,7 +1022,7 @@ static int server_listen(rpc_server *s, const char *addr, int *port, char *err, 
   grpc_server_start(s->server);
   s->state = SERVER_RUNNING;
   for (int i = 0; i < RPC_ARMED_REQUESTS; i++) {
-    if (server_arm_request(s) < 0 && i == 0) {
+    if (rpc__server_arm_request(s) < 0 && i == 0) {
       snprintf(err, err_bytes, "rpc server %s: cannot request calls", addr);
       return -EIO;
     }
@@ -1235,7 +1099,7 @@ int rpc_server_set_tls(rpc_server *s, const rpc_tls *tls, char *err, size_t err_
     return -EBUSY;
   }
   grpc_server_credentials *creds;
-  int rc = server_credentials(tls, &creds, err, err_bytes);
+  int rc = rpc__server_credentials(tls, &creds, err, err_bytes);
   if (rc != 0)
     return rc;
   if (s->creds != NULL)
@@ -1274,7 +1138,7 @@ int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes) {
   s->wakeup->data = s;
   s->cq = grpc_completion_queue_create_for_next(NULL);
   s->cq_thread_exited = 0;
-  rc = uv_thread_create(&s->cq_thread, cq_thread_main, s);
+  rc = uv_thread_create(&s->cq_thread, rpc__cq_thread_main, s);
   if (rc < 0) {
     snprintf(err, err_bytes, "rpc server %s: cannot start its thread: %s", s->addr,
              uv_strerror(rc));
@@ -1304,7 +1168,7 @@ int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes) {
       strcmp(s->addr + addr_len - 2, ":0") == 0)
     snprintf(s->bound_addr, sizeof s->bound_addr, "%.*s:%d", (int)(addr_len - 2), s->addr,
              bound_port);
-  s->seen_accept_failures = atomic_load(&accept_failures);
+  s->seen_accept_failures = rpc__accept_failures();
   s->listener_timer = malloc(sizeof *s->listener_timer);
   if (s->listener_timer != NULL) {
     uv_timer_init(s->loop, s->listener_timer);
@@ -1441,7 +1305,7 @@ void rpc_call_finish(rpc_call *call, int status, const char *message, const void
                         quoted, sizeof quoted));
   }
   if (call->cancelled) {
-    call_maybe_free(call);
+    rpc__call_maybe_free(call);
     return;
   }
 
@@ -1452,20 +1316,20 @@ void rpc_call_finish(rpc_call *call, int status, const char *message, const void
                RPC_MAX_MESSAGE_BYTES);
       LOG_WARNF("rpc reply too large", "method=%s reply_bytes=%zu limit=%u", call->method->path,
                 reply_bytes, RPC_MAX_MESSAGE_BYTES);
-      call_set_status(call, RPC_RESOURCE_EXHAUSTED, text);
+      rpc__call_set_status(call, RPC_RESOURCE_EXHAUSTED, text);
     } else if (reply == NULL && reply_bytes > 0) {
-      call_set_status(call, RPC_INTERNAL, "reply missing");
+      rpc__call_set_status(call, RPC_INTERNAL, "reply missing");
     } else {
       call->reply = rpc__buffer_from_bytes(reply, reply_bytes);
-      call_set_status(call, RPC_OK, message);
+      rpc__call_set_status(call, RPC_OK, message);
     }
   } else {
     if (reply != NULL && call->method->kind == RPC_SERVER_STREAM)
       LOG_WARNF("rpc stream finished with a reply; dropped", "method=%s", call->method->path);
-    call_set_status(call, status, message);
+    rpc__call_set_status(call, status, message);
   }
-  call_pump_writes(call);
-  call_maybe_free(call);
+  rpc__call_pump_writes(call);
+  rpc__call_maybe_free(call);
 }
 
 int rpc_call_send(rpc_call *call, const void *message, size_t message_bytes) {
@@ -1483,7 +1347,7 @@ int rpc_call_send(rpc_call *call, const void *message, size_t message_bytes) {
   unsigned slot = (call->write_head + call->write_count) % RPC_MAX_QUEUED_SENDS;
   call->write_queue[slot] = rpc__buffer_from_bytes(message, message_bytes);
   call->write_count++;
-  call_pump_writes(call);
+  rpc__call_pump_writes(call);
   return 0;
 }
 

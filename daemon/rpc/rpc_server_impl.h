@@ -1,9 +1,9 @@
 /* rpc_server_impl: the server side's internals, shared by the files of
- * the server (rpc.c: its lifecycle; and the files split from it) and by
+ * the server (rpc_server.c: its lifecycle; and the files split from it) and by
  * nothing else: the server and call contexts, the completion-queue tags,
  * and the rpc__ steps each file offers the others. Private to daemon/rpc/;
  * the contract is rpc.h, the threading and call lifetime rules are in
- * rpc.c's opening comment. Everything here runs on the loop thread, but
+ * rpc_server.c's opening comment. Everything here runs on the loop thread, but
  * for the queue thread's rpc__cq_thread_main. */
 #ifndef ZEROD_RPC_SERVER_IMPL_H
 #define ZEROD_RPC_SERVER_IMPL_H
@@ -101,7 +101,7 @@ struct rpc_server {
   unsigned live_calls; /* call contexts allocated, armed requests included */
   int in_wakeup;       /* draining events: defer shutdown progress to the end */
   int cancel_deferred; /* a gentle shutdown: the next listener tick cancels what is left */
-  /* Moves shutdown along (rpc.c's server_advance_shutdown, set by
+  /* Moves shutdown along (rpc_server.c's server_advance_shutdown, set by
    * rpc_server_create): a freed call reaches up to it through here. */
   void (*advance_shutdown)(rpc_server *s);
   void (*done)(void *arg);
@@ -169,7 +169,7 @@ void rpc__tag_init(rpc_tag *tag, tag_kind kind, rpc_call *call);
  * along (advance_shutdown). */
 void rpc__call_free(rpc_call *call);
 
-/* Frees the call once nothing can touch it any more (see rpc.c's opening
+/* Frees the call once nothing can touch it any more (see rpc_server.c's opening
  * comment): no batch outstanding, no callback running, and finished if
  * the handler got it. */
 void rpc__call_maybe_free(rpc_call *call);
