@@ -1,6 +1,7 @@
-/* rpc_impl: what the server (rpc.c) and the client (client.c) sides of
- * the rpc library share. Private to daemon/rpc/: the only header with gRPC
- * types in it. */
+/* rpc_impl: what the server (rpc_server.c and its parts) and the client
+ * (client.c) sides of the rpc library share (rpc_common.c,
+ * rpc_credentials.c). Private to daemon/rpc/: with rpc_server_impl.h, the
+ * only headers with gRPC types in them. */
 #ifndef ZEROD_RPC_IMPL_H
 #define ZEROD_RPC_IMPL_H
 

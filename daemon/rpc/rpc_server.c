@@ -1,11 +1,15 @@
-/* rpc: gRPC plumbing on the gRPC C core API (see rpc.h for the contract).
+/* rpc_server: a gRPC server on a loop, its lifecycle (see rpc.h for the
+ * contract): created with its methods and settings, started (its queue,
+ * thread and listener), the listener restarted when gRPC closes it, shut
+ * down in gRPC's order, destroyed.
  *
- * This file owns the server's grpc_* objects: the server, its completion
- * queue and the thread that drains it, the per-call contexts and their
- * byte buffers, slices and metadata arrays; and the helpers both sides
- * share (rpc_impl.h). The client side (channels, per-call pluck queues,
- * streams) is client.c. Nothing outside these two files includes
- * grpc/grpc.h.
+ * The server side of the rpc library owns the server's grpc_* objects:
+ * the server, its completion queue and the thread that drains it
+ * (rpc_queue.c), the per-call contexts and their byte buffers, slices and
+ * metadata arrays (rpc_call.c); their types are in rpc_server_impl.h. The
+ * helpers both sides share are rpc_common.c and rpc_credentials.c
+ * (rpc_impl.h); the client side (channels, per-call pluck queues,
+ * streams) is client.c. Nothing outside daemon/rpc/ includes grpc/grpc.h.
  *
  * Server threading. gRPC posts each finished batch to one completion queue.
  * Our queue thread pops them and appends the tag (an rpc_tag embedded in a
@@ -24,21 +28,14 @@
 #include "rpc.h"
 
 #include <errno.h>
-#include <stddef.h>
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/un.h>
 
-#include <grpc/byte_buffer.h>
-#include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
-#include <grpc/slice.h>
-#include <grpc/support/alloc.h>
-#include <grpc/support/log.h>
 #include <grpc/support/time.h>
 
 #include "admit.h"

@@ -1,10 +1,10 @@
 /* rpc_server_impl: the server side's internals, shared by the files of
- * the server (rpc_server.c: its lifecycle; and the files split from it) and by
- * nothing else: the server and call contexts, the completion-queue tags,
- * and the rpc__ steps each file offers the others. Private to daemon/rpc/;
- * the contract is rpc.h, the threading and call lifetime rules are in
- * rpc_server.c's opening comment. Everything here runs on the loop thread, but
- * for the queue thread's rpc__cq_thread_main. */
+ * the server (rpc_server.c, its lifecycle; rpc_call.c, call contexts;
+ * rpc_queue.c, the queue thread and the events) and by nothing else: the server and call contexts,
+ * the completion-queue tags, and the rpc__ steps each file offers the others. Private to
+ * daemon/rpc/; the contract is rpc.h, the threading and call lifetime rules are in rpc_server.c's
+ * opening comment. Everything here runs on the loop thread, but for the queue thread's
+ * rpc__cq_thread_main. */
 #ifndef ZEROD_RPC_SERVER_IMPL_H
 #define ZEROD_RPC_SERVER_IMPL_H
 
