@@ -36,51 +36,14 @@
 #include "reader.h"
 #include "tier.h"
 
-/* Requests a session may have queued before it is told to wait. */
-#define SESSION_MAX_INFLIGHT 4096
-/* Reply bytes a session may leave unread before it is dropped. */
-#define SESSION_MAX_OUT_BYTES (64u << 20)
-/* Frames read per wakeup, so that one busy session cannot starve others. */
-#define SESSION_FRAMES_PER_WAKEUP 64
+#include "ipc_impl.h"
 
-typedef struct out_frame {
-  struct out_frame *next;
-  uint8_t *data;
-  size_t bytes, sent;
-  int fd; /* passed with the first byte; -1 if none */
-} out_frame;
-
-typedef struct session {
-  uv_poll_t poll;
-  zdaemon *daemon;
-  struct session *next, *prev;
-  uint64_t id;
-  int fd;
-  pid_t pid;
-  uid_t uid;
-  zd_frame_reader reader;
-
-  job *job;          /* attached job, or NULL */
-  rank_state *rank;  /* read-write: the rank it holds; NULL for read-only */
-  reader *read_only; /* read-only session: its buffers, pin, request order */
-  int detaching;
-
-  int refs; /* 1 while open + 1 per op in flight */
-  int inflight;
-  int closing;
-  int poll_closed;
-  out_frame *out_head, *out_tail;
-  size_t out_bytes;
-  int poll_events; /* events the poll handle watches now */
-} session;
-
-static void session_close(session *s, const char *reason);
 static void session_update_poll(session *s);
 
 /* Frees the deleted jobs nothing runs for any more: the workers'
  * checkpoint calls that are over are dropped first, so that only running
  * ones keep a job (jobs_reap). */
-static void reap_jobs(zdaemon *d) {
+void ipc__reap_jobs(zdaemon *d) {
   ckpt_call_sweep(d);
   jobs_reap(d);
 }
@@ -96,7 +59,7 @@ static void session_free(session *s) {
     job *j = reader_job(s->read_only);
     reader_destroy(s->read_only);
     j->readers--;
-    reap_jobs(s->daemon); /* it may have been the last of a deleted job */
+    ipc__reap_jobs(s->daemon); /* it may have been the last of a deleted job */
   }
   zd_frame_reader_reset(&s->reader);
   while (s->out_head != NULL) {
@@ -110,7 +73,7 @@ static void session_free(session *s) {
   free(s);
 }
 
-static void session_unref(session *s) {
+void ipc__session_unref(session *s) {
   if (--s->refs == 0 && s->poll_closed)
     session_free(s);
 }
@@ -120,7 +83,7 @@ static void on_poll_closed(uv_handle_t *handle) {
   close(s->fd);
   s->fd = -1;
   s->poll_closed = 1;
-  session_unref(s); /* the open connection's reference */
+  ipc__session_unref(s); /* the open connection's reference */
 }
 
 /* ------------------------------------------------------------------------ */
@@ -167,7 +130,7 @@ static void session_flush(session *s) {
     out_frame *f = s->out_head;
     int rc = send_some(s, f);
     if (rc < 0) {
-      session_close(s, "send failed (worker gone)");
+      ipc__session_close(s, "send failed (worker gone)");
       return;
     }
     if (rc == 0)
@@ -183,7 +146,7 @@ static void session_flush(session *s) {
 }
 
 /* Takes ownership of data and fd. */
-static void session_send(session *s, uint8_t *data, size_t bytes, int fd) {
+void ipc__session_send(session *s, uint8_t *data, size_t bytes, int fd) {
   if (s->closing) {
     free(data);
     if (fd >= 0)
@@ -195,7 +158,7 @@ static void session_send(session *s, uint8_t *data, size_t bytes, int fd) {
     free(data);
     if (fd >= 0)
       close(fd);
-    session_close(s, "out of memory");
+    ipc__session_close(s, "out of memory");
     return;
   }
   f->data = data;
@@ -208,24 +171,21 @@ static void session_send(session *s, uint8_t *data, size_t bytes, int fd) {
   s->out_tail = f;
   s->out_bytes += bytes;
   if (s->out_bytes > SESSION_MAX_OUT_BYTES) {
-    session_close(s, "worker does not read its replies");
+    ipc__session_close(s, "worker does not read its replies");
     return;
   }
   session_flush(s);
 }
 
-static void send_message(session *s, uint16_t type, uint64_t request_id,
-                         const ProtobufCMessage *msg) {
+void ipc__send_message(session *s, uint16_t type, uint64_t request_id,
+                       const ProtobufCMessage *msg) {
   uint8_t *frame;
   size_t bytes;
   if (zd_frame_encode(type, request_id, 0, 0, msg, &frame, &bytes) == 0)
-    session_send(s, frame, bytes, -1);
+    ipc__session_send(s, frame, bytes, -1);
 }
 
-static void send_error(session *s, uint64_t request_id, int status, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-static void send_error(session *s, uint64_t request_id, int status, const char *fmt, ...) {
+void ipc__send_error(session *s, uint64_t request_id, int status, const char *fmt, ...) {
   char message[1024];
   va_list ap;
   va_start(ap, fmt);
@@ -237,7 +197,7 @@ static void send_error(session *s, uint64_t request_id, int status, const char *
   Zerod__V1__Error err = ZEROD__V1__ERROR__INIT;
   err.status = (Zerod__V1__Status)status;
   err.message = message;
-  send_message(s, ZEROD__V1__MSG_TYPE__MSG_ERROR, request_id, &err.base);
+  ipc__send_message(s, ZEROD__V1__MSG_TYPE__MSG_ERROR, request_id, &err.base);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -278,20 +238,20 @@ static void deliver(exec_op *op) {
       exec_submit(unpark);
   }
   if (op->reply_frame != NULL && !s->closing) {
-    session_send(s, op->reply_frame, op->reply_bytes, op->reply_fd);
+    ipc__session_send(s, op->reply_frame, op->reply_bytes, op->reply_fd);
     op->reply_frame = NULL;
     op->reply_fd = -1;
   }
   s->inflight--;
   if (op->kind == OP_SESSION_END && s->detaching)
-    session_close(s, NULL);
-  session_unref(s);
+    ipc__session_close(s, NULL);
+  ipc__session_unref(s);
   op->session = NULL;
   exec_op_free(op);
 }
 
 /* A read-only session's op, finished (reader_env.done). */
-static void deliver_reader_op(void *daemon, exec_op *op) {
+void ipc__deliver_reader_op(void *daemon, exec_op *op) {
   deliver(op);
 }
 
@@ -310,7 +270,7 @@ void ipc_drain_completions(zdaemon *d) {
   /* The same wakeup tells of executors that have stopped (ipc_stopped):
    * only then is there a retired job to look at. */
   if (atomic_exchange(&d->executors_stopped, 0))
-    reap_jobs(d);
+    ipc__reap_jobs(d);
 }
 
 void ipc_stopped(void *daemon) {
@@ -319,7 +279,7 @@ void ipc_stopped(void *daemon) {
   uv_async_send(&d->completion_async);
 }
 
-static void on_completion(uv_async_t *handle) {
+void ipc__on_completion(uv_async_t *handle) {
   ipc_drain_completions(handle->data);
 }
 
@@ -327,19 +287,19 @@ static void on_completion(uv_async_t *handle) {
 /* Requests                                                                 */
 /* ------------------------------------------------------------------------ */
 
-static void submit_or_inline(session *s, exec_op *op) {
+void ipc__submit(session *s, exec_op *op) {
   s->refs++;
   s->inflight++;
   if (exec_try_inline(op)) {
     if (op->reply_frame != NULL) {
-      session_send(s, op->reply_frame, op->reply_bytes, op->reply_fd);
+      ipc__session_send(s, op->reply_frame, op->reply_bytes, op->reply_fd);
       op->reply_frame = NULL;
       op->reply_fd = -1;
     }
     s->inflight--;
     op->session = NULL;
     exec_op_free(op);
-    session_unref(s);
+    ipc__session_unref(s);
     return;
   }
   exec_submit(op);
@@ -371,13 +331,13 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
   char err[512] = "";
   if (job_config_from_proto(req->config, &config, err, sizeof err) != 0 ||
       job_config_finish(&config, d->options.max_live_bytes, err, sizeof err) != 0) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "job '%s': %s", req->job,
-               err);
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "job '%s': %s",
+                    req->job, err);
     return NULL;
   }
   if (tier_check(&config, d->exec.nvme_dir, err, sizeof err) != 0) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "job '%s': %s", req->job,
-               err);
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "job '%s': %s",
+                    req->job, err);
     return NULL;
   }
   uint64_t id = ++d->next_job_id;
@@ -385,7 +345,7 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
   int status;
   if (d->coord != NULL &&
       create_on_coordinator(d, req, &id, &generation, &status, err, sizeof err) != 0) {
-    send_error(s, request_id, status, "job '%s': %s; try again", req->job, err);
+    ipc__send_error(s, request_id, status, "job '%s': %s; try again", req->job, err);
     return NULL;
   }
   job *j;
@@ -395,8 +355,8 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
                  generation, &j, err, sizeof err) != 0) {
     /* The coordinator's record stays: the watch builds the job from it
      * later, as it would one created with zerodctl. */
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "job '%s': %s",
-               req->job, err);
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "job '%s': %s",
+                    req->job, err);
     return NULL;
   }
   cluster_job_added(d);
@@ -416,14 +376,14 @@ static int job_usable_for_attach(session *s, uint64_t request_id, job *j) {
   if (!job_failed(j, j->generation, reason, sizeof reason))
     return 1;
   if (local_reset)
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
-               "job '%s' failed: %s; it resets when all its workers have detached", j->name,
-               reason);
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
+                    "job '%s' failed: %s; it resets when all its workers have detached", j->name,
+                    reason);
   else
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
-               "job '%s' failed: %s; a job with ranks on several nodes does not reset: delete "
-               "and re-create it",
-               j->name, reason);
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED,
+                    "job '%s' failed: %s; a job with ranks on several nodes does not reset: delete "
+                    "and re-create it",
+                    j->name, reason);
   return 0;
 }
 
@@ -447,9 +407,10 @@ static token_kind token_of(const job *j, const char *token) {
 static int job_has_session_room(session *s, uint64_t request_id, const job *j) {
   if (j->quota_sessions == 0 || (uint32_t)(j->sessions + j->readers) < j->quota_sessions)
     return 1;
-  send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-             "job '%s' has %d sessions on this node, as many as its max_sessions quota (%u) allows",
-             j->name, j->sessions + j->readers, j->quota_sessions);
+  ipc__send_error(
+      s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+      "job '%s' has %d sessions on this node, as many as its max_sessions quota (%u) allows",
+      j->name, j->sessions + j->readers, j->quota_sessions);
   return 0;
 }
 
@@ -460,35 +421,36 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
                              const Zerod__V1__AttachRequest *req) {
   zdaemon *d = s->daemon;
   if (req->create) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "a read-only attach cannot create job '%s' (a read-write attach creates jobs)",
-               req->job);
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                    "a read-only attach cannot create job '%s' (a read-write attach creates jobs)",
+                    req->job);
     return;
   }
   job *j = jobs_find(d, req->job);
   if (j == NULL) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
-               "no job named '%s' (a read-only session attaches to an existing job)", req->job);
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
+                    "no job named '%s' (a read-only session attaches to an existing job)",
+                    req->job);
     return;
   }
   /* The owner token, or a read token (which admits nothing else). */
   if (token_of(j, req->token) == TOKEN_NONE) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
-               "wrong token for job '%s'", req->job);
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
+                    "wrong token for job '%s'", req->job);
     return;
   }
   if (job_spans_nodes(j)) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
-               "job '%s' has ranks on other nodes; read-only sessions need every rank on this "
-               "daemon (standalone jobs)",
-               req->job);
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                    "job '%s' has ranks on other nodes; read-only sessions need every rank on this "
+                    "daemon (standalone jobs)",
+                    req->job);
     return;
   }
   if (!job_usable_for_attach(s, request_id, j) || !job_has_session_room(s, request_id, j))
     return;
   reader *r;
   if (reader_create(&d->readers, j, s->id, req->pin, &r) != 0) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
     return;
   }
   s->job = j;
@@ -506,7 +468,7 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
   reply.read_only = 1;
   reply.pinned_version = pinned ? version : 0;
   if (!(flags & ZD_FRAME_F_NO_REPLY))
-    send_message(s, ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, request_id, &reply.base);
+    ipc__send_message(s, ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, request_id, &reply.base);
   if (pinned)
     LOG_INFOF("reader attached", "job=%s pid=%d uid=%d session=%llu pinned_version=%llu", j->name,
               (int)s->pid, (int)s->uid, (unsigned long long)s->id, (unsigned long long)version);
@@ -547,13 +509,13 @@ static int config_differences(zdaemon *d, const job *j, const Zerod__V1__JobConf
   return 1;
 }
 
-static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
-                          Zerod__V1__AttachRequest *req) {
+void ipc__handle_attach(session *s, uint64_t request_id, uint8_t flags,
+                        Zerod__V1__AttachRequest *req) {
   zdaemon *d = s->daemon;
   if (req->protocol_version != 1) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "protocol version %u is not supported (this daemon speaks 1)",
-               req->protocol_version);
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                    "protocol version %u is not supported (this daemon speaks 1)",
+                    req->protocol_version);
     return;
   }
   if (req->mode == ZEROD__V1__ATTACH_MODE__ATTACH_READ_ONLY) {
@@ -564,22 +526,24 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
   job *j = jobs_find(d, req->job);
   int nranks = j != NULL ? j->nranks : d->options.ranks;
   if ((int)req->local_rank >= nranks) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "local rank %u does not exist: this daemon hosts %d rank(s) (0..%d) of job '%s'",
-               req->local_rank, nranks, nranks - 1, req->job);
+    ipc__send_error(
+        s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+        "local rank %u does not exist: this daemon hosts %d rank(s) (0..%d) of job '%s'",
+        req->local_rank, nranks, nranks - 1, req->job);
     return;
   }
   if (j == NULL && d->cluster != NULL && d->coord == NULL) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
-               "job '%s' has no ranks on this node; in a cluster, jobs are created through the "
-               "coordinator (zerodctl jobs create)",
-               req->job);
+    ipc__send_error(
+        s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
+        "job '%s' has no ranks on this node; in a cluster, jobs are created through the "
+        "coordinator (zerodctl jobs create)",
+        req->job);
     return;
   }
   if (j == NULL) {
     if (!req->create) {
-      send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
-                 "no job named '%s' (attach with create to make it)", req->job);
+      ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
+                      "no job named '%s' (attach with create to make it)", req->job);
       return;
     }
     j = create_job(d, s, request_id, req);
@@ -589,26 +553,26 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
   } else {
     token_kind kind = token_of(j, req->token);
     if (kind != TOKEN_OWNER) {
-      send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
-                 kind == TOKEN_READ ? "job '%s': a read token attaches read-only sessions only"
-                                    : "wrong token for job '%s'",
-                 req->job);
+      ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
+                      kind == TOKEN_READ ? "job '%s': a read token attaches read-only sessions only"
+                                         : "wrong token for job '%s'",
+                      req->job);
       return;
     }
   }
   if (!job_usable_for_attach(s, request_id, j))
     return;
   if (ckpt_node_restoring(j)) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_UNAVAILABLE,
-               "job '%s' is being restored from a checkpoint; attach again when it is done",
-               j->name);
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_UNAVAILABLE,
+                    "job '%s' is being restored from a checkpoint; attach again when it is done",
+                    j->name);
     return;
   }
   rank_state *rs = &j->ranks[req->local_rank];
   if (rs->session != NULL) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ALREADY_EXISTS,
-               "rank %u of job '%s' is already attached (worker pid %d)", req->local_rank, j->name,
-               (int)rs->session->pid);
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ALREADY_EXISTS,
+                    "rank %u of job '%s' is already attached (worker pid %d)", req->local_rank,
+                    j->name, (int)rs->session->pid);
     return;
   }
   if (!job_has_session_room(s, request_id, j))
@@ -619,7 +583,7 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
   j->sessions++;
   exec_op *op = exec_op_new(OP_SESSION_BEGIN, rs);
   if (op == NULL) {
-    send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
     return;
   }
   op->session = s;
@@ -633,7 +597,7 @@ static void handle_attach(session *s, uint64_t request_id, uint8_t flags,
       config_differences(d, j, req->config, fields, sizeof fields, warning, sizeof warning);
   if (differs)
     op->warning = strdup(warning); /* without it (no memory) the reply only lacks the warning */
-  submit_or_inline(s, op);
+  ipc__submit(s, op);
   LOG_INFOF("worker attached", "job=%s rank=%d pid=%d uid=%d session=%llu", j->name, rs->rank,
             (int)s->pid, (int)s->uid, (unsigned long long)s->id);
   if (differs)
@@ -747,7 +711,8 @@ static void handle_units(session *s, const zd_frame_header *h) {
     listed[count++] = reply;
   }
   if (failed) {
-    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                    "out of memory");
   } else if (!(h->flags & ZD_FRAME_F_NO_REPLY)) {
     Zerod__V1__UnitsReply reply = ZEROD__V1__UNITS_REPLY__INIT;
     reply.n_units = count;
@@ -758,14 +723,14 @@ static void handle_units(session *s, const zd_frame_header *h) {
     int rc = zd_frame_encode(ZEROD__V1__MSG_TYPE__MSG_UNITS_REPLY, h->request_id, 0, 0, &reply.base,
                              &frame, &bytes);
     if (rc == 0)
-      session_send(s, frame, bytes, -1);
+      ipc__session_send(s, frame, bytes, -1);
     else if (rc == -EMSGSIZE)
-      send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-                 "the unit table of job '%s' (%zu units) does not fit in one %u-byte frame",
-                 j->name, count, ZD_FRAME_MAX_PAYLOAD);
+      ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                      "the unit table of job '%s' (%zu units) does not fit in one %u-byte frame",
+                      j->name, count, ZD_FRAME_MAX_PAYLOAD);
     else
-      send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INTERNAL,
-                 "cannot encode the unit table: %s", strerror(-rc));
+      ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INTERNAL,
+                      "cannot encode the unit table: %s", strerror(-rc));
   }
   for (size_t k = 0; k < count; k++)
     exec_unit_reply_free(&replies[k]);
@@ -786,7 +751,8 @@ static void handle_stats(session *s, const zd_frame_header *h) {
   Zerod__V1__CollectiveCounter **counter_ptrs =
       calloc((size_t)j->nranks * PER_RANK, sizeof *counter_ptrs);
   if (ranks == NULL || listed == NULL || counters == NULL || counter_ptrs == NULL) {
-    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                    "out of memory");
     goto out;
   }
   for (int r = 0; r < j->nranks; r++) {
@@ -825,10 +791,10 @@ static void handle_stats(session *s, const zd_frame_header *h) {
     int rc = zd_frame_encode(ZEROD__V1__MSG_TYPE__MSG_STATS_REPLY, h->request_id, 0, 0, &reply.base,
                              &frame, &bytes);
     if (rc == 0)
-      session_send(s, frame, bytes, -1);
+      ipc__session_send(s, frame, bytes, -1);
     else
-      send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INTERNAL,
-                 "cannot encode the stats: %s", strerror(-rc));
+      ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INTERNAL,
+                      "cannot encode the stats: %s", strerror(-rc));
   }
 out:
   free(counter_ptrs);
@@ -844,58 +810,60 @@ static void close_fds(int *fds, unsigned nfds) {
 }
 
 /* Handles one complete frame; owns payload and fds. */
-static void dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int *fds,
-                     unsigned nfds) {
+void ipc__dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int *fds,
+                   unsigned nfds) {
   ProtobufCMessage *msg = NULL;
   const char *why = NULL;
   unsigned min_fds = 0, max_fds = 0;
   if (!is_request(h->type)) {
-    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "message type %u is not a request this daemon accepts", h->type);
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                    "message type %u is not a request this daemon accepts", h->type);
     goto out;
   }
   if (h->request_id == 0) {
-    send_error(s, 0, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "request id 0 is reserved for notices");
+    ipc__send_error(s, 0, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                    "request id 0 is reserved for notices");
     goto out;
   }
   if (zd_msg_fd_range(h->type, &min_fds, &max_fds) != 0 || nfds < min_fds || nfds > max_fds) {
-    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "message type %u carries %u descriptor(s); %u..%u expected", h->type, nfds, min_fds,
-               max_fds);
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                    "message type %u carries %u descriptor(s); %u..%u expected", h->type, nfds,
+                    min_fds, max_fds);
     goto out;
   }
   if (zd_msg_unpack(h->type, payload, h->payload_bytes, &msg, &why) != 0) {
-    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-               "malformed message (type %u): %s", h->type, why != NULL ? why : "does not decode");
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                    "malformed message (type %u): %s", h->type,
+                    why != NULL ? why : "does not decode");
     goto out;
   }
   if (s->daemon->stopping) {
-    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "zerod is shutting down");
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_UNAVAILABLE,
+                    "zerod is shutting down");
     goto out;
   }
   if (h->type == ZEROD__V1__MSG_TYPE__MSG_ATTACH) {
     if (s->job != NULL)
-      send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
-                 "this connection is already attached to job '%s'; one job per connection",
-                 s->job->name);
+      ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                      "this connection is already attached to job '%s'; one job per connection",
+                      s->job->name);
     else
-      handle_attach(s, h->request_id, h->flags, (Zerod__V1__AttachRequest *)msg);
+      ipc__handle_attach(s, h->request_id, h->flags, (Zerod__V1__AttachRequest *)msg);
     goto out;
   }
   if (s->job == NULL) {
-    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
-               "attach to a job first");
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                    "attach to a job first");
     goto out;
   }
   if (s->detaching) {
-    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
-               "the session is detaching");
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                    "the session is detaching");
     goto out;
   }
   if (s->inflight >= SESSION_MAX_INFLIGHT) {
-    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-               "more than %d requests in flight", SESSION_MAX_INFLIGHT);
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                    "more than %d requests in flight", SESSION_MAX_INFLIGHT);
     goto out;
   }
   if (h->type == ZEROD__V1__MSG_TYPE__MSG_UNITS) {
@@ -907,27 +875,28 @@ static void dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int
     goto out;
   }
   if (s->read_only != NULL && write_request_name(h->type) != NULL) {
-    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
-               "%s refused: read-only session (job '%s')", write_request_name(h->type),
-               s->job->name);
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
+                    "%s refused: read-only session (job '%s')", write_request_name(h->type),
+                    s->job->name);
     goto out;
   }
   if (s->read_only == NULL && h->type == ZEROD__V1__MSG_TYPE__MSG_PIN) {
-    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
-               "pin is for read-only sessions; this session is read-write (rank %d)",
-               s->rank->rank);
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                    "pin is for read-only sessions; this session is read-write (rank %d)",
+                    s->rank->rank);
     goto out;
   }
   if (h->type == ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT) {
     char bad[512];
     if (ckpt_call_check((const Zerod__V1__CheckpointRequest *)msg, bad, sizeof bad) != 0) {
-      send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "%s", bad);
+      ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT, "%s", bad);
       goto out;
     }
   }
   exec_op *op = exec_op_new(kind_of(h->type), s->rank);
   if (op == NULL) {
-    send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                    "out of memory");
     goto out;
   }
   op->session = s;
@@ -958,7 +927,7 @@ static void dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int
     LOG_INFOF("worker detaching", "job=%s rank=%d pid=%d", s->job->name, s->rank->rank,
               (int)s->pid);
   }
-  submit_or_inline(s, op);
+  ipc__submit(s, op);
 out:
   if (msg != NULL)
     protobuf_c_message_free_unpacked(msg, NULL);
@@ -989,7 +958,7 @@ static void session_update_poll(session *s) {
 static void on_session_io(uv_poll_t *handle, int status, int events) {
   session *s = handle->data;
   if (status < 0) {
-    session_close(s, uv_strerror(status));
+    ipc__session_close(s, uv_strerror(status));
     return;
   }
   if (events & UV_WRITABLE)
@@ -1005,16 +974,16 @@ static void on_session_io(uv_poll_t *handle, int status, int events) {
     if (rc == 0)
       return;
     if (rc == -ECONNRESET) {
-      session_close(s, s->job != NULL ? "disconnected without detaching" : NULL);
+      ipc__session_close(s, s->job != NULL ? "disconnected without detaching" : NULL);
       return;
     }
     if (rc < 0) {
       /* The byte stream can no longer be trusted: answer once, close. */
       LOG_WARNF("protocol error", "session=%llu pid=%d err=\"%s\"", (unsigned long long)s->id,
                 (int)s->pid, why != NULL ? why : strerror(-rc));
-      send_error(s, 0, ZEROD__V1__STATUS__STATUS_PROTOCOL, "protocol error: %s; closing",
-                 why != NULL ? why : strerror(-rc));
-      session_close(s, "protocol error");
+      ipc__send_error(s, 0, ZEROD__V1__STATUS__STATUS_PROTOCOL, "protocol error: %s; closing",
+                      why != NULL ? why : strerror(-rc));
+      ipc__session_close(s, "protocol error");
       return;
     }
     zd_frame_header header;
@@ -1022,13 +991,13 @@ static void on_session_io(uv_poll_t *handle, int status, int events) {
     int fds[ZD_FRAME_MAX_FDS];
     unsigned nfds;
     zd_frame_reader_take(&s->reader, &header, &payload, fds, &nfds);
-    dispatch(s, &header, payload, fds, nfds);
+    s->on_frame(s, &header, payload, fds, nfds);
   }
 }
 
 /* Closes a session at once (reason NULL: a clean close). Its ops still in
  * the executors finish; their replies are dropped. */
-static void session_close(session *s, const char *reason) {
+void ipc__session_close(session *s, const char *reason) {
   if (s->closing)
     return;
   s->closing = 1;
@@ -1102,6 +1071,42 @@ static void session_close(session *s, const char *reason) {
   uv_close((uv_handle_t *)&s->poll, on_poll_closed);
 }
 
+session *ipc__session_open(zdaemon *d, int fd, ipc_frame_fn on_frame) {
+  session *s = calloc(1, sizeof *s);
+  if (s == NULL) {
+    close(fd);
+    return NULL;
+  }
+  s->daemon = d;
+  s->on_frame = on_frame;
+  s->fd = fd;
+  s->id = ++d->next_session_id;
+  s->refs = 1;
+  zd_frame_reader_init(&s->reader);
+  struct ucred cred;
+  socklen_t len = sizeof cred;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+    s->pid = cred.pid;
+    s->uid = cred.uid;
+  }
+  if (uv_poll_init(d->loop, &s->poll, fd) != 0) {
+    close(fd);
+    free(s);
+    return NULL;
+  }
+  s->poll.data = s;
+  s->next = d->sessions;
+  if (d->sessions != NULL)
+    d->sessions->prev = s;
+  d->sessions = s;
+  d->nsessions++;
+  s->poll_events = UV_READABLE;
+  uv_poll_start(&s->poll, UV_READABLE, on_session_io);
+  LOG_DEBUGF("connection", "session=%llu pid=%d uid=%d", (unsigned long long)s->id, (int)s->pid,
+             (int)s->uid);
+  return s;
+}
+
 static void on_accept(uv_poll_t *handle, int status, int events) {
   zdaemon *d = handle->data;
   for (;;) {
@@ -1135,37 +1140,7 @@ static void on_accept(uv_poll_t *handle, int status, int events) {
       close(fd);
       continue;
     }
-    session *s = calloc(1, sizeof *s);
-    if (s == NULL) {
-      close(fd);
-      continue;
-    }
-    s->daemon = d;
-    s->fd = fd;
-    s->id = ++d->next_session_id;
-    s->refs = 1;
-    zd_frame_reader_init(&s->reader);
-    struct ucred cred;
-    socklen_t len = sizeof cred;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
-      s->pid = cred.pid;
-      s->uid = cred.uid;
-    }
-    if (uv_poll_init(d->loop, &s->poll, fd) != 0) {
-      close(fd);
-      free(s);
-      continue;
-    }
-    s->poll.data = s;
-    s->next = d->sessions;
-    if (d->sessions != NULL)
-      d->sessions->prev = s;
-    d->sessions = s;
-    d->nsessions++;
-    s->poll_events = UV_READABLE;
-    uv_poll_start(&s->poll, UV_READABLE, on_session_io);
-    LOG_DEBUGF("connection", "session=%llu pid=%d uid=%d", (unsigned long long)s->id, (int)s->pid,
-               (int)s->uid);
+    ipc__session_open(d, fd, ipc__dispatch);
   }
 }
 
@@ -1175,11 +1150,11 @@ static void on_accept(uv_poll_t *handle, int status, int events) {
 
 int ipc_listen(zdaemon *d, char *err, size_t err_bytes) {
   d->readers = (reader_env){.loop = d->loop,
-                            .done = deliver_reader_op,
+                            .done = ipc__deliver_reader_op,
                             .ctx = d,
                             .timeout_ms = d->options.collective_timeout_ms};
   pthread_mutex_init(&d->completion_mutex, NULL);
-  uv_async_init(d->loop, &d->completion_async, on_completion);
+  uv_async_init(d->loop, &d->completion_async, ipc__on_completion);
   d->completion_async.data = d;
 
   /* The socket is bound and listening under a temporary name and then
@@ -1256,8 +1231,8 @@ void ipc_close_all(zdaemon *d, const char *reason) {
     Zerod__V1__Notice notice = ZEROD__V1__NOTICE__INIT;
     notice.status = ZEROD__V1__STATUS__STATUS_UNAVAILABLE;
     notice.message = (char *)reason;
-    send_message(s, ZEROD__V1__MSG_TYPE__MSG_NOTICE, 0, &notice.base);
+    ipc__send_message(s, ZEROD__V1__MSG_TYPE__MSG_NOTICE, 0, &notice.base);
     s->detaching = 1; /* told: not a lost worker */
-    session_close(s, NULL);
+    ipc__session_close(s, NULL);
   }
 }
