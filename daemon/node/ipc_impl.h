@@ -19,10 +19,6 @@
 
 /* Requests a session may have queued before it is told to wait. */
 #define SESSION_MAX_INFLIGHT 4096
-/* Reply bytes a session may leave unread before it is dropped. */
-#define SESSION_MAX_OUT_BYTES (64u << 20)
-/* Frames read per wakeup, so that one busy session cannot starve others. */
-#define SESSION_FRAMES_PER_WAKEUP 64
 
 typedef struct out_frame {
   struct out_frame *next;
