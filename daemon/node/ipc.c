@@ -1,5 +1,13 @@
-/* ipc: the local socket, worker sessions and request dispatch
- * (docs/architecture.md; the protocol is docs/protocol.md).
+/* ipc: the local socket workers connect to (daemon.h's ipc_listen and
+ * ipc_close_all; docs/architecture.md; the protocol is docs/protocol.md):
+ * bound and renamed into place, connections accepted into sessions (or
+ * refused with a notice when there are too many), everything closed at
+ * shutdown.
+ *
+ * The IPC side of the node, in its files: ipc_session.c (a worker's
+ * session: frames in and out, close, free), ipc_dispatch.c (its
+ * requests), ipc_attach.c (ATTACH), ipc_completion.c (ops back from the
+ * executors); ipc_impl.h is what they share.
  *
  * Everything here runs on the loop thread. A session is one worker
  * connection, driven by a uv_poll_t with recvmsg/sendmsg so descriptors
@@ -9,10 +17,7 @@
  * error is answered and the session goes on. A session's memory is freed
  * only when it is closed and no op refers to it (refs == 0). */
 #include <errno.h>
-#include <fcntl.h>
 #include <grp.h>
-#include <stdarg.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,20 +26,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "ckpt_call.h"
-#include "ckpt_node.h"
-#include "jobs.h"
-#include "coord.h"
 #include "daemon.h"
 #include "frame.h"
-#include "pbcheck.h"
-#include "digest.h"
 #include "log.h"
-#include "cluster.h"
-#include "pin.h"
-#include "rank_metrics.h"
 #include "reader.h"
-#include "tier.h"
 
 #include "ipc_impl.h"
 

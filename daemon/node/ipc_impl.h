@@ -1,6 +1,7 @@
-/* ipc_impl: what the files of the node's IPC share (the socket and its
- * sessions: ipc.c and the files split from it) and nothing else includes:
- * a session's state, and the ipc__ steps each file offers the others.
+/* ipc_impl: what the files of the node's IPC share (ipc.c, ipc_session.c,
+ * ipc_dispatch.c, ipc_attach.c, ipc_completion.c) and nothing else
+ * includes: a session's state, and the ipc__ steps each file offers the
+ * others.
  * Everything here runs on the loop thread; the rules (who frees a session,
  * when a session is closed) are in ipc.c's opening comment. */
 #ifndef ZEROD_IPC_IMPL_H
