@@ -1,6 +1,5 @@
 /* ckpt_io: the small helpers every part of the checkpoint formats uses
- * (ckpt_io.h): error messages, base names and joined paths, whole
- * preads and pwrites. */
+ * (ckpt_io.h): error messages, base names and joined paths. */
 #include "ckpt_io.h"
 
 #include <errno.h>
@@ -42,43 +41,4 @@ char *ckpt_join_path(const char *dir, const char *file) {
   path[dir_len] = '/';
   memcpy(path + dir_len + 1, file, file_len + 1);
   return path;
-}
-
-/* Both loops below go on after EINTR and short transfers. A read that
- * meets the end of the file returns 1: the file is shorter than its size
- * said (it shrank under us), which callers report as truncated. */
-int ckpt_pread_all(int fd, void *buf, size_t bytes, uint64_t offset) {
-  uint8_t *at = buf;
-  while (bytes > 0) {
-    ssize_t n = pread(fd, at, bytes, (off_t)offset);
-    if (n < 0) {
-      if (errno == EINTR)
-        continue;
-      return -errno;
-    }
-    if (n == 0)
-      return 1;
-    at += n;
-    bytes -= (size_t)n;
-    offset += (uint64_t)n;
-  }
-  return 0;
-}
-
-int ckpt_pwrite_all(int fd, const void *buf, size_t bytes, uint64_t offset) {
-  const uint8_t *at = buf;
-  while (bytes > 0) {
-    ssize_t n = pwrite(fd, at, bytes, (off_t)offset);
-    if (n < 0) {
-      if (errno == EINTR)
-        continue;
-      return -errno;
-    }
-    if (n == 0)
-      return -EIO; /* no progress and no error: do not spin */
-    at += n;
-    bytes -= (size_t)n;
-    offset += (uint64_t)n;
-  }
-  return 0;
 }

@@ -50,6 +50,7 @@
 #include "ckpt.h"
 #include "ckpt_impl.h"
 #include "ckpt_io.h"
+#include "fsutil.h"
 #include "filemode.h"
 
 #include <errno.h>
@@ -256,7 +257,7 @@ int ckpt_manifest_load(const char *dir, const char *file, int flags, ckpt_manife
                    name, (long long)st.st_size, CKPT_MAX_MANIFEST_BYTES);
   } else if ((text = malloc((size_t)st.st_size + 1)) == NULL) {
     rc = ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
-  } else if ((rc = ckpt_pread_all(fd, text, (size_t)st.st_size, 0)) != 0) {
+  } else if ((rc = fsutil_pread_all(fd, text, (size_t)st.st_size, 0)) != 0) {
     rc = rc > 0 ? ckpt_fail(err, err_bytes, -ERANGE, "%s: truncated while reading", name)
                 : ckpt_fail(err, err_bytes, rc, "%s: %s", name, strerror(-rc));
   }
@@ -301,7 +302,7 @@ static int write_replace(const char *path, const void *bytes, size_t len, const 
   }
   if ((rc = filemode_fix_file(fd)) != 0)
     rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: fchmod: %s", name, strerror(-rc));
-  else if ((rc = ckpt_pwrite_all(fd, bytes, len, 0)) != 0)
+  else if ((rc = fsutil_pwrite_all(fd, bytes, len, 0)) != 0)
     rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
   else if (fsync(fd) != 0)
     rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: fsync: %s", name, strerror(errno));

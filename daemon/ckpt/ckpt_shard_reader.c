@@ -5,6 +5,7 @@
 #include "ckpt.h"
 #include "ckpt_impl.h"
 #include "ckpt_io.h"
+#include "fsutil.h"
 #include "little_endian.h"
 
 #include <errno.h>
@@ -60,7 +61,7 @@ static int read_table(int fd, const char *name, uint64_t data_bytes, uint8_t **t
   uint8_t *bytes = malloc(table_bytes + FOOTER_BYTES);
   if (bytes == NULL)
     return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory for the block table", name);
-  int rc = ckpt_pread_all(fd, bytes, table_bytes + FOOTER_BYTES, CKPT_HEADER_BYTES + data_bytes);
+  int rc = fsutil_pread_all(fd, bytes, table_bytes + FOOTER_BYTES, CKPT_HEADER_BYTES + data_bytes);
   if (rc != 0) {
     free(bytes);
     return read_failed(rc, name, "the block table", err, err_bytes);
@@ -105,7 +106,7 @@ static int reader_check(ckpt_reader *r, const char *path, uint64_t expect_bytes,
                      name, expect_bytes);
   uint8_t header[CKPT_HEADER_BYTES];
   uint64_t file_bytes;
-  if ((rc = ckpt_pread_all(r->fd, header, sizeof header, 0)) != 0)
+  if ((rc = fsutil_pread_all(r->fd, header, sizeof header, 0)) != 0)
     return read_failed(rc, name, "the header", err, err_bytes);
   if ((rc = ckpt__header_decode(header, name, &r->header, &file_bytes, err, err_bytes)) != 0)
     return rc;
@@ -166,7 +167,7 @@ int ckpt_reader_read(ckpt_reader *r, uint64_t offset, void *dst, size_t bytes, c
       while (run < READ_RUN_BLOCKS && (run + 1) * CKPT_BLOCK_BYTES <= bytes)
         run++;
       size_t run_len = (size_t)((run - 1) * CKPT_BLOCK_BYTES) + block_len;
-      if ((rc = ckpt_pread_all(r->fd, out, run_len, CKPT_HEADER_BYTES + start)) != 0)
+      if ((rc = fsutil_pread_all(r->fd, out, run_len, CKPT_HEADER_BYTES + start)) != 0)
         return read_failed(rc, r->name, "data", err, err_bytes);
       for (uint64_t k = 0; k < run; k++)
         if ((rc = check_block(r->table, block + k, out + k * CKPT_BLOCK_BYTES, block_len, r->name,
@@ -178,7 +179,7 @@ int ckpt_reader_read(ckpt_reader *r, uint64_t offset, void *dst, size_t bytes, c
         if (r->block == NULL && (r->block = malloc(CKPT_BLOCK_BYTES)) == NULL)
           return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", r->name);
         r->cached_block = UINT64_MAX;
-        if ((rc = ckpt_pread_all(r->fd, r->block, block_len, CKPT_HEADER_BYTES + start)) != 0)
+        if ((rc = fsutil_pread_all(r->fd, r->block, block_len, CKPT_HEADER_BYTES + start)) != 0)
           return read_failed(rc, r->name, "data", err, err_bytes);
         if ((rc = check_block(r->table, block, r->block, block_len, r->name, err, err_bytes)) != 0)
           return rc;
@@ -229,7 +230,7 @@ static int verify_structure(int fd, const ckpt_file_entry *entry, const char *na
     return ckpt_fail(err, err_bytes, -ERANGE, "%s: %" PRIu64 " bytes cannot hold a shard header",
                      name, entry->bytes);
   uint64_t file_bytes;
-  if ((rc = ckpt_pread_all(fd, header_bytes, CKPT_HEADER_BYTES, 0)) != 0)
+  if ((rc = fsutil_pread_all(fd, header_bytes, CKPT_HEADER_BYTES, 0)) != 0)
     return read_failed(rc, name, "the header", err, err_bytes);
   if ((rc = ckpt__header_decode(header_bytes, name, header, &file_bytes, err, err_bytes)) != 0)
     return rc;
@@ -275,7 +276,7 @@ int ckpt_file_verify(const char *dir, const ckpt_file_entry *entry, char *err, s
       uint64_t start = b * CKPT_BLOCK_BYTES;
       size_t len = (size_t)(header.data_bytes - start < CKPT_BLOCK_BYTES ? header.data_bytes - start
                                                                          : CKPT_BLOCK_BYTES);
-      if ((rc = ckpt_pread_all(fd, block, len, CKPT_HEADER_BYTES + start)) != 0)
+      if ((rc = fsutil_pread_all(fd, block, len, CKPT_HEADER_BYTES + start)) != 0)
         rc = read_failed(rc, name, "data", err, err_bytes);
       else
         rc = check_block(table, b, block, len, name, err, err_bytes);

@@ -15,6 +15,7 @@
 #include "ckpt.h"
 #include "ckpt_impl.h"
 #include "ckpt_io.h"
+#include "fsutil.h"
 #include "filemode.h"
 #include "little_endian.h"
 
@@ -68,7 +69,7 @@ static void writer_free(ckpt_writer *w) {
  * not support it is no error. */
 static int writer_pwrite(ckpt_writer *w, const uint8_t *bytes, size_t len, char *err,
                          size_t err_bytes) {
-  int rc = ckpt_pwrite_all(w->fd, bytes, len, w->flushed_bytes);
+  int rc = fsutil_pwrite_all(w->fd, bytes, len, w->flushed_bytes);
   if (rc != 0)
     return w->error = ckpt_fail(err, err_bytes, rc, "%s: %s", w->name, strerror(-rc));
   w->flushed_bytes += len;
