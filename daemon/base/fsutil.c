@@ -1,8 +1,15 @@
-/* fsutil: files written to last (fsutil.h): whole reads and writes. */
+/* fsutil: the durable-file steps (fsutil.h): whole reads and writes, a
+ * directory's fsync, a file replaced whole. */
 #include "fsutil.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
+
+#include "filemode.h"
 
 /* Both loops below go on after EINTR and short transfers. A read that
  * meets the end of the file returns 1: the file is shorter than its size
@@ -41,4 +48,59 @@ int fsutil_pwrite_all(int fd, const void *buf, size_t bytes, uint64_t offset) {
     offset += (uint64_t)n;
   }
   return 0;
+}
+
+int fsutil_fsync_dir(const char *dir, const char **failed) {
+  const char *unused;
+  failed = failed != NULL ? failed : &unused;
+  *failed = "open";
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0)
+    return -errno;
+  *failed = "fsync";
+  int rc = fsync(fd) == 0 ? 0 : -errno;
+  close(fd);
+  return rc;
+}
+
+int fsutil_replace(const char *path, const void *bytes, size_t len, const char **failed) {
+  const char *unused;
+  failed = failed != NULL ? failed : &unused;
+  size_t path_len = strlen(path);
+  char *tmp = malloc(path_len + 5);
+  if (tmp == NULL) {
+    *failed = "alloc";
+    return -ENOMEM;
+  }
+  memcpy(tmp, path, path_len);
+  memcpy(tmp + path_len, ".tmp", 5);
+  /* O_TRUNC, not O_EXCL: a .tmp left by a crash is ours to replace. */
+  *failed = "open";
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, filemode_file());
+  if (fd < 0) {
+    int rc = -errno;
+    free(tmp);
+    return rc;
+  }
+  int rc;
+  if ((rc = filemode_fix_file(fd)) != 0)
+    *failed = "fchmod";
+  else if ((rc = fsutil_pwrite_all(fd, bytes, len, 0)) != 0)
+    *failed = "write";
+  else if (fsync(fd) != 0) {
+    rc = -errno;
+    *failed = "fsync";
+  }
+  if (close(fd) != 0 && rc == 0) {
+    rc = -errno;
+    *failed = "close";
+  }
+  if (rc == 0 && rename(tmp, path) != 0) {
+    rc = -errno;
+    *failed = "rename";
+  }
+  if (rc != 0)
+    unlink(tmp);
+  free(tmp);
+  return rc;
 }

@@ -51,7 +51,6 @@
 #include "ckpt_impl.h"
 #include "ckpt_io.h"
 #include "fsutil.h"
-#include "filemode.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -271,49 +270,16 @@ int ckpt_manifest_load(const char *dir, const char *file, int flags, ckpt_manife
   return rc;
 }
 
-static int fsync_dir(const char *dir, char *err, size_t err_bytes) {
-  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0)
-    return ckpt_fail(err, err_bytes, -errno, "%s: %s", dir, strerror(errno));
-  int rc =
-      fsync(fd) == 0 ? 0 : ckpt_fail(err, err_bytes, -errno, "%s: fsync: %s", dir, strerror(errno));
-  close(fd);
-  return rc;
-}
-
-/* Writes path.tmp whole, fsyncs it and renames it to path, so that path
- * is either the old file or the complete new one. The directory is
- * fsynced by the caller (ckpt_manifest_store, st_write). */
-static int write_replace(const char *path, const void *bytes, size_t len, const char *name,
-                         char *err, size_t err_bytes) {
-  size_t path_len = strlen(path);
-  char *tmp = malloc(path_len + 5);
-  if (tmp == NULL)
-    return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
-  memcpy(tmp, path, path_len);
-  memcpy(tmp + path_len, ".tmp", 5);
-  /* O_TRUNC, not O_EXCL: a .tmp left by a crash is ours to replace. */
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, filemode_file());
-  int rc = 0;
-  if (fd < 0) {
-    rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: %s", name, strerror(errno));
-    free(tmp);
-    return rc;
-  }
-  if ((rc = filemode_fix_file(fd)) != 0)
-    rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: fchmod: %s", name, strerror(-rc));
-  else if ((rc = fsutil_pwrite_all(fd, bytes, len, 0)) != 0)
-    rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
-  else if (fsync(fd) != 0)
-    rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: fsync: %s", name, strerror(errno));
-  if (close(fd) != 0 && rc == 0)
-    rc = ckpt_fail(err, err_bytes, -errno, "%s.tmp: close: %s", name, strerror(errno));
-  if (rc == 0 && rename(tmp, path) != 0)
-    rc = ckpt_fail(err, err_bytes, -errno, "%s: rename: %s", name, strerror(errno));
-  if (rc != 0)
-    unlink(tmp);
-  free(tmp);
-  return rc;
+/* Names a failed fsutil_replace the way a manifest's store always has:
+ * the temporary file, or the manifest itself for the rename. */
+static int replace_failed(int rc, const char *step, const char *name, char *err, size_t err_bytes) {
+  if (rc == -ENOMEM && strcmp(step, "alloc") == 0)
+    return ckpt_fail(err, err_bytes, rc, "%s: out of memory", name);
+  if (strcmp(step, "rename") == 0)
+    return ckpt_fail(err, err_bytes, rc, "%s: rename: %s", name, strerror(-rc));
+  if (strcmp(step, "open") == 0 || strcmp(step, "write") == 0)
+    return ckpt_fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
+  return ckpt_fail(err, err_bytes, rc, "%s.tmp: %s: %s", name, step, strerror(-rc));
 }
 
 int ckpt_manifest_store(const char *dir, const char *file, const ckpt_manifest *m, char *err,
@@ -342,8 +308,17 @@ int ckpt_manifest_store(const char *dir, const char *file, const ckpt_manifest *
     free(text);
     return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   }
-  rc = write_replace(path, text, len, name, err, err_bytes);
+  const char *step;
+  rc = fsutil_replace(path, text, len, &step);
   free(path);
   free(text);
-  return rc == 0 ? fsync_dir(dir, err, err_bytes) : rc;
+  if (rc != 0)
+    return replace_failed(rc, step, name, err, err_bytes);
+  /* The directory too, so that the rename survives a crash. */
+  rc = fsutil_fsync_dir(dir, &step);
+  if (rc != 0)
+    return strcmp(step, "open") == 0
+               ? ckpt_fail(err, err_bytes, rc, "%s: %s", dir, strerror(-rc))
+               : ckpt_fail(err, err_bytes, rc, "%s: fsync: %s", dir, strerror(-rc));
+  return 0;
 }
