@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -103,4 +104,24 @@ int fsutil_replace(const char *path, const void *bytes, size_t len, const char *
     unlink(tmp);
   free(tmp);
   return rc;
+}
+
+int fsutil_mkdir_p(const char *path) {
+  char buf[PATH_MAX];
+  if (path[0] == '\0')
+    return -ENOENT;
+  if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
+    return -ENAMETOOLONG;
+  for (char *p = buf + 1;; p++) {
+    if (*p != '/' && *p != '\0')
+      continue;
+    char saved = *p;
+    *p = '\0';
+    int rc = filemode_mkdirat(AT_FDCWD, buf);
+    if (rc != 0 && rc != -EEXIST)
+      return rc;
+    *p = saved;
+    if (saved == '\0')
+      return 0;
+  }
 }

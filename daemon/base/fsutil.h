@@ -1,7 +1,9 @@
 /* fsutil: the file steps the daemon's durable files are written and read
  * with, one copy each: whole preads and pwrites, a directory's fsync, a
- * file replaced whole (write, fsync, rename). Included by the checkpoint
- * formats (daemon/ckpt/). Thread-safe (no state). */
+ * file replaced whole (write, fsync, rename), mkdir -p. Included by the
+ * checkpoint formats (daemon/ckpt/); the coordinator's state and
+ * checkpoint directories and main.c's state directory have copies of
+ * their own still (issue 34). Thread-safe (no state). */
 #ifndef ZEROD_FSUTIL_H
 #define ZEROD_FSUTIL_H
 
@@ -28,5 +30,11 @@ int fsutil_fsync_dir(const char *dir, const char **failed);
  * NULL) the step that failed: "alloc", "open", "fchmod", "write",
  * "fsync", "close" (of path.tmp) or "rename"; path.tmp is then removed. */
 int fsutil_replace(const char *path, const void *bytes, size_t len, const char **failed);
+
+/* mkdir -p: makes path and every missing directory above it, each with
+ * the directory mode (filemode.h); those that exist are left as they are.
+ * Returns 0, -ENOENT for "", -ENAMETOOLONG past PATH_MAX, or the first
+ * mkdir's negative errno (-ENOTDIR: a file is in the way). */
+int fsutil_mkdir_p(const char *path);
 
 #endif /* ZEROD_FSUTIL_H */
