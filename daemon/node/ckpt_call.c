@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "ctl_decode.h"
 #include "daemon.h"
 #include "log.h"
@@ -59,8 +60,8 @@ typedef struct ckpt_call {
   int nwaiting;
   int answered; /* waiting ops answered so far */
   pthread_t thread;
-  int finished; /* the thread was joined: the result is final */
-  struct timespec t0;
+  int finished;  /* the thread was joined: the result is final */
+  int64_t t0_ms; /* clock_now_ms() when it started */
   _Atomic int abandon;
   _Atomic int done;
 
@@ -97,12 +98,6 @@ int ckpt_call_check(const Zerod__V1__CheckpointRequest *req, char *err, size_t e
     return -EINVAL;
   }
   return 0;
-}
-
-static int64_t ms_since(const struct timespec *t0) {
-  struct timespec now;
-  clock_gettime(CLOCK_MONOTONIC, &now);
-  return (int64_t)(now.tv_sec - t0->tv_sec) * 1000 + (now.tv_nsec - t0->tv_nsec) / 1000000;
 }
 
 /* The worker protocol's status for a control-plane status. */
@@ -313,7 +308,7 @@ static void *call_thread(void *arg) {
   } else {
     await_leader(c);
   }
-  c->total_ms = ms_since(&c->t0);
+  c->total_ms = clock_now_ms() - c->t0_ms;
   atomic_store(&c->done, 1);
   uv_async_send(&c->d->worker_calls_async);
   return NULL;
@@ -444,7 +439,7 @@ static ckpt_call *call_new(zdaemon *d, exec_op *op, void (*finish_op)(exec_op *o
   c->publish = job_spans_nodes(j);
   c->channel = d->control_channel;
   c->rendezvous = d->rendezvous;
-  clock_gettime(CLOCK_MONOTONIC, &c->t0);
+  c->t0_ms = clock_now_ms();
   return c;
 }
 
