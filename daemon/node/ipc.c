@@ -84,7 +84,11 @@ int ipc_listen(zdaemon *d, char *err, size_t err_bytes) {
                             .ctx = d,
                             .timeout_ms = d->options.collective_timeout_ms};
   pthread_mutex_init(&d->completion_mutex, NULL);
-  uv_async_init(d->loop, &d->completion_async, ipc__on_completion);
+  int init_rc = uv_async_init(d->loop, &d->completion_async, ipc__on_completion);
+  if (init_rc != 0) {
+    snprintf(err, err_bytes, "cannot start: uv_async_init: %s", uv_strerror(init_rc));
+    return init_rc;
+  }
   d->completion_async.data = d;
 
   /* The socket is bound and listening under a temporary name and then
@@ -141,8 +145,14 @@ int ipc_listen(zdaemon *d, char *err, size_t err_bytes) {
     unlink(tmp);
     return -e;
   }
+  init_rc = uv_poll_init(d->loop, &d->listen_poll, fd);
+  if (init_rc != 0) {
+    snprintf(err, err_bytes, "poll %s: %s", path, uv_strerror(init_rc));
+    close(fd);
+    unlink(path);
+    return init_rc;
+  }
   d->listen_fd = fd;
-  uv_poll_init(d->loop, &d->listen_poll, fd);
   d->listen_poll.data = d;
   uv_poll_start(&d->listen_poll, UV_READABLE, on_accept);
   return 0;

@@ -433,14 +433,19 @@ int rpc_server_start(rpc_server *s, int *port, char *err, size_t err_bytes) {
              bound_port);
   s->seen_accept_failures = rpc__accept_failures();
   s->listener_timer = malloc(sizeof *s->listener_timer);
-  if (s->listener_timer != NULL) {
-    uv_timer_init(s->loop, s->listener_timer);
+  int timer_rc = s->listener_timer != NULL ? uv_timer_init(s->loop, s->listener_timer) : 0;
+  if (s->listener_timer != NULL && timer_rc == 0) {
     s->listener_timer->data = s;
     uv_timer_start(s->listener_timer, on_listener_timer, RPC_LISTENER_CHECK_MS,
                    RPC_LISTENER_CHECK_MS);
     uv_unref((uv_handle_t *)s->listener_timer); /* the server's calls keep the loop alive */
-  } else {
+  } else if (s->listener_timer == NULL) {
     LOG_WARNF("rpc server without its listener check (out of memory)", "addr=%s", s->addr);
+  } else {
+    free(s->listener_timer);
+    s->listener_timer = NULL;
+    LOG_WARNF("rpc server without its listener check", "addr=%s err=\"%s\"", s->addr,
+              uv_strerror(timer_rc));
   }
   if (port != NULL)
     *port = bound_port;
