@@ -1,6 +1,6 @@
 /* bench_control: control-plane latency against a bare gRPC call.
  *
- * One gRPC server (rpc.c) on a loop thread serves the coordinator's
+ * One gRPC server (daemon/rpc/) on a loop thread serves the coordinator's
  * services (coord.c) and a bare echo method side by side; one client thread
  * times, over the same channel, in the same run:
  *   - the echo (an empty handler: the cost of gRPC itself),

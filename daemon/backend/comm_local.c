@@ -23,6 +23,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "comm_impl.h"
 
 /* A reduction works through its slice in chunks of this many elements, so
@@ -129,14 +130,7 @@ void comm_local_group_cancel(comm_local_group *g) {
 
 static int barrier(local_comm *lc, const char *what) {
   comm_local_group *g = lc->group;
-  struct timespec deadline;
-  clock_gettime(CLOCK_MONOTONIC, &deadline);
-  deadline.tv_sec += lc->base.timeout_ms / 1000;
-  deadline.tv_nsec += (long)(lc->base.timeout_ms % 1000) * 1000000L;
-  if (deadline.tv_nsec >= 1000000000L) {
-    deadline.tv_sec++;
-    deadline.tv_nsec -= 1000000000L;
-  }
+  struct timespec deadline = clock_deadline_ms(lc->base.timeout_ms);
   pthread_mutex_lock(&g->mutex);
   int rc = g->error;
   if (rc == 0) {

@@ -40,6 +40,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "comm_impl.h"
 #include "cuda/zk_cuda.h"
 
@@ -73,12 +74,6 @@ static nccl_comm *nccl_of(comm *c) {
 
 /* ---- time ------------------------------------------------------------------ */
 
-static int64_t now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
-
 /* Sleeps *delay_us and doubles it, up to max_us. */
 static void sleep_backoff(long *delay_us, long max_us) {
   struct timespec ts = {*delay_us / 1000000, (*delay_us % 1000000) * 1000};
@@ -96,7 +91,7 @@ static int wait_collective(nccl_comm *nc, const char *op_name) {
   if (rc != 0)
     return comm_break(c, rc, "%s: recording the completion event failed: %s", op_name,
                       api->last_error());
-  const int64_t deadline_us = now_us() + (int64_t)c->timeout_ms * 1000;
+  const int64_t deadline_us = clock_now_us() + (int64_t)c->timeout_ms * 1000;
   long delay_us = COLLECTIVE_POLL_FIRST_US;
   for (;;) {
     rc = api->event_query(nc->done_event);
@@ -115,7 +110,7 @@ static int wait_collective(nccl_comm *nc, const char *op_name) {
     if (rc != 0 && rc != -EAGAIN)
       return comm_break(c, rc, "%s: NCCL failed (rank %d of %d): %s", op_name, c->rank,
                         c->world_size, api->last_error());
-    if (now_us() >= deadline_us)
+    if (clock_now_us() >= deadline_us)
       return comm_break(c, -ETIMEDOUT,
                         "%s: timed out after %d ms waiting for the NCCL collective (rank %d of "
                         "%d; a peer is dead, stuck or not calling)",
@@ -267,7 +262,7 @@ static int exchange_unique_id(nccl_comm *nc, const comm_options *options, store 
     return rc;
   }
 
-  int64_t left_us = deadline_us - now_us();
+  int64_t left_us = deadline_us - clock_now_us();
   int left_ms = left_us > 0 ? (int)((left_us + 999) / 1000) : 0;
   void *value = NULL;
   size_t value_bytes = 0;
@@ -311,7 +306,7 @@ static int wait_connected(nccl_comm *nc, int64_t deadline_us, char *err, size_t 
                         c->rank, c->world_size, api->last_error());
       return rc;
     }
-    if (now_us() >= deadline_us) {
+    if (clock_now_us() >= deadline_us) {
       comm_format_error(err, err_bytes,
                         "rendezvous: timed out after %d ms waiting for the NCCL communicator to "
                         "connect (rank %d of %d; a rank is missing or unreachable)",
@@ -361,7 +356,7 @@ int comm_nccl_create(const comm_options *options, store *st, const struct zk_cud
 
   char key[COMM_MAX_PREFIX_BYTES + sizeof NCCL_ID_KEY_SUFFIX];
   snprintf(key, sizeof key, "%s%s", options->prefix, NCCL_ID_KEY_SUFFIX);
-  const int64_t deadline_us = now_us() + (int64_t)options->timeout_ms * 1000;
+  const int64_t deadline_us = clock_now_us() + (int64_t)options->timeout_ms * 1000;
 
   nccl_comm *nc = calloc(1, sizeof *nc);
   if (nc == NULL) {

@@ -16,6 +16,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "log.h"
 #include "rpc.h"
 #include "store.h"
@@ -59,12 +60,6 @@ static int split_key(const char *full, ns_key *k) {
   return 0;
 }
 
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 static void sleep_ms(int ms) {
   struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000};
   nanosleep(&ts, NULL);
@@ -101,7 +96,7 @@ static int call(store_grpc *s, const char *method, const ProtobufCMessage *req, 
   protobuf_c_message_pack(req, buf);
   int rc;
   for (;;) {
-    int64_t left = deadline_ms - now_ms();
+    int64_t left = deadline_ms - clock_now_ms();
     if (left <= 0) {
       rc = -ETIMEDOUT;
       break;
@@ -144,7 +139,7 @@ static int grpc_set(store *st, const char *key, const void *value, size_t value_
   req.value.data = (uint8_t *)value;
   req.value.len = value_bytes;
   return call((store_grpc *)st, "/zerod.v1.Rendezvous/Put", &req.base,
-              now_ms() + STORE_GRPC_CALL_MS, NULL, NULL);
+              clock_now_ms() + STORE_GRPC_CALL_MS, NULL, NULL);
 }
 
 static int grpc_get(store *st, const char *key, void **value, size_t *value_bytes, int timeout_ms) {
@@ -160,7 +155,7 @@ static int grpc_get(store *st, const char *key, void **value, size_t *value_byte
   uint8_t *reply = NULL;
   size_t reply_bytes = 0;
   int64_t deadline =
-      timeout_ms < 0 ? INT64_MAX / 2 : now_ms() + (timeout_ms > 0 ? timeout_ms : 1000);
+      timeout_ms < 0 ? INT64_MAX / 2 : clock_now_ms() + (timeout_ms > 0 ? timeout_ms : 1000);
   rc =
       call((store_grpc *)st, "/zerod.v1.Rendezvous/Get", &req.base, deadline, &reply, &reply_bytes);
   if (rc != 0)
@@ -189,7 +184,7 @@ static int grpc_delete_prefix(store *st, const char *prefix) {
   req.key = (char *)k.rest;
   req.prefix = 1;
   return call((store_grpc *)st, "/zerod.v1.Rendezvous/Delete", &req.base,
-              now_ms() + STORE_GRPC_CALL_MS, NULL, NULL);
+              clock_now_ms() + STORE_GRPC_CALL_MS, NULL, NULL);
 }
 
 static void grpc_destroy(store *st) {

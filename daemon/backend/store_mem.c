@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "store.h"
 
 /* Rendezvous keys are short ("job/7/epoch/1/rank_3") and values are pair
@@ -165,16 +166,6 @@ static int store_mem_set(store *st, const char *key, const void *value, size_t v
   return 0;
 }
 
-static void deadline_after_ms(struct timespec *deadline, int timeout_ms) {
-  clock_gettime(CLOCK_MONOTONIC, deadline);
-  deadline->tv_sec += timeout_ms / 1000;
-  deadline->tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-  if (deadline->tv_nsec >= 1000000000L) {
-    deadline->tv_sec++;
-    deadline->tv_nsec -= 1000000000L;
-  }
-}
-
 static int store_mem_get(store *st, const char *key, void **value, size_t *value_bytes,
                          int timeout_ms) {
   store_mem *sm = (store_mem *)st;
@@ -186,7 +177,7 @@ static int store_mem_get(store *st, const char *key, void **value, size_t *value
 
   struct timespec deadline;
   if (timeout_ms > 0)
-    deadline_after_ms(&deadline, timeout_ms);
+    deadline = clock_deadline_ms(timeout_ms);
 
   pthread_mutex_lock(&sm->mutex);
   store_mem_entry *e;

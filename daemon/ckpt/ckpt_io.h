@@ -1,5 +1,6 @@
-/* ckpt_io: file helpers shared by ckpt.c and ckpt_safetensors.c (private
- * to the checkpoint format library). */
+/* ckpt_io: small helpers shared by the files of the checkpoint format
+ * library (daemon/ckpt/, and private to it): error messages and paths
+ * (whole reads and writes are base/fsutil.h's). Implemented in ckpt_io.c. */
 #ifndef ZEROD_CKPT_IO_H
 #define ZEROD_CKPT_IO_H
 
@@ -13,10 +14,7 @@ __attribute__((format(printf, 4, 5))) int ckpt_fail(char *err, size_t err_bytes,
 void ckpt_prefix_error(char *err, size_t err_bytes, const char *prefix);
 /* The part of path after its last '/', for messages. */
 const char *ckpt_base_name(const char *path);
-/* Whole transfers, going on after EINTR and short ones. pread returns 1 if
- * the file ends first (it is shorter than expected: truncated); pwrite
- * returns -EIO if no progress is made. Otherwise 0 or a negative errno. */
-int ckpt_pread_all(int fd, void *buf, size_t bytes, uint64_t offset);
-int ckpt_pwrite_all(int fd, const void *buf, size_t bytes, uint64_t offset);
+/* dir + "/" + file, malloc'd (NULL: out of memory). */
+char *ckpt_join_path(const char *dir, const char *file);
 
 #endif /* ZEROD_CKPT_IO_H */

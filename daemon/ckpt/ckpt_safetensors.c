@@ -15,7 +15,9 @@
  * too, and files written here satisfy it by construction. */
 #include "ckpt.h"
 #include "ckpt_io.h"
+#include "fsutil.h"
 #include "filemode.h"
+#include "little_endian.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -291,13 +293,11 @@ static int open_checked(int fd, const char *name, st_file *out, char *err, size_
                      "%s: truncated: %" PRIu64 " bytes, less than the 8-byte header size", name,
                      file_bytes);
   uint8_t prefix[8];
-  int rc = ckpt_pread_all(fd, prefix, sizeof prefix, 0);
+  int rc = fsutil_pread_all(fd, prefix, sizeof prefix, 0);
   if (rc != 0)
     return rc > 0 ? ckpt_fail(err, err_bytes, -ERANGE, "%s: truncated while reading", name)
                   : ckpt_fail(err, err_bytes, rc, "%s: %s", name, strerror(-rc));
-  uint64_t header_bytes = 0;
-  for (int i = 7; i >= 0; i--)
-    header_bytes = header_bytes << 8 | prefix[i];
+  uint64_t header_bytes = le_get64(prefix);
   if (header_bytes > CKPT_MAX_ST_HEADER_BYTES)
     return ckpt_fail(err, err_bytes, -ERANGE,
                      "%s: header of %" PRIu64 " bytes, more than the %u allowed", name,
@@ -309,7 +309,7 @@ static int open_checked(int fd, const char *name, st_file *out, char *err, size_
   char *header = malloc(header_bytes > 0 ? (size_t)header_bytes : 1);
   if (header == NULL)
     return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
-  rc = ckpt_pread_all(fd, header, (size_t)header_bytes, 8);
+  rc = fsutil_pread_all(fd, header, (size_t)header_bytes, 8);
   if (rc != 0) {
     free(header);
     return rc > 0 ? ckpt_fail(err, err_bytes, -ERANGE, "%s: truncated while reading", name)
@@ -372,7 +372,7 @@ int st_read_f32(int fd, const st_file *f, const st_tensor *t, uint64_t from, uin
   int rc;
   if (t->dtype == ST_F32) {
     /* Little-endian floats, as the file has them: read in place. */
-    rc = ckpt_pread_all(fd, dst, (size_t)(count * 4), offset);
+    rc = fsutil_pread_all(fd, dst, (size_t)(count * 4), offset);
     if (rc != 0)
       return rc > 0 ? ckpt_fail(err, err_bytes, -ERANGE, "tensor '%.128s': file truncated", t->name)
                     : ckpt_fail(err, err_bytes, rc, "tensor '%.128s': %s", t->name, strerror(-rc));
@@ -385,7 +385,7 @@ int st_read_f32(int fd, const st_file *f, const st_tensor *t, uint64_t from, uin
   rc = 0;
   while (count > 0 && rc == 0) {
     size_t n = (size_t)(count < chunk_numel ? count : chunk_numel);
-    rc = ckpt_pread_all(fd, chunk, n * t->elem_bytes, offset);
+    rc = fsutil_pread_all(fd, chunk, n * t->elem_bytes, offset);
     if (rc != 0) {
       rc = rc > 0 ? ckpt_fail(err, err_bytes, -ERANGE, "tensor '%.128s': file truncated", t->name)
                   : ckpt_fail(err, err_bytes, rc, "tensor '%.128s': %s", t->name, strerror(-rc));
@@ -526,7 +526,7 @@ static int write_tensor(int fd, const char *name, uint64_t *offset, const st_ten
   if (rc > 0)
     rc = ckpt_fail(err, err_bytes, -EINVAL, "filling tensor '%.128s' failed", t->name);
   if (rc == 0 && t->dtype == ST_F32) {
-    if ((rc = ckpt_pwrite_all(fd, values, (size_t)numel * 4, *offset)) != 0)
+    if ((rc = fsutil_pwrite_all(fd, values, (size_t)numel * 4, *offset)) != 0)
       rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
     *offset += numel * 4;
   }
@@ -535,7 +535,7 @@ static int write_tensor(int fd, const char *name, uint64_t *offset, const st_ten
     size_t n = (size_t)(numel - done < chunk_numel ? numel - done : chunk_numel);
     if ((rc = zk_cast(NULL, converted, ZK_BF16, values + done, ZK_F32, n)) != 0)
       rc = ckpt_fail(err, err_bytes, rc, "tensor '%.128s': conversion to bf16 failed", t->name);
-    else if ((rc = ckpt_pwrite_all(fd, converted, n * 2, *offset)) != 0)
+    else if ((rc = fsutil_pwrite_all(fd, converted, n * 2, *offset)) != 0)
       rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
     *offset += n * 2;
     done += n;
@@ -576,8 +576,7 @@ int st_write_at(int dir_fd, const char *name, const st_tensor *tensors, unsigned
     free(tmp);
     return ckpt_fail(err, err_bytes, -ENOMEM, "%s: out of memory", name);
   }
-  for (int i = 0; i < 8; i++)
-    header[i] = (uint8_t)((uint64_t)header_len >> (8 * i));
+  le_put64(header, (uint64_t)header_len);
   memcpy(header + 8, json, json_len);
   memset(header + 8 + json_len, ' ', header_len - json_len);
   free(json);
@@ -605,7 +604,7 @@ int st_write_at(int dir_fd, const char *name, const st_tensor *tensors, unsigned
   uint64_t offset = 8 + header_len;
   if ((rc = filemode_fix_file(fd)) != 0)
     rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: fchmod: %s", name, strerror(-rc));
-  else if ((rc = ckpt_pwrite_all(fd, header, (size_t)offset, 0)) != 0)
+  else if ((rc = fsutil_pwrite_all(fd, header, (size_t)offset, 0)) != 0)
     rc = ckpt_fail(err, err_bytes, rc, "%s.tmp: %s", name, strerror(-rc));
   free(header);
   for (unsigned i = 0; rc == 0 && i < ntensors; i++)

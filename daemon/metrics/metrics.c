@@ -79,12 +79,6 @@ struct metrics {
   collector *collectors;
 };
 
-double metrics_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 metrics *metrics_create(void) {
   metrics *m = calloc(1, sizeof *m);
   if (m == NULL)

@@ -80,7 +80,4 @@ void metrics_collect(metrics *m);
  * NUL-terminated malloc'd text in *text, its length in *len. 0 or -ENOMEM. */
 int metrics_render(metrics *m, char **text, size_t *len);
 
-/* Seconds on a monotonic clock, for durations. */
-double metrics_now(void);
-
 #endif /* ZEROD_METRICS_H */

@@ -15,10 +15,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "log.h"
 
 /* A scrape waits this long for the loop to run the collectors. */
-#define COLLECT_WAIT_NS 1000000000L
+#define COLLECT_WAIT_MS 1000
 
 struct metrics_http {
   uv_loop_t *loop;
@@ -119,11 +120,7 @@ static void on_collect(uv_async_t *async) {
 
 /* A scrape's thread: ask the loop to collect and wait for it. */
 static void collect_on_loop(metrics_http *h) {
-  struct timespec deadline;
-  clock_gettime(CLOCK_MONOTONIC, &deadline);
-  deadline.tv_nsec += COLLECT_WAIT_NS % 1000000000L;
-  deadline.tv_sec += COLLECT_WAIT_NS / 1000000000L + deadline.tv_nsec / 1000000000L;
-  deadline.tv_nsec %= 1000000000L;
+  struct timespec deadline = clock_deadline_ms(COLLECT_WAIT_MS);
   pthread_mutex_lock(&h->mutex);
   if (!h->stopping) {
     uint64_t round = ++h->requested;

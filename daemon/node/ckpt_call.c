@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "ctl_decode.h"
 #include "daemon.h"
 #include "log.h"
@@ -54,12 +55,13 @@ typedef struct ckpt_call {
   rpc_channel *channel;
   store *rendezvous;
 
-  exec_op **waiting; /* the node's ranks' parked ops, answered at the end */
+  exec_op **waiting;              /* the node's ranks' parked ops, answered at the end */
+  void (*finish_op)(exec_op *op); /* hands an answered op back (ckpt_call_wait) */
   int nwaiting;
   int answered; /* waiting ops answered so far */
   pthread_t thread;
-  int finished; /* the thread was joined: the result is final */
-  struct timespec t0;
+  int finished;  /* the thread was joined: the result is final */
+  int64_t t0_ms; /* clock_now_ms() when it started */
   _Atomic int abandon;
   _Atomic int done;
 
@@ -96,12 +98,6 @@ int ckpt_call_check(const Zerod__V1__CheckpointRequest *req, char *err, size_t e
     return -EINVAL;
   }
   return 0;
-}
-
-static int64_t ms_since(const struct timespec *t0) {
-  struct timespec now;
-  clock_gettime(CLOCK_MONOTONIC, &now);
-  return (int64_t)(now.tv_sec - t0->tv_sec) * 1000 + (now.tv_nsec - t0->tv_nsec) / 1000000;
 }
 
 /* The worker protocol's status for a control-plane status. */
@@ -312,7 +308,7 @@ static void *call_thread(void *arg) {
   } else {
     await_leader(c);
   }
-  c->total_ms = ms_since(&c->t0);
+  c->total_ms = clock_now_ms() - c->t0_ms;
   atomic_store(&c->done, 1);
   uv_async_send(&c->d->worker_calls_async);
   return NULL;
@@ -336,7 +332,7 @@ static void answer(ckpt_call *c, exec_op *op) {
   exec_op *unpark = exec_op_new(OP_CKPT_UNPARK, rs);
   if (unpark != NULL) /* else the worker's next request lets the rank go on */
     exec_submit(unpark);
-  ipc_finish_op(op);
+  c->finish_op(op);
 }
 
 /* The thread ended: the waiting workers are answered. A rank whose op has
@@ -417,12 +413,11 @@ void ckpt_call_shutdown(zdaemon *d) {
   close_async(d);
 }
 
-int ckpt_call_active(job *j) {
-  sweep(j->owner, j);
-  return j->worker_calls;
+void ckpt_call_sweep(zdaemon *d) {
+  sweep(d, NULL);
 }
 
-static ckpt_call *call_new(zdaemon *d, exec_op *op) {
+static ckpt_call *call_new(zdaemon *d, exec_op *op, void (*finish_op)(exec_op *op)) {
   job *j = op->rank->job;
   const Zerod__V1__CheckpointRequest *req = (const Zerod__V1__CheckpointRequest *)op->request;
   ckpt_call *c = calloc(1, sizeof *c);
@@ -431,6 +426,7 @@ static ckpt_call *call_new(zdaemon *d, exec_op *op) {
     return NULL;
   }
   c->d = d;
+  c->finish_op = finish_op;
   c->j = j;
   c->generation = op->generation;
   c->number = op->ckpt_call;
@@ -443,11 +439,11 @@ static ckpt_call *call_new(zdaemon *d, exec_op *op) {
   c->publish = job_spans_nodes(j);
   c->channel = d->control_channel;
   c->rendezvous = d->rendezvous;
-  clock_gettime(CLOCK_MONOTONIC, &c->t0);
+  c->t0_ms = clock_now_ms();
   return c;
 }
 
-int ckpt_call_wait(zdaemon *d, exec_op *op) {
+int ckpt_call_wait(zdaemon *d, exec_op *op, void (*finish_op)(exec_op *op)) {
   if (d->worker_calls_stopping || !d->worker_calls_ready)
     return -ECANCELED;
   job *j = op->rank->job;
@@ -456,7 +452,7 @@ int ckpt_call_wait(zdaemon *d, exec_op *op) {
   while (c != NULL && !(c->j == j && c->generation == op->generation && c->number == op->ckpt_call))
     c = c->next;
   if (c == NULL) {
-    if ((c = call_new(d, op)) == NULL)
+    if ((c = call_new(d, op, finish_op)) == NULL)
       return -ENOMEM;
     /* The collective is over on every rank: the leader may ask at once
      * (every rank waits, so a save's copies are all of this step). */

@@ -31,17 +31,22 @@ int ckpt_call_check(const Zerod__V1__CheckpointRequest *req, char *err, size_t e
 
 /* A worker's OP_CKPT_PARK came back done: it waits for the call of its
  * job numbered op->ckpt_call, which starts with the first of this node's
- * ranks. Takes the op (answered through ipc_finish_op when the call ends).
- * Returns 0, or a negative errno (the op stays the caller's). */
-int ckpt_call_wait(struct daemon *d, exec_op *op);
+ * ranks. Takes the op: when the call ends, the op is answered (its reply
+ * or error set, its rank let go on) and handed back through finish_op,
+ * which sends the reply and frees it (the caller's, ipc.c: the same
+ * function for every op). Returns 0, or a negative errno (the op stays
+ * the caller's). */
+int ckpt_call_wait(struct daemon *d, exec_op *op, void (*finish_op)(exec_op *op));
 
 /* Shutdown (loop): calls still waiting give up (a leader's call to the
  * coordinator ends when the coordinator answers: it fails saves and
  * restores of a node that leaves); the loop runs until they have. */
 void ckpt_call_shutdown(struct daemon *d);
 
-/* Calls of job j still running on this node (the job is not freed before
- * they end). */
-int ckpt_call_active(job *j);
+/* Drops the records of finished calls that nobody will come for any more
+ * (every rank answered, or the job failed or has no worker), so that each
+ * job's worker_calls counts only the calls it must outlive (jobs_reap
+ * frees a retired job only at 0). The loop calls it before jobs_reap. */
+void ckpt_call_sweep(struct daemon *d);
 
 #endif /* ZEROD_CKPT_CALL_H */

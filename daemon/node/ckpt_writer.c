@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "crashpoint.h"
 #include "ctl_decode.h"
 #include "daemon.h"
@@ -81,12 +82,6 @@ save_rec *ckpt_node__save_get(job *j, uint64_t id) {
   return s;
 }
 
-static double monotonic_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
 typedef struct writer_arg {
   job *j;
   save_rec *s;
@@ -95,13 +90,13 @@ typedef struct writer_arg {
 
 static int write_shard(job *j, save_rec *s, rank_save *rs, int rank, const char *dir, char *err,
                        size_t err_bytes) {
-  double t0 = monotonic_ms();
+  double t0 = clock_now_s() * 1e3;
   if (rs->layout != NULL) {
     int rc = ckpt_manifest_store(dir, CKPT_LAYOUT_NAME, rs->layout, err, err_bytes);
     if (rc != 0)
       return rc;
   }
-  double t1 = monotonic_ms();
+  double t1 = clock_now_s() * 1e3;
   rs->layout_ms = t1 - t0;
   char path[PATH_MAX];
   ckpt_shard_name((uint32_t)rank, (uint32_t)j->world_size, rs->file, sizeof rs->file);
@@ -133,10 +128,10 @@ static int write_shard(job *j, save_rec *s, rank_save *rs, int rank, const char 
     }
     crash_point("node-shard-write");
   }
-  double t2 = monotonic_ms();
+  double t2 = clock_now_s() * 1e3;
   rs->data_ms = t2 - t1;
   rc = ckpt_writer_finish(w, &rs->bytes, &rs->xxh64, err, err_bytes);
-  rs->sync_ms = monotonic_ms() - t2;
+  rs->sync_ms = clock_now_s() * 1e3 - t2;
   return rc;
 }
 
@@ -149,7 +144,7 @@ static int stage_and_wait(job *j, save_rec *s, rank_save *rs, int rank) {
   job_ckpt *c = j->ckpt;
   uint64_t bytes = rs->staging_bytes;
   pthread_mutex_unlock(&c->mutex);
-  double t0 = monotonic_ms();
+  double t0 = clock_now_s() * 1e3;
   uint8_t *p = hostmem_shared_alloc(bytes);
   if (p != NULL)
     hostmem_shared_ref(p); /* this thread's, while it faults pages in */
@@ -177,7 +172,7 @@ static int stage_and_wait(job *j, save_rec *s, rank_save *rs, int rank) {
   LOG_DEBUGF("memory for a save's copy faulted in",
              "job=%s rank=%d save=%llu bytes=%llu faulted=%llu ms=%.1f", j->name, rank,
              (unsigned long long)s->id, (unsigned long long)bytes, (unsigned long long)before_taken,
-             monotonic_ms() - t0);
+             clock_now_s() * 1e3 - t0);
   pthread_mutex_unlock(&c->mutex);
   hostmem_shared_unref(p);
   pthread_mutex_lock(&c->mutex);

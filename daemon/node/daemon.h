@@ -110,7 +110,5 @@ void ipc_drain_completions(zdaemon *d);
 /* An executor is exiting (exec_settings.stopped; its thread): wakes the
  * loop so that it can reap the job. */
 void ipc_stopped(void *daemon);
-/* Answers an op the loop held back (ckpt_call.c) and frees it. */
-void ipc_finish_op(exec_op *op);
 
 #endif /* ZEROD_DAEMON_H */

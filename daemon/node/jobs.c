@@ -8,7 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ckpt_call.h"
 #include "ckpt_node.h"
 #include "daemon.h"
 #include "digest.h"
@@ -123,9 +122,11 @@ void jobs_retire(zdaemon *d, job *j) {
 }
 
 /* Whether nothing runs for retired job j any more: every executor has
- * exited (its join returns at once) and no reader holds it. */
+ * exited (its join returns at once), no reader holds it and no workers'
+ * checkpoint call (ckpt_call.c, whose finished records the loop swept
+ * before). */
 static int reapable(job *j) {
-  if (j->readers > 0 || ckpt_call_active(j) > 0)
+  if (j->readers > 0 || j->worker_calls > 0)
     return 0;
   for (int r = 0; r < j->nranks; r++)
     if (j->ranks[r].thread_started && !atomic_load(&j->ranks[r].stopped))

@@ -44,7 +44,9 @@ void jobs_reset(job *j);
 void jobs_retire(struct daemon *d, job *j);
 
 /* Frees every retired job whose executors have all stopped and whose
- * read-only sessions are all gone: joins the (exited) threads and calls
+ * read-only sessions and workers' checkpoint calls are all gone
+ * (j->readers and j->worker_calls at 0: the caller sweeps finished calls
+ * first, ckpt_call_sweep): joins the (exited) threads and calls
  * jobs_free. Called on the loop when an executor stops and when a reader's
  * state is freed; does nothing while the daemon stops (main frees what is
  * left once the loop has ended). */

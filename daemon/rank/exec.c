@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "ckpt_job.h"
+#include "clock.h"
 #include "exec_impl.h"
 #include "offload.h"
 #include "tier.h"
@@ -27,7 +28,7 @@ exec_op *exec_op_new(op_kind kind, rank_state *rank) {
   op->rank = rank;
   op->in_fd = -1;
   op->reply_fd = -1;
-  op->made_at = metrics_now();
+  op->made_at = clock_now_s();
   return op;
 }
 

@@ -126,6 +126,10 @@ int exec__handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *p
 /* RELEASE: the worker let go of a gathered buffer (it stays cached). */
 void exec__handle_release(rank_state *rs, exec_op *op);
 
+/* Lets go of every gathered unit the worker holds (session end, a restore
+ * it asked for). */
+void exec__drop_gather_holds(rank_state *rs);
+
 /* Returns 1 if handled, 0 if it needs the executor (inline, a GPU rank
  * that must allocate the buffer on its device). */
 int exec__handle_grad_buffer(rank_state *rs, exec_op *op, int inline_only);
@@ -153,9 +157,6 @@ void exec__group(const rank_state *rs, uint32_t g, job_group *out);
 
 /* ---- step.c ------------------------------------------------------------------ */
 
-/* Seconds on the monotonic clock. */
-double exec__monotonic_s(void);
-
 /* STEP: the optimizer step of every shard the rank holds, the save order
  * the ranks agree on taken at its end. */
 void exec__handle_step(rank_state *rs, exec_op *op);
@@ -179,7 +180,6 @@ void exec__handle_load(rank_state *rs, exec_op *op);
 
 /* ---- session.c: sessions and the communicator -------------------------------- */
 
-/* A worker session attached to the rank. */
 /* Replaces the rank's communicator (NULL: none) and destroys the old one.
  * The swap is under comm_lock because exec_rank_stop, on the loop thread,
  * may be aborting the old one; once the lock is ours it is done, and it
@@ -189,14 +189,12 @@ void exec__handle_load(rank_state *rs, exec_op *op);
  * stop too. */
 void exec__set_comm(rank_state *rs, comm *c);
 
+/* A worker session attached to the rank. */
 void exec__handle_session_begin(rank_state *rs, exec_op *op);
 
 /* It left: what it held is released, and a save waiting for a step that
  * will not come is taken now. */
 void exec__handle_session_end(rank_state *rs, exec_op *op);
-/* Lets go of every gathered unit the worker holds (session end, a restore
- * it asked for). */
-void exec__drop_gather_holds(rank_state *rs);
 
 /* Builds the rank's communicator of op->generation (a reset builds a new
  * one) and has the ranks agree on their step counts. */

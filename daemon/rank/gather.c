@@ -369,3 +369,12 @@ int exec__handle_grad_buffer(rank_state *rs, exec_op *op, int inline_only) {
     rs->ndropped = 0;
   return 1;
 }
+
+void exec__drop_gather_holds(rank_state *rs) {
+  for (uint32_t u = 0; u < rs->nshards; u++) {
+    shard *sh = &rs->shards[u];
+    if (sh->present && sh->gather_held && sh->gather_buf >= 0)
+      pool_unref(rs, &rs->bufs[sh->gather_buf]);
+    sh->gather_held = 0;
+  }
+}

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "log.h"
 #include "tier.h"
 
@@ -155,12 +156,6 @@ typedef struct step_ctx {
   uint64_t cpu_ns;  /* in the update (cpu_ms) */
 } step_ctx;
 
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* Asks for the gradients of the chunks up to `upto`, each into its slot
  * (chunk i in slot i % nslots, whose last chunk the CPU is done with). */
 static int ask_gradients(step_ctx *x, size_t upto) {
@@ -193,12 +188,12 @@ static int step_chunk(step_ctx *x, float *master, float *m1, float *m2) {
   /* Up to nslots - 1 chunks of gradients are on their way while the CPU
    * works on this one. */
   int rc = ask_gradients(x, i + o->nslots - 1);
-  uint64_t t0 = now_ns();
+  uint64_t t0 = clock_now_ns();
   if (rc == 0)
     rc = device_fence_wait(rs->dev, slot->down);
   if (rc == 0)
     rc = slot_free_working(rs, slot);
-  uint64_t t1 = now_ns();
+  uint64_t t1 = clock_now_ns();
   /* Frozen tensors and padding keep their values: the working chunk
    * starts as the master's, and the update overwrites what it trains. */
   if (rc == 0 && !trainable_covers(sh, k->begin, k->begin + k->n))
@@ -206,7 +201,7 @@ static int step_chunk(step_ctx *x, float *master, float *m1, float *m2) {
   if (rc == 0)
     rc = x->fn(x->arg, rs, o->host, sh, k->begin, k->n, master, m1, m2, slot->grad, slot->working);
   x->wait_ns += t1 - t0;
-  x->cpu_ns += now_ns() - t1;
+  x->cpu_ns += clock_now_ns() - t1;
   return rc == 0 ? send_working(rs, slot, sh, k->begin, k->n) : rc;
 }
 
@@ -225,7 +220,7 @@ int offload_step(rank_state *rs, offload_update_fn fn, void *arg) {
   if (!offload_enabled(rs))
     return 0;
   step_ctx x = {.rs = rs, .fn = fn, .arg = arg};
-  uint64_t start = now_ns();
+  uint64_t start = clock_now_ns();
   int rc = offload_get(rs, &x.o);
   if (rc == 0)
     rc = tier_chunks(rs, x.o->chunk, -1, &x.tasks, &x.ntasks);
@@ -253,7 +248,7 @@ int offload_step(rank_state *rs, offload_update_fn fn, void *arg) {
   }
   int src = device_sync(rs->dev);
   LOG_DEBUGF("offloaded step", "job=%s rank=%d chunks=%zu total_ms=%.3f cpu_ms=%.3f wait_ms=%.3f",
-             rs->job->name, rs->rank, x.ntasks, (double)(now_ns() - start) / 1e6,
+             rs->job->name, rs->rank, x.ntasks, (double)(clock_now_ns() - start) / 1e6,
              (double)x.cpu_ns / 1e6, (double)x.wait_ns / 1e6);
   free(x.tasks);
   return rc != 0 ? rc : src;

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "log.h"
 #include "zerod/v1/ipc.pb-c.h"
 
@@ -233,18 +234,6 @@ void pin_job_stop(job *j) {
 /* Readers                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static struct timespec deadline_after(int timeout_ms) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  ts.tv_sec += timeout_ms / 1000;
-  ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-  if (ts.tv_nsec >= 1000000000L) {
-    ts.tv_sec++;
-    ts.tv_nsec -= 1000000000L;
-  }
-  return ts;
-}
-
 /* pin_mutex held: reasons to stop reading, whatever the ranks do. */
 static int read_stopped(job *j, const pin_read_control *c, char *err, size_t err_bytes) {
   if (j->pins_stopping) {
@@ -417,7 +406,7 @@ int pin_read_unit(job *j, job_pin *pin, const unit_layout *l, void *dst, uint64_
                   const pin_read_control *control, uint64_t *served_version, char *err,
                   size_t err_bytes) {
   size_t slice_bytes = l->shard_numel * zk_dtype_size(j->config.working_dtype);
-  struct timespec deadline = deadline_after(control->timeout_ms);
+  struct timespec deadline = clock_deadline_ms(control->timeout_ms);
   if (pin == NULL)
     return read_latest(j, l, dst, slice_bytes, have_version, control, &deadline, served_version,
                        err, err_bytes);

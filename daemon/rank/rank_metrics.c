@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
 #include "job.h"
 
 static const char *const rank_labels[] = {"zerod_job", "rank", NULL};
@@ -240,7 +241,7 @@ void rank_metrics_op(rank_state *rs, rank_timer timer, int status, double made_a
   case RANK_UNTIMED:
     return;
   }
-  metric_observe(h, metrics_now() - made_at);
+  metric_observe(h, clock_now_s() - made_at);
 }
 
 void rank_metrics_state(rank_state *rs) {

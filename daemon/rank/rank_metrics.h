@@ -71,7 +71,7 @@ typedef struct job_series {
 void rank_metrics_open(struct job *j, metrics *m, const char *memory);
 void rank_metrics_close(struct job *j);
 
-/* An op is answered with status: its latency since made_at (metrics_now)
+/* An op is answered with status: its latency since made_at (clock_now_s)
  * if it succeeded and has a timer (a step counts one step), else its
  * error by code. */
 void rank_metrics_op(struct rank_state *rs, rank_timer timer, int status, double made_at);

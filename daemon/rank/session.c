@@ -39,15 +39,6 @@ void exec__handle_session_begin(rank_state *rs, exec_op *op) {
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY, &reply.base);
 }
 
-void exec__drop_gather_holds(rank_state *rs) {
-  for (uint32_t u = 0; u < rs->nshards; u++) {
-    shard *sh = &rs->shards[u];
-    if (sh->present && sh->gather_held && sh->gather_buf >= 0)
-      pool_unref(rs, &rs->bufs[sh->gather_buf]);
-    sh->gather_held = 0;
-  }
-}
-
 void exec__handle_session_end(rank_state *rs, exec_op *op) {
   exec__drop_gather_holds(rs);
   for (uint32_t u = 0; u < rs->nshards; u++) {

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "ckpt_job.h"
+#include "clock.h"
 #include "hostmem.h"
 #include "log.h"
 #include "pin.h"
@@ -46,7 +47,7 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
     exec__ckpt(rs)->save_failed(j, rs->rank, id, RPC_FAILED_PRECONDITION, why);
     return;
   }
-  double t0 = exec__monotonic_s();
+  double t0 = clock_now_s();
   int want[3];
   job_config_states(&j->config, want);
   unsigned n = 0;
@@ -97,7 +98,7 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
     exec__ckpt(rs)->save_failed(j, rs->rank, id, RPC_RESOURCE_EXHAUSTED, why);
     return;
   }
-  int64_t stall_ms = (int64_t)((exec__monotonic_s() - t0) * 1000);
+  int64_t stall_ms = (int64_t)((clock_now_s() - t0) * 1000);
   LOG_DEBUGF("shard copied for a save",
              "job=%s rank=%d save=%llu step=%llu bytes=%llu staged=%d ms=%lld", j->name, rs->rank,
              (unsigned long long)id, (unsigned long long)rs->step, (unsigned long long)bytes,
@@ -148,7 +149,7 @@ void exec__handle_restore_read(rank_state *rs, exec_op *op) {
   int code = 0;
   char err[512] = "";
   ckpt_staged *st = NULL;
-  double t0 = exec__monotonic_s();
+  double t0 = clock_now_s();
   ckpt_job_view view;
   /* A job whose state is on disk stages what it reads in a file, mapped:
    * page cache, not memory (its state may be larger than memory). */
@@ -174,7 +175,7 @@ void exec__handle_restore_read(rank_state *rs, exec_op *op) {
     rs->ckpt_staged = st;
     LOG_DEBUGF("read for a restore", "job=%s rank=%d restore=%llu bytes=%zu ms=%.1f", rs->job->name,
                rs->rank, (unsigned long long)op->ckpt_id, st->mem_bytes,
-               (exec__monotonic_s() - t0) * 1e3);
+               (clock_now_s() - t0) * 1e3);
   }
   exec__ckpt(rs)->restore_report(rs->job, rs->rank, op->ckpt_id, 0, rc == 0 ? st->step : 0,
                                  rc == 0 ? 0 : (code != 0 ? code : RPC_INTERNAL), err);

@@ -8,8 +8,8 @@
 #include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
-#include <time.h>
 
+#include "clock.h"
 #include "log.h"
 #include "pin.h"
 
@@ -18,16 +18,10 @@
  * without asking the workers. */
 #define PROGRESS_EVERY_STEPS 100
 
-double exec__monotonic_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static void log_progress(rank_state *rs, double grad_norm) {
   if (rs->rank != 0)
     return;
-  double now = exec__monotonic_s();
+  double now = clock_now_s();
   if (rs->progress_since_s == 0) {
     rs->progress_since_s = now;
     rs->progress_since_step = rs->step;

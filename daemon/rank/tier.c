@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "aio.h"
+#include "clock.h"
 #include "crashpoint.h"
 #include "hostmem.h"
 #include "device.h"
@@ -263,12 +264,6 @@ int tier_chunks(rank_state *rs, uint64_t chunk, int64_t only_unit, tier_chunk **
   return 0;
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static int queue_io(rank_tier *t, const shard *sh, const tier_chunk *k, unsigned slot, int write) {
   size_t bytes = aligned(k->n * sizeof(float));
   for (unsigned s = 0; s < t->nstates; s++) {
@@ -295,7 +290,7 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
    * chunk before has landed, which is waited for just before the reads
    * (at least one update later). */
   unsigned ahead = t->slots > 2 ? t->slots - 2 : 1;
-  double t0 = now_s(), fn_s = 0, wait_s = 0;
+  double t0 = clock_now_s(), fn_s = 0, wait_s = 0;
   int m1 = t->has[JOB_STATE_MOMENT1], m2 = t->has[JOB_STATE_MOMENT2];
   size_t issued = 0;
   for (size_t i = 0; i < ntasks && rc == 0; i++) {
@@ -309,10 +304,10 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
     if (rc == 0)
       rc = aio_file_submit(t->file);
     unsigned slot = (unsigned)(i % t->slots);
-    double w0 = now_s();
+    double w0 = clock_now_s();
     if (rc == 0)
       rc = aio_file_wait(t->file, slot);
-    double w1 = now_s();
+    double w1 = clock_now_s();
     wait_s += w1 - w0;
     if (rc != 0)
       break;
@@ -322,7 +317,7 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
     float *mom2 = m2 ? slot_state(t, slot, (unsigned)(1 + (m1 != 0))) : NULL;
     rc = fn(arg, rs, sh, job_unit(rs->job, tasks[i].unit), tasks[i].begin, tasks[i].n, master, mom1,
             mom2);
-    fn_s += now_s() - w1;
+    fn_s += clock_now_s() - w1;
     if (rc == 0 && write_back)
       rc = queue_io(t, sh, &tasks[i], slot, 1);
     if (rc == 0)
@@ -339,9 +334,10 @@ int tier_stream(rank_state *rs, int64_t only_unit, int write_back, tier_chunk_fn
       rc = wrc;
   }
   free(tasks);
-  LOG_DEBUGF(
-      "tier streamed", "job=%s rank=%d chunks=%zu write_back=%d ms=%.1f work_ms=%.1f wait_ms=%.1f",
-      rs->job->name, rs->rank, ntasks, write_back, (now_s() - t0) * 1e3, fn_s * 1e3, wait_s * 1e3);
+  LOG_DEBUGF("tier streamed",
+             "job=%s rank=%d chunks=%zu write_back=%d ms=%.1f work_ms=%.1f wait_ms=%.1f",
+             rs->job->name, rs->rank, ntasks, write_back, (clock_now_s() - t0) * 1e3, fn_s * 1e3,
+             wait_s * 1e3);
   return rc;
 }
 

@@ -1,6 +1,7 @@
-/* rpc_impl: what the server (rpc.c) and the client (client.c) sides of
- * the rpc library share. Private to daemon/rpc/: the only header with gRPC
- * types in it. */
+/* rpc_impl: what the server (rpc_server.c and its parts) and the client
+ * (client.c) sides of the rpc library share (rpc_common.c,
+ * rpc_credentials.c). Private to daemon/rpc/: with rpc_server_impl.h, the
+ * only headers with gRPC types in them. */
 #ifndef ZEROD_RPC_IMPL_H
 #define ZEROD_RPC_IMPL_H
 
@@ -21,8 +22,17 @@
  * balanced by grpc_shutdown. */
 void rpc__grpc_init(void);
 
+/* How many times gRPC said it stopped accepting connections (its log
+ * line "Failed accept4"): a server whose count moved restarts its
+ * listener. */
+unsigned rpc__accept_failures(void);
+
 /* A new byte buffer holding a copy of bytes (the caller destroys it). */
 grpc_byte_buffer *rpc__buffer_from_bytes(const void *bytes, size_t n_bytes);
+
+/* Flattens buffer into one slice (*out, which the caller unrefs). Returns
+ * 0, -EPROTO (unreadable) or -EMSGSIZE (over the limit). */
+int rpc__buffer_flatten(grpc_byte_buffer *buffer, grpc_slice *out);
 
 /* Copies buffer into a malloc'd array (NULL for an empty message).
  * Returns 0, -EPROTO (unreadable), -EMSGSIZE (over the limit), -ENOMEM. */
@@ -37,6 +47,12 @@ void rpc__message_limit_args(grpc_arg *arg_storage, size_t *n_args);
 /* The limits every server admits calls by (rpc.h: RPC_MAX_CALLS and the
  * others), as admit.h takes them. */
 admit_limits rpc__admit_limits(void);
+
+/* Server credentials for tls (a certificate and its key required; a CA
+ * to verify clients with). Returns 0 with *out (the caller releases it)
+ * or a negative errno with a message in err. */
+int rpc__server_credentials(const rpc_tls *tls, grpc_server_credentials **out, char *err,
+                            size_t err_bytes);
 
 /* Channel credentials for tls (ca_file NULL: the system's roots). Returns
  * 0 with *out (the caller releases it) or a negative errno with a message

@@ -2,8 +2,8 @@
  *
  * gRPC's C core takes TLS material as PEM strings in memory; this file
  * reads the operator's files (bounded, so a wrong path to a huge file is
- * an error, not an allocation), which rpc.c turns into credentials. It
- * also says which addresses are local enough for plain transport, and
+ * an error, not an allocation), which rpc_credentials.c turns into
+ * credentials. It also says which addresses are local enough for plain transport, and
  * reads bearer tokens from files. */
 #include "tls.h"
 

@@ -1,7 +1,7 @@
 /* tls: what the control plane's transport security is made of (rpc.h
  * uses it; docs/security.md): TLS material, which addresses are local
  * enough for plain transport, and bearer tokens read from files. No gRPC
- * here: rpc.c turns an rpc_tls into gRPC credentials. */
+ * here: rpc_credentials.c turns an rpc_tls into gRPC credentials. */
 #ifndef ZEROD_RPC_TLS_H
 #define ZEROD_RPC_TLS_H
 

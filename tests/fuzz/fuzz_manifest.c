@@ -1,5 +1,6 @@
-/* Fuzz target: the checkpoint manifest decoder (daemon/ckpt.c), fed what a
- * damaged or hostile manifest.json or layout.json could hold.
+/* Fuzz target: the checkpoint manifest decoder
+ * (daemon/ckpt/ckpt_manifest_decode.c), fed what a damaged or hostile
+ * manifest.json or layout.json could hold.
  *
  * Every input is decoded both as a manifest and as a layout
  * (CKPT_DECODE_NO_FILES). Decoding must never crash, leak or read outside

@@ -9,7 +9,7 @@ the order's directory, and report ShardReports in their heartbeats. That
 pins what the coordinator does with the reports (the manifest, the
 rename, every failure path) without the real node side; the real thing is
 tested end to end elsewhere. Manifests are written here as the JSON that
-daemon/ckpt.c documents.
+daemon/ckpt/ckpt_manifest.c documents.
 
 Every test starts its own coordinator (state directory in tmp_path; the
 checkpoints under STATE/checkpoints), which must exit 0 on SIGTERM with no
@@ -51,7 +51,7 @@ def shard_numel(world):
 
 
 def shard_bytes(world):
-    """The size daemon/ckpt.c gives a shard file of the fake layout: header,
+    """The size daemon/ckpt/ckpt_shard.c gives a shard file of the fake layout: header,
     data, one checksum per 1 MiB block, footer."""
     data = shard_numel(world) * 4
     blocks = (data + BLOCK_BYTES - 1) // BLOCK_BYTES

@@ -6,7 +6,7 @@
  * process.
  *
  * The executors hand finished ops to exec_settings.complete, which here
- * pushes them onto a queue the test owns (the daemon's is ipc.c's
+ * pushes them onto a queue the test owns (the daemon's is ipc_completion.c's
  * completion queue). That callback is only made for an op with a session
  * (finish() in exec.c frees the others), so every op the test waits for
  * carries TEST_SESSION: a non-NULL pointer that nothing dereferences (rank/

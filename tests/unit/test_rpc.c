@@ -1,6 +1,6 @@
 /* rpc against itself: a real gRPC server on 127.0.0.1:0 whose libuv loop
  * runs on its own thread, and blocking clients on the test thread and on
- * helper threads. Each test pins one behaviour of daemon/rpc.c: replies now
+ * helper threads. Each test pins one behaviour of daemon/rpc/: replies now
  * and later, error statuses, unknown methods, deadlines and the server's
  * cancel callback, streams (ending, cancelled, over-full), message limits
  * both ways, a dead server, shutdown with calls in flight, and many

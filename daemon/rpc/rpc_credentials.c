@@ -1,0 +1,81 @@
+/* rpc_credentials: gRPC credentials made from rpc_tls (tls.h): the
+ * server's (a certificate and its key, a CA to verify clients with) and a
+ * channel's (rpc_impl.h). The PEM files are read by tls.c. */
+#include "rpc_impl.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <grpc/grpc_security.h>
+
+#include "tls.h"
+
+static int tls_set(const char *s) {
+  return s != NULL && s[0] != '\0';
+}
+
+int rpc__server_credentials(const rpc_tls *tls, grpc_server_credentials **out, char *err,
+                            size_t err_bytes) {
+  *out = NULL;
+  if (!tls_set(tls->cert_file) || !tls_set(tls->key_file)) {
+    snprintf(err, err_bytes, "TLS needs both a certificate and its key");
+    return -EINVAL;
+  }
+  if (tls->require_client_cert && !tls_set(tls->ca_file)) {
+    snprintf(err, err_bytes, "mutual TLS needs the CA that signs client certificates");
+    return -EINVAL;
+  }
+  char *cert = NULL, *key = NULL, *ca = NULL;
+  int rc = tls_read_pem(tls->cert_file, "certificate", &cert, err, err_bytes);
+  if (rc == 0)
+    rc = tls_read_pem(tls->key_file, "private key", &key, err, err_bytes);
+  if (rc == 0 && tls_set(tls->ca_file))
+    rc = tls_read_pem(tls->ca_file, "client CA", &ca, err, err_bytes);
+  if (rc == 0) {
+    grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
+    grpc_ssl_client_certificate_request_type request =
+        ca == NULL                 ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+        : tls->require_client_cert ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                   : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY;
+    *out = grpc_ssl_server_credentials_create_ex(ca, &pair, 1, request, NULL);
+    if (*out == NULL) {
+      snprintf(err, err_bytes, "gRPC refused the TLS material (%s, %s)", tls->cert_file,
+               tls->key_file);
+      rc = -EINVAL;
+    }
+  }
+  free(cert);
+  free(key);
+  free(ca);
+  return rc;
+}
+
+int rpc__channel_credentials(const rpc_tls *tls, grpc_channel_credentials **out, char *err,
+                             size_t err_bytes) {
+  *out = NULL;
+  if (tls_set(tls->cert_file) != tls_set(tls->key_file)) {
+    snprintf(err, err_bytes, "a client certificate needs its key, and a key its certificate");
+    return -EINVAL;
+  }
+  char *cert = NULL, *key = NULL, *ca = NULL;
+  int rc = 0;
+  if (tls_set(tls->ca_file))
+    rc = tls_read_pem(tls->ca_file, "CA certificate", &ca, err, err_bytes);
+  if (rc == 0 && tls_set(tls->cert_file))
+    rc = tls_read_pem(tls->cert_file, "certificate", &cert, err, err_bytes);
+  if (rc == 0 && tls_set(tls->key_file))
+    rc = tls_read_pem(tls->key_file, "private key", &key, err, err_bytes);
+  if (rc == 0) {
+    grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
+    *out = grpc_ssl_credentials_create(ca, cert != NULL ? &pair : NULL, NULL, NULL);
+    if (*out == NULL) {
+      snprintf(err, err_bytes, "gRPC refused the TLS material");
+      rc = -EINVAL;
+    }
+  }
+  free(cert);
+  free(key);
+  free(ca);
+  return rc;
+}
