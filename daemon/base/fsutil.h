@@ -1,9 +1,9 @@
 /* fsutil: the file steps the daemon's durable files are written and read
  * with, one copy each: whole preads and pwrites, a directory's fsync, a
  * file replaced whole (write, fsync, rename), mkdir -p. Included by the
- * checkpoint formats (daemon/ckpt/); the coordinator's state and
- * checkpoint directories and main.c's state directory have copies of
- * their own still (issue 34). Thread-safe (no state). */
+ * checkpoint formats (daemon/ckpt/), the coordinator's checkpoints
+ * (daemon/coord/ckpt_*.c) and the binary's directories (daemon/cli/).
+ * Thread-safe (no state). */
 #ifndef ZEROD_FSUTIL_H
 #define ZEROD_FSUTIL_H
 

@@ -19,6 +19,7 @@
 #include "flags.h"
 #include "health.h"
 #include "log.h"
+#include "fsutil.h"
 #include "start.h"
 
 /* A switch's environment variable: set to 1, true or yes. */
@@ -182,7 +183,7 @@ static int take_directories(const flag_table *t, const flag_given *given, coordi
   int rc = start_export_roots(t, given, co);
   if (rc != 0)
     return rc;
-  rc = start_mkdir_p(co->state_dir);
+  rc = fsutil_mkdir_p(co->state_dir);
   if (rc != 0) {
     fprintf(stderr, "zerod: cannot create state directory %s: %s\n", co->state_dir, strerror(-rc));
     return 1;

@@ -32,6 +32,7 @@
 #include "jobs.h"
 #include "log.h"
 #include "metrics_http.h"
+#include "fsutil.h"
 #include "start.h"
 #include "tier.h"
 
@@ -366,7 +367,7 @@ static int read_command_line(node_process *p, int argc, char **argv) {
  * with the error printed. */
 static int take_state_dir(node_process *p) {
   zdaemon *d = &p->daemon;
-  int rc = start_mkdir_p(d->options.dir);
+  int rc = fsutil_mkdir_p(d->options.dir);
   if (rc != 0) {
     fprintf(stderr, "zerod: cannot create state directory %s: %s\n", d->options.dir, strerror(-rc));
     return 1;
@@ -415,7 +416,7 @@ static int take_nvme_dir(node_process *p) {
                nvme_flag != NULL ? nvme_flag : dir) >= (int)sizeof nvme_want - 256)
     return flag_invalid("--nvme-dir", nvme_flag != NULL ? nvme_flag : dir, "a directory");
   int rc;
-  if ((rc = start_mkdir_p(nvme_want)) != 0 || realpath(nvme_want, p->nvme_dir) == NULL) {
+  if ((rc = fsutil_mkdir_p(nvme_want)) != 0 || realpath(nvme_want, p->nvme_dir) == NULL) {
     fprintf(stderr, "zerod: cannot create the nvme directory %s: %s\n", nvme_want,
             strerror(rc != 0 ? -rc : errno));
     return 1;

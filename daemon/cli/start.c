@@ -8,6 +8,8 @@
  * exit status. */
 #include "start.h"
 
+#include "fsutil.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -106,7 +108,7 @@ int start_checkpoint_dir(const char *v, const char *fallback, char *out, size_t 
   if ((v != NULL && v[0] == '\0') || snprintf(dir, sizeof dir, v != NULL ? "%s" : "%s/checkpoints",
                                               v != NULL ? v : fallback) >= (int)sizeof dir - 512)
     return flag_invalid("--checkpoint-dir", v != NULL ? v : fallback, "a directory, path too long");
-  int rc = start_mkdir_p(dir);
+  int rc = fsutil_mkdir_p(dir);
   char resolved[PATH_MAX];
   if (rc != 0 || realpath(dir, resolved) == NULL) {
     fprintf(stderr, "zerod: cannot create checkpoint directory %s: %s\n", dir,
@@ -120,24 +122,6 @@ int start_checkpoint_dir(const char *v, const char *fallback, char *out, size_t 
   if (!zd_utf8_valid(resolved, strlen(resolved)))
     return flag_invalid("--checkpoint-dir", resolved, "a path in UTF-8");
   snprintf(out, out_bytes, "%s", resolved);
-  return 0;
-}
-
-/* mkdir -p, the directories made with the directory mode (filemode.h). */
-int start_mkdir_p(const char *path) {
-  char tmp[PATH_MAX];
-  snprintf(tmp, sizeof tmp, "%s", path);
-  int rc;
-  for (char *p = tmp + 1; *p != '\0'; p++) {
-    if (*p != '/')
-      continue;
-    *p = '\0';
-    if ((rc = filemode_mkdirat(AT_FDCWD, tmp)) != 0 && rc != -EEXIST)
-      return rc;
-    *p = '/';
-  }
-  if ((rc = filemode_mkdirat(AT_FDCWD, tmp)) != 0 && rc != -EEXIST)
-    return rc;
   return 0;
 }
 

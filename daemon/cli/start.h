@@ -28,10 +28,6 @@ int start_file_mode(const flag_table *t, const flag_given *given);
  * status with the error printed. */
 int start_export_roots(const flag_table *t, const flag_given *flags, coord_options *co);
 
-/* mkdir -p, the directories made with the directory mode (filemode.h).
- * 0 or a negative errno. */
-int start_mkdir_p(const char *path);
-
 /* The checkpoint directory: v (the flag, else its variable), else
  * fallback/checkpoints; created, made absolute, into out. 0, or the exit
  * status with the error printed. */

@@ -22,6 +22,7 @@
 
 #include "ckpt.h"
 #include "coord_ckpt.h"
+#include "fsutil.h"
 #include "ctl_decode.h"
 #include "log.h"
 
@@ -289,7 +290,7 @@ static int delete_checkpoint(coord *c, const char *job, const char *name, const 
   }
   /* Gone from List from here on. Unsynced, the rename might be undone by
    * a crash of the machine: then the checkpoint would simply be back. */
-  int rc = coord__ckpt_fsync_dir(job_dir);
+  int rc = fsutil_fsync_dir(job_dir, NULL);
   if (rc != 0)
     LOG_WARNF("checkpoint renamed for deletion but its directory not synced", "path=%s err=\"%s\"",
               job_dir, strerror(-rc));

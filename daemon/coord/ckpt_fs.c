@@ -42,35 +42,6 @@ void coord__ckpt_copy_name(char *out, size_t out_bytes, const char *name) {
   out[len] = '\0';
 }
 
-int coord__ckpt_fsync_dir(const char *path) {
-  int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0)
-    return -errno;
-  int rc = fsync(fd) == 0 ? 0 : -errno;
-  close(fd);
-  return rc;
-}
-
-/* mkdir -p with the directory mode (filemode.h). Returns 0 or a negative
- * errno. */
-int coord__ckpt_make_dirs(const char *path) {
-  char buf[PATH_MAX];
-  if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
-    return -ENAMETOOLONG;
-  for (char *p = buf + 1;; p++) {
-    if (*p != '/' && *p != '\0')
-      continue;
-    char saved = *p;
-    *p = '\0';
-    int rc = filemode_mkdirat(AT_FDCWD, buf);
-    if (rc != 0 && rc != -EEXIST)
-      return rc;
-    *p = saved;
-    if (saved == '\0')
-      return 0;
-  }
-}
-
 int coord__ckpt_is_dir_at(int dir_fd, const struct dirent *e) {
   if (e->d_type == DT_DIR)
     return 1;

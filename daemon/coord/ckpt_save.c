@@ -22,6 +22,7 @@
 
 #include "ckpt.h"
 #include "coord_ckpt.h"
+#include "fsutil.h"
 #include "crashpoint.h"
 #include "ctl_decode.h"
 #include "filemode.h"
@@ -55,7 +56,7 @@ int coord__ckpt_save_start(coord *c, cjob *j, const char *name, rpc_call *call, 
   const char *stem = periodic ? "auto" : ex != NULL ? "export" : name[0] != '\0' ? name : "step";
   coord__ckpt_path_format(o->dir, sizeof o->dir, "%s/%s.tmp-%" PRIu64, job_dir, stem, o->id);
   const char *failed_path = job_dir;
-  int rc = coord__ckpt_make_dirs(job_dir);
+  int rc = fsutil_mkdir_p(job_dir);
   if (rc == 0 && (rc = filemode_mkdirat(AT_FDCWD, o->dir)) != 0)
     failed_path = o->dir;
   if (rc != 0) {
@@ -212,7 +213,7 @@ static int commit_manifest(commit_work *w) {
   if (unlink(path) != 0 && errno != ENOENT)
     return coord__ckpt_work_fail(&w->result, coord__ckpt_io_status(errno), "cannot remove %s: %s",
                                  path, strerror(errno));
-  if ((rc = coord__ckpt_fsync_dir(w->tmp_dir)) != 0)
+  if ((rc = fsutil_fsync_dir(w->tmp_dir, NULL)) != 0)
     return coord__ckpt_work_fail(&w->result, coord__ckpt_io_status(-rc), "cannot sync %s: %s",
                                  w->tmp_dir, strerror(-rc));
   return 0;
@@ -247,7 +248,7 @@ static int commit_rename(commit_work *w) {
   /* Renamed: the checkpoint exists from here on, whatever follows. A
    * failed sync of the parent means it might not survive a crash of the
    * machine; that is reported, and the directory stays. */
-  if ((rc = coord__ckpt_fsync_dir(w->job_dir)) != 0) {
+  if ((rc = fsutil_fsync_dir(w->job_dir, NULL)) != 0) {
     LOG_WARNF("checkpoint renamed but its directory not synced", "path=%s err=\"%s\"", w->final_dir,
               strerror(-rc));
   }

@@ -44,6 +44,7 @@
 #include <string.h>
 
 #include "coord_ckpt.h"
+#include "fsutil.h"
 #include "ctl_decode.h"
 #include "log.h"
 
@@ -261,7 +262,7 @@ int coord__ckpt_init(coord *c, char *err, size_t err_bytes) {
     snprintf(err, err_bytes, "more than %d export roots", COORD_MAX_EXPORT_ROOTS);
     return -EINVAL;
   }
-  int rc = coord__ckpt_make_dirs(dir);
+  int rc = fsutil_mkdir_p(dir);
   if (rc != 0) {
     snprintf(err, err_bytes, "cannot create the checkpoint directory %s: %s", dir, strerror(-rc));
     return rc;

@@ -61,13 +61,6 @@ void coord__ckpt_path_format(char *out, size_t out_bytes, const char *fmt, ...)
 /* Copies a name that has been checked to fit (a valid name: 64 bytes). */
 void coord__ckpt_copy_name(char *out, size_t out_bytes, const char *name);
 
-/* fsync of the directory path. Returns 0 or a negative errno. */
-int coord__ckpt_fsync_dir(const char *path);
-
-/* mkdir -p with the directory mode (filemode.h). Returns 0 or a negative
- * errno. */
-int coord__ckpt_make_dirs(const char *path);
-
 /* Whether the entry e of the directory dir_fd is a directory (not
  * following a symbolic link). */
 int coord__ckpt_is_dir_at(int dir_fd, const struct dirent *e);

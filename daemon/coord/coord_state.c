@@ -23,6 +23,7 @@
 #include "ctl_decode.h"
 #include "digest.h"
 #include "filemode.h"
+#include "fsutil.h"
 
 /* Writes the jobs (without the deleting ones and skip, plus add), the
  * retired jobs and next_job_id to coordinator.pb atomically: a temporary
@@ -39,7 +40,7 @@ int coord__state_write(coord *c, const cjob *add, const cjob *skip, uint64_t nex
   Zerod__V1__Job *jobs = calloc(cap, sizeof *jobs);
   Zerod__V1__RetiredJob *retired = NULL, **retired_pointers = NULL;
   uint8_t *buf = NULL;
-  int fd = -1, rc = -ENOMEM;
+  int rc = -ENOMEM;
   const char *step = "pack";
   if (stored == NULL || pointers == NULL || jobs == NULL)
     goto out;
@@ -89,62 +90,21 @@ int coord__state_write(coord *c, const cjob *add, const cjob *skip, uint64_t nex
     goto out;
   zerod__v1__coordinator_state__pack(&state, buf);
 
-  step = "open";
-  fd = open(c->tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, filemode_file());
-  if (fd < 0)
-    goto out_errno;
-  step = "fchmod";
-  if ((errno = -filemode_fix_file(fd)) != 0)
-    goto out_errno;
-  step = "write";
-  for (size_t done = 0; done < len;) {
-    ssize_t n = write(fd, buf + done, len - done);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0) {
-      if (n == 0)
-        errno = ENOSPC;
-      goto out_errno;
-    }
-    done += (size_t)n;
+  /* coordinator.pb.tmp written, fsynced and renamed over coordinator.pb
+   * (fsutil_replace), then the directory fsynced: the rename is durable
+   * only once the directory is. If that fsync fails the new file may or
+   * may not survive a crash; the caller reports the error and keeps its
+   * old state in memory, and the next write settles the file again. */
+  rc = fsutil_replace(c->state_path, buf, len, &step);
+  if (rc == 0) {
+    rc = fsutil_fsync_dir(c->options.state_dir, NULL);
+    step = "fsync directory";
   }
-  step = "fsync";
-  if (fsync(fd) != 0)
-    goto out_errno;
-  step = "close";
-  int close_rc = close(fd);
-  fd = -1;
-  if (close_rc != 0)
-    goto out_errno;
-  step = "rename";
-  if (rename(c->tmp_path, c->state_path) != 0)
-    goto out_errno;
-  /* The rename is durable only once the directory is. If this fsync fails
-   * the new file may or may not survive a crash; the caller reports the
-   * error and keeps its old state in memory, and the next write settles
-   * the file again. */
-  step = "fsync directory";
-  int dir_fd = open(c->options.state_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd < 0)
-    goto out_errno;
-  int sync_rc = fsync(dir_fd);
-  int sync_errno = errno;
-  close(dir_fd);
-  if (sync_rc != 0) {
-    errno = sync_errno;
-    goto out_errno;
-  }
-  rc = 0;
-  goto out;
-out_errno:
-  rc = -errno;
-  snprintf(err, err_bytes, "cannot save the coordinator state (%s %s): %s", step,
-           strcmp(step, "rename") == 0 || strncmp(step, "fsync d", 7) == 0 ? c->state_path
-                                                                           : c->tmp_path,
-           strerror(errno));
-  if (fd >= 0)
-    close(fd);
-  unlink(c->tmp_path);
+  if (rc != 0)
+    snprintf(err, err_bytes, "cannot save the coordinator state (%s %s): %s", step,
+             strcmp(step, "rename") == 0 || strncmp(step, "fsync d", 7) == 0 ? c->state_path
+                                                                             : c->tmp_path,
+             strerror(-rc));
 out:
   if (rc == -ENOMEM)
     snprintf(err, err_bytes, "cannot save the coordinator state: out of memory");
