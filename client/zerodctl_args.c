@@ -12,35 +12,27 @@
 
 #include "zerodctl_impl.h"
 
+#include "names.h"
+
 /* ------------------------------------------------------------------------ */
 /* Argument checks                                                          */
 /* ------------------------------------------------------------------------ */
 
 /* Names of nodes and jobs: 1..64 bytes of [A-Za-z0-9._-] (control.proto). */
 bool ctl__valid_name(const char *s) {
-  size_t len = strlen(s);
-  if (len == 0 || len > CTL_NAME_MAX_BYTES)
-    return false;
-  for (; *s != '\0'; s++) {
-    char ch = *s;
-    if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-          ch == '.' || ch == '_' || ch == '-'))
-      return false;
-  }
-  return true;
+  return zd_valid_name(s);
 }
 
 /* Checkpoint names: names that do not start with '.' and do not contain
  * the coordinator's marks of unfinished saves and deletes
  * (docs/checkpoints.md). */
 bool ctl__valid_checkpoint_name(const char *s) {
-  return ctl__valid_name(s) && s[0] != '.' && strstr(s, ".tmp-") == NULL &&
-         strstr(s, ".deleting-") == NULL;
+  return zd_valid_checkpoint_name(s);
 }
 
 /* Job names that name a directory of checkpoints. */
 bool ctl__valid_job_dir_name(const char *s) {
-  return ctl__valid_name(s) && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
+  return zd_valid_job_dir_name(s);
 }
 
 /* A job's checkpoint directory: a job's name, or a deleted job's

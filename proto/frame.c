@@ -11,6 +11,7 @@
  * both use this file, so a worker and the daemon agree on what is valid. */
 #include "frame.h"
 
+#include "names.h"
 #include "pbcheck.h"
 
 #include <errno.h>
@@ -268,12 +269,9 @@ static int check_job_name(const char *job, const char **why) {
     return fail(why, "job name is empty", -EBADMSG);
   if (!string_within(job, ZD_MAX_JOB_NAME_BYTES))
     return fail(why, "job name longer than 64 bytes", -EBADMSG);
-  for (const char *c = job; *c != '\0'; c++) {
-    bool ok = (*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') ||
-              *c == '.' || *c == '_' || *c == '-';
-    if (!ok)
+  for (const char *c = job; *c != '\0'; c++)
+    if (!zd_name_char(*c))
       return fail(why, "job name has a character outside [A-Za-z0-9._-]", -EBADMSG);
-  }
   if (strcmp(job, ".") == 0 || strcmp(job, "..") == 0)
     return fail(why, "job name may not be \".\" or \"..\"", -EBADMSG);
   return 0;

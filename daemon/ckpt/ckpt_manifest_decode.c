@@ -6,6 +6,7 @@
  * Every check names where it failed ("units[2].tensors[0]: ...") and
  * returns -EBADMSG; the caller frees whatever was filled in so far, which
  * is why arrays are zeroed when allocated and their counts set at once. */
+#include "names.h"
 #include "ckpt.h"
 #include "ckpt_impl.h"
 #include "ckpt_io.h"
@@ -134,12 +135,9 @@ static const char *name_problem(const char *name, size_t len, int path_safe) {
 const char *ckpt__tenant_problem(const char *tenant, size_t len) {
   if (len > CKPT_TENANT_MAX_BYTES)
     return "is longer than 64 bytes";
-  for (size_t i = 0; i < len; i++) {
-    char ch = tenant[i];
-    if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-          ch == '.' || ch == '_' || ch == '-'))
+  for (size_t i = 0; i < len; i++)
+    if (!zd_name_char(tenant[i]))
       return "holds a character other than [A-Za-z0-9._-]";
-  }
   return NULL;
 }
 

@@ -7,6 +7,8 @@
  * flags_table.c. */
 #include "flags.h"
 
+#include "names.h"
+
 #include <errno.h>
 #include <getopt.h>
 #include <stdlib.h>
@@ -114,13 +116,7 @@ int flag_parse_coordinator(const flag *f, const char *text, int64_t *number) {
 int flag_parse_node_name(const flag *f, const char *text, int64_t *number) {
   (void)f;
   (void)number;
-  size_t len = strlen(text);
-  if (len < 1 || len > 64 ||
-      strspn(text, "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                   "abcdefghijklmnopqrstuvwxyz"
-                   "0123456789._-") != len)
-    return -1;
-  return 0;
+  return zd_valid_name(text) ? 0 : -1;
 }
 
 /* Seconds, 0.1..3600, fractions allowed: milliseconds, rounded. */

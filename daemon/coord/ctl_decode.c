@@ -5,6 +5,8 @@
  * the field and the limit, so that the client's error says what to fix. */
 #include "ctl_decode.h"
 
+#include "names.h"
+
 #include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -34,26 +36,15 @@ static int fail(char *err, size_t err_bytes, const char *fmt, ...) {
 }
 
 int ctl_valid_name(const char *s) {
-  if (s == NULL || s[0] == '\0')
-    return 0;
-  size_t len = 0;
-  for (const char *p = s; *p != '\0'; p++, len++) {
-    char ch = *p;
-    int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-             ch == '.' || ch == '_' || ch == '-';
-    if (!ok || len >= CTL_NAME_MAX_BYTES)
-      return 0;
-  }
-  return 1;
+  return zd_valid_name(s);
 }
 
 int ctl_valid_checkpoint_name(const char *s) {
-  return ctl_valid_name(s) && s[0] != '.' && strstr(s, ".tmp-") == NULL &&
-         strstr(s, ".deleting-") == NULL;
+  return zd_valid_checkpoint_name(s);
 }
 
 int ctl_valid_job_dir_name(const char *s) {
-  return ctl_valid_name(s) && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
+  return zd_valid_job_dir_name(s);
 }
 
 int ctl_parse_checkpoint_dir(const char *s, char *job_out, uint64_t *id_out) {
