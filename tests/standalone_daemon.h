@@ -39,9 +39,11 @@ static inline void standalone_daemon_print_log(const standalone_daemon *d) {
   fclose(f);
 }
 
-/* Starts `binary standalone --ranks ranks` and waits (a minute at most)
- * for its socket. */
-static inline int standalone_daemon_start(standalone_daemon *d, const char *binary, int ranks) {
+/* Starts `binary standalone --ranks ranks ...` with `extra` (NULL or a
+ * NULL-terminated list of more arguments, e.g. "--device", "cuda") and
+ * waits (a minute at most) for its socket. */
+static inline int standalone_daemon_start_with(standalone_daemon *d, const char *binary, int ranks,
+                                               const char *const *extra) {
   snprintf(d->dir, sizeof d->dir, "/tmp/zerod-test-XXXXXX");
   if (mkdtemp(d->dir) == NULL) {
     fprintf(stderr, "mkdtemp %s: %s\n", d->dir, strerror(errno));
@@ -54,8 +56,12 @@ static inline int standalone_daemon_start(standalone_daemon *d, const char *bina
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, 2, d->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  char *argv[] = {(char *)binary,       "standalone", "--ranks",     ranks_arg, "--dir", d->dir,
-                  "--threads-per-rank", "1",          "--log-level", "info",    NULL};
+  char *argv[32] = {(char *)binary, "standalone",         "--ranks", ranks_arg,     "--dir",
+                    d->dir,         "--threads-per-rank", "1",       "--log-level", "info"};
+  int argc = 10;
+  for (int k = 0; extra != NULL && extra[k] != NULL && argc < 31; k++)
+    argv[argc++] = (char *)extra[k];
+  argv[argc] = NULL;
   int rc = posix_spawn(&d->pid, binary, &actions, NULL, argv, environ);
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) {
@@ -81,6 +87,11 @@ static inline int standalone_daemon_start(standalone_daemon *d, const char *bina
     }
     usleep(20000);
   }
+}
+
+/* Starts `binary standalone --ranks ranks` (standalone_daemon_start_with). */
+static inline int standalone_daemon_start(standalone_daemon *d, const char *binary, int ranks) {
+  return standalone_daemon_start_with(d, binary, ranks, NULL);
 }
 
 static inline int standalone_daemon_remove_entry(const char *path, const struct stat *st, int type,

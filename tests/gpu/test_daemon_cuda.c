@@ -34,13 +34,12 @@
 #include <unistd.h>
 
 #include "gpu_testutil.h"
+#include "standalone_daemon.h"
 #include "zerod.h"
 
 #if !defined(ZEROD_BINARY) || !defined(ZEROD_CTL)
 #error "ZEROD_BINARY and ZEROD_CTL (the zerod and zerodctl programs) must be defined by the build"
 #endif
-
-extern char **environ;
 
 #define STEPS        5
 #define REL_TOL      1e-6
@@ -61,26 +60,14 @@ static const int unit_numel[NUNITS] = {PACKED_NUMEL, HEAD_NUMEL};
 /* A zerod process                                                          */
 /* ------------------------------------------------------------------------ */
 
-typedef struct daemon_proc {
-  pid_t pid;
-  char dir[64];
-  char socket[128];
-  char log[128];
-} daemon_proc;
+typedef standalone_daemon daemon_proc;
 
 /* The daemon of the test that is running, killed by the teardown if the
  * test fails before it stops it. */
 static daemon_proc *running;
 
 static void print_log(const daemon_proc *d) {
-  FILE *f = fopen(d->log, "r");
-  if (f == NULL)
-    return;
-  char line[1024];
-  fprintf(stderr, "---- %s ----\n", d->log);
-  while (fgets(line, sizeof line, f) != NULL)
-    fputs(line, stderr);
-  fclose(f);
+  standalone_daemon_print_log(d);
 }
 
 /* Where the run keeps its optimizer state (offload_optimizer). */
@@ -93,52 +80,20 @@ typedef struct placement {
 
 static const placement ON_DEVICE = {ZD_OFFLOAD_DEFAULT, 0, 0, 0};
 
-/* Starts `zerod standalone --device DEVICE`, its checkpoints in
- * `checkpoint_dir` (NULL: the daemon's default, inside its directory). */
+/* Starts `zerod standalone --device DEVICE` (tests/standalone_daemon.h),
+ * its checkpoints in `checkpoint_dir` (NULL: the daemon's default, inside
+ * its directory). */
 static void daemon_start(daemon_proc *d, const char *device, const char *checkpoint_dir) {
-  snprintf(d->dir, sizeof d->dir, "/tmp/zerod-gpu-XXXXXX");
-  assert_non_null(mkdtemp(d->dir));
-  snprintf(d->socket, sizeof d->socket, "%s/zerod.sock", d->dir);
-  snprintf(d->log, sizeof d->log, "%s/zerod.log", d->dir);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 2, d->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  char *argv[] = {(char *)ZEROD_BINARY,
-                  "standalone",
-                  "--device",
-                  (char *)device,
-                  "--ranks",
-                  "1",
-                  "--dir",
-                  d->dir,
-                  "--threads-per-rank",
-                  "1",
-                  "--log-level",
-                  "debug",
-                  checkpoint_dir != NULL ? "--checkpoint-dir" : NULL,
-                  (char *)checkpoint_dir,
-                  NULL};
-  int rc = posix_spawn(&d->pid, ZEROD_BINARY, &actions, NULL, argv, environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0)
-    fail_msg("posix_spawn %s: %s", ZEROD_BINARY, strerror(rc));
+  const char *extra[] = {"--device",
+                         device,
+                         "--log-level",
+                         "debug",
+                         checkpoint_dir != NULL ? "--checkpoint-dir" : NULL,
+                         checkpoint_dir,
+                         NULL};
+  if (standalone_daemon_start_with(d, ZEROD_BINARY, 1, extra) != 0)
+    fail_msg("zerod --device %s did not start (see above)", device);
   running = d;
-  /* Ready once its socket exists. */
-  for (int waited_ms = 0;; waited_ms += 20) {
-    struct stat st;
-    if (stat(d->socket, &st) == 0)
-      return;
-    int status;
-    if (waitpid(d->pid, &status, WNOHANG) == d->pid) {
-      print_log(d);
-      fail_msg("zerod --device %s exited early (status %d)", device, status);
-    }
-    if (waited_ms > 60000) {
-      print_log(d);
-      fail_msg("zerod --device %s did not create its socket in 60 s", device);
-    }
-    usleep(20000);
-  }
 }
 
 /* Whether the daemon's log has a line with `text`. */
@@ -154,28 +109,11 @@ static int log_has(const daemon_proc *d, const char *text) {
   return found;
 }
 
-/* SIGTERM, and a clean exit within a minute. */
+/* SIGTERM, and a clean exit within a minute; the directory is removed. */
 static void daemon_stop(daemon_proc *d) {
-  kill(d->pid, SIGTERM);
-  int status = 0;
-  for (int waited_ms = 0;; waited_ms += 20) {
-    if (waitpid(d->pid, &status, WNOHANG) == d->pid)
-      break;
-    if (waited_ms > 60000) {
-      kill(d->pid, SIGKILL);
-      waitpid(d->pid, &status, 0);
-      print_log(d);
-      fail_msg("zerod did not stop on SIGTERM");
-    }
-    usleep(20000);
-  }
   running = NULL;
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    print_log(d);
-    fail_msg("zerod exited with status %d", status);
-  }
-  unlink(d->log);
-  rmdir(d->dir);
+  if (standalone_daemon_stop(d) != 0)
+    fail_msg("zerod did not stop cleanly (its log is above)");
 }
 
 static int kill_running_daemon(void **state) {
@@ -531,13 +469,6 @@ static void test_cuda_daemon_with_nvme_optimizer_state_trains_like_the_cpu_daemo
   compare(gpu, 0);
 }
 
-static int remove_entry(const char *path, const struct stat *st, int type, struct FTW *ftw) {
-  (void)st;
-  (void)type;
-  (void)ftw;
-  return remove(path);
-}
-
 /* A checkpoint saved by a `from` daemon after step SAVE_AT, restored by a
  * `to` daemon (a new process, the same checkpoint directory) into a job
  * registered afresh: the weights restored are the saved ones to the bit,
@@ -561,7 +492,7 @@ static void move_checkpoint(const char *from, const char *to) {
   assert_int_equal(info.step, SAVE_AT);
   run_steps(&s.d, s.job, s.units, s.expect_gpu, SAVE_AT, STEPS, resumed);
   session_close(&s);
-  nftw(checkpoints, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+  nftw(checkpoints, standalone_daemon_remove_entry, 16, FTW_DEPTH | FTW_PHYS);
 
   if (memcmp(resumed[SAVE_AT], saved[SAVE_AT], sizeof saved[SAVE_AT]) != 0)
     fail_msg("the weights restored on %s are not the ones saved on %s", to, from);
