@@ -20,36 +20,10 @@
 
 #include <cmocka.h>
 
+#include "capture_stderr.h"
+
 #include "flags.h"
 #include "log.h"
-
-/* ------------------------------------------------------------------------
- * Capturing stderr
- * ------------------------------------------------------------------------ */
-
-static char captured[8192];
-static FILE *capture_file;
-static int saved_stderr = -1;
-
-static void capture_begin(void) {
-  fflush(stderr);
-  capture_file = tmpfile();
-  assert_non_null(capture_file);
-  saved_stderr = dup(STDERR_FILENO);
-  assert_true(saved_stderr >= 0);
-  assert_true(dup2(fileno(capture_file), STDERR_FILENO) >= 0);
-}
-
-static const char *capture_end(void) {
-  fflush(stderr);
-  dup2(saved_stderr, STDERR_FILENO);
-  close(saved_stderr);
-  rewind(capture_file);
-  size_t n = fread(captured, 1, sizeof captured - 1, capture_file);
-  captured[n] = '\0';
-  fclose(capture_file);
-  return captured;
-}
 
 /* ------------------------------------------------------------------------
  * The expected command lines

@@ -14,36 +14,9 @@
 
 #include <cmocka.h>
 
+#include "capture_stderr.h"
+
 #include "log.h"
-
-/* ------------------------------------------------------------------------
- * Capturing stderr
- * ------------------------------------------------------------------------ */
-
-static char captured[8192];
-static size_t captured_len;
-static FILE *capture_file;
-static int saved_stderr = -1;
-
-static void capture_begin(void) {
-  fflush(stderr);
-  capture_file = tmpfile();
-  assert_non_null(capture_file);
-  saved_stderr = dup(STDERR_FILENO);
-  assert_true(saved_stderr >= 0);
-  assert_true(dup2(fileno(capture_file), STDERR_FILENO) >= 0);
-}
-
-static const char *capture_end(void) {
-  fflush(stderr);
-  dup2(saved_stderr, STDERR_FILENO);
-  close(saved_stderr);
-  rewind(capture_file);
-  captured_len = fread(captured, 1, sizeof captured - 1, capture_file);
-  captured[captured_len] = '\0';
-  fclose(capture_file);
-  return captured;
-}
 
 /* The output of one log_event call. */
 #define CAPTURE(...) (capture_begin(), log_event(__VA_ARGS__), capture_end())
