@@ -78,24 +78,28 @@ int exec__host_all_reduce_f64(rank_state *rs, double *buf, size_t count, comm_op
 int exec__all_reduce_agreed(rank_state *rs, exec_op *op, double *values, size_t count,
                             const agree_set *a, int refusal_status, const char *refusal,
                             const char *what) {
+  /* The step's (3 values and 4 fields) fits on the stack, so a step
+   * allocates nothing; parameter groups' (500-odd fields) do not. */
+  double small[64];
   size_t total = count + agree_values(a);
-  double *buf = malloc(total * sizeof *buf);
+  double *buf = total <= sizeof small / sizeof *small ? small : malloc(total * sizeof *buf);
   if (buf == NULL)
     return -ENOMEM;
   if (count > 0)
     memcpy(buf, values, count * sizeof *buf);
   agree_put(a, buf + count);
   int rc = exec__host_all_reduce_f64(rs, buf, total, COMM_SUM);
-  if (rc != 0) {
-    free(buf);
-    return rc;
-  }
-  if (count > 0)
-    memcpy(values, buf, count * sizeof *buf);
   char why[384];
-  agree_verdict verdict =
-      agree_check(a, buf + count, (unsigned)rs->job->world_size, why, sizeof why);
-  free(buf);
+  agree_verdict verdict = AGREE_SAME;
+  if (rc == 0) {
+    if (count > 0)
+      memcpy(values, buf, count * sizeof *buf);
+    verdict = agree_check(a, buf + count, (unsigned)rs->job->world_size, why, sizeof why);
+  }
+  if (buf != small)
+    free(buf);
+  if (rc != 0)
+    return rc;
   if (verdict == AGREE_SAME)
     return 0;
   if (verdict == AGREE_REFUSED && a->refused)
