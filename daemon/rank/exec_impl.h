@@ -87,8 +87,11 @@ int exec__grow_scratch(rank_state *rs, uint64_t numel, uint64_t shard_numel);
 int exec__refresh_working(rank_state *rs, const unit_layout *l, shard *sh);
 
 /* The rank's shard of a registered unit (and its layout in *out), or NULL
- * with op answered (unknown unit, or not registered here). */
+ * with op answered NOT_FOUND (unknown unit, or not registered here);
+ * exec__find_shard says why in `why` instead of answering. */
 shard *exec__lookup_shard(rank_state *rs, exec_op *op, uint32_t unit_id, unit_layout **out);
+shard *exec__find_shard(rank_state *rs, uint32_t unit_id, unit_layout **out, char *why,
+                        size_t why_bytes);
 
 /* ---- collective.c: collectives on host values -------------------------------- */
 

@@ -45,10 +45,9 @@ static int check_groups(rank_state *rs, const Zerod__V1__SetGroupsRequest *req, 
   }
   for (size_t u = 0; u < req->n_units; u++) {
     const Zerod__V1__UnitGroups *ug = req->units[u];
-    const unit_layout *l = job_unit(rs->job, ug->unit_id);
-    if (l == NULL || ug->unit_id >= rs->nshards || !rs->shards[ug->unit_id].present) {
+    unit_layout *l;
+    if (exec__find_shard(rs, ug->unit_id, &l, why, why_bytes) == NULL) {
       *status = ZEROD__V1__STATUS__STATUS_NOT_FOUND;
-      snprintf(why, why_bytes, "unknown unit id %u (register it first)", ug->unit_id);
       return -1;
     }
     for (size_t k = 0; k < u; k++)

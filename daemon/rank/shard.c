@@ -199,15 +199,23 @@ int exec__refresh_working(rank_state *rs, const unit_layout *l, shard *sh) {
                      l->shard_numel);
 }
 
-shard *exec__lookup_shard(rank_state *rs, exec_op *op, uint32_t unit_id, unit_layout **out) {
+shard *exec__find_shard(rank_state *rs, uint32_t unit_id, unit_layout **out, char *why,
+                        size_t why_bytes) {
   unit_layout *l = job_unit(rs->job, unit_id);
   if (l == NULL || unit_id >= rs->nshards || !rs->shards[unit_id].present) {
-    exec_error(op, ZEROD__V1__STATUS__STATUS_NOT_FOUND, "unknown unit id %u (register it first)",
-               unit_id);
+    snprintf(why, why_bytes, "unknown unit id %u (register it first)", unit_id);
     return NULL;
   }
   *out = l;
   return &rs->shards[unit_id];
+}
+
+shard *exec__lookup_shard(rank_state *rs, exec_op *op, uint32_t unit_id, unit_layout **out) {
+  char why[96];
+  shard *sh = exec__find_shard(rs, unit_id, out, why, sizeof why);
+  if (sh == NULL)
+    exec_error(op, ZEROD__V1__STATUS__STATUS_NOT_FOUND, "%s", why);
+  return sh;
 }
 
 int exec__shard_set_groups(rank_state *rs, const unit_layout *l, shard *sh,
