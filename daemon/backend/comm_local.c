@@ -6,7 +6,8 @@
  * group's slots, meets its peers at a barrier, reads what it needs from
  * their buffers (copies for a gather or a broadcast, sums in rank order
  * for a reduction) and meets them at a second barrier, after which nobody
- * reads its buffers any more and it may return. A reduction adds the ranks'
+ * reads its buffers any more and it may return. The second barrier waits
+ * for every rank even when the group breaks in between (release). A reduction adds the ranks'
  * values in rank order, ((g0 + g1) + g2) + ..., element by element: the
  * same bits as the Gloo backend and a sequential sum.
  *
@@ -121,19 +122,40 @@ static void group_break(comm_local_group *g, int error, const char *fmt, ...) {
   pthread_mutex_unlock(&g->mutex);
 }
 
-/* Waits for every rank of the group to arrive for the collective what. 0,
- * or the group's error, after which the caller's communicator is broken
- * with its reason (worded as the Gloo backend words it). */
 void comm_local_group_cancel(comm_local_group *g) {
   group_break(g, -ECANCELED, "the group was cancelled");
 }
 
-static int barrier(local_comm *lc, const char *what) {
+/* Sets the group's timeout error, naming the first rank missing from the
+ * phase, and wakes the others. Called with the mutex held. */
+static void group_timed_out(comm_local_group *g, uint64_t phase, int timeout_ms) {
+  int missing = 0;
+  while (missing < g->world_size && g->arrival[missing] == phase + 1)
+    missing++;
+  g->error = -ETIMEDOUT;
+  snprintf(g->why, sizeof g->why,
+           "timed out after %d ms waiting for rank %d (peer dead or not calling)", timeout_ms,
+           missing);
+  pthread_cond_broadcast(&g->cond);
+}
+
+/* Waits for every rank of the group to arrive for the collective what. 0,
+ * or the group's error, after which the caller's communicator is broken
+ * with its reason (worded as the Gloo backend words it).
+ *
+ * A closing barrier (release: after publish, when the ranks read each
+ * other's buffers) waits for every rank even if the group has broken
+ * meanwhile: a peer past publish may still be copying from this rank's
+ * buffers, which the caller frees when it returns. Such a peer is not
+ * blocked on anything (it is copying or adding) and arrives; once the
+ * timeout has passed, the wait goes on without one. */
+static int barrier_wait(local_comm *lc, const char *what, int release) {
   comm_local_group *g = lc->group;
   struct timespec deadline = clock_deadline_ms(lc->base.timeout_ms);
   pthread_mutex_lock(&g->mutex);
-  int rc = g->error;
-  if (rc == 0) {
+  const int entry_error = g->error;
+  int rc = entry_error;
+  if (rc == 0 || release) {
     uint64_t phase = g->phase;
     g->arrival[lc->base.rank] = phase + 1;
     if (++g->arrived == (uint64_t)g->world_size) {
@@ -141,21 +163,18 @@ static int barrier(local_comm *lc, const char *what) {
       g->phase++;
       pthread_cond_broadcast(&g->cond);
     } else {
-      while (g->phase == phase && g->error == 0) {
-        if (pthread_cond_timedwait(&g->cond, &g->mutex, &deadline) == ETIMEDOUT &&
-            g->phase == phase && g->error == 0) {
-          int missing = 0;
-          while (missing < g->world_size && g->arrival[missing] == phase + 1)
-            missing++;
-          g->error = -ETIMEDOUT;
-          snprintf(g->why, sizeof g->why,
-                   "timed out after %d ms waiting for rank %d (peer dead or not calling)",
-                   lc->base.timeout_ms, missing);
-          pthread_cond_broadcast(&g->cond);
+      int timed_out = 0;
+      while (g->phase == phase && (release || g->error == 0)) {
+        if (timed_out) {
+          pthread_cond_wait(&g->cond, &g->mutex);
+        } else if (pthread_cond_timedwait(&g->cond, &g->mutex, &deadline) == ETIMEDOUT) {
+          timed_out = 1;
+          if (g->phase == phase && g->error == 0)
+            group_timed_out(g, phase, lc->base.timeout_ms);
         }
       }
-      rc = g->phase != phase ? 0 : g->error;
     }
+    rc = entry_error != 0 ? entry_error : g->phase != phase ? 0 : g->error;
   }
   char why[sizeof g->why];
   memcpy(why, g->why, sizeof why);
@@ -165,6 +184,16 @@ static int barrier(local_comm *lc, const char *what) {
   if (rc != 0)
     return comm_break(&lc->base, rc, "%s: %s", what, why);
   return 0;
+}
+
+static int barrier(local_comm *lc, const char *what) {
+  return barrier_wait(lc, what, 0);
+}
+
+/* The closing barrier of a collective: after it, no peer reads this
+ * rank's buffers (barrier_wait). */
+static int release(local_comm *lc, const char *what) {
+  return barrier_wait(lc, what, 1);
 }
 
 /* Publishes the rank's buffers and its call and meets the others: after
@@ -203,7 +232,7 @@ static int local_all_gather(comm *c, const void *send, void *recv, size_t bytes_
     if (slots[r].send != to)
       memcpy(to, slots[r].send, bytes_per_rank);
   }
-  return barrier(lc, "all_gather");
+  return release(lc, "all_gather");
 }
 
 static int local_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_numel) {
@@ -227,7 +256,7 @@ static int local_reduce_scatter_f32(comm *c, float *send, float *recv, size_t sh
     }
     memcpy(recv + at, acc, n * sizeof(float));
   }
-  return barrier(lc, "reduce_scatter");
+  return release(lc, "reduce_scatter");
 }
 
 /* out = op over the ranks' bufs, in rank order. */
@@ -287,7 +316,7 @@ static int local_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, 
     REDUCE_INTO(uint8_t, out, count, op);
     break;
   }
-  rc = barrier(lc, "all_reduce");
+  rc = release(lc, "all_reduce");
   if (rc == 0)
     memcpy(buf, out, bytes);
   free(out);
@@ -303,7 +332,7 @@ static int local_all_to_all(comm *c, const void *send, void *recv, size_t bytes)
   for (int r = 0; r < c->world_size; r++)
     memcpy((uint8_t *)recv + (size_t)r * bytes,
            (const uint8_t *)slots[r].send + (size_t)c->rank * bytes, bytes);
-  return barrier(lc, "all_to_all");
+  return release(lc, "all_to_all");
 }
 
 static int local_broadcast(comm *c, void *buf, size_t bytes, int root) {
@@ -313,7 +342,7 @@ static int local_broadcast(comm *c, void *buf, size_t bytes, int root) {
     return rc;
   if (c->rank != root)
     memcpy(buf, lc->group->slots[root].recv, bytes);
-  return barrier(lc, "broadcast");
+  return release(lc, "broadcast");
 }
 
 static int local_barrier(comm *c) {
@@ -321,7 +350,7 @@ static int local_barrier(comm *c) {
    * collective find out instead of reading stale slots. */
   local_comm *lc = (local_comm *)c;
   int rc = publish(lc, (slot){.what = "barrier"});
-  return rc != 0 ? rc : barrier(lc, "barrier");
+  return rc != 0 ? rc : release(lc, "barrier");
 }
 
 static void local_abort(comm *c) {
@@ -358,9 +387,9 @@ int comm_local_begin(comm *c, const char *what, const void *mine, size_t size,
 }
 
 int comm_local_end(comm *c, const char *what) {
-  if (c->broken_error != 0)
-    return c->broken_error;
-  return barrier((local_comm *)c, what);
+  /* Met even by a broken communicator: its peers may still be reading the
+   * buffer it published at comm_local_begin. */
+  return release((local_comm *)c, what);
 }
 
 static const comm_ops local_ops = {
