@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "names.h"
+
 int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *err,
                           size_t err_bytes) {
   /* No config, or one without an optimizer, is AdamW with its default
@@ -86,6 +88,14 @@ int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *e
     c->offload_buffer_count = off->buffer_count;
     c->offload_buffer_size = off->buffer_size;
     c->offload_pin_memory = off->pin_memory;
+  }
+  if (pc->base_job != NULL && pc->base_job[0] != '\0') {
+    if (!zd_valid_name(pc->base_job)) {
+      snprintf(err, err_bytes, "base must be a job name: 1..%d bytes of [A-Za-z0-9._-]",
+               ZD_NAME_MAX_BYTES);
+      return -EINVAL;
+    }
+    snprintf(c->base, sizeof c->base, "%s", pc->base_job);
   }
   switch (pc->gradient_comm_dtype) {
   case ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED:
@@ -371,6 +381,8 @@ void job_config_to_proto(const job_config *c, job_config_msg *msg) {
   off->buffer_size = c->offload_buffer_size;
   off->pin_memory = c->offload_pin_memory != 0;
   out->offload_optimizer = off;
+  snprintf(msg->base, sizeof msg->base, "%s", c->base);
+  out->base_job = msg->base;
 }
 
 const char *job_offload_name(job_offload o) {

@@ -53,6 +53,7 @@ typedef struct job_config {
   uint64_t offload_buffer_size;
   int offload_pin_memory;
   char nvme_path[JOB_NVME_PATH_BYTES]; /* "": the daemon's first --nvme-dir */
+  char base[65];                       /* the base job's name (docs/bases.md); "": none */
 } job_config;
 
 /* A parameter group's hyper-parameters (zerod.torch.Optimizer's groups,
@@ -100,6 +101,7 @@ typedef struct job_config_msg {
   Zerod__V1__OptimizerConfig optimizer;
   Zerod__V1__OffloadConfig offload;
   char nvme_path[JOB_NVME_PATH_BYTES];
+  char base[65];
 } job_config_msg;
 void job_config_to_proto(const job_config *config, job_config_msg *out);
 

@@ -281,6 +281,15 @@ typedef struct job {
   _Atomic uint64_t latest_version; /* the highest version any rank reached */
 
   struct job_series *metrics; /* its Prometheus series (rank_metrics.h); NULL: none */
+
+  /* Bases (docs/bases.md). frozen: the job is a base (FreezeJob; the loop
+   * sets it from the assignment, executors read it): nothing writes its
+   * state any more. base: the frozen job this one's from_base units come
+   * from, set by the loop before the executors start; base_users (loop-
+   * owned) counts the jobs on this one, which is not freed before they are. */
+  _Atomic int frozen;
+  struct job *base;
+  int base_users;
 } job;
 
 /* A reference to the local group of the job's communicators of
