@@ -36,7 +36,7 @@ void client__job_free(zd_job *job) {
 static zd_status fill_job_config(const zd_job_config *caller_config, Zerod__V1__JobConfig *config,
                                  Zerod__V1__OptimizerConfig *optimizer,
                                  Zerod__V1__OffloadConfig *offload, char *nvme_path,
-                                 size_t nvme_path_bytes) {
+                                 size_t nvme_path_bytes, char *base_job, size_t base_job_bytes) {
   zd_job_config local;
   zd_status status =
       client__copy_sized_struct(&local, sizeof local, caller_config, sizeof local.struct_size,
@@ -98,6 +98,11 @@ static zd_status fill_job_config(const zd_job_config *caller_config, Zerod__V1__
   offload->buffer_size = local.offload_buffer_size;
   offload->pin_memory = local.offload_pin_memory != 0;
   config->offload_optimizer = offload;
+  if (memchr(local.base_job, '\0', sizeof local.base_job) == NULL)
+    return client__set_error(ZD_E_INVALID_ARGUMENT,
+                             "attach: config.base_job is not NUL-terminated");
+  snprintf(base_job, base_job_bytes, "%s", local.base_job);
+  config->base_job = base_job;
   return ZD_OK;
 }
 
@@ -156,6 +161,8 @@ static void job_config_from_reply(const Zerod__V1__JobConfig *config, zd_job_con
     out->offload_buffer_size = offload->buffer_size;
     out->offload_pin_memory = offload->pin_memory;
   }
+  snprintf(out->base_job, sizeof out->base_job, "%s",
+           config->base_job != NULL ? config->base_job : "");
 }
 
 zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, zd_job **out) {
@@ -192,7 +199,7 @@ zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, 
   Zerod__V1__JobConfig config = ZEROD__V1__JOB_CONFIG__INIT;
   Zerod__V1__OptimizerConfig optimizer = ZEROD__V1__OPTIMIZER_CONFIG__INIT;
   Zerod__V1__OffloadConfig offload = ZEROD__V1__OFFLOAD_CONFIG__INIT;
-  char nvme_path[256];
+  char nvme_path[256], base_job[ZD_MAX_JOB_NAME_BYTES + 1];
   request.protocol_version = 1;
   request.job = (char *)options.job;
   request.local_rank = options.local_rank;
@@ -204,7 +211,7 @@ zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, 
   request.pin = options.pin != 0;
   if (options.config != NULL) {
     if ((status = fill_job_config(options.config, &config, &optimizer, &offload, nvme_path,
-                                  sizeof nvme_path)) != ZD_OK)
+                                  sizeof nvme_path, base_job, sizeof base_job)) != ZD_OK)
       return status;
     request.config = &config;
   }

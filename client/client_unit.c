@@ -291,7 +291,7 @@ static zd_status register_unit(zd_job *job, zd_unit_desc desc, zd_unit *out) {
     return status;
   zd_client *client = job->client;
   zd_init init = desc.init == 0 ? ZD_INIT_FROM_RANK0 : desc.init;
-  int sends_values = init == ZD_INIT_FROM_RANK0 && job->rank == 0;
+  int sends_values = init == ZD_INIT_FROM_RANK0 && job->rank == 0 && !desc.from_base;
   if (sends_values && desc.init_values == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT,
                              "%s: ZD_INIT_FROM_RANK0 on rank 0 needs init_values", what);
@@ -322,6 +322,7 @@ static zd_status register_unit(zd_job *job, zd_unit_desc desc, zd_unit *out) {
   request.init = (Zerod__V1__InitMode)init;
   request.seed = desc.seed;
   request.init_std = desc.init_std;
+  request.from_base = desc.from_base != 0;
 
   int init_fd = -1;
   if (sends_values)

@@ -212,6 +212,10 @@ typedef struct zd_job_config {
   unsigned offload_buffer_count;
   uint64_t offload_buffer_size;
   int offload_pin_memory; /* GPU ranks: page-locked staging */
+  /* A base (docs/bases.md): the name of a frozen job (zerodctl jobs
+   * freeze) on the same nodes, with the same world size and working dtype,
+   * whose units this job registers with zd_unit_desc.from_base. "": none. */
+  char base_job[65]; /* up to 64 bytes and the NUL */
 } zd_job_config;
 
 #define ZD_JOB_CONFIG_INIT ZD_SIZED_INIT(zd_job_config)
@@ -273,6 +277,14 @@ typedef struct zd_unit_desc {
   /* ZD_INIT_FROM_RANK0 on rank 0: the tensors' fp32 values back to back, in
    * order (sum of numel floats). Ignored on other ranks. */
   const float *init_values;
+  /* The job's base's unit of this name (zd_job_config.base_job): tensors
+   * must be the base's (names, shapes, frozen flags; a mismatch is
+   * ZD_E_INVALID_ARGUMENT naming the unit and the field), init and
+   * init_values are ignored. The unit is frozen and shared: its gathers are
+   * served from the node's read-only base cache (the view's memory is
+   * mapped read-only; writing it faults), and zd_grad_buffer, zd_reduce
+   * and zd_load_unit on it are ZD_E_FAILED_PRECONDITION. */
+  int from_base;
 } zd_unit_desc;
 
 #define ZD_UNIT_DESC_INIT ZD_SIZED_INIT(zd_unit_desc)

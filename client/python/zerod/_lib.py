@@ -75,6 +75,7 @@ class JobConfig(ctypes.Structure):
         ("offload_buffer_count", c_uint),
         ("offload_buffer_size", c_uint64),
         ("offload_pin_memory", c_int),
+        ("base_job", ctypes.c_char * 65),
     ]
 
 
@@ -112,6 +113,7 @@ class UnitDesc(ctypes.Structure):
         ("seed", c_uint64),
         ("init_std", c_double),
         ("init_values", ctypes.POINTER(ctypes.c_float)),
+        ("from_base", c_int),
     ]
 
 
