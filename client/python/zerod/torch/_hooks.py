@@ -136,7 +136,12 @@ class _State:
         unit.gathered -= 1
         if unit.gathered == 0 and not unit.bwd_gathered:
             self.release(unit)
-        if torch.is_grad_enabled() and unit.grad_params:
+        # A unit with no trainable parameter (frozen layers, a base's units)
+        # is gathered for backward too when gradients flow through it: the
+        # tensors autograd saved (its weights) are read there. It has no
+        # gradient to hand over, so it stays gathered until the end of the
+        # backward pass.
+        if torch.is_grad_enabled():
             for tensor in _tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad, unit=unit: self.pre_backward(unit))
