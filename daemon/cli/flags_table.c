@@ -162,6 +162,15 @@ static const flag node_flags[] = {
      .expected = "1..1048576",
      .help =
          "  --max-sessions N        most worker connections [ZEROD_MAX_SESSIONS, default 1024]\n"},
+    {.id = FLAG_BASE_CACHE_BYTES,
+     .name = "base-cache-bytes",
+     .takes_value = 1,
+     .env = "ZEROD_BASE_CACHE_BYTES",
+     .fallback = "1G",
+     .parse = flag_parse_size,
+     .expected = "a size such as 512M or 4G",
+     .help = "  --base-cache-bytes SIZE gathered units of bases kept for no job, shared by every\n"
+             "                          job on the node [ZEROD_BASE_CACHE_BYTES, default 1G]\n"},
     {.id = FLAG_CHECKPOINT_DIR,
      .name = "checkpoint-dir",
      .takes_value = 1,
@@ -313,6 +322,7 @@ static const char *const node_getopt_order[] = {"ranks",
                                                 "export-root",
                                                 "file-mode",
                                                 "nvme-dir",
+                                                "base-cache-bytes",
                                                 "help",
                                                 NULL};
 

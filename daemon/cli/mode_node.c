@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "ckpt_call.h"
+#include "base_cache.h"
 #include "ckpt_node.h"
 #include "cluster.h"
 #include "coord.h"
@@ -215,6 +216,9 @@ static int settle_limits(node_process *p) {
   if ((rc = flag_value(t, &p->given, FLAG_MAX_LIVE_BYTES, &v, &value)) != 0)
     return rc;
   o->max_live_bytes = (uint64_t)value;
+  if ((rc = flag_value(t, &p->given, FLAG_BASE_CACHE_BYTES, &v, &value)) != 0)
+    return rc;
+  o->base_cache_bytes = (uint64_t)value;
   if ((rc = flag_value(t, &p->given, FLAG_MAX_SESSIONS, &v, &value)) != 0)
     return rc;
   o->max_sessions = (int)value;
@@ -439,8 +443,9 @@ static int start_node(node_process *p) {
                             .comm_hostname = p->comm_host,
                             .rendezvous = d->rendezvous,
                             .nvme_dir = p->nvme_dir,
-                            .device = o->device};
-  if (jobs_metrics_start(d) != 0) {
+                            .device = o->device,
+                            .base_cache = base_cache_create(o->base_cache_bytes)};
+  if (d->exec.base_cache == NULL || jobs_metrics_start(d) != 0) {
     fprintf(stderr, "zerod: metrics: out of memory\n");
     return 1;
   }
@@ -489,6 +494,8 @@ static void free_daemon(node_process *p) {
   zdaemon *d = &p->daemon;
   jobs_metrics_stop(d);
   jobs_free_all(d);
+  base_cache_destroy(d->exec.base_cache); /* every job let go of its entries */
+  d->exec.base_cache = NULL;
   int rc = uv_loop_close(d->loop);
   if (rc != 0)
     LOG_WARNF("loop closed with open handles", "err=%s", uv_err_name(rc));

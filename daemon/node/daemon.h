@@ -26,6 +26,7 @@ typedef struct daemon_options {
   int threads_per_rank;
   int collective_timeout_ms;
   uint64_t max_live_bytes; /* default per-job gathered + gradient bytes per rank */
+  uint64_t base_cache_bytes; /* --base-cache-bytes (base_cache.h) */
   int max_sessions;
   /* zerod node: the coordinator to join ("" in standalone mode), this
    * node's name and the address its ranks listen on for collectives. */

@@ -66,12 +66,15 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
   job *j;
   char token_sha256[DIGEST_HEX_BYTES];
   digest_sha256_hex(req->token, token_sha256);
-  if (jobs_start(d, req->job, token_sha256, &config, d->options.ranks, d->options.ranks, 0, id,
-                 generation, &j, err, sizeof err) != 0) {
+  int rc = jobs_start(d, req->job, token_sha256, &config, d->options.ranks, d->options.ranks, 0, id,
+                      generation, &j, err, sizeof err);
+  if (rc != 0) {
     /* The coordinator's record stays: the watch builds the job from it
      * later, as it would one created with zerodctl. */
-    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "job '%s': %s",
-                    req->job, err);
+    ipc__send_error(s, request_id,
+                    rc == -EINVAL ? ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION
+                                  : ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                    "job '%s': %s", req->job, err);
     return NULL;
   }
   cluster_job_added(d);

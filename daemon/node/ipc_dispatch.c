@@ -218,6 +218,15 @@ out:
   free(ranks);
 }
 
+/* The requests a frozen job (a base) refuses: those that change its
+ * state. */
+static int changes_state(uint16_t type) {
+  return type == ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT ||
+         type == ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER || type == ZEROD__V1__MSG_TYPE__MSG_REDUCE ||
+         type == ZEROD__V1__MSG_TYPE__MSG_STEP || type == ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT ||
+         type == ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS;
+}
+
 static void close_fds(int *fds, unsigned nfds) {
   for (unsigned i = 0; i < nfds; i++)
     if (fds[i] >= 0)
@@ -293,6 +302,13 @@ void ipc__dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int *
     ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
                     "%s refused: read-only session (job '%s')", write_request_name(h->type),
                     s->job->name);
+    goto out;
+  }
+  if (atomic_load(&s->job->frozen) && changes_state(h->type)) {
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                    "%s refused: job '%s' is a frozen base, whose state no longer changes "
+                    "(docs/bases.md)",
+                    write_request_name(h->type), s->job->name);
     goto out;
   }
   if (s->read_only == NULL && h->type == ZEROD__V1__MSG_TYPE__MSG_PIN) {

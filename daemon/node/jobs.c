@@ -11,6 +11,7 @@
 #include "ckpt_node.h"
 #include "daemon.h"
 #include "digest.h"
+#include "bases.h"
 #include "exec.h"
 #include "log.h"
 #include "pin.h"
@@ -63,6 +64,11 @@ int jobs_start(zdaemon *d, const char *name, const char *token_sha256, const job
   if (rc != 0)
     return rc;
   rc = job_create(&d->exec, d, name, token_sha256, config, world_size, nranks, first_rank, id, &j);
+  if (rc == 0 && (rc = bases_link(d, j, config->base[0] ? jobs_find(d, config->base) : NULL, err,
+                                  err_bytes)) != 0) {
+    jobs_free(j);
+    return rc;
+  }
   if (rc == 0 && (rc = ckpt_node_job_init(j)) != 0)
     jobs_free(j);
   if (rc == 0)
@@ -126,7 +132,7 @@ void jobs_retire(zdaemon *d, job *j) {
  * checkpoint call (ckpt_call.c, whose finished records the loop swept
  * before). */
 static int reapable(job *j) {
-  if (j->readers > 0 || j->worker_calls > 0)
+  if (j->readers > 0 || j->worker_calls > 0 || !bases_unused(j))
     return 0;
   for (int r = 0; r < j->nranks; r++)
     if (j->ranks[r].thread_started && !atomic_load(&j->ranks[r].stopped))
@@ -164,6 +170,7 @@ void jobs_free(job *j) {
     for (int r = 0; r < j->nranks; r++)
       exec_rank_free(&j->ranks[r]);
   pin_job_clear(j);
+  bases_unlink(j->owner, j);
   job_destroy(j);
 }
 

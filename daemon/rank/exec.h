@@ -121,6 +121,9 @@ typedef struct exec_settings {
   /* Where jobs with offload_optimizer nvme keep their tier files (a
    * canonical path; NULL: none may). */
   const char *nvme_dir;
+  /* The node's cache of gathered base units (base_cache.h), shared by
+   * every job on a base. */
+  struct base_cache *base_cache;
 } exec_settings;
 
 exec_op *exec_op_new(op_kind kind, rank_state *rank);

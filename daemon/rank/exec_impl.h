@@ -46,6 +46,20 @@ void exec__shard_free(rank_state *rs, shard *sh);
 /* Creates the rank's shard of unit l (zeroed; the table grows as needed),
  * with its trainable and zeroed ranges. 0 or -ENOMEM. */
 int exec__shard_create(rank_state *rs, const unit_layout *l);
+/* Grows the rank's shard table to hold unit_id. 0 or -ENOMEM. */
+int exec__shards_reserve(rank_state *rs, uint32_t unit_id);
+
+/* Units of the job's base (base_units.c). The registration's checks
+ * against the base's unit of its name (1: refused, op answered; else
+ * *base_unit is its id in the base); this rank's shard of it (the base
+ * rank's working slice; 1: refused); a gather through the node's base
+ * cache into sh->gather_buf (collective; 0 or a negative errno); and the
+ * refusal of what would write one (1: op answered). */
+int exec__base_unit_refused(rank_state *rs, exec_op *op, const unit_layout *mine,
+                            uint32_t *base_unit);
+int exec__install_base_shard(rank_state *rs, exec_op *op, unit_layout *l, uint32_t base_unit);
+int exec__gather_from_base(rank_state *rs, const unit_layout *l, shard *sh);
+int exec__refuse_base_unit(exec_op *op, const shard *sh, const unit_layout *l, const char *what);
 /* Bytes of device (or host) memory the shard of l takes on rs: master,
  * gradient accumulator, the optimizer's moments, a bf16 working copy. */
 uint64_t exec__shard_bytes(const rank_state *rs, const unit_layout *l);

@@ -10,12 +10,30 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "base_cache.h"
 #include "log.h"
 #include "pool.h"
 
 /* Bytes of a unit's gathered or gradient buffer (working precision). */
 static uint64_t unit_buffer_bytes(const rank_state *rs, const unit_layout *l) {
   return l->padded_numel * zk_dtype_size(rs->job->config.working_dtype);
+}
+
+/* reply_buffer for a unit of the base: a descriptor opened read-only, so
+ * the worker cannot map the node's shared copy writable. */
+static int reply_base_buffer(rank_state *rs, exec_op *op, pool_buf *b) {
+  op->reply_fd = base_cache_read_only_fd(b->base_entry);
+  if (op->reply_fd < 0) {
+    int err = -op->reply_fd;
+    op->reply_fd = -1;
+    job_fail(rs->job, rs->generation, "rank %d: cannot pass a base unit to the worker: %s",
+             rs->rank, strerror(err));
+    exec_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "cannot pass the buffer to the worker: %s",
+               strerror(err));
+    return -1;
+  }
+  b->sent_session = op->session_id;
+  return 1;
 }
 
 /* Describes the buffer to the session the first time it gets it: a host
@@ -26,6 +44,8 @@ static uint64_t unit_buffer_bytes(const rank_state *rs, const unit_layout *l) {
 static int reply_buffer(rank_state *rs, exec_op *op, pool_buf *b, Zerod__V1__CudaBuffer *cuda) {
   if (b->sent_session == op->session_id)
     return 0;
+  if (b->kind == BUF_BASE) /* shared by every job on the base: read-only */
+    return reply_base_buffer(rs, op, b);
   if (!device_is_host(rs->dev)) {
     cuda->mem_handle.data = b->buf.mem_handle;
     cuda->mem_handle.len = sizeof b->buf.mem_handle;
@@ -232,7 +252,10 @@ void exec__prefetch_unit(rank_state *rs, uint32_t unit_id) {
   if (l == NULL || unit_id >= rs->nshards || !rs->shards[unit_id].present)
     return;
   shard *sh = &rs->shards[unit_id];
-  if (sh->gather_buf >= 0 && rs->bufs[sh->gather_buf].valid_version == rs->version)
+  /* A unit of the base is gathered on demand only: its first gather asks
+   * the node's cache, the later ones are served from the pool. */
+  if (sh->from_base ||
+      (sh->gather_buf >= 0 && rs->bufs[sh->gather_buf].valid_version == rs->version))
     return;
   if (job_failed(rs->job, rs->generation, NULL, 0) || rs->comm == NULL)
     return;
@@ -271,8 +294,18 @@ int exec__handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *p
                "unit '%s' is already gathered by this session; release it first", l->name);
     return 1;
   }
-  int hit = sh->gather_buf >= 0 && rs->bufs[sh->gather_buf].valid_version == rs->version;
-  if (!hit) {
+  /* A base's unit never changes: once gathered, it stays current. */
+  int hit = sh->gather_buf >= 0 &&
+            (sh->from_base || rs->bufs[sh->gather_buf].valid_version == rs->version);
+  if (!hit && sh->from_base) {
+    if (inline_only)
+      return 0;
+    int err = exec__gather_from_base(rs, l, sh);
+    if (err != 0) {
+      exec__op_comm_failed(rs, op, "all_gather (base unit)", err);
+      return 1;
+    }
+  } else if (!hit) {
     if (inline_only)
       return 0;
     char why[256];
@@ -336,7 +369,7 @@ int exec__handle_grad_buffer(rank_state *rs, exec_op *op, int inline_only) {
     return 1;
   unit_layout *l;
   shard *sh = exec__lookup_shard(rs, op, req->unit_id, &l);
-  if (sh == NULL)
+  if (sh == NULL || exec__refuse_base_unit(op, sh, l, "a gradient buffer"))
     return 1;
   if (sh->grad_buf < 0) {
     if (inline_only && !device_is_host(rs->dev))

@@ -103,7 +103,7 @@ static void groups_fields(const rank_state *rs, const Zerod__V1__SetGroupsReques
   }
   uint64_t units = 0;
   for (uint32_t id = 0; id < rs->nshards; id++) {
-    if (!rs->shards[id].present)
+    if (!shard_has_state(&rs->shards[id]))
       continue;
     const uint32_t *tensor_group = unit_tensor_groups(req, id);
     uint32_t ntensors = job_unit(rs->job, id)->ntensors;
@@ -151,7 +151,7 @@ void exec__handle_set_groups(rank_state *rs, exec_op *op) {
     goto done; /* answered: refused here or elsewhere, or different */
   /* Units left out go to group 0: every registered shard is recomputed. */
   for (uint32_t id = 0; id < rs->nshards; id++) {
-    if (!rs->shards[id].present)
+    if (!shard_has_state(&rs->shards[id]))
       continue;
     if (exec__shard_set_groups(rs, job_unit(rs->job, id), &rs->shards[id],
                                unit_tensor_groups(req, id)) != 0) {

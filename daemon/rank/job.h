@@ -48,7 +48,7 @@ typedef struct shard_range {
 
 /* Gathered units, gradient buffers, and hpZ secondary partitions (a
  * rank's slice of a gathered unit, kept for gathers inside the node). */
-typedef enum buf_kind { BUF_GATHER, BUF_GRAD, BUF_SECONDARY } buf_kind;
+typedef enum buf_kind { BUF_GATHER, BUF_GRAD, BUF_SECONDARY, BUF_BASE } buf_kind;
 
 /* One buffer of a rank's pool: a memfd region on a host rank, an
  * IPC-exported allocation on a GPU rank (device.h). */
@@ -62,6 +62,10 @@ typedef struct pool_buf {
   uint64_t last_use;      /* LRU tick */
   uint64_t sent_session;  /* session that already received the fd or handles */
   int in_use;             /* slot holds a buffer */
+  /* BUF_BASE: a gathered base unit, the node's base cache's entry, which
+   * buf describes but does not own (never counted in the pool's bytes). */
+  struct base_cache *base_cache;
+  struct base_cache_entry *base_entry;
 } pool_buf;
 
 /* A rank's state for one unit. The arrays are in the rank's device memory
@@ -93,7 +97,19 @@ typedef struct shard {
    * in the rank's host_state_bytes. */
   int host_state;
   uint64_t host_bytes;
+  /* A unit of the job's base (RegisterUnitRequest.from_base): working is
+   * the base's rank's working slice (read only; the base is frozen), no
+   * other array exists, and the unit is gathered through the node's base
+   * cache (rank/base_units.c). base_unit: its id in the base. */
+  int from_base;
+  uint32_t base_unit;
 } shard;
+
+/* Whether the shard holds state of the rank's own (master weights,
+ * moments, accumulator): present and not a unit of the job's base. */
+static inline int shard_has_state(const shard *sh) {
+  return sh->present && !sh->from_base;
+}
 
 typedef struct rank_state {
   struct job *job;

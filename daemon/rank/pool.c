@@ -1,6 +1,8 @@
 /* A rank's buffer pool (see pool.h). */
 #include "pool.h"
 
+#include "base_cache.h"
+
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,7 +21,7 @@ static void forget_unit(rank_state *rs, uint32_t slot) {
   pool_buf *b = &rs->bufs[slot];
   if (b->unit >= 0 && (uint64_t)b->unit < rs->nshards) {
     shard *sh = &rs->shards[b->unit];
-    if (b->kind == BUF_GATHER && sh->gather_buf == (int64_t)slot)
+    if ((b->kind == BUF_GATHER || b->kind == BUF_BASE) && sh->gather_buf == (int64_t)slot)
       sh->gather_buf = -1;
     if (b->kind == BUF_SECONDARY && sh->secondary_buf == (int64_t)slot)
       sh->secondary_buf = -1;
@@ -32,7 +34,7 @@ static void forget_unit(rank_state *rs, uint32_t slot) {
  * current cache entries, which a worker is about to gather; an hpZ slice
  * spares the other slices (it would only push one out for another). */
 static int available(const rank_state *rs, const pool_buf *b, pool_mode mode) {
-  if (!b->in_use || b->refs > 0)
+  if (!b->in_use || b->refs > 0 || b->kind == BUF_BASE)
     return 0;
   if (b->kind == BUF_GRAD || b->valid_version != rs->version)
     return 1;
@@ -69,17 +71,55 @@ static void drop(rank_state *rs, uint32_t slot) {
     if (rs->ndropped < rs->dropped_cap)
       rs->dropped_ids[rs->ndropped++] = b->id;
   }
-  rs->pool_bytes -= b->buf.bytes;
-  if (b->kind == BUF_SECONDARY)
-    rs->secondary_bytes -= b->buf.bytes;
-  device_buffer_destroy(rs->dev, &b->buf);
+  if (b->kind == BUF_BASE) {
+    base_cache_unref(b->base_cache, b->base_entry);
+  } else {
+    rs->pool_bytes -= b->buf.bytes;
+    if (b->kind == BUF_SECONDARY)
+      rs->secondary_bytes -= b->buf.bytes;
+    device_buffer_destroy(rs->dev, &b->buf);
+  }
   memset(b, 0, sizeof *b);
   b->unit = -1;
 }
 
 static const char *const kind_what[] = {"gathering", "a gradient buffer for",
-                                        "the secondary partition of"};
-static const char *const kind_name[] = {"gather", "grad", "hpz"};
+                                        "the secondary partition of", "gathering base unit"};
+static const char *const kind_name[] = {"gather", "grad", "hpz", "base"};
+
+/* An unused slot of the table (grown by one if none), or -1. */
+static int64_t free_slot(rank_state *rs) {
+  for (uint32_t i = 0; i < rs->nbufs; i++)
+    if (!rs->bufs[i].in_use)
+      return i;
+  pool_buf *grown = realloc(rs->bufs, (rs->nbufs + 1) * sizeof *grown);
+  if (grown == NULL)
+    return -1;
+  rs->bufs = grown;
+  memset(&rs->bufs[rs->nbufs], 0, sizeof rs->bufs[rs->nbufs]);
+  return rs->nbufs++;
+}
+
+int64_t pool_adopt_base(rank_state *rs, base_cache *c, base_cache_entry *e, uint32_t unit) {
+  int64_t slot = free_slot(rs);
+  if (slot < 0)
+    return -1;
+  pool_buf *b = &rs->bufs[slot];
+  const shm_region *r = base_cache_region(e);
+  memset(b, 0, sizeof *b);
+  b->buf.base = r->base;
+  b->buf.bytes = r->bytes;
+  b->buf.fd = r->fd;
+  b->base_cache = c;
+  b->base_entry = e;
+  b->in_use = 1;
+  b->id = ++rs->next_buf_id;
+  b->kind = BUF_BASE;
+  b->unit = unit;
+  b->valid_version = UINT64_MAX;
+  b->last_use = ++rs->tick;
+  return slot;
+}
 
 int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *unit_name,
                      pool_mode mode, char *err, size_t err_bytes) {
@@ -119,21 +159,10 @@ int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *
     }
     drop(rs, (uint32_t)victim);
   }
-  uint32_t slot = rs->nbufs;
-  for (uint32_t i = 0; i < rs->nbufs; i++)
-    if (!rs->bufs[i].in_use) {
-      slot = i;
-      break;
-    }
-  if (slot == rs->nbufs) {
-    pool_buf *grown = realloc(rs->bufs, (rs->nbufs + 1) * sizeof *grown);
-    if (grown == NULL) {
-      snprintf(err, err_bytes, "out of memory for the buffer of unit '%s'", unit_name);
-      return -1;
-    }
-    rs->bufs = grown;
-    memset(&rs->bufs[slot], 0, sizeof rs->bufs[slot]);
-    rs->nbufs++;
+  int64_t slot = free_slot(rs);
+  if (slot < 0) {
+    snprintf(err, err_bytes, "out of memory for the buffer of unit '%s'", unit_name);
+    return -1;
   }
   pool_buf *b = &rs->bufs[slot];
   /* A memfd's name shows in /proc/<pid>/fd, which makes leaks easy to see. */
@@ -160,13 +189,13 @@ int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *
 }
 
 void pool_ref(rank_state *rs, pool_buf *b) {
-  if (b->refs++ == 0)
+  if (b->refs++ == 0 && b->kind != BUF_BASE)
     rs->live_bytes += b->buf.bytes;
   b->last_use = ++rs->tick;
 }
 
 void pool_unref(rank_state *rs, pool_buf *b) {
-  if (b->refs > 0 && --b->refs == 0)
+  if (b->refs > 0 && --b->refs == 0 && b->kind != BUF_BASE)
     rs->live_bytes -= b->buf.bytes;
 }
 
@@ -185,7 +214,9 @@ void pool_trim(rank_state *rs) {
 
 void pool_free_all(rank_state *rs) {
   for (uint32_t i = 0; i < rs->nbufs; i++)
-    if (rs->bufs[i].in_use)
+    if (rs->bufs[i].in_use && rs->bufs[i].kind == BUF_BASE)
+      base_cache_unref(rs->bufs[i].base_cache, rs->bufs[i].base_entry);
+    else if (rs->bufs[i].in_use)
       device_buffer_destroy(rs->dev, &rs->bufs[i].buf);
   free(rs->bufs);
   free(rs->dropped_ids);

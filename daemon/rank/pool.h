@@ -33,6 +33,15 @@ typedef enum pool_mode {
 int64_t pool_acquire(rank_state *rs, buf_kind kind, uint64_t bytes, const char *unit_name,
                      pool_mode mode, char *err, size_t err_bytes);
 
+/* A slot for a gathered base unit, the node's base cache's entry e, whose
+ * hold the slot takes over (pool_buf.base_entry, of cache c): never counted in the
+ * pool's bytes, never reused or evicted for other units; let go when the
+ * pool is trimmed or freed. -1 if out of memory. */
+struct base_cache;
+struct base_cache_entry;
+int64_t pool_adopt_base(rank_state *rs, struct base_cache *c, struct base_cache_entry *e,
+                        uint32_t unit);
+
 /* A holder takes or gives back a buffer; live_bytes counts held buffers. */
 void pool_ref(rank_state *rs, pool_buf *b);
 void pool_unref(rank_state *rs, pool_buf *b);

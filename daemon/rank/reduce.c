@@ -10,7 +10,7 @@ void exec__handle_reduce(rank_state *rs, exec_op *op) {
     return;
   unit_layout *l;
   shard *sh = exec__lookup_shard(rs, op, req->unit_id, &l);
-  if (sh == NULL)
+  if (sh == NULL || exec__refuse_base_unit(op, sh, l, "reduce"))
     return;
   if (sh->grad_buf < 0) {
     exec_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,

@@ -360,20 +360,30 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
   int init = req->init == ZEROD__V1__INIT_MODE__INIT_UNSPECIFIED
                  ? ZEROD__V1__INIT_MODE__INIT_FROM_RANK0
                  : (int)req->init;
-  uint64_t init_tag =
-      (uint64_t)init ^
-      (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL ? (req->seed * 31) ^ fnv1a("std") : 0);
+  /* A unit of the base is tagged apart, so that it never equals a unit of
+   * the same name that the job registers as its own. */
+  uint64_t init_tag = req->from_base
+                          ? fnv1a("from_base")
+                          : (uint64_t)init ^ (init == ZEROD__V1__INIT_MODE__INIT_SEEDED_NORMAL
+                                                  ? (req->seed * 31) ^ fnv1a("std")
+                                                  : 0);
   int local_rc = local_layout(rs, req, init_tag, &mine, err, sizeof err);
   int32_t init_status = 0;
-  if (rs->rank == 0 && local_rc == 0 && init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0)
+  if (rs->rank == 0 && local_rc == 0 && !req->from_base &&
+      init == ZEROD__V1__INIT_MODE__INIT_FROM_RANK0)
     init_status = read_initial_values(op, mine, &packed, err, sizeof err);
   if (exchange_layouts(rs, op, req, mine, local_rc, init_status, err))
+    goto done;
+  /* Every rank has the same layout and the same base: they decide alike. */
+  uint32_t base_unit = 0;
+  if (req->from_base && exec__base_unit_refused(rs, op, mine, &base_unit))
     goto done;
 
   /* 4. The job's quotas, before anything is published or allocated: a
    * refused unit leaves no trace. Every rank decides alike (the same
-   * layout, the same units, the same accounting). */
-  if (quota_refused(rs, op, req->name, mine))
+   * layout, the same units, the same accounting). A base's unit costs the
+   * job nothing. */
+  if (!req->from_base && quota_refused(rs, op, req->name, mine))
     goto done;
 
   /* 5. Publish (or find) the unit; create this rank's shard. */
@@ -390,7 +400,9 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
   }
   mine = NULL; /* freed by job_publish_unit if it existed, else owned by the job */
   int fresh = l->id >= rs->nshards || !rs->shards[l->id].present;
-  if (fresh && install_shard(rs, op, req, l, init, packed))
+  if (fresh && req->from_base && exec__install_base_shard(rs, op, l, base_unit))
+    goto done;
+  if (fresh && !req->from_base && install_shard(rs, op, req, l, init, packed))
     goto done;
   Zerod__V1__RegisterUnitReply reply = ZEROD__V1__REGISTER_UNIT_REPLY__INIT;
   if (exec_unit_reply(j, l, &reply) != 0) {
@@ -398,6 +410,7 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
     goto done;
   }
   reply.existed = !fresh;
+  reply.from_base = req->from_base;
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT_REPLY, &reply.base);
   exec_unit_reply_free(&reply);
   LOG_DEBUGF("unit registered", "job=%s rank=%d unit=%u numel=%llu", j->name, rs->rank, l->id,
@@ -430,6 +443,10 @@ void exec__handle_load(rank_state *rs, exec_op *op) {
   if (exec__op_job_failed(rs, op))
     return;
   unit_layout *l = job_unit(j, req->unit_id);
+  /* Every rank has the unit from the base alike: no exchange needed. */
+  if (l != NULL && l->id < rs->nshards && rs->shards[l->id].present &&
+      exec__refuse_base_unit(op, &rs->shards[l->id], l, "load"))
+    return;
   int32_t code = LOAD_OK;
   char err[512] = "";
   float *packed = NULL;

@@ -35,6 +35,11 @@ uint64_t exec__shard_bytes(const rank_state *rs, const unit_layout *l) {
 }
 
 void exec__shard_free(rank_state *rs, shard *sh) {
+  if (sh->from_base) { /* the base's memory: nothing of its own */
+    memset(sh, 0, sizeof *sh);
+    sh->gather_buf = sh->grad_buf = sh->secondary_buf = -1;
+    return;
+  }
   if (sh->present && rs->state_bytes >= sh->bytes)
     rs->state_bytes -= sh->bytes;
   if (sh->present && rs->host_state_bytes >= sh->host_bytes)
@@ -78,23 +83,29 @@ static int ranges_push(shard_range **ranges, unsigned *n, uint64_t begin, uint64
   return 0;
 }
 
-int exec__shard_create(rank_state *rs, const unit_layout *l) {
-  if (l->id >= rs->nshards) {
-    uint32_t cap = rs->nshards ? rs->nshards : 16;
-    while (cap <= l->id)
-      cap *= 2;
-    shard *grown = realloc(rs->shards, cap * sizeof *grown);
-    if (grown == NULL)
-      return -ENOMEM;
-    for (uint32_t i = rs->nshards; i < cap; i++) {
-      memset(&grown[i], 0, sizeof grown[i]);
-      grown[i].gather_buf = -1;
-      grown[i].grad_buf = -1;
-      grown[i].secondary_buf = -1;
-    }
-    rs->shards = grown;
-    rs->nshards = cap;
+int exec__shards_reserve(rank_state *rs, uint32_t unit_id) {
+  if (unit_id < rs->nshards)
+    return 0;
+  uint32_t cap = rs->nshards ? rs->nshards : 16;
+  while (cap <= unit_id)
+    cap *= 2;
+  shard *grown = realloc(rs->shards, cap * sizeof *grown);
+  if (grown == NULL)
+    return -ENOMEM;
+  for (uint32_t i = rs->nshards; i < cap; i++) {
+    memset(&grown[i], 0, sizeof grown[i]);
+    grown[i].gather_buf = -1;
+    grown[i].grad_buf = -1;
+    grown[i].secondary_buf = -1;
   }
+  rs->shards = grown;
+  rs->nshards = cap;
+  return 0;
+}
+
+int exec__shard_create(rank_state *rs, const unit_layout *l) {
+  if (exec__shards_reserve(rs, l->id) != 0)
+    return -ENOMEM;
   shard *sh = &rs->shards[l->id];
   const job_config *c = &rs->job->config;
   uint64_t n = l->shard_numel;

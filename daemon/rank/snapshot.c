@@ -30,7 +30,7 @@ static unit_layout **snapshot_units(rank_state *rs, unsigned *n, uint64_t *bytes
   *n = 0;
   *bytes = 0;
   for (uint32_t u = 0; units != NULL && u < nunits; u++)
-    if (u < rs->nshards && rs->shards[u].present) {
+    if (u < rs->nshards && shard_has_state(&rs->shards[u])) {
       units[(*n)++] = units[u];
       *bytes += units[u]->shard_numel * 4 * (uint64_t)nstates;
     }
@@ -129,11 +129,16 @@ void exec__handle_save(rank_state *rs, exec_op *op) {
 }
 
 /* The job as checkpoints see it (ckpt_job.h), with a copy of its unit
- * table taken under its mutex (the caller frees view->units). Returns 0 or
- * -ENOMEM (view->units NULL). */
-static int job_view(job *j, ckpt_job_view *view) {
-  uint32_t nunits;
-  unit_layout **units = job_units_copy(j, &nunits);
+ * table taken under its mutex (the caller frees view->units), less the
+ * units of its base (never saved, never restored). Returns 0 or -ENOMEM
+ * (view->units NULL). */
+static int job_view(rank_state *rs, ckpt_job_view *view) {
+  job *j = rs->job;
+  uint32_t total, nunits = 0;
+  unit_layout **units = job_units_copy(j, &total);
+  for (uint32_t u = 0; units != NULL && u < total; u++)
+    if (!(u < rs->nshards && rs->shards[u].from_base))
+      units[nunits++] = units[u];
   *view = (ckpt_job_view){.name = j->name,
                           .id = j->id,
                           .world_size = j->world_size,
@@ -158,7 +163,7 @@ void exec__handle_restore_read(rank_state *rs, exec_op *op) {
   if (tiered && staging_fd < 0)
     LOG_WARNF("a restore stages in memory: no staging file beside the tier file",
               "job=%s rank=%d err=\"%s\"", rs->job->name, rs->rank, strerror(-staging_fd));
-  int rc = job_view(rs->job, &view) == 0
+  int rc = job_view(rs, &view) == 0
                ? ckpt_restore_read(&view, rs->rank, op->ckpt_source, op->ckpt_format,
                                    device_is_host(rs->dev) && !tiered, staging_fd, &st, &code, err,
                                    sizeof err)

@@ -24,7 +24,7 @@ void exec__handle_read_state(rank_state *rs, exec_op *op) {
     return;
   unit_layout *l;
   shard *sh = exec__lookup_shard(rs, op, req->unit_id, &l);
-  if (sh == NULL)
+  if (sh == NULL || exec__refuse_base_unit(op, sh, l, "read_state"))
     return;
   /* The checks below come out alike on every rank (same job, same unit),
    * so answering here leaves no rank waiting in the gather. */

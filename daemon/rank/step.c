@@ -82,7 +82,7 @@ static int local_grad_sumsq(rank_state *rs, double *out) {
   int err = device_sumsq_begin(dev);
   for (uint32_t u = 0; u < rs->nshards && err == 0; u++) {
     shard *sh = &rs->shards[u];
-    if (sh->present)
+    if (shard_has_state(sh))
       err = device_sumsq_add(dev, sh->grad_acc, job_unit(rs->job, u)->shard_numel);
   }
   if (err == 0)
@@ -292,7 +292,7 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
     int rc = 0;
     for (uint32_t u = 0; u < rs->nshards && rc == 0; u++) {
       shard *sh = &rs->shards[u];
-      if (sh->present && !sh->tiered && !sh->host_state)
+      if (shard_has_state(sh) && !sh->tiered && !sh->host_state)
         rc = update_chunk(&args, rs, dev, sh, 0, job_unit(rs->job, u)->shard_numel, sh->master,
                           sh->moment1, sh->moment2, sh->grad_acc,
                           sh->working == (void *)sh->master ? NULL : sh->working);
@@ -325,7 +325,7 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
   }
   for (uint32_t u = 0; u < rs->nshards && err == 0; u++) {
     shard *sh = &rs->shards[u];
-    if (sh->present)
+    if (shard_has_state(sh))
       err = device_zero(dev, sh->grad_acc, job_unit(rs->job, u)->shard_numel * sizeof(float));
   }
   if (err == 0)

@@ -241,7 +241,7 @@ int tier_chunks(rank_state *rs, uint64_t chunk, int64_t only_unit, tier_chunk **
   *n = 0;
   for (uint32_t u = 0; u < rs->nshards; u++) {
     shard *sh = &rs->shards[u];
-    if (!sh->present || !(sh->tiered || sh->host_state) ||
+    if (!shard_has_state(sh) || !(sh->tiered || sh->host_state) ||
         (only_unit >= 0 && (uint32_t)only_unit != u))
       continue;
     uint64_t numel = job_unit(rs->job, u)->shard_numel;

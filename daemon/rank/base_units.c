@@ -1,0 +1,182 @@
+/* Units of a job's base (docs/bases.md): registered by reference
+ * (RegisterUnitRequest.from_base), gathered through the node's base cache,
+ * and refused everything that would write them.
+ *
+ * A job on a base runs on the base's nodes with the base's world, so its
+ * rank r finds base rank r on this node: the unit's shard on rank r is
+ * base rank r's working slice itself (frozen, so nobody writes it). A
+ * gather that the rank's pool cannot serve asks the cache; the ranks agree
+ * whether every one of them found the unit there (one small all-reduce),
+ * and if not they all-gather their slices into a new region, which the
+ * cache keeps. Once a rank holds a unit (its pool's BUF_BASE slot), every
+ * later gather is served from it with no collective: a job on a base moves
+ * only its own units' bytes after its first pass. */
+#include "exec_impl.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "base_cache.h"
+#include "log.h"
+#include "pin.h"
+#include "pool.h"
+#include "shm.h"
+
+/* Tensor t of the job's registration against the base's: 0 if equal, else
+ * the field that differs in `field`. */
+static int tensor_differs(const tensor_layout *mine, const tensor_layout *base, char *field,
+                          size_t field_bytes) {
+  if (strcmp(mine->name, base->name) != 0) {
+    snprintf(field, field_bytes, "name '%s', the base's '%s'", mine->name, base->name);
+    return 1;
+  }
+  int same = mine->ndim == base->ndim;
+  for (unsigned d = 0; same && d < mine->ndim; d++)
+    same = mine->shape[d] == base->shape[d];
+  if (!same) {
+    char a[160] = "", b[160] = "";
+    for (unsigned d = 0; d < mine->ndim && d < 8; d++)
+      snprintf(a + strlen(a), sizeof a - strlen(a), "%s%llu", d ? ", " : "",
+               (unsigned long long)mine->shape[d]);
+    for (unsigned d = 0; d < base->ndim && d < 8; d++)
+      snprintf(b + strlen(b), sizeof b - strlen(b), "%s%llu", d ? ", " : "",
+               (unsigned long long)base->shape[d]);
+    snprintf(field, field_bytes, "shape [%s], the base's [%s]", a, b);
+    return 1;
+  }
+  return 0;
+}
+
+/* The base's unit of the registration's name, once every base rank here
+ * has it, or NULL. */
+static unit_layout *base_unit_named(job *base, const char *name) {
+  pthread_mutex_lock(&base->mutex);
+  unit_layout *bl = job_unit_named(base, name);
+  pthread_mutex_unlock(&base->mutex);
+  if (bl != NULL && atomic_load(&bl->ready_ranks) < base->nranks)
+    return NULL;
+  return bl;
+}
+
+int exec__base_unit_refused(rank_state *rs, exec_op *op, const unit_layout *mine,
+                            uint32_t *base_unit) {
+  job *j = rs->job;
+  job *base = j->base;
+  if (base == NULL) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+               "unit '%s' is registered from the base, but job '%s' has no base_job", mine->name,
+               j->name);
+    return 1;
+  }
+  unit_layout *bl = base_unit_named(base, mine->name);
+  if (bl == NULL) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "unit '%s': base '%s' has no unit of that name", mine->name, base->name);
+    return 1;
+  }
+  if (mine->ntensors != bl->ntensors) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+               "unit '%s': %u tensors, the base's unit has %u", mine->name, mine->ntensors,
+               bl->ntensors);
+    return 1;
+  }
+  for (unsigned t = 0; t < mine->ntensors; t++) {
+    char field[400];
+    if (tensor_differs(&mine->tensors[t], &bl->tensors[t], field, sizeof field)) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                 "unit '%s', tensor #%u: %s (base '%s')", mine->name, t, field, base->name);
+      return 1;
+    }
+  }
+  *base_unit = bl->id;
+  return 0;
+}
+
+int exec__install_base_shard(rank_state *rs, exec_op *op, unit_layout *l, uint32_t base_unit) {
+  job *base = rs->job->base;
+  rank_state *brs = &base->ranks[rs->rank - base->first_rank];
+  /* The base is frozen: its shard table and arrays no longer change. */
+  const shard *bsh = base_unit < brs->nshards ? &brs->shards[base_unit] : NULL;
+  if (bsh == NULL || !bsh->present || bsh->working == NULL) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+               "unit '%s': base '%s' holds no shard of it on rank %d", l->name, base->name,
+               rs->rank);
+    return 1;
+  }
+  pin_lock_shards(rs);
+  int rc = exec__shards_reserve(rs, l->id);
+  if (rc == 0) {
+    shard *sh = &rs->shards[l->id];
+    memset(sh, 0, sizeof *sh);
+    sh->working = bsh->working;
+    sh->from_base = 1;
+    sh->base_unit = base_unit;
+    sh->gather_buf = sh->grad_buf = sh->secondary_buf = -1;
+    sh->present = 1;
+  }
+  pin_unlock_shards(rs);
+  if (rc != 0) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory for unit '%s'",
+               l->name);
+    return 1;
+  }
+  atomic_fetch_add(&l->ready_ranks, 1);
+  return 0;
+}
+
+/* Every rank's working slice of the unit into a new region (the job's
+ * collective), or a negative errno. */
+static int gather_region(rank_state *rs, const unit_layout *l, const shard *sh, shm_region *r) {
+  size_t shard_bytes = l->shard_numel * zk_dtype_size(rs->job->config.working_dtype);
+  char name[96];
+  snprintf(name, sizeof name, "zerod-base-%.64s-u%u", rs->job->base->name, sh->base_unit);
+  int rc = shm_region_create(r, name, shard_bytes * (size_t)rs->job->world_size);
+  if (rc != 0)
+    return rc;
+  uint8_t *mine = (uint8_t *)r->base + (size_t)rs->rank * shard_bytes;
+  memcpy(mine, sh->working, shard_bytes);
+  rc = comm_all_gather(rs->comm, mine, r->base, shard_bytes);
+  rank_metrics_collective(rs, RANK_ALL_GATHER);
+  if (rc != 0)
+    shm_region_destroy(r);
+  return rc;
+}
+
+int exec__gather_from_base(rank_state *rs, const unit_layout *l, shard *sh) {
+  base_cache *cache = rs->job->exec->base_cache;
+  uint64_t base_id = rs->job->base->id;
+  base_cache_entry *e = base_cache_get(cache, base_id, sh->base_unit);
+  /* Whether every rank found it: then nobody gathers. */
+  double have = e != NULL ? 1 : 0;
+  int rc = exec__host_all_reduce_f64(rs, &have, 1, COMM_MIN);
+  if (rc == 0 && have == 0) {
+    shm_region r;
+    rc = gather_region(rs, l, sh, &r);
+    if (rc == 0 && e != NULL)
+      shm_region_destroy(&r); /* this node had it: the others needed it */
+    else if (rc == 0 && (e = base_cache_put(cache, base_id, sh->base_unit, &r)) == NULL)
+      rc = -ENOMEM;
+  }
+  int64_t slot = rc == 0 ? pool_adopt_base(rs, cache, e, l->id) : -1;
+  if (rc == 0 && slot < 0)
+    rc = -ENOMEM;
+  if (rc != 0) {
+    base_cache_unref(cache, e);
+    return rc;
+  }
+  sh->gather_buf = slot;
+  LOG_DEBUGF("base unit gathered", "job=%s rank=%d unit=%s base=%s", rs->job->name, rs->rank,
+             l->name, rs->job->base->name);
+  return 0;
+}
+
+int exec__refuse_base_unit(exec_op *op, const shard *sh, const unit_layout *l, const char *what) {
+  if (!sh->from_base)
+    return 0;
+  exec_error(op, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+             "%s of unit '%s': it is a unit of the job's base, frozen and read-only", what,
+             l->name);
+  return 1;
+}
