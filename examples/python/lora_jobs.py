@@ -117,9 +117,9 @@ def lora_worker(args: argparse.Namespace) -> int:
         losses.append(float(loss))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print("%s step %d/%d loss %.3f" % (tag, step + 1, args.steps, losses[-1]), flush=True)
-    print("%s done: %d steps, loss %.3f -> %.3f, adapters in %d units of its own" %
-          (tag, args.steps, losses[0], losses[-1], len(model.units) - len(base_units)),
-          flush=True)
+    k = max(1, min(5, len(losses) // 2))
+    print("%s done: %d steps, mean loss of the first %d %.3f, of the last %d %.3f" %
+          (tag, args.steps, k, sum(losses[:k]) / k, k, sum(losses[-k:]) / k), flush=True)
     job.detach()
     client.close()
     return 0
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
             if worker.wait() != 0:
                 raise LaunchError("the worker of %s exited with %s" %
                                   (tenant, status_text(worker.returncode)))
-        print("== zerodctl jobs list\n" + zerodctl(zerodctl_bin, control, "jobs", "list").rstrip(),
+        print("== zerodctl bases list\n" + zerodctl(zerodctl_bin, control, "bases", "list").rstrip(),
               flush=True)
         if daemon is not None:
             code = _stop(daemon, signal.SIGTERM, 15.0)
@@ -208,11 +208,11 @@ def run(args: argparse.Namespace) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="steps of each LoRA job")
+    p.add_argument("--steps", type=int, default=40, help="steps of each LoRA job")
     p.add_argument("--base-steps", type=int, default=30, help="pretraining steps of the base")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--zerod-bin", help="the daemon (default: $ZEROD_BIN_DIR/zerod, else "
                    "build/release/bin/zerod); zerodctl is taken from its directory")
     p.add_argument("--socket", help="use a running daemon: its worker socket")
