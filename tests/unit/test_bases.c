@@ -1,0 +1,304 @@
+/* Jobs on a base (docs/bases.md), through libzerod against a real
+ * `zerod standalone` of two ranks (tests/standalone_daemon.h), each rank a
+ * thread with its own connection:
+ *
+ * - a job "base" registers a unit of known values and is frozen with
+ *   `zerodctl jobs freeze`; from then on it refuses writes;
+ * - a job on it registers that unit from the base, plus an adapter of its
+ *   own, and trains the adapter with gradients that depend on the base's
+ *   values; a job with a private copy (the same values as its own frozen
+ *   unit) trains the same adapter: the adapters must be bit-identical;
+ * - a second job on the base gathers the base unit from the node's cache:
+ *   no all-gather bytes, and none of the base's bytes in its state;
+ * - what would write the base unit is refused (gradient buffer, load,
+ *   writable mapping), and so is a registration that does not match it. */
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "standalone_daemon.h"
+#include "zerod.h"
+
+#define RANKS 2
+#define ROWS  8
+#define COLS  16
+#define STEPS 4
+
+static standalone_daemon daemon_proc;
+
+static float base_value(unsigned k) {
+  return (float)sin(0.37 * k + 0.1) * 0.5f;
+}
+
+/* One rank's connection to a job. */
+typedef struct rank_session {
+  zd_client *client;
+  zd_job *job;
+  zd_status status;
+  char error[512];
+} rank_session;
+
+typedef enum job_kind { MAKE_BASE, ON_BASE, PRIVATE_COPY } job_kind;
+
+typedef struct rank_task {
+  job_kind kind;
+  const char *job_name;
+  unsigned rank;
+  float adapter[COLS];        /* the trained adapter, gathered after the last step */
+  zd_rank_stats stats[RANKS]; /* after training */
+  zd_status grad_on_base, load_on_base, register_mismatch, register_unknown;
+  int writable_mapping_refused;
+  rank_session s;
+} rank_task;
+
+#define TRY(call)                                                                                  \
+  do {                                                                                             \
+    zd_status st_ = (call);                                                                        \
+    if (st_ != ZD_OK) {                                                                            \
+      t->s.status = st_;                                                                           \
+      snprintf(t->s.error, sizeof t->s.error, "%s: %s", #call, zd_last_error());                   \
+      return;                                                                                      \
+    }                                                                                              \
+  } while (0)
+
+static void attach(rank_task *t, const char *base_job) {
+  zd_job_config config = ZD_JOB_CONFIG_INIT;
+  config.lr = 0.05;
+  if (base_job != NULL)
+    snprintf(config.base_job, sizeof config.base_job, "%s", base_job);
+  zd_attach_options options = ZD_ATTACH_OPTIONS_INIT;
+  options.job = t->job_name;
+  options.local_rank = t->rank;
+  options.create = 1;
+  options.config = &config;
+  t->s.status = zd_connect(daemon_proc.socket, &t->s.client);
+  if (t->s.status == ZD_OK)
+    t->s.status = zd_attach(t->s.client, &options, &t->s.job);
+  if (t->s.status != ZD_OK)
+    snprintf(t->s.error, sizeof t->s.error, "attach %s: %s", t->job_name, zd_last_error());
+}
+
+static zd_status register_weight(rank_task *t, int from_base, int frozen, uint64_t cols,
+                                 const char *name, zd_unit *out) {
+  static float values[ROWS * COLS];
+  for (unsigned k = 0; k < ROWS * COLS; k++)
+    values[k] = base_value(k);
+  uint64_t shape[2] = {ROWS, cols};
+  zd_tensor_desc tensor = ZD_TENSOR_DESC_INIT;
+  tensor.name = "w";
+  tensor.shape = shape;
+  tensor.ndim = 2;
+  tensor.frozen = frozen;
+  zd_unit_desc desc = ZD_UNIT_DESC_INIT;
+  desc.name = name;
+  desc.tensors = &tensor;
+  desc.ntensors = 1;
+  desc.init_values = values;
+  desc.from_base = from_base;
+  return zd_register_unit(t->s.job, &desc, out);
+}
+
+static void make_base(rank_task *t) {
+  zd_unit w;
+  TRY(register_weight(t, 0, 0, COLS, "layer.w", &w));
+  TRY(zd_detach(t->s.job));
+}
+
+/* The adapter's gradient: a function of the base's values and the
+ * adapter's own, computed alike by every run. */
+static void adapter_grad(const float *w, const float *a, float *g) {
+  for (unsigned c = 0; c < COLS; c++) {
+    float s = 0;
+    for (unsigned r = 0; r < ROWS; r++)
+      s += w[r * COLS + c] * (a[c] + 0.25f);
+    g[c] = s;
+  }
+}
+
+static void probe_refusals(rank_task *t, zd_unit w) {
+  zd_view view = ZD_VIEW_INIT;
+  t->grad_on_base = zd_grad_buffer(t->s.job, w, &view);
+  float values[ROWS * COLS] = {0};
+  t->load_on_base = zd_load_unit(t->s.job, w, values, NULL);
+  zd_unit other;
+  t->register_mismatch = register_weight(t, 1, 0, COLS - 1, "layer.w", &other);
+  t->register_unknown = register_weight(t, 1, 0, COLS, "layer.nothing", &other);
+}
+
+static void train(rank_task *t) {
+  zd_unit w, a;
+  TRY(register_weight(t, t->kind == ON_BASE, 1, COLS, "layer.w", &w));
+  float init[COLS];
+  for (unsigned c = 0; c < COLS; c++)
+    init[c] = 0.01f * (float)c;
+  uint64_t shape[1] = {COLS};
+  zd_tensor_desc tensor = ZD_TENSOR_DESC_INIT;
+  tensor.name = "a";
+  tensor.shape = shape;
+  tensor.ndim = 1;
+  zd_unit_desc desc = ZD_UNIT_DESC_INIT;
+  desc.name = "adapter";
+  desc.tensors = &tensor;
+  desc.ntensors = 1;
+  desc.init_values = init;
+  TRY(zd_register_unit(t->s.job, &desc, &a));
+  for (int step = 0; step < STEPS; step++) {
+    zd_view wv = ZD_VIEW_INIT, av = ZD_VIEW_INIT, gv = ZD_VIEW_INIT;
+    TRY(zd_gather(t->s.job, w, &wv));
+    TRY(zd_gather(t->s.job, a, &av));
+    if (t->kind == ON_BASE && step == 0)
+      t->writable_mapping_refused =
+          mprotect(wv.base, wv.bytes, PROT_READ | PROT_WRITE) != 0 && errno == EACCES;
+    TRY(zd_grad_buffer(t->s.job, a, &gv));
+    adapter_grad(wv.tensors[0].data, av.tensors[0].data, gv.tensors[0].data);
+    TRY(zd_release(t->s.job, w));
+    TRY(zd_release(t->s.job, a));
+    TRY(zd_reduce(t->s.job, a));
+    zd_step_result result = ZD_STEP_RESULT_INIT;
+    TRY(zd_step(t->s.job, NULL, &result));
+  }
+  zd_view av = ZD_VIEW_INIT;
+  TRY(zd_gather(t->s.job, a, &av));
+  memcpy(t->adapter, av.tensors[0].data, sizeof t->adapter);
+  TRY(zd_release(t->s.job, a));
+  if (t->kind == ON_BASE)
+    probe_refusals(t, w);
+  unsigned n = 0;
+  t->stats[0].struct_size = sizeof t->stats[0];
+  TRY(zd_job_stats(t->s.job, t->stats, RANKS, &n));
+  TRY(zd_detach(t->s.job));
+}
+
+static void *rank_main(void *arg) {
+  rank_task *t = arg;
+  attach(t, t->kind == ON_BASE ? "base" : NULL);
+  if (t->s.status == ZD_OK)
+    t->kind == MAKE_BASE ? make_base(t) : train(t);
+  if (t->s.client != NULL)
+    zd_close(t->s.client);
+  return NULL;
+}
+
+/* Runs one job's ranks as threads and fails the test on any rank's error. */
+static void run_job(job_kind kind, const char *name, rank_task *tasks) {
+  pthread_t threads[RANKS];
+  for (unsigned r = 0; r < RANKS; r++) {
+    memset(&tasks[r], 0, sizeof tasks[r]);
+    tasks[r].kind = kind;
+    tasks[r].job_name = name;
+    tasks[r].rank = r;
+    assert_int_equal(pthread_create(&threads[r], NULL, rank_main, &tasks[r]), 0);
+  }
+  for (unsigned r = 0; r < RANKS; r++)
+    pthread_join(threads[r], NULL);
+  for (unsigned r = 0; r < RANKS; r++)
+    if (tasks[r].s.status != ZD_OK) {
+      standalone_daemon_print_log(&daemon_proc);
+      fail_msg("job %s, rank %u: %s", name, r, tasks[r].s.error);
+    }
+}
+
+static void zerodctl(const char *args) {
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "%s --coordinator unix:%s/control.sock %s >/dev/null", ZERODCTL_BINARY,
+           daemon_proc.dir, args);
+  if (system(cmd) != 0)
+    fail_msg("%s failed", cmd);
+}
+
+/* The node learns of the freeze through its watch: a write to the base is
+ * refused once it has. */
+static void wait_until_frozen(void) {
+  char last[600] = "";
+  for (int tries = 0; tries < 500; tries++) {
+    rank_task t = {.kind = MAKE_BASE, .job_name = "base", .rank = 0};
+    attach(&t, NULL);
+    /* A gradient buffer: no collective (a registration would wait for
+     * rank 1), and refused once the node knows. */
+    zd_view view = ZD_VIEW_INIT;
+    zd_status st = t.s.status == ZD_OK ? zd_list_units(t.s.job, NULL) : t.s.status;
+    if (st == ZD_OK)
+      st = zd_grad_buffer(t.s.job, 0, &view);
+    snprintf(last, sizeof last, "%s: %s", zd_strerror(st), zd_last_error());
+    if (t.s.client != NULL)
+      zd_close(t.s.client);
+    if (st == ZD_E_FAILED_PRECONDITION && strstr(last, "frozen base") != NULL)
+      return;
+    usleep(20000);
+  }
+  fail_msg("the node never refused a write to the frozen base (last: %s)", last);
+}
+
+static uint64_t all_gather_bytes(const zd_rank_stats *s) {
+  uint64_t bytes = 0;
+  for (unsigned k = 0; k < s->ncounters; k++)
+    if (strcmp(s->counters[k].collective, "all_gather") == 0)
+      bytes += s->counters[k].bytes;
+  return bytes;
+}
+
+static void test_jobs_on_a_base_train_like_a_private_copy_and_share_it(void **state) {
+  (void)state;
+  static rank_task base[RANKS], first[RANKS], second[RANKS], private_copy[RANKS];
+  run_job(MAKE_BASE, "base", base);
+  zerodctl("jobs freeze base");
+  wait_until_frozen();
+  run_job(ON_BASE, "lora-1", first);
+  run_job(ON_BASE, "lora-2", second);
+  run_job(PRIVATE_COPY, "private", private_copy);
+  for (unsigned r = 0; r < RANKS; r++) {
+    if (memcmp(first[r].adapter, private_copy[r].adapter, sizeof first[r].adapter) != 0)
+      fail_msg("rank %u: the adapter trained on the base differs from the private copy's "
+               "(%.9g vs %.9g)",
+               r, first[r].adapter[1], private_copy[r].adapter[1]);
+    assert_memory_equal(second[r].adapter, first[r].adapter, sizeof first[r].adapter);
+    /* Something trained: the adapter moved from its initial values. */
+    assert_true(first[r].adapter[1] != 0.01f);
+  }
+  for (unsigned r = 0; r < RANKS; r++) {
+    /* The base's bytes are not the jobs': their state is the adapter's. */
+    if (first[r].stats[r].state_bytes >= private_copy[r].stats[r].state_bytes)
+      fail_msg("rank %u: state of the job on the base %llu bytes, of the private copy %llu", r,
+               (unsigned long long)first[r].stats[r].state_bytes,
+               (unsigned long long)private_copy[r].stats[r].state_bytes);
+    /* The second job found the base unit in the node's cache: its
+     * all-gathers moved the adapter only, less than the first job's. */
+    if (all_gather_bytes(&second[r].stats[r]) >= all_gather_bytes(&first[r].stats[r]))
+      fail_msg("rank %u: all-gather bytes of the second job %llu, of the first %llu", r,
+               (unsigned long long)all_gather_bytes(&second[r].stats[r]),
+               (unsigned long long)all_gather_bytes(&first[r].stats[r]));
+    assert_int_equal(first[r].grad_on_base, ZD_E_FAILED_PRECONDITION);
+    assert_int_equal(first[r].load_on_base, ZD_E_FAILED_PRECONDITION);
+    assert_int_equal(first[r].register_mismatch, ZD_E_INVALID_ARGUMENT);
+    assert_int_equal(first[r].register_unknown, ZD_E_INVALID_ARGUMENT);
+    assert_true(first[r].writable_mapping_refused);
+  }
+}
+
+static int setup(void **state) {
+  (void)state;
+  return standalone_daemon_start_with(&daemon_proc, ZEROD_BINARY, RANKS, NULL);
+}
+
+static int teardown(void **state) {
+  (void)state;
+  return standalone_daemon_stop(&daemon_proc);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_jobs_on_a_base_train_like_a_private_copy_and_share_it),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}
