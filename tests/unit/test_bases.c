@@ -286,6 +286,121 @@ static void test_jobs_on_a_base_train_like_a_private_copy_and_share_it(void **st
   }
 }
 
+/* ---- Memory: the base is held once ------------------------------------- */
+
+#define BIG_ROWS 2048
+#define BIG_COLS 4096 /* 8M floats: 32 MiB */
+
+static uint64_t daemon_rss(void) {
+  char path[64], line[256];
+  snprintf(path, sizeof path, "/proc/%d/status", (int)daemon_proc.pid);
+  FILE *f = fopen(path, "r");
+  uint64_t kib = 0;
+  while (f != NULL && fgets(line, sizeof line, f) != NULL)
+    if (sscanf(line, "VmRSS: %llu kB", (unsigned long long *)&kib) == 1)
+      break;
+  if (f != NULL)
+    fclose(f);
+  return kib * 1024;
+}
+
+typedef struct big_task {
+  const char *job_name;
+  const char *base_job; /* NULL: the unit is the job's own */
+  unsigned rank;
+  rank_session s;
+} big_task;
+
+static void *big_main(void *arg) {
+  big_task *t = arg;
+  rank_task a = {.job_name = t->job_name, .rank = t->rank};
+  attach(&a, t->base_job);
+  t->s = a.s;
+  if (a.s.status != ZD_OK)
+    return NULL;
+  static const uint64_t shape[2] = {BIG_ROWS, BIG_COLS};
+  float *values =
+      t->base_job == NULL && t->rank == 0 ? malloc(sizeof(float) * BIG_ROWS * BIG_COLS) : NULL;
+  for (uint64_t k = 0; values != NULL && k < (uint64_t)BIG_ROWS * BIG_COLS; k++)
+    values[k] = base_value((unsigned)k);
+  zd_tensor_desc tensor = ZD_TENSOR_DESC_INIT;
+  tensor.name = "w";
+  tensor.shape = shape;
+  tensor.ndim = 2;
+  tensor.frozen = 1;
+  zd_unit_desc desc = ZD_UNIT_DESC_INIT;
+  desc.name = "big.w";
+  desc.tensors = &tensor;
+  desc.ntensors = 1;
+  desc.init_values = values;
+  desc.from_base = t->base_job != NULL && strcmp(t->job_name, "big") != 0;
+  zd_unit u;
+  zd_view view = ZD_VIEW_INIT;
+  zd_status st = zd_register_unit(a.s.job, &desc, &u);
+  if (st == ZD_OK && strcmp(t->job_name, "big") != 0)
+    st = zd_gather(a.s.job, u, &view);
+  if (st == ZD_OK && strcmp(t->job_name, "big") != 0)
+    st = zd_release(a.s.job, u);
+  if (st == ZD_OK)
+    st = zd_detach(a.s.job);
+  if (st != ZD_OK) {
+    t->s.status = st;
+    snprintf(t->s.error, sizeof t->s.error, "%s: %s", t->job_name, zd_last_error());
+  }
+  free(values);
+  zd_close(a.s.client);
+  return NULL;
+}
+
+static void run_big(const char *name, const char *base_job) {
+  pthread_t threads[RANKS];
+  big_task tasks[RANKS];
+  for (unsigned r = 0; r < RANKS; r++) {
+    tasks[r] = (big_task){.job_name = name, .base_job = base_job, .rank = r};
+    assert_int_equal(pthread_create(&threads[r], NULL, big_main, &tasks[r]), 0);
+  }
+  for (unsigned r = 0; r < RANKS; r++)
+    pthread_join(threads[r], NULL);
+  for (unsigned r = 0; r < RANKS; r++)
+    if (tasks[r].s.status != ZD_OK)
+      fail_msg("job %s, rank %u: %s", name, r, tasks[r].s.error);
+}
+
+/* The daemon's resident memory as jobs come: the base's shards once, its
+ * gathered copy once (the node's cache), and nothing more of it for a
+ * second and a third job on it; a job with a private copy adds its own. */
+static void test_the_base_is_held_once_however_many_jobs_use_it(void **state) {
+  (void)state;
+  const double base_bytes = 4.0 * BIG_ROWS * BIG_COLS;
+  run_big("big", NULL);
+  zerodctl("jobs freeze big");
+  uint64_t before = daemon_rss();
+  run_big("big-1", "big");
+  uint64_t one = daemon_rss();
+  run_big("big-2", "big");
+  run_big("big-3", "big");
+  uint64_t three = daemon_rss();
+  run_big("big-private", NULL);
+  uint64_t private_copy = daemon_rss();
+  fprintf(stderr,
+          "bases memory: base %.1f MiB; RSS %.1f MiB with the base, +%.1f MiB for the first job "
+          "on it, +%.1f MiB for two more, +%.1f MiB for a private copy\n",
+          base_bytes / 1048576, before / 1048576.0, ((double)one - before) / 1048576,
+          ((double)three - one) / 1048576, ((double)private_copy - three) / 1048576);
+  /* The first job brings the gathered copy: about the base's size. */
+  if ((double)one - before > 1.25 * base_bytes)
+    fail_msg("the first job on the base added %.1f MiB (base %.1f MiB)",
+             ((double)one - before) / 1048576, base_bytes / 1048576);
+  /* Two more add a small part of it, not the base again. */
+  if ((double)three - one > 0.25 * base_bytes)
+    fail_msg("two more jobs on the base added %.1f MiB (base %.1f MiB)",
+             ((double)three - one) / 1048576, base_bytes / 1048576);
+  /* A private copy holds the values itself (its master weights). */
+  if ((double)private_copy - three < 0.9 * base_bytes)
+    fail_msg("a private copy added only %.1f MiB (base %.1f MiB): the measure is blind",
+             ((double)private_copy - three) / 1048576, base_bytes / 1048576);
+}
+
 static int setup(void **state) {
   (void)state;
   return standalone_daemon_start_with(&daemon_proc, ZEROD_BINARY, RANKS, NULL);
@@ -299,6 +414,7 @@ static int teardown(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_jobs_on_a_base_train_like_a_private_copy_and_share_it),
+      cmocka_unit_test(test_the_base_is_held_once_however_many_jobs_use_it),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
