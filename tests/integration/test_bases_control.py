@@ -107,6 +107,17 @@ def test_freeze_build_on_and_delete_a_base_in_standalone(start_daemon):
     wait_for("the node to freeze llama",
              lambda: 'msg="job frozen: it is a base now" job=llama' in d.read_log())
 
+    # A base saves like any job, but nothing restores into it; a new job
+    # restored from its checkpoint and frozen is a second base.
+    ok(ctl, "checkpoint", "save", "llama", "c0")
+    line = refused(ctl, "checkpoint", "restore", "llama", "c0")
+    assert "FAILED_PRECONDITION: job 'llama' is a frozen base" in line, line
+    ok(ctl, "jobs", "create", "llama2", "--ranks-per-node", "2")
+    wait_for("llama2 to be ready", lambda: state("llama2") == "ready")
+    ok(ctl, "checkpoint", "restore", "llama2", "llama/c0")
+    assert ok_json(ctl, "jobs", "freeze", "llama2")["frozen"] is True
+    ok(ctl, "jobs", "delete", "llama2")
+
     # A job on it: the base's node, ranks per node and dtype by default.
     lora = ok_json(ctl, "jobs", "create", "lora", "--base", "llama")["job"]
     assert lora["placement"] == frozen["placement"]
