@@ -22,7 +22,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -59,6 +61,7 @@ typedef struct rank_task {
   zd_rank_stats stats[RANKS]; /* after training */
   zd_status grad_on_base, load_on_base, register_mismatch, register_unknown;
   int writable_mapping_refused;
+  int holds_base_unit; /* the doomed job's ranks got the base's unit */
   rank_session s;
 } rank_task;
 
@@ -286,6 +289,54 @@ static void test_jobs_on_a_base_train_like_a_private_copy_and_share_it(void **st
   }
 }
 
+/* ---- A job on the base dies ---------------------------------------------- */
+
+/* In a child process: a job on the base whose two ranks gather the base's
+ * unit and hold it, then the process is killed. */
+static void *crash_rank(void *arg) {
+  rank_task *t = arg;
+  attach(t, "base");
+  zd_unit w;
+  zd_view view = ZD_VIEW_INIT;
+  if (t->s.status == ZD_OK && register_weight(t, 1, 0, COLS, "layer.w", &w) == ZD_OK &&
+      zd_gather(t->s.job, w, &view) == ZD_OK)
+    t->holds_base_unit = 1;
+  return NULL;
+}
+
+static void crash_a_job_on_the_base(void) {
+  pid_t child = fork();
+  assert_true(child >= 0);
+  if (child == 0) {
+    static rank_task tasks[RANKS];
+    pthread_t threads[RANKS];
+    for (unsigned r = 0; r < RANKS; r++) {
+      tasks[r] = (rank_task){.kind = ON_BASE, .job_name = "doomed", .rank = r};
+      pthread_create(&threads[r], NULL, crash_rank, &tasks[r]);
+    }
+    for (unsigned r = 0; r < RANKS; r++)
+      pthread_join(threads[r], NULL);
+    raise(tasks[0].holds_base_unit && tasks[1].holds_base_unit ? SIGKILL : SIGABRT);
+  }
+  int status;
+  assert_int_equal(waitpid(child, &status, 0), child);
+  if (!WIFSIGNALED(status) || WTERMSIG(status) != SIGKILL)
+    fail_msg("the doomed job's workers did not get to hold the base's unit (status %d)", status);
+}
+
+/* A job on the base whose workers are killed while they hold its unit:
+ * the base and the node's cache stay, and a new job on it trains exactly
+ * as the first did. */
+static void test_the_base_outlives_a_job_on_it_that_dies(void **state) {
+  (void)state;
+  static rank_task before[RANKS], after[RANKS];
+  run_job(ON_BASE, "lora-before", before);
+  crash_a_job_on_the_base();
+  run_job(ON_BASE, "lora-after", after);
+  for (unsigned r = 0; r < RANKS; r++)
+    assert_memory_equal(after[r].adapter, before[r].adapter, sizeof before[r].adapter);
+}
+
 /* ---- Memory: the base is held once ------------------------------------- */
 
 #define BIG_ROWS 2048
@@ -414,6 +465,7 @@ static int teardown(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_jobs_on_a_base_train_like_a_private_copy_and_share_it),
+      cmocka_unit_test(test_the_base_outlives_a_job_on_it_that_dies),
       cmocka_unit_test(test_the_base_is_held_once_however_many_jobs_use_it),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
