@@ -22,7 +22,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -452,9 +455,57 @@ static void test_the_base_is_held_once_however_many_jobs_use_it(void **state) {
              ((double)private_copy - three) / 1048576, base_bytes / 1048576);
 }
 
+/* ---- zerodctl top shows the bases ----------------------------------------- */
+
+static char metrics_address[64];
+
+static void test_top_shows_each_base_and_the_cache(void **state) {
+  (void)state;
+  char cmd[512], out[16384] = "";
+  snprintf(cmd, sizeof cmd, "%s top --metrics %s --once --json --interval 0.2", ZERODCTL_BINARY,
+           metrics_address);
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  size_t n = fread(out, 1, sizeof out - 1, p);
+  out[n] = '\0';
+  assert_int_equal(pclose(p), 0);
+  /* The earlier tests left bases "base" and "big" with jobs on them, and
+   * their units in the cache. */
+  for (int k = 0; k < 2; k++) {
+    char want[64];
+    snprintf(want, sizeof want, "{\"base\":\"%s\"", k == 0 ? "base" : "big");
+    const char *at = strstr(out, want);
+    if (at == NULL)
+      fail_msg("zerodctl top does not show base %s: %s", want, out);
+    double jobs = 0, cached = 0;
+    const char *j = strstr(at, "\"jobs\":"), *c = strstr(at, "\"cached_bytes\":");
+    assert_true(j != NULL && c != NULL);
+    sscanf(j, "\"jobs\":%lf", &jobs);
+    sscanf(c, "\"cached_bytes\":%lf", &cached);
+    if (!(jobs >= 2 && cached > 0))
+      fail_msg("base %s: jobs %g, cached bytes %g: %s", want, jobs, cached, out);
+  }
+}
+
+/* A port nobody listens on now, for the daemon's metrics. */
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof a;
+  int port = -1;
+  if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+      getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+    port = ntohs(a.sin_port);
+  if (fd >= 0)
+    close(fd);
+  return port;
+}
+
 static int setup(void **state) {
   (void)state;
-  return standalone_daemon_start_with(&daemon_proc, ZEROD_BINARY, RANKS, NULL);
+  snprintf(metrics_address, sizeof metrics_address, "127.0.0.1:%d", free_port());
+  const char *const extra[] = {"--metrics-listen", metrics_address, NULL};
+  return standalone_daemon_start_with(&daemon_proc, ZEROD_BINARY, RANKS, extra);
 }
 
 static int teardown(void **state) {
@@ -467,6 +518,7 @@ int main(void) {
       cmocka_unit_test(test_jobs_on_a_base_train_like_a_private_copy_and_share_it),
       cmocka_unit_test(test_the_base_outlives_a_job_on_it_that_dies),
       cmocka_unit_test(test_the_base_is_held_once_however_many_jobs_use_it),
+      cmocka_unit_test(test_top_shows_each_base_and_the_cache),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
