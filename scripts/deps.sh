@@ -29,7 +29,8 @@
 #                           second lane, and the FSDP2 comparison (Debian's torch
 #                           1.13 has no fully_shard); PyPI's wheel brings about
 #                           3 GB of CUDA libraries, unused here (pip's cache keeps
-#                           them for the next environment on the machine)
+#                           them for the next environment on the machine), and
+#                           peft (LoRA on a base, the Python tests of bases)
 #   scripts/deps.sh fuzz    build + clang and its libFuzzer runtime
 #   scripts/deps.sh image   build + mmdebstrap (the image's Debian root file
 #                           system), buildah (commits it as an OCI image,
@@ -123,7 +124,10 @@ install_deploy_venv() {
 # system site packages: Debian's torch 1.13 must not shadow it). Pinned; pip
 # resolves its dependencies (the CUDA libraries among them) from PyPI.
 torch2_venv=$root/.venv-torch2
-torch2_pip=(torch==2.15.0 numpy==2.4.6 pytest==9.0.1)
+# peft (LoRA; tests/python/test_zerod_bases.py trains its models on a base)
+# brings transformers, accelerate and huggingface_hub with it, resolved
+# against this environment's torch (Debian's python3 keeps Debian's packages).
+torch2_pip=(torch==2.15.0 numpy==2.4.6 pytest==9.0.1 peft==0.21.2)
 install_torch2_venv() {
   [ "$task" = torch2 ] || [ "$task" = bench ] || [ "$task" = test ] || return 0
   local want=ok have

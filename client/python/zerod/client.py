@@ -88,6 +88,11 @@ class JobConfig:
     ``mixed_precision`` a ``MixedPrecisionPolicy`` (its ``param_dtype`` is
     ``dtype``, its ``reduce_dtype`` ``gradient_comm_dtype``), and a dtype
     may be a torch or numpy dtype.
+    ``base_job`` makes the job a job on a base (docs/bases.md): the name
+    of a frozen job (``zerodctl jobs freeze``) on the same nodes, with the
+    same world size and working dtype, whose units this job's workers may
+    register as references (``Job.register(..., from_base=True)``;
+    ``zerod.torch.shard(..., base=True)``). "" (the default): none.
     """
 
     optimizer: str = "adamw"
@@ -115,6 +120,7 @@ class JobConfig:
     loss_scale_min: float = 0.0
     offload_optimizer: Union[OffloadPolicy, Dict[str, Any], None] = None
     mixed_precision: Optional[MixedPrecisionPolicy] = None
+    base_job: str = ""
 
     def _dtypes(self) -> Tuple[str, str]:
         """The working and gradient-exchange dtypes' names, from the strings
@@ -196,6 +202,10 @@ class JobConfig:
         c.offload_buffer_count = int(offload.get("buffer_count", 0))
         c.offload_buffer_size = int(offload.get("buffer_size", 0))
         c.offload_pin_memory = int(bool(offload.get("pin_memory", False)))
+        base = str(self.base_job or "").encode()
+        if len(base) > 64:
+            raise InvalidArgumentError("base_job is longer than 64 bytes")
+        c.base_job = base
         return c
 
     @classmethod
@@ -225,7 +235,8 @@ class JobConfig:
                        "nvme_path": c.nvme_path.decode(),
                        "buffer_count": int(c.offload_buffer_count),
                        "buffer_size": int(c.offload_buffer_size),
-                       "pin_memory": bool(c.offload_pin_memory)})
+                       "pin_memory": bool(c.offload_pin_memory)},
+                   base_job=c.base_job.decode())
 
 
 @dataclass(frozen=True)
@@ -470,13 +481,22 @@ class Job:
 
     def register(self, name: str, tensors: Iterable[TensorSpec], *, init: str = "rank0",
                  values: Union[np.ndarray, Sequence[np.ndarray], None] = None, seed: int = 0,
-                 std: float = 0.02) -> "Unit":
+                 std: float = 0.02, from_base: bool = False) -> "Unit":
         """Registers a unit (collective: every rank registers the same units
         in the same order). `tensors` are ``(name, shape)`` or ``(name,
         shape, frozen)``. With ``init="rank0"`` rank 0 passes `values`: the
         tensors' values in order (one float32 array packed, or one array per
         tensor); other ranks may pass None. ``"normal"`` draws N(0, std^2)
-        from `seed`; ``"zeros"`` starts at zero."""
+        from `seed`; ``"zeros"`` starts at zero.
+
+        ``from_base=True`` (a job whose config names a ``base_job``) makes
+        the unit a reference to the base's unit of this `name`: `tensors`
+        must be the base's (names, shapes, frozen flags; a mismatch is
+        InvalidArgumentError naming the unit and the field), `init` and
+        `values` are ignored and nothing is sent. The unit is frozen and
+        read-only (``Unit.from_base``): its gathers come from the node's
+        shared base cache, and gradient buffers, reduces and loads of it
+        are FailedPreconditionError."""
         if init not in _INITS:
             raise InvalidArgumentError("init must be one of %s, not %r" % (sorted(_INITS), init))
         specs = [tuple(t) for t in tensors]
@@ -501,15 +521,18 @@ class Job:
         desc.init = _INITS[init]
         desc.seed = int(seed)
         desc.init_std = float(std)
+        desc.from_base = int(bool(from_base))
         packed = None
-        if init == "rank0" and values is not None:
+        if init == "rank0" and values is not None and not from_base:
             packed = _pack(values, total, "unit %s: initial values" % name)
             desc.init_values = packed.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         unit_id = ctypes.c_uint32()
         _check(self._lib.zd_register_unit(self._handle, ctypes.byref(desc), ctypes.byref(unit_id)),
                "register unit %s" % name)
         self._refresh_units()
-        return self._units[unit_id.value]
+        unit = self._units[unit_id.value]
+        unit.from_base = bool(from_base)
+        return unit
 
     def list_units(self) -> List["Unit"]:
         """Fetches the job's unit table from the daemon (read-only jobs
@@ -684,7 +707,10 @@ class Job:
 
 
 class Unit:
-    """A registered unit: its name, tensors and flat layout."""
+    """A registered unit: its name, tensors and flat layout. ``from_base``
+    is True for a unit this worker registered as a reference to its job's
+    base (:meth:`Job.register` with ``from_base=True``): frozen, gathered
+    read-only from the node's base cache, with no gradient buffer."""
 
     def __init__(self, job: Job, info: _lib.UnitInfo) -> None:
         self.job = job
@@ -700,6 +726,7 @@ class Unit:
             shape = tuple(int(t.shape[d]) for d in range(t.ndim))
             tensors.append(TensorInfo(t.name.decode(), shape, int(t.offset), int(t.numel)))
         self.tensors: Tuple[TensorInfo, ...] = tuple(tensors)
+        self.from_base = False
 
     def gather(self) -> "Gathered":
         """Gathers the unit's full values (collective for read-write jobs)."""
@@ -772,8 +799,9 @@ class Unit:
         return sum(t.numel for t in self.tensors)
 
     def __repr__(self) -> str:
-        return "<zerod.Unit %s: %d tensors, %d elements, %s>" % (
-            self.name, len(self.tensors), self.numel, self.dtype)
+        return "<zerod.Unit %s: %d tensors, %d elements, %s%s>" % (
+            self.name, len(self.tensors), self.numel, self.dtype,
+            ", from the base" if self.from_base else "")
 
 
 class Buffer:

@@ -33,6 +33,11 @@ How it works (FSDP's scheme, with the daemon holding the shards):
   copied into the unit's gradient buffer and reduced into the daemon's
   accumulators, the parameters' ``.grad`` is cleared and the unit released.
 
+On a job with a base (``JobConfig(base_job=...)``), ``shard(model, job,
+base=True)`` takes the frozen parameters from the base (shared, read-only,
+never given a gradient) and makes only the trainable ones (LoRA adapters:
+:func:`apply_lora` or peft's) the job's units.
+
 Every rank must run the same forward and backward program (the same units
 in the same order): gathers and reduces are collectives of the job.
 """
@@ -43,7 +48,9 @@ from ._checkpoint import load, save, state_dict_from
 from ._clip import clip_grad_norm_, patch_clip_grad_norm_
 from ._module import ShardedModule, shard
 from ._optim import Optimizer
-from ._plan import UnitsPolicy
+from ._plan import UnitsPolicy, base_name
+from .lora import LoRALinear, apply_lora
 
 __all__ = ["shard", "ShardedModule", "Optimizer", "state_dict_from", "save", "load",
-           "clip_grad_norm_", "patch_clip_grad_norm_", "UnitsPolicy"]
+           "clip_grad_norm_", "patch_clip_grad_norm_", "UnitsPolicy", "base_name", "LoRALinear",
+           "apply_lora"]

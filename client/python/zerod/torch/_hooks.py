@@ -136,7 +136,12 @@ class _State:
         unit.gathered -= 1
         if unit.gathered == 0 and not unit.bwd_gathered:
             self.release(unit)
-        if torch.is_grad_enabled() and unit.grad_params:
+        # A unit with no trainable parameter (frozen layers, a base's units)
+        # is gathered for backward too when gradients flow through it: the
+        # tensors autograd saved (its weights) are read there. It has no
+        # gradient to hand over, so it stays gathered until the end of the
+        # backward pass.
+        if torch.is_grad_enabled():
             for tensor in _tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad, unit=unit: self.pre_backward(unit))
@@ -211,7 +216,10 @@ class _State:
             _check(self.lib.zd_reduce_async(self.handle, unit.zunit.id), "reduce %s" % unit.name)
         unit.accumulated = not self.sync
         unit.grads_ready = 0
-        if unit.bwd_gathered:
+        # A unit that also holds frozen parameters stays gathered until the
+        # end of the pass: the backward of its module may still read them
+        # (a frozen weight's input gradient, after the adapters' gradients).
+        if unit.bwd_gathered and unit.grad_params == len(unit.params):
             unit.bwd_gathered = False
             if unit.gathered == 0:
                 self.release(unit)
@@ -231,7 +239,7 @@ class _State:
                 self.release(unit)
             if unit.grads_ready > 0:
                 self.push(unit)
-            elif unit.bwd_gathered:
+            if unit.bwd_gathered:
                 unit.bwd_gathered = False
                 if unit.gathered == 0:
                     self.release(unit)

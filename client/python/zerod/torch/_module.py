@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Union
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ from ..client import Job, Unit
 from ..errors import InvalidArgumentError, ShardingError
 from ._clip import clip_state
 from ._hooks import _TORCH_DTYPES, _State, _install_hooks
-from ._plan import UnitsPolicy, _plan, _ShardedUnit
+from ._plan import BaseNames, UnitsPolicy, _plan, _ShardedUnit, _split_base, base_name
 
 class ShardedModule(nn.Module):
     """A module whose parameters live in zerod (see :func:`shard`).
@@ -110,13 +110,16 @@ class ShardedModule(nn.Module):
         if strict and (missing or unexpected):
             raise RuntimeError("Error(s) in loading state_dict for %s: missing keys %s, unexpected "
                                "keys %s" % (type(self.module).__name__, missing, unexpected))
+        # Units of the base keep the base's values (they cannot be loaded);
+        # the dict's values for them are not used.
+        own = [unit for unit in state.units if not unit.from_base]
         by_param: Dict[int, torch.Tensor] = {}
         for key, value in local.items():
             if key in state_dict and isinstance(value, nn.Parameter):
                 by_param.setdefault(id(value), state_dict[key])
         # Every rank checks (all pass the same dict), so a bad dict fails
         # everywhere before the first collective.
-        for unit in state.units:
+        for unit in own:
             for param, name, shape in zip(unit.params, unit.names, unit.shapes):
                 value = by_param.get(id(param))
                 if value is not None and tuple(value.shape) != tuple(shape):
@@ -124,9 +127,9 @@ class ShardedModule(nn.Module):
                                        "the shape in the sharded model is %s" %
                                        (name, tuple(value.shape), tuple(shape)))
         # Parameters the dict leaves out (strict=False) keep their values.
-        keep = any(id(p) not in by_param for unit in state.units for p in unit.params)
+        keep = any(id(p) not in by_param for unit in own for p in unit.params)
         current = self._full_values() if keep else {}
-        for unit in state.units:
+        for unit in own:
             values = None
             if state.job.rank == 0:
                 values = np.concatenate([
@@ -140,7 +143,8 @@ class ShardedModule(nn.Module):
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
-def shard(model: nn.Module, job: Job, units: UnitsPolicy = "per-module") -> ShardedModule:
+def shard(model: nn.Module, job: Job, units: UnitsPolicy = "per-module",
+          base: Union[bool, BaseNames] = False) -> ShardedModule:
     """Moves `model`'s parameters into zerod and returns the model wrapped.
 
     `units` chooses the granule of gathering: ``"per-module"`` (every module
@@ -155,12 +159,31 @@ def shard(model: nn.Module, job: Job, units: UnitsPolicy = "per-module") -> Shar
     (the daemon keeps an existing unit's state when the job already has it).
     On a read-only job the units must already exist; forward passes then
     read the job's pinned weights. Buffers stay local to each process.
+
+    ``base=True`` trains on the job's base (``JobConfig(base_job=...)``;
+    docs/python.md, "Jobs on a base"): the frozen parameters
+    (``requires_grad=False``) are the base's, registered as references to
+    its units (nothing is sent; their values in `model` are not used), and
+    the trainable ones (LoRA's A and B, heads) are the job's own units. A
+    unit module holding both is split: its frozen parameters make the unit
+    the base has under the module's name, its trainable ones the job's unit
+    ``<path>#own``. Names are mapped to the plain model's by
+    :func:`zerod.torch.base_name` (peft's ``base_model.model.`` and
+    ``.base_layer`` dropped), or by `base` itself when it is a callable
+    ``name -> name``; `units` must be the policy the base's model was
+    sharded with, so that the units line up. Base units are never given a
+    gradient, reduced, stepped or loaded.
     """
     if isinstance(model, ShardedModule):
         raise ShardingError("the model is already sharded")
     if not isinstance(job, Job):
         raise InvalidArgumentError("job must be a zerod.Job (from zerod.Client().attach)")
     plan = _plan(model, units)
+    if base is not False and base is not None:
+        if not job.read_only and not job.effective_config.base_job:
+            raise ShardingError("shard(..., base=...): job %s has no base (attach it with "
+                                "zerod.JobConfig(base_job=NAME))" % job.name)
+        plan = _split_base(plan, base if callable(base) else base_name)
     state = _State(job, plan)
     for unit in plan:
         for param, name in zip(unit.params, unit.names):
@@ -195,6 +218,10 @@ def _register(job: Job, plan: List[_ShardedUnit]) -> None:
     for unit in plan:
         specs = [(name, tuple(p.shape), not p.requires_grad)
                  for name, p in zip(unit.names, unit.params)]
+        if unit.from_base:
+            unit.zunit = job.register(unit.name, specs, from_base=True)
+            _check_layout(unit)
+            continue
         values = None
         if job.rank == 0:
             values = np.concatenate(
@@ -210,6 +237,7 @@ def _match_listed(job: Job, plan: List[_ShardedUnit]) -> None:
             raise ShardingError("job %s has no unit %s (it has: %s)" %
                                 (job.name, unit.name, ", ".join(sorted(listed)) or "none"))
         unit.zunit = listed[unit.name]
+        unit.zunit.from_base = unit.from_base
         _check_layout(unit)
 
 

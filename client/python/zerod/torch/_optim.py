@@ -106,7 +106,7 @@ class Optimizer(torch.optim.Optimizer):
         hparams = [{k: group[k] for k in self._GROUP_KEYS if k in group}
                    for group in self.param_groups]
         tensor_groups = {unit.zunit.id: [group_of.get(id(p), 0) for p in unit.params]
-                         for unit in self._model._zerod.units}
+                         for unit in self._model._zerod.units if not unit.from_base}
         self._job.set_groups(hparams, tensor_groups)
 
     @property
@@ -228,6 +228,8 @@ class Optimizer(torch.optim.Optimizer):
         read: Dict[Tuple[int, str], Tuple[np.ndarray, int]] = {}
         step = 0
         for unit in self._model._zerod.units:
+            if unit.from_base:
+                continue  # no optimizer state: the base's units are never stepped
             for name in names + (["weights"] if master else []):
                 values, step = unit.zunit.read_state(name)
                 read[(id(unit), name)] = (values, step)
@@ -295,6 +297,8 @@ class Optimizer(torch.optim.Optimizer):
                     packed[key] = np.zeros(unit.zunit.numel_packed, dtype=np.float32)
                 packed[key][at:at + numel] = value.detach().float().reshape(-1).numpy()
         for unit in self._model._zerod.units:
+            if unit.from_base:
+                continue
             if (id(unit), "master") in packed:
                 unit.zunit.load(packed[(id(unit), "master")])
             for name in names:

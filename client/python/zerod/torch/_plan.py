@@ -14,6 +14,23 @@ from ..client import Unit
 from ..errors import InvalidArgumentError, ShardingError
 
 UnitsPolicy = Union[str, Sequence[type], Callable[[nn.Module, str], bool]]
+BaseNames = Callable[[str], str]
+
+# The job's own part of a unit module whose frozen parameters come from the
+# base is a unit of this name: the module's path and this suffix.
+OWN_SUFFIX = "#own"
+
+
+def base_name(name: str) -> str:
+    """The name a parameter (or module path) of a LoRA model has in the
+    plain model that made the base: peft's wrapping dropped (a leading
+    ``base_model.model.`` and every ``base_layer`` component), other names
+    unchanged (zerod.torch.lora.LoRALinear keeps its layer's names)."""
+    parts = name.split(".") if name else []
+    if parts[:2] == ["base_model", "model"]:
+        parts = parts[2:]
+    return ".".join(p for p in parts if p != "base_layer")
+
 
 class _Ref:
     """One place a parameter is held: ``module._parameters[attr]``."""
@@ -50,6 +67,9 @@ class _ShardedUnit:
         # has taken yet (backward passes under no_sync).
         self.accumulated = False
         self.grad_hooks: List[Any] = []  # keeps the AccumulateGrad nodes alive
+        # A reference to the job's base's unit of this name (frozen, never a
+        # gradient): shard(..., base=...).
+        self.from_base = False
 
 
 def _walk(module: nn.Module, prefix: str, seen: List[nn.Module]) -> Iterator[Tuple[str, nn.Module]]:
@@ -132,3 +152,39 @@ def _plan(model: nn.Module, policy: UnitsPolicy) -> List[_ShardedUnit]:
         unit.refs.append(refs)
         unit.shapes.append(param.shape)
     return list(units.values())
+
+
+def _split_base(units: List[_ShardedUnit], names: BaseNames) -> List[_ShardedUnit]:
+    """Splits each unit into the base's part and the job's (a unit is wholly
+    the base's or wholly the job's): the frozen parameters (requires_grad
+    False) become a unit referring to the base, named (unit and tensors) as
+    the plain model that made the base names them (`names`); the trainable
+    ones stay the job's, in a unit of the module's path, with OWN_SUFFIX
+    when the module also has a base part. Both parts hook the same module."""
+    out: List[_ShardedUnit] = []
+    for unit in units:
+        frozen = [i for i, p in enumerate(unit.params) if not p.requires_grad]
+        own = [i for i, p in enumerate(unit.params) if p.requires_grad]
+        path = "" if unit.name == "<root>" else unit.name
+        parts = []
+        if frozen:
+            parts.append((frozen, names(path) or "<root>", True))
+        if own:
+            parts.append((own, unit.name + OWN_SUFFIX if frozen else unit.name, False))
+        for indices, name, from_base in parts:
+            part = _ShardedUnit(len(out), name, unit.module)
+            part.from_base = from_base
+            for i in indices:
+                part.params.append(unit.params[i])
+                part.names.append(names(unit.names[i]) if from_base else unit.names[i])
+                part.refs.append(unit.refs[i])
+                part.shapes.append(unit.shapes[i])
+            out.append(part)
+    seen = set()
+    for unit in out:
+        if unit.name in seen:
+            raise ShardingError("two units of the model are named %s once their names are "
+                                "mapped to the base's: choose units so that each base unit "
+                                "comes from one module" % unit.name)
+        seen.add(unit.name)
+    return out
