@@ -363,6 +363,50 @@ static void fmt_num(double v, const char *fmt, char *out, size_t n) {
     snprintf(out, n, fmt, v);
 }
 
+/* The value of name's sample with label == value (0 if none). */
+static double labelled(const prom_set *set, const char *name, const char *label,
+                       const char *value) {
+  double sum = 0;
+  for (size_t i = 0; i < set->n; i++) {
+    const char *v = prom_label_value(&set->samples[i], label);
+    if (strcmp(set->samples[i].name, name) == 0 && v != NULL && strcmp(v, value) == 0)
+      sum += set->samples[i].value;
+  }
+  return sum;
+}
+
+/* Bases (docs/bases.md): per target its base cache, then each base with
+ * the jobs on it and its cached bytes; nothing when no target has one. */
+static void print_bases(const top_options *o) {
+  bool header = false;
+  for (size_t i = 0; i < o->ntargets; i++) {
+    const target *t = &o->targets[i];
+    if (!t->have_cur || t->error[0] != '\0')
+      continue;
+    for (size_t k = 0; k < t->cur.n; k++) {
+      const prom_sample *s = &t->cur.samples[k];
+      const char *base = prom_label_value(s, "zerod_base");
+      if (strcmp(s->name, "zerod_base_jobs") != 0 || base == NULL)
+        continue;
+      if (!header) {
+        printf("\n%-28s %-24s %5s %9s %9s %9s %8s %8s\n", "TARGET", "BASE", "JOBS", "CACHED",
+               "HELD", "IDLE", "HITS", "MISSES");
+        header = true;
+      }
+      char name[64], bname[72], cached[16], held[16], idle[16];
+      safe(t->given, name, sizeof name);
+      safe(base, bname, sizeof bname);
+      fmt_bytes(labelled(&t->cur, "zerod_base_cached_bytes", "zerod_base", base), cached,
+                sizeof cached);
+      fmt_bytes(labelled(&t->cur, "zerod_base_cache_bytes", "kind", "held"), held, sizeof held);
+      fmt_bytes(labelled(&t->cur, "zerod_base_cache_bytes", "kind", "idle"), idle, sizeof idle);
+      printf("%-28s %-24s %5.0f %9s %9s %9s %8.0f %8.0f\n", name, bname, s->value, cached, held,
+             idle, labelled(&t->cur, "zerod_base_cache_lookups_total", "result", "hit"),
+             labelled(&t->cur, "zerod_base_cache_lookups_total", "result", "miss"));
+    }
+  }
+}
+
 static void print_table(const top_options *o, const row *rows, size_t nrows, bool tty) {
   char when[32];
   time_t now = time(NULL);
@@ -394,6 +438,7 @@ static void print_table(const top_options *o, const row *rows, size_t nrows, boo
     printf("%-28s %-11s %-8s %5.0f %9.0f %9s %6s\n", name, mode, version, node_jobs(t),
            sum_of(&t->cur, "zerod_node_sessions", NULL, NULL, NULL), rss, cpu);
   }
+  print_bases(o);
   int job_width = 8;
   for (size_t i = 0; i < nrows; i++) {
     int w = (int)strlen(rows[i].job);
@@ -444,6 +489,36 @@ static json_t *jstr(const char *s) {
 
 static json_t *jnum(double v) {
   return isnan(v) || isinf(v) ? json_null() : json_real(v);
+}
+
+/* The bases of every target, for --json: one object per (target, base). */
+static json_t *json_bases(const top_options *o) {
+  json_t *bases = json_array();
+  for (size_t i = 0; i < o->ntargets; i++) {
+    const target *t = &o->targets[i];
+    if (!t->have_cur || t->error[0] != '\0')
+      continue;
+    for (size_t k = 0; k < t->cur.n; k++) {
+      const prom_sample *s = &t->cur.samples[k];
+      const char *base = prom_label_value(s, "zerod_base");
+      if (strcmp(s->name, "zerod_base_jobs") != 0 || base == NULL)
+        continue;
+      json_t *jb = json_object();
+      json_object_set_new(jb, "base", jstr(base));
+      json_object_set_new(jb, "target", jstr(t->given));
+      json_object_set_new(jb, "jobs", jnum(s->value));
+      json_object_set_new(jb, "cached_bytes",
+                          jnum(labelled(&t->cur, "zerod_base_cached_bytes", "zerod_base", base)));
+      json_object_set_new(
+          jb, "cache_hits",
+          jnum(labelled(&t->cur, "zerod_base_cache_lookups_total", "result", "hit")));
+      json_object_set_new(
+          jb, "cache_misses",
+          jnum(labelled(&t->cur, "zerod_base_cache_lookups_total", "result", "miss")));
+      json_array_append_new(bases, jb);
+    }
+  }
+  return bases;
 }
 
 static int print_json(const top_options *o, const row *rows, size_t nrows) {
@@ -498,6 +573,7 @@ static int print_json(const top_options *o, const row *rows, size_t nrows) {
   }
   json_object_set_new(root, "targets", targets);
   json_object_set_new(root, "ranks", ranks);
+  json_object_set_new(root, "bases", json_bases(o));
   char *text = json_dumps(root, JSON_COMPACT);
   json_decref(root);
   if (text == NULL)
@@ -517,7 +593,8 @@ static const char usage[] =
     "mean step, gather and reduce latency and bytes moved per second over the\n"
     "interval, shard memory and disk (offload_optimizer nvme), buffer memory,\n"
     "queue depth, whether a worker is attached and errors; per daemon its mode,\n"
-    "jobs, sessions, memory and CPU.\n"
+    "jobs, sessions, memory and CPU; per base (a frozen job) the jobs on it, its\n"
+    "bytes in the node's base cache, and the cache's hits and misses.\n"
     "\n"
     "options:\n"
     "  --metrics TARGET  a daemon's endpoint: HOST:PORT (http://HOST:PORT/metrics)\n"

@@ -52,6 +52,12 @@ static const char general_usage[] =
     "  jobs create NAME [opts]  create a job (see zerodctl jobs create --help)\n"
     "  jobs delete NAME         delete a job\n"
     "  jobs read-token NAME     a new token that attaches read-only sessions only\n"
+    "  jobs freeze NAME [--share T1,T2] [--public]\n"
+    "                           make a ready job a base (docs/bases.md): its state\n"
+    "                           never changes again, and jobs created with --base\n"
+    "                           NAME share it; --share: the other tenants that may,\n"
+    "                           --public: every tenant (again: replaces the sharing)\n"
+    "  bases list               the bases you may read, with the jobs on each\n"
     "  checkpoint save JOB [NAME]\n"
     "                           checkpoint a ready job (NAME default: step-<step>);\n"
     "                           waits for it (600 s unless --timeout)\n"
@@ -149,6 +155,9 @@ static const char create_usage[] =
     "  --token T                the owner token [default: the coordinator makes one]\n"
     "  --tenant T               the tenant that owns the job [default: yours; an admin\n"
     "                           may name any]\n"
+    "  --base NAME              build the job on base NAME (a frozen job: zerodctl\n"
+    "                           jobs freeze): it runs on the base's nodes, with its\n"
+    "                           ranks per node and precision [default for each]\n"
     "  --checkpoint-every-steps N\n"
     "                           checkpoint the job (auto-<step>) every N steps\n"
     "  --checkpoint-every-seconds S\n"
@@ -169,6 +178,8 @@ static const command commands[] = {
     {"jobs create", 1, 1, " NAME [options]", NULL}, /* takes its options: ctl__cmd_jobs_create */
     {"jobs delete", 1, 1, " NAME", ctl__cmd_jobs_delete},
     {"jobs read-token", 1, 1, " NAME", ctl__cmd_jobs_read_token},
+    {"jobs freeze", 1, 1, " NAME [--share T1,T2] [--public]", ctl__cmd_jobs_freeze},
+    {"bases list", 0, 0, "", ctl__cmd_bases_list},
     {"checkpoint save", 1, 2, " JOB [NAME]", ctl__cmd_checkpoint_save},
     {"checkpoint list", 0, 1, " [JOB]", ctl__cmd_checkpoint_list},
     {"checkpoint delete", 2, 2, " JOB NAME", ctl__cmd_checkpoint_delete},
@@ -208,9 +219,14 @@ static int unknown_command(int n_args, char **args) {
   if (n_args == 0)
     return ctl__usage_error("no command given (see zerodctl --help)");
   if (strcmp(args[0], "jobs") == 0)
-    return ctl__usage_error(n_args == 1
-                                ? "jobs: which one? list, get, create or delete"
-                                : "jobs: unknown command '%s' (list, get, create or delete)",
+    return ctl__usage_error(
+        n_args == 1
+            ? "jobs: which one? list, get, create, delete, read-token or freeze"
+            : "jobs: unknown command '%s' (list, get, create, delete, read-token or freeze)",
+        n_args > 1 ? args[1] : "");
+  if (strcmp(args[0], "bases") == 0)
+    return ctl__usage_error(n_args == 1 ? "bases: which one? list"
+                                        : "bases: unknown command '%s' (list)",
                             n_args > 1 ? args[1] : "");
   if (strcmp(args[0], "checkpoint") == 0)
     return ctl__usage_error(
@@ -243,6 +259,8 @@ static int check_command(ctl *c, const command *cmd, const ctl_options *options,
   if (strncmp(cmd->name, "jobs ", 5) == 0 && n_args == 1 && !ctl__valid_name(args[0]))
     return ctl__usage_error("%s: invalid job name '%s': expected 1..64 characters [A-Za-z0-9._-]",
                             cmd->name, args[0]);
+  if (strcmp(cmd->name, "jobs freeze") == 0 && (rc = ctl__check_freeze_args(c)) != 0)
+    return rc;
   if (strncmp(cmd->name, "checkpoint ", 11) == 0) {
     rc = ctl__check_checkpoint_args(cmd->name, n_args, args);
     if (rc != 0)

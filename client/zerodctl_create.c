@@ -53,8 +53,10 @@ static int collect_node_names(const create_options *o,
 static int create_placement(const create_options *o, Zerod__V1__CreateJobRequest *request,
                             char names[CTL_MAX_NODES][CTL_NAME_MAX_BYTES + 1],
                             char *name_ptrs[CTL_MAX_NODES]) {
-  request->nodes = 1;
-  request->ranks_per_node = 1;
+  /* On a base, what is not given is the base's (0: the coordinator
+   * fills it in). */
+  request->nodes = o->base != NULL ? 0 : 1;
+  request->ranks_per_node = o->base != NULL ? 0 : 1;
   if (o->nodes != NULL && ctl__parse_u32(o->nodes, 1, CTL_MAX_NODES, &request->nodes) != 0)
     return bad_create_value("--nodes", o->nodes, "an integer 1..64");
   if (o->ranks_per_node != NULL &&
@@ -137,7 +139,9 @@ static int create_optimizer(const create_options *o, Zerod__V1__OptimizerConfig 
 /* How the job computes and communicates: --precision, --collectives, the
  * ZeRO++ options (qwZ, qgZ, hpZ) and --gradient-comm-dtype. */
 static int create_numerics(const create_options *o, Zerod__V1__JobConfig *config) {
-  config->working_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
+  /* On a base, the base's unless given. */
+  config->working_dtype =
+      o->base != NULL ? ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED : ZEROD__V1__DTYPE__DTYPE_F32;
   if (o->precision != NULL) {
     if (strcmp(o->precision, "fp32") == 0)
       config->working_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
@@ -288,8 +292,15 @@ static int create_policy(const create_options *o, Zerod__V1__CheckpointPolicy *p
   return 0;
 }
 
-/* --token and --tenant: who owns the job. */
+/* --token and --tenant: who owns the job; --base: what it builds on. */
 static int create_owner(const create_options *o, Zerod__V1__CreateJobRequest *request) {
+  if (o->base != NULL) {
+    if (!ctl__valid_name(o->base))
+      return bad_create_value("--base", o->base, "a job name: 1..64 of [A-Za-z0-9._-]");
+    if (strcmp(o->base, request->name) == 0)
+      return ctl__usage_error("jobs create: job '%s' cannot be its own base", o->base);
+    request->config->base_job = (char *)o->base;
+  }
   if (o->token != NULL) {
     if (!ctl__valid_token(o->token))
       return bad_create_value("--token", o->token, "1..256 printable characters, no spaces");

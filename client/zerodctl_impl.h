@@ -9,6 +9,7 @@
  *   zerodctl_checkpoint.c checkpoint save, list, delete, restore; export
  *   zerodctl_cluster.c    members, health
  *   zerodctl_create.c     jobs create: its options checked into a request
+ *   zerodctl_bases.c      jobs freeze, bases list (docs/bases.md)
  *   zerodctl_jobs.c       jobs list, get, delete, read-token; how a job prints
  *   zerodctl_args.c       checks of names, numbers and addresses typed
  *   zerodctl_call.c       calls to the coordinator, its credentials
@@ -56,7 +57,7 @@ typedef struct json_out {
 } json_out;
 
 /* A table for people: a header and rows of cells, printed aligned. */
-#define TABLE_MAX_COLUMNS 8
+#define TABLE_MAX_COLUMNS 9
 #define TABLE_CELL_BYTES  256
 
 typedef struct table {
@@ -118,6 +119,9 @@ typedef struct ctl {
   const char *export_checkpoint; /* NULL: the job's state now */
   const char *export_dtype;      /* NULL: fp32 */
   bool export_overwrite;
+  /* jobs freeze's options */
+  const char *freeze_share; /* --share T1,T2; NULL: shared with none */
+  bool freeze_public;       /* --public */
   /* How to reach the coordinator (docs/security.md). */
   bool use_tls;
   rpc_tls tls;
@@ -193,12 +197,17 @@ typedef struct create_options {
       *precision, *collectives, *quantized_weights, *quantization_block, *quantized_gradients,
       *gradient_comm_dtype, *hpz_partition_size, *offload, *nvme_path, *offload_buffer_count,
       *offload_buffer_size, *offload_pin_memory, *max_grad_norm, *max_live_bytes, *max_host_bytes,
-      *max_device_bytes, *max_sessions, *token, *tenant, *every_steps, *every_seconds, *keep;
+      *max_device_bytes, *max_sessions, *token, *tenant, *base, *every_steps, *every_seconds, *keep;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
 } create_options;
 
 int ctl__cmd_jobs_create(ctl *c, const char *name, const create_options *o);
+
+/* zerodctl_bases.c */
+ctl_command_fn ctl__cmd_jobs_freeze, ctl__cmd_bases_list;
+/* --share's tenants, checked: 0, or the usage exit status. */
+int ctl__check_freeze_args(const ctl *c);
 
 /* zerodctl_jobs.c */
 ctl_command_fn ctl__cmd_jobs_list, ctl__cmd_jobs_get, ctl__cmd_jobs_delete,
@@ -207,6 +216,21 @@ ctl_command_fn ctl__cmd_jobs_list, ctl__cmd_jobs_get, ctl__cmd_jobs_delete,
  * NULL), and for people, one field per line. */
 void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job);
 void ctl__print_job(const Zerod__V1__Job *job);
+/* Lists the jobs: as JSON, {json_key: [every job row takes]}; for
+ * people, a table of columns (at most TABLE_MAX_COLUMNS) with a row of
+ * the jobs row takes. row(job, NULL) says whether it takes job;
+ * row(job, cells) fills its cells too. Returns the exit status. */
+typedef bool ctl_job_row(const Zerod__V1__Job *job, char cells[][TABLE_CELL_BYTES]);
+int ctl__list_jobs(ctl *c, const char *json_key, const char *const *headers, size_t columns,
+                   ctl_job_row *row);
+/* Calls method, whose reply is a Job, and prints the job as `jobs get`
+ * does. Returns the exit status. */
+int ctl__call_job(ctl *c, const char *method, const ProtobufCMessage *request);
+/* "a,b,c" of a job's nodes, for tables; past three names, "a,b,c,+5". */
+void ctl__format_job_nodes(const Zerod__V1__Job *job, char *out, size_t out_bytes);
+/* Whom a base is shared with, for people: "team-b,team-c", "every
+ * tenant (public)" or "no other tenant". */
+void ctl__format_sharing(const Zerod__V1__Job *job, char *out, size_t out_bytes);
 
 /* ------------------------------------------------------------------------ */
 /* zerodctl_options.c                                                       */
@@ -223,7 +247,7 @@ typedef struct owned_option {
 /* What the options said, besides what they set in the ctl. */
 typedef struct ctl_options {
   create_options create;  /* jobs create's, as given */
-  owned_option owned[2];  /* jobs create's, export's */
+  owned_option owned[3];  /* jobs create's, export's, jobs freeze's */
   bool help, version;     /* --help, --version */
   bool timeout_given;     /* --timeout */
   bool insecure;          /* --insecure */

@@ -86,6 +86,7 @@ void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   ctl__json_f64(j, "loss_scale", config->loss_scale > 0 ? config->loss_scale : 0);
   ctl__json_u64(j, "max_live_bytes", config->max_live_bytes);
   ctl__json_f64(j, "max_grad_norm", config->max_grad_norm);
+  ctl__json_str(j, "base_job", config->base_job != NULL ? config->base_job : "");
   ctl__json_close(j, '}');
   ctl__json_open(j, "quotas", '{');
   ctl__json_u64(j, "max_live_bytes", job->quotas != NULL ? job->quotas->max_live_bytes : 0);
@@ -97,6 +98,13 @@ void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   ctl__json_u64(j, "epoch", job->epoch);
   ctl__json_str(j, "tenant", job->tenant);
   ctl__json_i64(j, "created_unix_ms", job->created_unix_ms);
+  ctl__json_bool(j, "frozen", job->frozen);
+  ctl__json_open(j, "shared_with", '[');
+  for (size_t i = 0; i < job->n_shared_with; i++)
+    ctl__json_str(j, NULL, job->shared_with[i]);
+  ctl__json_close(j, ']');
+  ctl__json_bool(j, "public", job->public_);
+  ctl__json_u64(j, "jobs_on_base", job->jobs_on_base);
   const Zerod__V1__CheckpointPolicy *policy = job->checkpoint_policy;
   ctl__json_open(j, "checkpoint_policy", '{');
   ctl__json_u64(j, "every_steps", policy != NULL ? policy->every_steps : 0);
@@ -130,6 +138,39 @@ static void print_policy(const Zerod__V1__CheckpointPolicy *policy) {
     snprintf(keep, sizeof keep, ", keep %" PRIu32, policy->keep);
   ctl__print_field("checkpoints", "every %s%s%s%s", steps, steps[0] && seconds[0] ? " or " : "",
                    seconds, keep);
+}
+
+/* Bases (docs/bases.md): "frozen: yes (a base), shared with a, b; 2 jobs
+ * on it", and a job's base. */
+static void print_base(const Zerod__V1__Job *job) {
+  const char *base = job_config(job)->base_job;
+  if (base != NULL && base[0] != '\0')
+    ctl__print_field("base", "%s", base);
+  if (!job->frozen)
+    return;
+  char sharing[TABLE_CELL_BYTES];
+  ctl__format_sharing(job, sharing, sizeof sharing);
+  ctl__print_field("frozen", "yes (a base), shared with %s; %" PRIu32 " job%s on it", sharing,
+                   job->jobs_on_base, job->jobs_on_base == 1 ? "" : "s");
+}
+
+void ctl__format_sharing(const Zerod__V1__Job *job, char *out, size_t out_bytes) {
+  if (job->public_) {
+    snprintf(out, out_bytes, "every tenant (public)");
+    return;
+  }
+  if (job->n_shared_with == 0) {
+    snprintf(out, out_bytes, "no other tenant");
+    return;
+  }
+  size_t used = 0;
+  out[0] = '\0';
+  for (size_t i = 0; i < job->n_shared_with; i++) {
+    int n = snprintf(out + used, out_bytes - used, "%s%s", i ? "," : "", job->shared_with[i]);
+    if (n < 0 || (size_t)n >= out_bytes - used)
+      break;
+    used += (size_t)n;
+  }
 }
 
 /* `jobs get` and `jobs create`: one field per line. */
@@ -231,10 +272,10 @@ void ctl__print_job(const Zerod__V1__Job *job) {
   ctl__print_field("tenant", "%s", job->tenant[0] != '\0' ? job->tenant : "none (admins only)");
   ctl__print_field("created", "%s", ctl__format_unix_ms(job->created_unix_ms, text, sizeof text));
   print_policy(job->checkpoint_policy);
+  print_base(job);
 }
 
-/* "a,b,c" for the NODES column; past three names, "a,b,c,+5". */
-static void format_job_nodes(const Zerod__V1__Job *job, char *out, size_t out_bytes) {
+void ctl__format_job_nodes(const Zerod__V1__Job *job, char *out, size_t out_bytes) {
   out[0] = '\0';
   size_t used = 0;
   for (size_t i = 0; i < job->n_placement; i++) {
@@ -249,7 +290,8 @@ static void format_job_nodes(const Zerod__V1__Job *job, char *out, size_t out_by
   }
 }
 
-int ctl__cmd_jobs_list(ctl *c, int argc, char **argv) {
+int ctl__list_jobs(ctl *c, const char *json_key, const char *const *headers, size_t columns,
+                   ctl_job_row *row) {
   Zerod__V1__ListJobsRequest request = ZEROD__V1__LIST_JOBS_REQUEST__INIT;
   Zerod__V1__ListJobsReply *reply;
   int rc = ctl__call(c, "/zerod.v1.Jobs/ListJobs", &request.base,
@@ -260,31 +302,21 @@ int ctl__cmd_jobs_list(ctl *c, int argc, char **argv) {
   if (c->json) {
     json_out j = {.out = stdout};
     ctl__json_open(&j, NULL, '{');
-    ctl__json_open(&j, "jobs", '[');
+    ctl__json_open(&j, json_key, '[');
     for (size_t i = 0; i < reply->n_jobs; i++)
-      ctl__json_job(&j, NULL, reply->jobs[i]);
+      if (row(reply->jobs[i], NULL))
+        ctl__json_job(&j, NULL, reply->jobs[i]);
     ctl__json_close(&j, ']');
     ctl__json_close(&j, '}');
     zerod__v1__list_jobs_reply__free_unpacked(reply, NULL);
     return 0;
   }
 
-  static const char *const headers[] = {"NAME",      "STATE",     "WORLD", "NODES",
-                                        "OPTIMIZER", "PRECISION", "STEP",  "REASON"};
   table t;
-  ctl__table_init(&t, 8, headers);
+  ctl__table_init(&t, columns, headers);
   for (size_t i = 0; i < reply->n_jobs && rc == 0; i++) {
-    const Zerod__V1__Job *job = reply->jobs[i];
-    char cells[8][TABLE_CELL_BYTES];
-    snprintf(cells[0], TABLE_CELL_BYTES, "%s", job->name);
-    snprintf(cells[1], TABLE_CELL_BYTES, "%s", ctl__job_state_name(job->state));
-    snprintf(cells[2], TABLE_CELL_BYTES, "%" PRIu32, job->world_size);
-    format_job_nodes(job, cells[3], TABLE_CELL_BYTES);
-    snprintf(cells[4], TABLE_CELL_BYTES, "%s", ctl__optimizer_name(job_optimizer(job)->kind));
-    snprintf(cells[5], TABLE_CELL_BYTES, "%s", ctl__precision_name(job_config(job)->working_dtype));
-    snprintf(cells[6], TABLE_CELL_BYTES, "%" PRIu64, job->step);
-    snprintf(cells[7], TABLE_CELL_BYTES, "%s", job->reason);
-    if (ctl__table_add_row(&t, cells) != 0)
+    char cells[TABLE_MAX_COLUMNS][TABLE_CELL_BYTES];
+    if (row(reply->jobs[i], cells) && ctl__table_add_row(&t, cells) != 0)
       rc = ctl__fail_line(CTL_EXIT_FAILED, "%s: %s", c->command, strerror(ENOMEM));
   }
   if (rc == 0)
@@ -294,12 +326,36 @@ int ctl__cmd_jobs_list(ctl *c, int argc, char **argv) {
   return rc;
 }
 
-int ctl__cmd_jobs_get(ctl *c, int argc, char **argv) {
-  Zerod__V1__GetJobRequest request = ZEROD__V1__GET_JOB_REQUEST__INIT;
-  request.name = argv[0];
+/* A row of `jobs list`: every job. */
+static bool job_row(const Zerod__V1__Job *job, char cells[][TABLE_CELL_BYTES]) {
+  if (cells == NULL)
+    return true;
+  snprintf(cells[0], TABLE_CELL_BYTES, "%s", job->name);
+  snprintf(cells[1], TABLE_CELL_BYTES, "%s", ctl__job_state_name(job->state));
+  snprintf(cells[2], TABLE_CELL_BYTES, "%" PRIu32, job->world_size);
+  ctl__format_job_nodes(job, cells[3], TABLE_CELL_BYTES);
+  snprintf(cells[4], TABLE_CELL_BYTES, "%s", ctl__optimizer_name(job_optimizer(job)->kind));
+  snprintf(cells[5], TABLE_CELL_BYTES, "%s", ctl__precision_name(job_config(job)->working_dtype));
+  snprintf(cells[6], TABLE_CELL_BYTES, "%" PRIu64, job->step);
+  /* BASE: "frozen" for a base, the base of a job on one. */
+  const char *base = job_config(job)->base_job;
+  snprintf(cells[7], TABLE_CELL_BYTES, "%s",
+           job->frozen                       ? "frozen"
+           : base != NULL && base[0] != '\0' ? base
+                                             : "-");
+  snprintf(cells[8], TABLE_CELL_BYTES, "%s", job->reason);
+  return true;
+}
+
+int ctl__cmd_jobs_list(ctl *c, int argc, char **argv) {
+  static const char *const headers[] = {"NAME",      "STATE", "WORLD", "NODES", "OPTIMIZER",
+                                        "PRECISION", "STEP",  "BASE",  "REASON"};
+  return ctl__list_jobs(c, "jobs", headers, 9, job_row);
+}
+
+int ctl__call_job(ctl *c, const char *method, const ProtobufCMessage *request) {
   Zerod__V1__Job *job;
-  int rc = ctl__call(c, "/zerod.v1.Jobs/GetJob", &request.base, &zerod__v1__job__descriptor,
-                     (ProtobufCMessage **)&job);
+  int rc = ctl__call(c, method, request, &zerod__v1__job__descriptor, (ProtobufCMessage **)&job);
   if (rc != 0)
     return rc;
   if (c->json) {
@@ -310,6 +366,12 @@ int ctl__cmd_jobs_get(ctl *c, int argc, char **argv) {
   }
   zerod__v1__job__free_unpacked(job, NULL);
   return 0;
+}
+
+int ctl__cmd_jobs_get(ctl *c, int argc, char **argv) {
+  Zerod__V1__GetJobRequest request = ZEROD__V1__GET_JOB_REQUEST__INIT;
+  request.name = argv[0];
+  return ctl__call_job(c, "/zerod.v1.Jobs/GetJob", &request.base);
 }
 
 int ctl__cmd_jobs_delete(ctl *c, int argc, char **argv) {

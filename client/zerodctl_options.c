@@ -42,12 +42,16 @@ enum {
   OPT_MAX_SESSIONS,
   OPT_TOKEN,
   OPT_TENANT,
+  OPT_BASE,
   OPT_EVERY_STEPS,
   OPT_EVERY_SECONDS,
   OPT_KEEP,
   OPT_CHECKPOINT,
   OPT_DTYPE,
   OPT_OVERWRITE,
+  /* jobs freeze */
+  OPT_SHARE,
+  OPT_PUBLIC,
   /* how to reach the coordinator (any command) */
   OPT_TLS_CA,
   OPT_TLS_CERT,
@@ -92,6 +96,7 @@ static const struct option long_options[] = {
     {"max-sessions", required_argument, NULL, OPT_MAX_SESSIONS},
     {"token", required_argument, NULL, OPT_TOKEN},
     {"tenant", required_argument, NULL, OPT_TENANT},
+    {"base", required_argument, NULL, OPT_BASE},
     {"checkpoint-every-steps", required_argument, NULL, OPT_EVERY_STEPS},
     {"checkpoint-every-seconds", required_argument, NULL, OPT_EVERY_SECONDS},
     {"checkpoint-keep", required_argument, NULL, OPT_KEEP},
@@ -99,6 +104,9 @@ static const struct option long_options[] = {
     {"checkpoint", required_argument, NULL, OPT_CHECKPOINT},
     {"dtype", required_argument, NULL, OPT_DTYPE},
     {"overwrite", no_argument, NULL, OPT_OVERWRITE},
+    /* jobs freeze */
+    {"share", required_argument, NULL, OPT_SHARE},
+    {"public", no_argument, NULL, OPT_PUBLIC},
     {"tls-ca", required_argument, NULL, OPT_TLS_CA},
     {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
     {"tls-key", required_argument, NULL, OPT_TLS_KEY},
@@ -195,6 +203,9 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
   case OPT_TENANT:
     slot = &o->tenant;
     break;
+  case OPT_BASE:
+    slot = &o->base;
+    break;
   case OPT_EVERY_STEPS:
     slot = &o->every_steps;
     break;
@@ -237,7 +248,8 @@ static void option_spelling(int opt, int long_index, const char *arg, char *out,
 int ctl__parse_options(int argc, char **argv, ctl *c, ctl_options *o) {
   char spelled[64];
   *o = (ctl_options){.owned = {{"jobs create", OPT_NODES, OPT_KEEP, ""},
-                               {"export", OPT_CHECKPOINT, OPT_OVERWRITE, ""}}};
+                               {"export", OPT_CHECKPOINT, OPT_OVERWRITE, ""},
+                               {"jobs freeze", OPT_SHARE, OPT_PUBLIC, ""}}};
 
   opterr = 0; /* our own one-line messages */
   int opt, long_index = -1;
@@ -296,6 +308,12 @@ int ctl__parse_options(int argc, char **argv, ctl *c, ctl_options *o) {
         c->export_dtype = optarg;
       else
         c->export_overwrite = true;
+      break;
+    case OPT_SHARE:
+      c->freeze_share = optarg;
+      break;
+    case OPT_PUBLIC:
+      c->freeze_public = true;
       break;
     case ':':
       return ctl__usage_error("option '%s' needs a value (see zerodctl --help)", spelled);

@@ -23,6 +23,7 @@
 
 #include "ckpt_call.h"
 #include "base_cache.h"
+#include "bases.h"
 #include "ckpt_node.h"
 #include "cluster.h"
 #include "coord.h"
@@ -445,7 +446,7 @@ static int start_node(node_process *p) {
                             .nvme_dir = p->nvme_dir,
                             .device = o->device,
                             .base_cache = base_cache_create(o->base_cache_bytes)};
-  if (d->exec.base_cache == NULL || jobs_metrics_start(d) != 0) {
+  if (d->exec.base_cache == NULL || jobs_metrics_start(d) != 0 || bases_metrics_start(d) != 0) {
     fprintf(stderr, "zerod: metrics: out of memory\n");
     return 1;
   }
@@ -492,6 +493,7 @@ static void run_loop(node_process *p, const char *health_listen, int health_port
  * jobs any more. */
 static void free_daemon(node_process *p) {
   zdaemon *d = &p->daemon;
+  bases_metrics_stop(d);
   jobs_metrics_stop(d);
   jobs_free_all(d);
   base_cache_destroy(d->exec.base_cache); /* every job let go of its entries */

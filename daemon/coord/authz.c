@@ -19,6 +19,7 @@
  *   GetJob                  a reader of the job's tenant and up
  *   ListJobs                anyone; each sees the jobs it may read
  *   DeleteJob               the job's tenant or an admin
+ *   FreezeJob               the job's tenant or an admin (docs/bases.md)
  *   IssueReadToken          a reader of the job's tenant and up
  *   Put, Get, Delete (KV)   a node the job is placed on, or an admin
  *   Save, Delete checkpoint the job's tenant or an admin; Save also a
@@ -34,7 +35,10 @@
  *                           reader's file goes in <export root>/<tenant>/
  *   List checkpoints        of a job: a reader of it; of every job: each
  *                           sees those of the jobs it may read
- * A job with no tenant is an admin's alone. A caller on the Unix socket
+ * A base (a frozen job) is also read by the tenants it is shared with
+ * (every tenant when public), who may create jobs on it (CreateJob's
+ * handler asks authz_may_build_on, once it knows the base exists and is
+ * frozen). A job with no tenant is an admin's alone. A caller on the Unix socket
  * (zerod standalone's control socket, mode 0600/0660) and any caller of a
  * coordinator without principals (--auth-file) is trusted: every check
  * passes. */
@@ -47,12 +51,36 @@
 #include "log.h"
 #include "rpc.h"
 
+/* Whether a base is shared with tenant (or with every tenant). */
+static int shared_with(const Zerod__V1__Job *base, const char *tenant) {
+  if (!base->frozen || tenant[0] == '\0')
+    return 0;
+  if (base->public_)
+    return 1;
+  for (size_t i = 0; i < base->n_shared_with; i++)
+    if (strcmp(base->shared_with[i], tenant) == 0)
+      return 1;
+  return 0;
+}
+
 int authz_may_read_job(const coord_caller *who, const Zerod__V1__Job *job) {
   if (who->role == AUTH_ADMIN)
     return 1;
   if (who->role != AUTH_TENANT && who->role != AUTH_READER)
     return 0;
-  return job->tenant[0] != '\0' && strcmp(job->tenant, who->tenant) == 0;
+  if (job->tenant[0] != '\0' && strcmp(job->tenant, who->tenant) == 0)
+    return 1;
+  return shared_with(job, who->tenant);
+}
+
+int authz_may_build_on(const coord_caller *who, const char *tenant, const Zerod__V1__Job *base) {
+  if (who->role == AUTH_ADMIN)
+    return 1;
+  if (who->role != AUTH_TENANT || tenant[0] == '\0')
+    return 0;
+  if (base->tenant[0] != '\0' && strcmp(base->tenant, tenant) == 0)
+    return 1;
+  return shared_with(base, tenant);
 }
 
 int authz_may_own_job(const coord_caller *who, const Zerod__V1__Job *job) {
@@ -232,6 +260,8 @@ static void audit_line(const coord_caller *who, const char *path, const Protobuf
     tenant = r->tenant[0] != '\0' ? r->tenant : who->tenant;
   } else if (IS(CTL_DELETE_JOB)) {
     job = ((const Zerod__V1__DeleteJobRequest *)msg)->name;
+  } else if (IS(CTL_FREEZE_JOB)) {
+    job = ((const Zerod__V1__FreezeJobRequest *)msg)->name;
   } else if (IS(CTL_ISSUE_READ_TOKEN)) {
     job = ((const Zerod__V1__IssueReadTokenRequest *)msg)->job;
   } else if (IS(CTL_SAVE)) {
@@ -290,6 +320,9 @@ static int method_rule(const authz_env *env, const coord_caller *who, const char
                     "get read tokens of", err, err_bytes);
   if (IS(CTL_DELETE_JOB))
     return job_rule(env, who, ((const Zerod__V1__DeleteJobRequest *)msg)->name, 1, "delete", err,
+                    err_bytes);
+  if (IS(CTL_FREEZE_JOB))
+    return job_rule(env, who, ((const Zerod__V1__FreezeJobRequest *)msg)->name, 1, "freeze", err,
                     err_bytes);
   if (IS(CTL_PUT))
     return kv_rule(env, who, ((const Zerod__V1__PutRequest *)msg)->job, err, err_bytes);

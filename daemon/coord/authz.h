@@ -48,9 +48,14 @@ int authz_check(const authz_env *env, const coord_caller *who, const char *path,
                 size_t err_bytes);
 
 /* Whether who may read (get, list, export) or own (delete, save,
- * restore) job. */
+ * restore, freeze) job. A base is also read by the tenants it is shared
+ * with (every tenant when public). */
 int authz_may_read_job(const coord_caller *who, const Zerod__V1__Job *job);
 int authz_may_own_job(const coord_caller *who, const Zerod__V1__Job *job);
+/* Whether who may create a job of tenant (the new job's) on base, a
+ * frozen job (docs/bases.md): an admin; a tenant principal for the base's
+ * own tenant, a tenant it is shared with, or any when it is public. */
+int authz_may_build_on(const coord_caller *who, const char *tenant, const Zerod__V1__Job *base);
 /* Whether who is a node principal of one of job's placement nodes. */
 int authz_placed_on(const coord_caller *who, const Zerod__V1__Job *job);
 

@@ -164,6 +164,14 @@ static void on_restore(rpc_call *call, const uint8_t *request, size_t request_by
   char source[PATH_MAX];
   cjob *j = NULL;
   int status = coord__ckpt_order_precheck(c, req->job, &j, err, sizeof err);
+  if (status == 0 && j->msg->frozen) {
+    /* Jobs on the base read its shards as they are (docs/bases.md). */
+    snprintf(err, sizeof err,
+             "job '%s' is a frozen base: its state no longer changes (restore into a new job "
+             "and freeze that)",
+             req->job);
+    status = RPC_FAILED_PRECONDITION;
+  }
   if (status == 0)
     status = coord__ckpt_resolve_source(c, req->job, req->checkpoint, source, sizeof source, err,
                                         sizeof err);

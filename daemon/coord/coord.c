@@ -173,6 +173,8 @@ int coord_register(coord *c, rpc_server *server) {
   if (rc == 0)
     rc = coord__jobs_register(c, server);
   if (rc == 0)
+    rc = coord__bases_register(c, server);
+  if (rc == 0)
     rc = coord__kv_register(c, server);
   if (rc != 0)
     return rc;

@@ -16,6 +16,7 @@
  *                     checkpoints
  *   coord_kv.c        the rendezvous KV
  *   coord_cluster.c   membership and leases
+ *   coord_bases.c     bases: FreezeJob, a job's base checked at CreateJob
  *   coord_jobs.c      jobs and quotas
  *   coord.c           the lifecycle (coord.h)
  * What the registry and the checkpoints' thread pool must have done by the
@@ -355,6 +356,42 @@ int coord__state_load(coord *c, char *err, size_t err_bytes);
 void coord__cluster_sweep(coord *c);
 /* Registers the Cluster methods (Join, Heartbeat, Leave, GetView, Watch). */
 int coord__cluster_register(coord *c, rpc_server *server);
+
+/* ------------------------------------------------------------------------ */
+/* coord_bases.c: bases (docs/bases.md)                                     */
+/* ------------------------------------------------------------------------ */
+
+/* A CreateJob request on a base, resolved from the base: it points into
+ * the request it came from and the base's stored job, so it lives no
+ * longer than either (one loop turn). */
+typedef struct base_request {
+  Zerod__V1__CreateJobRequest request;
+  Zerod__V1__JobConfig config;
+  char *node_names[CTL_MAX_RANKS];
+} base_request;
+
+/* CreateJob: when req->config names a base (config.base_job), checks it
+ * (it exists, it is frozen, who may build on it for tenant; who NULL: an
+ * in-process create, trusted) and resolves req against it into *out: the
+ * base's nodes in its order when node_names is empty, its ranks_per_node
+ * and working dtype when they are 0, then the same nodes, ranks_per_node
+ * and working dtype as the base's, or INVALID_ARGUMENT naming the field.
+ * *use is then &out->request, else req itself. Returns 0, or an RPC status
+ * with the reason in err. */
+int coord__base_resolve(const coord *c, const coord_caller *who, const char *tenant,
+                        const Zerod__V1__CreateJobRequest *req, base_request *out,
+                        const Zerod__V1__CreateJobRequest **use, char *err, size_t err_bytes);
+
+/* DeleteJob: 0 when j is no base of a live job, else FAILED_PRECONDITION
+ * naming them in err. */
+int coord__base_deletable(const coord *c, const cjob *j, char *err, size_t err_bytes);
+
+/* The job as replies show it (coord__job_view), with a base's count of
+ * live jobs on it. */
+void coord__base_view(const coord *c, const cjob *j, Zerod__V1__Job *out);
+
+/* Registers FreezeJob. */
+int coord__bases_register(coord *c, rpc_server *server);
 
 /* ------------------------------------------------------------------------ */
 /* coord_jobs.c: jobs and quotas                                            */

@@ -1,6 +1,6 @@
 /* Jobs (coord_impl.h): the Jobs service (CreateJob, GetJob, ListJobs,
- * DeleteJob, IssueReadToken) and the tenants' quotas a new job is admitted
- * against (auth.h).
+ * DeleteJob, IssueReadToken; FreezeJob is coord_bases.c's) and the tenants' quotas a new job is
+ * admitted against (auth.h).
  *
  * A job is created placed (on the nodes named, or the first members that
  * can host its ranks), stored durably (coord_state.c) before the reply,
@@ -164,17 +164,18 @@ static int tenant_admit(const coord *c, const char *tenant, const Zerod__V1__Cre
   return 0;
 }
 
-/* Creates the job req describes (decoded and validated), placed by
- * place_job. An empty token is replaced by a random one unless
- * token_as_given (an in-process create, whose workers attached without
- * one). Returns 0 with the job in *out, or an RPC status with the reason in
- * err and nothing changed. */
-static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const char *tenant,
-                      int token_as_given, const cjob **out, char *token_out, char *err,
-                      size_t err_bytes) {
-  long at = coord__job_index(c, req->name);
+/* Creates the job asked describes (decoded and validated), on its base
+ * if it names one (coord__base_resolve: who NULL for an in-process
+ * create), placed by place_job. An empty token is replaced by a random one
+ * unless token_as_given (an in-process create, whose workers attached
+ * without one). Returns 0 with the job in *out, or an RPC status with the
+ * reason in err and nothing changed. */
+static int create_job(coord *c, const Zerod__V1__CreateJobRequest *asked, const char *tenant,
+                      const coord_caller *who, int token_as_given, const cjob **out,
+                      char *token_out, char *err, size_t err_bytes) {
+  long at = coord__job_index(c, asked->name);
   if (at >= 0) {
-    snprintf(err, err_bytes, "job '%s' %s", req->name,
+    snprintf(err, err_bytes, "job '%s' %s", asked->name,
              c->jobs[at]->deleting ? "is still being deleted" : "already exists");
     return RPC_ALREADY_EXISTS;
   }
@@ -182,7 +183,11 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *req, const ch
     snprintf(err, err_bytes, "the coordinator has %zu jobs (at most %d)", c->njobs, COORD_MAX_JOBS);
     return RPC_RESOURCE_EXHAUSTED;
   }
-  int status = coord__ckpt_name_free(c, req->name, err, err_bytes);
+  base_request on_base;
+  const Zerod__V1__CreateJobRequest *req;
+  int status = coord__base_resolve(c, who, tenant, asked, &on_base, &req, err, err_bytes);
+  if (status == 0)
+    status = coord__ckpt_name_free(c, req->name, err, err_bytes);
   if (status != 0)
     return status;
   status = tenant_admit(c, tenant, req, err, err_bytes);
@@ -291,7 +296,7 @@ static void on_create_job(rpc_call *call, const uint8_t *request, size_t request
   const char *tenant = req->tenant[0] != '\0' ? req->tenant : who.tenant;
   const cjob *j;
   char token[CTL_TOKEN_MAX_BYTES + 1];
-  int status = create_job(c, req, tenant, 0, &j, token, err, sizeof err);
+  int status = create_job(c, req, tenant, &who, 0, &j, token, err, sizeof err);
   if (status != 0) {
     coord__finish_error(call, status, "%s", err);
   } else {
@@ -323,7 +328,7 @@ int coord_create_job_local(coord *c, const char *name, const char *token,
   req.node_names = nodes;
   const cjob *j;
   char given[CTL_TOKEN_MAX_BYTES + 1];
-  int status = create_job(c, &req, "", 1, &j, given, err, err_bytes);
+  int status = create_job(c, &req, "", NULL, 1, &j, given, err, err_bytes);
   if (status == 0) {
     *id_out = j->msg->id;
     *epoch_out = j->epoch;
@@ -341,7 +346,7 @@ static void on_get_job(rpc_call *call, const uint8_t *request, size_t request_by
     coord__finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->name);
   } else {
     Zerod__V1__Job view;
-    coord__job_view(j, &view);
+    coord__base_view(c, j, &view);
     coord__finish_message(call, &view.base);
   }
   ctl_free(&req->base);
@@ -412,7 +417,7 @@ static void on_list_jobs(rpc_call *call, const uint8_t *request, size_t request_
     for (size_t i = 0; i < c->njobs; i++) {
       if (!job_listed_for(&who, c->jobs[i]))
         continue;
-      coord__job_view(c->jobs[i], &views[n]);
+      coord__base_view(c, c->jobs[i], &views[n]);
       pointers[n] = &views[n];
       n++;
     }
@@ -438,6 +443,11 @@ static void on_delete_job(rpc_call *call, const uint8_t *request, size_t request
   }
   if (!j->deleting) {
     char err[PATH_MAX + 256];
+    int status = coord__base_deletable(c, j, err, sizeof err);
+    if (status != 0) {
+      coord__finish_error(call, status, "%s", err);
+      goto out;
+    }
     /* Its checkpoints outlive it, and their owner is recorded with it
      * (ckpt_owner.c). */
     if (coord__ckpt_retire(c, j, coord__unix_ms()) != 0) {

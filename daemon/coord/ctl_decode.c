@@ -304,27 +304,37 @@ static int check_token(const char *token, int allow_empty, char *err, size_t err
   return 0;
 }
 
-static int check_create_job(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
-  const Zerod__V1__CreateJobRequest *r = (const Zerod__V1__CreateJobRequest *)msg;
+int ctl_check_create_job(const Zerod__V1__CreateJobRequest *r, char *err, size_t err_bytes) {
   int rc = check_name("name", r->name, err, err_bytes);
+  /* A job on a base may leave nodes and ranks_per_node 0: the base's
+   * (the coordinator fills them in and checks the request again). */
+  const char *base = r->config != NULL && r->config->base_job != NULL ? r->config->base_job : "";
+  int on_base = base[0] != '\0';
+  uint32_t nodes = r->nodes, ranks_per_node = r->ranks_per_node;
+  if (on_base && nodes == 0)
+    nodes = r->n_node_names != 0 ? (uint32_t)r->n_node_names : 1;
+  if (on_base && ranks_per_node == 0)
+    ranks_per_node = 1;
   if (rc == 0)
-    rc = check_world(r->nodes, r->ranks_per_node, err, err_bytes);
+    rc = check_world(nodes, ranks_per_node, err, err_bytes);
   if (rc == 0)
     rc = ctl_check_job_config(r->config, err, err_bytes);
   if (rc == 0)
     rc = check_token(r->token, 1, err, err_bytes);
   if (rc != 0)
     return rc;
+  if (on_base && strcmp(base, r->name) == 0)
+    return fail(err, err_bytes, "job '%s' cannot be its own base (config.base_job)", r->name);
   /* hpZ's secondary group is the ranks of one node, as in ZeRO++. */
   uint32_t hpz = r->config != NULL ? r->config->hpz_partition_size : 0;
-  if (hpz > 1 && hpz != r->ranks_per_node)
+  if (hpz > 1 && r->ranks_per_node != 0 && hpz != r->ranks_per_node)
     return fail(err, err_bytes,
                 "hpz_partition_size is %u; it must be 1 (off) or the job's ranks_per_node (%u): "
                 "the secondary partition is spread over the ranks of one node",
                 hpz, r->ranks_per_node);
   if (r->tenant[0] != '\0' && !ctl_valid_job_dir_name(r->tenant))
     return fail(err, err_bytes, "tenant must be 1..64 of [A-Za-z0-9._-], not '.' or '..'");
-  if (r->n_node_names != 0 && r->n_node_names != r->nodes)
+  if (r->n_node_names != 0 && r->n_node_names != nodes)
     return fail(err, err_bytes, "node_names lists %zu nodes but nodes is %u", r->n_node_names,
                 r->nodes);
   for (size_t i = 0; i < r->n_node_names; i++) {
@@ -335,6 +345,35 @@ static int check_create_job(const ProtobufCMessage *msg, char *err, size_t err_b
         return fail(err, err_bytes, "node '%s' is listed twice in node_names", r->node_names[i]);
   }
   return 0;
+}
+
+static int check_create_job(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  return ctl_check_create_job((const Zerod__V1__CreateJobRequest *)msg, err, err_bytes);
+}
+
+/* The tenants a base is shared with: at most CTL_MAX_SHARED_WITH tenant
+ * names (as CreateJob's tenant), none twice. */
+static int check_shared_with(char *const *tenants, size_t n, char *err, size_t err_bytes) {
+  if (n > CTL_MAX_SHARED_WITH)
+    return fail(err, err_bytes, "shared_with lists %zu tenants (at most %d)", n,
+                CTL_MAX_SHARED_WITH);
+  for (size_t i = 0; i < n; i++) {
+    int rc = check_name("shared_with[]", tenants[i], err, err_bytes);
+    if (rc != 0)
+      return rc;
+    if (!ctl_valid_job_dir_name(tenants[i]))
+      return fail(err, err_bytes, "shared_with[] must be tenant names, not '.' or '..'");
+    for (size_t k = 0; k < i; k++)
+      if (strcmp(tenants[i], tenants[k]) == 0)
+        return fail(err, err_bytes, "tenant '%s' is listed twice in shared_with", tenants[i]);
+  }
+  return 0;
+}
+
+static int check_freeze_job(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__FreezeJobRequest *r = (const Zerod__V1__FreezeJobRequest *)msg;
+  int rc = check_name("name", r->name, err, err_bytes);
+  return rc == 0 ? check_shared_with(r->shared_with, r->n_shared_with, err, err_bytes) : rc;
 }
 
 static int check_get_job(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
@@ -523,6 +562,7 @@ static const ctl_method methods[CTL_NMETHODS] = {
      check_delete_checkpoint},
     {CTL_RESTORE, &zerod__v1__restore_request__descriptor, check_restore},
     {CTL_EXPORT, &zerod__v1__export_request__descriptor, check_export},
+    {CTL_FREEZE_JOB, &zerod__v1__freeze_job_request__descriptor, check_freeze_job},
 };
 
 const char *ctl_method_path(unsigned i) {
@@ -665,6 +705,10 @@ int ctl_check_stored_job(const Zerod__V1__StoredJob *stored, char *err, size_t e
     return fail(err, err_bytes, "job '%s' has id 0", j->name);
   if (j->tenant[0] != '\0' && !ctl_valid_job_dir_name(j->tenant))
     return fail(err, err_bytes, "job '%s' has an invalid tenant", j->name);
+  if (check_shared_with(j->shared_with, j->n_shared_with, inner, sizeof inner) != 0)
+    return fail(err, err_bytes, "job '%s': %s", j->name, inner);
+  if (j->frozen && j->config != NULL && j->config->base_job[0] != '\0')
+    return fail(err, err_bytes, "job '%s' is a base on a base", j->name);
   if (j->world_size != j->nodes * j->ranks_per_node || j->n_placement != j->nodes)
     return fail(err, err_bytes, "job '%s': world and placement disagree", j->name);
   for (size_t i = 0; i < j->n_placement; i++) {

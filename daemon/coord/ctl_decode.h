@@ -40,6 +40,7 @@
 #define CTL_DELETE_CHECKPOINT "/zerod.v1.Checkpoints/Delete"
 #define CTL_RESTORE           "/zerod.v1.Checkpoints/Restore"
 #define CTL_EXPORT            "/zerod.v1.Checkpoints/Export"
+#define CTL_FREEZE_JOB        "/zerod.v1.Jobs/FreezeJob"
 
 /* Limits on requests (docs/control-plane.md, "Limits"). */
 #define CTL_NAME_MAX_BYTES    64         /* node and job names */
@@ -55,9 +56,10 @@
 #define CTL_MAX_SHARD_REPORTS 256        /* JobStatus.saves, JobStatus.restores */
 #define CTL_FILE_MAX_BYTES    255        /* ShardReport.file */
 #define CTL_PATH_MAX_BYTES    4000 /* RestoreRequest.checkpoint as a path, ExportRequest.path */
+#define CTL_MAX_SHARED_WITH   64   /* FreezeJobRequest.shared_with: tenants */
 
 /* The number of methods ctl_decode knows (the paths above). */
-#define CTL_NMETHODS 20
+#define CTL_NMETHODS 21
 
 /* The path of method i (0 <= i < CTL_NMETHODS), and the descriptor of its
  * request message, for tests and fuzzing; NULL past the end. */
@@ -144,6 +146,12 @@ void ctl_text_sanitize(char *s, size_t max_bytes);
  * assigned, with the node's message. NULL (every default) is valid.
  * Returns 0 or -EINVAL with a message in err. */
 int ctl_check_job_config(const Zerod__V1__JobConfig *config, char *err, size_t err_bytes);
+
+/* Checks a CreateJob request as ctl_decode does. The coordinator checks
+ * again the request it makes of one on a base (JobConfig.base_job), whose
+ * nodes, ranks_per_node (0 there: the base's) and working dtype it takes
+ * from the base. Returns 0 or -EINVAL with a message in err. */
+int ctl_check_create_job(const Zerod__V1__CreateJobRequest *request, char *err, size_t err_bytes);
 
 /* Checks a stored job (from the state file) like a CreateJob request, plus
  * its placement. Returns 0 or -EINVAL with a message in err. */

@@ -7,6 +7,8 @@
 #include <string.h>
 
 #include "base_cache.h"
+#include "metrics.h"
+#include "rank_metrics.h"
 #include "log.h"
 
 int bases_link(zdaemon *d, job *j, job *b, char *err, size_t err_bytes) {
@@ -48,4 +50,66 @@ void bases_unlink(zdaemon *d, job *j) {
 
 int bases_unused(const job *j) {
   return j->base_users == 0;
+}
+
+/* ---- Metrics ------------------------------------------------------------------ */
+
+/* The cache's counts are cumulative; the counters grow by what they grew
+ * since the last scrape (d->base_seen). */
+static void collect(void *arg) {
+  zdaemon *d = arg;
+  base_cache_stats st;
+  base_cache_stats_get(d->exec.base_cache, &st);
+  metric_set(d->m_base_cache[BASES_M_HELD], (double)st.held_bytes);
+  metric_set(d->m_base_cache[BASES_M_IDLE], (double)(st.bytes - st.held_bytes));
+  metric_set(d->m_base_cache[BASES_M_BUDGET], (double)st.budget);
+  metric_set(d->m_base_cache[BASES_M_ENTRIES], (double)st.entries);
+  metric_add(d->m_base_cache[BASES_M_HITS], (double)(st.hits - d->base_seen[0]));
+  metric_add(d->m_base_cache[BASES_M_MISSES], (double)(st.misses - d->base_seen[1]));
+  metric_add(d->m_base_cache[BASES_M_EVICTIONS], (double)(st.evictions - d->base_seen[2]));
+  d->base_seen[0] = st.hits;
+  d->base_seen[1] = st.misses;
+  d->base_seen[2] = st.evictions;
+  for (job *j = d->jobs; j != NULL; j = j->next)
+    if (atomic_load(&j->frozen))
+      rank_metrics_base(j, d->metrics, j->base_users,
+                        base_cache_base_bytes(d->exec.base_cache, j->id));
+}
+
+int bases_metrics_start(zdaemon *d) {
+  if (d->metrics == NULL)
+    return 0;
+  static const char *const kind[] = {"kind", NULL}, *const result[] = {"result", NULL};
+  metric_family *bytes = metrics_family(
+      d->metrics, METRIC_GAUGE, "zerod_base_cache_bytes",
+      "The node's base cache: bytes of entries jobs hold, of entries kept for none (idle), and "
+      "the budget of idle ones (--base-cache-bytes).",
+      kind, NULL, 0);
+  metric_family *lookups = metrics_family(
+      d->metrics, METRIC_COUNTER, "zerod_base_cache_lookups_total",
+      "Gathers of a base's unit that asked the node's base cache: found (hit) or not (miss).",
+      result, NULL, 0);
+  const char *const held[] = {"held", NULL}, *const idle[] = {"idle", NULL},
+                    *const budget[] = {"budget", NULL}, *const hit[] = {"hit", NULL},
+                    *const miss[] = {"miss", NULL};
+  d->m_base_cache[BASES_M_HELD] = metric_family_kept(bytes, held);
+  d->m_base_cache[BASES_M_IDLE] = metric_family_kept(bytes, idle);
+  d->m_base_cache[BASES_M_BUDGET] = metric_family_kept(bytes, budget);
+  d->m_base_cache[BASES_M_HITS] = metric_family_kept(lookups, hit);
+  d->m_base_cache[BASES_M_MISSES] = metric_family_kept(lookups, miss);
+  d->m_base_cache[BASES_M_ENTRIES] = metric_family_kept(
+      metrics_family(d->metrics, METRIC_GAUGE, "zerod_base_cache_entries",
+                     "Gathered base units in the node's base cache.", NULL, NULL, 0),
+      NULL);
+  d->m_base_cache[BASES_M_EVICTIONS] = metric_family_kept(
+      metrics_family(d->metrics, METRIC_COUNTER, "zerod_base_cache_evictions_total",
+                     "Idle entries the node's base cache let go to stay within its budget.", NULL,
+                     NULL, 0),
+      NULL);
+  return metrics_add_collector(d->metrics, collect, d);
+}
+
+void bases_metrics_stop(zdaemon *d) {
+  if (d->metrics != NULL)
+    metrics_remove_collector(d->metrics, collect, d);
 }

@@ -23,4 +23,21 @@ void bases_unlink(zdaemon *d, job *j);
 /* Whether job j may be freed as far as bases go: no job on it is left. */
 int bases_unused(const job *j);
 
+/* The node's base cache and each base in /metrics: zerod_base_cache_bytes
+ * {kind=held|idle|budget}, zerod_base_cache_entries,
+ * zerod_base_cache_lookups_total{result=hit|miss},
+ * zerod_base_cache_evictions_total, and per base zerod_base_jobs and
+ * zerod_base_cached_bytes. 0 or -ENOMEM. */
+enum {
+  BASES_M_HELD,
+  BASES_M_IDLE,
+  BASES_M_BUDGET,
+  BASES_M_ENTRIES,
+  BASES_M_HITS,
+  BASES_M_MISSES,
+  BASES_M_EVICTIONS
+};
+int bases_metrics_start(zdaemon *d);
+void bases_metrics_stop(zdaemon *d);
+
 #endif /* ZEROD_BASES_H */

@@ -2,6 +2,7 @@
 #include "cluster.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -361,6 +362,16 @@ static void on_watch_retry(uv_timer_t *t) {
   start_watch(t->data);
 }
 
+/* A job the coordinator froze (FreezeJob) is a base from now on: the
+ * executors refuse whatever would write its state (docs/bases.md). A
+ * freeze is never undone. */
+static void follow_frozen(job *j, const Zerod__V1__Job *pj) {
+  if (!pj->frozen || atomic_load(&j->frozen))
+    return;
+  atomic_store(&j->frozen, 1);
+  LOG_INFOF("job frozen: it is a base now", "job=%s", j->name);
+}
+
 /* Makes the local jobs follow the coordinator's assignments. */
 static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
   zdaemon *d = a->d;
@@ -407,6 +418,8 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
       if (rc == 0)
         jobs_set_read_tokens(j, as->read_token_sha256, as->n_read_token_sha256);
       if (rc == 0)
+        follow_frozen(j, pj);
+      if (rc == 0)
         cluster_job_added(d);
       if (rc != 0) {
         char msg[300];
@@ -421,6 +434,7 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
     }
     if (jobs_set_read_tokens(j, as->read_token_sha256, as->n_read_token_sha256) != 0)
       LOG_WARNF("read tokens not updated (out of memory)", "job=%s", j->name);
+    follow_frozen(j, pj);
     ckpt_node_orders(j, as);
     /* A job with ranks here only is degraded by nothing but this node's own
      * report of its failure, which it already knows; it resets locally, and

@@ -25,7 +25,7 @@ typedef struct daemon_options {
                                  from --device auto at start) */
   int threads_per_rank;
   int collective_timeout_ms;
-  uint64_t max_live_bytes; /* default per-job gathered + gradient bytes per rank */
+  uint64_t max_live_bytes;   /* default per-job gathered + gradient bytes per rank */
   uint64_t base_cache_bytes; /* --base-cache-bytes (base_cache.h) */
   int max_sessions;
   /* zerod node: the coordinator to join ("" in standalone mode), this
@@ -96,6 +96,10 @@ typedef struct daemon {
   metrics *metrics;
   struct metrics_http *metrics_http;
   metric_series *m_jobs_active, *m_jobs_retired, *m_sessions;
+  /* The base cache's series (node/bases.c), and its counts at the last
+   * scrape (hits, misses, evictions). */
+  metric_series *m_base_cache[7];
+  uint64_t base_seen[3];
 
   uv_signal_t sigint, sigterm;
   int stopping;

@@ -172,3 +172,13 @@ void base_cache_stats_get(base_cache *c, base_cache_stats *out) {
                             .evictions = c->evictions};
   pthread_mutex_unlock(&c->mutex);
 }
+
+uint64_t base_cache_base_bytes(base_cache *c, uint64_t base) {
+  pthread_mutex_lock(&c->mutex);
+  uint64_t bytes = 0;
+  for (const base_cache_entry *e = c->entries; e != NULL; e = e->next)
+    if (e->base == base)
+      bytes += e->region.bytes;
+  pthread_mutex_unlock(&c->mutex);
+  return bytes;
+}

@@ -57,5 +57,7 @@ const shm_region *base_cache_region(const base_cache_entry *e);
 int base_cache_read_only_fd(const base_cache_entry *e);
 
 void base_cache_stats_get(base_cache *c, base_cache_stats *out);
+/* Bytes of the entries of one base. */
+uint64_t base_cache_base_bytes(base_cache *c, uint64_t base);
 
 #endif /* ZEROD_BASE_CACHE_H */

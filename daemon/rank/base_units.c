@@ -52,9 +52,7 @@ static int tensor_differs(const tensor_layout *mine, const tensor_layout *base, 
 /* The base's unit of the registration's name, once every base rank here
  * has it, or NULL. */
 static unit_layout *base_unit_named(job *base, const char *name) {
-  pthread_mutex_lock(&base->mutex);
-  unit_layout *bl = job_unit_named(base, name);
-  pthread_mutex_unlock(&base->mutex);
+  unit_layout *bl = job_unit_named(base, name); /* takes the base's mutex */
   if (bl != NULL && atomic_load(&bl->ready_ranks) < base->nranks)
     return NULL;
   return bl;

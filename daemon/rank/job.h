@@ -345,7 +345,7 @@ int job_failed(job *j, unsigned generation, char *reason, size_t reason_bytes);
  * *conflict = 1 if the name exists with a different layout. */
 unit_layout *job_publish_unit(job *j, unit_layout *layout, int *existed, int *conflict);
 unit_layout *job_unit(job *j, uint32_t unit_id);
-/* The published unit named name, or NULL (under the job's mutex). */
+/* The published unit named name, or NULL (takes the job's mutex). */
 unit_layout *job_unit_named(job *j, const char *name);
 /* A copy of the unit table, in id order, taken under the job's mutex (the
  * layouts are immutable once published, so only the table is copied); the

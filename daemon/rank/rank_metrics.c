@@ -168,9 +168,29 @@ void rank_metrics_open(job *j, metrics *m, const char *memory) {
   }
 }
 
+void rank_metrics_base(job *j, metrics *m, int jobs, uint64_t cached_bytes) {
+  job_series *s = j->metrics;
+  if (s == NULL || m == NULL)
+    return;
+  static const char *const base_labels[] = {"zerod_base", NULL};
+  const char *const v[] = {j->name, NULL};
+  if (s->base_jobs == NULL)
+    s->base_jobs = series(m, METRIC_GAUGE, "zerod_base_jobs",
+                          "Jobs on this base (a frozen job) on this node.", base_labels, v);
+  if (s->base_cached_bytes == NULL)
+    s->base_cached_bytes =
+        series(m, METRIC_GAUGE, "zerod_base_cached_bytes",
+               "Bytes of this base's gathered units in the node's base cache.", base_labels, v);
+  metric_set(s->base_jobs, jobs);
+  metric_set(s->base_cached_bytes, (double)cached_bytes);
+}
+
 void rank_metrics_close(job *j) {
-  if (j->metrics != NULL)
+  if (j->metrics != NULL) {
     metric_series_put(j->metrics->readers);
+    metric_series_put(j->metrics->base_jobs);
+    metric_series_put(j->metrics->base_cached_bytes);
+  }
   free(j->metrics);
   j->metrics = NULL;
   for (int r = 0; r < j->nranks; r++) {

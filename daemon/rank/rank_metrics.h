@@ -63,6 +63,9 @@ typedef struct rank_series {
 
 typedef struct job_series {
   metric_series *readers;
+  /* A base's (made when it is first seen frozen): the jobs on it on this
+   * node, and the bytes of its units in the node's base cache. */
+  metric_series *base_jobs, *base_cached_bytes;
 } job_series;
 
 /* Makes the series of a job and of all its ranks in m (none when m is
@@ -87,5 +90,8 @@ void rank_metrics_ckpt_written(struct rank_state *rs, double seconds, uint64_t b
 void rank_metrics_ckpt_stall(struct rank_state *rs, double seconds);
 /* Loop thread: queue depth, sessions. */
 void rank_metrics_loop(struct job *j);
+/* Loop thread, for a frozen job (a base): its figures (rank_series' base
+ * series, made on the first call). */
+void rank_metrics_base(struct job *j, metrics *m, int jobs, uint64_t cached_bytes);
 
 #endif /* ZEROD_RANK_METRICS_H */

@@ -215,7 +215,7 @@ def test_jobs_create_list_get_delete(coordinator, nodes):
 
     table = ok("jobs", "list", address=addr).splitlines()
     assert table[0].split() == ["NAME", "STATE", "WORLD", "NODES", "OPTIMIZER", "PRECISION",
-                                "STEP", "REASON"]
+                                "STEP", "BASE", "REASON"]
     llm = table[1].split()
     assert llm[0] == "llm" and llm[2] == "4" and llm[3] == "node-a,node-b", table
     assert llm[4:6] == ["adamw", "bf16"], table

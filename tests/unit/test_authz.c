@@ -5,10 +5,11 @@
  * caller, the method and its decoded request.
  *
  * The jobs: "a1" of tenant team-a on nodes n1 and n2, "b1" of team-b on
- * n3, "adm" of no tenant (an admin's alone) on n1. The callers: an admin,
- * tenants alice (team-a) and bob (team-b), reader dash (team-a), nodes n1
- * and n3, the any-node principal "*", and a trusted caller (the Unix
- * socket, or no principals configured). */
+ * n3, "adm" of no tenant (an admin's alone) on n1, and "base", team-a's
+ * base (a frozen job) on n1, shared with team-c. The callers: an admin,
+ * tenants alice (team-a), bob (team-b) and carol (team-c), reader dash
+ * (team-a), nodes n1 and n3, the any-node principal "*", and a trusted
+ * caller (the Unix socket, or no principals configured). */
 #include <limits.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -33,7 +34,8 @@ typedef struct test_job {
   Zerod__V1__RankPlacement *placement_ptrs[2];
 } test_job;
 
-static test_job jobs[3];
+static test_job jobs[4];
+static char *base_shared_with[] = {"team-c"};
 static int lookups; /* how many times the policy asked for a job */
 
 static void job_init(test_job *t, const char *name, const char *tenant, const char *node0,
@@ -81,16 +83,21 @@ static coord_caller caller(auth_role role, const char *name, const char *tenant)
   return who;
 }
 
-static coord_caller admin, alice, bob, dash, n1, n3, any_node, trusted;
+static coord_caller admin, alice, bob, carol, dash, n1, n3, any_node, trusted;
 
 static int setup(void **state) {
   (void)state;
   job_init(&jobs[0], "a1", "team-a", "n1", "n2");
   job_init(&jobs[1], "b1", "team-b", "n3", NULL);
   job_init(&jobs[2], "adm", "", "n1", NULL);
+  job_init(&jobs[3], "base", "team-a", "n1", NULL);
+  jobs[3].msg.frozen = 1;
+  jobs[3].msg.n_shared_with = 1;
+  jobs[3].msg.shared_with = base_shared_with;
   admin = caller(AUTH_ADMIN, "ops", "");
   alice = caller(AUTH_TENANT, "alice", "team-a");
   bob = caller(AUTH_TENANT, "bob", "team-b");
+  carol = caller(AUTH_TENANT, "carol", "team-c");
   dash = caller(AUTH_READER, "dash", "team-a");
   n1 = caller(AUTH_NODE, "n1", "");
   n3 = caller(AUTH_NODE, "n3", "");
@@ -254,6 +261,61 @@ static void test_delete_job_is_the_owners(void **state) {
   DENIED(dash, CTL_DELETE_JOB, &del, "delete job 'a1'");
   DENIED(bob, CTL_DELETE_JOB, &del, "delete job 'a1'");
   DENIED(n1, CTL_DELETE_JOB, &del, "delete job 'a1'");
+}
+
+/* FreezeJob: the job's tenant or an admin, as DeleteJob; a tenant the
+ * base is shared with may not freeze it over (change its sharing). */
+static void test_freeze_job_is_the_owners(void **state) {
+  (void)state;
+  Zerod__V1__FreezeJobRequest freeze = ZEROD__V1__FREEZE_JOB_REQUEST__INIT;
+  freeze.name = "a1";
+  ALLOWED(alice, CTL_FREEZE_JOB, &freeze);
+  ALLOWED(admin, CTL_FREEZE_JOB, &freeze);
+  DENIED(dash, CTL_FREEZE_JOB, &freeze, "freeze job 'a1'");
+  DENIED(bob, CTL_FREEZE_JOB, &freeze, "freeze job 'a1'");
+  DENIED(n1, CTL_FREEZE_JOB, &freeze, "freeze job 'a1'");
+  assert_string_equal(audit, "job=a1");
+  freeze.name = "base";
+  ALLOWED(alice, CTL_FREEZE_JOB, &freeze);
+  DENIED(carol, CTL_FREEZE_JOB, &freeze, "freeze job 'base'");
+  Zerod__V1__DeleteJobRequest del = ZEROD__V1__DELETE_JOB_REQUEST__INIT;
+  del.name = "base";
+  DENIED(carol, CTL_DELETE_JOB, &del, "delete job 'base'");
+  /* A missing job is the handler's NOT_FOUND. */
+  freeze.name = "nope";
+  ALLOWED(bob, CTL_FREEZE_JOB, &freeze);
+}
+
+/* A base is read, and built on, by its own tenant, the tenants it is
+ * shared with (every tenant when public) and admins; not by a reader of
+ * another tenant's, nor a node. Sharing means nothing on a job that is
+ * not frozen. */
+static void test_a_base_is_read_and_built_on_by_whom_it_is_shared_with(void **state) {
+  (void)state;
+  const Zerod__V1__Job *base = &jobs[3].msg;
+  Zerod__V1__GetJobRequest get = ZEROD__V1__GET_JOB_REQUEST__INIT;
+  get.name = "base";
+  ALLOWED(alice, CTL_GET_JOB, &get);
+  ALLOWED(carol, CTL_GET_JOB, &get);
+  DENIED(bob, CTL_GET_JOB, &get, "read job 'base'");
+  assert_true(authz_may_build_on(&alice, "team-a", base));
+  assert_true(authz_may_build_on(&carol, "team-c", base));
+  assert_true(authz_may_build_on(&admin, "team-b", base));
+  assert_true(authz_may_build_on(&admin, "", base));
+  assert_false(authz_may_build_on(&bob, "team-b", base));
+  assert_false(authz_may_build_on(&dash, "team-a", base)); /* readers create no jobs */
+  assert_false(authz_may_build_on(&n1, "", base));
+
+  jobs[3].msg.public_ = 1;
+  ALLOWED(bob, CTL_GET_JOB, &get);
+  assert_true(authz_may_build_on(&bob, "team-b", base));
+  jobs[3].msg.public_ = 0;
+
+  /* The same sharing on a job that is not a base grants nothing. */
+  jobs[3].msg.frozen = 0;
+  DENIED(carol, CTL_GET_JOB, &get, "read job 'base'");
+  assert_false(authz_may_build_on(&carol, "team-c", base));
+  jobs[3].msg.frozen = 1;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -468,6 +530,8 @@ int main(void) {
       cmocka_unit_test(test_create_job_is_a_tenants_or_an_admins),
       cmocka_unit_test(test_get_job_and_read_tokens_are_the_readers),
       cmocka_unit_test(test_delete_job_is_the_owners),
+      cmocka_unit_test(test_freeze_job_is_the_owners),
+      cmocka_unit_test(test_a_base_is_read_and_built_on_by_whom_it_is_shared_with),
       cmocka_unit_test(test_rendezvous_is_the_jobs_nodes),
       cmocka_unit_test(test_save_is_the_owners_or_its_nodes),
       cmocka_unit_test(test_delete_checkpoint_is_the_owners),

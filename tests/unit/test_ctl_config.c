@@ -233,12 +233,93 @@ static void test_absent_weight_decay_is_ignored(void **state) {
   assert_int_equal(ctl_check_job_config(&pc, err, sizeof err), 0);
 }
 
+/* ctl_decode of msg packed, as a client sends it: the status, with the
+ * message in err. */
+static int decode(const char *path, const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  size_t n = protobuf_c_message_get_packed_size(msg);
+  uint8_t *bytes = malloc(n ? n : 1);
+  assert_non_null(bytes);
+  protobuf_c_message_pack(msg, bytes);
+  ProtobufCMessage *out = NULL;
+  err[0] = '\0';
+  int rc = ctl_decode(path, bytes, n, &out, err, err_bytes);
+  free(bytes);
+  ctl_free(out);
+  return rc;
+}
+
+/* A job on a base may leave nodes and ranks_per_node 0 (the base's: the
+ * coordinator fills them in); a job without one may not, and no job may
+ * be its own base. */
+static void test_create_job_on_a_base(void **state) {
+  (void)state;
+  Zerod__V1__JobConfig config = ZEROD__V1__JOB_CONFIG__INIT;
+  config.base_job = "llama";
+  Zerod__V1__CreateJobRequest req = ZEROD__V1__CREATE_JOB_REQUEST__INIT;
+  req.name = "lora";
+  req.config = &config;
+  char err[256];
+  assert_int_equal(decode(CTL_CREATE_JOB, &req.base, err, sizeof err), 0);
+  char *names[] = {"n1", "n2"};
+  req.n_node_names = 2;
+  req.node_names = names;
+  assert_int_equal(decode(CTL_CREATE_JOB, &req.base, err, sizeof err), 0);
+  req.nodes = 3;
+  assert_int_equal(decode(CTL_CREATE_JOB, &req.base, err, sizeof err), RPC_INVALID_ARGUMENT);
+  assert_string_equal(err, "node_names lists 2 nodes but nodes is 3");
+  req.nodes = 0;
+  req.n_node_names = 0;
+  config.base_job = "lora";
+  assert_int_equal(decode(CTL_CREATE_JOB, &req.base, err, sizeof err), RPC_INVALID_ARGUMENT);
+  assert_string_equal(err, "job 'lora' cannot be its own base (config.base_job)");
+  config.base_job = "";
+  assert_int_equal(decode(CTL_CREATE_JOB, &req.base, err, sizeof err), RPC_INVALID_ARGUMENT);
+  assert_string_equal(err, "nodes is 0 (1..64)");
+}
+
+/* FreezeJob: a job name, and at most 64 tenant names to share with, none
+ * twice. */
+static void test_freeze_job_request(void **state) {
+  (void)state;
+  Zerod__V1__FreezeJobRequest req = ZEROD__V1__FREEZE_JOB_REQUEST__INIT;
+  char err[256];
+  assert_int_equal(decode(CTL_FREEZE_JOB, &req.base, err, sizeof err), RPC_INVALID_ARGUMENT);
+  assert_string_equal(err, "name is missing (1..64 bytes of [A-Za-z0-9._-])");
+  req.name = "llama";
+  req.public_ = 1;
+  assert_int_equal(decode(CTL_FREEZE_JOB, &req.base, err, sizeof err), 0);
+  char *tenants[CTL_MAX_SHARED_WITH + 1];
+  char names[CTL_MAX_SHARED_WITH + 1][8];
+  for (int i = 0; i <= CTL_MAX_SHARED_WITH; i++) {
+    snprintf(names[i], sizeof names[i], "t%d", i);
+    tenants[i] = names[i];
+  }
+  req.shared_with = tenants;
+  req.n_shared_with = CTL_MAX_SHARED_WITH;
+  assert_int_equal(decode(CTL_FREEZE_JOB, &req.base, err, sizeof err), 0);
+  req.n_shared_with = CTL_MAX_SHARED_WITH + 1;
+  assert_int_equal(decode(CTL_FREEZE_JOB, &req.base, err, sizeof err), RPC_INVALID_ARGUMENT);
+  assert_string_equal(err, "shared_with lists 65 tenants (at most 64)");
+  char *twice[] = {"team-b", "team-b"};
+  req.shared_with = twice;
+  req.n_shared_with = 2;
+  assert_int_equal(decode(CTL_FREEZE_JOB, &req.base, err, sizeof err), RPC_INVALID_ARGUMENT);
+  assert_string_equal(err, "tenant 'team-b' is listed twice in shared_with");
+  char *bad[] = {"team b"};
+  req.shared_with = bad;
+  req.n_shared_with = 1;
+  assert_int_equal(decode(CTL_FREEZE_JOB, &req.base, err, sizeof err), RPC_INVALID_ARGUMENT);
+  assert_true(strstr(err, "shared_with[] must be 1..64 bytes") != NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_check_job_config_is_the_nodes_rule),
       cmocka_unit_test(test_create_job_refuses_what_the_node_refuses),
       cmocka_unit_test(test_stored_job_refuses_what_the_node_refuses),
       cmocka_unit_test(test_absent_weight_decay_is_ignored),
+      cmocka_unit_test(test_create_job_on_a_base),
+      cmocka_unit_test(test_freeze_job_request),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
