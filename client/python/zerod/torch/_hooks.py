@@ -216,7 +216,12 @@ class _State:
             _check(self.lib.zd_reduce_async(self.handle, unit.zunit.id), "reduce %s" % unit.name)
         unit.accumulated = not self.sync
         unit.grads_ready = 0
-        if unit.bwd_gathered:
+        # A unit that also holds frozen parameters (a LoRA layer's weight
+        # next to its adapters, in a job without a base) stays gathered
+        # until the end of the backward pass: its adapters' gradients can be
+        # complete before autograd has read the frozen weight for the input
+        # gradient (the adapters' branch runs first).
+        if unit.bwd_gathered and unit.grad_params == len(unit.params):
             unit.bwd_gathered = False
             if unit.gathered == 0:
                 self.release(unit)
@@ -236,7 +241,7 @@ class _State:
                 self.release(unit)
             if unit.grads_ready > 0:
                 self.push(unit)
-            elif unit.bwd_gathered:
+            if unit.bwd_gathered:
                 unit.bwd_gathered = False
                 if unit.gathered == 0:
                     self.release(unit)
