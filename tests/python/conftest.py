@@ -13,6 +13,7 @@ fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fixtures)
 
 start_daemon = fixtures.start_daemon
+cluster = fixtures.cluster
 binary = fixtures.binary
 run_worker = fixtures.run_worker
 

@@ -37,6 +37,25 @@ def lora_model(kind: str, init: str, weights_seed: int, adapter_seed: int) -> to
     return peft.get_peft_model(model, config)
 
 
+def produce(args) -> int:
+    """The base producer of a job whose ranks are on several nodes (one
+    per node): the plain model trained a few steps, its weights saved."""
+    client = zerod.Client(args.socket)
+    job = client.attach(args.job, rank=0, token=args.token or None,
+                        config=zerod.JobConfig(lr=1e-2, weight_decay=0.0))
+    model = zerod.torch.shard(TinyLM(seed=args.weights_seed), job, units="per-module")
+    opt = zerod.torch.Optimizer(model)
+    for step in range(args.steps):
+        tokens, targets = batch(step, 8, seed=99)
+        model(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(model.state_dict(), args.out)
+    job.detach()
+    client.close()
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--socket", required=True)
@@ -49,11 +68,17 @@ def main() -> int:
     p.add_argument("--data-seed", type=int, default=1)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", required=True)
+    p.add_argument("--token", default="", help="the job's owner token")
+    p.add_argument("--produce", action="store_true",
+                   help="fill a base instead: the plain TinyLM sharded into --job and trained "
+                        "--steps steps; --out gets its weights")
     args = p.parse_args()
+    if args.produce:
+        return produce(args)
     torch.set_num_threads(1)
     model = lora_model(args.lora, args.init, args.weights_seed, 1000 + args.data_seed)
     client = zerod.Client(args.socket)
-    job = client.attach(args.job, rank=0, config=zerod.JobConfig(
+    job = client.attach(args.job, rank=0, token=args.token or None, config=zerod.JobConfig(
         lr=1e-2, weight_decay=0.0, base_job=args.base))
     units = "per-module" if args.units == "per-module" else [Block]
     model = zerod.torch.shard(model, job, units=units, base=bool(args.base))
@@ -67,7 +92,9 @@ def main() -> int:
         opt.zero_grad()
         losses.append(float(loss))
         print("step %d loss %.6f" % (step, losses[-1]), flush=True)
-    torch.save({"losses": losses, "state": model.state_dict(),
+    gathered = sum(c["bytes"] for r in job.stats() for (level, kind), c in r["counters"].items()
+                   if kind == "all_gather")
+    torch.save({"losses": losses, "state": model.state_dict(), "all_gather_bytes": gathered,
                 "from_base": sorted(u.name for u in model.units if u.from_base),
                 "own": sorted(u.name for u in model.units if not u.from_base)}, args.out)
     job.detach()

@@ -1,0 +1,102 @@
+"""Jobs on a base across two nodes (docs/bases.md): a coordinator and two
+node daemons of one rank each on loopback. A base made by a job whose
+ranks are on both nodes, frozen; a LoRA job on it (its ranks on the base's
+nodes) must end bit-identical to the same job with a private copy of the
+base's weights; a second LoRA job on it gathers the base's units from each
+node's cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import torch
+
+from conftest import binary, cluster, python, worker_env  # noqa: F401 (fixture)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "lora_worker.py")
+TOKEN = "bases-cluster-token"
+
+
+def ctl(c, *args):
+    proc = subprocess.run([binary("zerodctl"), "-c", c.coordinator.address] + list(args),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, "zerodctl %s: %s%s" % (" ".join(args), proc.stdout, proc.stderr)
+    return proc.stdout
+
+
+def wait_for(what, predicate, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for " + what)
+
+
+def ready(c, job):
+    return "state: ready" in ctl(c, "jobs", "get", job)
+
+
+def run_ranks(nodes, tmp_path, job, *extra):
+    """One worker per node, at once; their output files in rank order."""
+    procs = []
+    for i, node in enumerate(nodes):
+        out = str(tmp_path / ("%s-%d.pt" % (job, i)))
+        cmd = [python(), WORKER, "--socket", node.socket, "--job", job, "--token", TOKEN,
+               "--out", out] + list(extra)
+        procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=worker_env()), cmd, out))
+    outs = []
+    for proc, cmd, out in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, "%s\n%s\n%s\n%s" % (
+            cmd, stdout, stderr, "\n".join(n.read_log()[-2000:] for n in nodes))
+        outs.append(out)
+    return outs
+
+
+def test_lora_jobs_on_a_base_across_two_nodes_match_a_private_copy(cluster, tmp_path):
+    cluster.start_coordinator()
+    nodes = [cluster.start_node("node-%s" % n, ranks=1) for n in "ab"]
+    wait_for("2 members", lambda: ctl(cluster, "members").count("node-") >= 2)
+
+    ctl(cluster, "jobs", "create", "base", "--nodes", "2", "--ranks-per-node", "1",
+        "--token", TOKEN)
+    wait_for("base to be ready", lambda: ready(cluster, "base"))
+    weights = run_ranks(nodes, tmp_path, "base", "--produce", "--steps", "3")[0]
+    ctl(cluster, "jobs", "freeze", "base")
+    for node in nodes:
+        wait_for("%s to freeze the base" % node.name,
+                 lambda: 'msg="job frozen: it is a base now" job=base' in node.read_log())
+
+    on_base = []
+    for name in ("lora-1", "lora-2"):
+        ctl(cluster, "jobs", "create", name, "--base", "base", "--token", TOKEN)
+        wait_for(name + " to be ready", lambda: ready(cluster, name))
+        on_base.append(run_ranks(nodes, tmp_path, name, "--base", "base",
+                                 "--weights-seed", "7"))
+    ctl(cluster, "jobs", "create", "private", "--nodes", "2", "--ranks-per-node", "1",
+        "--token", TOKEN)
+    wait_for("private to be ready", lambda: ready(cluster, "private"))
+    private = run_ranks(nodes, tmp_path, "private", "--init", weights)
+
+    base_bytes = sum(v.numel() * 4 for v in torch.load(weights).values())
+    for rank in range(2):
+        a, b = torch.load(on_base[0][rank]), torch.load(private[rank])
+        assert a["losses"] == b["losses"], (rank, a["losses"], b["losses"])
+        assert list(a["state"]) == list(b["state"])
+        for key in a["state"]:
+            assert torch.equal(a["state"][key], b["state"][key]), (rank, key)
+        second = torch.load(on_base[1][rank])
+        assert second["losses"] == a["losses"]
+        assert a["from_base"] and not b["from_base"]
+        # Each node's cache served the second job the base's units: its
+        # all-gathers moved at least the whole base less than the first
+        # job's, which gathered the base once (the adapters' are alike).
+        saved = a["all_gather_bytes"] - second["all_gather_bytes"]
+        assert saved >= base_bytes, (rank, a["all_gather_bytes"], second["all_gather_bytes"],
+                                     base_bytes)
+    assert a["losses"][-1] < a["losses"][0]
