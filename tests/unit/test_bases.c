@@ -217,17 +217,22 @@ static void run_job(job_kind kind, const char *name, rank_task *tasks) {
 
 static void zerodctl(const char *args) {
   char cmd[512];
-  snprintf(cmd, sizeof cmd, "%s --coordinator unix:%s/control.sock %s >/dev/null", ZERODCTL_BINARY,
+  snprintf(cmd, sizeof cmd, "%s --coordinator unix:%s/control.sock %s 2>&1", ZERODCTL_BINARY,
            daemon_proc.dir, args);
-  if (system(cmd) != 0)
-    fail_msg("%s failed", cmd);
+  char out[2048] = "";
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  size_t n = fread(out, 1, sizeof out - 1, p);
+  out[n] = '\0';
+  if (pclose(p) != 0)
+    fail_msg("%s failed: %s", cmd, out);
 }
 
 /* The node learns of the freeze through its watch: a write to the base is
  * refused once it has. */
 static void wait_until_frozen(void) {
   char last[600] = "";
-  for (int tries = 0; tries < 500; tries++) {
+  for (int tries = 0; tries < 1500; tries++) { /* 30 s */
     rank_task t = {.kind = MAKE_BASE, .job_name = "base", .rank = 0};
     attach(&t, NULL);
     /* A gradient buffer: no collective (a registration would wait for
@@ -342,8 +347,8 @@ static void test_the_base_outlives_a_job_on_it_that_dies(void **state) {
 
 /* ---- Memory: the base is held once ------------------------------------- */
 
-#define BIG_ROWS 2048
-#define BIG_COLS 4096 /* 8M floats: 32 MiB */
+#define BIG_ROWS 4096
+#define BIG_COLS 4096 /* 16M floats: 64 MiB, so that a few MiB of noise stay small */
 
 static uint64_t daemon_rss(void) {
   char path[64], line[256];
