@@ -375,19 +375,29 @@ static double labelled(const prom_set *set, const char *name, const char *label,
   return sum;
 }
 
+/* From sample *k of a target that answered on: the next zerod_base_jobs
+ * sample (one per base), its index in *k and its base's name, or NULL. */
+static const prom_sample *next_base(const target *t, size_t *k, const char **base) {
+  if (!t->have_cur || t->error[0] != '\0')
+    return NULL;
+  for (; *k < t->cur.n; (*k)++) {
+    const prom_sample *s = &t->cur.samples[*k];
+    *base = prom_label_value(s, "zerod_base");
+    if (strcmp(s->name, "zerod_base_jobs") == 0 && *base != NULL)
+      return s;
+  }
+  return NULL;
+}
+
 /* Bases (docs/bases.md): per target its base cache, then each base with
  * the jobs on it and its cached bytes; nothing when no target has one. */
 static void print_bases(const top_options *o) {
   bool header = false;
   for (size_t i = 0; i < o->ntargets; i++) {
     const target *t = &o->targets[i];
-    if (!t->have_cur || t->error[0] != '\0')
-      continue;
-    for (size_t k = 0; k < t->cur.n; k++) {
-      const prom_sample *s = &t->cur.samples[k];
-      const char *base = prom_label_value(s, "zerod_base");
-      if (strcmp(s->name, "zerod_base_jobs") != 0 || base == NULL)
-        continue;
+    const prom_sample *s;
+    const char *base;
+    for (size_t k = 0; (s = next_base(t, &k, &base)) != NULL; k++) {
       if (!header) {
         printf("\n%-28s %-24s %5s %9s %9s %9s %8s %8s\n", "TARGET", "BASE", "JOBS", "CACHED",
                "HELD", "IDLE", "HITS", "MISSES");
@@ -496,13 +506,9 @@ static json_t *json_bases(const top_options *o) {
   json_t *bases = json_array();
   for (size_t i = 0; i < o->ntargets; i++) {
     const target *t = &o->targets[i];
-    if (!t->have_cur || t->error[0] != '\0')
-      continue;
-    for (size_t k = 0; k < t->cur.n; k++) {
-      const prom_sample *s = &t->cur.samples[k];
-      const char *base = prom_label_value(s, "zerod_base");
-      if (strcmp(s->name, "zerod_base_jobs") != 0 || base == NULL)
-        continue;
+    const prom_sample *s;
+    const char *base;
+    for (size_t k = 0; (s = next_base(t, &k, &base)) != NULL; k++) {
       json_t *jb = json_object();
       json_object_set_new(jb, "base", jstr(base));
       json_object_set_new(jb, "target", jstr(t->given));
