@@ -445,6 +445,10 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
       LOG_WARNF("job degraded", "job=%s reason=%s", j->name,
                 log_quote(pj->reason != NULL ? pj->reason : "", msg, sizeof msg));
       job_fail(j, j->generation, "job degraded: %s", pj->reason != NULL ? pj->reason : "");
+      /* A rank waiting in a collective for a live peer (itself waiting for
+       * the lost node) would wait out its timeout: it fails now. */
+      for (int r = 0; r < j->nranks; r++)
+        exec_rank_abort_comm(&j->ranks[r]);
     }
   }
   job *next;

@@ -306,6 +306,19 @@ int exec_try_inline(exec_op *op) {
   return 1;
 }
 
+void exec_rank_abort_comm(rank_state *rs) {
+  /* comm_abort only raises flags and wakes waiters, so the loop can call
+   * it; the collective under way returns now, not at its timeout. */
+  pthread_mutex_lock(&rs->comm_lock);
+  comm_abort(rs->comm);
+  pthread_mutex_unlock(&rs->comm_lock);
+  /* A local communicator still in its rendezvous has no comm to abort. */
+  pthread_mutex_lock(&rs->job->mutex);
+  if (rs->job->local_group != NULL)
+    comm_local_group_cancel(rs->job->local_group);
+  pthread_mutex_unlock(&rs->job->mutex);
+}
+
 void exec_rank_stop(rank_state *rs) {
   if (!rs->thread_started)
     return;
@@ -324,19 +337,10 @@ void exec_rank_stop(rank_state *rs) {
   }
   /* An op still running may be a collective whose peers will not come
    * (their executors are stopping too, or they are on nodes whose workers
-   * are gone): aborting the communicator makes it return now, not at the
-   * collective timeout; comm_abort only raises flags and wakes waiters, so
-   * the loop can call it. A communicator still being built gives up in its
+   * are gone). A communicator still being built gives up in its
    * rendezvous once the store is stopped (cluster_stop), or is aborted by
    * exec__set_comm when it is done. */
-  pthread_mutex_lock(&rs->comm_lock);
-  comm_abort(rs->comm);
-  pthread_mutex_unlock(&rs->comm_lock);
-  /* A local communicator still in its rendezvous has no comm to abort. */
-  pthread_mutex_lock(&rs->job->mutex);
-  if (rs->job->local_group != NULL)
-    comm_local_group_cancel(rs->job->local_group);
-  pthread_mutex_unlock(&rs->job->mutex);
+  exec_rank_abort_comm(rs);
   exec_op *stop = exec_op_new(OP_STOP, rs);
   if (stop != NULL)
     exec_submit(stop);

@@ -142,6 +142,10 @@ int exec_try_inline(exec_op *op);
  * wakes up when its peers close their communicators. */
 void exec_rank_stop(rank_state *rank);
 void exec_rank_join(rank_state *rank);
+/* Makes the collective the rank is in (if any) fail now (loop thread): its
+ * job failed elsewhere, and its peers may never come. The communicator is
+ * broken; the job's reset builds the next. */
+void exec_rank_abort_comm(rank_state *rank);
 /* Frees the executor-owned state (after stop). */
 void exec_rank_free(rank_state *rank);
 
