@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "job_states.h"
 #include "zerodctl_impl.h"
 
 /* The most tenants --share may name (control.proto's FreezeJobRequest;
@@ -77,7 +78,7 @@ static bool base_row(const Zerod__V1__Job *job, char cells[][TABLE_CELL_BYTES]) 
     return job->frozen;
   snprintf(cells[0], TABLE_CELL_BYTES, "%s", job->name);
   snprintf(cells[1], TABLE_CELL_BYTES, "%s", job->tenant[0] != '\0' ? job->tenant : "-");
-  snprintf(cells[2], TABLE_CELL_BYTES, "%s", ctl__job_state_name(job->state));
+  snprintf(cells[2], TABLE_CELL_BYTES, "%s", zd_job_state_word(job->state));
   snprintf(cells[3], TABLE_CELL_BYTES, "%" PRIu32, job->world_size);
   ctl__format_job_nodes(job, cells[4], TABLE_CELL_BYTES);
   if (job->public_)

@@ -100,7 +100,6 @@ const char *ctl__format_ms(int64_t ms, char *out, size_t out_bytes);
 void ctl__print_field(const char *key, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* The names of enum values, as --json and the tables print them. */
-const char *ctl__job_state_name(Zerod__V1__JobState state);
 const char *ctl__optimizer_name(Zerod__V1__OptimizerKind kind);
 const char *ctl__offload_name(const Zerod__V1__OffloadConfig *off);
 const char *ctl__precision_name(Zerod__V1__Dtype dtype);

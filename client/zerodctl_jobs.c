@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "job_states.h"
 #include "zerodctl_impl.h"
 
 static const Zerod__V1__OptimizerConfig no_optimizer = ZEROD__V1__OPTIMIZER_CONFIG__INIT;
@@ -37,7 +38,7 @@ void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   ctl__json_open(j, key, '{');
   ctl__json_str(j, "name", job->name);
   ctl__json_u64(j, "id", job->id);
-  ctl__json_str(j, "state", ctl__job_state_name(job->state));
+  ctl__json_str(j, "state", zd_job_state_word(job->state));
   ctl__json_str(j, "reason", job->reason);
   ctl__json_u64(j, "nodes", job->nodes);
   ctl__json_u64(j, "ranks_per_node", job->ranks_per_node);
@@ -180,7 +181,7 @@ void ctl__print_job(const Zerod__V1__Job *job) {
   char text[64];
   ctl__print_field("name", "%s", job->name);
   ctl__print_field("id", "%" PRIu64, job->id);
-  ctl__print_field("state", "%s", ctl__job_state_name(job->state));
+  ctl__print_field("state", "%s", zd_job_state_word(job->state));
   ctl__print_field("reason", "%s", job->reason);
   ctl__print_field("world size", "%" PRIu32, job->world_size);
   ctl__print_field("nodes", "%" PRIu32, job->nodes);
@@ -331,7 +332,7 @@ static bool job_row(const Zerod__V1__Job *job, char cells[][TABLE_CELL_BYTES]) {
   if (cells == NULL)
     return true;
   snprintf(cells[0], TABLE_CELL_BYTES, "%s", job->name);
-  snprintf(cells[1], TABLE_CELL_BYTES, "%s", ctl__job_state_name(job->state));
+  snprintf(cells[1], TABLE_CELL_BYTES, "%s", zd_job_state_word(job->state));
   snprintf(cells[2], TABLE_CELL_BYTES, "%" PRIu32, job->world_size);
   ctl__format_job_nodes(job, cells[3], TABLE_CELL_BYTES);
   snprintf(cells[4], TABLE_CELL_BYTES, "%s", ctl__optimizer_name(job_optimizer(job)->kind));

@@ -318,21 +318,6 @@ void ctl__print_field(const char *key, const char *fmt, ...) {
 /* Enum names                                                               */
 /* ------------------------------------------------------------------------ */
 
-const char *ctl__job_state_name(Zerod__V1__JobState state) {
-  switch (state) {
-  case ZEROD__V1__JOB_STATE__JOB_STATE_CREATING:
-    return "creating";
-  case ZEROD__V1__JOB_STATE__JOB_STATE_READY:
-    return "ready";
-  case ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED:
-    return "degraded";
-  case ZEROD__V1__JOB_STATE__JOB_STATE_DELETING:
-    return "deleting";
-  default:
-    return "unspecified";
-  }
-}
-
 /* OPTIMIZER_UNSPECIFIED means AdamW (ipc.proto). */
 const char *ctl__optimizer_name(Zerod__V1__OptimizerKind kind) {
   switch (kind) {

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "coord_ckpt.h"
+#include "job_states.h"
 #include "log.h"
 
 const char *coord__ckpt_order_noun(const ckpt_order *o) {
@@ -23,21 +24,6 @@ const char *coord__ckpt_order_noun(const ckpt_order *o) {
   if (o->is_export)
     return "export";
   return o->periodic ? "periodic checkpoint" : "save";
-}
-
-const char *coord__ckpt_state_word(Zerod__V1__JobState state) {
-  switch (state) {
-  case ZEROD__V1__JOB_STATE__JOB_STATE_CREATING:
-    return "creating";
-  case ZEROD__V1__JOB_STATE__JOB_STATE_READY:
-    return "ready";
-  case ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED:
-    return "degraded";
-  case ZEROD__V1__JOB_STATE__JOB_STATE_DELETING:
-    return "deleting";
-  default:
-    return "unspecified";
-  }
 }
 
 int64_t coord__ckpt_elapsed_ms(uint64_t since_ns) {
@@ -235,8 +221,8 @@ int coord__ckpt_order_precheck(coord *c, const char *name, cjob **out, char *err
     return RPC_FAILED_PRECONDITION;
   }
   if (j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY) {
-    snprintf(err, err_bytes, "job '%s' is not ready (%s: %s)", name,
-             coord__ckpt_state_word(j->state), j->reason);
+    snprintf(err, err_bytes, "job '%s' is not ready (%s: %s)", name, zd_job_state_word(j->state),
+             j->reason);
     return RPC_FAILED_PRECONDITION;
   }
   *out = j;

@@ -10,7 +10,6 @@
  * it is shared with, or an admin; a base stays while any live job names
  * it. Bases are one level deep: a job on a base cannot be frozen. Loop
  * thread only. */
-#include <ctype.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
@@ -18,6 +17,7 @@
 #include "config.h"
 #include "coord_impl.h"
 #include "ctl_decode.h"
+#include "job_states.h"
 #include "log.h"
 
 /* The working dtype config runs with, as the nodes read it. */
@@ -168,21 +168,6 @@ int coord__base_resolve(const coord *c, const coord_caller *who, const char *ten
 /* FreezeJob                                                                */
 /* ------------------------------------------------------------------------ */
 
-/* "creating" for JOB_STATE_CREATING, as zerodctl prints states. */
-static const char *state_name(Zerod__V1__JobState state, char *out, size_t out_bytes) {
-  const ProtobufCEnumValue *v =
-      protobuf_c_enum_descriptor_get_value(&zerod__v1__job_state__descriptor, state);
-  const char *name = v != NULL ? v->name : "JOB_STATE_UNSPECIFIED";
-  static const char prefix[] = "JOB_STATE_";
-  if (strncmp(name, prefix, sizeof prefix - 1) == 0)
-    name += sizeof prefix - 1;
-  size_t i = 0;
-  for (; name[i] != '\0' && i + 1 < out_bytes; i++)
-    out[i] = (char)tolower((unsigned char)name[i]);
-  out[i] = '\0';
-  return out;
-}
-
 /* Makes j frozen with req's sharing, stored before it counts. Returns 0
  * or an RPC status with err. */
 static int freeze(coord *c, cjob *j, const Zerod__V1__FreezeJobRequest *req, char *err,
@@ -196,9 +181,8 @@ static int freeze(coord *c, cjob *j, const Zerod__V1__FreezeJobRequest *req, cha
   /* A base may change its sharing in any state; a job becomes one only
    * while its state is whole on every node. */
   if (!j->msg->frozen && j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY) {
-    char state[32];
     snprintf(err, err_bytes, "job '%s' is %s, not ready: only a ready job can be frozen",
-             j->msg->name, state_name(j->state, state, sizeof state));
+             j->msg->name, zd_job_state_word(j->state));
     return RPC_FAILED_PRECONDITION;
   }
   Zerod__V1__Job changed = *j->msg;

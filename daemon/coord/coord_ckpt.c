@@ -44,6 +44,7 @@
 #include <string.h>
 
 #include "coord_ckpt.h"
+#include "job_states.h"
 #include "fsutil.h"
 #include "ctl_decode.h"
 #include "log.h"
@@ -152,7 +153,7 @@ void coord__ckpt_job_changed(coord *c, cjob *j) {
     return;
   int installing = o->kind == ORDER_RESTORE && o->phase == PHASE_RUNNING && o->restore_msg.commit;
   coord__ckpt_order_fail(c, o, RPC_UNAVAILABLE, "job '%s' is no longer ready (%s: %s)%s", o->job,
-                         coord__ckpt_state_word(j->state), j->reason,
+                         zd_job_state_word(j->state), j->reason,
                          installing ? "; some ranks may have installed the restored state" : "");
 }
 

@@ -181,7 +181,6 @@ typedef struct export_work {
 /* "save", "export", "periodic checkpoint" or "restore", for messages. */
 const char *coord__ckpt_order_noun(const ckpt_order *o);
 /* A job state as a word ("ready"), for messages. */
-const char *coord__ckpt_state_word(Zerod__V1__JobState state);
 /* Milliseconds since since_ns (uv_hrtime). */
 int64_t coord__ckpt_elapsed_ms(uint64_t since_ns);
 

@@ -6,17 +6,16 @@
 
 #include "coord.h"
 #include "coord_impl.h"
+#include "job_states.h"
 #include "metrics.h"
 #include "rpc.h"
 
-static const struct {
-  Zerod__V1__JobState state;
-  const char *name;
-} job_states[] = {
-    {ZEROD__V1__JOB_STATE__JOB_STATE_CREATING, "creating"},
-    {ZEROD__V1__JOB_STATE__JOB_STATE_READY, "ready"},
-    {ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED, "degraded"},
-    {ZEROD__V1__JOB_STATE__JOB_STATE_DELETING, "deleting"},
+/* The states a job is counted in (their words: job_states.h). */
+static const Zerod__V1__JobState job_states[] = {
+    ZEROD__V1__JOB_STATE__JOB_STATE_CREATING,
+    ZEROD__V1__JOB_STATE__JOB_STATE_READY,
+    ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED,
+    ZEROD__V1__JOB_STATE__JOB_STATE_DELETING,
 };
 #define NJOB_STATES (sizeof job_states / sizeof job_states[0])
 
@@ -32,7 +31,7 @@ struct coord_metrics {
 static size_t state_index(const cjob *j) {
   Zerod__V1__JobState state = j->deleting ? ZEROD__V1__JOB_STATE__JOB_STATE_DELETING : j->state;
   for (size_t i = 0; i < NJOB_STATES; i++)
-    if (job_states[i].state == state)
+    if (job_states[i] == state)
       return i;
   return 0;
 }
@@ -90,7 +89,7 @@ int coord_metrics_start(coord *c, rpc_server *server, metrics *m) {
       metrics_family(m, METRIC_GAUGE, "zerod_coordinator_jobs",
                      "Jobs the coordinator knows, by state.", state_label, NULL, 0);
   for (size_t i = 0; i < NJOB_STATES; i++) {
-    const char *const v[] = {job_states[i].name, NULL};
+    const char *const v[] = {zd_job_state_word(job_states[i]), NULL};
     cm->jobs[i] = metric_family_kept(jobs, v);
   }
   static const char *const rpc_labels[] = {"service", "method", "code", NULL};
