@@ -1,7 +1,6 @@
 /* The node's cache of gathered base units (base_cache.h). */
 #include "base_cache.h"
 
-#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -154,8 +153,7 @@ const shm_region *base_cache_region(const base_cache_entry *e) {
 int base_cache_read_only_fd(const base_cache_entry *e) {
   char path[64];
   snprintf(path, sizeof path, "/proc/self/fd/%d", e->region.fd);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  return fd >= 0 ? fd : -errno;
+  return open(path, O_RDONLY | O_CLOEXEC);
 }
 
 void base_cache_stats_get(base_cache *c, base_cache_stats *out) {

@@ -53,7 +53,7 @@ void base_cache_forget(base_cache *c, uint64_t base);
 const shm_region *base_cache_region(const base_cache_entry *e);
 /* A new descriptor of the entry's region opened read-only, for a worker:
  * it cannot map it writable (mmap of PROT_WRITE, MAP_SHARED fails with
- * EACCES). -errno on failure. */
+ * EACCES). -1 with errno set on failure, as dup(2). */
 int base_cache_read_only_fd(const base_cache_entry *e);
 
 void base_cache_stats_get(base_cache *c, base_cache_stats *out);

@@ -24,28 +24,14 @@
 #include "pool.h"
 #include "shm.h"
 
-/* Tensor t of the job's registration against the base's: 0 if equal, else
- * the field that differs in `field`. */
-static int tensor_differs(const tensor_layout *mine, const tensor_layout *base, char *field,
-                          size_t field_bytes) {
-  if (strcmp(mine->name, base->name) != 0) {
-    snprintf(field, field_bytes, "name '%s', the base's '%s'", mine->name, base->name);
+/* Whether two tensors differ in what a reference must match: name and
+ * shape (frozen flags may differ: the unit is frozen either way). */
+static int tensor_differs(const tensor_layout *mine, const tensor_layout *base) {
+  if (strcmp(mine->name, base->name) != 0 || mine->ndim != base->ndim)
     return 1;
-  }
-  int same = mine->ndim == base->ndim;
-  for (unsigned d = 0; same && d < mine->ndim; d++)
-    same = mine->shape[d] == base->shape[d];
-  if (!same) {
-    char a[160] = "", b[160] = "";
-    for (unsigned d = 0; d < mine->ndim && d < 8; d++)
-      snprintf(a + strlen(a), sizeof a - strlen(a), "%s%llu", d ? ", " : "",
-               (unsigned long long)mine->shape[d]);
-    for (unsigned d = 0; d < base->ndim && d < 8; d++)
-      snprintf(b + strlen(b), sizeof b - strlen(b), "%s%llu", d ? ", " : "",
-               (unsigned long long)base->shape[d]);
-    snprintf(field, field_bytes, "shape [%s], the base's [%s]", a, b);
-    return 1;
-  }
+  for (unsigned d = 0; d < mine->ndim; d++)
+    if (mine->shape[d] != base->shape[d])
+      return 1;
   return 0;
 }
 
@@ -81,10 +67,13 @@ int exec__base_unit_refused(rank_state *rs, exec_op *op, const unit_layout *mine
     return 1;
   }
   for (unsigned t = 0; t < mine->ntensors; t++) {
-    char field[400];
-    if (tensor_differs(&mine->tensors[t], &bl->tensors[t], field, sizeof field)) {
+    if (tensor_differs(&mine->tensors[t], &bl->tensors[t])) {
+      char here[320], there[320];
+      unit_layout_describe_tensor(mine, (int32_t)t, here, sizeof here);
+      unit_layout_describe_tensor(bl, (int32_t)t, there, sizeof there);
       exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-                 "unit '%s', tensor #%u: %s (base '%s')", mine->name, t, field, base->name);
+                 "unit '%s', tensor #%u: %s here, %s in base '%s'", mine->name, t, here, there,
+                 base->name);
       return 1;
     }
   }
@@ -125,19 +114,25 @@ int exec__install_base_shard(rank_state *rs, exec_op *op, unit_layout *l, uint32
 }
 
 /* Every rank's working slice of the unit into a new region (the job's
- * collective), or a negative errno. */
+ * collective), or a negative errno. The ranks first agree that each of
+ * them has its region: one that cannot make it would otherwise leave the
+ * others waiting in the all-gather until the collective timeout. */
 static int gather_region(rank_state *rs, const unit_layout *l, const shard *sh, shm_region *r) {
   size_t shard_bytes = l->shard_numel * zk_dtype_size(rs->job->config.working_dtype);
   char name[96];
   snprintf(name, sizeof name, "zerod-base-%.64s-u%u", rs->job->base->name, sh->base_unit);
-  int rc = shm_region_create(r, name, shard_bytes * (size_t)rs->job->world_size);
-  if (rc != 0)
-    return rc;
-  uint8_t *mine = (uint8_t *)r->base + (size_t)rs->rank * shard_bytes;
-  memcpy(mine, sh->working, shard_bytes);
-  rc = comm_all_gather(rs->comm, mine, r->base, shard_bytes);
-  rank_metrics_collective(rs, RANK_ALL_GATHER);
-  if (rc != 0)
+  int made = shm_region_create(r, name, shard_bytes * (size_t)rs->job->world_size);
+  double all_made = made == 0 ? 1 : 0;
+  int rc = exec__host_all_reduce_f64(rs, &all_made, 1, COMM_MIN);
+  if (rc == 0 && all_made == 0)
+    rc = made != 0 ? made : -ENOMEM; /* a peer's, if not this rank's */
+  if (rc == 0) {
+    uint8_t *mine = (uint8_t *)r->base + (size_t)rs->rank * shard_bytes;
+    memcpy(mine, sh->working, shard_bytes);
+    rc = comm_all_gather(rs->comm, mine, r->base, shard_bytes);
+    rank_metrics_collective(rs, RANK_ALL_GATHER);
+  }
+  if (rc != 0 && made == 0)
     shm_region_destroy(r);
   return rc;
 }

@@ -19,23 +19,6 @@ static uint64_t unit_buffer_bytes(const rank_state *rs, const unit_layout *l) {
   return l->padded_numel * zk_dtype_size(rs->job->config.working_dtype);
 }
 
-/* reply_buffer for a unit of the base: a descriptor opened read-only, so
- * the worker cannot map the node's shared copy writable. */
-static int reply_base_buffer(rank_state *rs, exec_op *op, pool_buf *b) {
-  op->reply_fd = base_cache_read_only_fd(b->base_entry);
-  if (op->reply_fd < 0) {
-    int err = -op->reply_fd;
-    op->reply_fd = -1;
-    job_fail(rs->job, rs->generation, "rank %d: cannot pass a base unit to the worker: %s",
-             rs->rank, strerror(err));
-    exec_error(op, ZEROD__V1__STATUS__STATUS_ABORTED, "cannot pass the buffer to the worker: %s",
-               strerror(err));
-    return -1;
-  }
-  b->sent_session = op->session_id;
-  return 1;
-}
-
 /* Describes the buffer to the session the first time it gets it: a host
  * buffer's descriptor goes with the reply frame (op->reply_fd); a GPU
  * buffer's CUDA IPC handles go in *cuda, which the caller attaches to the
@@ -44,9 +27,7 @@ static int reply_base_buffer(rank_state *rs, exec_op *op, pool_buf *b) {
 static int reply_buffer(rank_state *rs, exec_op *op, pool_buf *b, Zerod__V1__CudaBuffer *cuda) {
   if (b->sent_session == op->session_id)
     return 0;
-  if (b->kind == BUF_BASE) /* shared by every job on the base: read-only */
-    return reply_base_buffer(rs, op, b);
-  if (!device_is_host(rs->dev)) {
+  if (!device_is_host(rs->dev)) { /* (bases are on host ranks only: node/bases.c) */
     cuda->mem_handle.data = b->buf.mem_handle;
     cuda->mem_handle.len = sizeof b->buf.mem_handle;
     cuda->device = rs->dev->ordinal;
@@ -55,7 +36,9 @@ static int reply_buffer(rank_state *rs, exec_op *op, pool_buf *b, Zerod__V1__Cud
     b->sent_session = op->session_id;
     return 1;
   }
-  op->reply_fd = dup(b->buf.fd);
+  /* A base's unit is shared by every job on the base: the worker gets a
+   * descriptor opened read-only, which it cannot map writable. */
+  op->reply_fd = b->kind == BUF_BASE ? base_cache_read_only_fd(b->base_entry) : dup(b->buf.fd);
   if (op->reply_fd < 0) {
     /* The buffer is already counted as held on this rank and on its peers;
      * rather than let their accounting drift apart, the job stops here (and
