@@ -54,22 +54,23 @@ int bases_unused(const job *j) {
 
 /* ---- Metrics ------------------------------------------------------------------ */
 
-/* The cache's counts are cumulative; the counters grow by what they grew
- * since the last scrape (d->base_seen). */
+/* The cache's counts are cumulative: the counters grow by what they grew
+ * since the last scrape. */
 static void collect(void *arg) {
   zdaemon *d = arg;
   base_cache_stats st;
   base_cache_stats_get(d->exec.base_cache, &st);
-  metric_set(d->m_base_cache[BASES_M_HELD], (double)st.held_bytes);
-  metric_set(d->m_base_cache[BASES_M_IDLE], (double)(st.bytes - st.held_bytes));
-  metric_set(d->m_base_cache[BASES_M_BUDGET], (double)st.budget);
-  metric_set(d->m_base_cache[BASES_M_ENTRIES], (double)st.entries);
-  metric_add(d->m_base_cache[BASES_M_HITS], (double)(st.hits - d->base_seen[0]));
-  metric_add(d->m_base_cache[BASES_M_MISSES], (double)(st.misses - d->base_seen[1]));
-  metric_add(d->m_base_cache[BASES_M_EVICTIONS], (double)(st.evictions - d->base_seen[2]));
-  d->base_seen[0] = st.hits;
-  d->base_seen[1] = st.misses;
-  d->base_seen[2] = st.evictions;
+  struct base_cache_series *m = &d->m_base_cache;
+  metric_set(m->held, (double)st.held_bytes);
+  metric_set(m->idle, (double)(st.bytes - st.held_bytes));
+  metric_set(m->budget, (double)st.budget);
+  metric_set(m->entries, (double)st.entries);
+  metric_add(m->hits, (double)(st.hits - m->seen_hits));
+  metric_add(m->misses, (double)(st.misses - m->seen_misses));
+  metric_add(m->evictions, (double)(st.evictions - m->seen_evictions));
+  m->seen_hits = st.hits;
+  m->seen_misses = st.misses;
+  m->seen_evictions = st.evictions;
   for (job *j = d->jobs; j != NULL; j = j->next)
     if (atomic_load(&j->frozen))
       rank_metrics_base(j, d->metrics, j->base_users,
@@ -92,16 +93,16 @@ int bases_metrics_start(zdaemon *d) {
   const char *const held[] = {"held", NULL}, *const idle[] = {"idle", NULL},
                     *const budget[] = {"budget", NULL}, *const hit[] = {"hit", NULL},
                     *const miss[] = {"miss", NULL};
-  d->m_base_cache[BASES_M_HELD] = metric_family_kept(bytes, held);
-  d->m_base_cache[BASES_M_IDLE] = metric_family_kept(bytes, idle);
-  d->m_base_cache[BASES_M_BUDGET] = metric_family_kept(bytes, budget);
-  d->m_base_cache[BASES_M_HITS] = metric_family_kept(lookups, hit);
-  d->m_base_cache[BASES_M_MISSES] = metric_family_kept(lookups, miss);
-  d->m_base_cache[BASES_M_ENTRIES] = metric_family_kept(
+  d->m_base_cache.held = metric_family_kept(bytes, held);
+  d->m_base_cache.idle = metric_family_kept(bytes, idle);
+  d->m_base_cache.budget = metric_family_kept(bytes, budget);
+  d->m_base_cache.hits = metric_family_kept(lookups, hit);
+  d->m_base_cache.misses = metric_family_kept(lookups, miss);
+  d->m_base_cache.entries = metric_family_kept(
       metrics_family(d->metrics, METRIC_GAUGE, "zerod_base_cache_entries",
                      "Gathered base units in the node's base cache.", NULL, NULL, 0),
       NULL);
-  d->m_base_cache[BASES_M_EVICTIONS] = metric_family_kept(
+  d->m_base_cache.evictions = metric_family_kept(
       metrics_family(d->metrics, METRIC_COUNTER, "zerod_base_cache_evictions_total",
                      "Idle entries the node's base cache let go to stay within its budget.", NULL,
                      NULL, 0),

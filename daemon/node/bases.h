@@ -28,15 +28,6 @@ int bases_unused(const job *j);
  * zerod_base_cache_lookups_total{result=hit|miss},
  * zerod_base_cache_evictions_total, and per base zerod_base_jobs and
  * zerod_base_cached_bytes. 0 or -ENOMEM. */
-enum {
-  BASES_M_HELD,
-  BASES_M_IDLE,
-  BASES_M_BUDGET,
-  BASES_M_ENTRIES,
-  BASES_M_HITS,
-  BASES_M_MISSES,
-  BASES_M_EVICTIONS
-};
 int bases_metrics_start(zdaemon *d);
 void bases_metrics_stop(zdaemon *d);
 

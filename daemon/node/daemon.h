@@ -96,10 +96,12 @@ typedef struct daemon {
   metrics *metrics;
   struct metrics_http *metrics_http;
   metric_series *m_jobs_active, *m_jobs_retired, *m_sessions;
-  /* The base cache's series (node/bases.c), and its counts at the last
-   * scrape (hits, misses, evictions). */
-  metric_series *m_base_cache[7];
-  uint64_t base_seen[3];
+  /* The base cache's series (node/bases.c), and its cumulative counts at
+   * the last scrape, which the counters grow from. */
+  struct base_cache_series {
+    metric_series *held, *idle, *budget, *entries, *hits, *misses, *evictions;
+    uint64_t seen_hits, seen_misses, seen_evictions;
+  } m_base_cache;
 
   uv_signal_t sigint, sigterm;
   int stopping;
