@@ -230,6 +230,36 @@ static int gather_unit(rank_state *rs, const unit_layout *l, shard *sh, int64_t 
   return 0;
 }
 
+/* Whether the unit's gathered buffer holds its values at the rank's
+ * version; a base's unit never changes, so once gathered it stays so. */
+static int gathered_current(const rank_state *rs, const shard *sh) {
+  return sh->gather_buf >= 0 &&
+         (sh->from_base || rs->bufs[sh->gather_buf].valid_version == rs->version);
+}
+
+/* A gather the pool cannot serve: the unit into sh->gather_buf, from the
+ * base through the node's cache, or all-gathered into a pool buffer. 0, or
+ * 1 with op answered. */
+static int gather_missing(rank_state *rs, exec_op *op, const unit_layout *l, shard *sh) {
+  if (sh->from_base) {
+    int err = exec__gather_from_base(rs, l, sh);
+    if (err != 0)
+      exec__op_comm_failed(rs, op, "all_gather (base unit)", err);
+    return err != 0;
+  }
+  char why[256];
+  int64_t slot =
+      pool_acquire(rs, BUF_GATHER, unit_buffer_bytes(rs, l), l->name, POOL_DEMAND, why, sizeof why);
+  if (slot < 0) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
+    return 1;
+  }
+  int err = gather_unit(rs, l, sh, slot);
+  if (err != 0)
+    exec__op_comm_failed(rs, op, "all_gather", err);
+  return err != 0;
+}
+
 void exec__prefetch_unit(rank_state *rs, uint32_t unit_id) {
   unit_layout *l = job_unit(rs->job, unit_id);
   if (l == NULL || unit_id >= rs->nshards || !rs->shards[unit_id].present)
@@ -237,8 +267,7 @@ void exec__prefetch_unit(rank_state *rs, uint32_t unit_id) {
   shard *sh = &rs->shards[unit_id];
   /* A unit of the base is gathered on demand only: its first gather asks
    * the node's cache, the later ones are served from the pool. */
-  if (sh->from_base ||
-      (sh->gather_buf >= 0 && rs->bufs[sh->gather_buf].valid_version == rs->version))
+  if (sh->from_base || gathered_current(rs, sh))
     return;
   if (job_failed(rs->job, rs->generation, NULL, 0) || rs->comm == NULL)
     return;
@@ -277,32 +306,11 @@ int exec__handle_gather(rank_state *rs, exec_op *op, int inline_only, int64_t *p
                "unit '%s' is already gathered by this session; release it first", l->name);
     return 1;
   }
-  /* A base's unit never changes: once gathered, it stays current. */
-  int hit = sh->gather_buf >= 0 &&
-            (sh->from_base || rs->bufs[sh->gather_buf].valid_version == rs->version);
-  if (!hit && sh->from_base) {
+  if (!gathered_current(rs, sh)) {
     if (inline_only)
       return 0;
-    int err = exec__gather_from_base(rs, l, sh);
-    if (err != 0) {
-      exec__op_comm_failed(rs, op, "all_gather (base unit)", err);
+    if (gather_missing(rs, op, l, sh) != 0)
       return 1;
-    }
-  } else if (!hit) {
-    if (inline_only)
-      return 0;
-    char why[256];
-    int64_t slot = pool_acquire(rs, BUF_GATHER, unit_buffer_bytes(rs, l), l->name, POOL_DEMAND, why,
-                                sizeof why);
-    if (slot < 0) {
-      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "%s", why);
-      return 1;
-    }
-    int err = gather_unit(rs, l, sh, slot);
-    if (err != 0) {
-      exec__op_comm_failed(rs, op, "all_gather", err);
-      return 1;
-    }
   }
   pool_buf *b = &rs->bufs[sh->gather_buf];
   pool_ref(rs, b);
