@@ -55,6 +55,7 @@ typedef struct coordinator_process {
   metrics *metrics; /* --metrics-listen, or NULL */
   metrics_http *metrics_http;
   uv_signal_t sigint, sigterm;
+  int signals_open; /* the two handles above are open */
   int stopping;
 } coordinator_process;
 
@@ -63,12 +64,11 @@ static void on_coordinator_server_done(void *arg) {
   LOG_INFOF("coordinator stopped serving", NULL);
 }
 
-static void on_coordinator_signal(uv_signal_t *handle, int signum) {
-  coordinator_process *p = handle->data;
+static void shutdown_coordinator(coordinator_process *p, const char *why) {
   if (p->stopping)
     return;
   p->stopping = 1;
-  LOG_INFOF("shutting down", "reason=%s", signum == SIGINT ? "SIGINT" : "SIGTERM");
+  LOG_INFOF("shutting down", "reason=%s", why);
   if (p->health_server != NULL) {
     health_shutdown(p->health);
     rpc_server_shutdown_gently(p->health_server, on_coordinator_server_done, p);
@@ -80,8 +80,14 @@ static void on_coordinator_signal(uv_signal_t *handle, int signum) {
    * "coordinator shutting down") reach their callers before the rest is
    * cancelled. */
   rpc_server_shutdown_gently(p->server, on_coordinator_server_done, p);
-  uv_close((uv_handle_t *)&p->sigint, NULL);
-  uv_close((uv_handle_t *)&p->sigterm, NULL);
+  if (p->signals_open) {
+    uv_close((uv_handle_t *)&p->sigint, NULL);
+    uv_close((uv_handle_t *)&p->sigterm, NULL);
+  }
+}
+
+static void on_coordinator_signal(uv_signal_t *handle, int signum) {
+  shutdown_coordinator(handle->data, signum == SIGINT ? "SIGINT" : "SIGTERM");
 }
 
 /* Start failed after the server began serving: stop what was started
@@ -252,13 +258,18 @@ static int start_listeners(coordinator_process *p, const flag_table *t, const fl
   return 0;
 }
 
-/* Serves until SIGINT or SIGTERM has shut everything down. */
-static void run_loop(coordinator_process *p, const coordinator_settings *s, int port) {
-  uv_signal_init(p->loop, &p->sigint);
-  uv_signal_init(p->loop, &p->sigterm);
-  p->sigint.data = p->sigterm.data = p;
-  uv_signal_start(&p->sigint, on_coordinator_signal, SIGINT);
-  uv_signal_start(&p->sigterm, on_coordinator_signal, SIGTERM);
+/* Serves until SIGINT or SIGTERM has shut everything down. 0, or 1 when
+ * the signals could not be caught: a coordinator that cannot be stopped
+ * gently stops at once instead of serving. */
+static int run_loop(coordinator_process *p, const coordinator_settings *s, int port) {
+  int rc = start_stop_signals(p->loop, &p->sigint, &p->sigterm, on_coordinator_signal, p);
+  if (rc != 0) {
+    LOG_ERRORF("cannot catch SIGINT and SIGTERM", "err=%s", uv_strerror(rc));
+    shutdown_coordinator(p, "no signal handlers");
+    uv_run(p->loop, UV_RUN_DEFAULT);
+    return 1;
+  }
+  p->signals_open = 1;
   if (!s->use_tls && !s->local)
     LOG_WARNF("serving the control plane in plain text (--insecure): tokens and job data cross "
               "the network readable by anyone on the path",
@@ -272,6 +283,7 @@ static void run_loop(coordinator_process *p, const coordinator_settings *s, int 
             (int)(colon - s->listen_addr), s->listen_addr, port, s->co.state_dir,
             s->co.checkpoint_dir, s->co.lease_ttl_ms, ZEROD_VERSION, (int)getpid());
   uv_run(p->loop, UV_RUN_DEFAULT);
+  return 0;
 }
 
 /* Frees what the process made, once its loop has ended. */
@@ -303,10 +315,8 @@ static int run_coordinator(const coordinator_settings *s, const flag_table *t,
   }
   int status = 1;
   int port = 0;
-  if (serve_grpc(&p, s, &port) == 0 && start_listeners(&p, t, given) == 0) {
-    run_loop(&p, s, port);
-    status = 0;
-  }
+  if (serve_grpc(&p, s, &port) == 0 && start_listeners(&p, t, given) == 0)
+    status = run_loop(&p, s, port);
   free_process(&p, status);
   return status;
 }

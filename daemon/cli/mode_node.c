@@ -138,8 +138,10 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
    * gathers may still be running on the threadpool, and closed sessions
    * let go of their pins when their handles have closed. */
   uv_close((uv_handle_t *)&d->completion_async, NULL);
-  uv_close((uv_handle_t *)&d->sigint, NULL);
-  uv_close((uv_handle_t *)&d->sigterm, NULL);
+  if (d->signals_open) {
+    uv_close((uv_handle_t *)&d->sigint, NULL);
+    uv_close((uv_handle_t *)&d->sigterm, NULL);
+  }
 }
 
 static void on_signal(uv_signal_t *handle, int signum) {
@@ -466,15 +468,20 @@ static int start_node(node_process *p) {
   return 0;
 }
 
-/* Runs the loop until SIGINT or SIGTERM has shut everything down. */
-static void run_loop(node_process *p, const char *health_listen, int health_port) {
+/* Runs the loop until SIGINT or SIGTERM has shut everything down. 0, or
+ * 1 when the signals could not be caught: a daemon that cannot be
+ * stopped gently stops at once instead of serving. */
+static int run_loop(node_process *p, const char *health_listen, int health_port) {
   zdaemon *d = &p->daemon;
   const daemon_options *o = &d->options;
-  uv_signal_init(d->loop, &d->sigint);
-  uv_signal_init(d->loop, &d->sigterm);
-  d->sigint.data = d->sigterm.data = d;
-  uv_signal_start(&d->sigint, on_signal, SIGINT);
-  uv_signal_start(&d->sigterm, on_signal, SIGTERM);
+  int rc = start_stop_signals(d->loop, &d->sigint, &d->sigterm, on_signal, d);
+  if (rc != 0) {
+    LOG_ERRORF("cannot catch SIGINT and SIGTERM", "err=%s", uv_strerror(rc));
+    shutdown_daemon(d, "no signal handlers");
+    uv_run(d->loop, UV_RUN_DEFAULT);
+    return 1;
+  }
+  d->signals_open = 1;
 
   if (d->health_server != NULL)
     LOG_INFOF("health listening", "address=%s port=%d", health_listen, health_port);
@@ -486,6 +493,7 @@ static void run_loop(node_process *p, const char *health_listen, int health_port
             (int)getpid());
   cluster_start(d);
   uv_run(d->loop, UV_RUN_DEFAULT);
+  return 0;
 }
 
 /* Frees what the daemon made, once its loop has ended: every handle has
@@ -553,7 +561,7 @@ int mode_node_main(int argc, char **argv) {
                               &health_port) != 0)
       return 1;
   }
-  run_loop(p, health_listen, health_port);
+  rc = run_loop(p, health_listen, health_port);
   free_daemon(p);
-  return 0;
+  return rc;
 }

@@ -12,6 +12,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -212,4 +213,25 @@ int start_metrics(uv_loop_t *loop, const char *addr, const char *mode, metrics *
   }
   LOG_INFOF("metrics listening", "address=%s port=%d path=/metrics", addr, port);
   return 0;
+}
+
+int start_stop_signals(uv_loop_t *loop, uv_signal_t *sigint, uv_signal_t *sigterm, uv_signal_cb cb,
+                       void *data) {
+  int rc = uv_signal_init(loop, sigint);
+  if (rc != 0)
+    return rc;
+  rc = uv_signal_init(loop, sigterm);
+  if (rc != 0) {
+    uv_close((uv_handle_t *)sigint, NULL);
+    return rc;
+  }
+  sigint->data = sigterm->data = data;
+  rc = uv_signal_start(sigint, cb, SIGINT);
+  if (rc == 0)
+    rc = uv_signal_start(sigterm, cb, SIGTERM);
+  if (rc != 0) {
+    uv_close((uv_handle_t *)sigint, NULL);
+    uv_close((uv_handle_t *)sigterm, NULL);
+  }
+  return rc;
 }

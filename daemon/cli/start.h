@@ -41,6 +41,12 @@ int start_lock_state_dir(const char *lock_path, const char *dir, int *fd_out);
  * connections and buffers each hold a descriptor. */
 void start_raise_fd_limit(void);
 
+/* Catches SIGINT and SIGTERM on loop with cb, data on both handles. 0,
+ * or a libuv error with neither handle open (only the first init can
+ * fail: it makes the loop's signal pipe; a failed start closes both). */
+int start_stop_signals(uv_loop_t *loop, uv_signal_t *sigint, uv_signal_t *sigterm, uv_signal_cb cb,
+                       void *data);
+
 /* --health-listen: a server of its own that serves grpc.health.v1 alone,
  * on loop, not yet serving. 0, or 1 with the reason on stderr; on failure
  * *server may still need its shutdown. */

@@ -536,6 +536,7 @@ int cluster_create(zdaemon *d, store *local_store, store **rendezvous, char *err
     free(a);
     return rc;
   }
+  /* uv_timer_init only fills in the handle; it cannot fail. */
   uv_timer_init(d->loop, &a->timer);
   uv_timer_init(d->loop, &a->watch_timer);
   uv_timer_init(d->loop, &a->settle_timer);

@@ -104,6 +104,7 @@ typedef struct daemon {
   } m_base_cache;
 
   uv_signal_t sigint, sigterm;
+  int signals_open; /* the two handles above are open */
   int stopping;
 } zdaemon; /* not "daemon": unistd.h declares daemon(3) */
 
