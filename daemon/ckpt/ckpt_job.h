@@ -23,6 +23,9 @@ typedef struct ckpt_job_view {
   uint64_t id;
   int world_size;
   const job_config *config;
+  /* A base's rank: it keeps its master weights alone (no moments), so its
+   * saves hold those and its restores read those. */
+  int weights_only;
   unit_layout *const *units;
   unsigned nunits;
 } ckpt_job_view;

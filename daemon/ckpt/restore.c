@@ -199,7 +199,8 @@ static int read_checkpoint(const ckpt_job_view *j, int rank, const char *source,
   st->step = m->step;
   int has[JOB_NSTATES];
   job_config_states(cfg, has);
-  int need1 = has[JOB_STATE_MOMENT1], need2 = has[JOB_STATE_MOMENT2];
+  int need1 = has[JOB_STATE_MOMENT1] && !j->weights_only;
+  int need2 = has[JOB_STATE_MOMENT2] && !j->weights_only;
   for (unsigned u = 0; u < m->nunits; u++) {
     const ckpt_unit *cu = &m->units[u];
     ckpt_staged_unit *su = &st->units[u];

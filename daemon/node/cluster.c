@@ -250,6 +250,9 @@ static void send_heartbeat(cluster_agent *a) {
      * (the ranks are at most one step apart); the version would count
      * loads and restores as steps. */
     st->step = atomic_load(&j->ranks[0].step);
+    pthread_mutex_lock(&j->mutex);
+    st->units = j->nunits;
+    pthread_mutex_unlock(&j->mutex);
     ckpt_node_reports(j, st, &ckpt_reports[i]);
     ptrs[i++] = st;
   }
@@ -370,6 +373,13 @@ static void follow_frozen(job *j, const Zerod__V1__Job *pj) {
     return;
   atomic_store(&j->frozen, 1);
   LOG_INFOF("job frozen: it is a base now", "job=%s", j->name);
+  /* Behind whatever its ranks have queued: the moments and accumulators
+   * go (rank/shard.c); a save or restore ordered from now on comes after. */
+  for (int r = 0; r < j->nranks; r++) {
+    exec_op *op = exec_op_new(OP_FREEZE, &j->ranks[r]);
+    if (op != NULL)
+      exec_submit(op);
+  }
 }
 
 /* Makes the local jobs follow the coordinator's assignments. */

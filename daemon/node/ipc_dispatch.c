@@ -219,12 +219,12 @@ out:
 }
 
 /* The requests a frozen job (a base) refuses: those that change its
- * state. */
+ * state, and the gradient norm (a base keeps no gradients). */
 static int changes_state(uint16_t type) {
   return type == ZEROD__V1__MSG_TYPE__MSG_REGISTER_UNIT ||
          type == ZEROD__V1__MSG_TYPE__MSG_GRAD_BUFFER || type == ZEROD__V1__MSG_TYPE__MSG_REDUCE ||
          type == ZEROD__V1__MSG_TYPE__MSG_STEP || type == ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT ||
-         type == ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS;
+         type == ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS || type == ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM;
 }
 
 static void close_fds(int *fds, unsigned nfds) {

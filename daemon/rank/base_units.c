@@ -55,6 +55,18 @@ int exec__base_unit_refused(rank_state *rs, exec_op *op, const unit_layout *mine
     return 1;
   }
   unit_layout *bl = base_unit_named(base, mine->name);
+  pthread_mutex_lock(&base->mutex);
+  uint32_t base_units = base->nunits;
+  pthread_mutex_unlock(&base->mutex);
+  if (bl == NULL && base_units == 0) {
+    /* A restarted daemon: the coordinator restores the base from its
+     * checkpoint (docs/bases.md, "Restarts"). */
+    exec_error(op, ZEROD__V1__STATUS__STATUS_UNAVAILABLE,
+               "unit '%s': base '%s' holds no units on this node yet (after a restart it is "
+               "restored from its checkpoint); retry",
+               mine->name, base->name);
+    return 1;
+  }
   if (bl == NULL) {
     exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
                "unit '%s': base '%s' has no unit of that name", mine->name, base->name);

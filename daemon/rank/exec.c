@@ -135,6 +135,9 @@ static void run_op(rank_state *rs, exec_op *op) {
   case OP_TRIM:
     pool_trim(rs);
     break;
+  case OP_FREEZE:
+    exec__handle_freeze(rs);
+    break;
   case OP_SAVE:
     exec__handle_save(rs, op);
     break;

@@ -40,6 +40,7 @@ typedef enum op_kind {
   OP_GRAD_NORM,  /* GRAD_NORM: collective, the accumulated gradients' global norm */
   OP_PIN,        /* read-only sessions only (reader.c) */
   OP_TRIM,       /* free unheld buffers (the job has no sessions) */
+  OP_FREEZE,     /* the job is a base now: free what only training needs */
   /* Checkpoints (ckpt_node.h), op->ckpt_id naming the order: */
   OP_SAVE,           /* take the copy now if no worker is attached */
   OP_RESTORE_READ,   /* read and verify the rank's part of op->ckpt_source */

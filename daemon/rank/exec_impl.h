@@ -79,6 +79,13 @@ float *exec__shard_state(rank_state *rs, shard *sh, uint32_t state);
 
 /* Whether the job's optimizer keeps the state. */
 int exec__has_state(const rank_state *rs, uint32_t state);
+/* The states rank rs keeps (JOB_STATE_*): its config's, or the master
+ * weights alone once it is a base's (exec__handle_freeze). Their count. */
+int exec__rank_states(const rank_state *rs, int has[JOB_NSTATES]);
+/* OP_FREEZE: the job is a base now, whose state never changes: its
+ * shards keep their master weights (and working copies) and free their
+ * moments and gradient accumulators. Offloaded state stays as it is. */
+void exec__handle_freeze(rank_state *rs);
 
 /* A whole state of a shard, wherever it lives: copied into dst, or
  * replaced by src (NULL: zeros), host memory, shard_numel floats. Returns 0

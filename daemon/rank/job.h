@@ -162,6 +162,9 @@ typedef struct rank_state {
    * the executor reads it freely. */
   uint64_t version;
   uint64_t state_bytes; /* executor-owned: bytes of its shards (exec__shard_bytes) */
+  /* Executor-owned: the job is a base and this rank keeps its master
+   * weights alone (exec__handle_freeze); its saves hold those only. */
+  int weights_only;
   /* offload_optimizer nvme: the rank's tier file (tier.h; NULL until a
    * shard needs it) and the bytes of state in it. Executor-owned. */
   struct rank_tier *tier;

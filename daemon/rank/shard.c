@@ -4,6 +4,7 @@
 #include "exec_impl.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,15 +20,24 @@ static void *zalloc(rank_state *rs, uint64_t bytes) {
   return device_alloc(rs->dev, bytes, &p) == 0 ? p : NULL;
 }
 
+int exec__rank_states(const rank_state *rs, int has[JOB_NSTATES]) {
+  int n = job_config_states(&rs->job->config, has);
+  if (rs->weights_only) {
+    n -= has[JOB_STATE_MOMENT1] + has[JOB_STATE_MOMENT2];
+    has[JOB_STATE_MOMENT1] = has[JOB_STATE_MOMENT2] = 0;
+  }
+  return n;
+}
+
 uint64_t exec__shard_bytes(const rank_state *rs, const unit_layout *l) {
   const job_config *c = &rs->job->config;
   int has[JOB_NSTATES];
-  job_config_states(c, has);
+  exec__rank_states(rs, has);
   /* In the device's memory: the accumulator and the working copy (its own
    * array) where the rest is on disk, or off a GPU. */
   if (tier_enabled(rs->job) || offload_enabled(rs))
     return l->shard_numel * (4 + zk_dtype_size(c->working_dtype));
-  uint64_t per_element = 4 + 4; /* master, gradient accumulator */
+  uint64_t per_element = rs->weights_only ? 4 : 4 + 4; /* master, gradient accumulator */
   per_element += has[JOB_STATE_MOMENT1] ? 4 : 0;
   per_element += has[JOB_STATE_MOMENT2] ? 4 : 0;
   per_element += c->working_dtype == ZK_F32 ? 0 : zk_dtype_size(c->working_dtype);
@@ -110,7 +120,7 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
   const job_config *c = &rs->job->config;
   uint64_t n = l->shard_numel;
   int has[JOB_NSTATES];
-  job_config_states(c, has);
+  exec__rank_states(rs, has);
   int err = 0;
   if (tier_enabled(rs->job)) {
     /* Master and moments go to the tier file; the working copy is an
@@ -140,12 +150,12 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
       err = -ENOMEM;
   } else {
     sh->master = zalloc(rs, n * 4);
-    sh->grad_acc = zalloc(rs, n * 4);
+    sh->grad_acc = rs->weights_only ? NULL : zalloc(rs, n * 4);
     sh->moment1 = has[JOB_STATE_MOMENT1] ? zalloc(rs, n * 4) : NULL;
     sh->moment2 = has[JOB_STATE_MOMENT2] ? zalloc(rs, n * 4) : NULL;
     sh->working = c->working_dtype == ZK_F32 ? (void *)sh->master
                                              : zalloc(rs, n * zk_dtype_size(c->working_dtype));
-    if (sh->master == NULL || sh->grad_acc == NULL ||
+    if (sh->master == NULL || (sh->grad_acc == NULL && !rs->weights_only) ||
         (has[JOB_STATE_MOMENT1] && sh->moment1 == NULL) ||
         (has[JOB_STATE_MOMENT2] && sh->moment2 == NULL) || sh->working == NULL)
       err = -ENOMEM;
@@ -253,7 +263,7 @@ int exec__shard_set_groups(rank_state *rs, const unit_layout *l, shard *sh,
 
 int exec__has_state(const rank_state *rs, uint32_t state) {
   int has[JOB_NSTATES];
-  job_config_states(&rs->job->config, has);
+  exec__rank_states(rs, has);
   return state < JOB_NSTATES && has[state];
 }
 
@@ -305,7 +315,7 @@ int exec__state_copy(rank_state *rs, shard *sh, const unit_layout *l, uint32_t s
 
 float *exec__shard_state(rank_state *rs, shard *sh, uint32_t state) {
   int has[JOB_NSTATES];
-  job_config_states(&rs->job->config, has);
+  exec__rank_states(rs, has);
   if (state >= JOB_NSTATES || !has[state])
     return NULL;
   return state == JOB_STATE_MASTER    ? sh->master
@@ -325,4 +335,33 @@ const char *exec__state_name(const rank_state *rs, uint32_t state) {
   default:
     return "unknown state";
   }
+}
+
+void exec__handle_freeze(rank_state *rs) {
+  if (rs->weights_only)
+    return;
+  if (tier_enabled(rs->job) || offload_enabled(rs)) {
+    /* Its state is on disk or a GPU rank's host arrays: kept as it is. */
+    LOG_DEBUGF("a base's optimizer state stays where it is offloaded", "job=%s rank=%d",
+               rs->job->name, rs->rank);
+    return;
+  }
+  uint64_t before = rs->state_bytes;
+  rs->weights_only = 1;
+  for (uint32_t u = 0; u < rs->nshards; u++) {
+    shard *sh = &rs->shards[u];
+    if (!shard_has_state(sh))
+      continue;
+    device_free(rs->dev, sh->moment1);
+    device_free(rs->dev, sh->moment2);
+    device_free(rs->dev, sh->grad_acc);
+    sh->moment1 = sh->moment2 = sh->grad_acc = NULL;
+    uint64_t bytes = exec__shard_bytes(rs, job_unit(rs->job, u));
+    rs->state_bytes -= sh->bytes - bytes;
+    sh->bytes = bytes;
+  }
+  rank_metrics_state(rs);
+  LOG_INFOF("a base keeps its weights only: moments and gradient accumulators freed",
+            "job=%s rank=%d freed_bytes=%" PRIu64, rs->job->name, rs->rank,
+            before - rs->state_bytes);
 }

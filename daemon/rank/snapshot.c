@@ -24,7 +24,7 @@
 static unit_layout **snapshot_units(rank_state *rs, unsigned *n, uint64_t *bytes) {
   job *j = rs->job;
   int want[3];
-  int nstates = job_config_states(&j->config, want);
+  int nstates = exec__rank_states(rs, want);
   uint32_t nunits;
   unit_layout **units = job_units_copy(j, &nunits);
   *n = 0;
@@ -49,7 +49,7 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
   }
   double t0 = clock_now_s();
   int want[3];
-  job_config_states(&j->config, want);
+  exec__rank_states(rs, want);
   unsigned n = 0;
   uint64_t bytes = 0;
   unit_layout **units = snapshot_units(rs, &n, &bytes);
@@ -82,6 +82,7 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
                         .id = j->id,
                         .world_size = j->world_size,
                         .config = &j->config,
+                        .weights_only = rs->weights_only,
                         .units = units,
                         .nunits = n};
   if (rc == 0 && rs->rank == 0 && (layout = ckpt_layout_of(&view, rs->step, rs->version)) == NULL)
@@ -143,6 +144,7 @@ static int job_view(rank_state *rs, ckpt_job_view *view) {
                           .id = j->id,
                           .world_size = j->world_size,
                           .config = &j->config,
+                          .weights_only = rs->weights_only,
                           .units = units,
                           .nunits = nunits};
   return units != NULL ? 0 : -ENOMEM;
@@ -265,7 +267,7 @@ void exec__handle_restore_commit(rank_state *rs, exec_op *op) {
       }
       if (sh->working == (void *)master)
         sh->working = sh->master;
-      if (rc == 0)
+      if (rc == 0 && sh->grad_acc != NULL) /* a base's rank keeps none */
         rc = device_zero(rs->dev, sh->grad_acc, bytes);
       if (rc == 0)
         rc = exec__refresh_working(rs, l, sh);
