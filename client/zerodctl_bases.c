@@ -88,6 +88,9 @@ static bool base_row(const Zerod__V1__Job *job, char cells[][TABLE_CELL_BYTES]) 
   else
     ctl__format_sharing(job, cells[5], TABLE_CELL_BYTES);
   snprintf(cells[6], TABLE_CELL_BYTES, "%" PRIu32, job->jobs_on_base);
+  /* "-": not saved yet (docs/bases.md, "Restarts"). */
+  snprintf(cells[7], TABLE_CELL_BYTES, "%s",
+           job->base_checkpoint[0] != '\0' ? job->base_checkpoint : "-");
   return true;
 }
 
@@ -95,6 +98,6 @@ int ctl__cmd_bases_list(ctl *c, int argc, char **argv) {
   (void)argc;
   (void)argv;
   static const char *const headers[] = {"NAME",  "TENANT",      "STATE", "WORLD",
-                                        "NODES", "SHARED_WITH", "JOBS"};
-  return ctl__list_jobs(c, "bases", headers, 7, base_row);
+                                        "NODES", "SHARED_WITH", "JOBS",  "CHECKPOINT"};
+  return ctl__list_jobs(c, "bases", headers, 8, base_row);
 }

@@ -106,6 +106,7 @@ void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   ctl__json_close(j, ']');
   ctl__json_bool(j, "public", job->public_);
   ctl__json_u64(j, "jobs_on_base", job->jobs_on_base);
+  ctl__json_str(j, "base_checkpoint", job->base_checkpoint);
   const Zerod__V1__CheckpointPolicy *policy = job->checkpoint_policy;
   ctl__json_open(j, "checkpoint_policy", '{');
   ctl__json_u64(j, "every_steps", policy != NULL ? policy->every_steps : 0);
@@ -153,6 +154,9 @@ static void print_base(const Zerod__V1__Job *job) {
   ctl__format_sharing(job, sharing, sizeof sharing);
   ctl__print_field("frozen", "yes (a base), shared with %s; %" PRIu32 " job%s on it", sharing,
                    job->jobs_on_base, job->jobs_on_base == 1 ? "" : "s");
+  ctl__print_field("base checkpoint", "%s",
+                   job->base_checkpoint[0] != '\0' ? job->base_checkpoint
+                                                   : "none yet (a restart cannot restore it)");
 }
 
 void ctl__format_sharing(const Zerod__V1__Job *job, char *out, size_t out_bytes) {

@@ -77,7 +77,10 @@ static int start_local_coordinator(node_process *p, char *err, size_t err_bytes)
   /* Static: a coord_options holds the export roots' paths, too big for
    * the stack of a function that the loop's callbacks nest under. */
   static coord_options co;
-  co = (coord_options){.lease_ttl_ms = 10000, .checkpoint_timeout_ms = p->checkpoint_timeout_ms};
+  co = (coord_options){.lease_ttl_ms = 10000,
+                       .checkpoint_timeout_ms = p->checkpoint_timeout_ms,
+                       .durable_bases_only = 1};
+  snprintf(co.state_dir, sizeof co.state_dir, "%s", o->dir);
   if (start_checkpoint_dir(flag_text(&flags_node, &p->given, FLAG_CHECKPOINT_DIR), o->dir,
                            co.checkpoint_dir, sizeof co.checkpoint_dir) != 0) {
     snprintf(err, err_bytes, "no usable checkpoint directory");

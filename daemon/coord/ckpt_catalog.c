@@ -277,6 +277,15 @@ static int delete_checkpoint(coord *c, const char *job, const char *name, const 
              reader->job, job, name, reader->id);
     return RPC_FAILED_PRECONDITION;
   }
+  const cjob *base = coord__find_job(c, job);
+  if (base != NULL && base->msg->frozen &&
+      (strcmp(base->msg->base_checkpoint, name) == 0 || strcmp(base->ckpt.base_saved, name) == 0)) {
+    snprintf(err, err_bytes,
+             "checkpoint '%s/%s' holds base '%s': its nodes are restored from it after a "
+             "restart (delete the base first)",
+             job, name, job);
+    return RPC_FAILED_PRECONDITION;
+  }
   if (coord__ckpt_export_reading(c, path) != NULL) {
     snprintf(err, err_bytes, "checkpoint '%s/%s' is being exported; retry when it is done", job,
              name);

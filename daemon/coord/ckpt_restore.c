@@ -153,6 +153,37 @@ void coord__ckpt_restore_progress(coord *c, ckpt_order *o) {
   coord__ckpt_order_free(c, o);
 }
 
+int coord__ckpt_restore_start(coord *c, cjob *j, const char *source, rpc_call *call,
+                              const coord_caller *who, char *err, size_t err_bytes) {
+  ckpt_order *o = coord__ckpt_order_new(c, j, ORDER_RESTORE);
+  preflight_work *w = calloc(1, sizeof *w);
+  if (o == NULL || w == NULL || coord__ckpt_access(c, who, j, &w->access) != 0) {
+    if (o != NULL)
+      coord__ckpt_order_free(c, o);
+    if (w != NULL)
+      coord__ckpt_access_free(&w->access);
+    free(w);
+    snprintf(err, err_bytes, "coordinator out of memory");
+    return RPC_RESOURCE_EXHAUSTED;
+  }
+  /* The job is busy from now on: a Save or another Restore is refused
+   * while the source is checked, and the source cannot be deleted. */
+  snprintf(o->dir, sizeof o->dir, "%s", source);
+  o->phase = PHASE_PREPARING;
+  coord__ckpt_order_set_deadline(c, o, call);
+  o->work_in_flight = 1;
+  if (call != NULL) {
+    o->call = call;
+    rpc_call_set_cancel(call, coord__ckpt_on_order_cancelled, o);
+  }
+  w->base.run = preflight_run;
+  w->base.done = preflight_done;
+  w->order = o;
+  snprintf(w->source, sizeof w->source, "%s", source);
+  coord__ckpt_queue_work(c, &w->base);
+  return 0;
+}
+
 static void on_restore(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
   coord_caller who;
@@ -179,39 +210,10 @@ static void on_restore(rpc_call *call, const uint8_t *request, size_t request_by
     snprintf(err, sizeof err, "the call's deadline passed before the restore began");
     status = RPC_DEADLINE_EXCEEDED;
   }
-  ckpt_order *o = NULL;
-  preflight_work *w = NULL;
-  if (status == 0) {
-    o = coord__ckpt_order_new(c, j, ORDER_RESTORE);
-    w = calloc(1, sizeof *w);
-    if (o == NULL || w == NULL || coord__ckpt_access(c, &who, j, &w->access) != 0) {
-      if (o != NULL)
-        coord__ckpt_order_free(c, o);
-      if (w != NULL)
-        coord__ckpt_access_free(&w->access);
-      free(w);
-      snprintf(err, sizeof err, "coordinator out of memory");
-      status = RPC_RESOURCE_EXHAUSTED;
-    }
-  }
-  if (status != 0) {
+  if (status == 0)
+    status = coord__ckpt_restore_start(c, j, source, call, &who, err, sizeof err);
+  if (status != 0)
     coord__finish_error(call, status, "%s", err);
-    ctl_free(&req->base);
-    return;
-  }
-  /* The job is busy from now on: a Save or another Restore is refused
-   * while the source is checked, and the source cannot be deleted. */
-  snprintf(o->dir, sizeof o->dir, "%s", source);
-  o->phase = PHASE_PREPARING;
-  coord__ckpt_order_set_deadline(c, o, call);
-  o->call = call;
-  o->work_in_flight = 1;
-  rpc_call_set_cancel(call, coord__ckpt_on_order_cancelled, o);
-  w->base.run = preflight_run;
-  w->base.done = preflight_done;
-  w->order = o;
-  snprintf(w->source, sizeof w->source, "%s", source);
-  coord__ckpt_queue_work(c, &w->base);
   ctl_free(&req->base);
 }
 

@@ -340,6 +340,8 @@ static void commit_done(ckpt_work *base) {
       coord__finish_message(o->call, &reply.base);
       o->call = NULL;
     }
+    if (o->for_base && j != NULL)
+      snprintf(j->ckpt.base_saved, sizeof j->ckpt.base_saved, "%s", w->final_name);
     if (o->periodic && j != NULL) {
       j->ckpt.autockpt.saved = 1;
       j->ckpt.autockpt.last_step = w->step;

@@ -42,9 +42,13 @@ typedef struct coord coord;
 #define COORD_MAX_EXPORT_ROOTS 8 /* --export-root, repeated */
 
 typedef struct coord_options {
-  char state_dir[PATH_MAX]; /* created if missing; holds coordinator.pb; "": in memory only
-                               (zerod standalone's coordinator) */
-  int lease_ttl_ms;         /* a node that does not renew within this leaves */
+  char state_dir[PATH_MAX]; /* created if missing; holds coordinator.pb; "": in memory only */
+  /* coordinator.pb keeps the bases (frozen jobs) and no other job: zerod
+   * standalone, whose jobs are made by their workers and live in its
+   * memory alone, while a base is restored from its checkpoint after a
+   * restart (docs/decisions.md, "Bases"). */
+  int durable_bases_only;
+  int lease_ttl_ms; /* a node that does not renew within this leaves */
   /* Where checkpoints live: <checkpoint_dir>/<job>/<name>/. An absolute
    * path (it travels to the nodes, which must see the same directory),
    * created if missing. "": no checkpoints (the Checkpoints methods answer

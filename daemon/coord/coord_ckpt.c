@@ -100,7 +100,9 @@ void coord__ckpt_heartbeat(coord *c, const member *m, const Zerod__V1__Heartbeat
 static void auto_check(coord *c, cjob *j, uint64_t now) {
   const Zerod__V1__CheckpointPolicy *policy = j->msg->checkpoint_policy;
   auto_ckpt *a = &j->ckpt.autockpt;
-  if (policy == NULL || j->deleting || j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY)
+  /* A base's state does not change: its own checkpoint is ckpt_base.c's. */
+  if (policy == NULL || j->deleting || j->msg->frozen ||
+      j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY)
     return;
   if (!a->armed) {
     /* Counted from the step and the time at which the job is first ready
@@ -185,8 +187,10 @@ void coord__ckpt_tick(coord *c) {
                            coord__ckpt_order_noun(o), (double)o->timeout_ms / 1000.0, pending,
                            installing ? "; some ranks may have installed the restored state" : "");
   }
-  for (size_t i = 0; i < c->njobs; i++)
+  for (size_t i = 0; i < c->njobs; i++) {
     auto_check(c, c->jobs[i], now);
+    coord__ckpt_base_tick(c, c->jobs[i], now);
+  }
   coord__ckpt_retire_pending(c);
   coord__ckpt_retention(c, coord__unix_ms());
 }

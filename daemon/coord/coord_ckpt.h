@@ -10,6 +10,8 @@
  *   ckpt_save.c     saves: Save, periodic ones, an Export's
  *   ckpt_restore.c  Restore
  *   ckpt_exports.c  Export
+ *   ckpt_base.c     a base's own checkpoint: saved once frozen, restored
+ *                   on nodes that come back without it
  *
  * and coord_ckpt.c on top of them, the service's hooks (coord_impl.h).
  * Only those files include this header; the rest of the coordinator
@@ -147,6 +149,7 @@ typedef struct ckpt_order {
   int abandoned;
   rpc_call *call; /* the Save, Restore or Export waiting for it; NULL: periodic, or answered */
   int periodic;
+  int for_base; /* the coordinator's save or restore of a base (ckpt_base.c) */
   /* A save for an Export of the job's state now: the temporary checkpoint
    * is exported to export_path and removed, never renamed into place. */
   int is_export;
@@ -313,6 +316,14 @@ int coord__ckpt_save_register(coord *c, rpc_server *server);
  * completes it. */
 void coord__ckpt_restore_progress(coord *c, ckpt_order *o);
 
+/* Starts a restore of j from source (a path already resolved) with the
+ * access rights of who: the source is checked on the thread pool, then
+ * the order goes to the job's nodes. call: the waiting Restore, or NULL
+ * for the coordinator's own. Returns 0, or a status with the reason in
+ * err and nothing started. */
+int coord__ckpt_restore_start(coord *c, cjob *j, const char *source, rpc_call *call,
+                              const coord_caller *who, char *err, size_t err_bytes);
+
 /* Registers Restore. */
 int coord__ckpt_restore_register(coord *c, rpc_server *server);
 
@@ -322,5 +333,14 @@ int coord__ckpt_restore_register(coord *c, rpc_server *server);
 
 /* Registers Export. */
 int coord__ckpt_exports_register(coord *c, rpc_server *server);
+
+/* ------------------------------------------------------------------------ */
+/* ckpt_base.c: a base's own checkpoint                                     */
+/* ------------------------------------------------------------------------ */
+
+/* From the periodic tick, for every job: a frozen job with no checkpoint
+ * of its own gets one saved; one whose nodes came back without its state
+ * is restored from it. Records a completed save in the job, stored. */
+void coord__ckpt_base_tick(coord *c, cjob *j, uint64_t now);
 
 #endif /* ZEROD_COORD_CKPT_H */

@@ -174,6 +174,7 @@ static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_
     reports[i].error = strdup(req->jobs[i]->error);
     reports[i].ready = req->jobs[i]->ready;
     reports[i].step = req->jobs[i]->step;
+    reports[i].units = req->jobs[i]->units;
     ok = reports[i].job != NULL && reports[i].error != NULL;
   }
   if (!ok) {

@@ -57,6 +57,7 @@ typedef struct job_report {
   char *error; /* owned; "" when the job is fine on the node */
   int ready;
   uint64_t step;
+  uint32_t units; /* the job's units on the node */
 } job_report;
 
 typedef struct member {
@@ -111,6 +112,11 @@ typedef struct auto_ckpt {
 typedef struct ckpt_of_job {
   struct ckpt_order *order; /* the job's save or restore in flight, or NULL */
   auto_ckpt autockpt;
+  /* A base's (ckpt_base.c): the name of its save that completed and is
+   * not yet stored in the job ("": none), and whether a base not saved
+   * for want of units was logged. */
+  char base_saved[CTL_NAME_MAX_BYTES + 24];
+  int base_loss_logged;
 } ckpt_of_job;
 
 /* The Checkpoints service's state (soft): the files of the service
@@ -241,6 +247,8 @@ long coord__placement_of(const cjob *j, const char *node);
 
 /* Orders job reports by job name (qsort); frees reports[count]. */
 int coord__compare_reports(const void *a, const void *b);
+/* What m's last heartbeat said about job, or NULL. */
+const job_report *coord__find_report(const member *m, const char *job);
 void coord__free_reports(job_report *reports, size_t count);
 /* Frees a member (its Watch stream must have ended) or a job (its keys
  * and waiting Gets end with it). NULL: nothing. */

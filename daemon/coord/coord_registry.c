@@ -150,7 +150,7 @@ int coord__compare_reports(const void *a, const void *b) {
   return strcmp(((const job_report *)a)->job, ((const job_report *)b)->job);
 }
 
-static const job_report *find_report(const member *m, const char *job) {
+const job_report *coord__find_report(const member *m, const char *job) {
   if (m->nreports == 0)
     return NULL; /* bsearch must not be given a NULL array */
   job_report key = {.job = (char *)job};
@@ -355,7 +355,7 @@ void coord__derive_job(coord *c, cjob *j) {
     const char *node = j->msg->placement[i]->node;
     node_mark *mark = &j->marks[i];
     const member *m = coord__find_member(c, node);
-    const job_report *r = m != NULL ? find_report(m, j->msg->name) : NULL;
+    const job_report *r = m != NULL ? coord__find_report(m, j->msg->name) : NULL;
     if (r != NULL && (!have_step || r->step < step)) {
       step = r->step;
       have_step = 1;
@@ -428,7 +428,7 @@ void coord__derive_job(coord *c, cjob *j) {
 static int job_still_reported(const coord *c, const cjob *j) {
   for (size_t i = 0; i < j->msg->n_placement; i++) {
     const member *m = coord__find_member(c, j->msg->placement[i]->node);
-    if (m != NULL && find_report(m, j->msg->name) != NULL)
+    if (m != NULL && coord__find_report(m, j->msg->name) != NULL)
       return 1;
   }
   return 0;

@@ -33,7 +33,7 @@
 int coord__state_write(coord *c, const cjob *add, const cjob *skip, uint64_t next_job_id, char *err,
                        size_t err_bytes) {
   if (c->options.state_dir[0] == '\0')
-    return 0; /* an in-memory coordinator (zerod standalone) */
+    return 0; /* an in-memory coordinator */
   size_t cap = c->njobs + 1;
   Zerod__V1__StoredJob *stored = calloc(cap, sizeof *stored);
   Zerod__V1__StoredJob **pointers = calloc(cap, sizeof *pointers);
@@ -47,7 +47,7 @@ int coord__state_write(coord *c, const cjob *add, const cjob *skip, uint64_t nex
   size_t count = 0;
   for (size_t i = 0; i <= c->njobs; i++) {
     const cjob *j = i < c->njobs ? c->jobs[i] : add;
-    if (j == NULL || j == skip || j->deleting)
+    if (j == NULL || j == skip || j->deleting || (c->options.durable_bases_only && !j->msg->frozen))
       continue;
     /* State and reason are derived, never stored; the epoch is. */
     jobs[count] = *j->msg;

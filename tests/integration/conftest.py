@@ -32,11 +32,14 @@ class Daemon:
         self.dir.mkdir()
         self.socket = str(self.dir / "zerod.sock")
         self.log_path = self.dir / "zerod.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [binary("zerod"), mode, "--ranks", str(ranks), "--dir", str(self.dir),
-             "--collective-timeout", str(timeout_s), "--threads-per-rank", "1"] + extra,
-            stderr=self.log, env=None if env is None else {**os.environ, **env})
+        self.args = [binary("zerod"), mode, "--ranks", str(ranks), "--dir", str(self.dir),
+                     "--collective-timeout", str(timeout_s), "--threads-per-rank", "1"] + extra
+        self.env = None if env is None else {**os.environ, **env}
+        self.start()
+
+    def start(self):
+        self.log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.args, stderr=self.log, env=self.env)
         deadline = time.monotonic() + 20
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None:
@@ -57,6 +60,14 @@ class Daemon:
         self.proc.kill()
         self.proc.wait()
         self.log.close()
+
+    def restart(self):
+        """SIGKILL, then the same command on the same directory (its state
+        and checkpoints), as a node that crashed and came back; the log
+        goes on in the same file."""
+        self.kill()
+        os.unlink(self.socket)
+        self.start()
 
     def memfds(self, job):
         """Names of the daemon's memfd descriptors that belong to `job`."""

@@ -144,8 +144,11 @@ def test_freeze_build_on_and_delete_a_base_in_standalone(start_daemon):
          "(zerodctl jobs freeze lora)")
 
     rows, header = table(ok(ctl, "bases", "list"))
-    assert header == ["NAME", "TENANT", "STATE", "WORLD", "NODES", "SHARED_WITH", "JOBS"]
-    assert list(rows) == ["llama"] and rows["llama"][-1] == "1", rows
+    assert header == ["NAME", "TENANT", "STATE", "WORLD", "NODES", "SHARED_WITH", "JOBS",
+                      "CHECKPOINT"]
+    assert list(rows) == ["llama"] and rows["llama"][header.index("JOBS")] == "1", rows
+    # No unit was ever registered: there is nothing to save, so no checkpoint.
+    assert rows["llama"][header.index("CHECKPOINT")] == "-", rows
     rows, header = table(ok(ctl, "jobs", "list"))
     assert rows["llama"][header.index("BASE")] == "frozen"
     assert rows["lora"][header.index("BASE")] == "llama"

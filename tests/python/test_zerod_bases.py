@@ -8,10 +8,12 @@ the job's own frozen units); writes to base units are refused."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -229,6 +231,54 @@ def test_base_units_are_read_only(start_daemon, tmp_path):
                           env=worker_env(), timeout=120)
     assert "gathered" in proc.stdout and "wrote" not in proc.stdout, proc.stdout + proc.stderr
     assert proc.returncode in (-signal.SIGSEGV, -signal.SIGBUS), proc.returncode
+
+
+def base_checkpoint(d, name="base", timeout=60):
+    """The checkpoint the coordinator saved of a freshly frozen base, once
+    it is stored in the job (zerodctl shows "saving" until then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = json.loads(zerodctl(d, "jobs", "get", name, "--json"))["base_checkpoint"]
+        if got:
+            return got
+        assert time.monotonic() < deadline, "base %s was never saved:\n%s" % (
+            name, d.read_log()[-4000:])
+        time.sleep(0.1)
+
+
+def wait_for_log(d, text, timeout=60):
+    deadline = time.monotonic() + timeout
+    while text not in d.read_log():
+        assert time.monotonic() < deadline, "no %r in the log:\n%s" % (text, d.read_log()[-4000:])
+        time.sleep(0.1)
+
+
+def test_a_restarted_daemon_restores_its_base_from_the_bases_checkpoint(start_daemon, tmp_path):
+    d = start_daemon(ranks=1)
+    weights = make_base(d, tmp_path)
+    name = base_checkpoint(d)
+    assert name.startswith("step-00000003"), name
+    before = run(*worker(d, tmp_path, "lora-a", base="base"))
+    # The base's checkpoint stays while the base does.
+    proc = subprocess.run([binary("zerodctl"), "-c", "unix:%s/control.sock" % d.dir,
+                           "checkpoint", "delete", "base", name],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert ("FAILED_PRECONDITION: checkpoint 'base/%s' holds base 'base': its nodes are "
+            "restored from it after a restart (delete the base first)" % name) in proc.stderr
+    d.restart()  # SIGKILL: every shard in memory is gone
+    wait_for_log(d, 'msg="checkpoint restored" job=base ')
+    listed = zerodctl(d, "bases", "list")
+    assert name in listed, listed
+    # A new job on the restored base trains exactly as one did before the
+    # restart, and sees the base's weights.
+    after = run(*worker(d, tmp_path, "lora-b", base="base"))
+    assert_identical(before, after)
+    for key, value in torch.load(weights).items():
+        assert torch.equal(after["state"][key], value), key
+    # Restored once: it is whole again, so the next ticks leave it be.
+    time.sleep(1.0)
+    assert d.read_log().count("base restore started") == 1, d.read_log()[-4000:]
 
 
 def test_reference_that_does_not_match_the_base_is_refused(start_daemon, tmp_path):

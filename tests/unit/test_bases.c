@@ -13,6 +13,7 @@
  * - what would write the base unit is refused (gradient buffer, load,
  *   writable mapping), and so is a registration that does not match it. */
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -215,17 +216,36 @@ static void run_job(job_kind kind, const char *name, rank_task *tasks) {
     }
 }
 
-static void zerodctl(const char *args) {
+/* Runs zerodctl with args; its output into out. */
+static void zerodctl_out(const char *args, char *out, size_t out_bytes) {
   char cmd[512];
   snprintf(cmd, sizeof cmd, "%s --coordinator unix:%s/control.sock %s 2>&1", ZERODCTL_BINARY,
            daemon_proc.dir, args);
-  char out[2048] = "";
   FILE *p = popen(cmd, "r");
   assert_non_null(p);
-  size_t n = fread(out, 1, sizeof out - 1, p);
+  size_t n = fread(out, 1, out_bytes - 1, p);
   out[n] = '\0';
   if (pclose(p) != 0)
     fail_msg("%s failed: %s", cmd, out);
+}
+
+static void zerodctl(const char *args) {
+  char out[2048];
+  zerodctl_out(args, out, sizeof out);
+}
+
+/* Waits until the coordinator has saved base and stored its checkpoint
+ * (the save's copy of the base comes and goes in the daemon's memory). */
+static void wait_for_base_checkpoint(const char *base) {
+  char args[128], out[8192] = "";
+  snprintf(args, sizeof args, "jobs get %s --json", base);
+  for (int tries = 0; tries < 1500; tries++) { /* 30 s */
+    zerodctl_out(args, out, sizeof out);
+    if (strstr(out, "\"base_checkpoint\":\"step-") != NULL)
+      return;
+    usleep(20000);
+  }
+  fail_msg("base %s was not saved: %s", base, out);
 }
 
 /* The node learns of the freeze through its watch: a write to the base is
@@ -425,6 +445,25 @@ static void run_big(const char *name, const char *base_job) {
       fail_msg("job %s, rank %u: %s", name, r, tasks[r].s.error);
 }
 
+/* The state bytes of every rank of job (zd_job_stats, through an attach
+ * of its rank 0). */
+static uint64_t state_bytes_of(const char *job) {
+  rank_task t = {.job_name = job, .rank = 0};
+  attach(&t, NULL);
+  zd_rank_stats stats[RANKS];
+  for (unsigned r = 0; r < RANKS; r++)
+    stats[r] = (zd_rank_stats)ZD_RANK_STATS_INIT;
+  unsigned n = 0;
+  uint64_t sum = 0;
+  if (t.s.status == ZD_OK && zd_job_stats(t.s.job, stats, RANKS, &n) == ZD_OK)
+    for (unsigned r = 0; r < n && r < RANKS; r++)
+      sum += stats[r].state_bytes;
+  if (t.s.job != NULL)
+    zd_detach(t.s.job);
+  zd_close(t.s.client);
+  return sum;
+}
+
 /* The daemon's resident memory as jobs come: the base's shards once, its
  * gathered copy once (the node's cache), and nothing more of it for a
  * second and a third job on it; a job with a private copy adds its own. */
@@ -432,7 +471,17 @@ static void test_the_base_is_held_once_however_many_jobs_use_it(void **state) {
   (void)state;
   const double base_bytes = 4.0 * BIG_ROWS * BIG_COLS;
   run_big("big", NULL);
+  /* Master weights, moments and accumulator: 16 bytes a value. */
+  assert_true(fabs((double)state_bytes_of("big") - 4 * base_bytes) < 0.01 * base_bytes);
   zerodctl("jobs freeze big");
+  /* A base keeps its weights alone (fp32: the working copy is the master). */
+  uint64_t held = 0;
+  for (int tries = 0; tries < 500 && (held = state_bytes_of("big")) != (uint64_t)base_bytes;
+       tries++)
+    usleep(20000);
+  if (held != (uint64_t)base_bytes)
+    fail_msg("the base holds %" PRIu64 " bytes of state, not its weights' %.0f", held, base_bytes);
+  wait_for_base_checkpoint("big");
   uint64_t before = daemon_rss();
   run_big("big-1", "big");
   uint64_t one = daemon_rss();

@@ -1,0 +1,117 @@
+/* ckpt_base: a base's own checkpoint (coord_ckpt.h; docs/bases.md,
+ * "Restarts"). A frozen job's state never changes again, so one checkpoint
+ * holds it for good. Once a job is frozen the coordinator saves it (a save
+ * with no caller, named as a Save with no name is) and stores the
+ * checkpoint's name in the job (Job.base_checkpoint). When the base's
+ * nodes come back without its state (a restarted daemon reports the job
+ * ready with no units), the coordinator restores it from that checkpoint,
+ * again with no caller; a node that still holds the state keeps it
+ * (ckpt_node.c). Failed attempts are retried as periodic checkpoints are.
+ * Loop thread only. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "coord_ckpt.h"
+#include "job_states.h"
+#include "log.h"
+
+/* How many of j's placement nodes report it ready with its state, and
+ * (empty) how many report it ready without any unit. */
+static size_t nodes_holding(const coord *c, const cjob *j, size_t *empty) {
+  size_t holding = 0;
+  *empty = 0;
+  for (size_t i = 0; i < j->msg->n_placement; i++) {
+    const member *m = coord__find_member(c, j->msg->placement[i]->node);
+    const job_report *r = m != NULL ? coord__find_report(m, j->msg->name) : NULL;
+    if (r == NULL || !r->ready)
+      continue;
+    if (r->units > 0)
+      holding++;
+    else
+      (*empty)++;
+  }
+  return holding;
+}
+
+/* Stores the name of j's completed save as its base checkpoint. A failed
+ * write is tried again at the next tick. */
+static void store_saved(coord *c, cjob *j) {
+  Zerod__V1__Job changed = *j->msg;
+  changed.base_checkpoint = j->ckpt.base_saved;
+  Zerod__V1__Job *fresh = coord__message_copy(&changed.base);
+  if (fresh == NULL)
+    return;
+  Zerod__V1__Job *old = j->msg;
+  j->msg = fresh;
+  char err[512];
+  if (coord__state_write(c, NULL, NULL, c->next_job_id, err, sizeof err) != 0) {
+    j->msg = old;
+    ctl_free(&fresh->base);
+    LOG_WARNF("base checkpoint not stored yet", "job=%s checkpoint=%s err=\"%s\"", j->msg->name,
+              j->ckpt.base_saved, err);
+    return;
+  }
+  ctl_free(&old->base);
+  LOG_INFOF("base checkpoint stored", "job=%s checkpoint=%s", j->msg->name, j->ckpt.base_saved);
+  j->ckpt.base_saved[0] = '\0';
+  coord__mark_job_watches(c, j);
+}
+
+static void start_save(coord *c, cjob *j, uint64_t now) {
+  char err[PATH_MAX + 256];
+  int status = coord__ckpt_save_start(c, j, "", NULL, 0, NULL, err, sizeof err);
+  if (status != 0) {
+    LOG_WARNF("base checkpoint not started", "job=%s status=%s err=\"%s\"", j->msg->name,
+              rpc_status_name(status), err);
+    j->ckpt.autockpt.retry_ms = now + CKPT_AUTO_RETRY_MS;
+    return;
+  }
+  j->ckpt.order->for_base = 1;
+}
+
+static void start_restore(coord *c, cjob *j, uint64_t now, size_t empty) {
+  char source[PATH_MAX];
+  coord__ckpt_path_format(source, sizeof source, "%s/%s/%s", c->options.checkpoint_dir,
+                          j->msg->name, j->msg->base_checkpoint);
+  /* The coordinator's own order: its checks of who may read pass, its
+   * checks of the files do not change. */
+  coord_caller self = {.trusted = 1, .index = -1};
+  char err[PATH_MAX + 256];
+  int status = coord__ckpt_restore_start(c, j, source, NULL, &self, err, sizeof err);
+  if (status != 0) {
+    LOG_WARNF("base restore not started", "job=%s status=%s err=\"%s\"", j->msg->name,
+              rpc_status_name(status), err);
+    j->ckpt.autockpt.retry_ms = now + CKPT_AUTO_RETRY_MS;
+    return;
+  }
+  j->ckpt.order->for_base = 1;
+  LOG_INFOF("base restore started: its nodes came back without its state",
+            "job=%s nodes_without=%zu checkpoint=%s", j->msg->name, empty, j->msg->base_checkpoint);
+}
+
+void coord__ckpt_base_tick(coord *c, cjob *j, uint64_t now) {
+  if (!j->msg->frozen || j->deleting || c->options.checkpoint_dir[0] == '\0')
+    return;
+  if (j->ckpt.base_saved[0] != '\0')
+    store_saved(c, j);
+  if (j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY || j->ckpt.order != NULL ||
+      now < j->ckpt.autockpt.retry_ms || j->ckpt.base_saved[0] != '\0')
+    return;
+  size_t empty = 0;
+  size_t holding = nodes_holding(c, j, &empty);
+  if (j->msg->base_checkpoint[0] != '\0') {
+    if (empty > 0)
+      start_restore(c, j, now, empty);
+    return;
+  }
+  if (holding == j->msg->n_placement) {
+    start_save(c, j, now);
+  } else if (empty > 0 && !j->ckpt.base_loss_logged) {
+    /* Frozen with no units yet (their registration is not reported yet,
+     * or there are none), or restarted before its save completed. */
+    LOG_INFOF("base not saved yet: some of its nodes report no units of it",
+              "job=%s nodes_without=%zu", j->msg->name, empty);
+    j->ckpt.base_loss_logged = 1;
+  }
+}
