@@ -168,30 +168,6 @@ static void follow_saves(job *j, const Zerod__V1__Assignment *as) {
   pthread_mutex_unlock(&c->mutex);
 }
 
-/* A restore of a base (the coordinator's, after some of its nodes came
- * back without its state) where this node still holds it: the base's
- * state never changed since its checkpoint, so its ranks keep what they
- * have, and say so as if they had installed it (the jobs on the base read
- * those shards meanwhile). Whether it did. */
-static int keep_base_state(job *j, uint64_t id) {
-  if (!atomic_load(&j->frozen))
-    return 0;
-  pthread_mutex_lock(&j->mutex);
-  uint32_t units = j->nunits;
-  pthread_mutex_unlock(&j->mutex);
-  if (units == 0)
-    return 0;
-  job_ckpt *c = j->ckpt;
-  pthread_mutex_lock(&c->mutex);
-  c->restore_commit_sent = 1; /* nothing read, nothing to abort */
-  pthread_mutex_unlock(&c->mutex);
-  for (int r = 0; r < j->nranks; r++)
-    ckpt_node_restore_report(j, j->first_rank + r, id, 1, atomic_load(&j->ranks[r].step), 0, NULL);
-  LOG_INFOF("restore of a base kept the state this node holds", "job=%s restore=%llu units=%u",
-            j->name, (unsigned long long)id, units);
-  return 1;
-}
-
 static void follow_restore(job *j, const Zerod__V1__Assignment *as) {
   job_ckpt *c = j->ckpt;
   const Zerod__V1__RestoreOrder *o = as != NULL ? as->restore : NULL;
@@ -223,8 +199,6 @@ static void follow_restore(job *j, const Zerod__V1__Assignment *as) {
     c->restore_commit_sent = 0;
     memset(c->restores, 0, (size_t)j->nranks * sizeof *c->restores);
     pthread_mutex_unlock(&c->mutex);
-    if (keep_base_state(j, o->id))
-      return;
     /* Workers waiting in a restore they asked for are as good as gone:
      * they hold nothing (OP_CKPT_PARK let go of it) and send nothing. */
     if (j->sessions > atomic_load(&j->ckpt_restore_parked)) {

@@ -7,6 +7,7 @@ node's cache."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -100,3 +101,38 @@ def test_lora_jobs_on_a_base_across_two_nodes_match_a_private_copy(cluster, tmp_
         assert saved >= base_bytes, (rank, a["all_gather_bytes"], second["all_gather_bytes"],
                                      base_bytes)
     assert a["losses"][-1] < a["losses"][0]
+
+
+def base_checkpoint(c, name):
+    return json.loads(ctl(c, "jobs", "get", name, "--json"))["base_checkpoint"]
+
+
+def test_a_restarted_node_gets_its_base_back_from_the_coordinators_checkpoint(cluster,
+                                                                             tmp_path):
+    """The base's node is SIGKILLed and restarted: it rebuilds the base's
+    ranks with no shards, the coordinator (its own process, its state on
+    disk) restores the base from the base's checkpoint, and a LoRA job
+    afterwards trains exactly as one did before."""
+    cluster.start_coordinator()
+    node = cluster.start_node("node-a", ranks=1)
+    wait_for("1 member", lambda: "node-a" in ctl(cluster, "members"))
+    ctl(cluster, "jobs", "create", "base", "--ranks-per-node", "1", "--token", TOKEN)
+    wait_for("base to be ready", lambda: ready(cluster, "base"))
+    run_ranks([node], tmp_path, "base", "--produce", "--steps", "3")
+    ctl(cluster, "jobs", "freeze", "base")
+    wait_for("the base's checkpoint", lambda: base_checkpoint(cluster, "base") != "")
+    ctl(cluster, "jobs", "create", "lora-1", "--base", "base", "--token", TOKEN)
+    wait_for("lora-1 to be ready", lambda: ready(cluster, "lora-1"))
+    before = run_ranks([node], tmp_path, "lora-1", "--base", "base", "--weights-seed", "7")
+
+    node.restart()
+    wait_for("the base's restore", lambda: 'msg="checkpoint restored" job=base '
+             in cluster.coordinator.read_log(), timeout_s=60)
+    assert 'msg="restore ordered" job=base' in node.read_log()
+    ctl(cluster, "jobs", "create", "lora-2", "--base", "base", "--token", TOKEN)
+    wait_for("lora-2 to be ready", lambda: ready(cluster, "lora-2"))
+    after = run_ranks([node], tmp_path, "lora-2", "--base", "base", "--weights-seed", "7")
+    a, b = torch.load(before[0]), torch.load(after[0])
+    assert a["losses"] == b["losses"], (a["losses"], b["losses"])
+    for key in a["state"]:
+        assert torch.equal(a["state"][key], b["state"][key]), key
