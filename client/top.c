@@ -375,6 +375,19 @@ static double labelled(const prom_set *set, const char *name, const char *label,
   return sum;
 }
 
+/* Sum of the samples of name for base whose "result" label is result. */
+static double base_lookups(const prom_set *set, const char *base, const char *result) {
+  double sum = 0;
+  for (size_t i = 0; i < set->n; i++) {
+    const prom_sample *s = &set->samples[i];
+    const char *b = prom_label_value(s, "zerod_base"), *r = prom_label_value(s, "result");
+    if (strcmp(s->name, "zerod_base_lookups_total") == 0 && b != NULL && r != NULL &&
+        strcmp(b, base) == 0 && strcmp(r, result) == 0)
+      sum += s->value;
+  }
+  return sum;
+}
+
 /* From sample *k of a target that answered on: the next zerod_base_jobs
  * sample (one per base), its index in *k and its base's name, or NULL. */
 static const prom_sample *next_base(const target *t, size_t *k, const char **base) {
@@ -411,8 +424,7 @@ static void print_bases(const top_options *o) {
       fmt_bytes(labelled(&t->cur, "zerod_base_cache_bytes", "kind", "held"), held, sizeof held);
       fmt_bytes(labelled(&t->cur, "zerod_base_cache_bytes", "kind", "idle"), idle, sizeof idle);
       printf("%-28s %-24s %5.0f %9s %9s %9s %8.0f %8.0f\n", name, bname, s->value, cached, held,
-             idle, labelled(&t->cur, "zerod_base_cache_lookups_total", "result", "hit"),
-             labelled(&t->cur, "zerod_base_cache_lookups_total", "result", "miss"));
+             idle, base_lookups(&t->cur, base, "hit"), base_lookups(&t->cur, base, "miss"));
     }
   }
 }
@@ -515,12 +527,8 @@ static json_t *json_bases(const top_options *o) {
       json_object_set_new(jb, "jobs", jnum(s->value));
       json_object_set_new(jb, "cached_bytes",
                           jnum(labelled(&t->cur, "zerod_base_cached_bytes", "zerod_base", base)));
-      json_object_set_new(
-          jb, "cache_hits",
-          jnum(labelled(&t->cur, "zerod_base_cache_lookups_total", "result", "hit")));
-      json_object_set_new(
-          jb, "cache_misses",
-          jnum(labelled(&t->cur, "zerod_base_cache_lookups_total", "result", "miss")));
+      json_object_set_new(jb, "cache_hits", jnum(base_lookups(&t->cur, base, "hit")));
+      json_object_set_new(jb, "cache_misses", jnum(base_lookups(&t->cur, base, "miss")));
       json_array_append_new(bases, jb);
     }
   }

@@ -71,10 +71,13 @@ static void collect(void *arg) {
   m->seen_hits = st.hits;
   m->seen_misses = st.misses;
   m->seen_evictions = st.evictions;
-  for (job *j = d->jobs; j != NULL; j = j->next)
-    if (atomic_load(&j->frozen))
-      rank_metrics_base(j, d->metrics, j->base_users,
-                        base_cache_base_bytes(d->exec.base_cache, j->id));
+  for (job *j = d->jobs; j != NULL; j = j->next) {
+    if (!atomic_load(&j->frozen))
+      continue;
+    base_cache_stats of_base;
+    base_cache_base_stats(d->exec.base_cache, j->id, &of_base);
+    rank_metrics_base(j, d->metrics, j->base_users, &of_base);
+  }
 }
 
 int bases_metrics_start(zdaemon *d) {

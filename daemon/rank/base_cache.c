@@ -16,11 +16,19 @@ struct base_cache_entry {
   uint64_t last_use; /* LRU tick of its last let-go */
 };
 
+/* One base's lookups and evictions, for its metrics. */
+typedef struct base_counts {
+  struct base_counts *next;
+  uint64_t base;
+  uint64_t hits, misses, evictions;
+} base_counts;
+
 struct base_cache {
   pthread_mutex_t mutex;
   base_cache_entry *entries;
   uint64_t budget, bytes, tick;
   uint64_t hits, misses, evictions;
+  base_counts *counts; /* per base, made on its first lookup */
 };
 
 base_cache *base_cache_create(uint64_t budget) {
@@ -38,9 +46,28 @@ static void entry_free(base_cache *c, base_cache_entry *e) {
   free(e);
 }
 
+/* base's counts, made if needed; NULL if out of memory (with the mutex). */
+static base_counts *counts_of(base_cache *c, uint64_t base) {
+  for (base_counts *k = c->counts; k != NULL; k = k->next)
+    if (k->base == base)
+      return k;
+  base_counts *k = calloc(1, sizeof *k);
+  if (k != NULL) {
+    k->base = base;
+    k->next = c->counts;
+    c->counts = k;
+  }
+  return k;
+}
+
 void base_cache_destroy(base_cache *c) {
   if (c == NULL)
     return;
+  while (c->counts != NULL) {
+    base_counts *k = c->counts;
+    c->counts = k->next;
+    free(k);
+  }
   while (c->entries != NULL) {
     base_cache_entry *e = c->entries;
     c->entries = e->next;
@@ -81,6 +108,9 @@ static void evict(base_cache *c) {
       return;
     base_cache_entry *e = *victim;
     *victim = e->next;
+    base_counts *k = counts_of(c, e->base);
+    if (k != NULL)
+      k->evictions++;
     entry_free(c, e);
     c->evictions++;
   }
@@ -89,12 +119,15 @@ static void evict(base_cache *c) {
 base_cache_entry *base_cache_get(base_cache *c, uint64_t base, uint32_t unit) {
   pthread_mutex_lock(&c->mutex);
   base_cache_entry *e = find(c, base, unit);
+  base_counts *k = counts_of(c, base);
   if (e != NULL) {
     e->refs++;
     c->hits++;
   } else {
     c->misses++;
   }
+  if (k != NULL)
+    *(e != NULL ? &k->hits : &k->misses) += 1;
   pthread_mutex_unlock(&c->mutex);
   return e;
 }
@@ -143,6 +176,14 @@ void base_cache_forget(base_cache *c, uint64_t base) {
       at = &e->next;
     }
   }
+  for (base_counts **at = &c->counts; *at != NULL; at = &(*at)->next) {
+    if ((*at)->base == base) {
+      base_counts *k = *at;
+      *at = k->next;
+      free(k);
+      break;
+    }
+  }
   pthread_mutex_unlock(&c->mutex);
 }
 
@@ -171,12 +212,22 @@ void base_cache_stats_get(base_cache *c, base_cache_stats *out) {
   pthread_mutex_unlock(&c->mutex);
 }
 
-uint64_t base_cache_base_bytes(base_cache *c, uint64_t base) {
+void base_cache_base_stats(base_cache *c, uint64_t base, base_cache_stats *out) {
   pthread_mutex_lock(&c->mutex);
-  uint64_t bytes = 0;
-  for (const base_cache_entry *e = c->entries; e != NULL; e = e->next)
-    if (e->base == base)
-      bytes += e->region.bytes;
+  *out = (base_cache_stats){.budget = c->budget};
+  for (const base_cache_entry *e = c->entries; e != NULL; e = e->next) {
+    if (e->base != base)
+      continue;
+    out->entries++;
+    out->bytes += e->region.bytes;
+    out->held_bytes += e->refs > 0 ? e->region.bytes : 0;
+  }
+  for (const base_counts *k = c->counts; k != NULL; k = k->next) {
+    if (k->base == base) {
+      out->hits = k->hits;
+      out->misses = k->misses;
+      out->evictions = k->evictions;
+    }
+  }
   pthread_mutex_unlock(&c->mutex);
-  return bytes;
 }

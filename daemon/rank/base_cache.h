@@ -57,7 +57,9 @@ const shm_region *base_cache_region(const base_cache_entry *e);
 int base_cache_read_only_fd(const base_cache_entry *e);
 
 void base_cache_stats_get(base_cache *c, base_cache_stats *out);
-/* Bytes of the entries of one base. */
-uint64_t base_cache_base_bytes(base_cache *c, uint64_t base);
+/* The same for one base: its entries, their bytes, those held, and its
+ * lookups and evictions (budget: the cache's). Forgetting a base drops
+ * its counts. */
+void base_cache_base_stats(base_cache *c, uint64_t base, base_cache_stats *out);
 
 #endif /* ZEROD_BASE_CACHE_H */

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base_cache.h"
 #include "clock.h"
 #include "job.h"
 
@@ -168,21 +169,43 @@ void rank_metrics_open(job *j, metrics *m, const char *memory) {
   }
 }
 
-void rank_metrics_base(job *j, metrics *m, int jobs, uint64_t cached_bytes) {
+/* Makes a base's series on its first scrape. */
+static void open_base(job_series *s, metrics *m, const char *name) {
+  static const char *const base_labels[] = {"zerod_base", NULL};
+  static const char *const lookup_labels[] = {"zerod_base", "result", NULL};
+  const char *const v[] = {name, NULL};
+  const char *const hit[] = {name, "hit", NULL}, *const miss[] = {name, "miss", NULL};
+  static const char lookups_help[] =
+      "First gathers of this base's units by a rank that found the unit in the node's base "
+      "cache (hit) or not (miss).";
+  s->base_jobs = series(m, METRIC_GAUGE, "zerod_base_jobs",
+                        "Jobs on this base (a frozen job) on this node.", base_labels, v);
+  s->base_cached_bytes =
+      series(m, METRIC_GAUGE, "zerod_base_cached_bytes",
+             "Bytes of this base's gathered units in the node's base cache.", base_labels, v);
+  s->base_hits =
+      series(m, METRIC_COUNTER, "zerod_base_lookups_total", lookups_help, lookup_labels, hit);
+  s->base_misses =
+      series(m, METRIC_COUNTER, "zerod_base_lookups_total", lookups_help, lookup_labels, miss);
+  s->base_evictions = series(
+      m, METRIC_COUNTER, "zerod_base_evictions_total",
+      "This base's gathered units the node's base cache let go for its budget.", base_labels, v);
+}
+
+void rank_metrics_base(job *j, metrics *m, int jobs, const base_cache_stats *cache) {
   job_series *s = j->metrics;
   if (s == NULL || m == NULL)
     return;
-  static const char *const base_labels[] = {"zerod_base", NULL};
-  const char *const v[] = {j->name, NULL};
   if (s->base_jobs == NULL)
-    s->base_jobs = series(m, METRIC_GAUGE, "zerod_base_jobs",
-                          "Jobs on this base (a frozen job) on this node.", base_labels, v);
-  if (s->base_cached_bytes == NULL)
-    s->base_cached_bytes =
-        series(m, METRIC_GAUGE, "zerod_base_cached_bytes",
-               "Bytes of this base's gathered units in the node's base cache.", base_labels, v);
+    open_base(s, m, j->name);
   metric_set(s->base_jobs, jobs);
-  metric_set(s->base_cached_bytes, (double)cached_bytes);
+  metric_set(s->base_cached_bytes, (double)cache->bytes);
+  metric_add(s->base_hits, (double)(cache->hits - s->base_seen_hits));
+  metric_add(s->base_misses, (double)(cache->misses - s->base_seen_misses));
+  metric_add(s->base_evictions, (double)(cache->evictions - s->base_seen_evictions));
+  s->base_seen_hits = cache->hits;
+  s->base_seen_misses = cache->misses;
+  s->base_seen_evictions = cache->evictions;
 }
 
 void rank_metrics_close(job *j) {
@@ -190,6 +213,9 @@ void rank_metrics_close(job *j) {
     metric_series_put(j->metrics->readers);
     metric_series_put(j->metrics->base_jobs);
     metric_series_put(j->metrics->base_cached_bytes);
+    metric_series_put(j->metrics->base_hits);
+    metric_series_put(j->metrics->base_misses);
+    metric_series_put(j->metrics->base_evictions);
   }
   free(j->metrics);
   j->metrics = NULL;

@@ -64,8 +64,11 @@ typedef struct rank_series {
 typedef struct job_series {
   metric_series *readers;
   /* A base's (made when it is first seen frozen): the jobs on it on this
-   * node, and the bytes of its units in the node's base cache. */
-  metric_series *base_jobs, *base_cached_bytes;
+   * node, the bytes of its units in the node's base cache, and that
+   * cache's lookups and evictions of its units, with the counts at the
+   * last scrape (the counters grow by what they grew since). */
+  metric_series *base_jobs, *base_cached_bytes, *base_hits, *base_misses, *base_evictions;
+  uint64_t base_seen_hits, base_seen_misses, base_seen_evictions;
 } job_series;
 
 /* Makes the series of a job and of all its ranks in m (none when m is
@@ -92,6 +95,7 @@ void rank_metrics_ckpt_stall(struct rank_state *rs, double seconds);
 void rank_metrics_loop(struct job *j);
 /* Loop thread, for a frozen job (a base): its figures (rank_series' base
  * series, made on the first call). */
-void rank_metrics_base(struct job *j, metrics *m, int jobs, uint64_t cached_bytes);
+struct base_cache_stats;
+void rank_metrics_base(struct job *j, metrics *m, int jobs, const struct base_cache_stats *cache);
 
 #endif /* ZEROD_RANK_METRICS_H */

@@ -531,13 +531,23 @@ static void test_top_shows_each_base_and_the_cache(void **state) {
     const char *at = strstr(out, want);
     if (at == NULL)
       fail_msg("zerodctl top does not show base %s: %s", want, out);
-    double jobs = 0, cached = 0;
+    double jobs = 0, cached = 0, hits = -1, misses = -1;
     const char *j = strstr(at, "\"jobs\":"), *c = strstr(at, "\"cached_bytes\":");
-    assert_true(j != NULL && c != NULL);
+    const char *h = strstr(at, "\"cache_hits\":"), *m = strstr(at, "\"cache_misses\":");
+    assert_true(j != NULL && c != NULL && h != NULL && m != NULL);
     sscanf(j, "\"jobs\":%lf", &jobs);
     sscanf(c, "\"cached_bytes\":%lf", &cached);
+    sscanf(h, "\"cache_hits\":%lf", &hits);
+    sscanf(m, "\"cache_misses\":%lf", &misses);
     if (!(jobs >= 2 && cached > 0))
       fail_msg("base %s: jobs %g, cached bytes %g: %s", want, jobs, cached, out);
+    /* Each base's own lookups: big's unit was gathered by 3 jobs of 2 ranks
+     * each, the first missing on every rank, the two others hitting. */
+    if (k == 1 && !(misses == RANKS && hits == 2 * RANKS))
+      fail_msg("base big: %g hits, %g misses (want %d and %d): %s", hits, misses, 2 * RANKS, RANKS,
+               out);
+    if (k == 0 && !(misses >= 1 && hits >= 1))
+      fail_msg("base base: %g hits, %g misses: %s", hits, misses, out);
   }
 }
 
