@@ -255,6 +255,7 @@ typedef struct st_file {
 int st_header_decode(const char *json, size_t len, uint64_t data_bytes, st_file *out, char *err,
                      size_t err_bytes);
 void st_file_free(st_file *f);
+
 /* Opens path, reads and decodes its header (the size prefix at most
  * CKPT_MAX_ST_HEADER_BYTES). The descriptor stays open in *fd for reads. */
 int st_open(const char *path, st_file *out, int *fd, char *err, size_t err_bytes);

@@ -69,4 +69,12 @@ void ckpt_staged_free(ckpt_staged *s);
  * during a save; NULL if out of memory. */
 ckpt_manifest *ckpt_layout_of(const ckpt_job_view *j, uint64_t step, uint64_t version);
 
+/* st_units.c: the units of a job with none, made from f's tensors for
+ * world_size ranks: one unit per module (a name up to its last '.', or
+ * "<root>"), in the order of the modules' names, tensors by name. *out
+ * (freed with free, each with unit_layout_free) and *n, or a negative
+ * errno with err. */
+int st_units_build(const st_file *f, int world_size, unit_layout ***out, unsigned *n, char *err,
+                   size_t err_bytes);
+
 #endif /* ZEROD_CKPT_JOB_H */

@@ -207,25 +207,19 @@ static int read_checkpoint(const ckpt_job_view *j, int rank, const char *source,
     if (njob == 0) {
       /* A job with no units yet takes the checkpoint's: built as a worker's
        * registration would build them, for this job's world size. */
-      const char **names = calloc(cu->ntensors + 1, sizeof *names);
-      const uint64_t **shapes = calloc(cu->ntensors + 1, sizeof *shapes);
-      unsigned *ndims = calloc(cu->ntensors + 1, sizeof *ndims);
-      int *frozen = calloc(cu->ntensors + 1, sizeof *frozen);
-      rc = -ENOMEM;
-      if (names != NULL && shapes != NULL && ndims != NULL && frozen != NULL) {
+      tensor_specs specs;
+      rc = tensor_specs_init(&specs, cu->ntensors);
+      if (rc == 0) {
         for (unsigned t = 0; t < cu->ntensors; t++) {
-          names[t] = cu->tensors[t].name;
-          shapes[t] = cu->tensors[t].shape;
-          ndims[t] = cu->tensors[t].ndim;
-          frozen[t] = cu->tensors[t].frozen;
+          specs.names[t] = cu->tensors[t].name;
+          specs.shapes[t] = cu->tensors[t].shape;
+          specs.ndims[t] = cu->tensors[t].ndim;
+          specs.frozen[t] = cu->tensors[t].frozen;
         }
-        rc = unit_layout_build(cu->name, cu->ntensors, names, shapes, ndims, frozen, j->world_size,
-                               0, &su->layout, err, err_bytes);
+        rc = unit_layout_build_specs(cu->name, &specs, j->world_size, 0, &su->layout, err,
+                                     err_bytes);
+        tensor_specs_free(&specs);
       }
-      free(names);
-      free(shapes);
-      free(ndims);
-      free(frozen);
       if (rc != 0) {
         rc = fail(code, rc == -ENOMEM ? RPC_RESOURCE_EXHAUSTED : RPC_FAILED_PRECONDITION, rc);
         goto done;
@@ -298,13 +292,15 @@ static int read_safetensors(const ckpt_job_view *j, int rank, const char *source
     return fail(code, rc == -ENOENT ? RPC_NOT_FOUND : RPC_INVALID_ARGUMENT, rc);
   unsigned njob = j->nunits;
   unit_layout *const *units = j->units;
+  unit_layout **made = NULL; /* a job with no units takes the file's */
+  int handed = 0;            /* made's layouts are the staging's */
   if (njob == 0) {
-    snprintf(err, err_bytes,
-             "job '%s' has no units: its workers register them before it is initialised from a "
-             "safetensors file (tensors are matched by name)",
-             j->name);
-    rc = fail(code, RPC_FAILED_PRECONDITION, -EINVAL);
-    goto done;
+    rc = st_units_build(&f, j->world_size, &made, &njob, err, err_bytes);
+    if (rc != 0) {
+      rc = fail(code, rc == -ENOMEM ? RPC_RESOURCE_EXHAUSTED : RPC_INVALID_ARGUMENT, rc);
+      goto done;
+    }
+    units = made;
   }
   /* Every tensor is checked on every rank, so all ranks fail alike. */
   for (unsigned u = 0; u < njob; u++) {
@@ -342,8 +338,11 @@ static int read_safetensors(const ckpt_job_view *j, int rank, const char *source
     goto done;
   }
   st->step = 0; /* weights only: the optimizer starts over */
-  for (unsigned u = 0; u < njob; u++)
+  for (unsigned u = 0; u < njob; u++) {
     st->units[u].layout = units[u];
+    st->units[u].owned = made != NULL; /* the staging frees them from here on */
+  }
+  handed = made != NULL;
   if ((rc = stage_memory(st, (const int[3]){1, 0, 0})) != 0) {
     rc = fail(code, RPC_RESOURCE_EXHAUSTED, rc);
     goto done;
@@ -372,6 +371,9 @@ static int read_safetensors(const ckpt_job_view *j, int rank, const char *source
   }
   rc = 0;
 done:
+  for (unsigned u = 0; made != NULL && !handed && u < njob; u++)
+    unit_layout_free(made[u]);
+  free(made);
   hostmem_populate_stop(ahead);
   if (fd >= 0)
     close(fd);

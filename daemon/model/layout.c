@@ -202,3 +202,31 @@ void unit_layout_describe_tensor(const unit_layout *l, int32_t index, char *out,
   if (n > 0 && (size_t)n < out_bytes)
     snprintf(out + n, out_bytes - (size_t)n, "]%s", t->frozen ? " frozen" : "");
 }
+
+int tensor_specs_init(tensor_specs *s, unsigned n) {
+  unsigned k = n ? n : 1;
+  *s = (tensor_specs){.n = n,
+                      .names = calloc(k, sizeof *s->names),
+                      .shapes = calloc(k, sizeof *s->shapes),
+                      .ndims = calloc(k, sizeof *s->ndims),
+                      .frozen = calloc(k, sizeof *s->frozen)};
+  if (s->names == NULL || s->shapes == NULL || s->ndims == NULL || s->frozen == NULL) {
+    tensor_specs_free(s);
+    return -ENOMEM;
+  }
+  return 0;
+}
+
+void tensor_specs_free(tensor_specs *s) {
+  free(s->names);
+  free(s->shapes);
+  free(s->ndims);
+  free(s->frozen);
+  *s = (tensor_specs){0};
+}
+
+int unit_layout_build_specs(const char *name, const tensor_specs *s, int world_size,
+                            uint64_t init_tag, unit_layout **out, char *err, size_t err_bytes) {
+  return unit_layout_build(name, s->n, s->names, s->shapes, s->ndims, s->frozen, world_size,
+                           init_tag, out, err, err_bytes);
+}

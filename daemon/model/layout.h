@@ -51,6 +51,23 @@ int unit_layout_build(const char *name, unsigned ntensors, const char *const *te
                       size_t err_bytes);
 void unit_layout_free(unit_layout *layout);
 
+/* The tensors unit_layout_build takes, as its four arrays, for n tensors:
+ * filled by the caller (names and shapes point to its memory). */
+typedef struct tensor_specs {
+  unsigned n;
+  const char **names;
+  const uint64_t **shapes;
+  unsigned *ndims;
+  int *frozen;
+} tensor_specs;
+
+/* Zeroed arrays for n tensors: 0, or -ENOMEM with nothing held. */
+int tensor_specs_init(tensor_specs *s, unsigned n);
+void tensor_specs_free(tensor_specs *s);
+/* unit_layout_build of s's tensors. */
+int unit_layout_build_specs(const char *name, const tensor_specs *s, int world_size,
+                            uint64_t init_tag, unit_layout **out, char *err, size_t err_bytes);
+
 /* The first chunk of two descriptors that differs (0: the unit's own
  * chunk, t + 1: tensor t), or -1 if they are equal. */
 int32_t unit_layout_diff(const uint8_t *a, size_t a_bytes, const uint8_t *b, size_t b_bytes);

@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base_cache.h"
@@ -24,15 +25,23 @@
 #include "pool.h"
 #include "shm.h"
 
-/* Whether two tensors differ in what a reference must match: name and
- * shape (frozen flags may differ: the unit is frozen either way). */
-static int tensor_differs(const tensor_layout *mine, const tensor_layout *base) {
-  if (strcmp(mine->name, base->name) != 0 || mine->ndim != base->ndim)
+/* Whether two tensors of one name differ in what a reference must match:
+ * the shape (frozen flags may differ: the unit is frozen either way). */
+static int shape_differs(const tensor_layout *mine, const tensor_layout *base) {
+  if (mine->ndim != base->ndim)
     return 1;
   for (unsigned d = 0; d < mine->ndim; d++)
     if (mine->shape[d] != base->shape[d])
       return 1;
   return 0;
+}
+
+/* The index of bl's tensor named name, or -1. */
+static long base_tensor(const unit_layout *bl, const char *name) {
+  for (unsigned t = 0; t < bl->ntensors; t++)
+    if (strcmp(bl->tensors[t].name, name) == 0)
+      return (long)t;
+  return -1;
 }
 
 /* The base's unit of the registration's name, once every base rank here
@@ -45,7 +54,7 @@ static unit_layout *base_unit_named(job *base, const char *name) {
 }
 
 int exec__base_unit_refused(rank_state *rs, exec_op *op, const unit_layout *mine,
-                            uint32_t *base_unit) {
+                            uint32_t *base_unit, int *reorder) {
   job *j = rs->job;
   job *base = j->base;
   if (base == NULL) {
@@ -78,19 +87,52 @@ int exec__base_unit_refused(rank_state *rs, exec_op *op, const unit_layout *mine
                bl->ntensors);
     return 1;
   }
+  /* Tensors are matched by name: a base made from a safetensors file has
+   * its own order (ckpt/st_units.c). */
+  *reorder = 0;
   for (unsigned t = 0; t < mine->ntensors; t++) {
-    if (tensor_differs(&mine->tensors[t], &bl->tensors[t])) {
+    long at = base_tensor(bl, mine->tensors[t].name);
+    if (at < 0 || shape_differs(&mine->tensors[t], &bl->tensors[at])) {
       char here[320], there[320];
       unit_layout_describe_tensor(mine, (int32_t)t, here, sizeof here);
-      unit_layout_describe_tensor(bl, (int32_t)t, there, sizeof there);
+      unit_layout_describe_tensor(bl, (int32_t)(at < 0 ? t : (unsigned)at), there, sizeof there);
       exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-                 "unit '%s', tensor #%u: %s here, %s in base '%s'", mine->name, t, here, there,
-                 base->name);
+                 "unit '%s', tensor #%u: %s here, %s in base '%s'", mine->name, t, here,
+                 at < 0 ? "no tensor of that name" : there, base->name);
       return 1;
     }
+    *reorder |= at != (long)t;
   }
   *base_unit = bl->id;
   return 0;
+}
+
+int exec__base_order(rank_state *rs, uint32_t base_unit, uint64_t init_tag, unit_layout **mine,
+                     char *err, size_t err_bytes) {
+  unit_layout *bl = job_unit(rs->job->base, base_unit);
+  const unit_layout *old = *mine;
+  tensor_specs specs;
+  int rc = tensor_specs_init(&specs, bl->ntensors);
+  if (rc == 0) {
+    for (unsigned t = 0; t < specs.n; t++) {
+      const tensor_layout *bt = &bl->tensors[t];
+      specs.names[t] = bt->name;
+      specs.shapes[t] = bt->shape;
+      specs.ndims[t] = bt->ndim;
+      specs.frozen[t] = old->tensors[base_tensor(old, bt->name)].frozen;
+    }
+    unit_layout *fresh = NULL;
+    rc = unit_layout_build_specs(old->name, &specs, rs->job->world_size, init_tag, &fresh, err,
+                                 err_bytes);
+    tensor_specs_free(&specs);
+    if (rc == 0) {
+      unit_layout_free(*mine);
+      *mine = fresh;
+    }
+  }
+  if (rc == -ENOMEM)
+    snprintf(err, err_bytes, "out of memory");
+  return rc;
 }
 
 int exec__install_base_shard(rank_state *rs, exec_op *op, unit_layout *l, uint32_t base_unit) {

@@ -50,13 +50,18 @@ int exec__shard_create(rank_state *rs, const unit_layout *l);
 int exec__shards_reserve(rank_state *rs, uint32_t unit_id);
 
 /* Units of the job's base (base_units.c). The registration's checks
- * against the base's unit of its name (1: refused, op answered; else
- * *base_unit is its id in the base); this rank's shard of it (the base
- * rank's working slice; 1: refused); a gather through the node's base
- * cache into sh->gather_buf (collective; 0 or a negative errno); and the
- * refusal of what would write one (1: op answered). */
+ * against the base's unit of its name, tensors matched by name (1:
+ * refused, op answered; else *base_unit is its id in the base, and
+ * *reorder says the base has them in another order); the registration's
+ * layout rebuilt in the base's order (0, or a negative errno with err);
+ * this rank's shard of it (the base rank's working slice; 1: refused); a
+ * gather through the node's base cache into sh->gather_buf (collective; 0
+ * or a negative errno); and the refusal of what would write one (1: op
+ * answered). */
 int exec__base_unit_refused(rank_state *rs, exec_op *op, const unit_layout *mine,
-                            uint32_t *base_unit);
+                            uint32_t *base_unit, int *reorder);
+int exec__base_order(rank_state *rs, uint32_t base_unit, uint64_t init_tag, unit_layout **mine,
+                     char *err, size_t err_bytes);
 int exec__install_base_shard(rank_state *rs, exec_op *op, unit_layout *l, uint32_t base_unit);
 int exec__gather_from_base(rank_state *rs, const unit_layout *l, shard *sh);
 int exec__refuse_base_unit(exec_op *op, const shard *sh, const unit_layout *l, const char *what);

@@ -157,26 +157,19 @@ static int quota_refused(rank_state *rs, exec_op *op, const char *name, const un
  *    for this one. */
 static int local_layout(rank_state *rs, const Zerod__V1__RegisterUnitRequest *req,
                         uint64_t init_tag, unit_layout **mine, char *err, size_t err_bytes) {
-  unsigned nt = (unsigned)req->n_tensors;
-  const char **names = calloc(nt ? nt : 1, sizeof *names);
-  const uint64_t **shapes = calloc(nt ? nt : 1, sizeof *shapes);
-  unsigned *ndims = calloc(nt ? nt : 1, sizeof *ndims);
-  int *frozen = calloc(nt ? nt : 1, sizeof *frozen);
-  int rc = -ENOMEM;
-  if (names != NULL && shapes != NULL && ndims != NULL && frozen != NULL) {
-    for (unsigned t = 0; t < nt; t++) {
-      names[t] = req->tensors[t]->name;
-      shapes[t] = req->tensors[t]->shape;
-      ndims[t] = (unsigned)req->tensors[t]->n_shape;
-      frozen[t] = req->tensors[t]->frozen;
+  tensor_specs specs;
+  int rc = tensor_specs_init(&specs, (unsigned)req->n_tensors);
+  if (rc == 0) {
+    for (unsigned t = 0; t < specs.n; t++) {
+      specs.names[t] = req->tensors[t]->name;
+      specs.shapes[t] = req->tensors[t]->shape;
+      specs.ndims[t] = (unsigned)req->tensors[t]->n_shape;
+      specs.frozen[t] = req->tensors[t]->frozen;
     }
-    rc = unit_layout_build(req->name, nt, names, shapes, ndims, frozen, rs->job->world_size,
-                           init_tag, mine, err, err_bytes);
+    rc = unit_layout_build_specs(req->name, &specs, rs->job->world_size, init_tag, mine, err,
+                                 err_bytes);
+    tensor_specs_free(&specs);
   }
-  free(names);
-  free(shapes);
-  free(ndims);
-  free(frozen);
   if (rc != 0 && err[0] == '\0')
     snprintf(err, err_bytes, "%s", strerror(-rc));
   return rc;
@@ -376,8 +369,15 @@ void exec__handle_register(rank_state *rs, exec_op *op) {
     goto done;
   /* Every rank has the same layout and the same base: they decide alike. */
   uint32_t base_unit = 0;
-  if (req->from_base && exec__base_unit_refused(rs, op, mine, &base_unit))
+  int reorder = 0;
+  if (req->from_base && exec__base_unit_refused(rs, op, mine, &base_unit, &reorder))
     goto done;
+  /* The unit is the base's: in the base's order (the reply says where each
+   * tensor is). Every rank rebuilds it alike. */
+  if (reorder && exec__base_order(rs, base_unit, init_tag, &mine, err, sizeof err) != 0) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "unit '%s': %s", req->name, err);
+    goto done;
+  }
 
   /* 4. The job's quotas, before anything is published or allocated: a
    * refused unit leaves no trace. Every rank decides alike (the same

@@ -16,7 +16,9 @@
  * Decoding must never crash, leak or read outside the buffer; a refusal
  * must say why and leave nothing allocated; and an accepted header must
  * keep its promises: names unique and sorted, offsets within the data and
- * matching shape and dtype, tensors tiling the data exactly. */
+ * matching shape and dtype, tensors tiling the data exactly. The units a
+ * job with none would take from an accepted header (st_units_build) hold
+ * every tensor once, each unit the tensors of one module. */
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -26,12 +28,44 @@
 #include <unistd.h>
 
 #include "ckpt.h"
+#include "ckpt_job.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 /* ------------------------------------------------------------------------ */
 /* The checks                                                               */
 /* ------------------------------------------------------------------------ */
+
+/* The units a job with none takes from f: every tensor in exactly one,
+ * a unit's tensors of one module (the name up to the last '.'). */
+static void check_units(const st_file *f) {
+  unit_layout **units = NULL;
+  unsigned n = 0;
+  char err[512] = "";
+  int rc = st_units_build(f, 2, &units, &n, err, sizeof err);
+  if (rc != 0) {
+    if (units != NULL || n != 0 || err[0] == '\0')
+      abort();
+    return; /* a name or shape no unit can take: refused, saying why */
+  }
+  unsigned seen = 0;
+  for (unsigned u = 0; u < n; u++) {
+    const unit_layout *l = units[u];
+    for (unsigned t = 0; t < l->ntensors; t++) {
+      const char *name = l->tensors[t].name, *dot = strrchr(name, '.');
+      size_t len = dot != NULL ? (size_t)(dot - name) : 0;
+      if (st_find(f, name) == NULL ||
+          (len > 0 ? strlen(l->name) != len || strncmp(l->name, name, len) != 0
+                   : strcmp(l->name, "<root>") != 0))
+        abort();
+      seen++;
+    }
+    unit_layout_free(units[u]);
+  }
+  free(units);
+  if (seen != f->ntensors)
+    abort();
+}
 
 static void check_invariants(const st_file *f, uint64_t header_bytes, uint64_t data_bytes) {
   if (f->data_start != 8 + header_bytes || f->data_bytes != data_bytes)
@@ -74,6 +108,7 @@ static int decode(const char *header, size_t header_bytes, uint64_t data_bytes) 
     return rc;
   }
   check_invariants(&f, header_bytes, data_bytes);
+  check_units(&f);
   st_file_free(&f);
   return 0;
 }

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -279,6 +280,59 @@ def test_a_restarted_daemon_restores_its_base_from_the_bases_checkpoint(start_da
     # Restored once: it is whole again, so the next ticks leave it be.
     time.sleep(1.0)
     assert d.read_log().count("base restore started") == 1, d.read_log()[-4000:]
+
+
+def write_safetensors(path, tensors):
+    """A .safetensors file of fp32 tensors, by name, written by hand (the
+    torch2 lane has no safetensors package)."""
+    header, blobs, at = {}, [], 0
+    for name in sorted(tensors):
+        data = tensors[name].detach().to(torch.float32).contiguous().numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape),
+                        "data_offsets": [at, at + len(data)]}
+        blobs.append(data)
+        at += len(data)
+    encoded = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
+
+
+def test_a_base_made_from_a_safetensors_file(start_daemon, tmp_path):
+    """A job with no units restored from a safetensors file takes one unit
+    per module from it (tensors by name: "bias" before "weight", not the
+    model's order); frozen, it is a base that a LoRA job refers to by name
+    and trains on exactly as on a private copy of those weights."""
+    d = start_daemon(ranks=1, extra=["--export-root", str(tmp_path)])
+    model = TinyLM(seed=3)
+    weights = str(tmp_path / "weights.pt")
+    torch.save(model.state_dict(), weights)
+    source = str(tmp_path / "model.safetensors")
+    write_safetensors(source, model.state_dict())
+    zerodctl(d, "jobs", "create", "st-base", "--ranks-per-node", "1", "--token", "st-token")
+    zerodctl(d, "checkpoint", "restore", "st-base", source)
+    zerodctl(d, "jobs", "freeze", "st-base")
+    client = zerod.Client(d.socket)
+    job = client.attach("st-base", rank=0, token="st-token")
+    units = {u.name: [t.name for t in u.tensors] for u in job.list_units()}
+    job.detach()
+    client.close()
+    assert units["blocks.0.up"] == ["blocks.0.up.bias", "blocks.0.up.weight"], units
+    # Every module's unit, and the buffer the file also has ("gain", at the
+    # root), which no job refers to.
+    assert set(units) == set(plan_names(TinyLM())) | {"<root>"}, units
+    assert units["<root>"] == ["gain"], units
+    on_base = run(*worker(d, tmp_path, "lora-st", base="st-base"))
+    private = run(*worker(d, tmp_path, "lora-st-private", init=weights))
+    assert_identical(on_base, private)
+    # A file that is not a model's is refused naming it, and nothing is made.
+    bad = str(tmp_path / "bad.safetensors")
+    with open(bad, "wb") as f:
+        f.write(struct.pack("<Q", 10 ** 6) + b"{}")
+    zerodctl(d, "jobs", "create", "st-bad", "--ranks-per-node", "1")
+    proc = subprocess.run([binary("zerodctl"), "-c", "unix:%s/control.sock" % d.dir,
+                           "checkpoint", "restore", "st-bad", bad],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "bad.safetensors" in proc.stderr, proc.stderr
 
 
 def test_reference_that_does_not_match_the_base_is_refused(start_daemon, tmp_path):

@@ -243,6 +243,12 @@ def _match_listed(job: Job, plan: List[_ShardedUnit]) -> None:
 
 def _check_layout(unit: _ShardedUnit) -> None:
     tensors = unit.zunit.tensors
+    by_name = {t.name: t for t in tensors}
+    if unit.from_base and len(by_name) == len(unit.names) and set(by_name) == set(unit.names):
+        # A base's unit is laid out in the base's order (one made from a
+        # safetensors file has its tensors by name): the hooks index the
+        # tensors as the model's parameters are.
+        tensors = unit.zunit.tensors = tuple(by_name[n] for n in unit.names)
     if len(tensors) != len(unit.params):
         raise ShardingError("unit %s has %d tensors in zerod, %d in the model" %
                             (unit.name, len(tensors), len(unit.params)))
