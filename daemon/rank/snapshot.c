@@ -4,6 +4,7 @@
 #include "exec_impl.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -150,6 +151,31 @@ static int job_view(rank_state *rs, ckpt_job_view *view) {
   return units != NULL ? 0 : -ENOMEM;
 }
 
+/* Whether the units a restore makes (a job that had none takes the
+ * checkpoint's or the file's) would take the rank over the job's quota of
+ * shard state, said in err: refused before anything is published, as a
+ * registration over it is. */
+static int restore_over_quota(rank_state *rs, const ckpt_staged *st, char *err, size_t err_bytes) {
+  job *j = rs->job;
+  int host = device_is_host(rs->dev);
+  uint64_t quota = host ? j->quota_host_bytes : j->quota_device_bytes, need = 0;
+  unsigned made = 0;
+  for (unsigned u = 0; u < st->nunits; u++) {
+    if (st->units[u].owned) {
+      need += exec__shard_bytes(rs, st->units[u].layout);
+      made++;
+    }
+  }
+  if (quota == 0 || made == 0 || rs->state_bytes + need <= quota)
+    return 0;
+  snprintf(err, err_bytes,
+           "the restore makes %u units needing %" PRIu64 " bytes of shard state on rank %d, over "
+           "the job's %s quota of %" PRIu64 " bytes per rank (%" PRIu64 " in use)",
+           made, need, rs->rank, host ? "max_host_bytes" : "max_device_bytes", quota,
+           rs->state_bytes);
+  return 1;
+}
+
 void exec__handle_restore_read(rank_state *rs, exec_op *op) {
   ckpt_staged_free(rs->ckpt_staged);
   rs->ckpt_staged = NULL;
@@ -177,6 +203,12 @@ void exec__handle_restore_read(rank_state *rs, exec_op *op) {
     snprintf(err, sizeof err, "out of host memory");
   }
   free((void *)view.units);
+  if (rc == 0 && restore_over_quota(rs, st, err, sizeof err)) {
+    ckpt_staged_free(st);
+    st = NULL;
+    code = RPC_RESOURCE_EXHAUSTED;
+    rc = -ENOSPC;
+  }
   if (rc == 0) {
     st->id = op->ckpt_id;
     rs->ckpt_staged = st;

@@ -324,6 +324,21 @@ def test_a_base_made_from_a_safetensors_file(start_daemon, tmp_path):
     on_base = run(*worker(d, tmp_path, "lora-st", base="st-base"))
     private = run(*worker(d, tmp_path, "lora-st-private", init=weights))
     assert_identical(on_base, private)
+    # A base its job's quota cannot hold is refused as it is made (by the
+    # restore that would make its units), not at a job's first gather.
+    zerodctl(d, "jobs", "create", "st-small", "--ranks-per-node", "1",
+             "--max-host-bytes", "4096", "--token", "st-token")
+    proc = subprocess.run([binary("zerodctl"), "-c", "unix:%s/control.sock" % d.dir,
+                           "checkpoint", "restore", "st-small", source],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0, proc.stdout
+    assert "RESOURCE_EXHAUSTED" in proc.stderr and "over the job's max_host_bytes quota of " \
+        "4096 bytes per rank" in proc.stderr, proc.stderr
+    client = zerod.Client(d.socket)
+    job = client.attach("st-small", rank=0, token="st-token")
+    assert job.list_units() == []
+    job.detach()
+    client.close()
     # A file that is not a model's is refused naming it, and nothing is made.
     bad = str(tmp_path / "bad.safetensors")
     with open(bad, "wb") as f:
