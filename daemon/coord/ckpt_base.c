@@ -2,11 +2,9 @@
  * "Restarts"). A frozen job's state never changes again, so one checkpoint
  * holds it for good. Once a job is frozen the coordinator saves it (a save
  * with no caller, named as a Save with no name is) and stores the
- * checkpoint's name in the job (Job.base_checkpoint). When the base's
- * nodes come back without its state (a restarted daemon reports the job
- * ready with no units), the coordinator restores it from that checkpoint,
- * again with no caller; a node that still holds the state keeps it
- * (ckpt_node.c). Failed attempts are retried as periodic checkpoints are.
+ * checkpoint's name in the job (Job.base_checkpoint), from which the
+ * base is restored when its nodes come back without its state
+ * (ckpt_recover.c). A failed save is retried as periodic checkpoints are.
  * Loop thread only. */
 #include <inttypes.h>
 #include <stdio.h>
@@ -16,9 +14,7 @@
 #include "job_states.h"
 #include "log.h"
 
-/* How many of j's placement nodes report it ready with its state, and
- * (empty) how many report it ready without any unit. */
-static size_t nodes_holding(const coord *c, const cjob *j, size_t *empty) {
+size_t coord__ckpt_nodes_holding(const coord *c, const cjob *j, size_t *empty) {
   size_t holding = 0;
   *empty = 0;
   for (size_t i = 0; i < j->msg->n_placement; i++) {
@@ -70,26 +66,6 @@ static void start_save(coord *c, cjob *j, uint64_t now) {
   j->ckpt.order->for_base = 1;
 }
 
-static void start_restore(coord *c, cjob *j, uint64_t now, size_t empty) {
-  char source[PATH_MAX];
-  coord__ckpt_path_format(source, sizeof source, "%s/%s/%s", c->options.checkpoint_dir,
-                          j->msg->name, j->msg->base_checkpoint);
-  /* The coordinator's own order: its checks of who may read pass, its
-   * checks of the files do not change. */
-  coord_caller self = {.trusted = 1, .index = -1};
-  char err[PATH_MAX + 256];
-  int status = coord__ckpt_restore_start(c, j, source, NULL, &self, err, sizeof err);
-  if (status != 0) {
-    LOG_WARNF("base restore not started", "job=%s status=%s err=\"%s\"", j->msg->name,
-              rpc_status_name(status), err);
-    j->ckpt.autockpt.retry_ms = now + CKPT_AUTO_RETRY_MS;
-    return;
-  }
-  j->ckpt.order->for_base = 1;
-  LOG_INFOF("base restore started: its nodes came back without its state",
-            "job=%s nodes_without=%zu checkpoint=%s", j->msg->name, empty, j->msg->base_checkpoint);
-}
-
 void coord__ckpt_base_tick(coord *c, cjob *j, uint64_t now) {
   if (!j->msg->frozen || j->deleting || c->options.checkpoint_dir[0] == '\0')
     return;
@@ -99,12 +75,9 @@ void coord__ckpt_base_tick(coord *c, cjob *j, uint64_t now) {
       now < j->ckpt.autockpt.retry_ms || j->ckpt.base_saved[0] != '\0')
     return;
   size_t empty = 0;
-  size_t holding = nodes_holding(c, j, &empty);
-  if (j->msg->base_checkpoint[0] != '\0') {
-    if (empty > 0)
-      start_restore(c, j, now, empty);
-    return;
-  }
+  size_t holding = coord__ckpt_nodes_holding(c, j, &empty);
+  if (j->msg->base_checkpoint[0] != '\0')
+    return; /* saved: a node that loses it gets it back (ckpt_recover.c) */
   if (holding == j->msg->n_placement) {
     start_save(c, j, now);
   } else if (empty > 0 && !j->ckpt.base_loss_logged) {

@@ -121,7 +121,7 @@ void coord__ckpt_order_fail(coord *c, ckpt_order *o, int status, const char *fmt
   coord__metrics_checkpoint(c, order_operation(o), 0, 0, 0);
   order_answer_error(o, status, message);
   cjob *j = coord__ckpt_order_job(c, o);
-  if ((o->periodic || o->for_base) && j != NULL)
+  if ((o->periodic || o->for_base || o->recovery) && j != NULL)
     j->ckpt.autockpt.retry_ms = uv_now(c->loop) + CKPT_AUTO_RETRY_MS;
   if (o->work_in_flight) {
     /* The thread pool still works for it: it is freed when that reports

@@ -141,6 +141,8 @@ void coord__ckpt_restore_progress(coord *c, ckpt_order *o) {
     j->step = step;
     j->ckpt.autockpt.last_step = step;
     j->ckpt.autockpt.last_ms = uv_now(c->loop);
+    if (o->recovery) /* settled at the next tick (ckpt_recover.c) */
+      j->ckpt.recovery_restored = 1;
   }
   if (o->call != NULL) {
     Zerod__V1__RestoreReply reply = ZEROD__V1__RESTORE_REPLY__INIT;

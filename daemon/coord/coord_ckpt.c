@@ -135,6 +135,7 @@ static void auto_check(coord *c, cjob *j, uint64_t now) {
 /* ------------------------------------------------------------------------ */
 
 void coord__ckpt_assignment(const cjob *j, Zerod__V1__Assignment *a) {
+  a->recovery_pending = coord__ckpt_recovery_pending(j);
   ckpt_order *o = j->ckpt.order;
   if (o == NULL || o->phase != PHASE_RUNNING)
     return;
@@ -190,6 +191,7 @@ void coord__ckpt_tick(coord *c) {
   for (size_t i = 0; i < c->njobs; i++) {
     auto_check(c, c->jobs[i], now);
     coord__ckpt_base_tick(c, c->jobs[i], now);
+    coord__ckpt_recover_tick(c, c->jobs[i], now);
   }
   coord__ckpt_retire_pending(c);
   coord__ckpt_retention(c, coord__unix_ms());

@@ -10,8 +10,9 @@
  *   ckpt_save.c     saves: Save, periodic ones, an Export's
  *   ckpt_restore.c  Restore
  *   ckpt_exports.c  Export
- *   ckpt_base.c     a base's own checkpoint: saved once frozen, restored
- *                   on nodes that come back without it
+ *   ckpt_base.c     a base's own checkpoint, saved once it is frozen
+ *   ckpt_recover.c  a job whose state a node lost, restored from a
+ *                   checkpoint
  *
  * and coord_ckpt.c on top of them, the service's hooks (coord_impl.h).
  * Only those files include this header; the rest of the coordinator
@@ -149,7 +150,8 @@ typedef struct ckpt_order {
   int abandoned;
   rpc_call *call; /* the Save, Restore or Export waiting for it; NULL: periodic, or answered */
   int periodic;
-  int for_base; /* the coordinator's save or restore of a base (ckpt_base.c) */
+  int for_base; /* the coordinator's save of a base (ckpt_base.c) */
+  int recovery; /* the coordinator's restore of a job whose state a node lost (ckpt_recover.c) */
   /* A save for an Export of the job's state now: the temporary checkpoint
    * is exported to export_path and removed, never renamed into place. */
   int is_export;
@@ -339,8 +341,22 @@ int coord__ckpt_exports_register(coord *c, rpc_server *server);
 /* ------------------------------------------------------------------------ */
 
 /* From the periodic tick, for every job: a frozen job with no checkpoint
- * of its own gets one saved; one whose nodes came back without its state
- * is restored from it. Records a completed save in the job, stored. */
+ * of its own gets one saved, and a completed save is stored in the job. */
 void coord__ckpt_base_tick(coord *c, cjob *j, uint64_t now);
+/* How many of j's placement nodes report it ready with its state, and
+ * (empty) how many report it ready without any unit. */
+size_t coord__ckpt_nodes_holding(const coord *c, const cjob *j, size_t *empty);
+
+/* ------------------------------------------------------------------------ */
+/* ckpt_recover.c: a job whose state a node lost                            */
+/* ------------------------------------------------------------------------ */
+
+/* From the periodic tick, for every job: one that a node reports ready
+ * with no units after it lost them is restored from its checkpoint (a
+ * base's own, else its newest), or settled as started empty. */
+void coord__ckpt_recover_tick(coord *c, cjob *j, uint64_t now);
+/* Whether j's loss of state at its epoch is not settled yet (the nodes
+ * that rebuilt it admit no worker meanwhile). */
+int coord__ckpt_recovery_pending(const cjob *j);
 
 #endif /* ZEROD_COORD_CKPT_H */

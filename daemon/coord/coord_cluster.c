@@ -59,6 +59,8 @@ static void member_remove(coord *c, size_t i, const char *why) {
     long at = j->deleting ? -1 : coord__placement_of(j, m->info->name);
     if (at < 0)
       continue;
+    if (!j->marks[at].departed)
+      j->step_at_loss = j->step;
     j->marks[at].departed = 1;
     snprintf(j->marks[at].reason, sizeof j->marks[at].reason, "%s", reason);
     j->epoch++;

@@ -117,6 +117,16 @@ typedef struct ckpt_of_job {
    * for want of units was logged. */
   char base_saved[CTL_NAME_MAX_BYTES + 24];
   int base_loss_logged;
+  /* Recovery (ckpt_recover.c): the job epoch whose loss of state is
+   * settled (restored, or nothing to restore), whether the newest
+   * checkpoint is being looked for, the step the restore in flight brings
+   * the job back to (restored: set once it completed), and what the last
+   * recovery did, for Job.last_recovery. */
+  uint64_t recovered_epoch;
+  int recovery_scanning;
+  uint64_t recovery_step;
+  int recovery_restored;
+  char last_recovery[256];
 } ckpt_of_job;
 
 /* The Checkpoints service's state (soft): the files of the service
@@ -158,6 +168,9 @@ typedef struct cjob {
   char reason[COORD_REASON_BYTES];
   uint64_t step;
   uint64_t epoch;
+  /* step when a node of the job last left the cluster: what a recovery
+   * from a checkpoint counts its lost steps from (ckpt_recover.c). */
+  uint64_t step_at_loss;
   kv_entry *kv;
   kv_waiter *waiters;
   ckpt_of_job ckpt;

@@ -251,6 +251,8 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *asked, const 
   char token_sha256[DIGEST_HEX_BYTES];
   digest_sha256_hex(token, token_sha256);
   cjob *j = copy != NULL ? coord__job_new(copy, token_sha256) : NULL;
+  if (j != NULL)
+    j->ckpt.recovered_epoch = j->epoch; /* a new job has lost nothing */
   if (j == NULL) {
     ctl_free(copy ? &copy->base : NULL);
     snprintf(err, err_bytes, "coordinator out of memory");

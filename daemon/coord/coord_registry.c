@@ -177,6 +177,7 @@ void coord__job_view(const cjob *j, Zerod__V1__Job *out) {
   out->reason = (char *)j->reason;
   out->step = j->step;
   out->epoch = j->epoch;
+  out->last_recovery = (char *)j->ckpt.last_recovery;
 }
 
 int coord__view_build(const coord *c, view_msg *v) {

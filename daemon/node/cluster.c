@@ -429,6 +429,14 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
         jobs_set_read_tokens(j, as->read_token_sha256, as->n_read_token_sha256);
       if (rc == 0)
         follow_frozen(j, pj);
+      /* A job that existed before this node built it: its ranks here lost
+       * their state, which the coordinator may restore (ckpt_recover.c). */
+      if (rc == 0 && as->recovery_pending &&
+          pj->state != ZEROD__V1__JOB_STATE__JOB_STATE_CREATING) {
+        j->awaiting_recovery = 1;
+        LOG_INFOF("job rebuilt here after its state was lost: no worker until it is recovered",
+                  "job=%s", j->name);
+      }
       if (rc == 0)
         cluster_job_added(d);
       if (rc != 0) {
@@ -445,6 +453,10 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
     if (jobs_set_read_tokens(j, as->read_token_sha256, as->n_read_token_sha256) != 0)
       LOG_WARNF("read tokens not updated (out of memory)", "job=%s", j->name);
     follow_frozen(j, pj);
+    if (j->awaiting_recovery && !as->recovery_pending) {
+      j->awaiting_recovery = 0;
+      LOG_INFOF("job recovered: workers may attach", "job=%s", j->name);
+    }
     ckpt_node_orders(j, as);
     /* A job with ranks here only is degraded by nothing but this node's own
      * report of its failure, which it already knows; it resets locally, and

@@ -280,9 +280,13 @@ void ipc__handle_attach(session *s, uint64_t request_id, uint8_t flags,
   }
   if (!job_usable_for_attach(s, request_id, j))
     return;
-  if (ckpt_node_restoring(j)) {
+  if (ckpt_node_restoring(j) || j->awaiting_recovery) {
     ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_UNAVAILABLE,
-                    "job '%s' is being restored from a checkpoint; attach again when it is done",
+                    j->awaiting_recovery
+                        ? "job '%s' lost its state on this node (a restart) and is being recovered "
+                          "from its newest checkpoint; attach again when it is done"
+                        : "job '%s' is being restored from a checkpoint; attach again when it is "
+                          "done",
                     j->name);
     return;
   }

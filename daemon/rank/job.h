@@ -283,6 +283,10 @@ typedef struct job {
   /* Loop-owned: the id of the restore in progress (attaches are refused
    * until it ends), 0 if none. */
   uint64_t restoring;
+  /* Loop-owned: the node rebuilt the job's ranks (their state was lost)
+   * and the coordinator has not yet settled whether it comes back from a
+   * checkpoint (Assignment.recovery_pending): attaches are refused. */
+  int awaiting_recovery;
   /* Workers waiting in a restore they asked for (CHECKPOINT): counted by
    * the executors, read by the loop, which restores with them attached. */
   _Atomic int ckpt_restore_parked;

@@ -279,7 +279,7 @@ def test_a_restarted_daemon_restores_its_base_from_the_bases_checkpoint(start_da
         assert torch.equal(after["state"][key], value), key
     # Restored once: it is whole again, so the next ticks leave it be.
     time.sleep(1.0)
-    assert d.read_log().count("base restore started") == 1, d.read_log()[-4000:]
+    assert d.read_log().count("recovery started") == 1, d.read_log()[-4000:]
 
 
 def write_safetensors(path, tensors):

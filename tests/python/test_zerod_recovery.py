@@ -1,0 +1,100 @@
+"""Recovery of a job whose node restarts (docs/checkpoints.md, "Recovery"):
+a coordinator and one node daemon on loopback. The node is SIGKILLed and
+restarted, losing every shard in memory; the coordinator restores each of
+its jobs from the job's newest checkpoint on its own, says how many steps
+were lost, and keeps workers out until then. Training then goes on from
+the checkpoint exactly as it did the first time from that step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import torch
+
+from conftest import binary, cluster, python, worker_env  # noqa: F401 (fixture)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "lora_worker.py")
+TOKEN = "recovery-token"
+
+
+def ctl(c, *args, check=True):
+    proc = subprocess.run([binary("zerodctl"), "-c", c.coordinator.address] + list(args),
+                          capture_output=True, text=True, timeout=60)
+    if check:
+        assert proc.returncode == 0, "zerodctl %s: %s%s" % (" ".join(args), proc.stdout,
+                                                              proc.stderr)
+    return proc
+
+
+def wait_for(what, predicate, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for " + what)
+
+
+def job(c, name):
+    return json.loads(ctl(c, "jobs", "get", name, "--json").stdout)
+
+
+def train(node, tmp_path, name, tag, steps, init):
+    """A worker of job `name` (TinyLM with LoRA, its frozen weights the
+    job's own units from `init`) for `steps` steps; its output."""
+    out = str(tmp_path / ("%s-%s.pt" % (name, tag)))
+    cmd = [python(), WORKER, "--socket", node.socket, "--job", name, "--token", TOKEN,
+           "--init", init, "--steps", str(steps), "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(), timeout=300)
+    assert proc.returncode == 0, "%s\n%s\n%s\n%s" % (cmd, proc.stdout, proc.stderr,
+                                                     node.read_log()[-3000:])
+    return torch.load(out)
+
+
+def test_a_job_whose_node_restarts_comes_back_from_its_newest_checkpoint(cluster, tmp_path):
+    cluster.start_coordinator()
+    node = cluster.start_node("node-a", ranks=1)
+    wait_for("the node", lambda: "node-a" in ctl(cluster, "members").stdout)
+    init = str(tmp_path / "init.pt")
+    from torch_models import TinyLM
+
+    torch.save(TinyLM(seed=5).state_dict(), init)
+    for name in ("train", "reference", "unsaved"):
+        ctl(cluster, "jobs", "create", name, "--ranks-per-node", "1", "--token", TOKEN)
+        wait_for(name + " to be ready", lambda: job(cluster, name)["state"] == "ready")
+        train(node, tmp_path, name, "first", 4, init)
+    saved = json.loads(ctl(cluster, "checkpoint", "save", "train", "--json").stdout)
+    assert saved["checkpoint"]["step"] == 4, saved
+    # Both go on 3 steps from step 4; the reference's are what the
+    # recovered job must do again after losing them.
+    want = train(node, tmp_path, "reference", "then", 3, init)
+    lost = train(node, tmp_path, "train", "then", 3, init)
+    assert lost["losses"] == want["losses"]
+    assert job(cluster, "train")["step"] == 7
+
+    node.restart()  # SIGKILL: every shard in memory is gone
+    coordinator_log = cluster.coordinator.read_log
+    wait_for("the recovery of train",
+             lambda: 'msg="recovered from a checkpoint" job=train step=4 lost_steps=3'
+             in coordinator_log())
+    assert 'msg="job rebuilt here after its state was lost: no worker until it is recovered" ' \
+        'job=train' in node.read_log()
+    got = job(cluster, "train")
+    assert got["step"] == 4, got
+    assert got["last_recovery"] == ("state lost on a node at step 7; restored from the "
+                                    "checkpoint of step 4: 3 steps lost"), got
+    described = ctl(cluster, "jobs", "get", "train").stdout
+    assert "last recovery: state lost on a node at step 7" in described, described
+    # A job with no checkpoint starts empty, and says so.
+    wait_for("unsaved to be settled", lambda: job(cluster, "unsaved")["last_recovery"] != "")
+    assert job(cluster, "unsaved")["last_recovery"] == \
+        "state lost on a node at step 4; no checkpoint: started empty"
+
+    again = train(node, tmp_path, "train", "again", 3, init)
+    assert again["losses"] == want["losses"]
+    for key in want["state"]:
+        assert torch.equal(again["state"][key], want["state"][key]), key
