@@ -127,6 +127,17 @@ def stop_all(processes):
         raise failures[0]
 
 
+def wait_for(what, predicate, timeout_s=30):
+    """Polls predicate every 50 ms until it is true; fails naming what it
+    waited for after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for " + what)
+
+
 def run_worker(args, timeout=300, check=True):
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

@@ -16,6 +16,7 @@ start_daemon = fixtures.start_daemon
 cluster = fixtures.cluster
 binary = fixtures.binary
 run_worker = fixtures.run_worker
+wait_for = fixtures.wait_for
 
 PACKAGE_DIR = os.path.join(HERE, "..", "..", "client", "python")
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 
 import torch
 
-from conftest import binary, cluster, python, worker_env  # noqa: F401 (fixture)
+from conftest import binary, cluster, python, wait_for, worker_env  # noqa: F401 (fixture)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "lora_worker.py")
@@ -26,15 +25,6 @@ def ctl(c, *args):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, "zerodctl %s: %s%s" % (" ".join(args), proc.stdout, proc.stderr)
     return proc.stdout
-
-
-def wait_for(what, predicate, timeout_s=30):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for " + what)
 
 
 def ready(c, job):

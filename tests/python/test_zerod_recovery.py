@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 
 import torch
 
-from conftest import binary, cluster, python, worker_env  # noqa: F401 (fixture)
+from conftest import binary, cluster, python, wait_for, worker_env  # noqa: F401 (fixture)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "lora_worker.py")
@@ -28,15 +27,6 @@ def ctl(c, *args, check=True):
         assert proc.returncode == 0, "zerodctl %s: %s%s" % (" ".join(args), proc.stdout,
                                                               proc.stderr)
     return proc
-
-
-def wait_for(what, predicate, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for " + what)
 
 
 def job(c, name):
