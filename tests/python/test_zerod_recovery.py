@@ -64,7 +64,8 @@ def test_a_job_whose_node_restarts_comes_back_from_its_newest_checkpoint(cluster
     want = train(node, tmp_path, "reference", "then", 3, init)
     lost = train(node, tmp_path, "train", "then", 3, init)
     assert lost["losses"] == want["losses"]
-    assert job(cluster, "train")["step"] == 7
+    # The coordinator knows the step from the node's heartbeats.
+    wait_for("train's step 7", lambda: job(cluster, "train")["step"] == 7)
 
     node.restart()  # SIGKILL: every shard in memory is gone
     coordinator_log = cluster.coordinator.read_log
