@@ -108,6 +108,7 @@ void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   ctl__json_u64(j, "jobs_on_base", job->jobs_on_base);
   ctl__json_str(j, "base_checkpoint", job->base_checkpoint);
   ctl__json_str(j, "last_recovery", job->last_recovery);
+  ctl__json_str(j, "stalled", job->stalled);
   const Zerod__V1__CheckpointPolicy *policy = job->checkpoint_policy;
   ctl__json_open(j, "checkpoint_policy", '{');
   ctl__json_u64(j, "every_steps", policy != NULL ? policy->every_steps : 0);
@@ -281,6 +282,8 @@ void ctl__print_job(const Zerod__V1__Job *job) {
   print_base(job);
   if (job->last_recovery[0] != '\0')
     ctl__print_field("last recovery", "%s", job->last_recovery);
+  if (job->stalled[0] != '\0')
+    ctl__print_field("stalled", "%s", job->stalled);
 }
 
 void ctl__format_job_nodes(const Zerod__V1__Job *job, char *out, size_t out_bytes) {

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "comm_impl.h"
 
@@ -25,7 +26,41 @@ void comm_init_base(comm *c, const comm_ops *ops, const comm_options *options) {
   c->level = options->level;
   c->moved = 0;
   c->node_ranks = 0;
+  c->activity = NULL;
 }
+
+const char *comm_act_name(int op) {
+  static const char *const names[] = {
+      "",           "all_gather", "all_gather_node", "reduce_scatter",
+      "all_reduce", "all_to_all", "broadcast",       "barrier"};
+  return op >= 0 && op < (int)(sizeof names / sizeof names[0]) ? names[op] : "?";
+}
+
+void comm_set_activity(comm *c, comm_activity *a) {
+  if (c != NULL)
+    c->activity = a;
+}
+
+static void activity_begin(comm *c, comm_act op) {
+  comm_activity *a = c->activity;
+  if (a == NULL)
+    return;
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  __atomic_store_n(&a->since_ns, (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec,
+                   __ATOMIC_RELAXED);
+  __atomic_store_n(&a->calls, __atomic_load_n(&a->calls, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
+  __atomic_store_n(&a->op, (int)op, __ATOMIC_RELEASE);
+}
+
+static int activity_end(comm *c, int rc) {
+  if (c->activity != NULL)
+    __atomic_store_n(&c->activity->op, (int)COMM_ACT_NONE, __ATOMIC_RELEASE);
+  return rc;
+}
+
+/* The backend's call expr, recorded in c's activity as op. */
+#define TRACKED(c, op, expr) (activity_begin((c), (op)), activity_end((c), (expr)))
 
 /* A collective that succeeded moved its payload. */
 static int counted(comm *c, int rc, uint64_t bytes) {
@@ -130,7 +165,9 @@ int comm_all_gather(comm *c, const void *send, void *recv, size_t bytes_per_rank
     return comm_break(c, -EINVAL,
                       "all_gather: send overlaps recv but is not this rank's slice (rank %d)",
                       c->rank);
-  return counted(c, c->ops->all_gather(c, send, recv, bytes_per_rank), gathered_bytes);
+  return counted(c,
+                 TRACKED(c, COMM_ACT_ALL_GATHER, c->ops->all_gather(c, send, recv, bytes_per_rank)),
+                 gathered_bytes);
 }
 
 int comm_node_ranks(const comm *c) {
@@ -149,7 +186,8 @@ int comm_all_gather_node(comm *c, const void *send, void *recv, size_t bytes_per
   if (send == NULL || recv == NULL)
     return comm_break(c, -EINVAL, "all_gather_node: send and recv must not be NULL");
   /* The node half checks the rest, as for any all-gather of its own. */
-  return c->ops->all_gather_node(c, send, recv, bytes_per_rank);
+  return TRACKED(c, COMM_ACT_ALL_GATHER_NODE,
+                 c->ops->all_gather_node(c, send, recv, bytes_per_rank));
 }
 
 /* The checks of a reduce-scatter, exact or on the wire: 1 to go on, 0 for
@@ -183,8 +221,10 @@ int comm_reduce_scatter_f32(comm *c, float *send, float *recv, size_t shard_nume
   int rc = reduce_scatter_checked(c, send, recv, shard_numel);
   if (rc <= 0)
     return rc;
-  return counted(c, c->ops->reduce_scatter_f32(c, send, recv, shard_numel),
-                 shard_numel * sizeof(float) * (size_t)c->world_size);
+  return counted(
+      c,
+      TRACKED(c, COMM_ACT_REDUCE_SCATTER, c->ops->reduce_scatter_f32(c, send, recv, shard_numel)),
+      shard_numel * sizeof(float) * (size_t)c->world_size);
 }
 
 int comm_reduce_scatter_f32_wire(comm *c, float *send, float *recv, size_t shard_numel,
@@ -199,7 +239,8 @@ int comm_reduce_scatter_f32_wire(comm *c, float *send, float *recv, size_t shard
       wire->format != COMM_WIRE_INT4)
     return comm_break(c, -EINVAL, "reduce_scatter: unknown wire format %d", (int)wire->format);
   /* Its halves count their own bytes (comm_take_bytes). */
-  return c->ops->reduce_scatter_wire(c, send, recv, shard_numel, wire);
+  return TRACKED(c, COMM_ACT_REDUCE_SCATTER,
+                 c->ops->reduce_scatter_wire(c, send, recv, shard_numel, wire));
 }
 
 int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op op) {
@@ -218,7 +259,8 @@ int comm_all_reduce(comm *c, void *buf, size_t count, comm_dtype dtype, comm_op 
     return comm_break(c, -EINVAL, "all_reduce: buf must not be NULL");
   if (count > SIZE_MAX / element_bytes)
     return comm_break(c, -EOVERFLOW, "all_reduce: %zu elements overflow", count);
-  return counted(c, c->ops->all_reduce(c, buf, count, dtype, op), count * element_bytes);
+  return counted(c, TRACKED(c, COMM_ACT_ALL_REDUCE, c->ops->all_reduce(c, buf, count, dtype, op)),
+                 count * element_bytes);
 }
 
 int comm_all_to_all(comm *c, const void *send, void *recv, size_t bytes_per_rank) {
@@ -238,7 +280,8 @@ int comm_all_to_all(comm *c, const void *send, void *recv, size_t bytes_per_rank
   const size_t total = bytes_per_rank * (size_t)c->world_size;
   if (ranges_overlap(send, total, recv, total))
     return comm_break(c, -EINVAL, "all_to_all: send and recv overlap");
-  return counted(c, c->ops->all_to_all(c, send, recv, bytes_per_rank), total);
+  return counted(
+      c, TRACKED(c, COMM_ACT_ALL_TO_ALL, c->ops->all_to_all(c, send, recv, bytes_per_rank)), total);
 }
 
 int comm_broadcast(comm *c, void *buf, size_t bytes, int root) {
@@ -252,7 +295,7 @@ int comm_broadcast(comm *c, void *buf, size_t bytes, int root) {
     return 0;
   if (buf == NULL)
     return comm_break(c, -EINVAL, "broadcast: buf must not be NULL");
-  return counted(c, c->ops->broadcast(c, buf, bytes, root), bytes);
+  return counted(c, TRACKED(c, COMM_ACT_BROADCAST, c->ops->broadcast(c, buf, bytes, root)), bytes);
 }
 
 int comm_barrier(comm *c) {
@@ -260,7 +303,7 @@ int comm_barrier(comm *c) {
     return -EINVAL;
   if (c->broken_error != 0)
     return c->broken_error;
-  return c->ops->barrier(c);
+  return TRACKED(c, COMM_ACT_BARRIER, c->ops->barrier(c));
 }
 
 /* ---- the rest ------------------------------------------------------------- */

@@ -25,6 +25,32 @@
 
 typedef struct comm comm;
 
+/* What a communicator is doing, for a watcher on another thread (the
+ * node's heartbeat: docs/daemon.md, "Stalls"): the collectives it has
+ * begun, the one in progress (COMM_ACT_NONE: none) and since when
+ * (CLOCK_MONOTONIC ns). Set with comm_set_activity; updated by every
+ * collective of comm.h. */
+typedef enum comm_act {
+  COMM_ACT_NONE,
+  COMM_ACT_ALL_GATHER,
+  COMM_ACT_ALL_GATHER_NODE,
+  COMM_ACT_REDUCE_SCATTER,
+  COMM_ACT_ALL_REDUCE,
+  COMM_ACT_ALL_TO_ALL,
+  COMM_ACT_BROADCAST,
+  COMM_ACT_BARRIER,
+} comm_act;
+/* Written by the rank's thread, read by others: only through
+ * __atomic_load_n / __atomic_store_n (plain fields, so that C++ includers
+ * see the same layout). */
+typedef struct comm_activity {
+  uint64_t calls;
+  int op; /* comm_act */
+  uint64_t since_ns;
+} comm_activity;
+/* "all_gather", ...; "" for COMM_ACT_NONE. */
+const char *comm_act_name(int op);
+
 typedef enum comm_dtype { COMM_F32, COMM_F64, COMM_U8, COMM_I64 } comm_dtype;
 
 /* Where a communicator's traffic goes, for its byte counts: between ranks
@@ -168,5 +194,10 @@ void comm_destroy(comm *c);
  * never at the same time as comm_destroy(c). It returns without waiting for
  * the call in progress; c stays to be destroyed by its owner. */
 void comm_abort(comm *c);
+
+/* Makes c record its collectives in a (which must outlive c; NULL: none).
+ * Only the communicator a rank calls: those a hierarchical one is made of
+ * record nothing. */
+void comm_set_activity(comm *c, comm_activity *a);
 
 #endif /* ZEROD_COMM_H */

@@ -72,9 +72,10 @@ struct comm {
   int timeout_ms;
   /* 0, or the negative errno of the failure that broke the communicator. */
   int broken_error;
-  comm_level level; /* options->level */
-  int node_ranks;   /* a hierarchical communicator's L; 0 for others */
-  uint64_t moved;   /* payload bytes since the last comm_take_bytes */
+  comm_level level;        /* options->level */
+  int node_ranks;          /* a hierarchical communicator's L; 0 for others */
+  uint64_t moved;          /* payload bytes since the last comm_take_bytes */
+  comm_activity *activity; /* comm_set_activity, or NULL */
   char last_error[512];
 };
 

@@ -161,6 +161,27 @@ int coord_join_local(coord *c, const Zerod__V1__NodeInfo *node, uint64_t *sessio
   return status;
 }
 
+/* The report's copy of what the job's ranks on the node are doing. */
+static int copy_activity(job_report *r, const Zerod__V1__JobStatus *s) {
+  if (s->n_ranks == 0)
+    return 0;
+  r->ranks = calloc(s->n_ranks, sizeof *r->ranks);
+  if (r->ranks == NULL)
+    return -ENOMEM;
+  for (size_t k = 0; k < s->n_ranks; k++) {
+    const Zerod__V1__RankActivity *a = s->ranks[k];
+    rank_activity *to = &r->ranks[k];
+    to->rank = a->rank;
+    to->collectives = a->collectives;
+    to->waiting_ms = a->waiting_ms;
+    to->last_op_ms = a->last_op_ms;
+    snprintf(to->collective, sizeof to->collective, "%s", a->collective);
+    snprintf(to->last_op, sizeof to->last_op, "%s", a->last_op);
+  }
+  r->nranks = s->n_ranks;
+  return 0;
+}
+
 static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
   Zerod__V1__HeartbeatRequest *req = coord__begin(c, call, CTL_HEARTBEAT, request, request_bytes);
@@ -177,6 +198,7 @@ static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_
     reports[i].ready = req->jobs[i]->ready;
     reports[i].step = req->jobs[i]->step;
     reports[i].units = req->jobs[i]->units;
+    ok = ok && copy_activity(&reports[i], req->jobs[i]) == 0;
     ok = reports[i].job != NULL && reports[i].error != NULL;
   }
   if (!ok) {
@@ -191,6 +213,11 @@ static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_
   m->lease_deadline_ms = uv_now(c->loop) + (uint64_t)c->options.lease_ttl_ms;
   coord__reconcile(c, m->info->name);
   coord__ckpt_heartbeat(c, m, req);
+  for (size_t i = 0; i < req->n_jobs; i++) {
+    cjob *j = coord__find_job(c, req->jobs[i]->job);
+    if (j != NULL)
+      coord__job_stalls(c, j);
+  }
 
   Zerod__V1__HeartbeatReply reply = ZEROD__V1__HEARTBEAT_REPLY__INIT;
   reply.lease_ttl_ms = (uint32_t)c->options.lease_ttl_ms;

@@ -47,9 +47,18 @@
 #define COORD_MAX_STATE_BYTES  (64u << 20) /* coordinator.pb */
 #define COORD_STATE_FORMAT     1
 #define COORD_SWEEP_MAX_MS     250
+#define COORD_STALL_MS         5000 /* a rank this long in one collective is stalled */
 #define COORD_REASON_BYTES     1024
 #define COORD_TOKEN_HEX_DIGITS 32
 #define COORD_MAX_READ_TOKENS  64 /* per job: IssueReadToken keeps the newest */
+
+/* What a member's last heartbeat said one rank of a job is doing
+ * (RankActivity). */
+typedef struct rank_activity {
+  uint32_t rank;
+  uint64_t collectives, waiting_ms, last_op_ms;
+  char collective[33], last_op[33];
+} rank_activity;
 
 /* What a member's last heartbeat said about one job. */
 typedef struct job_report {
@@ -57,7 +66,9 @@ typedef struct job_report {
   char *error; /* owned; "" when the job is fine on the node */
   int ready;
   uint64_t step;
-  uint32_t units; /* the job's units on the node */
+  uint32_t units;       /* the job's units on the node */
+  rank_activity *ranks; /* owned: what its ranks there are doing */
+  size_t nranks;
 } job_report;
 
 typedef struct member {
@@ -171,6 +182,9 @@ typedef struct cjob {
   /* step when a node of the job last left the cluster: what a recovery
    * from a checkpoint counts its lost steps from (ckpt_recover.c). */
   uint64_t step_at_loss;
+  /* Ranks stalled in a collective and whom they wait for (coord_stalls.c;
+   * Job.stalled), "" when none. */
+  char stalled[COORD_REASON_BYTES];
   kv_entry *kv;
   kv_waiter *waiters;
   ckpt_of_job ckpt;
@@ -260,6 +274,15 @@ long coord__placement_of(const cjob *j, const char *node);
 
 /* Orders job reports by job name (qsort); frees reports[count]. */
 int coord__compare_reports(const void *a, const void *b);
+/* coord_stalls.c: j's ranks stalled in a collective for longer than
+ * COORD_STALL_MS, from its nodes' last reports, into j->stalled (logged
+ * when it changes). */
+void coord__job_stalls(coord *c, cjob *j);
+
+/* Appends printf output to buf (of buf_bytes) at *len, truncating. */
+void coord__append(char *buf, size_t buf_bytes, size_t *len, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
 /* What m's last heartbeat said about job, or NULL. */
 const job_report *coord__find_report(const member *m, const char *job);
 void coord__free_reports(job_report *reports, size_t count);

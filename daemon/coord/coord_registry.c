@@ -65,11 +65,7 @@ void *coord__message_copy(const ProtobufCMessage *msg) {
   return copy;
 }
 
-/* Appends printf output to buf (of buf_bytes) at *len, truncating. */
-static void append(char *buf, size_t buf_bytes, size_t *len, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-static void append(char *buf, size_t buf_bytes, size_t *len, const char *fmt, ...) {
+void coord__append(char *buf, size_t buf_bytes, size_t *len, const char *fmt, ...) {
   if (*len >= buf_bytes)
     return;
   va_list ap;
@@ -85,11 +81,11 @@ static void append(char *buf, size_t buf_bytes, size_t *len, const char *fmt, ..
 static void format_nodes(char *buf, size_t buf_bytes, const char *const *names, size_t count) {
   size_t len = 0;
   buf[0] = '\0';
-  append(buf, buf_bytes, &len, count == 1 ? "node " : "nodes ");
+  coord__append(buf, buf_bytes, &len, count == 1 ? "node " : "nodes ");
   for (size_t i = 0; i < count && i < 8; i++)
-    append(buf, buf_bytes, &len, "%s%s", i ? ", " : "", names[i]);
+    coord__append(buf, buf_bytes, &len, "%s%s", i ? ", " : "", names[i]);
   if (count > 8)
-    append(buf, buf_bytes, &len, " and %zu more", count - 8);
+    coord__append(buf, buf_bytes, &len, " and %zu more", count - 8);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -161,6 +157,7 @@ void coord__free_reports(job_report *reports, size_t count) {
   for (size_t i = 0; i < count; i++) {
     free(reports[i].job);
     free(reports[i].error);
+    free(reports[i].ranks);
   }
   free(reports);
 }
@@ -178,6 +175,7 @@ void coord__job_view(const cjob *j, Zerod__V1__Job *out) {
   out->step = j->step;
   out->epoch = j->epoch;
   out->last_recovery = (char *)j->ckpt.last_recovery;
+  out->stalled = (char *)j->stalled;
 }
 
 int coord__view_build(const coord *c, view_msg *v) {

@@ -238,6 +238,26 @@ static int check_shard_reports(const char *field, Zerod__V1__ShardReport *const 
   return 0;
 }
 
+/* A node's reports of what its ranks are doing: a rank each at most. */
+static int check_activity(Zerod__V1__RankActivity *const *ranks, size_t count, char *err,
+                          size_t err_bytes) {
+  if (count > CTL_MAX_RANKS)
+    return fail(err, err_bytes, "jobs[].ranks lists %zu ranks (at most %d)", count, CTL_MAX_RANKS);
+  for (size_t i = 0; i < count; i++) {
+    const Zerod__V1__RankActivity *a = ranks[i];
+    if (a == NULL)
+      return fail(err, err_bytes, "jobs[].ranks[%zu] is missing", i);
+    if (a->rank >= CTL_MAX_RANKS)
+      return fail(err, err_bytes, "jobs[].ranks[].rank is %u (0..%d)", a->rank, CTL_MAX_RANKS - 1);
+    int rc = check_text("jobs[].ranks[].collective", a->collective, 0, 32, err, err_bytes);
+    if (rc == 0)
+      rc = check_text("jobs[].ranks[].last_op", a->last_op, 0, 32, err, err_bytes);
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
 static int check_heartbeat(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
   const Zerod__V1__HeartbeatRequest *r = (const Zerod__V1__HeartbeatRequest *)msg;
   int rc = check_name("node", r->node, err, err_bytes);
@@ -256,7 +276,8 @@ static int check_heartbeat(const ProtobufCMessage *msg, char *err, size_t err_by
       return rc;
     if ((rc = check_shard_reports("jobs[].saves", s->saves, s->n_saves, err, err_bytes)) != 0 ||
         (rc = check_shard_reports("jobs[].restores", s->restores, s->n_restores, err, err_bytes)) !=
-            0)
+            0 ||
+        (rc = check_activity(s->ranks, s->n_ranks, err, err_bytes)) != 0)
       return rc;
   }
   /* One report per job: the coordinator keeps the last heartbeat's reports

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "activity.h"
 #include "ckpt_node.h"
 #include "coord.h"
 #include "ctl_decode.h"
@@ -226,11 +227,14 @@ static void send_heartbeat(cluster_agent *a) {
   Zerod__V1__JobStatus **ptrs = calloc(njobs ? njobs : 1, sizeof *ptrs);
   char(*errors)[512] = calloc(njobs ? njobs : 1, sizeof *errors);
   void **ckpt_reports = calloc(njobs ? njobs : 1, sizeof *ckpt_reports);
-  if (statuses == NULL || ptrs == NULL || errors == NULL || ckpt_reports == NULL) {
+  void **activities = calloc(njobs ? njobs : 1, sizeof *activities);
+  if (statuses == NULL || ptrs == NULL || errors == NULL || ckpt_reports == NULL ||
+      activities == NULL) {
     free(statuses);
     free(ptrs);
     free(errors);
     free(ckpt_reports);
+    free(activities);
     schedule(a, a->lease_ttl_ms / 3);
     return;
   }
@@ -254,6 +258,7 @@ static void send_heartbeat(cluster_agent *a) {
     st->units = j->nunits;
     pthread_mutex_unlock(&j->mutex);
     ckpt_node_reports(j, st, &ckpt_reports[i]);
+    activity_reports(j, st, &activities[i]);
     ptrs[i++] = st;
   }
   a->reported_settled = jobs_settled(d, NULL);
@@ -264,9 +269,12 @@ static void send_heartbeat(cluster_agent *a) {
   req.jobs = ptrs;
   if (start_call(a, "/zerod.v1.Cluster/Heartbeat", &req.base, on_heartbeat_done) != 0)
     schedule(a, a->lease_ttl_ms / 3);
-  for (size_t k = 0; k < i; k++)
+  for (size_t k = 0; k < i; k++) {
     ckpt_node_reports_free(ckpt_reports[k]);
+    activity_reports_free(activities[k]);
+  }
   free(ckpt_reports);
+  free(activities);
   free(statuses);
   free(ptrs);
   free(errors);

@@ -81,8 +81,42 @@ static void finish(exec_op *op) {
     exec_op_free(op);
 }
 
+const char *exec_op_name(int kind) {
+  static const char *const names[] = {
+      [OP_COMM_INIT] = "comm_init",
+      [OP_SESSION_BEGIN] = "attach",
+      [OP_SESSION_END] = "detach",
+      [OP_REGISTER] = "register_unit",
+      [OP_GATHER] = "gather",
+      [OP_PREFETCH] = "prefetch",
+      [OP_RELEASE] = "release",
+      [OP_GRAD_BUFFER] = "grad_buffer",
+      [OP_REDUCE] = "reduce",
+      [OP_STEP] = "step",
+      [OP_LOAD] = "load_unit",
+      [OP_READ_STATE] = "read_state",
+      [OP_SET_GROUPS] = "set_groups",
+      [OP_GRAD_NORM] = "grad_norm",
+      [OP_PIN] = "pin",
+      [OP_TRIM] = "trim",
+      [OP_FREEZE] = "freeze",
+      [OP_SAVE] = "save",
+      [OP_RESTORE_READ] = "restore",
+      [OP_RESTORE_COMMIT] = "restore_commit",
+      [OP_RESTORE_ABORT] = "restore_abort",
+      [OP_CKPT_PARK] = "checkpoint",
+      [OP_CKPT_UNPARK] = "checkpoint_end",
+      [OP_STOP] = "stop",
+  };
+  return kind >= 0 && kind < (int)(sizeof names / sizeof names[0]) && names[kind] != NULL
+             ? names[kind]
+             : "?";
+}
+
 static void run_op(rank_state *rs, exec_op *op) {
   int64_t next = -1;
+  atomic_store(&rs->last_op, (int)op->kind);
+  atomic_store(&rs->last_op_ns, clock_now_ns());
   rs->failed_on_device = 0;
   /* Whatever the worker sends after a checkpoint call means it is over. */
   if (rs->ckpt_parked != 0 && op->session != NULL && op->kind != OP_CKPT_PARK)

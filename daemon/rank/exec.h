@@ -51,6 +51,9 @@ typedef enum op_kind {
   OP_STOP,           /* destroy the communicator and exit the thread */
 } op_kind;
 
+/* The op kind's name ("gather", "step", ...), for reports. */
+const char *exec_op_name(int kind);
+
 typedef struct exec_op {
   struct exec_op *next;
   op_kind kind;

@@ -161,6 +161,12 @@ typedef struct rank_state {
    * pin_begin_write under the job's pin_mutex, where readers look at it;
    * the executor reads it freely. */
   uint64_t version;
+  /* What the rank is doing, for the node's heartbeat (docs/daemon.md,
+   * "Stalls"): its communicator's collectives (comm_set_activity), and the
+   * op its executor last began (op_kind) and when (clock_now_ns). */
+  comm_activity activity;
+  _Atomic int last_op;
+  _Atomic uint64_t last_op_ns;
   uint64_t state_bytes; /* executor-owned: bytes of its shards (exec__shard_bytes) */
   /* Executor-owned: the job is a base and this rank keeps its master
    * weights alone (exec__handle_freeze); its saves hold those only. */

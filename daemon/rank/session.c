@@ -14,6 +14,7 @@
 void exec__set_comm(rank_state *rs, comm *c) {
   pthread_mutex_lock(&rs->comm_lock);
   comm *old = rs->comm;
+  comm_set_activity(c, &rs->activity);
   rs->comm = c;
   if (c != NULL && atomic_load(&rs->stopping))
     comm_abort(c);

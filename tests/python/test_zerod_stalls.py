@@ -1,0 +1,61 @@
+"""Stalls (docs/daemon.md, "Stalls"): a rank that waits in a collective for
+a peer whose worker sent nothing is reported by the coordinator, naming
+the rank it waits for and what that rank last did, and the report clears
+once the peer arrives."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+
+import numpy as np
+
+import zerod
+from conftest import binary, start_daemon, wait_for  # noqa: F401 (fixture)
+
+TENSORS = [("w", (4, 8), False)]
+
+
+def stalled(d, job):
+    proc = subprocess.run([binary("zerodctl"), "-c", "unix:%s/control.sock" % d.dir, "jobs",
+                           "get", job, "--json"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["stalled"]
+
+
+def test_a_rank_waiting_for_an_idle_peer_is_reported_naming_the_peer(start_daemon):
+    d = start_daemon(ranks=2, timeout_s=120)
+    clients = [zerod.Client(d.socket) for _ in range(2)]
+    jobs = [clients[r].attach("stall", rank=r) for r in range(2)]
+    values = np.zeros(32, dtype=np.float32)
+    # Rank 0 registers a unit (a collective over both ranks); rank 1's
+    # worker sends nothing more after its attach.
+    done = threading.Event()
+    errors = []
+
+    def register_rank0():
+        try:
+            jobs[0].register("u", TENSORS, init="rank0", values=values)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        done.set()
+
+    t = threading.Thread(target=register_rank0)
+    t.start()
+    wait_for("the stall report", lambda: stalled(d, "stall") != "", timeout_s=30)
+    report = stalled(d, "stall")
+    assert re.fullmatch(r"rank 0 waits \d+\.\d s in \w+ #\d+ for rank 1 \(in no collective, "
+                        r"last op attach \d+\.\d s ago\)", report), report
+    assert 'msg="job stalled in a collective" job=stall' in d.read_log()
+    assert not done.is_set()
+    # Rank 1 arrives: the collective completes, and the report clears.
+    jobs[1].register("u", TENSORS, init="rank0")
+    t.join(timeout=60)
+    assert done.is_set() and not errors, errors
+    wait_for("the stall to clear", lambda: stalled(d, "stall") == "", timeout_s=30)
+    assert 'msg="job no longer stalled" job=stall' in d.read_log()
+    for job, client in zip(jobs, clients):
+        job.detach()
+        client.close()
