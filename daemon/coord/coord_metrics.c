@@ -21,7 +21,7 @@ static const Zerod__V1__JobState job_states[] = {
 
 struct coord_metrics {
   metrics *registry;
-  metric_series *members, *watches;
+  metric_series *members, *watches, *stalled;
   metric_series *jobs[NJOB_STATES];
   metric_family *rpcs, *rpc_seconds;
   metric_family *ckpt_ops, *ckpt_seconds, *ckpt_bytes;
@@ -44,9 +44,12 @@ static void collect(void *arg) {
     watches += c->members[i]->watch != NULL;
   metric_set(cm->members, (double)c->nmembers);
   metric_set(cm->watches, (double)watches);
-  size_t counts[NJOB_STATES] = {0};
-  for (size_t i = 0; i < c->njobs; i++)
+  size_t counts[NJOB_STATES] = {0}, stalled = 0;
+  for (size_t i = 0; i < c->njobs; i++) {
     counts[state_index(c->jobs[i])]++;
+    stalled += c->jobs[i]->stalled[0] != '\0';
+  }
+  metric_set(cm->stalled, (double)stalled);
   for (size_t i = 0; i < NJOB_STATES; i++)
     metric_set(cm->jobs[i], (double)counts[i]);
 }
@@ -84,6 +87,11 @@ int coord_metrics_start(coord *c, rpc_server *server, metrics *m) {
       metric_series_get(metrics_family(m, METRIC_GAUGE, "zerod_coordinator_watch_streams",
                                        "Members whose Watch stream is open.", NULL, NULL, 0),
                         NULL);
+  cm->stalled = metric_series_get(
+      metrics_family(m, METRIC_GAUGE, "zerod_coordinator_stalled_jobs",
+                     "Jobs with a rank waiting in a collective for 5 s or more (Job.stalled).",
+                     NULL, NULL, 0),
+      NULL);
   static const char *const state_label[] = {"state", NULL};
   metric_family *jobs =
       metrics_family(m, METRIC_GAUGE, "zerod_coordinator_jobs",
@@ -131,6 +139,7 @@ void coord_metrics_stop(coord *c) {
   metrics_remove_collector(cm->registry, collect, c);
   metric_series_put(cm->members);
   metric_series_put(cm->watches);
+  metric_series_put(cm->stalled);
   free(cm);
   c->metrics = NULL;
 }

@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import threading
+import urllib.request
 
 import numpy as np
 
@@ -25,8 +26,16 @@ def stalled(d, job):
     return json.loads(proc.stdout)["stalled"]
 
 
+def stalled_jobs(d):
+    """zerod_coordinator_stalled_jobs, scraped from the daemon's metrics."""
+    port = re.search(r'msg="metrics listening" address=\S+ port=(\d+)', d.read_log()).group(1)
+    with urllib.request.urlopen("http://127.0.0.1:%s/metrics" % port, timeout=10) as r:
+        text = r.read().decode()
+    return float(re.search(r"^zerod_coordinator_stalled_jobs (\S+)$", text, re.M).group(1))
+
+
 def test_a_rank_waiting_for_an_idle_peer_is_reported_naming_the_peer(start_daemon):
-    d = start_daemon(ranks=2, timeout_s=120)
+    d = start_daemon(ranks=2, timeout_s=120, extra=["--metrics-listen", "127.0.0.1:0"])
     clients = [zerod.Client(d.socket) for _ in range(2)]
     jobs = [clients[r].attach("stall", rank=r) for r in range(2)]
     values = np.zeros(32, dtype=np.float32)
@@ -49,6 +58,7 @@ def test_a_rank_waiting_for_an_idle_peer_is_reported_naming_the_peer(start_daemo
     assert re.fullmatch(r"rank 0 waits \d+\.\d s in \w+ #\d+ for rank 1 \(in no collective, "
                         r"last op attach \d+\.\d s ago\)", report), report
     assert 'msg="job stalled in a collective" job=stall' in d.read_log()
+    assert stalled_jobs(d) == 1
     assert not done.is_set()
     # Rank 1 arrives: the collective completes, and the report clears.
     jobs[1].register("u", TENSORS, init="rank0")
@@ -56,6 +66,7 @@ def test_a_rank_waiting_for_an_idle_peer_is_reported_naming_the_peer(start_daemo
     assert done.is_set() and not errors, errors
     wait_for("the stall to clear", lambda: stalled(d, "stall") == "", timeout_s=30)
     assert 'msg="job no longer stalled" job=stall' in d.read_log()
+    assert stalled_jobs(d) == 0
     for job, client in zip(jobs, clients):
         job.detach()
         client.close()
