@@ -222,6 +222,9 @@ static void follow_restore(job *j, const Zerod__V1__Assignment *as) {
     c->restore_commit_sent = 1;
     pthread_mutex_unlock(&c->mutex);
     submit(j, OP_RESTORE_COMMIT, o->id, NULL, 0);
+    /* Restored, by whoever asked: what this node lost comes back now, and
+     * workers attach once it is installed (ckpt_node_restoring). */
+    j->awaiting_recovery = 0;
   }
 }
 

@@ -137,6 +137,16 @@ class Control:
         self.wait_ready()
         return self.ckpt.Restore(C.RestoreRequest(job=JOB, checkpoint=name), timeout=timeout)
 
+    def wait_recovered(self, step, timeout_s=60):
+        """The coordinator restored the job by itself, from the checkpoint of
+        step (its node came back without its state)."""
+        want = "restored from the checkpoint of step %d" % step
+
+        def recovered():
+            j = self.jobs.GetJob(C.GetJobRequest(name=JOB), timeout=10)
+            return j.state == C.JOB_STATE_READY and want in j.last_recovery and j.step == step
+        wait_for(recovered, timeout_s, "job %s to be recovered at step %d" % (JOB, step))
+
     def listed(self):
         reply = self.ckpt.List(C.ListCheckpointsRequest(job=JOB), timeout=10)
         return [(c.name, c.step) for c in reply.checkpoints]
@@ -378,11 +388,12 @@ def test_node_killed_during_a_save(cluster, controls, point):
     coord, node, job_dir, ctl, a = cluster_with_a(cluster, controls)
 
     # Restarted armed: the node comes back with the job's ranks empty, so
-    # it restores A, trains on and dies saving B.
+    # the coordinator restores A (its newest checkpoint) by itself; the job
+    # trains on and dies saving B.
     node.stop()
     with environment(ZEROD_CRASH_AT=point):
         node = cluster.start_node("n", ranks=RANKS, timeout_s=30)
-    assert ctl.restore("a").step == 3
+    ctl.wait_recovered(3)
     train(node.socket, 2)
     with pytest.raises(grpc.RpcError) as e:
         ctl.save("b")
@@ -397,7 +408,7 @@ def test_node_killed_during_a_save(cluster, controls, point):
     a.assert_untouched()
 
     node = cluster.start_node("n", ranks=RANKS, timeout_s=30)
-    assert ctl.restore("a").step == 3
+    ctl.wait_recovered(3)
     assert_state(ctl, "c", a)
     train(node.socket, 1)
     assert ctl.save("d").checkpoint.step == 4
