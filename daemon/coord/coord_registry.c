@@ -212,6 +212,19 @@ void coord__view_free(view_msg *v) {
 
 /* Packs the WatchEvent for m (the view and m's assignments) into a malloc'd
  * buffer. Returns 0 or -ENOMEM. */
+/* Whether j lost a node that is a member again, as are all its other
+ * nodes: its nodes build its ranks afresh (Assignment.rebuild), and it is
+ * then recovered from its newest checkpoint (ckpt_recover.c). */
+static int rebuildable(const coord *c, const cjob *j) {
+  int departed = 0;
+  for (size_t i = 0; i < j->msg->n_placement; i++) {
+    if (coord__find_member(c, j->msg->placement[i]->node) == NULL)
+      return 0;
+    departed |= j->marks[i].departed;
+  }
+  return departed && !j->deleting;
+}
+
 static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size_t *out_bytes) {
   view_msg v;
   if (coord__view_build(c, &v) != 0)
@@ -237,6 +250,7 @@ static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size
     assignments[count].read_token_sha256 = (char **)j->read_token_ptrs;
     assignments[count].first_rank = j->msg->placement[at]->first_rank;
     assignments[count].ranks = j->msg->placement[at]->ranks;
+    assignments[count].rebuild = rebuildable(c, j);
     c->hooks.assignment(j, &assignments[count]);
     pointers[count] = &assignments[count];
     count++;

@@ -390,6 +390,31 @@ static void follow_frozen(job *j, const Zerod__V1__Job *pj) {
   }
 }
 
+/* Whether j, a job across nodes, is to be rebuilt here: the coordinator
+ * says its nodes are all back after one left, and j was built before
+ * (its communicators' generation is an older epoch). */
+static int rebuilt_here(const job *j, const Zerod__V1__Assignment *as) {
+  return as->rebuild && !j->deleted && job_spans_nodes(j) &&
+         j->generation != (unsigned)as->job->epoch;
+}
+
+/* Lets go of j for its rebuild: as a deleted job, failed for its workers
+ * (who attach again to the new one once it is recovered), gone once the
+ * last of them has detached. */
+static void drop_for_rebuild(zdaemon *d, job *j) {
+  LOG_INFOF("job rebuilt after a node loss: its ranks here start afresh", "job=%s", j->name);
+  ckpt_node_orders(j, NULL);
+  job_fail(j, j->generation,
+           "job '%s' is rebuilt on every node after one was lost: attach again once it is "
+           "recovered from its newest checkpoint",
+           j->name);
+  for (int r = 0; r < j->nranks; r++) /* a collective with the lost node ends now */
+    exec_rank_abort_comm(&j->ranks[r]);
+  j->deleted = 1;
+  if (j->sessions == 0)
+    jobs_retire(d, j);
+}
+
 /* Makes the local jobs follow the coordinator's assignments. */
 static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
   zdaemon *d = a->d;
@@ -399,6 +424,12 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
     if (pj == NULL || pj->name == NULL)
       continue;
     job *j = jobs_find(d, pj->name);
+    if (j != NULL && rebuilt_here(j, as)) {
+      drop_for_rebuild(d, j);
+      j = NULL;
+    }
+    if (j != NULL && j->deleted && j->id == pj->id && as->rebuild)
+      j = NULL; /* dropped for the rebuild, its workers not all gone yet */
     if (j == NULL) {
       /* A job that is not (or no longer) healthy is not built here: its
        * other ranks are gone or failed, so a rendezvous could only time
@@ -408,7 +439,7 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
       int all_here = as->first_rank == 0 && as->ranks == pj->world_size;
       if (pj->state != ZEROD__V1__JOB_STATE__JOB_STATE_CREATING &&
           pj->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY &&
-          !(pj->state == ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED && all_here))
+          !(pj->state == ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED && (all_here || as->rebuild)))
         continue;
       job_config config;
       char err[256] = "";
@@ -469,8 +500,9 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
     /* A job with ranks here only is degraded by nothing but this node's own
      * report of its failure, which it already knows; it resets locally, and
      * a stale event must not fail the reset generation. */
+    /* (A job being rebuilt is degraded by the loss it is rebuilt from.) */
     if (pj->state == ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED && job_spans_nodes(j) &&
-        !job_failed(j, j->generation, NULL, 0)) {
+        !as->rebuild && !job_failed(j, j->generation, NULL, 0)) {
       char msg[600];
       LOG_WARNF("job degraded", "job=%s reason=%s", j->name,
                 log_quote(pj->reason != NULL ? pj->reason : "", msg, sizeof msg));

@@ -19,10 +19,15 @@
 #include "tier.h"
 
 job *jobs_find(zdaemon *d, const char *name) {
-  for (job *j = d->jobs; j != NULL; j = j->next)
-    if (strcmp(j->name, name) == 0)
+  job *deleted = NULL;
+  for (job *j = d->jobs; j != NULL; j = j->next) {
+    if (strcmp(j->name, name) != 0)
+      continue;
+    if (!j->deleted)
       return j;
-  return NULL;
+    deleted = j;
+  }
+  return deleted;
 }
 
 /* Nobody is attached to a failed job any more: build fresh communicators

@@ -16,7 +16,9 @@
 
 struct daemon;
 
-/* The job of that name in the registry, or NULL. */
+/* The job of that name in the registry, or NULL: the live one if there
+ * is one (a job rebuilt after a node loss lives beside the deleted one its
+ * workers have not all left yet), else a deleted one. */
 job *jobs_find(struct daemon *d, const char *name);
 
 /* Replaces j's read-token hashes with the n in hashes (the coordinator's

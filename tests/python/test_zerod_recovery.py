@@ -89,3 +89,57 @@ def test_a_job_whose_node_restarts_comes_back_from_its_newest_checkpoint(cluster
     assert again["losses"] == want["losses"]
     for key in want["state"]:
         assert torch.equal(again["state"][key], want["state"][key]), key
+
+
+def train_ranks(nodes, tmp_path, name, tag, steps, init):
+    """One worker per node (a rank each) of job `name`, at once; their
+    outputs in rank order."""
+    procs = []
+    for i, node in enumerate(nodes):
+        out = str(tmp_path / ("%s-%s-%d.pt" % (name, tag, i)))
+        cmd = [python(), WORKER, "--socket", node.socket, "--job", name, "--token", TOKEN,
+               "--init", init, "--steps", str(steps), "--out", out]
+        procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=worker_env()), cmd, out))
+    outs = []
+    for proc, cmd, out in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, "%s\n%s\n%s" % (cmd, stdout, stderr)
+        outs.append(torch.load(out))
+    return outs
+
+
+def test_a_job_across_nodes_is_rebuilt_when_its_lost_node_comes_back(cluster, tmp_path):
+    """Node b of a 2-node job is SIGKILLed and restarted: once it is a member
+    again, both nodes build the job's ranks afresh (node a drops the ranks
+    it kept), and the coordinator restores the job from its newest
+    checkpoint; training goes on exactly as it did from that step."""
+    cluster.start_coordinator()
+    nodes = [cluster.start_node("node-%s" % n, ranks=1) for n in "ab"]
+    wait_for("2 members", lambda: ctl(cluster, "members").stdout.count("node-") >= 2)
+    init = str(tmp_path / "init.pt")
+    from torch_models import TinyLM
+
+    torch.save(TinyLM(seed=6).state_dict(), init)
+    for name in ("wide", "wide-ref"):
+        ctl(cluster, "jobs", "create", name, "--nodes", "2", "--ranks-per-node", "1", "--token",
+            TOKEN)
+        wait_for(name + " to be ready", lambda: job(cluster, name)["state"] == "ready")
+        train_ranks(nodes, tmp_path, name, "first", 3, init)
+    ctl(cluster, "checkpoint", "save", "wide")
+    want = train_ranks(nodes, tmp_path, "wide-ref", "then", 2, init)
+    train_ranks(nodes, tmp_path, "wide", "then", 2, init)
+    wait_for("wide's step 5", lambda: job(cluster, "wide")["step"] == 5)
+
+    nodes[1].restart()
+    wait_for("the recovery of wide",
+             lambda: 'msg="recovered from a checkpoint" job=wide step=3 lost_steps=2'
+             in cluster.coordinator.read_log())
+    assert 'msg="job rebuilt after a node loss: its ranks here start afresh" job=wide' in \
+        nodes[0].read_log()
+    assert job(cluster, "wide")["state"] == "ready"
+    again = train_ranks(nodes, tmp_path, "wide", "again", 2, init)
+    for rank in range(2):
+        assert again[rank]["losses"] == want[rank]["losses"], rank
+        for key in want[rank]["state"]:
+            assert torch.equal(again[rank]["state"][key], want[rank]["state"][key]), (rank, key)
