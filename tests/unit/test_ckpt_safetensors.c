@@ -312,6 +312,118 @@ static void test_safetensors_open_refuses_sizes_beyond_the_file(void **state) {
   remove_dir(dir);
 }
 
+/* ------------------------------------------------------------------------
+ * The units of a job with none (st_units_build)
+ * ------------------------------------------------------------------------ */
+
+/* What one unit made from a file should hold: its name, and its tensors'
+ * names and shapes in order. */
+typedef struct unit_want {
+  const char *name;
+  unsigned ntensors;
+  const char *tensors[2];
+  unsigned ndims[2];
+  uint64_t shapes[2][2];
+} unit_want;
+
+/* Decodes a header (F32 tensors back to back in data_bytes) into f. */
+static void decode_header(const char *json, uint64_t data_bytes, st_file *f) {
+  char err[512] = "";
+  int rc = st_header_decode(json, strlen(json), data_bytes, f, err, sizeof err);
+  if (rc != 0)
+    test_fail("header %s: %s", json, err);
+}
+
+/* Builds f's units for world ranks, checks them against want (names,
+ * tensors, shapes; shards of world_size-consistent padding, tensors inside
+ * the unit), and frees them. */
+static void expect_units(const st_file *f, int world, const unit_want *want, unsigned nwant) {
+  unit_layout **units = NULL;
+  unsigned n = 0;
+  char err[512] = "";
+  int rc = st_units_build(f, world, &units, &n, err, sizeof err);
+  if (rc != 0)
+    test_fail("st_units_build: %d (%s)", rc, err);
+  assert_non_null(units);
+  assert_int_equal(n, nwant);
+  for (unsigned u = 0; u < n; u++) {
+    const unit_layout *l = units[u];
+    assert_string_equal(l->name, want[u].name);
+    assert_int_equal(l->ntensors, want[u].ntensors);
+    for (unsigned t = 0; t < l->ntensors; t++) {
+      const tensor_layout *tl = &l->tensors[t];
+      assert_string_equal(tl->name, want[u].tensors[t]);
+      assert_int_equal(tl->ndim, want[u].ndims[t]);
+      uint64_t numel = 1;
+      for (unsigned d = 0; d < tl->ndim; d++) {
+        assert_true(tl->shape[d] == want[u].shapes[t][d]);
+        numel *= tl->shape[d];
+      }
+      assert_true(tl->numel == numel);
+      assert_true(tl->offset + tl->numel <= l->numel);
+    }
+    assert_true(l->padded_numel == l->shard_numel * (uint64_t)world);
+    assert_true(l->padded_numel >= l->numel);
+  }
+  for (unsigned u = 0; u < n; u++)
+    unit_layout_free(units[u]);
+  free(units);
+}
+
+/* One unit per module (the name up to its last '.'), "<root>" for names
+ * without a dot; units in the order of their modules' names, each unit's
+ * tensors by name. */
+static void test_st_units_are_one_per_module_in_name_order(void **state) {
+  const char *json = "{" T("blocks.0.up.weight", "F32", "[4,3]", 0, 48) "," T(
+      "blocks.0.up.bias", "F32", "[4]", 48, 64) "," T("embed.weight", "F32", "[10,4]", 64,
+                                                      224) "," T("gain", "F32", "[]", 224, 228) "}";
+  st_file f;
+  decode_header(json, 228, &f);
+  const unit_want want[] = {
+      {"<root>", 1, {"gain"}, {0}, {{0}}},
+      {"blocks.0.up", 2, {"blocks.0.up.bias", "blocks.0.up.weight"}, {1, 2}, {{4}, {4, 3}}},
+      {"embed", 1, {"embed.weight"}, {2}, {{10, 4}}},
+  };
+  expect_units(&f, 3, want, 3);
+  expect_units(&f, 1, want, 3);
+  st_file_free(&f);
+}
+
+/* A submodule's tensors sort between its parent's ("a.bias" < "a.sub.w" <
+ * "a.weight"): the parent's unit still holds both of its own. */
+static void test_st_units_keep_a_module_whole_around_its_submodule(void **state) {
+  const char *json = "{" T("a.bias", "F32", "[2]", 0, 8) "," T(
+      "a.sub.w", "F32", "[3]", 8, 20) "," T("a.weight", "F32", "[2,2]", 20, 36) "}";
+  st_file f;
+  decode_header(json, 36, &f);
+  const unit_want want[] = {
+      {"a", 2, {"a.bias", "a.weight"}, {1, 2}, {{2}, {2, 2}}},
+      {"a.sub", 1, {"a.sub.w"}, {1}, {{3}}},
+  };
+  expect_units(&f, 2, want, 2);
+  st_file_free(&f);
+}
+
+/* A file with no tensors makes no units: refused, saying why, with
+ * nothing in the outputs. */
+static void test_st_units_refuse_a_file_without_tensors(void **state) {
+  static const char *const empty[] = {"{}", "{\"__metadata__\":{\"format\":\"pt\"}}"};
+  for (size_t i = 0; i < sizeof empty / sizeof empty[0]; i++) {
+    st_file f;
+    decode_header(empty[i], 0, &f);
+    assert_int_equal(f.ntensors, 0);
+    unit_layout **units = (unit_layout **)1;
+    unsigned n = 7;
+    char err[512] = "";
+    int rc = st_units_build(&f, 2, &units, &n, err, sizeof err);
+    assert_true(rc < 0);
+    assert_true(err[0] != '\0');
+    assert_null(units);
+    assert_int_equal(n, 0);
+    st_file_free(&f);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_safetensors_write_then_read_round_trips),
@@ -319,6 +431,9 @@ int main(void) {
       cmocka_unit_test(test_safetensors_reads_f16_and_f64_and_refuses_integers),
       cmocka_unit_test(test_safetensors_header_rejections),
       cmocka_unit_test(test_safetensors_open_refuses_sizes_beyond_the_file),
+      cmocka_unit_test(test_st_units_are_one_per_module_in_name_order),
+      cmocka_unit_test(test_st_units_keep_a_module_whole_around_its_submodule),
+      cmocka_unit_test(test_st_units_refuse_a_file_without_tensors),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
