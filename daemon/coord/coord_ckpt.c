@@ -172,8 +172,20 @@ void coord__ckpt_job_deleted(coord *c, cjob *j) {
 }
 
 void coord__ckpt_tick(coord *c) {
-  if (c->options.checkpoint_dir[0] == '\0' || c->shutting_down)
+  if (c->shutting_down)
     return;
+  if (c->options.checkpoint_dir[0] == '\0') {
+    /* No checkpoints to recover from: a lost state is settled as lost at
+     * once, so that no node waits for a recovery (ckpt_recover.c). */
+    for (size_t i = 0; i < c->njobs; i++) {
+      cjob *j = c->jobs[i];
+      if (j->ckpt.recovered_epoch != j->epoch) {
+        j->ckpt.recovered_epoch = j->epoch;
+        coord__mark_job_watches(c, j);
+      }
+    }
+    return;
+  }
   uint64_t now = uv_now(c->loop);
   ckpt_order *next;
   for (ckpt_order *o = c->ckpt.orders; o != NULL; o = next) {
