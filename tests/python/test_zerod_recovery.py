@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 
 import torch
@@ -143,3 +144,40 @@ def test_a_job_across_nodes_is_rebuilt_when_its_lost_node_comes_back(cluster, tm
         assert again[rank]["losses"] == want[rank]["losses"], rank
         for key in want[rank]["state"]:
             assert torch.equal(again[rank]["state"][key], want[rank]["state"][key]), (rank, key)
+
+
+def test_a_stopped_node_is_named_and_its_peers_fail_cleanly(cluster, tmp_path):
+    """Node b of a 2-node job is SIGSTOPped mid-training: once its lease (2 s)
+    runs out the coordinator names it in the job's reason, and the worker on
+    node a fails with that reason: its collective was ended for it, not by
+    the collective timeout (60 s here), whose error would name no node."""
+    cluster.start_coordinator(lease_ttl_s=2.0)
+    nodes = [cluster.start_node("node-%s" % n, ranks=1, timeout_s=60) for n in "ab"]
+    wait_for("2 members", lambda: ctl(cluster, "members").stdout.count("node-") >= 2)
+    init = str(tmp_path / "init.pt")
+    from torch_models import TinyLM
+
+    torch.save(TinyLM(seed=8).state_dict(), init)
+    ctl(cluster, "jobs", "create", "hang", "--nodes", "2", "--ranks-per-node", "1", "--token",
+        TOKEN)
+    wait_for("hang to be ready", lambda: job(cluster, "hang")["state"] == "ready")
+    procs = []
+    for i, node in enumerate(nodes):
+        cmd = [python(), WORKER, "--socket", node.socket, "--job", "hang", "--token", TOKEN,
+               "--init", init, "--steps", "100000", "--out", str(tmp_path / ("hang-%d.pt" % i))]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=worker_env()))
+    wait_for("training", lambda: job(cluster, "hang")["step"] >= 3, timeout_s=120)
+    nodes[1].proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_for("node-b to be named", lambda: "node 'node-b' left the cluster"
+                 in job(cluster, "hang")["reason"], timeout_s=20)
+        assert job(cluster, "hang")["state"] == "degraded"
+        out, err = procs[0].communicate(timeout=300)
+        assert procs[0].returncode != 0
+        assert "node 'node-b' left the cluster" in err, err[-2000:]
+        assert "timed out" not in err, err[-2000:]
+    finally:
+        nodes[1].proc.send_signal(signal.SIGCONT)
+        procs[1].kill()
+        procs[1].communicate()
