@@ -1,0 +1,160 @@
+/* The hierarchical communicator (comm_hier_create): a local group per
+ * node and a Gloo communicator across nodes. Bytes counted by level, and
+ * reduce-scatter with the cross-node partial sums on the wire as int8,
+ * int4 or bf16 blocks (qgZ), within the encoding's bound. */
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+
+#include "test_clock.h"
+
+#include "comm.h"
+#include "comm_fixtures.h"
+#include "store.h"
+#include "zk.h"
+
+/* ---- the hierarchical backend -------------------------------------------- */
+
+/* Bytes by level: 2 nodes of 2 ranks. Cross-node, each rank moves N = 2
+ * slices of a gather and 2 shards of a reduce, where a flat communicator
+ * moves W = 4. */
+typedef struct levels_state {
+  uint64_t gather[MAX_WORLD][COMM_LEVELS], reduce[MAX_WORLD][COMM_LEVELS];
+} levels_state;
+
+static void levels_body(rank_ctx *rc) {
+  levels_state *ls = rc->run->user;
+  uint64_t ignored[COMM_LEVELS];
+  comm_take_bytes(rc->c, ignored); /* the rendezvous */
+  uint8_t gathered[4 * 100] = {0};
+  float grads[4 * 25] = {0}, mine[25];
+  RANK_CALL(rc, comm_all_gather(rc->c, gathered + rc->rank * 100, gathered, 100));
+  comm_take_bytes(rc->c, ls->gather[rc->rank]);
+  RANK_CALL(rc, comm_reduce_scatter_f32(rc->c, grads, mine, 25));
+  comm_take_bytes(rc->c, ls->reduce[rc->rank]);
+}
+
+static void test_hier_moves_n_slices_across_nodes(void **state) {
+  (void)state;
+  levels_state ls = {0};
+  use_backend = HIER;
+  run_world(4, DEFAULT_TIMEOUT_MS, levels_body, &ls);
+  for (int r = 0; r < 4; r++) {
+    assert_int_equal(ls.gather[r][COMM_LEVEL_CROSS], 2 * 100);
+    assert_int_equal(ls.gather[r][COMM_LEVEL_NODE], 4 * 100);
+    assert_int_equal(ls.gather[r][COMM_LEVEL_WORLD], 0);
+    assert_int_equal(ls.reduce[r][COMM_LEVEL_CROSS], 2 * 25 * sizeof(float));
+    assert_int_equal(ls.reduce[r][COMM_LEVEL_NODE], 4 * 25 * sizeof(float));
+  }
+  /* A flat communicator counts everything at its own level. */
+  memset(&ls, 0, sizeof ls);
+  use_backend = GLOO;
+  run_world(4, DEFAULT_TIMEOUT_MS, levels_body, &ls);
+  assert_int_equal(ls.gather[0][COMM_LEVEL_NODE], 4 * 100);
+  assert_int_equal(ls.reduce[0][COMM_LEVEL_NODE], 4 * 25 * sizeof(float));
+}
+
+/* qgZ on 2 nodes of 2 ranks: each node's partial sums cross as int8, int4
+ * or bf16 blocks; the result is within the encoding's bound of the exact
+ * sum (half a step of each node's partial, summed over the nodes), and the
+ * cross-node bytes are the encoded ones. */
+typedef struct wire_state {
+  comm_wire wire;
+  uint64_t cross[4];
+  double worst_excess[4];
+} wire_state;
+
+#define WIRE_SHARD 3001
+
+static float wire_value(int rank, size_t j) {
+  uint64_t seed = 77 + (uint64_t)rank * 1000003 + j;
+  return (float)(((double)(rng_next(&seed) >> 11) * 0x1p-53 - 0.5) * (1 + (double)(j % 7)));
+}
+
+static void wire_body(rank_ctx *rc) {
+  wire_state *ws = rc->run->user;
+  const int W = 4, L = 2;
+  float *send = xmalloc(sizeof(float) * WIRE_SHARD * W), recv[WIRE_SHARD];
+  for (size_t j = 0; j < (size_t)WIRE_SHARD * W; j++)
+    send[j] = wire_value(rc->rank, j);
+  uint64_t bytes[COMM_LEVELS];
+  comm_take_bytes(rc->c, bytes);
+  RANK_CALL(rc, comm_reduce_scatter_f32_wire(rc->c, send, recv, WIRE_SHARD, &ws->wire));
+  comm_take_bytes(rc->c, bytes);
+  ws->cross[rc->rank] = bytes[COMM_LEVEL_CROSS];
+  /* The bound: per node, half a step of its partial's block (int), or
+   * bf16's half ulp (2^-9 relative). */
+  int qmax = ws->wire.format == COMM_WIRE_INT4 ? 7 : 127;
+  double worst = -1e30;
+  size_t block = ws->wire.block != 0 ? ws->wire.block : WIRE_SHARD; /* bf16: no blocks */
+  for (size_t i0 = 0; i0 < WIRE_SHARD; i0 += block) {
+    size_t end = i0 + block < WIRE_SHARD ? i0 + block : WIRE_SHARD;
+    double bound[2] = {0, 0};
+    for (int n = 0; n < 2; n++) {
+      double m = 0;
+      for (size_t i = i0; i < end; i++) {
+        size_t at = (size_t)rc->rank * WIRE_SHARD + i;
+        double p = (double)(float)(wire_value(n * L, at) + wire_value(n * L + 1, at));
+        m = fabs(p) > m ? fabs(p) : m;
+      }
+      bound[n] = 0.5001 * m / qmax;
+    }
+    for (size_t i = i0; i < end; i++) {
+      size_t at = (size_t)rc->rank * WIRE_SHARD + i;
+      double exact = 0, b = 0;
+      for (int n = 0; n < 2; n++) {
+        float p = wire_value(n * L, at) + wire_value(n * L + 1, at);
+        exact += p;
+        b += ws->wire.format == COMM_WIRE_BF16 ? fabs(p) * 0x1p-8 : bound[n];
+      }
+      double excess = fabs(recv[i] - exact) - (b + 1e-6 * fabs(exact));
+      worst = excess > worst ? excess : worst;
+    }
+  }
+  ws->worst_excess[rc->rank] = worst;
+  free(send);
+}
+
+static void test_hier_reduce_scatter_on_the_wire(void **state) {
+  (void)state;
+  use_backend = HIER;
+  const comm_wire wires[] = {{COMM_WIRE_INT8, 64}, {COMM_WIRE_INT4, 64}, {COMM_WIRE_BF16, 0}};
+  for (size_t k = 0; k < 3; k++) {
+    wire_state ws = {.wire = wires[k]};
+    run_world(4, DEFAULT_TIMEOUT_MS, wire_body, &ws);
+    zk_qformat fmt = {.bits = wires[k].format == COMM_WIRE_INT4 ? 4 : 8,
+                      .mode = ZK_QSYM,
+                      .block_numel = wires[k].block};
+    size_t q =
+        wires[k].format == COMM_WIRE_BF16 ? WIRE_SHARD * 2 : zk_quant_bytes(&fmt, WIRE_SHARD);
+    for (int r = 0; r < 4; r++) {
+      if (ws.worst_excess[r] > 0)
+        fail_msg("wire %zu, rank %d: an element is %g past the bound", k, r, ws.worst_excess[r]);
+      assert_int_equal(ws.cross[r], 2 * q); /* N = 2 encoded slices */
+    }
+  }
+}
+
+int main(void) {
+  /* Gloo writes to sockets without MSG_NOSIGNAL; the daemon ignores SIGPIPE
+   * for the same reason. */
+  signal(SIGPIPE, SIG_IGN);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_hier_moves_n_slices_across_nodes),
+      cmocka_unit_test(test_hier_reduce_scatter_on_the_wire),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
