@@ -4,8 +4,9 @@
 
     scripts/check_sizes.py [ROOT]
 
-Limits: C and C++ under daemon/, client/, kernels/ and proto/ (tests,
-benchmarks and generated code aside): 900 lines a file, 150 a function.
+Limits: C and C++ under daemon/, client/, kernels/ and proto/ (benchmarks
+and generated code aside): 900 lines a file, 150 a function. The unit
+tests' C (tests/unit/): 900 lines a file (a test's function may be long).
 Python under client/python/zerod/torch/: 500 lines a module. Prints every
 file and function over its limit and exits 1 if there is one.
 
@@ -23,6 +24,7 @@ C_DIRS = ("daemon", "client", "kernels", "proto")
 C_EXT = (".c", ".cc", ".cu", ".h")
 FILE_LIMIT = 900
 FUNCTION_LIMIT = 150
+TEST_DIR = os.path.join("tests", "unit")
 PY_DIR = os.path.join("client", "python", "zerod", "torch")
 PY_LIMIT = 500
 
@@ -68,6 +70,14 @@ def main():
         for name, line, length in long_functions(lines):
             problems.append("%s:%d: %s is %d lines (limit %d)" %
                             (rel, line, name, length, FUNCTION_LIMIT))
+    test_dir = os.path.join(root, TEST_DIR)
+    for name in sorted(os.listdir(test_dir)) if os.path.isdir(test_dir) else []:
+        if name.endswith(C_EXT):
+            with open(os.path.join(test_dir, name), encoding="utf-8", errors="replace") as f:
+                count = len(f.read().split("\n")) - 1
+            if count > FILE_LIMIT:
+                problems.append("%s: %d lines (limit %d)" %
+                                (os.path.join(TEST_DIR, name), count, FILE_LIMIT))
     py_dir = os.path.join(root, PY_DIR)
     for name in sorted(os.listdir(py_dir)) if os.path.isdir(py_dir) else []:
         if name.endswith(".py"):
