@@ -35,20 +35,12 @@ size_t coord__ckpt_nodes_holding(const coord *c, const cjob *j, size_t *empty) {
 static void store_saved(coord *c, cjob *j) {
   Zerod__V1__Job changed = *j->msg;
   changed.base_checkpoint = j->ckpt.base_saved;
-  Zerod__V1__Job *fresh = coord__message_copy(&changed.base);
-  if (fresh == NULL)
-    return;
-  Zerod__V1__Job *old = j->msg;
-  j->msg = fresh;
   char err[512];
-  if (coord__state_write(c, NULL, NULL, c->next_job_id, err, sizeof err) != 0) {
-    j->msg = old;
-    ctl_free(&fresh->base);
+  if (coord__job_store(c, j, &changed, err, sizeof err) != 0) {
     LOG_WARNF("base checkpoint not stored yet", "job=%s checkpoint=%s err=\"%s\"", j->msg->name,
               j->ckpt.base_saved, err);
     return;
   }
-  ctl_free(&old->base);
   LOG_INFOF("base checkpoint stored", "job=%s checkpoint=%s", j->msg->name, j->ckpt.base_saved);
   j->ckpt.base_saved[0] = '\0';
   coord__mark_job_watches(c, j);

@@ -190,21 +190,10 @@ static int freeze(coord *c, cjob *j, const Zerod__V1__FreezeJobRequest *req, cha
   changed.n_shared_with = req->n_shared_with;
   changed.shared_with = req->shared_with;
   changed.public_ = req->public_;
-  Zerod__V1__Job *fresh = coord__message_copy(&changed.base);
-  if (fresh == NULL) {
-    snprintf(err, err_bytes, "coordinator out of memory");
-    return RPC_RESOURCE_EXHAUSTED;
-  }
-  Zerod__V1__Job *old = j->msg;
-  j->msg = fresh;
-  if (coord__state_write(c, NULL, NULL, c->next_job_id, err, err_bytes) != 0) {
-    j->msg = old;
-    ctl_free(&fresh->base);
+  int status = coord__job_store(c, j, &changed, err, err_bytes);
+  if (status != 0)
     LOG_ERRORF("job not frozen", "job=%s err=\"%s\"", req->name, err);
-    return RPC_UNAVAILABLE;
-  }
-  ctl_free(&old->base);
-  return 0;
+  return status;
 }
 
 static void on_freeze_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {

@@ -385,6 +385,11 @@ void coord__metrics_checkpoint(coord *c, const char *operation, int ok, double s
  * Returns 0 or a negative errno. */
 int coord__state_write(coord *c, const cjob *add, const cjob *skip, uint64_t next_job_id, char *err,
                        size_t err_bytes);
+/* Makes a copy of changed (j's message with some fields changed) j's
+ * message and writes coordinator.pb with it; if either fails, j keeps its
+ * message. 0, or RPC_RESOURCE_EXHAUSTED or RPC_UNAVAILABLE with err.
+ * Blocks the loop. */
+int coord__job_store(coord *c, cjob *j, const Zerod__V1__Job *changed, char *err, size_t err_bytes);
 /* Writes coordinator.pb as the state is now (jobs, retired jobs, the next
  * job id). Returns 0 or a negative errno with err. Blocks the loop. */
 int coord__state_save(coord *c, char *err, size_t err_bytes);

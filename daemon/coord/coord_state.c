@@ -117,6 +117,24 @@ out:
   return rc;
 }
 
+int coord__job_store(coord *c, cjob *j, const Zerod__V1__Job *changed, char *err,
+                     size_t err_bytes) {
+  Zerod__V1__Job *fresh = coord__message_copy(&changed->base);
+  if (fresh == NULL) {
+    snprintf(err, err_bytes, "coordinator out of memory");
+    return RPC_RESOURCE_EXHAUSTED;
+  }
+  Zerod__V1__Job *old = j->msg;
+  j->msg = fresh;
+  if (coord__state_write(c, NULL, NULL, c->next_job_id, err, err_bytes) != 0) {
+    j->msg = old;
+    ctl_free(&fresh->base);
+    return RPC_UNAVAILABLE;
+  }
+  ctl_free(&old->base);
+  return 0;
+}
+
 int coord__state_save(coord *c, char *err, size_t err_bytes) {
   return coord__state_write(c, NULL, NULL, c->next_job_id, err, err_bytes);
 }
