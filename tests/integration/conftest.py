@@ -128,12 +128,13 @@ def stop_all(processes):
 
 
 def wait_for(what, predicate, timeout_s=30):
-    """Polls predicate every 50 ms until it is true; fails naming what it
-    waited for after timeout_s."""
+    """Polls predicate every 50 ms until it returns something true, and
+    returns that; fails naming what it waited for after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if predicate():
-            return
+        value = predicate()
+        if value:
+            return value
         time.sleep(0.05)
     raise AssertionError("timed out waiting for " + what)
 

@@ -20,13 +20,12 @@ import hashlib
 import json
 import os
 import subprocess
-import time
 
 import grpc
 import pytest
 
 import ctlproto
-from conftest import Coordinator, binary
+from conftest import Coordinator, binary, wait_for
 
 
 def run_ctl(target, *args, token_file=None):
@@ -58,17 +57,6 @@ def refused(target, *args, token_file=None):
     assert rc == 1 and out == "", "zerodctl %s: exit %d\n%s%s" % (" ".join(args), rc, out, err)
     assert len(err.splitlines()) == 1, err
     return err.strip()
-
-
-def wait_for(what, predicate, timeout_s=20):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for " + what)
-        time.sleep(0.05)
 
 
 def table(out):

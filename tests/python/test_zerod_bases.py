@@ -23,7 +23,7 @@ from torch import nn
 
 import zerod
 import zerod.torch
-from conftest import binary, python, start_daemon, worker_env  # noqa: F401 (fixture)
+from conftest import binary, python, start_daemon, wait_for, worker_env  # noqa: F401 (fixture)
 from torch_models import Block, TinyLM, batch
 
 torch.set_num_threads(1)
@@ -234,24 +234,11 @@ def test_base_units_are_read_only(start_daemon, tmp_path):
     assert proc.returncode in (-signal.SIGSEGV, -signal.SIGBUS), proc.returncode
 
 
-def base_checkpoint(d, name="base", timeout=60):
+def base_checkpoint(d, name="base"):
     """The checkpoint the coordinator saved of a freshly frozen base, once
-    it is stored in the job (zerodctl shows "saving" until then)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = json.loads(zerodctl(d, "jobs", "get", name, "--json"))["base_checkpoint"]
-        if got:
-            return got
-        assert time.monotonic() < deadline, "base %s was never saved:\n%s" % (
-            name, d.read_log()[-4000:])
-        time.sleep(0.1)
-
-
-def wait_for_log(d, text, timeout=60):
-    deadline = time.monotonic() + timeout
-    while text not in d.read_log():
-        assert time.monotonic() < deadline, "no %r in the log:\n%s" % (text, d.read_log()[-4000:])
-        time.sleep(0.1)
+    it is stored in the job ("" until then)."""
+    return wait_for("base %s to be saved" % name, lambda: json.loads(
+        zerodctl(d, "jobs", "get", name, "--json"))["base_checkpoint"], timeout_s=60)
 
 
 def test_a_restarted_daemon_restores_its_base_from_the_bases_checkpoint(start_daemon, tmp_path):
@@ -268,7 +255,8 @@ def test_a_restarted_daemon_restores_its_base_from_the_bases_checkpoint(start_da
     assert ("FAILED_PRECONDITION: checkpoint 'base/%s' holds base 'base': its nodes are "
             "restored from it after a restart (delete the base first)" % name) in proc.stderr
     d.restart()  # SIGKILL: every shard in memory is gone
-    wait_for_log(d, 'msg="checkpoint restored" job=base ')
+    wait_for("the base's restore",
+             lambda: 'msg="checkpoint restored" job=base ' in d.read_log(), timeout_s=60)
     listed = zerodctl(d, "bases", "list")
     assert name in listed, listed
     # A new job on the restored base trains exactly as one did before the
