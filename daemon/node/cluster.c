@@ -468,10 +468,11 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
         jobs_set_read_tokens(j, as->read_token_sha256, as->n_read_token_sha256);
       if (rc == 0)
         follow_frozen(j, pj);
-      /* A job that existed before this node built it: its ranks here lost
-       * their state, which the coordinator may restore (ckpt_recover.c). */
-      if (rc == 0 && as->recovery_pending &&
-          pj->state != ZEROD__V1__JOB_STATE__JOB_STATE_CREATING) {
+      /* A job that existed before this node built it (after a restart of
+       * the node, or of the coordinator too): its ranks here have lost
+       * their state, which the coordinator may restore (ckpt_recover.c).
+       * A job created since the coordinator started is never pending. */
+      if (rc == 0 && as->recovery_pending) {
         j->awaiting_recovery = 1;
         LOG_INFOF("job rebuilt here after its state was lost: no worker until it is recovered",
                   "job=%s", j->name);
