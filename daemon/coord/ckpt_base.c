@@ -66,17 +66,17 @@ void coord__ckpt_base_tick(coord *c, cjob *j, uint64_t now) {
   if (j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY || j->ckpt.order != NULL ||
       now < j->ckpt.autockpt.retry_ms || j->ckpt.base_saved[0] != '\0')
     return;
-  size_t empty = 0;
-  size_t holding = coord__ckpt_nodes_holding(c, j, &empty);
   if (j->msg->base_checkpoint[0] != '\0')
     return; /* saved: a node that loses it gets it back (ckpt_recover.c) */
+  size_t empty = 0;
+  size_t holding = coord__ckpt_nodes_holding(c, j, &empty);
   if (holding == j->msg->n_placement) {
     start_save(c, j, now);
-  } else if (empty > 0 && !j->ckpt.base_loss_logged) {
+  } else if (empty > 0 && !j->ckpt.base_unsaved_logged) {
     /* Frozen with no units yet (their registration is not reported yet,
      * or there are none), or restarted before its save completed. */
     LOG_INFOF("base not saved yet: some of its nodes report no units of it",
               "job=%s nodes_without=%zu", j->msg->name, empty);
-    j->ckpt.base_loss_logged = 1;
+    j->ckpt.base_unsaved_logged = 1;
   }
 }

@@ -82,7 +82,7 @@ static void settle(coord *c, cjob *j, const char *what) {
 }
 
 /* Restores j from its checkpoint name (in its checkpoint directory). */
-static void start_restore(coord *c, cjob *j, const char *name, uint64_t step, uint64_t now) {
+static void start_restore(coord *c, cjob *j, const char *name, uint64_t now) {
   char source[PATH_MAX];
   coord__ckpt_path_format(source, sizeof source, "%s/%s/%s", c->options.checkpoint_dir,
                           j->msg->name, name);
@@ -98,10 +98,8 @@ static void start_restore(coord *c, cjob *j, const char *name, uint64_t step, ui
     return;
   }
   j->ckpt.order->recovery = 1;
-  j->ckpt.recovery_step = step;
   LOG_INFOF("recovery started: the job's state was lost on a node that came back",
-            "job=%s checkpoint=%s checkpoint_step=%" PRIu64 " step_at_loss=%" PRIu64, j->msg->name,
-            name, step, j->step_at_loss);
+            "job=%s checkpoint=%s step_at_loss=%" PRIu64, j->msg->name, name, j->step_at_loss);
 }
 
 static void scan_done(ckpt_work *base) {
@@ -114,7 +112,7 @@ static void scan_done(ckpt_work *base) {
     int current = j->epoch == w->epoch && !j->deleting && j->ckpt.order == NULL &&
                   j->state == ZEROD__V1__JOB_STATE__JOB_STATE_READY;
     if (current && w->found) {
-      start_restore(c, j, w->name, w->step, uv_now(c->loop));
+      start_restore(c, j, w->name, uv_now(c->loop));
     } else if (current) {
       LOG_WARNF("the job's state was lost on a node that came back, and it has no checkpoint: "
                 "it starts empty",
@@ -143,19 +141,18 @@ static void start_scan(coord *c, cjob *j) {
   coord__ckpt_queue_work(c, &w->base);
 }
 
-/* The restore of a recovery completed: the steps since its checkpoint are
- * lost, and said so. */
+/* The restore of a recovery completed, bringing j to its checkpoint's step
+ * (ckpt_restore.c set j->step): the steps since are lost, and said so. */
 static void restored(coord *c, cjob *j) {
   j->ckpt.recovery_restored = 0;
-  uint64_t lost =
-      j->step_at_loss > j->ckpt.recovery_step ? j->step_at_loss - j->ckpt.recovery_step : 0;
+  uint64_t lost = j->step_at_loss > j->step ? j->step_at_loss - j->step : 0;
   LOG_INFOF("recovered from a checkpoint", "job=%s step=%" PRIu64 " lost_steps=%" PRIu64,
-            j->msg->name, j->ckpt.recovery_step, lost);
+            j->msg->name, j->step, lost);
   char what[256];
   snprintf(what, sizeof what,
            "state lost on a node at step %" PRIu64 "; restored from the checkpoint of step "
            "%" PRIu64 ": %" PRIu64 " step%s lost",
-           j->step_at_loss, j->ckpt.recovery_step, lost, lost == 1 ? "" : "s");
+           j->step_at_loss, j->step, lost, lost == 1 ? "" : "s");
   settle(c, j, what);
 }
 
@@ -175,7 +172,7 @@ void coord__ckpt_recover_tick(coord *c, cjob *j, uint64_t now) {
     return;
   }
   if (j->msg->frozen && j->msg->base_checkpoint[0] != '\0')
-    start_restore(c, j, j->msg->base_checkpoint, j->step_at_loss, now);
+    start_restore(c, j, j->msg->base_checkpoint, now);
   else
     start_scan(c, j);
 }

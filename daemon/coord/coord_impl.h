@@ -127,15 +127,13 @@ typedef struct ckpt_of_job {
    * not yet stored in the job ("": none), and whether a base not saved
    * for want of units was logged. */
   char base_saved[CTL_NAME_MAX_BYTES + 24];
-  int base_loss_logged;
+  int base_unsaved_logged;
   /* Recovery (ckpt_recover.c): the job epoch whose loss of state is
    * settled (restored, or nothing to restore), whether the newest
-   * checkpoint is being looked for, the step the restore in flight brings
-   * the job back to (restored: set once it completed), and what the last
-   * recovery did, for Job.last_recovery. */
+   * checkpoint is being looked for, whether its restore just completed,
+   * and what the last recovery did, for Job.last_recovery. */
   uint64_t recovered_epoch;
   int recovery_scanning;
-  uint64_t recovery_step;
   int recovery_restored;
   char last_recovery[256];
 } ckpt_of_job;
@@ -179,8 +177,9 @@ typedef struct cjob {
   char reason[COORD_REASON_BYTES];
   uint64_t step;
   uint64_t epoch;
-  /* step when a node of the job last left the cluster: what a recovery
-   * from a checkpoint counts its lost steps from (ckpt_recover.c). */
+  /* step when a node of the job last left the cluster (as the state file
+   * had it, for a job loaded at start): what a recovery from a checkpoint
+   * counts its lost steps from (ckpt_recover.c). */
   uint64_t step_at_loss;
   /* Ranks stalled in a collective and whom they wait for (coord_stalls.c;
    * Job.stalled), "" when none. */

@@ -529,6 +529,6 @@ cjob *coord__job_new(Zerod__V1__Job *msg, const char *token_sha256) {
   }
   j->state = ZEROD__V1__JOB_STATE__JOB_STATE_UNSPECIFIED;
   j->epoch = msg->epoch ? msg->epoch : 1;
-  j->step = msg->step;
+  j->step = j->step_at_loss = msg->step;
   return j;
 }
