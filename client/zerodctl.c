@@ -57,6 +57,10 @@ static const char general_usage[] =
     "                           never changes again, and jobs created with --base\n"
     "                           NAME share it; --share: the other tenants that may,\n"
     "                           --public: every tenant (again: replaces the sharing)\n"
+    "  jobs scale NAME NODE,NODE...\n"
+    "                           move a job with --redundancy onto these nodes (grow,\n"
+    "                           drain one, or swap), re-sharded from its in-memory\n"
+    "                           copy (docs/redundancy.md)\n"
     "  bases list               the bases you may read, with the jobs on each\n"
     "  checkpoint save JOB [NAME]\n"
     "                           checkpoint a ready job (NAME default: step-<step>);\n"
@@ -162,7 +166,12 @@ static const char create_usage[] =
     "                           checkpoint the job (auto-<step>) every N steps\n"
     "  --checkpoint-every-seconds S\n"
     "                           ... and/or every S seconds [default: neither]\n"
-    "  --checkpoint-keep K      keep the newest K periodic checkpoints [default: all]\n";
+    "  --checkpoint-keep K      keep the newest K periodic checkpoints [default: all]\n"
+    "  --redundancy 1           keep a copy of every node's state in another node's\n"
+    "                           memory: a lost node's job is re-sharded onto the others\n"
+    "                           with no disk read (docs/redundancy.md) [default: 0]\n"
+    "  --redundancy-every-steps N\n"
+    "                           ... copied every N steps [default: 1]\n";
 
 typedef struct command {
   const char *name; /* "members", "jobs get", ... */
@@ -179,6 +188,7 @@ static const command commands[] = {
     {"jobs delete", 1, 1, " NAME", ctl__cmd_jobs_delete},
     {"jobs read-token", 1, 1, " NAME", ctl__cmd_jobs_read_token},
     {"jobs freeze", 1, 1, " NAME [--share T1,T2] [--public]", ctl__cmd_jobs_freeze},
+    {"jobs scale", 2, 2, " NAME NODE,NODE...", ctl__cmd_jobs_scale},
     {"bases list", 0, 0, "", ctl__cmd_bases_list},
     {"checkpoint save", 1, 2, " JOB [NAME]", ctl__cmd_checkpoint_save},
     {"checkpoint list", 0, 1, " [JOB]", ctl__cmd_checkpoint_list},

@@ -287,7 +287,12 @@ static int create_policy(const create_options *o, Zerod__V1__CheckpointPolicy *p
   if (o->keep != NULL && o->every_steps == NULL && o->every_seconds == NULL)
     return ctl__usage_error("jobs create: --checkpoint-keep needs --checkpoint-every-steps or "
                             "--checkpoint-every-seconds");
-  if (o->every_steps != NULL || o->every_seconds != NULL)
+  if (o->redundancy != NULL && ctl__parse_u32(o->redundancy, 0, 1, &policy->redundancy) != 0)
+    return bad_create_value("--redundancy", o->redundancy, "0 or 1");
+  if (o->redundancy_every != NULL &&
+      ctl__parse_u32(o->redundancy_every, 1, UINT32_MAX, &policy->redundancy_every_steps) != 0)
+    return bad_create_value("--redundancy-every-steps", o->redundancy_every, "an integer >= 1");
+  if (o->every_steps != NULL || o->every_seconds != NULL || policy->redundancy != 0)
     request->checkpoint_policy = policy;
   return 0;
 }

@@ -196,7 +196,8 @@ typedef struct create_options {
       *precision, *collectives, *quantized_weights, *quantization_block, *quantized_gradients,
       *gradient_comm_dtype, *hpz_partition_size, *offload, *nvme_path, *offload_buffer_count,
       *offload_buffer_size, *offload_pin_memory, *max_grad_norm, *max_live_bytes, *max_host_bytes,
-      *max_device_bytes, *max_sessions, *token, *tenant, *base, *every_steps, *every_seconds, *keep;
+      *max_device_bytes, *max_sessions, *token, *tenant, *base, *every_steps, *every_seconds, *keep,
+      *redundancy, *redundancy_every;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
 } create_options;
@@ -204,7 +205,7 @@ typedef struct create_options {
 int ctl__cmd_jobs_create(ctl *c, const char *name, const create_options *o);
 
 /* zerodctl_bases.c */
-ctl_command_fn ctl__cmd_jobs_freeze, ctl__cmd_bases_list;
+ctl_command_fn ctl__cmd_jobs_freeze, ctl__cmd_bases_list, ctl__cmd_jobs_scale;
 /* --share's tenants, checked: 0, or the usage exit status. */
 int ctl__check_freeze_args(const ctl *c);
 

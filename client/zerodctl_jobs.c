@@ -114,7 +114,12 @@ void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   ctl__json_u64(j, "every_steps", policy != NULL ? policy->every_steps : 0);
   ctl__json_u64(j, "every_seconds", policy != NULL ? policy->every_seconds : 0);
   ctl__json_u64(j, "keep", policy != NULL ? policy->keep : 0);
+  ctl__json_u64(j, "redundancy", policy != NULL ? policy->redundancy : 0);
+  ctl__json_u64(j, "redundancy_every_steps",
+                policy != NULL && policy->redundancy_every_steps ? policy->redundancy_every_steps
+                                                                 : 1);
   ctl__json_close(j, '}');
+  ctl__json_u64(j, "replica_step", job->replica_step);
   ctl__json_close(j, '}');
 }
 
@@ -129,6 +134,10 @@ static void print_hyper(const char *key, double value, double default_value) {
 
 /* "every 1000 steps or 600 s, keep 3", or "off". */
 static void print_policy(const Zerod__V1__CheckpointPolicy *policy) {
+  if (policy != NULL && policy->redundancy != 0)
+    ctl__print_field("redundancy", "1 copy in another node's memory, every %" PRIu32 " step%s",
+                     policy->redundancy_every_steps ? policy->redundancy_every_steps : 1,
+                     policy->redundancy_every_steps > 1 ? "s" : "");
   if (policy == NULL || (policy->every_steps == 0 && policy->every_seconds == 0)) {
     ctl__print_field("checkpoints", "off");
     return;
@@ -280,6 +289,8 @@ void ctl__print_job(const Zerod__V1__Job *job) {
   ctl__print_field("created", "%s", ctl__format_unix_ms(job->created_unix_ms, text, sizeof text));
   print_policy(job->checkpoint_policy);
   print_base(job);
+  if (job->replica_step != 0)
+    ctl__print_field("in-memory copy", "step %" PRIu64, job->replica_step);
   if (job->last_recovery[0] != '\0')
     ctl__print_field("last recovery", "%s", job->last_recovery);
   if (job->stalled[0] != '\0')

@@ -46,6 +46,8 @@ enum {
   OPT_EVERY_STEPS,
   OPT_EVERY_SECONDS,
   OPT_KEEP,
+  OPT_REDUNDANCY,
+  OPT_REDUNDANCY_EVERY,
   OPT_CHECKPOINT,
   OPT_DTYPE,
   OPT_OVERWRITE,
@@ -100,6 +102,8 @@ static const struct option long_options[] = {
     {"checkpoint-every-steps", required_argument, NULL, OPT_EVERY_STEPS},
     {"checkpoint-every-seconds", required_argument, NULL, OPT_EVERY_SECONDS},
     {"checkpoint-keep", required_argument, NULL, OPT_KEEP},
+    {"redundancy", required_argument, NULL, OPT_REDUNDANCY},
+    {"redundancy-every-steps", required_argument, NULL, OPT_REDUNDANCY_EVERY},
     /* export */
     {"checkpoint", required_argument, NULL, OPT_CHECKPOINT},
     {"dtype", required_argument, NULL, OPT_DTYPE},
@@ -215,6 +219,12 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
   case OPT_KEEP:
     slot = &o->keep;
     break;
+  case OPT_REDUNDANCY:
+    slot = &o->redundancy;
+    break;
+  case OPT_REDUNDANCY_EVERY:
+    slot = &o->redundancy_every;
+    break;
   case OPT_NODE:
     if (o->n_node_lists == CTL_MAX_NODES)
       return ctl__usage_error("jobs create: --node given more than %d times", CTL_MAX_NODES);
@@ -247,7 +257,7 @@ static void option_spelling(int opt, int long_index, const char *arg, char *out,
 
 int ctl__parse_options(int argc, char **argv, ctl *c, ctl_options *o) {
   char spelled[64];
-  *o = (ctl_options){.owned = {{"jobs create", OPT_NODES, OPT_KEEP, ""},
+  *o = (ctl_options){.owned = {{"jobs create", OPT_NODES, OPT_REDUNDANCY_EVERY, ""},
                                {"export", OPT_CHECKPOINT, OPT_OVERWRITE, ""},
                                {"jobs freeze", OPT_SHARE, OPT_PUBLIC, ""}}};
 

@@ -217,6 +217,14 @@ static const flag node_flags[] = {
          "                          state (a fast local disk; one daemon per directory: files\n"
          "                          left by a daemon that died are removed at start)\n"
          "                          [ZEROD_NVME_DIR, default DIR/nvme]\n"},
+    {.id = FLAG_REPLICA_DIR,
+     .name = "replica-dir",
+     .takes_value = 1,
+     .env = "ZEROD_REPLICA_DIR",
+     .help = "  --replica-dir DIR       zerod node: where the in-memory copies of jobs with\n"
+             "                          redundancy live (tmpfs: memory, not disk; emptied at\n"
+             "                          start) [ZEROD_REPLICA_DIR,\n"
+             "                          default /dev/shm/zerod-replicas-NAME]\n"},
     {.id = FLAG_COORDINATOR,
      .name = "coordinator",
      .takes_value = 1,
@@ -323,6 +331,7 @@ static const char *const node_getopt_order[] = {"ranks",
                                                 "file-mode",
                                                 "nvme-dir",
                                                 "base-cache-bytes",
+                                                "replica-dir",
                                                 "help",
                                                 NULL};
 

@@ -35,6 +35,7 @@
 #include "log.h"
 #include "metrics_http.h"
 #include "fsutil.h"
+#include "replica.h"
 #include "start.h"
 #include "tier.h"
 
@@ -435,6 +436,27 @@ static int take_nvme_dir(node_process *p) {
   return 0;
 }
 
+/* zerod node: the replica directory (--replica-dir, else
+ * /dev/shm/zerod-replicas-NAME) and its server, on the address the ranks
+ * listen on. 0, or the exit status with the error printed. */
+static int start_replicas(node_process *p) {
+  zdaemon *d = &p->daemon;
+  if (d->coord != NULL)
+    return 0; /* standalone: one node, no peer to copy to */
+  const char *given = flag_text(&flags_node, &p->given, FLAG_REPLICA_DIR);
+  char root[PATH_MAX];
+  if ((given != NULL && given[0] == '\0') ||
+      snprintf(root, sizeof root, given != NULL ? "%s" : "/dev/shm/zerod-replicas-%s",
+               given != NULL ? given : d->options.node_name) >= (int)sizeof root - 256)
+    return flag_invalid("--replica-dir", given != NULL ? given : "", "a directory");
+  char err[PATH_MAX + 128];
+  if (replica_start(d, root, p->comm_host, err, sizeof err) != 0) {
+    fprintf(stderr, "zerod: replica server: %s\n", err);
+    return 1;
+  }
+  return 0;
+}
+
 /* What the executors are given, the node's metrics, its checkpoint
  * halves and the workers' socket. 0, or 1 with the error printed. */
 static int start_node(node_process *p) {
@@ -513,6 +535,7 @@ static void free_daemon(node_process *p) {
   if (rc != 0)
     LOG_WARNF("loop closed with open handles", "err=%s", uv_err_name(rc));
   cluster_destroy(d); /* and its store */
+  replica_stop(d);
   if (d->health_server != NULL)
     rpc_server_destroy(d->health_server);
   health_free(d->health);
@@ -552,7 +575,8 @@ int mode_node_main(int argc, char **argv) {
   if (start_metrics(d->loop, flag_text(&flags_node, &p->given, FLAG_METRICS_LISTEN), p->mode,
                     &d->metrics, &d->metrics_http) != 0)
     return 1;
-  if ((rc = start_cluster(p)) != 0 || (rc = take_nvme_dir(p)) != 0 || (rc = start_node(p)) != 0)
+  if ((rc = start_cluster(p)) != 0 || (rc = take_nvme_dir(p)) != 0 ||
+      (rc = start_replicas(p)) != 0 || (rc = start_node(p)) != 0)
     return rc;
   int health_port = 0;
   const char *health_listen = flag_text(&flags_node, &p->given, FLAG_HEALTH_LISTEN);

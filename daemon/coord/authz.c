@@ -20,6 +20,7 @@
  *   ListJobs                anyone; each sees the jobs it may read
  *   DeleteJob               the job's tenant or an admin
  *   FreezeJob               the job's tenant or an admin (docs/bases.md)
+ *   ScaleJob                the job's tenant or an admin (docs/redundancy.md)
  *   IssueReadToken          a reader of the job's tenant and up
  *   Put, Get, Delete (KV)   a node the job is placed on, or an admin
  *   Save, Delete checkpoint the job's tenant or an admin; Save also a
@@ -262,6 +263,8 @@ static void audit_line(const coord_caller *who, const char *path, const Protobuf
     job = ((const Zerod__V1__DeleteJobRequest *)msg)->name;
   } else if (IS(CTL_FREEZE_JOB)) {
     job = ((const Zerod__V1__FreezeJobRequest *)msg)->name;
+  } else if (IS(CTL_SCALE_JOB)) {
+    job = ((const Zerod__V1__ScaleJobRequest *)msg)->name;
   } else if (IS(CTL_ISSUE_READ_TOKEN)) {
     job = ((const Zerod__V1__IssueReadTokenRequest *)msg)->job;
   } else if (IS(CTL_SAVE)) {
@@ -323,6 +326,9 @@ static int method_rule(const authz_env *env, const coord_caller *who, const char
                     err_bytes);
   if (IS(CTL_FREEZE_JOB))
     return job_rule(env, who, ((const Zerod__V1__FreezeJobRequest *)msg)->name, 1, "freeze", err,
+                    err_bytes);
+  if (IS(CTL_SCALE_JOB))
+    return job_rule(env, who, ((const Zerod__V1__ScaleJobRequest *)msg)->name, 1, "scale", err,
                     err_bytes);
   if (IS(CTL_PUT))
     return kv_rule(env, who, ((const Zerod__V1__PutRequest *)msg)->job, err, err_bytes);

@@ -23,6 +23,8 @@ const char *coord__ckpt_order_noun(const ckpt_order *o) {
     return "restore";
   if (o->is_export)
     return "export";
+  if (o->memory)
+    return "in-memory save";
   return o->periodic ? "periodic checkpoint" : "save";
 }
 
@@ -32,6 +34,8 @@ int64_t coord__ckpt_elapsed_ms(uint64_t since_ns) {
 
 /* The operation an order counts as in the metrics. */
 static const char *order_operation(const ckpt_order *o) {
+  if (o->memory)
+    return o->kind == ORDER_RESTORE ? "memory_restore" : "memory_save";
   return o->kind == ORDER_RESTORE ? "restore" : o->is_export ? "export" : "save";
 }
 
@@ -89,9 +93,14 @@ void coord__ckpt_order_free(coord *c, ckpt_order *o) {
     rpc_call_set_cancel(o->call, NULL, NULL);
     rpc_call_finish(o->call, RPC_INTERNAL, "checkpoint order dropped", NULL, 0);
   }
-  for (uint32_t r = 0; r < o->world_size; r++)
+  for (uint32_t r = 0; r < o->world_size; r++) {
     free(o->ranks[r].error);
+  }
   free(o->ranks);
+  free(o->mem_holders);
+  free(o->mem_holder_msgs);
+  free(o->mem_holder_ptrs);
+  free(o->mem_addrs);
   free(o);
 }
 
@@ -122,7 +131,10 @@ void coord__ckpt_order_fail(coord *c, ckpt_order *o, int status, const char *fmt
   order_answer_error(o, status, message);
   cjob *j = coord__ckpt_order_job(c, o);
   if ((o->periodic || o->for_base || o->recovery) && j != NULL)
-    j->ckpt.autockpt.retry_ms = uv_now(c->loop) + CKPT_AUTO_RETRY_MS;
+    j->ckpt.autockpt.retry_ms =
+        uv_now(c->loop) + (o->memory ? CKPT_MEM_RETRY_MS : CKPT_AUTO_RETRY_MS);
+  if (o->memory && j != NULL)
+    j->ckpt.mem_failed_epoch = j->epoch; /* the next try reads the disk */
   if (o->work_in_flight) {
     /* The thread pool still works for it: it is freed when that reports
      * back, and the job may start another order meanwhile. */

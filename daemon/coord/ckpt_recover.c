@@ -146,9 +146,29 @@ static void start_scan(coord *c, cjob *j) {
 static void restored(coord *c, cjob *j) {
   j->ckpt.recovery_restored = 0;
   uint64_t lost = j->step_at_loss > j->step ? j->step_at_loss - j->step : 0;
+  char what[256];
+  if (j->ckpt.recovery_from_memory) {
+    /* Copied within every k-th step, before it was answered: what may be
+     * lost is what completed since, fewer than k steps. */
+    const Zerod__V1__CheckpointPolicy *p = j->msg->checkpoint_policy;
+    uint32_t every = p != NULL && p->redundancy_every_steps > 1 ? p->redundancy_every_steps : 1;
+    LOG_INFOF("recovered from the in-memory copies", "job=%s step=%" PRIu64 " world_size=%u",
+              j->msg->name, j->step, j->msg->world_size);
+    if (every == 1)
+      snprintf(what, sizeof what,
+               "state lost on a node; restored from the in-memory copy of step %" PRIu64
+               " on %u rank%s: no completed step lost",
+               j->step, j->msg->world_size, j->msg->world_size == 1 ? "" : "s");
+    else
+      snprintf(what, sizeof what,
+               "state lost on a node; restored from the in-memory copy of step %" PRIu64
+               " on %u rank%s: the steps completed since (fewer than %" PRIu32 ") are lost",
+               j->step, j->msg->world_size, j->msg->world_size == 1 ? "" : "s", every);
+    settle(c, j, what);
+    return;
+  }
   LOG_INFOF("recovered from a checkpoint", "job=%s step=%" PRIu64 " lost_steps=%" PRIu64,
             j->msg->name, j->step, lost);
-  char what[256];
   snprintf(what, sizeof what,
            "state lost on a node at step %" PRIu64 "; restored from the checkpoint of step "
            "%" PRIu64 ": %" PRIu64 " step%s lost",
@@ -171,7 +191,11 @@ void coord__ckpt_recover_tick(coord *c, cjob *j, uint64_t now) {
       settle(c, j, NULL); /* every node kept it: nothing was lost */
     return;
   }
-  if (j->msg->frozen && j->msg->base_checkpoint[0] != '\0')
+  j->ckpt.recovery_from_memory = 0;
+  if (coord__mem_enabled(j) && j->ckpt.mem_failed_epoch != j->epoch &&
+      coord__mem_restore_start(c, j) == 0)
+    j->ckpt.recovery_from_memory = 1; /* no disk read (ckpt_memory.c) */
+  else if (j->msg->frozen && j->msg->base_checkpoint[0] != '\0')
     start_restore(c, j, j->msg->base_checkpoint, now);
   else
     start_scan(c, j);

@@ -133,7 +133,8 @@ void coord__ckpt_restore_progress(coord *c, ckpt_order *o) {
   LOG_INFOF("checkpoint restored",
             "job=%s order=%" PRIu64 " source=%s step=%" PRIu64 " total_ms=%" PRId64, o->job, o->id,
             o->dir, step, total_ms);
-  coord__metrics_checkpoint(c, "restore", 1, (double)total_ms / 1e3, 0);
+  coord__metrics_checkpoint(c, o->memory ? "memory_restore" : "restore", 1, (double)total_ms / 1e3,
+                            0);
   cjob *j = coord__ckpt_order_job(c, o);
   if (j != NULL) {
     /* The job is at the restored step now (its nodes' next reports say so

@@ -91,6 +91,7 @@ int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, cha
   int rc;
   c->loop = loop;
   c->hooks.assignment = coord__ckpt_assignment;
+  c->hooks.node_lost = coord__mem_node_lost;
   c->hooks.job_changed = coord__ckpt_job_changed;
   c->hooks.job_freed = coord__kv_job_freed;
   c->hooks.jobs_forgotten = coord__ckpt_retire_pending;

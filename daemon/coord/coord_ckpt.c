@@ -134,8 +134,10 @@ static void auto_check(coord *c, cjob *j, uint64_t now) {
 /* Hooks (coord_impl.h)                                                     */
 /* ------------------------------------------------------------------------ */
 
-void coord__ckpt_assignment(const cjob *j, Zerod__V1__Assignment *a) {
+void coord__ckpt_assignment(const coord *c, cjob *j, size_t at, Zerod__V1__Assignment *a,
+                            char *buddy) {
   a->recovery_pending = coord__ckpt_recovery_pending(j);
+  coord__mem_assignment(c, j, at, a, buddy, COORD_ADDR_BYTES);
   ckpt_order *o = j->ckpt.order;
   if (o == NULL || o->phase != PHASE_RUNNING)
     return;
@@ -204,6 +206,7 @@ void coord__ckpt_tick(coord *c) {
     auto_check(c, c->jobs[i], now);
     coord__ckpt_base_tick(c, c->jobs[i], now);
     coord__ckpt_recover_tick(c, c->jobs[i], now);
+    coord__mem_tick(c, c->jobs[i]);
   }
   coord__ckpt_retire_pending(c);
   coord__ckpt_retention(c, coord__unix_ms());
@@ -331,5 +334,7 @@ int coord__ckpt_register(coord *c, rpc_server *server) {
     rc = coord__ckpt_restore_register(c, server);
   if (rc == 0)
     rc = coord__ckpt_exports_register(c, server);
+  if (rc == 0)
+    rc = coord__ckpt_scale_register(c, server);
   return rc;
 }

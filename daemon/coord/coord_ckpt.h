@@ -30,6 +30,7 @@
 
 #define CKPT_DEFAULT_TIMEOUT_MS (600 * 1000)
 #define CKPT_AUTO_RETRY_MS      (30 * 1000) /* after a failed periodic checkpoint */
+#define CKPT_MEM_RETRY_MS       1000        /* after a failed restore from memory */
 #define CKPT_MAX_LISTED         65536       /* checkpoints in one List reply */
 #define CKPT_MAX_TREE_DEPTH     16          /* directories inside a removed one */
 #define CKPT_MESSAGE_BYTES      1536
@@ -152,6 +153,14 @@ typedef struct ckpt_order {
   int periodic;
   int for_base; /* the coordinator's save of a base (ckpt_base.c) */
   int recovery; /* the coordinator's restore of a job whose state a node lost (ckpt_recover.c) */
+  /* A restore from in-memory copies (ckpt_memory.c): per rank of the
+   * world that made them, the replica servers holding its file, and the
+   * messages pointing there (all owned). */
+  int memory;
+  char (*mem_holders)[2][COORD_ADDR_BYTES];
+  Zerod__V1__ReplicaHolders *mem_holder_msgs;
+  Zerod__V1__ReplicaHolders **mem_holder_ptrs;
+  char **mem_addrs;
   /* A save for an Export of the job's state now: the temporary checkpoint
    * is exported to export_path and removed, never renamed into place. */
   int is_export;
@@ -335,6 +344,7 @@ int coord__ckpt_restore_register(coord *c, rpc_server *server);
 
 /* Registers Export. */
 int coord__ckpt_exports_register(coord *c, rpc_server *server);
+int coord__ckpt_scale_register(coord *c, rpc_server *server);
 
 /* ------------------------------------------------------------------------ */
 /* ckpt_base.c: a base's own checkpoint                                     */
@@ -358,5 +368,35 @@ void coord__ckpt_recover_tick(coord *c, cjob *j, uint64_t now);
 /* Whether j's loss of state at its epoch is not settled yet (the nodes
  * that rebuilt it admit no worker meanwhile). */
 int coord__ckpt_recovery_pending(const cjob *j);
+
+/* ------------------------------------------------------------------------ */
+/* ckpt_memory.c: in-memory redundancy                                      */
+/* ------------------------------------------------------------------------ */
+
+/* Whether j's policy asks for in-memory redundancy. */
+int coord__mem_enabled(const cjob *j);
+/* The replica key, buddy address (into buddy, of buddy_bytes) and newest
+ * complete in-memory save for placement node at's Assignment. */
+void coord__mem_assignment(const coord *c, cjob *j, size_t at, Zerod__V1__Assignment *a,
+                           char *buddy, size_t buddy_bytes);
+/* From the periodic tick: j's newest complete in-memory copy, from its
+ * nodes' reports, into j->ckpt.mem.step. */
+void coord__mem_tick(coord *c, cjob *j);
+/* Starts the recovery of j from the newest in-memory copy the live nodes
+ * hold (re-sharded onto its world as it is now). 0, or -1 when there is
+ * none (or out of memory). */
+int coord__mem_restore_start(coord *c, cjob *j);
+/* Stores j placed on nodes (n names, each with the job's ranks per node,
+ * in rank order), every one of them marked to build the job afresh (why
+ * says why), after which it is recovered from its newest in-memory copy.
+ * 0, or an RPC status with err and nothing changed. */
+int coord__mem_replace(coord *c, cjob *j, const char *const *nodes, size_t n, const char *why,
+                       char *err, size_t err_bytes);
+/* Placement node at of j left the cluster (reason): a job with in-memory
+ * copies is re-placed, its ranks there on a spare node (a member that
+ * hosts no job) if there is one, else re-sharded onto the other nodes
+ * (stored; every node is to rebuild). 1 if so, 0 if the job waits for the
+ * node as before. */
+int coord__mem_node_lost(coord *c, cjob *j, size_t at, const char *reason);
 
 #endif /* ZEROD_COORD_CKPT_H */

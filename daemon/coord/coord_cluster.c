@@ -61,9 +61,11 @@ static void member_remove(coord *c, size_t i, const char *why) {
       continue;
     if (!j->marks[at].departed)
       j->step_at_loss = j->step;
+    j->epoch++;
+    if (c->hooks.node_lost(c, j, (size_t)at, reason))
+      continue;
     j->marks[at].departed = 1;
     snprintf(j->marks[at].reason, sizeof j->marks[at].reason, "%s", reason);
-    j->epoch++;
   }
   char name[CTL_NAME_MAX_BYTES + 1];
   snprintf(name, sizeof name, "%s", m->info->name);
@@ -182,6 +184,21 @@ static int copy_activity(job_report *r, const Zerod__V1__JobStatus *s) {
   return 0;
 }
 
+/* The node's in-memory copies of the job (checked: ctl_decode.c). */
+static void copy_replicas(job_report *r, const Zerod__V1__JobStatus *s) {
+  r->nreplicas = 0;
+  for (size_t i = 0; i < s->n_replicas && i < CTL_MAX_REPLICA_SETS; i++) {
+    const Zerod__V1__ReplicaSet *set = s->replicas[i];
+    r->replicas[i].step = set->step;
+    r->replicas[i].world_size = set->world_size;
+    r->replicas[i].layout = set->layout;
+    r->replicas[i].ranks = 0;
+    for (size_t k = 0; k < set->n_ranks; k++)
+      r->replicas[i].ranks |= 1ull << set->ranks[k];
+    r->nreplicas++;
+  }
+}
+
 static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
   Zerod__V1__HeartbeatRequest *req = coord__begin(c, call, CTL_HEARTBEAT, request, request_bytes);
@@ -198,8 +215,10 @@ static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_
     reports[i].ready = req->jobs[i]->ready;
     reports[i].step = req->jobs[i]->step;
     reports[i].units = req->jobs[i]->units;
+    reports[i].epoch = req->jobs[i]->epoch;
+    copy_replicas(&reports[i], req->jobs[i]);
     ok = ok && copy_activity(&reports[i], req->jobs[i]) == 0;
-    ok = reports[i].job != NULL && reports[i].error != NULL;
+    ok = ok && reports[i].job != NULL && reports[i].error != NULL;
   }
   if (!ok) {
     coord__free_reports(reports, req->n_jobs);

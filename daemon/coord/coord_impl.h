@@ -66,7 +66,18 @@ typedef struct job_report {
   char *error; /* owned; "" when the job is fine on the node */
   int ready;
   uint64_t step;
-  uint32_t units;       /* the job's units on the node */
+  uint32_t units; /* the job's units on the node */
+  uint64_t epoch; /* the job epoch its ranks there were built at */
+  /* The in-memory copies of the job the node holds (JobStatus.replicas):
+   * per step, the world that made them and a bit per rank whose file is
+   * held (worlds are at most CTL_MAX_RANKS = 64 ranks). */
+  struct {
+    uint64_t step;
+    uint32_t world_size;
+    uint64_t ranks;
+    int layout;
+  } replicas[CTL_MAX_REPLICA_SETS];
+  size_t nreplicas;
   rank_activity *ranks; /* owned: what its ranks there are doing */
   size_t nranks;
 } job_report;
@@ -105,7 +116,7 @@ typedef struct node_mark {
   /* The node left the cluster after the job was placed on it; the job
    * stays degraded until the node is back and reports the job ready. */
   int departed;
-  char reason[160];
+  char reason[256];
 } node_mark;
 
 /* Where a job's periodic checkpoints stand (soft state: after a restart
@@ -117,6 +128,21 @@ typedef struct auto_ckpt {
   uint64_t last_ms;   /* uv_now of the last periodic checkpoint, or of arming */
   uint64_t retry_ms;  /* after a failed one: no new attempt before this uv_now */
 } auto_ckpt;
+
+/* A replica server's address, "host:port" (NodeInfo.address and
+ * replica_port). */
+#define COORD_ADDR_BYTES        300
+#define COORD_REPLICA_KEY_BYTES 32
+
+/* A job's in-memory redundancy (ckpt_memory.c; docs/redundancy.md): its
+ * replica key, and the step of its newest complete in-memory copy, from
+ * its nodes' reports (0: none). Soft state: a coordinator that restarts
+ * makes a new key. */
+typedef struct mem_copy {
+  uint8_t key[COORD_REPLICA_KEY_BYTES];
+  int have_key;
+  uint64_t step;
+} mem_copy;
 
 /* A job's part of the Checkpoints service's state (soft): the files of
  * the service (coord_ckpt.h) read and write it, no other. */
@@ -136,6 +162,9 @@ typedef struct ckpt_of_job {
   int recovery_scanning;
   int recovery_restored;
   char last_recovery[256];
+  int recovery_from_memory;  /* the recovery in flight restores the in-memory copy */
+  uint64_t mem_failed_epoch; /* a restore from memory failed at this epoch: use the disk */
+  mem_copy mem;              /* in-memory redundancy (ckpt_memory.c) */
 } ckpt_of_job;
 
 /* The Checkpoints service's state (soft): the files of the service
@@ -194,10 +223,15 @@ typedef struct cjob {
  * sit below those files and name none of them. */
 typedef struct coord_hooks {
   /* Adds j's checkpoint order in flight, if any, to the Assignment a
-   * node of it receives (coord__ckpt_assignment). */
-  void (*assignment)(const cjob *j, Zerod__V1__Assignment *a);
+   * node of it receives, and its in-memory redundancy's fields for
+   * placement node at (buddy: a buffer of COORD_ADDR_BYTES for its
+   * address, which must live as long as a) (coord__ckpt_assignment). */
+  void (*assignment)(const coord *c, cjob *j, size_t at, Zerod__V1__Assignment *a, char *buddy);
   /* j's state was derived again (coord__ckpt_job_changed). */
   void (*job_changed)(coord *c, cjob *j);
+  /* Placement node at of j left the cluster: whether j was re-placed on
+   * the others (coord__mem_node_lost), else it waits for the node. */
+  int (*node_lost)(coord *c, cjob *j, size_t at, const char *reason);
   /* j is being freed: its keys and waiting Gets go (coord__kv_job_freed). */
   void (*job_freed)(coord *c, cjob *j);
   /* Deleting jobs were forgotten: their checkpoints may move aside
@@ -477,7 +511,11 @@ int coord__ckpt_register(coord *c, rpc_server *server);
 /* Adds the job's order in flight, if any, to the Assignment a node of it
  * receives. What it adds lives in the order: pack a before anything
  * changes. */
-void coord__ckpt_assignment(const cjob *j, Zerod__V1__Assignment *a);
+void coord__ckpt_assignment(const coord *c, cjob *j, size_t at, Zerod__V1__Assignment *a,
+                            char *buddy);
+/* ckpt_memory.c (coord_ckpt.h): a job with in-memory copies is re-placed
+ * on the nodes left when one of its nodes leaves. */
+int coord__mem_node_lost(coord *c, cjob *j, size_t at, const char *reason);
 
 /* A heartbeat of m was recorded: takes its shard reports (JobStatus.saves
  * and .restores) and moves the orders they concern along. Call after the

@@ -193,6 +193,14 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *asked, const 
   status = tenant_admit(c, tenant, req, err, err_bytes);
   if (status != 0)
     return status;
+  const Zerod__V1__CheckpointPolicy *policy = req->checkpoint_policy;
+  if (policy != NULL && (policy->redundancy > 1 || (policy->redundancy != 0 && req->nodes < 2))) {
+    snprintf(err, err_bytes,
+             policy->redundancy > 1
+                 ? "redundancy must be 0 or 1 (one copy in another node's memory)"
+                 : "redundancy needs a job on 2 or more nodes (its copies live on another node)");
+    return RPC_INVALID_ARGUMENT;
+  }
   const char *chosen[CTL_MAX_RANKS];
   status = place_job(c, req, chosen, err, err_bytes);
   if (status != 0)
@@ -244,8 +252,8 @@ static int create_job(coord *c, const Zerod__V1__CreateJobRequest *asked, const 
   job.tenant = (char *)tenant;
   /* Kept with the job (and so in the state file) only when it asks for
    * something: an all-zero policy is no policy. */
-  const Zerod__V1__CheckpointPolicy *policy = req->checkpoint_policy;
-  if (policy != NULL && (policy->every_steps != 0 || policy->every_seconds != 0))
+  if (policy != NULL &&
+      (policy->every_steps != 0 || policy->every_seconds != 0 || policy->redundancy != 0))
     job.checkpoint_policy = (Zerod__V1__CheckpointPolicy *)policy;
   Zerod__V1__Job *copy = coord__message_copy(&job.base);
   char token_sha256[DIGEST_HEX_BYTES];

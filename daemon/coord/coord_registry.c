@@ -176,6 +176,7 @@ void coord__job_view(const cjob *j, Zerod__V1__Job *out) {
   out->epoch = j->epoch;
   out->last_recovery = (char *)j->ckpt.last_recovery;
   out->stalled = (char *)j->stalled;
+  out->replica_step = j->ckpt.mem.step;
 }
 
 int coord__view_build(const coord *c, view_msg *v) {
@@ -234,11 +235,12 @@ static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size
   Zerod__V1__Assignment *assignments = calloc(cap, sizeof *assignments);
   Zerod__V1__Assignment **pointers = calloc(cap, sizeof *pointers);
   Zerod__V1__Job *jobs = calloc(cap, sizeof *jobs);
-  if (assignments == NULL || pointers == NULL || jobs == NULL)
+  char(*buddies)[COORD_ADDR_BYTES] = calloc(cap, sizeof *buddies);
+  if (assignments == NULL || pointers == NULL || jobs == NULL || buddies == NULL)
     goto out;
   size_t count = 0;
   for (size_t i = 0; i < c->njobs; i++) {
-    const cjob *j = c->jobs[i];
+    cjob *j = c->jobs[i];
     long at = j->deleting ? -1 : coord__placement_of(j, m->info->name);
     if (at < 0)
       continue;
@@ -251,7 +253,7 @@ static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size
     assignments[count].first_rank = j->msg->placement[at]->first_rank;
     assignments[count].ranks = j->msg->placement[at]->ranks;
     assignments[count].rebuild = rebuildable(c, j);
-    c->hooks.assignment(j, &assignments[count]);
+    c->hooks.assignment(c, j, (size_t)at, &assignments[count], buddies[count]);
     pointers[count] = &assignments[count];
     count++;
   }
@@ -272,6 +274,7 @@ out:
   free(assignments);
   free(pointers);
   free(jobs);
+  free(buddies);
   coord__view_free(&v);
   return rc;
 }
@@ -374,8 +377,11 @@ void coord__derive_job(coord *c, cjob *j) {
       have_step = 1;
     }
     /* A node that came back clears its departure once it has rebuilt the
-     * job's ranks. */
-    if (mark->departed && r != NULL && r->ready && r->error[0] == '\0')
+     * job's ranks, at this epoch (a node re-sharded onto reports the old
+     * ranks ready until it has rebuilt them: ckpt_memory.c; epoch 0: a
+     * node of a version that does not say). */
+    if (mark->departed && r != NULL && r->ready && r->error[0] == '\0' &&
+        (r->epoch == 0 || r->epoch == j->epoch))
       mark->departed = 0;
     if (mark->departed) {
       if (departed_reason == NULL) {

@@ -258,6 +258,27 @@ static int check_activity(Zerod__V1__RankActivity *const *ranks, size_t count, c
   return 0;
 }
 
+/* A node's in-memory copies of a job (JobStatus.replicas). */
+static int check_replicas(Zerod__V1__ReplicaSet *const *sets, size_t count, char *err,
+                          size_t err_bytes) {
+  if (count > CTL_MAX_REPLICA_SETS)
+    return fail(err, err_bytes, "jobs[].replicas lists %zu steps (at most %d)", count,
+                CTL_MAX_REPLICA_SETS);
+  for (size_t i = 0; i < count; i++) {
+    const Zerod__V1__ReplicaSet *s = sets[i];
+    if (s == NULL)
+      return fail(err, err_bytes, "jobs[].replicas[%zu] is missing", i);
+    if (s->world_size > CTL_MAX_RANKS || s->n_ranks > s->world_size)
+      return fail(err, err_bytes, "jobs[].replicas[%zu]: %zu files of a world of %u (1..%d)", i,
+                  s->n_ranks, s->world_size, CTL_MAX_RANKS);
+    for (size_t k = 0; k < s->n_ranks; k++)
+      if (s->ranks[k] >= s->world_size)
+        return fail(err, err_bytes, "jobs[].replicas[%zu]: rank %u of a world of %u", i,
+                    s->ranks[k], s->world_size);
+  }
+  return 0;
+}
+
 static int check_heartbeat(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
   const Zerod__V1__HeartbeatRequest *r = (const Zerod__V1__HeartbeatRequest *)msg;
   int rc = check_name("node", r->node, err, err_bytes);
@@ -277,7 +298,8 @@ static int check_heartbeat(const ProtobufCMessage *msg, char *err, size_t err_by
     if ((rc = check_shard_reports("jobs[].saves", s->saves, s->n_saves, err, err_bytes)) != 0 ||
         (rc = check_shard_reports("jobs[].restores", s->restores, s->n_restores, err, err_bytes)) !=
             0 ||
-        (rc = check_activity(s->ranks, s->n_ranks, err, err_bytes)) != 0)
+        (rc = check_activity(s->ranks, s->n_ranks, err, err_bytes)) != 0 ||
+        (rc = check_replicas(s->replicas, s->n_replicas, err, err_bytes)) != 0)
       return rc;
   }
   /* One report per job: the coordinator keeps the last heartbeat's reports
@@ -395,6 +417,24 @@ static int check_freeze_job(const ProtobufCMessage *msg, char *err, size_t err_b
   const Zerod__V1__FreezeJobRequest *r = (const Zerod__V1__FreezeJobRequest *)msg;
   int rc = check_name("name", r->name, err, err_bytes);
   return rc == 0 ? check_shared_with(r->shared_with, r->n_shared_with, err, err_bytes) : rc;
+}
+
+static int check_scale_job(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__ScaleJobRequest *r = (const Zerod__V1__ScaleJobRequest *)msg;
+  int rc = check_name("name", r->name, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (r->n_node_names < 1 || r->n_node_names > CTL_MAX_RANKS)
+    return fail(err, err_bytes, "node_names lists %zu nodes (1..%d)", r->n_node_names,
+                CTL_MAX_RANKS);
+  for (size_t i = 0; i < r->n_node_names; i++) {
+    if ((rc = check_name("node_names[]", r->node_names[i], err, err_bytes)) != 0)
+      return rc;
+    for (size_t k = 0; k < i; k++)
+      if (strcmp(r->node_names[i], r->node_names[k]) == 0)
+        return fail(err, err_bytes, "node '%s' is named twice", r->node_names[i]);
+  }
+  return 0;
 }
 
 static int check_get_job(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
@@ -584,6 +624,7 @@ static const ctl_method methods[CTL_NMETHODS] = {
     {CTL_RESTORE, &zerod__v1__restore_request__descriptor, check_restore},
     {CTL_EXPORT, &zerod__v1__export_request__descriptor, check_export},
     {CTL_FREEZE_JOB, &zerod__v1__freeze_job_request__descriptor, check_freeze_job},
+    {CTL_SCALE_JOB, &zerod__v1__scale_job_request__descriptor, check_scale_job},
 };
 
 const char *ctl_method_path(unsigned i) {

@@ -41,11 +41,13 @@
 #define CTL_RESTORE           "/zerod.v1.Checkpoints/Restore"
 #define CTL_EXPORT            "/zerod.v1.Checkpoints/Export"
 #define CTL_FREEZE_JOB        "/zerod.v1.Jobs/FreezeJob"
+#define CTL_SCALE_JOB         "/zerod.v1.Jobs/ScaleJob"
 
 /* Limits on requests (docs/control-plane.md, "Limits"). */
 #define CTL_NAME_MAX_BYTES    64         /* node and job names */
 #define CTL_ADDRESS_MAX_BYTES 255        /* NodeInfo.address */
 #define CTL_MAX_RANKS         64         /* ranks of a node, world of a job */
+#define CTL_MAX_REPLICA_SETS  8          /* steps of in-memory copies a node reports per job */
 #define CTL_MAX_DEVICES       256        /* NodeInfo.devices */
 #define CTL_TEXT_MAX_BYTES    256        /* device kind and name, version, service */
 #define CTL_MAX_JOB_REPORTS   4096       /* HeartbeatRequest.jobs */
@@ -59,7 +61,7 @@
 #define CTL_MAX_SHARED_WITH   64   /* FreezeJobRequest.shared_with: tenants */
 
 /* The number of methods ctl_decode knows (the paths above). */
-#define CTL_NMETHODS 21
+#define CTL_NMETHODS 22
 
 /* The path of method i (0 <= i < CTL_NMETHODS), and the descriptor of its
  * request message, for tests and fuzzing; NULL past the end. */

@@ -21,6 +21,7 @@
 #include "exec.h"
 #include "hostmem.h"
 #include "log.h"
+#include "replica.h"
 #include "rpc.h"
 
 static void on_ckpt_async(uv_async_t *h) {
@@ -73,6 +74,7 @@ int ckpt_node_job_init(job *j) {
   }
   pthread_mutex_init(&c->mutex, NULL);
   pthread_cond_init(&c->cond, NULL);
+  pthread_mutex_init(&c->fetch_mutex, NULL);
   j->ckpt = c;
   return 0;
 }
@@ -91,6 +93,8 @@ void ckpt_node_job_free(job *j) {
   pthread_mutex_unlock(&c->mutex);
   pthread_mutex_destroy(&c->mutex);
   pthread_cond_destroy(&c->cond);
+  ckpt_node__mem_holders_free(c);
+  pthread_mutex_destroy(&c->fetch_mutex);
   free(c->restores);
   free(c);
   j->ckpt = NULL;
@@ -171,7 +175,7 @@ static void follow_saves(job *j, const Zerod__V1__Assignment *as) {
 static void follow_restore(job *j, const Zerod__V1__Assignment *as) {
   job_ckpt *c = j->ckpt;
   const Zerod__V1__RestoreOrder *o = as != NULL ? as->restore : NULL;
-  if (o != NULL && (o->id == 0 || o->source == NULL || o->source[0] != '/'))
+  if (o != NULL && (o->id == 0 || o->source == NULL || (o->source[0] != '/' && !o->memory)))
     o = NULL;
   pthread_mutex_lock(&c->mutex);
   uint64_t current = c->restore_id;
@@ -211,10 +215,20 @@ static void follow_restore(job *j, const Zerod__V1__Assignment *as) {
         ckpt_node_restore_report(j, j->first_rank + r, o->id, 0, 0, RPC_FAILED_PRECONDITION, why);
       return;
     }
+    char source[PATH_MAX], why[PATH_MAX + 64];
+    snprintf(source, sizeof source, "%s", o->source);
+    if (o->memory &&
+        ckpt_node__mem_restore_prepare(j, o, source, sizeof source, why, sizeof why) != 0) {
+      LOG_WARNF("restore from the in-memory copies not started", "job=%s restore=%llu err=\"%s\"",
+                j->name, (unsigned long long)o->id, why);
+      for (int r = 0; r < j->nranks; r++)
+        ckpt_node_restore_report(j, j->first_rank + r, o->id, 0, 0, RPC_INTERNAL, why);
+      return;
+    }
     j->restoring = o->id;
     LOG_INFOF("restore ordered", "job=%s restore=%llu source=%s", j->name,
-              (unsigned long long)o->id, o->source);
-    submit(j, OP_RESTORE_READ, o->id, o->source, (int)o->format);
+              (unsigned long long)o->id, source);
+    submit(j, OP_RESTORE_READ, o->id, source, (int)o->format);
     return;
   }
   if (o->commit && !commit_sent && j->restoring == o->id) {

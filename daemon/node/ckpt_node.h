@@ -60,6 +60,10 @@ void ckpt_node_shutdown(struct daemon *d);
  * the coordinator has heard from every rank (loop thread). */
 int ckpt_node_restoring(job *j);
 
+/* The replica server in-memory copies of j go to ("host:port"; "" or
+ * NULL: none), from its Assignment (loop thread). */
+void ckpt_node_set_buddy(job *j, const char *buddy);
+
 /* Follows the checkpoint orders of job j's assignment. */
 void ckpt_node_orders(job *j, const Zerod__V1__Assignment *as);
 

@@ -81,6 +81,18 @@ typedef struct job_ckpt {
   uint64_t restore_id; /* 0: none */
   int restore_commit_sent;
   rank_restore *restores; /* [nranks] */
+  /* A restore from an in-memory save (RestoreOrder.memory): its save id
+   * and, per saved rank, where its file is (replica.h), for the ranks'
+   * fetch of what this node lacks (once: fetch_mutex, fetched). */
+  uint64_t mem_save;
+  char ***mem_holders;
+  size_t *mem_nholders;
+  uint32_t mem_world;
+  pthread_mutex_t fetch_mutex;
+  uint64_t fetched;
+  int fetch_rc;
+  char fetch_error[512];
+  char buddy[300]; /* Assignment.replica_buddy: where in-memory copies go */
 } job_ckpt;
 
 /* Under c->mutex. */
@@ -89,6 +101,22 @@ void ckpt_node__save_unref(job *j, save_rec *s);
 /* Under c->mutex: the save's record, made if absent (a rank may learn of a
  * save from its peers before its node gets the order). */
 save_rec *ckpt_node__save_get(job *j, uint64_t id);
+
+/* ckpt_node_memory.c: a restore from an in-memory save. On the loop:
+ * writes the order's manifest into this node's replica directory of the
+ * save (its path into source) and keeps the holders for the ranks' fetch;
+ * -1 when it cannot (every local rank's failure reported). */
+int ckpt_node__mem_restore_prepare(job *j, const Zerod__V1__RestoreOrder *o, char *source,
+                                   size_t source_bytes, char *err, size_t err_bytes);
+void ckpt_node__mem_holders_free(job_ckpt *c);
+/* The exec_ckpt_hooks.restore_fetch of the node (a rank's executor). */
+int ckpt_node__mem_fetch(job *j, uint64_t id, char *err, size_t err_bytes);
+/* The exec_ckpt_hooks.replica_* of the node (rank/replicate.c). */
+int ckpt_node__replica_dir(job *j, uint64_t step, char *out, size_t out_bytes, char *err,
+                           size_t err_bytes);
+int ckpt_node__replica_push(job *j, uint64_t step, const char *dir, const char *name, char *err,
+                            size_t err_bytes);
+void ckpt_node__replica_done(job *j, int rank, uint64_t step);
 
 /* Under c->mutex: starts rank local's writer for save s. */
 void ckpt_node__start_writer(job *j, save_rec *s, int local);

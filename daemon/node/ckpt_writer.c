@@ -416,4 +416,8 @@ const exec_ckpt_hooks ckpt_node_hooks = {
     .saved = ckpt_node_saved,
     .save_failed = ckpt_node_save_failed,
     .restore_report = ckpt_node_restore_report,
+    .restore_fetch = ckpt_node__mem_fetch,
+    .replica_dir = ckpt_node__replica_dir,
+    .replica_push = ckpt_node__replica_push,
+    .replica_done = ckpt_node__replica_done,
 };

@@ -17,6 +17,7 @@
 #include "digest.h"
 #include "health.h"
 #include "log.h"
+#include "replica.h"
 #include "rpc.h"
 #include "store.h"
 #include "zerod/v1/control.pb-c.h"
@@ -142,6 +143,7 @@ static void node_info(zdaemon *d, Zerod__V1__NodeInfo *info) {
   long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   info->memory_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
   info->version = "0.1.0";
+  info->replica_port = (uint32_t)replica_port(d);
 }
 
 static void send_join(cluster_agent *a) {
@@ -228,13 +230,15 @@ static void send_heartbeat(cluster_agent *a) {
   char(*errors)[512] = calloc(njobs ? njobs : 1, sizeof *errors);
   void **ckpt_reports = calloc(njobs ? njobs : 1, sizeof *ckpt_reports);
   void **activities = calloc(njobs ? njobs : 1, sizeof *activities);
+  void **replicas = calloc(njobs ? njobs : 1, sizeof *replicas);
   if (statuses == NULL || ptrs == NULL || errors == NULL || ckpt_reports == NULL ||
-      activities == NULL) {
+      activities == NULL || replicas == NULL) {
     free(statuses);
     free(ptrs);
     free(errors);
     free(ckpt_reports);
     free(activities);
+    free(replicas);
     schedule(a, a->lease_ttl_ms / 3);
     return;
   }
@@ -257,8 +261,11 @@ static void send_heartbeat(cluster_agent *a) {
     pthread_mutex_lock(&j->mutex);
     st->units = j->nunits;
     pthread_mutex_unlock(&j->mutex);
+    st->epoch = j->built_epoch;
     ckpt_node_reports(j, st, &ckpt_reports[i]);
     activity_reports(j, st, &activities[i]);
+    if (j->redundancy_every != 0)
+      replicas[i] = replica_report(d, j->id, st);
     ptrs[i++] = st;
   }
   a->reported_settled = jobs_settled(d, NULL);
@@ -272,9 +279,11 @@ static void send_heartbeat(cluster_agent *a) {
   for (size_t k = 0; k < i; k++) {
     ckpt_node_reports_free(ckpt_reports[k]);
     activity_reports_free(activities[k]);
+    replica_report_free(replicas[k]);
   }
   free(ckpt_reports);
   free(activities);
+  free(replicas);
   free(statuses);
   free(ptrs);
   free(errors);
@@ -390,6 +399,18 @@ static void follow_frozen(job *j, const Zerod__V1__Job *pj) {
   }
 }
 
+/* In-memory redundancy (docs/redundancy.md): how often j's ranks copy
+ * their state, and to which node. Before the first step: the job was just
+ * built, or had its copies on already. */
+static void follow_redundancy(job *j, const Zerod__V1__Job *pj, const Zerod__V1__Assignment *as) {
+  const Zerod__V1__CheckpointPolicy *p = pj->checkpoint_policy;
+  int on = p != NULL && p->redundancy != 0 && as->replica_key.len == REPLICA_KEY_BYTES &&
+           ((zdaemon *)j->owner)->replicas != NULL;
+  if (on && j->redundancy_every == 0)
+    j->redundancy_every = p->redundancy_every_steps != 0 ? p->redundancy_every_steps : 1;
+  ckpt_node_set_buddy(j, on ? as->replica_buddy : "");
+}
+
 /* Whether j, a job across nodes, is to be rebuilt here: the coordinator
  * says its nodes are all back after one left, and j was built before
  * (its communicators' generation is an older epoch). */
@@ -423,6 +444,8 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
     const Zerod__V1__Job *pj = as->job;
     if (pj == NULL || pj->name == NULL)
       continue;
+    /* Before the restore below may need it. */
+    replica_set_key(d, pj->id, as->replica_key.data, as->replica_key.len);
     job *j = jobs_find(d, pj->name);
     if (j != NULL && rebuilt_here(j, as)) {
       drop_for_rebuild(d, j);
@@ -467,6 +490,8 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
       if (rc == 0)
         jobs_set_read_tokens(j, as->read_token_sha256, as->n_read_token_sha256);
       if (rc == 0)
+        follow_redundancy(j, pj, as);
+      if (rc == 0)
         follow_frozen(j, pj);
       /* A job that existed before this node built it (after a restart of
        * the node, or of the coordinator too): its ranks here have lost
@@ -493,6 +518,7 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
     if (jobs_set_read_tokens(j, as->read_token_sha256, as->n_read_token_sha256) != 0)
       LOG_WARNF("read tokens not updated (out of memory)", "job=%s", j->name);
     follow_frozen(j, pj);
+    follow_redundancy(j, pj, as);
     if (j->awaiting_recovery && !as->recovery_pending) {
       j->awaiting_recovery = 0;
       LOG_INFOF("job recovered: workers may attach", "job=%s", j->name);
@@ -524,6 +550,7 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
     if (assigned || j->deleted || j->id >= ev->next_job_id)
       continue;
     ckpt_node_orders(j, NULL); /* its checkpoint work ends */
+    replica_forget(d, j->id);
     LOG_INFOF("job deleted on the coordinator", "job=%s", j->name);
     job_fail(j, j->generation, "job '%s' was deleted", j->name);
     /* Its workers get the reason; the job goes once the last one has

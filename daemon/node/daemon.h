@@ -81,6 +81,9 @@ typedef struct daemon {
   /* The coordinator client (zerod node, and zerod standalone, whose
    * coordinator runs in this process: coord, serving control_server). */
   struct cluster_agent *cluster;
+  /* zerod node: its in-memory copies and their server (replica.h); NULL
+   * in zerod standalone. */
+  struct replica_node *replicas;
   /* Its channel to the coordinator (thread-safe blocking calls, rpc.h),
    * with this node's credentials: set by cluster_create. */
   struct rpc_channel *control_channel;

@@ -83,6 +83,7 @@ int jobs_start(zdaemon *d, const char *name, const char *token_sha256, const job
     return rc;
   }
   j->generation = generation;
+  j->built_epoch = generation;
   for (int r = 0; r < j->nranks; r++) {
     rc = exec_rank_start(&j->ranks[r]);
     if (rc != 0) {

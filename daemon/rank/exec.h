@@ -103,6 +103,19 @@ typedef struct exec_ckpt_hooks {
   /* A restore's part read (committed 0) or installed (1), or failed. */
   void (*restore_report)(job *j, int rank, uint64_t id, int committed, uint64_t step, int code,
                          const char *error);
+  /* Before a restore's read: brings what the source lacks on this node
+   * (an in-memory save's files held by other nodes). NULL, or 0 or a
+   * negative errno with err. */
+  int (*restore_fetch)(job *j, uint64_t id, char *err, size_t err_bytes);
+  /* In-memory redundancy (rank/replicate.c; NULL: none): the directory of
+   * the copy of `step` (made), the copy of its file name to the node's
+   * buddy, and the news that every rank completed that copy (older ones
+   * may go). 0 or a negative errno with err. */
+  int (*replica_dir)(job *j, uint64_t step, char *out, size_t out_bytes, char *err,
+                     size_t err_bytes);
+  int (*replica_push)(job *j, uint64_t step, const char *dir, const char *name, char *err,
+                      size_t err_bytes);
+  void (*replica_done)(job *j, int rank, uint64_t step);
 } exec_ckpt_hooks;
 
 /* How the ranks of a job run, set by whoever owns the job (the node

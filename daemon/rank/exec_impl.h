@@ -87,6 +87,16 @@ int exec__has_state(const rank_state *rs, uint32_t state);
 /* The states rank rs keeps (JOB_STATE_*): its config's, or the master
  * weights alone once it is a base's (exec__handle_freeze). Their count. */
 int exec__rank_states(const rank_state *rs, int has[JOB_NSTATES]);
+/* The units of which rank rs holds a shard, in the job's order, and the
+ * bytes of its copy for a save (snapshot.c). NULL if out of memory. */
+unit_layout **exec__snapshot_units(rank_state *rs, unsigned *n, uint64_t *bytes);
+/* The job's layout (ckpt.h) of those units at the rank's step: a save's
+ * manifest without files. NULL if out of memory. */
+ckpt_manifest *exec__layout(rank_state *rs, unit_layout **units, unsigned n);
+/* replicate.c: at the end of a step, the job's in-memory copy when one is
+ * due (docs/redundancy.md). 0, or -1 with op answered (the collective
+ * failed). */
+int exec__replicate(rank_state *rs, exec_op *op);
 /* OP_FREEZE: the job is a base now, whose state never changes: its
  * shards keep their master weights (and working copies) and free their
  * moments and gradient accumulators. Offloaded state stays as it is. */

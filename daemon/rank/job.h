@@ -171,6 +171,11 @@ typedef struct rank_state {
   /* Executor-owned: the job is a base and this rank keeps its master
    * weights alone (exec__handle_freeze); its saves hold those only. */
   int weights_only;
+  /* In-memory redundancy (replicate.c): the step of this rank's newest
+   * copy that every rank completed (atomic: the loop may read it), and the
+   * bytes of its file. */
+  _Atomic uint64_t replica_step;
+  uint64_t replica_file_bytes;
   /* offload_optimizer nvme: the rank's tier file (tier.h; NULL until a
    * shard needs it) and the bytes of state in it. Executor-owned. */
   struct rank_tier *tier;
@@ -274,7 +279,11 @@ typedef struct job {
   pthread_mutex_t mutex; /* units, failure state, the local group */
   unit_layout **units;
   uint32_t nunits, units_cap;
-  unsigned generation;    /* current communicator generation (loop writes) */
+  unsigned generation;  /* current communicator generation (loop writes) */
+  unsigned built_epoch; /* the coordinator's job epoch it was built at (JobStatus.epoch) */
+  /* In-memory redundancy: a copy every this many steps (replicate.c); 0:
+   * none. Set when the job is built. */
+  _Atomic unsigned redundancy_every;
   long failed_generation; /* -1, or the generation that failed */
   /* Host ranks: the group the communicators of local_generation of the
    * job's ranks here share (comm_local.c: all of the job's ranks, or this

@@ -116,6 +116,17 @@ static void open_rank(metrics *m, rank_state *rs, rank_series *s, const char *me
                                  "Time a save's copy held up the rank's step.", rank_labels, v);
   s->ckpt_bytes = series(m, METRIC_COUNTER, "zerod_checkpoint_written_bytes_total",
                          "Bytes of shard files the rank wrote for checkpoints.", rank_labels, v);
+  s->replica_seconds =
+      series(m, METRIC_HISTOGRAM, "zerod_replica_copy_seconds",
+             "Time a step waited for the rank's in-memory copy: written, sent to the buddy node "
+             "and agreed by every rank (redundancy).",
+             rank_labels, v);
+  s->replica_bytes = series(m, METRIC_GAUGE, "zerod_replica_bytes",
+                            "Bytes of the rank's newest in-memory copy (held twice: on its node "
+                            "and on the buddy node).",
+                            rank_labels, v);
+  s->replica_step = series(m, METRIC_GAUGE, "zerod_replica_step",
+                           "Step of the job's newest complete in-memory copy.", rank_labels, v);
   static const char *const err_labels[] = {"zerod_job", "rank", "code", NULL};
   s->errors = metrics_family(m, METRIC_COUNTER, "zerod_request_errors_total",
                              "Worker requests to the rank answered with an error, by status code.",
@@ -139,7 +150,10 @@ static void close_rank(rank_series *s) {
                           s->attached,
                           s->ckpt_write_seconds,
                           s->ckpt_stall_seconds,
-                          s->ckpt_bytes};
+                          s->ckpt_bytes,
+                          s->replica_seconds,
+                          s->replica_bytes,
+                          s->replica_step};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
     metric_series_put(all[i]);
   for (int level = 0; level < COMM_LEVELS; level++)
@@ -334,6 +348,15 @@ void rank_metrics_ckpt_written(rank_state *rs, double seconds, uint64_t bytes) {
 void rank_metrics_ckpt_stall(rank_state *rs, double seconds) {
   if (rs->metrics != NULL)
     metric_observe(rs->metrics->ckpt_stall_seconds, seconds);
+}
+
+void rank_metrics_replica(rank_state *rs, double seconds, uint64_t bytes, uint64_t step) {
+  if (rs->metrics == NULL)
+    return;
+  metric_observe(rs->metrics->replica_seconds, seconds);
+  metric_set(rs->metrics->replica_bytes, (double)bytes);
+  if (step != 0)
+    metric_set(rs->metrics->replica_step, (double)step);
 }
 
 void rank_metrics_loop(job *j) {

@@ -55,6 +55,7 @@ typedef struct rank_series {
   metric_series *shard_bytes, *tier_bytes, *host_state_bytes, *pool_bytes, *secondary_bytes,
       *live_bytes, *queue_depth, *attached;
   metric_series *ckpt_write_seconds, *ckpt_stall_seconds, *ckpt_bytes;
+  metric_series *replica_seconds, *replica_bytes, *replica_step;
   /* Errors by status code, made on first use by whichever thread answers
    * one. */
   metric_family *errors;
@@ -91,6 +92,9 @@ void rank_metrics_collective(struct rank_state *rs, rank_collective which);
 void rank_metrics_ckpt_written(struct rank_state *rs, double seconds, uint64_t bytes);
 /* A save's copy stalled the rank's steps this long. */
 void rank_metrics_ckpt_stall(struct rank_state *rs, double seconds);
+/* An in-memory copy (rank/replicate.c): how long the step waited for it,
+ * the bytes of the rank's file, and the step of its newest complete one. */
+void rank_metrics_replica(struct rank_state *rs, double seconds, uint64_t bytes, uint64_t step);
 /* Loop thread: queue depth, sessions. */
 void rank_metrics_loop(struct job *j);
 /* Loop thread, for a frozen job (a base): its figures (rank_series' base

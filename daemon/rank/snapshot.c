@@ -20,9 +20,19 @@
 #include "rpc.h"
 #include "tier.h"
 
-/* The units of which rank rs holds a shard, in the job's order, and the
- * bytes of its copy for a save. NULL if out of memory. */
-static unit_layout **snapshot_units(rank_state *rs, unsigned *n, uint64_t *bytes) {
+ckpt_manifest *exec__layout(rank_state *rs, unit_layout **units, unsigned n) {
+  job *j = rs->job;
+  ckpt_job_view view = {.name = j->name,
+                        .id = j->id,
+                        .world_size = j->world_size,
+                        .config = &j->config,
+                        .weights_only = rs->weights_only,
+                        .units = units,
+                        .nunits = n};
+  return ckpt_layout_of(&view, rs->step, rs->version);
+}
+
+unit_layout **exec__snapshot_units(rank_state *rs, unsigned *n, uint64_t *bytes) {
   job *j = rs->job;
   int want[3];
   int nstates = exec__rank_states(rs, want);
@@ -53,7 +63,7 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
   exec__rank_states(rs, want);
   unsigned n = 0;
   uint64_t bytes = 0;
-  unit_layout **units = snapshot_units(rs, &n, &bytes);
+  unit_layout **units = exec__snapshot_units(rs, &n, &bytes);
   /* Memory the rank's writer faulted in while the step ran, if the order
    * came early enough (ckpt_node_stage), else fresh. A job whose state is
    * on disk copies it there (tier_snapshot): its size may be more than
@@ -79,14 +89,7 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
     }
   }
   ckpt_manifest *layout = NULL;
-  ckpt_job_view view = {.name = j->name,
-                        .id = j->id,
-                        .world_size = j->world_size,
-                        .config = &j->config,
-                        .weights_only = rs->weights_only,
-                        .units = units,
-                        .nunits = n};
-  if (rc == 0 && rs->rank == 0 && (layout = ckpt_layout_of(&view, rs->step, rs->version)) == NULL)
+  if (rc == 0 && rs->rank == 0 && (layout = exec__layout(rs, units, n)) == NULL)
     rc = -ENOMEM;
   free(units);
   if (rc != 0) {
@@ -124,7 +127,7 @@ void exec__handle_save(rank_state *rs, exec_op *op) {
   }
   unsigned n;
   uint64_t bytes;
-  unit_layout **units = snapshot_units(rs, &n, &bytes);
+  unit_layout **units = exec__snapshot_units(rs, &n, &bytes);
   if (units != NULL && !tier_enabled(rs->job)) /* a tier's copy takes no memory to stage */
     exec__ckpt(rs)->stage(rs->job, rs->rank, op->ckpt_id, bytes);
   free(units);
@@ -183,7 +186,7 @@ void exec__handle_restore_read(rank_state *rs, exec_op *op) {
   char err[512] = "";
   ckpt_staged *st = NULL;
   double t0 = clock_now_s();
-  ckpt_job_view view;
+  ckpt_job_view view = {0};
   /* A job whose state is on disk stages what it reads in a file, mapped:
    * page cache, not memory (its state may be larger than memory). */
   int tiered = tier_enabled(rs->job);
@@ -191,14 +194,21 @@ void exec__handle_restore_read(rank_state *rs, exec_op *op) {
   if (tiered && staging_fd < 0)
     LOG_WARNF("a restore stages in memory: no staging file beside the tier file",
               "job=%s rank=%d err=\"%s\"", rs->job->name, rs->rank, strerror(-staging_fd));
-  int rc = job_view(rs, &view) == 0
+  /* A source in other nodes' memory comes here first (NULL: none). */
+  int fetched = exec__ckpt(rs)->restore_fetch != NULL
+                    ? exec__ckpt(rs)->restore_fetch(rs->job, op->ckpt_id, err, sizeof err)
+                    : 0;
+  if (fetched != 0)
+    code = RPC_UNAVAILABLE;
+  int rc = fetched != 0 ? fetched
+           : job_view(rs, &view) == 0
                ? ckpt_restore_read(&view, rs->rank, op->ckpt_source, op->ckpt_format,
                                    device_is_host(rs->dev) && !tiered, staging_fd, &st, &code, err,
                                    sizeof err)
                : -ENOMEM;
   if (staging_fd >= 0)
     close(staging_fd); /* the mapping, if any, keeps the file */
-  if (view.units == NULL) {
+  if (fetched == 0 && view.units == NULL) {
     code = RPC_RESOURCE_EXHAUSTED;
     snprintf(err, sizeof err, "out of host memory");
   }

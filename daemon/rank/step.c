@@ -339,6 +339,8 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
   rs->order_complete = 1;
   if (save_id > rs->ckpt_taken)
     exec__take_snapshot(rs, save_id);
+  if (!skipped && exec__replicate(rs, op) != 0)
+    return; /* answered: the all-reduce failed */
   Zerod__V1__StepReply reply = ZEROD__V1__STEP_REPLY__INIT;
   reply.step = rs->step;
   reply.version = rs->version;

@@ -8,9 +8,11 @@ sanitizer report.
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -244,13 +246,24 @@ def cluster(tmp_path):
             return self.coordinator
 
         def start_node(self, name, ranks=1, timeout_s=20, extra=()):
+            # In-memory copies (docs/redundancy.md) on tmpfs, one
+            # directory per node and test: node names repeat across tests.
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+            replicas = tempfile.mkdtemp(prefix="zerod-test-%s-" % name, dir=shm)
+            self.replica_dirs.append(replicas)
             d = Daemon(tmp_path, ranks, timeout_s,
-                       ["--coordinator", self.coordinator.address, "--name", name]
-                       + list(extra), mode="node")
+                       ["--coordinator", self.coordinator.address, "--name", name,
+                        "--replica-dir", replicas] + list(extra), mode="node")
             d.name = name
+            d.replica_dir = replicas
             self.nodes.append(d)
             return d
 
     c = Cluster()
+    c.replica_dirs = []
     yield c
-    stop_all(c.nodes + ([c.coordinator] if c.coordinator is not None else []))
+    try:
+        stop_all(c.nodes + ([c.coordinator] if c.coordinator is not None else []))
+    finally:
+        for path in c.replica_dirs:  # a node killed leaves its own
+            shutil.rmtree(path, ignore_errors=True)

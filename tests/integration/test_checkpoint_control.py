@@ -781,7 +781,8 @@ def test_zerodctl_jobs_create_with_a_checkpoint_policy(coord, nodes):
     assert rc == 0 and "checkpoints: every 100 steps or 600 s, keep 3" in out.splitlines(), out
     rc, out, err = ctl(coord, "--json", "jobs", "get", "p")
     assert json.loads(out)["checkpoint_policy"] == {"every_steps": 100, "every_seconds": 600,
-                                                    "keep": 3}
+                                                    "keep": 3, "redundancy": 0,
+                                                    "redundancy_every_steps": 1}
     rc, out, err = ctl(coord, "jobs", "create", "q")
     assert rc == 0 and "checkpoints: off" in out.splitlines(), out
     rc, out, err = ctl(coord, "jobs", "create", "r", "--checkpoint-keep", "3")

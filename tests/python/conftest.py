@@ -3,7 +3,9 @@ tests/integration (loaded under another module name), and the paths the
 worker processes need."""
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,3 +34,19 @@ def worker_env():
 
 def python():
     return sys.executable
+
+
+def ctl(c, *args, check=True):
+    """zerodctl against cluster c's coordinator; with check, it must
+    succeed."""
+    proc = subprocess.run([binary("zerodctl"), "-c", c.coordinator.address] + list(args),
+                          capture_output=True, text=True, timeout=60)
+    if check:
+        assert proc.returncode == 0, "zerodctl %s: %s%s" % (" ".join(args), proc.stdout,
+                                                              proc.stderr)
+    return proc
+
+
+def job(c, name):
+    """`zerodctl jobs get NAME --json` of cluster c."""
+    return json.loads(ctl(c, "jobs", "get", name, "--json").stdout)

@@ -14,24 +14,11 @@ import subprocess
 
 import torch
 
-from conftest import binary, cluster, python, wait_for, worker_env  # noqa: F401 (fixture)
+from conftest import cluster, ctl, job, python, wait_for, worker_env  # noqa: F401 (fixture)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "lora_worker.py")
 TOKEN = "recovery-token"
-
-
-def ctl(c, *args, check=True):
-    proc = subprocess.run([binary("zerodctl"), "-c", c.coordinator.address] + list(args),
-                          capture_output=True, text=True, timeout=60)
-    if check:
-        assert proc.returncode == 0, "zerodctl %s: %s%s" % (" ".join(args), proc.stdout,
-                                                              proc.stderr)
-    return proc
-
-
-def job(c, name):
-    return json.loads(ctl(c, "jobs", "get", name, "--json").stdout)
 
 
 def train(node, tmp_path, name, tag, steps, init):

@@ -53,6 +53,7 @@ static const expected_flag node_expected[] = {
     {"export-root", "ZEROD_EXPORT_ROOT", ": the checkpoint dir", NULL, 0},
     {"file-mode", "ZEROD_FILE_MODE", "0600", "0600", 0600},
     {"nvme-dir", "ZEROD_NVME_DIR", "DIR/nvme", NULL, 0},
+    {"replica-dir", "ZEROD_REPLICA_DIR", "/dev/shm/zerod-replicas-NAME", NULL, 0},
     {"coordinator", "ZEROD_COORDINATOR", NULL, NULL, 0},
     {"name", "ZEROD_NODE_NAME", ": the host name", NULL, 0},
     {"comm-host", "ZEROD_COMM_HOST", "127.0.0.1", "127.0.0.1", 0},
