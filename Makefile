@@ -9,6 +9,8 @@
 #                   ranks and 2 worker processes
 #   make demo-mlp   the same with the C example (an MLP, workers in C)
 #   make bench      run the benchmarks (JSON lines)
+#   make chaos      kill nodes and workers under two jobs for 5 minutes; each job
+#                   must end bit-identical to a run without faults
 #   make install    build, then install zerod, zerodctl, libzerod, zerod.h,
 #                   zerod.pc and the CUDA module under PREFIX (default: the
 #                   configured CMAKE_INSTALL_PREFIX, /usr/local); DESTDIR is
@@ -42,7 +44,7 @@ VERSION    := $(shell sed -n 's/^project(zerod VERSION \([0-9][0-9.]*\)[ )].*/\1
 GENERATOR  := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 CTEST      := ctest --output-on-failure --timeout 900
 
-.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench install image test-image fuzz \
+.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench chaos install image test-image fuzz \
   fuzz-merge \
   format abi-baseline clean
 
@@ -77,6 +79,14 @@ test-asan: $(ASAN_BUILD)/CMakeCache.txt
 	  ZEROD_CLIENT_LIBRARY=$(if $(wildcard $(BUILD)/lib/libzerod.so),$(CURDIR)/$(BUILD)/lib/libzerod.so) \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(CTEST)
 
+# The chaos run (docs/redundancy.md, "Chaos"): two jobs on four nodes, a
+# node or a worker killed every ~20 s for 5 minutes (ZEROD_CHAOS_SECONDS,
+# ZEROD_CHAOS_EVERY_S, ZEROD_CHAOS_SEED); bounded: it fails past 20 min.
+chaos: build
+	cd $(BUILD) && ZEROD_CHAOS_SECONDS=$${ZEROD_CHAOS_SECONDS:-300} \
+	  ZEROD_CHAOS_EVERY_S=$${ZEROD_CHAOS_EVERY_S:-20} timeout 1200 ctest -R '^python.zerod_chaos$$' \
+	  --output-on-failure --timeout 1200 -V
+
 test-gpu: build
 	cd $(BUILD) && ZEROD_REQUIRE_GPU=1 $(CTEST) -L gpu
 
@@ -107,6 +117,7 @@ bench:
 	ZEROD_BIN_DIR=$(BUILD)/bin ZEROD_LIBRARY=$(CURDIR)/$(BUILD)/lib/libzerod.so /usr/bin/python3 bench/bench_bases.py
 	ZEROD_BIN_DIR=$(BUILD)/bin ZEROD_LIBRARY=$(CURDIR)/$(BUILD)/lib/libzerod.so .venv-torch2/bin/python bench/bench_bases.py
 	ZEROD_BIN_DIR=$(BUILD)/bin ZEROD_LIBRARY=$(CURDIR)/$(BUILD)/lib/libzerod.so /usr/bin/python3 bench/bench_zeropp.py
+	ZEROD_BIN_DIR=$(BUILD)/bin ZEROD_LIBRARY=$(CURDIR)/$(BUILD)/lib/libzerod.so /usr/bin/python3 bench/bench_redundancy.py
 	@if [ -x $(BUILD)/bench/bench_cuda ]; then $(BUILD)/bench/bench_cuda; fi
 	@if [ -x $(BUILD)/bench/bench_offload_gpu ]; then $(BUILD)/bench/bench_offload_gpu; fi
 

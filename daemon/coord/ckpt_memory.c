@@ -117,12 +117,64 @@ static uint64_t newest_copy(const coord *c, const cjob *j, uint32_t *world_size)
   return best;
 }
 
+/* The node of j's placement whose ranks of j failed at the job's epoch (a
+ * worker died in a collective, a peer's connection broke), with its
+ * reason; NULL when none did, or a node is being rebuilt already. */
+static const char *failed_node(const coord *c, const cjob *j, const char **error) {
+  const char *failed = NULL;
+  for (size_t i = 0; i < j->msg->n_placement; i++) {
+    if (j->marks[i].departed)
+      return NULL;
+    const member *m = coord__find_member(c, j->msg->placement[i]->node);
+    const job_report *r = m != NULL ? coord__find_report(m, j->msg->name) : NULL;
+    if (failed == NULL && r != NULL && r->error[0] != '\0' && r->epoch == j->epoch) {
+      failed = j->msg->placement[i]->node;
+      *error = r->error;
+    }
+  }
+  return failed;
+}
+
+/* A job with a copy whose ranks failed on a node is rebuilt on the same
+ * nodes and restored from the copy, as after a node loss: a failure that
+ * broke its collectives leaves ranks at different points of a step. */
+static void rebuild_failed(coord *c, cjob *j) {
+  const char *error = NULL;
+  const char *failed = failed_node(c, j, &error);
+  if (failed == NULL)
+    return;
+  /* The placement's strings go with the message coord__mem_replace
+   * replaces. */
+  char node[CTL_NAME_MAX_BYTES + 1];
+  snprintf(node, sizeof node, "%s", failed);
+  const char *nodes[CTL_MAX_RANKS];
+  for (size_t i = 0; i < j->msg->n_placement; i++)
+    nodes[i] = j->msg->placement[i]->node;
+  char why[256], err[512];
+  snprintf(why, sizeof why, "node '%s': %.120s; rebuilt from the in-memory copy of step %" PRIu64,
+           node, error, j->ckpt.mem.step);
+  uint64_t step = j->step;
+  if (coord__mem_replace(c, j, nodes, j->msg->n_placement, why, err, sizeof err) != 0) {
+    LOG_ERRORF("failed job not rebuilt", "job=%s err=\"%s\"", j->msg->name, err);
+    return;
+  }
+  j->step_at_loss = step;
+  j->epoch++; /* a new rendezvous: nothing of the broken one is read */
+  LOG_INFOF("job rebuilt after its ranks failed", "job=%s node=%s memory_step=%" PRIu64,
+            j->msg->name, node, j->ckpt.mem.step);
+  coord__derive_job(c, j); /* not reconcile: the tick walks the jobs */
+  coord__mark_job_watches(c, j);
+}
+
 void coord__mem_tick(coord *c, cjob *j) {
   uint32_t world = 0;
   uint64_t step = coord__mem_enabled(j) ? newest_copy(c, j, &world) : 0;
   if (step != j->ckpt.mem.step)
     coord__mark_job_watches(c, j);
   j->ckpt.mem.step = step;
+  if (step != 0 && !j->deleting && !j->msg->frozen &&
+      j->state == ZEROD__V1__JOB_STATE__JOB_STATE_DEGRADED)
+    rebuild_failed(c, j);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -243,15 +295,20 @@ int coord__mem_replace(coord *c, cjob *j, const char *const *nodes, size_t n, co
 }
 
 /* A member that may take over a lost node's ranks of j: one serving
- * in-memory copies that is not j's, hosts no other job's ranks and can host
- * as many as j puts on a node. The first by name, or NULL. */
+ * in-memory copies, not among j's nodes, with room for j's ranks per node
+ * beside the ranks other jobs have there. The first by name, or NULL. */
 static const char *spare_node(const coord *c, const cjob *j) {
   for (size_t i = 0; i < c->nmembers; i++) {
     const Zerod__V1__NodeInfo *info = c->members[i]->info;
-    int busy = info->replica_port == 0 || info->ranks < j->msg->ranks_per_node;
-    for (size_t k = 0; k < c->njobs && !busy; k++)
-      busy = !c->jobs[k]->deleting && coord__placement_of(c->jobs[k], info->name) >= 0;
-    if (!busy)
+    if (info->replica_port == 0 || coord__placement_of(j, info->name) >= 0)
+      continue;
+    uint64_t used = j->msg->ranks_per_node;
+    for (size_t k = 0; k < c->njobs; k++) {
+      long at = c->jobs[k]->deleting ? -1 : coord__placement_of(c->jobs[k], info->name);
+      if (at >= 0)
+        used += c->jobs[k]->msg->placement[at]->ranks;
+    }
+    if (used <= info->ranks)
       return info->name;
   }
   return NULL;

@@ -151,6 +151,11 @@ void coord__ckpt_assignment(const coord *c, cjob *j, size_t at, Zerod__V1__Assig
 
 void coord__ckpt_job_changed(coord *c, cjob *j) {
   ckpt_order *o = j->ckpt.order;
+  /* A job rebuilt for its in-memory copies is recovered as soon as it is
+   * ready, not at the next tick: it is down meanwhile (ckpt_memory.c). */
+  if (o == NULL && j->state == ZEROD__V1__JOB_STATE__JOB_STATE_READY && coord__mem_enabled(j) &&
+      coord__ckpt_recovery_pending(j) && !c->shutting_down)
+    coord__ckpt_recover_tick(c, j, uv_now(c->loop));
   if (o == NULL || j->state == ZEROD__V1__JOB_STATE__JOB_STATE_READY)
     return;
   /* A save being committed has every shard written: it completes. */

@@ -380,7 +380,8 @@ int coord__mem_enabled(const cjob *j);
 void coord__mem_assignment(const coord *c, cjob *j, size_t at, Zerod__V1__Assignment *a,
                            char *buddy, size_t buddy_bytes);
 /* From the periodic tick: j's newest complete in-memory copy, from its
- * nodes' reports, into j->ckpt.mem.step. */
+ * nodes' reports, into j->ckpt.mem.step; a job whose ranks failed on a
+ * node (not a node lost) is rebuilt on its nodes and restored from it. */
 void coord__mem_tick(coord *c, cjob *j);
 /* Starts the recovery of j from the newest in-memory copy the live nodes
  * hold (re-sharded onto its world as it is now). 0, or -1 when there is
@@ -393,8 +394,9 @@ int coord__mem_restore_start(coord *c, cjob *j);
 int coord__mem_replace(coord *c, cjob *j, const char *const *nodes, size_t n, const char *why,
                        char *err, size_t err_bytes);
 /* Placement node at of j left the cluster (reason): a job with in-memory
- * copies is re-placed, its ranks there on a spare node (a member that
- * hosts no job) if there is one, else re-sharded onto the other nodes
+ * copies is re-placed, its ranks there on a spare node (a member outside
+ * the job with room for its ranks) if there is one, else re-sharded onto
+ * the other nodes
  * (stored; every node is to rebuild). 1 if so, 0 if the job waits for the
  * node as before. */
 int coord__mem_node_lost(coord *c, cjob *j, size_t at, const char *reason);

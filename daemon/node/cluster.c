@@ -423,11 +423,11 @@ static int rebuilt_here(const job *j, const Zerod__V1__Assignment *as) {
  * (who attach again to the new one once it is recovered), gone once the
  * last of them has detached. */
 static void drop_for_rebuild(zdaemon *d, job *j) {
-  LOG_INFOF("job rebuilt after a node loss: its ranks here start afresh", "job=%s", j->name);
+  LOG_INFOF("job rebuilt: its ranks here start afresh", "job=%s", j->name);
   ckpt_node_orders(j, NULL);
   job_fail(j, j->generation,
-           "job '%s' is rebuilt on every node after one was lost: attach again once it is "
-           "recovered from its newest checkpoint",
+           "job '%s' is rebuilt on its nodes (a node was lost, the job moved, or its ranks "
+           "failed): attach again once it is recovered",
            j->name);
   for (int r = 0; r < j->nranks; r++) /* a collective with the lost node ends now */
     exec_rank_abort_comm(&j->ranks[r]);

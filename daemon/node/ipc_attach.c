@@ -283,8 +283,9 @@ void ipc__handle_attach(session *s, uint64_t request_id, uint8_t flags,
   if (ckpt_node_restoring(j) || j->awaiting_recovery) {
     ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_UNAVAILABLE,
                     j->awaiting_recovery
-                        ? "job '%s' lost its state on this node (a restart) and is being recovered "
-                          "from its newest checkpoint; attach again when it is done"
+                        ? "job '%s' lost its state on this node (a restart, a lost node, a move) "
+                          "and is being recovered from its in-memory copies or newest checkpoint; "
+                          "attach again when it is done"
                         : "job '%s' is being restored from a checkpoint; attach again when it is "
                           "done",
                     j->name);

@@ -55,11 +55,14 @@ static int write_shard(rank_state *rs, unit_layout **units, unsigned n, uint64_t
     for (uint32_t s = 0; rc == 0 && s < 3; s++) {
       if (!want[s])
         continue;
-      rc = exec__state_get(rs, sh, units[k], s, bounce);
-      if (rc != 0)
+      /* A host rank's state is written from where it lives; any other's
+       * (a GPU's, a tier file's) is copied into host memory first. */
+      const float *from = device_is_host(rs->dev) ? exec__shard_state(rs, sh, s) : NULL;
+      if (from == NULL && (rc = exec__state_get(rs, sh, units[k], s, bounce)) != 0)
         snprintf(err, err_bytes, "copying the shard state: %s", device_last_error(rs->dev));
       else
-        rc = ckpt_writer_write(w, bounce, units[k]->shard_numel * sizeof(float), err, err_bytes);
+        rc = ckpt_writer_write(w, from != NULL ? from : bounce,
+                               units[k]->shard_numel * sizeof(float), err, err_bytes);
     }
   }
   free(bounce);
@@ -97,6 +100,7 @@ static int copy_here(rank_state *rs, char *err, size_t err_bytes) {
   job *j = rs->job;
   const exec_ckpt_hooks *hooks = exec__ckpt(rs);
   char dir[PATH_MAX];
+  double t0 = clock_now_s();
   int rc = hooks->replica_dir(j, rs->step, dir, sizeof dir, err, err_bytes);
   if (rc != 0)
     return rc;
@@ -114,8 +118,11 @@ static int copy_here(rank_state *rs, char *err, size_t err_bytes) {
   if (rc == 0 && first)
     rc = write_layout(rs, units, n, dir, err, err_bytes);
   free(units);
+  double t1 = clock_now_s();
   if (rc == 0)
     rc = hooks->replica_push(j, rs->step, dir, name, err, err_bytes);
+  LOG_DEBUGF("in-memory copy written and sent", "job=%s rank=%d write_ms=%.1f send_ms=%.1f",
+             j->name, rs->rank, (t1 - t0) * 1e3, (clock_now_s() - t1) * 1e3);
   if (rc == 0 && first)
     rc = hooks->replica_push(j, rs->step, dir, CKPT_LAYOUT_NAME, err, err_bytes);
   return rc;
@@ -129,6 +136,7 @@ int exec__replicate(rank_state *rs, exec_op *op) {
   double t0 = clock_now_s();
   char err[512] = "";
   int rc = copy_here(rs, err, sizeof err);
+  double t1 = clock_now_s();
   if (rc != 0) {
     char quoted[600];
     LOG_WARNF("in-memory copy not made", "job=%s rank=%d step=%llu err=%s", j->name, rs->rank,
@@ -148,6 +156,10 @@ int exec__replicate(rank_state *rs, exec_op *op) {
     LOG_WARNF("in-memory copy incomplete: another rank's failed", "job=%s rank=%d step=%llu",
               j->name, rs->rank, (unsigned long long)rs->step);
   }
-  rank_metrics_replica(rs, clock_now_s() - t0, rs->replica_file_bytes, ok == 1.0 ? rs->step : 0);
+  double t2 = clock_now_s();
+  rank_metrics_replica(rs, t2 - t0, rs->replica_file_bytes, ok == 1.0 ? rs->step : 0);
+  LOG_DEBUGF("in-memory copy", "job=%s rank=%d step=%llu bytes=%llu copy_ms=%.1f agree_ms=%.1f",
+             j->name, rs->rank, (unsigned long long)rs->step,
+             (unsigned long long)rs->replica_file_bytes, (t1 - t0) * 1e3, (t2 - t1) * 1e3);
   return 0;
 }

@@ -123,7 +123,7 @@ def test_a_job_across_nodes_is_rebuilt_when_its_lost_node_comes_back(cluster, tm
     wait_for("the recovery of wide",
              lambda: 'msg="recovered from a checkpoint" job=wide step=3 lost_steps=2'
              in cluster.coordinator.read_log())
-    assert 'msg="job rebuilt after a node loss: its ranks here start afresh" job=wide' in \
+    assert 'msg="job rebuilt: its ranks here start afresh" job=wide' in \
         nodes[0].read_log()
     assert job(cluster, "wide")["state"] == "ready"
     again = train_ranks(nodes, tmp_path, "wide", "again", 2, init)
