@@ -50,6 +50,7 @@ typedef enum flag_id {
   FLAG_STATE_DIR,
   FLAG_LEASE_TTL,
   FLAG_RETAIN_DELETED_CHECKPOINTS,
+  FLAG_STALL_TIMEOUT,
   /* both (standalone runs a coordinator too) */
   FLAG_CHECKPOINT_DIR,
   FLAG_CHECKPOINT_TIMEOUT,

@@ -418,6 +418,19 @@ static const flag coordinator_flags[] = {
              "                          job's deletion (90s, 12h, 30d; 0: keep them until\n"
              "                          their tenant deletes them)\n"
              "                          [ZEROD_RETAIN_DELETED_CHECKPOINTS, default 0]\n"},
+    {.id = FLAG_STALL_TIMEOUT,
+     .name = "stall-timeout",
+     .takes_value = 1,
+     .env = "ZEROD_STALL_TIMEOUT",
+     .fallback = "30s",
+     .parse = flag_parse_duration_ms,
+     .expected = "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0: never",
+     .help = "  --stall-timeout DURATION\n"
+             "                          fail a job's operation on every rank once a rank has\n"
+             "                          waited this long in a collective for a peer, naming\n"
+             "                          it (docs/daemon.md, \"Stalls\"; 0: only the nodes'\n"
+             "                          collective timeout ends the wait)\n"
+             "                          [ZEROD_STALL_TIMEOUT, default 30s]\n"},
     {.id = FLAG_EXPORT_ROOT,
      .name = "export-root",
      .takes_value = 1,

@@ -126,6 +126,9 @@ static int settle_flags(const flag_table *t, const flag_given *given, coordinato
   if (rc != 0)
     return rc;
   co->lease_ttl_ms = (int)value;
+  if ((rc = flag_value(t, given, FLAG_STALL_TIMEOUT, &v, &value)) != 0)
+    return rc;
+  co->stall_timeout_ms = value;
   if ((rc = flag_value(t, given, FLAG_STATE_DIR, &v, &value)) != 0)
     return rc;
   snprintf(co->state_dir, sizeof co->state_dir, "%s", v);

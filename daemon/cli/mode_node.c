@@ -79,6 +79,7 @@ static int start_local_coordinator(node_process *p, char *err, size_t err_bytes)
    * the stack of a function that the loop's callbacks nest under. */
   static coord_options co;
   co = (coord_options){.lease_ttl_ms = 10000,
+                       .stall_timeout_ms = 30000,
                        .checkpoint_timeout_ms = p->checkpoint_timeout_ms,
                        .durable_bases_only = 1};
   snprintf(co.state_dir, sizeof co.state_dir, "%s", o->dir);

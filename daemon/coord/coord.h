@@ -49,6 +49,9 @@ typedef struct coord_options {
    * restart (docs/decisions.md, "Bases"). */
   int durable_bases_only;
   int lease_ttl_ms; /* a node that does not renew within this leaves */
+  /* A job whose rank has waited this long in a collective for peers has
+   * the operation failed on every rank (coord_stalls.c); 0: never. */
+  int64_t stall_timeout_ms;
   /* Where checkpoints live: <checkpoint_dir>/<job>/<name>/. An absolute
    * path (it travels to the nodes, which must see the same directory),
    * created if missing. "": no checkpoints (the Checkpoints methods answer

@@ -213,6 +213,12 @@ typedef struct cjob {
   /* Ranks stalled in a collective and whom they wait for (coord_stalls.c;
    * Job.stalled), "" when none. */
   char stalled[COORD_REASON_BYTES];
+  /* The stall the coordinator failed on every rank (coord_stalls.c;
+   * Assignment.abort_id/abort_reason): how many so far, the last one's
+   * reason, and whether the stall now reported was failed already. */
+  uint64_t abort_id;
+  char abort_reason[COORD_REASON_BYTES];
+  int stall_aborted;
   kv_entry *kv;
   kv_waiter *waiters;
   ckpt_of_job ckpt;

@@ -253,6 +253,8 @@ static int watch_event_pack(const coord *c, const member *m, uint8_t **out, size
     assignments[count].first_rank = j->msg->placement[at]->first_rank;
     assignments[count].ranks = j->msg->placement[at]->ranks;
     assignments[count].rebuild = rebuildable(c, j);
+    assignments[count].abort_id = j->abort_id;
+    assignments[count].abort_reason = (char *)j->abort_reason;
     c->hooks.assignment(c, j, (size_t)at, &assignments[count], buddies[count]);
     pointers[count] = &assignments[count];
     count++;

@@ -8,7 +8,9 @@
  * COORD_STALL_MS waits for the ranks that have begun fewer than n: those
  * are named, with what they last did ("attach 9.1 s ago": their worker sent
  * nothing since). The answer is Job.stalled, and a line in the log when it
- * changes. The collective timeout still ends the wait. Loop thread only. */
+ * changes. Once a rank has waited for the coordinator's stall timeout, the
+ * job's nodes are told to fail the operation on every rank with that
+ * report (Assignment.abort_id), once per stall. Loop thread only. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
@@ -30,9 +32,12 @@ static size_t reported(const coord *c, const cjob *j, const rank_activity **rank
   return n;
 }
 
-/* Describes the stall of ranks[0..n), or "" if none is stalled. */
-static void describe(const rank_activity *const *ranks, size_t n, char *out, size_t out_bytes) {
+/* Describes the stall of ranks[0..n), or "" if none is stalled; the
+ * longest wait into *longest_ms. */
+static void describe(const rank_activity *const *ranks, size_t n, char *out, size_t out_bytes,
+                     uint64_t *longest_ms) {
   out[0] = '\0';
+  *longest_ms = 0;
   const rank_activity *longest = NULL;
   for (size_t i = 0; i < n; i++)
     if (ranks[i]->collective[0] != '\0' && ranks[i]->waiting_ms >= COORD_STALL_MS &&
@@ -40,6 +45,7 @@ static void describe(const rank_activity *const *ranks, size_t n, char *out, siz
       longest = ranks[i];
   if (longest == NULL)
     return;
+  *longest_ms = longest->waiting_ms;
   uint64_t seq = longest->collectives;
   char who[256] = "";
   size_t wlen = 0, waiting = 0, len = 0, behind = 0;
@@ -70,7 +76,8 @@ void coord__job_stalls(coord *c, cjob *j) {
   const rank_activity *ranks[CTL_MAX_RANKS];
   size_t n = reported(c, j, ranks, CTL_MAX_RANKS);
   char now[COORD_REASON_BYTES];
-  describe(ranks, n, now, sizeof now);
+  uint64_t longest_ms;
+  describe(ranks, n, now, sizeof now, &longest_ms);
   /* Logged when it starts and ends; the figures in between only grow. */
   char quoted[COORD_REASON_BYTES + 64];
   if (now[0] != '\0' && j->stalled[0] == '\0')
@@ -79,4 +86,20 @@ void coord__job_stalls(coord *c, cjob *j) {
   else if (now[0] == '\0' && j->stalled[0] != '\0')
     LOG_INFOF("job no longer stalled", "job=%s", j->msg->name);
   snprintf(j->stalled, sizeof j->stalled, "%s", now);
+  if (now[0] == '\0') {
+    j->stall_aborted = 0;
+    return;
+  }
+  /* Past the stall timeout the wait ends on every rank at once, with who
+   * waits for whom, rather than at each node's collective timeout. */
+  int64_t limit = c->options.stall_timeout_ms;
+  if (limit > 0 && !j->stall_aborted && longest_ms >= (uint64_t)limit) {
+    j->stall_aborted = 1;
+    j->abort_id++;
+    snprintf(j->abort_reason, sizeof j->abort_reason, "%s", now);
+    LOG_WARNF("stalled job's operation failed on every rank",
+              "job=%s stall_timeout_ms=%" PRId64 " stalled=%s", j->msg->name, limit,
+              log_quote(now, quoted, sizeof quoted));
+    coord__mark_job_watches(c, j);
+  }
 }

@@ -411,6 +411,22 @@ static void follow_redundancy(job *j, const Zerod__V1__Job *pj, const Zerod__V1_
   ckpt_node_set_buddy(j, on ? as->replica_buddy : "");
 }
 
+/* The coordinator failed j's stalled operation (docs/daemon.md, "Stalls"):
+ * every rank here fails it with who waits for whom, at once. */
+static void follow_abort(job *j, const Zerod__V1__Assignment *as) {
+  if (as->abort_id <= j->abort_seen)
+    return;
+  j->abort_seen = as->abort_id;
+  const char *why = as->abort_reason != NULL ? as->abort_reason : "";
+  char msg[600];
+  LOG_WARNF("stalled operation failed by the coordinator", "job=%s stalled=%s", j->name,
+            log_quote(why, msg, sizeof msg));
+  job_fail(j, j->generation, "job '%s' stalled: %s (failed by the coordinator's stall timeout)",
+           j->name, why);
+  for (int r = 0; r < j->nranks; r++)
+    exec_rank_abort_comm(&j->ranks[r]);
+}
+
 /* Whether j, a job across nodes, is to be rebuilt here: the coordinator
  * says its nodes are all back after one left, and j was built before
  * (its communicators' generation is an older epoch). */
@@ -492,6 +508,8 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
       if (rc == 0)
         follow_redundancy(j, pj, as);
       if (rc == 0)
+        j->abort_seen = as->abort_id; /* a fresh job is in no stall */
+      if (rc == 0)
         follow_frozen(j, pj);
       /* A job that existed before this node built it (after a restart of
        * the node, or of the coordinator too): its ranks here have lost
@@ -519,6 +537,7 @@ static void reconcile(cluster_agent *a, const Zerod__V1__WatchEvent *ev) {
       LOG_WARNF("read tokens not updated (out of memory)", "job=%s", j->name);
     follow_frozen(j, pj);
     follow_redundancy(j, pj, as);
+    follow_abort(j, as);
     if (j->awaiting_recovery && !as->recovery_pending) {
       j->awaiting_recovery = 0;
       LOG_INFOF("job recovered: workers may attach", "job=%s", j->name);

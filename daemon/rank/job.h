@@ -292,9 +292,10 @@ typedef struct job {
   unsigned local_generation;
   char fail_reason[512];
 
-  int sessions; /* loop-owned: attached read-write sessions */
-  int deleted;  /* loop-owned: deleted on the coordinator; retired once nobody is attached */
-  int readers;  /* loop-owned: read-only sessions whose state is not yet freed */
+  int sessions;        /* loop-owned: attached read-write sessions */
+  int deleted;         /* loop-owned: deleted on the coordinator; retired once nobody is attached */
+  uint64_t abort_seen; /* loop-owned: the coordinator's last stall abort followed (cluster.c) */
+  int readers;         /* loop-owned: read-only sessions whose state is not yet freed */
   /* Loop-owned: the id of the restore in progress (attaches are refused
    * until it ends), 0 if none. */
   uint64_t restoring;

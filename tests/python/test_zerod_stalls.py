@@ -9,12 +9,14 @@ import json
 import re
 import subprocess
 import threading
+import time
 import urllib.request
 
 import numpy as np
+import pytest
 
 import zerod
-from conftest import binary, start_daemon, wait_for  # noqa: F401 (fixture)
+from conftest import binary, cluster, ctl, job, start_daemon, wait_for  # noqa: F401 (fixture)
 
 TENSORS = [("w", (4, 8), False)]
 
@@ -70,3 +72,61 @@ def test_a_rank_waiting_for_an_idle_peer_is_reported_naming_the_peer(start_daemo
     for job, client in zip(jobs, clients):
         job.detach()
         client.close()
+
+
+def test_past_the_stall_timeout_every_rank_fails_naming_the_stall(cluster):
+    """With the coordinator's --stall-timeout at 3 s, rank 0 waiting for rank
+    1's idle worker is failed at about 3 s (not at the collective timeout,
+    60 s here) with the report naming rank 1; rank 1's next call fails
+    with it too; once both have gone, the job is reset and they train on."""
+    cluster.start_coordinator(extra=["--stall-timeout", "3s"])
+    node = cluster.start_node("solo", ranks=2, timeout_s=60)
+    wait_for("solo to join", lambda: "solo" in ctl(cluster, "members").stdout)
+    ctl(cluster, "jobs", "create", "hang", "--nodes", "1", "--ranks-per-node", "2", "--token", "t")
+    wait_for("hang to be ready", lambda: job(cluster, "hang")["state"] == "ready")
+    clients = [zerod.Client(node.socket) for _ in range(2)]
+    jobs = [clients[r].attach("hang", rank=r, token="t") for r in range(2)]
+    values = np.zeros(32, dtype=np.float32)
+    start = time.monotonic()
+    with pytest.raises(zerod.Error) as failed:
+        jobs[0].register("u", TENSORS, init="rank0", values=values)
+    waited = time.monotonic() - start
+    assert waited < 30, waited
+    message = str(failed.value)
+    assert re.search(r"job 'hang' stalled: rank 0 waits \d+\.\d s in \w+ #\d+ for rank 1 "
+                     r"\(in no collective, last op attach \d+\.\d s ago\) \(failed by the "
+                     r"coordinator's stall timeout\)", message), message
+    with pytest.raises(zerod.Error) as also:
+        jobs[1].register("u", TENSORS, init="rank0")
+    assert "job 'hang' stalled: rank 0 waits" in str(also.value), str(also.value)
+    for c in clients:
+        c.close()
+    # A reset generation: both attach again and train.
+    clients = [zerod.Client(node.socket) for _ in range(2)]
+    jobs = wait_for("the job reset", lambda: _attach_all(clients, "hang"))
+    threads = [threading.Thread(target=jobs[r].register, args=("u", TENSORS),
+                                kwargs={"init": "rank0", "values": values if r == 0 else None})
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    results = [None, None]
+
+    def step(r):
+        results[r] = jobs[r].step().step
+    threads = [threading.Thread(target=step, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == [1, 1], results
+    for c in clients:
+        c.close()
+
+
+def _attach_all(clients, name):
+    try:
+        return [clients[r].attach(name, rank=r, token="t") for r in range(2)]
+    except zerod.Error:
+        return None

@@ -78,6 +78,7 @@ static const expected_flag coordinator_expected[] = {
     {"checkpoint-dir", "ZEROD_CHECKPOINT_DIR", "STATE-DIR/checkpoints", NULL, 0},
     {"checkpoint-timeout", "ZEROD_CHECKPOINT_TIMEOUT", "600", "600", 600},
     {"retain-deleted-checkpoints", "ZEROD_RETAIN_DELETED_CHECKPOINTS", "0", "0", 0},
+    {"stall-timeout", "ZEROD_STALL_TIMEOUT", "30s", "30s", 30000},
     {"export-root", "ZEROD_EXPORT_ROOT", ": the checkpoint dir", NULL, 0},
     {"file-mode", "ZEROD_FILE_MODE", "0600", "0600", 0600},
     {"health-listen", "ZEROD_HEALTH_LISTEN", ": none", NULL, 0},
@@ -122,6 +123,7 @@ static const bad_value bad_values[] = {
     {"lease-ttl", "0.01", "seconds, 0.1..3600"},
     {"retain-deleted-checkpoints", "5y",
      "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0 keeps them"},
+    {"stall-timeout", "-3s", "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0: never"},
     {"state-dir", NULL, "path too long"}, /* a path of PATH_MAX bytes, made in the test */
 };
 
