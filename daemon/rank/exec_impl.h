@@ -90,6 +90,12 @@ int exec__rank_states(const rank_state *rs, int has[JOB_NSTATES]);
 /* The units of which rank rs holds a shard, in the job's order, and the
  * bytes of its copy for a save (snapshot.c). NULL if out of memory. */
 unit_layout **exec__snapshot_units(rank_state *rs, unsigned *n, uint64_t *bytes);
+/* In-memory redundancy: the host memory (tmpfs) the copies of unit l's
+ * shard take on the rank's node, its own and its peer's (0 without
+ * redundancy); and that of every unit the rank holds. Both count against
+ * max_host_bytes. */
+uint64_t exec__replica_bytes(const rank_state *rs, const unit_layout *l);
+uint64_t exec__replica_bytes_in_use(rank_state *rs);
 /* The job's layout (ckpt.h) of those units at the rank's step: a save's
  * manifest without files. NULL if out of memory. */
 ckpt_manifest *exec__layout(rank_state *rs, unit_layout **units, unsigned n);

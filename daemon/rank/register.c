@@ -137,18 +137,28 @@ static int quota_refused(rank_state *rs, exec_op *op, const char *name, const un
   uint64_t staging = (tier_enabled(j) ? tier_staging_bytes(&j->config) : 0) +
                      (offload_enabled(rs) ? offload_staging_bytes(&j->config) : 0);
   uint64_t need = exec__shard_bytes(rs, mine);
+  /* In-memory copies (redundancy) are host memory too. */
+  uint64_t copies = exec__replica_bytes(rs, mine);
+  uint64_t copies_in_use = copies != 0 ? exec__replica_bytes_in_use(rs) : 0;
   if (device_is_host(rs->dev)) /* the rank's memory is host memory, staging included */
-    return over_quota(rs, op, name, "shard state", "max_host_bytes", j->quota_host_bytes,
-                      rs->state_bytes + staging, staging, need);
+    return over_quota(rs, op, name,
+                      copies != 0 ? "shard state and its in-memory copies" : "shard state",
+                      "max_host_bytes", j->quota_host_bytes,
+                      rs->state_bytes + staging + copies_in_use, staging, need + copies);
   if (over_quota(rs, op, name, "shard state", "max_device_bytes", j->quota_device_bytes,
                  rs->state_bytes, 0, need))
     return 1;
   /* A GPU rank's host side: its offloaded master and moments (none with
-   * nvme: they are on disk) and the staging. */
-  return offload_enabled(rs) &&
-         over_quota(rs, op, name, "optimizer state in host memory", "max_host_bytes",
-                    j->quota_host_bytes, rs->host_state_bytes + staging, staging,
-                    tier_enabled(j) ? 0 : offload_host_state_bytes(rs, mine));
+   * nvme: they are on disk), the staging, and its in-memory copies. */
+  return (offload_enabled(rs) || copies != 0) &&
+         over_quota(
+             rs, op, name,
+             copies != 0 ? "host memory (offloaded state, in-memory copies)"
+                         : "optimizer state in host memory",
+             "max_host_bytes", j->quota_host_bytes, rs->host_state_bytes + staging + copies_in_use,
+             staging,
+             (offload_enabled(rs) && !tier_enabled(j) ? offload_host_state_bytes(rs, mine) : 0) +
+                 copies);
 }
 
 /* 1. This rank's layout of the unit (*mine), or a negative errno with the

@@ -44,6 +44,26 @@ uint64_t exec__shard_bytes(const rank_state *rs, const unit_layout *l) {
   return l->shard_numel * per_element;
 }
 
+uint64_t exec__replica_bytes(const rank_state *rs, const unit_layout *l) {
+  if (atomic_load(&rs->job->redundancy_every) == 0)
+    return 0;
+  int has[JOB_NSTATES];
+  unsigned nstates = (unsigned)exec__rank_states(rs, has);
+  /* Its own copy, and as much of its peer's held on its node. */
+  return 2 * l->shard_numel * 4 * (uint64_t)nstates;
+}
+
+uint64_t exec__replica_bytes_in_use(rank_state *rs) {
+  uint32_t n = 0;
+  unit_layout **units = job_units_copy(rs->job, &n);
+  uint64_t bytes = 0;
+  for (uint32_t u = 0; units != NULL && u < n && u < rs->nshards; u++)
+    if (shard_has_state(&rs->shards[u]))
+      bytes += exec__replica_bytes(rs, units[u]);
+  free(units);
+  return bytes;
+}
+
 void exec__shard_free(rank_state *rs, shard *sh) {
   if (sh->from_base) { /* the base's memory: nothing of its own */
     memset(sh, 0, sizeof *sh);

@@ -163,19 +163,22 @@ static int restore_over_quota(rank_state *rs, const ckpt_staged *st, char *err, 
   int host = device_is_host(rs->dev);
   uint64_t quota = host ? j->quota_host_bytes : j->quota_device_bytes, need = 0;
   unsigned made = 0;
+  /* A host rank's in-memory copies (redundancy) are its host memory too. */
+  uint64_t in_use = rs->state_bytes + (host ? exec__replica_bytes_in_use(rs) : 0);
   for (unsigned u = 0; u < st->nunits; u++) {
     if (st->units[u].owned) {
-      need += exec__shard_bytes(rs, st->units[u].layout);
+      need += exec__shard_bytes(rs, st->units[u].layout) +
+              (host ? exec__replica_bytes(rs, st->units[u].layout) : 0);
       made++;
     }
   }
-  if (quota == 0 || made == 0 || rs->state_bytes + need <= quota)
+  if (quota == 0 || made == 0 || in_use + need <= quota)
     return 0;
   snprintf(err, err_bytes,
-           "the restore makes %u units needing %" PRIu64 " bytes of shard state on rank %d, over "
-           "the job's %s quota of %" PRIu64 " bytes per rank (%" PRIu64 " in use)",
-           made, need, rs->rank, host ? "max_host_bytes" : "max_device_bytes", quota,
-           rs->state_bytes);
+           "the restore makes %u units needing %" PRIu64 " bytes of shard state%s on rank %d, "
+           "over the job's %s quota of %" PRIu64 " bytes per rank (%" PRIu64 " in use)",
+           made, need, host && atomic_load(&j->redundancy_every) ? " and in-memory copies" : "",
+           rs->rank, host ? "max_host_bytes" : "max_device_bytes", quota, in_use);
   return 1;
 }
 

@@ -256,3 +256,42 @@ def test_a_job_grows_and_drains_between_steps_bit_exactly(cluster):
     handover(cluster, "ref3", "ref2", [nodes[0], nodes[2]])
     reference = train([nodes[0], nodes[2]], "ref2", until)
     np.testing.assert_array_equal(final, reference[0].result)
+
+
+def test_in_memory_copies_count_in_the_jobs_host_quota(cluster):
+    """A unit whose shard state fits the job's max_host_bytes per rank but
+    not with its two in-memory copies (its own and the peer's) is refused
+    for a job with redundancy, and accepted for the same job without."""
+    cluster.start_coordinator(lease_ttl_s=2.0)
+    nodes = [cluster.start_node("node-%s" % n, ranks=1, timeout_s=30) for n in "ab"]
+    wait_for("2 members", lambda: ctl(cluster, "members").stdout.count("node-") >= 2)
+    # 8192 floats: 4096 a rank; AdamW's state 16 bytes an element (64 KiB)
+    # and the copies 2 x 12 bytes (96 KiB): 100,000 bytes fit the first only.
+    tensors = [("w", (8192,))]
+    for name, extra in (("with", ["--redundancy", "1"]), ("without", [])):
+        ctl(cluster, "jobs", "create", name, "--node", "node-a,node-b", "--ranks-per-node", "1",
+            "--token", TOKEN, "--optimizer", "adamw", "--max-host-bytes", "100000", *extra)
+        wait_for(name, lambda: job(cluster, name)["state"] == "ready")
+        outcome = [None, None]
+
+        def register(r):
+            try:
+                with zerod.Client(nodes[r].socket) as client:
+                    j = client.attach(name, token=TOKEN, create=False)
+                    j.register("u", tensors, init="zeros")
+                    outcome[r] = "ok"
+            except zerod.Error as e:
+                outcome[r] = e
+        threads = [threading.Thread(target=register, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        if extra:
+            for e in outcome:
+                assert isinstance(e, zerod.ResourceExhaustedError), outcome
+            assert any("in-memory copies" in str(e) and "max_host_bytes" in str(e)
+                       for e in outcome), outcome
+        else:
+            assert outcome == ["ok", "ok"], outcome
+        ctl(cluster, "jobs", "delete", name)
