@@ -295,3 +295,114 @@ def test_in_memory_copies_count_in_the_jobs_host_quota(cluster):
         else:
             assert outcome == ["ok", "ok"], outcome
         ctl(cluster, "jobs", "delete", name)
+
+
+class TorchWorker(threading.Thread):
+    """A zerod.torch worker of job `name` on `node` (TinyLM, its rank's share
+    of each step's batch) training to step `until`; after a failure of the
+    job under it, ShardedModule.recover() and on from the step it returns.
+    Stops at its first error once `stop` is set (its node is gone)."""
+
+    def __init__(self, node, name, until, stop=None):
+        super().__init__(daemon=True)
+        self.node, self.name_, self.until = node, name, until
+        self.stop = stop or threading.Event()
+        self.result, self.errors, self.recovered_at = None, [], []
+
+    def run(self):
+        import torch
+        import zerod.torch as zt
+        from torch_models import TinyLM, batch
+
+        torch.set_num_threads(1)
+        client = zerod.Client(self.node.socket)
+        try:
+            job = client.attach(self.name_, token=TOKEN, create=False)
+            model = zt.shard(TinyLM(seed=3), job)
+            opt = zt.Optimizer(model)
+            step = job.stats()[0]["step"]
+            while step < self.until:
+                try:
+                    tokens, targets = batch(step + 1, 12, model.job.rank, model.job.world_size)
+                    model(tokens, targets).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    step = opt.last_step.step
+                except zerod.Error as e:
+                    self.errors.append(str(e))
+                    if self.stop.is_set():
+                        return
+                    step = model.recover(timeout_s=120)
+                    self.recovered_at.append(step)
+            self.result = {k: v.clone() for k, v in model.state_dict().items()}
+        except zerod.Error as e:
+            self.errors.append(str(e))
+        finally:
+            client.close()
+
+
+def torch_train(nodes, name, until):
+    workers = [TorchWorker(n, name, until) for n in nodes]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=600)
+        assert w.result is not None, w.errors
+    return workers[0].result
+
+
+def test_zerod_torch_goes_on_through_model_recover(cluster):
+    """zerod.torch workers of a job with redundancy on three nodes; one node
+    is SIGKILLed; the others call model.recover() when their step fails and
+    train on re-sharded onto two nodes, ending as a reference that saved
+    at the recovered step and restored into two nodes does."""
+    cluster.start_coordinator(lease_ttl_s=2.0)
+    nodes = [cluster.start_node("node-%s" % n, ranks=1, timeout_s=30) for n in "abc"]
+    wait_for("3 members", lambda: ctl(cluster, "members").stdout.count("node-") >= 3)
+    ctl(cluster, "jobs", "create", "r", "--node", "node-a,node-b,node-c", "--ranks-per-node",
+        "1", "--token", TOKEN, "--optimizer", "adamw", "--lr", "0.01", "--redundancy", "1")
+    wait_for("r to be ready", lambda: job(cluster, "r")["state"] == "ready")
+    until = 160
+    stop_b = threading.Event()
+    workers = [TorchWorker(n, "r", until, stop=stop_b if n is nodes[1] else None) for n in nodes]
+    for w in workers:
+        w.start()
+    wait_for("an in-memory copy", lambda: job(cluster, "r")["replica_step"] >= 20, timeout_s=120)
+    stop_b.set()
+    nodes[1].kill()
+    for w in workers:
+        w.join(timeout=600)
+    survivors = [workers[0], workers[2]]
+    for w in survivors:
+        assert w.result is not None, w.errors
+        assert len(w.recovered_at) == 1, (w.recovered_at, w.errors)
+    at = survivors[0].recovered_at[0]
+    assert survivors[1].recovered_at == [at]
+    assert job(cluster, "r")["world_size"] == 2
+    for key, value in survivors[0].result.items():
+        assert torch_equal(value, survivors[1].result[key]), key
+
+    nodes[1] = cluster.start_node("node-b", ranks=1, timeout_s=30)
+    wait_for("node-b back", lambda: ctl(cluster, "members").stdout.count("node-") >= 3)
+    ctl(cluster, "jobs", "delete", "r")
+    ctl(cluster, "jobs", "create", "ref", "--node", "node-a,node-b,node-c", "--ranks-per-node",
+        "1", "--token", TOKEN, "--optimizer", "adamw", "--lr", "0.01")
+    wait_for("ref to be ready", lambda: job(cluster, "ref")["state"] == "ready")
+    torch_train(nodes, "ref", at)
+    ctl(cluster, "checkpoint", "save", "ref", "handover")
+    ref_id = job(cluster, "ref")["id"]
+    ctl(cluster, "jobs", "delete", "ref")
+    ctl(cluster, "jobs", "create", "ref2", "--node", "node-a,node-c", "--ranks-per-node", "1",
+        "--token", TOKEN, "--optimizer", "adamw", "--lr", "0.01")
+    wait_for("ref2 to be ready", lambda: job(cluster, "ref2")["state"] == "ready")
+    wait_for("ref's checkpoints moved", lambda: ctl(
+        cluster, "checkpoint", "restore", "ref2", "ref@%s/handover" % ref_id,
+        check=False).returncode == 0)
+    reference = torch_train([nodes[0], nodes[2]], "ref2", until)
+    for key, value in survivors[0].result.items():
+        assert torch_equal(value, reference[key]), key
+
+
+def torch_equal(a, b):
+    import torch
+    return bool(torch.equal(a, b))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -18,7 +19,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _lib
-from .errors import BY_STATUS, Error, InvalidArgumentError
+from .errors import (BY_STATUS, AbortedError, Error, InvalidArgumentError, IOError_,
+                     NotFoundError, UnavailableError)
 from .policies import MixedPrecisionPolicy, OffloadPolicy, dtype_name
 
 _DTYPE_NAMES = {_lib.F32: "float32", _lib.BF16: "bfloat16", _lib.F16: "float16"}
@@ -336,11 +338,8 @@ class Client:
         self._lib = _lib.load()
         self._handle: Optional[int] = None
         self.socket = os.fspath(socket) if socket is not None else default_socket()
-        handle = ctypes.c_void_p()
-        _check(self._lib.zd_connect(self.socket.encode(), ctypes.byref(handle)),
-               "connect to %s" % self.socket)
-        self._handle = handle.value
         self._jobs: List[Job] = []
+        self._connect()
 
     def attach(self, job: str, *, rank: Optional[int] = None, token: Optional[str] = None,
                create: bool = True,
@@ -382,6 +381,8 @@ class Client:
         _check(self._lib.zd_attach(self._handle, ctypes.byref(options), ctypes.byref(handle)),
                "attach to job %s" % job)
         attached = Job(self, handle.value, job, config)
+        attached._attach_args = {"rank": int(rank), "token": token, "read_only": read_only,
+                                 "pin": pin, "stable_addresses": stable_addresses}
         self._jobs.append(attached)
         if attached.attach_warning is not None:
             warnings.warn(attached.attach_warning, stacklevel=2)
@@ -405,6 +406,45 @@ class Client:
             warnings.warn("the launcher's RANK is %d but this worker is rank %d of job %s "
                           "(the job's placement decides global ranks): shard data by "
                           "Job.rank" % (global_rank, job.rank, job.name), stacklevel=3)
+
+    def reattach(self, job: "Job", timeout_s: float = 300.0) -> "Job":
+        """Attaches to `job` again, as it was attached (its name, local rank,
+        token, read-only and pin choices), after it failed under this
+        worker because it was rebuilt: a node lost, the job moved
+        (``zerodctl jobs scale``) or restored, its ranks failed
+        (docs/redundancy.md). Detaches `job`, then tries until `timeout_s`
+        while the daemon answers that the job is being recovered
+        (:class:`UnavailableError`), is not here yet (:class:`NotFoundError`)
+        or failed again (:class:`AbortedError`), connecting again if the
+        connection went. Returns the new :class:`Job`: its units are the
+        recovered job's, ``job.stats()[0]["step"]`` the step to go on from
+        (re-register nothing). Views of `job`'s gathered buffers must not be
+        used afterwards."""
+        try:
+            job.detach()
+        except Error:
+            pass
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self._handle is None:
+                    self._connect()
+                args = dict(job._attach_args)
+                return self.attach(job.name, create=False, **args)
+            except (UnavailableError, NotFoundError, AbortedError, IOError_):
+                if time.monotonic() >= deadline:
+                    raise
+            # The connection may have gone with the job (a daemon restart):
+            # a fresh one costs little.
+            self.close()
+            time.sleep(0.1)
+
+    def _connect(self) -> None:
+        handle = ctypes.c_void_p()
+        _check(self._lib.zd_connect(self.socket.encode(), ctypes.byref(handle)),
+               "connect to %s" % self.socket)
+        self._handle = handle.value
+        self._jobs = []
 
     def close(self) -> None:
         """Detaches every job and closes the connection. Views of gathered
@@ -696,6 +736,12 @@ class Job:
                 for name, array in gathered.arrays().items():
                     out[name] = array.copy()
         return out
+
+    def recover(self, timeout_s: float = 300.0) -> "Job":
+        """Attaches to this job again after it failed because it was
+        rebuilt (:meth:`Client.reattach`); returns the new :class:`Job`,
+        whose ``stats()[0]["step"]`` is the step training goes on from."""
+        return self.client.reattach(self, timeout_s)
 
     def detach(self) -> None:
         """Detaches from the job (the job and its state stay in the daemon)."""

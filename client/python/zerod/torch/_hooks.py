@@ -64,6 +64,25 @@ class _State:
         self.sync = True
         self.optimizer: Optional["Optimizer"] = None  # the model's zerod optimizer
 
+    def rebind(self, job: Job) -> None:
+        """Takes `job` (the same job attached again after it was rebuilt)
+        in place of the old attachment: nothing gathered, pending or
+        accumulated is kept, every parameter shows its placeholder."""
+        self.job = job
+        self.lib = job._lib
+        self.handle = job._handle
+        self.backward_queued = False
+        self.grad_flat = {}
+        self.forward_order = []
+        self.in_forward_order = set()
+        for unit in self.units:
+            unit.flat, unit.address, unit.views = None, 0, []
+            unit.gathered, unit.bwd_gathered, unit.prefetch = 0, False, None
+            unit.grads_ready, unit.accumulated = 0, False
+            for param in unit.params:
+                param.grad = None
+            self.unbind(unit)
+
     # -- gathering and binding -------------------------------------------------
 
     def gather(self, unit: _ShardedUnit) -> None:

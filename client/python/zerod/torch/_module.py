@@ -43,6 +43,23 @@ class ShardedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    def recover(self, timeout_s: float = 300.0) -> int:
+        """Goes on after a request failed because the job was rebuilt under
+        this worker (a node lost, the job moved or restored, its ranks
+        failed: docs/redundancy.md): attaches again (:meth:`zerod.Job.recover`),
+        binds the model to the recovered job's units and has its optimizer
+        send its settings again. Returns the job's step now: the step that
+        completed last, from which training goes on (the batch of the next
+        step comes next; what the failed step computed is dropped). Every
+        rank calls it, as it runs into the failure."""
+        state = self._zerod
+        job = state.job.recover(timeout_s)
+        state.rebind(job)
+        _match_listed(job, state.units)
+        if state.optimizer is not None:
+            state.optimizer._rebind(job)
+        return int(job.stats()[0]["step"])
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """FSDP2's switch: False makes the backward passes that follow add
         their gradients into the units' gradient buffers (shared memory in

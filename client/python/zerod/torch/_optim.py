@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..client import StepResult
+from ..client import Job, StepResult
 from ..errors import InvalidArgumentError, ShardingError
 from ._module import ShardedModule
 from ._plan import _ShardedUnit
@@ -98,6 +98,15 @@ class Optimizer(torch.optim.Optimizer):
             raise InvalidArgumentError("%d trainable parameters are in no group: zerod steps every "
                                        "trainable parameter of the model" % len(left))
         return groups
+
+    def _rebind(self, job: Job) -> None:
+        """The model's job was attached again (ShardedModule.recover): what
+        was sent to the old attachment is sent again."""
+        self._job = job
+        self._sent_lr = self._sent_group_lrs = self._sent_norm = None
+        self._clip = None
+        if self._grouped:
+            self._send_groups()
 
     def _send_groups(self) -> None:
         """The groups' hyper-parameters and each tensor's group, to the
