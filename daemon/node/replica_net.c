@@ -33,10 +33,13 @@
 #include <netinet/tcp.h>
 #include <openssl/crypto.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/sendfile.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -271,8 +274,30 @@ static int connect_addr(const char *addr, int timeout_ms, char *err, size_t err_
 /* Sends bytes of file_fd from offset 0. With watch, stops with -ECANCELED
  * as soon as the peer has something to say (an early refusal). *failed:
  * "read" or "send". */
+static int send_file_chunks(int sock, int file_fd, uint64_t bytes, uint8_t *buf, int watch,
+                            const char **failed);
+
 int replica__send_file(int sock, int file_fd, uint64_t bytes, uint8_t *buf, int watch,
                        const char **failed) {
+  /* sendfile has no MSG_NOSIGNAL: a peer gone raises SIGPIPE, blocked on
+   * this thread meanwhile and taken back after, so that no process using
+   * this file dies of it (the daemon ignores it anyway). */
+  sigset_t pipe_set, old;
+  sigemptyset(&pipe_set);
+  sigaddset(&pipe_set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_set, &old);
+  int rc = send_file_chunks(sock, file_fd, bytes, buf, watch, failed);
+  if (!sigismember(&old, SIGPIPE)) {
+    struct timespec none = {0, 0};
+    while (sigtimedwait(&pipe_set, NULL, &none) > 0) {
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  return rc;
+}
+
+static int send_file_chunks(int sock, int file_fd, uint64_t bytes, uint8_t *buf, int watch,
+                            const char **failed) {
   for (uint64_t off = 0; off < bytes;) {
     struct pollfd p = {.fd = sock, .events = POLLIN};
     if (watch && poll(&p, 1, 0) > 0) {
@@ -280,24 +305,90 @@ int replica__send_file(int sock, int file_fd, uint64_t bytes, uint8_t *buf, int 
       return -ECANCELED;
     }
     size_t n = bytes - off < REPLICA_CHUNK_BYTES ? (size_t)(bytes - off) : REPLICA_CHUNK_BYTES;
-    int rc = fsutil_pread_all(file_fd, buf, n, off);
-    if (rc != 0) {
+    /* From the page cache to the socket, not through buf: a copy is a
+     * pass over the whole state at every step (docs/redundancy.md). */
+    off_t at = (off_t)off;
+    ssize_t sent = sendfile(sock, file_fd, &at, n);
+    if (sent < 0 && errno == EINTR)
+      continue;
+    if (sent < 0 && (errno == EINVAL || errno == ENOSYS)) {
+      /* No sendfile for this pair: through buf. */
+      int rc = fsutil_pread_all(file_fd, buf, n, off);
+      if (rc != 0) {
+        *failed = "read";
+        return rc == 1 ? -EIO : rc; /* 1: the file shrank under us */
+      }
+      if ((rc = replica__send_all(sock, buf, n)) != 0) {
+        *failed = "send";
+        return rc;
+      }
+      sent = (ssize_t)n;
+    } else if (sent < 0) {
+      *failed = errno == EAGAIN || errno == EWOULDBLOCK || errno == EPIPE || errno == ECONNRESET ||
+                        errno == ETIMEDOUT
+                    ? "send"
+                    : "read";
+      return errno == EAGAIN || errno == EWOULDBLOCK ? -ETIMEDOUT : -errno;
+    } else if (sent == 0) {
       *failed = "read";
-      return rc == 1 ? -EIO : rc; /* 1: the file shrank under us */
+      return -EIO; /* the file shrank under us */
     }
-    if ((rc = replica__send_all(sock, buf, n)) != 0) {
-      *failed = "send";
-      return rc;
-    }
-    off += n;
+    off += (uint64_t)sent;
   }
   return 0;
 }
 
 /* Receives bytes into file_fd from offset 0. *failed: "receive" or
  * "write". */
+/* Moves bytes from sock into file_fd at *off through a pipe (splice: the
+ * socket's pages are not copied to user space on the way). 0, 1 when
+ * splice cannot serve this pair (nothing consumed), or a negative errno
+ * with *failed. */
+static int splice_file(int sock, int file_fd, uint64_t bytes, uint64_t *off, const char **failed) {
+  int pipe_fds[2];
+  if (pipe2(pipe_fds, O_CLOEXEC) != 0)
+    return 1;
+  fcntl(pipe_fds[1], F_SETPIPE_SZ, REPLICA_CHUNK_BYTES);
+  int rc = 0;
+  while (*off < bytes && rc == 0) {
+    size_t want = bytes - *off < REPLICA_CHUNK_BYTES ? (size_t)(bytes - *off) : REPLICA_CHUNK_BYTES;
+    ssize_t in = splice(sock, NULL, pipe_fds[1], NULL, want, SPLICE_F_MOVE);
+    if (in < 0 && errno == EINTR)
+      continue;
+    if (in < 0 && (errno == EINVAL || errno == ENOSYS) && *off == 0) {
+      rc = 1;
+      break;
+    }
+    if (in <= 0) {
+      *failed = "receive";
+      rc = in < 0 ? (errno == EAGAIN || errno == EWOULDBLOCK ? -ETIMEDOUT : -errno) : -EPIPE;
+      break;
+    }
+    for (ssize_t left = in; left > 0 && rc == 0;) {
+      loff_t at = (loff_t)*off;
+      ssize_t out = splice(pipe_fds[0], NULL, file_fd, &at, (size_t)left, SPLICE_F_MOVE);
+      if (out < 0 && errno == EINTR)
+        continue;
+      if (out <= 0) {
+        *failed = "write";
+        rc = out < 0 ? -errno : -EIO;
+        break;
+      }
+      left -= out;
+      *off += (uint64_t)out;
+    }
+  }
+  close(pipe_fds[0]);
+  close(pipe_fds[1]);
+  return rc;
+}
+
 int replica__recv_file(int sock, int file_fd, uint64_t bytes, uint8_t *buf, const char **failed) {
-  for (uint64_t off = 0; off < bytes;) {
+  uint64_t start = 0;
+  int spliced = splice_file(sock, file_fd, bytes, &start, failed);
+  if (spliced <= 0)
+    return spliced;
+  for (uint64_t off = start; off < bytes;) {
     size_t want = bytes - off < REPLICA_CHUNK_BYTES ? (size_t)(bytes - off) : REPLICA_CHUNK_BYTES;
     ssize_t n = recv(sock, buf, want, 0);
     if (n < 0 && errno == EINTR)

@@ -117,18 +117,28 @@ class Chaos:
             for n, d in self.nodes.items():
                 if self.baseline.get(n) is None and d.alive():
                     self.baseline[n] = usage(d.proc.pid)
-            if time.monotonic() >= next_kill and all(
-                    job(self.cluster, name)["state"] == "ready" for name in JOBS):
+            # A kill once the last one is over: every job ready, and the node
+            # killed back as a member (the next loss's spare), as an
+            # orchestrator restarting it keeps it.
+            if time.monotonic() >= next_kill and self.settled():
                 self.kill_one()
                 next_kill = time.monotonic() + every_s * self.rng.uniform(0.5, 1.5)
             time.sleep(0.5)
 
+    def settled(self):
+        members = ctl(self.cluster, "members").stdout.count("node-")
+        return members >= len(self.nodes) and all(
+            job(self.cluster, name)["state"] == "ready" for name in JOBS)
+
     def finish(self, more_steps):
-        """Lets the workers train to the jobs' highest step plus more_steps;
-        the parameters of each job (its workers' alike), and that step."""
+        """Lets the workers train to the jobs' highest reported step plus
+        more_steps; for each job, its parameters (its workers' alike) and
+        the step they are of (the job may have been past that target)."""
         wait_for("the jobs ready", lambda: all(
             job(self.cluster, n)["state"] == "ready" and not job(self.cluster, n)["stalled"]
             for n in JOBS), timeout_s=120)
+        for n in JOBS:  # a spare took each lost node's place: the world is whole
+            assert job(self.cluster, n)["world_size"] == 3, job(self.cluster, n)
         target = max(job(self.cluster, n)["step"] for n in JOBS) + more_steps
         with open(self.until_file, "w") as f:
             f.write(str(target))
@@ -140,13 +150,17 @@ class Chaos:
         results = {}
         for (name, node) in self.workers:
             w = np.load(self.out(name, node))
+            with open(self.out(name, node) + ".step") as f:
+                step = int(f.read())
             if name in results:
-                np.testing.assert_array_equal(w, results[name], err_msg=name)
-            results[name] = w
-        return results, target
+                np.testing.assert_array_equal(w, results[name][0], err_msg=name)
+                assert step == results[name][1], (name, step, results[name][1])
+            results[name] = (w, step)
+        return results
 
-    def reference(self, target):
-        """Each job trained without a fault to target, on three nodes."""
+    def reference(self, steps):
+        """Each job trained without a fault to its step in steps, on three
+        nodes."""
         c = self.cluster
         for name in JOBS:
             ctl(c, "jobs", "delete", name)
@@ -160,7 +174,8 @@ class Chaos:
             wait_for(ref, lambda: job(c, ref)["state"] == "ready")
             procs = [subprocess.Popen(
                 [python(), WORKER, "--socket", self.nodes[n].socket, "--job", ref, "--token",
-                 TOKEN, "--seed", str(seed), "--until", str(target), "--out", self.out(ref, n)],
+                 TOKEN, "--seed", str(seed), "--until", str(steps[name]), "--out",
+                 self.out(ref, n)],
                 env=worker_env()) for n in nodes]
             for p in procs:
                 assert p.wait(timeout=300) == 0

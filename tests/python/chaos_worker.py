@@ -4,7 +4,8 @@ Attaches (again after every error: its job was rebuilt, moved or restored
 under it), registers the job's one unit if it has none, and steps with the
 gradient `grads(seed, step, rank)` until the job's step is --until (or the
 number in --until-file, read at each step); then
-writes the parameters to --out (numpy .npy) and exits 0. Exits 3 if the
+writes the parameters to --out (numpy .npy), and the step they are of to
+--out.step, and exits 0. Exits 3 if the
 node no longer hosts the job for --give-up-s (it was moved away)."""
 
 import argparse
@@ -50,6 +51,10 @@ def train(args):
             unit.grad_buffer().arrays()["w"][...] = grads(args.seed, step + 1, job.rank)
             unit.reduce()
             step = job.step().step
+        # The job may be past the target when the target moves (the
+        # coordinator's step lags): the step it stopped at goes beside.
+        with open(args.out + ".step", "w") as f:
+            f.write(str(step))
         np.save(args.out + ".tmp.npy", job.state_dict()["w"])
         os.replace(args.out + ".tmp.npy", args.out)
 

@@ -20,14 +20,14 @@ def test_two_jobs_survive_killed_nodes_and_workers(cluster, tmp_path):
         chaos.run(duration_s=float(os.environ.get("ZEROD_CHAOS_SECONDS", "40")),
                   every_s=float(os.environ.get("ZEROD_CHAOS_EVERY_S", "8")))
         assert len(chaos.kills) >= 2, chaos.kills
-        results, target = chaos.finish(more_steps=20)
+        results = chaos.finish(more_steps=20)
     except AssertionError:
         print("kills:", chaos.kills)
         raise
     finally:
         chaos.stop_workers()
-    print("kills:", chaos.kills, "final step:", target)
-    refs = chaos.reference(target)
-    for name in results:
-        np.testing.assert_array_equal(results[name], refs[name], err_msg=name)
+    print("kills:", chaos.kills, "final steps:", {n: s for n, (_, s) in results.items()})
+    refs = chaos.reference({n: s for n, (_, s) in results.items()})
+    for name, (params, _) in results.items():
+        np.testing.assert_array_equal(params, refs[name], err_msg=name)
     assert chaos.leaks() == {}

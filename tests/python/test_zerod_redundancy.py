@@ -297,6 +297,9 @@ def test_in_memory_copies_count_in_the_jobs_host_quota(cluster):
         ctl(cluster, "jobs", "delete", name)
 
 
+MODEL_LOCK = threading.Lock()
+
+
 class TorchWorker(threading.Thread):
     """A zerod.torch worker of job `name` on `node` (TinyLM, its rank's share
     of each step's batch) training to step `until`; after a failure of the
@@ -318,7 +321,9 @@ class TorchWorker(threading.Thread):
         client = zerod.Client(self.node.socket)
         try:
             job = client.attach(self.name_, token=TOKEN, create=False)
-            model = zt.shard(TinyLM(seed=3), job)
+            with MODEL_LOCK:  # TinyLM seeds torch's one global generator
+                local = TinyLM(seed=3)
+            model = zt.shard(local, job)
             opt = zt.Optimizer(model)
             step = job.stats()[0]["step"]
             while step < self.until:
