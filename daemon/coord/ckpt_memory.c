@@ -45,7 +45,7 @@ static void replica_address(const coord *c, const char *node, char *out, size_t 
 }
 
 /* The placement index of the node that placement node at copies its
- * in-memory saves to: the next one, in placement order, that is a member
+ * in-memory copies to: the next one, in placement order, that is a member
  * serving replicas; -1 when there is none. */
 static long buddy_of(const coord *c, const cjob *j, size_t at) {
   size_t n = j->msg->n_placement;

@@ -23,8 +23,6 @@ const char *coord__ckpt_order_noun(const ckpt_order *o) {
     return "restore";
   if (o->is_export)
     return "export";
-  if (o->memory)
-    return "in-memory save";
   return o->periodic ? "periodic checkpoint" : "save";
 }
 
@@ -34,8 +32,8 @@ int64_t coord__ckpt_elapsed_ms(uint64_t since_ns) {
 
 /* The operation an order counts as in the metrics. */
 static const char *order_operation(const ckpt_order *o) {
-  if (o->memory)
-    return o->kind == ORDER_RESTORE ? "memory_restore" : "memory_save";
+  if (o->memory) /* only restores: the copies are the ranks' (rank/replicate.c) */
+    return "memory_restore";
   return o->kind == ORDER_RESTORE ? "restore" : o->is_export ? "export" : "save";
 }
 

@@ -375,8 +375,8 @@ int coord__ckpt_recovery_pending(const cjob *j);
 
 /* Whether j's policy asks for in-memory redundancy. */
 int coord__mem_enabled(const cjob *j);
-/* The replica key, buddy address (into buddy, of buddy_bytes) and newest
- * complete in-memory save for placement node at's Assignment. */
+/* The replica key and buddy address (into buddy, of buddy_bytes) for
+ * placement node at's Assignment. */
 void coord__mem_assignment(const coord *c, cjob *j, size_t at, Zerod__V1__Assignment *a,
                            char *buddy, size_t buddy_bytes);
 /* From the periodic tick: j's newest complete in-memory copy, from its

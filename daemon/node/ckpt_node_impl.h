@@ -81,7 +81,7 @@ typedef struct job_ckpt {
   uint64_t restore_id; /* 0: none */
   int restore_commit_sent;
   rank_restore *restores; /* [nranks] */
-  /* A restore from an in-memory save (RestoreOrder.memory): its save id
+  /* A restore from in-memory copies (RestoreOrder.memory): their step
    * and, per saved rank, where its file is (replica.h), for the ranks'
    * fetch of what this node lacks (once: fetch_mutex, fetched). */
   uint64_t mem_save;
@@ -102,10 +102,10 @@ void ckpt_node__save_unref(job *j, save_rec *s);
  * save from its peers before its node gets the order). */
 save_rec *ckpt_node__save_get(job *j, uint64_t id);
 
-/* ckpt_node_memory.c: a restore from an in-memory save. On the loop:
- * writes the order's manifest into this node's replica directory of the
- * save (its path into source) and keeps the holders for the ranks' fetch;
- * -1 when it cannot (every local rank's failure reported). */
+/* ckpt_node_memory.c: a restore from in-memory copies. On the loop: the
+ * path of this node's replica directory of the copies' step into source,
+ * and the holders kept for the ranks' fetch. 0, or a negative errno with
+ * err (the caller reports every local rank's failure). */
 int ckpt_node__mem_restore_prepare(job *j, const Zerod__V1__RestoreOrder *o, char *source,
                                    size_t source_bytes, char *err, size_t err_bytes);
 void ckpt_node__mem_holders_free(job_ckpt *c);

@@ -1,4 +1,4 @@
-/* ckpt_node_memory: a node's part of a restore from an in-memory save
+/* ckpt_node_memory: a node's part of a restore from in-memory copies
  * (ckpt_node_impl.h; docs/redundancy.md).
  *
  * The order carries the save's manifest and, per rank of the world that

@@ -43,11 +43,7 @@ static int write_shard(rank_state *rs, unit_layout **units, unsigned n, uint64_t
   uint64_t largest = 0;
   for (unsigned k = 0; k < n; k++)
     largest = units[k]->shard_numel > largest ? units[k]->shard_numel : largest;
-  float *bounce = malloc(largest ? largest * sizeof(float) : 1);
-  if (bounce == NULL) {
-    snprintf(err, err_bytes, "out of host memory");
-    return -ENOMEM;
-  }
+  float *bounce = NULL; /* made for the first state not in host memory */
   ckpt_writer *w = NULL;
   int rc = ckpt_writer_open(part, &h, &w, err, err_bytes);
   for (unsigned k = 0; rc == 0 && k < n; k++) {
@@ -58,7 +54,10 @@ static int write_shard(rank_state *rs, unit_layout **units, unsigned n, uint64_t
       /* A host rank's state is written from where it lives; any other's
        * (a GPU's, a tier file's) is copied into host memory first. */
       const float *from = device_is_host(rs->dev) ? exec__shard_state(rs, sh, s) : NULL;
-      if (from == NULL && (rc = exec__state_get(rs, sh, units[k], s, bounce)) != 0)
+      if (from == NULL && bounce == NULL && (bounce = malloc(largest * sizeof(float))) == NULL) {
+        snprintf(err, err_bytes, "out of host memory");
+        rc = -ENOMEM;
+      } else if (from == NULL && (rc = exec__state_get(rs, sh, units[k], s, bounce)) != 0)
         snprintf(err, err_bytes, "copying the shard state: %s", device_last_error(rs->dev));
       else
         rc = ckpt_writer_write(w, from != NULL ? from : bounce,

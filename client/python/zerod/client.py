@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _lib
-from .errors import (BY_STATUS, AbortedError, Error, InvalidArgumentError, IOError_,
-                     NotFoundError, UnavailableError)
+from . import _lib, _recover
+from .errors import BY_STATUS, Error, InvalidArgumentError
 from .policies import MixedPrecisionPolicy, OffloadPolicy, dtype_name
 
 _DTYPE_NAMES = {_lib.F32: "float32", _lib.BF16: "bfloat16", _lib.F16: "float16"}
@@ -420,24 +418,7 @@ class Client:
         recovered job's, ``job.stats()[0]["step"]`` the step to go on from
         (re-register nothing). Views of `job`'s gathered buffers must not be
         used afterwards."""
-        try:
-            job.detach()
-        except Error:
-            pass
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if self._handle is None:
-                    self._connect()
-                args = dict(job._attach_args)
-                return self.attach(job.name, create=False, **args)
-            except (UnavailableError, NotFoundError, AbortedError, IOError_):
-                if time.monotonic() >= deadline:
-                    raise
-            # The connection may have gone with the job (a daemon restart):
-            # a fresh one costs little.
-            self.close()
-            time.sleep(0.1)
+        return _recover.reattach(self, job, timeout_s)
 
     def _connect(self) -> None:
         handle = ctypes.c_void_p()
