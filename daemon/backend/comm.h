@@ -70,6 +70,9 @@ typedef struct comm_options {
   int timeout_ms;       /* per call, and for the rendezvous */
   const char *hostname; /* address to listen on; NULL: 127.0.0.1 */
   comm_level level;     /* what its bytes count as (comm_take_bytes) */
+  /* Fired from another thread, ends the creation with -ECANCELED
+   * (comm_cancel.h); NULL: only the store's stop or the timeout ends it. */
+  struct comm_cancel *cancel;
 } comm_options;
 
 /* Creates a Gloo communicator; blocks until all world_size ranks have

@@ -1,9 +1,10 @@
 /* comm_gloo.cc - the Gloo backend of comm.h: collectives between the CPU
  * ranks of a job, over TCP.
  *
- * This file owns the only C++ in zerod. It adapts our C rendezvous store
- * (store.h) to gloo::rendezvous::Store, builds one Gloo TCP device and one
- * full-mesh context per communicator, and runs the collectives: Gloo's own
+ * This file and comm_gloo_mesh.cc own the only C++ in zerod. This one
+ * builds one Gloo TCP device and one full-mesh context per communicator
+ * (its pairs connected through our rendezvous store by comm_gloo_mesh.cc),
+ * ends the rendezvous with a barrier, and runs the collectives: Gloo's own
  * all-gather, all-reduce, broadcast and barrier, and a reduce-scatter of
  * ours written on Gloo's unbound buffers (this Gloo has no options-based
  * reduce-scatter) that sums in rank order. comm.c checks the arguments and
@@ -49,14 +50,14 @@
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
 #include <gloo/math.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/store.h>
+#include <gloo/context.h>
 #include <gloo/transport/context.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
 /* The C headers have no extern "C" guards of their own (the rest of zerod is
  * C), so the linkage is given here. */
+#include "comm_gloo_mesh.h"
 #include "comm_impl.h"
 extern "C" {
 #include "store.h"
@@ -74,9 +75,10 @@ using steady_clock = std::chrono::steady_clock;
 constexpr uint64_t kReduceScatterSlotBase = uint64_t{0x40} << 56;
 constexpr uint64_t kAllToAllSlot = uint64_t{0x41} << 56;
 
-/* The connect phase of Gloo's rendezvous waits five times the context
- * timeout; the context timeout is divided by this while connecting so that
- * comm_gloo_create returns within about timeout_ms. */
+/* Pairs connect one after another, each waiting up to the timeout divided
+ * by this for its peer, so that a few peers that never come still end the
+ * creation within about timeout_ms (the barrier after them waits the
+ * rest). */
 constexpr int kConnectTimeoutDivisor = 5;
 
 /* ---- abort ------------------------------------------------------------- */
@@ -203,6 +205,34 @@ void AbortableContext::abort() noexcept {
   }
 }
 
+/* A Gloo context over pairs that connect_pairs connected (instead of
+ * Gloo's rendezvous::Context, whose connectFullMesh cannot be cancelled). */
+class ZerodContext : public gloo::Context {
+public:
+  using gloo::Context::Context;
+
+  void adopt(std::shared_ptr<gloo::transport::Device> device,
+             std::shared_ptr<gloo::transport::Context> pairs) {
+    device_ = std::move(device);
+    transportContext_ = std::move(pairs);
+  }
+
+  /* The transport context's timeout, which it copied from its own when its
+   * pairs were made. */
+  void set_transport_timeout(milliseconds timeout) {
+    if (transportContext_)
+      transportContext_->setTimeout(timeout);
+  }
+
+  /* Puts the connected transport behind an AbortableContext (comm_abort);
+   * after set_transport_timeout, which it copies. */
+  AbortableContext *make_abortable() {
+    auto abortable = std::make_shared<AbortableContext>(transportContext_);
+    transportContext_ = abortable;
+    return abortable.get();
+  }
+};
+
 /* The communicator: the common part (comm_impl.h) as its base, so that the
  * C side's comm * is a GlooComm * after a static_cast. Allocated with new,
  * freed by the destroy operation. The device is declared before the context
@@ -210,7 +240,7 @@ void AbortableContext::abort() noexcept {
  * first. */
 struct GlooComm : comm {
   std::shared_ptr<gloo::transport::Device> device;
-  std::shared_ptr<gloo::rendezvous::Context> context;
+  std::shared_ptr<ZerodContext> context;
   AbortableContext *abortable = nullptr; /* the context's transport, once connected */
   /* Landing buffers of the reduce-scatter, grown on demand. */
   std::unique_ptr<float[]> scratch;
@@ -229,15 +259,6 @@ GlooComm *gloo_of(comm *c) {
 struct PeerHint {
   int recv_rank = -1;
   int send_rank = -1;
-};
-
-/* Thrown by the store adapter; carries the errno and the key so that the
- * rendezvous can say which rank never showed up. */
-struct StoreFailure : std::runtime_error {
-  StoreFailure(int store_error, const std::string &store_key, const std::string &what)
-      : std::runtime_error(what), error(store_error), key(store_key) {}
-  int error;
-  std::string key;
 };
 
 /* The abort operation: closes every connection of a communicator that has
@@ -336,106 +357,10 @@ int run_collective(GlooComm *c, const char *op_name, Body &&body) noexcept {
   }
 }
 
-/* ---- the store adapter -------------------------------------------------- */
-
-/* Presents our C store to Gloo's rendezvous, with every key under
- * "<prefix>/" so that jobs and epochs sharing one store stay apart. Every
- * wait is bounded by one deadline for the whole rendezvous, whatever timeout
- * Gloo asks for, so that comm_gloo_create returns within about timeout_ms. */
-class StoreAdapter : public gloo::rendezvous::Store {
-public:
-  StoreAdapter(store *st, const std::string &prefix, steady_clock::time_point deadline)
-      : st_(st), prefix_(prefix + "/"), deadline_(deadline) {}
-
-  void set(const std::string &key, const std::vector<char> &data) override {
-    const std::string full_key = prefix_ + key;
-    int rc = st_->ops->set(st_, full_key.c_str(), data.data(), data.size());
-    if (rc < 0)
-      throw StoreFailure(rc, key, "store set of '" + full_key + "' failed: " + strerror(-rc));
-  }
-
-  /* Gloo reads some keys without waiting for them first (the ranks' host
-   * names), so get waits too. */
-  std::vector<char> get(const std::string &key) override {
-    return fetch(key, remaining_ms());
-  }
-
-  void wait(const std::vector<std::string> &keys) override {
-    wait(keys, milliseconds(remaining_ms()));
-  }
-
-  /* Gloo passes the context timeout, which is shortened while connecting
-   * (kConnectTimeoutDivisor); the rendezvous deadline is what bounds us. */
-  void wait(const std::vector<std::string> &keys, const milliseconds &) override {
-    for (const auto &key : keys)
-      fetch(key, remaining_ms());
-  }
-
-private:
-  int remaining_ms() const {
-    auto left = std::chrono::duration_cast<milliseconds>(deadline_ - steady_clock::now()).count();
-    /* Zero makes the C store only look, never wait without limit. */
-    return static_cast<int>(std::max<long long>(left, 0));
-  }
-
-  std::vector<char> fetch(const std::string &key, int timeout_ms) {
-    const std::string full_key = prefix_ + key;
-    void *value = nullptr;
-    size_t value_bytes = 0;
-    int rc = st_->ops->get(st_, full_key.c_str(), &value, &value_bytes, timeout_ms);
-    if (rc < 0)
-      throw StoreFailure(rc, key, "store get of '" + full_key + "' failed: " + strerror(-rc));
-    const char *bytes = static_cast<const char *>(value);
-    std::vector<char> data;
-    try {
-      data.assign(bytes, bytes + value_bytes);
-    } catch (...) {
-      free(value);
-      throw;
-    }
-    free(value);
-    return data;
-  }
-
-  store *st_;
-  std::string prefix_;
-  steady_clock::time_point deadline_;
-};
-
-/* Gloo's rendezvous keys are "rank_<r>" (host names) and "<r>" (pair
- * addresses); both name the rank that writes them. -1 for any other key. */
-int rank_of_store_key(const std::string &key) {
-  const char *digits = key.c_str();
-  if (key.compare(0, 5, "rank_") == 0)
-    digits += 5;
-  if (*digits == '\0')
-    return -1;
-  char *end = nullptr;
-  long rank = strtol(digits, &end, 10);
-  if (*end != '\0' || rank < 0 || rank > COMM_MAX_WORLD_SIZE)
-    return -1;
-  return static_cast<int>(rank);
+/* The cancel hook during the barrier that ends the rendezvous. */
+void abort_barrier(void *arg) {
+  static_cast<AbortableContext *>(arg)->abort();
 }
-
-/* Gives access to the transport context's timeout, which Gloo's context
- * copies from its own at connect time and never updates. */
-class ZerodContext : public gloo::rendezvous::Context {
-public:
-  using gloo::rendezvous::Context::Context;
-
-  void set_transport_timeout(milliseconds timeout) {
-    if (transportContext_)
-      transportContext_->setTimeout(timeout);
-  }
-
-  /* Puts the connected transport behind an AbortableContext (comm_abort);
-   * after set_transport_timeout, which it copies. */
-  AbortableContext *make_abortable() {
-    auto abortable = std::make_shared<AbortableContext>(transportContext_);
-    transportContext_ = abortable;
-    return abortable.get();
-  }
-};
 
 /* Connects the full mesh, then (after a barrier, when every rank has read
  * every key) lets rank 0 delete the rendezvous keys so that a long-lived
@@ -455,14 +380,18 @@ void connect_mesh(GlooComm *c, const comm_options *options, store *st, const cha
   auto context = std::make_shared<ZerodContext>(options->rank, options->world_size);
   c->context = context;
   const milliseconds timeout(options->timeout_ms);
-  context->setTimeout(std::max(milliseconds(1), timeout / kConnectTimeoutDivisor));
-  StoreAdapter adapter(st, options->prefix, deadline);
-  context->connectFullMesh(adapter, c->device);
+  context->adopt(c->device,
+                 zerod_gloo::connect_pairs(
+                     c->device, options, st,
+                     std::max(milliseconds(1), timeout / kConnectTimeoutDivisor), deadline));
   context->setTimeout(timeout);
   context->set_transport_timeout(timeout);
   c->abortable = context->make_abortable();
 
   if (options->world_size > 1) {
+    zerod_gloo::CancelHook unhook(options->cancel);
+    if (comm_cancel_hook(options->cancel, abort_barrier, c->abortable))
+      throw zerod_gloo::Cancelled();
     gloo::BarrierOptions barrier_options(c->context);
     barrier_options.setTimeout(timeout);
     gloo::barrier(barrier_options);
@@ -801,8 +730,8 @@ extern "C" int comm_gloo_create(const comm_options *options, store *st, comm **o
   rc = 0;
   try {
     connect_mesh(c, options, st, hostname);
-  } catch (const StoreFailure &e) {
-    int peer = rank_of_store_key(e.key);
+  } catch (const zerod_gloo::StoreFailure &e) {
+    int peer = zerod_gloo::rank_of_store_key(e.key);
     if (e.error == -ETIMEDOUT && peer >= 0)
       comm_format_error(err, err_bytes, "rendezvous: timed out after %d ms waiting for rank %d",
                         options->timeout_ms, peer);
@@ -832,6 +761,11 @@ extern "C" int comm_gloo_create(const comm_options *options, store *st, comm **o
   } catch (...) {
     comm_format_error(err, err_bytes, "create: unknown C++ exception");
     rc = -EIO;
+  }
+  if (rc != 0 && comm_cancel_fired(options->cancel)) {
+    /* Whatever the fire made fail (a closed pair, an aborted barrier). */
+    comm_format_error(err, err_bytes, "rendezvous: cancelled");
+    rc = -ECANCELED;
   }
   if (rc != 0) {
     comm_destroy(c);

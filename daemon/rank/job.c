@@ -70,6 +70,7 @@ int job_create(const struct exec_settings *exec, void *owner, const char *name,
     pthread_mutex_init(&rs->queue_mutex, NULL);
     pthread_cond_init(&rs->queue_cond, NULL);
     pthread_mutex_init(&rs->comm_lock, NULL);
+    comm_cancel_init(&rs->build_cancel);
   }
   if (init_rank_locks(j) != 0) {
     job_destroy(j);
@@ -88,6 +89,7 @@ void job_destroy(job *j) {
       pthread_mutex_destroy(&j->ranks[r].queue_mutex);
       pthread_cond_destroy(&j->ranks[r].queue_cond);
       pthread_mutex_destroy(&j->ranks[r].comm_lock);
+      comm_cancel_destroy(&j->ranks[r].build_cancel);
     }
     pthread_mutex_destroy(&j->mutex);
   }

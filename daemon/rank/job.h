@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "comm.h"
+#include "comm_cancel.h"
 #include "config.h"
 #include "device.h"
 #include "digest.h"
@@ -128,6 +129,11 @@ typedef struct rank_state {
    * replacing or freeing `comm` meanwhile. */
   _Atomic int stopping;
   pthread_mutex_t comm_lock;
+  /* Armed while the executor builds a communicator (tagged with its
+   * generation): exec_rank_abort_comm fires it when the rank stops or that
+   * generation has failed, so a build waiting for a peer that is gone ends
+   * now, not at its timeout. */
+  comm_cancel build_cancel;
 
   /* Executor-owned state. The device is opened by the executor thread
    * when it starts and closed when it stops; every array below that holds

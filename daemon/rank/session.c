@@ -135,9 +135,14 @@ void exec__handle_comm_init(rank_state *rs, exec_op *op) {
                           .world_size = rs->job->world_size,
                           .timeout_ms = rs->job->exec->collective_timeout_ms,
                           .hostname = rs->job->exec->comm_hostname,
-                          .level = job_spans_nodes(rs->job) ? COMM_LEVEL_WORLD : COMM_LEVEL_NODE};
+                          .level = job_spans_nodes(rs->job) ? COMM_LEVEL_WORLD : COMM_LEVEL_NODE,
+                          .cancel = &rs->build_cancel};
   int rc;
   comm *built = NULL;
+  comm_cancel_arm(&rs->build_cancel, rs->generation);
+  /* A stop or failure before the arm: nothing fired it. */
+  if (atomic_load(&rs->stopping) || job_failed(rs->job, rs->generation, NULL, 0))
+    comm_cancel_fire(&rs->build_cancel, rs->generation);
   if (rs->dev == NULL) {
     snprintf(err, sizeof err, "%s", rs->device_error);
     rc = -ENODEV;
@@ -152,10 +157,14 @@ void exec__handle_comm_init(rank_state *rs, exec_op *op) {
     rc = comm_nccl_create(&options, rs->job->exec->rendezvous, device_cuda_api(rs->dev),
                           device_cuda_stream(rs->dev), &built, err, sizeof err);
   }
+  comm_cancel_disarm(&rs->build_cancel);
   if (rc != 0) {
     job_fail(rs->job, rs->generation, "rank %d: communicator: %s", rs->rank, err);
     if (atomic_load(&rs->stopping)) /* the rendezvous gave up: the daemon is stopping */
       LOG_INFOF("communicator not built; zerod is stopping", "job=%s rank=%d generation=%u",
+                rs->job->name, rs->rank, rs->generation);
+    else if (rc == -ECANCELED) /* its generation failed meanwhile, reason given already */
+      LOG_INFOF("communicator not built; its generation failed", "job=%s rank=%d generation=%u",
                 rs->job->name, rs->rank, rs->generation);
     else
       LOG_ERRORF("communicator failed", "job=%s rank=%d generation=%u", rs->job->name, rs->rank,
