@@ -25,21 +25,47 @@
  * once with ZD_E_UNAVAILABLE and the reason, and the mappings stay valid
  * until zd_close so that views held by the worker never dangle. */
 #include "client_impl.h"
+#include "paths.h"
 
 /* ------------------------------------------------------------------------
  * Connect and close
  * ------------------------------------------------------------------------ */
 
+/* Where zd_default_socket looked, for the connect error (per thread). */
+static _Thread_local char default_tried[ZPATH_CANDIDATES * (ZPATH_MAX + 2)];
+
 const char *zd_default_socket(void) {
+  static _Thread_local char found[ZPATH_MAX];
   const char *path = getenv("ZEROD_SOCKET");
-  return path != NULL && path[0] != '\0' ? path : ".zerod/zerod.sock";
+  if (path != NULL && path[0] != '\0') {
+    snprintf(default_tried, sizeof default_tried, "%s ($ZEROD_SOCKET)", path);
+    return path;
+  }
+  zpath_find("zerod.sock", found, sizeof found, default_tried, sizeof default_tried);
+  return found;
+}
+
+/* The connect error: where the socket was and, for the default, where
+ * else a daemon was looked for and how to start or name one. */
+static zd_status connect_failed(const char *socket_path, int defaulted, int err) {
+  if (!defaulted)
+    return client__set_error(ZD_E_UNAVAILABLE,
+                             "cannot connect to zerod at %s: %s (is the daemon running? start it "
+                             "with `zerod standalone --dir DIR` and connect to DIR/zerod.sock)",
+                             socket_path, strerror(err));
+  return client__set_error(ZD_E_UNAVAILABLE,
+                           "cannot connect to zerod: no daemon answers at %s (looked at: %s); "
+                           "start one with `zerod standalone`, or name its socket with "
+                           "ZEROD_SOCKET",
+                           socket_path, default_tried);
 }
 
 zd_status zd_connect(const char *socket_path, zd_client **out) {
   if (out == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT, "connect: out is NULL");
   *out = NULL;
-  if (socket_path == NULL)
+  int defaulted = socket_path == NULL;
+  if (defaulted)
     socket_path = zd_default_socket();
   struct sockaddr_un address = {.sun_family = AF_UNIX};
   size_t path_bytes = strlen(socket_path);
@@ -66,11 +92,7 @@ zd_status zd_connect(const char *socket_path, zd_client **out) {
     int err = errno;
     close(client->sock);
     free(client);
-    return client__set_error(
-        ZD_E_UNAVAILABLE,
-        "cannot connect to zerod at %s: %s (is the daemon running? start it with "
-        "`zerod standalone`)",
-        socket_path, strerror(err));
+    return connect_failed(socket_path, defaulted, err);
   }
   client->next_request_id = 1;
   zd_frame_reader_init(&client->reader);

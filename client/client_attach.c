@@ -207,7 +207,9 @@ zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, 
   int read_only = options.read_only != 0;
   request.mode = read_only ? ZEROD__V1__ATTACH_MODE__ATTACH_READ_ONLY
                            : ZEROD__V1__ATTACH_MODE__ATTACH_READ_WRITE;
-  request.create = options.create != 0;
+  request.create = options.create != ZD_ATTACH_EXISTING;
+  request.fresh = options.create == ZD_CREATE_FRESH;
+  request.world_size = options.world_size;
   request.pin = options.pin != 0;
   if (options.config != NULL) {
     if ((status = fill_job_config(options.config, &config, &optimizer, &offload, nvme_path,

@@ -91,7 +91,9 @@ static const char general_usage[] =
     "\n"
     "options (before or after the command):\n"
     "  -c, --coordinator HOST:PORT  the coordinator, or unix:DIR/control.sock for a\n"
-    "                               standalone zerod [ZEROD_COORDINATOR, default\n"
+    "                               standalone zerod [ZEROD_COORDINATOR, default: a\n"
+    "                               local zerod's control.sock in its default --dir\n"
+    "                               (yours, /var/lib/zerod, /run/zerod), else\n"
     "                               " CTL_DEFAULT_COORDINATOR "]\n"
     "  -j, --json                   print one JSON object (for scripts)\n"
     "  -t, --timeout SECONDS        deadline of each call [default 10; checkpoint save\n"
@@ -283,16 +285,29 @@ static int check_command(ctl *c, const command *cmd, const ctl_options *options,
   return 0;
 }
 
-/* The coordinator (--coordinator, else ZEROD_COORDINATOR, else the
- * default), how to reach it, and the calls' deadline. Returns 0 or the
- * usage exit status. */
+/* Nothing named a coordinator: a local zerod's control socket where a
+ * daemon started without --dir keeps it (paths.h), as container CLIs find
+ * their local daemon; else the default address. */
+static void default_coordinator(ctl *c) {
+  char path[ZPATH_MAX];
+  c->coordinator_defaulted = true;
+  c->coordinator = CTL_DEFAULT_COORDINATOR;
+  if (zpath_find("control.sock", path, sizeof path, c->looked, sizeof c->looked)) {
+    snprintf(c->local_target, sizeof c->local_target, "unix:%s", path);
+    c->coordinator = c->local_target;
+  }
+}
+
+/* The coordinator (--coordinator, else ZEROD_COORDINATOR, else a local
+ * daemon's or the default), how to reach it, and the calls' deadline.
+ * Returns 0 or the usage exit status. */
 static int settle_coordinator(ctl *c, const ctl_options *options) {
   const char *coordinator_from = "--coordinator";
   if (c->coordinator == NULL) {
     c->coordinator = getenv("ZEROD_COORDINATOR");
     coordinator_from = "ZEROD_COORDINATOR";
     if (c->coordinator == NULL || c->coordinator[0] == '\0')
-      c->coordinator = CTL_DEFAULT_COORDINATOR;
+      default_coordinator(c);
   }
   if (!ctl__valid_target(c->coordinator))
     return ctl__usage_error("invalid %s '%s': expected HOST:PORT or unix:PATH", coordinator_from,

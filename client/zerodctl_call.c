@@ -12,15 +12,30 @@
 
 #include "zerodctl_impl.h"
 
+/* After "cannot reach ...": where zerodctl looked when nothing named the
+ * coordinator, and how to name one. */
+static const char *looked(const ctl *c, char *buf, size_t bytes) {
+  if (!c->coordinator_defaulted)
+    return "";
+  snprintf(buf, bytes,
+           " (no --coordinator or ZEROD_COORDINATOR given; a local zerod's control socket was "
+           "looked for at %s; start one with `zerod standalone`, or name one with "
+           "--coordinator HOST:PORT or --coordinator unix:PATH)",
+           c->looked);
+  return buf;
+}
+
 /* Prints the one error line for a failed call and returns its exit status. */
 static int call_failed(const ctl *c, int status, const rpc_result *result) {
+  char hint[1024];
   const char *message = result->message[0] != '\0' ? result->message : "(no message)";
   if (status < 0)
     return ctl__fail_line(CTL_EXIT_FAILED, "%s: %s%s%s", c->command, strerror(-status),
                           result->message[0] != '\0' ? ": " : "", result->message);
   if (status == RPC_UNAVAILABLE)
-    return ctl__fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s: %s",
-                          c->coordinator, rpc_status_name(status), message);
+    return ctl__fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s: %s%s",
+                          c->coordinator, rpc_status_name(status), message,
+                          looked(c, hint, sizeof hint));
   if (status == RPC_DEADLINE_EXCEEDED)
     return ctl__fail_line(CTL_EXIT_FAILED, "%s: %s: no reply from the coordinator at %s within %gs",
                           c->command, rpc_status_name(status), c->coordinator, c->timeout_s);
@@ -43,9 +58,11 @@ int ctl__call(ctl *c, const char *method, const ProtobufCMessage *request,
     char err[256] = "";
     rpc_channel_options options = {.tls = c->use_tls ? &c->tls : NULL, .token = c->token};
     int rc = rpc_channel_create_with(c->coordinator, &options, &c->channel, err, sizeof err);
+    char hint[1024];
     if (rc != 0)
-      return ctl__fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s",
-                            c->coordinator, err[0] != '\0' ? err : strerror(-rc));
+      return ctl__fail_line(CTL_EXIT_FAILED, "cannot reach the coordinator at %s: %s%s",
+                            c->coordinator, err[0] != '\0' ? err : strerror(-rc),
+                            looked(c, hint, sizeof hint));
   }
 
   size_t request_bytes = protobuf_c_message_get_packed_size(request);

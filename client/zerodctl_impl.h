@@ -28,6 +28,7 @@
 #include <stdio.h>
 
 #include "grpc/health/v1/health.pb-c.h"
+#include "paths.h"
 #include "rpc.h"
 #include "zerod/v1/control.pb-c.h"
 
@@ -108,7 +109,13 @@ const char *ctl__serving_status_name(Grpc__Health__V1__HealthCheckResponse__Serv
 
 /* One invocation: the command line's settings and the channel. */
 typedef struct ctl {
-  const char *coordinator; /* HOST:PORT */
+  const char *coordinator; /* HOST:PORT or unix:PATH */
+  /* No --coordinator nor ZEROD_COORDINATOR: a local daemon's control
+   * socket found in its default place (paths.h), else the default address;
+   * where it looked, for the error when nothing answers. */
+  bool coordinator_defaulted;
+  char local_target[ZPATH_MAX + 8];
+  char looked[ZPATH_CANDIDATES * (ZPATH_MAX + 2)];
   double timeout_s;
   int timeout_ms;
   bool json;

@@ -232,7 +232,12 @@ typedef struct zd_attach_options {
    * daemon. Gathers and releases take part in no collective. Views are
    * mapped read-only (gathered views are, for every job). */
   int read_only;
-  int create; /* create the job with `config` if it does not exist */
+  /* ZD_ATTACH_EXISTING (0): the job must exist (ZD_E_NOT_FOUND names it);
+   * ZD_CREATE_OR_RESUME (1): create it with `config` if it does not exist,
+   * else resume it where it is (zd_job_version: its completed steps);
+   * ZD_CREATE_FRESH (2): create it, or join it while no step is done, but
+   * refuse one that has trained (ZD_E_FAILED_PRECONDITION). */
+  int create;
   const zd_job_config *config;
   /* Read-only only (ignored for read-write jobs): serve every gather from
    * one version, pinned at attach and moved to the latest by zd_pin, so a
@@ -252,7 +257,16 @@ typedef struct zd_attach_options {
    * it while the unit is released faults (SIGSEGV). The ranges are unmapped
    * by zd_close. Gradient views are not affected. */
   int stable_addresses;
+  /* A job this attach creates on a standalone daemon gets this many ranks
+   * (a launcher's world size; at most the daemon's --max-ranks); 0: the
+   * daemon's --ranks. Ignored for a job that exists (zd_job_world_size says
+   * its own) and in a cluster. Since ABI 1.1. */
+  unsigned world_size;
 } zd_attach_options;
+
+#define ZD_ATTACH_EXISTING  0
+#define ZD_CREATE_OR_RESUME 1
+#define ZD_CREATE_FRESH     2
 
 #define ZD_ATTACH_OPTIONS_INIT ZD_SIZED_INIT(zd_attach_options)
 
@@ -388,7 +402,11 @@ typedef struct zd_pending {
 
 #define ZD_PENDING_INIT ZD_SIZED_INIT(zd_pending)
 
-/* The default socket path: $ZEROD_SOCKET, else ./.zerod/zerod.sock. */
+/* The default socket path: $ZEROD_SOCKET, else the first that exists of
+ * the user's state directory's zerod.sock (root: /var/lib/zerod; others:
+ * $XDG_STATE_HOME/zerod or ~/.local/state/zerod), /var/lib/zerod/zerod.sock
+ * and /run/zerod/zerod.sock, else the first of them. The string is the
+ * calling thread's until its next call. */
 ZD_API const char *zd_default_socket(void);
 
 /* Connects to the daemon at socket_path (NULL: zd_default_socket()).

@@ -30,6 +30,7 @@
 typedef enum flag_id {
   /* zerod [standalone] and zerod node */
   FLAG_RANKS,
+  FLAG_MAX_RANKS,
   FLAG_DEVICE,
   FLAG_DIR,
   FLAG_SOCKET,
@@ -54,6 +55,7 @@ typedef enum flag_id {
   /* both (standalone runs a coordinator too) */
   FLAG_CHECKPOINT_DIR,
   FLAG_CHECKPOINT_TIMEOUT,
+  FLAG_JOB_IDLE_TTL,
   FLAG_EXPORT_ROOT,
   FLAG_FILE_MODE,
   FLAG_HEALTH_LISTEN,

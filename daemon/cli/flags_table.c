@@ -32,6 +32,18 @@ static const char *const device_choices[] = {"cpu", "cuda", "auto", NULL};
         "                          none]\n"                                                        \
   }
 
+#define ROW_JOB_IDLE_TTL                                                                           \
+  {                                                                                                \
+    .id = FLAG_JOB_IDLE_TTL, .name = "job-idle-ttl", .takes_value = 1,                             \
+    .env = "ZEROD_JOB_IDLE_TTL", .fallback = "0", .parse = flag_parse_duration_ms,                 \
+    .expected = "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0: never",                        \
+    .help = "  --job-idle-ttl DURATION\n"                                                          \
+            "                          delete a job once no worker has been attached to it on\n"   \
+            "                          any of its nodes this long (90s, 12h, 7d; its\n"            \
+            "                          checkpoints stay; bases never expire)\n"                    \
+            "                          [ZEROD_JOB_IDLE_TTL, default 0: never]\n"                   \
+  }
+
 #define ROW_LOG_LEVEL                                                                              \
   {                                                                                                \
     .id = FLAG_LOG_LEVEL, .name = "log-level", .takes_value = 1, .env = "ZEROD_LOG_LEVEL",         \
@@ -86,9 +98,21 @@ static const flag node_flags[] = {
      .lo = 1,
      .hi = JOB_MAX_WORLD,
      .expected = "1..64",
-     .help = "  --ranks N               ranks hosted by this daemon; standalone: every job\n"
-             "                          has N ranks; node: the most a job may place here\n"
+     .help = "  --ranks N               standalone: the ranks of a job whose creator asks for\n"
+             "                          no number (a launcher's WORLD_SIZE is asked for);\n"
+             "                          node: the most a job may place here\n"
              "                          [ZEROD_RANKS, default 1]\n"},
+    {.id = FLAG_MAX_RANKS,
+     .name = "max-ranks",
+     .takes_value = 1,
+     .env = "ZEROD_MAX_RANKS",
+     .parse = flag_parse_int,
+     .lo = 1,
+     .hi = JOB_MAX_WORLD,
+     .expected = "1..64",
+     .help = "  --max-ranks N           standalone: the most ranks one job may have here\n"
+             "                          (ranks are made per job) [ZEROD_MAX_RANKS, default:\n"
+             "                          the CPUs (cpu) or GPUs (cuda), at least --ranks]\n"},
     {.id = FLAG_DEVICE,
      .name = "device",
      .takes_value = 1,
@@ -106,9 +130,10 @@ static const flag node_flags[] = {
      .name = "dir",
      .takes_value = 1,
      .env = "ZEROD_DIR",
-     .fallback = ".zerod",
-     .help = "  --dir DIR               state directory: lock file and default socket\n"
-             "                          [ZEROD_DIR, default ./.zerod]\n"},
+     .help = "  --dir DIR               state directory: lock file and default socket, the\n"
+             "                          same wherever zerod starts ($XDG_STATE_HOME/zerod,\n"
+             "                          else root: /var/lib/zerod, others ~/.local/state/zerod)\n"
+             "                          [ZEROD_DIR, default: the user's state directory]\n"},
     {.id = FLAG_SOCKET,
      .name = "socket",
      .takes_value = 1,
@@ -188,6 +213,7 @@ static const flag node_flags[] = {
      .expected = "seconds, 1..86400",
      .help = "  --checkpoint-timeout S  standalone: longest a checkpoint save or restore may\n"
              "                          take [ZEROD_CHECKPOINT_TIMEOUT, default 600]\n"},
+    ROW_JOB_IDLE_TTL,
     {.id = FLAG_EXPORT_ROOT,
      .name = "export-root",
      .takes_value = 1,
@@ -332,6 +358,8 @@ static const char *const node_getopt_order[] = {"ranks",
                                                 "nvme-dir",
                                                 "base-cache-bytes",
                                                 "replica-dir",
+                                                "max-ranks",
+                                                "job-idle-ttl",
                                                 "help",
                                                 NULL};
 
@@ -431,6 +459,7 @@ static const flag coordinator_flags[] = {
              "                          it (docs/daemon.md, \"Stalls\"; 0: only the nodes'\n"
              "                          collective timeout ends the wait)\n"
              "                          [ZEROD_STALL_TIMEOUT, default 30s]\n"},
+    ROW_JOB_IDLE_TTL,
     {.id = FLAG_EXPORT_ROOT,
      .name = "export-root",
      .takes_value = 1,

@@ -129,6 +129,9 @@ static int settle_flags(const flag_table *t, const flag_given *given, coordinato
   if ((rc = flag_value(t, given, FLAG_STALL_TIMEOUT, &v, &value)) != 0)
     return rc;
   co->stall_timeout_ms = value;
+  if ((rc = flag_value(t, given, FLAG_JOB_IDLE_TTL, &v, &value)) != 0)
+    return rc;
+  co->job_idle_ttl_ms = value;
   if ((rc = flag_value(t, given, FLAG_STATE_DIR, &v, &value)) != 0)
     return rc;
   snprintf(co->state_dir, sizeof co->state_dir, "%s", v);

@@ -33,6 +33,7 @@
 #include "health.h"
 #include "jobs.h"
 #include "log.h"
+#include "paths.h"
 #include "metrics_http.h"
 #include "fsutil.h"
 #include "replica.h"
@@ -49,6 +50,7 @@ typedef struct node_process {
   char nvme_dir[PATH_MAX];       /* --nvme-dir, made and resolved at start */
   char control_socket[PATH_MAX]; /* zerod standalone's control-plane socket */
   int checkpoint_timeout_ms;     /* zerod standalone: --checkpoint-timeout */
+  int64_t job_idle_ttl_ms;       /* zerod standalone: --job-idle-ttl */
   int collective_timeout_s;      /* --collective-timeout, for the ready line */
   char lock_path[PATH_MAX + 16]; /* DIR/zerod.lock */
 } node_process;
@@ -80,6 +82,7 @@ static int start_local_coordinator(node_process *p, char *err, size_t err_bytes)
   static coord_options co;
   co = (coord_options){.lease_ttl_ms = 10000,
                        .stall_timeout_ms = 30000,
+                       .job_idle_ttl_ms = p->job_idle_ttl_ms,
                        .checkpoint_timeout_ms = p->checkpoint_timeout_ms,
                        .durable_bases_only = 1};
   snprintf(co.state_dir, sizeof co.state_dir, "%s", o->dir);
@@ -160,7 +163,8 @@ static void on_signal(uv_signal_t *handle, int signum) {
 /* GPU ranks need the CUDA module, a driver and one GPU per rank (local
  * rank i binds GPU i). cuda refuses to start without them; auto falls
  * back to the CPU and says why. 0, or 1 with the reason on stderr. */
-static int probe_gpus(daemon_options *o) {
+static int probe_gpus(daemon_options *o, int *gpus) {
+  *gpus = 0;
   if (strcmp(o->device, "cpu") == 0)
     return 0;
   const zk_cuda_api *cuda = NULL;
@@ -178,8 +182,46 @@ static int probe_gpus(daemon_options *o) {
     return 1;
   }
   snprintf(o->device, sizeof o->device, "%s", cuda_rc == 0 ? "cuda" : "cpu");
+  *gpus = cuda_rc == 0 ? count : 0;
   if (cuda_rc != 0)
     LOG_INFOF("no usable GPU, ranks on the CPU", "why=\"%s\"", why);
+  return 0;
+}
+
+/* The most ranks one job may have (ranks are made per job): standalone's
+ * --max-ranks, else its GPUs (one rank each) or CPUs, never under
+ * --ranks; a node's --ranks (the coordinator places jobs). 0, or 2 with
+ * the error printed. */
+static int settle_max_ranks(node_process *p, int gpus) {
+  daemon_options *o = &p->daemon.options;
+  const char *v;
+  int64_t value;
+  int rc = flag_value(&flags_node, &p->given, FLAG_MAX_RANKS, &v, &value);
+  if (rc != 0)
+    return rc;
+  if (strcmp(p->mode, "node") == 0) {
+    if (v != NULL) {
+      fprintf(stderr, "zerod: --max-ranks is standalone's; a node's --ranks is the most ranks "
+                      "a job may place on it\n");
+      return 2;
+    }
+    o->max_ranks = o->ranks;
+    return 0;
+  }
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  long fallback = strcmp(o->device, "cuda") == 0 ? gpus : cpus;
+  o->max_ranks = v != NULL                  ? (int)value
+                 : fallback > JOB_MAX_WORLD ? JOB_MAX_WORLD
+                 : fallback < o->ranks      ? o->ranks
+                                            : (int)fallback;
+  if (o->max_ranks < o->ranks) {
+    fprintf(stderr, "zerod: --max-ranks %d is below --ranks %d\n", o->max_ranks, o->ranks);
+    return 2;
+  }
+  if (strcmp(o->device, "cuda") == 0 && o->max_ranks > gpus) {
+    fprintf(stderr, "zerod: --max-ranks %d needs as many GPUs, %d found\n", o->max_ranks, gpus);
+    return 2;
+  }
   return 0;
 }
 
@@ -200,7 +242,10 @@ static int settle_ranks(node_process *p) {
   if ((rc = flag_value(t, &p->given, FLAG_DEVICE, &v, &value)) != 0)
     return rc;
   snprintf(o->device, sizeof o->device, "%s", v);
-  return probe_gpus(o);
+  int gpus;
+  if ((rc = probe_gpus(o, &gpus)) != 0)
+    return rc;
+  return settle_max_ranks(p, gpus);
 }
 
 /* Threads per rank, the collectives' timeout, the live-bytes budget, the
@@ -294,11 +339,13 @@ static int settle_cluster(node_process *p) {
     if (rc != 0)
       return rc;
   }
-  if (node && (given->value[FLAG_CHECKPOINT_DIR] != NULL ||
-               given->value[FLAG_CHECKPOINT_TIMEOUT] != NULL || given->n_export_roots > 0)) {
+  if (node &&
+      (given->value[FLAG_CHECKPOINT_DIR] != NULL || given->value[FLAG_CHECKPOINT_TIMEOUT] != NULL ||
+       given->n_export_roots > 0 || given->value[FLAG_JOB_IDLE_TTL] != NULL)) {
     /* A node saves where its coordinator's orders say. */
-    fprintf(stderr, "zerod: --checkpoint-dir, --checkpoint-timeout and --export-root are the "
-                    "coordinator's (zerod coordinator or standalone), not a node's\n");
+    fprintf(stderr, "zerod: --checkpoint-dir, --checkpoint-timeout, --export-root and "
+                    "--job-idle-ttl are the coordinator's (zerod coordinator or standalone), not "
+                    "a node's\n");
     return 2;
   }
   return 0;
@@ -319,6 +366,9 @@ static int settle_files(node_process *p) {
     if ((rc = flag_value(t, &p->given, FLAG_CHECKPOINT_TIMEOUT, &v, &value)) != 0)
       return rc;
     p->checkpoint_timeout_ms = (int)value * 1000;
+    if ((rc = flag_value(t, &p->given, FLAG_JOB_IDLE_TTL, &v, &value)) != 0)
+      return rc;
+    p->job_idle_ttl_ms = value;
   }
   v = flag_text(t, &p->given, FLAG_NAME);
   char host[256] = "";
@@ -327,7 +377,10 @@ static int settle_files(node_process *p) {
   if ((rc = flag_check(t, FLAG_NAME, v != NULL ? v : "", &value)) != 0)
     return rc;
   memcpy(o->node_name, v, strlen(v) + 1); /* checked: at most 64 bytes */
-  snprintf(o->dir, sizeof o->dir, "%s", flag_text(t, &p->given, FLAG_DIR));
+  if ((v = flag_text(t, &p->given, FLAG_DIR)) != NULL)
+    snprintf(o->dir, sizeof o->dir, "%s", v);
+  else if (zpath_default_dir(o->dir, sizeof o->dir) != 0)
+    return flag_invalid("--dir", "(default)", "the user's state directory's path is too long");
   v = flag_text(t, &p->given, FLAG_SOCKET);
   if (v != NULL)
     snprintf(o->socket_path, sizeof o->socket_path, "%s", v);
@@ -512,11 +565,11 @@ static int run_loop(node_process *p, const char *health_listen, int health_port)
   if (d->health_server != NULL)
     LOG_INFOF("health listening", "address=%s port=%d", health_listen, health_port);
   LOG_INFOF("zerod ready",
-            "version=%s mode=%s socket=%s control=%s device=%s ranks=%d threads_per_rank=%d "
-            "collective_timeout_s=%d max_live_bytes=%llu pid=%d",
+            "version=%s mode=%s socket=%s control=%s device=%s ranks=%d max_ranks=%d "
+            "threads_per_rank=%d collective_timeout_s=%d max_live_bytes=%llu pid=%d",
             ZEROD_VERSION, p->mode, o->socket_path, o->coordinator, o->device, o->ranks,
-            o->threads_per_rank, p->collective_timeout_s, (unsigned long long)o->max_live_bytes,
-            (int)getpid());
+            o->max_ranks, o->threads_per_rank, p->collective_timeout_s,
+            (unsigned long long)o->max_live_bytes, (int)getpid());
   cluster_start(d);
   uv_run(d->loop, UV_RUN_DEFAULT);
   return 0;

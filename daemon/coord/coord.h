@@ -52,6 +52,9 @@ typedef struct coord_options {
   /* A job whose rank has waited this long in a collective for peers has
    * the operation failed on every rank (coord_stalls.c); 0: never. */
   int64_t stall_timeout_ms;
+  /* A job none of whose nodes has had a worker attached for this long is
+   * deleted (coord_idle.c); 0: never. Bases (frozen jobs) never expire. */
+  int64_t job_idle_ttl_ms;
   /* Where checkpoints live: <checkpoint_dir>/<job>/<name>/. An absolute
    * path (it travels to the nodes, which must see the same directory),
    * created if missing. "": no checkpoints (the Checkpoints methods answer

@@ -213,6 +213,7 @@ static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_
     reports[i].job = strdup(req->jobs[i]->job);
     reports[i].error = strdup(req->jobs[i]->error);
     reports[i].ready = req->jobs[i]->ready;
+    reports[i].sessions = req->jobs[i]->sessions;
     reports[i].step = req->jobs[i]->step;
     reports[i].units = req->jobs[i]->units;
     reports[i].epoch = req->jobs[i]->epoch;

@@ -66,8 +66,9 @@ typedef struct job_report {
   char *error; /* owned; "" when the job is fine on the node */
   int ready;
   uint64_t step;
-  uint32_t units; /* the job's units on the node */
-  uint64_t epoch; /* the job epoch its ranks there were built at */
+  uint32_t units;    /* the job's units on the node */
+  uint64_t epoch;    /* the job epoch its ranks there were built at */
+  uint32_t sessions; /* workers attached to it there */
   /* The in-memory copies of the job the node holds (JobStatus.replicas):
    * per step, the world that made them and a bit per rank whose file is
    * held (worlds are at most CTL_MAX_RANKS = 64 ranks). */
@@ -222,6 +223,9 @@ typedef struct cjob {
   kv_entry *kv;
   kv_waiter *waiters;
   ckpt_of_job ckpt;
+  /* Since when (loop ms) no node has reported a worker attached; 0: one
+   * has (coord_idle.c, --job-idle-ttl). */
+  uint64_t idle_since_ms;
 } cjob;
 
 /* What the registry (coord_registry.c) and the checkpoints' thread pool
@@ -473,6 +477,16 @@ int coord__base_resolve(const coord *c, const coord_caller *who, const char *ten
 /* DeleteJob: 0 when j is no base of a live job, else FAILED_PRECONDITION
  * naming them in err. */
 int coord__base_deletable(const coord *c, const cjob *j, char *err, size_t err_bytes);
+
+/* Deletes j (DeleteJob, an idle job's expiry): its state written, its
+ * checkpoints retired, its nodes told; `why` ("deleted", "expired: ...")
+ * goes into its reason. 0 (also for a job being deleted already), or an
+ * RPC status with err. */
+int coord__delete_job(coord *c, cjob *j, const char *why, char *err, size_t err_bytes);
+
+/* --job-idle-ttl: deletes j once none of its nodes has reported a worker
+ * attached for that long (coord_idle.c). From the periodic tick. */
+void coord__job_idle_tick(coord *c, cjob *j, uint64_t now_ms);
 
 /* The job as replies show it (coord__job_view), with a base's count of
  * live jobs on it. */

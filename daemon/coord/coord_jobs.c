@@ -441,6 +441,43 @@ static void on_list_jobs(rpc_call *call, const uint8_t *request, size_t request_
   ctl_free(req);
 }
 
+int coord__delete_job(coord *c, cjob *j, const char *why, char *err, size_t err_bytes) {
+  if (j->deleting)
+    return 0;
+  int status = coord__base_deletable(c, j, err, err_bytes);
+  if (status != 0)
+    return status;
+  /* Its checkpoints outlive it, and their owner is recorded with it
+   * (ckpt_owner.c). */
+  if (coord__ckpt_retire(c, j, coord__unix_ms()) != 0) {
+    snprintf(err, err_bytes, "coordinator out of memory");
+    return RPC_RESOURCE_EXHAUSTED;
+  }
+  if (coord__state_write(c, NULL, j, c->next_job_id, err, err_bytes) != 0) {
+    coord__ckpt_unretire(c, j->msg->id);
+    LOG_ERRORF("job not deleted", "job=%s err=\"%s\"", j->msg->name, err);
+    return RPC_UNAVAILABLE;
+  }
+  /* The job leaves every assignment now (its nodes tear it down when
+   * their watch says so) and stays listed until none reports it. */
+  j->deleting = 1;
+  j->state = ZEROD__V1__JOB_STATE__JOB_STATE_DELETING;
+  snprintf(j->reason, sizeof j->reason, "%s; waiting for its nodes to drop it", why);
+  char message[160];
+  snprintf(message, sizeof message, "job '%s' was %s", j->msg->name, why);
+  coord__kv_waiters_end(j, RPC_NOT_FOUND, message);
+  coord__kv_clear(c, j);
+  coord__ckpt_job_deleted(c, j);
+  LOG_INFOF("job deleting", "job=%s id=%" PRIu64 " why=\"%s\"", j->msg->name, j->msg->id, why);
+  coord__mark_job_watches(c, j);
+  /* The job may be forgotten at once (no node reports it), so the node
+   * name that selects it must not point into it. */
+  char node[CTL_NAME_MAX_BYTES + 1];
+  snprintf(node, sizeof node, "%s", j->msg->placement[0]->node);
+  coord__reconcile(c, node);
+  return 0;
+}
+
 static void on_delete_job(rpc_call *call, const uint8_t *request, size_t request_bytes, void *arg) {
   coord *c = arg;
   Zerod__V1__DeleteJobRequest *req = coord__begin(c, call, CTL_DELETE_JOB, request, request_bytes);
@@ -451,42 +488,11 @@ static void on_delete_job(rpc_call *call, const uint8_t *request, size_t request
     coord__finish_error(call, RPC_NOT_FOUND, "no job named '%s'", req->name);
     goto out;
   }
-  if (!j->deleting) {
-    char err[PATH_MAX + 256];
-    int status = coord__base_deletable(c, j, err, sizeof err);
-    if (status != 0) {
-      coord__finish_error(call, status, "%s", err);
-      goto out;
-    }
-    /* Its checkpoints outlive it, and their owner is recorded with it
-     * (ckpt_owner.c). */
-    if (coord__ckpt_retire(c, j, coord__unix_ms()) != 0) {
-      coord__finish_error(call, RPC_RESOURCE_EXHAUSTED, "coordinator out of memory");
-      goto out;
-    }
-    if (coord__state_write(c, NULL, j, c->next_job_id, err, sizeof err) != 0) {
-      coord__ckpt_unretire(c, j->msg->id);
-      LOG_ERRORF("job not deleted", "job=%s err=\"%s\"", req->name, err);
-      coord__finish_error(call, RPC_UNAVAILABLE, "%s", err);
-      goto out;
-    }
-    /* The job leaves every assignment now (its nodes tear it down when
-     * their watch says so) and stays listed until none reports it. */
-    j->deleting = 1;
-    j->state = ZEROD__V1__JOB_STATE__JOB_STATE_DELETING;
-    snprintf(j->reason, sizeof j->reason, "deleted; waiting for its nodes to drop it");
-    char message[128];
-    snprintf(message, sizeof message, "job '%s' was deleted", req->name);
-    coord__kv_waiters_end(j, RPC_NOT_FOUND, message);
-    coord__kv_clear(c, j);
-    coord__ckpt_job_deleted(c, j);
-    LOG_INFOF("job deleting", "job=%s id=%" PRIu64, req->name, j->msg->id);
-    coord__mark_job_watches(c, j);
-    /* The job may be forgotten at once (no node reports it), so the node
-     * name that selects it must not point into it. */
-    char node[CTL_NAME_MAX_BYTES + 1];
-    snprintf(node, sizeof node, "%s", j->msg->placement[0]->node);
-    coord__reconcile(c, node);
+  char err[PATH_MAX + 256];
+  int status = coord__delete_job(c, j, "deleted", err, sizeof err);
+  if (status != 0) {
+    coord__finish_error(call, status, "%s", err);
+    goto out;
   }
   Zerod__V1__DeleteJobReply reply = ZEROD__V1__DELETE_JOB_REPLY__INIT;
   coord__finish_message(call, &reply.base);

@@ -139,7 +139,7 @@ static void node_info(zdaemon *d, Zerod__V1__NodeInfo *info) {
   zerod__v1__node_info__init(info);
   info->name = d->options.node_name;
   info->address = d->options.comm_host;
-  info->ranks = (uint32_t)d->options.ranks;
+  info->ranks = (uint32_t)d->options.max_ranks; /* a node's: its --ranks */
   long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   info->memory_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
   info->version = "0.1.0";
@@ -262,6 +262,7 @@ static void send_heartbeat(cluster_agent *a) {
     st->units = j->nunits;
     pthread_mutex_unlock(&j->mutex);
     st->epoch = j->built_epoch;
+    st->sessions = (uint32_t)j->sessions;
     ckpt_node_reports(j, st, &ckpt_reports[i]);
     activity_reports(j, st, &activities[i]);
     if (j->redundancy_every != 0)

@@ -20,7 +20,8 @@ typedef struct daemon_options {
   char dir[PATH_MAX];         /* state directory (lock file, default socket) */
   char socket_path[PATH_MAX]; /* IPC socket */
   char socket_group[64];      /* "" : mode 0600; else mode 0660, this group */
-  int ranks;                  /* ranks hosted by this daemon */
+  int ranks;                  /* standalone: a created job's default; node: the most */
+  int max_ranks;              /* standalone: the most ranks of one job (node: ranks) */
   char device[8];             /* "cpu" or "cuda": where the ranks' shards live (resolved
                                  from --device auto at start) */
   int threads_per_rank;

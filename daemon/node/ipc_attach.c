@@ -20,6 +20,12 @@
 
 #include "ipc_impl.h"
 
+/* The ranks of a job an attach creates: what it asks for (a launcher's
+ * world size), else the daemon's --ranks. */
+static int created_world_size(const zdaemon *d, const Zerod__V1__AttachRequest *req) {
+  return req->world_size != 0 ? (int)req->world_size : d->options.ranks;
+}
+
 /* zerod standalone: a job created by an attach is created on the
  * in-process coordinator first (so zerodctl lists it), with the attach's
  * config and token, placed on this node. */
@@ -27,7 +33,7 @@ static int create_on_coordinator(zdaemon *d, const Zerod__V1__AttachRequest *req
                                  unsigned *generation, int *status, char *err, size_t err_bytes) {
   uint64_t epoch = 0;
   int rc = coord_create_job_local(d->coord, req->job, req->token, req->config, d->options.node_name,
-                                  (uint32_t)d->options.ranks, id, &epoch, err, err_bytes);
+                                  (uint32_t)created_world_size(d, req), id, &epoch, err, err_bytes);
   if (rc == 0) {
     *generation = (unsigned)epoch;
     return 0;
@@ -66,8 +72,9 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
   job *j;
   char token_sha256[DIGEST_HEX_BYTES];
   digest_sha256_hex(req->token, token_sha256);
-  int rc = jobs_start(d, req->job, token_sha256, &config, d->options.ranks, d->options.ranks, 0, id,
-                      generation, &j, err, sizeof err);
+  int world_size = created_world_size(d, req);
+  int rc = jobs_start(d, req->job, token_sha256, &config, world_size, world_size, 0, id, generation,
+                      &j, err, sizeof err);
   if (rc != 0) {
     /* The coordinator's record stays: the watch builds the job from it
      * later, as it would one created with zerodctl. */
@@ -102,6 +109,21 @@ static int job_usable_for_attach(session *s, uint64_t request_id, job *j) {
                     "job '%s' failed: %s; a job with ranks on several nodes does not reset: delete "
                     "and re-create it",
                     j->name, reason);
+  return 0;
+}
+
+/* A fresh creating attach (ZD_CREATE_FRESH) joins a job that exists only
+ * while none of its steps is done (its other ranks attaching); else it is
+ * answered FAILED_PRECONDITION and returns 0. */
+static int job_fresh_enough(session *s, uint64_t request_id, const Zerod__V1__AttachRequest *req,
+                            job *j) {
+  uint64_t step = atomic_load(&j->ranks[0].step);
+  if (!req->create || !req->fresh || step == 0)
+    return 1;
+  ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                  "job '%s' exists and has done %llu step(s); a fresh start refuses it: delete it "
+                  "(zerodctl jobs delete %s), pick another name, or attach to resume it",
+                  j->name, (unsigned long long)step, j->name);
   return 0;
 }
 
@@ -242,7 +264,16 @@ void ipc__handle_attach(session *s, uint64_t request_id, uint8_t flags,
   }
   int created = 0;
   job *j = jobs_find(d, req->job);
-  int nranks = j != NULL ? j->nranks : d->options.ranks;
+  if (j == NULL && req->create && d->coord != NULL &&
+      created_world_size(d, req) > d->options.max_ranks) {
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                    "job '%s' would have %d ranks, but this daemon hosts at most %d per job "
+                    "(start it with --max-ranks %d)",
+                    req->job, created_world_size(d, req), d->options.max_ranks,
+                    created_world_size(d, req));
+    return;
+  }
+  int nranks = j != NULL ? j->nranks : created_world_size(d, req);
   if ((int)req->local_rank >= nranks) {
     ipc__send_error(
         s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
@@ -261,7 +292,9 @@ void ipc__handle_attach(session *s, uint64_t request_id, uint8_t flags,
   if (j == NULL) {
     if (!req->create) {
       ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
-                      "no job named '%s' (attach with create to make it)", req->job);
+                      "no job named '%s' on this daemon (attach with create to make it; "
+                      "zerodctl jobs list shows the jobs there are)",
+                      req->job);
       return;
     }
     j = create_job(d, s, request_id, req);
@@ -278,6 +311,8 @@ void ipc__handle_attach(session *s, uint64_t request_id, uint8_t flags,
       return;
     }
   }
+  if (!created && !job_fresh_enough(s, request_id, req, j))
+    return;
   if (!job_usable_for_attach(s, request_id, j))
     return;
   if (ckpt_node_restoring(j) || j->awaiting_recovery) {

@@ -12,7 +12,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -35,12 +37,29 @@ static void test_connect_to_missing_socket_is_unavailable(void **state) {
   assert_message_contains("zerod standalone");
 }
 
+/* $ZEROD_SOCKET, else the user's state directory's socket (here under
+ * $XDG_STATE_HOME), never the working directory; connecting to the
+ * default when nothing listens says where it looked and what to do. */
 static void test_default_socket_follows_environment(void **state) {
+  char home[] = "/tmp/zerod-test-xdg-XXXXXX";
+  assert_non_null(mkdtemp(home));
+  setenv("XDG_STATE_HOME", home, 1);
   unsetenv("ZEROD_SOCKET");
-  assert_string_equal(zd_default_socket(), ".zerod/zerod.sock");
+  char want[128];
+  snprintf(want, sizeof want, "%s/zerod/zerod.sock", home);
+  assert_string_equal(zd_default_socket(), want);
+  zd_client *client = NULL;
+  assert_int_equal(zd_connect(NULL, &client), ZD_E_UNAVAILABLE);
+  assert_message_contains("no daemon answers at");
+  assert_message_contains(want);
+  assert_message_contains("/var/lib/zerod/zerod.sock");
+  assert_message_contains("zerod standalone");
+  assert_message_contains("ZEROD_SOCKET");
   setenv("ZEROD_SOCKET", "/run/zerod/x.sock", 1);
   assert_string_equal(zd_default_socket(), "/run/zerod/x.sock");
   unsetenv("ZEROD_SOCKET");
+  unsetenv("XDG_STATE_HOME");
+  rmdir(home);
 }
 
 static void test_daemon_closing_after_attach_makes_calls_unavailable(void **state) {

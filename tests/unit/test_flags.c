@@ -39,8 +39,9 @@ typedef struct expected_flag {
 
 static const expected_flag node_expected[] = {
     {"ranks", "ZEROD_RANKS", "1", "1", 1},
+    {"max-ranks", "ZEROD_MAX_RANKS", ": the CPUs (cpu) or GPUs (cuda)", NULL, 0},
     {"device", "ZEROD_DEVICE", "cpu", "cpu", 0},
-    {"dir", "ZEROD_DIR", "./.zerod", ".zerod", 0},
+    {"dir", "ZEROD_DIR", ": the user's state directory", NULL, 0},
     {"socket", "ZEROD_SOCKET", "DIR/zerod.sock", NULL, 0},
     {"socket-group", "ZEROD_SOCKET_GROUP", NULL, NULL, 0},
     {"threads-per-rank", "ZEROD_THREADS_PER_RANK", ": CPUs / ranks", NULL, 0},
@@ -50,6 +51,7 @@ static const expected_flag node_expected[] = {
     {"max-sessions", "ZEROD_MAX_SESSIONS", "1024", "1024", 1024},
     {"checkpoint-dir", "ZEROD_CHECKPOINT_DIR", "DIR/checkpoints", NULL, 0},
     {"checkpoint-timeout", "ZEROD_CHECKPOINT_TIMEOUT", "600", "600", 600},
+    {"job-idle-ttl", "ZEROD_JOB_IDLE_TTL", "0: never", "0", 0},
     {"export-root", "ZEROD_EXPORT_ROOT", ": the checkpoint dir", NULL, 0},
     {"file-mode", "ZEROD_FILE_MODE", "0600", "0600", 0600},
     {"nvme-dir", "ZEROD_NVME_DIR", "DIR/nvme", NULL, 0},
@@ -79,6 +81,7 @@ static const expected_flag coordinator_expected[] = {
     {"checkpoint-timeout", "ZEROD_CHECKPOINT_TIMEOUT", "600", "600", 600},
     {"retain-deleted-checkpoints", "ZEROD_RETAIN_DELETED_CHECKPOINTS", "0", "0", 0},
     {"stall-timeout", "ZEROD_STALL_TIMEOUT", "30s", "30s", 30000},
+    {"job-idle-ttl", "ZEROD_JOB_IDLE_TTL", "0: never", "0", 0},
     {"export-root", "ZEROD_EXPORT_ROOT", ": the checkpoint dir", NULL, 0},
     {"file-mode", "ZEROD_FILE_MODE", "0600", "0600", 0600},
     {"health-listen", "ZEROD_HEALTH_LISTEN", ": none", NULL, 0},
@@ -105,6 +108,7 @@ typedef struct bad_value {
 static const bad_value bad_values[] = {
     {"ranks", "0", "1..64"},
     {"ranks", "65", "1..64"},
+    {"max-ranks", "0", "1..64"},
     {"device", "tpu", "cpu, cuda or auto"},
     {"threads-per-rank", "257", "1..256"},
     {"collective-timeout", "0", "seconds, 1..86400"},
@@ -124,6 +128,7 @@ static const bad_value bad_values[] = {
     {"retain-deleted-checkpoints", "5y",
      "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0 keeps them"},
     {"stall-timeout", "-3s", "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0: never"},
+    {"job-idle-ttl", "soon", "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0: never"},
     {"state-dir", NULL, "path too long"}, /* a path of PATH_MAX bytes, made in the test */
 };
 

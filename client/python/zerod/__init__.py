@@ -4,7 +4,7 @@ The daemon (one per node) owns the sharded parameters and optimizer state;
 this package attaches to it through libzerod::
 
     import zerod
-    client = zerod.Client()                      # $ZEROD_SOCKET or .zerod/zerod.sock
+    client = zerod.Client()                      # $ZEROD_SOCKET, else the local daemon
     job = client.attach("lm", rank=0, config=zerod.JobConfig(lr=3e-4))
     unit = job.register("layer0", [("w", (4, 8)), ("b", (8,))], values=[w, b])
     with unit.gather() as g:                     # zero-copy views of shared memory

@@ -90,6 +90,7 @@ class AttachOptions(ctypes.Structure):
         ("config", ctypes.POINTER(JobConfig)),
         ("pin", c_int),
         ("stable_addresses", c_int),
+        ("world_size", c_uint),
     ]
 
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _lib, _recover
+from . import _lib, _lifetime, _recover
 from .errors import BY_STATUS, Error, InvalidArgumentError
 from .policies import MixedPrecisionPolicy, OffloadPolicy, dtype_name
 
@@ -43,7 +43,9 @@ def _check(status: int, what: str) -> None:
 
 
 def default_socket() -> str:
-    """``$ZEROD_SOCKET``, else ``./.zerod/zerod.sock``."""
+    """``$ZEROD_SOCKET``, else the local daemon's socket in its default
+    state directory (the user's, ``/var/lib/zerod`` or ``/run/zerod``:
+    the first that exists)."""
     return _lib.load().zd_default_socket().decode()
 
 
@@ -336,11 +338,13 @@ class Client:
         self._lib = _lib.load()
         self._handle: Optional[int] = None
         self.socket = os.fspath(socket) if socket is not None else default_socket()
+        self._defaulted = socket is None  # libzerod says where it looked
         self._jobs: List[Job] = []
         self._connect()
+        _lifetime.track(self)
 
     def attach(self, job: str, *, rank: Optional[int] = None, token: Optional[str] = None,
-               create: bool = True,
+               create: Union[bool, str] = True, world_size: Optional[int] = None,
                config: Optional[JobConfig] = None, read_only: bool = False, pin: bool = True,
                stable_addresses: bool = True) -> "Job":
         """Attaches to `job` as local `rank` (one job per client).
@@ -352,9 +356,14 @@ class Client:
         global rank for this local rank only warns: the job's placement of
         nodes decides global ranks, so shard data by ``Job.rank``.
 
-        With ``create`` a missing job is created with `config`; a job that
-        exists keeps its own, and if `config` differs from it the daemon
-        says so (``Job.attach_warning``, also issued as a ``UserWarning``).
+        With ``create`` (True) a missing job is created with `config` and
+        ``world_size`` ranks (None: the launcher's ``WORLD_SIZE``, else the
+        daemon's ``--ranks``); a job that exists is resumed and keeps its
+        own config, and if `config` differs from it the daemon says so
+        (``Job.attach_warning``, also issued as a ``UserWarning``).
+        ``create=False`` attaches only to a job that exists;
+        ``create="fresh"`` refuses a job that has done a step
+        (zerod/_lifetime.py). Local rank 0 prints which step it starts at.
         A read-only attachment (``read_only=True``) takes no rank and cannot
         change the job; with ``pin`` all its gathers come from one version,
         pinned now and moved by :meth:`Job.pin`. ``stable_addresses`` (the default here,
@@ -369,7 +378,8 @@ class Client:
         options.local_rank = int(rank)
         options.token = token.encode() if token else None
         options.read_only = int(read_only)
-        options.create = int(create and not read_only)
+        options.create = _lifetime.create_mode(create, read_only)
+        options.world_size = _lifetime.world_size_to_ask(world_size, _env_int("WORLD_SIZE"))
         c_config = config._to_c() if config is not None else None
         if c_config is not None:
             options.config = ctypes.pointer(c_config)
@@ -386,6 +396,7 @@ class Client:
             warnings.warn(attached.attach_warning, stacklevel=2)
         if not read_only:
             self._check_launcher(attached)
+        _lifetime.announce(attached, int(rank), read_only)
         return attached
 
     def _check_launcher(self, job: "Job") -> None:
@@ -422,7 +433,8 @@ class Client:
 
     def _connect(self) -> None:
         handle = ctypes.c_void_p()
-        _check(self._lib.zd_connect(self.socket.encode(), ctypes.byref(handle)),
+        path = None if self._defaulted else self.socket.encode()
+        _check(self._lib.zd_connect(path, ctypes.byref(handle)),
                "connect to %s" % self.socket)
         self._handle = handle.value
         self._jobs = []
