@@ -214,6 +214,19 @@ static const flag node_flags[] = {
      .help = "  --checkpoint-timeout S  standalone: longest a checkpoint save or restore may\n"
              "                          take [ZEROD_CHECKPOINT_TIMEOUT, default 600]\n"},
     ROW_JOB_IDLE_TTL,
+    {.id = FLAG_DRAIN_TIMEOUT,
+     .name = "drain-timeout",
+     .takes_value = 1,
+     .env = "ZEROD_DRAIN_TIMEOUT",
+     .fallback = "20s",
+     .parse = flag_parse_duration_ms,
+     .expected = "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0: no drain",
+     .help = "  --drain-timeout DURATION\n"
+             "                          standalone: on SIGTERM or SIGINT, save every job that\n"
+             "                          holds state before stopping, waiting at most this long\n"
+             "                          (a second signal stops at once); the next daemon on\n"
+             "                          this --dir restores them [ZEROD_DRAIN_TIMEOUT, default\n"
+             "                          20s; 0: stop at once]\n"},
     {.id = FLAG_EXPORT_ROOT,
      .name = "export-root",
      .takes_value = 1,
@@ -360,6 +373,7 @@ static const char *const node_getopt_order[] = {"ranks",
                                                 "replica-dir",
                                                 "max-ranks",
                                                 "job-idle-ttl",
+                                                "drain-timeout",
                                                 "help",
                                                 NULL};
 

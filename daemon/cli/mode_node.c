@@ -84,7 +84,7 @@ static int start_local_coordinator(node_process *p, char *err, size_t err_bytes)
                        .stall_timeout_ms = 30000,
                        .job_idle_ttl_ms = p->job_idle_ttl_ms,
                        .checkpoint_timeout_ms = p->checkpoint_timeout_ms,
-                       .durable_bases_only = 1};
+                       .durable_bases_only = 0};
   snprintf(co.state_dir, sizeof co.state_dir, "%s", o->dir);
   if (start_checkpoint_dir(flag_text(&flags_node, &p->given, FLAG_CHECKPOINT_DIR), o->dir,
                            co.checkpoint_dir, sizeof co.checkpoint_dir) != 0) {
@@ -123,6 +123,8 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
     return;
   d->stopping = 1;
   LOG_INFOF("shutting down", "reason=%s", why);
+  if (d->draining)
+    uv_close((uv_handle_t *)&d->drain_timer, NULL);
   char reason[128];
   snprintf(reason, sizeof reason, "zerod is shutting down (%s)", why);
   ipc_close_all(d, reason);
@@ -152,8 +154,51 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
   }
 }
 
+/* zerod standalone's drain (docs/daemon.md, "Upgrades keep state"):
+ * while everything keeps serving, the jobs that hold state are saved
+ * (coord_drain_start); the daemon stops once none is in flight, or at
+ * --drain-timeout. */
+static void on_drain_tick(uv_timer_t *timer) {
+  zdaemon *d = timer->data;
+  char names[512];
+  int pending = coord_drain_pending(d->coord, names, sizeof names);
+  if (pending > 0 && uv_now(d->loop) < d->drain_deadline_ms)
+    return;
+  if (pending == 0)
+    LOG_INFOF("drained: every job with state saved", NULL);
+  else
+    LOG_WARNF("drain timed out: stopping without these jobs' saves", "jobs=%s timeout_ms=%lld",
+              names, (long long)d->drain_timeout_ms);
+  shutdown_daemon(d, d->drain_signal);
+}
+
+/* Starts the drain; 0 when there is nothing to drain (stop now). */
+static int start_drain(zdaemon *d, const char *signal_name) {
+  if (d->coord == NULL || d->drain_timeout_ms <= 0 || d->draining)
+    return 0;
+  int saving = coord_drain_start(d->coord);
+  if (saving == 0)
+    return 0;
+  if (uv_timer_init(d->loop, &d->drain_timer) != 0)
+    return 0;
+  d->draining = 1;
+  d->drain_signal = signal_name;
+  d->drain_timer.data = d;
+  d->drain_deadline_ms = uv_now(d->loop) + (uint64_t)d->drain_timeout_ms;
+  uv_timer_start(&d->drain_timer, on_drain_tick, 50, 50);
+  LOG_INFOF("draining: saving jobs before stopping", "signal=%s jobs=%d timeout_ms=%lld",
+            signal_name, saving, (long long)d->drain_timeout_ms);
+  return 1;
+}
+
 static void on_signal(uv_signal_t *handle, int signum) {
-  shutdown_daemon(handle->data, signum == SIGINT ? "SIGINT" : "SIGTERM");
+  zdaemon *d = handle->data;
+  const char *name = signum == SIGINT ? "SIGINT" : "SIGTERM";
+  if (d->draining) /* a second signal: stop now */
+    LOG_WARNF("stopping without waiting for the drain", "signal=%s", name);
+  else if (start_drain(d, name))
+    return;
+  shutdown_daemon(d, name);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -341,11 +386,12 @@ static int settle_cluster(node_process *p) {
   }
   if (node &&
       (given->value[FLAG_CHECKPOINT_DIR] != NULL || given->value[FLAG_CHECKPOINT_TIMEOUT] != NULL ||
-       given->n_export_roots > 0 || given->value[FLAG_JOB_IDLE_TTL] != NULL)) {
+       given->n_export_roots > 0 || given->value[FLAG_JOB_IDLE_TTL] != NULL ||
+       given->value[FLAG_DRAIN_TIMEOUT] != NULL)) {
     /* A node saves where its coordinator's orders say. */
-    fprintf(stderr, "zerod: --checkpoint-dir, --checkpoint-timeout, --export-root and "
-                    "--job-idle-ttl are the coordinator's (zerod coordinator or standalone), not "
-                    "a node's\n");
+    fprintf(stderr, "zerod: --checkpoint-dir, --checkpoint-timeout, --export-root, "
+                    "--job-idle-ttl and --drain-timeout are standalone's (or the coordinator's), "
+                    "not a node's\n");
     return 2;
   }
   return 0;
@@ -369,6 +415,9 @@ static int settle_files(node_process *p) {
     if ((rc = flag_value(t, &p->given, FLAG_JOB_IDLE_TTL, &v, &value)) != 0)
       return rc;
     p->job_idle_ttl_ms = value;
+    if ((rc = flag_value(t, &p->given, FLAG_DRAIN_TIMEOUT, &v, &value)) != 0)
+      return rc;
+    p->daemon.drain_timeout_ms = value;
   }
   v = flag_text(t, &p->given, FLAG_NAME);
   char host[256] = "";

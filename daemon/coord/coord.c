@@ -69,11 +69,16 @@ static int make_tenant_dirs(coord *c, char *err, size_t err_bytes) {
   return rc;
 }
 
-/* The lease sweep, and the checkpoints' deadlines and schedule. */
+/* The lease sweep, the checkpoints' deadlines and schedule, and idle
+ * jobs' expiry (last: it may delete a job, which stays listed while it is
+ * deleted). */
 static void on_lease_timer(uv_timer_t *timer) {
   coord *c = timer->data;
   coord__cluster_sweep(c);
   coord__ckpt_tick(c);
+  uint64_t now = uv_now(c->loop);
+  for (size_t i = 0; i < c->njobs; i++)
+    coord__job_idle_tick(c, c->jobs[i], now);
 }
 
 int coord_create(uv_loop_t *loop, const coord_options *options, coord **out, char *err,

@@ -213,9 +213,6 @@ void coord__ckpt_tick(coord *c) {
     coord__ckpt_recover_tick(c, c->jobs[i], now);
     coord__mem_tick(c, c->jobs[i]);
   }
-  /* Last: an expiry may delete a job (it stays listed while deleting). */
-  for (size_t i = 0; i < c->njobs; i++)
-    coord__job_idle_tick(c, c->jobs[i], now);
   coord__ckpt_retire_pending(c);
   coord__ckpt_retention(c, coord__unix_ms());
 }

@@ -226,6 +226,7 @@ typedef struct cjob {
   /* Since when (loop ms) no node has reported a worker attached; 0: one
    * has (coord_idle.c, --job-idle-ttl). */
   uint64_t idle_since_ms;
+  int draining; /* saved before the daemon stops (coord_drain.c) */
 } cjob;
 
 /* What the registry (coord_registry.c) and the checkpoints' thread pool

@@ -110,6 +110,13 @@ typedef struct daemon {
   uv_signal_t sigint, sigterm;
   int signals_open; /* the two handles above are open */
   int stopping;
+  /* zerod standalone's drain before it stops (mode_node.c): saving its
+   * jobs until none is in flight or drain_deadline_ms (loop time). */
+  int64_t drain_timeout_ms; /* --drain-timeout; 0: no drain */
+  int draining;
+  const char *drain_signal; /* "SIGTERM" or "SIGINT": the shutdown's reason */
+  uv_timer_t drain_timer;
+  uint64_t drain_deadline_ms;
 } zdaemon; /* not "daemon": unistd.h declares daemon(3) */
 
 /* ipc.c */

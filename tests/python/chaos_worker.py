@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A worker of the chaos run (chaos.py): local rank 0 of a job on one node.
+"""A worker of the chaos run (chaos.py): local rank 0 (--rank) of a job on one node.
 Attaches (again after every error: its job was rebuilt, moved or restored
 under it), registers the job's one unit if it has none, and steps with the
 gradient `grads(seed, step, rank)` until the job's step is --until (or the
@@ -42,7 +42,7 @@ def until(args):
 
 def train(args):
     with zerod.Client(args.socket) as client:
-        job = client.attach(args.job, rank=0, token=args.token, create=False)
+        job = client.attach(args.job, rank=args.rank, token=args.token, create=False)
         units = job.units
         unit = units[0] if units else job.register("u", [("w", (NUMEL,))],
                                                    values=initial(args.seed))
@@ -64,6 +64,7 @@ def main():
     ap.add_argument("--socket", required=True)
     ap.add_argument("--job", required=True)
     ap.add_argument("--token", required=True)
+    ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--until", type=int, default=1 << 60)
     ap.add_argument("--until-file")

@@ -52,6 +52,7 @@ static const expected_flag node_expected[] = {
     {"checkpoint-dir", "ZEROD_CHECKPOINT_DIR", "DIR/checkpoints", NULL, 0},
     {"checkpoint-timeout", "ZEROD_CHECKPOINT_TIMEOUT", "600", "600", 600},
     {"job-idle-ttl", "ZEROD_JOB_IDLE_TTL", "0: never", "0", 0},
+    {"drain-timeout", "ZEROD_DRAIN_TIMEOUT", "20s", "20s", 20000},
     {"export-root", "ZEROD_EXPORT_ROOT", ": the checkpoint dir", NULL, 0},
     {"file-mode", "ZEROD_FILE_MODE", "0600", "0600", 0600},
     {"nvme-dir", "ZEROD_NVME_DIR", "DIR/nvme", NULL, 0},
@@ -128,6 +129,7 @@ static const bad_value bad_values[] = {
     {"retain-deleted-checkpoints", "5y",
      "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0 keeps them"},
     {"stall-timeout", "-3s", "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0: never"},
+    {"drain-timeout", "-1s", "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0: no drain"},
     {"job-idle-ttl", "soon", "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0: never"},
     {"state-dir", NULL, "path too long"}, /* a path of PATH_MAX bytes, made in the test */
 };
