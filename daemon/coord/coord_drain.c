@@ -18,8 +18,7 @@
 /* Whether j holds state worth a save: some node reports units of it. */
 static int has_units(const coord *c, const cjob *j) {
   for (size_t i = 0; i < j->msg->n_placement; i++) {
-    const member *m = coord__find_member(c, j->msg->placement[i]->node);
-    const job_report *r = m != NULL ? coord__find_report(m, j->msg->name) : NULL;
+    const job_report *r = coord__placement_report(c, j, i);
     if (r != NULL && r->units > 0)
       return 1;
   }

@@ -16,8 +16,7 @@
 /* Whether any node of j reports a worker attached to it. */
 static int attached_anywhere(const coord *c, const cjob *j) {
   for (size_t i = 0; i < j->msg->n_placement; i++) {
-    const member *m = coord__find_member(c, j->msg->placement[i]->node);
-    const job_report *r = m != NULL ? coord__find_report(m, j->msg->name) : NULL;
+    const job_report *r = coord__placement_report(c, j, i);
     if (r != NULL && r->sessions > 0)
       return 1;
   }

@@ -329,6 +329,9 @@ void coord__append(char *buf, size_t buf_bytes, size_t *len, const char *fmt, ..
 
 /* What m's last heartbeat said about job, or NULL. */
 const job_report *coord__find_report(const member *m, const char *job);
+/* What j's i-th placement node last said about it, or NULL (not a member,
+ * or no report of j). */
+const job_report *coord__placement_report(const coord *c, const cjob *j, size_t i);
 void coord__free_reports(job_report *reports, size_t count);
 /* Frees a member (its Watch stream must have ended) or a job (its keys
  * and waiting Gets end with it). NULL: nothing. */

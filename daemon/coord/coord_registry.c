@@ -153,6 +153,11 @@ const job_report *coord__find_report(const member *m, const char *job) {
   return bsearch(&key, m->reports, m->nreports, sizeof *m->reports, coord__compare_reports);
 }
 
+const job_report *coord__placement_report(const coord *c, const cjob *j, size_t i) {
+  const member *m = coord__find_member(c, j->msg->placement[i]->node);
+  return m != NULL ? coord__find_report(m, j->msg->name) : NULL;
+}
+
 void coord__free_reports(job_report *reports, size_t count) {
   for (size_t i = 0; i < count; i++) {
     free(reports[i].job);

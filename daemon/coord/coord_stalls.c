@@ -24,8 +24,7 @@
 static size_t reported(const coord *c, const cjob *j, const rank_activity **ranks, size_t max) {
   size_t n = 0;
   for (size_t i = 0; i < j->msg->n_placement; i++) {
-    const member *m = coord__find_member(c, j->msg->placement[i]->node);
-    const job_report *r = m != NULL ? coord__find_report(m, j->msg->name) : NULL;
+    const job_report *r = coord__placement_report(c, j, i);
     for (size_t k = 0; r != NULL && k < r->nranks && n < max; k++)
       ranks[n++] = &r->ranks[k];
   }
