@@ -20,6 +20,35 @@ import zerod
 from conftest import PACKAGE_DIR, start_daemon  # noqa: F401 (fixture)
 
 
+def test_the_owner_token_comes_from_zerod_token(start_daemon, monkeypatch):
+    """token=None takes $ZEROD_TOKEN (how Kubernetes passes it); with
+    neither, the daemon says a token is required, not that it is wrong; a
+    token given wins over the environment."""
+    monkeypatch.delenv("ZEROD_TOKEN", raising=False)
+    daemon = start_daemon(ranks=1)
+    with zerod.Client(daemon.socket) as client:
+        client.attach("owned", token="secret").detach()
+    monkeypatch.setenv("ZEROD_TOKEN", "secret")
+    with zerod.Client(daemon.socket) as client:
+        client.attach("owned", create=False).detach()
+    with zerod.Client(daemon.socket) as client:
+        with pytest.raises(zerod.PermissionDeniedError) as err:
+            client.attach("owned", token="")
+        assert "requires a token" in err.value.message, err.value.message
+    monkeypatch.delenv("ZEROD_TOKEN")
+    with zerod.Client(daemon.socket) as client:
+        with pytest.raises(zerod.PermissionDeniedError) as err:
+            client.attach("owned")
+        message = err.value.message
+        assert "requires a token" in message and "ZEROD_TOKEN" in message, message
+        assert "does not match" not in message, message
+    monkeypatch.setenv("ZEROD_TOKEN", "guess")
+    with zerod.Client(daemon.socket) as client:
+        with pytest.raises(zerod.PermissionDeniedError, match="token does not match job 'owned'"):
+            client.attach("owned")
+        client.attach("owned", token="secret").detach()
+
+
 def test_views_are_zero_copy_and_read_only(start_daemon):
     daemon = start_daemon(ranks=1)
     with zerod.Client(daemon.socket) as client:
@@ -55,14 +84,15 @@ def test_views_are_zero_copy_and_read_only(start_daemon):
         np.testing.assert_allclose(state["w"], w - 0.5)
 
 
-def test_errors_carry_the_daemons_message(start_daemon):
+def test_errors_carry_the_daemons_message(start_daemon, monkeypatch):
+    monkeypatch.delenv("ZEROD_TOKEN", raising=False)
     daemon = start_daemon(ranks=1)
     with zerod.Client(daemon.socket) as client:
         client.attach("owned", token="secret").detach()
     with zerod.Client(daemon.socket) as client:
         with pytest.raises(zerod.PermissionDeniedError) as err:
             client.attach("owned", token="wrong")
-        assert "token" in err.value.message and err.value.status == -6
+        assert "does not match job 'owned'" in err.value.message and err.value.status == -6
     with zerod.Client(daemon.socket) as client:
         job = client.attach("owned", token="secret")
         with pytest.raises(zerod.InvalidArgumentError, match="initial values: 3 values for 4 elements"):
