@@ -295,21 +295,24 @@ def test_loss_scale_hysteresis_and_minimum(start_daemon):
 
 def test_pip_install(tmp_path, start_daemon):
     """`pip wheel client/python` builds a platform wheel with libzerod.so in
-    it (the package's build step runs CMake; here on this build tree); a
-    fresh virtual environment (the system's site packages for numpy) that
-    installs it imports zerod from there and trains a step without
-    ZEROD_LIBRARY."""
+    it (the package's build step runs CMake; here on this build tree, named
+    relative to the repository's root as the README does, from another
+    directory); a fresh virtual environment (the system's site packages for
+    numpy) that installs it imports zerod from there and trains a step
+    without ZEROD_LIBRARY."""
     source = tmp_path / "src"
     # A copy, so that the build's by-products stay out of the checkout.
     shutil.copytree(PACKAGE_DIR, source, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info",
                                                                         "build"))
-    build_tree = os.path.dirname(os.path.dirname(os.environ["ZEROD_LIBRARY"]))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(PACKAGE_DIR)))
+    build_tree = os.path.dirname(os.path.dirname(os.path.abspath(os.environ["ZEROD_LIBRARY"])))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ZEROD_LIBRARY")}
     wheels = tmp_path / "wheels"
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
                             "--no-build-isolation", "--no-index", "-q", "-w", str(wheels),
-                            str(source)], capture_output=True, text=True,
-                           env=dict(env, ZEROD_CMAKE_BUILD_DIR=build_tree))
+                            str(source)], capture_output=True, text=True, cwd=str(tmp_path),
+                           env=dict(env, ZEROD_SOURCE_DIR=root,
+                                    ZEROD_CMAKE_BUILD_DIR=os.path.relpath(build_tree, root)))
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = wheels.glob("zerod-*.whl")
     trains_from_a_venv(tmp_path, wheel, env, start_daemon)
@@ -380,6 +383,15 @@ def test_pip_install_without_the_project_says_what_it_needs(tmp_path):
                             str(source)], capture_output=True, text=True, env=env)
     assert built.returncode != 0
     assert "set ZEROD_SOURCE_DIR to a zerod checkout" in built.stdout + built.stderr
+    # A build tree that is not one says so, with where a relative one was looked for.
+    env["ZEROD_SOURCE_DIR"] = os.path.dirname(os.path.dirname(os.path.abspath(PACKAGE_DIR)))
+    env["ZEROD_CMAKE_BUILD_DIR"] = "no/such/build"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                            "--no-build-isolation", "--no-index", "-w", str(tmp_path / "w"),
+                            str(source)], capture_output=True, text=True, env=env)
+    assert built.returncode != 0
+    assert "not a configured CMake build tree" in built.stdout + built.stderr
+    assert os.path.join(env["ZEROD_SOURCE_DIR"], "no/such/build") in built.stdout + built.stderr
 
 
 def rss_anon(pid):
