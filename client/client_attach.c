@@ -165,6 +165,13 @@ static void job_config_from_reply(const Zerod__V1__JobConfig *config, zd_job_con
            config->base_job != NULL ? config->base_job : "");
 }
 
+/* The owner token an attach sends: the caller's (even ""), else
+ * $ZEROD_TOKEN (how Kubernetes hands a worker its job's token), else none
+ * (NULL). */
+static const char *token_or_env(const char *token) {
+  return token != NULL ? token : getenv("ZEROD_TOKEN");
+}
+
 zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, zd_job **out) {
   if (client == NULL || caller_options == NULL || out == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT,
@@ -180,9 +187,11 @@ zd_status zd_attach(zd_client *client, const zd_attach_options *caller_options, 
   if (options.job == NULL || options.job[0] == '\0' || strlen(options.job) > ZD_MAX_JOB_NAME_BYTES)
     return client__set_error(ZD_E_INVALID_ARGUMENT, "attach: job name must be 1..%d bytes",
                              ZD_MAX_JOB_NAME_BYTES);
+  int from_env = options.token == NULL;
+  options.token = token_or_env(options.token);
   if (options.token != NULL && strlen(options.token) > ZD_MAX_TOKEN_BYTES)
-    return client__set_error(ZD_E_INVALID_ARGUMENT, "attach: token longer than %d bytes",
-                             ZD_MAX_TOKEN_BYTES);
+    return client__set_error(ZD_E_INVALID_ARGUMENT, "attach: token%s longer than %d bytes",
+                             from_env ? " (from ZEROD_TOKEN)" : "", ZD_MAX_TOKEN_BYTES);
   char what[128];
   snprintf(what, sizeof what, "attach job %s", options.job);
   if (client->dead)

@@ -319,7 +319,7 @@ int main(int argc, char **argv) {
   const char *socket_path = NULL;
   const char *job_name = "mlp";
   const char *dump_path = NULL;
-  const char *token = getenv("ZEROD_TOKEN");
+  const char *token = NULL; /* libzerod sends $ZEROD_TOKEN */
   const char *restore = NULL;
   unsigned local_rank = 0;
   int create = 1, stats = 0, save_at = 0;

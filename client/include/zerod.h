@@ -224,7 +224,10 @@ typedef struct zd_attach_options {
   size_t struct_size;
   const char *job; /* job name */
   unsigned local_rank;
-  const char *token; /* owner token; NULL or "" for none */
+  /* The job's owner token (or a read token, read-only). NULL: the
+   * environment's ZEROD_TOKEN (how Kubernetes hands a worker its job's
+   * token), none when unset; "": none, whatever the environment says. */
+  const char *token;
   /* Read-only (eval, inference, weight sync): no rank is taken, the job
    * must exist, units are listed with zd_list_units instead of registered,
    * and registration, gradient buffers, reduce, step and load are refused
@@ -429,7 +432,8 @@ ZD_API void zd_close(zd_client *client);
  * Statuses: ZD_E_INVALID_ARGUMENT (a job name or token out of bounds, a
  * config field out of range), ZD_E_NOT_FOUND (no such job and not
  * `create`; always for read-only), ZD_E_ALREADY_EXISTS (another session
- * holds this rank), ZD_E_PERMISSION_DENIED (wrong token),
+ * holds this rank), ZD_E_PERMISSION_DENIED (no token for a job that has
+ * one, or a token that does not match: the message says which),
  * ZD_E_FAILED_PRECONDITION (this connection is attached already),
  * ZD_E_RESOURCE_EXHAUSTED (the daemon's session or job limits), ZD_E_ABORTED
  * (the job failed and has not been reset). */

@@ -5,7 +5,12 @@ wheel carries the library as zerod/lib/libzerod.so, built here with the
 repository's CMake project:
 
 - ``ZEROD_CMAKE_BUILD_DIR`` names a configured build tree: its ``zerod``
-  target is built (a no-op when it is current) and its library copied;
+  target is built (a no-op when it is current) and its library copied. A
+  relative path is taken from the repository's root (``ZEROD_SOURCE_DIR``,
+  default: the repository this directory belongs to), not from the shell's
+  working directory, which pip does not pass on (it runs this script in the
+  package's directory): ``ZEROD_CMAKE_BUILD_DIR=build/release pip install
+  client/python`` means the checkout's ``build/release``;
 - otherwise the project at ``ZEROD_SOURCE_DIR`` (default: the repository
   this directory belongs to) is configured in a build directory of its own
   (``build/cmake`` here) with only what the library needs, and built.
@@ -46,11 +51,26 @@ def _source_dir() -> Path:
     return root
 
 
+def _named_build_tree(tree: str) -> Path:
+    """ZEROD_CMAKE_BUILD_DIR as a path, a relative one from the repository's
+    root; an error naming both unless it is a configured build tree."""
+    build = Path(tree)
+    if not build.is_absolute():
+        build = _source_dir() / build
+    if not (build / "CMakeCache.txt").is_file():
+        raise SystemExit(
+            "zerod: ZEROD_CMAKE_BUILD_DIR=%s is %s, which is not a configured CMake build tree "
+            "(no CMakeCache.txt; a relative path is taken from the repository's root): "
+            "configure it first (make, or cmake -S . -B %s), or unset ZEROD_CMAKE_BUILD_DIR"
+            % (tree, build, tree))
+    return build
+
+
 def build_library() -> Path:
     """Builds libzerod and returns the path of the shared object."""
     tree = os.environ.get("ZEROD_CMAKE_BUILD_DIR")
     if tree:
-        build = Path(tree)
+        build = _named_build_tree(tree)
     else:
         source = _source_dir()
         build = HERE / "build" / "cmake"

@@ -141,6 +141,32 @@ static token_kind token_of(const job *j, const char *token) {
   return digest_hex_equal(j->token_sha256, hash) ? TOKEN_OWNER : read ? TOKEN_READ : TOKEN_NONE;
 }
 
+/* Refuses an attach whose token admits it to nothing (kind TOKEN_NONE) or
+ * only to read-only sessions (TOKEN_READ on a read-write attach), saying
+ * which: no token sent for a job that has one, a token sent for a job
+ * without one (a $ZEROD_TOKEN left set), or one that does not match. */
+static void send_token_refused(session *s, uint64_t request_id, const job *j, const char *token,
+                               token_kind kind) {
+  int sent = token != NULL && token[0] != '\0';
+  if (kind == TOKEN_READ)
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
+                    "job '%s': a read token attaches read-only sessions only", j->name);
+  else if (!sent)
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
+                    "job '%s' requires a token and this attach sent none: pass its owner token "
+                    "(token= in Python, zd_attach_options.token in C, a worker's --token) or set "
+                    "ZEROD_TOKEN",
+                    j->name);
+  else if (token_of(j, "") == TOKEN_OWNER)
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
+                    "job '%s' has no token but this attach sent one (is ZEROD_TOKEN set?)",
+                    j->name);
+  else
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
+                    "the token does not match job '%s' (neither its owner token nor a read token)",
+                    j->name);
+}
+
 /* The job's max_sessions quota (control.proto Quotas) counts read-write
  * and read-only sessions on this node. Returns 1 if one more fits, else
  * answers RESOURCE_EXHAUSTED naming the quota and returns 0. */
@@ -175,8 +201,7 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
   }
   /* The owner token, or a read token (which admits nothing else). */
   if (token_of(j, req->token) == TOKEN_NONE) {
-    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
-                    "wrong token for job '%s'", req->job);
+    send_token_refused(s, request_id, j, req->token, TOKEN_NONE);
     return;
   }
   if (job_spans_nodes(j)) {
@@ -304,10 +329,7 @@ void ipc__handle_attach(session *s, uint64_t request_id, uint8_t flags,
   } else {
     token_kind kind = token_of(j, req->token);
     if (kind != TOKEN_OWNER) {
-      ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_PERMISSION_DENIED,
-                      kind == TOKEN_READ ? "job '%s': a read token attaches read-only sessions only"
-                                         : "wrong token for job '%s'",
-                      req->job);
+      send_token_refused(s, request_id, j, req->token, kind);
       return;
     }
   }

@@ -23,7 +23,13 @@ Under torchrun every process is a worker (rank and world size from torchrun's
 environment); the zerod backend then attaches to a running daemon:
 
     zerod standalone --ranks 2 &
-    torchrun --standalone --nproc-per-node 2 examples/python/train_lm.py --socket .zerod/zerod.sock
+    python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
+        examples/python/train_lm.py --socket .zerod/zerod.sock
+
+(torchrun, through the Python that has zerod installed: a venv's
+`.venv/bin/python -m torch.distributed.run`, where /usr/bin/torchrun would
+not see the venv's packages; `--nproc_per_node` is the spelling torch 1.13
+and 2.x both know.)
 """
 
 from __future__ import annotations

@@ -209,14 +209,22 @@ def test_requests_in_the_wrong_state_fail_precondition(start_daemon):
     c.close()
 
 
-def test_unknown_job_without_create_and_wrong_token(start_daemon):
+def test_unknown_job_without_create_and_missing_or_wrong_token(start_daemon):
     d = start_daemon()
     c = z.Conn(d.socket)
     assert_error(c.call(z.ATTACH, z.attach_request("nope", 0, create=False)), "NOT_FOUND",
                  "nope")
     owner = attach(d, job="secret", token="s3cret")
     assert_error(c.call(z.ATTACH, z.attach_request("secret", 0, token="guess")),
-                 "PERMISSION_DENIED")
+                 "PERMISSION_DENIED", "token does not match job 'secret'")
+    # No token for a job that has one: it is required, and how to give it.
+    assert_error(c.call(z.ATTACH, z.attach_request("secret", 0)), "PERMISSION_DENIED",
+                 "requires a token", "ZEROD_TOKEN", "--token")
+    # A token for a job without one (a ZEROD_TOKEN left set).
+    other = attach(d, job="open", token="")
+    assert_error(c.call(z.ATTACH, z.attach_request("open", 0, token="s3cret")),
+                 "PERMISSION_DENIED", "has no token")
+    other.close()
     assert_error(c.call(z.ATTACH, z.attach_request("secret", 5, token="s3cret")),
                  "INVALID_ARGUMENT", "local rank 5")
     owner.close()

@@ -192,7 +192,9 @@ def test_read_only_attach_refuses_missing_job_create_and_wrong_token(start_daemo
     create = z.attach_request("guarded", 0, create=True, token="s3cret", read_only=True)
     assert_error(c.call(z.ATTACH, create), "INVALID_ARGUMENT", "read-only", "create")
     assert_error(c.call(z.ATTACH, z.read_only_attach_request("guarded", token="guess")),
-                 "PERMISSION_DENIED", "guarded")
+                 "PERMISSION_DENIED", "does not match job 'guarded'")
+    assert_error(c.call(z.ATTACH, z.read_only_attach_request("guarded")),
+                 "PERMISSION_DENIED", "job 'guarded' requires a token")
     # The right token works on the same connection; no rank is taken, so
     # the owner keeps rank 0 and any local_rank is accepted.
     payload = z.attach_request("guarded", 7, create=False, token="s3cret", read_only=True,

@@ -83,7 +83,8 @@ def test_jobs_created_by_workers_are_listed(start_daemon):
     wait_for("the step to be reported", lambda: jobs(d)["mlp"]["step"] == 6, timeout_s=15)
 
 
-def test_job_created_with_zerodctl_is_built_and_trains(start_daemon):
+def test_job_created_with_zerodctl_is_built_and_trains(start_daemon, monkeypatch):
+    monkeypatch.delenv("ZEROD_TOKEN", raising=False)
     d = start_daemon(ranks=2)
     created = json.loads(zerodctl(d, "jobs", "create", "ctl", "--ranks-per-node", "2",
                                   "--token", "s3cret", "--json").stdout)
@@ -91,12 +92,19 @@ def test_job_created_with_zerodctl_is_built_and_trains(start_daemon):
     wait_for("the job to be ready", lambda: jobs(d)["ctl"]["state"] == "ready")
     out = train(d, 2, job="ctl", steps=3, extra=["--no-create", "--token", "s3cret"])
     assert "done: 3 steps" in out
-    # The wrong token is refused by the daemon that built the job.
-    bad = run_worker([binary("zerod-mlp-train"), "--socket", d.socket, "--job", "ctl",
-                      "--no-create", "--token", "wrong", "--steps", "1", "--hidden", "64",
-                      "--batch", "8"], check=False)
+    # The wrong token is refused by the daemon that built the job; no token
+    # at all is refused as missing, saying how to give one.
+    worker = [binary("zerod-mlp-train"), "--socket", d.socket, "--job", "ctl", "--no-create",
+              "--steps", "1", "--hidden", "64", "--batch", "8"]
+    bad = run_worker(worker + ["--token", "wrong"], check=False)
     assert bad.returncode != 0
-    assert "token" in bad.stderr
+    assert "token does not match job 'ctl'" in bad.stderr, bad.stderr
+    none = run_worker(worker, check=False)
+    assert none.returncode != 0
+    assert "requires a token" in none.stderr and "ZEROD_TOKEN" in none.stderr, none.stderr
+    # The worker passes no token: libzerod sends $ZEROD_TOKEN.
+    monkeypatch.setenv("ZEROD_TOKEN", "s3cret")
+    assert "done: 2 steps" in train(d, 2, job="ctl", steps=2, extra=["--no-create"])
 
 
 def test_deleted_job_goes_and_its_name_can_be_reused(start_daemon):

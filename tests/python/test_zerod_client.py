@@ -20,6 +20,35 @@ import zerod
 from conftest import PACKAGE_DIR, start_daemon  # noqa: F401 (fixture)
 
 
+def test_the_owner_token_comes_from_zerod_token(start_daemon, monkeypatch):
+    """token=None takes $ZEROD_TOKEN (how Kubernetes passes it); with
+    neither, the daemon says a token is required, not that it is wrong; a
+    token given wins over the environment."""
+    monkeypatch.delenv("ZEROD_TOKEN", raising=False)
+    daemon = start_daemon(ranks=1)
+    with zerod.Client(daemon.socket) as client:
+        client.attach("owned", token="secret").detach()
+    monkeypatch.setenv("ZEROD_TOKEN", "secret")
+    with zerod.Client(daemon.socket) as client:
+        client.attach("owned", create=False).detach()
+    with zerod.Client(daemon.socket) as client:
+        with pytest.raises(zerod.PermissionDeniedError) as err:
+            client.attach("owned", token="")
+        assert "requires a token" in err.value.message, err.value.message
+    monkeypatch.delenv("ZEROD_TOKEN")
+    with zerod.Client(daemon.socket) as client:
+        with pytest.raises(zerod.PermissionDeniedError) as err:
+            client.attach("owned")
+        message = err.value.message
+        assert "requires a token" in message and "ZEROD_TOKEN" in message, message
+        assert "does not match" not in message, message
+    monkeypatch.setenv("ZEROD_TOKEN", "guess")
+    with zerod.Client(daemon.socket) as client:
+        with pytest.raises(zerod.PermissionDeniedError, match="token does not match job 'owned'"):
+            client.attach("owned")
+        client.attach("owned", token="secret").detach()
+
+
 def test_views_are_zero_copy_and_read_only(start_daemon):
     daemon = start_daemon(ranks=1)
     with zerod.Client(daemon.socket) as client:
@@ -55,14 +84,15 @@ def test_views_are_zero_copy_and_read_only(start_daemon):
         np.testing.assert_allclose(state["w"], w - 0.5)
 
 
-def test_errors_carry_the_daemons_message(start_daemon):
+def test_errors_carry_the_daemons_message(start_daemon, monkeypatch):
+    monkeypatch.delenv("ZEROD_TOKEN", raising=False)
     daemon = start_daemon(ranks=1)
     with zerod.Client(daemon.socket) as client:
         client.attach("owned", token="secret").detach()
     with zerod.Client(daemon.socket) as client:
         with pytest.raises(zerod.PermissionDeniedError) as err:
             client.attach("owned", token="wrong")
-        assert "token" in err.value.message and err.value.status == -6
+        assert "does not match job 'owned'" in err.value.message and err.value.status == -6
     with zerod.Client(daemon.socket) as client:
         job = client.attach("owned", token="secret")
         with pytest.raises(zerod.InvalidArgumentError, match="initial values: 3 values for 4 elements"):
@@ -265,21 +295,24 @@ def test_loss_scale_hysteresis_and_minimum(start_daemon):
 
 def test_pip_install(tmp_path, start_daemon):
     """`pip wheel client/python` builds a platform wheel with libzerod.so in
-    it (the package's build step runs CMake; here on this build tree); a
-    fresh virtual environment (the system's site packages for numpy) that
-    installs it imports zerod from there and trains a step without
-    ZEROD_LIBRARY."""
+    it (the package's build step runs CMake; here on this build tree, named
+    relative to the repository's root as the README does, from another
+    directory); a fresh virtual environment (the system's site packages for
+    numpy) that installs it imports zerod from there and trains a step
+    without ZEROD_LIBRARY."""
     source = tmp_path / "src"
     # A copy, so that the build's by-products stay out of the checkout.
     shutil.copytree(PACKAGE_DIR, source, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info",
                                                                         "build"))
-    build_tree = os.path.dirname(os.path.dirname(os.environ["ZEROD_LIBRARY"]))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(PACKAGE_DIR)))
+    build_tree = os.path.dirname(os.path.dirname(os.path.abspath(os.environ["ZEROD_LIBRARY"])))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ZEROD_LIBRARY")}
     wheels = tmp_path / "wheels"
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
                             "--no-build-isolation", "--no-index", "-q", "-w", str(wheels),
-                            str(source)], capture_output=True, text=True,
-                           env=dict(env, ZEROD_CMAKE_BUILD_DIR=build_tree))
+                            str(source)], capture_output=True, text=True, cwd=str(tmp_path),
+                           env=dict(env, ZEROD_SOURCE_DIR=root,
+                                    ZEROD_CMAKE_BUILD_DIR=os.path.relpath(build_tree, root)))
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = wheels.glob("zerod-*.whl")
     trains_from_a_venv(tmp_path, wheel, env, start_daemon)
@@ -350,6 +383,15 @@ def test_pip_install_without_the_project_says_what_it_needs(tmp_path):
                             str(source)], capture_output=True, text=True, env=env)
     assert built.returncode != 0
     assert "set ZEROD_SOURCE_DIR to a zerod checkout" in built.stdout + built.stderr
+    # A build tree that is not one says so, with where a relative one was looked for.
+    env["ZEROD_SOURCE_DIR"] = os.path.dirname(os.path.dirname(os.path.abspath(PACKAGE_DIR)))
+    env["ZEROD_CMAKE_BUILD_DIR"] = "no/such/build"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                            "--no-build-isolation", "--no-index", "-w", str(tmp_path / "w"),
+                            str(source)], capture_output=True, text=True, env=env)
+    assert built.returncode != 0
+    assert "not a configured CMake build tree" in built.stdout + built.stderr
+    assert os.path.join(env["ZEROD_SOURCE_DIR"], "no/such/build") in built.stdout + built.stderr
 
 
 def rss_anon(pid):

@@ -759,7 +759,8 @@ def test_sharded_parameters_keep_their_shapes(start_daemon):
 
 
 def test_torchrun_launches_the_example(start_daemon, tmp_path):
-    """`torchrun --nproc-per-node 2 examples/python/train_lm.py --socket S`:
+    """`python -m torch.distributed.run --nproc_per_node 2 examples/python/train_lm.py
+    --socket S` (torchrun):
     each process is a worker, its rank from torchrun's environment, and
     both train through the daemon (with the example's
     --offload-optimizer nvme: the state in the ranks' tier files)."""

@@ -241,6 +241,7 @@ static int fake_handle(fake_daemon *fake, const zd_frame_header *header, Protobu
     const Zerod__V1__AttachRequest *request = (const Zerod__V1__AttachRequest *)msg;
     fake->attach_mode = request->mode;
     fake->attach_pin = request->pin;
+    snprintf(fake->attach_token, sizeof fake->attach_token, "%s", request->token);
     if (fake->attach_error != ZEROD__V1__STATUS__STATUS_OK) {
       fake_error(fake, id, fake->attach_error, "job nope does not exist");
       return 0;

@@ -105,6 +105,7 @@ typedef struct fake_daemon {
   unsigned frames_by_type[64];
   int attach_mode;
   int attach_pin;
+  char attach_token[64]; /* the owner token the attach sent */
   int load_fd_count;
   int load_values_match;
   uint32_t load_unit;

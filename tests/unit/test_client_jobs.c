@@ -1,6 +1,7 @@
 /* libzerod's jobs against a fake daemon (client/client.c; the fake is
  * client_fixtures.c's): an attach's mode and pin, the job's effective
- * config and the daemon's warning; a read-only job refusing writes
+ * config and the daemon's warning; the owner token from $ZEROD_TOKEN when
+ * none is given; a read-only job refusing writes
  * without asking the daemon; the unit table from registrations and
  * listings, a listing checked like a registration; zd_pin moving a
  * read-only job to the latest version; zd_load_unit sending rank 0's
@@ -12,6 +13,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <cmocka.h>
 
@@ -115,6 +117,56 @@ static void test_read_only_attach_sends_mode_and_pin(void **state) {
   zd_close(client);
   fake_join(fake);
   assert_int_equal(fake->attach_mode, ZEROD__V1__ATTACH_MODE__ATTACH_READ_WRITE);
+  fake_destroy(fake);
+}
+
+/* Attaches to job "test" with token (NULL: none given) through a fresh
+ * fake; returns the token the fake received in *sent. */
+static void attach_sending(const char *token, char *sent, size_t sent_bytes) {
+  fake_daemon *fake = fake_create();
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_attach_options options = ZD_ATTACH_OPTIONS_INIT;
+  options.job = "test";
+  options.token = token;
+  zd_job *job = NULL;
+  assert_int_equal(zd_attach(client, &options, &job), ZD_OK);
+  zd_close(client);
+  fake_join(fake);
+  snprintf(sent, sent_bytes, "%s", fake->attach_token);
+  fake_destroy(fake);
+}
+
+/* No token given (NULL): $ZEROD_TOKEN is sent, as Kubernetes hands a
+ * worker its job's token; a given token wins, "" included (none). */
+static void test_attach_takes_the_token_from_zerod_token(void **state) {
+  (void)state;
+  char sent[64];
+  setenv("ZEROD_TOKEN", "from-env", 1);
+  attach_sending(NULL, sent, sizeof sent);
+  assert_string_equal(sent, "from-env");
+  attach_sending("given", sent, sizeof sent);
+  assert_string_equal(sent, "given");
+  attach_sending("", sent, sizeof sent);
+  assert_string_equal(sent, "");
+  unsetenv("ZEROD_TOKEN");
+  attach_sending(NULL, sent, sizeof sent);
+  assert_string_equal(sent, "");
+  /* One too long in the environment is refused, saying where it came from. */
+  char long_token[ZD_MAX_TOKEN_BYTES + 2];
+  memset(long_token, 't', sizeof long_token - 1);
+  long_token[sizeof long_token - 1] = '\0';
+  setenv("ZEROD_TOKEN", long_token, 1);
+  fake_daemon *fake = fake_create();
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_attach_options options = ZD_ATTACH_OPTIONS_INIT;
+  options.job = "test";
+  zd_job *job = NULL;
+  assert_int_equal(zd_attach(client, &options, &job), ZD_E_INVALID_ARGUMENT);
+  assert_message_contains("ZEROD_TOKEN");
+  unsetenv("ZEROD_TOKEN");
+  zd_close(client);
   fake_destroy(fake);
 }
 
@@ -407,6 +459,7 @@ int main(void) {
       cmocka_unit_test(test_read_only_attach_sends_mode_and_pin),
       cmocka_unit_test(test_attach_keeps_the_jobs_config_and_the_daemons_warning),
       cmocka_unit_test(test_attach_reply_with_the_other_mode_is_a_protocol_error),
+      cmocka_unit_test(test_attach_takes_the_token_from_zerod_token),
       cmocka_unit_test(test_read_only_job_refuses_writes_without_asking),
       cmocka_unit_test(test_list_units_builds_the_unit_table),
       cmocka_unit_test(test_registered_units_are_in_the_unit_table),

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _lib, _lifetime, _recover
+from . import _lib, _lifetime, _recover, _token
 from .errors import BY_STATUS, Error, InvalidArgumentError
 from .policies import MixedPrecisionPolicy, OffloadPolicy, dtype_name
 
@@ -350,11 +350,10 @@ class Client:
         """Attaches to `job` as local `rank` (one job per client).
 
         `rank` is the rank's index on this daemon; None takes torchrun's
-        ``LOCAL_RANK`` (0 when unset). Where the launcher also sets
-        ``WORLD_SIZE`` it must be the job's world size (else
-        InvalidArgumentError, naming both); a ``RANK`` other than the job's
-        global rank for this local rank only warns: the job's placement of
-        nodes decides global ranks, so shard data by ``Job.rank``.
+        ``LOCAL_RANK`` (0 when unset). A launcher's ``WORLD_SIZE`` must be the
+        job's world size (else InvalidArgumentError, naming both); a ``RANK``
+        other than the job's global rank for this local rank only warns: the
+        nodes' placement decides global ranks, so shard data by ``Job.rank``.
 
         With ``create`` (True) a missing job is created with `config` and
         ``world_size`` ranks (None: the launcher's ``WORLD_SIZE``, else the
@@ -366,9 +365,10 @@ class Client:
         (zerod/_lifetime.py). Local rank 0 prints which step it starts at.
         A read-only attachment (``read_only=True``) takes no rank and cannot
         change the job; with ``pin`` all its gathers come from one version,
-        pinned now and moved by :meth:`Job.pin`. ``stable_addresses`` (the default here,
-        unlike the C library's) keeps each unit's gathered view at one
-        address, which zerod.torch needs; it costs an mmap per gather.
+        pinned now and moved by :meth:`Job.pin`. ``stable_addresses`` (the
+        default here, unlike the C library's) keeps each unit's gathered view
+        at one address, which zerod.torch needs; it costs an mmap per gather.
+        `token` None takes ``$ZEROD_TOKEN`` (unset: none); ``""`` is none.
         """
         self._require_open("attach")
         if rank is None:
@@ -376,7 +376,7 @@ class Client:
         options = _lib.sized(_lib.AttachOptions)
         options.job = job.encode()
         options.local_rank = int(rank)
-        options.token = token.encode() if token else None
+        options.token = _token.encode(token)
         options.read_only = int(read_only)
         options.create = _lifetime.create_mode(create, read_only)
         options.world_size = _lifetime.world_size_to_ask(world_size, _env_int("WORLD_SIZE"))
