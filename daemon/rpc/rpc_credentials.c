@@ -10,14 +10,16 @@
 #include <grpc/grpc_security.h>
 
 #include "tls.h"
+#include "tls_reload.h"
 
 static int tls_set(const char *s) {
   return s != NULL && s[0] != '\0';
 }
 
-int rpc__server_credentials(const rpc_tls *tls, grpc_server_credentials **out, char *err,
-                            size_t err_bytes) {
+int rpc__server_credentials(const rpc_tls *tls, grpc_server_credentials **out, tls_reload **reload,
+                            char *err, size_t err_bytes) {
   *out = NULL;
+  *reload = NULL;
   if (!tls_set(tls->cert_file) || !tls_set(tls->key_file)) {
     snprintf(err, err_bytes, "TLS needs both a certificate and its key");
     return -EINVAL;
@@ -26,29 +28,27 @@ int rpc__server_credentials(const rpc_tls *tls, grpc_server_credentials **out, c
     snprintf(err, err_bytes, "mutual TLS needs the CA that signs client certificates");
     return -EINVAL;
   }
-  char *cert = NULL, *key = NULL, *ca = NULL;
-  int rc = tls_read_pem(tls->cert_file, "certificate", &cert, err, err_bytes);
-  if (rc == 0)
-    rc = tls_read_pem(tls->key_file, "private key", &key, err, err_bytes);
-  if (rc == 0 && tls_set(tls->ca_file))
-    rc = tls_read_pem(tls->ca_file, "client CA", &ca, err, err_bytes);
-  if (rc == 0) {
-    grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
-    grpc_ssl_client_certificate_request_type request =
-        ca == NULL                 ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
-        : tls->require_client_cert ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
-                                   : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY;
-    *out = grpc_ssl_server_credentials_create_ex(ca, &pair, 1, request, NULL);
-    if (*out == NULL) {
-      snprintf(err, err_bytes, "gRPC refused the TLS material (%s, %s)", tls->cert_file,
-               tls->key_file);
-      rc = -EINVAL;
-    }
+  /* Read now, so that bad files fail the start with their reason; read
+   * again at a handshake after they change (tls_reload.h). */
+  int rc = tls_reload_create(tls, reload, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  grpc_ssl_client_certificate_request_type request =
+      !tls_set(tls->ca_file)     ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+      : tls->require_client_cert ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                 : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY;
+  grpc_ssl_server_credentials_options *options =
+      grpc_ssl_server_credentials_create_options_using_config_fetcher(request, tls_reload_fetch,
+                                                                      *reload);
+  *out = options != NULL ? grpc_ssl_server_credentials_create_with_options(options) : NULL;
+  if (*out == NULL) {
+    snprintf(err, err_bytes, "gRPC refused the TLS material (%s, %s)", tls->cert_file,
+             tls->key_file);
+    tls_reload_free(*reload);
+    *reload = NULL;
+    return -EINVAL;
   }
-  free(cert);
-  free(key);
-  free(ca);
-  return rc;
+  return 0;
 }
 
 int rpc__channel_credentials(const rpc_tls *tls, grpc_channel_credentials **out, char *err,

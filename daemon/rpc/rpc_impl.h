@@ -13,6 +13,7 @@
 
 #include "admit.h"
 #include "tls.h"
+#include "tls_reload.h"
 
 /* Method paths and addresses: short ASCII names. */
 #define RPC_MAX_PATH_BYTES 256
@@ -49,10 +50,12 @@ void rpc__message_limit_args(grpc_arg *arg_storage, size_t *n_args);
 admit_limits rpc__admit_limits(void);
 
 /* Server credentials for tls (a certificate and its key required; a CA
- * to verify clients with). Returns 0 with *out (the caller releases it)
- * or a negative errno with a message in err. */
-int rpc__server_credentials(const rpc_tls *tls, grpc_server_credentials **out, char *err,
-                            size_t err_bytes);
+ * to verify clients with), whose files are read again when they change
+ * (*reload: the caller frees it after the server is destroyed). Returns 0
+ * with *out (the caller releases it) or a negative errno with a message in
+ * err. */
+int rpc__server_credentials(const rpc_tls *tls, grpc_server_credentials **out, tls_reload **reload,
+                            char *err, size_t err_bytes);
 
 /* Channel credentials for tls (ca_file NULL: the system's roots). Returns
  * 0 with *out (the caller releases it) or a negative errno with a message

@@ -43,6 +43,7 @@
 #include "rpc_impl.h"
 #include "rpc_server_impl.h"
 #include "tls.h"
+#include "tls_reload.h"
 
 /* Requests kept armed with grpc_server_request_call: gRPC holds calls that
  * arrive with none armed in its own queue, so this only saves a loop
@@ -362,12 +363,15 @@ int rpc_server_set_tls(rpc_server *s, const rpc_tls *tls, char *err, size_t err_
     return -EBUSY;
   }
   grpc_server_credentials *creds;
-  int rc = rpc__server_credentials(tls, &creds, err, err_bytes);
+  tls_reload *reload;
+  int rc = rpc__server_credentials(tls, &creds, &reload, err, err_bytes);
   if (rc != 0)
     return rc;
   if (s->creds != NULL)
     grpc_server_credentials_release(s->creds);
+  tls_reload_free(s->tls_reload); /* nothing fetched through it: not started */
   s->creds = creds;
+  s->tls_reload = reload;
   return 0;
 }
 
@@ -539,6 +543,7 @@ void rpc_server_destroy(rpc_server *s) {
   }
   if (s->creds != NULL)
     grpc_server_credentials_release(s->creds);
+  tls_reload_free(s->tls_reload);
   admit_free(&s->admit);
   uv_mutex_destroy(&s->lock);
   free(s);

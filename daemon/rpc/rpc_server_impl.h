@@ -71,6 +71,7 @@ struct rpc_server {
   unsigned method_count;
   server_state state;
   grpc_server_credentials *creds;          /* rpc_server_set_tls; NULL: plain */
+  tls_reload *tls_reload;                  /* what creds fetch their files through */
   char bound_addr[RPC_MAX_ADDR_BYTES + 8]; /* addr with the port it got (for listening again) */
   unsigned seen_accept_failures;           /* accept_failures when last checked */
   uv_timer_t *listener_timer;              /* on the heap, like wakeup; NULL before start */

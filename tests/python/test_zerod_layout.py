@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from zerod import _lib, client, errors
+from zerod import _config, _lib, _lifetime, client, errors
 
 HEADER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client",
                           "include")
@@ -45,11 +45,14 @@ CONSTANTS = {
     "ZD_ADAMW": _lib.ADAMW, "ZD_ADAM": _lib.ADAM, "ZD_SGD": _lib.SGD,
     "ZD_INIT_FROM_RANK0": _lib.INIT_FROM_RANK0, "ZD_INIT_SEEDED_NORMAL": _lib.INIT_SEEDED_NORMAL,
     "ZD_INIT_ZEROS": _lib.INIT_ZEROS,
-    "ZD_COLLECTIVES_HIERARCHICAL": client._COLLECTIVES["hierarchical"],
-    "ZD_COLLECTIVES_FLAT": client._COLLECTIVES["flat"],
-    "ZD_OFFLOAD_NONE": client._OFFLOAD_DEVICES["none"],
-    "ZD_OFFLOAD_CPU": client._OFFLOAD_DEVICES["cpu"],
-    "ZD_OFFLOAD_NVME": client._OFFLOAD_DEVICES["nvme"],
+    "ZD_COLLECTIVES_HIERARCHICAL": _config._COLLECTIVES["hierarchical"],
+    "ZD_COLLECTIVES_FLAT": _config._COLLECTIVES["flat"],
+    "ZD_OFFLOAD_NONE": _config._OFFLOAD_DEVICES["none"],
+    "ZD_OFFLOAD_CPU": _config._OFFLOAD_DEVICES["cpu"],
+    "ZD_OFFLOAD_NVME": _config._OFFLOAD_DEVICES["nvme"],
+    "ZD_ATTACH_EXISTING": _lifetime.ATTACH_EXISTING,
+    "ZD_CREATE_OR_RESUME": _lifetime.CREATE_OR_RESUME,
+    "ZD_CREATE_FRESH": _lifetime.CREATE_FRESH,
     "ZD_STATE_WEIGHTS": client._STATES["weights"],
     "ZD_STATE_MOMENT1": client._STATES["exp_avg"],
     "ZD_STATE_MOMENT2": client._STATES["exp_avg_sq"],

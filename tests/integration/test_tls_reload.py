@@ -1,0 +1,54 @@
+"""Certificates rotate without a restart (docs/security.md, "Rotating
+certificates"): the coordinator's TLS files replaced in place (as the
+kubelet swaps a renewed Secret's files) are read at the next handshake, so
+a client that trusts only the new CA connects and one that trusts only the
+old one no longer does; files that do not go together (a key that is not
+the certificate's) are not taken, with a warning, and the previous
+material keeps serving. Mutual TLS: a renewed client CA takes effect the
+same way."""
+
+import os
+import shutil
+
+from conftest import binary, run_worker, wait_for
+from test_security import make_ca, make_cert, pki  # noqa: F401 (fixture)
+
+
+def install(live, src_dir, name, key_from=None):
+    """Replaces live/tls.crt and tls.key with name's, each by a rename (a
+    reader never sees half a file)."""
+    for ext, src in (("crt", name), ("key", key_from or name)):
+        tmp = os.path.join(live, "tls.%s.tmp" % ext)
+        shutil.copyfile(os.path.join(src_dir, "%s.%s" % (src, ext)), tmp)
+        os.replace(tmp, os.path.join(live, "tls.%s" % ext))
+
+
+def health(address, ca):
+    return run_worker([binary("zerodctl"), "-c", address, "--tls-ca", str(ca),
+                       "--tls-server-name", "localhost", "health"], check=False)
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(cluster, pki, tmp_path):
+    d = str(pki)
+    make_ca(d, "ca2")
+    make_cert(d, "ca2", "server2", "coordinator")
+    live = tmp_path / "live"
+    live.mkdir()
+    install(str(live), d, "server")
+    coord = cluster.start_coordinator(extra=["--tls-cert", str(live / "tls.crt"), "--tls-key",
+                                             str(live / "tls.key"), "--insecure"])
+    assert health(coord.address, pki / "ca.crt").returncode == 0
+    assert health(coord.address, pki / "ca2.crt").returncode != 0
+
+    install(str(live), d, "server2")
+    wait_for("the renewed certificate",
+             lambda: health(coord.address, pki / "ca2.crt").returncode == 0, timeout_s=20)
+    assert health(coord.address, pki / "ca.crt").returncode != 0
+    assert "TLS certificate reloaded" in coord.read_log()
+
+    # A certificate with another's key: refused, the renewed one stays.
+    install(str(live), d, "server", key_from="server2")
+    assert health(coord.address, pki / "ca2.crt").returncode == 0
+    wait_for("the refusal", lambda: "were not taken" in coord.read_log())
+    assert "is not the certificate" in coord.read_log()
+    assert coord.proc.poll() is None
