@@ -513,6 +513,14 @@ static json_t *jnum(double v) {
   return isnan(v) || isinf(v) ? json_null() : json_real(v);
 }
 
+/* A count (a step, bytes, sessions): a JSON integer, as the metric's value
+ * is one; null when the daemon has not reported it. */
+static json_t *jcount(double v) {
+  if (isnan(v) || isinf(v) || v < -9007199254740992.0 || v > 9007199254740992.0)
+    return json_null();
+  return json_integer((json_int_t)llround(v));
+}
+
 /* The bases of every target, for --json: one object per (target, base). */
 static json_t *json_bases(const top_options *o) {
   json_t *bases = json_array();
@@ -524,11 +532,11 @@ static json_t *json_bases(const top_options *o) {
       json_t *jb = json_object();
       json_object_set_new(jb, "base", jstr(base));
       json_object_set_new(jb, "target", jstr(t->given));
-      json_object_set_new(jb, "jobs", jnum(s->value));
+      json_object_set_new(jb, "jobs", jcount(s->value));
       json_object_set_new(jb, "cached_bytes",
-                          jnum(labelled(&t->cur, "zerod_base_cached_bytes", "zerod_base", base)));
-      json_object_set_new(jb, "cache_hits", jnum(base_lookups(&t->cur, base, "hit")));
-      json_object_set_new(jb, "cache_misses", jnum(base_lookups(&t->cur, base, "miss")));
+                          jcount(labelled(&t->cur, "zerod_base_cached_bytes", "zerod_base", base)));
+      json_object_set_new(jb, "cache_hits", jcount(base_lookups(&t->cur, base, "hit")));
+      json_object_set_new(jb, "cache_misses", jcount(base_lookups(&t->cur, base, "miss")));
       json_array_append_new(bases, jb);
     }
   }
@@ -554,11 +562,12 @@ static int print_json(const top_options *o, const row *rows, size_t nrows) {
     } else {
       json_object_set_new(jt, "mode", jstr(build_label(t, "mode")));
       json_object_set_new(jt, "version", jstr(build_label(t, "version")));
-      json_object_set_new(jt, "jobs", jnum(node_jobs(t)));
+      json_object_set_new(jt, "jobs", jcount(node_jobs(t)));
       json_object_set_new(jt, "sessions",
-                          jnum(sum_of(&t->cur, "zerod_node_sessions", NULL, NULL, NULL)));
-      json_object_set_new(jt, "resident_bytes",
-                          jnum(sum_of(&t->cur, "process_resident_memory_bytes", NULL, NULL, NULL)));
+                          jcount(sum_of(&t->cur, "zerod_node_sessions", NULL, NULL, NULL)));
+      json_object_set_new(
+          jt, "resident_bytes",
+          jcount(sum_of(&t->cur, "process_resident_memory_bytes", NULL, NULL, NULL)));
       json_object_set_new(jt, "cpu_percent",
                           jnum(per_second(t, "process_cpu_seconds_total", NULL, NULL) * 100));
     }
@@ -570,19 +579,19 @@ static int print_json(const top_options *o, const row *rows, size_t nrows) {
     json_object_set_new(jr, "job", jstr(r->job));
     json_object_set_new(jr, "rank", json_integer(strtol(r->rank, NULL, 10)));
     json_object_set_new(jr, "target", jstr(r->t->given));
-    json_object_set_new(jr, "step", jnum(r->step));
+    json_object_set_new(jr, "step", jcount(r->step));
     json_object_set_new(jr, "steps_per_s", jnum(r->steps_per_s));
     json_object_set_new(jr, "step_ms", jnum(r->step_ms));
     json_object_set_new(jr, "gather_ms", jnum(r->gather_ms));
     json_object_set_new(jr, "reduce_ms", jnum(r->reduce_ms));
     json_object_set_new(jr, "moved_bytes_per_s", jnum(r->bytes_per_s));
-    json_object_set_new(jr, "shard_bytes", jnum(r->shard_bytes));
-    json_object_set_new(jr, "shard_disk_bytes", jnum(r->disk_bytes));
-    json_object_set_new(jr, "buffer_bytes", jnum(r->buffer_bytes));
-    json_object_set_new(jr, "live_bytes", jnum(r->live_bytes));
-    json_object_set_new(jr, "queue_depth", jnum(r->queue));
+    json_object_set_new(jr, "shard_bytes", jcount(r->shard_bytes));
+    json_object_set_new(jr, "shard_disk_bytes", jcount(r->disk_bytes));
+    json_object_set_new(jr, "buffer_bytes", jcount(r->buffer_bytes));
+    json_object_set_new(jr, "live_bytes", jcount(r->live_bytes));
+    json_object_set_new(jr, "queue_depth", jcount(r->queue));
     json_object_set_new(jr, "worker_attached", json_boolean(r->attached > 0));
-    json_object_set_new(jr, "errors", jnum(r->errors));
+    json_object_set_new(jr, "errors", jcount(r->errors));
     json_array_append_new(ranks, jr);
   }
   json_object_set_new(root, "targets", targets);

@@ -26,7 +26,7 @@ static void json_checkpoint(json_out *j, const char *key, const Zerod__V1__Check
   ctl__json_u64(j, "world_size", cp->world_size);
   ctl__json_u64(j, "bytes", cp->bytes);
   ctl__json_i64(j, "created_unix_ms", cp->created_unix_ms);
-  ctl__json_u64(j, "job_id", cp->job_id);
+  ctl__json_id(j, "job_id", cp->job_id);
   ctl__json_str(j, "tenant", cp->tenant);
   ctl__json_close(j, '}');
 }

@@ -57,7 +57,7 @@ static void json_member(json_out *j, const Zerod__V1__Member *m) {
   ctl__json_close(j, ']');
   ctl__json_u64(j, "memory_bytes", node->memory_bytes);
   ctl__json_str(j, "version", node->version);
-  ctl__json_u64(j, "session", m->session);
+  ctl__json_id(j, "session", m->session);
   ctl__json_i64(j, "joined_unix_ms", m->joined_unix_ms);
   ctl__json_i64(j, "lease_remaining_ms", m->lease_remaining_ms);
   ctl__json_close(j, '}');

@@ -84,6 +84,9 @@ void ctl__json_open(json_out *j, const char *key, char bracket);
 void ctl__json_close(json_out *j, char bracket);
 void ctl__json_str(json_out *j, const char *key, const char *value);
 void ctl__json_u64(json_out *j, const char *key, uint64_t value);
+/* A 64-bit id as a string, as protobuf's JSON mapping writes one: readers
+ * that keep numbers as doubles (jq, JavaScript) would round it. */
+void ctl__json_id(json_out *j, const char *key, uint64_t value);
 void ctl__json_i64(json_out *j, const char *key, int64_t value);
 void ctl__json_bool(json_out *j, const char *key, bool value);
 void ctl__json_f64(json_out *j, const char *key, double value);

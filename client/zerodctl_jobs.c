@@ -37,7 +37,7 @@ void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
   const Zerod__V1__OptimizerConfig *opt = job_optimizer(job);
   ctl__json_open(j, key, '{');
   ctl__json_str(j, "name", job->name);
-  ctl__json_u64(j, "id", job->id);
+  ctl__json_id(j, "id", job->id);
   ctl__json_str(j, "state", zd_job_state_word(job->state));
   ctl__json_str(j, "reason", job->reason);
   ctl__json_u64(j, "nodes", job->nodes);

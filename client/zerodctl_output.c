@@ -160,6 +160,12 @@ void ctl__json_u64(json_out *j, const char *key, uint64_t value) {
   fprintf(j->out, "%" PRIu64, value);
 }
 
+void ctl__json_id(json_out *j, const char *key, uint64_t value) {
+  char text[24];
+  snprintf(text, sizeof text, "%" PRIu64, value);
+  ctl__json_str(j, key, text);
+}
+
 void ctl__json_i64(json_out *j, const char *key, int64_t value) {
   json_item(j, key);
   fprintf(j->out, "%" PRId64, value);

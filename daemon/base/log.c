@@ -191,11 +191,59 @@ static void jfield(jline *j, const char *key, const char *value, size_t value_le
   jfield_close(j);
 }
 
+/* Whether the bare value v[0..n) goes into JSON as it is: true, false, or
+ * a number in JSON's grammar (no leading zeros: 0600 is a mode, a string),
+ * an integer of at most 15 digits (a 64-bit id has more, and readers that
+ * keep numbers as doubles would round it: it stays a string). */
+static int json_bare(const char *v, size_t n) {
+  if ((n == 4 && memcmp(v, "true", 4) == 0) || (n == 5 && memcmp(v, "false", 5) == 0))
+    return 1;
+  size_t i = v[0] == '-' ? 1 : 0, digits = 0, frac = 0;
+  if (i < n && v[i] == '0' && i + 1 < n && v[i + 1] >= '0' && v[i + 1] <= '9')
+    return 0;
+  for (; i < n && v[i] >= '0' && v[i] <= '9'; i++)
+    digits++;
+  if (digits == 0)
+    return 0;
+  if (i < n && v[i] == '.') {
+    size_t f = 0;
+    for (i++; i < n && v[i] >= '0' && v[i] <= '9'; i++)
+      f++;
+    if (f == 0)
+      return 0;
+    frac = 1;
+  }
+  if (i < n && (v[i] == 'e' || v[i] == 'E')) {
+    size_t e = 0;
+    if (++i < n && (v[i] == '+' || v[i] == '-'))
+      i++;
+    for (; i < n && v[i] >= '0' && v[i] <= '9'; i++)
+      e++;
+    if (e == 0)
+      return 0;
+    frac = 1;
+  }
+  return i == n && (frac || digits <= 15);
+}
+
+/* The field "key":value with a bare value; taken back whole if it does
+ * not fit (a cut line never ends in half a number). */
+static void jfield_bare(jline *j, const char *key, size_t key_len, const char *v, size_t n) {
+  size_t mark = j->n;
+  jput(j, ",\"", 2);
+  jescape(j, key, key_len);
+  jput(j, "\":", 2);
+  jput(j, v, n);
+  if (j->full)
+    j->n = mark;
+}
+
 /* Turns the formatted logfmt tail into fields: key=value pairs separated
  * by spaces, a value bare (up to the next space) or double-quoted with the
  * escapes log_quote writes (\" and \\; any other backslash stays as is).
- * Values stay strings, numbers included: the text is what the caller
- * printed, nothing is lost by guessing types. At the first token that is
+ * A bare value that is a number or a boolean in JSON's grammar (json_bare)
+ * is written as one; every other value, and every quoted one, as a string.
+ * At the first token that is
  * not a pair (no '=', an empty key, an unclosed quote, a closing quote not
  * followed by a space) the rest of the tail, from that token on, becomes
  * the field kv_raw. */
@@ -236,6 +284,10 @@ static void json_tail(jline *j, const char *tail) {
         p++;
       n = (size_t)(p - v);
       memcpy(value, v, n);
+      if (n > 0 && json_bare(value, n)) {
+        jfield_bare(j, key, key_len, value, n);
+        continue;
+      }
     }
     jfield_open(j, key, key_len);
     jescape(j, value, n);

@@ -302,6 +302,9 @@ def test_zerodctl_top_shows_training(start_daemon):
             assert r["gather_ms"] > 0 and r["reduce_ms"] > 0 and r["step_ms"] > 0, r
             assert r["moved_bytes_per_s"] > 0 and r["shard_bytes"] > 0, r
             assert r["worker_attached"] is True and r["errors"] == 0, r
+            # Counts are integers (step 3, not 3.0); rates stay numbers.
+            for count in ("step", "shard_bytes", "live_bytes", "queue_depth", "errors"):
+                assert isinstance(r[count], int), (count, r)
         # The table, twice, from ZEROD_METRICS, one job only.
         top = ctl_top("--count", "2", "--interval", "0.3", "--job", "topjob",
                       env_metrics=target)

@@ -157,7 +157,9 @@ def test_members_json(coordinator, nodes):
     assert m["version"] == "0.1.0" and m["address"].startswith("10.1.0.")
     assert [d["kind"] for d in m["devices"]] == ["cpu", "cpu"]
     assert 0 < m["lease_remaining_ms"] <= LEASE_TTL_S * 1000
-    assert m["joined_unix_ms"] > 0 and m["session"] > 0
+    assert m["joined_unix_ms"] > 0 and isinstance(m["joined_unix_ms"], int)
+    # A 64-bit id is a string (jq and JavaScript would round a number).
+    assert isinstance(m["session"], str) and m["session"].isdigit() and int(m["session"]) > 0
 
 
 # ---------------------------------------------------------------------------

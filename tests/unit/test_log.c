@@ -31,6 +31,7 @@ typedef struct field {
   char key[256];
   char value[4096];
   size_t value_len;
+  int bare; /* a number or a boolean, not a string */
 } field;
 
 typedef struct object {
@@ -143,8 +144,26 @@ static int parse_string(const unsigned char **pp, const unsigned char *end, char
   return 0;
 }
 
-/* Parses one line: a compact object of string values, then '\n', then
- * nothing. 0 on success. */
+/* Parses a bare value at *pp (a JSON number or true/false, up to ',' or
+ * '}') into out, as its text; 0 on success. */
+static int parse_bare(const unsigned char **pp, const unsigned char *end, char *out, size_t cap,
+                      size_t *out_len) {
+  const unsigned char *p = *pp;
+  size_t n = 0;
+  while (p < end && *p != ',' && *p != '}' && n + 1 < cap)
+    out[n++] = (char)*p++;
+  out[n] = '\0';
+  char *stop = NULL;
+  if (n == 0 || (strcmp(out, "true") != 0 && strcmp(out, "false") != 0 &&
+                 (strtod(out, &stop), *stop != '\0' || strchr("-0123456789", out[0]) == NULL)))
+    return -1;
+  *out_len = n;
+  *pp = p;
+  return 0;
+}
+
+/* Parses one line: a compact object of string, number and boolean
+ * values, then '\n', then nothing. 0 on success. */
 static int parse_line(const char *line, size_t len, object *o) {
   const unsigned char *p = (const unsigned char *)line, *end = p + len;
   o->n = 0;
@@ -164,7 +183,9 @@ static int parse_line(const char *line, size_t len, object *o) {
       return -1;
     if (p >= end || *p++ != ':')
       return -1;
-    if (parse_string(&p, end, f->value, sizeof f->value, &f->value_len) != 0)
+    f->bare = p < end && *p != '"';
+    if ((f->bare ? parse_bare(&p, end, f->value, sizeof f->value, &f->value_len)
+                 : parse_string(&p, end, f->value, sizeof f->value, &f->value_len)) != 0)
       return -1;
     if (p >= end)
       return -1;
@@ -173,6 +194,14 @@ static int parse_line(const char *line, size_t len, object *o) {
     if (*p++ != ',')
       return -1;
   }
+}
+
+/* Whether key's value is bare (a number or a boolean); -1: no such key. */
+static int bare(const object *o, const char *key) {
+  for (int i = 0; i < o->n; i++)
+    if (strcmp(o->f[i].key, key) == 0)
+      return o->f[i].bare;
+  return -1;
 }
 
 static const char *get(const object *o, const char *key) {
@@ -263,7 +292,7 @@ static void test_json_plain_values(void **state) {
   JSON(LOG_INFO, "worker attached", "job=%s rank=%d", "mlp", 0);
   assert_string_equal(after_ts("{\"ts\":\""),
                       "\",\"level\":\"info\",\"msg\":\"worker attached\",\"job\":\"mlp\","
-                      "\"rank\":\"0\"}\n");
+                      "\"rank\":0}\n");
   assert_int_equal(parsed.n, 5);
   assert_timestamp(get(&parsed, "ts"));
   JSON(LOG_ERROR, "collective failed", "job=%s step=%llu bytes=%d empty= ok=%s", "j", 12ULL, -3,
@@ -274,6 +303,25 @@ static void test_json_plain_values(void **state) {
   assert_string_equal(get(&parsed, "empty"), "");
   assert_string_equal(get(&parsed, "ok"), "1.5e-3");
   assert_null(get(&parsed, "kv_raw"));
+  /* Numbers and booleans are typed; text, quoted values, modes with a
+   * leading zero, versions and 64-bit ids (over 15 digits) stay strings. */
+  assert_int_equal(bare(&parsed, "step"), 1);
+  assert_int_equal(bare(&parsed, "bytes"), 1);
+  assert_int_equal(bare(&parsed, "ok"), 1);
+  assert_int_equal(bare(&parsed, "empty"), 0);
+  assert_int_equal(bare(&parsed, "job"), 0);
+  JSON(LOG_INFO, "m", "lr=0.001 on=true off=false mode=0600 v=0.1.0 id=%llu small=%llu q=\"7\" x=1e",
+       5651228676782159535ULL, 123456789012345ULL);
+  assert_int_equal(bare(&parsed, "lr"), 1);
+  assert_int_equal(bare(&parsed, "on"), 1);
+  assert_int_equal(bare(&parsed, "off"), 1);
+  assert_int_equal(bare(&parsed, "small"), 1);
+  assert_int_equal(bare(&parsed, "mode"), 0);
+  assert_int_equal(bare(&parsed, "v"), 0);
+  assert_int_equal(bare(&parsed, "q"), 0);
+  assert_int_equal(bare(&parsed, "x"), 0);
+  assert_int_equal(bare(&parsed, "id"), 0);
+  assert_string_equal(get(&parsed, "id"), "5651228676782159535");
 }
 
 static void test_json_quoted_values(void **state) {
