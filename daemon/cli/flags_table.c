@@ -222,11 +222,12 @@ static const flag node_flags[] = {
      .parse = flag_parse_duration_ms,
      .expected = "a duration: N, Ns, Nm, Nh or Nd, at most 3650d; 0: no drain",
      .help = "  --drain-timeout DURATION\n"
-             "                          standalone: on SIGTERM or SIGINT, save every job that\n"
-             "                          holds state before stopping, waiting at most this long\n"
-             "                          (a second signal stops at once); the next daemon on\n"
-             "                          this --dir restores them [ZEROD_DRAIN_TIMEOUT, default\n"
-             "                          20s; 0: stop at once]\n"},
+             "                          on SIGTERM or SIGINT, have the coordinator save every\n"
+             "                          job of this node that holds state before stopping,\n"
+             "                          waiting at most this long (a second signal stops at\n"
+             "                          once); restored when the node (standalone: the next\n"
+             "                          daemon on this --dir) is back [ZEROD_DRAIN_TIMEOUT,\n"
+             "                          default 20s; 0: stop at once]\n"},
     {.id = FLAG_EXPORT_ROOT,
      .name = "export-root",
      .takes_value = 1,

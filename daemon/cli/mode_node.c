@@ -154,30 +154,26 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
   }
 }
 
-/* zerod standalone's drain (docs/daemon.md, "Upgrades keep state"):
- * while everything keeps serving, the jobs that hold state are saved
- * (coord_drain_start); the daemon stops once none is in flight, or at
- * --drain-timeout. */
+/* The drain (docs/daemon.md, "Upgrades keep state"): while everything
+ * keeps serving, the coordinator saves this node's jobs that hold state
+ * (cluster_drain, coord_drain.c); the daemon stops once none is in
+ * flight, or at --drain-timeout. */
 static void on_drain_tick(uv_timer_t *timer) {
   zdaemon *d = timer->data;
-  char names[512];
-  int pending = coord_drain_pending(d->coord, names, sizeof names);
-  if (pending > 0 && uv_now(d->loop) < d->drain_deadline_ms)
+  int drained = cluster_drained(d);
+  if (!drained && uv_now(d->loop) < d->drain_deadline_ms)
     return;
-  if (pending == 0)
+  if (drained)
     LOG_INFOF("drained: every job with state saved", NULL);
   else
-    LOG_WARNF("drain timed out: stopping without these jobs' saves", "jobs=%s timeout_ms=%lld",
-              names, (long long)d->drain_timeout_ms);
+    LOG_WARNF("drain timed out: stopping without some jobs' saves", "timeout_ms=%lld",
+              (long long)d->drain_timeout_ms);
   shutdown_daemon(d, d->drain_signal);
 }
 
 /* Starts the drain; 0 when there is nothing to drain (stop now). */
 static int start_drain(zdaemon *d, const char *signal_name) {
-  if (d->coord == NULL || d->drain_timeout_ms <= 0 || d->draining)
-    return 0;
-  int saving = coord_drain_start(d->coord);
-  if (saving == 0)
+  if (d->drain_timeout_ms <= 0 || d->draining || !cluster_drain(d))
     return 0;
   if (uv_timer_init(d->loop, &d->drain_timer) != 0)
     return 0;
@@ -186,8 +182,8 @@ static int start_drain(zdaemon *d, const char *signal_name) {
   d->drain_timer.data = d;
   d->drain_deadline_ms = uv_now(d->loop) + (uint64_t)d->drain_timeout_ms;
   uv_timer_start(&d->drain_timer, on_drain_tick, 50, 50);
-  LOG_INFOF("draining: saving jobs before stopping", "signal=%s jobs=%d timeout_ms=%lld",
-            signal_name, saving, (long long)d->drain_timeout_ms);
+  LOG_INFOF("draining: the coordinator saves this node's jobs before it stops",
+            "signal=%s timeout_ms=%lld", signal_name, (long long)d->drain_timeout_ms);
   return 1;
 }
 
@@ -386,12 +382,11 @@ static int settle_cluster(node_process *p) {
   }
   if (node &&
       (given->value[FLAG_CHECKPOINT_DIR] != NULL || given->value[FLAG_CHECKPOINT_TIMEOUT] != NULL ||
-       given->n_export_roots > 0 || given->value[FLAG_JOB_IDLE_TTL] != NULL ||
-       given->value[FLAG_DRAIN_TIMEOUT] != NULL)) {
+       given->n_export_roots > 0 || given->value[FLAG_JOB_IDLE_TTL] != NULL)) {
     /* A node saves where its coordinator's orders say. */
-    fprintf(stderr, "zerod: --checkpoint-dir, --checkpoint-timeout, --export-root, "
-                    "--job-idle-ttl and --drain-timeout are standalone's (or the coordinator's), "
-                    "not a node's\n");
+    fprintf(stderr, "zerod: --checkpoint-dir, --checkpoint-timeout, --export-root and "
+                    "--job-idle-ttl are the coordinator's (zerod coordinator or standalone), not "
+                    "a node's\n");
     return 2;
   }
   return 0;
@@ -415,10 +410,10 @@ static int settle_files(node_process *p) {
     if ((rc = flag_value(t, &p->given, FLAG_JOB_IDLE_TTL, &v, &value)) != 0)
       return rc;
     p->job_idle_ttl_ms = value;
-    if ((rc = flag_value(t, &p->given, FLAG_DRAIN_TIMEOUT, &v, &value)) != 0)
-      return rc;
-    p->daemon.drain_timeout_ms = value;
   }
+  if ((rc = flag_value(t, &p->given, FLAG_DRAIN_TIMEOUT, &v, &value)) != 0)
+    return rc;
+  p->daemon.drain_timeout_ms = value;
   v = flag_text(t, &p->given, FLAG_NAME);
   char host[256] = "";
   if (v == NULL && gethostname(host, sizeof host - 1) == 0)

@@ -112,14 +112,6 @@ int coord_metrics_start(coord *c, rpc_server *server, metrics *m);
 /* Stops publishing (before coord_destroy, and before m is freed). */
 void coord_metrics_stop(coord *c);
 
-/* zerod standalone's drain before it stops (coord_drain.c): starts a save
- * of every job that holds state and returns how many jobs are being saved
- * (0: nothing to wait for). */
-int coord_drain_start(coord *c);
-/* How many of those saves are still in flight; their jobs' names,
- * comma-separated, into names. */
-int coord_drain_pending(const coord *c, char *names, size_t names_bytes);
-
 /* Starts shutting down: health turns NOT_SERVING, every Watch stream ends
  * with UNAVAILABLE ("coordinator shutting down"), waiting Gets and
  * checkpoint orders in flight with UNAVAILABLE, and the lease timer is

@@ -242,6 +242,8 @@ static void on_heartbeat(rpc_call *call, const uint8_t *request, size_t request_
   Zerod__V1__HeartbeatReply reply = ZEROD__V1__HEARTBEAT_REPLY__INIT;
   reply.lease_ttl_ms = (uint32_t)c->options.lease_ttl_ms;
   reply.epoch = c->epoch;
+  if (req->draining)
+    coord__drain_node(c, m, &reply);
   coord__finish_message(call, &reply.base);
 out:
   ctl_free(&req->base);

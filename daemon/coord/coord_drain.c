@@ -1,19 +1,30 @@
-/* coord_drain.c - saving jobs before a daemon stops (docs/daemon.md,
+/* coord_drain.c - saving a node's jobs before it stops (docs/daemon.md,
  * "Upgrades keep state").
  *
- * zerod standalone drains on SIGTERM: every job of the node that holds
+ * A node told to stop (SIGTERM, --drain-timeout; zerod standalone too,
+ * whose node is a member of its in-process coordinator) sets draining in
+ * its heartbeats. At the first, every job placed on the node that holds
  * state (ready, units reported, not a base: a base has its own checkpoint,
  * not deleting) gets a save, as a periodic checkpoint would (auto-<step>),
- * or keeps the one already running; the daemon stops once none of them is
- * in flight, or at its drain timeout. The daemon that starts next on the
- * same state directory loads the jobs (coordinator.pb) and restores each
- * from its newest checkpoint: that save (ckpt_recover.c). */
+ * or keeps the one already running; each reply says how many are still in
+ * flight, and the node stops at 0 (or at its timeout). The node that
+ * comes back (or the standalone daemon that starts next on the same
+ * directory, which loads the jobs from coordinator.pb) has its jobs
+ * restored from their newest checkpoint: that save (ckpt_recover.c). */
 #include <stdio.h>
 #include <string.h>
 
 #include "coord_ckpt.h"
 #include "coord_impl.h"
 #include "log.h"
+
+/* Whether j is placed on node. */
+static int placed_on(const cjob *j, const char *node) {
+  for (size_t i = 0; i < j->msg->n_placement; i++)
+    if (strcmp(j->msg->placement[i]->node, node) == 0)
+      return 1;
+  return 0;
+}
 
 /* Whether j holds state worth a save: some node reports units of it. */
 static int has_units(const coord *c, const cjob *j) {
@@ -25,41 +36,39 @@ static int has_units(const coord *c, const cjob *j) {
   return 0;
 }
 
-int coord_drain_start(coord *c) {
-  int draining = 0;
+static void start_saves(coord *c, const char *node) {
+  int saving = 0;
   for (size_t i = 0; i < c->njobs; i++) {
     cjob *j = c->jobs[i];
-    if (j->deleting || j->msg->frozen || j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY ||
-        !has_units(c, j))
+    if (!placed_on(j, node) || j->deleting || j->msg->frozen ||
+        j->state != ZEROD__V1__JOB_STATE__JOB_STATE_READY || !has_units(c, j))
       continue;
     char err[PATH_MAX + 256];
     if (j->ckpt.order == NULL &&
         coord__ckpt_save_start(c, j, "", NULL, 1, NULL, err, sizeof err) != 0) {
-      LOG_WARNF("job not saved before stopping", "job=%s err=\"%s\"", j->msg->name, err);
+      LOG_WARNF("job not saved before its node stops", "job=%s node=%s err=\"%s\"", j->msg->name,
+                node, err);
       continue;
     }
     j->draining = 1;
-    draining++;
-    LOG_INFOF("saving the job before stopping", "job=%s step=%llu", j->msg->name,
+    saving++;
+    LOG_INFOF("saving the job before stopping", "job=%s node=%s step=%llu", j->msg->name, node,
               (unsigned long long)j->step);
   }
-  return draining;
+  LOG_INFOF("node draining", "node=%s jobs_saving=%d", node, saving);
 }
 
-int coord_drain_pending(const coord *c, char *names, size_t names_bytes) {
-  int pending = 0;
-  size_t used = 0;
-  if (names_bytes > 0)
-    names[0] = '\0';
+void coord__drain_node(coord *c, member *m, Zerod__V1__HeartbeatReply *reply) {
+  const char *node = m->info->name;
+  if (!m->draining) {
+    m->draining = 1;
+    start_saves(c, node);
+  }
+  uint32_t pending = 0;
   for (size_t i = 0; i < c->njobs; i++) {
     const cjob *j = c->jobs[i];
-    if (!j->draining || j->ckpt.order == NULL)
-      continue;
-    pending++;
-    if (used < names_bytes) {
-      int n = snprintf(names + used, names_bytes - used, "%s%s", used > 0 ? "," : "", j->msg->name);
-      used += n > 0 ? (size_t)n : 0;
-    }
+    pending += j->draining && j->ckpt.order != NULL && placed_on(j, node);
   }
-  return pending;
+  reply->drain_seen = 1;
+  reply->drain_saves = pending;
 }

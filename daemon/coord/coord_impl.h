@@ -92,6 +92,7 @@ typedef struct member {
   size_t nreports;
   rpc_call *watch; /* the member's Watch stream, or NULL */
   int watch_dirty; /* the stream is owed a new event */
+  int draining;    /* it asked for its jobs to be saved (coord_drain.c) */
 } member;
 
 typedef struct kv_entry {
@@ -487,6 +488,11 @@ int coord__base_deletable(const coord *c, const cjob *j, char *err, size_t err_b
  * goes into its reason. 0 (also for a job being deleted already), or an
  * RPC status with err. */
 int coord__delete_job(coord *c, cjob *j, const char *why, char *err, size_t err_bytes);
+
+/* A heartbeat of m with draining set (coord_drain.c): the first starts a
+ * save of every job on m that holds state; every one answers how many are
+ * still in flight. */
+void coord__drain_node(coord *c, member *m, Zerod__V1__HeartbeatReply *reply);
 
 /* --job-idle-ttl: deletes j once none of its nodes has reported a worker
  * attached for that long (coord_idle.c). From the periodic tick. */

@@ -28,6 +28,7 @@
 #define NODE_BACKOFF_MAX_MS 3000
 #define NODE_WATCH_RETRY_MS 500 /* a watch that ended while still a member */
 #define NODE_SETTLE_POLL_MS 10  /* while a job's ranks are being built */
+#define NODE_DRAIN_POLL_MS  100 /* heartbeats while the node drains */
 
 typedef enum node_state { NODE_JOINING, NODE_MEMBER, NODE_STOPPED } node_state;
 
@@ -63,6 +64,11 @@ typedef struct cluster_agent {
    * not watching. */
   rpc_follower *watch;
   uint64_t watch_session;
+
+  /* The drain before a stop (cluster_drain): heartbeats say draining until
+   * the coordinator answers that no save of this node's jobs is left (or
+   * cannot be reached), then drain_done. */
+  int draining, drain_done;
 } cluster_agent;
 
 static void schedule(cluster_agent *a, int delay_ms);
@@ -275,6 +281,7 @@ static void send_heartbeat(cluster_agent *a) {
   req.session = a->session;
   req.n_jobs = njobs;
   req.jobs = ptrs;
+  req.draining = a->draining;
   if (start_call(a, "/zerod.v1.Cluster/Heartbeat", &req.base, on_heartbeat_done) != 0)
     schedule(a, a->lease_ttl_ms / 3);
   for (size_t k = 0; k < i; k++) {
@@ -292,7 +299,34 @@ static void send_heartbeat(cluster_agent *a) {
 
 static void stop_watch(cluster_agent *a);
 
+/* A heartbeat of a draining node came back: whether its drain is over (the
+ * coordinator saw it and no save is left, or cannot say). */
+static int drain_over(cluster_agent *a) {
+  if (a->result.status != RPC_OK) {
+    LOG_WARNF("drain: the coordinator is unreachable; stopping without its saves", "coordinator=%s",
+              a->d->options.coordinator);
+    return 1;
+  }
+  ProtobufCMessage *decoded = NULL;
+  char why[256];
+  if (ctl_decode_message(&zerod__v1__heartbeat_reply__descriptor, a->reply, a->reply_bytes,
+                         &decoded, why, sizeof why) != 0)
+    return 1;
+  const Zerod__V1__HeartbeatReply *r = (const Zerod__V1__HeartbeatReply *)decoded;
+  int over = r->drain_seen && r->drain_saves == 0;
+  if (!over)
+    LOG_DEBUGF("drain: saves in flight", "saves=%u", r->drain_saves);
+  ctl_free(decoded);
+  return over;
+}
+
 static void on_heartbeat_done(cluster_agent *a) {
+  if (a->draining && !a->drain_done) {
+    a->drain_done = drain_over(a);
+    if (!a->drain_done)
+      schedule(a, NODE_DRAIN_POLL_MS);
+    return;
+  }
   if (a->result.status == RPC_NOT_FOUND) {
     char msg[600];
     LOG_WARNF("lease lost; joining again", "node=%s error=%s", a->d->options.node_name,
@@ -319,6 +353,20 @@ void cluster_job_added(zdaemon *d) {
   cluster_agent *a = d->cluster;
   if (a != NULL && a->state != NODE_STOPPED)
     uv_timer_start(&a->settle_timer, on_settle_poll, NODE_SETTLE_POLL_MS, NODE_SETTLE_POLL_MS);
+}
+
+int cluster_drain(zdaemon *d) {
+  cluster_agent *a = d->cluster;
+  if (a == NULL || a->state != NODE_MEMBER)
+    return 0;
+  a->draining = 1;
+  cluster_report(d);
+  return 1;
+}
+
+int cluster_drained(const zdaemon *d) {
+  const cluster_agent *a = d->cluster;
+  return a == NULL || a->drain_done;
 }
 
 void cluster_report(zdaemon *d) {

@@ -41,6 +41,13 @@ void cluster_job_added(struct daemon *d);
  * at once that a job has gone from this node. */
 void cluster_report(struct daemon *d);
 
+/* The drain before a stop (docs/daemon.md, "Upgrades keep state"): asks
+ * the coordinator, in heartbeats, to save this node's jobs. 0 when the
+ * node is no member (nothing to drain). cluster_drained says when the
+ * coordinator has answered that no save is left, or could not be asked. */
+int cluster_drain(struct daemon *d);
+int cluster_drained(const struct daemon *d);
+
 /* Shutdown, on the loop thread: leaves the cluster (one short blocking
  * call), stops the watch thread and closes the agent's handles. */
 void cluster_stop(struct daemon *d);

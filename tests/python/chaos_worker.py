@@ -3,7 +3,8 @@
 Attaches (again after every error: its job was rebuilt, moved or restored
 under it), registers the job's one unit if it has none, and steps with the
 gradient `grads(seed, step, rank)` until the job's step is --until (or the
-number in --until-file, read at each step); then
+number in --until-file, read at each step; --progress names a file that
+gets the step after each); then
 writes the parameters to --out (numpy .npy), and the step they are of to
 --out.step, and exits 0. Exits 3 if the
 node no longer hosts the job for --give-up-s (it was moved away)."""
@@ -51,6 +52,9 @@ def train(args):
             unit.grad_buffer().arrays()["w"][...] = grads(args.seed, step + 1, job.rank)
             unit.reduce()
             step = job.step().step
+            if args.progress is not None:
+                with open(args.progress, "w") as f:
+                    f.write(str(step))
         # The job may be past the target when the target moves (the
         # coordinator's step lags): the step it stopped at goes beside.
         with open(args.out + ".step", "w") as f:
@@ -65,6 +69,7 @@ def main():
     ap.add_argument("--job", required=True)
     ap.add_argument("--token", required=True)
     ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--progress", help="a file the step reached is written to after each step")
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--until", type=int, default=1 << 60)
     ap.add_argument("--until-file")

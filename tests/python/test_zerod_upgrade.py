@@ -8,13 +8,13 @@ and ends bit-identical to the same training without restarts.
 The workers are chaos_worker.py's: they attach again after every error
 and step with gradients that depend on the step alone."""
 
-import json
 import os
 import subprocess
 
 import numpy as np
 
-from conftest import binary, python, start_daemon, wait_for, worker_env  # noqa: F401 (fixture)
+from conftest import (binary, cluster, ctl, job, python, start_daemon, wait_for,  # noqa: F401
+                      worker_env)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "chaos_worker.py")
@@ -28,8 +28,22 @@ def zerodctl(d, *args):
     return proc.stdout
 
 
-def step_of(d, name):
-    return int(json.loads(zerodctl(d, "jobs", "get", name, "--json")).get("step", 0))
+def progress(tmp_path):
+    """The step the workers have reached (their --progress files): the
+    coordinator's view of a job's step lags by a heartbeat."""
+    steps = []
+    for f in tmp_path.glob("progress-*"):
+        try:
+            steps.append(int(f.read_text()))
+        except ValueError:  # being written
+            pass
+    return max(steps, default=0)
+
+
+def stop_at(tmp_path, until):
+    """Ends the training a little past where the workers are: both read
+    the new target well before they reach it, so they stop at one step."""
+    until.write_text(str(progress(tmp_path) + 50))
 
 
 def train(d, name, out, tmp_path, until):
@@ -40,7 +54,8 @@ def train(d, name, out, tmp_path, until):
     return [subprocess.Popen(
         [python(), WORKER, "--socket", d.socket, "--job", name, "--token", TOKEN, "--rank",
          str(r), "--seed", "7", "--until-file", str(until), "--out",
-         str(tmp_path / ("%s-%d.npy" % (out, r))), "--give-up-s", "60"],
+         str(tmp_path / ("%s-%d.npy" % (out, r))), "--give-up-s", "60", "--progress",
+         str(tmp_path / ("progress-%d" % r))],
         env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(2)]
 
@@ -57,17 +72,17 @@ def test_a_restarted_daemon_resumes_its_jobs_bit_identically(start_daemon, tmp_p
     until.write_text(str(1 << 40))
     procs = train(d, "roll", "roll", tmp_path, until)
     for restart in range(2):
-        at = step_of(d, "roll") + 10
-        wait_for("step %d" % at, lambda: step_of(d, "roll") >= at, timeout_s=120)
+        at = progress(tmp_path) + 50
+        wait_for("step %d" % at, lambda: progress(tmp_path) >= at, timeout_s=120)
         d.stop()  # SIGTERM: drains, then stops (and must exit 0)
         log = d.log_path.read_text()
         assert log.count("drained: every job with state saved") == restart + 1, log
-        assert 'msg="saving the job before stopping" job=roll' in log, log
+        assert 'msg="saving the job before stopping" job=roll node=' in log, log
         d.start()  # the same --dir
     # (A restart right after a restore may come before its "recovered"
     # line: the job is saved again at the restored step.)
     wait_for("recovered", lambda: "recovered from a checkpoint" in d.read_log(), timeout_s=60)
-    until.write_text(str(step_of(d, "roll") + 10))
+    stop_at(tmp_path, until)
     finish(procs)
     steps = {open(str(tmp_path / ("roll-%d.npy.step" % r))).read() for r in range(2)}
     assert len(steps) == 1, steps
@@ -83,7 +98,52 @@ def test_a_job_without_state_is_kept_and_not_waited_for(start_daemon):
     d = start_daemon(ranks=1)  # the default drain
     zerodctl(d, "jobs", "create", "empty", "--ranks-per-node", "1", "--token", TOKEN)
     d.stop()
-    assert "draining" not in d.log_path.read_text()
+    assert "jobs_saving=0" in d.log_path.read_text()
     d.start()
     # The job itself is kept: the coordinator's record survives the restart.
     assert "empty" in zerodctl(d, "jobs", "list")
+
+
+def test_a_node_stopped_by_sigterm_has_its_jobs_saved_and_restored(cluster, tmp_path):
+    """zerod node drains too: the coordinator saves the jobs of a node that
+    is stopping; when the node is back, the job (on two nodes) is rebuilt
+    on both and restored from that save, and trains on bit-identically."""
+    cluster.start_coordinator()
+    a = cluster.start_node("node-a", ranks=1, extra=["--drain-timeout", "60s"])
+    b = cluster.start_node("node-b", ranks=1)
+    wait_for("2 members", lambda: "node-b" in ctl(cluster, "members").stdout and
+             "node-a" in ctl(cluster, "members").stdout)
+    until = tmp_path / "until"
+    until.write_text(str(1 << 40))
+
+    def workers(name):
+        ctl(cluster, "jobs", "create", name, "--node", "node-a,node-b", "--ranks-per-node", "1",
+            "--token", TOKEN, "--optimizer", "adamw", "--lr", "0.01")
+        wait_for(name + " ready", lambda: job(cluster, name)["state"] == "ready")
+        return [subprocess.Popen(
+            [python(), WORKER, "--socket", n.socket, "--job", name, "--token", TOKEN, "--seed",
+             "11", "--until-file", str(until), "--out", str(tmp_path / ("%s-%s.npy" % (name, i))),
+             "--give-up-s", "120", "--progress", str(tmp_path / ("progress-%d" % i))],
+            env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i, n in enumerate((a, b))]
+
+    procs = workers("wide")
+    wait_for("step 50", lambda: progress(tmp_path) >= 50, timeout_s=120)
+    a.stop()  # SIGTERM: the coordinator saves "wide", then the node stops
+    log = a.log_path.read_text()
+    assert "drained: every job with state saved" in log, log
+    assert 'msg="saving the job before stopping" job=wide node=node-a' in \
+        cluster.coordinator.read_log()
+    a.start()
+    wait_for("the restore", lambda: "recovered from a checkpoint" in
+             cluster.coordinator.read_log(), timeout_s=120)
+    stop_at(tmp_path, until)
+    finish(procs)
+    steps = {open(str(tmp_path / ("wide-%d.npy.step" % i))).read() for i in range(2)}
+    assert len(steps) == 1, steps
+    wide = [np.load(tmp_path / ("wide-%d.npy" % i)) for i in range(2)]
+
+    until.write_text(steps.pop())
+    finish(workers("ref"))
+    for i in range(2):
+        np.testing.assert_array_equal(wide[i], np.load(tmp_path / ("ref-%d.npy" % i)))
