@@ -66,6 +66,9 @@ MODEL = ["--hidden", "1024", "--batch", "8"]
 NODE_POINTS = ["node-shard-write", "node-shard-written"]
 COORD_POINTS = ["coord-shards-done", "coord-manifest-written", "coord-renamed"]
 CRASHED = 'msg="crash point reached; killing this process" point=%s'
+# A node's stop saves its jobs first (the drain): one more checkpoint in the
+# directories these tests account for entry by entry.
+NO_DRAIN = ["--drain-timeout", "0"]
 CLEANED = 'msg="removed an unfinished checkpoint save"'
 
 
@@ -283,7 +286,7 @@ def test_standalone_daemon_killed_during_a_save(start_daemon, controls, tmp_path
             # No drain at stop: its save would be one more checkpoint in
             # the directory this test accounts for entry by entry.
             d = start_daemon(ranks=RANKS, timeout_s=30,
-                             extra=["--checkpoint-dir", str(ckdir), "--drain-timeout", "0"])
+                             extra=["--checkpoint-dir", str(ckdir)] + NO_DRAIN)
         ctl = controls("unix:%s/control.sock" % d.dir)
         ctl.create_job()
         return d, ctl
@@ -334,7 +337,7 @@ def cluster_with_a(cluster, controls):
     as checkpoint a: (coordinator, node, the job's checkpoint directory,
     controls, a)."""
     coord = cluster.start_coordinator(lease_ttl_s=1.5)
-    node = cluster.start_node("n", ranks=RANKS, timeout_s=30)
+    node = cluster.start_node("n", ranks=RANKS, timeout_s=30, extra=NO_DRAIN)
     job_dir = coord.state_dir / "checkpoints" / JOB
     ctl = controls(coord.address)
     ctl.create_job()
@@ -395,7 +398,7 @@ def test_node_killed_during_a_save(cluster, controls, point):
     # trains on and dies saving B.
     node.stop()
     with environment(ZEROD_CRASH_AT=point):
-        node = cluster.start_node("n", ranks=RANKS, timeout_s=30)
+        node = cluster.start_node("n", ranks=RANKS, timeout_s=30, extra=NO_DRAIN)
     ctl.wait_recovered(3)
     train(node.socket, 2)
     with pytest.raises(grpc.RpcError) as e:
@@ -410,7 +413,7 @@ def test_node_killed_during_a_save(cluster, controls, point):
     assert ctl.listed() == [("a", 3)]
     a.assert_untouched()
 
-    node = cluster.start_node("n", ranks=RANKS, timeout_s=30)
+    node = cluster.start_node("n", ranks=RANKS, timeout_s=30, extra=NO_DRAIN)
     ctl.wait_recovered(3)
     assert_state(ctl, "c", a)
     train(node.socket, 1)
