@@ -1,15 +1,19 @@
-"""JobConfig.from_deepspeed reads DeepSpeed JSON configs: the mapping of
-each key, what is ignored (and why), the errors naming the key, for the
-configs of tests/data/deepspeed and made-up ones."""
+"""JobConfig.from_deepspeed and `zerodctl jobs create --deepspeed-config`
+read DeepSpeed JSON configs alike: the mapping of each key, what is ignored
+(and why), the errors naming the key, and, through a standalone daemon, the
+same job config from both readers for the configs of tests/data/deepspeed."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import warnings
 
 import pytest
 
 import zerod
+from conftest import binary, start_daemon  # noqa: F401 (fixture)
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "deepspeed")
 FILES = sorted(f for f in os.listdir(DATA) if f.endswith(".json"))
@@ -154,3 +158,71 @@ def test_a_file_that_is_not_json_says_so(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text("{\"fp16\": ")
     assert bad(str(path)).startswith("%s is not JSON: " % path)
+
+
+def zerodctl(daemon, *args):
+    return subprocess.run([binary("zerodctl"), "--coordinator", "unix:%s/control.sock" % daemon.dir]
+                          + list(args), capture_output=True, text=True, timeout=30)
+
+
+def as_ctl_json(c):
+    """An effective JobConfig as `zerodctl jobs get --json` spells its config."""
+    precisions = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    off = c.offload_optimizer
+    out = {"optimizer": {"kind": c.optimizer, "lr": c.lr, "beta1": c.betas[0],
+                         "beta2": c.betas[1], "eps": c.eps, "weight_decay": c.weight_decay,
+                         "has_weight_decay": True, "momentum": c.momentum,
+                         "dampening": c.dampening, "nesterov": c.nesterov},
+           "precision": precisions[c.dtype], "collectives": c.collectives,
+           "quantized_weights": c.quantized_weights, "quantization_block": c.quantization_block,
+           "quantized_gradients": c.quantized_gradients,
+           "gradient_comm_dtype": precisions[c.gradient_comm_dtype],
+           "hpz_partition_size": c.hpz_partition_size, "offload_optimizer": off["device"],
+           "loss_scale": max(c.loss_scale, 0.0), "loss_scale_window": c.loss_scale_window,
+           "loss_scale_growth": c.loss_scale_growth,
+           "loss_scale_backoff": c.loss_scale_backoff,
+           "loss_scale_hysteresis": c.loss_scale_hysteresis,
+           "loss_scale_min": c.loss_scale_min, "max_grad_norm": c.max_grad_norm,
+           "base_job": c.base_job}
+    if off["device"] == "nvme":
+        out["nvme_path"] = off["nvme_path"]
+    if off["device"] in ("cpu", "nvme"):
+        out.update(offload_buffer_count=off["buffer_count"],
+                   offload_buffer_size=off["buffer_size"], offload_pin_memory=off["pin_memory"])
+    return out
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_zerodctl_and_python_make_the_same_job(start_daemon, name):
+    """The same file through zerodctl (jobs create, then jobs get --json)
+    and through Python (an attach that creates the job): the same config,
+    and the same keys reported as ignored."""
+    daemon = start_daemon(ranks=2)
+    os.makedirs(os.path.join(str(daemon.dir), "nvme", "llama-run"))
+    path = os.path.join(DATA, name)
+    created = zerodctl(daemon, "jobs", "create", "by-ctl", "--ranks-per-node", "2",
+                       "--deepspeed-config", path)
+    assert created.returncode == 0, created.stderr + daemon.read_log()
+    config, said = read(path)
+    ctl_lines = [line[len("zerodctl: "):] for line in created.stderr.splitlines()]
+    assert ctl_lines == [s if s.startswith("ignored") else "note: " + s for s in said]
+    with zerod.Client(daemon.socket) as client:
+        job = client.attach("by-python", rank=0, config=config)
+        effective = job.effective_config
+        job.detach()
+    by_ctl = json.loads(zerodctl(daemon, "jobs", "get", "by-ctl", "--json").stdout)["config"]
+    by_python = json.loads(zerodctl(daemon, "jobs", "get", "by-python", "--json").stdout)["config"]
+    assert by_ctl == by_python
+    by_ctl.pop("max_live_bytes")  # 0 in the job, the daemon's budget in effect
+    assert by_ctl == as_ctl_json(effective)
+
+
+def test_zerodctl_refuses_a_wrong_value_as_python_does(start_daemon, tmp_path):
+    daemon = start_daemon(ranks=1)
+    for i, (doc, error) in enumerate(ERRORS):
+        path = tmp_path / ("bad-%d.json" % i)
+        path.write_text(json.dumps(doc))
+        proc = zerodctl(daemon, "jobs", "create", "bad", "--deepspeed-config", str(path))
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == "zerodctl: jobs create: --deepspeed-config '%s': %s\n" % (
+            path, error)
