@@ -3,14 +3,19 @@
  * Turns the options as given (create_options) into a CreateJobRequest,
  * checking each against the same ranges the coordinator and the nodes
  * apply, so that a mistake is a usage error naming the option; then
- * creates the job and prints it with its owner token. Calls
- * zerodctl_jobs.c (how a job prints), zerodctl_args.c, zerodctl_call.c
- * and zerodctl_output.c. */
+ * creates the job and prints it with its owner token. A DeepSpeed config
+ * (--deepspeed-config) fills the job's config first and the options given
+ * override it. Calls zerodctl_deepspeed.c (the file read), zerodctl_jobs.c
+ * (how a job prints), zerodctl_args.c, zerodctl_call.c and
+ * zerodctl_output.c. */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "size.h"
+#include "zerodctl_deepspeed.h"
 #include "zerodctl_impl.h"
 
 static int bad_create_value(const char *option, const char *value, const char *expected) {
@@ -85,9 +90,42 @@ static int create_placement(const create_options *o, Zerod__V1__CreateJobRequest
   return 0;
 }
 
-/* --optimizer and its hyper-parameters (each kind's own). */
+/* --deepspeed-config: the file read into config and offload (ds keeps
+ * what they point into); what it ignores is listed on stderr. */
+static int create_deepspeed(const char *file, Zerod__V1__JobConfig *config,
+                            Zerod__V1__OffloadConfig *offload, ctl_deepspeed *ds) {
+  FILE *f = fopen(file, "rb");
+  if (f == NULL)
+    return ctl__usage_error("jobs create: --deepspeed-config '%s': %s", file, strerror(errno));
+  char *text = malloc(CTL_DS_MAX_BYTES + 1);
+  size_t len = text != NULL ? fread(text, 1, CTL_DS_MAX_BYTES + 1, f) : 0;
+  int failed = text == NULL || ferror(f);
+  fclose(f);
+  int rc = 0;
+  if (failed)
+    rc = ctl__usage_error("jobs create: --deepspeed-config '%s': cannot read it", file);
+  else if (len > CTL_DS_MAX_BYTES)
+    rc = ctl__usage_error("jobs create: --deepspeed-config '%s': larger than %d bytes", file,
+                          CTL_DS_MAX_BYTES);
+  else if (ctl__deepspeed_read(text, len, config, offload, ds) != 0)
+    rc = ctl__usage_error("jobs create: --deepspeed-config '%s': %s", file, ds->error);
+  free(text);
+  if (rc != 0)
+    return rc;
+  if (ds->ignored != NULL) {
+    ctl__sanitize_line(ds->ignored);
+    fprintf(stderr, "zerodctl: ignored DeepSpeed keys: %s\n", ds->ignored);
+  }
+  if (ds->note[0] != '\0')
+    fprintf(stderr, "zerodctl: note: %s\n", ds->note);
+  return 0;
+}
+
+/* --optimizer and its hyper-parameters (each kind's own); a DeepSpeed
+ * config's kind stays unless --optimizer is given. */
 static int create_optimizer(const create_options *o, Zerod__V1__OptimizerConfig *optimizer) {
-  optimizer->kind = ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW;
+  if (optimizer->kind == ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_UNSPECIFIED)
+    optimizer->kind = ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW;
   if (o->optimizer != NULL) {
     if (strcmp(o->optimizer, "adamw") == 0)
       optimizer->kind = ZEROD__V1__OPTIMIZER_KIND__OPTIMIZER_ADAMW;
@@ -139,9 +177,9 @@ static int create_optimizer(const create_options *o, Zerod__V1__OptimizerConfig 
 /* How the job computes and communicates: --precision, --collectives, the
  * ZeRO++ options (qwZ, qgZ, hpZ) and --gradient-comm-dtype. */
 static int create_numerics(const create_options *o, Zerod__V1__JobConfig *config) {
-  /* On a base, the base's unless given. */
-  config->working_dtype =
-      o->base != NULL ? ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED : ZEROD__V1__DTYPE__DTYPE_F32;
+  /* On a base, the base's unless given (here or in a DeepSpeed config). */
+  if (config->working_dtype == ZEROD__V1__DTYPE__DTYPE_UNSPECIFIED && o->base == NULL)
+    config->working_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
   if (o->precision != NULL) {
     if (strcmp(o->precision, "fp32") == 0)
       config->working_dtype = ZEROD__V1__DTYPE__DTYPE_F32;
@@ -160,7 +198,8 @@ static int create_numerics(const create_options *o, Zerod__V1__JobConfig *config
     else
       return bad_create_value("--collectives", o->collectives, "hierarchical or flat");
   }
-  config->quantized_weights = o->quantized_weights != NULL;
+  if (o->quantized_weights != NULL)
+    config->quantized_weights = true;
   if (o->quantization_block != NULL) {
     double block;
     if (ctl__parse_double(o->quantization_block, 2, 1 << 20, false, &block) != 0 ||
@@ -216,7 +255,8 @@ static int create_offload(const create_options *o, Zerod__V1__JobConfig *config,
       offload->device != ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU)
     return ctl__usage_error("jobs create: --offload-buffer-* and --offload-pin-memory need "
                             "--offload-optimizer cpu or nvme");
-  offload->pin_memory = o->offload_pin_memory != NULL;
+  if (o->offload_pin_memory != NULL)
+    offload->pin_memory = true;
   if (o->nvme_path != NULL)
     offload->nvme_path = (char *)o->nvme_path;
   if (o->offload_buffer_count != NULL &&
@@ -353,6 +393,7 @@ int ctl__cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
   Zerod__V1__Quotas quotas = ZEROD__V1__QUOTAS__INIT;
   Zerod__V1__CheckpointPolicy policy = ZEROD__V1__CHECKPOINT_POLICY__INIT;
   Zerod__V1__CreateJobRequest request = ZEROD__V1__CREATE_JOB_REQUEST__INIT;
+  ctl_deepspeed ds = {0};
   char names[CTL_MAX_NODES][CTL_NAME_MAX_BYTES + 1];
   char *name_ptrs[CTL_MAX_NODES];
 
@@ -360,6 +401,8 @@ int ctl__cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
   config.optimizer = &optimizer;
   request.config = &config;
   int rc = create_placement(o, &request, names, name_ptrs);
+  if (rc == 0 && o->deepspeed_config != NULL)
+    rc = create_deepspeed(o->deepspeed_config, &config, &offload, &ds);
   if (rc == 0)
     rc = create_optimizer(o, &optimizer);
   if (rc == 0)
@@ -372,7 +415,8 @@ int ctl__cmd_jobs_create(ctl *c, const char *name, const create_options *o) {
     rc = create_policy(o, &policy, &request);
   if (rc == 0)
     rc = create_owner(o, &request);
-  if (rc != 0)
-    return rc;
-  return create_and_print(c, &request);
+  if (rc == 0)
+    rc = create_and_print(c, &request);
+  ctl__deepspeed_free(&ds);
+  return rc;
 }

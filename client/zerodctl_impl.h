@@ -9,6 +9,8 @@
  *   zerodctl_checkpoint.c checkpoint save, list, delete, restore; export
  *   zerodctl_cluster.c    members, health
  *   zerodctl_create.c     jobs create: its options checked into a request
+ *   zerodctl_deepspeed.c  jobs create --deepspeed-config: the file read (its
+ *                         own header, zerodctl_deepspeed.h: jansson only)
  *   zerodctl_bases.c      jobs freeze, bases list (docs/bases.md)
  *   zerodctl_jobs.c       jobs list, get, delete, read-token; how a job prints
  *   zerodctl_args.c       checks of names, numbers and addresses typed
@@ -207,7 +209,7 @@ typedef struct create_options {
       *gradient_comm_dtype, *hpz_partition_size, *offload, *nvme_path, *offload_buffer_count,
       *offload_buffer_size, *offload_pin_memory, *max_grad_norm, *max_live_bytes, *max_host_bytes,
       *max_device_bytes, *max_sessions, *token, *tenant, *base, *every_steps, *every_seconds, *keep,
-      *redundancy, *redundancy_every;
+      *redundancy, *redundancy_every, *deepspeed_config;
   const char *node_lists[CTL_MAX_NODES]; /* each --node A[,B...] */
   size_t n_node_lists;
 } create_options;

@@ -85,6 +85,11 @@ void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
     ctl__json_bool(j, "offload_pin_memory", off->pin_memory);
   }
   ctl__json_f64(j, "loss_scale", config->loss_scale > 0 ? config->loss_scale : 0);
+  ctl__json_u64(j, "loss_scale_window", config->loss_scale_window);
+  ctl__json_f64(j, "loss_scale_growth", config->loss_scale_growth);
+  ctl__json_f64(j, "loss_scale_backoff", config->loss_scale_backoff);
+  ctl__json_u64(j, "loss_scale_hysteresis", config->loss_scale_hysteresis);
+  ctl__json_f64(j, "loss_scale_min", config->loss_scale_min);
   ctl__json_u64(j, "max_live_bytes", config->max_live_bytes);
   ctl__json_f64(j, "max_grad_norm", config->max_grad_norm);
   ctl__json_str(j, "base_job", config->base_job != NULL ? config->base_job : "");

@@ -17,6 +17,7 @@ enum {
   OPT_NODES,
   OPT_RANKS_PER_NODE,
   OPT_NODE,
+  OPT_DEEPSPEED_CONFIG,
   OPT_OPTIMIZER,
   OPT_LR,
   OPT_WEIGHT_DECAY,
@@ -73,6 +74,7 @@ static const struct option long_options[] = {
     {"nodes", required_argument, NULL, OPT_NODES},
     {"ranks-per-node", required_argument, NULL, OPT_RANKS_PER_NODE},
     {"node", required_argument, NULL, OPT_NODE},
+    {"deepspeed-config", required_argument, NULL, OPT_DEEPSPEED_CONFIG},
     {"optimizer", required_argument, NULL, OPT_OPTIMIZER},
     {"lr", required_argument, NULL, OPT_LR},
     {"weight-decay", required_argument, NULL, OPT_WEIGHT_DECAY},
@@ -129,6 +131,9 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_RANKS_PER_NODE:
     slot = &o->ranks_per_node;
+    break;
+  case OPT_DEEPSPEED_CONFIG:
+    slot = &o->deepspeed_config;
     break;
   case OPT_OPTIMIZER:
     slot = &o->optimizer;

@@ -303,7 +303,7 @@ def test_help_and_version():
     rc, out, err = ctl("--help")
     assert rc == 0 and err == "" and "jobs create" in out and "members" in out
     rc, out, err = ctl("jobs", "create", "--help")
-    assert rc == 0 and err == "" and "--ranks-per-node" in out
+    assert rc == 0 and err == "" and "--ranks-per-node" in out and "--deepspeed-config" in out
     rc, out, err = ctl("--version")
     assert rc == 0 and err == "" and re.fullmatch(r"zerodctl \d+\.\d+\.\d+\n", out)
 

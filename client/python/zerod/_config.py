@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
-from . import _lib
+from . import _deepspeed, _lib
 from .errors import InvalidArgumentError
 from .policies import MixedPrecisionPolicy, OffloadPolicy, dtype_name
 
@@ -173,6 +173,21 @@ class JobConfig:
             raise InvalidArgumentError("base_job is longer than 64 bytes")
         c.base_job = base
         return c
+
+    @classmethod
+    def from_deepspeed(cls, path_or_dict: Any, strict: bool = False) -> "JobConfig":
+        """The JobConfig a DeepSpeed JSON config (a file's path, or the
+        parsed dict) describes: ZeRO's offload_optimizer and ZeRO++ keys,
+        the optimizer and its params, bf16 or fp16 (with its loss scaling;
+        what the file leaves out takes DeepSpeed's defaults) and
+        gradient_clipping (docs/python.md, "DeepSpeed configs"). Any other
+        key, and a known one set to "auto", is ignored: one UserWarning
+        lists them all, or with ``strict`` InvalidArgumentError does; a value
+        of the wrong type is an InvalidArgumentError naming its key. ZeRO
+        stages 0 to 2 are accepted with a warning: zerod shards everything,
+        as stage 3 does. zerodctl's ``jobs create --deepspeed-config`` reads
+        a file the same way."""
+        return cls(**_deepspeed.fields(path_or_dict, strict))
 
     @classmethod
     def _from_c(cls, c: _lib.JobConfig) -> "JobConfig":
