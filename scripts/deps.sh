@@ -16,7 +16,10 @@
 #                           (Debian's kubernetes-client, unless a kubectl is
 #                           already on PATH) and, in its own virtual
 #                           environment .venv-deploy, kubernetes-validate from
-#                           PyPI for the deploy/ manifests test; and
+#                           PyPI for the deploy/ manifests test; Debian's
+#                           prometheus (a real Prometheus for the metrics test,
+#                           and promtool, which deploy.monitoring runs on the
+#                           alert rules: it fails without it); and
 #                           abigail-tools (abidw, abidiff) for libzerod's ABI
 #                           check (tests/abi)
 #   scripts/deps.sh demo    build + Debian's PyTorch and numpy (the example

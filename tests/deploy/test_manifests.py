@@ -1,38 +1,17 @@
 """The Kubernetes manifests in deploy/: each overlay renders with kubectl's
 kustomize, every rendered document (and the example job) validates against
 the Kubernetes schemas in strict mode (kubernetes-validate, offline), and the
-parts zerod depends on are where the daemons expect them."""
+parts zerod depends on are where the daemons expect them: flags, ports,
+probes, volumes, the NetworkPolicy's selectors and ports. Pod security is
+test_pod_security.py's, the monitoring component test_monitoring.py's."""
 
 import os
-import re
-import shutil
 import subprocess
 
 import pytest
-import yaml
 
-SOURCE = os.environ.get("ZEROD_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
-DEPLOY = os.path.join(SOURCE, "deploy")
-VALIDATE_PYTHON = os.environ.get("ZEROD_DEPLOY_PYTHON",
-                                 os.path.join(SOURCE, ".venv-deploy", "bin", "python"))
-# The oldest Kubernetes the manifests are meant for (grpc probes are GA since
-# 1.27) and the newest kubernetes-validate knows.
-K8S_VERSIONS = ["1.30.0", "latest"]
-OVERLAYS = ["cpu", "gpu"]
-BIN = os.environ.get("ZEROD_BIN_DIR", os.path.join(SOURCE, "build", "release", "bin"))
-
-
-def kubectl():
-    path = os.environ.get("ZEROD_KUBECTL") or shutil.which("kubectl")
-    assert path, "kubectl not found: scripts/deps.sh test installs kubernetes-client"
-    return path
-
-
-def render(overlay):
-    proc = subprocess.run([kubectl(), "kustomize", os.path.join(DEPLOY, "overlays", overlay)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+from deploy_common import (BIN, DEPLOY, EXAMPLES, OVERLAYS, container, example, find,
+                           pod_templates, project_version, render, validate)
 
 
 def assert_flags_exist(args, *mode):
@@ -47,52 +26,28 @@ def assert_flags_exist(args, *mode):
             assert flag + " " in help_text, "%s is not a flag of zerod %s" % (flag, " ".join(mode))
 
 
-def find(docs, kind, name):
-    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
-    return found[0]
-
-
-def container(pod_spec, name):
-    return next(c for c in pod_spec["containers"] if c["name"] == name)
-
-
-def validate(tmp_path, name, docs):
-    assert os.path.exists(VALIDATE_PYTHON), (
-        f"{VALIDATE_PYTHON} missing: scripts/deps.sh test makes the kubernetes-validate venv")
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump_all(docs))
-    latest = subprocess.run([VALIDATE_PYTHON, "-c",
-                             "import kubernetes_validate.utils as u; print(u.latest_version())"],
-                            capture_output=True, text=True, check=True).stdout.strip()
-    for version in K8S_VERSIONS:
-        version = latest if version == "latest" else version
-        proc = subprocess.run([VALIDATE_PYTHON, "-m", "kubernetes_validate", "--strict",
-                               "-k", version, str(path)], capture_output=True, text=True)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"{name} against Kubernetes {version}:\n{out}"
-        # One INFO line per valid document; anything else is a finding.
-        assert out.count("INFO") == len(docs) and "ERROR" not in out and "WARN" not in out, out
-
-
-def project_version():
-    with open(os.path.join(SOURCE, "CMakeLists.txt")) as f:
-        return re.search(r"project\(zerod VERSION ([0-9.]+)", f.read()).group(1)
+def labels_match(selector, labels):
+    """Whether a LabelSelector (matchLabels only, as the manifests use) selects labels."""
+    assert set(selector) <= {"matchLabels"}, selector
+    return selector.get("matchLabels", {}).items() <= labels.items()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_zerod_image_is_the_one_make_image_builds(overlay):
     # `make image` tags localhost/zerod:VERSION (scripts/image.sh); the
-    # busybox init container is the only other image.
+    # torch example's image (deploy/examples/torch/Containerfile) carries
+    # the same version.
     expected = f"localhost/zerod:{project_version()}"
     images = set()
-    for doc in render(overlay):
-        if doc["kind"] in ("StatefulSet", "DaemonSet"):
-            images.update(c["image"] for c in doc["spec"]["template"]["spec"]["containers"])
+    for _, template in pod_templates(render(overlay)):
+        spec = template["spec"]
+        images.update(c["image"] for c in spec["containers"] + spec.get("initContainers", []))
     assert images == {expected}, images
-    with open(os.path.join(DEPLOY, "examples", "train-job.yaml")) as f:
-        job = next(d for d in yaml.safe_load_all(f) if d)
+    job = example("train-job.yaml")[0]
     assert [c["image"] for c in job["spec"]["template"]["spec"]["containers"]] == [expected]
+    torch_job = example("train-torch-job.yaml")[0]
+    assert [c["image"] for c in torch_job["spec"]["template"]["spec"]["containers"]] == \
+        [f"localhost/zerod-torch:{project_version()}"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -100,24 +55,60 @@ def test_overlay_renders_and_validates(overlay, tmp_path):
     docs = render(overlay)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["Namespace", "ServiceAccount", "ServiceAccount",
-                            "PersistentVolumeClaim", "Service", "StatefulSet",
-                            "PodDisruptionBudget", "DaemonSet"]), kinds
+                            "PersistentVolumeClaim", "PersistentVolumeClaim",
+                            "PersistentVolume", "Service", "Service", "StatefulSet",
+                            "PodDisruptionBudget", "DaemonSet", "NetworkPolicy",
+                            "NetworkPolicy", "NetworkPolicy"]), kinds
     validate(tmp_path, overlay, docs)
 
 
-def test_example_job_validates(tmp_path):
-    with open(os.path.join(DEPLOY, "examples", "train-job.yaml")) as f:
-        docs = [d for d in yaml.safe_load_all(f) if d]
-    validate(tmp_path, "train-job", docs)
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_job_validates(name, tmp_path):
+    docs = example(name)
+    validate(tmp_path, name, docs)
+    assert [d["kind"] for d in docs] == ["Job"]
+    assert docs[0]["metadata"]["namespace"] == "zerod"
     spec = docs[0]["spec"]["template"]["spec"]
-    assert spec["hostIPC"] is True
+    # The cpu overlay's daemons need no host namespace in their workers.
+    assert not spec.get("hostIPC") and not spec.get("hostPID")
+    assert spec["nodeSelector"] == {"zerod/node": "true"}
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes["socket-dir"]["hostPath"]["path"] == "/run/zerod"
+    # The machine's /run/zerod (test_pod_security.py checks the volume).
+    assert volumes["socket-dir"]["persistentVolumeClaim"]["claimName"] == "zerod-socket-dir"
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     worker = container(spec, "worker")
     assert "--socket=/run/zerod/zerod.sock" in worker["args"]
+    mounts = {m["name"]: m["mountPath"] for m in worker["volumeMounts"]}
+    assert mounts == {"socket-dir": "/run/zerod", "dshm": "/dev/shm"}
     env = {e["name"]: e for e in worker["env"]}
-    assert env["ZEROD_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "zerod-job-mlp"
+    token = env["ZEROD_TOKEN"]["valueFrom"]["secretKeyRef"]
+    job = next(a.split("=", 1)[1] for a in worker["args"] if a.startswith("--job="))
+    assert token == {"name": f"zerod-job-{job}", "key": "token"}
+    # The socket is 0600 for the daemon's uid.
+    assert spec["securityContext"]["runAsUser"] == 65532
+
+
+def test_torch_example_runs_train_lm_under_torchrun():
+    spec = example("train-torch-job.yaml")[0]["spec"]["template"]["spec"]
+    worker = container(spec, "worker")
+    assert worker["command"][:3] == ["python3", "-m", "torch.distributed.run"]
+    script = worker["args"][0]
+    assert script == "/opt/zerod/examples/python/train_lm.py"
+    # The image puts examples/python under /opt/zerod (train_lm.py reads
+    # README.md and docs/ two directories above itself).
+    with open(os.path.join(DEPLOY, "examples", "torch", "Containerfile")) as f:
+        containerfile = f.read()
+    assert "COPY examples/python /opt/zerod/examples/python" in containerfile
+    assert "COPY docs /opt/zerod/docs" in containerfile
+    assert "USER 65532:65532" in containerfile
+    with open(os.path.join(DEPLOY, "..", "examples", "python", "train_lm.py")) as f:
+        train_lm = f.read()
+    for arg in worker["args"][1:]:
+        flag = arg.split("=", 1)[0]
+        assert f'"{flag}"' in train_lm, f"{flag} is not an option of train_lm.py"
+    # One rank per pod, as the base's node daemons take (--ranks default 1).
+    nproc = worker["command"][worker["command"].index("--nproc_per_node") + 1]
+    assert nproc == "1"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -127,7 +118,9 @@ def test_node_daemonset(overlay):
     assert ds["metadata"]["namespace"] == "zerod"
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == 1
     spec = ds["spec"]["template"]["spec"]
-    assert spec["hostIPC"] is True
+    # CUDA IPC handles need host namespaces (test_pod_security.py holds the
+    # gpu overlay's exceptions); memfd descriptors over the socket do not.
+    assert spec.get("hostIPC", False) is (overlay == "gpu")
     assert spec["nodeSelector"]["zerod/node"] == "true"
     assert spec["terminationGracePeriodSeconds"] >= 5
     assert spec["securityContext"]["runAsNonRoot"] is True
@@ -149,7 +142,10 @@ def test_node_daemonset(overlay):
     assert node["livenessProbe"]["tcpSocket"]["port"] == 7072
     assert node["resources"]["requests"] and node["resources"]["limits"]
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes["socket-dir"]["hostPath"]["path"] == "/run/zerod"
+    # The machine's /run/zerod, made there for uid 65532 (no root init
+    # container; test_pod_security.py checks the volume).
+    assert volumes["socket-dir"]["persistentVolumeClaim"]["claimName"] == "zerod-socket-dir"
+    assert "initContainers" not in spec
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "zerod-checkpoints"
     mounts = {m["name"]: m["mountPath"] for m in node["volumeMounts"]}
@@ -203,3 +199,97 @@ def test_coordinator(overlay):
         sts["spec"]["template"]["metadata"]["labels"].items()
     for sa in ["zerod-node", "zerod-coordinator"]:
         assert find(docs, "ServiceAccount", sa)["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_node_metrics_service(overlay):
+    docs = render(overlay)
+    svc = find(docs, "Service", "zerod-node-metrics")
+    # Headless: one DNS record per node pod, joined or not.
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    template = find(docs, "DaemonSet", "zerod-node")["spec"]["template"]
+    assert svc["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    node = container(template["spec"], "node")
+    ports = {p["name"]: p["containerPort"] for p in node["ports"]}
+    assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(9464, "metrics")]
+    assert ports["metrics"] == 9464 and "--metrics-listen=0.0.0.0:9464" in node["args"]
+
+
+def ingress_sources(policy, port):
+    """The peers of the policy's rules that admit `port` (a rule without
+    ports admits every port)."""
+    peers = []
+    for rule in policy["spec"].get("ingress", []):
+        if "ports" not in rule or any(p["port"] == port for p in rule["ports"]):
+            peers.extend(rule["from"])
+    return peers
+
+
+def admits(peers, labels, namespace_labels=None):
+    """Whether a pod with labels (in the policy's namespace, or in a namespace
+    with namespace_labels) is among peers."""
+    for peer in peers:
+        if namespace_labels is None:
+            if "namespaceSelector" not in peer and labels_match(peer["podSelector"], labels):
+                return True
+        elif "podSelector" not in peer and labels_match(peer["namespaceSelector"],
+                                                         namespace_labels):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policy(overlay):
+    docs = render(overlay)
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"zerod-default-deny-ingress", "zerod-coordinator", "zerod-node"}
+    for p in policies.values():
+        assert p["metadata"]["namespace"] == "zerod"
+        assert p["spec"]["policyTypes"] == ["Ingress"]
+    deny = policies["zerod-default-deny-ingress"]["spec"]
+    assert deny["podSelector"] == {} and "ingress" not in deny
+
+    coord = find(docs, "StatefulSet", "zerod-coordinator")["spec"]["template"]
+    node = find(docs, "DaemonSet", "zerod-node")["spec"]["template"]
+    workers = [example(name)[0]["spec"]["template"] for name in EXAMPLES]
+    assert labels_match(policies["zerod-coordinator"]["spec"]["podSelector"],
+                        coord["metadata"]["labels"])
+    assert not labels_match(policies["zerod-coordinator"]["spec"]["podSelector"],
+                            node["metadata"]["labels"])
+    assert labels_match(policies["zerod-node"]["spec"]["podSelector"], node["metadata"]["labels"])
+    assert not labels_match(policies["zerod-node"]["spec"]["podSelector"],
+                            coord["metadata"]["labels"])
+
+    def port_names(template):
+        return {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+    for p in policies.values():
+        for rule in p["spec"].get("ingress", []):
+            for port in rule.get("ports", []):
+                target = coord if p is policies["zerod-coordinator"] else node
+                assert port["port"] in port_names(target), (p["metadata"]["name"], port)
+
+    scraper = {"zerod/metrics-scraper": "true"}
+    other_namespace = {"kubernetes.io/metadata.name": "default"}
+    # The coordinator's gRPC: node daemons and client pods, nobody else.
+    grpc = ingress_sources(policies["zerod-coordinator"], "grpc")
+    assert admits(grpc, node["metadata"]["labels"])
+    for w in workers:
+        assert admits(grpc, w["metadata"]["labels"])
+    assert not admits(grpc, {"app.kubernetes.io/name": "other"})
+    assert not admits(grpc, {}, scraper)
+    # Metrics: the scraper's namespace and clients (zerodctl top), on both.
+    for name, template in [("zerod-coordinator", coord), ("zerod-node", node)]:
+        metrics = ingress_sources(policies[name], "metrics")
+        assert admits(metrics, {}, scraper) and not admits(metrics, {}, other_namespace)
+        for w in workers:
+            assert admits(metrics, w["metadata"]["labels"])
+    # Node to node: every port (Gloo and replica servers listen on ports the
+    # kernel picks); not from workers or the coordinator.
+    any_port = [r for r in policies["zerod-node"]["spec"]["ingress"] if "ports" not in r]
+    assert len(any_port) == 1
+    peers = any_port[0]["from"]
+    assert admits(peers, node["metadata"]["labels"])
+    assert not admits(peers, coord["metadata"]["labels"])
+    for w in workers:
+        assert not admits(peers, w["metadata"]["labels"])
