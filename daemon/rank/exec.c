@@ -354,13 +354,8 @@ void exec_rank_abort_comm(rank_state *rs) {
   if (rs->job->local_group != NULL)
     comm_local_group_cancel(rs->job->local_group);
   pthread_mutex_unlock(&rs->job->mutex);
-  /* Nor has one still connecting to its peers: its build is cancelled if
-   * it is the rank's last (the rank stops) or its generation has failed; a
-   * build of a newer generation goes on. */
-  unsigned building;
-  if (comm_cancel_armed(&rs->build_cancel, &building) &&
-      (atomic_load(&rs->stopping) || job_failed(rs->job, building, NULL, 0)))
-    comm_cancel_fire(&rs->build_cancel, building);
+  /* Nor has one still connecting to its peers. */
+  exec__cancel_build_if_over(rs);
 }
 
 void exec_rank_stop(rank_state *rs) {

@@ -234,6 +234,11 @@ void exec__handle_load(rank_state *rs, exec_op *op);
  * stop too. */
 void exec__set_comm(rank_state *rs, comm *c);
 
+/* Cancels the communicator build in progress (rs->build_cancel) if it is
+ * the rank's last (the rank stops) or its generation has failed; a build
+ * of a newer generation goes on. Any thread. */
+void exec__cancel_build_if_over(rank_state *rs);
+
 /* A worker session attached to the rank. */
 void exec__handle_session_begin(rank_state *rs, exec_op *op);
 

@@ -120,6 +120,13 @@ static int hierarchical_comm(rank_state *rs, const comm_options *global, comm **
   return comm_hier_create(global, local, cross, out, err, err_bytes);
 }
 
+void exec__cancel_build_if_over(rank_state *rs) {
+  unsigned building;
+  if (comm_cancel_armed(&rs->build_cancel, &building) &&
+      (atomic_load(&rs->stopping) || job_failed(rs->job, building, NULL, 0)))
+    comm_cancel_fire(&rs->build_cancel, building);
+}
+
 void exec__handle_comm_init(rank_state *rs, exec_op *op) {
   if (rs->comm != NULL)
     exec__set_comm(rs, NULL);
@@ -140,9 +147,7 @@ void exec__handle_comm_init(rank_state *rs, exec_op *op) {
   int rc;
   comm *built = NULL;
   comm_cancel_arm(&rs->build_cancel, rs->generation);
-  /* A stop or failure before the arm: nothing fired it. */
-  if (atomic_load(&rs->stopping) || job_failed(rs->job, rs->generation, NULL, 0))
-    comm_cancel_fire(&rs->build_cancel, rs->generation);
+  exec__cancel_build_if_over(rs); /* a stop or failure before the arm fired nothing */
   if (rs->dev == NULL) {
     snprintf(err, sizeof err, "%s", rs->device_error);
     rc = -ENODEV;

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "zerodctl_deepspeed.h"
+#include "fuzz_text.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -105,18 +106,8 @@ static void check_config(const Zerod__V1__JobConfig *config,
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size == 0)
     return 0;
-  char *text;
   size_t len;
-  if (data[0] & 1) {
-    len = size - 1;
-    text = malloc(len + 1);
-    memcpy(text, data + 1, len);
-  } else {
-    FILE *out = open_memstream(&text, &len);
-    for (size_t i = 1; i < size; i++)
-      fputs(tokens[data[i] % NTOKENS], out);
-    fclose(out);
-  }
+  char *text = fuzz_text(data, size, tokens, NTOKENS, &len);
   Zerod__V1__OptimizerConfig optimizer = ZEROD__V1__OPTIMIZER_CONFIG__INIT;
   Zerod__V1__JobConfig config = ZEROD__V1__JOB_CONFIG__INIT;
   Zerod__V1__OffloadConfig offload = ZEROD__V1__OFFLOAD_CONFIG__INIT;

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "promtext.h"
+#include "fuzz_text.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -76,18 +77,8 @@ static int same_value(double a, double b) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size == 0)
     return 0;
-  char *text;
   size_t len;
-  if (data[0] & 1) {
-    len = size - 1;
-    text = malloc(len + 1);
-    memcpy(text, data + 1, len);
-  } else {
-    FILE *out = open_memstream(&text, &len);
-    for (size_t i = 1; i < size; i++)
-      fputs(tokens[data[i] % NTOKENS], out);
-    fclose(out);
-  }
+  char *text = fuzz_text(data, size, tokens, NTOKENS, &len);
   prom_set set;
   char err[256];
   if (prom_parse(text, len, &set, err, sizeof err) == 0) {

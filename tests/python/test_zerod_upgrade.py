@@ -60,6 +60,22 @@ def train(d, name, out, tmp_path, until):
         for r in range(2)]
 
 
+def assert_like_reference(tmp_path, until, name, procs, start_reference):
+    """Ends the training of job `name` (its two workers procs), then trains
+    a reference without faults (start_reference() starts its workers, job
+    "ref") to the same step: each rank's parameters must be equal, bit for
+    bit."""
+    stop_at(tmp_path, until)
+    finish(procs)
+    steps = {open(str(tmp_path / ("%s-%d.npy.step" % (name, r)))).read() for r in range(2)}
+    assert len(steps) == 1, steps
+    got = [np.load(tmp_path / ("%s-%d.npy" % (name, r))) for r in range(2)]
+    until.write_text(steps.pop())
+    finish(start_reference())
+    for r in range(2):
+        np.testing.assert_array_equal(got[r], np.load(tmp_path / ("ref-%d.npy" % r)))
+
+
 def finish(procs):
     for p in procs:
         out, err = p.communicate(timeout=300)
@@ -82,16 +98,8 @@ def test_a_restarted_daemon_resumes_its_jobs_bit_identically(start_daemon, tmp_p
     # (A restart right after a restore may come before its "recovered"
     # line: the job is saved again at the restored step.)
     wait_for("recovered", lambda: "recovered from a checkpoint" in d.read_log(), timeout_s=60)
-    stop_at(tmp_path, until)
-    finish(procs)
-    steps = {open(str(tmp_path / ("roll-%d.npy.step" % r))).read() for r in range(2)}
-    assert len(steps) == 1, steps
-    roll = [np.load(tmp_path / ("roll-%d.npy" % r)) for r in range(2)]
-
-    until.write_text(steps.pop())
-    finish(train(d, "ref", "ref", tmp_path, until))
-    for r in range(2):
-        np.testing.assert_array_equal(roll[r], np.load(tmp_path / ("ref-%d.npy" % r)))
+    assert_like_reference(tmp_path, until, "roll", procs,
+                          lambda: train(d, "ref", "ref", tmp_path, until))
 
 
 def test_a_job_without_state_is_kept_and_not_waited_for(start_daemon):
@@ -137,13 +145,4 @@ def test_a_node_stopped_by_sigterm_has_its_jobs_saved_and_restored(cluster, tmp_
     a.start()
     wait_for("the restore", lambda: "recovered from a checkpoint" in
              cluster.coordinator.read_log(), timeout_s=120)
-    stop_at(tmp_path, until)
-    finish(procs)
-    steps = {open(str(tmp_path / ("wide-%d.npy.step" % i))).read() for i in range(2)}
-    assert len(steps) == 1, steps
-    wide = [np.load(tmp_path / ("wide-%d.npy" % i)) for i in range(2)]
-
-    until.write_text(steps.pop())
-    finish(workers("ref"))
-    for i in range(2):
-        np.testing.assert_array_equal(wide[i], np.load(tmp_path / ("ref-%d.npy" % i)))
+    assert_like_reference(tmp_path, until, "wide", procs, lambda: workers("ref"))
