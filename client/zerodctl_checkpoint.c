@@ -17,18 +17,18 @@
 /* checkpoint                                                               */
 /* ------------------------------------------------------------------------ */
 
-static void json_checkpoint(json_out *j, const char *key, const Zerod__V1__Checkpoint *cp) {
-  ctl__json_open(j, key, '{');
-  ctl__json_str(j, "job", cp->job);
-  ctl__json_str(j, "name", cp->name);
-  ctl__json_str(j, "path", cp->path);
-  ctl__json_u64(j, "step", cp->step);
-  ctl__json_u64(j, "world_size", cp->world_size);
-  ctl__json_u64(j, "bytes", cp->bytes);
-  ctl__json_i64(j, "created_unix_ms", cp->created_unix_ms);
-  ctl__json_id(j, "job_id", cp->job_id);
-  ctl__json_str(j, "tenant", cp->tenant);
-  ctl__json_close(j, '}');
+static json_t *json_checkpoint(const Zerod__V1__Checkpoint *cp) {
+  json_t *o = json_object();
+  json_object_set_new(o, "job", ctl__json_str(cp->job));
+  json_object_set_new(o, "name", ctl__json_str(cp->name));
+  json_object_set_new(o, "path", ctl__json_str(cp->path));
+  json_object_set_new(o, "step", ctl__json_count(cp->step));
+  json_object_set_new(o, "world_size", ctl__json_count(cp->world_size));
+  json_object_set_new(o, "bytes", ctl__json_count(cp->bytes));
+  json_object_set_new(o, "created_unix_ms", json_integer(cp->created_unix_ms));
+  json_object_set_new(o, "job_id", ctl__json_id(cp->job_id));
+  json_object_set_new(o, "tenant", ctl__json_str(cp->tenant));
+  return o;
 }
 
 int ctl__cmd_checkpoint_save(ctl *c, int argc, char **argv) {
@@ -47,12 +47,11 @@ int ctl__cmd_checkpoint_save(ctl *c, int argc, char **argv) {
   }
   const Zerod__V1__Checkpoint *cp = reply->checkpoint;
   if (c->json) {
-    json_out j = {.out = stdout};
-    ctl__json_open(&j, NULL, '{');
-    json_checkpoint(&j, "checkpoint", cp);
-    ctl__json_i64(&j, "stall_ms", reply->stall_ms);
-    ctl__json_i64(&j, "total_ms", reply->total_ms);
-    ctl__json_close(&j, '}');
+    json_t *o = json_object();
+    json_object_set_new(o, "checkpoint", json_checkpoint(cp));
+    json_object_set_new(o, "stall_ms", json_integer(reply->stall_ms));
+    json_object_set_new(o, "total_ms", json_integer(reply->total_ms));
+    rc = ctl__json_print(o);
   } else {
     char text[64];
     ctl__print_field("job", "%s", cp->job);
@@ -64,7 +63,7 @@ int ctl__cmd_checkpoint_save(ctl *c, int argc, char **argv) {
     ctl__print_field("path", "%s", cp->path);
   }
   zerod__v1__save_reply__free_unpacked(reply, NULL);
-  return 0;
+  return rc;
 }
 
 int ctl__cmd_checkpoint_list(ctl *c, int argc, char **argv) {
@@ -76,15 +75,11 @@ int ctl__cmd_checkpoint_list(ctl *c, int argc, char **argv) {
   if (rc != 0)
     return rc;
   if (c->json) {
-    json_out j = {.out = stdout};
-    ctl__json_open(&j, NULL, '{');
-    ctl__json_open(&j, "checkpoints", '[');
+    json_t *list = json_array();
     for (size_t i = 0; i < reply->n_checkpoints; i++)
-      json_checkpoint(&j, NULL, reply->checkpoints[i]);
-    ctl__json_close(&j, ']');
-    ctl__json_close(&j, '}');
+      json_array_append_new(list, json_checkpoint(reply->checkpoints[i]));
     zerod__v1__list_checkpoints_reply__free_unpacked(reply, NULL);
-    return 0;
+    return ctl__json_print(json_pack("{so}", "checkpoints", list));
   }
   static const char *const headers[] = {"JOB",  "NAME",    "STEP",  "WORLD",
                                         "SIZE", "CREATED", "TENANT"};
@@ -120,15 +115,10 @@ int ctl__cmd_checkpoint_delete(ctl *c, int argc, char **argv) {
   if (rc != 0)
     return rc;
   zerod__v1__delete_checkpoint_reply__free_unpacked(reply, NULL);
-  if (c->json) {
-    json_out j = {.out = stdout};
-    ctl__json_open(&j, NULL, '{');
-    ctl__json_str(&j, "job", argv[0]);
-    ctl__json_str(&j, "deleted", argv[1]);
-    ctl__json_close(&j, '}');
-  } else {
-    printf("deleted checkpoint %s of job %s\n", argv[1], argv[0]);
-  }
+  if (c->json)
+    return ctl__json_print(
+        json_pack("{soso}", "job", ctl__json_str(argv[0]), "deleted", ctl__json_str(argv[1])));
+  printf("deleted checkpoint %s of job %s\n", argv[1], argv[0]);
   return 0;
 }
 
@@ -142,13 +132,12 @@ int ctl__cmd_checkpoint_restore(ctl *c, int argc, char **argv) {
   if (rc != 0)
     return rc;
   if (c->json) {
-    json_out j = {.out = stdout};
-    ctl__json_open(&j, NULL, '{');
-    ctl__json_str(&j, "job", argv[0]);
-    ctl__json_str(&j, "checkpoint", argv[1]);
-    ctl__json_u64(&j, "step", reply->step);
-    ctl__json_i64(&j, "total_ms", reply->total_ms);
-    ctl__json_close(&j, '}');
+    json_t *o = json_object();
+    json_object_set_new(o, "job", ctl__json_str(argv[0]));
+    json_object_set_new(o, "checkpoint", ctl__json_str(argv[1]));
+    json_object_set_new(o, "step", ctl__json_count(reply->step));
+    json_object_set_new(o, "total_ms", json_integer(reply->total_ms));
+    rc = ctl__json_print(o);
   } else {
     char text[64];
     char line[CTL_ERROR_LINE_BYTES];
@@ -158,7 +147,7 @@ int ctl__cmd_checkpoint_restore(ctl *c, int argc, char **argv) {
     printf("%s\n", line);
   }
   zerod__v1__restore_reply__free_unpacked(reply, NULL);
-  return 0;
+  return rc;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -185,17 +174,16 @@ int ctl__cmd_export(ctl *c, int argc, char **argv) {
     return rc;
   const char *dtype = request.dtype == ZEROD__V1__EXPORT_DTYPE__EXPORT_DTYPE_BF16 ? "bf16" : "fp32";
   if (c->json) {
-    json_out j = {.out = stdout};
-    ctl__json_open(&j, NULL, '{');
-    ctl__json_str(&j, "job", argv[0]);
-    ctl__json_str(&j, "path", reply->path);
-    ctl__json_str(&j, "checkpoint", reply->checkpoint);
-    ctl__json_str(&j, "dtype", dtype);
-    ctl__json_u64(&j, "step", reply->step);
-    ctl__json_u64(&j, "tensors", reply->tensors);
-    ctl__json_u64(&j, "bytes", reply->bytes);
-    ctl__json_i64(&j, "total_ms", reply->total_ms);
-    ctl__json_close(&j, '}');
+    json_t *o = json_object();
+    json_object_set_new(o, "job", ctl__json_str(argv[0]));
+    json_object_set_new(o, "path", ctl__json_str(reply->path));
+    json_object_set_new(o, "checkpoint", ctl__json_str(reply->checkpoint));
+    json_object_set_new(o, "dtype", ctl__json_str(dtype));
+    json_object_set_new(o, "step", ctl__json_count(reply->step));
+    json_object_set_new(o, "tensors", ctl__json_count(reply->tensors));
+    json_object_set_new(o, "bytes", ctl__json_count(reply->bytes));
+    json_object_set_new(o, "total_ms", json_integer(reply->total_ms));
+    rc = ctl__json_print(o);
   } else {
     char text[64];
     ctl__print_field("job", "%s", argv[0]);
@@ -208,5 +196,5 @@ int ctl__cmd_export(ctl *c, int argc, char **argv) {
     ctl__print_field("path", "%s", reply->path);
   }
   zerod__v1__export_reply__free_unpacked(reply, NULL);
-  return 0;
+  return rc;
 }

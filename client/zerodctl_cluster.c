@@ -37,30 +37,31 @@ static void format_devices(const Zerod__V1__NodeInfo *node, char *out, size_t ou
   }
 }
 
-static void json_member(json_out *j, const Zerod__V1__Member *m) {
+static json_t *json_device(const Zerod__V1__Device *dev) {
+  json_t *o = json_object();
+  json_object_set_new(o, "kind", ctl__json_str(dev->kind));
+  json_object_set_new(o, "index", ctl__json_count(dev->index));
+  json_object_set_new(o, "name", ctl__json_str(dev->name));
+  json_object_set_new(o, "memory_bytes", ctl__json_count(dev->memory_bytes));
+  return o;
+}
+
+static json_t *json_member(const Zerod__V1__Member *m) {
   static const Zerod__V1__NodeInfo no_node = ZEROD__V1__NODE_INFO__INIT;
   const Zerod__V1__NodeInfo *node = m->node != NULL ? m->node : &no_node;
-  ctl__json_open(j, NULL, '{');
-  ctl__json_str(j, "name", node->name);
-  ctl__json_str(j, "address", node->address);
-  ctl__json_u64(j, "ranks", node->ranks);
-  ctl__json_open(j, "devices", '[');
-  for (size_t d = 0; d < node->n_devices; d++) {
-    const Zerod__V1__Device *dev = node->devices[d];
-    ctl__json_open(j, NULL, '{');
-    ctl__json_str(j, "kind", dev->kind);
-    ctl__json_u64(j, "index", dev->index);
-    ctl__json_str(j, "name", dev->name);
-    ctl__json_u64(j, "memory_bytes", dev->memory_bytes);
-    ctl__json_close(j, '}');
-  }
-  ctl__json_close(j, ']');
-  ctl__json_u64(j, "memory_bytes", node->memory_bytes);
-  ctl__json_str(j, "version", node->version);
-  ctl__json_id(j, "session", m->session);
-  ctl__json_i64(j, "joined_unix_ms", m->joined_unix_ms);
-  ctl__json_i64(j, "lease_remaining_ms", m->lease_remaining_ms);
-  ctl__json_close(j, '}');
+  json_t *o = json_object(), *devices = json_array();
+  for (size_t d = 0; d < node->n_devices; d++)
+    json_array_append_new(devices, json_device(node->devices[d]));
+  json_object_set_new(o, "name", ctl__json_str(node->name));
+  json_object_set_new(o, "address", ctl__json_str(node->address));
+  json_object_set_new(o, "ranks", ctl__json_count(node->ranks));
+  json_object_set_new(o, "devices", devices);
+  json_object_set_new(o, "memory_bytes", ctl__json_count(node->memory_bytes));
+  json_object_set_new(o, "version", ctl__json_str(node->version));
+  json_object_set_new(o, "session", ctl__json_id(m->session));
+  json_object_set_new(o, "joined_unix_ms", json_integer(m->joined_unix_ms));
+  json_object_set_new(o, "lease_remaining_ms", json_integer(m->lease_remaining_ms));
+  return o;
 }
 
 int ctl__cmd_members(ctl *c, int argc, char **argv) {
@@ -72,16 +73,14 @@ int ctl__cmd_members(ctl *c, int argc, char **argv) {
     return rc;
 
   if (c->json) {
-    json_out j = {.out = stdout};
-    ctl__json_open(&j, NULL, '{');
-    ctl__json_u64(&j, "epoch", view->epoch);
-    ctl__json_open(&j, "members", '[');
+    /* The epoch is a counter from 1, bumped per membership change: a
+     * count, not an id. */
+    json_t *members = json_array();
     for (size_t i = 0; i < view->n_members; i++)
-      json_member(&j, view->members[i]);
-    ctl__json_close(&j, ']');
-    ctl__json_close(&j, '}');
+      json_array_append_new(members, json_member(view->members[i]));
+    json_t *o = json_pack("{soso}", "epoch", ctl__json_count(view->epoch), "members", members);
     zerod__v1__view__free_unpacked(view, NULL);
-    return 0;
+    return ctl__json_print(o);
   }
 
   static const char *const headers[] = {"NAME",   "ADDRESS", "RANKS", "DEVICES",
@@ -130,16 +129,13 @@ int ctl__cmd_health(ctl *c, int argc, char **argv) {
   Grpc__Health__V1__HealthCheckResponse__ServingStatus status = reply->status;
   grpc__health__v1__health_check_response__free_unpacked(reply, NULL);
   if (c->json) {
-    json_out j = {.out = stdout};
-    ctl__json_open(&j, NULL, '{');
-    ctl__json_str(&j, "service", request.service);
-    ctl__json_str(&j, "status", ctl__serving_status_name(status, true));
-    ctl__json_close(&j, '}');
+    rc = ctl__json_print(json_pack("{soso}", "service", ctl__json_str(request.service), "status",
+                                   ctl__json_str(ctl__serving_status_name(status, true))));
   } else {
     printf("%s\n", ctl__serving_status_name(status, false));
   }
   if (status != GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING)
     return ctl__fail_line(CTL_EXIT_FAILED, "%s: the coordinator at %s is %s", c->command,
                           c->coordinator, ctl__serving_status_name(status, false));
-  return 0;
+  return rc;
 }

@@ -371,17 +371,14 @@ static int create_and_print(ctl *c, const Zerod__V1__CreateJobRequest *request) 
     return ctl__fail_line(CTL_EXIT_FAILED, "%s: the coordinator's reply has no job", c->command);
   }
   if (c->json) {
-    json_out j = {.out = stdout};
-    ctl__json_open(&j, NULL, '{');
-    ctl__json_job(&j, "job", reply->job);
-    ctl__json_str(&j, "token", reply->token);
-    ctl__json_close(&j, '}');
+    rc = ctl__json_print(json_pack("{soso}", "job", ctl__json_job(reply->job), "token",
+                                   ctl__json_str(reply->token)));
   } else {
     ctl__print_job(reply->job);
     ctl__print_field("token", "%s", reply->token);
   }
   zerod__v1__create_job_reply__free_unpacked(reply, NULL);
-  return 0;
+  return rc;
 }
 
 /* Each step checks its options in the order a user reads them in the

@@ -29,6 +29,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <jansson.h>
+
 #include "grpc/health/v1/health.pb-c.h"
 #include "paths.h"
 #include "rpc.h"
@@ -48,16 +50,6 @@
 
 /* Exit statuses (docs/zerodctl.md). */
 enum { CTL_EXIT_OK = 0, CTL_EXIT_FAILED = 1, CTL_EXIT_USAGE = 2 };
-
-/* A compact JSON writer for our own, statically known, shapes: nesting is
- * bounded by the code that calls it, never by the data. */
-#define JSON_MAX_DEPTH 16
-
-typedef struct json_out {
-  FILE *out;
-  int depth;
-  bool has_items[JSON_MAX_DEPTH];
-} json_out;
 
 /* A table for people: a header and rows of cells, printed aligned. */
 #define TABLE_MAX_COLUMNS 9
@@ -80,18 +72,21 @@ void ctl__sanitize_line(char *s);
 int ctl__fail_line(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 #define ctl__usage_error(...) ctl__fail_line(CTL_EXIT_USAGE, __VA_ARGS__)
 
-/* JSON: open an object ('{') or array ('['), add members (key NULL inside
- * an array), close it; the outermost close ends the line. */
-void ctl__json_open(json_out *j, const char *key, char bracket);
-void ctl__json_close(json_out *j, char bracket);
-void ctl__json_str(json_out *j, const char *key, const char *value);
-void ctl__json_u64(json_out *j, const char *key, uint64_t value);
-/* A 64-bit id as a string, as protobuf's JSON mapping writes one: readers
- * that keep numbers as doubles (jq, JavaScript) would round it. */
-void ctl__json_id(json_out *j, const char *key, uint64_t value);
-void ctl__json_i64(json_out *j, const char *key, int64_t value);
-void ctl__json_bool(json_out *j, const char *key, bool value);
-void ctl__json_f64(json_out *j, const char *key, double value);
+/* JSON values, each a new reference (NULL without memory, which
+ * json_object_set_new and json_array_append_new then refuse): a string,
+ * any bytes made valid UTF-8 (U+FFFD for the others); a 64-bit id as a
+ * decimal string, as protobuf's JSON mapping writes one, since readers
+ * that keep numbers as doubles (jq, JavaScript) round past 2^53; a count
+ * (steps, ranks, bytes) as an integer (a string past INT64_MAX); a real,
+ * null for NaN and infinities. Counts that are signed (milliseconds) are
+ * json_integer's, booleans json_boolean's. */
+json_t *ctl__json_str(const char *s);
+json_t *ctl__json_id(uint64_t id);
+json_t *ctl__json_count(uint64_t n);
+json_t *ctl__json_real(double v);
+/* Prints root on stdout, compact, on one line, and drops the reference.
+ * Returns the exit status (an error line printed when it fails). */
+int ctl__json_print(json_t *root);
 
 /* Tables for people: rows of TABLE_CELL_BYTES cells, printed aligned. */
 void ctl__table_init(table *t, size_t columns, const char *const *headers);
@@ -224,9 +219,8 @@ int ctl__check_freeze_args(const ctl *c);
 /* zerodctl_jobs.c */
 ctl_command_fn ctl__cmd_jobs_list, ctl__cmd_jobs_get, ctl__cmd_jobs_delete,
     ctl__cmd_jobs_read_token;
-/* A job as JSON (an object under key, or an array's item when key is
- * NULL), and for people, one field per line. */
-void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job);
+/* A job as a JSON object, and for people, one field per line. */
+json_t *ctl__json_job(const Zerod__V1__Job *job);
 void ctl__print_job(const Zerod__V1__Job *job);
 /* Lists the jobs: as JSON, {json_key: [every job row takes]}; for
  * people, a table of columns (at most TABLE_MAX_COLUMNS) with a row of

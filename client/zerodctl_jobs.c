@@ -32,100 +32,142 @@ static uint64_t job_max_live_bytes(const Zerod__V1__Job *job) {
   return job_config(job)->max_live_bytes;
 }
 
-void ctl__json_job(json_out *j, const char *key, const Zerod__V1__Job *job) {
+/* A job as JSON: ids as strings, counts as integers, hyper-parameters as
+ * numbers (docs/zerodctl.md, "JSON output"). Keys in the order they
+ * print. */
+static json_t *json_optimizer(const Zerod__V1__OptimizerConfig *opt) {
+  json_t *o = json_object();
+  json_object_set_new(o, "kind", ctl__json_str(ctl__optimizer_name(opt->kind)));
+  json_object_set_new(o, "lr", ctl__json_real(opt->lr));
+  json_object_set_new(o, "beta1", ctl__json_real(opt->beta1));
+  json_object_set_new(o, "beta2", ctl__json_real(opt->beta2));
+  json_object_set_new(o, "eps", ctl__json_real(opt->eps));
+  json_object_set_new(o, "weight_decay", ctl__json_real(opt->weight_decay));
+  json_object_set_new(o, "has_weight_decay", json_boolean(opt->has_weight_decay));
+  json_object_set_new(o, "momentum", ctl__json_real(opt->momentum));
+  json_object_set_new(o, "dampening", ctl__json_real(opt->dampening));
+  json_object_set_new(o, "nesterov", json_boolean(opt->nesterov));
+  return o;
+}
+
+/* offload_optimizer and, for a device that has them, its settings. */
+static void json_offload(json_t *o, const Zerod__V1__OffloadConfig *off) {
+  json_object_set_new(o, "offload_optimizer", ctl__json_str(ctl__offload_name(off)));
+  if (off == NULL || (off->device != ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME &&
+                      off->device != ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU))
+    return;
+  if (off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME)
+    json_object_set_new(o, "nvme_path", ctl__json_str(off->nvme_path));
+  json_object_set_new(o, "offload_buffer_count", ctl__json_count(off->buffer_count));
+  json_object_set_new(o, "offload_buffer_size", ctl__json_count(off->buffer_size));
+  json_object_set_new(o, "offload_pin_memory", json_boolean(off->pin_memory));
+}
+
+/* The loss scale and its rule. */
+static void json_loss_scale(json_t *o, const Zerod__V1__JobConfig *config) {
+  json_object_set_new(o, "loss_scale",
+                      ctl__json_real(config->loss_scale > 0 ? config->loss_scale : 0));
+  json_object_set_new(o, "loss_scale_window", ctl__json_count(config->loss_scale_window));
+  json_object_set_new(o, "loss_scale_growth", ctl__json_real(config->loss_scale_growth));
+  json_object_set_new(o, "loss_scale_backoff", ctl__json_real(config->loss_scale_backoff));
+  json_object_set_new(o, "loss_scale_hysteresis", ctl__json_count(config->loss_scale_hysteresis));
+  json_object_set_new(o, "loss_scale_min", ctl__json_real(config->loss_scale_min));
+}
+
+static json_t *json_config(const Zerod__V1__Job *job) {
   const Zerod__V1__JobConfig *config = job_config(job);
-  const Zerod__V1__OptimizerConfig *opt = job_optimizer(job);
-  ctl__json_open(j, key, '{');
-  ctl__json_str(j, "name", job->name);
-  ctl__json_id(j, "id", job->id);
-  ctl__json_str(j, "state", zd_job_state_word(job->state));
-  ctl__json_str(j, "reason", job->reason);
-  ctl__json_u64(j, "nodes", job->nodes);
-  ctl__json_u64(j, "ranks_per_node", job->ranks_per_node);
-  ctl__json_u64(j, "world_size", job->world_size);
-  ctl__json_open(j, "placement", '[');
+  json_t *o = json_object();
+  json_object_set_new(o, "optimizer", json_optimizer(job_optimizer(job)));
+  json_object_set_new(o, "precision", ctl__json_str(ctl__precision_name(config->working_dtype)));
+  json_object_set_new(o, "collectives",
+                      ctl__json_str(config->collectives == ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT
+                                        ? "flat"
+                                        : "hierarchical"));
+  json_object_set_new(o, "quantized_weights", json_boolean(config->quantized_weights));
+  json_object_set_new(o, "quantization_block", ctl__json_count(config->quantization_block));
+  json_object_set_new(o, "quantized_gradients", ctl__json_count(config->quantized_gradients));
+  json_object_set_new(o, "gradient_comm_dtype",
+                      ctl__json_str(ctl__precision_name(config->gradient_comm_dtype)));
+  json_object_set_new(o, "hpz_partition_size", ctl__json_count(config->hpz_partition_size));
+  json_offload(o, config->offload_optimizer);
+  json_loss_scale(o, config);
+  json_object_set_new(o, "max_live_bytes", ctl__json_count(config->max_live_bytes));
+  json_object_set_new(o, "max_grad_norm", ctl__json_real(config->max_grad_norm));
+  json_object_set_new(o, "base_job", ctl__json_str(config->base_job));
+  return o;
+}
+
+static json_t *json_quotas(const Zerod__V1__Job *job) {
+  static const Zerod__V1__Quotas none = ZEROD__V1__QUOTAS__INIT;
+  const Zerod__V1__Quotas *q = job->quotas != NULL ? job->quotas : &none;
+  json_t *o = json_object();
+  json_object_set_new(o, "max_live_bytes", ctl__json_count(q->max_live_bytes));
+  json_object_set_new(o, "max_host_bytes", ctl__json_count(q->max_host_bytes));
+  json_object_set_new(o, "max_device_bytes", ctl__json_count(q->max_device_bytes));
+  json_object_set_new(o, "max_sessions", ctl__json_count(q->max_sessions));
+  return o;
+}
+
+/* The checkpoint policy; redundancy_every_steps 0 means every step. */
+static json_t *json_policy(const Zerod__V1__Job *job) {
+  static const Zerod__V1__CheckpointPolicy none = ZEROD__V1__CHECKPOINT_POLICY__INIT;
+  const Zerod__V1__CheckpointPolicy *p =
+      job->checkpoint_policy != NULL ? job->checkpoint_policy : &none;
+  json_t *o = json_object();
+  json_object_set_new(o, "every_steps", ctl__json_count(p->every_steps));
+  json_object_set_new(o, "every_seconds", ctl__json_count(p->every_seconds));
+  json_object_set_new(o, "keep", ctl__json_count(p->keep));
+  json_object_set_new(o, "redundancy", ctl__json_count(p->redundancy));
+  json_object_set_new(o, "redundancy_every_steps",
+                      ctl__json_count(p->redundancy_every_steps ? p->redundancy_every_steps : 1));
+  return o;
+}
+
+static json_t *json_placement(const Zerod__V1__Job *job) {
+  json_t *a = json_array();
   for (size_t i = 0; i < job->n_placement; i++) {
-    ctl__json_open(j, NULL, '{');
-    ctl__json_str(j, "node", job->placement[i]->node);
-    ctl__json_u64(j, "first_rank", job->placement[i]->first_rank);
-    ctl__json_u64(j, "ranks", job->placement[i]->ranks);
-    ctl__json_close(j, '}');
+    const Zerod__V1__RankPlacement *p = job->placement[i];
+    json_array_append_new(a, json_pack("{sososo}", "node", ctl__json_str(p->node), "first_rank",
+                                       ctl__json_count(p->first_rank), "ranks",
+                                       ctl__json_count(p->ranks)));
   }
-  ctl__json_close(j, ']');
-  ctl__json_open(j, "config", '{');
-  ctl__json_open(j, "optimizer", '{');
-  ctl__json_str(j, "kind", ctl__optimizer_name(opt->kind));
-  ctl__json_f64(j, "lr", opt->lr);
-  ctl__json_f64(j, "beta1", opt->beta1);
-  ctl__json_f64(j, "beta2", opt->beta2);
-  ctl__json_f64(j, "eps", opt->eps);
-  ctl__json_f64(j, "weight_decay", opt->weight_decay);
-  ctl__json_bool(j, "has_weight_decay", opt->has_weight_decay);
-  ctl__json_f64(j, "momentum", opt->momentum);
-  ctl__json_f64(j, "dampening", opt->dampening);
-  ctl__json_bool(j, "nesterov", opt->nesterov);
-  ctl__json_close(j, '}');
-  ctl__json_str(j, "precision", ctl__precision_name(config->working_dtype));
-  ctl__json_str(j, "collectives",
-                config->collectives == ZEROD__V1__COLLECTIVES__COLLECTIVES_FLAT ? "flat"
-                                                                                : "hierarchical");
-  ctl__json_bool(j, "quantized_weights", config->quantized_weights);
-  ctl__json_u64(j, "quantization_block", config->quantization_block);
-  ctl__json_u64(j, "quantized_gradients", config->quantized_gradients);
-  ctl__json_str(j, "gradient_comm_dtype", ctl__precision_name(config->gradient_comm_dtype));
-  ctl__json_u64(j, "hpz_partition_size", config->hpz_partition_size);
-  const Zerod__V1__OffloadConfig *off = config->offload_optimizer;
-  ctl__json_str(j, "offload_optimizer", ctl__offload_name(off));
-  if (off != NULL && off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME)
-    ctl__json_str(j, "nvme_path", off->nvme_path);
-  if (off != NULL && (off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME ||
-                      off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_CPU)) {
-    ctl__json_u64(j, "offload_buffer_count", off->buffer_count);
-    ctl__json_u64(j, "offload_buffer_size", off->buffer_size);
-    ctl__json_bool(j, "offload_pin_memory", off->pin_memory);
-  }
-  ctl__json_f64(j, "loss_scale", config->loss_scale > 0 ? config->loss_scale : 0);
-  ctl__json_u64(j, "loss_scale_window", config->loss_scale_window);
-  ctl__json_f64(j, "loss_scale_growth", config->loss_scale_growth);
-  ctl__json_f64(j, "loss_scale_backoff", config->loss_scale_backoff);
-  ctl__json_u64(j, "loss_scale_hysteresis", config->loss_scale_hysteresis);
-  ctl__json_f64(j, "loss_scale_min", config->loss_scale_min);
-  ctl__json_u64(j, "max_live_bytes", config->max_live_bytes);
-  ctl__json_f64(j, "max_grad_norm", config->max_grad_norm);
-  ctl__json_str(j, "base_job", config->base_job != NULL ? config->base_job : "");
-  ctl__json_close(j, '}');
-  ctl__json_open(j, "quotas", '{');
-  ctl__json_u64(j, "max_live_bytes", job->quotas != NULL ? job->quotas->max_live_bytes : 0);
-  ctl__json_u64(j, "max_host_bytes", job->quotas != NULL ? job->quotas->max_host_bytes : 0);
-  ctl__json_u64(j, "max_device_bytes", job->quotas != NULL ? job->quotas->max_device_bytes : 0);
-  ctl__json_u64(j, "max_sessions", job->quotas != NULL ? job->quotas->max_sessions : 0);
-  ctl__json_close(j, '}');
-  ctl__json_u64(j, "step", job->step);
-  ctl__json_u64(j, "epoch", job->epoch);
-  ctl__json_str(j, "tenant", job->tenant);
-  ctl__json_i64(j, "created_unix_ms", job->created_unix_ms);
-  ctl__json_bool(j, "frozen", job->frozen);
-  ctl__json_open(j, "shared_with", '[');
+  return a;
+}
+
+/* A base's sharing: frozen, shared_with, public, jobs_on_base. */
+static void json_sharing(json_t *o, const Zerod__V1__Job *job) {
+  json_t *shared = json_array();
   for (size_t i = 0; i < job->n_shared_with; i++)
-    ctl__json_str(j, NULL, job->shared_with[i]);
-  ctl__json_close(j, ']');
-  ctl__json_bool(j, "public", job->public_);
-  ctl__json_u64(j, "jobs_on_base", job->jobs_on_base);
-  ctl__json_str(j, "base_checkpoint", job->base_checkpoint);
-  ctl__json_str(j, "last_recovery", job->last_recovery);
-  ctl__json_str(j, "stalled", job->stalled);
-  const Zerod__V1__CheckpointPolicy *policy = job->checkpoint_policy;
-  ctl__json_open(j, "checkpoint_policy", '{');
-  ctl__json_u64(j, "every_steps", policy != NULL ? policy->every_steps : 0);
-  ctl__json_u64(j, "every_seconds", policy != NULL ? policy->every_seconds : 0);
-  ctl__json_u64(j, "keep", policy != NULL ? policy->keep : 0);
-  ctl__json_u64(j, "redundancy", policy != NULL ? policy->redundancy : 0);
-  ctl__json_u64(j, "redundancy_every_steps",
-                policy != NULL && policy->redundancy_every_steps ? policy->redundancy_every_steps
-                                                                 : 1);
-  ctl__json_close(j, '}');
-  ctl__json_u64(j, "replica_step", job->replica_step);
-  ctl__json_close(j, '}');
+    json_array_append_new(shared, ctl__json_str(job->shared_with[i]));
+  json_object_set_new(o, "frozen", json_boolean(job->frozen));
+  json_object_set_new(o, "shared_with", shared);
+  json_object_set_new(o, "public", json_boolean(job->public_));
+  json_object_set_new(o, "jobs_on_base", ctl__json_count(job->jobs_on_base));
+}
+
+json_t *ctl__json_job(const Zerod__V1__Job *job) {
+  json_t *o = json_object();
+  json_object_set_new(o, "name", ctl__json_str(job->name));
+  json_object_set_new(o, "id", ctl__json_id(job->id));
+  json_object_set_new(o, "state", ctl__json_str(zd_job_state_word(job->state)));
+  json_object_set_new(o, "reason", ctl__json_str(job->reason));
+  json_object_set_new(o, "nodes", ctl__json_count(job->nodes));
+  json_object_set_new(o, "ranks_per_node", ctl__json_count(job->ranks_per_node));
+  json_object_set_new(o, "world_size", ctl__json_count(job->world_size));
+  json_object_set_new(o, "placement", json_placement(job));
+  json_object_set_new(o, "config", json_config(job));
+  json_object_set_new(o, "quotas", json_quotas(job));
+  json_object_set_new(o, "step", ctl__json_count(job->step));
+  json_object_set_new(o, "epoch", ctl__json_count(job->epoch)); /* a counter from 1 */
+  json_object_set_new(o, "tenant", ctl__json_str(job->tenant));
+  json_object_set_new(o, "created_unix_ms", json_integer(job->created_unix_ms));
+  json_sharing(o, job);
+  json_object_set_new(o, "base_checkpoint", ctl__json_str(job->base_checkpoint));
+  json_object_set_new(o, "last_recovery", ctl__json_str(job->last_recovery));
+  json_object_set_new(o, "stalled", ctl__json_str(job->stalled));
+  json_object_set_new(o, "checkpoint_policy", json_policy(job));
+  json_object_set_new(o, "replica_step", ctl__json_count(job->replica_step));
+  return o;
 }
 
 /* A hyper-parameter as stored, or the torch.optim default the daemons use
@@ -327,16 +369,12 @@ int ctl__list_jobs(ctl *c, const char *json_key, const char *const *headers, siz
     return rc;
 
   if (c->json) {
-    json_out j = {.out = stdout};
-    ctl__json_open(&j, NULL, '{');
-    ctl__json_open(&j, json_key, '[');
+    json_t *jobs = json_array();
     for (size_t i = 0; i < reply->n_jobs; i++)
       if (row(reply->jobs[i], NULL))
-        ctl__json_job(&j, NULL, reply->jobs[i]);
-    ctl__json_close(&j, ']');
-    ctl__json_close(&j, '}');
+        json_array_append_new(jobs, ctl__json_job(reply->jobs[i]));
     zerod__v1__list_jobs_reply__free_unpacked(reply, NULL);
-    return 0;
+    return ctl__json_print(json_pack("{so}", json_key, jobs));
   }
 
   table t;
@@ -385,14 +423,12 @@ int ctl__call_job(ctl *c, const char *method, const ProtobufCMessage *request) {
   int rc = ctl__call(c, method, request, &zerod__v1__job__descriptor, (ProtobufCMessage **)&job);
   if (rc != 0)
     return rc;
-  if (c->json) {
-    json_out j = {.out = stdout};
-    ctl__json_job(&j, NULL, job);
-  } else {
+  if (c->json)
+    rc = ctl__json_print(ctl__json_job(job));
+  else
     ctl__print_job(job);
-  }
   zerod__v1__job__free_unpacked(job, NULL);
-  return 0;
+  return rc;
 }
 
 int ctl__cmd_jobs_get(ctl *c, int argc, char **argv) {
@@ -410,14 +446,9 @@ int ctl__cmd_jobs_delete(ctl *c, int argc, char **argv) {
   if (rc != 0)
     return rc;
   zerod__v1__delete_job_reply__free_unpacked(reply, NULL);
-  if (c->json) {
-    json_out j = {.out = stdout};
-    ctl__json_open(&j, NULL, '{');
-    ctl__json_str(&j, "deleted", argv[0]);
-    ctl__json_close(&j, '}');
-  } else {
-    printf("deleted job %s\n", argv[0]);
-  }
+  if (c->json)
+    return ctl__json_print(json_pack("{so}", "deleted", ctl__json_str(argv[0])));
+  printf("deleted job %s\n", argv[0]);
   return 0;
 }
 
@@ -430,15 +461,11 @@ int ctl__cmd_jobs_read_token(ctl *c, int argc, char **argv) {
                      &zerod__v1__issue_read_token_reply__descriptor, (ProtobufCMessage **)&reply);
   if (rc != 0)
     return rc;
-  if (c->json) {
-    json_out j = {.out = stdout};
-    ctl__json_open(&j, NULL, '{');
-    ctl__json_str(&j, "job", argv[0]);
-    ctl__json_str(&j, "read_token", reply->token);
-    ctl__json_close(&j, '}');
-  } else {
+  if (c->json)
+    rc = ctl__json_print(json_pack("{soso}", "job", ctl__json_str(argv[0]), "read_token",
+                                   ctl__json_str(reply->token)));
+  else
     printf("%s\n", reply->token);
-  }
   zerod__v1__issue_read_token_reply__free_unpacked(reply, NULL);
-  return 0;
+  return rc;
 }

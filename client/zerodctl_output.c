@@ -8,6 +8,7 @@
  * terminal. Calls nothing of zerodctl's own. */
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,7 +44,7 @@ int ctl__fail_line(int status, const char *fmt, ...) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* JSON output                                                              */
+/* JSON output, through jansson                                             */
 /* ------------------------------------------------------------------------ */
 
 /* Length of the valid UTF-8 sequence at s (1..4), or 0 if s does not start
@@ -78,118 +79,101 @@ static size_t utf8_sequence_bytes(const unsigned char *s) {
   return len;
 }
 
-/* Writes s as a JSON string: quotes, backslashes and control characters
- * escaped, invalid UTF-8 replaced by U+FFFD, so the output always parses. */
-static void json_write_string(FILE *out, const char *s) {
-  const unsigned char *p = (const unsigned char *)(s != NULL ? s : "");
-  fputc('"', out);
+/* A copy of s with every byte that does not start or continue a valid
+ * UTF-8 sequence replaced by U+FFFD, or NULL without memory. */
+static char *utf8_repaired(const char *s) {
+  size_t n = strlen(s);
+  char *copy = malloc(3 * n + 1); /* each bad byte grows to 3 */
+  if (copy == NULL)
+    return NULL;
+  const unsigned char *p = (const unsigned char *)s;
+  char *q = copy;
   while (*p != '\0') {
-    unsigned char c = *p;
-    if (c == '"' || c == '\\') {
-      fputc('\\', out);
-      fputc(c, out);
-      p++;
-    } else if (c < 0x20) {
-      switch (c) {
-      case '\n':
-        fputs("\\n", out);
-        break;
-      case '\r':
-        fputs("\\r", out);
-        break;
-      case '\t':
-        fputs("\\t", out);
-        break;
-      default:
-        fprintf(out, "\\u%04x", c);
-        break;
-      }
-      p++;
-    } else if (c < 0x80) {
-      fputc(c, out);
+    size_t len = *p < 0x80 ? 1 : utf8_sequence_bytes(p);
+    if (len == 0) {
+      memcpy(q, "\xef\xbf\xbd", 3);
+      q += 3;
       p++;
     } else {
-      size_t len = utf8_sequence_bytes(p);
-      if (len == 0) {
-        fputs("\\ufffd", out);
-        p++;
-      } else {
-        fwrite(p, 1, len, out);
-        p += len;
-      }
+      memcpy(q, p, len);
+      q += len;
+      p += len;
     }
   }
-  fputc('"', out);
+  *q = '\0';
+  return copy;
 }
 
-/* Separates an item from the previous one and writes its key (in objects). */
-static void json_item(json_out *j, const char *key) {
-  if (j->depth > 0) {
-    if (j->has_items[j->depth - 1])
-      fputc(',', j->out);
-    j->has_items[j->depth - 1] = true;
-  }
-  if (key != NULL) {
-    json_write_string(j->out, key);
-    fputc(':', j->out);
-  }
+json_t *ctl__json_str(const char *s) {
+  if (s == NULL)
+    s = "";
+  json_t *v = json_string(s);
+  if (v != NULL)
+    return v;
+  char *copy = utf8_repaired(s);
+  if (copy == NULL)
+    return NULL;
+  v = json_string(copy);
+  free(copy);
+  return v;
 }
 
-void ctl__json_open(json_out *j, const char *key, char bracket) {
-  json_item(j, key);
-  fputc(bracket, j->out);
-  if (j->depth < JSON_MAX_DEPTH)
-    j->has_items[j->depth] = false;
-  j->depth++;
-}
-
-void ctl__json_close(json_out *j, char bracket) {
-  fputc(bracket, j->out);
-  j->depth--;
-  if (j->depth == 0)
-    fputc('\n', j->out);
-}
-
-void ctl__json_str(json_out *j, const char *key, const char *value) {
-  json_item(j, key);
-  json_write_string(j->out, value);
-}
-
-void ctl__json_u64(json_out *j, const char *key, uint64_t value) {
-  json_item(j, key);
-  fprintf(j->out, "%" PRIu64, value);
-}
-
-void ctl__json_id(json_out *j, const char *key, uint64_t value) {
+json_t *ctl__json_id(uint64_t id) {
   char text[24];
-  snprintf(text, sizeof text, "%" PRIu64, value);
-  ctl__json_str(j, key, text);
+  snprintf(text, sizeof text, "%" PRIu64, id);
+  return json_string(text);
 }
 
-void ctl__json_i64(json_out *j, const char *key, int64_t value) {
-  json_item(j, key);
-  fprintf(j->out, "%" PRId64, value);
+json_t *ctl__json_count(uint64_t n) {
+  if (n > (uint64_t)INT64_MAX)
+    return ctl__json_id(n);
+  return json_integer((json_int_t)n);
 }
 
-void ctl__json_bool(json_out *j, const char *key, bool value) {
-  json_item(j, key);
-  fputs(value ? "true" : "false", j->out);
+json_t *ctl__json_real(double v) {
+  return isnan(v) || isinf(v) ? json_null() : json_real(v);
 }
 
-/* The shortest of %.15g / %.17g that reads back as the same double, so
- * 0.001 prints as 0.001 and every value round-trips. JSON has no NaN or
- * infinity: those print as null. */
-void ctl__json_f64(json_out *j, const char *key, double value) {
-  json_item(j, key);
-  if (value != value || value > 1e308 || value < -1e308) {
-    fputs("null", j->out);
-    return;
+/* The fewest significant digits, 15 to 17, at which every real under v
+ * reads back as itself: jansson writes reals with one precision per
+ * document, and 17 everywhere would print 0.9 as 0.90000000000000002. */
+static int real_digits(json_t *v) {
+  int digits = 15;
+  if (json_is_real(v)) {
+    double x = json_real_value(v);
+    char text[40];
+    for (; digits < 17; digits++) {
+      snprintf(text, sizeof text, "%.*g", digits, x);
+      if (strtod(text, NULL) == x)
+        break;
+    }
+  } else if (json_is_object(v)) {
+    const char *key;
+    json_t *item;
+    json_object_foreach(v, key, item) {
+      int d = real_digits(item);
+      digits = d > digits ? d : digits;
+    }
+  } else if (json_is_array(v)) {
+    size_t i;
+    json_t *item;
+    json_array_foreach(v, i, item) {
+      int d = real_digits(item);
+      digits = d > digits ? d : digits;
+    }
   }
-  char text[40];
-  snprintf(text, sizeof text, "%.15g", value);
-  if (strtod(text, NULL) != value)
-    snprintf(text, sizeof text, "%.17g", value);
-  fputs(text, j->out);
+  return digits;
+}
+
+int ctl__json_print(json_t *root) {
+  int rc = root != NULL
+               ? json_dumpf(root, stdout, JSON_COMPACT | JSON_REAL_PRECISION(real_digits(root)))
+               : -1;
+  json_decref(root);
+  if (rc != 0)
+    return ctl__fail_line(CTL_EXIT_FAILED, "cannot print JSON (out of memory or stdout closed)");
+  putchar('\n');
+  return CTL_EXIT_OK;
 }
 
 /* ------------------------------------------------------------------------ */

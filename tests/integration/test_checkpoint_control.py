@@ -731,6 +731,12 @@ def test_zerodctl_checkpoint_commands(coord, nodes):
     assert rc == 0 and err == "", (rc, out, err)
     saved = json.loads(out)
     assert saved["checkpoint"]["name"] == "best" and saved["checkpoint"]["step"] == 42
+    # job_id is a 64-bit id: a string, the job's; counts are JSON integers.
+    job_id = coord.jobs.GetJob(C.GetJobRequest(name="j"), timeout=10).id
+    assert saved["checkpoint"]["job_id"] == str(job_id), saved
+    for key in ("step", "world_size", "bytes", "created_unix_ms"):
+        assert type(saved["checkpoint"][key]) is int, (key, saved)
+    assert type(saved["stall_ms"]) is int and type(saved["total_ms"]) is int, saved
     assert saved["stall_ms"] == 20 and set(saved) == {"checkpoint", "stall_ms", "total_ms"}
 
     rc, out, err = ctl(coord, "checkpoint", "list")

@@ -31,6 +31,7 @@ class FakeNodes:
         self.pb = modules.control
         self.channel = grpc.insecure_channel(address)
         self.cluster = modules.control_grpc.ClusterStub(self.channel)
+        self.jobs = modules.control_grpc.JobsStub(self.channel)
 
     def join(self, name, ranks=1, devices=(), memory_bytes=16 * GIB):
         pb = self.pb
@@ -148,18 +149,52 @@ def test_members_table_lists_the_joined_nodes(coordinator, nodes):
     assert not any(line != line.rstrip() for line in lines), "trailing blanks:\n" + out
 
 
+def assert_ints(obj, *keys):
+    """Counts are JSON integers: 3, never 3.0 (bool is not a count)."""
+    for key in keys:
+        assert type(obj[key]) is int, (key, obj[key])
+
+
 def test_members_json(coordinator, nodes):
-    nodes.join("node-a", ranks=2, devices=[("cpu", "", 0), ("cpu", "", 0)], memory_bytes=GIB)
+    joined = nodes.join("node-a", ranks=2, devices=[("cpu", "", 0), ("cpu", "", 0)],
+                        memory_bytes=GIB)
     view = ok_json("members", address=coordinator.address)
     assert set(view) == {"epoch", "members"} and view["epoch"] >= 1
+    assert_ints(view, "epoch")
     [m] = view["members"]
     assert m["name"] == "node-a" and m["ranks"] == 2 and m["memory_bytes"] == GIB
     assert m["version"] == "0.1.0" and m["address"].startswith("10.1.0.")
     assert [d["kind"] for d in m["devices"]] == ["cpu", "cpu"]
     assert 0 < m["lease_remaining_ms"] <= LEASE_TTL_S * 1000
     assert m["joined_unix_ms"] > 0 and isinstance(m["joined_unix_ms"], int)
-    # A 64-bit id is a string (jq and JavaScript would round a number).
-    assert isinstance(m["session"], str) and m["session"].isdigit() and int(m["session"]) > 0
+    # A 64-bit id is a string (jq and JavaScript would round a number),
+    # exactly the session the coordinator gave the node: a random 64-bit
+    # value, so a double would lose its low digits.
+    assert m["session"] == str(joined.session), (m["session"], joined.session)
+    assert_ints(m, "ranks", "memory_bytes", "joined_unix_ms", "lease_remaining_ms")
+    assert_ints(m["devices"][0], "index", "memory_bytes")
+
+
+def test_json_strings_round_trip(coordinator, nodes):
+    """Quotes, backslashes and UTF-8 from the coordinator come back as
+    sent (it refuses control characters in names)."""
+    name = 'dev "0" \\ é ✓'
+    nodes.join("node-a", devices=[("cpu", name, 0)])
+    [m] = ok_json("members", address=coordinator.address)["members"]
+    assert m["devices"][0]["name"] == name, m["devices"]
+
+
+def test_ids_survive_a_reader_of_doubles(coordinator, nodes):
+    """The session parsed as a double, as jq and JavaScript parse a number,
+    is rounded; the string zerodctl prints is not."""
+    sessions = [nodes.join("node-%d" % i).session for i in range(8)]
+    printed = {m["name"]: m["session"] for m in ok_json(
+        "members", address=coordinator.address)["members"]}
+    assert sorted(printed.values()) == sorted(str(s) for s in sessions)
+    # Sessions are random 64-bit values: at least one of 8 is past 2^53,
+    # where a double cannot hold every integer.
+    big = [s for s in sessions if s > 2 ** 53]
+    assert big and any(int(float(s)) != s for s in big), sessions
 
 
 # ---------------------------------------------------------------------------
@@ -179,6 +214,13 @@ def test_jobs_create_list_get_delete(coordinator, nodes):
     assert created["token"] == "llm-secret"
     job = created["job"]
     assert job["name"] == "llm" and job["world_size"] == 4
+    # The id is a string equal to the coordinator's id; counts are ints.
+    by_grpc = nodes.jobs.GetJob(nodes.pb.GetJobRequest(name="llm"), timeout=10)
+    assert job["id"] == str(by_grpc.id) and by_grpc.id > 0, (job["id"], by_grpc.id)
+    assert_ints(job, "nodes", "ranks_per_node", "world_size", "step", "epoch",
+                "created_unix_ms", "jobs_on_base", "replica_step")
+    assert_ints(job["placement"][0], "first_rank", "ranks")
+    assert_ints(job["config"], "quantization_block", "max_live_bytes", "hpz_partition_size")
     assert job["nodes"] == 2 and job["ranks_per_node"] == 2
     assert job["placement"] == [{"node": "node-a", "first_rank": 0, "ranks": 2},
                                 {"node": "node-b", "first_rank": 2, "ranks": 2}]
@@ -222,6 +264,9 @@ def test_jobs_create_list_get_delete(coordinator, nodes):
     assert llm[0] == "llm" and llm[2] == "4" and llm[3] == "node-a,node-b", table
     assert llm[4:6] == ["adamw", "bf16"], table
 
+    # Reals in their shortest exact form: 0.9, not 0.90000000000000002.
+    raw = ok("--json", "jobs", "get", "llm", address=addr)
+    assert '"lr":0.0003,"beta1":0.9,"beta2":0.95,"eps":1e-6,' in raw, raw
     got = ok_json("jobs", "get", "llm", address=addr)
     assert got["name"] == "llm" and got["id"] == job["id"]
     assert got["placement"] == job["placement"] and got["config"] == job["config"]

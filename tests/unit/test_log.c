@@ -310,7 +310,8 @@ static void test_json_plain_values(void **state) {
   assert_int_equal(bare(&parsed, "ok"), 1);
   assert_int_equal(bare(&parsed, "empty"), 0);
   assert_int_equal(bare(&parsed, "job"), 0);
-  JSON(LOG_INFO, "m", "lr=0.001 on=true off=false mode=0600 v=0.1.0 id=%llu small=%llu q=\"7\" x=1e",
+  JSON(LOG_INFO, "m",
+       "lr=0.001 on=true off=false mode=0600 v=0.1.0 id=%llu small=%llu q=\"7\" x=1e",
        5651228676782159535ULL, 123456789012345ULL);
   assert_int_equal(bare(&parsed, "lr"), 1);
   assert_int_equal(bare(&parsed, "on"), 1);
@@ -322,6 +323,23 @@ static void test_json_plain_values(void **state) {
   assert_int_equal(bare(&parsed, "x"), 0);
   assert_int_equal(bare(&parsed, "id"), 0);
   assert_string_equal(get(&parsed, "id"), "5651228676782159535");
+}
+
+/* The whole line, typed: counts and booleans bare, a fraction as a
+ * number, a 19-digit id and a word as strings (a reader of doubles would
+ * round the id to 5651228676782160000). */
+static void test_json_typed_line(void **state) {
+  (void)state;
+  JSON(LOG_INFO, "job created", "ranks=%d ok=%s lr=%g id=%llu job=%s", 2, "true", 0.001,
+       5651228676782159535ULL, "mlp");
+  assert_string_equal(after_ts("{\"ts\":\""),
+                      "\",\"level\":\"info\",\"msg\":\"job created\",\"ranks\":2,\"ok\":true,"
+                      "\"lr\":0.001,\"id\":\"5651228676782159535\",\"job\":\"mlp\"}\n");
+  /* 15 digits are still a number; 16 are not. */
+  JSON(LOG_INFO, "m", "a=%llu b=%llu", 999999999999999ULL, 1000000000000000ULL);
+  assert_string_equal(after_ts("{\"ts\":\""),
+                      "\",\"level\":\"info\",\"msg\":\"m\","
+                      "\"a\":999999999999999,\"b\":\"1000000000000000\"}\n");
 }
 
 static void test_json_quoted_values(void **state) {
@@ -477,6 +495,7 @@ int main(void) {
       cmocka_unit_test(test_logfmt_long_line_is_cut),
       cmocka_unit_test(test_parse_format),
       cmocka_unit_test(test_json_plain_values),
+      cmocka_unit_test(test_json_typed_line),
       cmocka_unit_test(test_json_quoted_values),
       cmocka_unit_test(test_json_escapes_in_values),
       cmocka_unit_test(test_json_control_characters),
