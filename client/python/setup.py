@@ -17,8 +17,11 @@ repository's CMake project:
 
 A source tree without the project (a copy of this directory alone) and no
 build tree named is an error that says so. The library links the system's
-libprotobuf-c: the wheel is for the distribution it was built on, not a
-manylinux wheel.
+libprotobuf-c, so the wheel built here (tagged py3-none-linux_x86_64: the
+Python code is version-independent, the library is not) is for the
+distribution it was built on; ``scripts/wheel.sh`` (``make wheel``) repairs
+it with auditwheel into a manylinux wheel that carries libprotobuf-c and
+needs only glibc.
 """
 
 import os
@@ -29,6 +32,11 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 from setuptools.dist import Distribution
+
+try:  # setuptools >= 70.1 has its own; before, the wheel package's
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:
+    from wheel.bdist_wheel import bdist_wheel
 
 HERE = Path(__file__).resolve().parent
 LIBRARY = "libzerod.so"
@@ -102,4 +110,19 @@ class BinaryDistribution(Distribution):
         return True
 
 
-setup(cmdclass={"build_py": BuildWithLibrary}, distclass=BinaryDistribution)
+class PlatformWheel(bdist_wheel):
+    """py3-none-PLATFORM: the package calls the library through ctypes, so
+    one wheel serves every Python 3 of its platform, not only the one that
+    built it (a cp311-cp311 tag would refuse Python 3.12)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.root_is_pure = False
+
+    def get_tag(self):
+        _, _, platform = super().get_tag()
+        return "py3", "none", platform
+
+
+setup(cmdclass={"build_py": BuildWithLibrary, "bdist_wheel": PlatformWheel},
+      distclass=BinaryDistribution)
