@@ -51,6 +51,30 @@ int rpc__server_credentials(const rpc_tls *tls, grpc_server_credentials **out, t
   return 0;
 }
 
+/* A client with a certificate of its own (a node under mutual TLS): gRPC's
+ * file watcher reads the key, the certificate and the CA again every
+ * RPC_TLS_REFRESH_S seconds, so a renewed certificate (cert-manager's, the
+ * kubelet swapping the Secret's files) is what the next connection
+ * presents, without a restart. The files were read once by the caller to
+ * report a missing or malformed one clearly; the watcher keeps the last
+ * good material when a later read fails. Without a CA file the system's
+ * roots are used, as grpc_ssl_credentials_create does. */
+static grpc_channel_credentials *watched_credentials(const rpc_tls *tls) {
+  grpc_tls_certificate_provider *provider = grpc_tls_certificate_provider_file_watcher_create(
+      tls->key_file, tls->cert_file, tls_set(tls->ca_file) ? tls->ca_file : NULL,
+      RPC_TLS_REFRESH_S);
+  if (provider == NULL)
+    return NULL;
+  grpc_tls_credentials_options *options = grpc_tls_credentials_options_create();
+  grpc_tls_credentials_options_set_certificate_provider(options, provider);
+  grpc_tls_certificate_provider_release(provider); /* the options hold a reference */
+  if (tls_set(tls->ca_file))
+    grpc_tls_credentials_options_watch_root_certs(options);
+  grpc_tls_credentials_options_watch_identity_key_cert_pairs(options);
+  grpc_tls_credentials_options_set_verify_server_cert(options, 1);
+  return grpc_tls_credentials_create(options); /* takes the options */
+}
+
 int rpc__channel_credentials(const rpc_tls *tls, grpc_channel_credentials **out, char *err,
                              size_t err_bytes) {
   *out = NULL;
@@ -66,9 +90,12 @@ int rpc__channel_credentials(const rpc_tls *tls, grpc_channel_credentials **out,
     rc = tls_read_pem(tls->cert_file, "certificate", &cert, err, err_bytes);
   if (rc == 0 && tls_set(tls->key_file))
     rc = tls_read_pem(tls->key_file, "private key", &key, err, err_bytes);
+  if (rc == 0 && cert != NULL) {
+    *out = watched_credentials(tls);
+  } else if (rc == 0) {
+    *out = grpc_ssl_credentials_create(ca, NULL, NULL, NULL);
+  }
   if (rc == 0) {
-    grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
-    *out = grpc_ssl_credentials_create(ca, cert != NULL ? &pair : NULL, NULL, NULL);
     if (*out == NULL) {
       snprintf(err, err_bytes, "gRPC refused the TLS material");
       rc = -EINVAL;

@@ -18,6 +18,9 @@
 /* Method paths and addresses: short ASCII names. */
 #define RPC_MAX_PATH_BYTES 256
 #define RPC_MAX_ADDR_BYTES 256
+/* How often a client with its own certificate reads its TLS files again
+ * (rpc_credentials.c). */
+#define RPC_TLS_REFRESH_S 5
 
 /* grpc_init with gRPC's logging routed to log.h (set once per process);
  * balanced by grpc_shutdown. */

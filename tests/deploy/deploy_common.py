@@ -18,9 +18,9 @@ VALIDATE_PYTHON = os.environ.get("ZEROD_DEPLOY_PYTHON",
 K8S_VERSIONS = ["1.30.0", "latest"]
 OVERLAYS = ["cpu", "gpu"]
 BIN = os.environ.get("ZEROD_BIN_DIR", os.path.join(SOURCE, "build", "release", "bin"))
-# Kinds whose schemas are CRDs (the Prometheus Operator's): kubernetes-validate
+# Kinds whose schemas are CRDs (the Prometheus Operator's, cert-manager's): kubernetes-validate
 # knows only Kubernetes' own, so the tests check these by hand.
-CRD_KINDS = {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
+CRD_KINDS = {"PodMonitor", "ServiceMonitor", "PrometheusRule", "Certificate", "Issuer"}
 EXAMPLES = ["train-job.yaml", "train-torch-job.yaml"]
 POD_TEMPLATE_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
 

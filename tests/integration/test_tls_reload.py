@@ -9,9 +9,10 @@ same way."""
 
 import os
 import shutil
+import time
 
 from conftest import binary, run_worker, wait_for
-from test_security import make_ca, make_cert, pki  # noqa: F401 (fixture)
+from test_security import make_ca, make_cert, pki, write_principals  # noqa: F401 (fixture)
 
 
 def install(live, src_dir, name, key_from=None):
@@ -52,3 +53,52 @@ def test_a_renewed_certificate_is_served_without_a_restart(cluster, pki, tmp_pat
     wait_for("the refusal", lambda: "were not taken" in coord.read_log())
     assert "is not the certificate" in coord.read_log()
     assert coord.proc.poll() is None
+
+
+def test_a_node_presents_its_renewed_certificate_without_a_restart(cluster, pki, tmp_path):
+    """Mutual TLS: the node's own certificate, renewed in place under a new
+    CA, is what its next connection presents (gRPC's file watcher reads it
+    again every few seconds). The coordinator, restarted trusting only the
+    new CA, takes the node back; the node itself was never restarted."""
+    d = str(pki)
+    make_ca(d, "ca2")
+    make_cert(d, "ca2", "node-b-renewed", "node-b")
+    make_cert(d, "ca2", "ops2", "ops")
+    principals = write_principals(tmp_path / "principals",
+                                  ["node-b node - cert:node-b", "ops admin - cert:ops"])
+    client_ca = tmp_path / "client-ca.crt"
+    shutil.copyfile(pki / "ca.crt", client_ca)
+    coord = cluster.start_coordinator(extra=[
+        "--auth-file", str(principals), "--tls-cert", str(pki / "server.crt"),
+        "--tls-key", str(pki / "server.key"), "--tls-client-ca", str(client_ca),
+        "--tls-require-client-cert"])
+    live = tmp_path / "node-live"
+    live.mkdir()
+    install(str(live), d, "node-b")
+    tls = ["--tls-ca", str(pki / "ca.crt"), "--tls-server-name", "localhost"]
+    node = cluster.start_node("node-b", ranks=1, extra=tls + [
+        "--tls-cert", str(live / "tls.crt"), "--tls-key", str(live / "tls.key")])
+
+    def members(ops):
+        return run_worker([binary("zerodctl"), "-c", coord.address] + tls + [
+            "--tls-cert", str(pki / (ops + ".crt")), "--tls-key", str(pki / (ops + ".key")),
+            "members"], check=False)
+    wait_for("node-b to join", lambda: "node-b" in members("ops").stdout)
+    # The server's name is still checked with a client certificate.
+    wrong = run_worker([binary("zerodctl"), "-c", coord.address, "--tls-ca", str(pki / "ca.crt"),
+                        "--tls-server-name", "not-the-coordinator", "--tls-cert",
+                        str(pki / "ops.crt"), "--tls-key", str(pki / "ops.key"), "health"],
+                       check=False)
+    assert wrong.returncode != 0, wrong.stdout
+
+    install(str(live), d, "node-b-renewed")
+    time.sleep(7)  # over the watcher's period (RPC_TLS_REFRESH_S, 5 s)
+    shutil.copyfile(pki / "ca2.crt", client_ca)
+    coord.kill()
+    coord.start()
+    wait_for("node-b back with its renewed certificate",
+             lambda: "node=node-b" in coord.read_log() and "node-b" in members("ops2").stdout,
+             timeout_s=30)
+    assert node.alive()
+    assert "node=node-b" in coord.read_log(), coord.read_log()
+    assert members("ops").returncode != 0  # the old CA's client is refused now
