@@ -44,7 +44,7 @@ VERSION    := $(shell sed -n 's/^project(zerod VERSION \([0-9][0-9.]*\)[ )].*/\1
 GENERATOR  := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 CTEST      := ctest --output-on-failure --timeout 900
 
-.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench chaos install wheel image test-image fuzz \
+.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench chaos install wheel image image-torch test-image fuzz \
   fuzz-merge \
   format abi-baseline clean
 
@@ -136,6 +136,15 @@ image:
 	scripts/deps.sh image
 	$(MAKE) build
 	ZEROD_IMAGE_DIR=$(IMAGE_DIR) scripts/image.sh $(BUILD)
+
+# The PyTorch example job's image (deploy/examples/train-torch-job.yaml):
+# Debian's torch and the manylinux wheel, checked by training a few steps
+# in it before it is committed; root.
+image-torch:
+	scripts/deps.sh image
+	scripts/deps.sh wheel
+	$(MAKE) build
+	ZEROD_IMAGE_DIR=$(IMAGE_DIR) scripts/image_torch.sh $(BUILD)
 
 # Not part of `make test`: the image is made from Debian packages downloaded
 # each time, and the test needs root.
