@@ -23,6 +23,7 @@ void client__job_free(zd_job *job) {
   free(job->units);
   free(job->name);
   free(job->attach_warning);
+  free(job->changed);
   free(job);
 }
 

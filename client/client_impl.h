@@ -145,6 +145,7 @@ struct zd_job {
   client_unit *units;   /* sorted by unit id */
   size_t unit_count;
   size_t unit_capacity;
+  zd_unit *changed; /* zd_watch's last list of units (zd_update.changed) */
 };
 
 /* Requests sent without a reply (releases, asynchronous reduces) are

@@ -185,6 +185,10 @@ const ProtobufCMessageDescriptor *zd_msg_descriptor(uint16_t type) {
     return &zerod__v1__checkpoint_request__descriptor;
   case ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT_REPLY:
     return &zerod__v1__checkpoint_reply__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_WATCH:
+    return &zerod__v1__watch_version_request__descriptor;
+  case ZEROD__V1__MSG_TYPE__MSG_WATCH_REPLY:
+    return &zerod__v1__watch_version_reply__descriptor;
   default:
     return NULL;
   }

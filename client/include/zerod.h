@@ -485,6 +485,43 @@ ZD_API zd_status zd_job_unit_info(const zd_job *job, unsigned index, zd_unit_inf
  * (a read-write job). */
 ZD_API zd_status zd_pin(zd_job *job, uint64_t *version);
 
+/* What zd_watch returns (initialise with ZD_UPDATE_INIT). version: the
+ * version now pinned, or after_version when the wait timed out (timed_out
+ * 1, nothing else changes). skipped: versions published after
+ * after_version and before version, which this subscriber never sees (a
+ * slow subscriber goes straight to the latest; nothing queues). changed:
+ * the units to read for this update, in id order: those whose values
+ * changed after after_version, and those this session holds no values of
+ * (never gathered, or new); owned by the library, valid until the next
+ * zd_watch of the job or zd_close. step: the job's completed steps at
+ * version. ABI 1.2. */
+typedef struct zd_update {
+  size_t struct_size;
+  uint64_t version;
+  int timed_out;
+  uint64_t skipped;
+  uint64_t step;
+  unsigned nchanged;
+  const zd_unit *changed;
+} zd_update;
+
+#define ZD_UPDATE_INIT ZD_SIZED_INIT(zd_update)
+
+/* zd_watch's after_version for a subscriber that holds no version yet. */
+#define ZD_NO_VERSION UINT64_MAX
+
+/* Read-only jobs (subscribers, docs/subscribe.md): waits until the job has
+ * a version above after_version (the one the caller holds; ZD_NO_VERSION:
+ * none, answered at once with every unit listed), at
+ * most timeout_ms (0: answer at once; at most 24 h), then pins the latest
+ * version as zd_pin does, so that every unit gathered for this update
+ * comes from that one version, and says which units to read. New units
+ * are added to the job's unit table (zd_job_unit_info). Statuses:
+ * ZD_E_FAILED_PRECONDITION (a read-write job), ZD_E_INVALID_ARGUMENT (a
+ * timeout out of range), ZD_E_ABORTED (the job failed; watch again once it
+ * has reset), ZD_E_UNAVAILABLE (the daemon is stopping). */
+ZD_API zd_status zd_watch(zd_job *job, uint64_t after_version, int timeout_ms, zd_update *out);
+
 /* What one rank's collectives moved since the job was created on its node
  * (zd_job_stats): per communicator level ("node": between ranks on that
  * node; "cross": between nodes, in a hierarchical collective; "world": a

@@ -148,6 +148,7 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
    * gathers may still be running on the threadpool, and closed sessions
    * let go of their pins when their handles have closed. */
   uv_close((uv_handle_t *)&d->completion_async, NULL);
+  reader_env_close(&d->readers);
   if (d->signals_open) {
     uv_close((uv_handle_t *)&d->sigint, NULL);
     uv_close((uv_handle_t *)&d->sigterm, NULL);

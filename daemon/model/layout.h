@@ -42,6 +42,11 @@ typedef struct unit_layout {
    * listed (UNITS) and readable by read-only sessions once every rank has
    * it; a rank counts itself when its registration is complete. */
   _Atomic int ready_ranks;
+  /* The job version at which the unit's values last changed (a step of a
+   * unit with trainable tensors, a load, a restore; 0: not since it was
+   * registered): what a subscriber's WATCH lists (node/reader_watch.c).
+   * Raised by each rank before its version moves (pin_mark_changing). */
+  _Atomic uint64_t changed_version;
 } unit_layout;
 
 /* Builds a unit layout from names, shapes and flags; err on failure. */

@@ -79,12 +79,14 @@ static void on_accept(uv_poll_t *handle, int status, int events) {
 /* ------------------------------------------------------------------------ */
 
 int ipc_listen(zdaemon *d, char *err, size_t err_bytes) {
-  d->readers = (reader_env){.loop = d->loop,
-                            .done = ipc__deliver_reader_op,
-                            .ctx = d,
-                            .timeout_ms = d->options.collective_timeout_ms};
+  int init_rc = reader_env_init(&d->readers, d->loop, ipc__deliver_reader_op, d,
+                                d->options.collective_timeout_ms);
+  if (init_rc != 0) {
+    snprintf(err, err_bytes, "cannot start: uv_timer_init: %s", uv_strerror(init_rc));
+    return init_rc;
+  }
   pthread_mutex_init(&d->completion_mutex, NULL);
-  int init_rc = uv_async_init(d->loop, &d->completion_async, ipc__on_completion);
+  init_rc = uv_async_init(d->loop, &d->completion_async, ipc__on_completion);
   if (init_rc != 0) {
     snprintf(err, err_bytes, "cannot start: uv_async_init: %s", uv_strerror(init_rc));
     return init_rc;

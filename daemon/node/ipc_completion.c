@@ -78,6 +78,8 @@ void ipc_drain_completions(zdaemon *d) {
     deliver(op);
     op = next;
   }
+  /* A step's or a load's reply comes after its write: a newer version. */
+  reader_poll_watches(&d->readers);
   /* The same wakeup tells of executors that have stopped (ipc_stopped):
    * only then is there a retired job to look at. */
   if (atomic_exchange(&d->executors_stopped, 0))

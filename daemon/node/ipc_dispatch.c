@@ -46,6 +46,8 @@ static op_kind kind_of(uint16_t type) {
     return OP_CKPT_PARK;
   case ZEROD__V1__MSG_TYPE__MSG_PIN:
     return OP_PIN;
+  case ZEROD__V1__MSG_TYPE__MSG_WATCH:
+    return OP_WATCH;
   default:
     return OP_SESSION_END; /* DETACH */
   }
@@ -95,6 +97,7 @@ static int is_request(uint16_t type) {
   case ZEROD__V1__MSG_TYPE__MSG_SET_GROUPS:
   case ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM:
   case ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT:
+  case ZEROD__V1__MSG_TYPE__MSG_WATCH:
     return 1;
   default:
     return 0;
@@ -311,10 +314,11 @@ void ipc__dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int *
                     write_request_name(h->type), s->job->name);
     goto out;
   }
-  if (s->read_only == NULL && h->type == ZEROD__V1__MSG_TYPE__MSG_PIN) {
+  if (s->read_only == NULL &&
+      (h->type == ZEROD__V1__MSG_TYPE__MSG_PIN || h->type == ZEROD__V1__MSG_TYPE__MSG_WATCH)) {
     ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
-                    "pin is for read-only sessions; this session is read-write (rank %d)",
-                    s->rank->rank);
+                    "%s is for read-only sessions; this session is read-write (rank %d)",
+                    h->type == ZEROD__V1__MSG_TYPE__MSG_PIN ? "pin" : "watch", s->rank->rank);
     goto out;
   }
   if (h->type == ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT) {

@@ -13,41 +13,9 @@
 #include "pin.h"
 #include "shm.h"
 
-/* One unit's buffer of a read-only session. */
-typedef struct reader_buf {
-  uint32_t id; /* 0: the unit has no buffer */
-  shm_region region;
-  uint64_t valid_version; /* version of its values; UINT64_MAX: none */
-  int held;               /* between GATHER and RELEASE */
-  int sent;               /* the session was given the descriptor */
-  uint64_t last_use;      /* LRU tick */
-} reader_buf;
+#include "reader_impl.h"
 
-struct reader {
-  const reader_env *env;
-  job *job;
-  uint64_t session_id;
-  job_pin *pin; /* NULL: every gather serves the latest version */
-
-  /* The buffers, indexed by unit id; owned by whichever thread runs the
-   * reader's current op. */
-  reader_buf *bufs;
-  uint32_t nbufs;
-  uint64_t buffer_bytes; /* sum of the regions' sizes, <= max_live_bytes */
-  uint64_t held_bytes;
-  uint64_t tick;
-  uint32_t next_buf_id;  /* never reused: the client caches mappings by id */
-  uint32_t *dropped_ids; /* freed buffers the client still maps */
-  size_t ndropped, dropped_cap;
-
-  /* Loop-owned. */
-  exec_op *queue_head, *queue_tail;
-  exec_op *running; /* the op on the threadpool, or NULL */
-  uv_work_t work;
-  _Atomic int cancel; /* the session is closing: stop waiting */
-};
-
-int reader_create(const reader_env *env, job *j, uint64_t session_id, int pin, reader **out) {
+int reader_create(reader_env *env, job *j, uint64_t session_id, int pin, reader **out) {
   reader *r = calloc(1, sizeof *r);
   if (r == NULL)
     return -ENOMEM;
@@ -125,7 +93,7 @@ static reader_buf *buf_slot(reader *r, uint32_t unit_id) {
 }
 
 static reader_buf *buf_of(reader *r, uint32_t unit_id) {
-  return unit_id < r->nbufs && r->bufs[unit_id].id != 0 ? &r->bufs[unit_id] : NULL;
+  return reader__buf_of(r, unit_id);
 }
 
 /* Makes room for `need` more bytes under the cap by evicting released
@@ -322,7 +290,8 @@ static void repin(reader *r, exec_op *op) {
              (unsigned long long)r->session_id, (unsigned long long)pin->version);
 }
 
-/* Runs op on the loop if it can; returns 0 when it needs the threadpool. */
+/* Runs op on the loop if it can; returns 0 when it needs the threadpool,
+ * -1 when it waits (a WATCH parked: reader_watch.c answers it later). */
 static int run_inline(reader *r, exec_op *op) {
   switch (op->kind) {
   case OP_GATHER:
@@ -333,6 +302,8 @@ static int run_inline(reader *r, exec_op *op) {
   case OP_PIN:
     repin(r, op);
     return 1;
+  case OP_WATCH:
+    return reader__watch(r, op) ? 1 : -1;
   case OP_SESSION_END: {
     /* The buffers and the pin go when the session is freed. */
     Zerod__V1__DetachReply reply = ZEROD__V1__DETACH_REPLY__INIT;
@@ -350,6 +321,7 @@ static int run_inline(reader *r, exec_op *op) {
 /* ------------------------------------------------------------------------ */
 
 static void pump(reader *r);
+static void cancel_watch(reader *r);
 
 static void work_run(uv_work_t *req) {
   reader *r = req->data;
@@ -372,17 +344,21 @@ static void work_done(uv_work_t *req, int status) {
   pump(r);
 }
 
-/* Runs queued ops in order until one needs the threadpool. The reader is
- * not touched after handing back the last queued op (see work_done). */
+/* Runs queued ops in order until one needs the threadpool or waits. The
+ * reader is not touched after handing back the last queued op (see
+ * work_done). */
 static void pump(reader *r) {
-  while (r->running == NULL && r->queue_head != NULL) {
+  while (r->running == NULL && r->watching == NULL && r->queue_head != NULL) {
     exec_op *op = r->queue_head;
     r->queue_head = op->next;
     if (r->queue_head == NULL)
       r->queue_tail = NULL;
     op->next = NULL;
     int last = r->queue_head == NULL;
-    if (!run_inline(r, op)) {
+    int ran = run_inline(r, op);
+    if (ran < 0)
+      return; /* parked: the watch holds a reference on the session */
+    if (ran == 0) {
       r->running = op;
       int rc = uv_queue_work(r->env->loop, &r->work, work_run, work_done);
       if (rc == 0)
@@ -420,6 +396,7 @@ void reader_close(reader *r) {
     r->env->done(r->env->ctx, op);
     op = next;
   }
+  cancel_watch(r); /* last: handing it back may free the reader */
 }
 
 void reader_destroy(reader *r) {
@@ -432,4 +409,62 @@ void reader_destroy(reader *r) {
   free(r->dropped_ids);
   pin_release(r->job, r->pin);
   free(r);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Waiting WATCHes (reader_watch.c answers them)                            */
+/* ------------------------------------------------------------------------ */
+
+/* Hands the parked op back (answered, or unanswered for a closing
+ * session) and runs what queued behind it. The reader may be freed by
+ * the hand-back when nothing else of the session is queued (as in
+ * work_done). */
+static void finish_watch(reader *r) {
+  exec_op *op = r->watching;
+  r->watching = NULL;
+  if (r->queue_head == NULL) {
+    r->env->done(r->env->ctx, op);
+    return;
+  }
+  r->env->done(r->env->ctx, op);
+  pump(r);
+}
+
+static void cancel_watch(reader *r) {
+  if (r->watching == NULL)
+    return;
+  reader__watch_unlink(r);
+  exec_error(r->watching, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "the session is closing");
+  finish_watch(r);
+}
+
+void reader_poll_watches(reader_env *env) {
+  reader *r = env->watchers;
+  while (r != NULL) {
+    reader *next = r->watch_next; /* finish_watch may free r */
+    if (reader__watch_try(r))
+      finish_watch(r);
+    r = next;
+  }
+}
+
+static void on_watch_timer(uv_timer_t *timer) {
+  reader_poll_watches(timer->data);
+}
+
+int reader_env_init(reader_env *env, uv_loop_t *loop, void (*done)(void *ctx, exec_op *op),
+                    void *ctx, int timeout_ms) {
+  *env = (reader_env){.loop = loop,
+                      .done = done,
+                      .ctx = ctx,
+                      .timeout_ms = timeout_ms,
+                      .on_watch_timer = on_watch_timer};
+  int rc = uv_timer_init(loop, &env->watch_timer);
+  env->watch_timer.data = env;
+  return rc;
+}
+
+void reader_env_close(reader_env *env) {
+  uv_timer_stop(&env->watch_timer);
+  uv_close((uv_handle_t *)&env->watch_timer, NULL);
 }

@@ -32,18 +32,35 @@ typedef struct reader reader;
  * reader): the loop whose threadpool runs their copies, the function
  * called on the loop thread with each finished op (its reply encoded in
  * the op, or none for a session that is closing; it takes the op) and its
- * ctx, and how long a gather waits for a lagging rank. */
+ * ctx, and how long a gather waits for a lagging rank. The readers whose
+ * WATCH waits for a newer version are on its list, looked at when ops
+ * complete (reader_poll_watches) and by its timer. */
 typedef struct reader_env {
   uv_loop_t *loop;
   void (*done)(void *ctx, exec_op *op);
   void *ctx;
   int timeout_ms;
+  struct reader *watchers;
+  uv_timer_t watch_timer;
+  uv_timer_cb on_watch_timer; /* reader.c's, started by reader_watch.c */
 } reader_env;
+
+/* Fills env and starts its timer handle (not running until a WATCH
+ * waits); reader_env_close closes it. Returns 0 or a libuv error. */
+int reader_env_init(reader_env *env, uv_loop_t *loop, void (*done)(void *ctx, exec_op *op),
+                    void *ctx, int timeout_ms);
+void reader_env_close(reader_env *env);
+
+/* Answers the waiting WATCHes that can be answered: a newer version, the
+ * deadline, a failed job (loop thread; cheap with none waiting). The
+ * daemon calls it whenever executors hand back ops, which is when
+ * versions move. */
+void reader_poll_watches(reader_env *env);
 
 /* Creates the state of a read-only session of job j (loop thread). With
  * `pin`, the latest version is pinned for every later gather. Returns 0 or
  * -ENOMEM. */
-int reader_create(const reader_env *env, job *j, uint64_t session_id, int pin, reader **out);
+int reader_create(reader_env *env, job *j, uint64_t session_id, int pin, reader **out);
 /* The job the reader reads. */
 job *reader_job(const reader *r);
 /* The pinned version, or the latest version when nothing is pinned. */

@@ -98,6 +98,7 @@ const char *exec_op_name(int kind) {
       [OP_SET_GROUPS] = "set_groups",
       [OP_GRAD_NORM] = "grad_norm",
       [OP_PIN] = "pin",
+      [OP_WATCH] = "watch",
       [OP_TRIM] = "trim",
       [OP_FREEZE] = "freeze",
       [OP_SAVE] = "save",
@@ -165,6 +166,7 @@ static void run_op(rank_state *rs, exec_op *op) {
     exec__handle_grad_norm(rs, op);
     break;
   case OP_PIN: /* read-only sessions' ops never reach an executor */
+  case OP_WATCH:
     break;
   case OP_TRIM:
     pool_trim(rs);

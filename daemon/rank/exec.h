@@ -39,6 +39,7 @@ typedef enum op_kind {
   OP_SET_GROUPS, /* SET_GROUPS: parameter groups (no collective: every rank the same) */
   OP_GRAD_NORM,  /* GRAD_NORM: collective, the accumulated gradients' global norm */
   OP_PIN,        /* read-only sessions only (reader.c) */
+  OP_WATCH,      /* read-only sessions only: wait for a newer version (reader_watch.c) */
   OP_TRIM,       /* free unheld buffers (the job has no sessions) */
   OP_FREEZE,     /* the job is a base now: free what only training needs */
   /* Checkpoints (ckpt_node.h), op->ckpt_id naming the order: */

@@ -203,6 +203,30 @@ void pin_begin_write(rank_state *rs) {
   pin_free(j, dead);
 }
 
+void pin_mark_changing(rank_state *rs, unit_layout *l) {
+  uint64_t next = rs->version + 1;
+  uint64_t seen = atomic_load(&l->changed_version);
+  while (seen < next && !atomic_compare_exchange_weak(&l->changed_version, &seen, next)) {
+  }
+}
+
+static int has_trainable_tensor(const unit_layout *l) {
+  for (unsigned t = 0; t < l->ntensors; t++)
+    if (!l->tensors[t].frozen)
+      return 1;
+  return 0;
+}
+
+void pin_mark_step(rank_state *rs) {
+  for (uint32_t u = 0; u < rs->nshards; u++) {
+    if (!rs->shards[u].present || rs->shards[u].from_base)
+      continue;
+    unit_layout *l = job_unit(rs->job, u);
+    if (l != NULL && has_trainable_tensor(l))
+      pin_mark_changing(rs, l);
+  }
+}
+
 void pin_end_write(rank_state *rs) {
   job *j = rs->job;
   pthread_rwlock_unlock(&j->rank_locks[local_index(rs)]);

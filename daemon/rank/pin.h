@@ -68,6 +68,14 @@ void pin_job_clear(job *j);
  * rank (no collective). */
 void pin_begin_write(rank_state *rs);
 void pin_end_write(rank_state *rs);
+/* Before pin_begin_write: unit l's values change in the write to come, so
+ * its changed_version becomes at least the version the rank moves to.
+ * Marked before the version is published, so a subscriber that sees the
+ * version sees the mark. pin_mark_step marks every unit a step changes:
+ * those with a trainable tensor, not of the job's base (the same on
+ * every rank). */
+void pin_mark_changing(rank_state *rs, unit_layout *l);
+void pin_mark_step(rank_state *rs);
 
 /* Around a change of the rank's shard table (a new unit's shard) that does
  * not change any version. */

@@ -537,6 +537,7 @@ void exec__handle_load(rank_state *rs, exec_op *op) {
   shard *sh = &rs->shards[l->id];
   uint64_t lo = (uint64_t)rs->rank * l->shard_numel;
   if ((uint32_t)req->state == JOB_STATE_MASTER) {
+    pin_mark_changing(rs, l);
     pin_begin_write(rs);
     rc = exec__state_copy(rs, sh, l, JOB_STATE_MASTER, rs->scratch + lo);
     if (rc == 0)

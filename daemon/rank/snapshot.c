@@ -275,6 +275,8 @@ void exec__handle_restore_commit(rank_state *rs, exec_op *op) {
     }
   }
   if (rc == 0) {
+    for (unsigned u = 0; u < st->nunits; u++)
+      pin_mark_changing(rs, st->units[u].layout);
     pin_begin_write(rs);
     for (unsigned u = 0; rc == 0 && u < st->nunits; u++) {
       ckpt_staged_unit *su = &st->units[u];

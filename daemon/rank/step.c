@@ -287,6 +287,7 @@ void exec__handle_step(rank_state *rs, exec_op *op) {
     /* The version goes up here, after the all-reduce: every rank has
      * finished its previous write, so ranks stay within one version. A
      * pin of the current version gets this rank's slices first. */
+    pin_mark_step(rs);
     pin_begin_write(rs);
     update_args args = {.step_number = step_number, .grad_scale = coef / grad_scale};
     int rc = 0;

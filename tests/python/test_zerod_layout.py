@@ -37,6 +37,7 @@ STRUCTS = {
     "zd_rank_stats": _lib.RankStats,
     "zd_param_group": _lib.ParamGroup,
     "zd_checkpoint_info": _lib.CheckpointInfo,
+    "zd_update": _lib.Update,
 }
 
 # Every enum value and constant the package uses, by its name in zerod.h.

@@ -335,6 +335,18 @@ void init_samples(samples *s) {
   s->checkpoint_reply.step = 12;
   s->checkpoint_reply.stall_ms = 3;
   s->checkpoint_reply.total_ms = 41;
+  zerod__v1__watch_version_request__init(&s->watch);
+  s->watch.after_version = 41;
+  s->watch.timeout_ms = 2500;
+  zerod__v1__watch_version_reply__init(&s->watch_reply);
+  s->watch_reply.version = 44;
+  s->watch_reply.timed_out = 1;
+  s->watch_reply.skipped = 2;
+  s->changed_units[0] = 0;
+  s->changed_units[1] = 3;
+  s->watch_reply.changed_units = s->changed_units;
+  s->watch_reply.n_changed_units = 2;
+  s->watch_reply.step = 44;
 }
 
 size_t all_samples(const samples *s, typed_sample out[SAMPLE_TYPES]) {
@@ -367,6 +379,8 @@ size_t all_samples(const samples *s, typed_sample out[SAMPLE_TYPES]) {
       {ZEROD__V1__MSG_TYPE__MSG_GRAD_NORM_REPLY, &s->grad_norm_reply.base},
       {ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT, &s->checkpoint.base},
       {ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT_REPLY, &s->checkpoint_reply.base},
+      {ZEROD__V1__MSG_TYPE__MSG_WATCH, &s->watch.base},
+      {ZEROD__V1__MSG_TYPE__MSG_WATCH_REPLY, &s->watch_reply.base},
   };
   memcpy(out, table, sizeof table);
   return sizeof table / sizeof table[0];

@@ -85,9 +85,12 @@ typedef struct samples {
   Zerod__V1__CheckpointRequest checkpoint;
   Zerod__V1__CheckpointReply checkpoint_reply;
   Zerod__V1__CollectiveCounter counter, *counter_list[1];
+  Zerod__V1__WatchVersionRequest watch;
+  uint32_t changed_units[2];
+  Zerod__V1__WatchVersionReply watch_reply;
 } samples;
 
-#define SAMPLE_TYPES 28
+#define SAMPLE_TYPES 30
 
 typedef struct typed_sample {
   uint16_t type;

@@ -112,7 +112,7 @@ static void test_fd_ranges_follow_the_protocol(void **state) {
 }
 
 static void test_unknown_message_type_has_no_descriptor_and_does_not_unpack(void **state) {
-  const uint16_t unknown[] = {ZEROD__V1__MSG_TYPE__MSG_NONE, 3, 15, 48, 0x7fff, 0xffff};
+  const uint16_t unknown[] = {ZEROD__V1__MSG_TYPE__MSG_NONE, 3, 15, 50, 0x7fff, 0xffff};
   for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
     assert_null(zd_msg_descriptor(unknown[i]));
     unsigned min_fds, max_fds;

@@ -21,6 +21,7 @@ from .errors import (AbortedError, AlreadyExistsError, Error, FailedPrecondition
                      PermissionDeniedError, ProtocolError, ResourceExhaustedError, ShardingError,
                      UnavailableError)
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, NVMeOffloadPolicy, OffloadPolicy
+from ._subscribe import Subscription, Update
 
 __version__ = "0.1.0"
 
@@ -29,5 +30,6 @@ __all__ = [
     "Error", "FailedPreconditionError", "MixedPrecisionPolicy", "NVMeOffloadPolicy", "OffloadPolicy",
     "Gathered", "InternalError", "InvalidArgumentError", "Job", "JobConfig", "NoMemoryError",
     "NotFoundError", "PermissionDeniedError", "ProtocolError", "ResourceExhaustedError",
-    "ShardingError", "StepResult", "TensorInfo", "UnavailableError", "Unit", "default_socket",
+    "ShardingError", "StepResult", "Subscription", "TensorInfo", "UnavailableError", "Unit",
+    "Update", "default_socket",
 ]

@@ -192,6 +192,18 @@ class CheckpointInfo(ctypes.Structure):
     ]
 
 
+class Update(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("version", c_uint64),
+        ("timed_out", c_int),
+        ("skipped", c_uint64),
+        ("step", c_uint64),
+        ("nchanged", c_uint),
+        ("changed", ctypes.POINTER(c_uint32)),
+    ]
+
+
 class Pending(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("request_id", c_uint64), ("unit", c_uint32)]
 
@@ -266,6 +278,7 @@ _SIGNATURES = {
     "zd_job_unit_count": (c_uint, [c_void_p]),
     "zd_job_unit_info": (c_int, [c_void_p, c_uint, _P(UnitInfo)]),
     "zd_pin": (c_int, [c_void_p, _P(c_uint64)]),
+    "zd_watch": (c_int, [c_void_p, c_uint64, c_int, _P(Update)]),
     "zd_job_loss_scale": (c_double, [c_void_p]),
     "zd_grad_norm": (c_int, [c_void_p, c_double, _P(c_double)]),
     "zd_checkpoint_save": (c_int, [c_void_p, c_char_p, _P(CheckpointInfo)]),

@@ -17,7 +17,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _lib, _lifetime, _recover, _token
+from . import _lib, _lifetime, _recover, _subscribe, _token
+from ._subscribe import Subscription, Update
 from .errors import BY_STATUS, Error, InvalidArgumentError
 from ._config import _DTYPE_NAMES, JobConfig
 
@@ -220,6 +221,14 @@ class Client:
             warnings.warn("the launcher's RANK is %d but this worker is rank %d of job %s "
                           "(the job's placement decides global ranks): shard data by "
                           "Job.rank" % (global_rank, job.rank, job.name), stacklevel=3)
+
+    def subscribe(self, job: str, *, token: Optional[str] = None,
+                  timeout_s: Optional[float] = None) -> Subscription:
+        """Follows an existing job's versions from a read-only attachment of
+        its own: iterate over the returned :class:`Subscription` for each
+        new version as an :class:`Update` (docs/subscribe.md). A wait longer
+        than `timeout_s` ends the iteration (None: wait forever)."""
+        return Subscription(self, job, token=token, timeout_s=timeout_s)
 
     def reattach(self, job: "Job", timeout_s: float = 300.0) -> "Job":
         """Attaches to `job` again, as it was attached (its name, local rank,
@@ -428,6 +437,19 @@ class Job:
         version = ctypes.c_uint64()
         _check(self._lib.zd_pin(self._handle, ctypes.byref(version)), "pin")
         return int(version.value)
+
+    def watch(self, after: Optional[int] = None,
+              timeout_s: Optional[float] = None) -> Optional[Update]:
+        """Read-only jobs (subscribers, docs/subscribe.md): waits at most
+        `timeout_s` (None: not at all) for a version newer than `after`
+        (the one held; None: none, answered at once), pins the latest and
+        returns it as an :class:`Update` naming the units to read; None
+        when it timed out."""
+        update = _lib.sized(_lib.Update)
+        held = _subscribe.NO_VERSION if after is None else int(after)
+        _check(self._lib.zd_watch(self._handle, held, _subscribe.timeout_ms(timeout_s),
+                                  ctypes.byref(update)), "watch")
+        return _subscribe.update_of(self, update)
 
     def grad_norm(self, grad_scale: Optional[float] = None) -> float:
         """The global L2 norm of the gradients reduced since the last step,

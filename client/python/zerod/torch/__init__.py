@@ -46,11 +46,12 @@ from __future__ import annotations
 
 from ._checkpoint import load, save, state_dict_from
 from ._clip import clip_grad_norm_, patch_clip_grad_norm_
+from ._follow import follow, load_update
 from ._module import ShardedModule, shard
 from ._optim import Optimizer
 from ._plan import UnitsPolicy, base_name
 from .lora import LoRALinear, apply_lora
 
-__all__ = ["shard", "ShardedModule", "Optimizer", "state_dict_from", "save", "load",
-           "clip_grad_norm_", "patch_clip_grad_norm_", "UnitsPolicy", "base_name", "LoRALinear",
-           "apply_lora"]
+__all__ = ["follow", "load_update", "shard", "ShardedModule", "Optimizer", "state_dict_from",
+           "save", "load", "clip_grad_norm_", "patch_clip_grad_norm_", "UnitsPolicy", "base_name",
+           "LoRALinear", "apply_lora"]

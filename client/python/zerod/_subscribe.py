@@ -1,0 +1,146 @@
+"""Subscribers: a read-only attachment that follows a training job's
+versions (docs/subscribe.md).
+
+``Job.watch`` waits for a version newer than the one held and pins it, so
+that every unit read for that update comes from one version; it says which
+units changed and how many versions went by unseen (a slow subscriber is
+taken to the latest, nothing queues). ``Client.subscribe`` wraps it in an
+iterator of updates; ``zerod.torch.follow`` loads each update into a plain
+torch module in place.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
+
+import numpy as np
+
+from . import _lib
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .client import Client, Job, Unit
+
+MAX_TIMEOUT_S = 24 * 3600.0
+NO_VERSION = 2**64 - 1  # ZD_NO_VERSION
+
+
+class Update:
+    """One version a subscriber moved to: ``version`` (now pinned),
+    ``skipped`` (versions published since the previous one and never
+    seen), ``step`` (the job's completed steps at it) and ``units``, the
+    units to read for it: those that changed since the version held, and
+    those this session has not read yet. ``read()`` and ``read_torch()``
+    copy them out, all from this version."""
+
+    def __init__(self, job: "Job", version: int, skipped: int, step: int,
+                 units: List["Unit"]) -> None:
+        self.job = job
+        self.version = version
+        self.skipped = skipped
+        self.step = step
+        self.units = units
+
+    def _each(self) -> Iterator[Any]:
+        for unit in self.units:
+            gathered = unit.gather()
+            try:
+                if gathered.version != self.version:
+                    raise AssertionError("zerod: unit %s came from version %d, not the pinned %d"
+                                         % (unit.name, gathered.version, self.version))
+                yield gathered
+            finally:
+                gathered.release()
+
+    def read(self) -> Dict[str, np.ndarray]:
+        """Every changed tensor, by name, copied as numpy arrays of the
+        job's working dtype (bfloat16 as uint16 bit patterns)."""
+        out: Dict[str, np.ndarray] = {}
+        for gathered in self._each():
+            out.update({name: a.copy() for name, a in gathered.arrays().items()})
+        return out
+
+    def read_torch(self) -> Dict[str, Any]:
+        """Every changed tensor, by name, copied as torch tensors of the
+        job's working dtype."""
+        out: Dict[str, Any] = {}
+        for gathered in self._each():
+            out.update({name: t.clone() for name, t in gathered.tensors().items()})
+        return out
+
+    def __repr__(self) -> str:
+        return "<zerod.Update %s version %d step %d: %d units, %d skipped>" % (
+            self.job.name, self.version, self.step, len(self.units), self.skipped)
+
+
+def timeout_ms(timeout_s: Optional[float]) -> int:
+    """zd_watch's timeout: None or 0 answers at once."""
+    if timeout_s is None:
+        return 0
+    if not 0 <= timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError("watch timeout_s %r is out of range (0 to 24 h)" % timeout_s)
+    return int(round(timeout_s * 1000))
+
+
+def update_of(job: "Job", update: _lib.Update) -> Optional[Update]:
+    """The Update zd_watch filled in; None when it timed out."""
+    if update.timed_out:
+        return None
+    by_id = {u.id: u for u in job.list_units()}
+    units = [by_id[int(update.changed[i])] for i in range(update.nchanged)]
+    return Update(job, int(update.version), int(update.skipped), int(update.step), units)
+
+
+class Subscription:
+    """Iterates over a job's versions as they are published, each an
+    :class:`Update`, from a read-only attachment on a connection of its own
+    to the client's daemon (a connection serves one job). Each wait lasts
+    at most ``timeout_s`` (None: a day at a time, forever); a wait that
+    times out ends the iteration. ``close()`` (or the ``with`` block's end)
+    detaches and closes the connection."""
+
+    def __init__(self, client: "Client", job: str, *, token: Optional[str] = None,
+                 timeout_s: Optional[float] = None) -> None:
+        from .client import Client
+
+        self.timeout_s = timeout_s
+        self.client = Client(client.socket)
+        try:
+            self.job = self.client.attach(job, read_only=True, pin=True, token=token,
+                                          create=False)
+        except BaseException:
+            self.client.close()
+            raise
+        self.version: Optional[int] = None  # the version held: none yet
+        self._closed = False
+
+    def next(self, timeout_s: Optional[float] = None) -> Optional[Update]:
+        """The next update, waiting at most timeout_s (default: the
+        subscription's); None when it timed out."""
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        update = self.job.watch(self.version, timeout_s=MAX_TIMEOUT_S if wait is None else wait)
+        if update is not None:
+            self.version = update.version
+        return update
+
+    def __iter__(self) -> Iterator[Update]:
+        while True:
+            update = self.next()
+            if update is None:
+                if self.timeout_s is None:
+                    continue  # a day passed: wait again
+                return
+            yield update
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self.job.detach()
+            finally:
+                self.client.close()
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
