@@ -30,6 +30,7 @@
 #include "log.h"
 #include "rpc.h"
 #include "top.h"
+#include "zerodctl_watch.h"
 #include "zerodctl_impl.h"
 
 #ifndef ZEROD_VERSION
@@ -52,6 +53,8 @@ static const char general_usage[] =
     "  jobs create NAME [opts]  create a job (see zerodctl jobs create --help)\n"
     "  jobs delete NAME         delete a job\n"
     "  jobs read-token NAME     a new token that attaches read-only sessions only\n"
+    "  jobs watch NAME [opts]   follow the job's versions through the local node\n"
+    "                           daemon, one line each (zerodctl jobs watch --help)\n"
     "  jobs freeze NAME [--share T1,T2] [--public]\n"
     "                           make a ready job a base (docs/bases.md): its state\n"
     "                           never changes again, and jobs created with --base\n"
@@ -237,8 +240,8 @@ static int unknown_command(int n_args, char **args) {
   if (strcmp(args[0], "jobs") == 0)
     return ctl__usage_error(
         n_args == 1
-            ? "jobs: which one? list, get, create, delete, read-token or freeze"
-            : "jobs: unknown command '%s' (list, get, create, delete, read-token or freeze)",
+            ? "jobs: which one? list, get, create, delete, read-token, freeze or watch"
+            : "jobs: unknown command '%s' (list, get, create, delete, read-token, freeze or watch)",
         n_args > 1 ? args[1] : "");
   if (strcmp(args[0], "bases") == 0)
     return ctl__usage_error(n_args == 1 ? "bases: which one? list"
@@ -361,6 +364,9 @@ int main(int argc, char **argv) {
    * own, after it. */
   if (argc > 1 && strcmp(argv[1], "top") == 0)
     return ctl_top(argc - 1, argv + 1);
+  /* jobs watch subscribes through the local node daemon's socket. */
+  if (argc > 2 && strcmp(argv[1], "jobs") == 0 && strcmp(argv[2], "watch") == 0)
+    return ctl_watch(argc - 2, argv + 2);
   ctl c = {.coordinator = NULL, .timeout_s = CTL_DEFAULT_TIMEOUT_S};
   ctl_options options;
   int rc = ctl__parse_options(argc, argv, &c, &options);

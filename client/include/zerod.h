@@ -491,8 +491,8 @@ ZD_API zd_status zd_pin(zd_job *job, uint64_t *version);
  * after_version and before version, which this subscriber never sees (a
  * slow subscriber goes straight to the latest; nothing queues). changed:
  * the units to read for this update, in id order: those whose values
- * changed after after_version, and those this session holds no values of
- * (never gathered, or new); owned by the library, valid until the next
+ * changed after after_version, and those no earlier zd_watch of this
+ * session listed (new units); owned by the library, valid until the next
  * zd_watch of the job or zd_close. step: the job's completed steps at
  * version. ABI 1.2. */
 typedef struct zd_update {

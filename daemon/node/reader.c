@@ -406,6 +406,7 @@ void reader_destroy(reader *r) {
     if (r->bufs[u].id != 0)
       shm_region_destroy(&r->bufs[u].region);
   free(r->bufs);
+  free(r->listed);
   free(r->dropped_ids);
   pin_release(r->job, r->pin);
   free(r);

@@ -50,6 +50,10 @@ struct reader {
   uint64_t watch_after;
   uint64_t watch_deadline_ns;
   struct reader *watch_prev, *watch_next;
+  /* Units a WATCH answer has listed to this session (by unit id): a unit
+   * not yet listed is listed whatever its changed_version. */
+  uint8_t *listed;
+  uint32_t nlisted;
 };
 
 /* The buffer of a unit, or NULL. */

@@ -50,13 +50,25 @@ void reader__watch_unlink(reader *r) {
     uv_timer_stop(&env->watch_timer);
 }
 
+/* Grows the session's table of listed units to hold unit ids below n. */
+static int listed_reserve(reader *r, uint32_t n) {
+  if (n <= r->nlisted)
+    return 0;
+  uint8_t *grown = realloc(r->listed, n);
+  if (grown == NULL)
+    return -1;
+  memset(grown + r->nlisted, 0, n - r->nlisted);
+  r->listed = grown;
+  r->nlisted = n;
+  return 0;
+}
+
 /* The units the subscriber should read for an update from `after`: those
- * whose values changed after it, and those this session holds no values
- * of (never gathered, evicted, or registered since). Every rank has
- * registered each one (listed by UNITS). Returns a malloc'd array (NULL
- * and *n = 0 when there are none or memory ran out: the subscriber then
- * reads every unit, which the reply's empty list cannot tell it, so out
- * of memory is an error). */
+ * whose values changed after it, and those no answer has listed to this
+ * session yet (new units, or a first watch). Every rank has registered
+ * each one (listed by UNITS). Returns 0 with a malloc'd array (NULL when
+ * there are none), or -1 when out of memory (an error: an empty list
+ * would say that nothing changed). */
 static int changed_units(reader *r, uint64_t after, uint32_t **out, size_t *n) {
   job *j = r->job;
   uint32_t total;
@@ -66,18 +78,19 @@ static int changed_units(reader *r, uint64_t after, uint32_t **out, size_t *n) {
   if (units == NULL && total > 0)
     return -1;
   uint32_t *ids = total > 0 ? malloc(total * sizeof *ids) : NULL;
-  if (total > 0 && ids == NULL) {
+  if (total > 0 && (ids == NULL || listed_reserve(r, total) != 0)) {
+    free(ids);
     free(units);
     return -1;
   }
   for (uint32_t u = 0; u < total; u++) {
     const unit_layout *l = units[u];
-    if (l == NULL || atomic_load(&l->ready_ranks) < j->nranks)
+    if (l == NULL || atomic_load(&l->ready_ranks) < j->nranks || l->id >= r->nlisted)
       continue;
-    reader_buf *b = reader__buf_of(r, l->id);
-    if (after == WATCH_NONE || atomic_load(&l->changed_version) > after || b == NULL ||
-        b->valid_version == UINT64_MAX)
+    if (after == WATCH_NONE || atomic_load(&l->changed_version) > after || !r->listed[l->id]) {
       ids[(*n)++] = l->id;
+      r->listed[l->id] = 1;
+    }
   }
   free(units);
   *out = ids;

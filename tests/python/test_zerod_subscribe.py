@@ -238,3 +238,37 @@ def test_follow_loads_each_version_into_a_plain_torch_module(start_daemon):
         next(zt.follow(other, "sub", socket=daemon.socket, timeout_s=10))
     assert torch.equal(other.weight.detach(), before)
     trainer.close()
+
+
+def test_zerodctl_jobs_watch_prints_each_version(start_daemon):
+    import json
+
+    from conftest import binary
+
+    daemon = start_daemon(ranks=1)
+    trainer = Trainer(daemon.socket)
+    watch = subprocess.Popen([binary("zerodctl"), "jobs", "watch", "sub", "--socket", daemon.socket,
+                              "--json", "--count", "4", "--timeout", "30"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = json.loads(watch.stdout.readline())
+    assert first["version"] == trainer.job.version and first["skipped"] == 0
+    assert sorted(first["units"]) == ["dense", "embed"] and first["job"] == "sub"
+    trainer.step(3, pause_s=0.3)
+    out, err = watch.communicate(timeout=60)
+    assert watch.returncode == 0, err
+    lines = [first] + [json.loads(line) for line in out.splitlines()]
+    assert len(lines) == 4
+    for prev, line in zip(lines, lines[1:]):
+        assert line["version"] == prev["version"] + 1 + line["skipped"]
+        assert line["units"] == ["dense"] and line["step"] >= 1
+    # No new version: a clear line and exit 1; a job that is not there: exit 1.
+    quiet = subprocess.run([binary("zerodctl"), "jobs", "watch", "sub", "--socket", daemon.socket,
+                            "--count", "2", "--timeout", "0.5"], capture_output=True, text=True)
+    assert quiet.returncode == 1 and "no new version of job sub in 0.5 s" in quiet.stderr
+    assert quiet.stdout.count("version") == 1
+    missing = subprocess.run([binary("zerodctl"), "jobs", "watch", "nope", "--socket",
+                              daemon.socket], capture_output=True, text=True)
+    assert missing.returncode == 1 and "nope" in missing.stderr
+    usage = subprocess.run([binary("zerodctl"), "jobs", "watch"], capture_output=True, text=True)
+    assert usage.returncode == 2 and "which job?" in usage.stderr
+    trainer.close()

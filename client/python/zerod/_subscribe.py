@@ -29,7 +29,7 @@ class Update:
     ``skipped`` (versions published since the previous one and never
     seen), ``step`` (the job's completed steps at it) and ``units``, the
     units to read for it: those that changed since the version held, and
-    those this session has not read yet. ``read()`` and ``read_torch()``
+    those no earlier update listed (new units). ``read()`` and ``read_torch()``
     copy them out, all from this version."""
 
     def __init__(self, job: "Job", version: int, skipped: int, step: int,
