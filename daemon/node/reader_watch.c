@@ -11,7 +11,9 @@
  * answer pins the latest version as PIN does, so every unit the
  * subscriber then gathers comes from that one version; versions published
  * while nobody waited are not queued: the answer says how many were
- * skipped. */
+ * skipped. A parked WATCH holds no pin, so a subscriber that keeps up
+ * costs the trainer no copy-on-write snapshot: only one still reading
+ * when the trainer moves on does (one copy per version, shared). */
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
@@ -122,7 +124,13 @@ static void answer(reader *r, exec_op *op, uint64_t after) {
              (unsigned long long)reply.skipped, n);
 }
 
-static void answer_timed_out(exec_op *op, uint64_t after) {
+/* Nothing newer came: the session pins the latest again, which is the
+ * version it held (its pin was let go while it waited). */
+static void answer_timed_out(reader *r, exec_op *op, uint64_t after) {
+  if (r->pin == NULL && (r->pin = pin_acquire_latest(r->job)) == NULL) {
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    return;
+  }
   Zerod__V1__WatchVersionReply reply = ZEROD__V1__WATCH_VERSION_REPLY__INIT;
   reply.version = after;
   reply.timed_out = 1;
@@ -143,7 +151,7 @@ static int try_answer(reader *r, exec_op *op, uint64_t after, uint64_t deadline_
     return 1;
   }
   if (clock_now_ns() >= deadline_ns) {
-    answer_timed_out(op, after);
+    answer_timed_out(r, op, after);
     return 1;
   }
   return 0;
@@ -160,6 +168,11 @@ int reader__watch(reader *r, exec_op *op) {
   uint64_t deadline = clock_now_ns() + (uint64_t)req->timeout_ms * 1000000u;
   if (try_answer(r, op, req->after_version, deadline))
     return 1;
+  /* While it waits the session reads nothing (its requests queue behind
+   * the watch), so its pin goes: a trainer stepping past the held version
+   * then has no copy to make for it (pin.h). The answer pins again. */
+  pin_release(r->job, r->pin);
+  r->pin = NULL;
   r->watching = op;
   r->watch_after = req->after_version;
   r->watch_deadline_ns = deadline;
