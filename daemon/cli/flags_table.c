@@ -187,6 +187,18 @@ static const flag node_flags[] = {
      .expected = "1..1048576",
      .help =
          "  --max-sessions N        most worker connections [ZEROD_MAX_SESSIONS, default 1024]\n"},
+    {.id = FLAG_MAX_PINNED_VERSIONS,
+     .name = "max-pinned-versions",
+     .takes_value = 1,
+     .env = "ZEROD_MAX_PINNED_VERSIONS",
+     .fallback = "4",
+     .parse = flag_parse_int,
+     .lo = 1,
+     .hi = 1024,
+     .expected = "1..1024",
+     .help = "  --max-pinned-versions N most versions of one job that read-only sessions keep\n"
+             "                          pinned at once (each may cost a copy of the weights)\n"
+             "                          [ZEROD_MAX_PINNED_VERSIONS, default 4]\n"},
     {.id = FLAG_BASE_CACHE_BYTES,
      .name = "base-cache-bytes",
      .takes_value = 1,
@@ -375,6 +387,7 @@ static const char *const node_getopt_order[] = {"ranks",
                                                 "max-ranks",
                                                 "job-idle-ttl",
                                                 "drain-timeout",
+                                                "max-pinned-versions",
                                                 "help",
                                                 NULL};
 

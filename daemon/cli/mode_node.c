@@ -317,6 +317,9 @@ static int settle_limits(node_process *p) {
   if ((rc = flag_value(t, &p->given, FLAG_MAX_SESSIONS, &v, &value)) != 0)
     return rc;
   o->max_sessions = (int)value;
+  if ((rc = flag_value(t, &p->given, FLAG_MAX_PINNED_VERSIONS, &v, &value)) != 0)
+    return rc;
+  o->max_pinned_versions = (int)value;
   return 0;
 }
 

@@ -29,6 +29,7 @@ typedef struct daemon_options {
   uint64_t max_live_bytes;   /* default per-job gathered + gradient bytes per rank */
   uint64_t base_cache_bytes; /* --base-cache-bytes (base_cache.h) */
   int max_sessions;
+  int max_pinned_versions; /* per job, read-only sessions' pins (pin.h) */
   /* zerod node: the coordinator to join ("" in standalone mode), this
    * node's name and the address its ranks listen on for collectives. */
   char coordinator[256];

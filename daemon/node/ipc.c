@@ -80,7 +80,7 @@ static void on_accept(uv_poll_t *handle, int status, int events) {
 
 int ipc_listen(zdaemon *d, char *err, size_t err_bytes) {
   int init_rc = reader_env_init(&d->readers, d->loop, ipc__deliver_reader_op, d,
-                                d->options.collective_timeout_ms);
+                                d->options.collective_timeout_ms, d->options.max_pinned_versions);
   if (init_rc != 0) {
     snprintf(err, err_bytes, "cannot start: uv_timer_init: %s", uv_strerror(init_rc));
     return init_rc;

@@ -3,6 +3,7 @@
  * in-process coordinator first, standalone), a failed job reset by the
  * first attach that finds it idle, the token checked (owner or read),
  * the job's max_sessions quota, and a differing config warned about. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -214,7 +215,16 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
   if (!job_usable_for_attach(s, request_id, j) || !job_has_session_room(s, request_id, j))
     return;
   reader *r;
-  if (reader_create(&d->readers, j, s->id, req->pin, &r) != 0) {
+  int rc = reader_create(&d->readers, j, s->id, req->pin, &r);
+  if (rc == -EBUSY) {
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+                    "job '%s' has %d versions pinned by read-only sessions, as many as "
+                    "--max-pinned-versions allows: sessions reading older versions must move on "
+                    "(pin, watch) or detach; or attach without pin",
+                    j->name, d->options.max_pinned_versions);
+    return;
+  }
+  if (rc != 0) {
     ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
     return;
   }

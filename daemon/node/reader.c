@@ -25,10 +25,10 @@ int reader_create(reader_env *env, job *j, uint64_t session_id, int pin, reader 
   atomic_init(&r->cancel, 0);
   r->work.data = r;
   if (pin) {
-    r->pin = pin_acquire_latest(j);
-    if (r->pin == NULL) {
+    int rc = reader__pin_latest(r);
+    if (rc != 0) {
       free(r);
-      return -ENOMEM;
+      return rc;
     }
   }
   *out = r;
@@ -272,17 +272,15 @@ static void release(reader *r, exec_op *op) {
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_RELEASE_REPLY, &reply.base);
 }
 
-/* Moves the session's pin to the latest version. The new pin is taken
- * before the old one is let go, so moving to the same version keeps its
- * snapshot. Buffers of the old version are refilled on their next gather. */
+/* Moves the session's pin to the latest version (reader__pin_latest).
+ * Buffers of the old version are refilled on their next gather. */
 static void repin(reader *r, exec_op *op) {
-  job_pin *pin = pin_acquire_latest(r->job);
-  if (pin == NULL) {
-    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+  int rc = reader__pin_latest(r);
+  if (rc != 0) {
+    reader__pin_error(r, op, rc);
     return;
   }
-  pin_release(r->job, r->pin);
-  r->pin = pin;
+  job_pin *pin = r->pin;
   Zerod__V1__PinReply reply = ZEROD__V1__PIN_REPLY__INIT;
   reply.version = pin->version;
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_PIN_REPLY, &reply.base);
@@ -454,12 +452,13 @@ static void on_watch_timer(uv_timer_t *timer) {
 }
 
 int reader_env_init(reader_env *env, uv_loop_t *loop, void (*done)(void *ctx, exec_op *op),
-                    void *ctx, int timeout_ms) {
+                    void *ctx, int timeout_ms, int max_pins) {
   *env = (reader_env){.loop = loop,
                       .done = done,
                       .ctx = ctx,
                       .timeout_ms = timeout_ms,
-                      .on_watch_timer = on_watch_timer};
+                      .on_watch_timer = on_watch_timer,
+                      .max_pins = max_pins};
   int rc = uv_timer_init(loop, &env->watch_timer);
   env->watch_timer.data = env;
   return rc;

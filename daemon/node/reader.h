@@ -43,12 +43,13 @@ typedef struct reader_env {
   struct reader *watchers;
   uv_timer_t watch_timer;
   uv_timer_cb on_watch_timer; /* reader.c's, started by reader_watch.c */
+  int max_pins;               /* pinned versions per job (--max-pinned-versions) */
 } reader_env;
 
 /* Fills env and starts its timer handle (not running until a WATCH
  * waits); reader_env_close closes it. Returns 0 or a libuv error. */
 int reader_env_init(reader_env *env, uv_loop_t *loop, void (*done)(void *ctx, exec_op *op),
-                    void *ctx, int timeout_ms);
+                    void *ctx, int timeout_ms, int max_pins);
 void reader_env_close(reader_env *env);
 
 /* Answers the waiting WATCHes that can be answered: a newer version, the

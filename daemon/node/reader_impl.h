@@ -70,5 +70,13 @@ int reader__watch(reader *r, exec_op *op);
 int reader__watch_try(reader *r);
 /* Takes a parked WATCH off the env's list. */
 void reader__watch_unlink(reader *r);
+/* Pins the latest version for the session in place of its pin, within
+ * the env's max_pins: the new pin is taken before the old one is let go
+ * (moving to the same version keeps its snapshot), unless only letting go
+ * first keeps the job within the cap. Returns 0, -ENOMEM, or -EBUSY (the
+ * cap; the session is then unpinned when it had to let go). */
+int reader__pin_latest(reader *r);
+/* Answers op with the error of a failed reader__pin_latest. */
+void reader__pin_error(reader *r, exec_op *op, int rc);
 
 #endif /* ZEROD_READER_IMPL_H */

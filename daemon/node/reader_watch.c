@@ -14,6 +14,7 @@
  * skipped. A parked WATCH holds no pin, so a subscriber that keeps up
  * costs the trainer no copy-on-write snapshot: only one still reading
  * when the trainer moves on does (one copy per version, shared). */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,18 +100,47 @@ static int changed_units(reader *r, uint64_t after, uint32_t **out, size_t *n) {
   return 0;
 }
 
+int reader__pin_latest(reader *r) {
+  int over = 0;
+  job_pin *pin = pin_acquire_latest(r->job, r->env->max_pins, &over);
+  if (pin == NULL && over && r->pin != NULL) {
+    /* Its own pin may be what fills the cap: let it go first. */
+    pin_release(r->job, r->pin);
+    r->pin = NULL;
+    pin = pin_acquire_latest(r->job, r->env->max_pins, &over);
+  }
+  if (pin == NULL)
+    return over ? -EBUSY : -ENOMEM;
+  pin_release(r->job, r->pin);
+  r->pin = pin;
+  return 0;
+}
+
+void reader__pin_error(reader *r, exec_op *op, int rc) {
+  if (rc == -EBUSY)
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
+               "job '%s' has %d versions pinned by read-only sessions, as many as "
+               "--max-pinned-versions allows: sessions reading older versions must move on "
+               "(pin, watch) or detach; this session is left unpinned",
+               r->job->name, r->env->max_pins);
+  else
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+}
+
 /* Pins the latest version and answers the op with it. */
 static void answer(reader *r, exec_op *op, uint64_t after) {
-  job_pin *pin = pin_acquire_latest(r->job);
   uint32_t *ids = NULL;
   size_t n = 0;
-  if (pin == NULL || changed_units(r, after, &ids, &n) != 0) {
-    pin_release(r->job, pin);
+  int rc = reader__pin_latest(r);
+  if (rc != 0) {
+    reader__pin_error(r, op, rc);
+    return;
+  }
+  if (changed_units(r, after, &ids, &n) != 0) {
     exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
     return;
   }
-  pin_release(r->job, r->pin);
-  r->pin = pin;
+  job_pin *pin = r->pin;
   Zerod__V1__WatchVersionReply reply = ZEROD__V1__WATCH_VERSION_REPLY__INIT;
   reply.version = pin->version;
   reply.skipped = after != WATCH_NONE && pin->version > after + 1 ? pin->version - after - 1 : 0;
@@ -127,8 +157,9 @@ static void answer(reader *r, exec_op *op, uint64_t after) {
 /* Nothing newer came: the session pins the latest again, which is the
  * version it held (its pin was let go while it waited). */
 static void answer_timed_out(reader *r, exec_op *op, uint64_t after) {
-  if (r->pin == NULL && (r->pin = pin_acquire_latest(r->job)) == NULL) {
-    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+  int rc = r->pin == NULL ? reader__pin_latest(r) : 0;
+  if (rc != 0) {
+    reader__pin_error(r, op, rc);
     return;
   }
   Zerod__V1__WatchVersionReply reply = ZEROD__V1__WATCH_VERSION_REPLY__INIT;

@@ -89,7 +89,16 @@ uint64_t pin_latest_version(job *j) {
   return atomic_load(&j->latest_version);
 }
 
-job_pin *pin_acquire_latest(job *j) {
+static int pin_count(const job *j) {
+  int n = 0;
+  for (const job_pin *p = j->pins; p != NULL; p = p->next)
+    n++;
+  return n;
+}
+
+job_pin *pin_acquire_latest(job *j, int max_pins, int *over) {
+  if (over != NULL)
+    *over = 0;
   pthread_mutex_lock(&j->pin_mutex);
   /* A rank that is writing has already counted its new version (see
    * pin_begin_write), so the pinned version is never one that a rank is
@@ -100,6 +109,12 @@ job_pin *pin_acquire_latest(job *j) {
     p->refs++;
     pthread_mutex_unlock(&j->pin_mutex);
     return p;
+  }
+  if (max_pins > 0 && pin_count(j) >= max_pins) {
+    pthread_mutex_unlock(&j->pin_mutex);
+    if (over != NULL)
+      *over = 1;
+    return NULL;
   }
   p = calloc(1, sizeof *p);
   if (p != NULL) {

@@ -96,8 +96,9 @@ void pin_job_stop(job *j);
 uint64_t pin_latest_version(job *j);
 
 /* Pins the latest version (sharing an existing pin of it). Returns NULL
- * when out of memory. */
-job_pin *pin_acquire_latest(job *j);
+ * when out of memory, or (*over set) when a new pin would make the job's
+ * distinct pinned versions more than max_pins (0: no limit). */
+job_pin *pin_acquire_latest(job *j, int max_pins, int *over);
 /* Drops a reference; the last one frees the pin and its snapshots. */
 void pin_release(job *j, job_pin *pin);
 

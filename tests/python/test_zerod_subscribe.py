@@ -272,3 +272,23 @@ def test_zerodctl_jobs_watch_prints_each_version(start_daemon):
     usage = subprocess.run([binary("zerodctl"), "jobs", "watch"], capture_output=True, text=True)
     assert usage.returncode == 2 and "which job?" in usage.stderr
     trainer.close()
+
+
+def test_pinned_versions_are_capped_with_a_reason(start_daemon):
+    """--max-pinned-versions: a reader pinned at an old version holds one of
+    the job's pinned versions; a new pin past the cap is refused, naming the
+    flag; moving the old reader on makes room."""
+    daemon = start_daemon(ranks=1, extra=["--max-pinned-versions", "1"])
+    trainer = Trainer(daemon.socket)
+    old = zerod.Client(daemon.socket)
+    reader = old.attach("sub", read_only=True, create=False)  # pins the current version
+    trainer.step(1)
+    with zerod.Client(daemon.socket) as c:
+        with pytest.raises(zerod.ResourceExhaustedError, match="--max-pinned-versions"):
+            c.attach("sub", read_only=True, create=False)
+    assert reader.pin() == trainer.job.version  # moving on lets the old version go
+    with zerod.Client(daemon.socket) as c:
+        assert c.attach("sub", read_only=True, create=False).version == trainer.job.version
+    reader.detach()
+    old.close()
+    trainer.close()

@@ -207,8 +207,8 @@ static void test_begin_end_write_moves_the_version_up(void **state) {
 
 static void test_acquire_latest_shares_one_pin_per_version(void **state) {
   fixture *fx = *state;
-  job_pin *a = pin_acquire_latest(fx->j);
-  job_pin *b = pin_acquire_latest(fx->j);
+  job_pin *a = pin_acquire_latest(fx->j, 0, NULL);
+  job_pin *b = pin_acquire_latest(fx->j, 0, NULL);
   assert_non_null(a);
   if (a != b)
     fail_msg("two pins of version 0 should be one shared pin");
@@ -216,7 +216,7 @@ static void test_acquire_latest_shares_one_pin_per_version(void **state) {
   assert_int_equal(a->refs, 2);
   for (int r = 0; r < fx->world; r++)
     rank_write(fx, r);
-  job_pin *c = pin_acquire_latest(fx->j);
+  job_pin *c = pin_acquire_latest(fx->j, 0, NULL);
   assert_non_null(c);
   if (c == a)
     fail_msg("a pin after the ranks moved to version 1 must be a new pin, not version 0's");
@@ -229,10 +229,35 @@ static void test_acquire_latest_shares_one_pin_per_version(void **state) {
   assert_null(fx->j->pins);
 }
 
+static void test_acquire_latest_keeps_within_the_cap(void **state) {
+  fixture *fx = *state;
+  int over = -1;
+  job_pin *a = pin_acquire_latest(fx->j, 1, &over);
+  assert_non_null(a);
+  assert_int_equal(over, 0);
+  for (int r = 0; r < fx->world; r++)
+    rank_write(fx, r);
+  /* Version 1 would be a second pinned version: refused, nothing made. */
+  assert_null(pin_acquire_latest(fx->j, 1, &over));
+  assert_int_equal(over, 1);
+  assert_ptr_equal(fx->j->pins, a);
+  assert_null(a->next);
+  /* A cap with room: taken; sharing an existing pin never counts. */
+  job_pin *b = pin_acquire_latest(fx->j, 2, &over);
+  assert_non_null(b);
+  assert_int_equal(over, 0);
+  job_pin *c = pin_acquire_latest(fx->j, 2, &over);
+  assert_ptr_equal(b, c);
+  pin_release(fx->j, a);
+  pin_release(fx->j, b);
+  pin_release(fx->j, c);
+  assert_null(fx->j->pins);
+}
+
 static void test_release_frees_the_pin(void **state) {
   fixture *fx = *state;
-  job_pin *a = pin_acquire_latest(fx->j);
-  job_pin *b = pin_acquire_latest(fx->j);
+  job_pin *a = pin_acquire_latest(fx->j, 0, NULL);
+  job_pin *b = pin_acquire_latest(fx->j, 0, NULL);
   assert_ptr_equal(fx->j->pins, a);
   pin_release(fx->j, a);
   /* One holder left: the pin stays listed. */
@@ -251,7 +276,7 @@ static void test_release_frees_the_pin(void **state) {
  * the new ones. */
 static void test_pin_keeps_old_values_after_a_write(void **state) {
   fixture *fx = *state;
-  job_pin *pin = pin_acquire_latest(fx->j);
+  job_pin *pin = pin_acquire_latest(fx->j, 0, NULL);
   assert_non_null(pin);
   for (int r = 0; r < fx->world; r++)
     assert_false(pin->saved[r]);
@@ -281,7 +306,7 @@ static void test_pin_keeps_old_values_after_a_write(void **state) {
 /* have_version: the reader already holds the pinned version, no copy. */
 static void test_read_at_have_version_copies_nothing(void **state) {
   fixture *fx = *state;
-  job_pin *pin = pin_acquire_latest(fx->j);
+  job_pin *pin = pin_acquire_latest(fx->j, 0, NULL);
   float dst[64];
   memset(dst, 0x5a, sizeof dst);
   pin_read_control control = {.timeout_ms = 100};
@@ -315,7 +340,7 @@ static void test_read_times_out_unavailable_for_a_lagging_rank(void **state) {
     fail_msg("the read should give up after its 150 ms timeout, took %.0f ms", waited);
 
   /* A pin of the latest version (1) waits for rank 1 the same way. */
-  job_pin *pin = pin_acquire_latest(fx->j);
+  job_pin *pin = pin_acquire_latest(fx->j, 0, NULL);
   assert_int_equal(pin->version, 1);
   t0 = now_ms();
   status = read_unit(fx, pin, 150, 1, err, sizeof err);
@@ -423,6 +448,7 @@ int main(void) {
       PIN_TEST(test_begin_end_write_moves_the_version_up, 1),
       PIN_TEST(test_begin_end_write_moves_the_version_up, 2),
       PIN_TEST(test_acquire_latest_shares_one_pin_per_version, 2),
+      PIN_TEST(test_acquire_latest_keeps_within_the_cap, 2),
       PIN_TEST(test_release_frees_the_pin, 1),
       PIN_TEST(test_pin_keeps_old_values_after_a_write, 1),
       PIN_TEST(test_pin_keeps_old_values_after_a_write, 2),
