@@ -19,12 +19,16 @@ raw values):
       subscriber's process (median of as many). Both clocks are
       CLOCK_MONOTONIC, one clock for every process. Target <= 1.5 (max).
   subscribe_trainer_steps     the trainer's steps/s over --steps steps with
-      --subscribers subscribers following every version, against the same
-      steps with none, run one after the other on fresh jobs. Target >= 0.95
-      (min). On a machine with fewer cores than processes this counts the
-      subscribers' own copies competing for the CPU, which the daemon does
-      not bound (it bounds their memory: one pinned copy per version a
+      --subscribers subscribers reading every version (every unit
+      gathered), against the same steps with none, run one after the other
+      on fresh jobs. Target >= 0.95 (min). On a machine with fewer cores
+      than processes this counts the subscribers' own copies (W bytes each
+      per version) competing for the CPU with the trainer, which the daemon
+      does not bound (it bounds their memory: one pinned copy per version a
       subscriber still reads; a waiting subscriber pins nothing).
+  subscribe_trainer_steps_watch_only  the same with subscribers that follow
+      every version but read nothing (zerodctl jobs watch): what following
+      costs the trainer, without the subscribers' copies. Target >= 0.95.
 
 A target not met is reported as met: false. Not measured here: a
 subscriber on another node (the across-node fetch is not built yet).
@@ -70,12 +74,13 @@ with zerod.Client(socket) as c:
 SUBSCRIBER = r"""
 import json, sys, time, numpy as np, zerod
 socket, job, measure_copy, ready = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+read = sys.argv[5] == "1"
 copies = []
 with zerod.Client(socket) as c, c.subscribe(job, timeout_s=5) as sub:
     open(ready, "w").close()
     for update in sub:
         nbytes = 0
-        for unit in update.units:
+        for unit in update.units if read else []:
             with unit.gather() as g:
                 nbytes += g.nbytes
         print(json.dumps({"version": update.version, "t": time.monotonic(), "bytes": nbytes,
@@ -118,7 +123,7 @@ def lines(text: str):
 
 
 def run(socket: str, tmp: Path, job: str, args, steps: int, pause: float, subscribers: int,
-        measure_copy: bool):
+        measure_copy: bool, read: bool = True):
     env = dict(os.environ, ZEROD_QUIET="1")
     numel = args.unit_mib * (1 << 20) // 4
     ready = tmp / ("%s.ready" % job)
@@ -130,7 +135,8 @@ def run(socket: str, tmp: Path, job: str, args, steps: int, pause: float, subscr
     for i in range(subscribers):
         sready = tmp / ("%s.sub%d.ready" % (job, i))
         subs.append(subprocess.Popen([sys.executable, "-c", SUBSCRIBER, socket, job,
-                                      "1" if measure_copy else "0", str(sready)],
+                                      "1" if measure_copy else "0", str(sready),
+                                      "1" if read else "0"],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=env))
         wait_file(sready)
@@ -157,7 +163,7 @@ def main() -> None:
     p.add_argument("--units", type=int, default=8)
     p.add_argument("--unit-mib", type=int, default=8)
     p.add_argument("--updates", type=int, default=15)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--subscribers", type=int, default=4)
     args = p.parse_args()
     w = args.units * args.unit_mib << 20
@@ -175,15 +181,30 @@ def main() -> None:
                    update_ms=round(lat * 1e3, 3), memcpy_ms=round(mem * 1e3, 3),
                    updates=len(latency), gbytes_per_s=round(w / lat / 1e9, 3))
 
-            alone, _ = run(daemon.socket, tmp, "alone", args, args.steps, 0.0, 0, False)
+            def rate(out):
+                return [x for x in out if "steps_per_s" in x][0]["steps_per_s"]
+
+            # The trainer alone before and after the runs with subscribers
+            # (the baseline is their mean: the machine drifts).
+            alone = rate(run(daemon.socket, tmp, "alone", args, args.steps, 0.0, 0, False)[0])
             followed, subs = run(daemon.socket, tmp, "followed", args, args.steps, 0.0,
                                  args.subscribers, False)
-            base = [x for x in alone if "steps_per_s" in x][0]["steps_per_s"]
-            with_subs = [x for x in followed if "steps_per_s" in x][0]["steps_per_s"]
+            watched, watchers = run(daemon.socket, tmp, "watched", args, args.steps, 0.0,
+                                    args.subscribers, False, read=False)
+            again = rate(run(daemon.socket, tmp, "again", args, args.steps, 0.0, 0, False)[0])
+            base = (alone + again) / 2
+            with_subs = rate(followed)
             seen = [len([x for x in s if "version" in x]) for s in subs]
             report("subscribe_trainer_steps", with_subs / base, 0.95, "min", bytes=w,
                    steps=args.steps, steps_per_s_alone=round(base, 3),
+                   steps_per_s_alone_runs=[round(alone, 3), round(again, 3)],
                    steps_per_s_with_subscribers=round(with_subs, 3),
+                   subscribers=args.subscribers, updates_seen=seen, cores=os.cpu_count())
+            with_watchers = rate(watched)
+            seen = [len([x for x in s if "version" in x]) for s in watchers]
+            report("subscribe_trainer_steps_watch_only", with_watchers / base, 0.95, "min",
+                   bytes=w, steps=args.steps, steps_per_s_alone=round(base, 3),
+                   steps_per_s_with_watchers=round(with_watchers, 3),
                    subscribers=args.subscribers, updates_seen=seen, cores=os.cpu_count())
         finally:
             daemon.terminate()

@@ -85,8 +85,9 @@ def update_of(job: "Job", update: _lib.Update) -> Optional[Update]:
     """The Update zd_watch filled in; None when it timed out."""
     if update.timed_out:
         return None
-    by_id = {u.id: u for u in job.list_units()}
-    units = [by_id[int(update.changed[i])] for i in range(update.nchanged)]
+    # zd_watch has listed any unit new to the library; no round trip here.
+    job._refresh_units()
+    units = [job._units[int(update.changed[i])] for i in range(update.nchanged)]
     return Update(job, int(update.version), int(update.skipped), int(update.step), units)
 
 
@@ -105,8 +106,11 @@ class Subscription:
         self.timeout_s = timeout_s
         self.client = Client(client.socket)
         try:
+            # No stable addresses: a subscriber's buffers stay mapped where
+            # they are, with no remapping at each gather (the default's
+            # mmap with MAP_POPULATE and back costs more than the copy).
             self.job = self.client.attach(job, read_only=True, pin=True, token=token,
-                                          create=False)
+                                          create=False, stable_addresses=False)
         except BaseException:
             self.client.close()
             raise
