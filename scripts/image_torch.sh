@@ -36,6 +36,8 @@ die() {
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+# shellcheck source=scripts/image_lib.sh
+. scripts/image_lib.sh
 build=$(realpath -m "${1:-build/release}")
 out=$(realpath -m "${ZEROD_IMAGE_DIR:-build/image}")
 storage=$(realpath -m "${ZEROD_IMAGE_STORAGE:-$out/storage}")
@@ -83,17 +85,8 @@ rootfs=$("${buildah[@]}" mount "$container")
 mounted=1
 
 echo "== mmdebstrap --variant=essential $suite ${packages[*]}"
-mirror_args=()
-[ -z "$mirror" ] || mirror_args=("$mirror")
-mmdebstrap --variant=essential --quiet --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
-  --include="$(
-    IFS=,
-    echo "${packages[*]}"
-  )" \
-  --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-  --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
-  "$suite" "$rootfs" "${mirror_args[@]}" >"$out/mmdebstrap-torch.log" 2>&1 ||
-  { tail -n 30 "$out/mmdebstrap-torch.log" >&2; die "mmdebstrap failed (log: $out/mmdebstrap-torch.log)"; }
+mmdebstrap_root "$suite" "$rootfs" "$out/mmdebstrap-torch.log" "$mirror" "${packages[@]}" ||
+  die "mmdebstrap failed (log: $out/mmdebstrap-torch.log)"
 
 echo "== the zerod package, the example, the user"
 /usr/bin/python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \

@@ -326,14 +326,11 @@ static void work_run(uv_work_t *req) {
   gather_copy(r, r->running);
 }
 
-static void work_done(uv_work_t *req, int status) {
-  reader *r = req->data;
-  exec_op *op = r->running;
-  r->running = NULL;
-  if (status != 0)
-    exec_error(op, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "the read was cancelled");
-  /* Each queued op holds a reference on the session; without any, handing
-   * this op back may free the session and the reader with it. */
+/* Hands back an op that ran off the queue (a copy, a parked watch) and
+ * runs what queued behind it. Each queued op holds a reference on the
+ * session; without any, handing this op back may free the session and the
+ * reader with it, which is then not touched again. */
+static void hand_back(reader *r, exec_op *op) {
   if (r->queue_head == NULL) {
     r->env->done(r->env->ctx, op);
     return;
@@ -342,9 +339,18 @@ static void work_done(uv_work_t *req, int status) {
   pump(r);
 }
 
+static void work_done(uv_work_t *req, int status) {
+  reader *r = req->data;
+  exec_op *op = r->running;
+  r->running = NULL;
+  if (status != 0)
+    exec_error(op, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "the read was cancelled");
+  hand_back(r, op);
+}
+
 /* Runs queued ops in order until one needs the threadpool or waits. The
  * reader is not touched after handing back the last queued op (see
- * work_done). */
+ * hand_back). */
 static void pump(reader *r) {
   while (r->running == NULL && r->watching == NULL && r->queue_head != NULL) {
     exec_op *op = r->queue_head;
@@ -415,18 +421,11 @@ void reader_destroy(reader *r) {
 /* ------------------------------------------------------------------------ */
 
 /* Hands the parked op back (answered, or unanswered for a closing
- * session) and runs what queued behind it. The reader may be freed by
- * the hand-back when nothing else of the session is queued (as in
- * work_done). */
+ * session); the reader may be freed by it (hand_back). */
 static void finish_watch(reader *r) {
   exec_op *op = r->watching;
   r->watching = NULL;
-  if (r->queue_head == NULL) {
-    r->env->done(r->env->ctx, op);
-    return;
-  }
-  r->env->done(r->env->ctx, op);
-  pump(r);
+  hand_back(r, op);
 }
 
 static void cancel_watch(reader *r) {
