@@ -73,16 +73,16 @@
 
 #include <xxhash.h>
 
+#include "bench_ckpt.h"
 #include "bench_util.h"
 #include "ckpt.h"
 #include "hostmem.h"
 
-#define CHUNK      (8u << 20) /* node/ckpt_node_impl.h's WRITE_CHUNK, and the raw I/O size */
 #define NUNITS     16u
 #define NSTATES    3u /* master, moment1, moment2 (AdamW) */
 #define MAX_ROUNDS 64
 
-__attribute__((format(printf, 1, 2), noreturn)) static void die(const char *fmt, ...) {
+void die(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   fprintf(stderr, "bench_ckpt: ");
@@ -96,16 +96,17 @@ __attribute__((format(printf, 1, 2), noreturn)) static void die(const char *fmt,
 /* The state and the files                                                  */
 /* ------------------------------------------------------------------------ */
 
-static uint8_t *src; /* the S data bytes, as a rank's snapshot would hold them */
-static uint8_t *dst; /* where reads go (pre-faulted) */
-static uint64_t S;   /* data bytes */
-static uint64_t unit_numel;
+uint8_t *src; /* the S data bytes, as a rank's snapshot would hold them */
+uint8_t *dst; /* where reads go (pre-faulted) */
+uint64_t S;   /* data bytes */
+uint64_t unit_numel;
 static char work_dir[PATH_MAX + 32], ckpt_dir[PATH_MAX + 40];
-static char raw_path[PATH_MAX + 48], shard_path[PATH_MAX + 80], proto_path[PATH_MAX + 48];
+static char raw_path[PATH_MAX + 48];
+char shard_path[PATH_MAX + 80], proto_path[PATH_MAX + 48];
 static int work_fd = -1;
 static uint64_t shard_file_bytes, shard_xxh64;
-static uint64_t *block_table; /* XXH64 of each CKPT_BLOCK_BYTES block of src */
-static uint64_t nblocks;
+uint64_t *block_table; /* XXH64 of each CKPT_BLOCK_BYTES block of src */
+uint64_t nblocks;
 
 static void fill_state(void) {
   /* Incompressible bytes (xorshift), so that no layer can shortcut them. */
@@ -129,7 +130,7 @@ static void fill_state(void) {
   }
 }
 
-static void pwrite_all(int fd, const uint8_t *p, size_t n, uint64_t off) {
+void pwrite_all(int fd, const uint8_t *p, size_t n, uint64_t off) {
   while (n > 0) {
     ssize_t w = pwrite(fd, p, n, (off_t)off);
     if (w < 0 && errno == EINTR)
@@ -142,7 +143,7 @@ static void pwrite_all(int fd, const uint8_t *p, size_t n, uint64_t off) {
   }
 }
 
-static void pread_all(int fd, uint8_t *p, size_t n, uint64_t off) {
+void pread_all(int fd, uint8_t *p, size_t n, uint64_t off) {
   while (n > 0) {
     ssize_t r = pread(fd, p, n, (off_t)off);
     if (r < 0 && errno == EINTR)
@@ -157,7 +158,7 @@ static void pread_all(int fd, uint8_t *p, size_t n, uint64_t off) {
 
 /* Removes path (if there) and syncs the filesystem, so that the removal's
  * and others' pending writes are not charged to the next timed run. */
-static void settle(const char *path) {
+void settle(const char *path) {
   if (path != NULL && unlink(path) != 0 && errno != ENOENT)
     die("unlink %s: %s", path, strerror(errno));
   if (syncfs(work_fd) != 0)
@@ -165,7 +166,7 @@ static void settle(const char *path) {
 }
 
 /* Drops the file's pages from the page cache (it is already durable). */
-static void drop_cache(const char *path) {
+void drop_cache(const char *path) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0)
     die("open %s: %s", path, strerror(errno));
@@ -429,7 +430,7 @@ static double t_memcpy(void) {
   return t;
 }
 
-static volatile uint64_t sink;
+volatile uint64_t sink;
 
 static double t_xxh64_once(void) {
   double t0 = bench_now_s();
@@ -446,9 +447,8 @@ static double t_xxh3_once(void) {
 
 /* The writer's hashing, as ckpt_writer_write does it per 8 MiB chunk:
  * the block hashes over the chunk, then the whole file's over it. */
-static void writer_hashes(const uint8_t *p, uint64_t bytes, XXH64_state_t *file,
-                          XXH64_state_t *block, uint64_t *block_fill, uint64_t *table,
-                          uint64_t *nb) {
+void writer_hashes(const uint8_t *p, uint64_t bytes, XXH64_state_t *file, XXH64_state_t *block,
+                   uint64_t *block_fill, uint64_t *table, uint64_t *nb) {
   for (uint64_t at = 0; at < bytes; at += CHUNK) {
     size_t n = bytes - at < CHUNK ? (size_t)(bytes - at) : CHUNK;
     const uint8_t *c = p + at;
@@ -518,215 +518,9 @@ static double t_snapshot(int staged) {
   return t;
 }
 
-/* ---- Prototypes ---------------------------------------------------------- */
-
-/* The snapshot into memory that asks for transparent huge pages (one
- * fault per 2 MiB instead of per 4 KiB). */
-static double proto_snapshot_hugepage(void) {
-  double t0 = bench_now_s();
-  uint8_t *p = mmap(NULL, S, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED)
-    die("mmap: %s", strerror(errno));
-  madvise(p, S, MADV_HUGEPAGE);
-  uint64_t state_bytes = unit_numel * 4;
-  for (uint64_t at = 0; at < S; at += state_bytes)
-    memcpy(p + at, src + at, (size_t)state_bytes);
-  double t = bench_now_s() - t0;
-  if (p[S - 1] != src[S - 1])
-    die("snapshot");
-  munmap(p, S);
-  return t;
-}
-
-/* Hashing on a second thread: the writer's two hashes over all of p (a
- * save's snapshot does not change while it is written), or, for reads
- * (following), only the block hashes of what the reader has made ready,
- * checked against the table. */
-typedef struct hash_job {
-  const uint8_t *p;
-  uint64_t bytes;
-  int following;
-  pthread_mutex_t mutex;
-  pthread_cond_t cond;
-  uint64_t ready; /* bytes read so far, under mutex */
-} hash_job;
-
-static void hash_ready(hash_job *j, uint64_t ready) {
-  pthread_mutex_lock(&j->mutex);
-  j->ready = ready;
-  pthread_cond_signal(&j->cond);
-  pthread_mutex_unlock(&j->mutex);
-}
-
-static void *hash_main(void *arg) {
-  hash_job *j = arg;
-  XXH64_state_t *file = j->following ? NULL : XXH64_createState(), *block = XXH64_createState();
-  uint64_t *table = malloc(nblocks * sizeof *table), fill = 0, nb = 0, done = 0;
-  if ((file == NULL && !j->following) || block == NULL || table == NULL)
-    die("out of memory");
-  if (file != NULL)
-    XXH64_reset(file, 0);
-  XXH64_reset(block, 0);
-  while (done < j->bytes) {
-    uint64_t upto = j->bytes;
-    if (j->following) {
-      pthread_mutex_lock(&j->mutex);
-      while (j->ready == done)
-        pthread_cond_wait(&j->cond, &j->mutex);
-      upto = j->ready;
-      pthread_mutex_unlock(&j->mutex);
-    }
-    writer_hashes(j->p + done, upto - done, file, block, &fill, table, &nb);
-    done = upto;
-  }
-  if (fill > 0)
-    table[nb++] = XXH64_digest(block);
-  if (file != NULL)
-    sink = XXH64_digest(file);
-  if (j->following && memcmp(table, block_table, nblocks * sizeof *table) != 0)
-    die("block check failed");
-  free(table);
-  XXH64_freeState(file);
-  XXH64_freeState(block);
-  return NULL;
-}
-
-/* The writer's work, rebuilt: the same hashing of each 8 MiB chunk, then
- * its pwrite, and an fsync at the end. mode 0: as ckpt.c; 1: and
- * sync_file_range(WRITE) after each chunk, so that the disk starts on it
- * at once instead of at the fsync; 2: the hashing on a second thread, all
- * of the (immutable) snapshot at once, beside the pwrites. */
-static double proto_write(int mode) {
-  settle(proto_path);
-  double t0 = bench_now_s();
-  int fd = open(proto_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0)
-    die("open %s: %s", proto_path, strerror(errno));
-  pthread_t t;
-  hash_job hj = {
-      .p = src, .bytes = S, .mutex = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
-  if (mode == 2 && pthread_create(&t, NULL, hash_main, &hj) != 0)
-    die("pthread_create");
-  XXH64_state_t *file = XXH64_createState(), *block = XXH64_createState();
-  uint64_t *table = malloc(nblocks * sizeof *table), fill = 0, nb = 0;
-  if (file == NULL || block == NULL || table == NULL)
-    die("out of memory");
-  XXH64_reset(file, 0);
-  XXH64_reset(block, 0);
-  for (uint64_t at = 0; at < S; at += CHUNK) {
-    size_t n = S - at < CHUNK ? (size_t)(S - at) : CHUNK;
-    if (mode != 2)
-      writer_hashes(src + at, n, file, block, &fill, table, &nb);
-    pwrite_all(fd, src + at, n, at);
-    if (mode == 1)
-      sync_file_range(fd, (off_t)at, (off_t)n, SYNC_FILE_RANGE_WRITE);
-  }
-  if (fsync(fd) != 0)
-    die("fsync: %s", strerror(errno));
-  close(fd);
-  if (mode == 2)
-    pthread_join(t, NULL);
-  double t_end = bench_now_s() - t0;
-  free(table);
-  XXH64_freeState(file);
-  XXH64_freeState(block);
-  return t_end;
-}
-
-/* Reads of the shard's data with the same per-block checks as
- * ckpt_reader_read. mode 0: 8 MiB preads, each followed by its blocks'
- * checks; 1: 8 MiB preads on this thread, the checks on a second one
- * following behind. The table is taken from memory (a reader reads it
- * once at open: 8 bytes per MiB). */
-static double proto_read(int mode) {
-  drop_cache(shard_path);
-  double t0 = bench_now_s();
-  int fd = open(shard_path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    die("open %s: %s", shard_path, strerror(errno));
-  hash_job hj = {.p = dst,
-                 .bytes = S,
-                 .following = 1,
-                 .mutex = PTHREAD_MUTEX_INITIALIZER,
-                 .cond = PTHREAD_COND_INITIALIZER};
-  pthread_t t;
-  if (mode == 1 && pthread_create(&t, NULL, hash_main, &hj) != 0)
-    die("pthread_create");
-  for (uint64_t at = 0; at < S; at += CHUNK) {
-    size_t n = S - at < CHUNK ? (size_t)(S - at) : CHUNK;
-    pread_all(fd, dst + at, n, CKPT_HEADER_BYTES + at);
-    if (mode == 1) {
-      hash_ready(&hj, at + n);
-      continue;
-    }
-    for (uint64_t b = at / CKPT_BLOCK_BYTES; b * CKPT_BLOCK_BYTES < at + n; b++) {
-      uint64_t start = b * CKPT_BLOCK_BYTES;
-      uint64_t len = S - start < CKPT_BLOCK_BYTES ? S - start : CKPT_BLOCK_BYTES;
-      if (XXH64(dst + start, (size_t)len, 0) != block_table[b])
-        die("block %" PRIu64 " checksum mismatch", b);
-    }
-  }
-  if (mode == 1)
-    pthread_join(t, NULL);
-  close(fd);
-  return bench_now_s() - t0;
-}
-
 /* ------------------------------------------------------------------------ */
 /* Reporting                                                                */
 /* ------------------------------------------------------------------------ */
-
-static const char *fs_name(long type) {
-  switch ((unsigned long)type) {
-  case 0xEF53:
-    return "ext4";
-  case 0x58465342:
-    return "xfs";
-  case 0x9123683E:
-    return "btrfs";
-  case 0x01021994:
-    return "tmpfs";
-  case 0x794c7630:
-    return "overlayfs";
-  case 0x6969:
-    return "nfs";
-  case 0x2FC12FC1:
-    return "zfs";
-  case 0xF2F52010:
-    return "f2fs";
-  case 0x65735546:
-    return "fuse";
-  default:
-    return "other";
-  }
-}
-
-/* The source of the mount that holds dir (e.g. /dev/vda), from
- * /proc/self/mountinfo, matched by device number. */
-static void mount_source(const char *dir, char *out, size_t out_bytes) {
-  snprintf(out, out_bytes, "?");
-  struct stat st;
-  FILE *f = fopen("/proc/self/mountinfo", "r");
-  if (f == NULL || stat(dir, &st) != 0) {
-    if (f != NULL)
-      fclose(f);
-    return;
-  }
-  char line[4096], want[32];
-  snprintf(want, sizeof want, "%u:%u", major(st.st_dev), minor(st.st_dev));
-  while (fgets(line, sizeof line, f) != NULL) {
-    char id[32], parent[32], devno[32];
-    if (sscanf(line, "%31s %31s %31s", id, parent, devno) != 3 || strcmp(devno, want) != 0)
-      continue;
-    char *sep = strstr(line, " - ");
-    char fstype[64], source[256];
-    if (sep != NULL && sscanf(sep + 3, "%63s %255s", fstype, source) == 2) {
-      snprintf(out, out_bytes, "%s", source);
-      break;
-    }
-  }
-  fclose(f);
-}
 
 static int verbose;
 
