@@ -292,3 +292,33 @@ def test_pinned_versions_are_capped_with_a_reason(start_daemon):
     reader.detach()
     old.close()
     trainer.close()
+
+
+def test_a_stopping_daemon_answers_waiting_watches(start_daemon):
+    """SIGTERM with subscribers parked in a watch: each gets UNAVAILABLE at
+    once (not at its timeout), and the daemon exits cleanly (the fixture
+    checks its status and the sanitizer's silence)."""
+    daemon = start_daemon(ranks=1, extra=["--drain-timeout", "0"])
+    trainer = Trainer(daemon.socket)
+    results = []
+
+    def wait():
+        try:
+            with zerod.Client(daemon.socket) as c:
+                job = c.attach("sub", read_only=True, create=False)
+                held = job.watch().version
+                results.append(job.watch(held, timeout_s=60))
+        except zerod.Error as e:
+            results.append(e)
+
+    waiters = [threading.Thread(target=wait) for _ in range(3)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.5)
+    trainer.close()
+    t0 = time.monotonic()
+    daemon.stop()
+    for w in waiters:
+        w.join(timeout=30)
+    assert time.monotonic() - t0 < 20
+    assert len(results) == 3 and all(isinstance(r, zerod.UnavailableError) for r in results), results
