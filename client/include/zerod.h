@@ -493,8 +493,9 @@ ZD_API zd_status zd_pin(zd_job *job, uint64_t *version);
  * the units to read for this update, in id order: those whose values
  * changed after after_version, and those no earlier zd_watch of this
  * session listed (new units); owned by the library, valid until the next
- * zd_watch of the job or zd_close. step: the job's completed steps at
- * version. ABI 1.2. */
+ * zd_watch of the job or zd_close. step: the job's completed steps when
+ * the daemon answered (the step that made version may still be finishing
+ * its write, and is counted once done). ABI 1.2. */
 typedef struct zd_update {
   size_t struct_size;
   uint64_t version;

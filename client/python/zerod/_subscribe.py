@@ -27,7 +27,8 @@ NO_VERSION = 2**64 - 1  # ZD_NO_VERSION
 class Update:
     """One version a subscriber moved to: ``version`` (now pinned),
     ``skipped`` (versions published since the previous one and never
-    seen), ``step`` (the job's completed steps at it) and ``units``, the
+    seen), ``step`` (the job's completed steps when the daemon answered:
+    the step that made the version may still be finishing) and ``units``, the
     units to read for it: those that changed since the version held, and
     those no earlier update listed (new units). ``read()`` and ``read_torch()``
     copy them out, all from this version."""
