@@ -281,6 +281,20 @@ static int fake_handle(fake_daemon *fake, const zd_frame_header *header, Protobu
     fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_PIN_REPLY, id, &reply.base, NULL, 0);
     return 0;
   }
+  case ZEROD__V1__MSG_TYPE__MSG_WATCH: {
+    const Zerod__V1__WatchVersionRequest *request = (const Zerod__V1__WatchVersionRequest *)msg;
+    fake->watch_after = request->after_version;
+    fake->watch_timeout_ms = request->timeout_ms;
+    Zerod__V1__WatchVersionReply reply = ZEROD__V1__WATCH_VERSION_REPLY__INIT;
+    reply.timed_out = fake->watch_timed_out;
+    reply.version = fake->watch_timed_out ? request->after_version : fake->watch_version;
+    reply.skipped = fake->watch_timed_out ? 0 : 2;
+    reply.step = fake->watch_timed_out ? 0 : fake->watch_version;
+    reply.changed_units = fake->watch_changed;
+    reply.n_changed_units = fake->watch_timed_out ? 0 : fake->nwatch_changed;
+    fake_send(fake, ZEROD__V1__MSG_TYPE__MSG_WATCH_REPLY, id, &reply.base, NULL, 0);
+    return 0;
+  }
   case ZEROD__V1__MSG_TYPE__MSG_LOAD_UNIT: {
     fake->load_unit = ((const Zerod__V1__LoadUnitRequest *)msg)->unit_id;
     fake->load_fd_count += (int)nfds;

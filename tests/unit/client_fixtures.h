@@ -109,6 +109,14 @@ typedef struct fake_daemon {
   int load_fd_count;
   int load_values_match;
   uint32_t load_unit;
+  /* WATCH: the answer (watch_timed_out, or watch_version with the units
+   * watch_changed[0..nwatch_changed)) and what the request asked. */
+  uint64_t watch_version;
+  int watch_timed_out;
+  uint32_t watch_changed[4];
+  unsigned nwatch_changed;
+  uint64_t watch_after;
+  uint32_t watch_timeout_ms;
 } fake_daemon;
 
 #define BUFFER_ID     10 /* + unit, for gathered and gradient buffers alike */

@@ -120,6 +120,74 @@ static void test_read_only_attach_sends_mode_and_pin(void **state) {
   fake_destroy(fake);
 }
 
+static void test_watch_pins_the_answer_and_learns_new_units(void **state) {
+  fake_daemon *fake = fake_create();
+  fake->pinned_version = 5;
+  fake->watch_version = 12;
+  snprintf(fake->unit_names[0], sizeof fake->unit_names[0], "%s", "dense");
+  snprintf(fake->unit_names[1], sizeof fake->unit_names[1], "%s", "late");
+  fake->units_registered = 2; /* listed by UNITS; the attach lists none */
+  fake->watch_changed[0] = 0;
+  fake->watch_changed[1] = 1;
+  fake->nwatch_changed = 2;
+  fake_start(fake);
+  zd_client *client = connect_to(fake);
+  zd_job *job = attach_with(client, 1, 1, 0);
+  zd_update update = ZD_UPDATE_INIT;
+  assert_int_equal(zd_watch(job, ZD_NO_VERSION, 250, &update), ZD_OK);
+  assert_int_equal(update.version, 12);
+  assert_false(update.timed_out);
+  assert_int_equal(update.skipped, 2);
+  assert_int_equal(update.step, 12);
+  assert_int_equal(update.nchanged, 2);
+  assert_int_equal(update.changed[0], 0);
+  assert_int_equal(update.changed[1], 1);
+  assert_int_equal(zd_job_version(job), 12); /* pinned at the answer */
+  /* Units the library had not listed were listed (UNITS) and are known. */
+  assert_int_equal(zd_job_unit_count(job), 2);
+  zd_unit_info info = ZD_UNIT_INFO_INIT;
+  assert_int_equal(zd_job_unit_info(job, 1, &info), ZD_OK);
+  assert_string_equal(info.name, "late");
+
+  /* A timeout changes nothing but the out struct. */
+  fake->watch_timed_out = 1;
+  update = (zd_update)ZD_UPDATE_INIT;
+  assert_int_equal(zd_watch(job, 12, 0, &update), ZD_OK);
+  assert_true(update.timed_out);
+  assert_int_equal(update.version, 12);
+  assert_int_equal(update.nchanged, 0);
+  assert_int_equal(zd_job_version(job), 12);
+
+  /* Refused before a request. */
+  assert_int_equal(zd_watch(job, 12, -1, &update), ZD_E_INVALID_ARGUMENT);
+  assert_message_contains("timeout_ms");
+  assert_int_equal(zd_watch(job, 12, 24 * 3600 * 1000 + 1, &update), ZD_E_INVALID_ARGUMENT);
+  assert_int_equal(zd_watch(job, 12, 0, NULL), ZD_E_INVALID_ARGUMENT);
+  zd_update unsized = {0};
+  assert_int_equal(zd_watch(job, 12, 0, &unsized), ZD_E_INVALID_ARGUMENT);
+  assert_message_contains("ZD_UPDATE_INIT");
+  assert_int_equal(zd_watch(NULL, 12, 0, &update), ZD_E_INVALID_ARGUMENT);
+  zd_close(client);
+  fake_join(fake);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_WATCH], 2);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_UNITS], 1);
+  assert_int_equal(fake->watch_after, 12);
+  assert_int_equal(fake->watch_timeout_ms, 0);
+  fake_destroy(fake);
+
+  /* A read-write job does not watch: refused locally. */
+  fake = fake_create();
+  fake_start(fake);
+  client = connect_to(fake);
+  job = attach_job(client);
+  assert_int_equal(zd_watch(job, 0, 0, &update), ZD_E_FAILED_PRECONDITION);
+  assert_message_contains("read-only");
+  zd_close(client);
+  fake_join(fake);
+  assert_int_equal(fake->frames_by_type[ZEROD__V1__MSG_TYPE__MSG_WATCH], 0);
+  fake_destroy(fake);
+}
+
 /* Attaches to job "test" with token (NULL: none given) through a fresh
  * fake; returns the token the fake received in *sent. */
 static void attach_sending(const char *token, char *sent, size_t sent_bytes) {
@@ -457,6 +525,7 @@ int main(void) {
   setenv("ZEROD_CUDA_MODULE", "/nonexistent/libzerod_cuda.so", 1);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_read_only_attach_sends_mode_and_pin),
+      cmocka_unit_test(test_watch_pins_the_answer_and_learns_new_units),
       cmocka_unit_test(test_attach_keeps_the_jobs_config_and_the_daemons_warning),
       cmocka_unit_test(test_attach_reply_with_the_other_mode_is_a_protocol_error),
       cmocka_unit_test(test_attach_takes_the_token_from_zerod_token),
