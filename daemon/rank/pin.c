@@ -10,6 +10,7 @@
 
 #include "clock.h"
 #include "log.h"
+#include "rank_metrics.h"
 #include "zerod/v1/ipc.pb-c.h"
 
 /* ------------------------------------------------------------------------ */
@@ -151,7 +152,7 @@ void pin_release(job *j, job_pin *p) {
 /* Copies the rank's working slices of every unit it holds (from its device,
  * into host memory). Runs on the rank's executor with its write lock held,
  * so the slices are stable and the shard table cannot grow. */
-static int snapshot_take(rank_state *rs, pin_snapshot *out) {
+static int snapshot_take(rank_state *rs, pin_snapshot *out, uint64_t *copied) {
   job *j = rs->job;
   size_t elem_bytes = zk_dtype_size(j->config.working_dtype);
   out->nunits = 0;
@@ -171,6 +172,7 @@ static int snapshot_take(rank_state *rs, pin_snapshot *out) {
       return -ENOMEM;
     }
     int rc = device_download(rs->dev, out->working[u], sh->working, bytes);
+    *copied += bytes;
     if (rc != 0) {
       snapshot_free(out);
       return rc;
@@ -204,10 +206,13 @@ void pin_begin_write(rank_state *rs) {
    * other ranks' writers go on meanwhile; readers of this rank wait on
    * the write lock and find the snapshot when they get in. */
   pin_snapshot snap = {0};
-  int rc = snapshot_take(rs, &snap);
+  uint64_t copied = 0;
+  int rc = snapshot_take(rs, &snap, &copied);
   if (rc != 0)
     LOG_ERRORF("pin snapshot failed", "job=%s rank=%d version=%llu err=\"%s\"", j->name, rs->rank,
                (unsigned long long)version, strerror(-rc));
+  else
+    rank_metrics_pin_snapshot(rs, copied);
   pthread_mutex_lock(&j->pin_mutex);
   p->snapshots[local_index(rs)] = snap;
   p->saved[local_index(rs)] = 1;

@@ -127,6 +127,11 @@ static void open_rank(metrics *m, rank_state *rs, rank_series *s, const char *me
                             rank_labels, v);
   s->replica_step = series(m, METRIC_GAUGE, "zerod_replica_step",
                            "Step of the job's newest complete in-memory copy.", rank_labels, v);
+  s->pin_snapshot_bytes =
+      series(m, METRIC_COUNTER, "zerod_pin_snapshot_bytes_total",
+             "Bytes the rank copied out of its working copies into versions that read-only "
+             "sessions (subscribers) had pinned, before overwriting them (copy on write).",
+             rank_labels, v);
   static const char *const err_labels[] = {"zerod_job", "rank", "code", NULL};
   s->errors = metrics_family(m, METRIC_COUNTER, "zerod_request_errors_total",
                              "Worker requests to the rank answered with an error, by status code.",
@@ -153,7 +158,8 @@ static void close_rank(rank_series *s) {
                           s->ckpt_bytes,
                           s->replica_seconds,
                           s->replica_bytes,
-                          s->replica_step};
+                          s->replica_step,
+                          s->pin_snapshot_bytes};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
     metric_series_put(all[i]);
   for (int level = 0; level < COMM_LEVELS; level++)
@@ -343,6 +349,11 @@ void rank_metrics_ckpt_written(rank_state *rs, double seconds, uint64_t bytes) {
     return;
   metric_observe(rs->metrics->ckpt_write_seconds, seconds);
   metric_add(rs->metrics->ckpt_bytes, (double)bytes);
+}
+
+void rank_metrics_pin_snapshot(rank_state *rs, uint64_t bytes) {
+  if (rs->metrics != NULL)
+    metric_add(rs->metrics->pin_snapshot_bytes, (double)bytes);
 }
 
 void rank_metrics_ckpt_stall(rank_state *rs, double seconds) {

@@ -56,6 +56,7 @@ typedef struct rank_series {
       *live_bytes, *queue_depth, *attached;
   metric_series *ckpt_write_seconds, *ckpt_stall_seconds, *ckpt_bytes;
   metric_series *replica_seconds, *replica_bytes, *replica_step;
+  metric_series *pin_snapshot_bytes;
   /* Errors by status code, made on first use by whichever thread answers
    * one. */
   metric_family *errors;
@@ -95,6 +96,9 @@ void rank_metrics_ckpt_stall(struct rank_state *rs, double seconds);
 /* An in-memory copy (rank/replicate.c): how long the step waited for it,
  * the bytes of the rank's file, and the step of its newest complete one. */
 void rank_metrics_replica(struct rank_state *rs, double seconds, uint64_t bytes, uint64_t step);
+/* The rank copied bytes of its working slices into a pinned version before
+ * overwriting it (pin.c: copy on write for read-only sessions). */
+void rank_metrics_pin_snapshot(struct rank_state *rs, uint64_t bytes);
 /* Loop thread: queue depth, sessions. */
 void rank_metrics_loop(struct job *j);
 /* Loop thread, for a frozen job (a base): its figures (rank_series' base

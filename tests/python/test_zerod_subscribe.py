@@ -322,3 +322,44 @@ def test_a_stopping_daemon_answers_waiting_watches(start_daemon):
         w.join(timeout=30)
     assert time.monotonic() - t0 < 20
     assert len(results) == 3 and all(isinstance(r, zerod.UnavailableError) for r in results), results
+
+
+def pin_snapshot_bytes(daemon):
+    """zerod_pin_snapshot_bytes_total of job "sub", rank 0, from the
+    daemon's /metrics."""
+    import re
+    import urllib.request
+
+    port = int(re.search(r'msg="metrics listening" address=\S+ port=(\d+)',
+                         daemon.read_log()).group(1))
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(r'^zerod_pin_snapshot_bytes_total\{zerod_job="sub",rank="0"\} (\S+)$', text,
+                  re.M)
+    assert m, text
+    return float(m.group(1))
+
+
+def test_a_waiting_subscriber_costs_no_copy_a_reading_one_does(start_daemon):
+    """A subscriber parked in a watch holds no pin, so the trainer's step
+    copies nothing for it (zerod_pin_snapshot_bytes_total stays 0); a
+    session pinned at the version the step overwrites makes the rank copy
+    its slices into the pin first."""
+    daemon = start_daemon(ranks=1, extra=["--metrics-listen", "127.0.0.1:0"])
+    trainer = Trainer(daemon.socket)
+    with zerod.Client(daemon.socket) as c:
+        sub = c.attach("sub", read_only=True, create=False)
+        held = sub.watch().version  # pinned now
+        waiter = threading.Thread(target=sub.watch, args=(held,), kwargs={"timeout_s": 10})
+        waiter.start()
+        time.sleep(0.3)  # parked: its pin let go
+        trainer.step(1)
+        waiter.join()
+    assert pin_snapshot_bytes(daemon) == 0
+    with zerod.Client(daemon.socket) as c:
+        c.attach("sub", read_only=True, create=False)  # pinned, reading nothing yet
+        trainer.step(1)
+        copied = pin_snapshot_bytes(daemon)
+    units = (HIDDEN * HIDDEN + HIDDEN) + 16 * HIDDEN  # one rank: every element, fp32
+    assert units * 4 <= copied < units * 4 + 4096, copied
+    trainer.close()
