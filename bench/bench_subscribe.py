@@ -26,6 +26,8 @@ raw values):
       per version) competing for the CPU with the trainer, which the daemon
       does not bound (it bounds their memory: one pinned copy per version a
       subscriber still reads; a waiting subscriber pins nothing).
+      pin_copies_per_step: the copies of W the rank made per step into
+      versions a subscriber was still reading (zerod_pin_snapshot_bytes_total).
   subscribe_trainer_steps_watch_only  the same with subscribers that follow
       every version but read nothing (zerodctl jobs watch): what following
       costs the trainer, without the subscribers' copies. Target >= 0.95.
@@ -41,11 +43,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,14 +104,35 @@ def start_daemon(tmp: Path) -> subprocess.Popen:
     d.mkdir()
     log = open(tmp / "zerod.log", "w")
     proc = subprocess.Popen([str(BIN / "zerod"), "standalone", "--ranks", "1", "--dir", str(d),
-                             "--threads-per-rank", "1"], stderr=log)
+                             "--threads-per-rank", "1", "--metrics-listen", "127.0.0.1:0"],
+                            stderr=log)
     deadline = time.monotonic() + 30
     while not (d / "zerod.sock").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit("bench_subscribe: zerod did not start: " + (tmp / "zerod.log").read_text())
         time.sleep(0.05)
     proc.socket = str(d / "zerod.sock")  # type: ignore[attr-defined]
-    return proc
+    deadline = time.monotonic() + 30
+    while True:
+        m = re.search(r'msg="metrics listening" address=\S+ port=(\d+)',
+                      (tmp / "zerod.log").read_text())
+        if m:
+            proc.metrics_port = int(m.group(1))  # type: ignore[attr-defined]
+            return proc
+        if time.monotonic() > deadline:
+            raise SystemExit("bench_subscribe: no metrics listener")
+        time.sleep(0.05)
+
+
+def pin_copies(daemon, job: str) -> float:
+    """zerod_pin_snapshot_bytes_total of the job's rank 0: what subscribers
+    still reading made the rank copy into their pinned versions."""
+    url = "http://127.0.0.1:%d/metrics" % daemon.metrics_port
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(r'^zerod_pin_snapshot_bytes_total\{zerod_job="%s",rank="0"\} (\S+)$' % job,
+                  text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def wait_file(path: Path, timeout_s: float = 60) -> None:
@@ -189,8 +214,10 @@ def main() -> None:
             alone = rate(run(daemon.socket, tmp, "alone", args, args.steps, 0.0, 0, False)[0])
             followed, subs = run(daemon.socket, tmp, "followed", args, args.steps, 0.0,
                                  args.subscribers, False)
+            followed_copies = pin_copies(daemon, "followed")
             watched, watchers = run(daemon.socket, tmp, "watched", args, args.steps, 0.0,
                                     args.subscribers, False, read=False)
+            watched_copies = pin_copies(daemon, "watched")
             again = rate(run(daemon.socket, tmp, "again", args, args.steps, 0.0, 0, False)[0])
             base = (alone + again) / 2
             with_subs = rate(followed)
@@ -199,12 +226,14 @@ def main() -> None:
                    steps=args.steps, steps_per_s_alone=round(base, 3),
                    steps_per_s_alone_runs=[round(alone, 3), round(again, 3)],
                    steps_per_s_with_subscribers=round(with_subs, 3),
+                   pin_copies_per_step=round(followed_copies / w / args.steps, 3),
                    subscribers=args.subscribers, updates_seen=seen, cores=os.cpu_count())
             with_watchers = rate(watched)
             seen = [len([x for x in s if "version" in x]) for s in watchers]
             report("subscribe_trainer_steps_watch_only", with_watchers / base, 0.95, "min",
                    bytes=w, steps=args.steps, steps_per_s_alone=round(base, 3),
                    steps_per_s_with_watchers=round(with_watchers, 3),
+                   pin_copies_per_step=round(watched_copies / w / args.steps, 3),
                    subscribers=args.subscribers, updates_seen=seen, cores=os.cpu_count())
         finally:
             daemon.terminate()
