@@ -6,8 +6,6 @@
 
 #include "client_impl.h"
 
-#define WATCH_MAX_TIMEOUT_MS (24 * 3600 * 1000)
-
 /* Keeps the reply's unit list on the job (zd_update.changed) and learns
  * units the library has not listed yet (registered since the attach). */
 static zd_status take_changed(zd_job *job, const Zerod__V1__WatchVersionReply *reply,
@@ -42,10 +40,10 @@ zd_status zd_watch(zd_job *job, uint64_t after_version, int timeout_ms, zd_updat
                              "%s: only read-only jobs watch for versions; this one is attached "
                              "read-write and makes its own",
                              what);
-  if (timeout_ms < 0 || timeout_ms > WATCH_MAX_TIMEOUT_MS)
+  if (timeout_ms < 0 || (unsigned)timeout_ms > ZD_MAX_WATCH_TIMEOUT_MS)
     return client__set_error(ZD_E_INVALID_ARGUMENT,
-                             "%s: timeout_ms %d is out of range (0 to %d, 24 h)", what, timeout_ms,
-                             WATCH_MAX_TIMEOUT_MS);
+                             "%s: timeout_ms %d is out of range (0 to %u, 24 h)", what, timeout_ms,
+                             ZD_MAX_WATCH_TIMEOUT_MS);
   Zerod__V1__WatchVersionRequest request = ZEROD__V1__WATCH_VERSION_REQUEST__INIT;
   request.after_version = after_version;
   request.timeout_ms = (uint32_t)timeout_ms;

@@ -45,6 +45,8 @@
 #define ZD_MAX_DIMS             8
 /* Elements in one tensor, and in one unit (sum of its tensors). */
 #define ZD_MAX_NUMEL (1ull << 48)
+/* WatchVersionRequest.timeout_ms at most (24 h). */
+#define ZD_MAX_WATCH_TIMEOUT_MS (24u * 3600u * 1000u)
 /* The human-readable message of an Error or a Notice. */
 #define ZD_MAX_MESSAGE_BYTES 1024
 /* A GPU buffer (CudaBuffer): the sizes of cudaIpcMemHandle_t and

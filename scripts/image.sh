@@ -187,13 +187,7 @@ grep -q "^zerod:" "$rootfs/etc/group" || echo "zerod:x:$user_id:" >>"$rootfs/etc
   echo "zerod:!:::::::" >>"$rootfs/etc/shadow"
 # The working directory (home) and the default socket directory.
 install -d -m 0750 -o "$user_id" -g "$user_id" "$rootfs/var/lib/zerod" "$rootfs/run/zerod"
-# Device nodes are the runtime's to provide (it mounts /dev); mmdebstrap
-# made them for its chroot.
-find "$rootfs/dev" -mindepth 1 -delete
-# The build machine's resolver and name are not the image's; runtimes mount
-# their own.
-: >"$rootfs/etc/resolv.conf"
-: >"$rootfs/etc/hostname"
+strip_host_files "$rootfs"
 chroot "$rootfs" /sbin/ldconfig
 rootfs_bytes=$(du -sb "$rootfs" | cut -f1)
 "${buildah[@]}" umount "$container" >/dev/null
@@ -216,16 +210,9 @@ for port in "${ports[@]}"; do config+=(--port "$port/tcp"); done
 "${buildah[@]}" config "${config[@]}" "$container"
 
 echo "== buildah commit $name"
-previous=$("${buildah[@]}" images --quiet --no-trunc "$name" 2>/dev/null || true)
-"${buildah[@]}" commit --quiet --format oci --rm "$container" "$name" >/dev/null
-container=
-# The image this one replaces lost its name: remove it unless a container
-# still uses it.
-if [ -n "$previous" ] && [ "$previous" != "$("${buildah[@]}" images --quiet --no-trunc "$name")" ]; then
-  "${buildah[@]}" rmi "$previous" >/dev/null 2>&1 || true
-fi
-rm -f "$archive"
-"${buildah[@]}" push --quiet "$name" "oci-archive:$archive:$name"
+committing=$container
+container= # the commit removes it
+commit_and_archive "$committing" "$name" "$archive"
 
 echo "== done in $((SECONDS - started)) s"
 echo "image:   $name (buildah --root $storage/root --storage-driver $driver images)"

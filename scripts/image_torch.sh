@@ -122,9 +122,7 @@ cat "$out/image-torch-check.log"
 kill "$daemon"
 wait "$daemon" 2>/dev/null || true
 daemon=
-find "$rootfs/dev" -mindepth 1 -delete
-: >"$rootfs/etc/resolv.conf"
-: >"$rootfs/etc/hostname"
+strip_host_files "$rootfs"
 rootfs_bytes=$(du -sb "$rootfs" | cut -f1)
 "${buildah[@]}" umount "$container" >/dev/null
 mounted=
@@ -137,14 +135,9 @@ echo "== buildah commit $name"
   --label org.opencontainers.image.title=zerod-torch \
   --label "org.opencontainers.image.description=the zerod Python package, Debian's PyTorch and examples/python on Debian $suite" \
   --label "org.opencontainers.image.version=$version" "$container"
-previous=$("${buildah[@]}" images --quiet --no-trunc "$name" 2>/dev/null || true)
-"${buildah[@]}" commit --quiet --format oci --rm "$container" "$name" >/dev/null
-container=
-if [ -n "$previous" ] && [ "$previous" != "$("${buildah[@]}" images --quiet --no-trunc "$name")" ]; then
-  "${buildah[@]}" rmi "$previous" >/dev/null 2>&1 || true
-fi
-rm -f "$archive"
-"${buildah[@]}" push --quiet "$name" "oci-archive:$archive:$name"
+committing=$container
+container= # the commit removes it
+commit_and_archive "$committing" "$name" "$archive"
 echo "== done in $((SECONDS - started)) s"
 echo "archive: $archive, $(du -h "$archive" | cut -f1) (compressed layer)"
 echo "rootfs:  $((rootfs_bytes / 1024 / 1024)) MiB unpacked"

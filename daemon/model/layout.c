@@ -110,6 +110,8 @@ int unit_layout_build(const char *name, unsigned ntensors, const char *const *te
     }
     tl->ndim = ndims[t];
     tl->frozen = frozen[t] != 0;
+    if (!tl->frozen)
+      l->trainable = 1;
     uint64_t numel = 1;
     for (unsigned d = 0; d < tl->ndim; d++) {
       tl->shape[d] = shapes[t][d];

@@ -36,6 +36,7 @@ typedef struct unit_layout {
   uint64_t packed_numel; /* sum of the tensors' numel (initial values) */
   uint64_t padded_numel; /* multiple of world * JOB_ALIGN_NUMEL */
   uint64_t shard_numel;
+  int trainable;       /* a tensor is not frozen: a step changes the unit */
   uint8_t *descriptor; /* canonical bytes compared across ranks */
   size_t descriptor_bytes;
   /* Ranks whose shard of the unit holds its initial values. A unit is

@@ -93,7 +93,7 @@ static reader_buf *buf_slot(reader *r, uint32_t unit_id) {
 }
 
 static reader_buf *buf_of(reader *r, uint32_t unit_id) {
-  return reader__buf_of(r, unit_id);
+  return unit_id < r->nbufs && r->bufs[unit_id].id != 0 ? &r->bufs[unit_id] : NULL;
 }
 
 /* Makes room for `need` more bytes under the cap by evicting released

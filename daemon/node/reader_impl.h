@@ -56,11 +56,6 @@ struct reader {
   uint32_t nlisted;
 };
 
-/* The buffer of a unit, or NULL. */
-static inline reader_buf *reader__buf_of(reader *r, uint32_t unit_id) {
-  return unit_id < r->nbufs && r->bufs[unit_id].id != 0 ? &r->bufs[unit_id] : NULL;
-}
-
 /* reader_watch.c (which calls nothing of reader.c; reader.c hands parked
  * ops back and runs what queued behind them): a WATCH, answered now
  * (returns 1) or parked on the env's list until a newer version, its

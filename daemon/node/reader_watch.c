@@ -20,14 +20,14 @@
 #include <string.h>
 
 #include "clock.h"
+#include "frame.h"
 #include "log.h"
 #include "pin.h"
 
 #include "reader_impl.h"
 
-#define WATCH_POLL_MS        20
-#define WATCH_NONE           UINT64_MAX /* WatchVersionRequest.after_version: nothing held */
-#define WATCH_MAX_TIMEOUT_MS (24u * 3600u * 1000u)
+#define WATCH_POLL_MS 20
+#define WATCH_NONE    UINT64_MAX /* WatchVersionRequest.after_version: nothing held */
 
 static void link_watcher(reader *r) {
   reader_env *env = r->env;
@@ -88,7 +88,7 @@ static int changed_units(reader *r, uint64_t after, uint32_t **out, size_t *n) {
   }
   for (uint32_t u = 0; u < total; u++) {
     const unit_layout *l = units[u];
-    if (l == NULL || atomic_load(&l->ready_ranks) < j->nranks || l->id >= r->nlisted)
+    if (l == NULL || atomic_load(&l->ready_ranks) < j->nranks)
       continue;
     if (after == WATCH_NONE || atomic_load(&l->changed_version) > after || !r->listed[l->id]) {
       ids[(*n)++] = l->id;
@@ -190,10 +190,10 @@ static int try_answer(reader *r, exec_op *op, uint64_t after, uint64_t deadline_
 
 int reader__watch(reader *r, exec_op *op) {
   const Zerod__V1__WatchVersionRequest *req = (const Zerod__V1__WatchVersionRequest *)op->request;
-  if (req->timeout_ms > WATCH_MAX_TIMEOUT_MS) {
+  if (req->timeout_ms > ZD_MAX_WATCH_TIMEOUT_MS) {
     exec_error(op, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
                "watch timeout_ms %" PRIu32 " is over the limit of %u (24 h)", req->timeout_ms,
-               WATCH_MAX_TIMEOUT_MS);
+               ZD_MAX_WATCH_TIMEOUT_MS);
     return 1;
   }
   uint64_t deadline = clock_now_ns() + (uint64_t)req->timeout_ms * 1000000u;

@@ -230,19 +230,12 @@ void pin_mark_changing(rank_state *rs, unit_layout *l) {
   }
 }
 
-static int has_trainable_tensor(const unit_layout *l) {
-  for (unsigned t = 0; t < l->ntensors; t++)
-    if (!l->tensors[t].frozen)
-      return 1;
-  return 0;
-}
-
 void pin_mark_step(rank_state *rs) {
   for (uint32_t u = 0; u < rs->nshards; u++) {
     if (!rs->shards[u].present || rs->shards[u].from_base)
       continue;
     unit_layout *l = job_unit(rs->job, u);
-    if (l != NULL && has_trainable_tensor(l))
+    if (l != NULL && l->trainable)
       pin_mark_changing(rs, l);
   }
 }

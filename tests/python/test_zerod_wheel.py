@@ -86,12 +86,12 @@ def needed(library):
 
 
 def make_bare_root(path):
-    """bookworm's essential set with python3 and python3-pip, no docs."""
+    """bookworm's essential set with python3, python3-pip and libstdc++6, as
+    the images' root file systems are made (scripts/image_lib.sh)."""
+    log = str(path) + ".log"
     made = subprocess.run(
-        ["mmdebstrap", "--variant=essential", "--quiet",
-         "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr", "--include=python3,python3-pip,libstdc++6",
-         "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-exclude=/usr/share/man/*",
-         "--dpkgopt=path-exclude=/usr/share/locale/*", "bookworm", str(path)],
+        ["bash", "-c", '. "$0" && mmdebstrap_root bookworm "$1" "$2" "" python3 python3-pip '
+         'libstdc++6', os.path.join(ROOT, "scripts", "image_lib.sh"), str(path), log],
         capture_output=True, text=True, timeout=900)
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
 
