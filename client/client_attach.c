@@ -13,6 +13,7 @@ void client__unit_free(client_unit *unit) {
   free(unit->grad_tensors);
   free(unit->info_tensors);
   free(unit->name);
+  free(unit->delta_bits);
   if (unit->stable_base != NULL)
     munmap(unit->stable_base, unit->stable_bytes);
 }

@@ -321,7 +321,7 @@ static zd_status fill_view(zd_client *client, client_unit *unit, zd_tensor_view 
  * Gather, release, gradients, reduce
  * ------------------------------------------------------------------------ */
 
-zd_status zd_gather_async(zd_job *job, zd_unit unit_id, zd_pending *out) {
+zd_status client__gather_async(zd_job *job, zd_unit unit_id, int delta, zd_pending *out) {
   char what[64];
   snprintf(what, sizeof what, "gather unit %u", (unsigned)unit_id);
   if (out == NULL)
@@ -335,6 +335,7 @@ zd_status zd_gather_async(zd_job *job, zd_unit unit_id, zd_pending *out) {
     return status;
   Zerod__V1__GatherRequest request = ZEROD__V1__GATHER_REQUEST__INIT;
   request.unit_id = unit_id;
+  request.delta = delta != 0;
   uint64_t request_id;
   status = client__send(job->client, ZEROD__V1__MSG_TYPE__MSG_GATHER, &request.base, NULL, 0, 1,
                         what, &request_id);
@@ -347,7 +348,36 @@ zd_status zd_gather_async(zd_job *job, zd_unit unit_id, zd_pending *out) {
   return ZD_OK;
 }
 
+zd_status zd_gather_async(zd_job *job, zd_unit unit_id, zd_pending *out) {
+  return client__gather_async(job, unit_id, 0, out);
+}
+
+/* A delta gather's answer, kept on the unit (zd_delta.changed). */
+static zd_status take_delta(client_unit *unit, const Zerod__V1__GatherReply *reply,
+                            client_delta *out, const char *what) {
+  memset(out, 0, sizeof *out);
+  out->delta = reply->delta;
+  out->from = reply->delta_from;
+  out->block_bytes = reply->block_bytes;
+  if (!reply->delta)
+    return ZD_OK;
+  uint8_t *bits = malloc(reply->changed_blocks.len ? reply->changed_blocks.len : 1);
+  if (bits == NULL)
+    return client__set_error(ZD_E_RESOURCE_EXHAUSTED, "%s: out of memory", what);
+  memcpy(bits, reply->changed_blocks.data, reply->changed_blocks.len);
+  free(unit->delta_bits);
+  unit->delta_bits = bits;
+  out->bits = bits;
+  out->bits_bytes = reply->changed_blocks.len;
+  return ZD_OK;
+}
+
 zd_status zd_gather_wait(zd_job *job, const zd_pending *caller_pending, zd_view *out) {
+  return client__gather_wait(job, caller_pending, out, NULL);
+}
+
+zd_status client__gather_wait(zd_job *job, const zd_pending *caller_pending, zd_view *out,
+                              client_delta *delta) {
   if (caller_pending == NULL || out == NULL)
     return client__set_error(ZD_E_INVALID_ARGUMENT, "gather: pending and out must not be NULL");
   zd_pending local_pending, *pending = &local_pending;
@@ -388,6 +418,8 @@ zd_status zd_gather_wait(zd_job *job, const zd_pending *caller_pending, zd_view 
   copy_cuda_handles(reply->cuda, &cuda);
   /* The protocol has drops handled before the rest of the reply. */
   forget_dropped_buffers(client, reply->dropped_buffer_ids, reply->n_dropped_buffer_ids);
+  if (delta != NULL && reply_unit == pending->unit)
+    status = take_delta(unit, reply, delta, what);
   protobuf_c_message_free_unpacked(reply_msg, NULL);
   if (reply_unit != pending->unit) {
     client__close_fds(fds, nfds);
@@ -396,6 +428,10 @@ zd_status zd_gather_wait(zd_job *job, const zd_pending *caller_pending, zd_view 
   /* The daemon holds the unit now, whatever happens to the mapping below:
    * the worker must release it either way. */
   unit->gather_hold = GATHER_HOLD_HELD;
+  if (status != ZD_OK) {
+    client__close_fds(fds, nfds);
+    return status;
+  }
   void *base = NULL;
   size_t view_bytes = (size_t)buffer_bytes;
   buffer_mapping *gpu = NULL;

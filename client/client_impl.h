@@ -126,7 +126,23 @@ typedef struct client_unit {
    * maps held_gather_buffer; otherwise it is PROT_NONE anonymous memory. */
   void *stable_base;
   size_t stable_bytes;
+  /* The blocks the last delta gather wrote (zd_delta.changed), or NULL. */
+  uint8_t *delta_bits;
 } client_unit;
+
+/* What a delta gather's reply said (client_buffer.c to client_watch.c). */
+typedef struct client_delta {
+  int delta;
+  uint64_t from;
+  uint32_t block_bytes;
+  const uint8_t *bits;
+  size_t bits_bytes;
+} client_delta;
+/* zd_gather_async and zd_gather_wait, with a delta gather (delta != NULL:
+ * its answer). */
+zd_status client__gather_async(zd_job *job, zd_unit unit_id, int delta, zd_pending *out);
+zd_status client__gather_wait(zd_job *job, const zd_pending *pending, zd_view *out,
+                              client_delta *delta);
 
 struct zd_job {
   zd_client *client;

@@ -1,5 +1,6 @@
 /* client_watch: zd_watch, a read-only job's subscriber waiting for the
- * next version (docs/subscribe.md). */
+ * next version, and zd_gather_delta, its reads of what changed
+ * (docs/subscribe.md). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,4 +73,48 @@ zd_status zd_watch(zd_job *job, uint64_t after_version, int timeout_ms, zd_updat
     return status;
   client__sized_out_write(out, &result, sizeof result);
   return client__finish(job->client);
+}
+
+static size_t count_bits(const uint8_t *bits, size_t bytes) {
+  size_t n = 0;
+  for (size_t i = 0; i < bytes; i++)
+    n += (size_t)__builtin_popcount(bits[i]);
+  return n;
+}
+
+zd_status zd_gather_delta(zd_job *job, zd_unit unit, zd_view *out, zd_delta *delta) {
+  char what[64];
+  snprintf(what, sizeof what, "delta gather unit %u", (unsigned)unit);
+  zd_status status = client__job_check(job, what);
+  if (status != ZD_OK)
+    return status;
+  if (out == NULL || delta == NULL)
+    return client__set_error(ZD_E_INVALID_ARGUMENT, "%s: out and delta must not be NULL", what);
+  if ((status = SIZED_OUT_CHECK(out, zd_view, base, what, "ZD_VIEW_INIT")) != ZD_OK ||
+      (status = SIZED_OUT_CHECK(delta, zd_delta, changed, what, "ZD_DELTA_INIT")) != ZD_OK)
+    return status;
+  if (!job->read_only)
+    return client__set_error(ZD_E_FAILED_PRECONDITION,
+                             "%s: delta gathers are for read-only jobs; this one is attached "
+                             "read-write",
+                             what);
+  zd_pending pending = ZD_PENDING_INIT;
+  if ((status = client__gather_async(job, unit, 1, &pending)) != ZD_OK)
+    return status;
+  client_delta answer;
+  if ((status = client__gather_wait(job, &pending, out, &answer)) != ZD_OK)
+    return status;
+  zd_delta result = ZD_DELTA_INIT;
+  result.full = !answer.delta;
+  result.block_bytes = answer.block_bytes;
+  if (answer.block_bytes == 0)
+    return client__protocol_error(job->client, what, "the delta gather's reply has no block size");
+  result.nblocks = (out->bytes + answer.block_bytes - 1) / answer.block_bytes;
+  if (answer.delta) {
+    result.from_version = answer.from;
+    result.changed = answer.bits;
+    result.nchanged = count_bits(answer.bits, answer.bits_bytes);
+  }
+  client__sized_out_write(delta, &result, sizeof result);
+  return ZD_OK;
 }

@@ -523,6 +523,37 @@ typedef struct zd_update {
  * has reset), ZD_E_UNAVAILABLE (the daemon is stopping). */
 ZD_API zd_status zd_watch(zd_job *job, uint64_t after_version, int timeout_ms, zd_update *out);
 
+/* What a delta gather changed (zd_gather_delta; initialise with
+ * ZD_DELTA_INIT). full: the buffer was filled whole (the session's first
+ * gather of the unit, or its buffer was let go or its last fill failed):
+ * read every byte. Otherwise the buffer held from_version's values, the
+ * version of the unit's previous gather in this session, and only the
+ * blocks set in changed were written: block b is bytes [b * block_bytes,
+ * (b + 1) * block_bytes) of the view (the last one shorter), set when
+ * bit b % 8 of changed[b / 8] is 1; nchanged counts them. A caller that
+ * holds from_version's values elsewhere (a model in GPU memory) brings
+ * them to the view's version by copying those blocks only. changed is
+ * owned by the library, valid until the unit's next gather or zd_close.
+ * ABI 1.3. */
+typedef struct zd_delta {
+  size_t struct_size;
+  int full;
+  uint64_t from_version;
+  size_t block_bytes;
+  size_t nblocks;
+  size_t nchanged;
+  const uint8_t *changed;
+} zd_delta;
+
+#define ZD_DELTA_INIT ZD_SIZED_INIT(zd_delta)
+
+/* Read-only jobs (subscribers, docs/subscribe.md, "Deltas"): zd_gather,
+ * with the daemon comparing the unit's buffer with the version it serves
+ * block by block and writing only the blocks that differ, which *delta
+ * lists. Statuses: zd_gather's, and ZD_E_FAILED_PRECONDITION (a read-write
+ * job). */
+ZD_API zd_status zd_gather_delta(zd_job *job, zd_unit unit, zd_view *out, zd_delta *delta);
+
 /* What one rank's collectives moved since the job was created on its node
  * (zd_job_stats): per communicator level ("node": between ranks on that
  * node; "cross": between nodes, in a hierarchical collective; "world": a

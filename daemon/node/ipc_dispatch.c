@@ -321,6 +321,14 @@ void ipc__dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int *
                     h->type == ZEROD__V1__MSG_TYPE__MSG_PIN ? "pin" : "watch", s->rank->rank);
     goto out;
   }
+  if (s->read_only == NULL && h->type == ZEROD__V1__MSG_TYPE__MSG_GATHER &&
+      ((const Zerod__V1__GatherRequest *)msg)->delta) {
+    ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                    "a delta gather is for read-only sessions; this session is read-write "
+                    "(rank %d)",
+                    s->rank->rank);
+    goto out;
+  }
   if (h->type == ZEROD__V1__MSG_TYPE__MSG_CHECKPOINT) {
     char bad[512];
     if (ckpt_call_check((const Zerod__V1__CheckpointRequest *)msg, bad, sizeof bad) != 0) {

@@ -73,6 +73,7 @@ static void buf_destroy(reader *r, reader_buf *b) {
     remember_dropped(r, b->id);
   r->buffer_bytes -= b->region.bytes;
   shm_region_destroy(&b->region);
+  free(b->changed);
   memset(b, 0, sizeof *b);
 }
 
@@ -144,6 +145,13 @@ static void gather_reply(reader *r, exec_op *op, reader_buf *b, uint32_t unit_id
   reply.version = b->valid_version;
   reply.dropped_buffer_ids = r->dropped_ids;
   reply.n_dropped_buffer_ids = r->ndropped;
+  if (((Zerod__V1__GatherRequest *)op->request)->delta) {
+    reply.delta = b->delta;
+    reply.delta_from = b->delta ? b->delta_from : 0;
+    reply.block_bytes = PIN_DELTA_BLOCK_BYTES;
+    reply.changed_blocks.data = b->changed;
+    reply.changed_blocks.len = b->delta ? b->changed_bytes : 0;
+  }
   exec_reply(op, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, &reply.base);
   if (op->status != ZEROD__V1__STATUS__STATUS_OK)
     return;
@@ -183,6 +191,28 @@ static unit_layout *gather_checks(reader *r, exec_op *op) {
     return NULL;
   }
   return l;
+}
+
+/* A delta gather (docs/subscribe.md, "Deltas") into b, which holds
+ * valid_version's values (UINT64_MAX: none, so it is filled whole): its
+ * bitmap, zeroed. Returns the bitmap pin_read_unit marks, or NULL for a
+ * whole fill; -ENOMEM in *rc when the bitmap cannot be had. */
+static uint8_t *delta_begin(const job *j, const unit_layout *l, reader_buf *b, int *rc) {
+  size_t bytes = pin_delta_bitmap_bytes(l->padded_numel * zk_dtype_size(j->config.working_dtype));
+  *rc = 0;
+  if (b->changed_bytes != bytes) {
+    uint8_t *grown = realloc(b->changed, bytes ? bytes : 1);
+    if (grown == NULL) {
+      *rc = -ENOMEM;
+      return NULL;
+    }
+    b->changed = grown;
+    b->changed_bytes = bytes;
+  }
+  memset(b->changed, 0, b->changed_bytes);
+  b->delta = b->valid_version != UINT64_MAX;
+  b->delta_from = b->valid_version;
+  return b->delta ? b->changed : NULL;
 }
 
 /* Threadpool: a gather that copies. */
@@ -227,6 +257,14 @@ static void gather_copy(reader *r, exec_op *op) {
   }
   pin_read_control control = {
       .generation = op->generation, .cancel = &r->cancel, .timeout_ms = r->env->timeout_ms};
+  if (req->delta) {
+    int rc;
+    control.changed = delta_begin(j, l, b, &rc);
+    if (rc != 0) {
+      exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+      return;
+    }
+  }
   char err[512] = "";
   uint64_t served = UINT64_MAX;
   int status = pin_read_unit(j, r->pin, l, b->region.base, b->valid_version, &control, &served, err,
@@ -249,7 +287,13 @@ static int gather_inline(reader *r, exec_op *op) {
   reader_buf *b = buf_of(r, req->unit_id);
   if (b == NULL || b->valid_version != target_version(r))
     return 0;
-  gather_reply(r, op, b, req->unit_id);
+  int rc = 0;
+  if (req->delta)
+    delta_begin(r->job, job_unit(r->job, req->unit_id), b, &rc);
+  if (rc != 0)
+    exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+  else
+    gather_reply(r, op, b, req->unit_id);
   return 1;
 }
 

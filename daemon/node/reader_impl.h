@@ -18,6 +18,12 @@ typedef struct reader_buf {
   int held;               /* between GATHER and RELEASE */
   int sent;               /* the session was given the descriptor */
   uint64_t last_use;      /* LRU tick */
+  /* The last delta gather's answer: the version the buffer held before
+   * (delta_from; delta 0: none, filled whole) and the blocks it wrote. */
+  int delta;
+  uint64_t delta_from;
+  uint8_t *changed;
+  size_t changed_bytes;
 } reader_buf;
 
 struct reader {

@@ -318,6 +318,53 @@ static int copy_live_slice(job *j, int rank, const unit_layout *l, const void *s
   return ZEROD__V1__STATUS__STATUS_INTERNAL;
 }
 
+/* Copies a slice of bytes at offset `at` of the unit from src to dst,
+ * block by block (PIN_DELTA_BLOCK_BYTES of the unit): a block whose bytes
+ * already match is left alone, one that differs is written and its bit
+ * set in changed. */
+static void delta_copy(uint8_t *dst, const uint8_t *src, size_t bytes, size_t at,
+                       uint8_t *changed) {
+  size_t done = 0;
+  while (done < bytes) {
+    size_t block = (at + done) / PIN_DELTA_BLOCK_BYTES;
+    size_t end = (block + 1) * PIN_DELTA_BLOCK_BYTES - at;
+    size_t n = (end < bytes ? end : bytes) - done;
+    if (memcmp(dst + done, src + done, n) != 0) {
+      memcpy(dst + done, src + done, n);
+      changed[block / 8] |= (uint8_t)(1u << (block % 8));
+    }
+    done += n;
+  }
+}
+
+/* Marks the blocks of a slice written whole (a delta read from a device). */
+static void delta_mark(size_t bytes, size_t at, uint8_t *changed) {
+  if (bytes == 0)
+    return;
+  for (size_t b = at / PIN_DELTA_BLOCK_BYTES; b <= (at + bytes - 1) / PIN_DELTA_BLOCK_BYTES; b++)
+    changed[b / 8] |= (uint8_t)(1u << (b % 8));
+}
+
+/* Rank r's slice into its place in dst: a plain copy, or a delta read's
+ * (c->changed). A live slice in device memory is read whole and marked
+ * (comparing would need a host copy of it first). Rank lock held. */
+static int copy_slice(job *j, int r, const unit_layout *l, const void *src, int live, uint8_t *dst,
+                      size_t slice_bytes, const pin_read_control *c, char *err, size_t err_bytes) {
+  size_t at = (size_t)r * slice_bytes;
+  int host = !live || device_is_host(j->ranks[r].dev);
+  if (c->changed != NULL && host) {
+    delta_copy(dst + at, src, slice_bytes, at, c->changed);
+    return 0;
+  }
+  if (c->changed != NULL)
+    delta_mark(slice_bytes, at, c->changed);
+  if (!live) {
+    memcpy(dst + at, src, slice_bytes);
+    return 0;
+  }
+  return copy_live_slice(j, r, l, src, dst + at, slice_bytes, err, err_bytes);
+}
+
 /* A rank's live slice of the unit; rank lock held. */
 static const void *live_slice(job *j, int rank, const unit_layout *l) {
   const rank_state *rs = &j->ranks[rank];
@@ -381,11 +428,8 @@ static int read_pinned(job *j, job_pin *pin, const unit_layout *l, uint8_t *dst,
       pthread_mutex_unlock(&j->pin_mutex);
       /* A snapshot is immutable and lives as long as the pin, which the
        * caller holds; a live slice is stable under the read lock. */
-      if (status == 0 && live)
-        status = copy_live_slice(j, r, l, src, dst + (size_t)r * slice_bytes, slice_bytes, err,
-                                 err_bytes);
-      else if (status == 0)
-        memcpy(dst + (size_t)r * slice_bytes, src, slice_bytes);
+      if (status == 0)
+        status = copy_slice(j, r, l, src, live, dst, slice_bytes, c, err, err_bytes);
       pthread_rwlock_unlock(&j->rank_locks[r]);
       if (status != 0)
         return status;
@@ -429,8 +473,7 @@ static int read_latest(job *j, const unit_layout *l, uint8_t *dst, size_t slice_
         status = ZEROD__V1__STATUS__STATUS_INTERNAL;
         break;
       }
-      status =
-          copy_live_slice(j, r, l, src, dst + (size_t)r * slice_bytes, slice_bytes, err, err_bytes);
+      status = copy_slice(j, r, l, src, 1, dst, slice_bytes, c, err, err_bytes);
     }
     for (int r = j->nranks - 1; r >= 0; r--)
       pthread_rwlock_unlock(&j->rank_locks[r]);

@@ -37,6 +37,7 @@
 
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stddef.h>
 
 #include "job.h"
 
@@ -108,12 +109,26 @@ typedef struct pin_read_control {
   unsigned generation; /* the job generation the read belongs to */
   _Atomic int *cancel; /* set by the session when it goes away */
   int timeout_ms;      /* how long to wait for a lagging rank */
+  /* A delta read (docs/subscribe.md, "Deltas"): dst holds have_version's
+   * values, and each block of PIN_DELTA_BLOCK_BYTES of the unit is
+   * compared before it is copied; bit b of changed (byte b / 8, bit
+   * b % 8; zeroed by the caller, pin_delta_bitmap_bytes long) is set when
+   * block b differed. NULL: a plain copy. */
+  uint8_t *changed;
 } pin_read_control;
+
+#define PIN_DELTA_BLOCK_BYTES 65536u
+/* The bitmap of a delta read of a unit of unit_bytes. */
+static inline size_t pin_delta_bitmap_bytes(uint64_t unit_bytes) {
+  uint64_t blocks = (unit_bytes + PIN_DELTA_BLOCK_BYTES - 1) / PIN_DELTA_BLOCK_BYTES;
+  return (size_t)((blocks + 7) / 8);
+}
 
 /* Copies unit l's working values, every rank's slice at its place, into
  * dst (l->padded_numel elements of the working dtype): at pin's version, or
  * with pin NULL at the latest version. When that version is have_version
- * the copy is skipped (dst already holds it). Waits for a rank that has not
+ * the copy is skipped (dst already holds it); with control->changed, only
+ * the blocks that differ from dst are written, and marked. Waits for a rank that has not
  * reached the version yet. The unit must be registered on every rank
  * (unit_layout.ready_ranks). Returns 0 with *served_version set, or a
  * Zerod__V1__Status with a message in err: FAILED_PRECONDITION (the unit did

@@ -38,6 +38,7 @@ STRUCTS = {
     "zd_param_group": _lib.ParamGroup,
     "zd_checkpoint_info": _lib.CheckpointInfo,
     "zd_update": _lib.Update,
+    "zd_delta": _lib.Delta,
 }
 
 # Every enum value and constant the package uses, by its name in zerod.h.

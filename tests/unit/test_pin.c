@@ -320,6 +320,55 @@ static void test_read_at_have_version_copies_nothing(void **state) {
   pin_release(fx->j, pin);
 }
 
+/* A delta read of the unit into dst; returns its bitmap (the unit fits
+ * in block 0: bit 0). */
+static uint8_t delta_read(fixture *fx, job_pin *pin, float *dst) {
+  uint8_t changed[1] = {0};
+  assert_int_equal(pin_delta_bitmap_bytes(fx->l->padded_numel * sizeof(float)), 1);
+  pin_read_control control = {.timeout_ms = 100, .changed = changed};
+  uint64_t served;
+  char err[256] = "";
+  int status =
+      pin_read_unit(fx->j, pin, fx->l, dst, UINT64_MAX, &control, &served, err, sizeof err);
+  if (status != 0)
+    fail_msg("delta read: status %d (%s)", status, err);
+  return changed[0];
+}
+
+static void expect_values(fixture *fx, const float *dst, uint64_t version) {
+  for (uint64_t k = 0; k < fx->l->padded_numel; k++)
+    if (dst[k] != value_at(version, k))
+      fail_msg("element %llu: %g, expected version %llu's %g", (unsigned long long)k,
+               (double)dst[k], (unsigned long long)version, (double)value_at(version, k));
+}
+
+/* A delta read marks a block whose values differ from dst's and writes it;
+ * one that matches is neither marked nor written, from live slices and
+ * from a pin's snapshots alike. */
+static void test_delta_read_marks_changed_blocks_only(void **state) {
+  fixture *fx = *state;
+  float dst[64];
+  memset(dst, 0, sizeof dst);
+  assert_int_equal(delta_read(fx, NULL, dst), 1); /* zeros -> version 0 */
+  expect_values(fx, dst, 0);
+  assert_int_equal(delta_read(fx, NULL, dst), 0); /* the same values: nothing */
+  expect_values(fx, dst, 0);
+
+  job_pin *pin = pin_acquire_latest(fx->j, 0, NULL);
+  for (int r = 0; r < fx->world; r++)
+    rank_write(fx, r);
+  assert_true(pin->saved[0]);
+  assert_int_equal(delta_read(fx, pin, dst), 0); /* the snapshot holds version 0 */
+  expect_values(fx, dst, 0);
+  assert_int_equal(delta_read(fx, NULL, dst), 1); /* live: version 1 */
+  expect_values(fx, dst, 1);
+  /* Only the last element differs: the block is written again. */
+  dst[fx->l->padded_numel - 1] = -1.0f;
+  assert_int_equal(delta_read(fx, NULL, dst), 1);
+  expect_values(fx, dst, 1);
+  pin_release(fx->j, pin);
+}
+
 /* ---- Waiting for a lagging rank ------------------------------------------------ */
 
 static void test_read_times_out_unavailable_for_a_lagging_rank(void **state) {
@@ -453,6 +502,8 @@ int main(void) {
       PIN_TEST(test_pin_keeps_old_values_after_a_write, 1),
       PIN_TEST(test_pin_keeps_old_values_after_a_write, 2),
       PIN_TEST(test_read_at_have_version_copies_nothing, 2),
+      PIN_TEST(test_delta_read_marks_changed_blocks_only, 1),
+      PIN_TEST(test_delta_read_marks_changed_blocks_only, 2),
       PIN_TEST(test_read_times_out_unavailable_for_a_lagging_rank, 2),
       PIN_TEST(test_reader_waits_for_a_lagging_rank_to_catch_up, 2),
       PIN_TEST(test_read_aborted_when_the_job_fails_while_waiting, 2),

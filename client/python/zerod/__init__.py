@@ -21,7 +21,7 @@ from .errors import (AbortedError, AlreadyExistsError, Error, FailedPrecondition
                      PermissionDeniedError, ProtocolError, ResourceExhaustedError, ShardingError,
                      UnavailableError)
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, NVMeOffloadPolicy, OffloadPolicy
-from ._subscribe import Subscription, Update
+from ._subscribe import Delta, Subscription, Update
 
 __version__ = "0.1.0"
 
@@ -31,5 +31,5 @@ __all__ = [
     "Gathered", "InternalError", "InvalidArgumentError", "Job", "JobConfig", "NoMemoryError",
     "NotFoundError", "PermissionDeniedError", "ProtocolError", "ResourceExhaustedError",
     "ShardingError", "StepResult", "Subscription", "TensorInfo", "UnavailableError", "Unit",
-    "Update", "default_socket",
+    "Update", "Delta", "default_socket",
 ]

@@ -204,6 +204,18 @@ class Update(ctypes.Structure):
     ]
 
 
+class Delta(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("full", c_int),
+        ("from_version", c_uint64),
+        ("block_bytes", c_size_t),
+        ("nblocks", c_size_t),
+        ("nchanged", c_size_t),
+        ("changed", ctypes.POINTER(ctypes.c_uint8)),
+    ]
+
+
 class Pending(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("request_id", c_uint64), ("unit", c_uint32)]
 
@@ -292,6 +304,7 @@ _SIGNATURES = {
     "zd_read_state": (c_int, [c_void_p, c_uint32, c_int, c_void_p, c_size_t, _P(c_uint64)]),
     "zd_register_unit": (c_int, [c_void_p, _P(UnitDesc), _P(c_uint32)]),
     "zd_gather": (c_int, [c_void_p, c_uint32, _P(View)]),
+    "zd_gather_delta": (c_int, [c_void_p, c_uint32, _P(View), _P(Delta)]),
     "zd_gather_async": (c_int, [c_void_p, c_uint32, _P(Pending)]),
     "zd_gather_wait": (c_int, [c_void_p, _P(Pending), _P(View)]),
     "zd_release": (c_int, [c_void_p, c_uint32]),

@@ -594,12 +594,23 @@ class Unit:
         self.tensors: Tuple[TensorInfo, ...] = tuple(tensors)
         self.from_base = False
 
-    def gather(self) -> "Gathered":
-        """Gathers the unit's full values (collective for read-write jobs)."""
+    def gather(self, delta: bool = False) -> "Gathered":
+        """Gathers the unit's full values (collective for read-write jobs).
+        Read-only jobs, with `delta`: the daemon writes only the blocks that
+        changed since this session's previous gather of the unit, listed in
+        the result's ``delta`` (a :class:`zerod.Delta`; docs/subscribe.md)."""
         view = _lib.sized(_lib.View)
-        _check(self.job._lib.zd_gather(self.job._handle, self.id, ctypes.byref(view)),
-               "gather %s" % self.name)
-        return Gathered(self, view, writable=False)
+        if not delta:
+            _check(self.job._lib.zd_gather(self.job._handle, self.id, ctypes.byref(view)),
+                   "gather %s" % self.name)
+            return Gathered(self, view, writable=False)
+        answer = _lib.sized(_lib.Delta)
+        _check(self.job._lib.zd_gather_delta(self.job._handle, self.id, ctypes.byref(view),
+                                             ctypes.byref(answer)),
+               "delta gather %s" % self.name)
+        gathered = Gathered(self, view, writable=False)
+        gathered.delta = _subscribe.Delta(answer)
+        return gathered
 
     def release(self) -> None:
         """Releases a gathered unit (one-way: no round trip). A unit that is
@@ -731,8 +742,11 @@ class Buffer:
 
 
 class Gathered(Buffer):
-    """A gathered unit; ``version`` is the version its values come from.
-    Use as a context manager to release it."""
+    """A gathered unit; ``version`` is the version its values come from;
+    ``delta`` what a delta gather wrote (None for a plain gather). Use as a
+    context manager to release it."""
+
+    delta: Optional["_subscribe.Delta"] = None
 
     def release(self) -> None:
         self.unit.release()

@@ -23,28 +23,26 @@ def _parameters(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def load_update(model: nn.Module, update: Update) -> int:
-    """Copies every tensor of the update into the model's parameter of the
-    same name, in place, converting to the parameter's dtype; returns the
-    elements copied. A tensor the model has no parameter for, or one of
-    another shape, is an error that names it (the model is not the one the
-    job trains); nothing of the update is copied then."""
+    """Brings the model's parameters of the update's tensors to its
+    version, in place, converting to each parameter's dtype, with delta
+    gathers (Update.apply): a unit this subscription loaded before gets only
+    the blocks that changed since. Returns the elements copied. A tensor the
+    model has no parameter for, or one of another shape, is an error that
+    names it (the model is not the one the job trains); nothing of the
+    update is copied then."""
     params = _parameters(model)
-    values = update.read_torch()
-    for name, value in values.items():
-        if name not in params:
-            raise KeyError("zerod.torch.follow: job %s has tensor %s, which the model lacks "
-                           "(its parameters: %s...)" % (update.job.name, name,
-                                                       ", ".join(sorted(params)[:5])))
-        if tuple(params[name].shape) != tuple(value.shape):
-            raise ValueError("zerod.torch.follow: tensor %s is %s in job %s but %s in the model"
-                             % (name, tuple(value.shape), update.job.name,
-                                tuple(params[name].shape)))
-    copied = 0
+    for unit in update.units:
+        for t in unit.tensors:
+            if t.name not in params:
+                raise KeyError("zerod.torch.follow: job %s has tensor %s, which the model lacks "
+                               "(its parameters: %s...)" % (update.job.name, t.name,
+                                                           ", ".join(sorted(params)[:5])))
+            if tuple(params[t.name].shape) != tuple(t.shape):
+                raise ValueError("zerod.torch.follow: tensor %s is %s in job %s but %s in the "
+                                 "model" % (t.name, tuple(t.shape), update.job.name,
+                                            tuple(params[t.name].shape)))
     with torch.no_grad():
-        for name, value in values.items():
-            params[name].copy_(value)
-            copied += value.numel()
-    return copied
+        return update.apply({name: p.data for name, p in params.items()})
 
 
 def follow(model: nn.Module, job: str, *, client: Optional[Client] = None,
