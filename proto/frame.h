@@ -179,6 +179,14 @@ bool zd_frame_reader_pending(const zd_frame_reader *reader);
 void zd_frame_reader_take(zd_frame_reader *reader, zd_frame_header *header, uint8_t **payload,
                           int *fds, unsigned *nfds);
 
+/* For a stream that carries raw bytes between frames (a follower's TCP
+ * connection, node/follow_fetch.c): copies into dst up to n of the bytes
+ * already read ahead after the last frame taken, and returns how many; the
+ * caller reads the rest from the socket itself. Only between frames, and
+ * only on a stream without descriptors (the stream offsets that place
+ * descriptors do not count bytes read outside the reader). */
+size_t zd_frame_reader_take_bytes(zd_frame_reader *reader, void *dst, size_t n);
+
 /* Closes any descriptors, frees the partial frame and the read-ahead
  * buffer, and forgets the bytes read ahead. */
 void zd_frame_reader_reset(zd_frame_reader *reader);

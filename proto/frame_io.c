@@ -483,3 +483,14 @@ int zd_frame_send(int sock, uint16_t type, uint64_t request_id, uint8_t flags,
     free(frame);
   return rc;
 }
+
+size_t zd_frame_reader_take_bytes(zd_frame_reader *reader, void *dst, size_t n) {
+  if (reader->header_decoded || reader->buffer == NULL)
+    return 0;
+  size_t k = buffered_bytes(reader);
+  if (k > n)
+    k = n;
+  memcpy(dst, reader->buffer + reader->buffer_start, k);
+  reader->buffer_start += k;
+  return k;
+}

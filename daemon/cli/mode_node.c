@@ -31,6 +31,7 @@
 #include "daemon.h"
 #include "flags.h"
 #include "health.h"
+#include "follow.h"
 #include "jobs.h"
 #include "log.h"
 #include "paths.h"
@@ -128,6 +129,7 @@ static void shutdown_daemon(zdaemon *d, const char *why) {
   char reason[128];
   snprintf(reason, sizeof reason, "zerod is shutting down (%s)", why);
   ipc_close_all(d, reason);
+  follow_stop(d);        /* attaches waiting for a mirror answered */
   ckpt_call_shutdown(d); /* workers' checkpoint calls give up */
   metrics_http_stop(d->metrics_http);
   d->metrics_http = NULL;
@@ -556,6 +558,10 @@ static int start_replicas(node_process *p) {
     fprintf(stderr, "zerod: replica server: %s\n", err);
     return 1;
   }
+  if (follow_init(d) != 0) {
+    fprintf(stderr, "zerod: out of memory\n");
+    return 1;
+  }
   return 0;
 }
 
@@ -631,6 +637,7 @@ static void free_daemon(node_process *p) {
   bases_metrics_stop(d);
   jobs_metrics_stop(d);
   jobs_free_all(d);
+  follow_free(d);
   base_cache_destroy(d->exec.base_cache); /* every job let go of its entries */
   d->exec.base_cache = NULL;
   int rc = uv_loop_close(d->loop);

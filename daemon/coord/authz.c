@@ -22,6 +22,10 @@
  *   FreezeJob               the job's tenant or an admin (docs/bases.md)
  *   ScaleJob                the job's tenant or an admin (docs/redundancy.md)
  *   IssueReadToken          a reader of the job's tenant and up
+ *   LocateJob               a node principal (following the job for its
+ *                           read-only sessions) or an admin; the handler
+ *                           checks that the request's token admits a
+ *                           read-only session of the job
  *   Put, Get, Delete (KV)   a node the job is placed on, or an admin
  *   Save, Delete checkpoint the job's tenant or an admin; Save also a
  *                           node the job is placed on (its workers asked:
@@ -321,6 +325,10 @@ static int method_rule(const authz_env *env, const coord_caller *who, const char
   if (IS(CTL_ISSUE_READ_TOKEN))
     return job_rule(env, who, ((const Zerod__V1__IssueReadTokenRequest *)msg)->job, 0,
                     "get read tokens of", err, err_bytes);
+  if (IS(CTL_LOCATE_JOB))
+    return who->role == AUTH_NODE || who->role == AUTH_ADMIN
+               ? 0
+               : deny(err, err_bytes, who, "locate jobs (nodes and admins may)");
   if (IS(CTL_DELETE_JOB))
     return job_rule(env, who, ((const Zerod__V1__DeleteJobRequest *)msg)->name, 1, "delete", err,
                     err_bytes);

@@ -30,9 +30,7 @@ int coord__mem_enabled(const cjob *j) {
   return p != NULL && p->redundancy != 0;
 }
 
-/* The replica server of the member named node, "host:port", into out;
- * "" when it is not a member or serves none. */
-static void replica_address(const coord *c, const char *node, char *out, size_t out_bytes) {
+void coord__replica_address(const coord *c, const char *node, char *out, size_t out_bytes) {
   const member *m = coord__find_member(c, node);
   out[0] = '\0';
   if (m == NULL || m->info->replica_port == 0)
@@ -52,7 +50,7 @@ static long buddy_of(const coord *c, const cjob *j, size_t at) {
   for (size_t k = 1; k < n; k++) {
     size_t b = (at + k) % n;
     char addr[COORD_ADDR_BYTES];
-    replica_address(c, j->msg->placement[b]->node, addr, sizeof addr);
+    coord__replica_address(c, j->msg->placement[b]->node, addr, sizeof addr);
     if (addr[0] != '\0')
       return (long)b;
   }
@@ -73,7 +71,7 @@ void coord__mem_assignment(const coord *c, cjob *j, size_t at, Zerod__V1__Assign
   a->replica_key.len = sizeof m->key;
   long b = buddy_of(c, j, at);
   if (b >= 0)
-    replica_address(c, j->msg->placement[b]->node, buddy, buddy_bytes);
+    coord__replica_address(c, j->msg->placement[b]->node, buddy, buddy_bytes);
   a->replica_buddy = buddy;
 }
 
@@ -204,7 +202,7 @@ static int restore_holders(const coord *c, const cjob *j, ckpt_order *o, uint64_
         held = rep->replicas[k].step == step && rep->replicas[k].world_size == n &&
                (rep->replicas[k].ranks >> r & 1);
       char *slot = o->mem_holders[r][h->n_addresses];
-      replica_address(c, c->members[i]->info->name, slot, COORD_ADDR_BYTES);
+      coord__replica_address(c, c->members[i]->info->name, slot, COORD_ADDR_BYTES);
       if (held && slot[0] != '\0')
         h->addresses[h->n_addresses++] = slot;
     }

@@ -181,6 +181,8 @@ int coord_register(coord *c, rpc_server *server) {
   if (rc == 0)
     rc = coord__bases_register(c, server);
   if (rc == 0)
+    rc = coord__locate_register(c, server);
+  if (rc == 0)
     rc = coord__kv_register(c, server);
   if (rc != 0)
     return rc;

@@ -313,6 +313,11 @@ int coord__random_bytes(void *buf, size_t len);
 long coord__member_index(const coord *c, const char *name);
 long coord__job_index(const coord *c, const char *name);
 member *coord__find_member(const coord *c, const char *name);
+/* The replica server of the member named node, "host:port", into out;
+ * "" when it is not a member or serves none (ckpt_memory.c). */
+void coord__replica_address(const coord *c, const char *node, char *out, size_t out_bytes);
+/* LocateJob (coord_locate.c). */
+int coord__locate_register(coord *c, rpc_server *server);
 cjob *coord__find_job(const coord *c, const char *name);
 /* Returns the job's placement index of node, or -1. */
 long coord__placement_of(const cjob *j, const char *node);

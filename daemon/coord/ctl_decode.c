@@ -445,6 +445,12 @@ static int check_delete_job(const ProtobufCMessage *msg, char *err, size_t err_b
   return check_name("name", ((const Zerod__V1__DeleteJobRequest *)msg)->name, err, err_bytes);
 }
 
+static int check_locate_job(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
+  const Zerod__V1__LocateJobRequest *r = (const void *)msg;
+  int rc = check_name("name", r->name, err, err_bytes);
+  return rc != 0 ? rc : check_token(r->token, 1, err, err_bytes);
+}
+
 static int check_issue_read_token(const ProtobufCMessage *msg, char *err, size_t err_bytes) {
   return check_name("job", ((const Zerod__V1__IssueReadTokenRequest *)msg)->job, err, err_bytes);
 }
@@ -625,6 +631,7 @@ static const ctl_method methods[CTL_NMETHODS] = {
     {CTL_EXPORT, &zerod__v1__export_request__descriptor, check_export},
     {CTL_FREEZE_JOB, &zerod__v1__freeze_job_request__descriptor, check_freeze_job},
     {CTL_SCALE_JOB, &zerod__v1__scale_job_request__descriptor, check_scale_job},
+    {CTL_LOCATE_JOB, &zerod__v1__locate_job_request__descriptor, check_locate_job},
 };
 
 const char *ctl_method_path(unsigned i) {

@@ -42,6 +42,7 @@
 #define CTL_EXPORT            "/zerod.v1.Checkpoints/Export"
 #define CTL_FREEZE_JOB        "/zerod.v1.Jobs/FreezeJob"
 #define CTL_SCALE_JOB         "/zerod.v1.Jobs/ScaleJob"
+#define CTL_LOCATE_JOB        "/zerod.v1.Jobs/LocateJob"
 
 /* Limits on requests (docs/control-plane.md, "Limits"). */
 #define CTL_NAME_MAX_BYTES    64         /* node and job names */
@@ -61,7 +62,7 @@
 #define CTL_MAX_SHARED_WITH   64   /* FreezeJobRequest.shared_with: tenants */
 
 /* The number of methods ctl_decode knows (the paths above). */
-#define CTL_NMETHODS 22
+#define CTL_NMETHODS 23
 
 /* The path of method i (0 <= i < CTL_NMETHODS), and the descriptor of its
  * request message, for tests and fuzzing; NULL past the end. */

@@ -100,8 +100,7 @@ int ckpt_call_check(const Zerod__V1__CheckpointRequest *req, char *err, size_t e
   return 0;
 }
 
-/* The worker protocol's status for a control-plane status. */
-static int ipc_status_of(int rpc_status) {
+int ckpt_call_ipc_status(int rpc_status) {
   switch (rpc_status) {
   case RPC_OK:
     return ZEROD__V1__STATUS__STATUS_OK;
@@ -183,7 +182,7 @@ static void ask_coordinator(ckpt_call *c) {
     pause = pause * 2 > 1000 ? 1000 : pause * 2;
   }
   if (rc != RPC_OK) {
-    c->status = ipc_status_of(rc);
+    c->status = ckpt_call_ipc_status(rc);
     snprintf(c->message, sizeof c->message, "checkpoint %s of job '%s' failed: %s: %s", verb(c),
              c->job_name, rpc_status_name(rc), result.message);
   } else if (c->action == ZEROD__V1__CHECKPOINT_ACTION__CHECKPOINT_ACTION_SAVE) {

@@ -49,4 +49,8 @@ void ckpt_call_shutdown(struct daemon *d);
  * frees a retired job only at 0). The loop calls it before jobs_reap. */
 void ckpt_call_sweep(struct daemon *d);
 
+/* The worker protocol's status (Zerod__V1__Status) for a control-plane
+ * status (rpc.h): what a worker is told when a call made for it fails. */
+int ckpt_call_ipc_status(int rpc_status);
+
 #endif /* ZEROD_CKPT_CALL_H */

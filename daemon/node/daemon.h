@@ -86,6 +86,9 @@ typedef struct daemon {
   /* zerod node: its in-memory copies and their server (replica.h); NULL
    * in zerod standalone. */
   struct replica_node *replicas;
+  /* zerod node: the mirrors of jobs other nodes host that its read-only
+   * sessions follow (follow.h); NULL in zerod standalone. */
+  struct follow_env *follow;
   /* Its channel to the coordinator (thread-safe blocking calls, rpc.h),
    * with this node's credentials: set by cluster_create. */
   struct rpc_channel *control_channel;

@@ -13,6 +13,7 @@
 #include "coord.h"
 #include "daemon.h"
 #include "digest.h"
+#include "follow.h"
 #include "jobs.h"
 #include "log.h"
 #include "pin.h"
@@ -181,25 +182,22 @@ static int job_has_session_room(session *s, uint64_t request_id, const job *j) {
   return 0;
 }
 
-/* A read-only session: no rank, no collectives. It joins an existing job
- * only, and answers at once from the loop (pinning takes the job's pin
- * mutex, which is never held for long; see pin.h). */
-static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
-                             const Zerod__V1__AttachRequest *req) {
+/* A mirror of a job another node hosts (follow.h) never resets here: it
+ * failed when its far side did, and the next attach follows anew. */
+static int mirror_usable(session *s, uint64_t request_id, job *j) {
+  char reason[512];
+  if (!job_failed(j, j->generation, reason, sizeof reason))
+    return 1;
+  ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_ABORTED, "job '%s' failed: %s", j->name,
+                  reason);
+  return 0;
+}
+
+/* A read-only session of j (a job of this node's, or a mirror of one
+ * another node hosts): the checks, the reader, the reply. */
+static void attach_reader(session *s, uint64_t request_id, uint8_t flags,
+                          const Zerod__V1__AttachRequest *req, job *j, int mirrored) {
   zdaemon *d = s->daemon;
-  if (req->create) {
-    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-                    "a read-only attach cannot create job '%s' (a read-write attach creates jobs)",
-                    req->job);
-    return;
-  }
-  job *j = jobs_find(d, req->job);
-  if (j == NULL) {
-    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
-                    "no job named '%s' (a read-only session attaches to an existing job)",
-                    req->job);
-    return;
-  }
   /* The owner token, or a read token (which admits nothing else). */
   if (token_of(j, req->token) == TOKEN_NONE) {
     send_token_refused(s, request_id, j, req->token, TOKEN_NONE);
@@ -212,7 +210,9 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
                     req->job);
     return;
   }
-  if (!job_usable_for_attach(s, request_id, j) || !job_has_session_room(s, request_id, j))
+  if (mirrored ? !mirror_usable(s, request_id, j) : !job_usable_for_attach(s, request_id, j))
+    return;
+  if (!job_has_session_room(s, request_id, j))
     return;
   reader *r;
   int rc = reader_create(&d->readers, j, s->id, req->pin, &r);
@@ -250,6 +250,41 @@ static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
   else
     LOG_INFOF("reader attached", "job=%s pid=%d uid=%d session=%llu pinned=false", j->name,
               (int)s->pid, (int)s->uid, (unsigned long long)s->id);
+}
+
+/* A read-only attach that waited for its mirror (follow_attach). */
+static void resume_followed(session *s, uint64_t request_id, uint8_t flags,
+                            const Zerod__V1__AttachRequest *req, job *j, int status,
+                            const char *message) {
+  if (j != NULL)
+    attach_reader(s, request_id, flags, req, j, 1);
+  else
+    ipc__send_error(s, request_id, status, "%s", message);
+}
+
+/* A read-only session: no rank, no collectives. It joins an existing job
+ * only: one of this node's, answered at once from the loop (pinning takes
+ * the job's pin mutex, which is never held for long; see pin.h), or, on a
+ * node of a cluster, one another node hosts, through a mirror of it
+ * (follow.h), answered once the mirror has the job's latest version. */
+static void attach_read_only(session *s, uint64_t request_id, uint8_t flags,
+                             const Zerod__V1__AttachRequest *req) {
+  zdaemon *d = s->daemon;
+  if (req->create) {
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
+                    "a read-only attach cannot create job '%s' (a read-write attach creates jobs)",
+                    req->job);
+    return;
+  }
+  job *j = jobs_find(d, req->job);
+  if (j != NULL) {
+    attach_reader(s, request_id, flags, req, j, 0);
+    return;
+  }
+  if (follow_attach(d, s, request_id, flags, req, resume_followed) != 0)
+    ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_NOT_FOUND,
+                    "no job named '%s' (a read-only session attaches to an existing job)",
+                    req->job);
 }
 
 /* A read-write attach to a job that exists uses the job's config, not the

@@ -270,7 +270,10 @@ void ipc__dispatch(session *s, const zd_frame_header *h, uint8_t *payload, int *
     goto out;
   }
   if (h->type == ZEROD__V1__MSG_TYPE__MSG_ATTACH) {
-    if (s->job != NULL)
+    if (s->attach_pending)
+      ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
+                      "this connection's attach is still in progress");
+    else if (s->job != NULL)
       ipc__send_error(s, h->request_id, ZEROD__V1__STATUS__STATUS_FAILED_PRECONDITION,
                       "this connection is already attached to job '%s'; one job per connection",
                       s->job->name);

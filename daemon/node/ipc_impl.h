@@ -54,6 +54,7 @@ struct session {
   int refs; /* 1 while open + 1 per op in flight */
   int inflight;
   int closing;
+  int attach_pending; /* a read-only ATTACH waits for a mirror (follow.h) */
   int poll_closed;
   out_frame *out_head, *out_tail;
   size_t out_bytes;

@@ -450,9 +450,11 @@ void reader_close(reader *r) {
 void reader_destroy(reader *r) {
   if (r == NULL)
     return;
-  for (uint32_t u = 0; u < r->nbufs; u++)
+  for (uint32_t u = 0; u < r->nbufs; u++) {
     if (r->bufs[u].id != 0)
       shm_region_destroy(&r->bufs[u].region);
+    free(r->bufs[u].changed);
+  }
   free(r->bufs);
   free(r->listed);
   free(r->dropped_ids);

@@ -1,6 +1,8 @@
 /* replica: a node's in-memory copies of its jobs' state (replica.h). */
 #include "replica.h"
 
+#include "follow.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <ftw.h>
@@ -76,6 +78,8 @@ int replica_start(zdaemon *d, const char *root, const char *host, char *err, siz
     snprintf(err, err_bytes, "cannot create the replica directory %s: %s", root, strerror(-rc));
   } else {
     rc = replica_server_start(host, 0, root, key_of, r, &r->server, err, err_bytes);
+    if (rc == 0)
+      replica_server_set_follow(r->server, follow_relay, d);
   }
   if (rc != 0) {
     pthread_mutex_destroy(&r->mutex);

@@ -13,6 +13,10 @@
  *                 not starting with '.')
  *   100  key      32 bytes, the job's
  *
+ * op 3 is FOLLOW (name "follow", bytes 0, key unused): after an OK reply
+ * the connection carries IPC frames (docs/protocol.md) of one read-only
+ * session, relayed by the server to its daemon (follow_relay.c).
+ *
  * PUT: the request, then `bytes` raw bytes; the server writes
  * <dir>/<name>.tmp-<random>, fsyncs it, renames it to <dir>/<name>, fsyncs
  * the directory and only then replies, so a 0 means the file is durable.
@@ -118,7 +122,7 @@ int replica_request_decode(const uint8_t *buf, size_t len, replica_request *out,
   if (version != REPLICA_VERSION)
     return replica__fail(err, err_bytes, -EINVAL, "unsupported version %u (this node speaks %d)",
                          version, REPLICA_VERSION);
-  if (op != REPLICA_OP_PUT && op != REPLICA_OP_GET)
+  if (op != REPLICA_OP_PUT && op != REPLICA_OP_GET && op != REPLICA_OP_FOLLOW)
     return replica__fail(err, err_bytes, -EINVAL, "unknown op %u", op);
   out->op = (int)op;
   out->job_id = le_get64(buf + 12);
@@ -128,9 +132,9 @@ int replica_request_decode(const uint8_t *buf, size_t len, replica_request *out,
     out->name[0] = '\0';
     return replica__fail(err, err_bytes, -EINVAL, "bad name (wanted " NAME_RULE ")");
   }
-  if (op == REPLICA_OP_GET && out->bytes != 0)
-    return replica__fail(err, err_bytes, -EINVAL, "GET with bytes %llu (must be 0)",
-                         (unsigned long long)out->bytes);
+  if (op != REPLICA_OP_PUT && out->bytes != 0)
+    return replica__fail(err, err_bytes, -EINVAL, "%s with bytes %llu (must be 0)",
+                         op == REPLICA_OP_GET ? "GET" : "FOLLOW", (unsigned long long)out->bytes);
   if (out->bytes > REPLICA_MAX_FILE_BYTES)
     return replica__fail(err, err_bytes, -EFBIG, "file of %llu bytes is over the 64 GiB limit",
                          (unsigned long long)out->bytes);
@@ -598,4 +602,23 @@ int replica_get(const char *addr, const uint8_t key[REPLICA_KEY_BYTES], uint64_t
     rc = status != 0 ? status : get_body(sock, bytes, dest_path, err, err_bytes);
   close(sock);
   return rc;
+}
+
+int replica_follow_open(const char *addr, int timeout_ms, int *fd, char *err, size_t err_bytes) {
+  replica_request r = {.op = REPLICA_OP_FOLLOW};
+  strcpy(r.name, "follow");
+  int sock = client_open(addr, &r, client_timeout(timeout_ms), err, err_bytes);
+  if (sock < 0)
+    return sock;
+  int status;
+  uint64_t bytes;
+  int rc = read_reply(sock, addr, &status, &bytes, err, err_bytes);
+  if (rc == 0 && status != 0)
+    rc = status;
+  if (rc != 0) {
+    close(sock);
+    return rc;
+  }
+  *fd = sock;
+  return 0;
 }

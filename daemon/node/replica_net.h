@@ -32,7 +32,10 @@
 #define REPLICA_MESSAGE_BYTES 200
 #define REPLICA_VERSION       1
 
-enum { REPLICA_OP_PUT = 1, REPLICA_OP_GET = 2 };
+enum { REPLICA_OP_PUT = 1, REPLICA_OP_GET = 2, REPLICA_OP_FOLLOW = 3 };
+/* FOLLOW connections a server serves at once (each holds a connection
+ * slot for as long as its follower follows). */
+#define REPLICA_MAX_FOLLOWS 8
 
 typedef struct replica_server replica_server;
 
@@ -49,6 +52,14 @@ typedef int (*replica_key_fn)(void *ctx, uint64_t job_id, uint8_t key[REPLICA_KE
 int replica_server_start(const char *host, int port, const char *root, replica_key_fn key_fn,
                          void *ctx, replica_server **out, char *err, size_t err_bytes);
 int replica_server_port(const replica_server *s);
+/* FOLLOW (docs/subscribe.md, "Across nodes"): after the header (name
+ * "follow", bytes 0, no key: what admits the follower is the job token in
+ * the stream) and an OK reply, the connection carries a read-only IPC
+ * session, relayed by fn on the connection's thread until it returns
+ * (follow_relay.c). Without fn a FOLLOW is refused. Set once, before
+ * followers come. */
+typedef void (*replica_follow_fn)(void *ctx, int fd);
+void replica_server_set_follow(replica_server *s, replica_follow_fn fn, void *ctx);
 /* Stops accepting, shuts every connection down, waits for its threads. */
 void replica_server_stop(replica_server *s);
 
@@ -67,6 +78,11 @@ int replica_put(const char *addr, const uint8_t key[REPLICA_KEY_BYTES], uint64_t
 int replica_get(const char *addr, const uint8_t key[REPLICA_KEY_BYTES], uint64_t job_id,
                 uint64_t save_id, const char *name, const char *dest_path, int timeout_ms,
                 char *err, size_t err_bytes);
+
+/* Opens a FOLLOW connection to addr: 0 with *fd (blocking, every wait
+ * bounded by timeout_ms) once the peer accepted it, or a negative errno
+ * with the peer's reason in err. */
+int replica_follow_open(const char *addr, int timeout_ms, int *fd, char *err, size_t err_bytes);
 
 /* A request header. */
 typedef struct replica_request {

@@ -37,7 +37,10 @@ struct replica_server {
   pthread_mutex_t mu;
   pthread_cond_t cv; /* a slot freed, or stopping */
   int stopping, nconns;
-  int fds[REPLICA_MAX_CONNS]; /* the connections' sockets; -1: free */
+  int fds[REPLICA_MAX_CONNS];  /* the connections' sockets; -1: free */
+  replica_follow_fn follow_fn; /* FOLLOW's relay, or NULL */
+  void *follow_ctx;
+  int nfollows; /* FOLLOW connections being relayed */
 };
 
 typedef struct conn {
@@ -166,6 +169,39 @@ static void serve_get(replica_server *s, int fd, const replica_request *r, uint8
   close(file);
 }
 
+/* FOLLOW: a read-only session relayed to the daemon for as long as the
+ * follower stays, within REPLICA_MAX_FOLLOWS. */
+static void serve_follow(replica_server *s, int fd) {
+  pthread_mutex_lock(&s->mu);
+  replica_follow_fn fn = s->follow_fn;
+  int room = s->nfollows < REPLICA_MAX_FOLLOWS;
+  if (fn != NULL && room)
+    s->nfollows++;
+  pthread_mutex_unlock(&s->mu);
+  if (fn == NULL) {
+    refuse(fd, -ENOTSUP, "this node serves no followers", 0);
+    return;
+  }
+  if (!room) {
+    refuse(fd, -EBUSY, "this node already serves as many followers as it may (8)", 0);
+    return;
+  }
+  uint8_t reply[REPLICA_REPLY_BYTES];
+  replica__reply_encode(reply, 0, 0, "");
+  if (replica__send_all(fd, reply, sizeof reply) == 0)
+    fn(s->follow_ctx, fd);
+  pthread_mutex_lock(&s->mu);
+  s->nfollows--;
+  pthread_mutex_unlock(&s->mu);
+}
+
+void replica_server_set_follow(replica_server *s, replica_follow_fn fn, void *ctx) {
+  pthread_mutex_lock(&s->mu);
+  s->follow_fn = fn;
+  s->follow_ctx = ctx;
+  pthread_mutex_unlock(&s->mu);
+}
+
 /* One request: the header, its checks, then the op. */
 static void serve(replica_server *s, int fd) {
   uint8_t header[REPLICA_REQUEST_BYTES];
@@ -174,6 +210,10 @@ static void serve(replica_server *s, int fd) {
   replica_request r;
   char why[REPLICA_MESSAGE_BYTES];
   int rc = replica_request_decode(header, sizeof header, &r, why, sizeof why);
+  if (rc == 0 && r.op == REPLICA_OP_FOLLOW) {
+    serve_follow(s, fd);
+    return;
+  }
   if (rc == 0)
     rc = check_key(s, &r, why, sizeof why);
   if (rc != 0) {

@@ -182,6 +182,10 @@ static int snapshot_take(rank_state *rs, pin_snapshot *out, uint64_t *copied) {
 }
 
 void pin_begin_write(rank_state *rs) {
+  pin_begin_write_to(rs, 0);
+}
+
+void pin_begin_write_to(rank_state *rs, uint64_t to_version) {
   job *j = rs->job;
   pthread_rwlock_wrlock(&j->rank_locks[local_index(rs)]);
   pthread_mutex_lock(&j->pin_mutex);
@@ -195,7 +199,7 @@ void pin_begin_write(rank_state *rs) {
    * version or later, whose values this rank is writing now and readers
    * will find live once the write lock is released. Only the pin found
    * above can need this rank's current values. */
-  rs->version = version + 1;
+  rs->version = to_version > version ? to_version : version + 1;
   if (atomic_load(&j->latest_version) < rs->version)
     atomic_store(&j->latest_version, rs->version);
   pthread_mutex_unlock(&j->pin_mutex);
@@ -224,7 +228,10 @@ void pin_begin_write(rank_state *rs) {
 }
 
 void pin_mark_changing(rank_state *rs, unit_layout *l) {
-  uint64_t next = rs->version + 1;
+  pin_mark_changed_at(l, rs->version + 1);
+}
+
+void pin_mark_changed_at(unit_layout *l, uint64_t next) {
   uint64_t seen = atomic_load(&l->changed_version);
   while (seen < next && !atomic_compare_exchange_weak(&l->changed_version, &seen, next)) {
   }

@@ -69,6 +69,9 @@ void pin_job_clear(job *j);
  * rank (no collective). */
 void pin_begin_write(rank_state *rs);
 void pin_end_write(rank_state *rs);
+/* pin_begin_write moving the version to to_version when that is higher
+ * than the next: a job that mirrors another's versions (node/follow.c). */
+void pin_begin_write_to(rank_state *rs, uint64_t to_version);
 /* Before pin_begin_write: unit l's values change in the write to come, so
  * its changed_version becomes at least the version the rank moves to.
  * Marked before the version is published, so a subscriber that sees the
@@ -76,6 +79,8 @@ void pin_end_write(rank_state *rs);
  * those with a trainable tensor, not of the job's base (the same on
  * every rank). */
 void pin_mark_changing(rank_state *rs, unit_layout *l);
+/* The same, to a version given (pin_begin_write_to's). */
+void pin_mark_changed_at(unit_layout *l, uint64_t version);
 void pin_mark_step(rank_state *rs);
 
 /* Around a change of the rank's shard table (a new unit's shard) that does

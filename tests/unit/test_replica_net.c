@@ -341,9 +341,16 @@ static void test_bad_headers_are_refused_by_the_server(void **state) {
   header[0] = 'X';
   assert_int_equal(raw_request(f, header, msg), -EINVAL);
   assert_non_null(strstr(msg, "magic"));
-  raw_header(f, 3, 0, header);
+  raw_header(f, 4, 0, header);
   assert_int_equal(raw_request(f, header, msg), -EINVAL);
-  assert_non_null(strstr(msg, "op 3"));
+  assert_non_null(strstr(msg, "op 4"));
+  /* FOLLOW: a server without a relay serves none; one with bytes is bad. */
+  raw_header(f, REPLICA_OP_FOLLOW, 0, header);
+  assert_int_equal(raw_request(f, header, msg), -ENOTSUP);
+  assert_non_null(strstr(msg, "no followers"));
+  raw_header(f, REPLICA_OP_FOLLOW, 5, header);
+  assert_int_equal(raw_request(f, header, msg), -EINVAL);
+  assert_non_null(strstr(msg, "FOLLOW with bytes"));
   raw_header(f, REPLICA_OP_PUT, 0, header);
   header[4] = 2;
   assert_int_equal(raw_request(f, header, msg), -EINVAL);
