@@ -32,8 +32,8 @@ raw values):
       every version but read nothing (zerodctl jobs watch): what following
       costs the trainer, without the subscribers' copies. Target >= 0.95.
 
-A target not met is reported as met: false. Not measured here: a
-subscriber on another node (the across-node fetch is not built yet).
+A target not met is reported as met: false. A subscriber on another node
+is bench_follow.py's.
 
     python bench/bench_subscribe.py [--units 8] [--unit-mib 8] [--updates 15] [--steps 30]
 """

@@ -82,55 +82,61 @@ static int locate(mirror *m, char *addr, size_t addr_bytes) {
   return 0;
 }
 
-/* One request to the far side and its reply (of reply_type, or an Error,
- * which fails the mirror with the far side's status and message). */
+/* Sends a request to the far side; its id in *id. */
+static int send_request(mirror *m, uint16_t type, const ProtobufCMessage *msg, uint64_t *id) {
+  *id = ++m->next_request;
+  int rc = zd_frame_send(atomic_load(&m->fd), type, *id, 0, msg, NULL, 0, FETCH_TIMEOUT_MS);
+  return rc == 0 ? 0
+                 : fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "lost %s: %s", m->upstream,
+                        strerror(-rc));
+}
+
+/* The reply to request id, the next frame (the far side answers a
+ * session's requests in order): of reply_type, or an Error, which fails
+ * the mirror with the far side's status and message. */
+static int recv_reply(mirror *m, uint64_t id, uint16_t reply_type, ProtobufCMessage **out) {
+  const char *why = "closed";
+  int got = zd_frame_read(&m->reader, atomic_load(&m->fd), &why);
+  if (got <= 0)
+    return fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "lost %s: %s", m->upstream,
+                got == 0 ? "it stopped answering" : why);
+  zd_frame_header h;
+  uint8_t *payload;
+  int fds[ZD_FRAME_MAX_FDS];
+  unsigned nfds;
+  zd_frame_reader_take(&m->reader, &h, &payload, fds, &nfds);
+  for (unsigned i = 0; i < nfds; i++)
+    close(fds[i]);
+  ProtobufCMessage *reply = NULL;
+  const char *bad = NULL;
+  int unpacked = zd_msg_unpack(h.type, payload, h.payload_bytes, &reply, &bad);
+  free(payload);
+  if (unpacked != 0)
+    return fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "%s sent a bad frame: %s", m->upstream,
+                bad);
+  int rc = 0;
+  if (h.type == ZEROD__V1__MSG_TYPE__MSG_NOTICE)
+    rc = fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "%s is shutting down", m->upstream);
+  else if (h.type == ZEROD__V1__MSG_TYPE__MSG_ERROR && h.request_id == id)
+    rc = fail(m, ((Zerod__V1__Error *)reply)->status, "%s (from %s)",
+              ((Zerod__V1__Error *)reply)->message, m->upstream);
+  else if (h.type != reply_type || h.request_id != id)
+    rc = fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE,
+              "%s answered request %" PRIu64 " with message type %u for request %" PRIu64,
+              m->upstream, id, h.type, h.request_id);
+  if (rc != 0) {
+    protobuf_c_message_free_unpacked(reply, NULL);
+    return rc;
+  }
+  *out = reply;
+  return 0;
+}
+
+/* One request to the far side and its reply. */
 static int call(mirror *m, uint16_t type, const ProtobufCMessage *msg, uint16_t reply_type,
                 ProtobufCMessage **out) {
-  int fd = atomic_load(&m->fd);
-  uint64_t id = ++m->next_request;
-  int rc = zd_frame_send(fd, type, id, 0, msg, NULL, 0, FETCH_TIMEOUT_MS);
-  for (; rc == 0;) {
-    const char *why = "closed";
-    int got = zd_frame_read(&m->reader, fd, &why);
-    if (got <= 0)
-      return fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "lost %s: %s", m->upstream,
-                  got == 0 ? "it stopped answering" : why);
-    zd_frame_header h;
-    uint8_t *payload;
-    int fds[ZD_FRAME_MAX_FDS];
-    unsigned nfds;
-    zd_frame_reader_take(&m->reader, &h, &payload, fds, &nfds);
-    for (unsigned i = 0; i < nfds; i++)
-      close(fds[i]);
-    ProtobufCMessage *reply = NULL;
-    const char *bad = NULL;
-    int unpacked = zd_msg_unpack(h.type, payload, h.payload_bytes, &reply, &bad);
-    free(payload);
-    if (unpacked != 0)
-      return fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "%s sent a bad frame: %s", m->upstream,
-                  bad);
-    if (h.type == ZEROD__V1__MSG_TYPE__MSG_NOTICE || h.request_id != id) {
-      int notice = h.type == ZEROD__V1__MSG_TYPE__MSG_NOTICE;
-      protobuf_c_message_free_unpacked(reply, NULL);
-      if (notice)
-        return fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "%s is shutting down", m->upstream);
-      continue;
-    }
-    if (h.type == ZEROD__V1__MSG_TYPE__MSG_ERROR) {
-      Zerod__V1__Error *e = (Zerod__V1__Error *)reply;
-      fail(m, e->status, "%s (from %s)", e->message, m->upstream);
-      protobuf_c_message_free_unpacked(reply, NULL);
-      return -1;
-    }
-    if (h.type != reply_type) {
-      protobuf_c_message_free_unpacked(reply, NULL);
-      return fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "%s answered with message type %u",
-                  m->upstream, h.type);
-    }
-    *out = reply;
-    return 0;
-  }
-  return fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "lost %s: %s", m->upstream, strerror(-rc));
+  uint64_t id;
+  return send_request(m, type, msg, &id) != 0 ? -1 : recv_reply(m, id, reply_type, out);
 }
 
 /* ATTACH upstream; the mirror's job is made with the job's config. */
@@ -349,15 +355,12 @@ static int recv_gathered(mirror *m, const Zerod__V1__GatherReply *g, uint8_t *wo
   return 0;
 }
 
-/* One changed unit of version: a delta gather, its bytes, a release. */
-static int fetch_unit(mirror *m, uint32_t up, uint64_t version) {
+/* The reply to a delta gather of upstream unit up and its bytes, into the
+ * unit's working copy. */
+static int finish_gather(mirror *m, uint64_t id, uint32_t up, uint64_t version) {
   unit_layout *l = m->units[up];
-  Zerod__V1__GatherRequest req = ZEROD__V1__GATHER_REQUEST__INIT;
-  req.unit_id = up;
-  req.delta = 1;
   ProtobufCMessage *reply;
-  if (call(m, ZEROD__V1__MSG_TYPE__MSG_GATHER, &req.base, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY,
-           &reply) != 0)
+  if (recv_reply(m, id, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, &reply) != 0)
     return -1;
   Zerod__V1__GatherReply *g = (Zerod__V1__GatherReply *)reply;
   size_t bytes = l->padded_numel * zk_dtype_size(m->j->config.working_dtype);
@@ -366,22 +369,74 @@ static int fetch_unit(mirror *m, uint32_t up, uint64_t version) {
       (g->delta && g->delta_from != m->unit_version[up]) || g->buffer_bytes < bytes ||
       g->buffer_bytes > bytes + (64u << 20))
     rc = fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE,
-              "%s answered a gather of unit '%s' out "
-              "of step (version %" PRIu64 ", %" PRIu64 " expected)",
+              "%s answered a gather of unit '%s' out of step (version %" PRIu64 ", %" PRIu64
+              " expected)",
               m->upstream, l->name, g->version, version);
   if (rc == 0)
     rc = recv_gathered(m, g, m->j->ranks[0].shards[l->id].working, bytes);
   protobuf_c_message_free_unpacked(reply, NULL);
-  if (rc != 0)
-    return rc;
-  m->unit_version[up] = version;
+  if (rc == 0)
+    m->unit_version[up] = version;
+  return rc;
+}
+
+/* A request in flight to the far side: a gather or a release of a unit. */
+typedef struct in_flight {
+  uint64_t id;
+  uint32_t up;
+  int release;
+} in_flight;
+
+static int send_unit_request(mirror *m, uint32_t up, int release, in_flight *slot) {
+  Zerod__V1__GatherRequest gather = ZEROD__V1__GATHER_REQUEST__INIT;
   Zerod__V1__ReleaseRequest rel = ZEROD__V1__RELEASE_REQUEST__INIT;
-  rel.unit_id = up;
-  if (call(m, ZEROD__V1__MSG_TYPE__MSG_RELEASE, &rel.base, ZEROD__V1__MSG_TYPE__MSG_RELEASE_REPLY,
-           &reply) != 0)
-    return -1;
-  protobuf_c_message_free_unpacked(reply, NULL);
-  return 0;
+  gather.unit_id = rel.unit_id = up;
+  gather.delta = 1;
+  *slot = (in_flight){.up = up, .release = release};
+  return release ? send_request(m, ZEROD__V1__MSG_TYPE__MSG_RELEASE, &rel.base, &slot->id)
+                 : send_request(m, ZEROD__V1__MSG_TYPE__MSG_GATHER, &gather.base, &slot->id);
+}
+
+/* Whether two of these units fit the far session's max_live_bytes at once
+ * (the gather of the next is then in flight while this one's bytes come). */
+static int window_of(mirror *m, const uint32_t *ups, size_t n) {
+  uint64_t largest = 0;
+  for (size_t i = 0; i < n; i++)
+    if (m->units[ups[i]]->padded_numel > largest)
+      largest = m->units[ups[i]]->padded_numel;
+  uint64_t bytes = largest * zk_dtype_size(m->j->config.working_dtype) + (64u << 10);
+  return 2 * bytes <= m->j->config.max_live_bytes ? 2 : 1;
+}
+
+/* The changed units ups[n] of version: delta gathers, each unit's next
+ * gather sent before its bytes are read, each released once read. */
+static int fetch_units(mirror *m, const uint32_t *ups, size_t n, uint64_t version) {
+  in_flight *queue = calloc(2 * n + 1, sizeof *queue);
+  if (queue == NULL)
+    return fail(m, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
+  size_t head = 0, tail = 0, sent = 0;
+  int window = window_of(m, ups, n), rc = 0;
+  while (rc == 0 && sent < n && (int)sent < window)
+    rc = send_unit_request(m, ups[sent++], 0, &queue[tail++]);
+  while (rc == 0 && head < tail) {
+    in_flight f = queue[head++];
+    if (f.release) {
+      ProtobufCMessage *reply;
+      rc = recv_reply(m, f.id, ZEROD__V1__MSG_TYPE__MSG_RELEASE_REPLY, &reply);
+      if (rc == 0)
+        protobuf_c_message_free_unpacked(reply, NULL);
+      continue;
+    }
+    rc = finish_gather(m, f.id, f.up, version);
+    if (rc == 0)
+      atomic_store(&m->units[f.up]->ready_ranks, 1);
+    if (rc == 0)
+      rc = send_unit_request(m, f.up, 1, &queue[tail++]);
+    if (rc == 0 && sent < n)
+      rc = send_unit_request(m, ups[sent++], 0, &queue[tail++]);
+  }
+  free(queue);
+  return rc;
 }
 
 /* The write of one version: new units published, changed ones fetched,
@@ -397,17 +452,12 @@ static int install(mirror *m, const Zerod__V1__WatchVersionReply *w, unit_layout
     pin_begin_write_to(rs, w->version);
   int rc = 0;
   for (size_t i = 0; rc == 0 && i < w->n_changed_units; i++) {
-    uint32_t up = w->changed_units[i];
-    if (fresh[i] != NULL && add_unit(m, up, fresh[i], w->version) == NULL) {
-      fresh[i] = NULL; /* published or freed by job_publish_unit */
+    if (fresh[i] != NULL && add_unit(m, w->changed_units[i], fresh[i], w->version) == NULL)
       rc = -1;
-      break;
-    }
-    fresh[i] = NULL;
-    rc = fetch_unit(m, up, w->version);
-    if (rc == 0)
-      atomic_store(&m->units[up]->ready_ranks, 1);
+    fresh[i] = NULL; /* published, or freed by job_publish_unit */
   }
+  if (rc == 0)
+    rc = fetch_units(m, w->changed_units, w->n_changed_units, w->version);
   atomic_store(&rs->step, w->step);
   if (first) {
     pthread_mutex_lock(&m->j->pin_mutex);

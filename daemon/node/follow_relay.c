@@ -12,12 +12,14 @@
  * blocks a delta gather wrote, in block order, or the whole buffer).
  *
  * It passes only what a read-only session needs (ATTACH first, read-only
- * and not creating; then UNITS, WATCH, GATHER, RELEASE, PIN, DETACH), each
- * answered before the next is read, and stops at the first frame it would
- * not pass, a broken stream, or the daemon going away. */
+ * and not creating; then UNITS, WATCH, GATHER, RELEASE, PIN, DETACH), both
+ * ways at once (a follower keeps its next gather in flight while the
+ * bytes of the last are sent), and stops at the first frame it would not
+ * pass, a broken stream, or the daemon going away. */
 #include "follow.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,9 +35,10 @@
 #include "pin.h"
 #include "replica_net_impl.h"
 
-/* How long the relay waits for its daemon's reply (a WATCH's wait
- * included, at most FOLLOW_MAX_WATCH_MS). */
+/* How long the relay waits on a silent side: a follower sends a WATCH at
+ * least every FOLLOW_MAX_WATCH_MS, which the daemon answers within it. */
 #define RELAY_IPC_TIMEOUT_MS (FOLLOW_MAX_WATCH_MS + 60000)
+#define RELAY_IDLE_MS        RELAY_IPC_TIMEOUT_MS
 #define RELAY_MAX_BUFFERS    4096
 
 typedef struct relay_map {
@@ -213,39 +216,37 @@ static int pass_gather_reply(relay *r, const zd_frame_header *h, const uint8_t *
   return rc;
 }
 
-/* Passes the daemon's frames to the follower until the reply to
- * request_id (notices on the way included). */
-static int pass_reply(relay *r, uint64_t request_id) {
-  for (;;) {
-    const char *why = NULL;
-    int rc = zd_frame_read(&r->ipc_reader, r->ipc, &why);
-    if (rc <= 0)
-      return rc == 0 ? -ETIMEDOUT : rc;
-    zd_frame_header h;
-    uint8_t *payload;
-    int fds[ZD_FRAME_MAX_FDS];
-    unsigned nfds;
-    zd_frame_reader_take(&r->ipc_reader, &h, &payload, fds, &nfds);
-    if (h.type == ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY && h.request_id == request_id)
-      rc = pass_gather_reply(r, &h, payload, nfds > 0 ? fds[0] : -1);
-    else
-      rc = send_raw(r->net, &h, payload);
-    for (unsigned i = 0; i < nfds; i++)
-      close(fds[i]);
-    if (rc == 0 && h.request_id == request_id && h.type == ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY)
-      r->attached = 1;
-    free(payload);
-    if (rc != 0 || h.request_id == request_id)
-      return rc;
-  }
+/* One frame of the daemon's to the follower: a GatherReply with its
+ * buffer's bytes, anything else as it is. 0, or -1 to stop. */
+static int pass_daemon_frame(relay *r) {
+  const char *why = NULL;
+  int rc = zd_frame_read(&r->ipc_reader, r->ipc, &why);
+  if (rc <= 0)
+    return rc == 0 ? 0 : -1;
+  zd_frame_header h;
+  uint8_t *payload;
+  int fds[ZD_FRAME_MAX_FDS];
+  unsigned nfds;
+  zd_frame_reader_take(&r->ipc_reader, &h, &payload, fds, &nfds);
+  if (h.type == ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY)
+    rc = pass_gather_reply(r, &h, payload, nfds > 0 ? fds[0] : -1);
+  else
+    rc = send_raw(r->net, &h, payload);
+  for (unsigned i = 0; i < nfds; i++)
+    close(fds[i]);
+  if (rc == 0 && h.type == ZEROD__V1__MSG_TYPE__MSG_ATTACH_REPLY)
+    r->attached = 1;
+  free(payload);
+  return rc == 0 ? 0 : -1;
 }
 
-/* One request from the follower, passed on and answered. 0 to go on. */
-static int relay_one(relay *r) {
+/* One request of the follower's, passed to the daemon. 0, or -1 to stop
+ * (a DETACH, a request the relay does not pass, a broken stream). */
+static int pass_follower_frame(relay *r) {
   const char *why = NULL;
   int rc = zd_frame_read(&r->net_reader, r->net, &why);
   if (rc <= 0)
-    return -1; /* gone, silent past the server's timeout, or a broken frame */
+    return rc == 0 ? 0 : -1;
   zd_frame_header h;
   uint8_t *payload;
   int fds[ZD_FRAME_MAX_FDS];
@@ -260,9 +261,34 @@ static int relay_one(relay *r) {
   }
   rc = send_raw(r->ipc, &h, payload);
   free(payload);
-  if (rc == 0)
-    rc = pass_reply(r, h.request_id);
-  return rc == 0 && h.type != ZEROD__V1__MSG_TYPE__MSG_DETACH ? 0 : -1;
+  return rc == 0 ? 0 : -1;
+}
+
+/* Both ways at once, so that a follower's next gather is on its way to
+ * the daemon (which copies it) while this one's bytes are being sent: until
+ * either side goes, or the follower is silent for RELAY_IDLE_MS. A DETACH
+ * is passed on, and the daemon's answer to it ends the session. */
+static void relay_loop(relay *r) {
+  for (;;) {
+    struct pollfd p[2] = {{.fd = r->net, .events = POLLIN}, {.fd = r->ipc, .events = POLLIN}};
+    int n = poll(p, 2, RELAY_IDLE_MS);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return;
+    if (p[1].revents) {
+      do {
+        if (pass_daemon_frame(r) != 0)
+          return;
+      } while (zd_frame_reader_pending(&r->ipc_reader));
+    }
+    if (p[0].revents) {
+      do {
+        if (pass_follower_frame(r) != 0)
+          return;
+      } while (zd_frame_reader_pending(&r->net_reader));
+    }
+  }
 }
 
 void follow_relay(void *ctx, int fd) {
@@ -276,8 +302,7 @@ void follow_relay(void *ctx, int fd) {
   zd_frame_reader_init(&r.net_reader);
   zd_frame_reader_init(&r.ipc_reader);
   LOG_INFOF("follower connected", "fd=%d", fd);
-  while (relay_one(&r) == 0) {
-  }
+  relay_loop(&r);
   LOG_INFOF("follower gone", "job=%s", r.job);
   close(r.ipc);
   while (r.nmaps > 0)

@@ -242,6 +242,18 @@ def test_every_rpc_checks_its_caller(secured):
     assert "read-only sessions only" in z.message_of(fields), z.message_of(fields)
     ann.replies.clear()  # IssueReadToken's replies hold read tokens, never owner tokens
 
+    # LocateJob: where a job is, for a node following it for its own
+    # read-only sessions; a node (or an admin) with a token of the job.
+    def locate(c, token=OWNER_TOKEN, name="sec"):
+        return c.call(c.jobs.LocateJob, pb.LocateJobRequest(name=name, token=token))
+
+    row("LocateJob", locate, expect(UNAUTHENTICATED, DENIED, DENIED, DENIED, OK))
+    code, where, _ = locate(callers["node-a"], token=read_token)
+    assert code == OK and where.node == "node-a" and where.replica_address, (code, where)
+    code, _, details = locate(callers["node-a"], token="not-a-token-of-sec")
+    assert code == DENIED and "token" in details, details
+    assert locate(callers["node-a"], name="nope")[0] == NOT_FOUND
+
     row("DeleteJob", delete_victim, expect(UNAUTHENTICATED, DENIED, DENIED, OK, OK),
         fresh=fresh_victim)
 
