@@ -3,13 +3,14 @@
  * a node's replica port could send.
  *
  * Every input is decoded twice. Raw: the input is the header, whatever
- * its length (the seeds are a valid PUT and a valid GET header). Laid
+ * its length (the seeds are a valid PUT, GET and FOLLOW header). Laid
  * over a valid header: random bytes almost never start with the magic, so
  * the input also replaces a valid header's bytes from offset 12 on (after
- * magic, version and op; the first input byte's low bit makes it a GET),
+ * magic, version and op; the first input byte, modulo 3, picks PUT, GET or
+ * FOLLOW),
  * so random inputs reach the ids, the size limit, the name and its
  * padding. A header that decodes must hold a known op, a valid name, a
- * size under the limit (0 for a GET), and encode back to exactly the
+ * size under the limit (0 for a GET or a FOLLOW), and encode back to exactly the
  * bytes it came from; a refusal must say why; nothing may crash or read
  * outside its buffer. */
 #include <stdint.h>
@@ -30,9 +31,10 @@ static void check(const uint8_t *buf, size_t len) {
       abort(); /* a refusal always says why, NUL-terminated */
     return;
   }
-  if (len != REPLICA_REQUEST_BYTES || (r.op != REPLICA_OP_PUT && r.op != REPLICA_OP_GET) ||
+  if (len != REPLICA_REQUEST_BYTES ||
+      (r.op != REPLICA_OP_PUT && r.op != REPLICA_OP_GET && r.op != REPLICA_OP_FOLLOW) ||
       !replica_name_valid(r.name) || r.bytes > REPLICA_MAX_FILE_BYTES ||
-      (r.op == REPLICA_OP_GET && r.bytes != 0))
+      (r.op != REPLICA_OP_PUT && r.bytes != 0))
     abort();
   uint8_t again[REPLICA_REQUEST_BYTES];
   replica_request_encode(&r, again);
@@ -50,7 +52,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   free(raw);
   if (size == 0)
     return 0;
-  replica_request base = {.op = (data[0] & 1) ? REPLICA_OP_GET : REPLICA_OP_PUT, .job_id = 1};
+  static const int ops[3] = {REPLICA_OP_PUT, REPLICA_OP_GET, REPLICA_OP_FOLLOW};
+  replica_request base = {.op = ops[data[0] % 3], .job_id = 1};
   strcpy(base.name, "rank0.zdshard");
   uint8_t buf[REPLICA_REQUEST_BYTES];
   replica_request_encode(&base, buf);
