@@ -116,23 +116,40 @@ static void utc_now(char *out, size_t out_bytes) {
   snprintf(out + n, out_bytes - n, ".%03ldZ", ts.tv_nsec / 1000000);
 }
 
-static const char *unit_name(const zd_job *job, zd_unit id) {
+/* The job's unit names by unit id, for one update's line (the library's
+ * table, which zd_watch keeps up to date): NULL where no unit has the id,
+ * *count the table's length; NULL and 0 when out of memory. */
+static const char **unit_names(const zd_job *job, zd_unit *count) {
   unsigned n = zd_job_unit_count(job);
+  zd_unit top = 0;
   for (unsigned i = 0; i < n; i++) {
     zd_unit_info info = ZD_UNIT_INFO_INIT;
-    if (zd_job_unit_info(job, i, &info) == ZD_OK && info.unit == id)
-      return info.name;
+    if (zd_job_unit_info(job, i, &info) == ZD_OK && info.unit >= top)
+      top = info.unit + 1;
   }
-  return "?";
+  const char **names = calloc(top ? top : 1, sizeof *names);
+  *count = names != NULL ? top : 0;
+  for (unsigned i = 0; names != NULL && i < n; i++) {
+    zd_unit_info info = ZD_UNIT_INFO_INIT;
+    if (zd_job_unit_info(job, i, &info) == ZD_OK)
+      names[info.unit] = info.name;
+  }
+  return names;
+}
+
+static const char *name_of(const char **names, zd_unit count, zd_unit id) {
+  return id < count && names[id] != NULL ? names[id] : "?";
 }
 
 static void print_update(const watch_options *o, const zd_job *job, const zd_update *u) {
   char when[40];
   utc_now(when, sizeof when);
+  zd_unit count;
+  const char **names = unit_names(job, &count);
   if (o->json) {
     json_t *units = json_array();
     for (unsigned i = 0; i < u->nchanged; i++)
-      json_array_append_new(units, json_string(unit_name(job, u->changed[i])));
+      json_array_append_new(units, json_string(name_of(names, count, u->changed[i])));
     json_t *line = json_pack("{s:s, s:I, s:I, s:I, s:o, s:s}", "job", o->job, "version",
                              (json_int_t)u->version, "step", (json_int_t)u->step, "skipped",
                              (json_int_t)u->skipped, "units", units, "time", when);
@@ -146,9 +163,10 @@ static void print_update(const watch_options *o, const zd_job *job, const zd_upd
            (unsigned long long)u->version, (unsigned long long)u->step,
            (unsigned long long)u->skipped, u->nchanged);
     for (unsigned i = 0; i < u->nchanged && i < 8; i++)
-      printf("%s%s", i ? ", " : " ", unit_name(job, u->changed[i]));
+      printf("%s%s", i ? ", " : " ", name_of(names, count, u->changed[i]));
     printf("%s\n", u->nchanged > 8 ? ", ..." : "");
   }
+  free(names);
   fflush(stdout);
 }
 
