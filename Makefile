@@ -9,6 +9,9 @@
 #                   ranks and 2 worker processes
 #   make demo-mlp   the same with the C example (an MLP, workers in C)
 #   make bench      run the benchmarks (JSON lines)
+#   make bench-net  the example LM on two nodes in network namespaces at
+#                   100 Mbit/s, 1 Gbit/s and unshaped, ZeRO++ off and on
+#                   (root; docs/benchmarks.md, "Emulated networks")
 #   make chaos      kill nodes and workers under two jobs for 5 minutes; each job
 #                   must end bit-identical to a run without faults
 #   make install    build, then install zerod, zerodctl, libzerod, zerod.h,
@@ -44,7 +47,7 @@ VERSION    := $(shell sed -n 's/^project(zerod VERSION \([0-9][0-9.]*\)[ )].*/\1
 GENERATOR  := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 CTEST      := ctest --output-on-failure --timeout 900
 
-.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench chaos install wheel image image-torch test-image fuzz \
+.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench bench-net chaos install wheel image image-torch test-image fuzz \
   fuzz-merge \
   format abi-baseline clean
 
@@ -105,6 +108,11 @@ demo-mlp:
 	scripts/deps.sh build
 	$(MAKE) build
 	scripts/demo_mlp.sh $(BUILD)
+
+bench-net:
+	scripts/deps.sh bench
+	$(MAKE) build
+	ZEROD_BIN_DIR=$(BUILD)/bin ZEROD_LIBRARY=$(CURDIR)/$(BUILD)/lib/libzerod.so /usr/bin/python3 bench/bench_net.py
 
 bench:
 	scripts/deps.sh bench
