@@ -14,10 +14,11 @@ setting, as bench_zeropp.py does on loopback:
 
 The baseline of each rate, measured in the same run over the same link, is
 a raw TCP transfer between the two namespaces. Per run, one JSON line:
-steps/s (the slowest rank's training time), the bytes node a's ranks sent
-between nodes per step, the link time of those bytes at the raw TCP rate
-(`link_s_per_step`: what the step would take if it only moved its bytes),
-the step time over that link time, and rank 0's losses. Then one line per
+steps/s (the slowest rank's training time), the bytes node a's ranks moved
+between nodes per step (both directions, as zd_job_stats counts them at the
+"cross" level), the link time of one direction's half of them at the raw
+TCP rate (`link_s_per_direction`: what the step would take if it only
+moved its bytes), the step time over that link time, and rank 0's losses. Then one line per
 rate with the ratios on/off. No target is asserted here: the overlap
 target of issue 39 (step <= 1.1 x max(compute, link)) is not built yet, and
 the table says how far it is.
@@ -137,11 +138,14 @@ def summarize(rate: str, name: str, by_rank: dict, tcp_bps: float) -> dict:
     sent = sum(v for r in range(RANKS) for k, v in by_rank[r]["collective_bytes"].items()
                if k.startswith("cross/"))
     per_step = sent / steps
-    link_s = per_step / tcp_bps
+    # Both directions are counted; between two nodes all-gathers and
+    # reduce-scatters move the same bytes each way, and the link is full
+    # duplex: a direction's share is half.
+    link_s = per_step / 2 / tcp_bps
     step_s = slowest / steps
     return {"bench": "net", "rate": rate, "run": name, "steps": steps,
             "steps_per_s": round(steps / slowest, 3), "step_s": round(step_s, 3),
-            "cross_bytes_per_step": int(per_step), "link_s_per_step": round(link_s, 3),
+            "cross_bytes_per_step": int(per_step), "link_s_per_direction": round(link_s, 3),
             "step_over_link": round(step_s / link_s, 3) if link_s else None,
             "tcp_gbps": round(tcp_bps * 8 / 1e9, 3),
             "final_loss": round(by_rank[0]["final_loss"], 4)}
