@@ -13,7 +13,12 @@ setting, as bench_zeropp.py does on loopback:
   on    qwZ (int8 weights), qgZ (int4 gradient sums between nodes), hpZ.
 
 The baseline of each rate, measured in the same run over the same link, is
-a raw TCP transfer between the two namespaces. Per run, one JSON line:
+a raw TCP transfer between the two namespaces. First, per rate, one large
+unit (--collective-mib, fp32, one rank per node, flat collectives):
+the median reduce (reduce-scatter) and gather after a step (all-gather),
+each moving half the unit each way, against raw TCP transfers of that
+half each way at once (figure net_collective: ratio = TCP time /
+collective time, target >= 0.85, min; the one-way time is printed too). Per run, one JSON line:
 steps/s (the slowest rank's training time), the bytes node a's ranks moved
 between nodes per step (both directions, as zd_job_stats counts them at the
 "cross" level), the link time of one direction's half of them at the raw
@@ -132,6 +137,66 @@ class NetRun:
             shutil.rmtree(d, ignore_errors=True)
 
 
+# One rank per node: a unit of `numel` fp32 split in halves, so that each
+# reduce (reduce-scatter) and each gather after a step (all-gather) sends
+# numel * 2 bytes each way between the nodes.
+COLLECTIVES = r"""
+import json, sys, time, zerod
+socket, job, token, numel, reps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+with zerod.Client(socket) as c:
+    j = c.attach(job, token=token)
+    u = j.register("w", [("w", (numel,))], init="zeros")
+    out = {"reduce": [], "gather": []}
+    for _ in range(reps + 1):
+        u.grad_buffer().array()[...] = 0.001
+        t0 = time.monotonic(); u.reduce(); t1 = time.monotonic()
+        j.step()
+        t2 = time.monotonic(); g = u.gather(); t3 = time.monotonic(); g.release()
+        out["reduce"].append(t1 - t0); out["gather"].append(t3 - t2)
+    mine = [r for r in j.stats() if r["rank"] == j.rank]
+    counted = {"%s/%s" % key: c["bytes"] for r in mine for key, c in r["counters"].items()}
+    print(json.dumps(dict({k: v[1:] for k, v in out.items()}, counted=counted)), flush=True)
+"""
+
+
+def collectives(rate: str, run: "NetRun", net: netcluster.NetCluster, args) -> None:
+    """The cross-node reduce-scatter and all-gather of one large unit
+    against raw TCP transfers of the same bytes over the same link: each
+    way at once (what the collective moves; the baseline of the ratio) and
+    one way only."""
+    numel = args.collective_mib << 18
+    made = run.ctl("jobs", "create", "bw", "--nodes", "2", "--ranks-per-node", "1", "--token",
+                   TOKEN, "--optimizer", "sgd", "--collectives", "flat", "--max-live-bytes", "1G")
+    if not made:
+        raise SystemExit("bench_net: cannot create job bw")
+    run.wait("job bw", lambda: "state: ready" in run.ctl("jobs", "get", "bw"))
+    procs = [run.net.popen(i, [sys.executable, "-c", COLLECTIVES, str(run.sockets[i]), "bw",
+                               TOKEN, str(numel), str(args.reps)], stdout=subprocess.PIPE,
+                           text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "client" /
+                                                                            "python")))
+             for i in range(2)]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        raise SystemExit("bench_net: a collectives worker failed")
+    times = json.loads(outs[0].strip().splitlines()[-1])
+    per_direction = numel * 2
+    both = sorted(netcluster.tcp_both_seconds(net, 0, 1, per_direction, args.reps))
+    raw = both[len(both) // 2]
+    one_way = sorted(net.tcp_seconds(0, 1, per_direction, args.reps))[args.reps // 2]
+    for kind in ("reduce", "gather"):
+        t = sorted(times[kind])[len(times[kind]) // 2]
+        ratio = raw / t
+        print(json.dumps({"bench": "net_collective", "rate": rate, "collective":
+                          {"reduce": "reduce_scatter", "gather": "all_gather"}[kind],
+                          "bytes_per_direction": per_direction, "seconds": round(t, 4),
+                          "raw_tcp_both_ways_seconds": round(raw, 4),
+                          "raw_tcp_one_way_seconds": round(one_way, 4), "ratio": round(ratio, 3),
+                          "counted_bytes_per_call": {k: v // (args.reps + 1) for k, v in
+                                                     times["counted"].items()},
+                          "target": 0.85, "direction": "min", "met": ratio >= 0.85}),
+              flush=True)
+
+
 def summarize(rate: str, name: str, by_rank: dict, tcp_bps: float) -> dict:
     slowest = max(r["train_s"] for r in by_rank.values())
     steps = by_rank[0]["steps"]
@@ -160,6 +225,8 @@ def one_rate(rate: str, args) -> None:
             nbytes = 16 << 20
             tcp_bps = nbytes / min(net.tcp_seconds(0, 1, nbytes))
             run = NetRun(net, Path(tmp_name))
+            if args.collective_mib > 0:
+                collectives(rate, run, net, args)
             rows = {}
             for name, zeropp in (("off", False), ("on", True)):
                 log(f"{rate}: {name}, {args.steps} steps on 2 nodes x {RANKS} ranks")
@@ -185,6 +252,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-live-bytes", default="12M")
+    p.add_argument("--collective-mib", type=int, default=32,
+                   help="the unit of the collectives figure (0: none)")
+    p.add_argument("--reps", type=int, default=5)
     args = p.parse_args()
     why = netcluster.available()
     if why is not None:
