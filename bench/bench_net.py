@@ -180,7 +180,7 @@ def collectives(rate: str, run: "NetRun", net: netcluster.NetCluster, args) -> N
         raise SystemExit("bench_net: a collectives worker failed")
     times = json.loads(outs[0].strip().splitlines()[-1])
     per_direction = numel * 2
-    both = sorted(netcluster.tcp_both_seconds(net, 0, 1, per_direction, args.reps))
+    both = sorted(net.tcp_both_seconds(0, 1, per_direction, args.reps))
     raw = both[len(both) // 2]
     one_way = sorted(net.tcp_seconds(0, 1, per_direction, args.reps))[args.reps // 2]
     for kind in ("reduce", "gather"):

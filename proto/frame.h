@@ -179,6 +179,13 @@ bool zd_frame_reader_pending(const zd_frame_reader *reader);
 void zd_frame_reader_take(zd_frame_reader *reader, zd_frame_header *header, uint8_t **payload,
                           int *fds, unsigned *nfds);
 
+/* zd_frame_read and zd_frame_reader_take for a stream that carries no
+ * descriptors (TCP, a follower's connection): descriptors that come anyway
+ * are closed. Returns as zd_frame_read does; on 1, *header and *payload
+ * (the caller frees it) are the frame. */
+int zd_frame_read_plain(zd_frame_reader *reader, int sock, zd_frame_header *header,
+                        uint8_t **payload, const char **why);
+
 /* For a stream that carries raw bytes between frames (a follower's TCP
  * connection, node/follow_fetch.c): copies into dst up to n of the bytes
  * already read ahead after the last frame taken, and returns how many; the

@@ -494,3 +494,16 @@ size_t zd_frame_reader_take_bytes(zd_frame_reader *reader, void *dst, size_t n) 
   reader->buffer_start += k;
   return k;
 }
+
+int zd_frame_read_plain(zd_frame_reader *reader, int sock, zd_frame_header *header,
+                        uint8_t **payload, const char **why) {
+  int rc = zd_frame_read(reader, sock, why);
+  if (rc != 1)
+    return rc;
+  int fds[ZD_FRAME_MAX_FDS];
+  unsigned nfds;
+  zd_frame_reader_take(reader, header, payload, fds, &nfds);
+  for (unsigned i = 0; i < nfds; i++)
+    close(fds[i]);
+  return 1;
+}

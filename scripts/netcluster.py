@@ -203,26 +203,25 @@ for _ in range(reps):
             raise RuntimeError("netcluster: the TCP transfer failed")
         return [float(x) for x in out.split()]
 
+    def tcp_both_seconds(self, a: int, b: int, nbytes: int, reps: int = 3) -> List[float]:
+        """nbytes each way at once between nodes a and b, as a collective
+        between two nodes moves them (each direction's ACKs then queue
+        behind the other's data in the shaped links): per repetition, the
+        slower of the two transfers."""
+        import threading
 
-def tcp_both_seconds(net: "NetCluster", a: int, b: int, nbytes: int, reps: int = 3) -> List[float]:
-    """nbytes each way at once between nodes a and b, as a collective
-    between two nodes moves them (each direction's ACKs then queue behind
-    the other's data in the shaped links): per repetition, the slower of
-    the two transfers."""
-    import threading
+        out: List[List[float]] = [[], []]
 
-    out: List[List[float]] = [[], []]
+        def one(k: int, src: int, dst: int) -> None:
+            out[k] = self.tcp_seconds(src, dst, nbytes, reps)
 
-    def one(k: int, src: int, dst: int) -> None:
-        out[k] = net.tcp_seconds(src, dst, nbytes, reps)
-
-    threads = [threading.Thread(target=one, args=(0, a, b)),
-               threading.Thread(target=one, args=(1, b, a))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return [max(x, y) for x, y in zip(out[0], out[1])]
+        threads = [threading.Thread(target=one, args=(0, a, b)),
+                   threading.Thread(target=one, args=(1, b, a))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [max(x, y) for x, y in zip(out[0], out[1])]
 
 
 def main() -> int:

@@ -23,6 +23,7 @@
 #ifndef ZEROD_FOLLOW_H
 #define ZEROD_FOLLOW_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "zerod/v1/ipc.pb-c.h"
@@ -39,6 +40,14 @@ struct job;
 /* The hosting side: relays one FOLLOW connection (replica_follow_fn; ctx
  * the daemon), on the replica server's connection thread. */
 void follow_relay(void *ctx, int fd);
+
+/* The bytes that follow a GatherReply on a follower's stream
+ * (docs/protocol.md, "FOLLOW"): block b of the buffer, at *at, is sent
+ * when the reply is whole or lists it. follow_block_span gives its length
+ * (0: not sent); follow_gathered_bytes, the sum over follow_nblocks. */
+size_t follow_nblocks(const Zerod__V1__GatherReply *g);
+size_t follow_block_span(const Zerod__V1__GatherReply *g, size_t b, size_t *at);
+uint64_t follow_gathered_bytes(const Zerod__V1__GatherReply *g);
 
 /* What an attach waiting for a mirror is finished with, on the loop:
  * the mirror's job (j != NULL), or an error (j NULL, status and message). */

@@ -96,17 +96,12 @@ static int send_request(mirror *m, uint16_t type, const ProtobufCMessage *msg, u
  * the mirror with the far side's status and message. */
 static int recv_reply(mirror *m, uint64_t id, uint16_t reply_type, ProtobufCMessage **out) {
   const char *why = "closed";
-  int got = zd_frame_read(&m->reader, atomic_load(&m->fd), &why);
+  zd_frame_header h;
+  uint8_t *payload;
+  int got = zd_frame_read_plain(&m->reader, atomic_load(&m->fd), &h, &payload, &why);
   if (got <= 0)
     return fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "lost %s: %s", m->upstream,
                 got == 0 ? "it stopped answering" : why);
-  zd_frame_header h;
-  uint8_t *payload;
-  int fds[ZD_FRAME_MAX_FDS];
-  unsigned nfds;
-  zd_frame_reader_take(&m->reader, &h, &payload, fds, &nfds);
-  for (unsigned i = 0; i < nfds; i++)
-    close(fds[i]);
   ProtobufCMessage *reply = NULL;
   const char *bad = NULL;
   int unpacked = zd_msg_unpack(h.type, payload, h.payload_bytes, &reply, &bad);
@@ -207,12 +202,17 @@ static unit_layout *layout_of(mirror *m, const Zerod__V1__RegisterUnitReply *u) 
   return l;
 }
 
+/* The local layout of upstream unit up, or NULL when not seen yet. */
+static unit_layout *known(const mirror *m, uint32_t up) {
+  return up < m->nunits ? m->units[up].layout : NULL;
+}
+
 /* The layouts of the upstream units in ids[] that the mirror lacks, from
  * UNITS, into fresh[] (by upstream id, NULL where known). */
 static int learn_units(mirror *m, const uint32_t *ids, size_t n, unit_layout **fresh) {
   int need = 0;
   for (size_t i = 0; i < n; i++)
-    need |= ids[i] >= m->nunits || m->units[ids[i]] == NULL;
+    need |= known(m, ids[i]) == NULL;
   if (!need)
     return 0;
   Zerod__V1__UnitsRequest req = ZEROD__V1__UNITS_REQUEST__INIT;
@@ -223,7 +223,7 @@ static int learn_units(mirror *m, const uint32_t *ids, size_t n, unit_layout **f
   Zerod__V1__UnitsReply *r = (Zerod__V1__UnitsReply *)reply;
   int rc = 0;
   for (size_t i = 0; rc == 0 && i < n; i++) {
-    if (ids[i] < m->nunits && m->units[ids[i]] != NULL)
+    if (known(m, ids[i]) != NULL)
       continue;
     const Zerod__V1__RegisterUnitReply *u = NULL;
     for (size_t k = 0; k < r->n_units && u == NULL; k++)
@@ -245,15 +245,12 @@ static int learn_units(mirror *m, const uint32_t *ids, size_t n, unit_layout **f
 static int grow(mirror *m, uint32_t up, uint32_t local) {
   if (up >= m->nunits) {
     uint32_t cap = up + 16;
-    unit_layout **units = realloc(m->units, cap * sizeof *units);
-    uint64_t *versions = units != NULL ? realloc(m->unit_version, cap * sizeof *versions) : NULL;
-    if (units != NULL)
-      m->units = units;
-    if (versions == NULL)
+    struct mirror_unit *units = realloc(m->units, cap * sizeof *units);
+    if (units == NULL)
       return -ENOMEM;
-    m->unit_version = versions;
-    memset(m->units + m->nunits, 0, (cap - m->nunits) * sizeof *units);
-    memset(m->unit_version + m->nunits, 0xff, (cap - m->nunits) * sizeof *versions);
+    for (uint32_t u = m->nunits; u < cap; u++)
+      units[u] = (struct mirror_unit){.layout = NULL, .version = UINT64_MAX};
+    m->units = units;
     m->nunits = cap;
   }
   rank_state *rs = &m->j->ranks[0];
@@ -297,12 +294,8 @@ static unit_layout *add_unit(mirror *m, uint32_t up, unit_layout *fresh, uint64_
   sh->working = working;
   sh->gather_buf = sh->grad_buf = sh->secondary_buf = -1;
   atomic_store(&l->changed_version, version);
-  m->units[up] = l;
+  m->units[up].layout = l;
   return l;
-}
-
-static int block_set(const Zerod__V1__GatherReply *g, size_t b) {
-  return b / 8 < g->changed_blocks.len && (g->changed_blocks.data[b / 8] >> (b % 8)) & 1;
 }
 
 /* Raw bytes after a frame: those the frame reader read ahead, then the
@@ -329,26 +322,17 @@ static int recv_part(mirror *m, uint8_t *dst, size_t n, size_t keep) {
  * a delta wrote, or the whole buffer. */
 static int recv_gathered(mirror *m, const Zerod__V1__GatherReply *g, uint8_t *working,
                          size_t bytes) {
-  size_t block = g->block_bytes ? g->block_bytes : PIN_DELTA_BLOCK_BYTES;
-  size_t nblocks = (g->buffer_bytes + block - 1) / block;
-  uint64_t expect = 0;
-  for (size_t b = 0; b < nblocks; b++)
-    if (!g->delta || block_set(g, b))
-      expect += (b + 1) * block <= g->buffer_bytes ? block : g->buffer_bytes - b * block;
+  uint64_t expect = follow_gathered_bytes(g);
   m->fetched += expect;
   uint8_t length[8];
   int rc = recv_raw(m, length, sizeof length);
   if (rc == 0 && le_get64(length) != expect)
     return fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE,
-                "%s sent %" PRIu64 " bytes of a "
-                "gather, %" PRIu64 " expected",
-                m->upstream, le_get64(length), expect);
-  for (size_t b = 0; rc == 0 && b < nblocks; b++) {
-    if (g->delta && !block_set(g, b))
-      continue;
-    size_t at = b * block, n = (b + 1) * block <= g->buffer_bytes ? block : g->buffer_bytes - at;
-    rc = recv_part(m, working + (at < bytes ? at : bytes), n, at < bytes ? bytes - at : 0);
-  }
+                "%s sent %" PRIu64 " bytes of a gather, %" PRIu64 " expected", m->upstream,
+                le_get64(length), expect);
+  for (size_t b = 0, at, n; rc == 0 && b < follow_nblocks(g); b++)
+    if ((n = follow_block_span(g, b, &at)) > 0)
+      rc = recv_part(m, working + (at < bytes ? at : bytes), n, at < bytes ? bytes - at : 0);
   if (rc != 0)
     return fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE, "lost %s in a gather: %s", m->upstream,
                 strerror(-rc));
@@ -358,7 +342,7 @@ static int recv_gathered(mirror *m, const Zerod__V1__GatherReply *g, uint8_t *wo
 /* The reply to a delta gather of upstream unit up and its bytes, into the
  * unit's working copy. */
 static int finish_gather(mirror *m, uint64_t id, uint32_t up, uint64_t version) {
-  unit_layout *l = m->units[up];
+  unit_layout *l = m->units[up].layout;
   ProtobufCMessage *reply;
   if (recv_reply(m, id, ZEROD__V1__MSG_TYPE__MSG_GATHER_REPLY, &reply) != 0)
     return -1;
@@ -366,7 +350,7 @@ static int finish_gather(mirror *m, uint64_t id, uint32_t up, uint64_t version) 
   size_t bytes = l->padded_numel * zk_dtype_size(m->j->config.working_dtype);
   int rc = 0;
   if (g->unit_id != up || g->version != version ||
-      (g->delta && g->delta_from != m->unit_version[up]) || g->buffer_bytes < bytes ||
+      (g->delta && g->delta_from != m->units[up].version) || g->buffer_bytes < bytes ||
       g->buffer_bytes > bytes + (64u << 20))
     rc = fail(m, ZEROD__V1__STATUS__STATUS_UNAVAILABLE,
               "%s answered a gather of unit '%s' out of step (version %" PRIu64 ", %" PRIu64
@@ -376,7 +360,7 @@ static int finish_gather(mirror *m, uint64_t id, uint32_t up, uint64_t version) 
     rc = recv_gathered(m, g, m->j->ranks[0].shards[l->id].working, bytes);
   protobuf_c_message_free_unpacked(reply, NULL);
   if (rc == 0)
-    m->unit_version[up] = version;
+    m->units[up].version = version;
   return rc;
 }
 
@@ -402,8 +386,8 @@ static int send_unit_request(mirror *m, uint32_t up, int release, in_flight *slo
 static int window_of(mirror *m, const uint32_t *ups, size_t n) {
   uint64_t largest = 0;
   for (size_t i = 0; i < n; i++)
-    if (m->units[ups[i]]->padded_numel > largest)
-      largest = m->units[ups[i]]->padded_numel;
+    if (m->units[ups[i]].layout->padded_numel > largest)
+      largest = m->units[ups[i]].layout->padded_numel;
   uint64_t bytes = largest * zk_dtype_size(m->j->config.working_dtype) + (64u << 10);
   return 2 * bytes <= m->j->config.max_live_bytes ? 2 : 1;
 }
@@ -429,7 +413,7 @@ static int fetch_units(mirror *m, const uint32_t *ups, size_t n, uint64_t versio
     }
     rc = finish_gather(m, f.id, f.up, version);
     if (rc == 0)
-      atomic_store(&m->units[f.up]->ready_ranks, 1);
+      atomic_store(&m->units[f.up].layout->ready_ranks, 1);
     if (rc == 0)
       rc = send_unit_request(m, f.up, 1, &queue[tail++]);
     if (rc == 0 && sent < n)
@@ -447,7 +431,7 @@ static int install(mirror *m, const Zerod__V1__WatchVersionReply *w, unit_layout
   rank_state *rs = &m->j->ranks[0];
   for (size_t i = 0; i < w->n_changed_units; i++)
     if (fresh[i] == NULL)
-      pin_mark_changed_at(m->units[w->changed_units[i]], w->version);
+      pin_mark_changed_at(m->units[w->changed_units[i]].layout, w->version);
   if (!first)
     pin_begin_write_to(rs, w->version);
   int rc = 0;
@@ -459,12 +443,8 @@ static int install(mirror *m, const Zerod__V1__WatchVersionReply *w, unit_layout
   if (rc == 0)
     rc = fetch_units(m, w->changed_units, w->n_changed_units, w->version);
   atomic_store(&rs->step, w->step);
-  if (first) {
-    pthread_mutex_lock(&m->j->pin_mutex);
-    rs->version = w->version;
-    atomic_store(&m->j->latest_version, w->version);
-    pthread_mutex_unlock(&m->j->pin_mutex);
-  }
+  if (first)
+    pin_start_at(rs, w->version);
   if (rc != 0)
     job_fail(m->j, m->j->generation, "following job '%s' from %s failed: %s", m->name, m->upstream,
              m->message);
@@ -578,6 +558,5 @@ void follow__mirror_free(mirror *m) {
     job_destroy(j);
   }
   free(m->units);
-  free(m->unit_version);
   free(m);
 }

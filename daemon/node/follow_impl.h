@@ -52,10 +52,12 @@ typedef struct mirror {
   follow_waiter *waiters;
   uint64_t idle_since_ms;
 
-  /* Thread-owned: the upstream unit ids' local layouts, and the version
-   * each last fetched. */
-  unit_layout **units;
-  uint64_t *unit_version;
+  /* Thread-owned: by upstream unit id, the local layout and the version
+   * last fetched. */
+  struct mirror_unit {
+    unit_layout *layout; /* NULL: not seen yet */
+    uint64_t version;    /* UINT64_MAX: never fetched */
+  } * units;
   uint32_t nunits;
   uint64_t next_request;
   uint64_t fetched; /* bytes of gathered values the version being installed took */

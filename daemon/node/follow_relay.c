@@ -175,26 +175,36 @@ static relay_map *reply_buffer(relay *r, const Zerod__V1__GatherReply *g, int fd
   return m;
 }
 
-/* The bytes of a gather after its reply: the blocks a delta wrote, or the
- * whole buffer, behind their u64 length. */
-static int send_gathered(relay *r, const Zerod__V1__GatherReply *g, const relay_map *m) {
+size_t follow_nblocks(const Zerod__V1__GatherReply *g) {
   size_t block = g->block_bytes ? g->block_bytes : PIN_DELTA_BLOCK_BYTES;
-  size_t nblocks = (m->bytes + block - 1) / block;
+  return (g->buffer_bytes + block - 1) / block;
+}
+
+size_t follow_block_span(const Zerod__V1__GatherReply *g, size_t b, size_t *at) {
+  size_t block = g->block_bytes ? g->block_bytes : PIN_DELTA_BLOCK_BYTES;
+  int listed = b / 8 < g->changed_blocks.len && (g->changed_blocks.data[b / 8] >> (b % 8)) & 1;
+  *at = b * block;
+  if ((g->delta && !listed) || *at >= g->buffer_bytes)
+    return 0;
+  return g->buffer_bytes - *at < block ? g->buffer_bytes - *at : block;
+}
+
+uint64_t follow_gathered_bytes(const Zerod__V1__GatherReply *g) {
   uint64_t total = 0;
-  for (size_t b = 0; b < nblocks; b++)
-    if (!g->delta ||
-        (b / 8 < g->changed_blocks.len && (g->changed_blocks.data[b / 8] >> (b % 8)) & 1))
-      total += (b + 1) * block <= m->bytes ? block : m->bytes - b * block;
+  size_t at;
+  for (size_t b = 0; b < follow_nblocks(g); b++)
+    total += follow_block_span(g, b, &at);
+  return total;
+}
+
+/* The bytes of a gather after its reply, behind their u64 length. */
+static int send_gathered(relay *r, const Zerod__V1__GatherReply *g, const relay_map *m) {
   uint8_t length[8];
-  le_put64(length, total);
+  le_put64(length, follow_gathered_bytes(g));
   int rc = replica__send_all(r->net, length, sizeof length);
-  for (size_t b = 0; rc == 0 && b < nblocks; b++) {
-    if (g->delta &&
-        !(b / 8 < g->changed_blocks.len && (g->changed_blocks.data[b / 8] >> (b % 8)) & 1))
-      continue;
-    size_t n = (b + 1) * block <= m->bytes ? block : m->bytes - b * block;
-    rc = replica__send_all(r->net, m->base + b * block, n);
-  }
+  for (size_t b = 0, at, n; rc == 0 && b < follow_nblocks(g); b++)
+    if ((n = follow_block_span(g, b, &at)) > 0)
+      rc = replica__send_all(r->net, m->base + at, n);
   return rc;
 }
 
@@ -241,19 +251,14 @@ static int pass_daemon_frame(relay *r) {
 }
 
 /* One request of the follower's, passed to the daemon. 0, or -1 to stop
- * (a DETACH, a request the relay does not pass, a broken stream). */
+ * (a request the relay does not pass, a broken stream). */
 static int pass_follower_frame(relay *r) {
   const char *why = NULL;
-  int rc = zd_frame_read(&r->net_reader, r->net, &why);
-  if (rc <= 0)
-    return rc == 0 ? 0 : -1;
   zd_frame_header h;
   uint8_t *payload;
-  int fds[ZD_FRAME_MAX_FDS];
-  unsigned nfds;
-  zd_frame_reader_take(&r->net_reader, &h, &payload, fds, &nfds);
-  for (unsigned i = 0; i < nfds; i++)
-    close(fds[i]);
+  int rc = zd_frame_read_plain(&r->net_reader, r->net, &h, &payload, &why);
+  if (rc <= 0)
+    return rc == 0 ? 0 : -1;
   if (!passable(r, &h, payload, &why)) {
     send_refusal(r, h.request_id, why);
     free(payload);

@@ -282,14 +282,15 @@ static void gather_copy(reader *r, exec_op *op) {
  * copied (on the threadpool). */
 static int gather_inline(reader *r, exec_op *op) {
   Zerod__V1__GatherRequest *req = (Zerod__V1__GatherRequest *)op->request;
-  if (gather_checks(r, op) == NULL)
+  unit_layout *l = gather_checks(r, op);
+  if (l == NULL)
     return 1;
   reader_buf *b = buf_of(r, req->unit_id);
   if (b == NULL || b->valid_version != target_version(r))
     return 0;
   int rc = 0;
   if (req->delta)
-    delta_begin(r->job, job_unit(r->job, req->unit_id), b, &rc);
+    delta_begin(r->job, l, b, &rc);
   if (rc != 0)
     exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED, "out of memory");
   else

@@ -227,6 +227,15 @@ void pin_begin_write_to(rank_state *rs, uint64_t to_version) {
   pin_free(j, dead);
 }
 
+void pin_start_at(rank_state *rs, uint64_t version) {
+  job *j = rs->job;
+  pthread_mutex_lock(&j->pin_mutex);
+  rs->version = version;
+  if (atomic_load(&j->latest_version) < version)
+    atomic_store(&j->latest_version, version);
+  pthread_mutex_unlock(&j->pin_mutex);
+}
+
 void pin_mark_changing(rank_state *rs, unit_layout *l) {
   pin_mark_changed_at(l, rs->version + 1);
 }

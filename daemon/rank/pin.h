@@ -79,6 +79,9 @@ void pin_begin_write_to(rank_state *rs, uint64_t to_version);
  * those with a trainable tensor, not of the job's base (the same on
  * every rank). */
 void pin_mark_changing(rank_state *rs, unit_layout *l);
+/* A job whose first values were written before any reader could see it
+ * (a mirror's first version, node/follow.c) starts at version. */
+void pin_start_at(rank_state *rs, uint64_t version);
 /* The same, to a version given (pin_begin_write_to's). */
 void pin_mark_changed_at(unit_layout *l, uint64_t version);
 void pin_mark_step(rank_state *rs);
