@@ -74,6 +74,7 @@ using steady_clock = std::chrono::steady_clock;
  * sequential and Gloo matches sends to receives in order within a slot. */
 constexpr uint64_t kReduceScatterSlotBase = uint64_t{0x40} << 56;
 constexpr uint64_t kAllToAllSlot = uint64_t{0x41} << 56;
+constexpr uint64_t kAllGatherSlot = uint64_t{0x42} << 56;
 
 /* Pairs connect one after another, each waiting up to the timeout divided
  * by this for its peer, so that a few peers that never come still end the
@@ -416,18 +417,27 @@ milliseconds remaining_until(steady_clock::time_point deadline) {
   return std::max(left, milliseconds(0));
 }
 
+/* Gloo's TCP pair sends a message to an unbound buffer only once the peer
+ * has said it is ready to receive it, and that notice (NOTIFY_RECV_READY)
+ * waits behind whatever the pair is already sending. A rank that posts its
+ * send to a peer whose notice has arrived, and only then its own receive,
+ * holds its notice back until its whole send has left: the two directions
+ * of the pair run one after the other, and a collective takes twice the
+ * link time. So on every pair below the receive is posted before the send. */
+
 /* A reduce-scatter whose sums are taken in rank order: chunk r of the
  * result is ((g0 + g1) + g2) + ... in fp32 on every run, for every world
  * size, exactly as a single process adding the ranks' gradients in order
  * would (the training tests compare against such a reference bit for bit).
  * A ring would add each chunk starting at a different rank.
  *
- * Every rank posts its W-1 outgoing chunks at once (chunk j to rank j), then
- * receives chunk `rank` from the ranks in order 0, 1, ..., two transfers in
- * flight (double buffering), and adds each into the running sum as it
- * lands. Each rank sends and receives (W-1)/W of the buffer, the same
- * volume as a ring, over W-1 connections at once. No deadlock: every send
- * is posted before any receive is waited for. */
+ * Every rank receives chunk `rank` from the ranks in order 0, 1, ...,
+ * two transfers in flight (double buffering), and adds each into the
+ * running sum as it lands. Its chunk j goes to rank j when the receive from
+ * j is posted (receive first, above). Each rank sends and receives (W-1)/W
+ * of the buffer, the same volume as a ring. No deadlock: a rank waits for
+ * the lowest peer it has not heard from; that peer's send is posted unless
+ * the peer itself waits for a lower rank, and ranks cannot descend forever. */
 void ordered_reduce_scatter_f32(GlooComm *c, float *send, float *scratch, float *recv,
                                 size_t shard_numel, PeerHint &hint) {
   const auto &context = c->context;
@@ -437,11 +447,6 @@ void ordered_reduce_scatter_f32(GlooComm *c, float *send, float *scratch, float 
   const size_t shard_bytes = shard_numel * sizeof(float);
 
   auto send_buffer = context->createUnboundBuffer(send, shard_bytes * static_cast<size_t>(world));
-  for (int j = 0; j < world; j++)
-    if (j != rank)
-      send_buffer->send(j, kReduceScatterSlotBase, static_cast<size_t>(j) * shard_bytes,
-                        shard_bytes);
-
   std::unique_ptr<gloo::transport::UnboundBuffer> landing[2] = {
       context->createUnboundBuffer(scratch, shard_bytes),
       context->createUnboundBuffer(scratch + shard_numel, shard_bytes)};
@@ -453,7 +458,10 @@ void ordered_reduce_scatter_f32(GlooComm *c, float *send, float *scratch, float 
   size_t posted = 0;
   auto post_next = [&]() {
     if (posted < peers.size()) {
-      landing[posted % 2]->recv(peers[posted], kReduceScatterSlotBase);
+      const int peer = peers[posted];
+      landing[posted % 2]->recv(peer, kReduceScatterSlotBase);
+      send_buffer->send(peer, kReduceScatterSlotBase, static_cast<size_t>(peer) * shard_bytes,
+                        shard_bytes);
       posted++;
     }
   };
@@ -482,6 +490,41 @@ void ordered_reduce_scatter_f32(GlooComm *c, float *send, float *scratch, float 
   hint.recv_rank = -1;
   for (size_t i = 0; i < peers.size(); i++)
     send_buffer->waitSend(remaining_until(deadline));
+}
+
+/* ---- all-gather -------------------------------------------------------------- */
+
+/* Every rank's slice straight to every other rank: all receives posted
+ * (into their places in the output) before any send, then this rank's
+ * slice sent to each peer. Each rank sends and receives (W-1) slices, as
+ * in a ring, with no step waiting for the one before. Gloo's ring for two
+ * ranks posts its send before its receive on the one pair (see above). */
+void direct_all_gather(GlooComm *c, uint8_t *gathered, size_t bytes, PeerHint &hint) {
+  const auto &context = c->context;
+  const int world = c->world_size;
+  const int rank = c->rank;
+  const auto deadline = steady_clock::now() + milliseconds(c->timeout_ms);
+  auto buffer = context->createUnboundBuffer(gathered, bytes * static_cast<size_t>(world));
+  for (int j = 0; j < world; j++)
+    if (j != rank)
+      buffer->recv(j, kAllGatherSlot, static_cast<size_t>(j) * bytes, bytes);
+  for (int k = 1; k < world; k++)
+    buffer->send((rank + k) % world, kAllGatherSlot, static_cast<size_t>(rank) * bytes, bytes);
+  /* Slices land in any order; a peer that fails us is named as the lowest
+   * one not yet heard from. */
+  std::vector<bool> landed(static_cast<size_t>(world), false);
+  landed[static_cast<size_t>(rank)] = true;
+  for (int k = 1; k < world; k++) {
+    hint.recv_rank =
+        static_cast<int>(std::find(landed.begin(), landed.end(), false) - landed.begin());
+    int from = -1;
+    buffer->waitRecv(&from, remaining_until(deadline));
+    if (from >= 0 && from < world)
+      landed[static_cast<size_t>(from)] = true;
+  }
+  hint.recv_rank = -1;
+  for (int k = 1; k < world; k++)
+    buffer->waitSend(remaining_until(deadline));
 }
 
 /* ---- all-to-all -------------------------------------------------------------- */
@@ -546,27 +589,15 @@ template <typename T> void all_reduce_typed(GlooComm *c, void *buf, size_t count
 
 int gloo_all_gather(comm *base, const void *send, void *recv, size_t bytes_per_rank) {
   GlooComm *c = gloo_of(base);
-  const size_t gathered_bytes = bytes_per_rank * static_cast<size_t>(c->world_size);
   uint8_t *gathered = static_cast<uint8_t *>(recv);
   uint8_t *own_slice = gathered + static_cast<size_t>(c->rank) * bytes_per_rank;
   const bool in_place = send == own_slice;
 
   return run_collective(c, "all_gather", [&](PeerHint &hint) {
-    if (c->world_size == 1) {
-      if (!in_place)
-        memcpy(own_slice, send, bytes_per_rank);
-      return;
-    }
-    /* Gloo's all-gather is a ring: it receives from rank-1 and sends to
-     * rank+1. Without an input buffer it runs in place on the output. */
-    hint.recv_rank = (c->rank + c->world_size - 1) % c->world_size;
-    hint.send_rank = (c->rank + 1) % c->world_size;
-    gloo::AllgatherOptions options(c->context);
     if (!in_place)
-      options.setInput(static_cast<uint8_t *>(const_cast<void *>(send)), bytes_per_rank);
-    options.setOutput(gathered, gathered_bytes);
-    options.setTimeout(milliseconds(c->timeout_ms));
-    gloo::allgather(options);
+      memcpy(own_slice, send, bytes_per_rank);
+    if (c->world_size > 1)
+      direct_all_gather(c, gathered, bytes_per_rank, hint);
   });
 }
 
