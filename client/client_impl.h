@@ -198,6 +198,11 @@ struct zd_client {
   size_t mapping_capacity;
 
   zd_job *jobs;
+
+  /* Nanoseconds spent in client__wait since the last STEP went out: the
+   * worker's stalls on the daemon, sent with the next STEP
+   * (StepRequest.worker_wait_ns) for its exposed-communication figures. */
+  uint64_t wait_ns;
 };
 
 /* ------------------------------------------------------------------------

@@ -32,6 +32,10 @@ zd_status zd_step(zd_job *job, const zd_step_options *caller_options, zd_step_re
                              options.ngroup_lr);
   request.n_group_lr = options.ngroup_lr;
   request.group_lr = (double *)options.group_lr;
+  /* The stalls since the last step; the step's own wait is the daemon's
+   * to see. */
+  request.worker_wait_ns = job->client->wait_ns;
+  job->client->wait_ns = 0;
   ProtobufCMessage *reply_msg;
   int fds[ZD_FRAME_MAX_FDS];
   unsigned nfds;

@@ -538,6 +538,9 @@ zd_status zd_job_stats(zd_job *job, zd_rank_stats *out, unsigned max, unsigned *
     o->state_bytes = rank->state_bytes;
     o->tier_bytes = rank->tier_bytes;
     o->host_state_bytes = rank->host_state_bytes;
+    o->comm_seconds = rank->comm_seconds;
+    o->wait_seconds = rank->wait_seconds;
+    o->exposed_comm_seconds = rank->exposed_comm_seconds;
     o->ncounters = (unsigned)rank->n_counters;
     for (size_t k = 0; k < rank->n_counters; k++) {
       const Zerod__V1__CollectiveCounter *c = rank->counters[k];

@@ -592,6 +592,17 @@ typedef struct zd_rank_stats {
   uint64_t state_bytes;
   uint64_t tier_bytes;
   uint64_t host_state_bytes;
+  /* ABI 1.4. Communication against compute since the job started on this
+   * node, in seconds (docs/daemon.md, "Exposed communication"): the time
+   * the rank spent in collectives; the time its worker waited for the
+   * daemon's answers (libzerod counts the waits between steps and sends
+   * them with each zd_step; each step's own time is the daemon's); and the
+   * part of those waits that was communication (the waits between steps,
+   * and the collectives run while a step request waited). A caller built
+   * before 1.4, or a daemon before it, leaves them out or zero. */
+  double comm_seconds;
+  double wait_seconds;
+  double exposed_comm_seconds;
 } zd_rank_stats;
 
 #define ZD_RANK_STATS_INIT ZD_SIZED_INIT(zd_rank_stats)

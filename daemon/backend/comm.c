@@ -41,22 +41,59 @@ void comm_set_activity(comm *c, comm_activity *a) {
     c->activity = a;
 }
 
+static uint64_t monotonic_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* A seqlock's write side: one writer (the rank's thread), readers retry. */
+static void activity_write_begin(comm_activity *a) {
+  __atomic_store_n(&a->seq, __atomic_load_n(&a->seq, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+
+static void activity_write_end(comm_activity *a) {
+  __atomic_store_n(&a->seq, __atomic_load_n(&a->seq, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
+}
+
 static void activity_begin(comm *c, comm_act op) {
   comm_activity *a = c->activity;
   if (a == NULL)
     return;
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  __atomic_store_n(&a->since_ns, (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec,
-                   __ATOMIC_RELAXED);
+  activity_write_begin(a);
+  __atomic_store_n(&a->since_ns, monotonic_ns(), __ATOMIC_RELAXED);
   __atomic_store_n(&a->calls, __atomic_load_n(&a->calls, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
   __atomic_store_n(&a->op, (int)op, __ATOMIC_RELEASE);
+  activity_write_end(a);
 }
 
 static int activity_end(comm *c, int rc) {
-  if (c->activity != NULL)
-    __atomic_store_n(&c->activity->op, (int)COMM_ACT_NONE, __ATOMIC_RELEASE);
+  comm_activity *a = c->activity;
+  if (a == NULL)
+    return rc;
+  const uint64_t now = monotonic_ns();
+  activity_write_begin(a);
+  const uint64_t since = __atomic_load_n(&a->since_ns, __ATOMIC_RELAXED);
+  __atomic_store_n(&a->busy_ns,
+                   __atomic_load_n(&a->busy_ns, __ATOMIC_RELAXED) + (now > since ? now - since : 0),
+                   __ATOMIC_RELAXED);
+  __atomic_store_n(&a->op, (int)COMM_ACT_NONE, __ATOMIC_RELEASE);
+  activity_write_end(a);
   return rc;
+}
+
+uint64_t comm_activity_busy_ns(const comm_activity *a, uint64_t now_ns) {
+  for (;;) {
+    const uint64_t seq = __atomic_load_n(&a->seq, __ATOMIC_ACQUIRE);
+    const uint64_t busy = __atomic_load_n(&a->busy_ns, __ATOMIC_RELAXED);
+    const uint64_t since = __atomic_load_n(&a->since_ns, __ATOMIC_RELAXED);
+    const int op = __atomic_load_n(&a->op, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if ((seq & 1) != 0 || __atomic_load_n(&a->seq, __ATOMIC_RELAXED) != seq)
+      continue;
+    return busy + (op != COMM_ACT_NONE && now_ns > since ? now_ns - since : 0);
+  }
 }
 
 /* The backend's call expr, recorded in c's activity as op. */

@@ -47,7 +47,15 @@ typedef struct comm_activity {
   uint64_t calls;
   int op; /* comm_act */
   uint64_t since_ns;
+  /* Nanoseconds spent in the collectives that have ended, and a sequence
+   * count (odd while the writer changes since_ns, op or busy_ns) so that
+   * comm_activity_busy_ns reads the three consistently. */
+  uint64_t busy_ns;
+  uint64_t seq;
 } comm_activity;
+/* The time a's communicator has spent in collectives up to now_ns
+ * (CLOCK_MONOTONIC), the one in progress included; any thread. */
+uint64_t comm_activity_busy_ns(const comm_activity *a, uint64_t now_ns);
 /* "all_gather", ...; "" for COMM_ACT_NONE. */
 const char *comm_act_name(int op);
 

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "ckpt_call.h"
+#include "clock.h"
 #include "daemon.h"
 #include "exec.h"
 #include "frame.h"
@@ -19,6 +20,7 @@
 #include "reader.h"
 
 #include "ipc_impl.h"
+#include "clock.h"
 
 static op_kind kind_of(uint16_t type) {
   switch (type) {
@@ -184,6 +186,9 @@ static void handle_stats(session *s, const zd_frame_header *h) {
     rank->state_bytes = atomic_load_explicit(&rs->stat_state_bytes, memory_order_relaxed);
     rank->tier_bytes = atomic_load_explicit(&rs->stat_tier_bytes, memory_order_relaxed);
     rank->host_state_bytes = atomic_load_explicit(&rs->stat_host_state_bytes, memory_order_relaxed);
+    rank->comm_seconds = (double)comm_activity_busy_ns(&rs->activity, clock_now_ns()) / 1e9;
+    rank->wait_seconds = (double)atomic_load(&rs->stat_wait_ns) / 1e9;
+    rank->exposed_comm_seconds = (double)atomic_load(&rs->stat_exposed_comm_ns) / 1e9;
     rank->counters = &counter_ptrs[r * PER_RANK];
     for (int level = 0; level < JOB_COUNTER_LEVELS; level++)
       for (int kind = 0; kind < JOB_COUNTER_KINDS; kind++) {

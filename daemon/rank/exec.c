@@ -29,6 +29,8 @@ exec_op *exec_op_new(op_kind kind, rank_state *rank) {
   op->in_fd = -1;
   op->reply_fd = -1;
   op->made_at = clock_now_s();
+  if (rank != NULL)
+    op->comm_busy_at = comm_activity_busy_ns(&rank->activity, clock_now_ns());
   return op;
 }
 
@@ -75,6 +77,11 @@ static void metered(const exec_op *op) {
 static void finish(exec_op *op) {
   const exec_settings *settings = op->rank->job->exec;
   metered(op);
+  if (op->kind == OP_SESSION_BEGIN)
+    rank_metrics_waits_reset(op->rank);
+  else if (op->kind == OP_STEP && op->status == ZEROD__V1__STATUS__STATUS_OK)
+    rank_metrics_step_waits(op->rank, ((const Zerod__V1__StepRequest *)op->request)->worker_wait_ns,
+                            op->made_at, op->comm_busy_at);
   if (op->session != NULL)
     settings->complete(settings->ctx, op);
   else

@@ -67,15 +67,16 @@ typedef struct exec_op {
   int in_fd;                 /* owned; -1 if none */
   unsigned generation;       /* OP_COMM_INIT: the new one; reader ops: the job's at submission */
   uint32_t prefetch_unit;
-  int job_created;    /* OP_SESSION_BEGIN: the attach created the job */
-  char *warning;      /* OP_SESSION_BEGIN: AttachReply.warning, owned; NULL if none */
-  uint64_t ckpt_id;   /* checkpoint ops: the order's id */
-  char *ckpt_source;  /* OP_RESTORE_READ: owned */
-  int ckpt_format;    /* OP_RESTORE_READ: Zerod__V1__RestoreFormat */
-  double made_at;     /* clock_now_s() when made: the request's arrival */
-  uint64_t ckpt_call; /* OP_CKPT_PARK's result: which call of the job this is */
-  uint64_t ckpt_step; /* OP_CKPT_PARK's result: the step every rank is at */
-  int ckpt_answered;  /* OP_CKPT_PARK: the call's answer is in the op */
+  int job_created;       /* OP_SESSION_BEGIN: the attach created the job */
+  char *warning;         /* OP_SESSION_BEGIN: AttachReply.warning, owned; NULL if none */
+  uint64_t ckpt_id;      /* checkpoint ops: the order's id */
+  char *ckpt_source;     /* OP_RESTORE_READ: owned */
+  int ckpt_format;       /* OP_RESTORE_READ: Zerod__V1__RestoreFormat */
+  double made_at;        /* clock_now_s() when made: the request's arrival */
+  uint64_t comm_busy_at; /* the rank's comm_activity_busy_ns then */
+  uint64_t ckpt_call;    /* OP_CKPT_PARK's result: which call of the job this is */
+  uint64_t ckpt_step;    /* OP_CKPT_PARK's result: the step every rank is at */
+  int ckpt_answered;     /* OP_CKPT_PARK: the call's answer is in the op */
 
   /* Result, filled by the handler. */
   int status;           /* Zerod__V1__Status */

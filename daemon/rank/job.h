@@ -250,6 +250,12 @@ typedef struct rank_state {
   _Atomic uint64_t stat_pool_bytes, stat_secondary_bytes;
   /* Its shards' bytes in memory and in its tier file (offload nvme). */
   _Atomic uint64_t stat_state_bytes, stat_tier_bytes, stat_host_state_bytes;
+  /* The worker's waits and the communication among them, in ns
+   * (rank_metrics_waits; RankStats.wait_seconds, exposed_comm_seconds),
+   * and since when the next step's reported waits can have run
+   * (executor-owned: the attach or the last step's answer). */
+  _Atomic uint64_t stat_wait_ns, stat_exposed_comm_ns;
+  uint64_t waits_since_ns;
 
   /* Loop-owned. */
   struct session *session; /* the attached read-write session */

@@ -53,6 +53,17 @@ static void open_rank(metrics *m, rank_state *rs, rank_series *s, const char *me
   s->register_seconds =
       series(m, METRIC_HISTOGRAM, "zerod_register_duration_seconds",
              "Time from a unit registration's arrival to its answer.", rank_labels, v);
+  s->comm_seconds = series(m, METRIC_COUNTER, "zerod_comm_seconds_total",
+                           "Time the rank spent in collectives, at every level.", rank_labels, v);
+  s->wait_seconds = series(m, METRIC_COUNTER, "zerod_worker_wait_seconds_total",
+                           "Time the rank's worker waited for the daemon's answers: the waits "
+                           "it reports with each step, and each step request's own time.",
+                           rank_labels, v);
+  s->exposed_comm_seconds =
+      series(m, METRIC_COUNTER, "zerod_exposed_comm_seconds_total",
+             "The communication the worker waited for: its reported waits (gathers, gradient "
+             "buffers) and the collectives run while its step requests waited.",
+             rank_labels, v);
   static const char *const coll_labels[] = {"zerod_job", "rank", "collective", "level", NULL};
   /* A job on this node alone moves nothing between nodes: its series
    * are the node level's only. */
@@ -310,6 +321,33 @@ void rank_metrics_op(rank_state *rs, rank_timer timer, int status, double made_a
   metric_observe(h, clock_now_s() - made_at);
 }
 
+void rank_metrics_waits_reset(rank_state *rs) {
+  rs->waits_since_ns = clock_now_ns();
+}
+
+void rank_metrics_step_waits(rank_state *rs, uint64_t worker_wait_ns, double made_at,
+                             uint64_t comm_busy_at) {
+  const uint64_t now = clock_now_ns();
+  const uint64_t arrived = (uint64_t)(made_at * 1e9);
+  /* The worker's figure is its own word: no more than the time since its
+   * attach or its last step's answer up to this request. */
+  const uint64_t could = arrived > rs->waits_since_ns ? arrived - rs->waits_since_ns : 0;
+  if (worker_wait_ns > could)
+    worker_wait_ns = could;
+  const uint64_t busy = comm_activity_busy_ns(&rs->activity, now);
+  const uint64_t in_step = busy > comm_busy_at ? busy - comm_busy_at : 0;
+  const uint64_t step_ns = now > arrived ? now - arrived : 0;
+  atomic_fetch_add_explicit(&rs->stat_wait_ns, worker_wait_ns + step_ns, memory_order_relaxed);
+  atomic_fetch_add_explicit(&rs->stat_exposed_comm_ns, worker_wait_ns + in_step,
+                            memory_order_relaxed);
+  rs->waits_since_ns = now;
+  rank_series *s = rs->metrics;
+  if (s == NULL)
+    return;
+  metric_set(s->wait_seconds, (double)atomic_load(&rs->stat_wait_ns) / 1e9);
+  metric_set(s->exposed_comm_seconds, (double)atomic_load(&rs->stat_exposed_comm_ns) / 1e9);
+}
+
 void rank_metrics_state(rank_state *rs) {
   atomic_store_explicit(&rs->stat_pool_bytes, rs->pool_bytes, memory_order_relaxed);
   atomic_store_explicit(&rs->stat_secondary_bytes, rs->secondary_bytes, memory_order_relaxed);
@@ -327,6 +365,7 @@ void rank_metrics_state(rank_state *rs) {
   metric_set(s->pool_bytes, (double)rs->pool_bytes);
   metric_set(s->secondary_bytes, (double)rs->secondary_bytes);
   metric_set(s->live_bytes, (double)rs->live_bytes);
+  metric_set(s->comm_seconds, (double)comm_activity_busy_ns(&rs->activity, clock_now_ns()) / 1e9);
 }
 
 void rank_metrics_collective(rank_state *rs, rank_collective which) {

@@ -57,6 +57,7 @@ typedef struct rank_series {
   metric_series *ckpt_write_seconds, *ckpt_stall_seconds, *ckpt_bytes;
   metric_series *replica_seconds, *replica_bytes, *replica_step;
   metric_series *pin_snapshot_bytes;
+  metric_series *comm_seconds, *wait_seconds, *exposed_comm_seconds;
   /* Errors by status code, made on first use by whichever thread answers
    * one. */
   metric_family *errors;
@@ -83,6 +84,14 @@ void rank_metrics_close(struct job *j);
  * if it succeeded and has a timer (a step counts one step), else its
  * error by code. */
 void rank_metrics_op(struct rank_state *rs, rank_timer timer, int status, double made_at);
+/* Exposed communication (docs/daemon.md): a worker attached (its waits
+ * count from now), and a step request made at made_at (clock_now_s), when
+ * the rank's collectives had taken comm_busy_at ns (comm_activity_busy_ns),
+ * was answered; its worker reported waiting worker_wait_ns since its
+ * previous step (at most the time since then is believed). Executor. */
+void rank_metrics_waits_reset(struct rank_state *rs);
+void rank_metrics_step_waits(struct rank_state *rs, uint64_t worker_wait_ns, double made_at,
+                             uint64_t comm_busy_at);
 /* After an op: the gauges that follow the rank's own state. */
 void rank_metrics_state(struct rank_state *rs);
 /* A collective of the rank of kind `which` has returned: the bytes its

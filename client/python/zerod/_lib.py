@@ -257,6 +257,9 @@ class RankStats(ctypes.Structure):
         ("state_bytes", c_uint64),
         ("tier_bytes", c_uint64),
         ("host_state_bytes", c_uint64),
+        ("comm_seconds", c_double),
+        ("wait_seconds", c_double),
+        ("exposed_comm_seconds", c_double),
     ]
 
 

@@ -407,12 +407,15 @@ class Job:
         ``{"rank": 0, "step": 12, "counters": {("node", "all_gather"):
         {"bytes": ..., "calls": ...}, ...}, "pool_bytes": ...,
         "secondary_bytes": ..., "state_bytes": ..., "tier_bytes": ...,
-        "host_state_bytes": ...}``
+        "host_state_bytes": ..., "comm_seconds": ..., "wait_seconds": ...,
+        "exposed_comm_seconds": ...}``
         (levels "node", "cross" and "world"; only non-zero counters; the
         rank's buffer pool and the hpZ secondary partitions in it, and its
         shards' bytes in memory and in its tier file (offload_optimizer
         nvme), and a GPU rank's in host memory (offload_optimizer cpu),
-        after its last request)."""
+        after its last request; and the seconds the rank spent in
+        collectives, its worker waited for the daemon, and of those waits
+        were communication (docs/daemon.md, "Exposed communication"))."""
         entries = (_lib.RankStats * 64)()
         entries[0].struct_size = ctypes.sizeof(_lib.RankStats)
         count = ctypes.c_uint()
@@ -428,7 +431,10 @@ class Job:
                            "secondary_bytes": int(entry.secondary_bytes),
                            "state_bytes": int(entry.state_bytes),
                            "tier_bytes": int(entry.tier_bytes),
-                           "host_state_bytes": int(entry.host_state_bytes)})
+                           "host_state_bytes": int(entry.host_state_bytes),
+                           "comm_seconds": float(entry.comm_seconds),
+                           "wait_seconds": float(entry.wait_seconds),
+                           "exposed_comm_seconds": float(entry.exposed_comm_seconds)})
         return result
 
     def pin(self) -> int:
