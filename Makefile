@@ -10,8 +10,8 @@
 #   make demo-mlp   the same with the C example (an MLP, workers in C)
 #   make bench      run the benchmarks (JSON lines)
 #   make bench-net  the example LM on two nodes in network namespaces at
-#                   100 Mbit/s, 1 Gbit/s and unshaped, ZeRO++ off and on
-#                   (root; docs/benchmarks.md, "Emulated networks")
+#                   100 Mbit/s, 1 and 10 Gbit/s and unshaped, ZeRO++ off
+#                   and on, and torch DDP (root; docs/benchmarks.md, "Emulated networks")
 #   make chaos      kill nodes and workers under two jobs for 5 minutes; each job
 #                   must end bit-identical to a run without faults
 #   make install    build, then install zerod, zerodctl, libzerod, zerod.h,

@@ -18,17 +18,24 @@ unit (--collective-mib, fp32, one rank per node, flat collectives):
 the median reduce (reduce-scatter) and gather after a step (all-gather),
 each moving half the unit each way, against raw TCP transfers of that
 half each way at once (figure net_collective: ratio = TCP time /
-collective time, target >= 0.85, min; the one-way time is printed too). Per run, one JSON line:
-steps/s (the slowest rank's training time), the bytes node a's ranks moved
-between nodes per step (both directions, as zd_job_stats counts them at the
-"cross" level), the link time of one direction's half of them at the raw
-TCP rate (`link_s_per_direction`: what the step would take if it only
-moved its bytes), the step time over that link time, and rank 0's losses. Then one line per
-rate with the ratios on/off. No target is asserted here: the overlap
-target of issue 39 (step <= 1.1 x max(compute, link)) is not built yet, and
-the table says how far it is.
+collective time, target >= 0.85, min; the one-way time is printed too).
 
-    sudo python3 bench/bench_net.py [--rates 100mbit,1gbit,none] [--steps 20]
+Per run, one JSON line (`net`), over steps 2..N: the slowest rank's step
+time; the bytes node a's ranks moved between nodes per step (both
+directions, as zd_job_stats counts them at the "cross" level) and the link
+time of one direction's half of them at the raw TCP rate
+(`link_s_per_direction`); per step, the time the ranks spent in
+collectives (`comm_s`), the part of it the workers waited for
+(`exposed_comm_s`, Job.stats: docs/daemon.md, "Exposed communication") and
+the compute-only step (`compute_s` = step - exposed). The overlap target
+(ratio = step / max(compute_s, link_s_per_direction) <= 1.1, max) is met
+when the step costs no more than its compute or its link, whichever is
+longer. Then torch DDP on Gloo (train_lm.py --backend ddp, the same 4
+workers in the same namespaces) unless --no-ddp, and the ratios
+(`net_vs_ddp`: zerod steps/s over DDP's, target >= 1.0, and >= 2.3 for
+ZeRO++ on at 100 Mbit/s) and on/off.
+
+    sudo python3 bench/bench_net.py [--rates 100mbit,1gbit,10gbit,none] [--steps 20]
 
 Needs root (network namespaces); prints a skip line and exits 0 without.
 """
@@ -131,6 +138,33 @@ class NetRun:
                                  "\n".join(o.read_text()[-2000:] for o in outs))
         return {r: json.loads(Path(f"{results}.rank{r}").read_text()) for r in range(2 * RANKS)}
 
+    def train_ddp(self, args) -> dict:
+        """The same training with torch DDP on Gloo (train_lm.py --backend
+        ddp): 4 worker processes, ranks 0-1 in node a's namespace and 2-3 in
+        node b's, rendezvous through a FileStore both can reach, Gloo bound
+        to the namespace's link (GLOO_SOCKET_IFNAME)."""
+        results = self.tmp / "ddp.json"
+        store = self.tmp / "ddp-store"
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
+        procs = []
+        for i in range(2):
+            for r in range(RANKS):
+                rank = i * RANKS + r
+                out = open(self.tmp / f"ddp-{rank}.out", "w")
+                procs.append(self.net.popen(i, [
+                    sys.executable, str(TRAIN_LM), "--backend", "ddp", "--worker", "--local-rank",
+                    str(rank), "--world-size", str(2 * RANKS), "--ranks", str(2 * RANKS),
+                    "--store", str(store), "--steps", str(args.steps), "--lr", str(args.lr),
+                    "--eval-every", "0", "--sample-bytes", "0", "--log-every",
+                    str(max(args.steps // 5, 1)), "--threads", "1", "--result-json",
+                    str(results)], stdout=out, stderr=subprocess.STDOUT, env=env))
+        for p in procs:
+            if p.wait(timeout=7200) != 0:
+                outs = sorted(self.tmp.glob("ddp-*.out"))
+                raise SystemExit("bench_net: a DDP worker failed:\n" +
+                                 "\n".join(o.read_text()[-2000:] for o in outs))
+        return {r: json.loads(Path(f"{results}.rank{r}").read_text()) for r in range(2 * RANKS)}
+
     def close(self) -> None:
         self.net.close()
         for d in self.replicas:
@@ -198,8 +232,15 @@ def collectives(rate: str, run: "NetRun", net: netcluster.NetCluster, args) -> N
 
 
 def summarize(rate: str, name: str, by_rank: dict, tcp_bps: float) -> dict:
-    slowest = max(r["train_s"] for r in by_rank.values())
+    """One run's line. Times are over steps 2..N (the first step registers
+    the units and is left out): the slowest rank's step time, and per rank
+    its exposed communication per step (Job.stats: the worker's waits that
+    were communication) and so its compute-only step (step - exposed); the
+    overlap figure compares the step with the larger of the slowest
+    compute-only step and the link time of the step's bytes."""
     steps = by_rank[0]["steps"]
+    timed = steps - 1
+    step_s = max((r["step_end_s"][-1] - r["step_end_s"][0]) / timed for r in by_rank.values())
     sent = sum(v for r in range(RANKS) for k, v in by_rank[r]["collective_bytes"].items()
                if k.startswith("cross/"))
     per_step = sent / steps
@@ -207,13 +248,29 @@ def summarize(rate: str, name: str, by_rank: dict, tcp_bps: float) -> dict:
     # reduce-scatters move the same bytes each way, and the link is full
     # duplex: a direction's share is half.
     link_s = per_step / 2 / tcp_bps
-    step_s = slowest / steps
+
+    def per_step_of(r: dict, key: str) -> float:
+        return (r["comm_times"][key] - r["comm_times_first"][key]) / timed
+
+    if name == "ddp":  # no counters: the steps/s only
+        return {"bench": "net", "rate": rate, "run": name, "steps": steps,
+                "steps_per_s": round(1 / step_s, 3), "step_s": round(step_s, 3),
+                "tcp_gbps": round(tcp_bps * 8 / 1e9, 3),
+                "final_loss": round(by_rank[0]["final_loss"], 4)}
+
+    exposed = max(per_step_of(r, "exposed_comm_seconds") for r in by_rank.values())
+    compute = max((r["step_end_s"][-1] - r["step_end_s"][0]) / timed -
+                  per_step_of(r, "exposed_comm_seconds") for r in by_rank.values())
+    comm = max(per_step_of(r, "comm_seconds") for r in by_rank.values())
+    bound = max(compute, link_s)
     return {"bench": "net", "rate": rate, "run": name, "steps": steps,
-            "steps_per_s": round(steps / slowest, 3), "step_s": round(step_s, 3),
+            "steps_per_s": round(1 / step_s, 3), "step_s": round(step_s, 3),
             "cross_bytes_per_step": int(per_step), "link_s_per_direction": round(link_s, 3),
-            "step_over_link": round(step_s / link_s, 3) if link_s else None,
-            "tcp_gbps": round(tcp_bps * 8 / 1e9, 3),
-            "final_loss": round(by_rank[0]["final_loss"], 4)}
+            "comm_s": round(comm, 3), "exposed_comm_s": round(exposed, 3),
+            "compute_s": round(compute, 3), "tcp_gbps": round(tcp_bps * 8 / 1e9, 3),
+            "final_loss": round(by_rank[0]["final_loss"], 4),
+            "ratio": round(step_s / bound, 3), "target": 1.1, "direction": "max",
+            "met": step_s <= 1.1 * bound}
 
 
 def one_rate(rate: str, args) -> None:
@@ -233,6 +290,10 @@ def one_rate(rate: str, args) -> None:
                 run.create_job(name, args, zeropp)
                 rows[name] = summarize(rate, name, run.train(name, args), tcp_bps)
                 print(json.dumps(rows[name]), flush=True)
+            if args.ddp:
+                log(f"{rate}: torch DDP (Gloo), {args.steps} steps on 2 nodes x {RANKS} ranks")
+                rows["ddp"] = summarize(rate, "ddp", run.train_ddp(args), tcp_bps)
+                print(json.dumps(rows["ddp"]), flush=True)
         finally:
             if run is not None:
                 run.close()
@@ -244,17 +305,26 @@ def one_rate(rate: str, args) -> None:
                                            max(off["cross_bytes_per_step"], 1), 3),
                       "loss_change": round((on["final_loss"] - off["final_loss"]) /
                                            off["final_loss"], 4)}), flush=True)
+    if "ddp" in rows:
+        ddp = rows["ddp"]
+        for name, target in (("off", 1.0), ("on", 2.3 if rate == "100mbit" else 1.0)):
+            ratio = rows[name]["steps_per_s"] / ddp["steps_per_s"]
+            print(json.dumps({"bench": "net_vs_ddp", "rate": rate, "run": name,
+                              "ratio": round(ratio, 3), "target": target, "direction": "min",
+                              "met": ratio >= target}), flush=True)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rates", default="100mbit,1gbit,none")
+    p.add_argument("--rates", default="100mbit,1gbit,10gbit,none")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-live-bytes", default="12M")
     p.add_argument("--collective-mib", type=int, default=32,
                    help="the unit of the collectives figure (0: none)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--no-ddp", dest="ddp", action="store_false",
+                   help="leave out the torch DDP baseline")
     args = p.parse_args()
     why = netcluster.available()
     if why is not None:

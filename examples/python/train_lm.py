@@ -172,6 +172,9 @@ class Backend:
     closers: List[Callable[[], None]] = field(default_factory=list)
     # zerod: this rank's collective bytes by "level/collective" (Job.stats).
     collective_bytes: Callable[[], Dict[str, int]] = lambda: {}
+    # zerod: this rank's seconds in collectives, its worker's waits, and the
+    # communication among them (Job.stats; docs/daemon.md).
+    comm_times: Callable[[], Dict[str, float]] = lambda: {}
 
     def close(self) -> None:
         """Releases the backend's resources, most recent first."""
@@ -284,9 +287,15 @@ def setup_zerod(model: torch.nn.Module, args: argparse.Namespace) -> Backend:
         return {f"{level}/{kind}": c["bytes"]
                 for r in mine for (level, kind), c in r["counters"].items()}
 
+    def comm_times() -> Dict[str, float]:
+        mine = [r for r in job.stats() if r["rank"] == job.rank]
+        return {k: mine[0][k] for k in ("comm_seconds", "wait_seconds", "exposed_comm_seconds")
+                if mine and k in mine[0]}
+
     return Backend(sharded, sharded, optimizer, rank=job.rank, world_size=job.world_size,
                    clip_in_worker=False, grad_norm=lambda: optimizer.last_step.grad_norm,
-                   closers=backend_closers, collective_bytes=collective_bytes)
+                   closers=backend_closers, collective_bytes=collective_bytes,
+                   comm_times=comm_times)
 
 
 SETUP = {"plain": setup_plain, "ddp": setup_ddp, "fsdp": setup_fsdp, "fsdp2": setup_fsdp2,
@@ -313,6 +322,9 @@ class RunResult:
     val_loss: Optional[float]
     peak_rss_kib: int = 0
     collective_bytes: Dict[str, int] = field(default_factory=dict)
+    # Backend.comm_times after the first step and at the end (zerod only).
+    comm_times_first: Dict[str, float] = field(default_factory=dict)
+    comm_times: Dict[str, float] = field(default_factory=dict)
 
 
 def peak_rss_kib(pid: str = "self") -> int:
@@ -399,6 +411,7 @@ def train(backend: Backend, args: argparse.Namespace, params: int, report: Repor
     report.start_bar(args.steps, tokens_per_step)
 
     step_end_s: List[float] = []
+    comm_times_first: Dict[str, float] = {}
     train_s = 0.0
     loss_value = float("nan")
     for step in range(args.steps):
@@ -409,6 +422,8 @@ def train(backend: Backend, args: argparse.Namespace, params: int, report: Repor
         now = time.monotonic()
         step_end_s.append(now)
         train_s += now - t0
+        if step == 0:
+            comm_times_first = backend.comm_times()
 
         done = step + 1
         val = None
@@ -436,7 +451,8 @@ def train(backend: Backend, args: argparse.Namespace, params: int, report: Repor
     return RunResult(rank=backend.rank, world_size=backend.world_size, backend=args.backend,
                      params=params, steps=args.steps, step_end_s=step_end_s, train_s=train_s,
                      final_loss=loss_value, val_loss=val_loss,
-                     collective_bytes=backend.collective_bytes())
+                     collective_bytes=backend.collective_bytes(),
+                     comm_times_first=comm_times_first, comm_times=backend.comm_times())
 
 
 def train_step(backend: Backend, args: argparse.Namespace, train_data: torch.Tensor,
