@@ -12,6 +12,8 @@
 #   make bench-net  the example LM on two nodes in network namespaces at
 #                   100 Mbit/s, 1 and 10 Gbit/s and unshaped, ZeRO++ off
 #                   and on, and torch DDP (root; docs/benchmarks.md, "Emulated networks")
+#   make bench-cpuadam  zerod's CPU AdamW (with its bf16 copy) against
+#                   DeepSpeed's CPUAdam, 1 and 2 threads (from .venv-torch2)
 #   make chaos      kill nodes and workers under two jobs for 5 minutes; each job
 #                   must end bit-identical to a run without faults
 #   make install    build, then install zerod, zerodctl, libzerod, zerod.h,
@@ -47,7 +49,7 @@ VERSION    := $(shell sed -n 's/^project(zerod VERSION \([0-9][0-9.]*\)[ )].*/\1
 GENERATOR  := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 CTEST      := ctest --output-on-failure --timeout 900
 
-.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench bench-net chaos install wheel image image-torch test-image fuzz \
+.PHONY: all build deps test test-asan test-gpu demo demo-mlp bench bench-net bench-cpuadam chaos install wheel image image-torch test-image fuzz \
   fuzz-merge \
   format abi-baseline clean
 
@@ -113,6 +115,12 @@ bench-net:
 	scripts/deps.sh bench
 	$(MAKE) build
 	ZEROD_BIN_DIR=$(BUILD)/bin ZEROD_LIBRARY=$(CURDIR)/$(BUILD)/lib/libzerod.so /usr/bin/python3 bench/bench_net.py
+
+# DeepSpeed's cpu_adam op is built (JIT, about a minute) on the first run.
+bench-cpuadam:
+	scripts/deps.sh torch2
+	$(MAKE) build
+	ZEROD_KERNELS_LIB=$(CURDIR)/$(BUILD)/lib/libzerod_kernels.so .venv-torch2/bin/python bench/bench_cpuadam.py
 
 bench:
 	scripts/deps.sh bench
