@@ -179,7 +179,7 @@ $(FUZZ_BUILD)/CMakeCache.txt:
 fuzz:
 	scripts/deps.sh fuzz
 	$(MAKE) $(FUZZ_BUILD)/CMakeCache.txt
-	cmake --build $(FUZZ_BUILD) --target fuzz_dequantize fuzz_frame fuzz_control fuzz_manifest \
+	cmake --build $(FUZZ_BUILD) --target fuzz_dequantize fuzz_onebit fuzz_frame fuzz_control fuzz_manifest \
 	  fuzz_safetensors fuzz_promtext fuzz_replica fuzz_deepspeed
 	@for f in $(FUZZ_BUILD)/tests/fuzz/fuzz_*; do \
 	  name=$$(basename $$f); \

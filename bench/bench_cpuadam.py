@@ -61,7 +61,8 @@ class AdamHparams(ctypes.Structure):
     _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double),
                 ("beta2", ctypes.c_double), ("eps", ctypes.c_double),
                 ("weight_decay", ctypes.c_double), ("decoupled_weight_decay", ctypes.c_int),
-                ("step", ctypes.c_int64), ("grad_scale", ctypes.c_double)]
+                ("step", ctypes.c_int64), ("grad_scale", ctypes.c_double),
+                ("v_frozen_at", ctypes.c_int64)]
 
 
 def emit(record):

@@ -33,7 +33,7 @@ static inline int zk_adam_prepare(const zk_adam_hparams *hp, zk_adam_coef *coef,
                                   size_t numel) {
   if (hp == NULL || !zk_step_dtypes_ok(grad_dtype, working_dtype) ||
       zk_adam_coef_init(coef, hp->lr, hp->beta1, hp->beta2, hp->eps, hp->weight_decay,
-                        hp->decoupled_weight_decay, hp->step, hp->grad_scale) != 0)
+                        hp->decoupled_weight_decay, hp->step, hp->grad_scale, hp->v_frozen_at) != 0)
     return -EINVAL;
   if (numel == 0)
     return ZK_NOTHING_TO_DO;

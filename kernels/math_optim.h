@@ -60,12 +60,17 @@ ZK_HD float zk_adam_update(const zk_adam_coef *c, float param, float *exp_avg, f
  * hyper-parameters torch would reject too. */
 static inline int zk_adam_coef_init(zk_adam_coef *c, double lr, double beta1, double beta2,
                                     double eps, double weight_decay, int decoupled, long long step,
-                                    double grad_scale) {
+                                    double grad_scale, long long v_frozen_at) {
   if (!(lr >= 0) || !(eps >= 0) || !(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1) ||
-      !(weight_decay >= 0) || step < 1 || !(grad_scale > 0) || isinf(grad_scale))
+      !(weight_decay >= 0) || step < 1 || !(grad_scale > 0) || isinf(grad_scale) || v_frozen_at < 0)
     return -1;
   double bias_correction1 = 1.0 - pow(beta1, (double)step);
-  double bias_correction2 = 1.0 - pow(beta2, (double)step);
+  /* 1-bit Adam past its warm-up: v kept (v * 1 + 0 * g * g) and corrected
+   * as at the step it froze. */
+  const int frozen = v_frozen_at > 0 && step > v_frozen_at;
+  double bias_correction2 = 1.0 - pow(beta2, (double)(frozen ? v_frozen_at : step));
+  if (frozen)
+    beta2 = 1.0;
   c->grad_scale = (float)grad_scale;
   c->weight_decay = (float)weight_decay;
   c->param_decay = decoupled ? (float)(1.0 - lr * weight_decay) : 1.0f;

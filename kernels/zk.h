@@ -78,6 +78,9 @@ typedef struct zk_adam_hparams {
   int decoupled_weight_decay; /* 1: AdamW (decay the weights), 0: Adam (L2 in the gradient) */
   int64_t step;               /* this step's number, counted from 1 */
   double grad_scale; /* gradients are multiplied by this first (1 / loss scale); 1 = none */
+  /* 1-bit Adam: the step after which the second moment stays as it was
+   * (beta2 1, its bias correction that step's) for steps past it; 0: never. */
+  int64_t v_frozen_at;
 } zk_adam_hparams;
 
 /* SGD (torch.optim.SGD, maximize=False). */
@@ -182,6 +185,38 @@ int zk_quantize(zk_pool *pool, const zk_qformat *fmt, const float *x, size_t num
  * any byte pattern decodes without reading outside the buffer. */
 int zk_dequantize(zk_pool *pool, const zk_qformat *fmt, const void *in, size_t in_bytes, float *y,
                   size_t numel);
+
+/* ------------------------------------------------------------------------ */
+/* One-bit compression with error feedback (1-bit Adam's cross-node sums)    */
+/* ------------------------------------------------------------------------ */
+
+/* A one-bit array is one contiguous buffer:
+ *   float scales[n_blocks];
+ *   uint8_t signs[(numel + 7) / 8];   bit i % 8 of byte i / 8: element i < 0
+ * with n_blocks = ceil(numel / block). block is a multiple of 8 (blocks start
+ * on a byte boundary), 8 to ZK_QBLOCK_MAX. Element i decodes to -scale or
+ * +scale of its block.
+ *
+ * Encoding adds the error left by the previous encoding first (error
+ * feedback: what one round loses is sent in the next): y = x + error in
+ * fp32; the block's scale is the mean of |y| (summed in double in element
+ * order, divided by the block's length, rounded to fp32), the sign bit is
+ * y < 0, and error becomes y - decoded(y). A block holding Inf or NaN gets a
+ * NaN scale (it decodes to NaN, so overflow survives compression) and
+ * leaves its error as it was. tests/python/onebit_ref.py is the reference. */
+
+/* Bytes of the one-bit buffer for numel elements, or 0 for a bad block. */
+size_t zk_onebit_bytes(size_t block, size_t numel);
+
+/* Encodes x + error into out (out_bytes must equal zk_onebit_bytes) and
+ * updates error (numel elements). x and error may not overlap out. */
+int zk_onebit_encode(zk_pool *pool, size_t block, const float *x, float *error, size_t numel,
+                     void *out, size_t out_bytes);
+
+/* Decodes a buffer that may come from another process: sizes are checked
+ * (-EINVAL, nothing written, on a mismatch). */
+int zk_onebit_decode(zk_pool *pool, size_t block, const void *in, size_t in_bytes, float *y,
+                     size_t numel);
 
 #ifdef __cplusplus
 }

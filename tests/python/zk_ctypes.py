@@ -21,6 +21,7 @@ class AdamHparams(ctypes.Structure):
         ("decoupled_weight_decay", ctypes.c_int),
         ("step", ctypes.c_int64),
         ("grad_scale", ctypes.c_double),
+        ("v_frozen_at", ctypes.c_int64),
     ]
 
 
@@ -55,6 +56,13 @@ class Kernels:
             ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
         self.lib.zk_sgd_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(SgdHparams)] + [
             ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        self.lib.zk_onebit_bytes.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+        self.lib.zk_onebit_bytes.restype = ctypes.c_size_t
+        self.lib.zk_onebit_encode.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                              ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                              ctypes.c_size_t]
+        self.lib.zk_onebit_decode.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                              ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
         self.pool = ctypes.c_void_p()
         rc = self.lib.zk_pool_create(threads, ctypes.byref(self.pool))
         if rc != 0:
@@ -78,6 +86,23 @@ class Kernels:
                                   param.size)
         if rc != 0:
             raise OSError(-rc, "zk_sgd_step failed")
+
+
+    def onebit_encode(self, block, x, error):
+        """Encodes x + error (error updated in place); returns the bytes."""
+        out = np.zeros(self.lib.zk_onebit_bytes(block, x.size), dtype=np.uint8)
+        rc = self.lib.zk_onebit_encode(self.pool, block, _ptr(x), _ptr(error), x.size, _ptr(out),
+                                       out.size)
+        if rc != 0:
+            raise OSError(-rc, "zk_onebit_encode failed")
+        return out
+
+    def onebit_decode(self, block, data, numel):
+        y = np.empty(numel, dtype=np.float32)
+        rc = self.lib.zk_onebit_decode(self.pool, block, _ptr(data), data.size, _ptr(y), numel)
+        if rc != 0:
+            raise OSError(-rc, "zk_onebit_decode failed")
+        return y
 
 
 def empty(n, dtype=np.float32):
