@@ -151,6 +151,8 @@ static const char create_usage[] =
     "  --hpz-partition-size L   ZeRO++ hpZ: keep a secondary partition over the L ranks\n"
     "                           of each node, so backward gathers stay in the node\n"
     "                           (L: --ranks-per-node; 1: off) [default 1]\n"
+    "  --onebit-adam K          1-bit Adam: K exact steps, then gradient sums cross nodes\n"
+    "                           as signs with error feedback (Adam/AdamW, hierarchical)\n"
     "  --offload-optimizer D    where the optimizer state lives: none, cpu (host memory;\n"
     "                           GPU ranks step on the CPU) or nvme (a file per rank under\n"
     "                           the nodes' --nvme-dir, streamed through the CPU's step)\n"

@@ -229,6 +229,10 @@ static int create_numerics(const create_options *o, Zerod__V1__JobConfig *config
       return bad_create_value("--hpz-partition-size", o->hpz_partition_size,
                               "1 (off) or the job's ranks per node");
   }
+  if (o->onebit_freeze_step != NULL &&
+      ctl__parse_u32(o->onebit_freeze_step, 1, UINT32_MAX, &config->onebit_freeze_step) != 0)
+    return bad_create_value("--onebit-adam", o->onebit_freeze_step,
+                            "the exact steps before compression (1 or more)");
   return 0;
 }
 

@@ -58,6 +58,7 @@ static const ds_key schema[] = {
     {OP "momentum", DS_NUM, U32},
     {OP "dampening", DS_NUM, U32},
     {OP "nesterov", DS_BOOL, U32},
+    {OP "freeze_step", DS_INT, U32},
     {"bf16", DS_OBJ, U32},
     {"bf16.enabled", DS_BOOL, U32},
     {"fp16", DS_OBJ, U32},
@@ -234,18 +235,28 @@ static int map_zero(ds_read *r, Zerod__V1__JobConfig *config, Zerod__V1__Offload
 }
 
 /* optimizer: its type (DeepSpeed's Adam is AdamW unless adam_w_mode is
- * false) and the params that type takes; the others are ignored. */
-static int map_optimizer(ds_read *r, Zerod__V1__OptimizerConfig *optimizer) {
+ * false; OneBitAdam is AdamW with 1-bit compression after freeze_step,
+ * DeepSpeed's default 100000) and the params that type takes; the others
+ * are ignored. */
+static int map_optimizer(ds_read *r, Zerod__V1__JobConfig *config) {
+  Zerod__V1__OptimizerConfig *optimizer = config->optimizer;
   static const char *const sgd_params[] = {"momentum", "dampening", "nesterov"};
   static const char *const adam_params[] = {"betas", "eps", "adam_w_mode"};
   const json_t *type = get(r, "optimizer.type");
   const char *kind = "adamw";
   if (type != NULL) {
     const char *name = json_string_value(type);
-    if (strcasecmp(name, "adamw") != 0 && strcasecmp(name, "adam") != 0 &&
-        strcasecmp(name, "sgd") != 0)
-      return fail(r, "optimizer.type '%s' is not supported: AdamW, Adam or SGD", name);
+    if (strcasecmp(name, "onebitadam") == 0)
+      config->onebit_freeze_step = (uint32_t)get_number(r, OP "freeze_step", 100000);
+    else if (strcasecmp(name, "adamw") != 0 && strcasecmp(name, "adam") != 0 &&
+             strcasecmp(name, "sgd") != 0)
+      return fail(r, "optimizer.type '%s' is not supported: AdamW, Adam, OneBitAdam or SGD", name);
     kind = strcasecmp(name, "sgd") == 0 ? "sgd" : strcasecmp(name, "adam") == 0 ? "adam" : kind;
+  }
+  if (config->onebit_freeze_step == 0 && get(r, OP "freeze_step") != NULL) {
+    r->found[key_index(OP "freeze_step")] = NULL;
+    if (ignore(r, OP "freeze_step", "not for this optimizer.type") != 0)
+      return -1;
   }
   if (strcmp(kind, "adam") == 0 && get_bool(r, OP "adam_w_mode", true))
     kind = "adamw";
@@ -359,7 +370,7 @@ int ctl__deepspeed_read(const char *text, size_t len, Zerod__V1__JobConfig *conf
     if (rc == 0)
       rc = map_zero(&r, config, offload);
     if (rc == 0)
-      rc = map_optimizer(&r, config->optimizer);
+      rc = map_optimizer(&r, config);
     if (rc == 0)
       rc = map_precision(&r, config);
     if (rc == 0 && get(&r, "gradient_clipping") != NULL)

@@ -31,6 +31,7 @@ enum {
   OPT_QUANTIZED_GRADIENTS,
   OPT_GRADIENT_COMM_DTYPE,
   OPT_HPZ_PARTITION_SIZE,
+  OPT_ONEBIT_FREEZE_STEP,
   OPT_OFFLOAD,
   OPT_NVME_PATH,
   OPT_OFFLOAD_BUFFER_COUNT,
@@ -88,6 +89,7 @@ static const struct option long_options[] = {
     {"quantized-gradients", required_argument, NULL, OPT_QUANTIZED_GRADIENTS},
     {"gradient-comm-dtype", required_argument, NULL, OPT_GRADIENT_COMM_DTYPE},
     {"hpz-partition-size", required_argument, NULL, OPT_HPZ_PARTITION_SIZE},
+    {"onebit-adam", required_argument, NULL, OPT_ONEBIT_FREEZE_STEP},
     {"offload-optimizer", required_argument, NULL, OPT_OFFLOAD},
     {"nvme-path", required_argument, NULL, OPT_NVME_PATH},
     {"offload-buffer-count", required_argument, NULL, OPT_OFFLOAD_BUFFER_COUNT},
@@ -174,6 +176,9 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_HPZ_PARTITION_SIZE:
     slot = &o->hpz_partition_size;
+    break;
+  case OPT_ONEBIT_FREEZE_STEP:
+    slot = &o->onebit_freeze_step;
     break;
   case OPT_OFFLOAD:
     slot = &o->offload;

@@ -216,6 +216,13 @@ typedef struct zd_job_config {
    * freeze) on the same nodes, with the same world size and working dtype,
    * whose units this job registers with zd_unit_desc.from_base. "": none. */
   char base_job[65]; /* up to 64 bytes and the NUL */
+  /* ABI 1.4. 1-bit Adam (DeepSpeed's OneBitAdam freeze_step), for an Adam
+   * or AdamW job on several nodes with hierarchical collectives: 0 (off),
+   * or the exact steps after which the second moment is frozen and each
+   * node's partial gradient sums cross nodes as signs with an fp32 scale
+   * per quantization_block elements (a multiple of 8), with error feedback
+   * (docs/compression.md). Not with quantized_gradients or bf16 gradients. */
+  unsigned onebit_freeze_step;
 } zd_job_config;
 
 #define ZD_JOB_CONFIG_INIT ZD_SIZED_INIT(zd_job_config)

@@ -162,11 +162,18 @@ typedef enum comm_wire_format {
   COMM_WIRE_BF16,
   COMM_WIRE_INT8, /* blocks with an fp32 scale each (zk_quantize, symmetric) */
   COMM_WIRE_INT4,
+  /* 1-bit Adam: signs and a scale per block, with error feedback
+   * (zk_onebit_encode); this node's own partial sums stay exact. */
+  COMM_WIRE_ONEBIT,
 } comm_wire_format;
 
 typedef struct comm_wire {
   comm_wire_format format;
-  size_t block; /* elements per block, int8/int4 (even) */
+  size_t block; /* elements per block, int8/int4 (even), one-bit (a multiple of 8) */
+  /* COMM_WIRE_ONEBIT: the error feedback, one chunk of shard_numel per node
+   * (the chunk this node sends to node n is error + n * shard_numel; its
+   * own stays unused), kept by the caller from one call to the next. */
+  float *error;
 } comm_wire;
 
 /* comm_reduce_scatter_f32 whose cross-node half travels as wire says, on a

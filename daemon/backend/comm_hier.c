@@ -136,6 +136,8 @@ static int hier_reduce_scatter_f32(comm *c, float *send, float *recv, size_t s) 
 static size_t wire_bytes(const comm_wire *wire, zk_qformat *fmt, size_t s) {
   if (wire->format == COMM_WIRE_BF16)
     return s * 2;
+  if (wire->format == COMM_WIRE_ONEBIT)
+    return zk_onebit_bytes(wire->block, s);
   *fmt = (zk_qformat){
       .bits = wire->format == COMM_WIRE_INT4 ? 4 : 8, .mode = ZK_QSYM, .block_numel = wire->block};
   return zk_quant_bytes(fmt, s);
@@ -158,10 +160,16 @@ static int hier_reduce_scatter_wire(comm *c, float *send, float *recv, size_t s,
   float *decoded = (float *)(in + N * q);
   if ((rc = node_partials(h, send, partial, s)) != 0)
     return rc;
+  const size_t self = (size_t)h->n;
   for (size_t n = 0; n < N && rc == 0; n++)
-    rc = wire->format == COMM_WIRE_BF16
-             ? zk_cast(NULL, out + n * q, ZK_BF16, partial + n * s, ZK_F32, s)
-             : zk_quantize(NULL, &fmt, partial + n * s, s, out + n * q, q, NULL);
+    if (wire->format == COMM_WIRE_ONEBIT)
+      rc = n == self ? 0
+                     : zk_onebit_encode(NULL, wire->block, partial + n * s, wire->error + n * s, s,
+                                        out + n * q, q);
+    else
+      rc = wire->format == COMM_WIRE_BF16
+               ? zk_cast(NULL, out + n * q, ZK_BF16, partial + n * s, ZK_F32, s)
+               : zk_quantize(NULL, &fmt, partial + n * s, s, out + n * q, q, NULL);
   if (rc != 0)
     return comm_break(c, rc, "reduce_scatter: encoding the partial sums failed");
   if ((rc = comm_all_to_all(h->cross, out, in, q)) != 0)
@@ -169,8 +177,13 @@ static int hier_reduce_scatter_wire(comm *c, float *send, float *recv, size_t s,
   /* recv may be this rank's slice of send, which the node half has read. */
   for (size_t n = 0; n < N && rc == 0; n++) {
     float *to = n == 0 ? recv : decoded;
-    rc = wire->format == COMM_WIRE_BF16 ? zk_cast(NULL, to, ZK_F32, in + n * q, ZK_BF16, s)
-                                        : zk_dequantize(NULL, &fmt, in + n * q, q, to, s);
+    if (wire->format == COMM_WIRE_ONEBIT && n == self)
+      memcpy(to, partial + n * s, s * sizeof(float)); /* never left the node */
+    else if (wire->format == COMM_WIRE_ONEBIT)
+      rc = zk_onebit_decode(NULL, wire->block, in + n * q, q, to, s);
+    else
+      rc = wire->format == COMM_WIRE_BF16 ? zk_cast(NULL, to, ZK_F32, in + n * q, ZK_BF16, s)
+                                          : zk_dequantize(NULL, &fmt, in + n * q, q, to, s);
     if (rc == 0 && n > 0)
       for (size_t i = 0; i < s; i++)
         recv[i] += decoded[i];

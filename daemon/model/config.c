@@ -61,6 +61,7 @@ int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *e
   c->quantization_block = pc->quantization_block;
   c->quantized_gradients = pc->quantized_gradients;
   c->hpz_partition_size = pc->hpz_partition_size;
+  c->onebit_freeze_step = pc->onebit_freeze_step;
   const Zerod__V1__OffloadConfig *off = pc->offload_optimizer;
   if (off != NULL) {
     switch (off->device) {
@@ -129,6 +130,30 @@ const char *job_optimizer_name(job_optimizer o) {
 }
 
 /* The algorithm and how the job's collectives run: defaults, then checks. */
+/* 1-bit Adam and what it rules out (its wire replaces qgZ's and bf16's, and
+ * its frozen second moment is Adam's). */
+static int onebit_check(const job_config *c, char *err, size_t err_bytes) {
+  if (c->onebit_freeze_step == 0)
+    return 0;
+  const char *why = NULL;
+  if (c->optimizer != JOB_ADAM && c->optimizer != JOB_ADAMW)
+    why = "its optimizer is not Adam or AdamW";
+  else if (c->quantized_gradients != 0)
+    why = "quantized_gradients (qgZ) compresses the same sums; use one of them";
+  else if (c->gradient_comm_dtype != ZK_F32)
+    why = "gradient_comm_dtype bf16 sends the same sums in bf16; leave it fp32";
+  else if (c->collectives == JOB_FLAT)
+    why = "its collectives are flat (the compressed sums are the cross-node half of a "
+          "hierarchical reduce)";
+  else if (c->quantization_block % 8 != 0)
+    why = "quantization_block is not a multiple of 8 (each block's signs start a byte)";
+  if (why == NULL)
+    return 0;
+  snprintf(err, err_bytes, "onebit_freeze_step %u (1-bit Adam) cannot apply: %s",
+           c->onebit_freeze_step, why);
+  return -EINVAL;
+}
+
 static int finish_collectives(job_config *c, char *err, size_t err_bytes) {
   if (c->optimizer == 0)
     c->optimizer = JOB_ADAMW;
@@ -162,6 +187,8 @@ static int finish_collectives(job_config *c, char *err, size_t err_bytes) {
   }
   if (c->hpz_partition_size == 0)
     c->hpz_partition_size = 1;
+  if (onebit_check(c, err, err_bytes) != 0)
+    return -EINVAL;
   if (c->hpz_partition_size > 1 && c->collectives == JOB_FLAT) {
     snprintf(err, err_bytes,
              "hpz_partition_size %u needs hierarchical collectives (its gathers stay inside "
@@ -366,6 +393,7 @@ void job_config_to_proto(const job_config *c, job_config_msg *msg) {
   out->quantized_gradients = c->quantized_gradients;
   out->gradient_comm_dtype = job_dtype_to_proto(c->gradient_comm_dtype);
   out->hpz_partition_size = c->hpz_partition_size;
+  out->onebit_freeze_step = c->onebit_freeze_step;
   /* A finished config's 0 is off, which the protocol spells negative. */
   out->loss_scale = c->loss_scale > 0 ? c->loss_scale : -1;
   out->loss_scale_window = c->loss_scale_window;
@@ -449,6 +477,8 @@ int job_config_diff(const job_config *want, const job_config *have, char *fields
           have->loss_scale);
   DIFFERS("hpz_partition_size", want->hpz_partition_size != have->hpz_partition_size, "%u",
           want->hpz_partition_size, have->hpz_partition_size);
+  DIFFERS("onebit_freeze_step", want->onebit_freeze_step != have->onebit_freeze_step, "%u",
+          want->onebit_freeze_step, have->onebit_freeze_step);
   DIFFERS("offload_optimizer", want->offload_device != have->offload_device, "%s",
           job_offload_name(want->offload_device), job_offload_name(have->offload_device));
 #undef DIFFERS

@@ -44,6 +44,7 @@ typedef struct job_config {
   uint32_t quantized_gradients; /* qgZ: 0, 8 or 4 */
   zk_dtype gradient_comm_dtype; /* ZK_F32 or ZK_BF16 (finish: F32) */
   uint32_t hpz_partition_size;  /* hpZ: 1 (off; finish: 0 -> 1) or ranks per node */
+  uint32_t onebit_freeze_step;  /* 1-bit Adam after this many exact steps; 0: off */
   /* Dynamic loss scaling; loss_scale 0 after finish: off. */
   double loss_scale, loss_scale_growth, loss_scale_backoff, loss_scale_min;
   uint32_t loss_scale_window, loss_scale_hysteresis;

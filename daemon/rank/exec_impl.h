@@ -42,6 +42,11 @@ void exec__op_comm_failed(rank_state *rs, exec_op *op, const char *what, int err
 
 /* Frees a shard's arrays (its working copy too, unless it is the master). */
 void exec__shard_free(rank_state *rs, shard *sh);
+/* 1-bit Adam (onebit.c): sets *wire to the compressed format with the
+ * unit's error feedback (made on first use) when this reduce is past the
+ * job's warm-up; 0, or -ENOMEM. exec__onebit_free drops the feedback. */
+int exec__onebit_wire(rank_state *rs, shard *sh, const unit_layout *l, comm_wire *wire);
+void exec__onebit_free(rank_state *rs, shard *sh);
 
 /* Creates the rank's shard of unit l (zeroed; the table grows as needed),
  * with its trainable and zeroed ranges. 0 or -ENOMEM. */

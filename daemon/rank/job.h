@@ -104,6 +104,11 @@ typedef struct shard {
    * cache (rank/base_units.c). base_unit: its id in the base. */
   int from_base;
   uint32_t base_unit;
+  /* 1-bit Adam (rank/onebit.c): the error feedback of this rank's partial
+   * sums sent to each node, host memory, counted in state_bytes; NULL
+   * until the first compressed reduce. */
+  float *onebit_error;
+  uint64_t onebit_numel;
 } shard;
 
 /* Whether the shard holds state of the rank's own (master weights,

@@ -86,6 +86,7 @@ void exec__shard_free(rank_state *rs, shard *sh) {
     device_free(rs->dev, sh->moment2);
   }
   device_free(rs->dev, sh->grad_acc);
+  exec__onebit_free(rs, sh);
   free(sh->trainable);
   free(sh->zero_ranges);
   memset(sh, 0, sizeof *sh);

@@ -166,7 +166,8 @@ static int update_chunk(void *arg, rank_state *rs, device *dev, shard *sh, uint6
                             .weight_decay = grp.weight_decay,
                             .decoupled_weight_decay = c->optimizer == JOB_ADAMW,
                             .step = a->step_number,
-                            .grad_scale = a->grad_scale};
+                            .grad_scale = a->grad_scale,
+                            .v_frozen_at = c->onebit_freeze_step};
       rc = device_adam_step(dev, &hp, master + at, m1 + at, m2 + at, grad + at, w, wdtype, e - b);
     }
     if (rc != 0)

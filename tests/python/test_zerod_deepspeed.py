@@ -126,7 +126,7 @@ def test_strict_refuses_what_would_be_ignored():
 # Each config that must fail, and its error (the same from zerodctl).
 ERRORS = [
     ([1, 2], "the document must be a JSON object"),
-    ({"optimizer": {"type": "Lamb"}}, "optimizer.type 'Lamb' is not supported: AdamW, Adam or SGD"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer.type 'Lamb' is not supported: AdamW, Adam, OneBitAdam or SGD"),
     ({"optimizer": {"params": {"lr": "0.1"}}}, "optimizer.params.lr must be a number"),
     ({"optimizer": {"params": {"betas": [0.9]}}},
      "optimizer.params.betas must be a list of two numbers"),
@@ -183,7 +183,7 @@ def as_ctl_json(c):
            "loss_scale_backoff": c.loss_scale_backoff,
            "loss_scale_hysteresis": c.loss_scale_hysteresis,
            "loss_scale_min": c.loss_scale_min, "max_grad_norm": c.max_grad_norm,
-           "base_job": c.base_job}
+           "base_job": c.base_job, "onebit_freeze_step": c.onebit_freeze_step}
     if off["device"] == "nvme":
         out["nvme_path"] = off["nvme_path"]
     if off["device"] in ("cpu", "nvme"):

@@ -1,7 +1,8 @@
 /* The hierarchical communicator (comm_hier_create): a local group per
  * node and a Gloo communicator across nodes. Bytes counted by level, and
  * reduce-scatter with the cross-node partial sums on the wire as int8,
- * int4 or bf16 blocks (qgZ), within the encoding's bound. */
+ * int4 or bf16 blocks (qgZ), within the encoding's bound, or as 1-bit
+ * signs with error feedback (1-bit Adam), bit for bit. */
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -131,7 +132,8 @@ static void wire_body(rank_ctx *rc) {
 static void test_hier_reduce_scatter_on_the_wire(void **state) {
   (void)state;
   use_backend = HIER;
-  const comm_wire wires[] = {{COMM_WIRE_INT8, 64}, {COMM_WIRE_INT4, 64}, {COMM_WIRE_BF16, 0}};
+  const comm_wire wires[] = {
+      {COMM_WIRE_INT8, 64, NULL}, {COMM_WIRE_INT4, 64, NULL}, {COMM_WIRE_BF16, 0, NULL}};
   for (size_t k = 0; k < 3; k++) {
     wire_state ws = {.wire = wires[k]};
     run_world(4, DEFAULT_TIMEOUT_MS, wire_body, &ws);
@@ -148,6 +150,105 @@ static void test_hier_reduce_scatter_on_the_wire(void **state) {
   }
 }
 
+/* 1-bit Adam's wire on 2 nodes of 2 ranks, three rounds whose error
+ * feedback carries over: every rank's result, and the error every rank
+ * keeps, are bit for bit what a single thread computes from the same
+ * values with the encoding's own functions (checked against numpy in
+ * python.onebit): a rank's own node's partial sum exact, the other node's
+ * decoded from the signs and block scales of (its partial + the error its
+ * rank kept), summed in node order. What crosses nodes is the encoding. */
+#define ONEBIT_BLOCK  256
+#define ONEBIT_ROUNDS 3
+
+typedef struct onebit_state {
+  float *error[4];              /* each rank's: 2 chunks of WIRE_SHARD */
+  float *got[ONEBIT_ROUNDS][4]; /* each rank's result, per round */
+  uint64_t cross[4];
+} onebit_state;
+
+static void onebit_body(rank_ctx *rc) {
+  onebit_state *os = rc->run->user;
+  float *send = xmalloc(sizeof(float) * WIRE_SHARD * 4);
+  comm_wire wire = {COMM_WIRE_ONEBIT, ONEBIT_BLOCK, os->error[rc->rank]};
+  for (int round = 0; round < ONEBIT_ROUNDS; round++) {
+    for (size_t j = 0; j < (size_t)WIRE_SHARD * 4; j++)
+      send[j] = wire_value(rc->rank + 10 * round, j);
+    uint64_t bytes[COMM_LEVELS];
+    comm_take_bytes(rc->c, bytes);
+    RANK_CALL(
+        rc, comm_reduce_scatter_f32_wire(rc->c, send, os->got[round][rc->rank], WIRE_SHARD, &wire));
+    comm_take_bytes(rc->c, bytes);
+    os->cross[rc->rank] = bytes[COMM_LEVEL_CROSS];
+  }
+  free(send);
+}
+
+/* Node `node`'s partial sum (its 2 ranks' values in local order) of the
+ * chunk for rank (n, local), in round `round`. */
+static void onebit_partial(int node, int n, int local, int round, float *out) {
+  for (size_t i = 0; i < WIRE_SHARD; i++) {
+    size_t j = ((size_t)n * 2 + (size_t)local) * WIRE_SHARD + i;
+    out[i] = wire_value(node * 2 + 10 * round, j);
+    out[i] += wire_value(node * 2 + 1 + 10 * round, j);
+  }
+}
+
+static void test_hier_reduce_scatter_one_bit_with_error_feedback(void **state) {
+  (void)state;
+  use_backend = HIER;
+  onebit_state os = {0};
+  float *want_error[4], *want[4];
+  const size_t q = zk_onebit_bytes(ONEBIT_BLOCK, WIRE_SHARD);
+  uint8_t *encoded = xmalloc(q);
+  float *partial = xmalloc(sizeof(float) * WIRE_SHARD),
+        *decoded = xmalloc(sizeof(float) * WIRE_SHARD);
+  for (int r = 0; r < 4; r++) {
+    os.error[r] = calloc(2 * WIRE_SHARD, sizeof(float));
+    want_error[r] = calloc(2 * WIRE_SHARD, sizeof(float));
+    want[r] = xmalloc(sizeof(float) * WIRE_SHARD);
+    for (int k = 0; k < ONEBIT_ROUNDS; k++)
+      os.got[k][r] = xmalloc(sizeof(float) * WIRE_SHARD);
+  }
+  run_world(4, DEFAULT_TIMEOUT_MS, onebit_body, &os);
+  for (int round = 0; round < ONEBIT_ROUNDS; round++) {
+    /* Rank d = (dn, local) sums, over source nodes m in order, node m's
+     * partial for it: exact from its own node, else as rank (m, local)
+     * encoded it with the error it kept for node dn. */
+    for (int d = 0; d < 4; d++) {
+      const int dn = d / 2, local = d % 2;
+      for (int m = 0; m < 2; m++) {
+        onebit_partial(m, dn, local, round, partial);
+        if (m == dn) {
+          memcpy(decoded, partial, sizeof(float) * WIRE_SHARD);
+        } else {
+          float *err = want_error[m * 2 + local] + (size_t)dn * WIRE_SHARD;
+          assert_int_equal(
+              zk_onebit_encode(NULL, ONEBIT_BLOCK, partial, err, WIRE_SHARD, encoded, q), 0);
+          assert_int_equal(zk_onebit_decode(NULL, ONEBIT_BLOCK, encoded, q, decoded, WIRE_SHARD),
+                           0);
+        }
+        for (size_t i = 0; i < WIRE_SHARD; i++)
+          want[d][i] = m == 0 ? decoded[i] : want[d][i] + decoded[i];
+      }
+      if (memcmp(want[d], os.got[round][d], sizeof(float) * WIRE_SHARD) != 0)
+        fail_msg("round %d, rank %d: the sum differs from the single-thread one", round, d);
+    }
+  }
+  for (int r = 0; r < 4; r++) {
+    if (memcmp(want_error[r], os.error[r], sizeof(float) * 2 * WIRE_SHARD) != 0)
+      fail_msg("rank %d: its error feedback differs from the single-thread one", r);
+    assert_int_equal(os.cross[r], 2 * q); /* N = 2 encoded chunks, the own one never sent */
+    free(os.error[r]);
+    free(want_error[r]);
+    free(want[r]);
+    for (int k = 0; k < ONEBIT_ROUNDS; k++)
+      free(os.got[k][r]);
+  }
+  free(encoded);
+  free(partial);
+  free(decoded);
+}
+
 int main(void) {
   /* Gloo writes to sockets without MSG_NOSIGNAL; the daemon ignores SIGPIPE
    * for the same reason. */
@@ -155,6 +256,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_hier_moves_n_slices_across_nodes),
       cmocka_unit_test(test_hier_reduce_scatter_on_the_wire),
+      cmocka_unit_test(test_hier_reduce_scatter_one_bit_with_error_feedback),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -59,6 +59,12 @@ class JobConfig:
     same world size and working dtype, whose units this job's workers may
     register as references (``Job.register(..., from_base=True)``;
     ``zerod.torch.shard(..., base=True)``). "" (the default): none.
+    ``onebit_freeze_step`` > 0 is 1-bit Adam (DeepSpeed's OneBitAdam, for
+    an Adam or AdamW job on several nodes with hierarchical collectives):
+    that many exact steps, then the second moment frozen and each node's
+    partial gradient sums sent between nodes as signs with a scale per
+    ``quantization_block`` elements and error feedback
+    (docs/compression.md).
     """
 
     optimizer: str = "adamw"
@@ -87,6 +93,7 @@ class JobConfig:
     offload_optimizer: Union[OffloadPolicy, Dict[str, Any], None] = None
     mixed_precision: Optional[MixedPrecisionPolicy] = None
     base_job: str = ""
+    onebit_freeze_step: int = 0
 
     def _dtypes(self) -> Tuple[str, str]:
         """The working and gradient-exchange dtypes' names, from the strings
@@ -172,6 +179,10 @@ class JobConfig:
         if len(base) > 64:
             raise InvalidArgumentError("base_job is longer than 64 bytes")
         c.base_job = base
+        if int(self.onebit_freeze_step) < 0:
+            raise InvalidArgumentError("onebit_freeze_step must be 0 (off) or more, not %r" %
+                                       self.onebit_freeze_step)
+        c.onebit_freeze_step = int(self.onebit_freeze_step)
         return c
 
     @classmethod
@@ -217,4 +228,5 @@ class JobConfig:
                        "buffer_count": int(c.offload_buffer_count),
                        "buffer_size": int(c.offload_buffer_size),
                        "pin_memory": bool(c.offload_pin_memory)},
-                   base_job=c.base_job.decode())
+                   base_job=c.base_job.decode(),
+                   onebit_freeze_step=int(c.onebit_freeze_step))

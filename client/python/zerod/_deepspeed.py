@@ -52,6 +52,7 @@ _SCHEMA: Dict[str, Tuple[str, Tuple[int, int]]] = {
     "optimizer.params.momentum": (_NUM, _U32),
     "optimizer.params.dampening": (_NUM, _U32),
     "optimizer.params.nesterov": (_BOOL, _U32),
+    "optimizer.params.freeze_step": (_INT, _U32),
     "bf16": (_OBJ, _U32),
     "bf16.enabled": (_BOOL, _U32),
     "fp16": (_OBJ, _U32),
@@ -68,7 +69,7 @@ _ADAM_PARAMS = ("betas", "eps", "adam_w_mode")
 _SGD_PARAMS = ("momentum", "dampening", "nesterov")
 _FP16_SCALING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                  "min_loss_scale")
-_OPTIMIZER_TYPES = {"adamw": "adamw", "adam": "adam", "sgd": "sgd"}
+_OPTIMIZER_TYPES = {"adamw": "adamw", "adam": "adam", "sgd": "sgd", "onebitadam": "adamw"}
 _OFFLOAD_DEVICES = ("cpu", "nvme", "none")
 _STAGE_NOTE = ("zero_optimization.stage %d: zerod shards parameters, gradients and optimizer "
                "states alike (as stage 3)")
@@ -130,8 +131,15 @@ def _optimizer(found: Dict[str, Any], ignored: List[str], out: Dict[str, Any]) -
     if "optimizer.type" in found:
         kind = _OPTIMIZER_TYPES.get(found["optimizer.type"].lower(), "")
         if not kind:
-            raise _bad("optimizer.type '%s' is not supported: AdamW, Adam or SGD" %
+            raise _bad("optimizer.type '%s' is not supported: AdamW, Adam, OneBitAdam or SGD" %
                        found["optimizer.type"])
+    # OneBitAdam: AdamW with 1-bit compression after freeze_step (DeepSpeed's
+    # default 100000).
+    freeze = found.pop("optimizer.params.freeze_step", None)
+    if found.get("optimizer.type", "").lower() == "onebitadam":
+        out["onebit_freeze_step"] = int(freeze if freeze is not None else 100000)
+    elif freeze is not None:
+        ignored.append("optimizer.params.freeze_step (not for this optimizer.type)")
     # DeepSpeed's Adam decouples weight decay (AdamW) unless adam_w_mode is false.
     if kind == "adam" and found.get("optimizer.params.adam_w_mode", True):
         kind = "adamw"

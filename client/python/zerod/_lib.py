@@ -76,6 +76,7 @@ class JobConfig(ctypes.Structure):
         ("offload_buffer_size", c_uint64),
         ("offload_pin_memory", c_int),
         ("base_job", ctypes.c_char * 65),
+        ("onebit_freeze_step", c_uint),
     ]
 
 
