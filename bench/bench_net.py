@@ -9,8 +9,12 @@ the other; the example LM (examples/python/train_lm.py, 4 workers, each in
 its node's namespace) trains --steps steps with the same seed, once per
 setting, as bench_zeropp.py does on loopback:
 
-  off   hierarchical collectives, fp32 on every hop;
-  on    qwZ (int8 weights), qgZ (int4 gradient sums between nodes), hpZ.
+  off     hierarchical collectives, fp32 on every hop;
+  on      qwZ (int8 weights), qgZ (int4 gradient sums between nodes), hpZ;
+  onebit  qwZ and hpZ, and 1-bit Adam instead of qgZ: --onebit-warmup exact
+          steps, then gradient sums between nodes as signs with error
+          feedback (docs/compression.md; bytes per step after the warm-up
+          in `cross_bytes_per_step_after_warmup`).
 
 The baseline of each rate, measured in the same run over the same link, is
 a raw TCP transfer between the two namespaces. First, per rate, one large
@@ -105,9 +109,12 @@ class NetRun:
             time.sleep(0.1)
         raise SystemExit(f"bench_net: timed out waiting for {what}")
 
-    def create_job(self, name: str, args, zeropp: bool) -> None:
-        extra = (["--quantized-weights", "--quantized-gradients", "4", "--hpz-partition-size",
-                  str(RANKS)] if zeropp else [])
+    def create_job(self, name: str, args, mode: str) -> None:
+        extra = {"off": [],
+                 "on": ["--quantized-weights", "--quantized-gradients", "4",
+                        "--hpz-partition-size", str(RANKS)],
+                 "onebit": ["--quantized-weights", "--hpz-partition-size", str(RANKS),
+                            "--onebit-adam", str(args.onebit_warmup)]}[mode]
         # The hyper-parameters train_lm.py asks for, so that its attach agrees.
         made = self.ctl("jobs", "create", name, "--nodes", "2", "--ranks-per-node", str(RANKS),
                         "--token", TOKEN, "--optimizer", "adamw", "--lr", str(args.lr),
@@ -231,7 +238,7 @@ def collectives(rate: str, run: "NetRun", net: netcluster.NetCluster, args) -> N
               flush=True)
 
 
-def summarize(rate: str, name: str, by_rank: dict, tcp_bps: float) -> dict:
+def summarize(rate: str, name: str, by_rank: dict, tcp_bps: float, warmup: int = 0) -> dict:
     """One run's line. Times are over steps 2..N (the first step registers
     the units and is left out): the slowest rank's step time, and per rank
     its exposed communication per step (Job.stats: the worker's waits that
@@ -256,8 +263,15 @@ def summarize(rate: str, name: str, by_rank: dict, tcp_bps: float) -> dict:
         return {"bench": "net", "rate": rate, "run": name, "steps": steps,
                 "steps_per_s": round(1 / step_s, 3), "step_s": round(step_s, 3),
                 "tcp_gbps": round(tcp_bps * 8 / 1e9, 3),
-                "final_loss": round(by_rank[0]["final_loss"], 4)}
+                "final_loss": round(by_rank[0]["final_loss"], 4),
+                "val_loss": by_rank[0]["val_loss"] and round(by_rank[0]["val_loss"], 4)}
 
+    if warmup > 0:  # 1-bit Adam: the bytes per step once compressed, steps warmup+1..N
+        after = sum(by_rank[r]["cross_bytes_by_step"][-1] -
+                    by_rank[r]["cross_bytes_by_step"][warmup] for r in range(RANKS))
+        after_warmup = {"cross_bytes_per_step_after_warmup": int(after / (steps - 1 - warmup))}
+    else:
+        after_warmup = {}
     exposed = max(per_step_of(r, "exposed_comm_seconds") for r in by_rank.values())
     compute = max((r["step_end_s"][-1] - r["step_end_s"][0]) / timed -
                   per_step_of(r, "exposed_comm_seconds") for r in by_rank.values())
@@ -269,8 +283,9 @@ def summarize(rate: str, name: str, by_rank: dict, tcp_bps: float) -> dict:
             "comm_s": round(comm, 3), "exposed_comm_s": round(exposed, 3),
             "compute_s": round(compute, 3), "tcp_gbps": round(tcp_bps * 8 / 1e9, 3),
             "final_loss": round(by_rank[0]["final_loss"], 4),
+            "val_loss": by_rank[0]["val_loss"] and round(by_rank[0]["val_loss"], 4),
             "ratio": round(step_s / bound, 3), "target": 1.1, "direction": "max",
-            "met": step_s <= 1.1 * bound}
+            "met": step_s <= 1.1 * bound, **after_warmup}
 
 
 def one_rate(rate: str, args) -> None:
@@ -285,10 +300,11 @@ def one_rate(rate: str, args) -> None:
             if args.collective_mib > 0:
                 collectives(rate, run, net, args)
             rows = {}
-            for name, zeropp in (("off", False), ("on", True)):
+            for name in ("off", "on") + (("onebit",) if args.onebit_warmup > 0 else ()):
                 log(f"{rate}: {name}, {args.steps} steps on 2 nodes x {RANKS} ranks")
-                run.create_job(name, args, zeropp)
-                rows[name] = summarize(rate, name, run.train(name, args), tcp_bps)
+                run.create_job(name, args, name)
+                rows[name] = summarize(rate, name, run.train(name, args), tcp_bps,
+                                       args.onebit_warmup if name == "onebit" else 0)
                 print(json.dumps(rows[name]), flush=True)
             if args.ddp:
                 log(f"{rate}: torch DDP (Gloo), {args.steps} steps on 2 nodes x {RANKS} ranks")
@@ -307,7 +323,10 @@ def one_rate(rate: str, args) -> None:
                                            off["final_loss"], 4)}), flush=True)
     if "ddp" in rows:
         ddp = rows["ddp"]
-        for name, target in (("off", 1.0), ("on", 2.3 if rate == "100mbit" else 1.0)):
+        for name, target in (("off", 1.0), ("on", 2.3 if rate == "100mbit" else 1.0),
+                             ("onebit", 1.0)):
+            if name not in rows:
+                continue
             ratio = rows[name]["steps_per_s"] / ddp["steps_per_s"]
             print(json.dumps({"bench": "net_vs_ddp", "rate": rate, "run": name,
                               "ratio": round(ratio, 3), "target": target, "direction": "min",
@@ -323,6 +342,8 @@ def main() -> int:
     p.add_argument("--collective-mib", type=int, default=32,
                    help="the unit of the collectives figure (0: none)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--onebit-warmup", type=int, default=5,
+                   help="1-bit Adam's exact steps in the onebit run (0: no such run)")
     p.add_argument("--no-ddp", dest="ddp", action="store_false",
                    help="leave out the torch DDP baseline")
     args = p.parse_args()

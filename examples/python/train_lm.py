@@ -325,6 +325,9 @@ class RunResult:
     # Backend.comm_times after the first step and at the end (zerod only).
     comm_times_first: Dict[str, float] = field(default_factory=dict)
     comm_times: Dict[str, float] = field(default_factory=dict)
+    # With --result-json: the bytes this rank moved between nodes (zerod's
+    # "cross" level) after each step.
+    cross_bytes_by_step: List[int] = field(default_factory=list)
 
 
 def peak_rss_kib(pid: str = "self") -> int:
@@ -412,6 +415,7 @@ def train(backend: Backend, args: argparse.Namespace, params: int, report: Repor
 
     step_end_s: List[float] = []
     comm_times_first: Dict[str, float] = {}
+    cross_bytes_by_step: List[int] = []
     train_s = 0.0
     loss_value = float("nan")
     for step in range(args.steps):
@@ -424,6 +428,9 @@ def train(backend: Backend, args: argparse.Namespace, params: int, report: Repor
         train_s += now - t0
         if step == 0:
             comm_times_first = backend.comm_times()
+        if args.result_json:
+            cross_bytes_by_step.append(sum(v for k, v in backend.collective_bytes().items()
+                                           if k.startswith("cross/")))
 
         done = step + 1
         val = None
@@ -452,7 +459,8 @@ def train(backend: Backend, args: argparse.Namespace, params: int, report: Repor
                      params=params, steps=args.steps, step_end_s=step_end_s, train_s=train_s,
                      final_loss=loss_value, val_loss=val_loss,
                      collective_bytes=backend.collective_bytes(),
-                     comm_times_first=comm_times_first, comm_times=backend.comm_times())
+                     comm_times_first=comm_times_first, comm_times=backend.comm_times(),
+                     cross_bytes_by_step=cross_bytes_by_step)
 
 
 def train_step(backend: Backend, args: argparse.Namespace, train_data: torch.Tensor,
