@@ -42,9 +42,13 @@ void exec__op_comm_failed(rank_state *rs, exec_op *op, const char *what, int err
 
 /* Frees a shard's arrays (its working copy too, unless it is the master). */
 void exec__shard_free(rank_state *rs, shard *sh);
-/* 1-bit Adam (onebit.c): sets *wire to the compressed format with the
- * unit's error feedback (made on first use) when this reduce is past the
- * job's warm-up; 0, or -ENOMEM. exec__onebit_free drops the feedback. */
+/* 1-bit Adam (onebit.c): the bytes of a unit's error feedback on this rank
+ * (0 for a job that does not compress); exec__onebit_make makes it (zeroed,
+ * counted in state_bytes) with the shard; exec__onebit_wire sets *wire to
+ * the compressed format with it when this reduce is past the job's
+ * warm-up. 0, or -ENOMEM. exec__onebit_free drops the feedback. */
+uint64_t exec__onebit_bytes(const rank_state *rs, const unit_layout *l);
+int exec__onebit_make(rank_state *rs, shard *sh, const unit_layout *l);
 int exec__onebit_wire(rank_state *rs, shard *sh, const unit_layout *l, comm_wire *wire);
 void exec__onebit_free(rank_state *rs, shard *sh);
 

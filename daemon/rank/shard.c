@@ -196,6 +196,8 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
     err = ranges_push(&sh->zero_ranges, &sh->nzero_ranges, cursor, l->padded_numel, 0);
   if (err == 0)
     err = exec__shard_set_groups(rs, l, sh, NULL);
+  if (err == 0)
+    err = exec__onebit_make(rs, sh, l);
   if (err != 0) {
     exec__shard_free(rs, sh);
     return err;

@@ -157,3 +157,37 @@ def test_a_deepspeed_onebitadam_config_is_one_bit_adam():
         plain = zerod.JobConfig.from_deepspeed(
             {"optimizer": {"type": "AdamW", "params": {"freeze_step": 3}}})
     assert plain.onebit_freeze_step == 0
+
+
+def test_the_error_feedback_counts_in_the_memory_quota(cluster):
+    """The feedback (2 nodes x the shard, fp32) is made with the shard, so a
+    job's max_host_bytes counts it from the registration on: a quota that
+    holds the shard's state alone (master, accumulator, 2 moments: 16 bytes
+    per element) refuses the unit of a 1-bit job and takes the exact one."""
+    cluster.start_coordinator()
+    nodes = [cluster.start_node("node-%s" % n, ranks=1) for n in "ab"]
+    wait_for("2 members", lambda: ctl(cluster, "members").stdout.count("node-") >= 2)
+    quota = str(16 * (NUMEL // 2) + 4096)
+    create(cluster, "fits", "--max-host-bytes", quota)
+    create(cluster, "too-big", "--max-host-bytes", quota, "--onebit-adam", "2")
+    for job, refused in (("fits", False), ("too-big", True)):
+        errors = []
+
+        def register(r):
+            try:
+                with zerod.Client(nodes[r].socket) as client:
+                    j = client.attach(job, rank=0, token=TOKEN)
+                    j.register("w", [("w", (NUMEL,))], init="zeros")
+                    j.detach()
+            except zerod.Error as e:
+                errors.append(str(e))
+
+        threads = [threading.Thread(target=register, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        if refused:
+            assert errors and all("max_host_bytes" in e for e in errors), errors
+        else:
+            assert not errors, errors
