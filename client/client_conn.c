@@ -7,8 +7,7 @@
  * here trusts the daemon: a frame that does not decode or a reply of the
  * wrong type closes the connection with ZD_E_PROTOCOL. */
 #include "client_impl.h"
-
-#include <time.h>
+#include "clock.h"
 
 /* ------------------------------------------------------------------------
  * Connection state
@@ -304,20 +303,14 @@ static zd_status client_route_frame(zd_client *client, const char *what, stashed
  * the call's status (its message prefixed with `what`); a reply of another
  * type than reply_type is a protocol error. On success the caller owns
  * *reply (protobuf_c_message_free_unpacked) and the descriptors in fds. */
-static uint64_t monotonic_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static zd_status wait_reply(zd_client *client, uint64_t request_id, uint16_t reply_type,
                             const char *what, ProtobufCMessage **reply, int *fds, unsigned *nfds);
 
 zd_status client__wait(zd_client *client, uint64_t request_id, uint16_t reply_type,
                        const char *what, ProtobufCMessage **reply, int *fds, unsigned *nfds) {
-  const uint64_t began = monotonic_ns();
+  const uint64_t began = clock_now_ns();
   zd_status status = wait_reply(client, request_id, reply_type, what, reply, fds, nfds);
-  client->wait_ns += monotonic_ns() - began;
+  client->wait_ns += clock_now_ns() - began;
   return status;
 }
 

@@ -10,8 +10,8 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
+#include "clock.h"
 #include "comm_impl.h"
 
 /* ---- shared by the backends ---------------------------------------------- */
@@ -41,12 +41,6 @@ void comm_set_activity(comm *c, comm_activity *a) {
     c->activity = a;
 }
 
-static uint64_t monotonic_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* A seqlock's write side: one writer (the rank's thread), readers retry. */
 static void activity_write_begin(comm_activity *a) {
   __atomic_store_n(&a->seq, __atomic_load_n(&a->seq, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
@@ -62,7 +56,7 @@ static void activity_begin(comm *c, comm_act op) {
   if (a == NULL)
     return;
   activity_write_begin(a);
-  __atomic_store_n(&a->since_ns, monotonic_ns(), __ATOMIC_RELAXED);
+  __atomic_store_n(&a->since_ns, clock_now_ns(), __ATOMIC_RELAXED);
   __atomic_store_n(&a->calls, __atomic_load_n(&a->calls, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
   __atomic_store_n(&a->op, (int)op, __ATOMIC_RELEASE);
   activity_write_end(a);
@@ -72,7 +66,7 @@ static int activity_end(comm *c, int rc) {
   comm_activity *a = c->activity;
   if (a == NULL)
     return rc;
-  const uint64_t now = monotonic_ns();
+  const uint64_t now = clock_now_ns();
   activity_write_begin(a);
   const uint64_t since = __atomic_load_n(&a->since_ns, __ATOMIC_RELAXED);
   __atomic_store_n(&a->busy_ns,

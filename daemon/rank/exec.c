@@ -29,7 +29,7 @@ exec_op *exec_op_new(op_kind kind, rank_state *rank) {
   op->in_fd = -1;
   op->reply_fd = -1;
   op->made_at = clock_now_s();
-  if (rank != NULL)
+  if (kind == OP_STEP) /* its collective time is the step's exposed communication */
     op->comm_busy_at = comm_activity_busy_ns(&rank->activity, clock_now_ns());
   return op;
 }

@@ -73,7 +73,7 @@ typedef struct exec_op {
   char *ckpt_source;     /* OP_RESTORE_READ: owned */
   int ckpt_format;       /* OP_RESTORE_READ: Zerod__V1__RestoreFormat */
   double made_at;        /* clock_now_s() when made: the request's arrival */
-  uint64_t comm_busy_at; /* the rank's comm_activity_busy_ns then */
+  uint64_t comm_busy_at; /* OP_STEP: the rank's comm_activity_busy_ns then */
   uint64_t ckpt_call;    /* OP_CKPT_PARK's result: which call of the job this is */
   uint64_t ckpt_step;    /* OP_CKPT_PARK's result: the step every rank is at */
   int ckpt_answered;     /* OP_CKPT_PARK: the call's answer is in the op */
