@@ -126,49 +126,42 @@ class NetRun:
         self.wait(f"job {name}", lambda: "state: ready" in self.ctl("jobs", "get", name))
 
     def train(self, name: str, args) -> dict:
-        results = self.tmp / (name + ".json")
-        procs = []
-        for i, sock in enumerate(self.sockets):
-            for r in range(RANKS):
-                out = open(self.tmp / f"{name}-{i}-{r}.out", "w")
-                procs.append(self.net.popen(i, [
-                    sys.executable, str(TRAIN_LM), "--worker", "--local-rank", str(r),
-                    "--socket", str(sock), "--job", name, "--token", TOKEN,
-                    "--steps", str(args.steps), "--lr", str(args.lr), "--eval-every", "0",
-                    "--sample-bytes", "0", "--log-every", str(max(args.steps // 5, 1)),
-                    "--threads", "1", "--result-json", str(results)],
-                    stdout=out, stderr=subprocess.STDOUT))
-        for p in procs:
-            if p.wait(timeout=7200) != 0:
-                outs = sorted(self.tmp.glob(f"{name}-*.out"))
-                raise SystemExit("bench_net: a worker failed:\n" +
-                                 "\n".join(o.read_text()[-2000:] for o in outs))
-        return {r: json.loads(Path(f"{results}.rank{r}").read_text()) for r in range(2 * RANKS)}
+        """train_lm.py's 4 workers on job `name`, each attached to its node's
+        daemon; their results by rank."""
+        return self._workers(name, args, lambda i, r: [
+            "--worker", "--local-rank", str(r), "--socket", str(self.sockets[i]), "--job", name,
+            "--token", TOKEN])
 
     def train_ddp(self, args) -> dict:
         """The same training with torch DDP on Gloo (train_lm.py --backend
         ddp): 4 worker processes, ranks 0-1 in node a's namespace and 2-3 in
         node b's, rendezvous through a FileStore both can reach, Gloo bound
         to the namespace's link (GLOO_SOCKET_IFNAME)."""
-        results = self.tmp / "ddp.json"
         store = self.tmp / "ddp-store"
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
+        return self._workers("ddp", args, lambda i, r: [
+            "--backend", "ddp", "--worker", "--local-rank", str(i * RANKS + r), "--world-size",
+            str(2 * RANKS), "--ranks", str(2 * RANKS), "--store", str(store)],
+            env=dict(os.environ, GLOO_SOCKET_IFNAME="eth0"))
+
+    def _workers(self, name: str, args, role, env=None) -> dict:
+        """Runs train_lm.py for local rank r of node i (role(i, r): the
+        arguments that say who it is) in node i's namespace, all at once,
+        with the run's common arguments; their results by global rank."""
+        results = self.tmp / (name + ".json")
         procs = []
         for i in range(2):
             for r in range(RANKS):
-                rank = i * RANKS + r
-                out = open(self.tmp / f"ddp-{rank}.out", "w")
+                out = open(self.tmp / f"{name}-{i}-{r}.out", "w")
                 procs.append(self.net.popen(i, [
-                    sys.executable, str(TRAIN_LM), "--backend", "ddp", "--worker", "--local-rank",
-                    str(rank), "--world-size", str(2 * RANKS), "--ranks", str(2 * RANKS),
-                    "--store", str(store), "--steps", str(args.steps), "--lr", str(args.lr),
-                    "--eval-every", "0", "--sample-bytes", "0", "--log-every",
-                    str(max(args.steps // 5, 1)), "--threads", "1", "--result-json",
-                    str(results)], stdout=out, stderr=subprocess.STDOUT, env=env))
+                    sys.executable, str(TRAIN_LM), *role(i, r),
+                    "--steps", str(args.steps), "--lr", str(args.lr), "--eval-every", "0",
+                    "--sample-bytes", "0", "--log-every", str(max(args.steps // 5, 1)),
+                    "--threads", "1", "--result-json", str(results)],
+                    stdout=out, stderr=subprocess.STDOUT, env=env))
         for p in procs:
             if p.wait(timeout=7200) != 0:
-                outs = sorted(self.tmp.glob("ddp-*.out"))
-                raise SystemExit("bench_net: a DDP worker failed:\n" +
+                outs = sorted(self.tmp.glob(f"{name}-*.out"))
+                raise SystemExit(f"bench_net: a {name} worker failed:\n" +
                                  "\n".join(o.read_text()[-2000:] for o in outs))
         return {r: json.loads(Path(f"{results}.rank{r}").read_text()) for r in range(2 * RANKS)}
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location(
@@ -50,3 +51,24 @@ def ctl(c, *args, check=True):
 def job(c, name):
     """`zerodctl jobs get NAME --json` of cluster c."""
     return json.loads(ctl(c, "jobs", "get", name, "--json").stdout)
+
+
+def run_threads(*targets, timeout_s=120):
+    """Calls each target on a thread of its own, all at once (the ranks of a
+    job in one process, each with its own client); waits for them and fails
+    with every exception they raised."""
+    errors = []
+
+    def one(target):
+        try:
+            target()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    assert not any(t.is_alive() for t in threads), "a thread is still running"
+    assert not errors, errors

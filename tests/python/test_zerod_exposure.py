@@ -8,39 +8,25 @@ that wait is communication it could not hide. The bounds below are what
 the deliberate delay forces (at least half of it), not speeds."""
 
 import re
-import threading
 import time
 import urllib.request
 
 import numpy as np
 
 import zerod
-from conftest import start_daemon  # noqa: F401 (fixture)
+from conftest import run_threads, start_daemon  # noqa: F401 (fixture)
 
 TENSORS = [("w", (64, 64), False)]
 DELAY = 0.6
 FORCED = DELAY / 2
 
 
-def run_ranks(d, bodies):
-    """Runs bodies[r](job) as rank r, each on its own thread and client;
-    returns the jobs (attached) after both ended."""
+def run_ranks(d, body):
+    """Attaches ranks 0 and 1 of job 'exp', each with its own client, and
+    runs body(job) for both at once; returns the jobs and clients."""
     clients = [zerod.Client(d.socket) for _ in range(2)]
     jobs = [clients[r].attach("exp", rank=r) for r in range(2)]
-    errors = []
-
-    def one(r):
-        try:
-            bodies[r](jobs[r])
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
+    run_threads(*(lambda j=j: body(j) for j in jobs))
     return jobs, clients
 
 
@@ -79,7 +65,7 @@ def test_a_wait_for_a_late_peer_is_exposed_communication(start_daemon):
         job.register("u", TENSORS, init="rank0", values=values if job.rank == 0 else None)
         step(job)
 
-    jobs, clients = run_ranks(d, [setup, setup])
+    jobs, clients = run_ranks(d, setup)
     before = [mine(j) for j in jobs]
     for b in before:
         assert b["step"] == 1
@@ -88,13 +74,7 @@ def test_a_wait_for_a_late_peer_is_exposed_communication(start_daemon):
 
     # Rank 1 holds back from its gather: rank 0 waits in the all-gather
     # for it, between steps, and says so with its next step.
-    threads = []
-    for r, hold in ((0, 0.0), (1, DELAY)):
-        threads.append(threading.Thread(target=step, args=(jobs[r], hold)))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    run_threads(lambda: step(jobs[0]), lambda: step(jobs[1], hold=DELAY))
     after = [mine(j) for j in jobs]
     waited = [after[r]["exposed_comm_seconds"] - before[r]["exposed_comm_seconds"]
               for r in range(2)]
@@ -113,12 +93,7 @@ def test_a_wait_for_a_late_peer_is_exposed_communication(start_daemon):
     # Rank 1 holds back its step: rank 0's step request waits in the
     # gradient norm's all-reduce, inside the step.
     before = after
-    threads = [threading.Thread(target=step, args=(jobs[0],)),
-               threading.Thread(target=step, args=(jobs[1], 0.0, DELAY))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    run_threads(lambda: step(jobs[0]), lambda: step(jobs[1], hold_step=DELAY))
     after = [mine(j) for j in jobs]
     assert after[0]["exposed_comm_seconds"] - before[0]["exposed_comm_seconds"] >= FORCED
     assert after[0]["wait_seconds"] - before[0]["wait_seconds"] >= FORCED

@@ -10,13 +10,12 @@ the reason."""
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
 
 import zerod
-from conftest import cluster, ctl, start_daemon, wait_for  # noqa: F401 (fixtures)
+from conftest import cluster, ctl, run_threads, start_daemon, wait_for  # noqa: F401 (fixtures)
 
 TOKEN = "onebit-token"
 NUMEL = 6000
@@ -40,39 +39,30 @@ def train(nodes, job):
     """Both ranks at once; rank 0's weights after each step, and each
     rank's cross-node reduce-scatter bytes after each step."""
     weights, cross = [], [[], []]
-    errors = []
     start = np.zeros(NUMEL, dtype=np.float32)
 
     def rank_main(r):
-        try:
-            with zerod.Client(nodes[r].socket) as client:
-                j = client.attach(job, rank=0, token=TOKEN)
-                u = j.register("w", [("w", (NUMEL,))], init="rank0",
-                               values=start if j.rank == 0 else None)
-                for step in range(STEPS):
-                    g = u.gather()
-                    w = np.array(g.arrays()["w"], copy=True)
-                    g.release()
-                    u.grad_buffer().arrays()["w"][...] = gradient(w, j.rank, step)
-                    u.reduce()
-                    j.step()
-                    mine = [s for s in j.stats() if s["rank"] == j.rank][0]
-                    cross[j.rank].append(
-                        mine["counters"].get(("cross", "reduce_scatter"), {"bytes": 0})["bytes"])
-                    g = u.gather()  # collective: both ranks
-                    if j.rank == 0:
-                        weights.append(np.array(g.arrays()["w"], copy=True))
-                    g.release()
-                j.detach()
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        with zerod.Client(nodes[r].socket) as client:
+            j = client.attach(job, rank=0, token=TOKEN)
+            u = j.register("w", [("w", (NUMEL,))], init="rank0",
+                           values=start if j.rank == 0 else None)
+            for step in range(STEPS):
+                g = u.gather()
+                w = np.array(g.arrays()["w"], copy=True)
+                g.release()
+                u.grad_buffer().arrays()["w"][...] = gradient(w, j.rank, step)
+                u.reduce()
+                j.step()
+                mine = [s for s in j.stats() if s["rank"] == j.rank][0]
+                cross[j.rank].append(
+                    mine["counters"].get(("cross", "reduce_scatter"), {"bytes": 0})["bytes"])
+                g = u.gather()  # collective: both ranks
+                if j.rank == 0:
+                    weights.append(np.array(g.arrays()["w"], copy=True))
+                g.release()
+            j.detach()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
+    run_threads(lambda: rank_main(0), lambda: rank_main(1), timeout_s=300)
     return weights, cross
 
 
@@ -182,11 +172,7 @@ def test_the_error_feedback_counts_in_the_memory_quota(cluster):
             except zerod.Error as e:
                 errors.append(str(e))
 
-        threads = [threading.Thread(target=register, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        run_threads(lambda: register(0), lambda: register(1))
         if refused:
             assert errors and all("max_host_bytes" in e for e in errors), errors
         else:
