@@ -140,10 +140,14 @@ class Control:
         self.wait_ready()
         return self.ckpt.Restore(C.RestoreRequest(job=JOB, checkpoint=name), timeout=timeout)
 
-    def wait_recovered(self, step, timeout_s=60):
+    def wait_recovered(self, step, lost_at=None, timeout_s=60):
         """The coordinator restored the job by itself, from the checkpoint of
-        step (its node came back without its state)."""
+        step (its node came back without its state); with lost_at, the
+        recovery of a loss at that step (not an earlier recovery's text,
+        left from before)."""
         want = "restored from the checkpoint of step %d" % step
+        if lost_at is not None:
+            want = "state lost on a node at step %d; %s" % (lost_at, want)
 
         def recovered():
             j = self.jobs.GetJob(C.GetJobRequest(name=JOB), timeout=10)
@@ -414,7 +418,7 @@ def test_node_killed_during_a_save(cluster, controls, point):
     a.assert_untouched()
 
     node = cluster.start_node("n", ranks=RANKS, timeout_s=30, extra=NO_DRAIN)
-    ctl.wait_recovered(3)
+    ctl.wait_recovered(3, lost_at=5)
     assert_state(ctl, "c", a)
     train(node.socket, 1)
     assert ctl.save("d").checkpoint.step == 4
