@@ -38,6 +38,7 @@ ckpt_manifest *ckpt_layout_of(const ckpt_job_view *j, uint64_t step, uint64_t ve
   job_config_states(cfg, has);
   m->has_moment1 = has[JOB_STATE_MOMENT1] && !j->weights_only;
   m->has_moment2 = has[JOB_STATE_MOMENT2] && !j->weights_only;
+  m->onebit_nodes = j->weights_only ? 0 : j->onebit_nodes;
   m->nunits = nunits;
   m->units = calloc(nunits ? nunits : 1, sizeof *m->units);
   int ok = m->job != NULL && m->name != NULL && m->units != NULL;

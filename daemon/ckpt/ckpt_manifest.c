@@ -183,6 +183,8 @@ static json_t *encode_manifest(const ckpt_manifest *m) {
     ok = ok && set(root, "states", json_incref(states));
     json_decref(states);
   }
+  if (ok && m->onebit_nodes != 0)
+    ok = set(root, "onebit_nodes", json_integer(m->onebit_nodes));
   json_t *units = ok ? json_array() : NULL;
   ok = ok && (m->nunits == 0 || m->units != NULL);
   for (unsigned u = 0; ok && u < m->nunits; u++)

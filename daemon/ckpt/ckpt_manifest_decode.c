@@ -419,11 +419,29 @@ static int decode_files(json_t *files, ckpt_manifest *m, char *err, size_t err_b
   return 0;
 }
 
+/* "onebit_nodes" (version 3, optional): the node count of a 1-bit Adam
+ * job whose error feedback the files hold, dividing world_size. */
+static int decode_onebit(json_t *root, ckpt_manifest *m, char *err, size_t err_bytes) {
+  uint64_t nodes = 0;
+  if (json_object_get(root, "onebit_nodes") == NULL)
+    return 0;
+  int rc = get_uint(root, "onebit_nodes", m->world_size, "manifest", &nodes, err, err_bytes);
+  if (rc != 0)
+    return rc;
+  if (nodes == 0 || m->world_size % nodes != 0)
+    return bad(err, err_bytes, "manifest",
+               "\"onebit_nodes\" %" PRIu64 " does not divide world_size %" PRIu32, nodes,
+               m->world_size);
+  m->onebit_nodes = (uint32_t)nodes;
+  return 0;
+}
+
 static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err, size_t err_bytes) {
-  static const char *const keys[] = {
-      "format",  "format_version", "job",    "job_id", "name",  "created_unix_ms", "step",
-      "version", "world_size",     "config", "states", "units", "files",           "tenant"};
-  /* Version 1 has every key but the last. */
+  static const char *const keys[] = {"format",     "format_version",  "job",         "job_id",
+                                     "name",       "created_unix_ms", "step",        "version",
+                                     "world_size", "config",          "states",      "units",
+                                     "files",      "tenant",          "onebit_nodes"};
+  /* Version 1 has every key but the last two, version 2 all but the last. */
   size_t nkeys = sizeof keys / sizeof keys[0];
   const char *where = "manifest";
   if (!json_is_object(root))
@@ -440,7 +458,8 @@ static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err,
     return bad(err, err_bytes, where, "unsupported format_version %" PRIu64 " (this is %d)",
                version, CKPT_MANIFEST_VERSION);
   if (rc == 0)
-    rc = check_keys(root, keys, version == 1 ? nkeys - 1 : nkeys, where, err, err_bytes);
+    rc = check_keys(root, keys, version < 3 ? nkeys - 3 + (size_t)version : nkeys, where, err,
+                    err_bytes);
   if (rc != 0)
     return rc;
   m->format_version = (uint32_t)version;
@@ -467,7 +486,8 @@ static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err,
       (rc = decode_config(config, &m->config, err, err_bytes)) != 0 ||
       (rc = get_member(root, "states", where, &states, err, err_bytes)) != 0 ||
       (rc = decode_states(states, m, err, err_bytes)) != 0 ||
-      (rc = get_member(root, "units", where, &units, err, err_bytes)) != 0)
+      (rc = get_member(root, "units", where, &units, err, err_bytes)) != 0 ||
+      (rc = decode_onebit(root, m, err, err_bytes)) != 0)
     return rc;
   if (!(flags & CKPT_DECODE_NO_FILES) &&
       (rc = get_member(root, "files", where, &files, err, err_bytes)) != 0)
@@ -491,11 +511,12 @@ static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err,
     if ((rc = decode_unit(json_array_get(units, u), u, m->world_size, &m->units[u], err,
                           err_bytes)) != 0)
       return rc;
-    uint64_t unit_bytes_max = UINT64_MAX / (4 * ckpt_nstates(m));
-    if (m->units[u].shard_numel > unit_bytes_max ||
-        m->units[u].shard_numel * 4 * ckpt_nstates(m) > UINT64_MAX - data_bytes)
+    /* onebit_nodes <= world_size <= MAX_WORLD_SIZE: no overflow here. */
+    uint64_t per_element = 4 * ((uint64_t)ckpt_nstates(m) + m->onebit_nodes);
+    if (m->units[u].shard_numel > UINT64_MAX / per_element ||
+        m->units[u].shard_numel * per_element > UINT64_MAX - data_bytes)
       return bad(err, err_bytes, "units", "the shard files would be larger than 2^64 bytes");
-    data_bytes += m->units[u].shard_numel * 4 * ckpt_nstates(m);
+    data_bytes += m->units[u].shard_numel * per_element;
   }
   if (ckpt__shard_file_bytes(data_bytes, &file_bytes) != 0)
     return bad(err, err_bytes, "units", "the shard files would be larger than 2^63 - 1 bytes");

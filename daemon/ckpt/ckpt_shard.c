@@ -58,8 +58,19 @@ unsigned ckpt_nstates(const ckpt_manifest *m) {
 uint64_t ckpt_shard_data_bytes(const ckpt_manifest *m) {
   uint64_t bytes = 0;
   for (unsigned u = 0; u < m->nunits; u++)
-    bytes += m->units[u].shard_numel * 4 * ckpt_nstates(m);
+    bytes += m->units[u].shard_numel * 4 * (ckpt_nstates(m) + m->onebit_nodes);
   return bytes;
+}
+
+int64_t ckpt_onebit_offset(const ckpt_manifest *m, unsigned unit) {
+  if (unit >= m->nunits || m->onebit_nodes == 0)
+    return -1;
+  uint64_t offset = 0;
+  for (unsigned u = 0; u < m->nunits; u++)
+    offset += m->units[u].shard_numel * 4 * ckpt_nstates(m);
+  for (unsigned u = 0; u < unit; u++)
+    offset += m->units[u].shard_numel * 4 * m->onebit_nodes;
+  return (int64_t)offset;
 }
 
 int ckpt__state_slot(const ckpt_manifest *m, ckpt_state state) {

@@ -44,6 +44,7 @@ int ckpt_source_open(const char *dir, ckpt_source **out, char *err, size_t err_b
     s->unit_offsets[u] = s->data_bytes;
     s->data_bytes += m->units[u].shard_numel * 4 * ckpt_nstates(m);
   }
+  s->data_bytes = ckpt_shard_data_bytes(m); /* with the error feedback, if any */
   *out = s;
   return 0;
 }
@@ -120,6 +121,21 @@ int ckpt_source_read(ckpt_source *s, unsigned unit, ckpt_state state, uint64_t f
     from = chunk_end;
   }
   return 0;
+}
+
+int ckpt_source_read_onebit(ckpt_source *s, unsigned unit, uint32_t rank, float *dst, char *err,
+                            size_t err_bytes) {
+  const ckpt_manifest *m = &s->manifest;
+  int64_t offset = ckpt_onebit_offset(m, unit);
+  if (offset < 0 || rank >= m->world_size)
+    return ckpt_fail(err, err_bytes, -EINVAL,
+                     "checkpoint has no error feedback of unit %u on rank %" PRIu32, unit, rank);
+  ckpt_reader *r = NULL;
+  int rc = source_reader(s, rank, &r, err, err_bytes);
+  return rc != 0 ? rc
+                 : ckpt_reader_read(r, (uint64_t)offset, dst,
+                                    (size_t)(m->units[unit].shard_numel * 4 * m->onebit_nodes), err,
+                                    err_bytes);
 }
 
 void ckpt_source_close(ckpt_source *s) {

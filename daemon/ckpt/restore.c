@@ -27,6 +27,7 @@ void ckpt_staged_free(ckpt_staged *s) {
       unit_layout_free(s->units[u].layout);
     for (int k = 0; k < 3 && s->arrays; k++)
       hostmem_array_free(s->units[u].state[k]);
+    free(s->units[u].onebit);
   }
   if (!s->arrays)
     hostmem_free(s->mem, s->mem_bytes);
@@ -168,6 +169,30 @@ static void zero_between(float *state, uint64_t from, uint64_t to) {
     memset(state + from, 0, (to - from) * sizeof(float));
 }
 
+/* The rank's 1-bit Adam error feedback, where the checkpoint has it for
+ * this job's world and nodes: the same rank of the same layout made it.
+ * Otherwise (another world or node count) it is dropped, and said. */
+static int read_onebit(const ckpt_job_view *j, int rank, ckpt_source *src, ckpt_staged *st,
+                       char *err, size_t err_bytes) {
+  const ckpt_manifest *m = ckpt_source_manifest(src);
+  if (m->onebit_nodes == 0 || j->onebit_nodes == 0)
+    return 0;
+  if (m->onebit_nodes != j->onebit_nodes || m->world_size != (uint32_t)j->world_size) {
+    st->onebit_dropped = 1;
+    return 0;
+  }
+  for (unsigned u = 0; u < st->nunits; u++) {
+    ckpt_staged_unit *su = &st->units[u];
+    size_t numel = (size_t)(su->layout->shard_numel * m->onebit_nodes);
+    if ((su->onebit = malloc(numel * sizeof(float))) == NULL)
+      return -ENOMEM;
+    int rc = ckpt_source_read_onebit(src, u, (uint32_t)rank, su->onebit, err, err_bytes);
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
 static int read_checkpoint(const ckpt_job_view *j, int rank, const char *source, ckpt_staged *st,
                            int *code, char *err, size_t err_bytes) {
   ckpt_source *src = NULL;
@@ -274,6 +299,10 @@ static int read_checkpoint(const ckpt_job_view *j, int rank, const char *source,
       }
       zero_between(su->state[k], hi - lo, l->shard_numel);
     }
+  }
+  if ((rc = read_onebit(j, rank, src, st, err, err_bytes)) != 0) {
+    rc = fail(code, rc == -ENOMEM ? RPC_RESOURCE_EXHAUSTED : io_code(rc), rc);
+    goto done;
   }
   rc = 0;
 done:

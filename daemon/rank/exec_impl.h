@@ -51,6 +51,13 @@ uint64_t exec__onebit_bytes(const rank_state *rs, const unit_layout *l);
 int exec__onebit_make(rank_state *rs, shard *sh, const unit_layout *l);
 int exec__onebit_wire(rank_state *rs, shard *sh, const unit_layout *l, comm_wire *wire);
 void exec__onebit_free(rank_state *rs, shard *sh);
+/* Checkpoints: the job's node count as a save records it (0 for a job
+ * that does not compress), the unit's feedback into out (zeros where none
+ * was made; exec__onebit_bytes of it), and a restore's: saved, or zeros
+ * for NULL (the values it belonged to are gone). 0, or -ENOMEM. */
+uint32_t exec__onebit_nodes(const rank_state *rs);
+void exec__onebit_save(const rank_state *rs, const shard *sh, const unit_layout *l, float *out);
+int exec__onebit_restore(rank_state *rs, shard *sh, const unit_layout *l, const float *saved);
 
 /* Creates the rank's shard of unit l (zeroed; the table grows as needed),
  * with its trainable and zeroed ranges. 0 or -ENOMEM. */

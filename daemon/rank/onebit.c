@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Whether the job's reduces are compressed once its warm-up is over: a job
  * with onebit_freeze_step on host ranks whose communicator is hierarchical
@@ -21,6 +22,34 @@ static int compresses(const rank_state *rs) {
  * shard's length. */
 static uint64_t error_numel(const rank_state *rs, const unit_layout *l) {
   return (uint64_t)rs->job->world_size / (uint64_t)comm_node_ranks(rs->comm) * l->shard_numel;
+}
+
+uint32_t exec__onebit_nodes(const rank_state *rs) {
+  return compresses(rs) ? (uint32_t)(rs->job->world_size / comm_node_ranks(rs->comm)) : 0;
+}
+
+/* The feedback of a save: the unit's, or zeros where none was made. */
+void exec__onebit_save(const rank_state *rs, const shard *sh, const unit_layout *l, float *out) {
+  if (!compresses(rs))
+    return;
+  uint64_t numel = error_numel(rs, l);
+  if (sh->onebit_error != NULL && sh->onebit_numel == numel)
+    memcpy(out, sh->onebit_error, numel * sizeof(float));
+  else
+    memset(out, 0, numel * sizeof(float));
+}
+
+int exec__onebit_restore(rank_state *rs, shard *sh, const unit_layout *l, const float *saved) {
+  if (!compresses(rs))
+    return 0;
+  int rc = exec__onebit_make(rs, sh, l);
+  if (rc != 0)
+    return rc;
+  if (saved != NULL)
+    memcpy(sh->onebit_error, saved, sh->onebit_numel * sizeof(float));
+  else
+    memset(sh->onebit_error, 0, sh->onebit_numel * sizeof(float));
+  return 0;
 }
 
 uint64_t exec__onebit_bytes(const rank_state *rs, const unit_layout *l) {

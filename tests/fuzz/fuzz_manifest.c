@@ -161,6 +161,9 @@ static void generate(source *s, ckpt_manifest *m) {
   m->config.nesterov = bits & 1;
   m->has_moment1 = (bits >> 1) & 1;
   m->has_moment2 = (bits >> 2) & 1;
+  /* 1-bit Adam's feedback for some node count; one that does not divide
+   * the world is refused by the encoder's check. */
+  m->onebit_nodes = (bits >> 3) & 1 ? (uint32_t)(take(s) % 5) : 0;
   m->nunits = take(s) % 4;
   m->units = calloc(m->nunits > 0 ? m->nunits : 1, sizeof *m->units);
   if (m->units == NULL) {

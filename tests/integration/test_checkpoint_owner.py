@@ -135,7 +135,7 @@ def test_a_deleted_jobs_checkpoints_stay_with_their_tenant(world):
     assert not (w.ckpt_dir / "shared-name").exists()
     manifest = json.loads((w.ckpt_dir / moved / "secret" / "manifest.json").read_text())
     assert (manifest["format_version"], manifest["tenant"], manifest["job_id"]) == (
-        2, "team-a", a_id)
+        3, "team-a", a_id)
 
     # B, by every name, with no job of that name.
     for ref in ("secret", moved + "/secret"):

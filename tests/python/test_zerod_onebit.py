@@ -10,6 +10,7 @@ the reason."""
 
 from __future__ import annotations
 
+import json
 
 import numpy as np
 import pytest
@@ -177,3 +178,55 @@ def test_the_error_feedback_counts_in_the_memory_quota(cluster):
             assert errors and all("max_host_bytes" in e for e in errors), errors
         else:
             assert not errors, errors
+
+
+
+def test_a_restore_in_the_compressed_phase_resumes_bit_exactly(cluster, tmp_path):
+    """A checkpoint saved after the warm-up holds each rank's error
+    feedback (manifest onebit_nodes: 2): the steps after a restore of it
+    repeat, bit for bit, the steps that followed the save, which they
+    would not with the feedback lost or left as it was at the restore."""
+    cluster.start_coordinator()
+    nodes = [cluster.start_node("node-%s" % n, ranks=1) for n in "ab"]
+    wait_for("2 members", lambda: ctl(cluster, "members").stdout.count("node-") >= 2)
+    create(cluster, "resume", "--onebit-adam", str(FREEZE), "--quantization-block", str(BLOCK))
+    save_at, after = FREEZE + 4, 6
+    runs = [[], []]  # rank 0's weights after each step that follows the save, twice
+    restored = []
+
+    def steps(j, u, first, count, out=None):
+        for step in range(first, first + count):
+            g = u.gather()
+            w = np.array(g.arrays()["w"], copy=True)
+            g.release()
+            u.grad_buffer().arrays()["w"][...] = gradient(w, j.rank, step)
+            u.reduce()
+            j.step()
+            if out is not None:
+                g = u.gather()  # collective: both ranks
+                if j.rank == 0:
+                    out.append(np.array(g.arrays()["w"], copy=True))
+                g.release()
+
+    def rank_main(r):
+        # save_at steps, the save, `after` steps; the restore, and the
+        # same `after` steps again.
+        with zerod.Client(nodes[r].socket) as client:
+            j = client.attach("resume", rank=0, token=TOKEN)
+            u = j.register("w", [("w", (NUMEL,))], init="zeros")
+            steps(j, u, 0, save_at)
+            j.save_checkpoint("mid")
+            steps(j, u, save_at, after, runs[0])
+            restored.append(j.restore_checkpoint("mid").step)
+            steps(j, u, save_at, after, runs[1])
+            j.detach()
+
+    run_threads(lambda: rank_main(0), lambda: rank_main(1), timeout_s=300)
+    assert restored == [save_at, save_at]
+    assert len(runs[0]) == len(runs[1]) == after
+    for k in range(after):
+        assert np.array_equal(runs[0][k].view(np.uint32), runs[1][k].view(np.uint32)), k
+    manifests = list(tmp_path.rglob("mid/manifest.json"))
+    assert manifests, "no manifest of checkpoint 'mid' under %s" % tmp_path
+    manifest = json.loads(manifests[0].read_text())
+    assert manifest["onebit_nodes"] == 2 and manifest["format_version"] == 3, manifest

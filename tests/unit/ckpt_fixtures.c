@@ -192,6 +192,7 @@ void assert_manifests_equal(const ckpt_manifest *a, const ckpt_manifest *b) {
   assert_doubles_identical(a->config.max_grad_norm, b->config.max_grad_norm);
   assert_int_equal(a->has_moment1, b->has_moment1);
   assert_int_equal(a->has_moment2, b->has_moment2);
+  assert_int_equal(a->onebit_nodes, b->onebit_nodes);
   assert_int_equal(a->nunits, b->nunits);
   for (unsigned u = 0; u < a->nunits; u++) {
     const ckpt_unit *x = &a->units[u], *y = &b->units[u];

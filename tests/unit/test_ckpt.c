@@ -156,6 +156,21 @@ static void test_data_offsets_follow_units_then_states(void **state) {
   ckpt_manifest_free(&m);
 }
 
+/* A 1-bit Adam job's error feedback follows every unit's states: for each
+ * unit, onebit_nodes chunks of its shard. */
+static void test_onebit_feedback_follows_the_states(void **state) {
+  ckpt_manifest m;
+  sample_manifest(&m, 1);
+  assert_int_equal(ckpt_onebit_offset(&m, 0), -1);
+  m.onebit_nodes = 2;
+  assert_true(ckpt_shard_data_bytes(&m) == (8 + 14) * 4 * (3 + 2));
+  assert_int_equal(ckpt_data_offset(&m, 1, CKPT_MOMENT2), 96 + 2 * 56); /* unmoved */
+  assert_int_equal(ckpt_onebit_offset(&m, 0), (8 + 14) * 4 * 3);
+  assert_int_equal(ckpt_onebit_offset(&m, 1), (8 + 14) * 4 * 3 + 8 * 4 * 2);
+  assert_int_equal(ckpt_onebit_offset(&m, 2), -1);
+  ckpt_manifest_free(&m);
+}
+
 /* ------------------------------------------------------------------------
  * Manifest encoding and decoding
  * ------------------------------------------------------------------------ */
@@ -220,7 +235,7 @@ static void test_encode_refuses_values_json_cannot_hold(void **state) {
  * with a "tenant" is a malformed one, as a version 2 without it. */
 static void test_manifest_tenant_by_version(void **state) {
   json_t *root = sample_json(1);
-  assert_int_equal(json_integer_value(json_object_get(root, "format_version")), 2);
+  assert_int_equal(json_integer_value(json_object_get(root, "format_version")), 3);
   assert_string_equal(json_string_value(json_object_get(root, "tenant")), "team-a.research_2");
   json_object_set_new(root, "format_version", json_integer(1));
   json_object_del(root, "tenant");
@@ -263,6 +278,38 @@ static void test_manifest_tenant_by_version(void **state) {
   ckpt_manifest_free(&m);
 }
 
+/* Version 3 added "onebit_nodes" (optional): a node count dividing the
+ * world, unknown to a version 2 manifest. */
+static void test_manifest_onebit_nodes(void **state) {
+  ckpt_manifest m, back;
+  sample_manifest(&m, 0); /* the files' sizes are of no feedback */
+  m.onebit_nodes = 3;
+  size_t len;
+  char *text = ckpt_manifest_encode(&m, &len);
+  assert_non_null(text);
+  char err[512] = "";
+  assert_int_equal(ckpt_manifest_decode(text, len, CKPT_DECODE_NO_FILES, &back, err, sizeof err),
+                   0);
+  assert_int_equal(back.onebit_nodes, 3);
+  ckpt_manifest_free(&back);
+  free(text);
+  ckpt_manifest_free(&m);
+  json_t *root = sample_json(1);
+  assert_null(json_object_get(root, "onebit_nodes")); /* absent when none */
+  json_object_set_new(root, "onebit_nodes", json_integer(2));
+  expect_rejected(root, "\"onebit_nodes\" 2 does not divide world_size 3");
+  root = sample_json(1);
+  json_object_set_new(root, "onebit_nodes", json_integer(0));
+  expect_rejected(root, "does not divide");
+  root = sample_json(1);
+  json_object_set_new(root, "onebit_nodes", json_integer(6));
+  expect_rejected(root, "\"onebit_nodes\" is 6, more than 3");
+  root = sample_json(1);
+  json_object_set_new(root, "format_version", json_integer(2));
+  json_object_set_new(root, "onebit_nodes", json_integer(1));
+  expect_rejected(root, "unknown key \"onebit_nodes\"");
+}
+
 static void test_decode_refuses_what_is_not_a_manifest(void **state) {
   expect_text_rejected("", -EBADMSG, "not valid JSON");
   expect_text_rejected("{\"format\": ", -EBADMSG, "not valid JSON");
@@ -272,16 +319,16 @@ static void test_decode_refuses_what_is_not_a_manifest(void **state) {
   json_object_set_new(root, "format", json_string("safetensors"));
   expect_rejected(root, "\"format\" is not");
   root = sample_json(1);
-  json_object_set_new(root, "format_version", json_integer(3));
-  expect_rejected(root, "unsupported format_version 3");
+  json_object_set_new(root, "format_version", json_integer(4));
+  expect_rejected(root, "unsupported format_version 4");
   root = sample_json(1);
   json_object_set_new(root, "format_version", json_integer(0));
   expect_rejected(root, "unsupported format_version 0");
   /* A newer version is reported as such even with keys this one lacks. */
   root = sample_json(1);
-  json_object_set_new(root, "format_version", json_integer(3));
+  json_object_set_new(root, "format_version", json_integer(4));
   json_object_set_new(root, "encryption", json_string("aes"));
-  expect_rejected(root, "unsupported format_version 3");
+  expect_rejected(root, "unsupported format_version 4");
   /* Over the size cap: refused before parsing. */
   size_t huge = (size_t)CKPT_MAX_MANIFEST_BYTES + 1;
   char *big = xmalloc(huge);
@@ -696,11 +743,13 @@ int main(void) {
       cmocka_unit_test(test_shard_names_are_zero_padded),
       cmocka_unit_test(test_incremental_hash_equals_one_shot_xxh64),
       cmocka_unit_test(test_data_offsets_follow_units_then_states),
+      cmocka_unit_test(test_onebit_feedback_follows_the_states),
       cmocka_unit_test(test_manifest_round_trips_exactly_and_byte_for_byte),
       cmocka_unit_test(test_manifest_encoding_is_deterministic),
       cmocka_unit_test(test_encode_refuses_values_json_cannot_hold),
       cmocka_unit_test(test_decode_refuses_what_is_not_a_manifest),
       cmocka_unit_test(test_manifest_tenant_by_version),
+      cmocka_unit_test(test_manifest_onebit_nodes),
       cmocka_unit_test(test_decode_refuses_missing_keys),
       cmocka_unit_test(test_decode_refuses_unknown_keys),
       cmocka_unit_test(test_decode_refuses_wrong_types),
