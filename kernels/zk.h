@@ -218,6 +218,61 @@ int zk_onebit_encode(zk_pool *pool, size_t block, const float *x, float *error, 
 int zk_onebit_decode(zk_pool *pool, size_t block, const void *in, size_t in_bytes, float *y,
                      size_t numel);
 
+/* ------------------------------------------------------------------------ */
+/* Low-rank compression (PowerSGD's cross-node sums)                        */
+/* ------------------------------------------------------------------------ */
+
+/* Matrices are row-major fp32: M is rows x cols, P is rows x rank, Q is
+ * cols x rank. Every sum below is accumulated in double in the order
+ * stated, each term the product (double)a * (double)b of two floats (exact
+ * in double), and rounded to fp32 once at the end. Each output element is
+ * computed by one thread in that order, so the bits do not depend on the
+ * number of threads. Every call returns -EINVAL for rank == 0, for sizes
+ * whose products (rows * cols, rows * rank, cols * rank) overflow size_t
+ * when counted in doubles, or for a NULL pointer to an array that has
+ * elements (a pointer to no elements may be NULL); -ENOMEM when its
+ * scratch (double accumulators) cannot be allocated.
+ * tests/python/lowrank_ref.py is the reference, bit for bit, and holds the
+ * cross-node round built on these. */
+
+/* P = M Q: P[i][j] = (float) sum over k = 0..cols-1 ascending of
+ * M[i][k] * Q[k][j]. */
+int zk_lowrank_project(zk_pool *pool, const float *M, size_t rows, size_t cols, const float *Q,
+                       size_t rank, float *P);
+
+/* Q = M^T P: Q[k][j] = (float) sum over i = 0..rows-1 ascending of
+ * M[i][k] * P[i][j]. */
+int zk_lowrank_back(zk_pool *pool, const float *M, size_t rows, size_t cols, const float *P,
+                    size_t rank, float *Q);
+
+/* Gram-Schmidt on the columns of P (rows x rank), in place, column
+ * j = 0..rank-1 in order:
+ *   for k = 0..j-1 ascending:
+ *     d = sum over i ascending of (double)P[i][k] * (double)P[i][j]    (double)
+ *     P[i][j] = (float)((double)P[i][j] - d * (double)P[i][k])  for every i
+ *   n = sqrt(sum over i ascending of (double)P[i][j] * (double)P[i][j]) (double)
+ *   P[i][j] = n == 0 ? 0 : (float)((double)P[i][j] / n)        for every i
+ * (d * P[i][k] is rounded to double before the subtraction: no FMA). NaN
+ * and Inf propagate: a column holding them comes out NaN where they reach.
+ * Columns past the span of the earlier ones (rank > rows) are normalized
+ * rounding noise, or 0. Runs on the calling thread: P is small. */
+int zk_lowrank_orthonormalize(zk_pool *pool, float *P, size_t rows, size_t rank);
+
+/* How zk_lowrank_expand puts its product into out. */
+typedef enum zk_lowrank_mode {
+  ZK_LOWRANK_SET = 0,     /* out = a */
+  ZK_LOWRANK_ADD = 1,     /* out = out + a */
+  ZK_LOWRANK_SUBTRACT = 2 /* out = out - a */
+} zk_lowrank_mode;
+
+/* The first numel elements (row-major, numel <= rows * cols, else -EINVAL)
+ * of P Q^T, each
+ *   a[i][k] = (float) sum over j = 0..rank-1 ascending of P[i][j] * Q[k][j]
+ * put into out by mode (fp32 add or subtract of the rounded a). out may not
+ * overlap P or Q. */
+int zk_lowrank_expand(zk_pool *pool, const float *P, const float *Q, size_t rows, size_t cols,
+                      size_t rank, size_t numel, float *out, zk_lowrank_mode mode);
+
 #ifdef __cplusplus
 }
 #endif

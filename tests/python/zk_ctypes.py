@@ -63,6 +63,11 @@ class Kernels:
                                               ctypes.c_size_t]
         self.lib.zk_onebit_decode.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
                                               ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
+        sz, vp = ctypes.c_size_t, ctypes.c_void_p
+        self.lib.zk_lowrank_project.argtypes = [vp, vp, sz, sz, vp, sz, vp]
+        self.lib.zk_lowrank_back.argtypes = [vp, vp, sz, sz, vp, sz, vp]
+        self.lib.zk_lowrank_orthonormalize.argtypes = [vp, vp, sz, sz]
+        self.lib.zk_lowrank_expand.argtypes = [vp, vp, vp, sz, sz, sz, sz, vp, ctypes.c_int]
         self.pool = ctypes.c_void_p()
         rc = self.lib.zk_pool_create(threads, ctypes.byref(self.pool))
         if rc != 0:
@@ -103,6 +108,42 @@ class Kernels:
         if rc != 0:
             raise OSError(-rc, "zk_onebit_decode failed")
         return y
+
+    def lowrank_project(self, M, Q):
+        """P = M Q (zk_lowrank_project) for M rows x cols, Q cols x rank."""
+        rows, cols = M.shape
+        P = np.empty((rows, Q.shape[1]), dtype=np.float32)
+        rc = self.lib.zk_lowrank_project(self.pool, _ptr(M), rows, cols, _ptr(Q), Q.shape[1],
+                                         _ptr(P))
+        if rc != 0:
+            raise OSError(-rc, "zk_lowrank_project failed")
+        return P
+
+    def lowrank_back(self, M, P):
+        """Q = M^T P (zk_lowrank_back) for M rows x cols, P rows x rank."""
+        rows, cols = M.shape
+        Q = np.empty((cols, P.shape[1]), dtype=np.float32)
+        rc = self.lib.zk_lowrank_back(self.pool, _ptr(M), rows, cols, _ptr(P), P.shape[1],
+                                      _ptr(Q))
+        if rc != 0:
+            raise OSError(-rc, "zk_lowrank_back failed")
+        return Q
+
+    def lowrank_orthonormalize(self, P):
+        """Gram-Schmidt on the columns of P (rows x rank), in place."""
+        rc = self.lib.zk_lowrank_orthonormalize(self.pool, _ptr(P), P.shape[0], P.shape[1])
+        if rc != 0:
+            raise OSError(-rc, "zk_lowrank_orthonormalize failed")
+
+    LOWRANK_MODES = {"set": 0, "add": 1, "subtract": 2}
+
+    def lowrank_expand(self, P, Q, numel, out, mode="set"):
+        """The first numel elements of P Q^T into out (flat fp32, updated in
+        place) by mode: "set", "add" or "subtract"."""
+        rc = self.lib.zk_lowrank_expand(self.pool, _ptr(P), _ptr(Q), P.shape[0], Q.shape[0],
+                                        P.shape[1], numel, _ptr(out), self.LOWRANK_MODES[mode])
+        if rc != 0:
+            raise OSError(-rc, "zk_lowrank_expand failed")
 
 
 def empty(n, dtype=np.float32):
