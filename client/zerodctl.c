@@ -153,6 +153,8 @@ static const char create_usage[] =
     "                           (L: --ranks-per-node; 1: off) [default 1]\n"
     "  --onebit-adam K          1-bit Adam: K exact steps, then gradient sums cross nodes\n"
     "                           as signs with error feedback (Adam/AdamW, hierarchical)\n"
+    "  --powersgd-rank R        low-rank compression: gradient sums cross nodes as two\n"
+    "                           rank-R factors with error feedback (PowerSGD; 1..64)\n"
     "  --offload-optimizer D    where the optimizer state lives: none, cpu (host memory;\n"
     "                           GPU ranks step on the CPU) or nvme (a file per rank under\n"
     "                           the nodes' --nvme-dir, streamed through the CPU's step)\n"

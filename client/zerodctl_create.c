@@ -233,6 +233,10 @@ static int create_numerics(const create_options *o, Zerod__V1__JobConfig *config
       ctl__parse_u32(o->onebit_freeze_step, 1, UINT32_MAX, &config->onebit_freeze_step) != 0)
     return bad_create_value("--onebit-adam", o->onebit_freeze_step,
                             "the exact steps before compression (1 or more)");
+  if (o->powersgd_rank != NULL &&
+      ctl__parse_u32(o->powersgd_rank, 1, UINT32_MAX, &config->powersgd_rank) != 0)
+    return bad_create_value("--powersgd-rank", o->powersgd_rank,
+                            "the rank of the approximation (1 or more)");
   return 0;
 }
 

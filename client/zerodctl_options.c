@@ -32,6 +32,7 @@ enum {
   OPT_GRADIENT_COMM_DTYPE,
   OPT_HPZ_PARTITION_SIZE,
   OPT_ONEBIT_FREEZE_STEP,
+  OPT_POWERSGD_RANK,
   OPT_OFFLOAD,
   OPT_NVME_PATH,
   OPT_OFFLOAD_BUFFER_COUNT,
@@ -90,6 +91,7 @@ static const struct option long_options[] = {
     {"gradient-comm-dtype", required_argument, NULL, OPT_GRADIENT_COMM_DTYPE},
     {"hpz-partition-size", required_argument, NULL, OPT_HPZ_PARTITION_SIZE},
     {"onebit-adam", required_argument, NULL, OPT_ONEBIT_FREEZE_STEP},
+    {"powersgd-rank", required_argument, NULL, OPT_POWERSGD_RANK},
     {"offload-optimizer", required_argument, NULL, OPT_OFFLOAD},
     {"nvme-path", required_argument, NULL, OPT_NVME_PATH},
     {"offload-buffer-count", required_argument, NULL, OPT_OFFLOAD_BUFFER_COUNT},
@@ -179,6 +181,9 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_ONEBIT_FREEZE_STEP:
     slot = &o->onebit_freeze_step;
+    break;
+  case OPT_POWERSGD_RANK:
+    slot = &o->powersgd_rank;
     break;
   case OPT_OFFLOAD:
     slot = &o->offload;

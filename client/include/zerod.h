@@ -223,6 +223,13 @@ typedef struct zd_job_config {
    * per quantization_block elements (a multiple of 8), with error feedback
    * (docs/compression.md). Not with quantized_gradients or bf16 gradients. */
   unsigned onebit_freeze_step;
+  /* ABI 1.5. Low-rank (PowerSGD) gradient compression, for a job on
+   * several nodes with hierarchical collectives: 0 (off), or the rank r
+   * (1..64) of the two factors each node's partial gradient sums for
+   * another node's slice cross nodes as, with error feedback and a warm
+   * start (docs/compression.md). Not with quantized_gradients, bf16
+   * gradients or onebit_freeze_step. */
+  unsigned powersgd_rank;
 } zd_job_config;
 
 #define ZD_JOB_CONFIG_INIT ZD_SIZED_INIT(zd_job_config)

@@ -266,10 +266,12 @@ int comm_reduce_scatter_f32_wire(comm *c, float *send, float *recv, size_t shard
   int rc = reduce_scatter_checked(c, send, recv, shard_numel);
   if (rc <= 0)
     return rc;
-  if (wire->format == COMM_WIRE_ONEBIT && wire->error == NULL)
-    return comm_break(c, -EINVAL, "reduce_scatter: one-bit wire without its error feedback");
+  if ((wire->format == COMM_WIRE_ONEBIT || wire->format == COMM_WIRE_LOWRANK) &&
+      (wire->error == NULL || (wire->format == COMM_WIRE_LOWRANK && wire->q == NULL)))
+    return comm_break(c, -EINVAL, "reduce_scatter: compressed wire without its error feedback");
   if (wire->format != COMM_WIRE_BF16 && wire->format != COMM_WIRE_INT8 &&
-      wire->format != COMM_WIRE_INT4 && wire->format != COMM_WIRE_ONEBIT)
+      wire->format != COMM_WIRE_INT4 && wire->format != COMM_WIRE_ONEBIT &&
+      wire->format != COMM_WIRE_LOWRANK)
     return comm_break(c, -EINVAL, "reduce_scatter: unknown wire format %d", (int)wire->format);
   /* Its halves count their own bytes (comm_take_bytes). */
   return TRACKED(c, COMM_ACT_REDUCE_SCATTER,

@@ -165,6 +165,11 @@ typedef enum comm_wire_format {
   /* 1-bit Adam: signs and a scale per block, with error feedback
    * (zk_onebit_encode); this node's own partial sums stay exact. */
   COMM_WIRE_ONEBIT,
+  /* Low-rank (PowerSGD): each partial sum for another node read as a rows
+   * x cols matrix M (zero-padded) plus its error feedback, sent as the
+   * factors P = M Q (summed over nodes, orthonormalized) and M^T P; this
+   * node's own partial sums stay exact (comm_hier.c). */
+  COMM_WIRE_LOWRANK,
 } comm_wire_format;
 
 typedef struct comm_wire {
@@ -174,6 +179,11 @@ typedef struct comm_wire {
    * (the chunk this node sends to node n is error + n * shard_numel; its
    * own stays unused), kept by the caller from one call to the next. */
   float *error;
+  /* COMM_WIRE_LOWRANK: the matrix (rows * cols >= shard_numel), the rank,
+   * error as above, and the warm start: one cols x rank factor per node,
+   * at q + n * cols * rank, replaced by each call's. */
+  size_t rows, cols, rank;
+  float *q;
 } comm_wire;
 
 /* comm_reduce_scatter_f32 whose cross-node half travels as wire says, on a

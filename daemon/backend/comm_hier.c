@@ -143,9 +143,105 @@ static size_t wire_bytes(const comm_wire *wire, zk_qformat *fmt, size_t s) {
   return zk_quant_bytes(fmt, s);
 }
 
+/* The low-rank reduce (COMM_WIRE_LOWRANK; tests/python/lowrank_ref.py's
+ * round() is its reference): for each node n, M_n = this node's partial for
+ * n plus the error feedback (the own partial alone), as rows x cols; P_n =
+ * M_n Q_n with this rank's last Q_n; the P_n of every node summed in node
+ * order (reduce-scatter, then all-gather: every node holds the same sums),
+ * orthonormalized; Q_n = M_n^T P_n, kept as the next warm start; the error
+ * M_n - P_n Q_n^T. The Q_n for other nodes are summed at their owner (the
+ * own slot zero), which adds P Q^T to its exact own partial. */
+typedef struct lowrank_bufs {
+  float *partial, *M, *P, *Pmine, *Q, *Qsum;
+} lowrank_bufs;
+
+static int lowrank_scratch(hier_comm *h, size_t s, const comm_wire *w, lowrank_bufs *b) {
+  const size_t N = (size_t)h->N, mn = w->rows * w->cols;
+  const size_t counts[6] = {N * s,
+                            N * mn,
+                            N * w->rows * w->rank,
+                            w->rows * w->rank,
+                            N * w->cols * w->rank,
+                            w->cols * w->rank};
+  size_t total = 0;
+  for (int k = 0; k < 6; k++)
+    total += counts[k];
+  int rc = grow_scratch(h, total * sizeof(float), "reduce_scatter");
+  if (rc != 0)
+    return rc;
+  float **at[6] = {&b->partial, &b->M, &b->P, &b->Pmine, &b->Q, &b->Qsum};
+  float *p = h->scratch;
+  for (int k = 0; k < 6; k++) {
+    *at[k] = p;
+    p += counts[k];
+  }
+  return 0;
+}
+
+static int lowrank_factors(hier_comm *h, size_t s, const comm_wire *w, lowrank_bufs *b) {
+  const size_t N = (size_t)h->N, mn = w->rows * w->cols, pr = w->rows * w->rank;
+  int rc = 0;
+  for (size_t n = 0; n < N && rc == 0; n++) {
+    float *M = b->M + n * mn;
+    const float *x = b->partial + n * s, *e = w->error + n * s;
+    for (size_t i = 0; i < s; i++)
+      M[i] = n == (size_t)h->n ? x[i] : x[i] + e[i];
+    memset(M + s, 0, (mn - s) * sizeof(float));
+    rc = zk_lowrank_project(NULL, M, w->rows, w->cols, w->q + n * w->cols * w->rank, w->rank,
+                            b->P + n * pr);
+  }
+  if (rc != 0)
+    return comm_break(&h->base, rc, "reduce_scatter: the low-rank factors failed");
+  if ((rc = comm_reduce_scatter_f32(h->cross, b->P, b->Pmine, pr)) != 0 ||
+      (rc = comm_all_gather(h->cross, b->Pmine, b->P, pr * sizeof(float))) != 0)
+    return half_failed(h, "reduce_scatter", rc, h->cross);
+  return 0;
+}
+
+static int hier_reduce_scatter_lowrank(hier_comm *h, float *send, float *recv, size_t s,
+                                       const comm_wire *w) {
+  const size_t N = (size_t)h->N, self = (size_t)h->n, mn = w->rows * w->cols;
+  const size_t pr = w->rows * w->rank, qr = w->cols * w->rank;
+  lowrank_bufs b;
+  int rc = lowrank_scratch(h, s, w, &b);
+  if (rc == 0)
+    rc = node_partials(h, send, b.partial, s);
+  if (rc == 0)
+    rc = lowrank_factors(h, s, w, &b);
+  if (rc != 0)
+    return rc;
+  for (size_t n = 0; n < N && rc == 0; n++) {
+    float *P = b.P + n * pr, *M = b.M + n * mn, *q = w->q + n * qr;
+    rc = zk_lowrank_orthonormalize(NULL, P, w->rows, w->rank);
+    if (rc == 0)
+      rc = zk_lowrank_back(NULL, M, w->rows, w->cols, P, w->rank, q);
+    if (rc == 0 && n != self) {
+      rc = zk_lowrank_expand(NULL, P, q, w->rows, w->cols, w->rank, s, M, ZK_LOWRANK_SUBTRACT);
+      memcpy(w->error + n * s, M, s * sizeof(float));
+    }
+    if (n == self)
+      memset(b.Q + n * qr, 0, qr * sizeof(float)); /* the own partial stays exact */
+    else
+      memcpy(b.Q + n * qr, q, qr * sizeof(float));
+  }
+  if (rc != 0)
+    return comm_break(&h->base, rc, "reduce_scatter: the low-rank factors failed");
+  if ((rc = comm_reduce_scatter_f32(h->cross, b.Q, b.Qsum, qr)) != 0)
+    return half_failed(h, "reduce_scatter", rc, h->cross);
+  /* recv may be this rank's slice of send, which the node half has read. */
+  memcpy(recv, b.partial + self * s, s * sizeof(float));
+  rc = zk_lowrank_expand(NULL, b.P + self * pr, b.Qsum, w->rows, w->cols, w->rank, s, recv,
+                         ZK_LOWRANK_ADD);
+  return rc == 0 ? 0 : comm_break(&h->base, rc, "reduce_scatter: the low-rank sum failed");
+}
+
 static int hier_reduce_scatter_wire(comm *c, float *send, float *recv, size_t s,
                                     const comm_wire *wire) {
   hier_comm *h = (hier_comm *)c;
+  if (wire->format == COMM_WIRE_LOWRANK)
+    return wire->rank > 0 && wire->rows * wire->cols >= s
+               ? hier_reduce_scatter_lowrank(h, send, recv, s, wire)
+               : comm_break(c, -EINVAL, "reduce_scatter: bad low-rank shape");
   zk_qformat fmt = {0};
   size_t q = wire_bytes(wire, &fmt, s);
   if (q == 0)

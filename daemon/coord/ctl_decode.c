@@ -373,6 +373,11 @@ int ctl_check_create_job(const Zerod__V1__CreateJobRequest *r, char *err, size_t
                 "onebit_freeze_step (1-bit Adam) compresses the gradient sums between nodes; a "
                 "job on %u node has none: give it 2 or more nodes, or leave 1-bit Adam off",
                 nodes);
+  if (r->config != NULL && r->config->powersgd_rank > 0 && nodes < 2)
+    return fail(err, err_bytes,
+                "powersgd_rank (low-rank compression) compresses the gradient sums between "
+                "nodes; a job on %u node has none: give it 2 or more nodes, or leave it off",
+                nodes);
   /* hpZ's secondary group is the ranks of one node, as in ZeRO++. */
   uint32_t hpz = r->config != NULL ? r->config->hpz_partition_size : 0;
   if (hpz > 1 && r->ranks_per_node != 0 && hpz != r->ranks_per_node)

@@ -62,6 +62,7 @@ int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *e
   c->quantized_gradients = pc->quantized_gradients;
   c->hpz_partition_size = pc->hpz_partition_size;
   c->onebit_freeze_step = pc->onebit_freeze_step;
+  c->powersgd_rank = pc->powersgd_rank;
   const Zerod__V1__OffloadConfig *off = pc->offload_optimizer;
   if (off != NULL) {
     switch (off->device) {
@@ -129,7 +130,20 @@ const char *job_optimizer_name(job_optimizer o) {
   return o == JOB_ADAMW ? "adamw" : o == JOB_ADAM ? "adam" : "sgd";
 }
 
-/* The algorithm and how the job's collectives run: defaults, then checks. */
+/* Why the cross-node gradient sums cannot be compressed (by 1-bit Adam or
+ * low-rank compression) in this job, or NULL: another wire already
+ * compresses them, or there is no cross-node half to compress. */
+static const char *cross_sums_taken(const job_config *c) {
+  if (c->quantized_gradients != 0)
+    return "quantized_gradients (qgZ) compresses the same sums; use one of them";
+  if (c->gradient_comm_dtype != ZK_F32)
+    return "gradient_comm_dtype bf16 sends the same sums in bf16; leave it fp32";
+  if (c->collectives == JOB_FLAT)
+    return "its collectives are flat (the compressed sums are the cross-node half of a "
+           "hierarchical reduce)";
+  return NULL;
+}
+
 /* 1-bit Adam and what it rules out (its wire replaces qgZ's and bf16's, and
  * its frozen second moment is Adam's). */
 static int onebit_check(const job_config *c, char *err, size_t err_bytes) {
@@ -138,14 +152,7 @@ static int onebit_check(const job_config *c, char *err, size_t err_bytes) {
   const char *why = NULL;
   if (c->optimizer != JOB_ADAM && c->optimizer != JOB_ADAMW)
     why = "its optimizer is not Adam or AdamW";
-  else if (c->quantized_gradients != 0)
-    why = "quantized_gradients (qgZ) compresses the same sums; use one of them";
-  else if (c->gradient_comm_dtype != ZK_F32)
-    why = "gradient_comm_dtype bf16 sends the same sums in bf16; leave it fp32";
-  else if (c->collectives == JOB_FLAT)
-    why = "its collectives are flat (the compressed sums are the cross-node half of a "
-          "hierarchical reduce)";
-  else if (c->quantization_block % 8 != 0)
+  else if ((why = cross_sums_taken(c)) == NULL && c->quantization_block % 8 != 0)
     why = "quantization_block is not a multiple of 8 (each block's signs start a byte)";
   if (why == NULL)
     return 0;
@@ -154,6 +161,26 @@ static int onebit_check(const job_config *c, char *err, size_t err_bytes) {
   return -EINVAL;
 }
 
+/* Low-rank compression and what it rules out (the same sums as 1-bit
+ * Adam's). */
+static int powersgd_check(const job_config *c, char *err, size_t err_bytes) {
+  if (c->powersgd_rank == 0)
+    return 0;
+  const char *why = NULL;
+  if (c->powersgd_rank > JOB_MAX_POWERSGD_RANK)
+    why = "the rank is over " JOB_MAX_POWERSGD_RANK_TEXT;
+  else if (c->onebit_freeze_step != 0)
+    why = "onebit_freeze_step (1-bit Adam) compresses the same sums; use one of them";
+  else
+    why = cross_sums_taken(c);
+  if (why == NULL)
+    return 0;
+  snprintf(err, err_bytes, "powersgd_rank %u (low-rank compression) cannot apply: %s",
+           c->powersgd_rank, why);
+  return -EINVAL;
+}
+
+/* The algorithm and how the job's collectives run: defaults, then checks. */
 static int finish_collectives(job_config *c, char *err, size_t err_bytes) {
   if (c->optimizer == 0)
     c->optimizer = JOB_ADAMW;
@@ -187,7 +214,7 @@ static int finish_collectives(job_config *c, char *err, size_t err_bytes) {
   }
   if (c->hpz_partition_size == 0)
     c->hpz_partition_size = 1;
-  if (onebit_check(c, err, err_bytes) != 0)
+  if (onebit_check(c, err, err_bytes) != 0 || powersgd_check(c, err, err_bytes) != 0)
     return -EINVAL;
   if (c->hpz_partition_size > 1 && c->collectives == JOB_FLAT) {
     snprintf(err, err_bytes,
@@ -394,6 +421,7 @@ void job_config_to_proto(const job_config *c, job_config_msg *msg) {
   out->gradient_comm_dtype = job_dtype_to_proto(c->gradient_comm_dtype);
   out->hpz_partition_size = c->hpz_partition_size;
   out->onebit_freeze_step = c->onebit_freeze_step;
+  out->powersgd_rank = c->powersgd_rank;
   /* A finished config's 0 is off, which the protocol spells negative. */
   out->loss_scale = c->loss_scale > 0 ? c->loss_scale : -1;
   out->loss_scale_window = c->loss_scale_window;
@@ -479,6 +507,8 @@ int job_config_diff(const job_config *want, const job_config *have, char *fields
           want->hpz_partition_size, have->hpz_partition_size);
   DIFFERS("onebit_freeze_step", want->onebit_freeze_step != have->onebit_freeze_step, "%u",
           want->onebit_freeze_step, have->onebit_freeze_step);
+  DIFFERS("powersgd_rank", want->powersgd_rank != have->powersgd_rank, "%u", want->powersgd_rank,
+          have->powersgd_rank);
   DIFFERS("offload_optimizer", want->offload_device != have->offload_device, "%s",
           job_offload_name(want->offload_device), job_offload_name(have->offload_device));
 #undef DIFFERS

@@ -45,6 +45,7 @@ typedef struct job_config {
   zk_dtype gradient_comm_dtype; /* ZK_F32 or ZK_BF16 (finish: F32) */
   uint32_t hpz_partition_size;  /* hpZ: 1 (off; finish: 0 -> 1) or ranks per node */
   uint32_t onebit_freeze_step;  /* 1-bit Adam after this many exact steps; 0: off */
+  uint32_t powersgd_rank;       /* low-rank gradient compression's rank; 0: off */
   /* Dynamic loss scaling; loss_scale 0 after finish: off. */
   double loss_scale, loss_scale_growth, loss_scale_backoff, loss_scale_min;
   uint32_t loss_scale_window, loss_scale_hysteresis;
@@ -68,7 +69,11 @@ typedef struct job_group {
 #define JOB_MAX_GROUPS 64
 
 #define JOB_DEFAULT_QUANTIZATION_BLOCK 256
-#define JOB_MAX_HPZ_PARTITION_SIZE     4096
+/* Low-rank compression's largest rank: the factors of a slice grow with it,
+ * and past a few dozen they are no smaller than the slice. */
+#define JOB_MAX_POWERSGD_RANK      64
+#define JOB_MAX_POWERSGD_RANK_TEXT "64"
+#define JOB_MAX_HPZ_PARTITION_SIZE 4096
 
 /* Converts the protocol's config (NULL: all defaults, as an empty one) to
  * a job_config; call job_config_finish next. Returns 0 or -EINVAL with a

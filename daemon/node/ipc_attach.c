@@ -63,12 +63,14 @@ static job *create_job(zdaemon *d, session *s, uint64_t request_id,
                     req->job, err);
     return NULL;
   }
-  if (config.onebit_freeze_step > 0) {
+  if (config.onebit_freeze_step > 0 || config.powersgd_rank > 0) {
     ipc__send_error(s, request_id, ZEROD__V1__STATUS__STATUS_INVALID_ARGUMENT,
-                    "job '%s': onebit_freeze_step (1-bit Adam) compresses the gradient sums "
-                    "between nodes, and a job an attach creates lives on this node alone; create "
-                    "it on 2 or more nodes (zerodctl jobs create --nodes N)",
-                    req->job);
+                    "job '%s': %s compresses the gradient sums between nodes, and a job an "
+                    "attach creates lives on this node alone; create it on 2 or more nodes "
+                    "(zerodctl jobs create --nodes N)",
+                    req->job,
+                    config.onebit_freeze_step > 0 ? "onebit_freeze_step (1-bit Adam)"
+                                                  : "powersgd_rank (low-rank compression)");
     return NULL;
   }
   uint64_t id = ++d->next_job_id;

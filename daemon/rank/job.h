@@ -109,6 +109,12 @@ typedef struct shard {
    * until the first compressed reduce. */
   float *onebit_error;
   uint64_t onebit_numel;
+  /* Low-rank compression (rank/lowrank.c): the error feedback of this
+   * rank's partial sums (nodes x shard), then its warm start (nodes x cols
+   * x rank), host memory counted in state_bytes; NULL for a unit that
+   * stays exact. */
+  float *lowrank_state;
+  uint64_t lowrank_numel;
 } shard;
 
 /* Whether the shard holds state of the rank's own (master weights,

@@ -54,9 +54,9 @@ void exec__handle_reduce(rank_state *rs, exec_op *op) {
     wire.format = COMM_WIRE_INT4;
   else if (config->gradient_comm_dtype == ZK_BF16)
     wire.format = COMM_WIRE_BF16;
-  if (exec__onebit_wire(rs, sh, l, &wire) != 0) {
+  if (exec__onebit_wire(rs, sh, l, &wire) != 0 || exec__lowrank_wire(rs, sh, l, &wire) != 0) {
     exec_error(op, ZEROD__V1__STATUS__STATUS_RESOURCE_EXHAUSTED,
-               "out of memory for the 1-bit error feedback of unit '%s'", l->name);
+               "out of memory for the compression state (error feedback) of unit '%s'", l->name);
     return;
   }
   err = comm_reduce_scatter_f32_wire(rs->comm, send, rs->shard_scratch, l->shard_numel, &wire);

@@ -87,6 +87,7 @@ void exec__shard_free(rank_state *rs, shard *sh) {
   }
   device_free(rs->dev, sh->grad_acc);
   exec__onebit_free(rs, sh);
+  exec__lowrank_free(rs, sh);
   free(sh->trainable);
   free(sh->zero_ranges);
   memset(sh, 0, sizeof *sh);
@@ -198,6 +199,8 @@ int exec__shard_create(rank_state *rs, const unit_layout *l) {
     err = exec__shard_set_groups(rs, l, sh, NULL);
   if (err == 0)
     err = exec__onebit_make(rs, sh, l);
+  if (err == 0)
+    err = exec__lowrank_make(rs, sh, l);
   if (err != 0) {
     exec__shard_free(rs, sh);
     return err;

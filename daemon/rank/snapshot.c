@@ -189,6 +189,7 @@ static int restore_over_quota(rank_state *rs, const ckpt_staged *st, char *err, 
     if (st->units[u].owned) {
       need += exec__shard_bytes(rs, st->units[u].layout) +
               exec__onebit_bytes(rs, st->units[u].layout) +
+              exec__lowrank_bytes(rs, st->units[u].layout) +
               (host ? exec__replica_bytes(rs, st->units[u].layout) : 0);
       made++;
     }
@@ -308,6 +309,7 @@ void exec__handle_restore_commit(rank_state *rs, exec_op *op) {
         snprintf(err, sizeof err, "out of memory for the error feedback of unit '%s'", l->name);
         break;
       }
+      exec__lowrank_reset(rs, sh, l);
       if (sh->tiered || sh->host_state) {
         /* Into the tier file, or a GPU rank's host arrays; the staged
          * arrays go with the staging. */

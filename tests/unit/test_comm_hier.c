@@ -132,8 +132,9 @@ static void wire_body(rank_ctx *rc) {
 static void test_hier_reduce_scatter_on_the_wire(void **state) {
   (void)state;
   use_backend = HIER;
-  const comm_wire wires[] = {
-      {COMM_WIRE_INT8, 64, NULL}, {COMM_WIRE_INT4, 64, NULL}, {COMM_WIRE_BF16, 0, NULL}};
+  const comm_wire wires[] = {{.format = COMM_WIRE_INT8, .block = 64},
+                             {.format = COMM_WIRE_INT4, .block = 64},
+                             {.format = COMM_WIRE_BF16}};
   for (size_t k = 0; k < 3; k++) {
     wire_state ws = {.wire = wires[k]};
     run_world(4, DEFAULT_TIMEOUT_MS, wire_body, &ws);
@@ -169,7 +170,8 @@ typedef struct onebit_state {
 static void onebit_body(rank_ctx *rc) {
   onebit_state *os = rc->run->user;
   float *send = xmalloc(sizeof(float) * WIRE_SHARD * 4);
-  comm_wire wire = {COMM_WIRE_ONEBIT, ONEBIT_BLOCK, os->error[rc->rank]};
+  comm_wire wire = {
+      .format = COMM_WIRE_ONEBIT, .block = ONEBIT_BLOCK, .error = os->error[rc->rank]};
   for (int round = 0; round < ONEBIT_ROUNDS; round++) {
     for (size_t j = 0; j < (size_t)WIRE_SHARD * 4; j++)
       send[j] = wire_value(rc->rank + 10 * round, j);

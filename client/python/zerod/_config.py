@@ -65,6 +65,11 @@ class JobConfig:
     partial gradient sums sent between nodes as signs with a scale per
     ``quantization_block`` elements and error feedback
     (docs/compression.md).
+    ``powersgd_rank`` > 0 is low-rank (PowerSGD) compression of the same
+    sums (a job on several nodes with hierarchical collectives): each
+    node's partial sums for another node's slice cross nodes as two factors
+    of that rank (1 to 64), with error feedback and a warm start
+    (docs/compression.md).
     """
 
     optimizer: str = "adamw"
@@ -94,6 +99,7 @@ class JobConfig:
     mixed_precision: Optional[MixedPrecisionPolicy] = None
     base_job: str = ""
     onebit_freeze_step: int = 0
+    powersgd_rank: int = 0
 
     def _dtypes(self) -> Tuple[str, str]:
         """The working and gradient-exchange dtypes' names, from the strings
@@ -183,6 +189,10 @@ class JobConfig:
             raise InvalidArgumentError("onebit_freeze_step must be 0 (off) or more, not %r" %
                                        self.onebit_freeze_step)
         c.onebit_freeze_step = int(self.onebit_freeze_step)
+        if not 0 <= int(self.powersgd_rank) <= 64:
+            raise InvalidArgumentError("powersgd_rank must be 0 (off) or 1 to 64, not %r" %
+                                       self.powersgd_rank)
+        c.powersgd_rank = int(self.powersgd_rank)
         return c
 
     @classmethod
@@ -229,4 +239,5 @@ class JobConfig:
                        "buffer_size": int(c.offload_buffer_size),
                        "pin_memory": bool(c.offload_pin_memory)},
                    base_job=c.base_job.decode(),
-                   onebit_freeze_step=int(c.onebit_freeze_step))
+                   onebit_freeze_step=int(c.onebit_freeze_step),
+                   powersgd_rank=int(c.powersgd_rank))

@@ -77,6 +77,7 @@ class JobConfig(ctypes.Structure):
         ("offload_pin_memory", c_int),
         ("base_job", ctypes.c_char * 65),
         ("onebit_freeze_step", c_uint),
+        ("powersgd_rank", c_uint),
     ]
 
 
