@@ -166,9 +166,9 @@ typedef enum comm_wire_format {
    * (zk_onebit_encode); this node's own partial sums stay exact. */
   COMM_WIRE_ONEBIT,
   /* Low-rank (PowerSGD): each partial sum for another node read as a rows
-   * x cols matrix M (zero-padded) plus its error feedback, sent as the
-   * factors P = M Q (summed over nodes, orthonormalized) and M^T P; this
-   * node's own partial sums stay exact (comm_hier.c). */
+   * x cols matrix M (zero-padded) plus its error feedback, sent to its
+   * owner as the factors P = orthonormalized M Q and M^T P; this node's
+   * own partial sums stay exact (comm_hier.c). */
   COMM_WIRE_LOWRANK,
 } comm_wire_format;
 

@@ -144,94 +144,79 @@ static size_t wire_bytes(const comm_wire *wire, zk_qformat *fmt, size_t s) {
 }
 
 /* The low-rank reduce (COMM_WIRE_LOWRANK; tests/python/lowrank_ref.py's
- * round() is its reference): for each node n, M_n = this node's partial for
- * n plus the error feedback (the own partial alone), as rows x cols; P_n =
- * M_n Q_n with this rank's last Q_n; the P_n of every node summed in node
- * order (reduce-scatter, then all-gather: every node holds the same sums),
- * orthonormalized; Q_n = M_n^T P_n, kept as the next warm start; the error
- * M_n - P_n Q_n^T. The Q_n for other nodes are summed at their owner (the
- * own slot zero), which adds P Q^T to its exact own partial. */
+ * round() is its reference). For each other node n, on this rank alone:
+ * M = this node's partial for n plus the error feedback, as rows x cols;
+ * P = M Q with this rank's last Q for n, orthonormalized; Q = M^T P, kept
+ * as the next warm start; the error M - P Q^T. P and Q go to node n in one
+ * all-to-all, and each rank adds every other node's P Q^T, in node order,
+ * to its own node's exact partial. Each node's basis is its own: nothing
+ * but the factors crosses nodes, (rows + cols) r floats per node against
+ * rows cols (docs/decisions.md, "Low-rank (PowerSGD) compression"). */
 typedef struct lowrank_bufs {
-  float *partial, *M, *P, *Pmine, *Q, *Qsum;
+  float *partial, *M, *out, *in;
 } lowrank_bufs;
 
 static int lowrank_scratch(hier_comm *h, size_t s, const comm_wire *w, lowrank_bufs *b) {
-  const size_t N = (size_t)h->N, mn = w->rows * w->cols;
-  const size_t counts[6] = {N * s,
-                            N * mn,
-                            N * w->rows * w->rank,
-                            w->rows * w->rank,
-                            N * w->cols * w->rank,
-                            w->cols * w->rank};
-  size_t total = 0;
-  for (int k = 0; k < 6; k++)
-    total += counts[k];
-  int rc = grow_scratch(h, total * sizeof(float), "reduce_scatter");
+  const size_t N = (size_t)h->N, f = (w->rows + w->cols) * w->rank;
+  const size_t counts[4] = {N * s, w->rows * w->cols, N * f, N * f};
+  int rc = grow_scratch(h, (counts[0] + counts[1] + counts[2] + counts[3]) * sizeof(float),
+                        "reduce_scatter");
   if (rc != 0)
     return rc;
-  float **at[6] = {&b->partial, &b->M, &b->P, &b->Pmine, &b->Q, &b->Qsum};
-  float *p = h->scratch;
-  for (int k = 0; k < 6; k++) {
-    *at[k] = p;
-    p += counts[k];
-  }
+  b->partial = h->scratch;
+  b->M = b->partial + counts[0];
+  b->out = b->M + counts[1];
+  b->in = b->out + counts[2];
   return 0;
 }
 
-static int lowrank_factors(hier_comm *h, size_t s, const comm_wire *w, lowrank_bufs *b) {
-  const size_t N = (size_t)h->N, mn = w->rows * w->cols, pr = w->rows * w->rank;
-  int rc = 0;
-  for (size_t n = 0; n < N && rc == 0; n++) {
-    float *M = b->M + n * mn;
-    const float *x = b->partial + n * s, *e = w->error + n * s;
-    for (size_t i = 0; i < s; i++)
-      M[i] = n == (size_t)h->n ? x[i] : x[i] + e[i];
-    memset(M + s, 0, (mn - s) * sizeof(float));
-    rc = zk_lowrank_project(NULL, M, w->rows, w->cols, w->q + n * w->cols * w->rank, w->rank,
-                            b->P + n * pr);
-  }
+/* This rank's factors of its partial for node n, into out (P, then Q). */
+static int lowrank_encode(const comm_wire *w, const float *x, float *error, float *q, size_t s,
+                          float *M, float *out) {
+  const size_t mn = w->rows * w->cols;
+  for (size_t i = 0; i < s; i++)
+    M[i] = x[i] + error[i];
+  memset(M + s, 0, (mn - s) * sizeof(float));
+  float *P = out, *Q = out + w->rows * w->rank;
+  int rc = zk_lowrank_project(NULL, M, w->rows, w->cols, q, w->rank, P);
+  if (rc == 0)
+    rc = zk_lowrank_orthonormalize(NULL, P, w->rows, w->rank);
+  if (rc == 0)
+    rc = zk_lowrank_back(NULL, M, w->rows, w->cols, P, w->rank, Q);
+  if (rc == 0)
+    rc = zk_lowrank_expand(NULL, P, Q, w->rows, w->cols, w->rank, s, M, ZK_LOWRANK_SUBTRACT);
   if (rc != 0)
-    return comm_break(&h->base, rc, "reduce_scatter: the low-rank factors failed");
-  if ((rc = comm_reduce_scatter_f32(h->cross, b->P, b->Pmine, pr)) != 0 ||
-      (rc = comm_all_gather(h->cross, b->Pmine, b->P, pr * sizeof(float))) != 0)
-    return half_failed(h, "reduce_scatter", rc, h->cross);
+    return rc;
+  memcpy(error, M, s * sizeof(float));
+  memcpy(q, Q, w->cols * w->rank * sizeof(float));
   return 0;
 }
 
 static int hier_reduce_scatter_lowrank(hier_comm *h, float *send, float *recv, size_t s,
                                        const comm_wire *w) {
-  const size_t N = (size_t)h->N, self = (size_t)h->n, mn = w->rows * w->cols;
-  const size_t pr = w->rows * w->rank, qr = w->cols * w->rank;
+  const size_t N = (size_t)h->N, self = (size_t)h->n, f = (w->rows + w->cols) * w->rank;
   lowrank_bufs b;
   int rc = lowrank_scratch(h, s, w, &b);
   if (rc == 0)
     rc = node_partials(h, send, b.partial, s);
-  if (rc == 0)
-    rc = lowrank_factors(h, s, w, &b);
   if (rc != 0)
     return rc;
-  for (size_t n = 0; n < N && rc == 0; n++) {
-    float *P = b.P + n * pr, *M = b.M + n * mn, *q = w->q + n * qr;
-    rc = zk_lowrank_orthonormalize(NULL, P, w->rows, w->rank);
-    if (rc == 0)
-      rc = zk_lowrank_back(NULL, M, w->rows, w->cols, P, w->rank, q);
-    if (rc == 0 && n != self) {
-      rc = zk_lowrank_expand(NULL, P, q, w->rows, w->cols, w->rank, s, M, ZK_LOWRANK_SUBTRACT);
-      memcpy(w->error + n * s, M, s * sizeof(float));
-    }
+  for (size_t n = 0; n < N && rc == 0; n++)
     if (n == self)
-      memset(b.Q + n * qr, 0, qr * sizeof(float)); /* the own partial stays exact */
+      memset(b.out + n * f, 0, f * sizeof(float)); /* the own partial stays exact */
     else
-      memcpy(b.Q + n * qr, q, qr * sizeof(float));
-  }
+      rc = lowrank_encode(w, b.partial + n * s, w->error + n * s, w->q + n * w->cols * w->rank, s,
+                          b.M, b.out + n * f);
   if (rc != 0)
     return comm_break(&h->base, rc, "reduce_scatter: the low-rank factors failed");
-  if ((rc = comm_reduce_scatter_f32(h->cross, b.Q, b.Qsum, qr)) != 0)
+  if ((rc = comm_all_to_all(h->cross, b.out, b.in, f * sizeof(float))) != 0)
     return half_failed(h, "reduce_scatter", rc, h->cross);
   /* recv may be this rank's slice of send, which the node half has read. */
   memcpy(recv, b.partial + self * s, s * sizeof(float));
-  rc = zk_lowrank_expand(NULL, b.P + self * pr, b.Qsum, w->rows, w->cols, w->rank, s, recv,
-                         ZK_LOWRANK_ADD);
+  for (size_t m = 0; m < N && rc == 0; m++)
+    if (m != self)
+      rc = zk_lowrank_expand(NULL, b.in + m * f, b.in + m * f + w->rows * w->rank, w->rows, w->cols,
+                             w->rank, s, recv, ZK_LOWRANK_ADD);
   return rc == 0 ? 0 : comm_break(&h->base, rc, "reduce_scatter: the low-rank sum failed");
 }
 

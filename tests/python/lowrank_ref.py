@@ -101,66 +101,50 @@ def pad(x, rows, cols):
 
 def round(partials, errors, qs, rows, cols, rank):
     """One cross-node low-rank reduce-scatter with error feedback, as the
-    daemon runs it.
+    daemon runs it (daemon/backend/comm_hier.c, COMM_WIRE_LOWRANK).
 
     N nodes. partials[m][n] is node m's partial sum (fp32, length s) for the
     slice owned by node n; errors[m][n] node m's error feedback for slice n
     (length s; errors[m][m] unused, stays zero); qs[m][n] node m's warm-start
-    Q for slice n (cols x rank fp32). rows * cols >= s; each slice is padded
-    with zeros to rows x cols. For every node m and slice n:
-      1. M[m][n] = pad(partials[m][n] + errors[m][n]) (fp32 add); for
-         n == m no error: M = pad(partials[m][m]);
-      2. P[m][n] = project(M[m][n], qs[m][n]).
-    Then for every slice n: Psum[n] = ((P[0][n] + P[1][n]) + P[2][n]) ...
-    (fp32, node order), Phat[n] = orthonormalize(Psum[n]), the same on
-    every node. Then for every node m and slice n:
-      3. Qnew[m][n] = back(M[m][n], Phat[n]), which becomes qs[m][n] (the
-         warm start of the next round);
-      4. for n != m: errors[m][n] = the first s elements of
-         expand(Phat[n], Qnew[m][n], s, out=M[m][n] flattened,
-         mode="subtract"): M less its own projection.
-    Node n receives Qsum = the fp32 sum of Qnew[m][n] over m != n, starting
-    from zeros and adding in ascending m (the own slot, zeros, would add
-    nothing), and recv[n] = expand(Phat[n], Qsum, s, out=partials[n][n],
-    mode="add"): its own partial exactly, the others' through the factors.
+    Q for slice n (cols x rank fp32; qs[m][m] unused). rows * cols >= s;
+    each slice is padded with zeros to rows x cols. For every node m and
+    slice n != m, on node m alone:
+      1. M = pad(partials[m][n] + errors[m][n]) (fp32 add);
+      2. P = orthonormalize(project(M, qs[m][n]));
+      3. Q = back(M, P), which becomes qs[m][n] (the next warm start);
+      4. errors[m][n] = the first s elements of expand(P, Q, s, out=M
+         flattened, mode="subtract"): M less what is sent;
+      5. P and Q go to node n.
+    Node n receives recv[n] = partials[n][n], then for each m != n in
+    ascending order recv[n] = expand(P from m, Q from m, s, out=recv[n],
+    mode="add"): its own partial exactly, the others' through their factors.
 
     Returns (recv, errors, qs) as new lists of lists; the inputs are not
     changed."""
     N = len(partials)
     s = np.asarray(partials[0][0]).size
     assert rows * cols >= s
-    M = [[None] * N for _ in range(N)]
-    P = [[None] * N for _ in range(N)]
+    new_qs = [[np.asarray(q, dtype=f32).copy() for q in row] for row in qs]
+    new_errors = [[np.zeros(s, dtype=f32) for _ in range(N)] for _ in range(N)]
+    sent = [[None] * N for _ in range(N)]
     for m in range(N):
         for n in range(N):
-            x = np.asarray(partials[m][n], dtype=f32)
-            if n != m:
-                x = x + np.asarray(errors[m][n], dtype=f32)
-            M[m][n] = pad(x, rows, cols)
-            P[m][n] = project(M[m][n], qs[m][n])
-    Phat = []
-    for n in range(N):
-        Psum = P[0][n].copy()
-        for m in range(1, N):
-            Psum = Psum + P[m][n]
-        Phat.append(orthonormalize(Psum))
-    new_qs = [[None] * N for _ in range(N)]
-    new_errors = [[None] * N for _ in range(N)]
-    for m in range(N):
-        for n in range(N):
-            new_qs[m][n] = back(M[m][n], Phat[n])
             if n == m:
-                new_errors[m][n] = np.zeros(s, dtype=f32)
-            else:
-                new_errors[m][n] = expand(Phat[n], new_qs[m][n], s, out=M[m][n],
-                                          mode="subtract")[:s]
+                continue
+            x = np.asarray(partials[m][n], dtype=f32) + np.asarray(errors[m][n], dtype=f32)
+            M = pad(x, rows, cols)
+            P = orthonormalize(project(M, qs[m][n]))
+            Q = back(M, P)
+            new_qs[m][n] = Q
+            new_errors[m][n] = expand(P, Q, s, out=M, mode="subtract")[:s]
+            sent[m][n] = (P, Q)
     recv = []
     for n in range(N):
-        Qsum = np.zeros((cols, rank), dtype=f32)
+        out = np.asarray(partials[n][n], dtype=f32).copy()
         for m in range(N):
             if m != n:
-                Qsum = Qsum + new_qs[m][n]
-        recv.append(expand(Phat[n], Qsum, s, out=partials[n][n], mode="add"))
+                out = expand(sent[m][n][0], sent[m][n][1], s, out=out, mode="add")
+        recv.append(out)
     return recv, new_errors, new_qs
 
 

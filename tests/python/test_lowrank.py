@@ -124,32 +124,30 @@ def test_a_rank_r_matrix_comes_back_from_one_warm_started_pass(zk):
     assert err < 1e-4
 
 
-def kernel_round(k, partials, errors, qs, rows, cols, rank):
+def kernel_round(k, partials, errors_in, qs, rows, cols, rank):
     """lowrank_ref.round built from the kernels, the way the daemon does."""
     N, s = len(partials), partials[0][0].size
-    M = [[lowrank_ref.pad(partials[m][n] + errors[m][n] if n != m else partials[m][n], rows, cols)
-          for n in range(N)] for m in range(N)]
-    P = [[k.lowrank_project(M[m][n], qs[m][n]) for n in range(N)] for m in range(N)]
-    Phat = []
-    for n in range(N):
-        Psum = P[0][n].copy()
-        for m in range(1, N):
-            Psum += P[m][n]
-        k.lowrank_orthonormalize(Psum)
-        Phat.append(Psum)
-    qs = [[k.lowrank_back(M[m][n], Phat[n]) for n in range(N)] for m in range(N)]
+    qs = [[q.copy() for q in row] for row in qs]
     errors = [[np.zeros(s, dtype=np.float32) for _ in range(N)] for _ in range(N)]
+    sent = [[None] * N for _ in range(N)]
     for m in range(N):
         for n in range(N):
-            if n != m:
-                e = M[m][n].reshape(-1).copy()
-                k.lowrank_expand(Phat[n], qs[m][n], s, e, "subtract")
-                errors[m][n] = e[:s]
+            if n == m:
+                continue
+            M = lowrank_ref.pad(partials[m][n] + errors_in[m][n], rows, cols)
+            P = k.lowrank_project(M, qs[m][n])
+            k.lowrank_orthonormalize(P)
+            qs[m][n] = k.lowrank_back(M, P)
+            e = M.reshape(-1).copy()
+            k.lowrank_expand(P, qs[m][n], s, e, "subtract")
+            errors[m][n] = e[:s]
+            sent[m][n] = (P, qs[m][n])
     recv = []
     for n in range(N):
-        Qsum = sum((qs[m][n] for m in range(N) if m != n), np.zeros((cols, rank), np.float32))
         out = partials[n][n].copy()
-        k.lowrank_expand(Phat[n], Qsum, s, out, "add")
+        for m in range(N):
+            if m != n:
+                k.lowrank_expand(sent[m][n][0], sent[m][n][1], s, out, "add")
         recv.append(out)
     return recv, errors, qs
 
