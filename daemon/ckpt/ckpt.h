@@ -16,9 +16,10 @@
  *   data     data_bytes: for each unit of the manifest, in manifest order,
  *            each state the manifest lists (master, then moment1, moment2
  *            where present), shard_numel fp32 values; then, in a
- *            checkpoint of a 1-bit Adam job (onebit_nodes > 0), for each
- *            unit in order, the rank's error feedback: onebit_nodes chunks
- *            of shard_numel fp32 values (docs/compression.md)
+ *            checkpoint of a job that compresses its cross-node gradient
+ *            sums (feedback.kind set), for each unit in order, the rank's
+ *            compression state for it (error feedback, warm start):
+ *            feedback.numel[u] fp32 values (docs/compression.md)
  *   table    one XXH64 per CKPT_BLOCK_BYTES block of data (the last block
  *            may be short)
  *   footer   8 bytes: XXH64 of the table
@@ -39,7 +40,7 @@
 #include <stdint.h>
 
 #define CKPT_FORMAT_VERSION 1 /* shard files */
-/* manifest.json: version 2 added "tenant", version 3 "onebit_nodes"
+/* manifest.json: version 2 added "tenant", version 3 "feedback"
  * (optional); versions 1 and 2 are still read (tenant "", no feedback). */
 #define CKPT_MANIFEST_VERSION 3
 #define CKPT_TENANT_MAX_BYTES 64 /* as a principal's tenant (coord/auth.h) */
@@ -91,6 +92,20 @@ typedef struct ckpt_file_entry {
   uint64_t xxh64;
 } ckpt_file_entry;
 
+/* The state of a job's compressed cross-node gradient sums (1-bit Adam's
+ * error feedback, low-rank compression's error feedback and warm start),
+ * saved after the states: kind "onebit" or "powersgd" ("" none, nodes 0,
+ * numel NULL), made on `nodes` nodes of world_size ranks (nodes divides
+ * it), numel[u] fp32 values per rank for unit u (0: none for that unit).
+ * It belongs to the rank and the layout that made it, so only a restore
+ * into the same world, nodes and kind takes it. */
+#define CKPT_FEEDBACK_KIND_MAX 15
+typedef struct ckpt_feedback {
+  char kind[CKPT_FEEDBACK_KIND_MAX + 1];
+  uint32_t nodes;
+  uint64_t *numel; /* [nunits] (malloc'd) */
+} ckpt_feedback;
+
 /* The job's optimizer and precision, as saved (strings as in JobConfig's
  * documentation: "adamw", "adam", "sgd"; "fp32", "bf16"). */
 typedef struct ckpt_config {
@@ -117,12 +132,7 @@ typedef struct ckpt_manifest {
   uint32_t world_size;
   ckpt_config config;
   int has_moment1, has_moment2; /* states saved besides the master weights */
-  /* 1-bit Adam's error feedback saved (a job with onebit_freeze_step on
-   * this many nodes, world_size a multiple of it): each rank's file ends
-   * with it (see the shard file above); 0: none saved. It belongs to the
-   * rank and the nodes that made it, so only a restore into the same
-   * world on as many nodes takes it. */
-  uint32_t onebit_nodes;
+  ckpt_feedback feedback;
   unsigned nunits;
   ckpt_unit *units;       /* in unit id order */
   ckpt_file_entry *files; /* [world_size], by rank */
@@ -131,11 +141,11 @@ typedef struct ckpt_manifest {
 /* The number of states per unit (1 + has_moment1 + has_moment2). */
 unsigned ckpt_nstates(const ckpt_manifest *m);
 /* Bytes of data in each rank's shard file: sum over units of
- * shard_numel * 4 * (ckpt_nstates + onebit_nodes). */
+ * shard_numel * 4 * ckpt_nstates, plus 4 * the feedback's numel. */
 uint64_t ckpt_shard_data_bytes(const ckpt_manifest *m);
-/* Offset in the data region of unit u's error feedback (onebit_nodes *
- * shard_numel floats), -1 if the manifest has none or no unit u. */
-int64_t ckpt_onebit_offset(const ckpt_manifest *m, unsigned unit);
+/* Offset in the data region of unit u's feedback (feedback.numel[u]
+ * floats), -1 if the manifest has none or no unit u. */
+int64_t ckpt_feedback_offset(const ckpt_manifest *m, unsigned unit);
 /* Offset in the data region of unit u's state s (a state the manifest has):
  * where that unit's shard_numel floats of that state start. -1 if absent. */
 int64_t ckpt_data_offset(const ckpt_manifest *m, unsigned unit, ckpt_state state);
@@ -225,10 +235,10 @@ const ckpt_manifest *ckpt_source_manifest(const ckpt_source *s);
  * has) into dst, from whichever ranks' files hold them. */
 int ckpt_source_read(ckpt_source *s, unsigned unit, ckpt_state state, uint64_t from, uint64_t to,
                      float *dst, char *err, size_t err_bytes);
-/* Reads rank's error feedback for unit (ckpt_onebit_offset: onebit_nodes
- * * shard_numel floats) from that rank's file into dst. */
-int ckpt_source_read_onebit(ckpt_source *s, unsigned unit, uint32_t rank, float *dst, char *err,
-                            size_t err_bytes);
+/* Reads rank's feedback for unit (feedback.numel[unit] floats) from that
+ * rank's file into dst. */
+int ckpt_source_read_feedback(ckpt_source *s, unsigned unit, uint32_t rank, float *dst, char *err,
+                              size_t err_bytes);
 void ckpt_source_close(ckpt_source *s);
 
 /* ---- safetensors ----------------------------------------------------------- *

@@ -38,7 +38,6 @@ ckpt_manifest *ckpt_layout_of(const ckpt_job_view *j, uint64_t step, uint64_t ve
   job_config_states(cfg, has);
   m->has_moment1 = has[JOB_STATE_MOMENT1] && !j->weights_only;
   m->has_moment2 = has[JOB_STATE_MOMENT2] && !j->weights_only;
-  m->onebit_nodes = j->weights_only ? 0 : j->onebit_nodes;
   m->nunits = nunits;
   m->units = calloc(nunits ? nunits : 1, sizeof *m->units);
   int ok = m->job != NULL && m->name != NULL && m->units != NULL;
@@ -63,6 +62,14 @@ ckpt_manifest *ckpt_layout_of(const ckpt_job_view *j, uint64_t step, uint64_t ve
       ct->frozen = tl->frozen;
       ok = ct->name != NULL;
     }
+  }
+  if (ok && !j->weights_only && j->feedback_kind != NULL) {
+    snprintf(m->feedback.kind, sizeof m->feedback.kind, "%s", j->feedback_kind);
+    m->feedback.nodes = j->feedback_nodes;
+    m->feedback.numel = calloc(nunits ? nunits : 1, sizeof *m->feedback.numel);
+    ok = m->feedback.numel != NULL;
+    for (unsigned u = 0; ok && u < nunits; u++)
+      m->feedback.numel[u] = j->feedback_numel(j->feedback_arg, units[u]);
   }
   if (!ok) {
     ckpt_manifest_free(m);

@@ -26,9 +26,14 @@ typedef struct ckpt_job_view {
   /* A base's rank: it keeps its master weights alone (no moments), so its
    * saves hold those and its restores read those. */
   int weights_only;
-  /* A 1-bit Adam job's node count (each rank keeps error feedback of that
-   * many chunks per unit, saved and restored with the state); 0: none. */
-  uint32_t onebit_nodes;
+  /* A job that compresses its cross-node gradient sums keeps state for
+   * them on each rank (rank/feedback.c), saved and restored with the
+   * shards: its kind ("onebit", "powersgd"; NULL: none), the job's node
+   * count, and each unit's floats of it on this rank. */
+  const char *feedback_kind;
+  uint32_t feedback_nodes;
+  uint64_t (*feedback_numel)(const void *arg, const unit_layout *l);
+  const void *feedback_arg;
   unit_layout *const *units;
   unsigned nunits;
 } ckpt_job_view;
@@ -38,17 +43,18 @@ typedef struct ckpt_staged_unit {
   unit_layout *layout; /* the job's, or built from the manifest (owned) */
   int owned;
   float *state[3]; /* shard_numel each, by ckpt_state; NULL: zeros */
-  /* The rank's 1-bit Adam error feedback (malloc'd, the job's
-   * onebit_nodes * shard_numel), or NULL: zeros. */
-  float *onebit;
+  /* The rank's compression state for the unit (malloc'd, the job's
+   * feedback_numel of it), or NULL: none read (it starts afresh). */
+  float *feedback;
 } ckpt_staged_unit;
 
 typedef struct ckpt_staged {
   uint64_t id;
   uint64_t step; /* the job's step after the restore */
-  /* The checkpoint held error feedback of another world or node count
-   * (a re-sharding restore): it was left, and the feedback starts at 0. */
-  int onebit_dropped;
+  /* The checkpoint held compression state of another world, node count,
+   * kind or size (a re-sharding restore): it was left, and the state
+   * starts afresh. */
+  int feedback_dropped;
   unsigned nunits;
   ckpt_staged_unit *units;
   /* arrays: each state is its own hostmem_array_alloc, which a host

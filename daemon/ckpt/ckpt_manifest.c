@@ -158,6 +158,22 @@ static json_t *encode_file(const ckpt_file_entry *f) {
   return o;
 }
 
+/* "feedback": {"kind", "nodes", "numel": [per unit]}. */
+static json_t *encode_feedback(const ckpt_manifest *m) {
+  json_t *o = json_object(), *numel = json_array();
+  int ok = o != NULL && numel != NULL && (m->nunits == 0 || m->feedback.numel != NULL);
+  for (unsigned u = 0; ok && u < m->nunits; u++)
+    ok = append(numel, json_u64(m->feedback.numel[u]));
+  ok = ok && set(o, "kind", json_string(m->feedback.kind)) &&
+       set(o, "nodes", json_integer(m->feedback.nodes)) && set(o, "numel", json_incref(numel));
+  json_decref(numel);
+  if (!ok) {
+    json_decref(o);
+    return NULL;
+  }
+  return o;
+}
+
 static json_t *encode_manifest(const ckpt_manifest *m) {
   json_t *root = json_object();
   if (root == NULL)
@@ -183,8 +199,8 @@ static json_t *encode_manifest(const ckpt_manifest *m) {
     ok = ok && set(root, "states", json_incref(states));
     json_decref(states);
   }
-  if (ok && m->onebit_nodes != 0)
-    ok = set(root, "onebit_nodes", json_integer(m->onebit_nodes));
+  if (ok && m->feedback.kind[0] != '\0')
+    ok = set(root, "feedback", encode_feedback(m));
   json_t *units = ok ? json_array() : NULL;
   ok = ok && (m->nunits == 0 || m->units != NULL);
   for (unsigned u = 0; ok && u < m->nunits; u++)

@@ -419,28 +419,55 @@ static int decode_files(json_t *files, ckpt_manifest *m, char *err, size_t err_b
   return 0;
 }
 
-/* "onebit_nodes" (version 3, optional): the node count of a 1-bit Adam
- * job whose error feedback the files hold, dividing world_size. */
-static int decode_onebit(json_t *root, ckpt_manifest *m, char *err, size_t err_bytes) {
-  uint64_t nodes = 0;
-  if (json_object_get(root, "onebit_nodes") == NULL)
+/* "feedback" (version 3, optional, after the units): {"kind": "onebit" or
+ * "powersgd", "nodes": a divisor of world_size, "numel": one count per
+ * unit}. */
+static int decode_feedback(json_t *root, ckpt_manifest *m, char *err, size_t err_bytes) {
+  static const char *const keys[] = {"kind", "nodes", "numel"};
+  static const char *const where = "feedback";
+  json_t *fb = json_object_get(root, "feedback"), *numel;
+  if (fb == NULL)
     return 0;
-  int rc = get_uint(root, "onebit_nodes", m->world_size, "manifest", &nodes, err, err_bytes);
+  if (!json_is_object(fb))
+    return bad(err, err_bytes, where, "is not an object");
+  const char *kind = NULL;
+  size_t kind_len = 0;
+  uint64_t nodes = 0;
+  int rc = check_keys(fb, keys, 3, where, err, err_bytes);
+  if (rc == 0)
+    rc = get_string(fb, "kind", where, &kind, &kind_len, err, err_bytes);
+  if (rc == 0 && strcmp(kind, "onebit") != 0 && strcmp(kind, "powersgd") != 0)
+    return bad(err, err_bytes, where, "\"kind\" is not \"onebit\" or \"powersgd\"");
+  if (rc == 0)
+    rc = get_uint(fb, "nodes", m->world_size, where, &nodes, err, err_bytes);
+  if (rc == 0 && (nodes == 0 || m->world_size % nodes != 0))
+    return bad(err, err_bytes, where, "\"nodes\" %" PRIu64 " does not divide world_size %" PRIu32,
+               nodes, m->world_size);
+  if (rc == 0)
+    rc = get_member(fb, "numel", where, &numel, err, err_bytes);
   if (rc != 0)
     return rc;
-  if (nodes == 0 || m->world_size % nodes != 0)
-    return bad(err, err_bytes, "manifest",
-               "\"onebit_nodes\" %" PRIu64 " does not divide world_size %" PRIu32, nodes,
-               m->world_size);
-  m->onebit_nodes = (uint32_t)nodes;
+  if (!json_is_array(numel) || json_array_size(numel) != m->nunits)
+    return bad(err, err_bytes, where, "\"numel\" is not a list of one count per unit");
+  m->feedback.numel = calloc(m->nunits > 0 ? m->nunits : 1, sizeof *m->feedback.numel);
+  if (m->feedback.numel == NULL)
+    return ckpt_fail(err, err_bytes, -ENOMEM, "feedback: out of memory");
+  for (unsigned u = 0; u < m->nunits; u++) {
+    json_t *v = json_array_get(numel, u);
+    if (!json_is_integer(v) || json_integer_value(v) < 0)
+      return bad(err, err_bytes, where, "\"numel\"[%u] is not a count", u);
+    m->feedback.numel[u] = (uint64_t)json_integer_value(v);
+  }
+  snprintf(m->feedback.kind, sizeof m->feedback.kind, "%s", kind);
+  m->feedback.nodes = (uint32_t)nodes;
   return 0;
 }
 
 static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err, size_t err_bytes) {
-  static const char *const keys[] = {"format",     "format_version",  "job",         "job_id",
-                                     "name",       "created_unix_ms", "step",        "version",
-                                     "world_size", "config",          "states",      "units",
-                                     "files",      "tenant",          "onebit_nodes"};
+  static const char *const keys[] = {"format",     "format_version",  "job",     "job_id",
+                                     "name",       "created_unix_ms", "step",    "version",
+                                     "world_size", "config",          "states",  "units",
+                                     "files",      "tenant",          "feedback"};
   /* Version 1 has every key but the last two, version 2 all but the last. */
   size_t nkeys = sizeof keys / sizeof keys[0];
   const char *where = "manifest";
@@ -486,8 +513,7 @@ static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err,
       (rc = decode_config(config, &m->config, err, err_bytes)) != 0 ||
       (rc = get_member(root, "states", where, &states, err, err_bytes)) != 0 ||
       (rc = decode_states(states, m, err, err_bytes)) != 0 ||
-      (rc = get_member(root, "units", where, &units, err, err_bytes)) != 0 ||
-      (rc = decode_onebit(root, m, err, err_bytes)) != 0)
+      (rc = get_member(root, "units", where, &units, err, err_bytes)) != 0)
     return rc;
   if (!(flags & CKPT_DECODE_NO_FILES) &&
       (rc = get_member(root, "files", where, &files, err, err_bytes)) != 0)
@@ -511,12 +537,18 @@ static int decode_manifest(json_t *root, int flags, ckpt_manifest *m, char *err,
     if ((rc = decode_unit(json_array_get(units, u), u, m->world_size, &m->units[u], err,
                           err_bytes)) != 0)
       return rc;
-    /* onebit_nodes <= world_size <= MAX_WORLD_SIZE: no overflow here. */
-    uint64_t per_element = 4 * ((uint64_t)ckpt_nstates(m) + m->onebit_nodes);
-    if (m->units[u].shard_numel > UINT64_MAX / per_element ||
-        m->units[u].shard_numel * per_element > UINT64_MAX - data_bytes)
+    uint64_t unit_bytes_max = UINT64_MAX / (4 * ckpt_nstates(m));
+    if (m->units[u].shard_numel > unit_bytes_max ||
+        m->units[u].shard_numel * 4 * ckpt_nstates(m) > UINT64_MAX - data_bytes)
       return bad(err, err_bytes, "units", "the shard files would be larger than 2^64 bytes");
-    data_bytes += m->units[u].shard_numel * per_element;
+    data_bytes += m->units[u].shard_numel * 4 * ckpt_nstates(m);
+  }
+  if ((rc = decode_feedback(root, m, err, err_bytes)) != 0)
+    return rc;
+  for (unsigned u = 0; m->feedback.numel != NULL && u < m->nunits; u++) {
+    if (m->feedback.numel[u] > (UINT64_MAX - data_bytes) / 4)
+      return bad(err, err_bytes, "feedback", "the shard files would be larger than 2^64 bytes");
+    data_bytes += m->feedback.numel[u] * 4;
   }
   if (ckpt__shard_file_bytes(data_bytes, &file_bytes) != 0)
     return bad(err, err_bytes, "units", "the shard files would be larger than 2^63 - 1 bytes");
@@ -566,6 +598,7 @@ void ckpt_manifest_free(ckpt_manifest *m) {
     free(m->units[u].name);
   }
   free(m->units);
+  free(m->feedback.numel);
   for (uint32_t k = 0; m->files != NULL && k < m->world_size; k++)
     free(m->files[k].name);
   free(m->files);

@@ -58,18 +58,19 @@ unsigned ckpt_nstates(const ckpt_manifest *m) {
 uint64_t ckpt_shard_data_bytes(const ckpt_manifest *m) {
   uint64_t bytes = 0;
   for (unsigned u = 0; u < m->nunits; u++)
-    bytes += m->units[u].shard_numel * 4 * (ckpt_nstates(m) + m->onebit_nodes);
+    bytes += m->units[u].shard_numel * 4 * ckpt_nstates(m) +
+             (m->feedback.numel != NULL ? m->feedback.numel[u] * 4 : 0);
   return bytes;
 }
 
-int64_t ckpt_onebit_offset(const ckpt_manifest *m, unsigned unit) {
-  if (unit >= m->nunits || m->onebit_nodes == 0)
+int64_t ckpt_feedback_offset(const ckpt_manifest *m, unsigned unit) {
+  if (unit >= m->nunits || m->feedback.numel == NULL)
     return -1;
   uint64_t offset = 0;
   for (unsigned u = 0; u < m->nunits; u++)
     offset += m->units[u].shard_numel * 4 * ckpt_nstates(m);
   for (unsigned u = 0; u < unit; u++)
-    offset += m->units[u].shard_numel * 4 * m->onebit_nodes;
+    offset += m->feedback.numel[u] * 4;
   return (int64_t)offset;
 }
 

@@ -123,19 +123,18 @@ int ckpt_source_read(ckpt_source *s, unsigned unit, ckpt_state state, uint64_t f
   return 0;
 }
 
-int ckpt_source_read_onebit(ckpt_source *s, unsigned unit, uint32_t rank, float *dst, char *err,
-                            size_t err_bytes) {
+int ckpt_source_read_feedback(ckpt_source *s, unsigned unit, uint32_t rank, float *dst, char *err,
+                              size_t err_bytes) {
   const ckpt_manifest *m = &s->manifest;
-  int64_t offset = ckpt_onebit_offset(m, unit);
+  int64_t offset = ckpt_feedback_offset(m, unit);
   if (offset < 0 || rank >= m->world_size)
     return ckpt_fail(err, err_bytes, -EINVAL,
                      "checkpoint has no error feedback of unit %u on rank %" PRIu32, unit, rank);
   ckpt_reader *r = NULL;
   int rc = source_reader(s, rank, &r, err, err_bytes);
   return rc != 0 ? rc
-                 : ckpt_reader_read(r, (uint64_t)offset, dst,
-                                    (size_t)(m->units[unit].shard_numel * 4 * m->onebit_nodes), err,
-                                    err_bytes);
+                 : ckpt_reader_read(r, (uint64_t)offset, dst, (size_t)(m->feedback.numel[unit] * 4),
+                                    err, err_bytes);
 }
 
 void ckpt_source_close(ckpt_source *s) {

@@ -27,7 +27,7 @@ void ckpt_staged_free(ckpt_staged *s) {
       unit_layout_free(s->units[u].layout);
     for (int k = 0; k < 3 && s->arrays; k++)
       hostmem_array_free(s->units[u].state[k]);
-    free(s->units[u].onebit);
+    free(s->units[u].feedback);
   }
   if (!s->arrays)
     hostmem_free(s->mem, s->mem_bytes);
@@ -169,24 +169,30 @@ static void zero_between(float *state, uint64_t from, uint64_t to) {
     memset(state + from, 0, (to - from) * sizeof(float));
 }
 
-/* The rank's 1-bit Adam error feedback, where the checkpoint has it for
- * this job's world and nodes: the same rank of the same layout made it.
- * Otherwise (another world or node count) it is dropped, and said. */
-static int read_onebit(const ckpt_job_view *j, int rank, ckpt_source *src, ckpt_staged *st,
-                       char *err, size_t err_bytes) {
+/* The rank's compression state (ckpt_feedback), where the checkpoint has
+ * it for this job's world, nodes and kind, at the sizes the job keeps: the
+ * same rank of the same layout made it. Otherwise it is dropped, and said
+ * (st->feedback_dropped). */
+static int read_feedback(const ckpt_job_view *j, int rank, ckpt_source *src, ckpt_staged *st,
+                         char *err, size_t err_bytes) {
   const ckpt_manifest *m = ckpt_source_manifest(src);
-  if (m->onebit_nodes == 0 || j->onebit_nodes == 0)
+  if (m->feedback.kind[0] == '\0' || j->feedback_kind == NULL)
     return 0;
-  if (m->onebit_nodes != j->onebit_nodes || m->world_size != (uint32_t)j->world_size) {
-    st->onebit_dropped = 1;
+  int same = strcmp(m->feedback.kind, j->feedback_kind) == 0 &&
+             m->feedback.nodes == j->feedback_nodes && m->world_size == (uint32_t)j->world_size;
+  for (unsigned u = 0; same && u < st->nunits; u++)
+    same = m->feedback.numel[u] == j->feedback_numel(j->feedback_arg, st->units[u].layout);
+  if (!same) {
+    st->feedback_dropped = 1;
     return 0;
   }
   for (unsigned u = 0; u < st->nunits; u++) {
     ckpt_staged_unit *su = &st->units[u];
-    size_t numel = (size_t)(su->layout->shard_numel * m->onebit_nodes);
-    if ((su->onebit = malloc(numel * sizeof(float))) == NULL)
+    if (m->feedback.numel[u] == 0)
+      continue;
+    if ((su->feedback = malloc((size_t)m->feedback.numel[u] * sizeof(float))) == NULL)
       return -ENOMEM;
-    int rc = ckpt_source_read_onebit(src, u, (uint32_t)rank, su->onebit, err, err_bytes);
+    int rc = ckpt_source_read_feedback(src, u, (uint32_t)rank, su->feedback, err, err_bytes);
     if (rc != 0)
       return rc;
   }
@@ -300,7 +306,7 @@ static int read_checkpoint(const ckpt_job_view *j, int rank, const char *source,
       zero_between(su->state[k], hi - lo, l->shard_numel);
     }
   }
-  if ((rc = read_onebit(j, rank, src, st, err, err_bytes)) != 0) {
+  if ((rc = read_feedback(j, rank, src, st, err, err_bytes)) != 0) {
     rc = fail(code, rc == -ENOMEM ? RPC_RESOURCE_EXHAUSTED : io_code(rc), rc);
     goto done;
   }

@@ -56,16 +56,27 @@ void exec__onebit_free(rank_state *rs, shard *sh);
  * was made; exec__onebit_bytes of it), and a restore's: saved, or zeros
  * for NULL (the values it belonged to are gone). 0, or -ENOMEM. */
 uint32_t exec__onebit_nodes(const rank_state *rs);
-/* Low-rank compression (lowrank.c), as 1-bit Adam's above: the bytes of a
- * unit's state on this rank (0 for a job that does not compress, or a unit
- * too small to pay), made with the shard, set into *wire for a reduce,
- * reset to its start (a restore: the sums it held belong to other values),
- * freed. Not saved in checkpoints. 0, or -ENOMEM. */
+/* Low-rank compression (lowrank.c), as 1-bit Adam's above: whether the job
+ * compresses; the bytes of a unit's state on this rank (0 for a job that
+ * does not compress, or a unit too small to pay), made with the shard, set
+ * into *wire for a reduce, copied for a save (what it starts from where
+ * none was made), restored (saved, or its start for NULL), freed. 0, or
+ * -ENOMEM. */
+int exec__lowrank_on(const rank_state *rs);
 uint64_t exec__lowrank_bytes(const rank_state *rs, const unit_layout *l);
 int exec__lowrank_make(rank_state *rs, shard *sh, const unit_layout *l);
 int exec__lowrank_wire(rank_state *rs, shard *sh, const unit_layout *l, comm_wire *wire);
-void exec__lowrank_reset(rank_state *rs, shard *sh, const unit_layout *l);
+void exec__lowrank_save(const rank_state *rs, const shard *sh, const unit_layout *l, float *out);
+int exec__lowrank_restore(rank_state *rs, shard *sh, const unit_layout *l, const float *saved);
 void exec__lowrank_free(rank_state *rs, shard *sh);
+/* Checkpoints of either (feedback.c): the job's kind of compression state
+ * into a view (ckpt_job.h), a unit's bytes of it on this rank, and its
+ * save (into out, those bytes) and restore (saved, or afresh for NULL). */
+struct ckpt_job_view;
+void exec__feedback_view(const rank_state *rs, struct ckpt_job_view *view);
+uint64_t exec__feedback_bytes(const rank_state *rs, const unit_layout *l);
+void exec__feedback_save(const rank_state *rs, const shard *sh, const unit_layout *l, float *out);
+int exec__feedback_restore(rank_state *rs, shard *sh, const unit_layout *l, const float *saved);
 void exec__onebit_save(const rank_state *rs, const shard *sh, const unit_layout *l, float *out);
 int exec__onebit_restore(rank_state *rs, shard *sh, const unit_layout *l, const float *saved);
 

@@ -111,9 +111,29 @@ int exec__lowrank_wire(rank_state *rs, shard *sh, const unit_layout *l, comm_wir
   return 0;
 }
 
-void exec__lowrank_reset(rank_state *rs, shard *sh, const unit_layout *l) {
-  if (sh->lowrank_state != NULL && sh->lowrank_numel == state_numel(rs, l))
+int exec__lowrank_on(const rank_state *rs) {
+  return compresses(rs);
+}
+
+void exec__lowrank_save(const rank_state *rs, const shard *sh, const unit_layout *l, float *out) {
+  const uint64_t numel = state_numel(rs, l);
+  if (numel == 0)
+    return;
+  if (sh->lowrank_state != NULL && sh->lowrank_numel == numel)
+    memcpy(out, sh->lowrank_state, numel * sizeof(float));
+  else
+    reset(rs, l, out); /* none made: what it would start from */
+}
+
+int exec__lowrank_restore(rank_state *rs, shard *sh, const unit_layout *l, const float *saved) {
+  int rc = exec__lowrank_make(rs, sh, l);
+  if (rc != 0 || sh->lowrank_state == NULL)
+    return rc;
+  if (saved != NULL)
+    memcpy(sh->lowrank_state, saved, sh->lowrank_numel * sizeof(float));
+  else
     reset(rs, l, sh->lowrank_state);
+  return 0;
 }
 
 void exec__lowrank_free(rank_state *rs, shard *sh) {

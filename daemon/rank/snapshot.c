@@ -27,18 +27,18 @@ ckpt_manifest *exec__layout(rank_state *rs, unit_layout **units, unsigned n) {
                         .world_size = j->world_size,
                         .config = &j->config,
                         .weights_only = rs->weights_only,
-                        .onebit_nodes = exec__onebit_nodes(rs),
                         .units = units,
                         .nunits = n};
+  exec__feedback_view(rs, &view);
   return ckpt_layout_of(&view, rs->step, rs->version);
 }
 
-/* The bytes of the units' 1-bit Adam error feedback, saved after their
- * states. */
-static uint64_t onebit_total(const rank_state *rs, unit_layout *const *units, unsigned n) {
+/* The bytes of the units' compression state (feedback.c), saved after
+ * their states. */
+static uint64_t feedback_total(const rank_state *rs, unit_layout *const *units, unsigned n) {
   uint64_t bytes = 0;
   for (unsigned k = 0; !rs->weights_only && k < n; k++)
-    bytes += exec__onebit_bytes(rs, units[k]);
+    bytes += exec__feedback_bytes(rs, units[k]);
   return bytes;
 }
 
@@ -55,7 +55,7 @@ unit_layout **exec__snapshot_units(rank_state *rs, unsigned *n, uint64_t *bytes)
       units[(*n)++] = units[u];
       *bytes += units[u]->shard_numel * 4 * (uint64_t)nstates;
     }
-  *bytes += onebit_total(rs, units, *n);
+  *bytes += feedback_total(rs, units, *n);
   return units;
 }
 
@@ -99,13 +99,13 @@ void exec__take_snapshot(rank_state *rs, uint64_t id) {
       at += b;
     }
   }
-  /* 1-bit Adam's error feedback after every unit's states (ckpt.h); a
-   * tier's copy leaves room for it. */
+  /* The compression state after every unit's states (ckpt.h); a tier's
+   * copy leaves room for it. */
   if (rc == 0)
-    at = data + (bytes - onebit_total(rs, units, n));
+    at = data + (bytes - feedback_total(rs, units, n));
   for (unsigned k = 0; rc == 0 && !rs->weights_only && k < n; k++) {
-    exec__onebit_save(rs, &rs->shards[units[k]->id], units[k], (float *)at);
-    at += exec__onebit_bytes(rs, units[k]);
+    exec__feedback_save(rs, &rs->shards[units[k]->id], units[k], (float *)at);
+    at += exec__feedback_bytes(rs, units[k]);
   }
   ckpt_manifest *layout = NULL;
   if (rc == 0 && rs->rank == 0 && (layout = exec__layout(rs, units, n)) == NULL)
@@ -168,9 +168,9 @@ static int job_view(rank_state *rs, ckpt_job_view *view) {
                           .world_size = j->world_size,
                           .config = &j->config,
                           .weights_only = rs->weights_only,
-                          .onebit_nodes = exec__onebit_nodes(rs),
                           .units = units,
                           .nunits = nunits};
+  exec__feedback_view(rs, view);
   return units != NULL ? 0 : -ENOMEM;
 }
 
@@ -188,8 +188,7 @@ static int restore_over_quota(rank_state *rs, const ckpt_staged *st, char *err, 
   for (unsigned u = 0; u < st->nunits; u++) {
     if (st->units[u].owned) {
       need += exec__shard_bytes(rs, st->units[u].layout) +
-              exec__onebit_bytes(rs, st->units[u].layout) +
-              exec__lowrank_bytes(rs, st->units[u].layout) +
+              exec__feedback_bytes(rs, st->units[u].layout) +
               (host ? exec__replica_bytes(rs, st->units[u].layout) : 0);
       made++;
     }
@@ -305,11 +304,10 @@ void exec__handle_restore_commit(rank_state *rs, exec_op *op) {
       const unit_layout *l = su->layout;
       shard *sh = &rs->shards[l->id];
       size_t bytes = l->shard_numel * sizeof(float);
-      if (!rs->weights_only && (rc = exec__onebit_restore(rs, sh, l, su->onebit)) != 0) {
-        snprintf(err, sizeof err, "out of memory for the error feedback of unit '%s'", l->name);
+      if (!rs->weights_only && (rc = exec__feedback_restore(rs, sh, l, su->feedback)) != 0) {
+        snprintf(err, sizeof err, "out of memory for the compression state of unit '%s'", l->name);
         break;
       }
-      exec__lowrank_reset(rs, sh, l);
       if (sh->tiered || sh->host_state) {
         /* Into the tier file, or a GPU rank's host arrays; the staged
          * arrays go with the staging. */
@@ -357,9 +355,9 @@ void exec__handle_restore_commit(rank_state *rs, exec_op *op) {
     if (fresh[u])
       atomic_fetch_add(&st->units[u].layout->ready_ranks, 1);
   free(fresh);
-  if (rc == 0 && st->onebit_dropped && rs->rank == 0)
-    LOG_WARNF("1-bit Adam's error feedback not restored: the checkpoint's is of another world "
-              "or node count; it starts from zero",
+  if (rc == 0 && st->feedback_dropped && rs->rank == 0)
+    LOG_WARNF("the compression state (error feedback) not restored: the checkpoint's is of "
+              "another world, node count or kind; it starts afresh",
               "job=%s restore=%llu", j->name, (unsigned long long)op->ckpt_id);
   if (rc != 0) {
     job_fail(j, rs->generation, "rank %d: restore: %s", rs->rank, err);

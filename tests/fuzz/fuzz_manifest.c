@@ -161,14 +161,22 @@ static void generate(source *s, ckpt_manifest *m) {
   m->config.nesterov = bits & 1;
   m->has_moment1 = (bits >> 1) & 1;
   m->has_moment2 = (bits >> 2) & 1;
-  /* 1-bit Adam's feedback for some node count; one that does not divide
-   * the world is refused by the encoder's check. */
-  m->onebit_nodes = (bits >> 3) & 1 ? (uint32_t)(take(s) % 5) : 0;
   m->nunits = take(s) % 4;
   m->units = calloc(m->nunits > 0 ? m->nunits : 1, sizeof *m->units);
   if (m->units == NULL) {
     m->nunits = 0;
     return;
+  }
+  /* A compressing job's state for some kind and node count (one that does
+   * not divide the world, or an unknown kind, is refused by the encoder's
+   * check) and counts per unit. */
+  if ((bits >> 3) & 1) {
+    static const char *const kinds[] = {"onebit", "powersgd", "topk"};
+    pick_string(s, m->feedback.kind, sizeof m->feedback.kind, kinds, 3);
+    m->feedback.nodes = (uint32_t)(take(s) % 5);
+    m->feedback.numel = calloc(m->nunits > 0 ? m->nunits : 1, sizeof *m->feedback.numel);
+    for (unsigned u = 0; m->feedback.numel != NULL && u < m->nunits; u++)
+      m->feedback.numel[u] = take(s) < 224 ? take(s) : pick_integer(s);
   }
   for (unsigned u = 0; u < m->nunits; u++) {
     ckpt_unit *unit = &m->units[u];

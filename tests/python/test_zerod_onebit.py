@@ -183,7 +183,7 @@ def test_the_error_feedback_counts_in_the_memory_quota(cluster):
 
 def test_a_restore_in_the_compressed_phase_resumes_bit_exactly(cluster, tmp_path):
     """A checkpoint saved after the warm-up holds each rank's error
-    feedback (manifest onebit_nodes: 2): the steps after a restore of it
+    feedback (manifest "feedback": onebit on 2 nodes): the steps after a restore of it
     repeat, bit for bit, the steps that followed the save, which they
     would not with the feedback lost or left as it was at the restore."""
     cluster.start_coordinator()
@@ -229,4 +229,9 @@ def test_a_restore_in_the_compressed_phase_resumes_bit_exactly(cluster, tmp_path
     manifests = list(tmp_path.rglob("mid/manifest.json"))
     assert manifests, "no manifest of checkpoint 'mid' under %s" % tmp_path
     manifest = json.loads(manifests[0].read_text())
-    assert manifest["onebit_nodes"] == 2 and manifest["format_version"] == 3, manifest
+    assert manifest["format_version"] == 3, manifest
+    # Each rank's feedback per unit: 2 nodes' chunks of its shard (the unit
+    # padded to a multiple of 2 ranks x 16 elements, halved).
+    shard = -(-NUMEL // 32) * 32 // 2
+    assert manifest["feedback"] == {"kind": "onebit", "nodes": 2, "numel": [2 * shard]}, \
+        manifest["feedback"]

@@ -192,7 +192,11 @@ void assert_manifests_equal(const ckpt_manifest *a, const ckpt_manifest *b) {
   assert_doubles_identical(a->config.max_grad_norm, b->config.max_grad_norm);
   assert_int_equal(a->has_moment1, b->has_moment1);
   assert_int_equal(a->has_moment2, b->has_moment2);
-  assert_int_equal(a->onebit_nodes, b->onebit_nodes);
+  assert_string_equal(a->feedback.kind, b->feedback.kind);
+  assert_int_equal(a->feedback.nodes, b->feedback.nodes);
+  assert_int_equal(a->feedback.numel != NULL, b->feedback.numel != NULL);
+  for (unsigned u = 0; a->feedback.numel != NULL && u < a->nunits; u++)
+    assert_true(a->feedback.numel[u] == b->feedback.numel[u]);
   assert_int_equal(a->nunits, b->nunits);
   for (unsigned u = 0; u < a->nunits; u++) {
     const ckpt_unit *x = &a->units[u], *y = &b->units[u];

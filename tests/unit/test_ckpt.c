@@ -156,18 +156,22 @@ static void test_data_offsets_follow_units_then_states(void **state) {
   ckpt_manifest_free(&m);
 }
 
-/* A 1-bit Adam job's error feedback follows every unit's states: for each
- * unit, onebit_nodes chunks of its shard. */
-static void test_onebit_feedback_follows_the_states(void **state) {
+/* A compressing job's state (ckpt_feedback) follows every unit's states:
+ * for each unit, its count of floats. */
+static void test_feedback_follows_the_states(void **state) {
   ckpt_manifest m;
   sample_manifest(&m, 1);
-  assert_int_equal(ckpt_onebit_offset(&m, 0), -1);
-  m.onebit_nodes = 2;
-  assert_true(ckpt_shard_data_bytes(&m) == (8 + 14) * 4 * (3 + 2));
+  assert_int_equal(ckpt_feedback_offset(&m, 0), -1);
+  uint64_t numel[2] = {16, 0};
+  snprintf(m.feedback.kind, sizeof m.feedback.kind, "onebit");
+  m.feedback.nodes = 3;
+  m.feedback.numel = numel;
+  assert_true(ckpt_shard_data_bytes(&m) == (8 + 14) * 4 * 3 + 16 * 4);
   assert_int_equal(ckpt_data_offset(&m, 1, CKPT_MOMENT2), 96 + 2 * 56); /* unmoved */
-  assert_int_equal(ckpt_onebit_offset(&m, 0), (8 + 14) * 4 * 3);
-  assert_int_equal(ckpt_onebit_offset(&m, 1), (8 + 14) * 4 * 3 + 8 * 4 * 2);
-  assert_int_equal(ckpt_onebit_offset(&m, 2), -1);
+  assert_int_equal(ckpt_feedback_offset(&m, 0), (8 + 14) * 4 * 3);
+  assert_int_equal(ckpt_feedback_offset(&m, 1), (8 + 14) * 4 * 3 + 16 * 4);
+  assert_int_equal(ckpt_feedback_offset(&m, 2), -1);
+  m.feedback.numel = NULL;
   ckpt_manifest_free(&m);
 }
 
@@ -278,36 +282,62 @@ static void test_manifest_tenant_by_version(void **state) {
   ckpt_manifest_free(&m);
 }
 
-/* Version 3 added "onebit_nodes" (optional): a node count dividing the
- * world, unknown to a version 2 manifest. */
-static void test_manifest_onebit_nodes(void **state) {
+/* Version 3 added "feedback" (optional): a kind, a node count dividing the
+ * world and a count per unit, unknown to a version 2 manifest. */
+static json_t *feedback_json(const char *kind, json_int_t nodes, size_t ncounts) {
+  json_t *fb = json_object(), *numel = json_array();
+  for (size_t i = 0; i < ncounts; i++)
+    json_array_append_new(numel, json_integer(40));
+  json_object_set_new(fb, "kind", json_string(kind));
+  json_object_set_new(fb, "nodes", json_integer(nodes));
+  json_object_set_new(fb, "numel", numel);
+  return fb;
+}
+
+static void test_manifest_feedback(void **state) {
   ckpt_manifest m, back;
   sample_manifest(&m, 0); /* the files' sizes are of no feedback */
-  m.onebit_nodes = 3;
+  uint64_t *numel = calloc(2, sizeof *numel);
+  numel[0] = 24;
+  snprintf(m.feedback.kind, sizeof m.feedback.kind, "powersgd");
+  m.feedback.nodes = 3;
+  m.feedback.numel = numel;
   size_t len;
   char *text = ckpt_manifest_encode(&m, &len);
   assert_non_null(text);
   char err[512] = "";
   assert_int_equal(ckpt_manifest_decode(text, len, CKPT_DECODE_NO_FILES, &back, err, sizeof err),
                    0);
-  assert_int_equal(back.onebit_nodes, 3);
+  assert_string_equal(back.feedback.kind, "powersgd");
+  assert_int_equal(back.feedback.nodes, 3);
+  assert_true(back.feedback.numel[0] == 24 && back.feedback.numel[1] == 0);
   ckpt_manifest_free(&back);
   free(text);
-  ckpt_manifest_free(&m);
+  ckpt_manifest_free(&m); /* frees numel */
   json_t *root = sample_json(1);
-  assert_null(json_object_get(root, "onebit_nodes")); /* absent when none */
-  json_object_set_new(root, "onebit_nodes", json_integer(2));
-  expect_rejected(root, "\"onebit_nodes\" 2 does not divide world_size 3");
+  assert_null(json_object_get(root, "feedback")); /* absent when none */
+  json_object_set_new(root, "feedback", feedback_json("onebit", 2, 2));
+  expect_rejected(root, "\"nodes\" 2 does not divide world_size 3");
   root = sample_json(1);
-  json_object_set_new(root, "onebit_nodes", json_integer(0));
+  json_object_set_new(root, "feedback", feedback_json("onebit", 0, 2));
   expect_rejected(root, "does not divide");
   root = sample_json(1);
-  json_object_set_new(root, "onebit_nodes", json_integer(6));
-  expect_rejected(root, "\"onebit_nodes\" is 6, more than 3");
+  json_object_set_new(root, "feedback", feedback_json("onebit", 6, 2));
+  expect_rejected(root, "\"nodes\" is 6, more than 3");
+  root = sample_json(1);
+  json_object_set_new(root, "feedback", feedback_json("topk", 3, 2));
+  expect_rejected(root, "\"kind\" is not");
+  root = sample_json(1);
+  json_object_set_new(root, "feedback", feedback_json("onebit", 3, 1));
+  expect_rejected(root, "one count per unit");
+  /* The files' sizes then differ from what the feedback adds. */
+  root = sample_json(1);
+  json_object_set_new(root, "feedback", feedback_json("onebit", 3, 2));
+  expect_rejected(root, "bytes");
   root = sample_json(1);
   json_object_set_new(root, "format_version", json_integer(2));
-  json_object_set_new(root, "onebit_nodes", json_integer(1));
-  expect_rejected(root, "unknown key \"onebit_nodes\"");
+  json_object_set_new(root, "feedback", feedback_json("onebit", 1, 2));
+  expect_rejected(root, "unknown key \"feedback\"");
 }
 
 static void test_decode_refuses_what_is_not_a_manifest(void **state) {
@@ -743,13 +773,13 @@ int main(void) {
       cmocka_unit_test(test_shard_names_are_zero_padded),
       cmocka_unit_test(test_incremental_hash_equals_one_shot_xxh64),
       cmocka_unit_test(test_data_offsets_follow_units_then_states),
-      cmocka_unit_test(test_onebit_feedback_follows_the_states),
+      cmocka_unit_test(test_feedback_follows_the_states),
       cmocka_unit_test(test_manifest_round_trips_exactly_and_byte_for_byte),
       cmocka_unit_test(test_manifest_encoding_is_deterministic),
       cmocka_unit_test(test_encode_refuses_values_json_cannot_hold),
       cmocka_unit_test(test_decode_refuses_what_is_not_a_manifest),
       cmocka_unit_test(test_manifest_tenant_by_version),
-      cmocka_unit_test(test_manifest_onebit_nodes),
+      cmocka_unit_test(test_manifest_feedback),
       cmocka_unit_test(test_decode_refuses_missing_keys),
       cmocka_unit_test(test_decode_refuses_unknown_keys),
       cmocka_unit_test(test_decode_refuses_wrong_types),
