@@ -80,6 +80,7 @@ static zd_status fill_job_config(const zd_job_config *caller_config, Zerod__V1__
   config->hpz_partition_size = local.hpz_partition_size;
   config->onebit_freeze_step = local.onebit_freeze_step;
   config->powersgd_rank = local.powersgd_rank;
+  config->powersgd_start_step = local.powersgd_start_step;
   config->loss_scale = local.loss_scale;
   config->loss_scale_window = local.loss_scale_window;
   config->loss_scale_growth = local.loss_scale_growth;
@@ -151,6 +152,7 @@ static void job_config_from_reply(const Zerod__V1__JobConfig *config, zd_job_con
   out->hpz_partition_size = config->hpz_partition_size;
   out->onebit_freeze_step = config->onebit_freeze_step;
   out->powersgd_rank = config->powersgd_rank;
+  out->powersgd_start_step = config->powersgd_start_step;
   out->loss_scale = config->loss_scale;
   out->loss_scale_window = config->loss_scale_window;
   out->loss_scale_growth = config->loss_scale_growth;

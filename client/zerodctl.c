@@ -155,6 +155,7 @@ static const char create_usage[] =
     "                           as signs with error feedback (Adam/AdamW, hierarchical)\n"
     "  --powersgd-rank R        low-rank compression: gradient sums cross nodes as two\n"
     "                           rank-R factors with error feedback (PowerSGD; 1..64)\n"
+    "  --powersgd-start K       with --powersgd-rank: K exact steps first [default 0]\n"
     "  --offload-optimizer D    where the optimizer state lives: none, cpu (host memory;\n"
     "                           GPU ranks step on the CPU) or nvme (a file per rank under\n"
     "                           the nodes' --nvme-dir, streamed through the CPU's step)\n"

@@ -237,6 +237,10 @@ static int create_numerics(const create_options *o, Zerod__V1__JobConfig *config
       ctl__parse_u32(o->powersgd_rank, 1, UINT32_MAX, &config->powersgd_rank) != 0)
     return bad_create_value("--powersgd-rank", o->powersgd_rank,
                             "the rank of the approximation (1 or more)");
+  if (o->powersgd_start_step != NULL &&
+      ctl__parse_u32(o->powersgd_start_step, 0, UINT32_MAX, &config->powersgd_start_step) != 0)
+    return bad_create_value("--powersgd-start", o->powersgd_start_step,
+                            "the exact steps before the compression (0 or more)");
   return 0;
 }
 

@@ -201,7 +201,7 @@ ctl_command_fn ctl__cmd_members, ctl__cmd_health;
 typedef struct create_options {
   const char *nodes, *ranks_per_node, *optimizer, *lr, *weight_decay, *betas, *eps, *momentum,
       *precision, *collectives, *quantized_weights, *quantization_block, *quantized_gradients,
-      *gradient_comm_dtype, *hpz_partition_size, *onebit_freeze_step, *powersgd_rank, *offload, *nvme_path,
+      *gradient_comm_dtype, *hpz_partition_size, *onebit_freeze_step, *powersgd_rank, *powersgd_start_step, *offload, *nvme_path,
       *offload_buffer_count, *offload_buffer_size, *offload_pin_memory, *max_grad_norm,
       *max_live_bytes, *max_host_bytes, *max_device_bytes, *max_sessions, *token, *tenant, *base,
       *every_steps, *every_seconds, *keep, *redundancy, *redundancy_every, *deepspeed_config;

@@ -91,6 +91,7 @@ static json_t *json_config(const Zerod__V1__Job *job) {
   json_object_set_new(o, "hpz_partition_size", ctl__json_count(config->hpz_partition_size));
   json_object_set_new(o, "onebit_freeze_step", ctl__json_count(config->onebit_freeze_step));
   json_object_set_new(o, "powersgd_rank", ctl__json_count(config->powersgd_rank));
+  json_object_set_new(o, "powersgd_start_step", ctl__json_count(config->powersgd_start_step));
   json_offload(o, config->offload_optimizer);
   json_loss_scale(o, config);
   json_object_set_new(o, "max_live_bytes", ctl__json_count(config->max_live_bytes));
@@ -305,7 +306,8 @@ void ctl__print_job(const Zerod__V1__Job *job) {
     ctl__print_field("1-bit Adam", "after %u exact steps, blocks of %u", config->onebit_freeze_step,
                      config->quantization_block);
   if (config->powersgd_rank > 0)
-    ctl__print_field("low-rank", "PowerSGD rank %u between nodes", config->powersgd_rank);
+    ctl__print_field("low-rank", "PowerSGD rank %u between nodes, after %u exact steps",
+                     config->powersgd_rank, config->powersgd_start_step);
   const Zerod__V1__OffloadConfig *off = config->offload_optimizer;
   if (off != NULL && off->device == ZEROD__V1__OFFLOAD_DEVICE__OFFLOAD_DEVICE_NVME)
     ctl__print_field("optimizer state", "on disk (nvme) in %s, %u buffers of %llu elements%s",

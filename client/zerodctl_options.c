@@ -33,6 +33,7 @@ enum {
   OPT_HPZ_PARTITION_SIZE,
   OPT_ONEBIT_FREEZE_STEP,
   OPT_POWERSGD_RANK,
+  OPT_POWERSGD_START_STEP,
   OPT_OFFLOAD,
   OPT_NVME_PATH,
   OPT_OFFLOAD_BUFFER_COUNT,
@@ -92,6 +93,7 @@ static const struct option long_options[] = {
     {"hpz-partition-size", required_argument, NULL, OPT_HPZ_PARTITION_SIZE},
     {"onebit-adam", required_argument, NULL, OPT_ONEBIT_FREEZE_STEP},
     {"powersgd-rank", required_argument, NULL, OPT_POWERSGD_RANK},
+    {"powersgd-start", required_argument, NULL, OPT_POWERSGD_START_STEP},
     {"offload-optimizer", required_argument, NULL, OPT_OFFLOAD},
     {"nvme-path", required_argument, NULL, OPT_NVME_PATH},
     {"offload-buffer-count", required_argument, NULL, OPT_OFFLOAD_BUFFER_COUNT},
@@ -184,6 +186,9 @@ static int set_create_option(create_options *o, int opt, const char *value, cons
     break;
   case OPT_POWERSGD_RANK:
     slot = &o->powersgd_rank;
+    break;
+  case OPT_POWERSGD_START_STEP:
+    slot = &o->powersgd_start_step;
     break;
   case OPT_OFFLOAD:
     slot = &o->offload;

@@ -230,6 +230,10 @@ typedef struct zd_job_config {
    * start (docs/compression.md). Not with quantized_gradients, bf16
    * gradients or onebit_freeze_step. */
   unsigned powersgd_rank;
+  /* ABI 1.5. With powersgd_rank: the steps whose reduces stay exact before
+   * the compression starts (torch's start_powerSGD_iter); 0: from the
+   * first step. */
+  unsigned powersgd_start_step;
 } zd_job_config;
 
 #define ZD_JOB_CONFIG_INIT ZD_SIZED_INIT(zd_job_config)

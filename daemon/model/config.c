@@ -63,6 +63,7 @@ int job_config_from_proto(const Zerod__V1__JobConfig *pc, job_config *c, char *e
   c->hpz_partition_size = pc->hpz_partition_size;
   c->onebit_freeze_step = pc->onebit_freeze_step;
   c->powersgd_rank = pc->powersgd_rank;
+  c->powersgd_start_step = pc->powersgd_start_step;
   const Zerod__V1__OffloadConfig *off = pc->offload_optimizer;
   if (off != NULL) {
     switch (off->device) {
@@ -164,6 +165,11 @@ static int onebit_check(const job_config *c, char *err, size_t err_bytes) {
 /* Low-rank compression and what it rules out (the same sums as 1-bit
  * Adam's). */
 static int powersgd_check(const job_config *c, char *err, size_t err_bytes) {
+  if (c->powersgd_rank == 0 && c->powersgd_start_step != 0) {
+    snprintf(err, err_bytes, "powersgd_start_step %u needs powersgd_rank (low-rank compression)",
+             c->powersgd_start_step);
+    return -EINVAL;
+  }
   if (c->powersgd_rank == 0)
     return 0;
   const char *why = NULL;
@@ -422,6 +428,7 @@ void job_config_to_proto(const job_config *c, job_config_msg *msg) {
   out->hpz_partition_size = c->hpz_partition_size;
   out->onebit_freeze_step = c->onebit_freeze_step;
   out->powersgd_rank = c->powersgd_rank;
+  out->powersgd_start_step = c->powersgd_start_step;
   /* A finished config's 0 is off, which the protocol spells negative. */
   out->loss_scale = c->loss_scale > 0 ? c->loss_scale : -1;
   out->loss_scale_window = c->loss_scale_window;
@@ -509,6 +516,8 @@ int job_config_diff(const job_config *want, const job_config *have, char *fields
           want->onebit_freeze_step, have->onebit_freeze_step);
   DIFFERS("powersgd_rank", want->powersgd_rank != have->powersgd_rank, "%u", want->powersgd_rank,
           have->powersgd_rank);
+  DIFFERS("powersgd_start_step", want->powersgd_start_step != have->powersgd_start_step, "%u",
+          want->powersgd_start_step, have->powersgd_start_step);
   DIFFERS("offload_optimizer", want->offload_device != have->offload_device, "%s",
           job_offload_name(want->offload_device), job_offload_name(have->offload_device));
 #undef DIFFERS

@@ -46,6 +46,7 @@ typedef struct job_config {
   uint32_t hpz_partition_size;  /* hpZ: 1 (off; finish: 0 -> 1) or ranks per node */
   uint32_t onebit_freeze_step;  /* 1-bit Adam after this many exact steps; 0: off */
   uint32_t powersgd_rank;       /* low-rank gradient compression's rank; 0: off */
+  uint32_t powersgd_start_step; /* ... after this many exact steps */
   /* Dynamic loss scaling; loss_scale 0 after finish: off. */
   double loss_scale, loss_scale_growth, loss_scale_backoff, loss_scale_min;
   uint32_t loss_scale_window, loss_scale_hysteresis;

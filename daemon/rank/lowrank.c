@@ -97,7 +97,10 @@ int exec__lowrank_make(rank_state *rs, shard *sh, const unit_layout *l) {
 
 int exec__lowrank_wire(rank_state *rs, shard *sh, const unit_layout *l, comm_wire *wire) {
   uint64_t rows, cols;
-  if (!compresses(rs) || !shape(rs, l, &rows, &cols))
+  /* Exact until the steps completed reach the start: the same on every
+   * rank. */
+  if (!compresses(rs) || rs->step < rs->job->config.powersgd_start_step ||
+      !shape(rs, l, &rows, &cols))
     return 0;
   int rc = exec__lowrank_make(rs, sh, l); /* made with the shard; again after a failure */
   if (rc != 0)

@@ -184,7 +184,7 @@ def as_ctl_json(c):
            "loss_scale_hysteresis": c.loss_scale_hysteresis,
            "loss_scale_min": c.loss_scale_min, "max_grad_norm": c.max_grad_norm,
            "base_job": c.base_job, "onebit_freeze_step": c.onebit_freeze_step,
-           "powersgd_rank": c.powersgd_rank}
+           "powersgd_rank": c.powersgd_rank, "powersgd_start_step": c.powersgd_start_step}
     if off["device"] == "nvme":
         out["nvme_path"] = off["nvme_path"]
     if off["device"] in ("cpu", "nvme"):

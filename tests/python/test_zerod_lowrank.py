@@ -114,11 +114,21 @@ def test_factors_cross_nodes_and_it_converges(cluster):
     start = np.zeros(NUMEL, dtype=np.float32)
     create(cluster, "exact", "--optimizer", "adamw", "--lr", "0.1")
     create(cluster, "lowrank", "--optimizer", "adamw", "--lr", "0.1", "--powersgd-rank", "4")
+    create(cluster, "late", "--optimizer", "adamw", "--lr", "0.1", "--powersgd-rank", "4",
+           "--powersgd-start", "3")
     got = ctl(cluster, "jobs", "get", "lowrank").stdout
-    assert "PowerSGD rank 4 between nodes" in got, got
+    assert "PowerSGD rank 4 between nodes, after 0 exact steps" in got, got
     steps = 60
     exact, exact_cross = run(nodes, "exact", steps, gradient, start)
     low, low_cross = run(nodes, "lowrank", steps, gradient, start)
+    late, late_cross = run(nodes, "late", steps, gradient, start)
+    # --powersgd-start 3: three exact steps, bit for bit, then compressed.
+    for k in range(3):
+        assert np.array_equal(late[k].view(np.uint32), exact[k].view(np.uint32)), k
+    assert not np.array_equal(late[3], exact[3])
+    for r in range(2):
+        assert late_cross[r][2] - late_cross[r][1] == exact_cross[r][2] - exact_cross[r][1]
+        assert late_cross[r][5] - late_cross[r][4] == low_cross[r][5] - low_cross[r][4]
 
     # Counted as each collective's whole buffer at the cross level (the
     # gathers are the same in both jobs): the exact reduce-scatter of 2

@@ -69,7 +69,7 @@ class JobConfig:
     sums (a job on several nodes with hierarchical collectives): each
     node's partial sums for another node's slice cross nodes as two factors
     of that rank (1 to 64), with error feedback and a warm start
-    (docs/compression.md).
+    (docs/compression.md); ``powersgd_start_step`` steps stay exact first.
     """
 
     optimizer: str = "adamw"
@@ -100,6 +100,7 @@ class JobConfig:
     base_job: str = ""
     onebit_freeze_step: int = 0
     powersgd_rank: int = 0
+    powersgd_start_step: int = 0
 
     def _dtypes(self) -> Tuple[str, str]:
         """The working and gradient-exchange dtypes' names, from the strings
@@ -193,6 +194,10 @@ class JobConfig:
             raise InvalidArgumentError("powersgd_rank must be 0 (off) or 1 to 64, not %r" %
                                        self.powersgd_rank)
         c.powersgd_rank = int(self.powersgd_rank)
+        if int(self.powersgd_start_step) < 0:
+            raise InvalidArgumentError("powersgd_start_step must be 0 or more, not %r" %
+                                       self.powersgd_start_step)
+        c.powersgd_start_step = int(self.powersgd_start_step)
         return c
 
     @classmethod
@@ -240,4 +245,5 @@ class JobConfig:
                        "pin_memory": bool(c.offload_pin_memory)},
                    base_job=c.base_job.decode(),
                    onebit_freeze_step=int(c.onebit_freeze_step),
-                   powersgd_rank=int(c.powersgd_rank))
+                   powersgd_rank=int(c.powersgd_rank),
+                   powersgd_start_step=int(c.powersgd_start_step))

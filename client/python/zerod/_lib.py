@@ -78,6 +78,7 @@ class JobConfig(ctypes.Structure):
         ("base_job", ctypes.c_char * 65),
         ("onebit_freeze_step", c_uint),
         ("powersgd_rank", c_uint),
+        ("powersgd_start_step", c_uint),
     ]
 
 
