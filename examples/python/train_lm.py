@@ -45,7 +45,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
 def _threads_from_argv(argv: List[str]) -> str:
@@ -114,6 +114,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="zerod: where the daemon keeps the fp32 master weights and AdamW's "
                         "moments (nvme: a file per rank under the daemon's --nvme-dir, streamed "
                         "through each step)")
+    p.add_argument("--ddp-powersgd-rank", type=int, default=0, metavar="R",
+                   help="ddp: compress the gradient all-reduce with torch's PowerSGD "
+                        "communication hook at rank R (exact for the first 2 steps, then "
+                        "low-rank with error feedback); 0: off")
     p.add_argument("--zerod-bin", help="the zerod binary (default: $ZEROD_BIN_DIR/zerod, "
                    "else build/release/bin/zerod)")
     p.add_argument("--socket", help="attach to this running daemon instead of starting one")
@@ -138,6 +142,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for name in ("ranks", "steps", "batch", "context", "threads", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.ddp_powersgd_rank < 0:
+        p.error("--ddp-powersgd-rank must be 0 (off) or more")
+    if args.ddp_powersgd_rank > 0 and args.backend != "ddp":
+        p.error("--ddp-powersgd-rank needs --backend ddp")
     if args.backend != "plain" and args.batch % args.ranks != 0:
         p.error(f"--batch {args.batch} is not a multiple of --ranks {args.ranks}")
     return args
@@ -175,6 +183,8 @@ class Backend:
     # zerod: this rank's seconds in collectives, its worker's waits, and the
     # communication among them (Job.stats; docs/daemon.md).
     comm_times: Callable[[], Dict[str, float]] = lambda: {}
+    # zerod: the job's units, each {"padded_numel": N, "shapes": [[...], ...]}.
+    units: Callable[[], List[Dict[str, Any]]] = lambda: []
 
     def close(self) -> None:
         """Releases the backend's resources, most recent first."""
@@ -214,6 +224,16 @@ def setup_ddp(model: torch.nn.Module, args: argparse.Namespace) -> Backend:
 
     _init_gloo(args)
     ddp = DistributedDataParallel(model)  # broadcasts rank 0's weights
+    if args.ddp_powersgd_rank > 0:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+
+        # Error feedback and warm start need start_powerSGD_iter > 1 (torch
+        # asserts it): the first 2 steps all-reduce the exact gradients.
+        state = powerSGD.PowerSGDState(process_group=None,
+                                       matrix_approximation_rank=args.ddp_powersgd_rank,
+                                       start_powerSGD_iter=2, use_error_feedback=True,
+                                       warm_start=True)
+        ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
     return Backend(ddp, model, torch_adamw(ddp.parameters(), args), rank=dist.get_rank(),
                    world_size=dist.get_world_size(), closers=[dist.destroy_process_group])
 
@@ -292,10 +312,14 @@ def setup_zerod(model: torch.nn.Module, args: argparse.Namespace) -> Backend:
         return {k: mine[0][k] for k in ("comm_seconds", "wait_seconds", "exposed_comm_seconds")
                 if mine and k in mine[0]}
 
+    def units() -> List[Dict[str, Any]]:
+        return [{"padded_numel": u.padded_numel, "shapes": [list(t.shape) for t in u.tensors]}
+                for u in job.units]
+
     return Backend(sharded, sharded, optimizer, rank=job.rank, world_size=job.world_size,
                    clip_in_worker=False, grad_norm=lambda: optimizer.last_step.grad_norm,
                    closers=backend_closers, collective_bytes=collective_bytes,
-                   comm_times=comm_times)
+                   comm_times=comm_times, units=units)
 
 
 SETUP = {"plain": setup_plain, "ddp": setup_ddp, "fsdp": setup_fsdp, "fsdp2": setup_fsdp2,
@@ -328,6 +352,7 @@ class RunResult:
     # With --result-json: the bytes this rank moved between nodes (zerod's
     # "cross" level) after each step.
     cross_bytes_by_step: List[int] = field(default_factory=list)
+    units: List[Dict[str, Any]] = field(default_factory=list)  # Backend.units (zerod only)
 
 
 def peak_rss_kib(pid: str = "self") -> int:
@@ -460,7 +485,7 @@ def train(backend: Backend, args: argparse.Namespace, params: int, report: Repor
                      final_loss=loss_value, val_loss=val_loss,
                      collective_bytes=backend.collective_bytes(),
                      comm_times_first=comm_times_first, comm_times=backend.comm_times(),
-                     cross_bytes_by_step=cross_bytes_by_step)
+                     cross_bytes_by_step=cross_bytes_by_step, units=backend.units())
 
 
 def train_step(backend: Backend, args: argparse.Namespace, train_data: torch.Tensor,
