@@ -40,11 +40,12 @@ int ckpt_source_open(const char *dir, ckpt_source **out, char *err, size_t err_b
   }
   /* ckpt_data_offset walks the units; a restore reads every unit, so the
    * offsets are summed once here. */
+  uint64_t at = 0;
   for (unsigned u = 0; u < m->nunits; u++) {
-    s->unit_offsets[u] = s->data_bytes;
-    s->data_bytes += m->units[u].shard_numel * 4 * ckpt_nstates(m);
+    s->unit_offsets[u] = at;
+    at += m->units[u].shard_numel * 4 * ckpt_nstates(m);
   }
-  s->data_bytes = ckpt_shard_data_bytes(m); /* with the error feedback, if any */
+  s->data_bytes = ckpt_shard_data_bytes(m); /* the states, then any feedback */
   *out = s;
   return 0;
 }

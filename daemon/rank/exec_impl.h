@@ -42,43 +42,36 @@ void exec__op_comm_failed(rank_state *rs, exec_op *op, const char *what, int err
 
 /* Frees a shard's arrays (its working copy too, unless it is the master). */
 void exec__shard_free(rank_state *rs, shard *sh);
-/* 1-bit Adam (onebit.c): the bytes of a unit's error feedback on this rank
- * (0 for a job that does not compress); exec__onebit_make makes it (zeroed,
- * counted in state_bytes) with the shard; exec__onebit_wire sets *wire to
- * the compressed format with it when this reduce is past the job's
- * warm-up. 0, or -ENOMEM. exec__onebit_free drops the feedback. */
+/* The state a rank keeps for its job's compressed cross-node gradient
+ * sums, per unit: 1-bit Adam's error feedback (onebit.c) and low-rank
+ * compression's error feedback and warm start (lowrank.c). Each module has
+ * the same life cycle: its bytes for a unit on this rank (0 for a job that
+ * does not compress, or a low-rank unit too small to pay); made with the
+ * shard (counted in state_bytes); set into *wire for a reduce once past
+ * the job's exact steps; copied for a save (what it starts from where none
+ * was made); restored (saved, or its start for NULL: the values it
+ * belonged to are gone); freed. 0, or -ENOMEM. */
+uint32_t exec__onebit_nodes(const rank_state *rs); /* 0: the job does not use 1-bit Adam */
 uint64_t exec__onebit_bytes(const rank_state *rs, const unit_layout *l);
 int exec__onebit_make(rank_state *rs, shard *sh, const unit_layout *l);
 int exec__onebit_wire(rank_state *rs, shard *sh, const unit_layout *l, comm_wire *wire);
+void exec__onebit_save(const rank_state *rs, const shard *sh, const unit_layout *l, float *out);
+int exec__onebit_restore(rank_state *rs, shard *sh, const unit_layout *l, const float *saved);
 void exec__onebit_free(rank_state *rs, shard *sh);
-/* Checkpoints: the job's node count as a save records it (0 for a job
- * that does not compress), the unit's feedback into out (zeros where none
- * was made; exec__onebit_bytes of it), and a restore's: saved, or zeros
- * for NULL (the values it belonged to are gone). 0, or -ENOMEM. */
-uint32_t exec__onebit_nodes(const rank_state *rs);
-/* Low-rank compression (lowrank.c), as 1-bit Adam's above: whether the job
- * compresses; the bytes of a unit's state on this rank (0 for a job that
- * does not compress, or a unit too small to pay), made with the shard, set
- * into *wire for a reduce, copied for a save (what it starts from where
- * none was made), restored (saved, or its start for NULL), freed. 0, or
- * -ENOMEM. */
-int exec__lowrank_on(const rank_state *rs);
+int exec__lowrank_on(const rank_state *rs); /* whether the job uses low-rank compression */
 uint64_t exec__lowrank_bytes(const rank_state *rs, const unit_layout *l);
 int exec__lowrank_make(rank_state *rs, shard *sh, const unit_layout *l);
 int exec__lowrank_wire(rank_state *rs, shard *sh, const unit_layout *l, comm_wire *wire);
 void exec__lowrank_save(const rank_state *rs, const shard *sh, const unit_layout *l, float *out);
 int exec__lowrank_restore(rank_state *rs, shard *sh, const unit_layout *l, const float *saved);
 void exec__lowrank_free(rank_state *rs, shard *sh);
-/* Checkpoints of either (feedback.c): the job's kind of compression state
- * into a view (ckpt_job.h), a unit's bytes of it on this rank, and its
- * save (into out, those bytes) and restore (saved, or afresh for NULL). */
+/* Either, as quotas and checkpoints see it (feedback.c): the job's kind of
+ * state into a view (ckpt_job.h), and a unit's bytes, save and restore. */
 struct ckpt_job_view;
 void exec__feedback_view(const rank_state *rs, struct ckpt_job_view *view);
 uint64_t exec__feedback_bytes(const rank_state *rs, const unit_layout *l);
 void exec__feedback_save(const rank_state *rs, const shard *sh, const unit_layout *l, float *out);
 int exec__feedback_restore(rank_state *rs, shard *sh, const unit_layout *l, const float *saved);
-void exec__onebit_save(const rank_state *rs, const shard *sh, const unit_layout *l, float *out);
-int exec__onebit_restore(rank_state *rs, shard *sh, const unit_layout *l, const float *saved);
 
 /* Creates the rank's shard of unit l (zeroed; the table grows as needed),
  * with its trainable and zeroed ranges. 0 or -ENOMEM. */

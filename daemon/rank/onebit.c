@@ -18,14 +18,14 @@ static int compresses(const rank_state *rs) {
          comm_node_ranks(rs->comm) > 0;
 }
 
+uint32_t exec__onebit_nodes(const rank_state *rs) {
+  return compresses(rs) ? (uint32_t)(rs->job->world_size / comm_node_ranks(rs->comm)) : 0;
+}
+
 /* The unit's error feedback: one chunk per node, N = world / L, each the
  * shard's length. */
 static uint64_t error_numel(const rank_state *rs, const unit_layout *l) {
-  return (uint64_t)rs->job->world_size / (uint64_t)comm_node_ranks(rs->comm) * l->shard_numel;
-}
-
-uint32_t exec__onebit_nodes(const rank_state *rs) {
-  return compresses(rs) ? (uint32_t)(rs->job->world_size / comm_node_ranks(rs->comm)) : 0;
+  return (uint64_t)exec__onebit_nodes(rs) * l->shard_numel;
 }
 
 /* The feedback of a save: the unit's, or zeros where none was made. */

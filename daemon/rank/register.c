@@ -138,8 +138,7 @@ static int quota_refused(rank_state *rs, exec_op *op, const char *name, const un
                      (offload_enabled(rs) ? offload_staging_bytes(&j->config) : 0);
   /* 1-bit Adam's and low-rank compression's state is made with the shard
    * (host ranks). */
-  uint64_t need =
-      exec__shard_bytes(rs, mine) + exec__onebit_bytes(rs, mine) + exec__lowrank_bytes(rs, mine);
+  uint64_t need = exec__shard_bytes(rs, mine) + exec__feedback_bytes(rs, mine);
   /* In-memory copies (redundancy) are host memory too. */
   uint64_t copies = exec__replica_bytes(rs, mine);
   uint64_t copies_in_use = copies != 0 ? exec__replica_bytes_in_use(rs) : 0;
